@@ -1,0 +1,49 @@
+"""Input limits applied before any pixel is decoded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DEFAULT_LIMITS", "ImageLimits"]
+
+MIB = 1024 * 1024
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    # bool is an int subclass; True as a limit is always a mistake.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class ImageLimits:
+    """Limits on an uploaded image, checked from the encoded size and the header.
+
+    Attributes:
+        max_bytes: largest accepted encoded size.
+        max_pixels: largest accepted ``width * height`` as declared by the header.
+            Checked before decoding, so decompression bombs are refused cheaply.
+            Pillow's own bomb guard (``2 * Image.MAX_IMAGE_PIXELS``, about 179 MP by
+            default) still applies on top of this; it is not changed here.
+        min_side: smallest accepted width and height.
+        max_side: largest accepted width and height, or ``None`` for no limit.
+    """
+
+    max_bytes: int = 32 * MIB
+    max_pixels: int = 50_000_000
+    min_side: int = 1
+    max_side: int | None = 32_768
+
+    def __post_init__(self) -> None:
+        _check_int("max_bytes", self.max_bytes, 1)
+        _check_int("max_pixels", self.max_pixels, 1)
+        _check_int("min_side", self.min_side, 1)
+        if self.max_side is not None:
+            _check_int("max_side", self.max_side, self.min_side)
+        if self.min_side * self.min_side > self.max_pixels:
+            raise ValueError("min_side**2 exceeds max_pixels: no image could pass")
+
+
+DEFAULT_LIMITS = ImageLimits()

@@ -1,0 +1,338 @@
+"""Model configuration: frozen dataclasses and the named presets.
+
+Every shape, special id and prompt template lives here; model and decode code read them from a
+`ModelConfig` and never hard-code them. Presets:
+
+* ``moondream2`` - full size, the 2025-06 token contract (bos = eos = 0, explicit coord/size ids,
+  log-scale size bins). This is what the current moondream2 release expects.
+* ``moondream2-2025-01-09`` - full size, the GPT-2-era contract of ``config_md2.json``
+  (bos = eos = 50256, linear size bins).
+* ``moondream2-2025-04-14`` - full size, GPT-2-era ids with log-scale size bins (the 2025-03-27
+  and 2025-04-14 revisions).
+* ``tiny`` - the same structure with small dimensions and the project's own small byte-level
+  vocabulary: tests and the built-in default model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+SizeScale = Literal["log", "linear"]
+BoundaryRule = Literal["eos_only", "coord_or_eos"]
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """SigLIP-like vision tower plus the projection into the text model's width."""
+
+    enc_dim: int = 1152
+    enc_n_layers: int = 27
+    enc_n_heads: int = 16
+    enc_ff_dim: int = 4304
+    in_channels: int = 3
+    crop_size: int = 378
+    patch_size: int = 14
+    overlap_margin: int = 4  # in patches
+    max_crops: int = 12
+    proj_inner_dim: int = 8192
+    proj_out_dim: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.enc_dim % self.enc_n_heads:
+            raise ValueError("vision enc_dim must be divisible by enc_n_heads")
+        if self.crop_size % self.patch_size:
+            raise ValueError("vision crop_size must be a multiple of patch_size")
+        if 2 * self.overlap_margin >= self.grid_size:
+            raise ValueError("vision overlap_margin leaves no usable window")
+
+    @property
+    def grid_size(self) -> int:
+        """Patches per crop side (27 for 378/14)."""
+        return self.crop_size // self.patch_size
+
+    @property
+    def n_patches(self) -> int:
+        return self.grid_size * self.grid_size
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.patch_size * self.patch_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.enc_dim // self.enc_n_heads
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    """Phi-style decoder: parallel attention + MLP on one LayerNorm per block."""
+
+    dim: int = 2048
+    n_layers: int = 24
+    n_heads: int = 32
+    n_kv_heads: int = 32
+    ff_dim: int = 8192
+    vocab_size: int = 51200
+    max_context: int = 2048
+    rotary_dim: int = 32
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError("text dim must be divisible by n_heads")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError("text n_heads must be a multiple of n_kv_heads")
+        if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            raise ValueError("text rotary_dim must be even and at most head_dim")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+@dataclass(frozen=True)
+class RegionConfig:
+    """Coordinate and size heads (Fourier-feature encoders, MLP decoders)."""
+
+    dim: int = 2048
+    coord_feat_dim: int = 256
+    coord_out_dim: int = 1024
+    size_feat_dim: int = 512
+    size_out_dim: int = 2048
+    inner_dim: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.coord_feat_dim % 2 or self.size_feat_dim % 4:
+            raise ValueError("region feature dims must split into cos|sin halves")
+        if self.size_out_dim != 2 * self.coord_out_dim:
+            raise ValueError("region size_out_dim must be 2 x coord_out_dim (width, height)")
+
+
+@dataclass(frozen=True)
+class PromptTemplates:
+    """Token-id templates for each task; the variable text is encoded between prefix and suffix."""
+
+    caption_short: tuple[int, ...]
+    caption_normal: tuple[int, ...]
+    caption_long: tuple[int, ...]
+    query_prefix: tuple[int, ...]
+    query_suffix: tuple[int, ...]
+    detect_prefix: tuple[int, ...]
+    detect_suffix: tuple[int, ...]
+    point_prefix: tuple[int, ...]
+    point_suffix: tuple[int, ...]
+    segment_prefix: tuple[int, ...] | None = None
+    segment_suffix: tuple[int, ...] | None = None
+    # GPT-2-era templates put a space before the question / object; the 2025-06 code does not
+    # for the question but does for the object.
+    question_leading_space: bool = False
+    object_leading_space: bool = True
+
+    def caption(self, length: str) -> tuple[int, ...]:
+        """The caption template for ``short``, ``normal`` or ``long``."""
+        try:
+            return {"short": self.caption_short, "normal": self.caption_normal,
+                    "long": self.caption_long}[length]
+        except KeyError:
+            raise ValueError(f"caption length must be short, normal or long, not {length!r}") from None
+
+
+@dataclass(frozen=True)
+class TokenContract:
+    """Special ids, templates and value scales of one tokenizer era."""
+
+    name: str
+    bos_id: int
+    eos_id: int
+    templates: PromptTemplates
+    size_scale: SizeScale
+    # What decides "another object or stop" at a point/detect object boundary: the GPT-2-era
+    # loop tests only "eos or not"; the 2025-06 contract restricts the choice to {coord, eos}.
+    boundary_rule: BoundaryRule
+    coord_id: int | None = None
+    size_id: int | None = None
+    answer_id: int | None = None
+    # Ids set to -inf on text decode steps after the first (HEAD suppresses answer_id).
+    decode_suppressed_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.size_scale not in ("log", "linear"):
+            raise ValueError(f"size_scale must be 'log' or 'linear', not {self.size_scale!r}")
+        if self.boundary_rule not in ("eos_only", "coord_or_eos"):
+            raise ValueError(f"unknown boundary_rule {self.boundary_rule!r}")
+        if self.boundary_rule == "coord_or_eos" and self.coord_id is None:
+            raise ValueError("boundary_rule 'coord_or_eos' needs coord_id")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything needed to build the model and speak its token contract."""
+
+    name: str
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    text: TextConfig = field(default_factory=TextConfig)
+    region: RegionConfig = field(default_factory=RegionConfig)
+    tokens: TokenContract | None = None
+    # Size of the tokenizer the checkpoint writer builds (<= text.vocab_size; the model's
+    # vocabulary may be padded beyond the tokenizer).
+    tokenizer_vocab_size: int = 50257
+
+    def __post_init__(self) -> None:
+        if self.tokens is None:
+            raise ValueError("ModelConfig needs a token contract")
+        if self.vision.proj_out_dim != self.text.dim or self.region.dim != self.text.dim:
+            raise ValueError("vision proj_out_dim and region dim must equal text dim")
+        if self.tokenizer_vocab_size > self.text.vocab_size:
+            raise ValueError("tokenizer_vocab_size exceeds the model's vocab_size")
+        ids = [self.tokens.bos_id, self.tokens.eos_id, self.tokens.coord_id,
+               self.tokens.size_id, self.tokens.answer_id]
+        bad = [i for i in ids if i is not None and not 0 <= i < self.text.vocab_size]
+        if bad:
+            raise ValueError(f"special ids {bad} are outside the vocabulary")
+
+    @property
+    def image_prefix_len(self) -> int:
+        """BOS + one embedding per patch of the global grid (730 for moondream2)."""
+        return 1 + self.vision.n_patches
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """Inverse of `to_dict`; lists become tuples again."""
+        tok = dict(data["tokens"])
+        tpl = {k: (tuple(v) if isinstance(v, list) else v)
+               for k, v in tok.pop("templates").items()}
+        tok["decode_suppressed_ids"] = tuple(tok.get("decode_suppressed_ids", ()))
+        return cls(
+            name=data["name"],
+            vision=VisionConfig(**data["vision"]),
+            text=TextConfig(**data["text"]),
+            region=RegionConfig(**data["region"]),
+            tokens=TokenContract(templates=PromptTemplates(**tpl), **tok),
+            tokenizer_vocab_size=data["tokenizer_vocab_size"],
+        )
+
+
+# ---- token contracts -------------------------------------------------------------------
+
+GPT2_EOS = 50256
+
+_GPT2_TEMPLATES = PromptTemplates(
+    caption_short=(198, 198, 16438, 8305, 25),
+    caption_normal=(198, 198, 24334, 1159, 25),
+    caption_long=(198, 198, 14617, 8305, 25),
+    query_prefix=(198, 198, 24361, 25),
+    query_suffix=(198, 198, 33706, 25),
+    detect_prefix=(198, 198, 47504, 25),
+    detect_suffix=(628,),
+    point_prefix=(198, 198, 12727, 25),
+    point_suffix=(628,),
+    question_leading_space=True,
+    object_leading_space=True,
+)
+
+CONTRACT_GPT2_LINEAR = TokenContract(
+    name="gpt2-2025-01-09", bos_id=GPT2_EOS, eos_id=GPT2_EOS, templates=_GPT2_TEMPLATES,
+    size_scale="linear", boundary_rule="eos_only",
+)
+CONTRACT_GPT2_LOG = dataclasses.replace(
+    CONTRACT_GPT2_LINEAR, name="gpt2-2025-04-14", size_scale="log")
+
+CONTRACT_2025_06 = TokenContract(
+    name="2025-06",
+    bos_id=0, eos_id=0,
+    templates=PromptTemplates(
+        caption_short=(1, 32708, 2, 12492, 3),
+        caption_normal=(1, 32708, 2, 6382, 3),
+        caption_long=(1, 32708, 2, 4059, 3),
+        query_prefix=(1, 15381, 2),
+        # The 2025-06 code appends the answer marker twice in non-reasoning mode.
+        query_suffix=(3, 3),
+        detect_prefix=(1, 7235, 476, 2),
+        detect_suffix=(3,),
+        point_prefix=(1, 2581, 2),
+        point_suffix=(3,),
+        question_leading_space=False,
+        object_leading_space=True,
+    ),
+    size_scale="log", boundary_rule="coord_or_eos",
+    coord_id=5, size_id=6, answer_id=3, decode_suppressed_ids=(3,),
+)
+
+# The tiny vocabulary's special tokens, in id order. The first ten mirror the 2025-06 layout.
+TINY_SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>", "<|open|>", "<|close|>", "<|answer|>", "<|thinking|>", "<|coord|>",
+    "<|size|>", "<|start_ground_points|>", "<|start_ground_text|>", "<|end_ground|>",
+    "<|caption|>", "<|short|>", "<|normal|>", "<|long|>", "<|query|>", "<|detect|>",
+    "<|point|>", "<|segment|>",
+)
+_TINY = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS)}
+
+CONTRACT_TINY = TokenContract(
+    name="tiny",
+    bos_id=0, eos_id=0,
+    templates=PromptTemplates(
+        caption_short=(1, _TINY["<|caption|>"], 2, _TINY["<|short|>"], 3),
+        caption_normal=(1, _TINY["<|caption|>"], 2, _TINY["<|normal|>"], 3),
+        caption_long=(1, _TINY["<|caption|>"], 2, _TINY["<|long|>"], 3),
+        query_prefix=(1, _TINY["<|query|>"], 2),
+        query_suffix=(3,),
+        detect_prefix=(1, _TINY["<|detect|>"], 2),
+        detect_suffix=(3,),
+        point_prefix=(1, _TINY["<|point|>"], 2),
+        point_suffix=(3,),
+        segment_prefix=(1, _TINY["<|segment|>"], 2),
+        segment_suffix=(3,),
+        question_leading_space=False,
+        object_leading_space=True,
+    ),
+    size_scale="log", boundary_rule="coord_or_eos",
+    coord_id=5, size_id=6, answer_id=3, decode_suppressed_ids=(3,),
+)
+
+# ---- presets ---------------------------------------------------------------------------
+
+
+def _moondream2(name: str, tokens: TokenContract, tokenizer_vocab: int) -> ModelConfig:
+    return ModelConfig(name=name, tokens=tokens, tokenizer_vocab_size=tokenizer_vocab)
+
+
+def _tiny() -> ModelConfig:
+    return ModelConfig(
+        name="tiny",
+        vision=VisionConfig(enc_dim=64, enc_n_layers=2, enc_n_heads=4, enc_ff_dim=128,
+                            proj_inner_dim=128, proj_out_dim=64),
+        text=TextConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ff_dim=256,
+                        vocab_size=1024, max_context=2048, rotary_dim=8),
+        region=RegionConfig(dim=64, coord_feat_dim=32, size_feat_dim=64, inner_dim=128),
+        tokens=CONTRACT_TINY,
+        tokenizer_vocab_size=1000,
+    )
+
+
+PRESETS: dict[str, Any] = {
+    "moondream2": lambda: _moondream2("moondream2", CONTRACT_2025_06, 51200),
+    "moondream2-2025-04-14": lambda: _moondream2("moondream2-2025-04-14", CONTRACT_GPT2_LOG,
+                                                 GPT2_EOS + 1),
+    "moondream2-2025-01-09": lambda: _moondream2("moondream2-2025-01-09", CONTRACT_GPT2_LINEAR,
+                                                 GPT2_EOS + 1),
+    "tiny": _tiny,
+    # Tiny dimensions under the GPT-2-era contract: ids are valid in the model's padded vocab.
+    "tiny-gpt2": lambda: dataclasses.replace(
+        _tiny(), name="tiny-gpt2", tokens=CONTRACT_GPT2_LINEAR,
+        text=dataclasses.replace(_tiny().text, vocab_size=51200)),
+}
+
+DEFAULT_PRESET = "tiny"
+
+
+def preset(name: str) -> ModelConfig:
+    """Return the named preset configuration."""
+    try:
+        return PRESETS[name]()
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}") from None

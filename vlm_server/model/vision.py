@@ -1,0 +1,104 @@
+"""SigLIP-like vision tower and the global+local projection into the text width."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlm_server.config import VisionConfig
+from vlm_server.model.layers import MLP, LayerNorm
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.enc_n_heads
+        self.qkv = nn.Linear(cfg.enc_dim, 3 * cfg.enc_dim)
+        self.proj = nn.Linear(cfg.enc_dim, cfg.enc_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, t, d = x.shape
+        # [n, t, 3d] -> three [n, heads, t, head_dim], in Q | K | V column order
+        q, k, v = (
+            c.view(n, t, self.n_heads, d // self.n_heads).transpose(1, 2)
+            for c in self.qkv(x).chunk(3, dim=-1)
+        )
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(out.transpose(1, 2).reshape(n, t, d))
+
+
+class VisionBlock(nn.Module):
+    """Pre-norm, sequential: attention then MLP."""
+
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.ln1 = LayerNorm(cfg.enc_dim)
+        self.attn = VisionAttention(cfg)
+        self.ln2 = LayerNorm(cfg.enc_dim)
+        self.mlp = MLP(cfg.enc_dim, cfg.enc_ff_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class VisionEncoder(nn.Module):
+    """Crops [N, 3, crop, crop] (normalized to [-1, 1]) -> patch features [N, patches, enc_dim]."""
+
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.patch_emb = nn.Linear(cfg.patch_dim, cfg.enc_dim)
+        self.pos_emb = nn.Parameter(torch.zeros(1, cfg.n_patches, cfg.enc_dim))
+        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.enc_n_layers))
+        self.post_ln = LayerNorm(cfg.enc_dim)
+        self.proj_mlp = MLP(2 * cfg.enc_dim, cfg.proj_inner_dim, cfg.proj_out_dim)
+
+    def patchify(self, crops: torch.Tensor) -> torch.Tensor:
+        """[N, C, H, W] -> [N, grid*grid, C*p*p]; patch index py*grid+px, feature c*p*p+iy*p+ix."""
+        n, c, _, _ = crops.shape
+        g, p = self.cfg.grid_size, self.cfg.patch_size
+        x = crops.reshape(n, c, g, p, g, p).permute(0, 2, 4, 1, 3, 5)
+        return x.reshape(n, g * g, c * p * p)
+
+    def encode(self, crops: torch.Tensor) -> torch.Tensor:
+        """Run the tower on a batch of crops (of one or many images)."""
+        x = self.patch_emb(self.patchify(crops)) + self.pos_emb
+        for block in self.blocks:
+            x = block(x)
+        return self.post_ln(x)
+
+    def project(self, features: torch.Tensor, tiling: tuple[int, int]) -> torch.Tensor:
+        """One image's features [1 + h*w, patches, enc_dim] -> embeddings [patches, text_dim]."""
+        g = self.cfg.grid_size
+        h, w = tiling
+        if features.shape[0] != 1 + h * w:
+            raise ValueError(f"expected {1 + h * w} crops for tiling {tiling}, "
+                             f"got {features.shape[0]}")
+        global_feat = features[0]
+        local = features[1:].view(h * w, g, g, -1)
+        stitched = stitch_tiles(local, (h, w), self.cfg.overlap_margin)
+        pooled = F.adaptive_avg_pool2d(stitched.permute(2, 0, 1), (g, g))
+        pooled = pooled.permute(1, 2, 0).reshape(g * g, -1)
+        return self.proj_mlp(torch.cat([global_feat, pooled], dim=-1))
+
+
+def stitch_tiles(tiles: torch.Tensor, tiling: tuple[int, int], margin: int) -> torch.Tensor:
+    """Stitch overlapping tile grids [h*w, g, g, d] into [c*h + 2m, c*w + 2m, d], c = g - 2m.
+
+    Each tile keeps its centre; tiles on an image edge also keep the margin on that edge.
+    """
+    h, w = tiling
+    n, g, _, d = tiles.shape
+    c = g - 2 * margin
+    out = tiles.new_zeros(c * h + 2 * margin, c * w + 2 * margin, d)
+    for ty in range(h):
+        y0 = 0 if ty == 0 else margin
+        y1 = g if ty == h - 1 else g - margin
+        for tx in range(w):
+            x0 = 0 if tx == 0 else margin
+            x1 = g if tx == w - 1 else g - margin
+            oy, ox = ty * c, tx * c
+            out[oy + y0:oy + y1, ox + x0:ox + x1] = tiles[ty * w + tx, y0:y1, x0:x1]
+    return out

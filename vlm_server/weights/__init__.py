@@ -1,0 +1,1 @@
+"""Checkpoint layouts, loading, writing and tokenizer construction."""
