@@ -136,7 +136,8 @@ class PromptTemplates:
             return {"short": self.caption_short, "normal": self.caption_normal,
                     "long": self.caption_long}[length]
         except KeyError:
-            raise ValueError(f"caption length must be short, normal or long, not {length!r}") from None
+            raise ValueError(
+                f"caption length must be short, normal or long, not {length!r}") from None
 
 
 @dataclass(frozen=True)

@@ -115,7 +115,12 @@ class TextDecoder(nn.Module):
         self.blocks = nn.ModuleList(TextBlock(cfg) for _ in range(cfg.n_layers))
         self.post_ln = LayerNorm(cfg.dim)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size)
-        cos, sin = rotary_tables(cfg.rotary_dim, cfg.max_context, cfg.rope_theta)
+        self.reset_rotary(None)
+
+    def reset_rotary(self, device: torch.device | str | None) -> None:
+        """(Re)build the fp32 rotary tables, e.g. after loading onto a device from meta."""
+        cos, sin = rotary_tables(self.cfg.rotary_dim, self.cfg.max_context, self.cfg.rope_theta,
+                                 device=device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 

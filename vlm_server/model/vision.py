@@ -90,7 +90,7 @@ def stitch_tiles(tiles: torch.Tensor, tiling: tuple[int, int], margin: int) -> t
     Each tile keeps its centre; tiles on an image edge also keep the margin on that edge.
     """
     h, w = tiling
-    n, g, _, d = tiles.shape
+    _, g, _, d = tiles.shape
     c = g - 2 * margin
     out = tiles.new_zeros(c * h + 2 * margin, c * w + 2 * margin, d)
     for ty in range(h):

@@ -14,14 +14,16 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from vlm_server.config import GPT2_EOS, TINY_SPECIAL_TOKENS, ModelConfig
 
 # Enough everyday words that captions of random weights read as words, not byte soup.
-_WORDS = """
+_WORDS = tuple(
+    """
 the a an of and to in is on with for at by from as that this it its are was be has have
 there here what which who where how many much one two three four five red green blue black
 white yellow dog cat car person man woman child tree house road sky water sign window door
 table chair bird horse bus truck bicycle street building grass cloud light left right top
 bottom small large image picture photo shows showing standing sitting near next under over
 background foreground front behind group some several people color colour face hand head
-""".split()
+""".split()  # noqa: SIM905
+)
 
 # The 2025-06 layout's reserved ids (bos/eos, template brackets, answer, coord, size, ...).
 _CONTRACT_2025_06_SPECIALS = TINY_SPECIAL_TOKENS[:10]
@@ -74,7 +76,7 @@ def build_tokenizer(config: ModelConfig, seed: int = 0) -> Tokenizer:
     space = bytes_to_unicode()[ord(" ")]
     # Spaced words first: BPE applies merges by rank, so "Ġ"+"r" must outrank "r"+"e" for
     # " red" to become one token.
-    for spelled in [space + w for w in _WORDS] + _WORDS:
+    for spelled in [space + w for w in _WORDS] + list(_WORDS):
         # Left-to-right merges: "Ġ"+"c" -> "Ġc", "Ġc"+"a" -> "Ġca", ...
         for i in range(1, len(spelled)):
             add_merge(spelled[:i], spelled[i])

@@ -1,0 +1,132 @@
+"""Command line: ``vlm run TASK IMAGE ...`` on the reference path, ``vlm make-checkpoint``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from image_pipeline import ImageError, prepare_image, sample_image_bytes
+from vlm_server.config import PRESETS
+from vlm_server.default_model import default_model_dir
+from vlm_server.reference import ContextOverflow, ReferenceGenerator, SamplingSettings
+from vlm_server.weights.errors import CheckpointError
+from vlm_server.weights.loader import load_model
+from vlm_server.weights.writer import write_checkpoint
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SAMPLE = "sample"
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory, .safetensors file or Hugging Face repo id "
+                        "(default: the built-in random tiny model)")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help="configuration when the checkpoint carries none (e.g. a HF snapshot)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json to use instead")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                   help="weights dtype (default bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if present)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vlm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run one task on one image (reference path)")
+    run.add_argument("task", choices=["caption", "query", "point", "detect"])
+    run.add_argument("image", help=f"image file, or '{SAMPLE}' for the bundled sample image")
+    run.add_argument("text", nargs="?", default=None,
+                     help="the question (query) or the object name (point, detect)")
+    run.add_argument("--length", default="normal", choices=["short", "normal", "long"])
+    run.add_argument("--temperature", type=float, default=0.5)
+    run.add_argument("--top-p", type=float, default=0.3)
+    run.add_argument("--max-tokens", type=int, default=128)
+    run.add_argument("--max-objects", type=int, default=50)
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--json", action="store_true", help="print the result as JSON")
+    _model_args(run)
+
+    mk = sub.add_parser("make-checkpoint", help="write a seeded random checkpoint")
+    mk.add_argument("out", type=Path)
+    mk.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    mk.add_argument("--layout", default="native", choices=["native", "legacy"])
+    return parser
+
+
+def _device(name: str | None) -> torch.device:
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.task != "caption" and not args.text:
+        print(f"vlm: {args.task} needs the {'question' if args.task == 'query' else 'object'}",
+              file=sys.stderr)
+        return 2
+    device = _device(args.device)
+    dtype = DTYPES[args.dtype] if args.dtype else (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    source = args.model or default_model_dir()
+    if args.model is None:
+        print("vlm: using the built-in random tiny model (random words; pass --model for real "
+              "moondream2 weights)", file=sys.stderr)
+    loaded = load_model(source, preset_name=args.preset, dtype=dtype, device=device,
+                        tokenizer_path=args.tokenizer)
+    data = sample_image_bytes() if args.image == SAMPLE else Path(args.image).read_bytes()
+    image = prepare_image(data)
+    gen = ReferenceGenerator(loaded.model, loaded.tokenizer)
+    start = time.perf_counter()
+    if args.task in ("caption", "query"):
+        settings = SamplingSettings(temperature=args.temperature, top_p=args.top_p,
+                                    max_tokens=args.max_tokens, seed=args.seed)
+        result = (gen.caption(image, args.length, settings) if args.task == "caption"
+                  else gen.query(image, args.text, settings))
+    elif args.task == "point":
+        result = gen.point(image, args.text, args.max_objects)
+    else:
+        result = gen.detect(image, args.text, args.max_objects)
+    elapsed = time.perf_counter() - start
+    out = dataclasses.asdict(result)
+    out.pop("token_ids", None)
+    if args.task == "point":
+        out.pop("boxes")
+    elif args.task == "detect":
+        out.pop("points")
+    if args.json:
+        print(json.dumps({"task": args.task, **out, "seconds": round(elapsed, 4)}))
+    elif args.task in ("caption", "query"):
+        print(out["text"])
+    else:
+        key = "points" if args.task == "point" else "boxes"
+        for item in out[key]:
+            print(" ".join(f"{k}={v:.4f}" for k, v in item.items()))
+        print(f"({len(out[key])} {key}, finish: {out['finish_reason']})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            return _run(args)
+        write_checkpoint(PRESETS[args.preset](), args.out, seed=args.seed,
+                         dtype=DTYPES[args.dtype], layout=args.layout)
+        print(args.out)
+        return 0
+    except (CheckpointError, ImageError, ContextOverflow, ValueError, OSError) as err:
+        print(f"vlm: error: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

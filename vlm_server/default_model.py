@@ -1,0 +1,42 @@
+"""The built-in default model: a seeded random ``tiny`` checkpoint, written once to the cache.
+
+It needs no download and answers with random words; point the server at real moondream2
+weights (``--model``) for real answers.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from vlm_server.config import DEFAULT_PRESET, preset
+from vlm_server.weights.writer import WEIGHTS_FILE, write_checkpoint
+
+DEFAULT_SEED = 0
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "moondream-serve"
+
+
+def default_model_dir(preset_name: str = DEFAULT_PRESET, seed: int = DEFAULT_SEED) -> Path:
+    """Directory of the default checkpoint, written on first use (safe against concurrent
+    writers: each writes a private temporary directory and renames it into place)."""
+    target = cache_root() / "models" / f"{preset_name}-seed{seed}"
+    if (target / WEIGHTS_FILE).exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        write_checkpoint(preset(preset_name), tmp, seed=seed, progress=False)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / WEIGHTS_FILE).exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,201 @@
+"""Load a moondream2 checkpoint (native or legacy layout) into a `MoondreamModel`.
+
+Accepted sources: a directory (``model.safetensors`` + ``tokenizer.json`` + ``config.json``),
+a single ``.safetensors`` or ``.pt`` file, or a Hugging Face repo id (see `hub`). Shapes are
+checked from the file header before any tensor is read, and every problem is reported at once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tokenizers import Tokenizer
+from tqdm import tqdm
+
+from vlm_server.config import ModelConfig, preset
+from vlm_server.model import MoondreamModel
+from vlm_server.weights.errors import CheckpointError
+from vlm_server.weights.hub import resolve_source
+from vlm_server.weights.layout import (
+    NATIVE_PREFIX,
+    TRANSPOSED_NATIVE_KEYS,
+    expected_shapes,
+    is_native,
+    legacy_to_native,
+)
+from vlm_server.weights.writer import CONFIG_FILE, CONFIG_FORMAT, TOKENIZER_FILE, WEIGHTS_FILE
+
+_PROGRESS_BYTES = 256 << 20  # show a progress bar for files larger than this
+_LIST_LIMIT = 12
+
+
+@dataclass
+class LoadedModel:
+    model: MoondreamModel
+    tokenizer: Tokenizer
+    config: ModelConfig
+    source: str
+
+
+def read_config(directory: Path, preset_name: str | None) -> ModelConfig:
+    """Config of a checkpoint directory: the project's own config.json, or a preset for a
+    Hugging Face moondream snapshot (whose config.json carries no usable fields)."""
+    path = directory / CONFIG_FILE
+    if path.exists():
+        data = json.loads(path.read_text())
+        if data.get("format") == CONFIG_FORMAT:
+            config = ModelConfig.from_dict(data["model"])
+            if preset_name is not None and preset(preset_name) != config:
+                raise CheckpointError(f"{path} describes model {config.name!r}, which differs "
+                                      f"from the requested preset {preset_name!r}")
+            return config
+        if data.get("model_type", "").startswith("moondream"):
+            return preset(preset_name or "moondream2")
+    if preset_name is None:
+        raise CheckpointError(f"{directory} has no usable {CONFIG_FILE}; name a preset "
+                              "(e.g. moondream2 or moondream2-2025-01-09)")
+    return preset(preset_name)
+
+
+def _weights_file(directory: Path) -> Path:
+    for name in (WEIGHTS_FILE, "model.pt"):
+        if (directory / name).exists():
+            return directory / name
+    found = sorted(directory.glob("*.safetensors"))
+    if len(found) == 1:
+        return found[0]
+    raise CheckpointError(f"{directory} holds no {WEIGHTS_FILE}"
+                          + (f" (and several .safetensors: {[f.name for f in found]})"
+                             if found else ""))
+
+
+def _fmt(items: list[str]) -> str:
+    shown = ", ".join(items[:_LIST_LIMIT])
+    return shown + (f", ... ({len(items)} in all)" if len(items) > _LIST_LIMIT else "")
+
+
+def check_shapes(found: dict[str, tuple[int, ...]], unknown: list[str],
+                 expected: dict[str, tuple[int, ...]], source: str) -> None:
+    """Raise one `CheckpointError` naming every missing, unexpected and mis-shaped tensor."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected)) + sorted(unknown)
+    misshaped = sorted(f"{k} {list(found[k])} (expected {list(expected[k])})"
+                       for k in set(found) & set(expected) if found[k] != expected[k])
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)}: {_fmt(missing)}")
+    if unexpected:
+        problems.append(f"unexpected {len(unexpected)}: {_fmt(unexpected)}")
+    if misshaped:
+        problems.append(f"wrong shape {len(misshaped)}: {_fmt(misshaped)}")
+    if problems:
+        raise CheckpointError(f"checkpoint {source} does not match the model: "
+                              + "; ".join(problems))
+
+
+class _Reader:
+    """Uniform access to a safetensors or torch file: keys, shapes, then tensors one by one."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._pt: dict[str, torch.Tensor] | None = None
+        try:
+            if path.suffix == ".safetensors":
+                self._st = safe_open(str(path), framework="pt", device="cpu")
+                self.keys = list(self._st.keys())
+            else:
+                state = torch.load(str(path), map_location="cpu", weights_only=True)
+                if not isinstance(state, dict):
+                    raise CheckpointError(f"{path} does not hold a state dict")
+                self._pt = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+                self.keys = list(self._pt)
+        except CheckpointError:
+            raise
+        except Exception as err:
+            raise CheckpointError(f"cannot read {path}: {err}") from err
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        if self._pt is not None:
+            return tuple(self._pt[key].shape)
+        return tuple(self._st.get_slice(key).get_shape())
+
+    def tensor(self, key: str) -> torch.Tensor:
+        if self._pt is not None:
+            return self._pt[key]
+        return self._st.get_tensor(key)
+
+
+def _native_names(keys: list[str]) -> tuple[dict[str, str], list[str], bool]:
+    """Map file keys to native names; return (native -> file key, unknown keys, legacy?)."""
+    ignored = (".kv_cache.k_cache", ".kv_cache.v_cache")
+    names: dict[str, str] = {}
+    unknown: list[str] = []
+    native = is_native(set(keys))
+    for key in keys:
+        if key.endswith(ignored):
+            continue
+        name = key.removeprefix(NATIVE_PREFIX) if native else legacy_to_native(key)
+        if name is None:
+            unknown.append(key)
+        else:
+            names[name] = key
+    return names, unknown, not native
+
+
+def load_state(path: Path, config: ModelConfig, dtype: torch.dtype,
+               device: torch.device | str, progress: bool = True) -> dict[str, torch.Tensor]:
+    """Read, rename, validate and convert a checkpoint's tensors for ``config``."""
+    reader = _Reader(path)
+    names, unknown, legacy = _native_names(reader.keys)
+    found = {}
+    for name, key in names.items():
+        shape = reader.shape(key)
+        found[name] = shape[::-1] if legacy and name in TRANSPOSED_NATIVE_KEYS else shape
+    check_shapes(found, unknown, expected_shapes(config), str(path))
+    show = progress and path.stat().st_size > _PROGRESS_BYTES
+    state = {}
+    for name, key in tqdm(names.items(), desc=f"loading {path.name}", unit="tensor",
+                          disable=not show):
+        value = reader.tensor(key)
+        if legacy and name in TRANSPOSED_NATIVE_KEYS:
+            value = value.T
+        state[name] = value.to(device=device, dtype=dtype).contiguous()
+    return state
+
+
+def load_model(source: str | Path, *, preset_name: str | None = None,
+               dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+               tokenizer_path: str | Path | None = None, progress: bool = True) -> LoadedModel:
+    """Load weights, tokenizer and configuration from ``source``."""
+    path = resolve_source(source)
+    if path.is_dir():
+        config = read_config(path, preset_name)
+        weights = _weights_file(path)
+        directory = path
+    else:
+        directory = path.parent
+        if (directory / CONFIG_FILE).exists():
+            config = read_config(directory, preset_name)
+        elif preset_name is not None:
+            config = preset(preset_name)
+        else:
+            raise CheckpointError(f"loading the single file {path} needs a preset name")
+        weights = path
+    tok_path = Path(tokenizer_path) if tokenizer_path else directory / TOKENIZER_FILE
+    if not tok_path.exists():
+        raise CheckpointError(f"no tokenizer: {tok_path} does not exist")
+    try:
+        tokenizer = Tokenizer.from_file(str(tok_path))
+    except Exception as err:
+        raise CheckpointError(f"cannot read tokenizer {tok_path}: {err}") from err
+    state = load_state(weights, config, dtype, device, progress)
+    with torch.device("meta"):
+        model = MoondreamModel(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.text.reset_rotary(device)
+    model.eval().requires_grad_(False)
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, source=str(source))

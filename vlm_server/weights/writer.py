@@ -1,0 +1,91 @@
+"""Write seeded random checkpoints in the real layout, with a matching tokenizer and config.
+
+Tests, benchmarks and the built-in default model all come from here: same keys, shapes and
+dtype as a released moondream2 ``model.safetensors``, so the loader runs its real code path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from vlm_server.config import ModelConfig
+from vlm_server.weights.layout import (
+    NATIVE_PREFIX,
+    TRANSPOSED_NATIVE_KEYS,
+    expected_shapes,
+    native_to_legacy,
+)
+from vlm_server.weights.tokenizer_build import build_tokenizer
+
+CONFIG_FORMAT = "moondream-serve/1"
+WEIGHTS_FILE = "model.safetensors"
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "config.json"
+
+
+def _tensor_seed(seed: int, key: str) -> int:
+    """Per-tensor seed, so a tensor's values do not depend on the order tensors are made in."""
+    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def random_tensor(key: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """A plausible random value for one checkpoint tensor.
+
+    Linear weights get std 1/sqrt(fan_in) so activations keep their scale through the layers;
+    LayerNorm weights sit near 1; Fourier features are spread like trained ones.
+    """
+    gen = torch.Generator().manual_seed(_tensor_seed(seed, key))
+    name = key.rsplit(".", 1)[-1]
+    parent = key.rsplit(".", 2)[-2] if key.count(".") >= 2 else ""
+    is_norm = parent.startswith("ln") or parent.endswith("_ln")
+    if key.endswith(("coord_features", "size_features")):
+        std = 2.0
+    elif is_norm and name == "weight":
+        return (1.0 + 0.1 * torch.randn(shape, generator=gen)).to(dtype)
+    elif name == "bias":
+        std = 0.02
+    elif key.endswith(("pos_emb", "wte")):
+        std = 0.5
+    else:
+        std = 1.0 / math.sqrt(shape[-1])
+    return (torch.randn(shape, generator=gen) * std).to(dtype)
+
+
+def write_checkpoint(config: ModelConfig, out_dir: str | Path, *, seed: int = 0,
+                     dtype: torch.dtype = torch.bfloat16, layout: str = "native",
+                     prefix: bool = True, progress: bool = True) -> Path:
+    """Write ``model.safetensors``, ``tokenizer.json`` and ``config.json`` into ``out_dir``.
+
+    ``layout`` is ``"native"`` (keys ``model.`` + module path, or without the prefix when
+    ``prefix`` is False) or ``"legacy"`` (the training layout's names and transposes).
+    """
+    if layout not in ("native", "legacy"):
+        raise ValueError(f"layout must be 'native' or 'legacy', not {layout!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shapes = expected_shapes(config)
+    tensors: dict[str, torch.Tensor] = {}
+    items = tqdm(shapes.items(), desc=f"random weights ({config.name})", unit="tensor",
+                 disable=not progress)
+    for key, shape in items:
+        value = random_tensor(key, shape, seed, dtype)
+        if layout == "legacy":
+            if key in TRANSPOSED_NATIVE_KEYS:
+                value = value.T.contiguous()
+            tensors[native_to_legacy(key)] = value
+        else:
+            tensors[(NATIVE_PREFIX if prefix else "") + key] = value
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    build_tokenizer(config, seed=seed).save(str(out / TOKENIZER_FILE))
+    meta = {"format": CONFIG_FORMAT, "seed": seed, "random_weights": True,
+            "model": config.to_dict()}
+    (out / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return out
