@@ -8,6 +8,7 @@ Sampling and region decoding use the same functions as the engine (`decoding`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -22,7 +23,7 @@ from vlm_server.config import ModelConfig
 from vlm_server.model import MoondreamModel
 from vlm_server.model.text import DenseKVCache
 
-FinishReason = Literal["eos", "length", "max_objects"]
+FinishReason = Literal["eos", "length", "max_objects", "cancelled"]
 
 
 @dataclass(frozen=True)
@@ -125,8 +126,13 @@ class ReferenceGenerator:
 
     @torch.inference_mode()
     def generate_text(self, image: PreparedImage | None, prompt: list[int],
-                      settings: SamplingSettings) -> TextResult:
-        """Sample up to ``max_tokens`` tokens after the prompt; eos is not part of the output."""
+                      settings: SamplingSettings,
+                      on_token: Callable[[int], bool | None] | None = None) -> TextResult:
+        """Sample up to ``max_tokens`` tokens after the prompt; eos is not part of the output.
+
+        ``on_token`` sees each output token as it is sampled; returning True stops generation
+        (finish reason "cancelled").
+        """
         m, eos = self.model, self.contract.eos_id
         cache, hidden, pos = self._start(image, prompt, settings.max_tokens)
         dev = m.device
@@ -145,6 +151,9 @@ class ReferenceGenerator:
                 reason: FinishReason = "eos"
                 break
             out.append(token)
+            if on_token is not None and on_token(token):
+                reason = "cancelled"
+                break
             if len(out) >= settings.max_tokens:
                 reason = "length"
                 break
@@ -155,14 +164,16 @@ class ReferenceGenerator:
                           prompt_tokens=len(prompt))
 
     def caption(self, image: PreparedImage, length: str = "normal",
-                settings: SamplingSettings | None = None) -> TextResult:
+                settings: SamplingSettings | None = None,
+                on_token: Callable[[int], bool | None] | None = None) -> TextResult:
         prompt = prompts.caption_prompt(self.contract, length)
-        return self.generate_text(image, prompt, settings or SamplingSettings())
+        return self.generate_text(image, prompt, settings or SamplingSettings(), on_token)
 
     def query(self, image: PreparedImage | None, question: str,
-              settings: SamplingSettings | None = None) -> TextResult:
+              settings: SamplingSettings | None = None,
+              on_token: Callable[[int], bool | None] | None = None) -> TextResult:
         prompt = prompts.query_prompt(self.contract, self.tokenizer, question)
-        return self.generate_text(image, prompt, settings or SamplingSettings())
+        return self.generate_text(image, prompt, settings or SamplingSettings(), on_token)
 
     def boundary_token(self, logits: torch.Tensor) -> int:
         """The greedy decision at an object boundary (the token itself is never fed back)."""

@@ -1,0 +1,1 @@
+"""The engine: what the gRPC service submits requests to."""

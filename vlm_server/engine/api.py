@@ -1,0 +1,171 @@
+"""The engine's asyncio-facing contract, shared by every engine implementation.
+
+The gRPC service talks only to this: `Engine.submit` admits a request (or raises an
+`EngineError` with a status-like code), and the returned `RequestStream` yields events until
+one `Finished` (or raises the `EngineError` that ended it). Engines run the model on their own
+thread; events cross to the event loop with ``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from image_pipeline import PreparedImage
+
+
+class Task(enum.StrEnum):
+    CAPTION = "caption"
+    QUERY = "query"
+    POINT = "point"
+    DETECT = "detect"
+    SEGMENT = "segment"
+
+
+class ErrorCode(enum.StrEnum):
+    """Mirrors the gRPC status codes the service answers with."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    OUT_OF_RANGE = "OUT_OF_RANGE"
+    UNAVAILABLE = "UNAVAILABLE"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    CANCELLED = "CANCELLED"
+    UNIMPLEMENTED = "UNIMPLEMENTED"
+    INTERNAL = "INTERNAL"
+
+
+class EngineError(Exception):
+    """A request the engine refused or could not finish; ``field`` names the culprit input."""
+
+    def __init__(self, code: ErrorCode, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.field = field
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One task on one image. Coordinates in results are normalized to [0, 1], origin top-left."""
+
+    task: Task
+    image: PreparedImage | None
+    request_id: str = ""
+    caption_length: str = "normal"  # caption: short | normal | long
+    question: str = ""  # query
+    object_name: str = ""  # point, detect, segment
+    temperature: float = 0.5
+    top_p: float = 0.3
+    max_tokens: int = 768
+    max_objects: int = 50
+    seed: int = 0
+    choices: tuple[str, ...] = ()  # query: answer must be exactly one of these
+    regex: str | None = None  # query: answer must fully match this pattern
+    deadline: float | None = None  # time.monotonic() value; None = no deadline
+
+
+@dataclass
+class RequestMetrics:
+    queue_wait_ms: float = 0.0
+    time_to_first_token_ms: float = 0.0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Point:
+    x: float
+    y: float
+
+
+@dataclass(frozen=True)
+class Box:
+    x_min: float
+    y_min: float
+    x_max: float
+    y_max: float
+
+
+@dataclass(frozen=True)
+class Segmentation:
+    box: Box
+    svg_path: str  # in image-normalized coordinates
+    polygons: tuple[tuple[Point, ...], ...]
+    mask_rle: tuple[int, ...]  # COCO-style counts, column-major, at (mask_height, mask_width)
+    mask_height: int
+    mask_width: int
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """Newly decoded text (never half a character) for caption and query."""
+
+    text: str
+
+
+@dataclass
+class Finished:
+    finish_reason: str  # eos | length | max_objects | cancelled
+    text: str | None = None
+    points: list[Point] = field(default_factory=list)
+    boxes: list[Box] = field(default_factory=list)
+    segmentation: Segmentation | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+
+Event = TextDelta | Finished
+
+
+class RequestStream(Protocol):
+    def __aiter__(self) -> AsyncIterator[Event]: ...
+
+    def cancel(self) -> None:
+        """Stop the request; its resources are freed once no in-flight step uses them."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model_name: str
+    preset: str
+    token_contract: str
+    device: str
+    dtype: str
+    pipeline_depth: int
+    max_batch_size: int
+    max_context: int
+    max_queue: int
+
+
+@dataclass
+class EngineStats:
+    queue_depth: int = 0
+    active_sequences: int = 0
+    kv_pages_in_use: int = 0
+    kv_pages_total: int = 0
+    last_batch_size: int = 0
+    last_step_ms: float = 0.0
+    prefix_hits: int = 0
+    prefix_lookups: int = 0
+
+
+class Engine(Protocol):
+    info: EngineInfo
+
+    async def start(self) -> None:
+        """Load/warm up; returns when the engine can take requests."""
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        """Admit a request without blocking; raises EngineError when it cannot be taken."""
+
+    def stats(self) -> EngineStats: ...
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new requests (UNAVAILABLE) and wait until accepted ones finish."""
+
+    async def close(self) -> None: ...
