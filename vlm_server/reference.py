@@ -187,7 +187,11 @@ class ReferenceGenerator:
     @torch.inference_mode()
     def generate_regions(self, image: PreparedImage, prompt: list[int], with_size: bool,
                          max_objects: int) -> RegionResult:
-        """The point/detect loop: x, y (and size) per object, greedy, until eos or the cap."""
+        """The point/detect loop: x, y (and size) per object, greedy, until eos or the cap.
+
+        Once ``max_objects`` objects exist the answer ends ("max_objects") without a further
+        boundary step, since the grammar would allow nothing but eos there.
+        """
         if max_objects < 1:
             raise ValueError("max_objects must be >= 1")
         m, eos = self.model, self.contract.eos_id
@@ -196,9 +200,6 @@ class ReferenceGenerator:
         result = RegionResult(prompt_tokens=len(prompt))
         token = self.boundary_token(m.text.logits(hidden))
         while token != eos:
-            if len(result.points) + len(result.boxes) >= max_objects:
-                result.finish_reason = "max_objects"
-                break
             x = coord_from_logits(m.region.decode_coord(hidden))
             hidden = self._step(cache, m.region.encode_coord(x), pos)
             y = coord_from_logits(m.region.decode_coord(hidden))
@@ -213,6 +214,10 @@ class ReferenceGenerator:
                 result.boxes.append(Box(cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2))
             else:
                 result.points.append(Point(float(x), float(y)))
+            if len(result.points) + len(result.boxes) >= max_objects:
+                # Only eos could follow: stop without spending a step on it.
+                result.finish_reason = "max_objects"
+                break
             hidden = self._step(cache, emb, pos)
             pos += 1
             token = self.boundary_token(m.text.logits(hidden))

@@ -1,0 +1,32 @@
+"""Engine configuration (frozen; derived sizes are computed, never written back)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch: int = 32  # running sequences per decode step
+    page_size: int = 16  # KV positions per page
+    kv_budget_bytes: int | None = None  # None: 256 MiB on the CPU, 40% of free memory on CUDA
+    pipeline_depth: int = 2  # 1 = blocking, 2 = pipelined
+    max_queue: int = 256  # waiting requests before RESOURCE_EXHAUSTED
+    max_prefill_batch: int = 8  # requests prefilled together in one launch
+    prefix_cache_entries: int = 64  # image prefixes kept for reuse
+    mask_table_rows: int = 1024  # device mask-table capacity (rows of vocab-wide bools)
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1 or self.max_queue < 0 or self.max_prefill_batch < 1:
+            raise ValueError("max_batch and max_prefill_batch must be >= 1, max_queue >= 0")
+        if self.page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        if self.pipeline_depth not in (1, 2):
+            raise ValueError("pipeline_depth must be 1 (blocking) or 2 (pipelined)")
+        if self.kv_budget_bytes is not None and self.kv_budget_bytes <= 0:
+            raise ValueError("kv_budget_bytes must be positive")
+
+    @property
+    def max_rows(self) -> int:
+        """Sequence rows: running ones plus as many zombies still in flight."""
+        return 2 * self.max_batch

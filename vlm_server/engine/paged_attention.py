@@ -1,0 +1,56 @@
+"""Paged KV storage and attention in plain PyTorch (any device; the CPU path of the engine).
+
+Pools are per layer, [n_pages, page_size, kv_heads, head_dim]; a sequence's block row lists
+its pages in position order, so position p lives at (row[p // page_size], p % page_size).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from vlm_server.model.text import allowed_mask
+
+
+def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, block_rows: torch.Tensor,
+             positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store k, v [B, kv_heads, T, hd] at positions [B, T] through block_rows [B, n_blocks]."""
+    ps = k_pool.shape[1]
+    pages = block_rows.gather(1, positions // ps)  # [B, T]
+    offsets = positions % ps
+    k_pool[pages, offsets] = k.transpose(1, 2).to(k_pool.dtype)
+    v_pool[pages, offsets] = v.transpose(1, 2).to(v_pool.dtype)
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                    block_rows: torch.Tensor, positions: torch.Tensor,
+                    prefix_len: int) -> torch.Tensor:
+    """Attention of q [B, H, T, hd] at positions [B, T] over the pages of block_rows
+    [B, n_blocks] (which must cover every visible position). Causal, except that positions
+    below ``prefix_len`` see each other both ways."""
+    b, n_blocks = block_rows.shape
+    ps, kvh, hd = k_pool.shape[1:]
+    keys = k_pool[block_rows].reshape(b, n_blocks * ps, kvh, hd).transpose(1, 2)
+    values = v_pool[block_rows].reshape(b, n_blocks * ps, kvh, hd).transpose(1, 2)
+    rep = q.shape[1] // kvh
+    if rep > 1:
+        keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
+    k_pos = torch.arange(n_blocks * ps, device=q.device)
+    mask = allowed_mask(positions, k_pos, prefix_len)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+
+class PagedKV:
+    """The `KVCache` the text decoder sees during one engine forward."""
+
+    def __init__(self, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor],
+                 block_rows: torch.Tensor, prefix_len: int) -> None:
+        self.k_pools, self.v_pools = k_pools, v_pools
+        self.block_rows = block_rows
+        self.prefix_len = prefix_len
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        kp, vp = self.k_pools[layer], self.v_pools[layer]
+        write_kv(kp, vp, self.block_rows, positions, k, v)
+        return paged_attention(q, kp, vp, self.block_rows, positions, self.prefix_len)

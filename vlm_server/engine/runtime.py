@@ -1,0 +1,262 @@
+"""The device side of the engine: KV pools, per-slot buffers, forwards, finalize (mask, sample,
+region values, next inputs) and the result copy back to the host.
+
+Contract with the scheduler: every method here only enqueues device work (no host-device
+synchronization) except `read_outputs`, which waits for one step's device-to-host copy.
+Sampled ids and region values never visit the host before the next forward: finalize writes
+each sequence's next input embedding into ``next_embed[row]`` on the device, and the next
+forward reads it from there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from decoding.batch_masks import apply_masks
+from decoding.mask_table import NO_MASK, MaskTable
+from decoding.region_values import coord_from_logits, size_from_logits
+from decoding.sampling import sample
+from image_pipeline import normalize_crops
+from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.device import CpuEvent, DeviceStreams
+from vlm_server.engine.pages import PageAllocator
+from vlm_server.engine.paged_attention import PagedKV
+from vlm_server.engine.sequence import PHASE_BOUNDARY, PHASE_SIZE, PHASE_TOKEN, Sequence
+from vlm_server.model import MoondreamModel
+
+# Columns of the per-step finalize input (int64; temperature and top_p bit-cast from float64).
+F_ROW, F_MASK, F_PHASE, F_SEED, F_STEP, F_TEMP, F_TOP_P = range(7)
+N_FIN = 7
+# Columns of the per-step output copied back: token id, coordinate, width, height.
+N_OUT = 4
+
+
+@dataclass
+class SlotBuffers:
+    """Fixed-address buffers of one pipeline slot, allocated once."""
+
+    launch_host: torch.Tensor  # [max_rows, 2] int64: row, position (pinned)
+    launch_dev: torch.Tensor
+    fin_host: torch.Tensor  # [max_rows, N_FIN] int64 (pinned)
+    fin_dev: torch.Tensor
+    hidden: torch.Tensor  # [max_rows, dim] forward output (pre-norm hidden of the last pos)
+    out_dev: torch.Tensor  # [max_rows, N_OUT] float32
+    out_host: torch.Tensor  # pinned landing buffer for the D2H copy
+    inputs_ready: object
+    mask_ready: object
+    step_done: object
+    d2h_done: object
+
+
+def kv_page_bytes(model: MoondreamModel, page_size: int) -> int:
+    t = model.config.text
+    return 2 * t.n_layers * page_size * t.n_kv_heads * t.head_dim * model.dtype.itemsize
+
+
+class ModelRuntime:
+    def __init__(self, model: MoondreamModel, cfg: EngineConfig, table: MaskTable) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.device = model.device
+        self.dtype = model.dtype
+        self.streams = DeviceStreams(self.device)
+        tc = model.config.text
+        self.contract = model.config.tokens
+        budget = cfg.kv_budget_bytes or self._default_budget()
+        n_pages = max(2, budget // kv_page_bytes(model, cfg.page_size))
+        shape = (n_pages, cfg.page_size, tc.n_kv_heads, tc.head_dim)
+        self.k_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                        for _ in range(tc.n_layers)]
+        self.v_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                        for _ in range(tc.n_layers)]
+        rows, max_pages = cfg.max_rows, -(-tc.max_context // cfg.page_size)
+        self.block_host = self.streams.host_buffer((rows, max_pages), torch.int32)
+        self.block_dev = torch.zeros((rows, max_pages), dtype=torch.int32, device=self.device)
+        self.pages = PageAllocator(n_pages, cfg.page_size, rows, max_pages,
+                                   block_table=self.block_host.numpy())
+        self.next_embed = torch.zeros(rows, tc.dim, dtype=self.dtype, device=self.device)
+        self.slots = [self._slot_buffers(rows, tc.dim) for _ in range(2)]
+        self.table = table
+        self.table_dev = torch.ones((table.max_rows, table.width), dtype=torch.bool,
+                                    device=self.device)
+        self._table_uploaded = 0
+
+    # ---- setup ------------------------------------------------------------------------
+
+    def _default_budget(self) -> int:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * 0.4)
+        return 256 << 20
+
+    def _slot_buffers(self, rows: int, dim: int) -> SlotBuffers:
+        s, dev = self.streams, self.device
+        return SlotBuffers(
+            launch_host=s.host_buffer((rows, 2), torch.int64),
+            launch_dev=torch.zeros((rows, 2), dtype=torch.int64, device=dev),
+            fin_host=s.host_buffer((rows, N_FIN), torch.int64),
+            fin_dev=torch.zeros((rows, N_FIN), dtype=torch.int64, device=dev),
+            hidden=torch.zeros((rows, dim), dtype=self.dtype, device=dev),
+            out_dev=torch.zeros((rows, N_OUT), dtype=torch.float32, device=dev),
+            out_host=s.host_buffer((rows, N_OUT), torch.float32),
+            inputs_ready=s.event(), mask_ready=s.event(), step_done=s.event(),
+            d2h_done=s.event(),
+        )
+
+    # ---- host-to-device uploads (copy stream, ordered by events) -------------------------
+
+    def _upload_block_table(self) -> None:
+        rows = self.pages.take_dirty()
+        if rows:
+            lo, hi = rows[0], rows[-1] + 1  # one copy covering every dirty row
+            self.block_dev[lo:hi].copy_(self.block_host[lo:hi], non_blocking=True)
+
+    def _upload_table_rows(self) -> None:
+        n = len(self.table)
+        if n > self._table_uploaded:
+            rows = torch.from_numpy(self.table.dense(self._table_uploaded, n))
+            self.table_dev[self._table_uploaded:n].copy_(rows, non_blocking=True)
+            self._table_uploaded = n
+
+    # ---- forwards ---------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def launch_decode(self, slot: int, seqs: list[Sequence]) -> None:
+        """Enqueue one decode forward for ``seqs`` (row order = batch order)."""
+        buf, st = self.slots[slot], self.streams
+        b = len(seqs)
+        host = buf.launch_host.numpy()
+        max_pos = 0
+        for i, seq in enumerate(seqs):
+            pos = seq.next_position()
+            host[i, 0], host[i, 1] = seq.row, pos
+            max_pos = max(max_pos, pos)
+        with st.on(st.copy):
+            self._upload_block_table()
+            buf.launch_dev[:b].copy_(buf.launch_host[:b], non_blocking=True)
+            buf.inputs_ready.record()
+        st.wait(st.compute, buf.inputs_ready)
+        with st.on(st.compute):
+            rows, pos = buf.launch_dev[:b, 0], buf.launch_dev[:b, 1:2]
+            n_blocks = max_pos // self.cfg.page_size + 1
+            kv = PagedKV(self.k_pools, self.v_pools, self.block_dev[rows, :n_blocks].long(),
+                         prefix_len=0)
+            x = self.next_embed[rows][:, None]
+            buf.hidden[:b] = self.model.text(x, pos, kv)[:, -1]
+
+    @torch.inference_mode()
+    def launch_prefill(self, slot: int, seqs: list[Sequence],
+                       image_for: dict[int, torch.Tensor | None]) -> None:
+        """Enqueue the prefill of ``seqs``: vision (batched over all new images' crops), image
+        prefixes not yet cached, then each prompt; the last hidden state goes to the slot."""
+        buf, st, m = self.slots[slot], self.streams, self.model
+        with st.on(st.copy):
+            self._upload_block_table()
+            buf.inputs_ready.record()
+        st.wait(st.compute, buf.inputs_ready)
+        with st.on(st.compute):
+            prefixes = self._image_prefixes(seqs, image_for)
+            for i, seq in enumerate(seqs):
+                if seq.prefix is not None and i in prefixes:
+                    self._prefill_prefix(seq, prefixes[i])
+                if seq.prefix is not None and seq.prefix.tail_page is not None:
+                    tail, own = seq.prefix.tail_page, seq.own_pages[0]
+                    for kp, vp in zip(self.k_pools, self.v_pools, strict=True):
+                        kp[own].copy_(kp[tail])
+                        vp[own].copy_(vp[tail])
+                pages = (seq.prefix.full_pages if seq.prefix else []) + seq.own_pages
+                start = seq.prefix_len
+                ids = self._h2d(seq.prompt)
+                pos = torch.arange(start, start + len(seq.prompt), device=self.device)[None]
+                kv = PagedKV(self.k_pools, self.v_pools, self._h2d(pages)[None], seq.prefix_len)
+                buf.hidden[i] = m.text(m.text.embed(ids)[None], pos, kv)[0, -1]
+
+    def _h2d(self, values: list[int]) -> torch.Tensor:
+        """Small host list -> device tensor through pinned memory, without a host wait."""
+        host = torch.tensor(values, dtype=torch.int64, pin_memory=self.streams.is_cuda)
+        return host.to(self.device, non_blocking=True)
+
+    def _image_prefixes(self, seqs: list[Sequence], image_for: dict[int, torch.Tensor | None]
+                        ) -> dict[int, torch.Tensor]:
+        """BOS + image embeddings for the sequences whose prefix must be computed."""
+        todo = [i for i, s in enumerate(seqs) if s.prefix is not None and not s.prefix_hit]
+        if not todo:
+            return {}
+        m = self.model
+        crops = [image_for[i] for i in todo]
+        counts = [c.shape[0] for c in crops]
+        normalized = [normalize_crops(c.to(self.device, non_blocking=True), self.dtype)
+                      for c in crops]
+        feats = m.vision.encode(torch.cat(normalized))
+        out = {}
+        for i, f in zip(todo, feats.split(counts), strict=True):
+            out[i] = m.prefix_embeddings(m.vision.project(f, seqs[i].request.image.tiling))
+        return out
+
+    def _prefill_prefix(self, seq: Sequence, emb: torch.Tensor) -> None:
+        entry = seq.prefix
+        assert entry is not None
+        n = seq.prefix_len
+        kv = PagedKV(self.k_pools, self.v_pools, self._h2d(entry.pages)[None], n)
+        self.model.text(emb, torch.arange(n, device=self.device)[None], kv)
+
+    # ---- finalize: masks, sampling, region values, next inputs, D2H ---------------------
+
+    @torch.inference_mode()
+    def finalize(self, slot: int, seqs: list[Sequence], fin: np.ndarray,
+                 constrained: bool, regions: bool) -> None:
+        """Sample the step in ``slot``. ``fin`` [B, N_FIN] was filled from committed state."""
+        buf, st, m = self.slots[slot], self.streams, self.model
+        b = len(seqs)
+        buf.fin_host.numpy()[:b] = fin
+        with st.on(st.copy):
+            if constrained:
+                self._upload_table_rows()
+            buf.fin_dev[:b].copy_(buf.fin_host[:b], non_blocking=True)
+            buf.mask_ready.record()
+        st.wait(st.compute, buf.mask_ready)
+        with st.on(st.compute):
+            fin_dev = buf.fin_dev[:b]
+            floats = fin_dev.view(torch.float64)
+            h = buf.hidden[:b]
+            logits = m.text.logits(h)
+            if constrained:
+                logits = apply_masks(logits, fin_dev[:, F_MASK], self.table_dev)
+            tokens = sample(logits, floats[:, F_TEMP].float(), floats[:, F_TOP_P].float(),
+                            fin_dev[:, F_SEED], fin_dev[:, F_STEP])
+            phase = fin_dev[:, F_PHASE]
+            out = buf.out_dev[:b]
+            out[:, 0] = tokens.float()
+            nxt = m.text.embed(tokens)
+            if regions:
+                coord = coord_from_logits(m.region.decode_coord(h))
+                size = size_from_logits(m.region.decode_size(h), self.contract.size_scale)
+                out[:, 1:2] = coord
+                out[:, 2:4] = size
+                is_size = (phase == PHASE_SIZE)[:, None]
+                is_token = (phase == PHASE_TOKEN)[:, None]
+                region_emb = torch.where(is_size, m.region.encode_size(size),
+                                         m.region.encode_coord(coord))
+                nxt = torch.where(is_token, nxt, region_emb)
+            self.next_embed[fin_dev[:, F_ROW]] = nxt.to(self.dtype)
+            buf.step_done.record()
+        st.wait(st.copy, buf.step_done)
+        with st.on(st.copy):
+            buf.out_host[:b].copy_(out, non_blocking=True)
+            buf.d2h_done.record()
+
+    def read_outputs(self, slot: int, b: int) -> np.ndarray:
+        """Wait for the slot's D2H copy (the scheduler's one intended sync) and view it."""
+        buf = self.slots[slot]
+        if not isinstance(buf.d2h_done, CpuEvent):
+            buf.d2h_done.synchronize()  # the tick's single wait: this step's results
+        return buf.out_host.numpy()[:b]
+
+    def release_row(self, row: int) -> None:
+        self.pages.clear(row)
+
+
+__all__ = ["NO_MASK", "PHASE_BOUNDARY", "ModelRuntime", "kv_page_bytes"]

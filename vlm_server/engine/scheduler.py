@@ -1,0 +1,382 @@
+"""The scheduler: one thread owns the device and runs `tick` in a loop.
+
+A tick is three named calls, in this order (commit-before-finalize):
+
+1. `_commit` the oldest in-flight step, once the pipeline is full (or nothing else can be
+   launched): wait for its device-to-host copy (the tick's single host-device sync), advance
+   each sequence's grammar, stream text, deliver results of sequences that finished, release
+   the ones no in-flight step references any more (zombies wait for their last step).
+2. `_finalize` the step in flight that has not been sampled: build each row's mask index and
+   sampling parameters from the now-committed state, upload them on the copy stream, and
+   enqueue mask + sample + region values + next-input embeddings on the compute stream.
+3. `_launch` the next forward into the free slot: a prefill of newly admitted requests, or a
+   decode step of the running ones. It reads the inputs finalize wrote on the device.
+
+At depth 1 the same calls run as launch -> finalize -> commit, one step at a time (blocking).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+
+from decoding.grammar_base import FinishReason
+from decoding.grammars import ObjectGrammar, SegmentGrammar, TextGrammar
+from decoding.mask_table import NO_MASK
+from decoding.segment_output import SegmentResult
+from vlm_server.engine.api import (
+    Box,
+    EngineError,
+    EngineStats,
+    ErrorCode,
+    Finished,
+    Point,
+    Segmentation,
+    TextDelta,
+)
+from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.pipeline_state import PipelineState, Step, StepKind
+from vlm_server.engine.prefix_cache import PrefixCache
+from vlm_server.engine.runtime import (
+    F_MASK,
+    F_PHASE,
+    F_ROW,
+    F_SEED,
+    F_STEP,
+    F_TEMP,
+    F_TOP_P,
+    N_FIN,
+    ModelRuntime,
+)
+from vlm_server.engine.sequence import (
+    PHASE_BOUNDARY,
+    PHASE_COORD,
+    PHASE_IDLE,
+    PHASE_SIZE,
+    PHASE_TOKEN,
+    SeqState,
+    Sequence,
+)
+
+
+class Scheduler:
+    def __init__(self, runtime: ModelRuntime, cfg: EngineConfig, eos_id: int,
+                 image_prefix_len: int) -> None:
+        self.rt = runtime
+        self.cfg = cfg
+        self.eos_id = eos_id
+        self.pipe = PipelineState(cfg.pipeline_depth)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admitted and not yet finished
+        self.zombies: list[Sequence] = []  # finished, still referenced by an in-flight step
+        self.free_rows = list(range(cfg.max_rows - 1, -1, -1))
+        self.prefix_cache = PrefixCache(runtime.pages, image_prefix_len,
+                                        cfg.prefix_cache_entries)
+        self.last_batch = 0
+        self.last_step_ms = 0.0
+        self._last_commit_at = 0.0
+        # Test hook: called with (phase name, step) around each pipeline action.
+        self.trace: Callable[[str, Step], None] | None = None
+
+    # ---- queries ----------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.pipe.n_in_flight)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            queue_depth=len(self.waiting), active_sequences=len(self.running),
+            kv_pages_in_use=self.rt.pages.used_pages, kv_pages_total=self.rt.pages.n_pages - 1,
+            last_batch_size=self.last_batch, last_step_ms=self.last_step_ms,
+            prefix_hits=self.prefix_cache.hits, prefix_lookups=self.prefix_cache.lookups)
+
+    def pages_to_admit(self, seq: Sequence) -> int:
+        """Free pages admitting ``seq`` takes now: its own pages (prompt + output budget, and a
+        private copy of a partly filled prefix page), plus the image prefix if not cached."""
+        total = self.rt.pages.pages_for(seq.total_positions)
+        if seq.prefix_len == 0:
+            return total
+        cache = self.prefix_cache
+        shared = cache.pages_per_entry - (1 if cache.has_tail else 0)
+        cached = cache.peek(seq.request.image.content_hash) is not None
+        return total - shared + (0 if cached else cache.pages_per_entry)
+
+    # ---- the tick ---------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """One scheduler iteration (see the module docstring for the order and why)."""
+        self._sweep_cancelled()
+        pipe = self.pipe
+        if pipe.n_in_flight and (pipe.n_in_flight >= pipe.depth or not self._launchable()):
+            oldest = pipe.in_flight[0]
+            if oldest.state.value == "launched":  # depth 1: sample before committing
+                self._finalize(oldest)
+            self._commit(pipe.pop_oldest())
+        step = pipe.unfinalized()
+        if step is not None:
+            self._finalize(step)
+        if pipe.can_launch():
+            self._launch()
+
+    def _launchable(self) -> bool:
+        if any(s.wants_decode_step() for s in self.running):
+            return True
+        return bool(self.waiting) and self._can_admit(self.waiting[0])
+
+    # ---- launch -----------------------------------------------------------------------
+
+    def _launch(self) -> None:
+        admitted = self._admit()
+        if admitted:
+            step = self.pipe.launch(StepKind.PREFILL, admitted)
+            now = time.monotonic()
+            images = {}
+            for i, s in enumerate(admitted):
+                s.state = SeqState.PREFILL
+                s.add_ref()
+                s.prefill_launched_at = now
+                s.metrics.queue_wait_ms = (now - s.submitted_at) * 1e3
+                images[i] = s.request.image.crops if s.request.image is not None else None
+            self._trace("launch", step)
+            self.rt.launch_prefill(step.slot, admitted, images)
+            return
+        batch = [s for s in self.running if s.wants_decode_step()][: self.cfg.max_batch]
+        if not batch:
+            return
+        step = self.pipe.launch(StepKind.DECODE, batch)
+        self._trace("launch", step)
+        self.rt.launch_decode(step.slot, batch)
+        for s in batch:
+            s.decode_launched += 1
+            s.add_ref()
+        self.last_batch = len(batch)
+
+    def _can_admit(self, seq: Sequence) -> bool:
+        if not self.free_rows or len(self.running) >= self.cfg.max_batch:
+            return False
+        cache = self.prefix_cache
+        free = self.rt.pages.free_pages + cache.evictable_pages()
+        own_entry = cache.peek(seq.request.image.content_hash) if seq.prefix_len else None
+        if own_entry is not None and own_entry.users == 0:
+            free -= len(own_entry.pages)  # it will be used, so it cannot be evicted
+        return self.pages_to_admit(seq) <= free
+
+    def _admit(self) -> list[Sequence]:
+        admitted: list[Sequence] = []
+        pages, cache = self.rt.pages, self.prefix_cache
+        while (self.waiting and len(admitted) < self.cfg.max_prefill_batch
+               and self.free_rows and len(self.running) < self.cfg.max_batch):
+            seq = self.waiting[0]
+            total = pages.pages_for(seq.total_positions)
+            entry = None
+            if seq.prefix_len:
+                entry = cache.lookup(seq.request.image.content_hash)
+                if entry is not None:
+                    cache.acquire(entry)
+                    own = total - len(entry.full_pages)
+                    if not cache.evict_for(own):
+                        cache.release(entry)
+                        break
+                    seq.prefix_hit = True
+                else:
+                    own = total - (cache.pages_per_entry - (1 if cache.has_tail else 0))
+                    if not cache.evict_for(own + cache.pages_per_entry):
+                        break
+                    entry = cache.create(seq.request.image.content_hash)
+                    seq.prefix_hit = False
+                seq.metrics.cached_tokens = seq.prefix_len if seq.prefix_hit else 0
+            else:
+                own = total
+                if not cache.evict_for(own):
+                    break
+            self.waiting.popleft()
+            seq.prefix = entry
+            seq.own_pages = pages.allocate(own)
+            seq.row = self.free_rows.pop()
+            pages.assign(seq.row, (entry.full_pages if entry else []) + seq.own_pages)
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    # ---- finalize ---------------------------------------------------------------------
+
+    def _finalize(self, step: Step) -> None:
+        b = len(step.seqs)
+        fin = np.zeros((b, N_FIN), dtype=np.int64)
+        floats = fin.view(np.float64)
+        phases = []
+        for i, s in enumerate(step.seqs):
+            phase = s.phase()
+            phases.append(phase)
+            fin[i, F_ROW] = s.row
+            fin[i, F_PHASE] = phase
+            g = s.grammar
+            fin[i, F_MASK] = g.mask_row if phase in (PHASE_TOKEN, PHASE_BOUNDARY) else NO_MASK
+            fin[i, F_SEED] = s.request.seed
+            if isinstance(g, TextGrammar):
+                fin[i, F_STEP] = len(g.token_ids)
+                floats[i, F_TEMP] = s.request.temperature
+                floats[i, F_TOP_P] = s.request.top_p
+            else:  # region answers and segment paths decode greedily, as the reference does
+                floats[i, F_TOP_P] = 1.0
+        step.phases = phases
+        constrained = bool((fin[:, F_MASK] != NO_MASK).any())
+        regions = any(p in (PHASE_BOUNDARY, PHASE_COORD, PHASE_SIZE) for p in phases)
+        self._trace("finalize", step)
+        self.rt.finalize(step.slot, step.seqs, fin, constrained, regions)
+        if step.kind is StepKind.PREFILL:
+            for s in step.seqs:
+                if s.state is SeqState.PREFILL:
+                    s.state = SeqState.RUNNING
+        self.pipe.mark_finalized(step)
+
+    # ---- commit -----------------------------------------------------------------------
+
+    def _commit(self, step: Step) -> None:
+        self._trace("commit", step)
+        out = self.rt.read_outputs(step.slot, len(step.seqs))
+        values = out.tolist()  # host copy: the slot's buffer is handed back below
+        self.pipe.complete(step)
+        now = time.monotonic()
+        if self._last_commit_at:
+            self.last_step_ms = (now - self._last_commit_at) * 1e3
+        self._last_commit_at = now
+        for seq, phase, row in zip(step.seqs, step.phases, values, strict=True):
+            seq.drop_ref()
+            if step.kind is StepKind.PREFILL:
+                seq.metrics.prefill_ms = (now - seq.prefill_launched_at) * 1e3
+            if not seq.finished:
+                if seq.cancelled is not None:
+                    self._fail(seq, seq.cancelled)
+                elif phase != PHASE_IDLE:
+                    self._apply(seq, phase, row, now)
+                    deadline = seq.request.deadline
+                    if not seq.finished and deadline is not None and now > deadline:
+                        self._fail(seq, ErrorCode.DEADLINE_EXCEEDED)
+            if seq.finished and seq.inflight_refs == 0:
+                self._release(seq)
+
+    def _apply(self, seq: Sequence, phase: int, row: list[float], now: float) -> None:
+        g = seq.grammar
+        token = int(row[0])
+        if phase == PHASE_TOKEN:
+            before = len(g.token_ids) if isinstance(g, TextGrammar) else 0
+            g.advance_token(token)
+            if isinstance(g, TextGrammar) and len(g.token_ids) > before:
+                self._first_output(seq, now)
+                seq.metrics.output_tokens += 1
+                text = seq.detok.push(token) if seq.detok is not None else ""
+                if text:
+                    seq.text_parts.append(text)
+                    self._emit(seq, TextDelta(text))
+            elif isinstance(g, SegmentGrammar):
+                seq.metrics.output_tokens += 1
+        elif phase == PHASE_BOUNDARY:
+            g.advance_token(token)
+            self._first_output(seq, now)
+            if g.next_kind.name == "COORD_X":
+                g.advance_value(row[1])
+        elif phase == PHASE_COORD:
+            g.advance_value(row[1])
+        elif phase == PHASE_SIZE:
+            g.advance_value((row[2], row[3]))
+        if g.finished:
+            self._complete(seq, now)
+
+    def _first_output(self, seq: Sequence, now: float) -> None:
+        if not seq.first_token_at:
+            seq.first_token_at = now
+            seq.metrics.time_to_first_token_ms = (now - seq.submitted_at) * 1e3
+
+    # ---- endings ----------------------------------------------------------------------
+
+    def _complete(self, seq: Sequence, now: float) -> None:
+        g = seq.grammar
+        m = seq.metrics
+        m.decode_ms = (now - seq.first_token_at) * 1e3 if seq.first_token_at else 0.0
+        m.input_tokens = seq.prefill_len
+        stop = g.finish_reason is FinishReason.STOP
+        result = Finished(finish_reason="eos" if stop else "length", metrics=m)
+        if isinstance(g, TextGrammar):
+            if seq.detok is not None:
+                tail = seq.detok.flush()
+                if tail:
+                    seq.text_parts.append(tail)
+                    self._emit(seq, TextDelta(tail))
+            result.text = "".join(seq.text_parts)
+        elif isinstance(g, ObjectGrammar):
+            result.finish_reason = "eos" if stop else "max_objects"
+            m.output_tokens = len(g.objects)
+            for obj in g.objects:
+                if len(obj) == 2:
+                    result.points.append(Point(*obj))
+                else:
+                    result.boxes.append(Box(*obj))
+        elif isinstance(g, SegmentGrammar):
+            img = seq.request.image
+            result.segmentation = _segmentation(g.result((img.width, img.height)))
+        self._finish(seq)
+        self._emit(seq, result)
+
+    def _fail(self, seq: Sequence, code: str) -> None:
+        message = ("the request's deadline passed" if code == ErrorCode.DEADLINE_EXCEEDED
+                   else "the request was cancelled")
+        self._finish(seq)
+        self._emit(seq, EngineError(ErrorCode(code), message))
+
+    def _finish(self, seq: Sequence) -> None:
+        seq.state = SeqState.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+            if seq.inflight_refs:
+                self.zombies.append(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.inflight_refs:
+            raise AssertionError("release of a sequence still referenced in flight")
+        self.rt.pages.release(seq.own_pages)
+        seq.own_pages = []
+        if seq.prefix is not None:
+            self.prefix_cache.release(seq.prefix)
+        self.rt.release_row(seq.row)
+        self.free_rows.append(seq.row)
+        seq.row = -1
+        seq.state = SeqState.RELEASED
+        if seq in self.zombies:
+            self.zombies.remove(seq)
+
+    def _sweep_cancelled(self) -> None:
+        now = time.monotonic()
+        for seq in list(self.waiting):
+            d = seq.request.deadline
+            if seq.cancelled is None and d is not None and now > d:
+                seq.cancelled = ErrorCode.DEADLINE_EXCEEDED
+            if seq.cancelled is not None:
+                self.waiting.remove(seq)
+                seq.state = SeqState.FINISHED
+                self._emit(seq, EngineError(ErrorCode(seq.cancelled),
+                                            "the request's deadline passed while queued"
+                                            if seq.cancelled == ErrorCode.DEADLINE_EXCEEDED
+                                            else "the request was cancelled"))
+        for seq in list(self.running):
+            if seq.cancelled is not None and seq.inflight_refs == 0:
+                self._fail(seq, seq.cancelled)
+                self._release(seq)
+
+    def _emit(self, seq: Sequence, event: object) -> None:
+        if seq.emit is not None:
+            seq.emit(event)
+
+    def _trace(self, what: str, step: Step) -> None:
+        if self.trace is not None:
+            self.trace(what, step)
+
+
+def _segmentation(seg: SegmentResult) -> Segmentation:
+    polygons = tuple(tuple(Point(x, y) for x, y in poly) for poly in seg.polygons)
+    h, w = seg.mask_size
+    return Segmentation(box=Box(*seg.box), svg_path=seg.path, polygons=polygons,
+                        mask_rle=tuple(seg.mask_counts), mask_height=h, mask_width=w)

@@ -1,0 +1,88 @@
+"""Checks of request fields that need no model: ranges, empty strings, enum values.
+
+Errors are INVALID_ARGUMENT with a message that starts with the proto field's path. Checks
+that depend on the model (context length, regex against the vocabulary) are the engine's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from vlm_server.api.v1 import vision_language_pb2 as pb
+from vlm_server.engine.api import GenerationRequest
+from vlm_server.service.errors import invalid
+
+_DEFAULTS = GenerationRequest(task="caption", image=None)  # type: ignore[arg-type]
+
+CAPTION_LENGTHS = {
+    pb.CAPTION_LENGTH_UNSPECIFIED: "normal",
+    pb.CAPTION_LENGTH_SHORT: "short",
+    pb.CAPTION_LENGTH_NORMAL: "normal",
+    pb.CAPTION_LENGTH_LONG: "long",
+}
+MAX_TEXT_CHARS = 16_384  # questions and object names; far beyond any context anyway
+MAX_CHOICES = 1024
+
+
+@dataclass(frozen=True)
+class Settings:
+    temperature: float
+    top_p: float
+    max_tokens: int
+    max_objects: int
+    seed: int
+
+
+def settings(msg: pb.GenerationSettings, max_tokens_limit: int) -> Settings:
+    """Apply defaults to unset fields and check every value's range."""
+    temperature = msg.temperature if msg.HasField("temperature") else _DEFAULTS.temperature
+    top_p = msg.top_p if msg.HasField("top_p") else _DEFAULTS.top_p
+    max_tokens = msg.max_tokens if msg.HasField("max_tokens") else _DEFAULTS.max_tokens
+    max_objects = msg.max_objects if msg.HasField("max_objects") else _DEFAULTS.max_objects
+    seed = msg.seed if msg.HasField("seed") else _DEFAULTS.seed
+    if not math.isfinite(temperature) or temperature < 0:
+        raise invalid("settings.temperature", f"must be >= 0, got {temperature}")
+    if not math.isfinite(top_p) or not 0 < top_p <= 1:
+        raise invalid("settings.top_p", f"must be in (0, 1], got {top_p}")
+    # The default may exceed a small model's context; only an explicit value is an error.
+    if not msg.HasField("max_tokens"):
+        max_tokens = min(max_tokens, max_tokens_limit)
+    if not 1 <= max_tokens <= max_tokens_limit:
+        raise invalid("settings.max_tokens",
+                      f"must be in 1..{max_tokens_limit} (the model's context), got {max_tokens}")
+    if max_objects < 1:
+        raise invalid("settings.max_objects", f"must be >= 1, got {max_objects}")
+    return Settings(temperature, top_p, max_tokens, max_objects, seed)
+
+
+def caption_length(value: int) -> str:
+    try:
+        return CAPTION_LENGTHS[value]
+    except KeyError:
+        raise invalid("length", f"unknown caption length {value}") from None
+
+
+def object_name(text: str) -> str:
+    name = text.strip()
+    if not name:
+        raise invalid("object", "must not be empty")
+    if len(name) > MAX_TEXT_CHARS:
+        raise invalid("object", f"is longer than {MAX_TEXT_CHARS} characters")
+    return name
+
+
+def question(text: str) -> str:
+    if not text.strip():
+        raise invalid("question", "must not be empty")
+    if len(text) > MAX_TEXT_CHARS:
+        raise invalid("question", f"is longer than {MAX_TEXT_CHARS} characters")
+    return text
+
+
+def choices(values: list[str]) -> tuple[str, ...]:
+    if len(values) > MAX_CHOICES:
+        raise invalid("choices", f"at most {MAX_CHOICES} choices, got {len(values)}")
+    if any(not v for v in values):
+        raise invalid("choices", "must not contain an empty string")
+    return tuple(values)
