@@ -18,6 +18,7 @@ import torch
 from decoding.constraints import ConstraintCompiler
 from decoding.detokenize import StreamDetokenizer
 from decoding.grammars import (
+    PathRows,
     RegionRows,
     RegionTokens,
     SegmentGrammar,
@@ -25,7 +26,7 @@ from decoding.grammars import (
     detect_grammar,
     point_grammar,
 )
-from decoding.mask_table import NO_MASK, MaskTable
+from decoding.mask_table import NO_MASK, AutomatonRows, MaskTable
 from decoding.vocab import TokenVocab
 from vlm_server import prompts
 from vlm_server.engine.api import (
@@ -251,7 +252,7 @@ class BatchedEngine:
             seq.detok = StreamDetokenizer(self.vocab)
         return seq
 
-    def _constraint(self, req: GenerationRequest):  # noqa: ANN202
+    def _constraint(self, req: GenerationRequest) -> AutomatonRows | None:
         if req.choices and req.regex:
             raise EngineError(ErrorCode.INVALID_ARGUMENT, "give choices or regex, not both",
                               "regex")
@@ -270,7 +271,7 @@ class BatchedEngine:
             raise EngineError(ErrorCode.INVALID_ARGUMENT, f"{field}: {err}", field) from err
         return None
 
-    def _segment_rows(self):  # noqa: ANN202
+    def _segment_rows(self) -> PathRows:
         with self._compile_lock:
             if self._path_rows is None:
                 self._path_rows = self.constraints.segment_path()

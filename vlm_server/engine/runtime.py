@@ -22,8 +22,8 @@ from decoding.sampling import sample
 from image_pipeline import normalize_crops
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.device import CpuEvent, DeviceStreams
-from vlm_server.engine.pages import PageAllocator
 from vlm_server.engine.paged_attention import PagedKV
+from vlm_server.engine.pages import PageAllocator
 from vlm_server.engine.sequence import PHASE_BOUNDARY, PHASE_SIZE, PHASE_TOKEN, Sequence
 from vlm_server.model import MoondreamModel
 
