@@ -1,0 +1,382 @@
+"""The batched engine against the reference generation, on the CPU with tiny models.
+
+Greedy output must equal the reference token for token, at pipeline depth 1 and 2, with many
+concurrent requests of different lengths, eos at different steps, max_objects hits, image
+prefix hits and misses, and cancellations; afterwards every page, row and slot is free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import re
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from image_pipeline import PreparedImage, prepare_pil, sample_image
+from vlm_server.engine.api import (
+    EngineError,
+    ErrorCode,
+    Finished,
+    GenerationRequest,
+    Task,
+    TextDelta,
+)
+from vlm_server.engine.batched_engine import BatchedEngine
+from vlm_server.engine.config import EngineConfig
+from vlm_server.reference import ReferenceGenerator, SamplingSettings
+from vlm_server.weights.loader import LoadedModel
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    # Tiny ops on 2 cores run far faster single-threaded.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _biased(loaded: LoadedModel, token: int, over: int, delta: float) -> LoadedModel:
+    model = copy.deepcopy(loaded.model)
+    with torch.no_grad():
+        bias = model.text.lm_head.bias
+        bias[token] = (bias.max() if over < 0 else bias[over]) + delta
+    return LoadedModel(model, loaded.tokenizer, loaded.config, loaded.source)
+
+
+@pytest.fixture(scope="module")
+def text_model(tiny: LoadedModel, sample_image: PreparedImage) -> LoadedModel:
+    """Emits eos wherever the plain model would emit one common token, so generations end
+    with eos at different steps for different prompts."""
+    ref = ReferenceGenerator(tiny.model, tiny.tokenizer)
+    out = ref.query(sample_image, "what is this?", SamplingSettings(temperature=0,
+                                                                    max_tokens=8)).token_ids
+    common = out[5]
+    model = copy.deepcopy(tiny.model)
+    eos = tiny.config.tokens.eos_id
+    with torch.no_grad():
+        head = model.text.lm_head
+        head.weight[eos] = head.weight[common]
+        head.bias[eos] = head.bias[common] + 1e-3
+    return LoadedModel(model, tiny.tokenizer, tiny.config, tiny.source)
+
+
+@pytest.fixture(scope="module")
+def region_model(tiny: LoadedModel) -> LoadedModel:
+    """At an object boundary eos and coord nearly tie, and which one wins depends on the
+    hidden state: answers stop with eos after different numbers of objects, or hit the cap."""
+    c = tiny.config.tokens
+    model = copy.deepcopy(tiny.model)
+    noise = torch.randn(model.text.lm_head.weight.shape[1],
+                        generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        head = model.text.lm_head
+        head.bias[c.coord_id] = head.bias.max() + 5.0
+        head.weight[c.eos_id] = head.weight[c.coord_id] + 0.1 * noise
+        # Tuned on the seed-0 tiny model: some answers end at once, others hit the cap.
+        head.bias[c.eos_id] = head.bias[c.coord_id] - 1.49
+    return LoadedModel(model, tiny.tokenizer, tiny.config, tiny.source)
+
+
+@pytest.fixture(scope="module")
+def images() -> list[PreparedImage]:
+    base = sample_image()
+    return [prepare_pil(base), prepare_pil(base.rotate(90, expand=True)),
+            prepare_pil(base.resize((300, 200)))]
+
+
+async def _collect(engine: BatchedEngine, req: GenerationRequest
+                   ) -> tuple[list[str], Finished]:
+    parts: list[str] = []
+    async for event in engine.submit(req):
+        if isinstance(event, TextDelta):
+            parts.append(event.text)
+        else:
+            return parts, event
+    raise AssertionError("stream ended without Finished")
+
+
+def _engine(loaded: LoadedModel, depth: int, **kw: object) -> BatchedEngine:
+    options: dict = {"max_batch": 8, "kv_budget_bytes": 32 << 20, **kw}
+    cfg = EngineConfig(pipeline_depth=depth, **options)
+    return BatchedEngine(loaded, cfg)
+
+
+def _assert_clean(engine: BatchedEngine) -> None:
+    """Every row and slot free; pages held only by cached image prefixes."""
+    assert engine.idle()
+    s = engine.scheduler
+    cached = sum(len(e.pages) for e in s.prefix_cache._entries.values())
+    assert engine.runtime.pages.used_pages == cached
+    assert all(e.users == 0 for e in s.prefix_cache._entries.values())
+    s.prefix_cache.clear()
+    assert engine.runtime.pages.used_pages == 0
+
+
+def _text_requests(images: list[PreparedImage]) -> list[GenerationRequest]:
+    reqs = []
+    for i, (length, n) in enumerate([("short", 40), ("normal", 7), ("long", 33), ("short", 1)]):
+        reqs.append(GenerationRequest(Task.CAPTION, images[i % 3], request_id=f"c{i}",
+                                      caption_length=length, temperature=0, max_tokens=n))
+    for i, q in enumerate(["what is this?", "count the cars", "where", "colour?"]):
+        reqs.append(GenerationRequest(Task.QUERY, images[i % 2], request_id=f"q{i}",
+                                      question=q, temperature=0, max_tokens=24 + 6 * i))
+    reqs.append(GenerationRequest(Task.QUERY, None, request_id="t0", question="no image",
+                                  temperature=0, max_tokens=15))
+    reqs.append(GenerationRequest(Task.CAPTION, images[0], request_id="s0", temperature=0.8,
+                                  top_p=0.9, seed=11, max_tokens=25))
+    return reqs
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_text_tasks_equal_the_reference(text_model: LoadedModel, images: list[PreparedImage],
+                                        depth: int) -> None:
+    ref = ReferenceGenerator(text_model.model, text_model.tokenizer)
+    reqs = _text_requests(images)
+
+    async def run() -> list[tuple[list[str], Finished]]:
+        engine = _engine(text_model, depth, max_batch=4)
+        await engine.start()
+        try:
+            out = await asyncio.gather(*[_collect(engine, r) for r in reqs])
+            await _wait_idle(engine)  # the last zombies release after their results went out
+            _assert_clean(engine)
+            return out
+        finally:
+            await engine.close()
+
+    results = asyncio.run(run())
+    reasons = set()
+    for req, (parts, fin) in zip(reqs, results, strict=True):
+        settings = SamplingSettings(temperature=req.temperature, top_p=req.top_p,
+                                    max_tokens=req.max_tokens, seed=req.seed)
+        want = (ref.caption(req.image, req.caption_length, settings)
+                if req.task is Task.CAPTION else ref.query(req.image, req.question, settings))
+        assert fin.text == want.text, req.request_id
+        assert "".join(parts) == fin.text
+        assert fin.finish_reason == want.finish_reason, req.request_id
+        assert fin.metrics.output_tokens == len(want.token_ids)
+        reasons.add(fin.finish_reason)
+    assert reasons == {"eos", "length"}  # both endings were exercised
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_region_tasks_equal_the_reference(region_model: LoadedModel,
+                                          images: list[PreparedImage], depth: int) -> None:
+    ref = ReferenceGenerator(region_model.model, region_model.tokenizer)
+    reqs = [GenerationRequest(task, images[i % 3], request_id=f"{task}{i}", object_name=obj,
+                              max_objects=n)
+            for i, (task, obj, n) in enumerate([
+                (Task.DETECT, "car", 3), (Task.POINT, "dog", 4), (Task.DETECT, "tree", 8),
+                (Task.POINT, "car", 1), (Task.DETECT, "person", 5), (Task.POINT, "sign", 6)])]
+
+    async def run() -> list[tuple[list[str], Finished]]:
+        engine = _engine(region_model, depth)
+        await engine.start()
+        try:
+            out = await asyncio.gather(*[_collect(engine, r) for r in reqs])
+            assert engine.stats().prefix_hits >= 3  # 6 requests over 3 images
+            await _wait_idle(engine)
+            _assert_clean(engine)
+            return out
+        finally:
+            await engine.close()
+
+    reasons, counts = set(), set()
+    for req, (_, fin) in zip(reqs, asyncio.run(run()), strict=True):
+        if req.task is Task.DETECT:
+            want = ref.detect(req.image, req.object_name, req.max_objects)
+            assert [tuple(vars(b).values()) for b in fin.boxes] == \
+                [tuple(vars(b).values()) for b in want.boxes]
+        else:
+            want = ref.point(req.image, req.object_name, req.max_objects)
+            assert [tuple(vars(p).values()) for p in fin.points] == \
+                [tuple(vars(p).values()) for p in want.points]
+        assert fin.finish_reason == want.finish_reason
+        reasons.add(fin.finish_reason)
+        counts.add(len(fin.points) + len(fin.boxes))
+    assert reasons == {"eos", "max_objects"}
+    assert len(counts) >= 3
+
+
+def test_cancel_mid_stream_frees_everything(text_model: LoadedModel,
+                                            images: list[PreparedImage]) -> None:
+    async def run() -> None:
+        engine = _engine(text_model, 2)
+        await engine.start()
+        try:
+            long = GenerationRequest(Task.CAPTION, images[0], temperature=0, max_tokens=200)
+            other = GenerationRequest(Task.QUERY, images[1], question="what is this?",
+                                      temperature=0, max_tokens=12)
+            stream = engine.submit(long)
+            other_task = asyncio.create_task(_collect(engine, other))
+            seen = 0
+            with pytest.raises(EngineError) as info:
+                async for event in stream:
+                    assert isinstance(event, TextDelta)
+                    seen += 1
+                    if seen == 3:
+                        stream.cancel()
+            assert info.value.code is ErrorCode.CANCELLED
+            _, fin = await other_task  # untouched by the cancellation
+            assert fin.finish_reason in ("eos", "length")
+            await _wait_idle(engine)
+            _assert_clean(engine)
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
+
+
+async def _wait_idle(engine: BatchedEngine, timeout: float = 30.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not engine.idle():
+        assert loop.time() < end, "engine did not become idle"
+        await asyncio.sleep(0.005)
+
+
+def test_deadline_while_queued_is_never_scheduled(text_model: LoadedModel,
+                                                  images: list[PreparedImage]) -> None:
+    async def run() -> None:
+        engine = _engine(text_model, 2, max_batch=1)
+        launched: list[str] = []
+        engine.scheduler.trace = lambda what, step: launched.extend(
+            s.request.request_id for s in step.seqs if what == "launch")
+        await engine.start()
+        try:
+            busy = engine.submit(GenerationRequest(Task.CAPTION, images[0], request_id="busy",
+                                                   temperature=0, max_tokens=60))
+            first = await anext(aiter(busy))
+            assert isinstance(first, TextDelta)
+            loop = asyncio.get_running_loop()
+            late = GenerationRequest(Task.CAPTION, images[1], request_id="late",
+                                     temperature=0, max_tokens=5,
+                                     deadline=time.monotonic() + 0.01)
+            with pytest.raises(EngineError) as info:
+                await _collect(engine, late)
+            assert info.value.code is ErrorCode.DEADLINE_EXCEEDED
+            busy.cancel()
+            with pytest.raises(EngineError):
+                async for _ in busy:
+                    pass
+            await _wait_idle(engine)
+            assert "late" not in launched and "busy" in launched
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
+
+
+def test_deadline_while_running(tiny: LoadedModel, images: list[PreparedImage]) -> None:
+    async def run() -> None:
+        engine = _engine(tiny, 2)
+        await engine.start()
+        try:
+            loop = asyncio.get_running_loop()
+            req = GenerationRequest(Task.CAPTION, images[0], temperature=0, max_tokens=500,
+                                    deadline=time.monotonic() + 0.3)
+            parts = []
+            with pytest.raises(EngineError) as info:
+                async for event in engine.submit(req):
+                    parts.append(event)
+            assert info.value.code is ErrorCode.DEADLINE_EXCEEDED
+            await _wait_idle(engine)
+            _assert_clean(engine)
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
+
+
+def test_constrained_query_and_segment_always_parse(tiny: LoadedModel,
+                                                   images: list[PreparedImage]) -> None:
+    async def run() -> None:
+        engine = _engine(tiny, 2)
+        await engine.start()
+        try:
+            choice = GenerationRequest(Task.QUERY, images[0], question="which?",
+                                       choices=("red car", "blue bus", "no"), temperature=1.0,
+                                       seed=3, max_tokens=20)
+            regex = GenerationRequest(Task.QUERY, images[0], question="count", regex=r"\d{1,3}",
+                                      temperature=1.0, seed=4, max_tokens=20)
+            seg = GenerationRequest(Task.SEGMENT, images[2], object_name="car", max_tokens=60)
+            (_, a), (_, b), (_, c) = await asyncio.gather(
+                _collect(engine, choice), _collect(engine, regex), _collect(engine, seg))
+            assert a.text in choice.choices
+            assert re.fullmatch(r"\d{1,3}", b.text)
+            s = c.segmentation
+            assert s is not None and s.svg_path.startswith("M") and s.svg_path.endswith("Z")
+            assert s.mask_height == images[2].height and s.mask_width == images[2].width
+            assert sum(s.mask_rle) == s.mask_height * s.mask_width
+            with pytest.raises(EngineError) as info:
+                engine.submit(GenerationRequest(Task.QUERY, images[0], question="x",
+                                                regex="(unclosed"))
+            assert info.value.code is ErrorCode.INVALID_ARGUMENT and info.value.field == "regex"
+            await _wait_idle(engine)
+            _assert_clean(engine)
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
+
+
+def test_admission_errors(tiny: LoadedModel, images: list[PreparedImage]) -> None:
+    async def run() -> None:
+        engine = _engine(tiny, 2, max_queue=1)
+        cases = [
+            (dict(task=Task.CAPTION, image=images[0], max_tokens=1500), ErrorCode.OUT_OF_RANGE,
+             "max_tokens"),
+            (dict(task=Task.CAPTION, image=images[0], temperature=-1),
+             ErrorCode.INVALID_ARGUMENT, "temperature"),
+            (dict(task=Task.CAPTION, image=images[0], top_p=0), ErrorCode.INVALID_ARGUMENT,
+             "top_p"),
+            (dict(task=Task.DETECT, image=images[0], object_name=" "),
+             ErrorCode.INVALID_ARGUMENT, "object"),
+            (dict(task=Task.CAPTION, image=None), ErrorCode.INVALID_ARGUMENT, "image"),
+        ]
+        for kwargs, code, field in cases:
+            with pytest.raises(EngineError) as info:
+                engine.submit(GenerationRequest(**kwargs))  # type: ignore[arg-type]
+            assert info.value.code is code and info.value.field == field
+        # The engine is not started: the first request waits, the second finds the queue full.
+        engine.submit(GenerationRequest(Task.CAPTION, images[0], max_tokens=2))
+        with pytest.raises(EngineError) as info:
+            engine.submit(GenerationRequest(Task.CAPTION, images[0], max_tokens=2))
+        assert info.value.code is ErrorCode.RESOURCE_EXHAUSTED
+        small = _engine(tiny, 2, kv_budget_bytes=1 << 20)
+        with pytest.raises(EngineError) as info:
+            small.submit(GenerationRequest(Task.CAPTION, images[0], max_tokens=1200))
+        assert info.value.code is ErrorCode.RESOURCE_EXHAUSTED
+        await engine.close()
+
+    asyncio.run(run())
+
+
+def test_many_concurrent_requests_under_page_pressure(text_model: LoadedModel,
+                                                      images: list[PreparedImage]) -> None:
+    """More requests than pages for all of them at once: they wait, then all finish."""
+    reqs = [GenerationRequest(Task.QUERY, images[i % 3], request_id=str(i), question=f"q{i}",
+                              temperature=0, max_tokens=3 + i % 5) for i in range(24)]
+
+    async def run() -> list[Finished]:
+        engine = _engine(text_model, 2, max_batch=6, kv_budget_bytes=2 << 20,
+                         prefix_cache_entries=2)
+        await engine.start()
+        try:
+            out = await asyncio.gather(*[_collect(engine, r) for r in reqs])
+            await _wait_idle(engine)  # the last zombies release after their results went out
+            _assert_clean(engine)
+            return [fin for _, fin in out]
+        finally:
+            await engine.close()
+
+    ref = ReferenceGenerator(text_model.model, text_model.tokenizer)
+    for req, fin in zip(reqs, asyncio.run(run()), strict=True):
+        want = ref.query(req.image, req.question,
+                         SamplingSettings(temperature=0, max_tokens=req.max_tokens))
+        assert fin.text == want.text

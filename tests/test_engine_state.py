@@ -1,0 +1,171 @@
+"""CUDA-free engine state: pipeline transitions, page allocator, prefix cache, and randomized
+interleavings of submit / cancel / finish driven straight through the scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from image_pipeline import PreparedImage, prepare_pil, sample_image
+from vlm_server.engine.api import EngineError, Finished, GenerationRequest, Task
+from vlm_server.engine.batched_engine import BatchedEngine
+from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.pages import SINK_PAGE, OutOfPages, PageAllocator
+from vlm_server.engine.pipeline_state import PipelineError, PipelineState, StepKind
+from vlm_server.engine.prefix_cache import PrefixCache
+from vlm_server.weights.loader import LoadedModel
+
+
+def test_pipeline_depth_two_cycle() -> None:
+    p = PipelineState(depth=2)
+    a = p.launch(StepKind.PREFILL, ["x"])
+    p.mark_finalized(a)
+    b = p.launch(StepKind.DECODE, ["x"])
+    assert not p.can_launch()
+    with pytest.raises(PipelineError):
+        p.launch(StepKind.DECODE, [])  # a third step in flight
+    assert p.pop_oldest() is a  # FIFO
+    with pytest.raises(PipelineError):
+        p.launch(StepKind.DECODE, [])  # a's slot is still being read by its commit
+    p.complete(a)
+    p.mark_finalized(b)
+    c = p.launch(StepKind.DECODE, ["x"])
+    assert c.slot == a.slot  # ping-pong
+    with pytest.raises(PipelineError):
+        p.complete(a)  # twice
+
+
+def test_pipeline_illegal_orders_raise() -> None:
+    p = PipelineState(depth=2)
+    a = p.launch(StepKind.DECODE, [])
+    with pytest.raises(PipelineError):
+        p.pop_oldest()  # commit before finalize
+    b_state = PipelineState(depth=2)
+    x = b_state.launch(StepKind.DECODE, [])
+    y = b_state.launch(StepKind.DECODE, [])
+    with pytest.raises(PipelineError):
+        b_state.mark_finalized(y)  # finalize out of launch order
+    b_state.mark_finalized(x)
+    with pytest.raises(PipelineError):
+        b_state.mark_finalized(x)
+    p.mark_finalized(a)
+    blocking = PipelineState(depth=1)
+    blocking.launch(StepKind.DECODE, [])
+    assert not blocking.can_launch()
+    with pytest.raises(ValueError):
+        PipelineState(depth=3)
+
+
+def test_page_allocator_refcounts_and_sink() -> None:
+    alloc = PageAllocator(n_pages=8, page_size=4, max_rows=2, max_pages_per_row=4)
+    assert alloc.free_pages == 7 and alloc.pages_for(9) == 3
+    pages = alloc.allocate(3)
+    assert SINK_PAGE not in pages
+    alloc.retain(pages[:1])
+    alloc.assign(1, pages)
+    assert alloc.take_dirty() == [1] and alloc.take_dirty() == []
+    assert list(alloc.block_table[1]) == [*pages, SINK_PAGE]
+    alloc.release(pages)
+    assert alloc.free_pages == 6  # the retained page is still held
+    alloc.release(pages[:1])
+    assert alloc.free_pages == 7
+    with pytest.raises(AssertionError):
+        alloc.release(pages[:1])
+    with pytest.raises(OutOfPages):
+        alloc.allocate(8)
+    with pytest.raises(AssertionError):
+        alloc.release([SINK_PAGE])
+
+
+def test_prefix_cache_lru_eviction_only_when_idle() -> None:
+    alloc = PageAllocator(n_pages=12, page_size=4, max_rows=1, max_pages_per_row=4)
+    cache = PrefixCache(alloc, prefix_len=10, max_entries=8)  # 3 pages, last one partial
+    a = cache.create("a")
+    assert len(a.full_pages) == 2 and a.tail_page is not None and a.users == 1
+    b = cache.create("b")
+    cache.release(b)
+    cache.release(a)
+    assert cache.lookup("a") is a and cache.hits == 1  # a is now most recently used
+    cache.acquire(a)
+    assert cache.evict_for(alloc.free_pages + 3)  # evicts b, the idle one
+    assert cache.peek("b") is None and cache.peek("a") is a
+    assert not cache.evict_for(alloc.free_pages + 3)  # a is in use
+    cache.release(a)
+    cache.clear()
+    assert alloc.used_pages == 0
+
+
+@pytest.fixture(scope="module")
+def _threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def two_images() -> list[PreparedImage]:
+    base = sample_image()
+    return [prepare_pil(base.resize((320, 240))), prepare_pil(base.resize((240, 320)))]
+
+
+_ACTIONS = st.lists(
+    st.tuples(st.sampled_from(["submit", "cancel", "tick", "tick", "tick"]),
+              st.integers(0, 1000)), min_size=1, max_size=40)
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(actions=_ACTIONS, depth=st.sampled_from([1, 2]))
+def test_random_interleavings_leave_nothing_behind(
+        _threads: None, tiny: LoadedModel, two_images: list[PreparedImage],
+        actions: list[tuple[str, int]], depth: int) -> None:
+    """Submit, cancel and tick in random orders (the scheduler driven by hand, no thread):
+    every request ends exactly once, and then every page, row and slot is free."""
+
+    async def run() -> None:
+        engine = BatchedEngine(tiny, EngineConfig(pipeline_depth=depth, max_batch=3,
+                                                  kv_budget_bytes=3 << 20,
+                                                  prefix_cache_entries=1))
+        s = engine.scheduler
+        ends: dict[int, list[object]] = {}
+        streams = {}
+        for action, n in actions:
+            if action == "submit":
+                task = [Task.CAPTION, Task.QUERY, Task.POINT, Task.DETECT][n % 4]
+                image = two_images[n % 2] if n % 5 or task is not Task.QUERY else None
+                req = GenerationRequest(task, image,
+                                        question="q", object_name="o", temperature=n % 2,
+                                        max_tokens=1 + n % 7, max_objects=1 + n % 3, seed=n)
+                stream = engine.submit(req)
+                i = len(streams)
+                streams[i] = stream
+                ends[i] = []
+                stream._seq.emit = lambda e, i=i: ends[i].append(e)  # type: ignore[misc]
+            elif action == "cancel" and streams:
+                streams[n % len(streams)].cancel()
+            else:
+                s.waiting.extend(engine._inbox)
+                engine._inbox.clear()
+                s.tick()
+        s.waiting.extend(engine._inbox)
+        engine._inbox.clear()
+        for _ in range(10_000):
+            if not s.has_work():
+                break
+            s.tick()
+        for events in ends.values():
+            finals = [e for e in events if isinstance(e, Finished | EngineError)]
+            assert len(finals) == 1
+        assert not s.zombies and not s.running and not s.waiting
+        assert all(x is None for x in s.pipe.slots)
+        assert len(s.free_rows) == engine.cfg.max_rows
+        s.prefix_cache.clear()
+        assert engine.runtime.pages.used_pages == 0
+
+    asyncio.run(run())
