@@ -253,7 +253,6 @@ def test_deadline_while_queued_is_never_scheduled(text_model: LoadedModel,
                                                    temperature=0, max_tokens=60))
             first = await anext(aiter(busy))
             assert isinstance(first, TextDelta)
-            loop = asyncio.get_running_loop()
             late = GenerationRequest(Task.CAPTION, images[1], request_id="late",
                                      temperature=0, max_tokens=5,
                                      deadline=time.monotonic() + 0.01)
@@ -277,7 +276,6 @@ def test_deadline_while_running(tiny: LoadedModel, images: list[PreparedImage]) 
         engine = _engine(tiny, 2)
         await engine.start()
         try:
-            loop = asyncio.get_running_loop()
             req = GenerationRequest(Task.CAPTION, images[0], temperature=0, max_tokens=500,
                                     deadline=time.monotonic() + 0.3)
             parts = []

@@ -55,7 +55,7 @@ class ServerConfig:
     max_image_bytes: int = 32 * MIB
     max_image_pixels: int = 50_000_000
     max_image_side: int = 32_768
-    image_cache_size: int = 256
+    image_cache_bytes: int = 512 * MIB
     max_message_bytes: int = 32 * MIB
     metrics_host: str | None = None
     metrics_port: int = 9464
@@ -66,7 +66,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         positive = ("max_batch_size", "pipeline_depth", "queue_limit", "max_image_bytes",
-                    "max_image_pixels", "image_cache_size", "max_message_bytes",
+                    "max_image_pixels", "image_cache_bytes", "max_message_bytes",
                     "decode_threads")
         for name in positive:
             if getattr(self, name) < 1:
@@ -124,7 +124,8 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("max_image_bytes", parse_size, "largest accepted encoded image"),
     _Option("max_image_pixels", int, "largest accepted width x height"),
     _Option("max_image_side", int, "largest accepted width or height (0 = no limit)"),
-    _Option("image_cache_size", int, "images kept for EncodeImage ids (least recently used go)"),
+    _Option("image_cache_bytes", parse_size,
+            "memory for images uploaded with EncodeImage (least recently used go first)"),
     _Option("max_message_bytes", parse_size, "largest gRPC message, request or response"),
     _Option("metrics_host", _optional_str, "address of the Prometheus endpoint (default: host)"),
     _Option("metrics_port", int, "Prometheus endpoint port (0 = any free port)"),

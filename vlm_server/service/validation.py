@@ -10,10 +10,10 @@ import math
 from dataclasses import dataclass
 
 from vlm_server.api.v1 import vision_language_pb2 as pb
-from vlm_server.engine.api import GenerationRequest
+from vlm_server.engine.api import GenerationRequest, Task
 from vlm_server.service.errors import invalid
 
-_DEFAULTS = GenerationRequest(task="caption", image=None)  # type: ignore[arg-type]
+_DEFAULTS = GenerationRequest(task=Task.CAPTION, image=None)
 
 CAPTION_LENGTHS = {
     pb.CAPTION_LENGTH_UNSPECIFIED: "normal",

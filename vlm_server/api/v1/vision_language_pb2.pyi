@@ -258,22 +258,22 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerLimits(_message.Message):
-    __slots__ = ("max_message_bytes", "max_image_bytes", "max_image_pixels", "max_image_side", "max_tokens", "max_queue", "image_cache_entries")
+    __slots__ = ("max_message_bytes", "max_image_bytes", "max_image_pixels", "max_image_side", "max_tokens", "max_queue", "image_cache_bytes")
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_IMAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_IMAGE_PIXELS_FIELD_NUMBER: _ClassVar[int]
     MAX_IMAGE_SIDE_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
-    IMAGE_CACHE_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     max_message_bytes: int
     max_image_bytes: int
     max_image_pixels: int
     max_image_side: int
     max_tokens: int
     max_queue: int
-    image_cache_entries: int
-    def __init__(self, max_message_bytes: _Optional[int] = ..., max_image_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., max_image_side: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_queue: _Optional[int] = ..., image_cache_entries: _Optional[int] = ...) -> None: ...
+    image_cache_bytes: int
+    def __init__(self, max_message_bytes: _Optional[int] = ..., max_image_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., max_image_side: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_queue: _Optional[int] = ..., image_cache_bytes: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
     __slots__ = ("model_name", "preset", "token_contract", "device", "dtype", "max_context", "pipeline_depth", "max_batch_size", "limits", "server_version")
