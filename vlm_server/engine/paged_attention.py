@@ -54,3 +54,36 @@ class PagedKV:
         kp, vp = self.k_pools[layer], self.v_pools[layer]
         write_kv(kp, vp, self.block_rows, positions, k, v)
         return paged_attention(q, kp, vp, self.block_rows, positions, self.prefix_len)
+
+
+class DecodeKV:
+    """The `KVCache` of a decode step: one new position per row, rows read from the block
+    table on the device. On CUDA the attention is the Triton kernel (reads only live pages,
+    no host-dependent shapes, so the step can be graph-captured); elsewhere plain PyTorch over
+    the first ``n_blocks`` pages."""
+
+    def __init__(self, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor],
+                 block_table: torch.Tensor, rows: torch.Tensor, n_blocks: int,
+                 use_triton: bool) -> None:
+        self.k_pools, self.v_pools = k_pools, v_pools
+        self.block_table = block_table
+        self.rows = rows
+        self.n_blocks = n_blocks
+        self.use_triton = use_triton
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        kp, vp = self.k_pools[layer], self.v_pools[layer]
+        ps = kp.shape[1]
+        pages = self.block_table[self.rows[:, None], positions // ps].long()  # [B, 1]
+        offsets = positions % ps
+        kp[pages, offsets] = k.transpose(1, 2).to(kp.dtype)
+        vp[pages, offsets] = v.transpose(1, 2).to(vp.dtype)
+        if self.use_triton:
+            from vlm_server.engine.triton_attention import paged_decode_attention
+
+            out = paged_decode_attention(q[:, :, 0].contiguous(), kp, vp, self.block_table,
+                                         self.rows, positions[:, 0] + 1)
+            return out[:, :, None]
+        rows = self.block_table[self.rows, : self.n_blocks].long()
+        return paged_attention(q, kp, vp, rows, positions, 0)

@@ -22,7 +22,7 @@ from decoding.sampling import sample
 from image_pipeline import normalize_crops
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.device import CpuEvent, DeviceStreams
-from vlm_server.engine.paged_attention import PagedKV
+from vlm_server.engine.paged_attention import DecodeKV, PagedKV
 from vlm_server.engine.pages import PageAllocator
 from vlm_server.engine.sequence import PHASE_BOUNDARY, PHASE_SIZE, PHASE_TOKEN, Sequence
 from vlm_server.model import MoondreamModel
@@ -51,6 +51,19 @@ class SlotBuffers:
     d2h_done: object
 
 
+def graph_buckets(max_batch: int) -> list[int]:
+    """Batch sizes with a captured graph: 1, 2, 4, 8, then multiples of 8, up to max_batch."""
+    sizes = [n for n in (1, 2, 4) if n < max_batch]
+    sizes += list(range(8, max_batch, 8))
+    return [*sizes, max_batch]
+
+
+def triton_available() -> bool:
+    from vlm_server.engine import triton_attention
+
+    return triton_attention.AVAILABLE
+
+
 def kv_page_bytes(model: MoondreamModel, page_size: int) -> int:
     t = model.config.text
     return 2 * t.n_layers * page_size * t.n_kv_heads * t.head_dim * model.dtype.itemsize
@@ -73,12 +86,18 @@ class ModelRuntime:
         self.v_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                         for _ in range(tc.n_layers)]
         rows, max_pages = cfg.max_rows, -(-tc.max_context // cfg.page_size)
-        self.block_host = self.streams.host_buffer((rows, max_pages), torch.int32)
-        self.block_dev = torch.zeros((rows, max_pages), dtype=torch.int32, device=self.device)
+        # One extra row pads graph buckets: its block-table row stays on the sink page.
+        self.pad_row = rows
+        self.block_host = self.streams.host_buffer((rows + 1, max_pages), torch.int32)
+        self.block_dev = torch.zeros((rows + 1, max_pages), dtype=torch.int32,
+                                     device=self.device)
         self.pages = PageAllocator(n_pages, cfg.page_size, rows, max_pages,
-                                   block_table=self.block_host.numpy())
-        self.next_embed = torch.zeros(rows, tc.dim, dtype=self.dtype, device=self.device)
-        self.slots = [self._slot_buffers(rows, tc.dim) for _ in range(2)]
+                                   block_table=self.block_host.numpy()[:rows])
+        self.next_embed = torch.zeros(rows + 1, tc.dim, dtype=self.dtype, device=self.device)
+        self.slots = [self._slot_buffers(rows + 1, tc.dim) for _ in range(2)]
+        self.use_triton = self.streams.is_cuda and triton_available()
+        self.buckets = graph_buckets(cfg.max_batch)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.table = table
         self.table_dev = torch.ones((table.max_rows, table.width), dtype=torch.bool,
                                     device=self.device)
@@ -125,27 +144,67 @@ class ModelRuntime:
 
     @torch.inference_mode()
     def launch_decode(self, slot: int, seqs: list[Sequence]) -> None:
-        """Enqueue one decode forward for ``seqs`` (row order = batch order)."""
+        """Enqueue one decode forward for ``seqs`` (row order = batch order). With graphs on,
+        the batch is padded to its bucket with the pad row and the bucket's graph replays."""
         buf, st = self.slots[slot], self.streams
         b = len(seqs)
+        n = self._bucket(b) if self.graphs else b
         host = buf.launch_host.numpy()
         max_pos = 0
         for i, seq in enumerate(seqs):
             pos = seq.next_position()
             host[i, 0], host[i, 1] = seq.row, pos
             max_pos = max(max_pos, pos)
+        host[b:n, 0], host[b:n, 1] = self.pad_row, 0
         with st.on(st.copy):
             self._upload_block_table()
-            buf.launch_dev[:b].copy_(buf.launch_host[:b], non_blocking=True)
+            buf.launch_dev[:n].copy_(buf.launch_host[:n], non_blocking=True)
             buf.inputs_ready.record()
         st.wait(st.compute, buf.inputs_ready)
         with st.on(st.compute):
-            rows, pos = buf.launch_dev[:b, 0], buf.launch_dev[:b, 1:2]
-            n_blocks = max_pos // self.cfg.page_size + 1
-            kv = PagedKV(self.k_pools, self.v_pools, self.block_dev[rows, :n_blocks].long(),
-                         prefix_len=0)
-            x = self.next_embed[rows][:, None]
-            buf.hidden[:b] = self.model.text(x, pos, kv)[:, -1]
+            graph = self.graphs.get((slot, n)) if self.graphs else None
+            if graph is not None:
+                graph.replay()
+            else:
+                self._decode_forward(buf, n, max_pos // self.cfg.page_size + 1)
+
+    def _decode_forward(self, buf: SlotBuffers, n: int, n_blocks: int) -> None:
+        rows, pos = buf.launch_dev[:n, 0], buf.launch_dev[:n, 1:2]
+        kv = DecodeKV(self.k_pools, self.v_pools, self.block_dev, rows, n_blocks,
+                      self.use_triton)
+        x = self.next_embed[rows][:, None]
+        buf.hidden[:n] = self.model.text(x, pos, kv)[:, -1]
+
+    def _bucket(self, b: int) -> int:
+        for size in self.buckets:
+            if size >= b:
+                return size
+        raise ValueError(f"batch {b} exceeds the largest graph bucket {self.buckets[-1]}")
+
+    @torch.inference_mode()
+    def capture_graphs(self, progress: bool = True) -> None:
+        """Capture the decode forward per (slot, batch bucket), largest first, in one memory
+        pool. CUDA only; the CPU keeps running the same forward eagerly."""
+        if not self.streams.is_cuda:
+            return
+        from tqdm import tqdm
+
+        pool = torch.cuda.graph_pool_handle()
+        max_blocks = self.block_dev.shape[1]
+        todo = [(slot, n) for n in sorted(self.buckets, reverse=True) for slot in (0, 1)]
+        graphs = {}
+        for slot, n in tqdm(todo, desc="capturing decode graphs", disable=not progress):
+            buf = self.slots[slot]
+            buf.launch_dev[:n, 0] = self.pad_row
+            buf.launch_dev[:n, 1] = 0
+            with torch.cuda.stream(self.streams.compute):
+                self._decode_forward(buf, n, max_blocks)  # warm-up: kernels compiled, no alloc
+            self.streams.compute.synchronize()  # start-up only: capture needs a quiet stream
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=self.streams.compute):
+                self._decode_forward(buf, n, max_blocks)
+            graphs[(slot, n)] = graph
+        self.graphs = graphs
 
     @torch.inference_mode()
     def launch_prefill(self, slot: int, seqs: list[Sequence],
