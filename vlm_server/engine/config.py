@@ -15,6 +15,7 @@ class EngineConfig:
     max_prefill_batch: int = 8  # requests prefilled together in one launch
     prefix_cache_entries: int = 64  # image prefixes kept for reuse
     mask_table_rows: int = 1024  # device mask-table capacity (rows of vocab-wide bools)
+    cuda_graphs: bool = True  # capture decode forwards per batch bucket (CUDA only)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_queue < 0 or self.max_prefill_batch < 1:

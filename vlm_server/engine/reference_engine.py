@@ -106,17 +106,18 @@ class ReferenceEngine:
     """Serves requests with `ReferenceGenerator` on a single worker thread.
 
     ``load`` runs on the worker thread at `start` and returns the model; ``max_queue`` bounds
-    the requests waiting behind the running one; ``kv_budget`` (positions, 0 = the context
-    length) bounds what one request may reserve.
+    the requests waiting behind the running one; ``kv_budget_bytes`` (0 = no limit beyond the
+    context) bounds the KV cache one request may need.
     """
 
     def __init__(self, load: Callable[[], LoadedModel], *, max_queue: int = 64,
-                 kv_budget: int = 0) -> None:
+                 kv_budget_bytes: int = 0) -> None:
         if max_queue < 1:
             raise ValueError("max_queue must be >= 1")
         self._load = load
         self._max_queue = max_queue
-        self._kv_budget = kv_budget
+        self._kv_budget_bytes = kv_budget_bytes
+        self._kv_bytes_per_position = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._info: EngineInfo | None = None
         self._generator: ReferenceGenerator | None = None
@@ -280,11 +281,12 @@ class ReferenceEngine:
                 ErrorCode.OUT_OF_RANGE,
                 f"the prompt ({prefix} positions) plus {name} ({budget} positions) exceeds the "
                 f"model's context of {config.max_context}", name)
-        if self._kv_budget and prefix + budget > self._kv_budget:
+        need = (prefix + budget) * self._kv_bytes_per_position
+        if self._kv_budget_bytes and need > self._kv_budget_bytes:
             raise EngineError(
                 ErrorCode.RESOURCE_EXHAUSTED,
-                f"the request needs {prefix + budget} KV positions; this server's KV budget "
-                f"is {self._kv_budget}", name)
+                f"the request needs {prefix + budget} KV positions ({need} bytes); the KV "
+                f"budget is {self._kv_budget_bytes} bytes", name)
 
     def _cancel(self, job: _Job) -> None:
         with self._cond:
@@ -325,6 +327,9 @@ class ReferenceEngine:
             self._generator = ReferenceGenerator(model.model, model.tokenizer)
             self._vocab = TokenVocab.from_tokenizer(model.tokenizer)
             config = model.config
+            text = config.text
+            self._kv_bytes_per_position = (2 * text.n_layers * text.n_kv_heads * text.head_dim
+                                           * model.model.dtype.itemsize)
             self._info = EngineInfo(
                 model_name=config.name, preset=config.name,
                 token_contract=config.tokens.name if config.tokens else "",

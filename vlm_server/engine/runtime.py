@@ -98,6 +98,10 @@ class ModelRuntime:
         self.use_triton = self.streams.is_cuda and triton_available()
         self.buckets = graph_buckets(cfg.max_batch)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        # Benchmarks set these lists to collect (start, end) device events of each forward
+        # and each finalize, in launch order; None in production (no events recorded).
+        self.forward_events: list[tuple[str, object, object]] | None = None
+        self.finalize_events: list[tuple[object, object]] | None = None
         self.table = table
         self.table_dev = torch.ones((table.max_rows, table.width), dtype=torch.bool,
                                     device=self.device)
@@ -162,11 +166,14 @@ class ModelRuntime:
             buf.inputs_ready.record()
         st.wait(st.compute, buf.inputs_ready)
         with st.on(st.compute):
+            start = self._mark()
             graph = self.graphs.get((slot, n)) if self.graphs else None
             if graph is not None:
                 graph.replay()
             else:
                 self._decode_forward(buf, n, max_pos // self.cfg.page_size + 1)
+            if self.forward_events is not None:
+                self.forward_events.append(("decode", start, self._mark()))
 
     def _decode_forward(self, buf: SlotBuffers, n: int, n_blocks: int) -> None:
         rows, pos = buf.launch_dev[:n, 0], buf.launch_dev[:n, 1:2]
@@ -193,11 +200,12 @@ class ModelRuntime:
         max_blocks = self.block_dev.shape[1]
         todo = [(slot, n) for n in sorted(self.buckets, reverse=True) for slot in (0, 1)]
         graphs = {}
+        torch.cuda.synchronize(self.device)  # start-up only: buffers made on other streams
         for slot, n in tqdm(todo, desc="capturing decode graphs", disable=not progress):
             buf = self.slots[slot]
-            buf.launch_dev[:n, 0] = self.pad_row
-            buf.launch_dev[:n, 1] = 0
             with torch.cuda.stream(self.streams.compute):
+                buf.launch_dev[:n, 0] = self.pad_row
+                buf.launch_dev[:n, 1] = 0
                 self._decode_forward(buf, n, max_blocks)  # warm-up: kernels compiled, no alloc
             self.streams.compute.synchronize()  # start-up only: capture needs a quiet stream
             graph = torch.cuda.CUDAGraph()
@@ -217,6 +225,7 @@ class ModelRuntime:
             buf.inputs_ready.record()
         st.wait(st.compute, buf.inputs_ready)
         with st.on(st.compute):
+            start = self._mark()
             prefixes = self._image_prefixes(seqs, image_for)
             for i, seq in enumerate(seqs):
                 if seq.prefix is not None and i in prefixes:
@@ -232,6 +241,8 @@ class ModelRuntime:
                 pos = torch.arange(start, start + len(seq.prompt), device=self.device)[None]
                 kv = PagedKV(self.k_pools, self.v_pools, self._h2d(pages)[None], seq.prefix_len)
                 buf.hidden[i] = m.text(m.text.embed(ids)[None], pos, kv)[0, -1]
+            if self.forward_events is not None:
+                self.forward_events.append(("prefill", start, self._mark()))
 
     def _h2d(self, values: list[int]) -> torch.Tensor:
         """Small host list -> device tensor through pinned memory, without a host wait."""
@@ -278,6 +289,7 @@ class ModelRuntime:
             buf.mask_ready.record()
         st.wait(st.compute, buf.mask_ready)
         with st.on(st.compute):
+            start = self._mark()
             fin_dev = buf.fin_dev[:b]
             floats = fin_dev.view(torch.float64)
             h = buf.hidden[:b]
@@ -301,11 +313,21 @@ class ModelRuntime:
                                          m.region.encode_coord(coord))
                 nxt = torch.where(is_token, nxt, region_emb)
             self.next_embed[fin_dev[:, F_ROW]] = nxt.to(self.dtype)
+            if self.finalize_events is not None:
+                self.finalize_events.append((start, self._mark()))
             buf.step_done.record()
         st.wait(st.copy, buf.step_done)
         with st.on(st.copy):
             buf.out_host[:b].copy_(out, non_blocking=True)
             buf.d2h_done.record()
+
+    def _mark(self) -> object:
+        """A timing event on the current stream, only while a benchmark collects them."""
+        if self.forward_events is None:
+            return None
+        event = torch.cuda.Event(enable_timing=True) if self.streams.is_cuda else CpuEvent()
+        event.record()
+        return event
 
     def read_outputs(self, slot: int, b: int) -> np.ndarray:
         """Wait for the slot's D2H copy (the scheduler's one intended sync) and view it."""

@@ -80,6 +80,10 @@ class Scheduler:
         self._last_commit_at = 0.0
         # Test hook: called with (phase name, step) around each pipeline action.
         self.trace: Callable[[str, Step], None] | None = None
+        # Benchmarks set this to collect per-tick host seconds: (commit, finalize, launch).
+        self.host_times: list[tuple[float, float, float]] | None = None
+        # Benchmarks set this to collect (commit time, step kind, batch size) per commit.
+        self.commit_log: list[tuple[float, str, int]] | None = None
 
     # ---- queries ----------------------------------------------------------------------
 
@@ -110,16 +114,22 @@ class Scheduler:
         """One scheduler iteration (see the module docstring for the order and why)."""
         self._sweep_cancelled()
         pipe = self.pipe
+        t0 = time.perf_counter()
         if pipe.n_in_flight and (pipe.n_in_flight >= pipe.depth or not self._launchable()):
             oldest = pipe.in_flight[0]
             if oldest.state.value == "launched":  # depth 1: sample before committing
                 self._finalize(oldest)
             self._commit(pipe.pop_oldest())
+        t1 = time.perf_counter()
         step = pipe.unfinalized()
         if step is not None:
             self._finalize(step)
+        t2 = time.perf_counter()
         if pipe.can_launch():
             self._launch()
+        if self.host_times is not None:
+            t3 = time.perf_counter()
+            self.host_times.append((t1 - t0, t2 - t1, t3 - t2))
 
     def _launchable(self) -> bool:
         if any(s.wants_decode_step() for s in self.running):
@@ -241,6 +251,8 @@ class Scheduler:
         values = out.tolist()  # host copy: the slot's buffer is handed back below
         self.pipe.complete(step)
         now = time.monotonic()
+        if self.commit_log is not None:
+            self.commit_log.append((time.perf_counter(), step.kind.value, len(step.seqs)))
         if self._last_commit_at:
             self.last_step_ms = (now - self._last_commit_at) * 1e3
         self._last_commit_at = now

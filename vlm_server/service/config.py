@@ -117,8 +117,8 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("host", str, "address to listen on"),
     _Option("port", int, "gRPC port (0 = any free port)"),
     _Option("max_batch_size", int, "most sequences decoded together (batched engine)"),
-    _Option("kv_budget", int, "KV cache positions one request may reserve at most "
-            "(0 = the model's context; the batched engine sizes its pool from free memory)"),
+    _Option("kv_budget", parse_size, "KV cache memory (0 = the engine's default: the "
+            "batched engine takes 40%% of free GPU memory)"),
     _Option("pipeline_depth", int, "steps in flight: 2 overlaps host work, 1 is blocking"),
     _Option("queue_limit", int, "requests waiting beyond this are refused (RESOURCE_EXHAUSTED)"),
     _Option("max_image_bytes", parse_size, "largest accepted encoded image"),
@@ -151,11 +151,11 @@ def build_parser(prog: str = "vlm-server") -> argparse.ArgumentParser:
     return parser
 
 
-def load_config(argv: Sequence[str] | None = None,
-                environ: Mapping[str, str] | None = None) -> ServerConfig:
+def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None,
+                prog: str = "vlm-server") -> ServerConfig:
     """Parse flags and environment into a validated config; exits (argparse) on bad input."""
     environ = os.environ if environ is None else environ
-    parser = build_parser()
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     values: dict[str, Any] = {}
     for opt in OPTIONS:

@@ -27,7 +27,14 @@ from vlm_server.weights.layout import (
     is_native,
     legacy_to_native,
 )
-from vlm_server.weights.writer import CONFIG_FILE, CONFIG_FORMAT, TOKENIZER_FILE, WEIGHTS_FILE
+from vlm_server.weights.tokenizer_build import build_tokenizer
+from vlm_server.weights.writer import (
+    CONFIG_FILE,
+    CONFIG_FORMAT,
+    TOKENIZER_FILE,
+    WEIGHTS_FILE,
+    random_tensor,
+)
 
 _PROGRESS_BYTES = 256 << 20  # show a progress bar for files larger than this
 _LIST_LIMIT = 12
@@ -199,3 +206,20 @@ def load_model(source: str | Path, *, preset_name: str | None = None,
     model.text.reset_rotary(device)
     model.eval().requires_grad_(False)
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, source=str(source))
+
+
+def random_model(config: ModelConfig, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu", progress: bool = True) -> LoadedModel:
+    """Exactly what loading `write_checkpoint(config, seed=seed)` gives (bf16 values), built in
+    memory: for benchmarks and GPU tests that need no file."""
+    shapes = expected_shapes(config)
+    state = {key: random_tensor(key, shape, seed, torch.bfloat16).to(device=device, dtype=dtype)
+             for key, shape in tqdm(shapes.items(), desc=f"random {config.name}",
+                                    unit="tensor", disable=not progress)}
+    with torch.device("meta"):
+        model = MoondreamModel(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.text.reset_rotary(device)
+    model.eval().requires_grad_(False)
+    return LoadedModel(model=model, tokenizer=build_tokenizer(config, seed),
+                       config=config, source=f"random:{config.name}:{seed}")

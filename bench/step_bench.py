@@ -1,0 +1,169 @@
+"""Step-level decode benchmark: forward, sampling and period per step, blocking vs pipelined.
+
+Runs the real engine (scheduler thread, pipeline, graphs) on a seeded random checkpoint of the
+chosen preset, N concurrent caption streams with a fixed number of output tokens, and reads:
+  forward / sampling ms   CUDA events around each decode forward and each finalize
+  period ms               wall time between consecutive decode commits at full batch
+  gpu idle ms             period - (forward + sampling)
+  host ms per tick        commit, finalize (mask build + upload), launch
+  speedup                 blocking / pipelined wall time for the whole run, with the cost
+                          model's prediction T_block / T_pipe x (1 - z), z ~ 1/L at 1 stream
+
+    python -m bench.step_bench --preset moondream2 --streams 1 8 32 --tokens 128
+
+Writes JSON and a PNG plot next to the printed table (default bench/results/<device>/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from image_pipeline import prepare_image, sample_image_bytes
+from vlm_server.config import preset
+from vlm_server.engine.api import Finished, GenerationRequest, Task
+from vlm_server.engine.batched_engine import BatchedEngine
+from vlm_server.engine.config import EngineConfig
+from vlm_server.weights.loader import LoadedModel, random_model
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _elapsed(pairs: list[tuple[object, object]]) -> list[float]:
+    out = []
+    for start, end in pairs:
+        if hasattr(start, "elapsed_time"):
+            out.append(start.elapsed_time(end))  # type: ignore[attr-defined]
+    return out
+
+
+async def run_case(loaded: LoadedModel, streams: int, tokens: int, depth: int,
+                   graphs: bool, kv_bytes: int | None) -> dict:
+    cfg = EngineConfig(pipeline_depth=depth, max_batch=max(streams, 1), cuda_graphs=graphs,
+                       kv_budget_bytes=kv_bytes)
+    engine = BatchedEngine(loaded, cfg)
+    await engine.start()
+    rt, sched = engine.runtime, engine.scheduler
+    image = prepare_image(sample_image_bytes())
+    # Warm-up: the image prefix gets cached, kernels compiled, allocator primed.
+    warm = GenerationRequest(Task.CAPTION, image, temperature=0, max_tokens=8)
+    async for _ in engine.submit(warm):
+        pass
+    rt.forward_events, rt.finalize_events = [], []
+    sched.host_times, sched.commit_log = [], []
+    reqs = [GenerationRequest(Task.CAPTION, image, request_id=str(i), temperature=0,
+                              max_tokens=tokens, seed=i) for i in range(streams)]
+
+    async def one(req: GenerationRequest) -> Finished:
+        async for event in engine.submit(req):
+            if isinstance(event, Finished):
+                return event
+        raise AssertionError("no result")
+
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*[one(r) for r in reqs])
+    wall = time.perf_counter() - t0
+    while not engine.idle():
+        await asyncio.sleep(0.001)
+    if rt.streams.is_cuda:
+        torch.cuda.synchronize()
+    fwd = [(s, e) for kind, s, e in rt.forward_events if kind == "decode"]
+    kinds = [kind for kind, _, _ in rt.forward_events]
+    fin = [p for p, k in zip(rt.finalize_events, kinds, strict=False) if k == "decode"]
+    commits = [(t, n) for t, kind, n in sched.commit_log if kind == "decode"]
+    full = [b - a for (a, n1), (b, n2) in itertools.pairwise(commits) if n1 == n2 == streams]
+    host = sched.host_times
+    out_tokens = sum(r.metrics.output_tokens for r in results)
+    row = {
+        "streams": streams, "depth": depth, "graphs": graphs, "tokens": tokens,
+        "forward_ms": _median(_elapsed(fwd)), "sampling_ms": _median(_elapsed(fin)),
+        "period_ms": _median(full) * 1e3, "wall_s": wall,
+        "tokens_per_s": out_tokens / wall,
+        "host_commit_ms": _median([h[0] for h in host]) * 1e3,
+        "host_finalize_ms": _median([h[1] for h in host]) * 1e3,
+        "host_launch_ms": _median([h[2] for h in host]) * 1e3,
+        "output_tokens": out_tokens,
+    }
+    row["gpu_idle_ms"] = row["period_ms"] - row["forward_ms"] - row["sampling_ms"]
+    await engine.close()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="moondream2")
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--depths", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--kv-gib", type=float, default=8.0)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    loaded = random_model(preset(args.preset), seed=0, dtype=dtype, device=device)
+    kv = int(args.kv_gib * (1 << 30)) if args.kv_gib else None
+    rows = []
+    for streams in args.streams:
+        for depth in args.depths:
+            row = asyncio.run(run_case(loaded, streams, args.tokens, depth,
+                                       not args.no_graphs, kv))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    by = {(r["streams"], r["depth"]): r for r in rows}
+    for streams in args.streams:
+        if (streams, 1) in by and (streams, 2) in by:
+            b, p = by[(streams, 1)], by[(streams, 2)]
+            z = 1.0 / args.tokens if streams == 1 else 0.0
+            b["observed_speedup"] = p["observed_speedup"] = b["wall_s"] / p["wall_s"] - 1
+            p["predicted_speedup"] = b["period_ms"] / p["period_ms"] * (1 - z) - 1
+    out = args.out or Path("bench/results") / name.replace(" ", "_")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "step_bench.json").write_text(json.dumps(
+        {"device": name, "preset": args.preset, "dtype": args.dtype, "rows": rows}, indent=2))
+    head = (f"{'streams':>7} {'depth':>5} {'fwd ms':>7} {'samp ms':>7} {'period':>7} "
+            f"{'idle':>6} {'commit':>7} {'final':>6} {'launch':>6} {'tok/s':>8} {'speedup':>8}")
+    print(f"\n{name}, {args.preset} {args.dtype}, {args.tokens} tokens per stream")
+    print(head)
+    for r in rows:
+        sp = r.get("observed_speedup")
+        print(f"{r['streams']:>7} {r['depth']:>5} {r['forward_ms']:>7.3f} "
+              f"{r['sampling_ms']:>7.3f} {r['period_ms']:>7.3f} {r['gpu_idle_ms']:>6.3f} "
+              f"{r['host_commit_ms']:>7.3f} {r['host_finalize_ms']:>6.3f} "
+              f"{r['host_launch_ms']:>6.3f} {r['tokens_per_s']:>8.1f} "
+              f"{'' if sp is None else f'{sp:+.1%}':>8}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for depth in args.depths:
+            pts = [(r["streams"], r["period_ms"]) for r in rows if r["depth"] == depth]
+            ax.plot(*zip(*pts, strict=True), marker="o",
+                    label="blocking" if depth == 1 else "pipelined")
+        ax.set_xlabel("streams")
+        ax.set_ylabel("decode period (ms)")
+        ax.set_title(f"{args.preset} on {name}")
+        ax.legend()
+        fig.savefig(out / "step_period.png", dpi=120, bbox_inches="tight")
+    except ImportError:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Plain results of the client: no protobuf types leak out of the client package.
+
+Coordinates are normalized to [0, 1] of the image, origin top-left.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+
+
+@dataclass(frozen=True)
+class Metrics:
+    queue_wait_ms: float = 0.0
+    time_to_first_token_ms: float = 0.0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    total_ms: float = 0.0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Point:
+    x: float
+    y: float
+
+
+@dataclass(frozen=True)
+class Box:
+    x_min: float
+    y_min: float
+    x_max: float
+    y_max: float
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """A piece of streamed text; all pieces together make the final text."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class TextResult:
+    text: str
+    finish_reason: str  # eos | length | cancelled
+    metrics: Metrics = field(default_factory=Metrics)
+
+
+@dataclass(frozen=True)
+class PointResult:
+    points: list[Point]
+    finish_reason: str  # eos | max_objects
+    metrics: Metrics = field(default_factory=Metrics)
+
+
+@dataclass(frozen=True)
+class DetectResult:
+    boxes: list[Box]
+    finish_reason: str
+    metrics: Metrics = field(default_factory=Metrics)
+
+
+@dataclass(frozen=True)
+class RleMask:
+    """COCO RLE: column-major runs, alternating background / foreground, background first."""
+
+    counts: list[int]
+    height: int
+    width: int
+
+
+@dataclass(frozen=True)
+class SegmentResult:
+    box: Box
+    svg_path: str  # normalized coordinates
+    polygons: list[list[Point]]
+    mask: RleMask
+    finish_reason: str
+    metrics: Metrics = field(default_factory=Metrics)
+
+
+@dataclass(frozen=True)
+class EncodedImage:
+    """An uploaded image; pass it wherever an image is expected instead of the bytes."""
+
+    image_id: str
+    width: int
+    height: int
+    num_crops: int
+    already_cached: bool = False
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_name: str
+    preset: str
+    token_contract: str
+    device: str
+    dtype: str
+    max_context: int
+    pipeline_depth: int
+    max_batch_size: int
+    server_version: str
+    max_message_bytes: int
+    max_image_bytes: int
+    max_image_pixels: int
+    max_image_side: int
+    max_tokens: int
+    max_queue: int
+    image_cache_bytes: int
+
+
+class VlmError(Exception):
+    """A call failed: ``code`` is the gRPC status, ``field`` the request field at fault."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None,
+                 request_id: str | None = None) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+        self.field = field
+        self.request_id = request_id

@@ -1,0 +1,35 @@
+"""grpc.health.v1 states: liveness on "" and readiness on the service's name.
+
+Readiness is NOT_SERVING while the model loads and while the server drains, so a load
+balancer stops sending work before the process stops taking it. Liveness stays SERVING until
+the final stop.
+"""
+
+from __future__ import annotations
+
+from grpc_health.v1 import health, health_pb2
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class HealthState:
+    """Owns the health servicer and the transitions the server goes through."""
+
+    def __init__(self, service_name: str) -> None:
+        self.service_name = service_name
+        self.servicer = health.aio.HealthServicer()
+
+    async def loading(self) -> None:
+        await self.servicer.set("", SERVING)
+        await self.servicer.set(self.service_name, NOT_SERVING)
+
+    async def ready(self) -> None:
+        await self.servicer.set(self.service_name, SERVING)
+
+    async def draining(self) -> None:
+        await self.servicer.set(self.service_name, NOT_SERVING)
+
+    async def stopped(self) -> None:
+        """Everything NOT_SERVING, for good."""
+        await self.servicer.enter_graceful_shutdown()

@@ -1,0 +1,86 @@
+"""Image input of a request: decode bytes off the event loop, or look up an uploaded id."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from concurrent.futures import Executor
+from typing import Protocol
+
+from image_pipeline import ImageError, ImageLimits, PreparedImage, prepare_image
+from vlm_server.service.errors import invalid
+
+
+class ImageCache:
+    """Least-recently-used map from content hash to prepared image, bounded by the bytes of
+    the crops it holds (the most recent image is always kept).
+
+    Used from the event loop only, so it needs no lock.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 1:
+            raise ValueError("capacity_bytes must be >= 1")
+        self.capacity_bytes = capacity_bytes
+        self.nbytes = 0
+        self._items: collections.OrderedDict[str, PreparedImage] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, image_id: str) -> PreparedImage | None:
+        image = self._items.get(image_id)
+        if image is not None:
+            self._items.move_to_end(image_id)
+        return image
+
+    def put(self, image: PreparedImage) -> tuple[str, bool]:
+        """Store ``image``; returns (its id, whether it was already there)."""
+        key = image.content_hash
+        old = self._items.get(key)
+        if old is not None:
+            self.nbytes -= old.crops.nbytes
+        self._items[key] = image
+        self._items.move_to_end(key)
+        self.nbytes += image.crops.nbytes
+        while self.nbytes > self.capacity_bytes and len(self._items) > 1:
+            _, evicted = self._items.popitem(last=False)
+            self.nbytes -= evicted.crops.nbytes
+        return key, old is not None
+
+
+class _HasImage(Protocol):
+    def WhichOneof(self, name: str) -> str | None: ...
+
+
+class ImageResolver:
+    """Turns a request's ``image`` oneof into a `PreparedImage`."""
+
+    def __init__(self, limits: ImageLimits, cache: ImageCache, executor: Executor) -> None:
+        self.limits = limits
+        self.cache = cache
+        self._executor = executor
+
+    async def decode(self, data: bytes, field: str = "image_bytes") -> PreparedImage:
+        """Decode and tile in the thread pool; bad data -> INVALID_ARGUMENT naming ``field``."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._executor, prepare_image, data, self.limits)
+        except ImageError as err:
+            raise invalid(field, f"{err.reason.value}: {err.message}") from None
+
+    async def resolve(self, request: _HasImage, required: bool) -> PreparedImage | None:
+        """The request's image; None only when it has none and ``required`` is False."""
+        which = request.WhichOneof("image")
+        if which is None:
+            if required:
+                raise invalid("image", "set image_bytes or image_id")
+            return None
+        if which == "image_id":
+            image_id: str = request.image_id  # type: ignore[attr-defined]
+            image = self.cache.get(image_id)
+            if image is None:
+                raise invalid("image_id", f"unknown image id {image_id[:80]!r} (never uploaded "
+                              "or evicted from the cache: call EncodeImage again)")
+            return image
+        return await self.decode(request.image_bytes)  # type: ignore[attr-defined]

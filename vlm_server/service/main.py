@@ -1,0 +1,113 @@
+"""``vlm-server`` (and ``vlm serve``): run the gRPC server until SIGTERM or SIGINT.
+
+On the signal it drains: readiness goes NOT_SERVING, new calls get UNAVAILABLE, accepted ones
+finish within the grace period, then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import signal
+import sys
+from collections.abc import Callable, Sequence
+
+import torch
+
+from vlm_server.default_model import default_model_dir
+from vlm_server.engine.api import Engine
+from vlm_server.engine.reference_engine import ReferenceEngine
+from vlm_server.service.config import ServerConfig, load_config
+from vlm_server.service.logs import configure_logging
+from vlm_server.service.server import VisionLanguageServer
+from vlm_server.weights.loader import LoadedModel, load_model
+
+log = logging.getLogger("vlm_server.service.main")  # also when run with -m
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _device(config: ServerConfig) -> torch.device:
+    if config.device:
+        return torch.device(config.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _loader(config: ServerConfig) -> Callable[[], LoadedModel]:
+    """A function that loads the configured model (with a progress bar for large files)."""
+    device = _device(config)
+    dtype = DTYPES[config.dtype] if config.dtype else (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+    def load() -> LoadedModel:
+        if config.model is None:
+            log.warning("no --model given: serving the built-in random tiny model, which "
+                        "answers with random words")
+        source = config.model or default_model_dir()
+        return load_model(source, preset_name=config.preset, dtype=dtype, device=device,
+                          tokenizer_path=config.tokenizer, progress=True)
+
+    return load
+
+
+def reference_engine(config: ServerConfig) -> Engine:
+    """One request at a time; loads the model when started."""
+    return ReferenceEngine(_loader(config), max_queue=config.queue_limit,
+                           kv_budget_bytes=config.kv_budget)
+
+
+def batched_engine(config: ServerConfig) -> Engine:
+    """Continuous batching; loads the model here (the server calls this off its loop)."""
+    from vlm_server.engine.batched_engine import BatchedEngine
+    from vlm_server.engine.config import EngineConfig
+
+    cfg = EngineConfig(max_batch=config.max_batch_size, pipeline_depth=config.pipeline_depth,
+                       max_queue=config.queue_limit, kv_budget_bytes=config.kv_budget or None)
+    return BatchedEngine(_loader(config)(), cfg, preset_name=config.preset)
+
+
+# Engine implementations by name (--engine).
+ENGINES: dict[str, Callable[[ServerConfig], Engine]] = {
+    "reference": reference_engine,
+    "batched": batched_engine,
+}
+
+
+async def serve(config: ServerConfig, engine_factory: Callable[[], Engine]) -> int:
+    """Run until a signal, then drain; returns the process exit code."""
+    server = VisionLanguageServer(config, engine_factory)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    ready = asyncio.ensure_future(server.wait_ready())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({ready, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if ready.done() and ready.exception() is not None:
+        log.error("model loading failed: %s", ready.exception())
+        stopping.cancel()
+        await server.shutdown(0)
+        return 1
+    await stopping
+    log.info("signal received: draining")
+    await server.shutdown()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "vlm-server") -> int:
+    """Entry point of ``vlm-server`` (and ``vlm serve``, with ``prog="vlm serve"``); ``argv``
+    as for argparse (None: sys.argv[1:])."""
+    config = load_config(argv, prog=prog)
+    configure_logging(config.log_format, config.log_level)
+    if config.engine not in ENGINES:
+        log.error("unknown engine %r; choose one of %s", config.engine, sorted(ENGINES))
+        return 2
+    log.info("config", extra={"fields": dict(config.items())})
+    factory = functools.partial(ENGINES[config.engine], config)
+    return asyncio.run(serve(config, factory))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

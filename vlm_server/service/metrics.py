@@ -1,0 +1,133 @@
+"""Prometheus metrics of one server, on a registry of its own (several servers per process
+stay apart), served over HTTP on their own port.
+
+Request metrics are recorded by the servicer; engine gauges are read from `Engine.stats()` at
+scrape time, on the event loop (engines expect to be called there, not from the HTTP thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from vlm_server.engine.api import EngineStats
+
+log = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                    120.0)
+_SCRAPE_TIMEOUT_S = 2.0
+
+StatsSource = Callable[[], EngineStats | None]
+
+
+class _EngineCollector(Collector):
+    """Engine gauges, fetched from the event loop at each scrape."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, source: StatsSource) -> None:
+        self._loop = loop
+        self._source = source
+
+    def _stats(self) -> EngineStats | None:
+        if self._loop.is_closed():
+            return None
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            return self._source()  # already on the loop (waiting for it would deadlock)
+
+        async def read() -> EngineStats | None:
+            return self._source()
+
+        future = asyncio.run_coroutine_threadsafe(read(), self._loop)
+        try:
+            return future.result(_SCRAPE_TIMEOUT_S)
+        except (concurrent.futures.TimeoutError, RuntimeError):
+            future.cancel()
+            return None
+
+    def describe(self) -> Iterator[Metric]:
+        # Registration asks for the names; answering without stats keeps it off the loop.
+        return self._families(EngineStats())
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        if stats is None:
+            return iter(())
+        return self._families(stats)
+
+    @staticmethod
+    def _families(stats: EngineStats) -> Iterator[Metric]:
+        gauges = {
+            "vlm_queue_depth": ("requests waiting for the engine", stats.queue_depth),
+            "vlm_active_sequences": ("sequences being decoded", stats.active_sequences),
+            "vlm_kv_pages_in_use": ("KV cache pages in use", stats.kv_pages_in_use),
+            "vlm_kv_pages_total": ("KV cache pages in the pool", stats.kv_pages_total),
+            "vlm_batch_size": ("rows in the last engine step", stats.last_batch_size),
+            "vlm_step_period_ms": ("duration of the last engine step", stats.last_step_ms),
+            "vlm_prefix_cache_hit_ratio": (
+                "image-prefix cache hits / lookups (0 before any lookup)",
+                stats.prefix_hits / stats.prefix_lookups if stats.prefix_lookups else 0.0),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        yield CounterMetricFamily("vlm_prefix_cache_hits", "image-prefix cache hits",
+                                  value=stats.prefix_hits)
+        yield CounterMetricFamily("vlm_prefix_cache_lookups", "image-prefix cache lookups",
+                                  value=stats.prefix_lookups)
+
+
+class ServiceMetrics:
+    """The server's metrics and, once `serve` is called, their HTTP endpoint."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.received = Counter("vlm_requests_received", "requests received, by task",
+                                ["task"], registry=r)
+        self.requests = Counter("vlm_requests", "requests finished, by task and status code",
+                                ["task", "code"], registry=r)
+        self.in_flight = Gauge("vlm_requests_in_flight", "requests being handled", registry=r)
+        self.ttft = Histogram("vlm_time_to_first_token_seconds",
+                              "time from receiving a text request to its first token",
+                              ["task"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.latency = Histogram("vlm_request_duration_seconds",
+                                 "time from receiving a request to its last message",
+                                 ["task"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram("vlm_queue_wait_seconds",
+                                    "time requests waited for the engine", ["task"],
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.output_tokens = Counter("vlm_output_tokens", "tokens generated, by task",
+                                     ["task"], registry=r)
+        self.image_cache_bytes = Gauge("vlm_image_cache_bytes",
+                                       "memory held by EncodeImage images", registry=r)
+        self._http: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def watch_engine(self, loop: asyncio.AbstractEventLoop, source: StatsSource) -> None:
+        """Export the gauges of the engine ``source`` returns (None while there is none)."""
+        self.registry.register(_EngineCollector(loop, source))
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the HTTP endpoint (``/metrics``); returns the bound port."""
+        self._http, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(self._http.server_port)
+
+    def stop(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None

@@ -1,0 +1,132 @@
+"""Running a server inside a process (tests, notebooks): its own event loop on a thread.
+
+`ServerThread` starts a `VisionLanguageServer` on a background loop, so blocking clients can
+call it from the calling thread. `GatedReferenceEngine` lets a test hold the engine at start
+or after a token, to put the server in a known state without sleeping. `wait_for` polls a
+condition until a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from types import TracebackType
+from typing import Any, TypeVar
+
+from vlm_server.engine.reference_engine import ReferenceEngine
+from vlm_server.service.config import ServerConfig
+from vlm_server.service.server import EngineFactory, VisionLanguageServer
+
+T = TypeVar("T")
+
+GATE_TIMEOUT_S = 60.0  # a forgotten gate must not hang a test run forever
+
+
+def wait_for(predicate: Callable[[], T], timeout: float = 20.0, interval: float = 0.005,
+             what: str = "the condition") -> T:
+    """Poll ``predicate`` until it returns something truthy; TimeoutError after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def local_config(**overrides: Any) -> ServerConfig:
+    """A config for a server on loopback with free ports."""
+    values: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "metrics_port": 0,
+                              "decode_threads": 2, "grace_period": 20.0}
+    values.update(overrides)
+    return ServerConfig(**values)
+
+
+class ServerThread:
+    """A server on a private event loop in a daemon thread; use as a context manager."""
+
+    def __init__(self, config: ServerConfig, engine_factory: EngineFactory) -> None:
+        self.config = config
+        self._factory = engine_factory
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
+                                        name="vlm-server-loop")
+        self.server: VisionLanguageServer | None = None
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = 60.0) -> T:
+        """Run ``coro`` on the server's loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Any:
+        """Start ``coro`` on the server's loop; returns a concurrent.futures.Future."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def start(self, wait_ready: bool = True) -> ServerThread:
+        self._thread.start()
+
+        async def create() -> VisionLanguageServer:
+            server = VisionLanguageServer(self.config, self._factory)
+            await server.start()
+            return server
+
+        self.server = self.run(create())
+        if wait_ready:
+            self.run(self.server.wait_ready())
+        return self
+
+    @property
+    def target(self) -> str:
+        assert self.server is not None
+        return f"{self.config.host}:{self.server.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        assert self.server is not None
+        return f"http://{self.config.host}:{self.server.metrics_port}/metrics"
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Drain and stop the server, then the loop."""
+        if self.server is not None and not self.loop.is_closed():
+            self.run(self.server.shutdown(grace))
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+        if not self.loop.is_closed() and not self.loop.is_running():
+            self.loop.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+class GatedReferenceEngine(ReferenceEngine):
+    """A `ReferenceEngine` a test can hold: at start (`start_gate`) and after each text token
+    (`token_gate`). Gates are open until cleared; `holding` is set while a token is held and
+    `held_job` is the request it belongs to."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.start_gate = threading.Event()
+        self.start_gate.set()
+        self.token_gate = threading.Event()
+        self.token_gate.set()
+        self.holding = threading.Event()
+        self.held_job: Any = None
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.start_gate.wait, GATE_TIMEOUT_S)
+        await super().start()
+
+    def _after_token(self, job: Any) -> None:
+        if self.token_gate.is_set():
+            return
+        self.held_job = job
+        self.holding.set()
+        self.token_gate.wait(GATE_TIMEOUT_S)
+        self.holding.clear()
