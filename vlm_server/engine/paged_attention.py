@@ -58,18 +58,33 @@ class PagedKV:
 
 class DecodeKV:
     """The `KVCache` of a decode step: one new position per row, rows read from the block
-    table on the device. On CUDA the attention is the Triton kernel (reads only live pages,
-    no host-dependent shapes, so the step can be graph-captured); elsewhere plain PyTorch over
-    the first ``n_blocks`` pages."""
+    table on the device. On CUDA two Triton kernels per layer do the work (rotary + KV write,
+    then attention over live pages only); shapes never depend on host values, so the step can
+    be graph-captured. Elsewhere: plain PyTorch over the first ``n_blocks`` pages."""
 
     def __init__(self, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor],
                  block_table: torch.Tensor, rows: torch.Tensor, n_blocks: int,
+                 rope: tuple[torch.Tensor, torch.Tensor], n_heads: int,
                  use_triton: bool) -> None:
         self.k_pools, self.v_pools = k_pools, v_pools
         self.block_table = block_table
         self.rows = rows
         self.n_blocks = n_blocks
-        self.use_triton = use_triton
+        self.rope = rope
+        self.n_heads = n_heads
+        # The decoder takes the fused path when this attribute is not None.
+        self.attend_packed = self._attend_packed if use_triton else None
+
+    def _attend_packed(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor
+                       ) -> torch.Tensor:
+        from vlm_server.engine.triton_attention import paged_decode_attention, rope_and_store_kv
+
+        kp, vp = self.k_pools[layer], self.v_pools[layer]
+        q = rope_and_store_kv(qkv[:, 0], self.rope[0], self.rope[1], positions,
+                              self.block_table, self.rows, kp, vp, self.n_heads)
+        out = paged_decode_attention(q, kp, vp, self.block_table, self.rows,
+                                     positions[:, 0] + 1)
+        return out[:, :, None]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
@@ -79,11 +94,5 @@ class DecodeKV:
         offsets = positions % ps
         kp[pages, offsets] = k.transpose(1, 2).to(kp.dtype)
         vp[pages, offsets] = v.transpose(1, 2).to(vp.dtype)
-        if self.use_triton:
-            from vlm_server.engine.triton_attention import paged_decode_attention
-
-            out = paged_decode_attention(q[:, :, 0].contiguous(), kp, vp, self.block_table,
-                                         self.rows, positions[:, 0] + 1)
-            return out[:, :, None]
         rows = self.block_table[self.rows, : self.n_blocks].long()
         return paged_attention(q, kp, vp, rows, positions, 0)

@@ -177,8 +177,9 @@ class ModelRuntime:
 
     def _decode_forward(self, buf: SlotBuffers, n: int, n_blocks: int) -> None:
         rows, pos = buf.launch_dev[:n, 0], buf.launch_dev[:n, 1:2]
+        text = self.model.text
         kv = DecodeKV(self.k_pools, self.v_pools, self.block_dev, rows, n_blocks,
-                      self.use_triton)
+                      (text.rope_cos, text.rope_sin), text.cfg.n_heads, self.use_triton)
         x = self.next_embed[rows][:, None]
         buf.hidden[:n] = self.model.text(x, pos, kv)[:, -1]
 
@@ -277,8 +278,9 @@ class ModelRuntime:
 
     @torch.inference_mode()
     def finalize(self, slot: int, seqs: list[Sequence], fin: np.ndarray,
-                 constrained: bool, regions: bool) -> None:
-        """Sample the step in ``slot``. ``fin`` [B, N_FIN] was filled from committed state."""
+                 constrained: bool, regions: bool, greedy: bool = False) -> None:
+        """Sample the step in ``slot``. ``fin`` [B, N_FIN] was filled from committed state;
+        ``greedy`` says every row is at temperature 0."""
         buf, st, m = self.slots[slot], self.streams, self.model
         b = len(seqs)
         buf.fin_host.numpy()[:b] = fin
@@ -296,8 +298,11 @@ class ModelRuntime:
             logits = m.text.logits(h)
             if constrained:
                 logits = apply_masks(logits, fin_dev[:, F_MASK], self.table_dev)
-            tokens = sample(logits, floats[:, F_TEMP].float(), floats[:, F_TOP_P].float(),
-                            fin_dev[:, F_SEED], fin_dev[:, F_STEP])
+            if greedy:  # every row at temperature 0: what sample() returns, without the sort
+                tokens = logits.argmax(dim=-1)
+            else:
+                tokens = sample(logits, floats[:, F_TEMP].float(), floats[:, F_TOP_P].float(),
+                                fin_dev[:, F_SEED], fin_dev[:, F_STEP])
             phase = fin_dev[:, F_PHASE]
             out = buf.out_dev[:b]
             out[:, 0] = tokens.float()

@@ -236,7 +236,8 @@ class Scheduler:
         constrained = bool((fin[:, F_MASK] != NO_MASK).any())
         regions = any(p in (PHASE_BOUNDARY, PHASE_COORD, PHASE_SIZE) for p in phases)
         self._trace("finalize", step)
-        self.rt.finalize(step.slot, step.seqs, fin, constrained, regions)
+        greedy = not (floats[:, F_TEMP] > 0).any()
+        self.rt.finalize(step.slot, step.seqs, fin, constrained, regions, greedy)
         if step.kind is StepKind.PREFILL:
             for s in step.seqs:
                 if s.state is SeqState.PREFILL:

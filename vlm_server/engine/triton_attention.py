@@ -24,14 +24,14 @@ if AVAILABLE:
     @triton.jit
     def _paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, rows_ptr, lengths_ptr,
-        scale, table_stride, n_heads, kv_group,
+        scale, table_stride, rows_stride, n_heads, kv_group,
         PAGE: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
         MAX_POS: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
         kvh = h // kv_group
-        row = tl.load(rows_ptr + b)
+        row = tl.load(rows_ptr + b * rows_stride)
         length = tl.load(lengths_ptr + b)
         d = tl.arange(0, HD)
         q = tl.load(q_ptr + (b * n_heads + h) * HD + d).to(tl.float32) * scale
@@ -60,6 +60,64 @@ if AVAILABLE:
         tl.store(out_ptr + (b * n_heads + h) * HD + d, (acc / l_i).to(out_ptr.dtype.element_ty))
 
 
+if AVAILABLE:
+
+    @triton.jit
+    def _rope_store_kernel(
+        qkv_ptr, cos_ptr, sin_ptr, pos_ptr, table_ptr, rows_ptr, q_out_ptr, k_ptr, v_ptr,
+        qkv_stride, pos_stride, table_stride, rows_stride, n_heads,
+        PAGE: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        j = tl.program_id(1)
+        pos = tl.load(pos_ptr + b * pos_stride)
+        d = tl.arange(0, HD)
+        rot = d < 2 * HALF
+        first = d < HALF
+        partner = tl.where(first, d + HALF, d - HALF)
+        freq = tl.where(first, d, d - HALF)
+        sign = tl.where(first, -1.0, 1.0)
+        is_q = j < n_heads
+        kvh = j - n_heads
+        col = tl.where(is_q, j * HD, n_heads * HD + kvh * HD)
+        base = qkv_ptr + b * qkv_stride + col
+        x = tl.load(base + d).to(tl.float32)
+        xp = tl.load(base + partner, mask=rot, other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + pos * HALF + freq, mask=rot, other=1.0)
+        sn = tl.load(sin_ptr + pos * HALF + freq, mask=rot, other=0.0)
+        out = tl.where(rot, x * c + sign * xp * sn, x)
+        if is_q:
+            tl.store(q_out_ptr + (b * n_heads + j) * HD + d,
+                     out.to(q_out_ptr.dtype.element_ty))
+        else:
+            row = tl.load(rows_ptr + b * rows_stride)
+            page = tl.load(table_ptr + row * table_stride + pos // PAGE).to(tl.int64)
+            slot = ((page * PAGE + pos % PAGE) * KVH + kvh) * HD
+            tl.store(k_ptr + slot + d, out.to(k_ptr.dtype.element_ty))
+            v = tl.load(qkv_ptr + b * qkv_stride + (n_heads + KVH) * HD + kvh * HD + d)
+            tl.store(v_ptr + slot + d, v.to(v_ptr.dtype.element_ty))
+
+
+def rope_and_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      positions: torch.Tensor, block_table: torch.Tensor, rows: torch.Tensor,
+                      k_pool: torch.Tensor, v_pool: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """One kernel for a decode step's rotary and KV write: qkv [B, (H + 2 KVH) * hd] (the
+    qkv projection of one position per row) -> rotated q [B, H, hd]; rotated k and v go
+    straight into the paged pools at each row's position. cos/sin are the fp32 tables
+    [max_context, rotary_dim / 2]; rotary math in fp32, as the PyTorch path."""
+    if not AVAILABLE:
+        raise RuntimeError("Triton is not installed")
+    b = qkv.shape[0]
+    _, page, kvh, hd = k_pool.shape
+    q = torch.empty((b, n_heads, hd), dtype=qkv.dtype, device=qkv.device)
+    _rope_store_kernel[(b, n_heads + kvh)](
+        qkv, cos, sin, positions, block_table, rows, q, k_pool, v_pool,
+        qkv.stride(0), positions.stride(0), block_table.stride(0), rows.stride(0), n_heads,
+        PAGE=page, KVH=kvh, HD=hd, HALF=cos.shape[1],
+    )
+    return q
+
+
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            block_table: torch.Tensor, rows: torch.Tensor,
                            lengths: torch.Tensor, block_n: int = 64) -> torch.Tensor:
@@ -72,7 +130,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     out = torch.empty_like(q)
     _paged_decode_kernel[(b, n_heads)](
         q, k_pool, v_pool, out, block_table, rows, lengths,
-        hd ** -0.5, block_table.stride(0), n_heads, n_heads // kvh,
+        hd ** -0.5, block_table.stride(0), rows.stride(0), n_heads, n_heads // kvh,
         PAGE=page, KVH=kvh, HD=hd, BLOCK_N=block_n, MAX_POS=block_table.shape[1] * page,
     )
     return out

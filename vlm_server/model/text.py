@@ -86,8 +86,13 @@ class TextAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 positions: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
-        q, k, v = self.project_qkv(x, cos, sin)
-        out = cache.attend(layer, q, k, v, positions)
+        # A cache may fuse rotary, the KV write and attention over the raw projection.
+        packed = getattr(cache, "attend_packed", None)
+        if packed is not None:
+            out = packed(layer, self.qkv(x), positions)
+        else:
+            q, k, v = self.project_qkv(x, cos, sin)
+            out = cache.attend(layer, q, k, v, positions)
         b, _, t, _ = out.shape
         return self.proj(out.transpose(1, 2).reshape(b, t, -1))
 

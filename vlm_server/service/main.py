@@ -1,7 +1,8 @@
 """``vlm-server`` (and ``vlm serve``): run the gRPC server until SIGTERM or SIGINT.
 
 On the signal it drains: readiness goes NOT_SERVING, new calls get UNAVAILABLE, accepted ones
-finish within the grace period, then the process exits 0.
+finish within the grace period, then the process exits 0. ``--engine`` picks the engine behind
+the service (`ENGINES`): ``reference`` (one request at a time) or ``batched``.
 """
 
 from __future__ import annotations

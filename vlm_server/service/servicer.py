@@ -105,6 +105,9 @@ class _Call:
         self.task = task
         self.context = context
         self.request_id = _request_id(context)
+        # Read now: after a client cancel the call's core object may be gone, and touching
+        # the context then can crash the process.
+        self.peer = context.peer()
         self.start = time.perf_counter()
         self.first_token: float | None = None
         self.engine_metrics: RequestMetrics | None = None
@@ -193,9 +196,8 @@ class _Call:
                           finish=self.finish_reason)
         if isinstance(exc, EngineError):
             fields["error"] = exc.message
-        peer = self.context.peer()
-        if peer:
-            fields["peer"] = peer
+        if self.peer:
+            fields["peer"] = self.peer
         log_request(fields)
 
 
@@ -232,6 +234,9 @@ class VisionLanguageServicer(pb_grpc.VisionLanguageServicer):
         engine = call.engine()
         stream = engine.submit(request)
         call.submitted()
+        # Frees the engine's request when the RPC ends for any reason (client cancel,
+        # deadline), without waiting for the handler's generator to be finalized.
+        call.context.add_done_callback(lambda _: stream.cancel())
         return stream
 
     async def _final(self, call: _Call, request: GenerationRequest) -> Finished:
