@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,7 +18,7 @@ from decoding.batch_masks import apply_masks
 from decoding.sampling import sample
 
 
-def _time(fn, iters: int = 200) -> float:  # noqa: ANN001
+def _time(fn: Callable[[], object], iters: int = 200) -> float:
     for _ in range(10):
         fn()
     times = []
@@ -50,10 +51,13 @@ def main() -> None:
         steps = torch.zeros(b, dtype=torch.int64, device=dev)
         idx = torch.randint(0, 64, (b,), device=dev)
 
-        def masked_sample() -> torch.Tensor:
+        def masked_sample(logits: torch.Tensor = logits, idx: torch.Tensor = idx,
+                          temp: torch.Tensor = temp, top_p: torch.Tensor = top_p,
+                          seeds: torch.Tensor = seeds, steps: torch.Tensor = steps
+                          ) -> torch.Tensor:
             return sample(apply_masks(logits, idx, table), temp, top_p, seeds, steps)
 
-        def greedy() -> torch.Tensor:
+        def greedy(logits: torch.Tensor = logits) -> torch.Tensor:
             return logits.argmax(dim=-1)
 
         graph = torch.cuda.CUDAGraph()

@@ -1,0 +1,273 @@
+"""Many clients at once, cancellation, deadlines and admission limits, over real gRPC.
+
+The engine is held at a known point with `GatedReferenceEngine` (no sleeps): a held request
+keeps the worker busy while the test arranges the queue behind it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+from PIL import Image, ImageDraw
+
+from image_pipeline import prepare_image
+from vlm_server.api.v1 import vision_language_pb2 as pb
+from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
+from vlm_server.client import AsyncVisionLanguageClient, VisionLanguageClient, VlmError
+from vlm_server.client.types import Box, DetectResult, Point, PointResult, TextResult
+from vlm_server.engine.reference_engine import ReferenceEngine
+from vlm_server.reference import ReferenceGenerator, SamplingSettings
+from vlm_server.service.testing import (
+    GatedReferenceEngine,
+    ServerThread,
+    local_config,
+    wait_for,
+)
+from vlm_server.weights.loader import LoadedModel
+
+CLIENTS = 64
+# 760 positions of the tiny fp32 model (2 layers x K and V x 64 floats): fits text-only
+# prompts, not an image prefix (730 positions) plus 30 tokens.
+KV_BUDGET = 760 * 2 * 2 * 64 * 4
+
+
+def _small_image() -> bytes:
+    # Small pictures tile to two crops: the concurrency test stays fast on two cores.
+    image = Image.new("RGB", (96, 64), (40, 120, 200))
+    ImageDraw.Draw(image).ellipse([20, 10, 60, 50], fill=(240, 200, 30))
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+SMALL = _small_image()
+
+
+@pytest.fixture(scope="module")
+def server(tiny: LoadedModel) -> Iterator[ServerThread]:
+    with ServerThread(local_config(), lambda: ReferenceEngine(lambda: tiny)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def gated(tiny: LoadedModel) -> Iterator[ServerThread]:
+    factory = lambda: GatedReferenceEngine(lambda: tiny, max_queue=1,
+                                                   kv_budget_bytes=KV_BUDGET)
+    with ServerThread(local_config(), factory) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def gated_stub(gated: ServerThread) -> Iterator[pb_grpc.VisionLanguageStub]:
+    with grpc.insecure_channel(gated.target) as channel:
+        yield pb_grpc.VisionLanguageStub(channel)
+
+
+def _engine(server: ServerThread) -> GatedReferenceEngine:
+    assert server.server is not None
+    engine = server.server.engine
+    assert isinstance(engine, GatedReferenceEngine)
+    return engine
+
+
+@contextlib.contextmanager
+def _held(engine: GatedReferenceEngine) -> Iterator[GatedReferenceEngine]:
+    """Hold every text token until the block ends (the gate always reopens)."""
+    engine.token_gate.clear()
+    try:
+        yield engine
+    finally:
+        engine.token_gate.set()
+
+
+def _idle(engine: ReferenceEngine) -> bool:
+    stats = engine.stats()
+    return stats.queue_depth == 0 and stats.active_sequences == 0
+
+
+def _long_query(max_tokens: int = 400) -> pb.QueryRequest:
+    return pb.QueryRequest(question="tell me a long story",
+                           settings=pb.GenerationSettings(temperature=0, max_tokens=max_tokens))
+
+
+# ---- many clients -------------------------------------------------------------------------
+
+
+def _expected_text(ids: list[int], max_tokens: int,
+                   generator: ReferenceGenerator) -> tuple[str, str]:
+    """Greedy output for ``max_tokens`` from a longer greedy run: a prefix of it ("length"),
+    or all of it when the run ended with eos sooner."""
+    if max_tokens <= len(ids):
+        return generator.tokenizer.decode(ids[:max_tokens]), "length"
+    return generator.tokenizer.decode(ids), "eos"
+
+
+def _specs() -> list[dict[str, Any]]:
+    objects = ["cat", "dog", "car", "tree"]
+    specs = []
+    for i in range(CLIENTS):
+        kind = i % 4
+        if kind == 0:
+            specs.append({"task": "caption", "length": ["short", "normal", "long"][i // 4 % 3],
+                          "max_tokens": 1 + i // 4 % 4})
+        elif kind == 1:
+            specs.append({"task": "query", "question": f"question number {i}?",
+                          "max_tokens": 3, "image": i % 8 == 1})
+        else:
+            specs.append({"task": "point" if kind == 2 else "detect",
+                          "object": objects[i // 4 % 4], "max_objects": 3})
+    return specs
+
+
+def _expected(spec: dict[str, Any], generator: ReferenceGenerator,
+              cache: dict[Any, Any]) -> Any:
+    image = cache.setdefault("image", prepare_image(SMALL))
+    if spec["task"] == "caption":
+        key = ("caption", spec["length"])
+        if key not in cache:
+            cache[key] = generator.caption(image, spec["length"],
+                                           SamplingSettings(temperature=0, max_tokens=4))
+        run = cache[key]
+        return _expected_text(run.token_ids, spec["max_tokens"], generator)
+    if spec["task"] == "query":
+        run = generator.query(image if spec["image"] else None, spec["question"],
+                              SamplingSettings(temperature=0, max_tokens=spec["max_tokens"]))
+        return run.text, run.finish_reason
+    key = (spec["task"], spec["object"])
+    if key not in cache:
+        fn = generator.point if spec["task"] == "point" else generator.detect
+        cache[key] = fn(image, spec["object"], spec["max_objects"])
+    run = cache[key]
+    if spec["task"] == "point":
+        return [Point(p.x, p.y) for p in run.points], run.finish_reason
+    return [Box(b.x_min, b.y_min, b.x_max, b.y_max) for b in run.boxes], run.finish_reason
+
+
+async def _one(target: str, spec: dict[str, Any], uploaded: Any) -> Any:
+    async with AsyncVisionLanguageClient(target, timeout=120) as client:
+        if spec["task"] == "caption":
+            r: Any = await client.caption(uploaded, spec["length"], temperature=0,
+                                          max_tokens=spec["max_tokens"])
+        elif spec["task"] == "query":
+            r = await client.query(SMALL if spec["image"] else None, spec["question"],
+                                   temperature=0, max_tokens=spec["max_tokens"])
+        elif spec["task"] == "point":
+            r = await client.point(SMALL, spec["object"], max_objects=spec["max_objects"])
+        else:
+            r = await client.detect(uploaded, spec["object"], max_objects=spec["max_objects"])
+    return r
+
+
+async def _all(target: str, specs: list[dict[str, Any]]) -> list[Any]:
+    async with AsyncVisionLanguageClient(target, timeout=60) as client:
+        uploaded = await client.encode_image(SMALL)
+    return await asyncio.gather(*(_one(target, s, uploaded) for s in specs))
+
+
+def test_64_concurrent_clients_get_their_own_answers(server: ServerThread,
+                                                     generator: ReferenceGenerator) -> None:
+    specs = _specs()
+    results = asyncio.run(_all(server.target, specs))
+    cache: dict[Any, Any] = {}
+    assert len(results) == CLIENTS
+    for spec, got in zip(specs, results, strict=True):
+        want = _expected(spec, generator, cache)
+        if isinstance(got, TextResult):
+            assert (got.text, got.finish_reason) == want, spec
+        elif isinstance(got, PointResult):
+            assert (got.points, got.finish_reason) == want, spec
+        else:
+            assert isinstance(got, DetectResult)
+            assert (got.boxes, got.finish_reason) == want, spec
+    engine = server.server.engine  # type: ignore[union-attr]
+    assert isinstance(engine, ReferenceEngine)
+    wait_for(lambda: _idle(engine), what="an idle engine")
+
+
+# ---- cancellation and deadlines -----------------------------------------------------------
+
+
+def test_cancel_mid_stream_frees_the_request(gated: ServerThread,
+                                             gated_stub: pb_grpc.VisionLanguageStub) -> None:
+    engine = _engine(gated)
+    before = engine.counts()
+    with _held(engine):
+        call = gated_stub.Query(_long_query(), timeout=60)
+        wait_for(engine.holding.is_set, what="the first token")
+        job = engine.held_job
+        call.cancel()
+        wait_for(job.cancelled.is_set, what="the engine to see the cancel")
+    wait_for(lambda: _idle(engine), what="an idle engine")
+    after = engine.counts()
+    assert after.get("cancelled", 0) == before.get("cancelled", 0) + 1
+    assert after.get("finished", 0) == before.get("finished", 0)
+    with pytest.raises(grpc.RpcError) as caught:
+        list(call)
+    assert caught.value.code() == grpc.StatusCode.CANCELLED
+
+
+def test_deadline_while_queued_never_runs_the_request(
+        gated: ServerThread, gated_stub: pb_grpc.VisionLanguageStub) -> None:
+    engine = _engine(gated)
+    with _held(engine):
+        running = gated_stub.Query(_long_query(8), timeout=60)
+        wait_for(engine.holding.is_set, what="the first token")
+        started = engine.counts()["started"]
+        with pytest.raises(grpc.RpcError) as caught:
+            list(gated_stub.Query(_long_query(4), timeout=0.5))
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_for(lambda: engine.stats().queue_depth == 0, what="the queue to empty")
+    assert list(running)[-1].result.finish_reason == pb.FINISH_REASON_LENGTH
+    wait_for(lambda: _idle(engine), what="an idle engine")
+    assert engine.counts()["started"] == started  # the expired request never ran
+
+
+def test_deadline_while_running_stops_the_request(
+        gated: ServerThread, gated_stub: pb_grpc.VisionLanguageStub) -> None:
+    engine = _engine(gated)
+    before = engine.counts()
+    with _held(engine):
+        # A text-only prompt starts in milliseconds, far inside the 2 s deadline.
+        call = gated_stub.Query(_long_query(), timeout=2.0)
+        with pytest.raises(grpc.RpcError) as caught:
+            list(call)
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert engine.holding.is_set()  # it was running, held after a token
+        job = engine.held_job
+        wait_for(job.cancelled.is_set, what="the server to cancel the request")
+    wait_for(lambda: _idle(engine), what="an idle engine")
+    after = engine.counts()
+    assert after["started"] == before["started"] + 1
+    assert after.get("finished", 0) == before.get("finished", 0)
+
+
+def test_full_queue_is_resource_exhausted(gated: ServerThread,
+                                          gated_stub: pb_grpc.VisionLanguageStub) -> None:
+    engine = _engine(gated)
+    with _held(engine), VisionLanguageClient(gated.target, timeout=30) as client:
+        running = gated_stub.Query(_long_query(4), timeout=60)
+        wait_for(engine.holding.is_set, what="the first token")
+        queued = gated_stub.Query(_long_query(4), timeout=60)
+        wait_for(lambda: engine.stats().queue_depth == 1, what="a queued request")
+        with pytest.raises(VlmError) as caught:
+            client.query(None, "one more?", max_tokens=2)
+        assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "queue is full" in caught.value.message
+    assert list(running)[-1].WhichOneof("event") == "result"
+    assert list(queued)[-1].WhichOneof("event") == "result"
+    wait_for(lambda: _idle(engine), what="an idle engine")
+
+
+def test_request_beyond_the_kv_budget_is_resource_exhausted(gated: ServerThread) -> None:
+    with VisionLanguageClient(gated.target, timeout=30) as client, \
+            pytest.raises(VlmError) as caught:
+        client.caption(SMALL, max_tokens=30)
+    assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert caught.value.field == "settings.max_tokens"
+    assert str(KV_BUDGET) in caught.value.message

@@ -1,0 +1,246 @@
+"""Every RPC end to end on a real loopback server (tiny model, reference engine), compared
+with the reference generation, and every input error with its status code and field."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import pytest
+from PIL import Image
+
+from image_pipeline import PreparedImage, sample_image_bytes
+from vlm_server.api.v1 import vision_language_pb2 as pb
+from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
+from vlm_server.client import EncodedImage, VisionLanguageClient, VlmError
+from vlm_server.engine.reference_engine import ReferenceEngine
+from vlm_server.reference import ReferenceGenerator, SamplingSettings
+from vlm_server.service.testing import ServerThread, local_config
+from vlm_server.weights.loader import LoadedModel
+
+GREEDY = {"temperature": 0.0}
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def server(tiny: LoadedModel) -> Iterator[ServerThread]:
+    factory = lambda: ReferenceEngine(lambda: tiny, max_queue=100)
+    with ServerThread(local_config(), factory) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerThread) -> Iterator[VisionLanguageClient]:
+    with VisionLanguageClient(server.target, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def stub(server: ServerThread) -> Iterator[pb_grpc.VisionLanguageStub]:
+    with grpc.insecure_channel(server.target) as channel:
+        yield pb_grpc.VisionLanguageStub(channel)
+
+
+@pytest.fixture(scope="module")
+def uploaded(client: VisionLanguageClient) -> EncodedImage:
+    return client.encode_image(sample_image_bytes())
+
+
+def _greedy(max_tokens: int) -> SamplingSettings:
+    return SamplingSettings(temperature=0.0, max_tokens=max_tokens)
+
+
+# ---- results ------------------------------------------------------------------------------
+
+
+def test_caption_streams_deltas_then_one_final_result(
+        stub: pb_grpc.VisionLanguageStub, generator: ReferenceGenerator,
+        sample_image: PreparedImage) -> None:
+    request = pb.CaptionRequest(image_bytes=sample_image_bytes(),
+                                length=pb.CAPTION_LENGTH_NORMAL,
+                                settings=pb.GenerationSettings(temperature=0, max_tokens=12))
+    messages = list(stub.Caption(request, timeout=60))
+    kinds = [m.WhichOneof("event") for m in messages]
+    assert kinds[-1] == "result" and kinds.count("result") == 1
+    assert set(kinds[:-1]) == {"delta"}
+    want = generator.caption(sample_image, "normal", _greedy(12))
+    result = messages[-1].result
+    assert "".join(m.delta.text for m in messages[:-1]) == result.text == want.text
+    assert result.finish_reason == pb.FINISH_REASON_LENGTH
+    m = result.metrics
+    assert m.output_tokens == len(want.token_ids) == 12
+    assert m.input_tokens == want.prompt_tokens
+    assert m.prefill_ms > 0 and 0 < m.time_to_first_token_ms <= m.total_ms
+    assert m.queue_wait_ms >= 0 and m.decode_ms > 0
+
+
+@pytest.mark.parametrize("length", ["short", "long"])
+def test_caption_lengths_equal_the_reference(client: VisionLanguageClient,
+                                             generator: ReferenceGenerator,
+                                             sample_image: PreparedImage,
+                                             uploaded: EncodedImage, length: str) -> None:
+    got = client.caption(uploaded, length, max_tokens=6, **GREEDY)
+    want = generator.caption(sample_image, length, _greedy(6))
+    assert (got.text, got.finish_reason) == (want.text, want.finish_reason)
+
+
+def test_query_with_an_uploaded_image_equals_the_reference(
+        client: VisionLanguageClient, generator: ReferenceGenerator,
+        sample_image: PreparedImage, uploaded: EncodedImage) -> None:
+    got = client.query(uploaded, "what is in the picture?", max_tokens=10, **GREEDY)
+    want = generator.query(sample_image, "what is in the picture?", _greedy(10))
+    assert (got.text, got.finish_reason) == (want.text, want.finish_reason)
+
+
+def test_query_without_an_image_streams_the_reference_text(
+        client: VisionLanguageClient, generator: ReferenceGenerator) -> None:
+    events = list(client.query_stream(None, "tell me a story", max_tokens=16, **GREEDY))
+    want = generator.query(None, "tell me a story", _greedy(16))
+    final = events[-1]
+    assert "".join(e.text for e in events[:-1]) == final.text == want.text
+    assert final.finish_reason == want.finish_reason
+
+
+def test_sampled_query_is_reproducible_with_its_seed(
+        client: VisionLanguageClient, generator: ReferenceGenerator) -> None:
+    settings = {"temperature": 1.0, "top_p": 0.9, "max_tokens": 10, "seed": 1234}
+    got = client.query(None, "name a colour", **settings)
+    want = generator.query(None, "name a colour", SamplingSettings(**settings))
+    assert got.text == want.text
+
+
+def test_point_and_detect_equal_the_reference(client: VisionLanguageClient,
+                                              generator: ReferenceGenerator,
+                                              sample_image: PreparedImage,
+                                              uploaded: EncodedImage) -> None:
+    points = client.point(sample_image_bytes(), "ball", max_objects=4)
+    want_points = generator.point(sample_image, "ball", max_objects=4)
+    assert [(p.x, p.y) for p in points.points] == [(p.x, p.y) for p in want_points.points]
+    assert points.finish_reason == want_points.finish_reason
+    boxes = client.detect(uploaded, "house", max_objects=4)
+    want_boxes = generator.detect(sample_image, "house", max_objects=4)
+    assert [(b.x_min, b.y_min, b.x_max, b.y_max) for b in boxes.boxes] == [
+        (b.x_min, b.y_min, b.x_max, b.y_max) for b in want_boxes.boxes]
+    assert boxes.finish_reason == want_boxes.finish_reason
+    assert boxes.metrics.input_tokens == want_boxes.prompt_tokens
+
+
+def test_encode_image_ids_name_the_content(client: VisionLanguageClient,
+                                           sample_image: PreparedImage) -> None:
+    first = client.encode_image(sample_image_bytes())
+    png = io.BytesIO()
+    Image.open(io.BytesIO(sample_image_bytes())).save(png, format="PNG")
+    again = client.encode_image(png.getvalue())  # same pixels, other container
+    assert first.image_id == again.image_id == sample_image.content_hash
+    assert again.already_cached
+    assert (first.width, first.height, first.num_crops) == (800, 600, sample_image.num_crops)
+
+
+def test_model_info_reports_model_and_limits(client: VisionLanguageClient,
+                                             tiny: LoadedModel) -> None:
+    info = client.model_info()
+    assert (info.model_name, info.token_contract) == ("tiny", "tiny")
+    assert (info.device, info.dtype) == ("cpu", "fp32")
+    assert info.max_context == info.max_tokens == tiny.config.text.max_context
+    assert info.max_message_bytes == 32 * MIB
+    assert info.pipeline_depth == 1 and info.max_queue == 100
+    assert info.server_version
+
+
+def test_request_id_comes_back_in_trailing_metadata(stub: pb_grpc.VisionLanguageStub) -> None:
+    _, call = stub.GetModelInfo.with_call(pb.GetModelInfoRequest(), timeout=10,
+                                          metadata=(("x-request-id", "abc-123"),))
+    assert ("vlm-request-id", "abc-123") in tuple(call.trailing_metadata())
+
+
+# ---- errors -------------------------------------------------------------------------------
+
+
+SAMPLE = sample_image_bytes()
+IMAGE_ID_ERRORS: list[tuple[str, Callable[..., Any], grpc.StatusCode, str]] = [
+    ("garbage image", lambda c, i: c.point(b"\x00garbage" * 64, "car"),
+     grpc.StatusCode.INVALID_ARGUMENT, "image_bytes"),
+    ("empty image", lambda c, i: c.detect(b"", "car"),
+     grpc.StatusCode.INVALID_ARGUMENT, "image_bytes"),
+    ("truncated jpeg", lambda c, i: c.caption(SAMPLE[: len(SAMPLE) // 3]),
+     grpc.StatusCode.INVALID_ARGUMENT, "image_bytes"),
+    ("no image", lambda c, i: c.caption(None),
+     grpc.StatusCode.INVALID_ARGUMENT, "image"),
+    ("empty object", lambda c, i: c.detect(i, "   "),
+     grpc.StatusCode.INVALID_ARGUMENT, "object"),
+    ("empty question", lambda c, i: c.query(i, ""),
+     grpc.StatusCode.INVALID_ARGUMENT, "question"),
+    ("negative temperature", lambda c, i: c.caption(i, temperature=-0.1),
+     grpc.StatusCode.INVALID_ARGUMENT, "settings.temperature"),
+    ("nan temperature", lambda c, i: c.caption(i, temperature=float("nan")),
+     grpc.StatusCode.INVALID_ARGUMENT, "settings.temperature"),
+    ("top_p zero", lambda c, i: c.caption(i, top_p=0.0),
+     grpc.StatusCode.INVALID_ARGUMENT, "settings.top_p"),
+    ("top_p above one", lambda c, i: c.query(i, "q", top_p=1.5),
+     grpc.StatusCode.INVALID_ARGUMENT, "settings.top_p"),
+    ("max_tokens zero", lambda c, i: c.caption(i, max_tokens=0),
+     grpc.StatusCode.INVALID_ARGUMENT, "settings.max_tokens"),
+    ("max_tokens beyond the model", lambda c, i: c.caption(i, max_tokens=100_000),
+     grpc.StatusCode.INVALID_ARGUMENT, "settings.max_tokens"),
+    ("max_objects zero", lambda c, i: c.point(i, "car", max_objects=0),
+     grpc.StatusCode.INVALID_ARGUMENT, "settings.max_objects"),
+    ("unknown image id", lambda c, i: c.caption(EncodedImage("f" * 64, 1, 1, 1)),
+     grpc.StatusCode.INVALID_ARGUMENT, "image_id"),
+    ("bad regex", lambda c, i: c.query(i, "q", regex="(unclosed"),
+     grpc.StatusCode.INVALID_ARGUMENT, "regex"),
+    ("choices and regex", lambda c, i: c.query(i, "q", choices=["a"], regex="a"),
+     grpc.StatusCode.INVALID_ARGUMENT, "choices"),
+    ("empty choice", lambda c, i: c.query(i, "q", choices=["yes", ""]),
+     grpc.StatusCode.INVALID_ARGUMENT, "choices"),
+    ("prompt + max_tokens beyond context", lambda c, i: c.caption(i, max_tokens=2000),
+     grpc.StatusCode.OUT_OF_RANGE, "settings.max_tokens"),
+    ("objects beyond context", lambda c, i: c.detect(i, "car", max_objects=1000),
+     grpc.StatusCode.OUT_OF_RANGE, "settings.max_objects"),
+]
+
+
+@pytest.mark.parametrize(("fn", "code", "field"), [e[1:] for e in IMAGE_ID_ERRORS],
+                         ids=[e[0] for e in IMAGE_ID_ERRORS])
+def test_bad_requests_fail_with_a_code_and_name_the_field(
+        client: VisionLanguageClient, uploaded: EncodedImage, fn: Callable[..., Any],
+        code: grpc.StatusCode, field: str) -> None:
+    with pytest.raises(VlmError) as caught:
+        fn(client, uploaded)
+    err = caught.value
+    assert err.code == code, err
+    assert err.field == field
+    assert field.split(".")[-1] in err.message
+    assert err.request_id
+
+
+@pytest.mark.parametrize("kwargs", [{"regex": "yes|no"}, {"choices": ["yes", "no"]}])
+def test_reference_engine_answers_constraints_with_unimplemented(
+        client: VisionLanguageClient, uploaded: EncodedImage, kwargs: dict[str, Any]) -> None:
+    with pytest.raises(VlmError) as caught:
+        client.query(uploaded, "is it sunny?", **kwargs)
+    assert caught.value.code == grpc.StatusCode.UNIMPLEMENTED
+    assert "choices or regex" in caught.value.message
+
+
+def test_reference_engine_answers_segment_with_unimplemented(
+        client: VisionLanguageClient, uploaded: EncodedImage) -> None:
+    with pytest.raises(VlmError) as caught:
+        client.segment(uploaded, "house")
+    assert caught.value.code == grpc.StatusCode.UNIMPLEMENTED
+    assert "segment" in caught.value.message
+
+
+def test_oversized_message_is_refused_with_the_limit_stated(
+        stub: pb_grpc.VisionLanguageStub) -> None:
+    request = pb.PointRequest(image_bytes=b"\xff" * (32 * MIB + 1), object="car")
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Point(request, timeout=60)
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert str(32 * MIB) in caught.value.details()
+
+
+def test_server_still_answers_after_the_errors(client: VisionLanguageClient,
+                                               uploaded: EncodedImage) -> None:
+    assert client.caption(uploaded, max_tokens=2, **GREEDY).finish_reason in ("eos", "length")
