@@ -16,7 +16,7 @@ def test_defaults() -> None:
     assert config == ServerConfig()
     assert config.max_message_bytes == 32 << 20
     assert config.image_limits.max_bytes == 32 << 20
-    assert config.engine == "reference" and config.port == 50051
+    assert config.engine == "batched" and config.port == 50051
 
 
 def test_environment_then_flags_take_precedence() -> None:

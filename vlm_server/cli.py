@@ -1,4 +1,5 @@
-"""Command line: ``vlm run TASK IMAGE ...`` on the reference path, ``vlm make-checkpoint``."""
+"""Command line: ``vlm serve`` (the gRPC server), ``vlm run TASK IMAGE ...`` on the reference
+path, ``vlm make-checkpoint``."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vlm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve", help="start the gRPC server (vlm serve --help for its flags)")
 
     run = sub.add_parser("run", help="run one task on one image (reference path)")
     run.add_argument("task", choices=["caption", "query", "point", "detect"])
@@ -115,6 +117,11 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # every flag belongs to the server: vlm serve --help
+        from vlm_server.service.main import main as serve
+
+        return serve(argv[1:], prog="vlm serve")
     args = _parser().parse_args(argv)
     try:
         if args.command == "run":

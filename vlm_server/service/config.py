@@ -45,7 +45,7 @@ class ServerConfig:
     tokenizer: str | None = None
     dtype: str | None = None
     device: str | None = None
-    engine: str = "reference"
+    engine: str = "batched"
     host: str = "0.0.0.0"
     port: int = 50051
     max_batch_size: int = 32
