@@ -379,3 +379,47 @@ def test_many_concurrent_requests_under_page_pressure(text_model: LoadedModel,
         want = ref.query(req.image, req.question,
                          SamplingSettings(temperature=0, max_tokens=req.max_tokens))
         assert fin.text == want.text
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_commit_before_finalize_order(tiny: LoadedModel, images: list[PreparedImage],
+                                      depth: int) -> None:
+    """A row's mask for step t is built only after the step t-1 holding the same sequence was
+    committed; commits follow launch order; no sequence is in more than two steps at once."""
+    log: list[tuple[str, int, tuple[int, ...]]] = []
+
+    async def run() -> None:
+        engine = _engine(tiny, depth, max_batch=4)
+        engine.scheduler.trace = lambda what, step: log.append(
+            (what, step.step_id, tuple(id(s) for s in step.seqs)))
+        await engine.start()
+        try:
+            reqs = [GenerationRequest(Task.QUERY, images[i % 2], question="q", max_tokens=6,
+                                      regex=r"[a-z ]{1,12}", temperature=1.0, seed=i)
+                    for i in range(6)]
+            reqs += [GenerationRequest(Task.DETECT, images[2], object_name="car",
+                                       max_objects=2)]
+            await asyncio.gather(*[_collect(engine, r) for r in reqs])
+            await _wait_idle(engine)
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
+    committed: set[int] = set()
+    launched: list[tuple[int, tuple[int, ...]]] = []
+    commit_order = []
+    for what, step_id, seqs in log:
+        if what == "launch":
+            launched.append((step_id, seqs))
+            in_flight = [s for sid, s in launched if sid not in committed]
+            for seq in seqs:
+                assert sum(seq in s for s in in_flight) <= 2  # I4
+        elif what == "finalize":
+            for earlier_id, earlier_seqs in launched:
+                if earlier_id < step_id and set(earlier_seqs) & set(seqs):
+                    assert earlier_id in committed, (earlier_id, step_id)
+        else:
+            committed.add(step_id)
+            commit_order.append(step_id)
+    assert commit_order == sorted(commit_order)  # I2: FIFO
+    assert len(committed) == len(launched)
