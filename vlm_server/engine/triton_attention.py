@@ -1,8 +1,10 @@
-"""Paged decode attention as a Triton kernel: each (row, head) reads only its live pages.
+"""Triton kernels of the decode step: fused rotary + paged KV write, and paged attention.
 
-One program per (batch row, query head) walks the row's block-table entries up to the row's
-length with an online softmax, BLOCK_N positions at a time. Shapes never depend on host
-values (lengths and block rows are read on the device), so the call can be graph-captured.
+Attention reads only each row's live pages: programs per (batch row, query head, split) walk
+a share of the row's block-table entries up to the row's length with an online softmax,
+BLOCK_N positions at a time, and a second kernel merges the splits (flash-decoding: at one
+stream, 32 heads alone would leave most of the GPU idle). Shapes never depend on host values
+(lengths and block rows are read on the device), so the calls can be graph-captured.
 """
 
 from __future__ import annotations
@@ -23,25 +25,31 @@ if AVAILABLE:
 
     @triton.jit
     def _paged_decode_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, rows_ptr, lengths_ptr,
+        q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, table_ptr, rows_ptr, lengths_ptr,
         scale, table_stride, rows_stride, n_heads, kv_group,
         PAGE: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
-        MAX_POS: tl.constexpr,
+        SPLITS: tl.constexpr, SPLIT_MAX: tl.constexpr,
     ):
+        """Partial attention of one (row, head) over one split of its live positions."""
         b = tl.program_id(0)
         h = tl.program_id(1)
+        sp = tl.program_id(2)
         kvh = h // kv_group
         row = tl.load(rows_ptr + b * rows_stride)
         length = tl.load(lengths_ptr + b)
+        # Splits cover the row's positions in equal, BLOCK_N-aligned chunks.
+        chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+        lo = sp * chunk
         d = tl.arange(0, HD)
         q = tl.load(q_ptr + (b * n_heads + h) * HD + d).to(tl.float32) * scale
         m_i = -float("inf")
         l_i = 0.0
         acc = tl.zeros([HD], dtype=tl.float32)
         n = tl.arange(0, BLOCK_N)
-        # A static loop with a scalar branch: the bound is the row's length, read on the device.
-        for start in tl.range(0, MAX_POS, BLOCK_N):
-            if start < length:
+        # A static loop with a scalar branch: the bound is read on the device (graph-safe).
+        for i in tl.range(0, SPLIT_MAX, BLOCK_N):
+            start = lo + i
+            if (i < chunk) & (start < length):
                 pos = start + n
                 valid = pos < length
                 page = tl.load(table_ptr + row * table_stride + pos // PAGE, mask=valid,
@@ -57,7 +65,26 @@ if AVAILABLE:
                 acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
                 l_i = l_i * alpha + tl.sum(p, axis=0)
                 m_i = m_new
-        tl.store(out_ptr + (b * n_heads + h) * HD + d, (acc / l_i).to(out_ptr.dtype.element_ty))
+        part = (b * n_heads + h) * SPLITS + sp
+        tl.store(m_ptr + part, m_i)
+        tl.store(l_ptr + part, l_i)
+        tl.store(acc_ptr + part * HD + d, acc)
+
+    @triton.jit
+    def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS: tl.constexpr,
+                        HD: tl.constexpr):
+        """Merge the splits' online-softmax partials of one (row, head)."""
+        bh = tl.program_id(0)
+        s = tl.arange(0, SPLITS)
+        d = tl.arange(0, HD)
+        m = tl.load(m_ptr + bh * SPLITS + s)
+        l = tl.load(l_ptr + bh * SPLITS + s)  # noqa: E741
+        acc = tl.load(acc_ptr + (bh * SPLITS + s)[:, None] * HD + d[None, :])
+        top = tl.max(m, axis=0)
+        w = tl.where(m == -float("inf"), 0.0, tl.exp(m - top))
+        total = tl.sum(w * l, axis=0)
+        out = tl.sum(w[:, None] * acc, axis=0) / total
+        tl.store(out_ptr + bh * HD + d, out.to(out_ptr.dtype.element_ty))
 
 
 if AVAILABLE:
@@ -118,19 +145,36 @@ def rope_and_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return q
 
 
+def split_count(batch: int, heads: int, target_programs: int = 512) -> int:
+    """Splits per (row, head) so a step has enough programs to fill the GPU (a power of 2)."""
+    splits = 1
+    while splits < 16 and batch * heads * splits < target_programs:
+        splits *= 2
+    return splits
+
+
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            block_table: torch.Tensor, rows: torch.Tensor,
-                           lengths: torch.Tensor, block_n: int = 64) -> torch.Tensor:
+                           lengths: torch.Tensor, block_n: int = 64,
+                           splits: int | None = None) -> torch.Tensor:
     """q [B, H, hd] -> out [B, H, hd]; row b attends to positions [0, lengths[b]) of
-    ``block_table[rows[b]]`` in the pools [n_pages, page_size, kv_heads, hd]."""
+    ``block_table[rows[b]]`` in the pools [n_pages, page_size, kv_heads, hd]. Each (row,
+    head) is split over ``splits`` programs (flash-decoding) and the partials merged."""
     if not AVAILABLE:
         raise RuntimeError("Triton is not installed")
     b, n_heads, hd = q.shape
     _, page, kvh, _ = k_pool.shape
-    out = torch.empty_like(q)
-    _paged_decode_kernel[(b, n_heads)](
-        q, k_pool, v_pool, out, block_table, rows, lengths,
+    splits = splits or split_count(b, n_heads)
+    max_pos = block_table.shape[1] * page
+    split_max = -(-(-(-max_pos // splits)) // block_n) * block_n
+    m = torch.empty((b, n_heads, splits), dtype=torch.float32, device=q.device)
+    l_sum = torch.empty_like(m)
+    acc = torch.empty((b, n_heads, splits, hd), dtype=torch.float32, device=q.device)
+    _paged_decode_kernel[(b, n_heads, splits)](
+        q, k_pool, v_pool, m, l_sum, acc, block_table, rows, lengths,
         hd ** -0.5, block_table.stride(0), rows.stride(0), n_heads, n_heads // kvh,
-        PAGE=page, KVH=kvh, HD=hd, BLOCK_N=block_n, MAX_POS=block_table.shape[1] * page,
+        PAGE=page, KVH=kvh, HD=hd, BLOCK_N=block_n, SPLITS=splits, SPLIT_MAX=split_max,
     )
+    out = torch.empty_like(q)
+    _combine_kernel[(b * n_heads,)](m, l_sum, acc, out, SPLITS=splits, HD=hd)
     return out

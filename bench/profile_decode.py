@@ -1,0 +1,67 @@
+"""Where a decode step's GPU time goes: per-kernel CUDA time of one eager decode forward
+(torch.profiler), and graph-replay time per batch bucket, on a random moondream2-size model.
+
+    python -m bench.profile_decode [--preset moondream2] [--batch 1 8 32] [--context 760]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from decoding.mask_table import MaskTable
+from vlm_server.config import preset
+from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.runtime import ModelRuntime
+from vlm_server.weights.loader import random_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="moondream2")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--context", type=int, default=760)
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    loaded = random_model(preset(args.preset), dtype=torch.bfloat16, device="cuda")
+    cfg = EngineConfig(max_batch=max(args.batch), kv_budget_bytes=8 << 30)
+    rt = ModelRuntime(loaded.model, cfg, MaskTable(loaded.config.text.vocab_size, 4))
+    ps = cfg.page_size
+    pages_per_row = -(-args.context // ps) + 1
+    for row in range(max(args.batch)):
+        rt.pages.assign(row, rt.pages.allocate(pages_per_row))
+    rt.block_dev.copy_(rt.block_host)
+    rt.capture_graphs(progress=False)
+    for b in args.batch:
+        buf = rt.slots[0]
+        buf.launch_dev[:b, 0] = torch.arange(b)
+        buf.launch_dev[:b, 1] = args.context
+        with torch.cuda.stream(rt.streams.compute):
+            for _ in range(3):
+                rt._decode_forward(buf, b, pages_per_row)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with torch.cuda.stream(rt.streams.compute):
+                rt._decode_forward(buf, b, pages_per_row)
+            torch.cuda.synchronize()
+        print(f"\n=== batch {b}, context {args.context}: eager forward kernels ===")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top))
+        graph = rt.graphs[(0, b)] if (0, b) in rt.graphs else None
+        if graph is not None:
+            times = []
+            for _ in range(50):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record(rt.streams.compute)
+                with torch.cuda.stream(rt.streams.compute):
+                    graph.replay()
+                e.record(rt.streams.compute)
+                e.synchronize()
+                times.append(s.elapsed_time(e))
+            print(f"graph replay, batch {b}: median {statistics.median(times):.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
