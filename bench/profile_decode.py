@@ -49,7 +49,7 @@ def main() -> None:
             torch.cuda.synchronize()
         print(f"\n=== batch {b}, context {args.context}: eager forward kernels ===")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top))
-        graph = rt.graphs[(0, b)] if (0, b) in rt.graphs else None
+        graph = rt.graphs.get((0, b))
         if graph is not None:
             times = []
             for _ in range(50):

@@ -1,9 +1,13 @@
-"""Every RPC end to end on a real loopback server (tiny model, reference engine), compared
-with the reference generation, and every input error with its status code and field."""
+"""Every RPC end to end on real loopback servers (tiny model), on both engines: the batched
+engine (the server's default) and the reference engine. Results are compared with the
+reference generation; every input error is checked for its status code and field. Segment and
+constrained queries, which only the batched engine implements, are checked for well-formed
+answers there and for UNIMPLEMENTED on the reference engine."""
 
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -14,7 +18,9 @@ from PIL import Image
 from image_pipeline import PreparedImage, sample_image_bytes
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
-from vlm_server.client import EncodedImage, VisionLanguageClient, VlmError
+from vlm_server.client import EncodedImage, TextResult, VisionLanguageClient, VlmError
+from vlm_server.engine.batched_engine import BatchedEngine
+from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.reference_engine import ReferenceEngine
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
 from vlm_server.service.testing import ServerThread, local_config
@@ -22,13 +28,36 @@ from vlm_server.weights.loader import LoadedModel
 
 GREEDY = {"temperature": 0.0}
 MIB = 1 << 20
+BATCH = 8
+# (pipeline depth, max batch size) each engine reports in GetModelInfo.
+SHAPES = {"reference": (1, 1), "batched": (2, BATCH)}
 
 
 @pytest.fixture(scope="module")
-def server(tiny: LoadedModel) -> Iterator[ServerThread]:
+def reference_server(tiny: LoadedModel) -> Iterator[ServerThread]:
     factory = lambda: ReferenceEngine(lambda: tiny, max_queue=100)
     with ServerThread(local_config(), factory) as running:
         yield running
+
+
+@pytest.fixture(scope="module")
+def batched_server(tiny: LoadedModel) -> Iterator[ServerThread]:
+    config = EngineConfig(max_batch=BATCH, max_queue=100, kv_budget_bytes=16 * MIB)
+    with ServerThread(local_config(), lambda: BatchedEngine(tiny, config)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module", params=["batched", "reference"])
+def engine_kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def server(engine_kind: str, request: pytest.FixtureRequest) -> ServerThread:
+    """The server of the engine this test runs on (each engine's server starts once)."""
+    running = request.getfixturevalue(f"{engine_kind}_server")
+    assert isinstance(running, ServerThread)
+    return running
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +75,18 @@ def stub(server: ServerThread) -> Iterator[pb_grpc.VisionLanguageStub]:
 @pytest.fixture(scope="module")
 def uploaded(client: VisionLanguageClient) -> EncodedImage:
     return client.encode_image(sample_image_bytes())
+
+
+@pytest.fixture(scope="module")
+def batched_client(batched_server: ServerThread) -> Iterator[VisionLanguageClient]:
+    with VisionLanguageClient(batched_server.target, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference_client(reference_server: ServerThread) -> Iterator[VisionLanguageClient]:
+    with VisionLanguageClient(reference_server.target, timeout=60) as c:
+        yield c
 
 
 def _greedy(max_tokens: int) -> SamplingSettings:
@@ -138,14 +179,15 @@ def test_encode_image_ids_name_the_content(client: VisionLanguageClient,
     assert (first.width, first.height, first.num_crops) == (800, 600, sample_image.num_crops)
 
 
-def test_model_info_reports_model_and_limits(client: VisionLanguageClient,
+def test_model_info_reports_model_and_limits(client: VisionLanguageClient, engine_kind: str,
                                              tiny: LoadedModel) -> None:
     info = client.model_info()
     assert (info.model_name, info.token_contract) == ("tiny", "tiny")
     assert (info.device, info.dtype) == ("cpu", "fp32")
     assert info.max_context == info.max_tokens == tiny.config.text.max_context
     assert info.max_message_bytes == 32 * MIB
-    assert info.pipeline_depth == 1 and info.max_queue == 100
+    assert (info.pipeline_depth, info.max_batch_size) == SHAPES[engine_kind]
+    assert info.max_queue == 100
     assert info.server_version
 
 
@@ -217,19 +259,64 @@ def test_bad_requests_fail_with_a_code_and_name_the_field(
 
 @pytest.mark.parametrize("kwargs", [{"regex": "yes|no"}, {"choices": ["yes", "no"]}])
 def test_reference_engine_answers_constraints_with_unimplemented(
-        client: VisionLanguageClient, uploaded: EncodedImage, kwargs: dict[str, Any]) -> None:
+        reference_client: VisionLanguageClient, kwargs: dict[str, Any]) -> None:
     with pytest.raises(VlmError) as caught:
-        client.query(uploaded, "is it sunny?", **kwargs)
+        reference_client.query(sample_image_bytes(), "is it sunny?", **kwargs)
     assert caught.value.code == grpc.StatusCode.UNIMPLEMENTED
     assert "choices or regex" in caught.value.message
 
 
 def test_reference_engine_answers_segment_with_unimplemented(
-        client: VisionLanguageClient, uploaded: EncodedImage) -> None:
+        reference_client: VisionLanguageClient) -> None:
     with pytest.raises(VlmError) as caught:
-        client.segment(uploaded, "house")
+        reference_client.segment(sample_image_bytes(), "house")
     assert caught.value.code == grpc.StatusCode.UNIMPLEMENTED
     assert "segment" in caught.value.message
+
+
+# ---- what only the batched engine implements ----------------------------------------------
+
+
+@pytest.mark.parametrize("choices", [["yes", "no"], ["red", "green", "blue", "a long one"]])
+def test_query_with_choices_answers_one_of_them(batched_client: VisionLanguageClient,
+                                                choices: list[str]) -> None:
+    image = batched_client.encode_image(sample_image_bytes())
+    events = list(batched_client.query_stream(image, "which one?", choices=choices, **GREEDY))
+    final = events[-1]
+    assert isinstance(final, TextResult) and final.finish_reason == "eos"
+    assert final.text in choices
+    assert "".join(e.text for e in events[:-1]) == final.text
+    sampled = batched_client.query(None, "pick one", choices=choices, temperature=1.0, seed=7)
+    assert sampled.text in choices
+
+
+@pytest.mark.parametrize("pattern", [r"[0-9]{1,3}", r"(yes|no), because [a-z]+",
+                                     r"[A-Z][a-z]{2,8}"])
+def test_query_with_a_regex_answers_a_full_match(batched_client: VisionLanguageClient,
+                                                 pattern: str) -> None:
+    image = batched_client.encode_image(sample_image_bytes())
+    got = batched_client.query(image, "answer in the format", regex=pattern, max_tokens=24,
+                               **GREEDY)
+    assert got.finish_reason == "eos", got
+    assert re.fullmatch(pattern, got.text), got.text
+
+
+def test_segment_answers_a_box_path_polygons_and_mask(
+        batched_client: VisionLanguageClient) -> None:
+    image = batched_client.encode_image(sample_image_bytes())
+    by_id, by_bytes = (batched_client.segment(source, "house", max_tokens=64)
+                       for source in (image, sample_image_bytes()))
+    for seg in (by_id, by_bytes):
+        b = seg.box
+        assert 0 <= b.x_min <= b.x_max <= 1 and 0 <= b.y_min <= b.y_max <= 1
+        assert seg.svg_path.startswith("M") and seg.polygons
+        assert all(0 <= p.x <= 1 and 0 <= p.y <= 1 for poly in seg.polygons for p in poly)
+        assert (seg.mask.height, seg.mask.width) == (600, 800)
+        assert sum(seg.mask.counts) == 600 * 800 and min(seg.mask.counts) >= 0
+        assert seg.finish_reason in ("eos", "length")
+        assert seg.metrics.input_tokens > 0
+    assert (by_id.box, by_id.svg_path, by_id.mask) == (by_bytes.box, by_bytes.svg_path,
+                                                       by_bytes.mask)
 
 
 def test_oversized_message_is_refused_with_the_limit_stated(

@@ -166,7 +166,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     _, page, kvh, _ = k_pool.shape
     splits = splits or split_count(b, n_heads)
     max_pos = block_table.shape[1] * page
-    split_max = -(-(-(-max_pos // splits)) // block_n) * block_n
+    per_split = -(-max_pos // splits)
+    split_max = -(-per_split // block_n) * block_n  # static loop bound of one split
     m = torch.empty((b, n_heads, splits), dtype=torch.float32, device=q.device)
     l_sum = torch.empty_like(m)
     acc = torch.empty((b, n_heads, splits, hd), dtype=torch.float32, device=q.device)

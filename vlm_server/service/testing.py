@@ -1,9 +1,9 @@
 """Running a server inside a process (tests, notebooks): its own event loop on a thread.
 
 `ServerThread` starts a `VisionLanguageServer` on a background loop, so blocking clients can
-call it from the calling thread. `GatedReferenceEngine` lets a test hold the engine at start
-or after a token, to put the server in a known state without sleeping. `wait_for` polls a
-condition until a deadline.
+call it from the calling thread. `GatedReferenceEngine` and `GatedBatchedEngine` let a test
+hold the engine at start or after a token, to put the server in a known state without
+sleeping. `wait_for` polls a condition until a deadline.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import Any, TypeVar
 
+from vlm_server.engine.batched_engine import BatchedEngine
+from vlm_server.engine.pipeline_state import Step, StepKind
 from vlm_server.engine.reference_engine import ReferenceEngine
 from vlm_server.service.config import ServerConfig
 from vlm_server.service.server import EngineFactory, VisionLanguageServer
@@ -127,6 +129,45 @@ class GatedReferenceEngine(ReferenceEngine):
         if self.token_gate.is_set():
             return
         self.held_job = job
+        self.holding.set()
+        self.token_gate.wait(GATE_TIMEOUT_S)
+        self.holding.clear()
+
+
+class GatedBatchedEngine(BatchedEngine):
+    """A `BatchedEngine` a test can hold: at start (`start_gate`) and before the scheduler
+    commits a decode step (`token_gate`), so every request in the batch has streamed at least
+    its first token and none advances while held. Gates are open until cleared; `holding` is
+    set while a step is held and `held_requests` names the request ids of its batch.
+    `prefilled` lists the request id of every request whose prefill was launched, in order
+    (a request absent from it never ran)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.start_gate = threading.Event()
+        self.start_gate.set()
+        self.token_gate = threading.Event()
+        self.token_gate.set()
+        self.holding = threading.Event()
+        self.held_requests: tuple[str, ...] = ()
+        self.prefilled: list[str] = []
+        self.scheduler.trace = self._on_step
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.start_gate.wait, GATE_TIMEOUT_S)
+        await super().start()
+
+    def cached_prefix_pages(self) -> int:
+        """KV pages held by cached image prefixes (call when `idle`: none is in use then)."""
+        return self.scheduler.prefix_cache.evictable_pages()
+
+    def _on_step(self, phase: str, step: Step) -> None:
+        """Called on the scheduler thread around each pipeline action."""
+        if phase == "launch" and step.kind is StepKind.PREFILL:
+            self.prefilled.extend(s.request.request_id for s in step.seqs)
+        if phase != "commit" or step.kind is not StepKind.DECODE or self.token_gate.is_set():
+            return
+        self.held_requests = tuple(s.request.request_id for s in step.seqs)
         self.holding.set()
         self.token_gate.wait(GATE_TIMEOUT_S)
         self.holding.clear()
