@@ -25,6 +25,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--context", type=int, default=760)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--sweep", action="store_true",
+                    help="time graph replays for attention variants instead of profiling")
     args = ap.parse_args()
     loaded = random_model(preset(args.preset), dtype=torch.bfloat16, device="cuda")
     cfg = EngineConfig(max_batch=max(args.batch), kv_budget_bytes=8 << 30)
@@ -34,6 +36,9 @@ def main() -> None:
     for row in range(max(args.batch)):
         rt.pages.assign(row, rt.pages.allocate(pages_per_row))
     rt.block_dev.copy_(rt.block_host)
+    if args.sweep:
+        sweep(rt, args)
+        return
     rt.capture_graphs(progress=False)
     for b in args.batch:
         buf = rt.slots[0]
@@ -61,6 +66,46 @@ def main() -> None:
                 e.synchronize()
                 times.append(s.elapsed_time(e))
             print(f"graph replay, batch {b}: median {statistics.median(times):.3f} ms")
+
+
+def _replay_ms(rt: ModelRuntime, b: int) -> float:
+    graph = rt.graphs[(0, b)]
+    times = []
+    for _ in range(50):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(rt.streams.compute)
+        with torch.cuda.stream(rt.streams.compute):
+            graph.replay()
+        e.record(rt.streams.compute)
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def sweep(rt: ModelRuntime, args: argparse.Namespace) -> None:
+    """Graph-replay time of the decode forward for attention split targets and block sizes."""
+    from vlm_server.engine import triton_attention as ta
+
+    original = ta.paged_decode_attention
+    print(f"{'target':>6} {'block_n':>7} " + " ".join(f"{'b' + str(b):>7}" for b in args.batch))
+    for target in (512, 2048, 4096):
+        for block_n in (32, 64, 128):
+            def variant(*a: object, _t: int = target, _n: int = block_n,
+                        **k: object) -> torch.Tensor:
+                splits = ta.split_count(a[0].shape[0], a[0].shape[1], _t)
+                return original(*a, block_n=_n, splits=splits)
+
+            ta.paged_decode_attention = variant
+            rt.graphs = {}
+            rt.capture_graphs(progress=False)
+            for b in args.batch:
+                buf = rt.slots[0]
+                buf.launch_dev[:b, 0] = torch.arange(b)
+                buf.launch_dev[:b, 1] = args.context
+            times = [_replay_ms(rt, b) for b in args.batch]
+            print(f"{target:>6} {block_n:>7} " + " ".join(f"{t:>7.3f}" for t in times),
+                  flush=True)
+    ta.paged_decode_attention = original
 
 
 if __name__ == "__main__":
