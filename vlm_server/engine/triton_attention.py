@@ -145,7 +145,7 @@ def rope_and_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return q
 
 
-def split_count(batch: int, heads: int, target_programs: int = 512) -> int:
+def split_count(batch: int, heads: int, target_programs: int = 4096) -> int:
     """Splits per (row, head) so a step has enough programs to fill the GPU (a power of 2)."""
     splits = 1
     while splits < 16 and batch * heads * splits < target_programs:
