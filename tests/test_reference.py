@@ -152,7 +152,7 @@ def test_gpt2_contract_tests_only_eos(tmp_path: Path, sample_image: PreparedImag
 
 def test_context_overflow_is_refused(generator: ReferenceGenerator,
                                      sample_image: PreparedImage) -> None:
-    with pytest.raises(ContextOverflow, match="exceeds the context"):
+    with pytest.raises(ContextOverflow, match="exceeds the model context"):
         generator.caption(sample_image, "short", SamplingSettings(max_tokens=2000))
     with pytest.raises(ContextOverflow):
         generator.detect(sample_image, "car", max_objects=500)

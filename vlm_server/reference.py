@@ -1,9 +1,11 @@
 """Reference generation: one request at a time, plain and obviously right.
 
-This is the correctness oracle. It follows the decode protocols of the model specification
-step by step (prefill of BOS + image, prompt, then one position per token or region value) on
-a contiguous KV cache; the batched engine must reproduce its greedy output token for token.
-Sampling and region decoding use the same functions as the engine (`decoding`).
+This is the correctness oracle. It walks a request's grammar (shared with the engine through
+`vlm_server.tasks`) one position at a time on a contiguous KV cache, following the model
+specification's protocols: prefill of BOS + image, the prompt, then per step either a sampled
+token (masked by the grammar's row when constrained) or a region value decoded from the
+hidden state and fed back through its encoder. The batched engine must reproduce its greedy
+output token for token. Sampling and region decoding are the engine's own functions.
 """
 
 from __future__ import annotations
@@ -15,13 +17,18 @@ from typing import Literal
 import torch
 from tokenizers import Tokenizer
 
+from decoding.grammar_base import FinishReason as GrammarFinish
+from decoding.grammars import ObjectGrammar, SegmentGrammar, StepKind, TextGrammar
+from decoding.mask_table import NO_MASK
 from decoding.region_values import coord_from_logits, size_from_logits
 from decoding.sampling import sample
+from decoding.segment_output import SegmentResult
 from image_pipeline import PreparedImage
-from vlm_server import prompts
 from vlm_server.config import ModelConfig
+from vlm_server.engine.api import EngineError, ErrorCode, GenerationRequest, Task
 from vlm_server.model import MoondreamModel
 from vlm_server.model.text import DenseKVCache
+from vlm_server.tasks import BuiltRequest, TaskCompiler
 
 FinishReason = Literal["eos", "length", "max_objects", "cancelled"]
 
@@ -80,6 +87,9 @@ class ContextOverflow(ValueError):
     """The prompt plus the requested output does not fit the model's context."""
 
 
+OnToken = Callable[[int], bool | None]
+
+
 class ReferenceGenerator:
     """Runs one request at a time on a loaded model."""
 
@@ -89,24 +99,35 @@ class ReferenceGenerator:
         self.config: ModelConfig = model.config
         self.contract = model.config.tokens
         assert self.contract is not None
+        self.tasks = TaskCompiler(model.config, tokenizer)
 
     # ---- building blocks ------------------------------------------------------------
+
+    def _build(self, req: GenerationRequest) -> BuiltRequest:
+        try:
+            return self.tasks.build(req)
+        except EngineError as err:
+            if err.code is ErrorCode.OUT_OF_RANGE:
+                raise ContextOverflow(err.message) from err
+            raise ValueError(err.message) from err
 
     @torch.inference_mode()
     def _start(self, image: PreparedImage | None, prompt: list[int], budget: int
                ) -> tuple[DenseKVCache, torch.Tensor, int]:
-        """Prefill (image prefix, then prompt); return cache, last hidden [1, D], next pos."""
-        m, dev = self.model, self.model.device
-        if image is not None:
-            prefix_len = self.config.image_prefix_len
-        else:
-            prefix_len = 0
+        """Prefill (image prefix, then prompt; BOS is added when there is no image); return
+        the cache, the last hidden state [1, D] and the next position."""
+        if image is None:
             prompt = [self.contract.bos_id, *prompt]
-        end = prefix_len + len(prompt) + budget
-        if end > self.config.text.max_context:
+        return self._prefill(image, prompt, budget)
+
+    def _prefill(self, image: PreparedImage | None, prompt: list[int], budget: int
+                 ) -> tuple[DenseKVCache, torch.Tensor, int]:
+        m, dev = self.model, self.model.device
+        prefix_len = self.config.image_prefix_len if image is not None else 0
+        if prefix_len + len(prompt) + budget > self.config.text.max_context:
             raise ContextOverflow(
-                f"prompt ({prefix_len + len(prompt)} positions) plus output ({budget}) exceeds "
-                f"the context of {self.config.text.max_context}")
+                f"prompt ({prefix_len + len(prompt)} positions) plus output ({budget}) "
+                f"exceeds the context of {self.config.text.max_context}")
         cache = DenseKVCache(self.config.text, 1, m.dtype, dev, prefix_len)
         if image is not None:
             crops = image.normalized(m.dtype, dev)
@@ -122,111 +143,128 @@ class ReferenceGenerator:
         p = torch.tensor([[pos]], device=emb.device)
         return self.model.text(emb[:, None], p, cache)[:, -1]
 
-    # ---- tasks ------------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def generate_text(self, image: PreparedImage | None, prompt: list[int],
-                      settings: SamplingSettings,
-                      on_token: Callable[[int], bool | None] | None = None) -> TextResult:
-        """Sample up to ``max_tokens`` tokens after the prompt; eos is not part of the output.
-
-        ``on_token`` sees each output token as it is sampled; returning True stops generation
-        (finish reason "cancelled").
-        """
-        m, eos = self.model, self.contract.eos_id
-        cache, hidden, pos = self._start(image, prompt, settings.max_tokens)
-        dev = m.device
-        temp = torch.tensor([settings.temperature], device=dev)
-        top_p = torch.tensor([settings.top_p], device=dev)
-        seed = torch.tensor([settings.seed], device=dev, dtype=torch.int64)
-        suppressed = list(self.contract.decode_suppressed_ids)
-        out: list[int] = []
-        while True:
-            logits = m.text.logits(hidden)
-            if out and suppressed:  # suppression applies from the second token on
-                logits[:, suppressed] = float("-inf")
-            step = torch.tensor([len(out)], device=dev, dtype=torch.int64)
-            token = int(sample(logits, temp, top_p, seed, step)[0])
-            if token == eos:
-                reason: FinishReason = "eos"
-                break
-            out.append(token)
-            if on_token is not None and on_token(token):
-                reason = "cancelled"
-                break
-            if len(out) >= settings.max_tokens:
-                reason = "length"
-                break
-            hidden = self._step(cache, m.text.embed(torch.tensor([token], device=dev)), pos)
-            pos += 1
-        text = self.tokenizer.decode(out)
-        return TextResult(text=text, token_ids=out, finish_reason=reason,
-                          prompt_tokens=len(prompt))
-
-    def caption(self, image: PreparedImage, length: str = "normal",
-                settings: SamplingSettings | None = None,
-                on_token: Callable[[int], bool | None] | None = None) -> TextResult:
-        prompt = prompts.caption_prompt(self.contract, length)
-        return self.generate_text(image, prompt, settings or SamplingSettings(), on_token)
-
-    def query(self, image: PreparedImage | None, question: str,
-              settings: SamplingSettings | None = None,
-              on_token: Callable[[int], bool | None] | None = None) -> TextResult:
-        prompt = prompts.query_prompt(self.contract, self.tokenizer, question)
-        return self.generate_text(image, prompt, settings or SamplingSettings(), on_token)
+    def _masked(self, logits: torch.Tensor, row: int) -> torch.Tensor:
+        if row == NO_MASK:
+            return logits
+        allowed = torch.from_numpy(self.tasks.table.allowed(row)).to(logits.device)
+        return logits.masked_fill(~allowed, float("-inf"))
 
     def boundary_token(self, logits: torch.Tensor) -> int:
         """The greedy decision at an object boundary (the token itself is never fed back)."""
-        if self.contract.boundary_rule == "coord_or_eos":
-            allowed = torch.full_like(logits, float("-inf"))
-            keep = [self.contract.eos_id, self.contract.coord_id]
-            allowed[:, keep] = logits[:, keep]
-            logits = allowed
-        return int(logits.argmax(dim=-1)[0])
+        return int(self._masked(logits, self.tasks.region_rows.boundary).argmax(dim=-1)[0])
+
+    # ---- the generic loop ----------------------------------------------------------------
 
     @torch.inference_mode()
-    def generate_regions(self, image: PreparedImage, prompt: list[int], with_size: bool,
-                         max_objects: int) -> RegionResult:
-        """The point/detect loop: x, y (and size) per object, greedy, until eos or the cap.
+    def run(self, req: GenerationRequest, on_token: OnToken | None = None
+            ) -> tuple[BuiltRequest, FinishReason, list[int]]:
+        """Walk the request's grammar to the end. Returns the built request (whose grammar
+        holds the answer), the finish reason and the output token ids (text tasks).
 
-        Once ``max_objects`` objects exist the answer ends ("max_objects") without a further
-        boundary step, since the grammar would allow nothing but eos there.
+        Text tasks sample with the request's temperature / top_p / seed; region answers and
+        segment paths decode greedily, as the model's protocols do. ``on_token`` sees each text
+        token; returning True stops the request ("cancelled").
         """
-        if max_objects < 1:
-            raise ValueError("max_objects must be >= 1")
-        m, eos = self.model, self.contract.eos_id
-        per_object = 3 if with_size else 2
-        cache, hidden, pos = self._start(image, prompt, per_object * max_objects)
-        result = RegionResult(prompt_tokens=len(prompt))
-        token = self.boundary_token(m.text.logits(hidden))
-        while token != eos:
-            x = coord_from_logits(m.region.decode_coord(hidden))
-            hidden = self._step(cache, m.region.encode_coord(x), pos)
-            y = coord_from_logits(m.region.decode_coord(hidden))
-            emb = m.region.encode_coord(y)
-            pos += 1
-            if with_size:
-                hidden = self._step(cache, emb, pos)
-                pos += 1
+        built = self._build(req)
+        g = built.grammar
+        m, dev = self.model, self.model.device
+        cache, hidden, pos = self._prefill(req.image, built.prompt, g.max_positions)
+        text = isinstance(g, TextGrammar)
+        temp = torch.tensor([req.temperature if text else 0.0], device=dev)
+        top_p = torch.tensor([req.top_p if text else 1.0], device=dev)
+        seed = torch.tensor([req.seed], device=dev, dtype=torch.int64)
+        out: list[int] = []
+        while not g.finished:
+            kind = g.next_kind
+            if kind is StepKind.TOKEN:
+                logits = self._masked(m.text.logits(hidden), g.mask_row)
+                step = torch.tensor([len(out)], device=dev, dtype=torch.int64)
+                token = int(sample(logits, temp, top_p, seed, step)[0])
+                feeds = g.feeds_token
+                before = len(g.token_ids) if text else 0
+                g.advance_token(token)
+                if text and len(g.token_ids) > before:
+                    out.append(token)
+                    if on_token is not None and on_token(token):
+                        return built, "cancelled", out
+                if g.finished:
+                    break
+                if feeds:
+                    emb = m.text.embed(torch.tensor([token], device=dev))
+                else:  # object boundary: x comes from the same hidden state
+                    x = coord_from_logits(m.region.decode_coord(hidden))
+                    g.advance_value(float(x))
+                    emb = m.region.encode_coord(x)
+            elif kind is StepKind.COORD_Y:
+                y = coord_from_logits(m.region.decode_coord(hidden))
+                g.advance_value(float(y))
+                emb = m.region.encode_coord(y)
+            elif kind is StepKind.SIZE:
                 wh = size_from_logits(m.region.decode_size(hidden), self.contract.size_scale)
+                g.advance_value((float(wh[0, 0]), float(wh[0, 1])))
                 emb = m.region.encode_size(wh)
-                cx, cy, w, h = float(x), float(y), float(wh[0, 0]), float(wh[0, 1])
-                result.boxes.append(Box(cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2))
             else:
-                result.points.append(Point(float(x), float(y)))
-            if len(result.points) + len(result.boxes) >= max_objects:
-                # Only eos could follow: stop without spending a step on it.
-                result.finish_reason = "max_objects"
+                raise AssertionError(f"unexpected step kind {kind}")
+            if g.finished:
                 break
             hidden = self._step(cache, emb, pos)
             pos += 1
-            token = self.boundary_token(m.text.logits(hidden))
+        stop = g.finish_reason is GrammarFinish.STOP
+        if isinstance(g, ObjectGrammar):
+            return built, "eos" if stop else "max_objects", out
+        return built, "eos" if stop else "length", out
+
+    # ---- tasks ------------------------------------------------------------------------
+
+    def _text(self, req: GenerationRequest, on_token: OnToken | None) -> TextResult:
+        built, reason, out = self.run(req, on_token)
+        # The task's own prompt tokens: without the BOS a text-only query starts with.
+        prompt_tokens = len(built.prompt) - (1 if built.prefix_len == 0 else 0)
+        return TextResult(text=self.tokenizer.decode(out), token_ids=out, finish_reason=reason,
+                          prompt_tokens=prompt_tokens)
+
+    def caption(self, image: PreparedImage, length: str = "normal",
+                settings: SamplingSettings | None = None,
+                on_token: OnToken | None = None) -> TextResult:
+        s = settings or SamplingSettings()
+        return self._text(GenerationRequest(Task.CAPTION, image, caption_length=length,
+                                            temperature=s.temperature, top_p=s.top_p,
+                                            max_tokens=s.max_tokens, seed=s.seed), on_token)
+
+    def query(self, image: PreparedImage | None, question: str,
+              settings: SamplingSettings | None = None, on_token: OnToken | None = None,
+              choices: tuple[str, ...] = (), regex: str | None = None) -> TextResult:
+        s = settings or SamplingSettings()
+        return self._text(GenerationRequest(Task.QUERY, image, question=question,
+                                            temperature=s.temperature, top_p=s.top_p,
+                                            max_tokens=s.max_tokens, seed=s.seed,
+                                            choices=choices, regex=regex), on_token)
+
+    def _regions(self, task: Task, image: PreparedImage, obj: str, max_objects: int
+                 ) -> RegionResult:
+        built, reason, _ = self.run(GenerationRequest(task, image, object_name=obj,
+                                                      max_objects=max_objects))
+        g = built.grammar
+        assert isinstance(g, ObjectGrammar)
+        result = RegionResult(finish_reason=reason, prompt_tokens=len(built.prompt))
+        for obj_values in g.objects:
+            if task is Task.POINT:
+                result.points.append(Point(*obj_values))
+            else:
+                result.boxes.append(Box(*obj_values))
         return result
 
     def point(self, image: PreparedImage, obj: str, max_objects: int = 50) -> RegionResult:
-        prompt = prompts.point_prompt(self.contract, self.tokenizer, obj)
-        return self.generate_regions(image, prompt, with_size=False, max_objects=max_objects)
+        return self._regions(Task.POINT, image, obj, max_objects)
 
     def detect(self, image: PreparedImage, obj: str, max_objects: int = 50) -> RegionResult:
-        prompt = prompts.detect_prompt(self.contract, self.tokenizer, obj)
-        return self.generate_regions(image, prompt, with_size=True, max_objects=max_objects)
+        return self._regions(Task.DETECT, image, obj, max_objects)
+
+    def segment(self, image: PreparedImage, obj: str, max_tokens: int = 256
+                ) -> tuple[SegmentResult, FinishReason]:
+        """Box, normalized SVG path, polygons and RLE mask at the image's size."""
+        built, reason, _ = self.run(GenerationRequest(Task.SEGMENT, image, object_name=obj,
+                                                      max_tokens=max_tokens))
+        g = built.grammar
+        assert isinstance(g, SegmentGrammar)
+        return g.result((image.width, image.height)), reason

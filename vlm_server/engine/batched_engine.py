@@ -15,20 +15,10 @@ from collections.abc import AsyncIterator
 
 import torch
 
-from decoding.constraints import ConstraintCompiler
 from decoding.detokenize import StreamDetokenizer
 from decoding.grammars import (
-    PathRows,
-    RegionRows,
-    RegionTokens,
-    SegmentGrammar,
     TextGrammar,
-    detect_grammar,
-    point_grammar,
 )
-from decoding.mask_table import NO_MASK, AutomatonRows, MaskTable
-from decoding.vocab import TokenVocab
-from vlm_server import prompts
 from vlm_server.engine.api import (
     EngineError,
     EngineInfo,
@@ -37,18 +27,16 @@ from vlm_server.engine.api import (
     Event,
     Finished,
     GenerationRequest,
-    Task,
 )
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.runtime import ModelRuntime
 from vlm_server.engine.scheduler import Scheduler
 from vlm_server.engine.sequence import Sequence
+from vlm_server.tasks import TaskCompiler
 from vlm_server.weights.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
-SEGMENT_MAX_POINTS = 64
-SEGMENT_MAX_PATH_TOKENS = 256
 
 
 class _Stream:
@@ -102,18 +90,8 @@ class BatchedEngine:
             device=str(model.device), dtype=str(model.dtype).removeprefix("torch."),
             pipeline_depth=self.cfg.pipeline_depth, max_batch_size=self.cfg.max_batch,
             max_context=mc.text.max_context, max_queue=self.cfg.max_queue)
-        self.table = MaskTable(mc.text.vocab_size, max_rows=self.cfg.mask_table_rows)
-        self.vocab = TokenVocab.from_tokenizer(loaded.tokenizer)
-        suppressed = list(contract.decode_suppressed_ids)
-        self._suppress_row = self.table.allow_all_but(suppressed) if suppressed else NO_MASK
-        self.constraints = ConstraintCompiler(self.vocab, self.table, contract.eos_id,
-                                              blocked=frozenset(suppressed))
-        self.region_rows = RegionRows.register(
-            self.table, RegionTokens(contract.eos_id,
-                                     contract.coord_id if contract.boundary_rule
-                                     == "coord_or_eos" else None))
-        self._path_rows = None
-        self._compile_lock = threading.Lock()
+        self.tasks = TaskCompiler(mc, loaded.tokenizer, self.cfg.mask_table_rows)
+        self.table = self.tasks.table
         self.runtime = ModelRuntime(model, self.cfg, self.table)
         self.scheduler = Scheduler(self.runtime, self.cfg, contract.eos_id, mc.image_prefix_len)
         self._inbox: list[Sequence] = []
@@ -191,94 +169,13 @@ class BatchedEngine:
         return stream
 
     def _build(self, req: GenerationRequest) -> Sequence:
-        """Prompt, grammar and limits of one request (raises EngineError naming the field)."""
-        c, tok = self.contract, self.loaded.tokenizer
-        mc = self.loaded.model.config
-        if req.task is not Task.QUERY and req.image is None:
-            raise EngineError(ErrorCode.INVALID_ARGUMENT, f"{req.task} needs an image", "image")
-        if req.temperature < 0:
-            raise EngineError(ErrorCode.INVALID_ARGUMENT, "temperature must be >= 0",
-                              "temperature")
-        if not 0 < req.top_p <= 1:
-            raise EngineError(ErrorCode.INVALID_ARGUMENT, "top_p must be in (0, 1]", "top_p")
-        if not 1 <= req.max_tokens <= mc.text.max_context:
-            raise EngineError(ErrorCode.INVALID_ARGUMENT,
-                              f"max_tokens must be in 1..{mc.text.max_context}", "max_tokens")
-        if req.task in (Task.POINT, Task.DETECT) and req.max_objects < 1:
-            raise EngineError(ErrorCode.INVALID_ARGUMENT, "max_objects must be >= 1",
-                              "max_objects")
-        try:
-            if req.task is Task.CAPTION:
-                prompt = prompts.caption_prompt(c, req.caption_length)
-                grammar = TextGrammar(c.eos_id, req.max_tokens, row=self._suppress_row,
-                                      first_row=NO_MASK)
-            elif req.task is Task.QUERY:
-                prompt = prompts.query_prompt(c, tok, req.question)
-                grammar = TextGrammar(c.eos_id, req.max_tokens, row=self._suppress_row,
-                                      first_row=NO_MASK, constraint=self._constraint(req))
-            elif req.task in (Task.POINT, Task.DETECT):
-                if not req.object_name.strip():
-                    raise EngineError(ErrorCode.INVALID_ARGUMENT, "object must not be empty",
-                                      "object")
-                make = point_grammar if req.task is Task.POINT else detect_grammar
-                build = prompts.point_prompt if req.task is Task.POINT else prompts.detect_prompt
-                prompt = build(c, tok, req.object_name)
-                grammar = make(self.region_rows, req.max_objects)
-            else:
-                if not req.object_name.strip():
-                    raise EngineError(ErrorCode.INVALID_ARGUMENT, "object must not be empty",
-                                      "object")
-                prompt = prompts.segment_prompt(c, tok, req.object_name)
-                grammar = SegmentGrammar(self.region_rows, self._segment_rows(),
-                                         SEGMENT_MAX_POINTS,
-                                         min(req.max_tokens, SEGMENT_MAX_PATH_TOKENS))
-        except ValueError as err:
-            if isinstance(err, EngineError):
-                raise
-            field = "caption_length" if req.task is Task.CAPTION else "task"
-            code = (ErrorCode.UNIMPLEMENTED if "defines no segment" in str(err)
-                    else ErrorCode.INVALID_ARGUMENT)
-            raise EngineError(code, str(err), field) from err
-        if req.image is None:
-            prompt = [c.bos_id, *prompt]
-            prefix_len = 0
-        else:
-            prefix_len = mc.image_prefix_len
-        seq = Sequence(request=req, prompt=prompt, grammar=grammar, prefix_len=prefix_len)
-        if seq.total_positions > mc.text.max_context:
-            raise EngineError(
-                ErrorCode.OUT_OF_RANGE,
-                f"prompt ({seq.prefill_len} positions) plus the output budget "
-                f"({grammar.max_positions}) exceeds the model context of "
-                f"{mc.text.max_context}", "max_tokens")
-        if isinstance(grammar, TextGrammar):
-            seq.detok = StreamDetokenizer(self.vocab)
+        """The request's sequence: prompt and grammar from the shared task definitions."""
+        built = self.tasks.build(req)
+        seq = Sequence(request=req, prompt=built.prompt, grammar=built.grammar,
+                       prefix_len=built.prefix_len)
+        if isinstance(built.grammar, TextGrammar):
+            seq.detok = StreamDetokenizer(self.tasks.vocab)
         return seq
-
-    def _constraint(self, req: GenerationRequest) -> AutomatonRows | None:
-        if req.choices and req.regex:
-            raise EngineError(ErrorCode.INVALID_ARGUMENT, "give choices or regex, not both",
-                              "regex")
-        try:
-            with self._compile_lock:
-                if req.choices:
-                    if any(not ch for ch in req.choices):
-                        raise ValueError("choices must be non-empty strings")
-                    return self.constraints.choices(req.choices)
-                if req.regex is not None:
-                    return self.constraints.regex(req.regex)
-        except EngineError:
-            raise
-        except (ValueError, RuntimeError) as err:
-            field = "choices" if req.choices else "regex"
-            raise EngineError(ErrorCode.INVALID_ARGUMENT, f"{field}: {err}", field) from err
-        return None
-
-    def _segment_rows(self) -> PathRows:
-        with self._compile_lock:
-            if self._path_rows is None:
-                self._path_rows = self.constraints.segment_path()
-            return self._path_rows
 
     # ---- the scheduler thread ----------------------------------------------------------
 

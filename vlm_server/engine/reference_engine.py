@@ -425,7 +425,9 @@ class ReferenceEngine:
 
         settings = SamplingSettings(temperature=req.temperature, top_p=req.top_p,
                                     max_tokens=req.max_tokens, seed=req.seed)
-        result = gen.generate_text(req.image, job.prompt, settings, on_token)
+        result = (gen.caption(req.image, req.caption_length, settings, on_token)
+                  if req.task is Task.CAPTION
+                  else gen.query(req.image, req.question, settings, on_token))
         if expired:
             raise _DeadlineExceeded
         tail = detok.flush()
@@ -442,8 +444,8 @@ class ReferenceEngine:
     def _regions(self, job: _Job, started: float, metrics: RequestMetrics) -> Finished:
         gen, req = self._generator, job.request
         assert gen is not None and req.image is not None
-        with_size = req.task == Task.DETECT
-        result = gen.generate_regions(req.image, job.prompt, with_size, req.max_objects)
+        result = (gen.detect if req.task == Task.DETECT else gen.point)(
+            req.image, req.object_name, req.max_objects)
         end = time.monotonic()
         if req.deadline is not None and end >= req.deadline:
             raise _DeadlineExceeded
