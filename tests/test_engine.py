@@ -423,3 +423,50 @@ def test_commit_before_finalize_order(tiny: LoadedModel, images: list[PreparedIm
             commit_order.append(step_id)
     assert commit_order == sorted(commit_order)  # I2: FIFO
     assert len(committed) == len(launched)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_constrained_and_segment_equal_the_reference(tiny: LoadedModel,
+                                                     images: list[PreparedImage],
+                                                     depth: int) -> None:
+    """Choices, regex (sampled and greedy) and segment: the engine's answers are the
+    reference's, through the same grammars and masks."""
+    reqs = [
+        GenerationRequest(Task.QUERY, images[0], question="which?", seed=1, temperature=1.0,
+                          top_p=0.95, choices=("red car", "blue bus", "a dog", "no")),
+        GenerationRequest(Task.QUERY, images[1], question="count", seed=2, temperature=0.8,
+                          regex=r"[0-9]{1,3} (cars|dogs)", max_tokens=12),
+        GenerationRequest(Task.QUERY, None, question="name", temperature=0,
+                          regex=r"[a-z]+( [a-z]+)?", max_tokens=8),
+        GenerationRequest(Task.SEGMENT, images[2], object_name="car", max_tokens=40),
+        GenerationRequest(Task.SEGMENT, images[0], object_name="tree", max_tokens=25),
+    ]
+
+    async def run() -> list[Finished]:
+        engine = _engine(tiny, depth)
+        await engine.start()
+        try:
+            out = await asyncio.gather(*[_collect(engine, r) for r in reqs])
+            await _wait_idle(engine)
+            _assert_clean(engine)
+            return [fin for _, fin in out]
+        finally:
+            await engine.close()
+
+    ref = ReferenceGenerator(tiny.model, tiny.tokenizer)
+    for req, fin in zip(reqs, asyncio.run(run()), strict=True):
+        if req.task is Task.QUERY:
+            s = SamplingSettings(temperature=req.temperature, top_p=req.top_p,
+                                 max_tokens=req.max_tokens, seed=req.seed)
+            want = ref.query(req.image, req.question, s, choices=req.choices, regex=req.regex)
+            assert fin.text == want.text and fin.finish_reason == want.finish_reason
+            if req.choices:
+                assert fin.text in req.choices
+            else:
+                assert re.fullmatch(req.regex or "", fin.text)
+        else:
+            seg, reason = ref.segment(req.image, req.object_name, req.max_tokens)
+            got = fin.segmentation
+            assert got is not None and fin.finish_reason == reason
+            assert got.svg_path == seg.path and tuple(got.mask_rle) == tuple(seg.mask_counts)
+            assert (got.box.x_min, got.box.y_min, got.box.x_max, got.box.y_max) == seg.box

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -189,3 +190,20 @@ def test_cli_default_model_is_written_once(tmp_path: Path, monkeypatch: pytest.M
     assert [p.name for p in written] == ["tiny-seed0"]
     assert cli_main(["make-checkpoint", str(tmp_path / "ck"), "--preset", "tiny"]) == 0
     assert (tmp_path / "ck" / "model.safetensors").exists()
+
+
+def test_reference_segment_and_constraints_parse(generator: ReferenceGenerator,
+                                                 sample_image: PreparedImage) -> None:
+    seg, reason = generator.segment(sample_image, "car", max_tokens=30)
+    assert reason in ("eos", "length")
+    assert seg.path.startswith("M") and seg.path.endswith("Z")
+    assert seg.mask_size == (sample_image.height, sample_image.width)
+    assert sum(seg.mask_counts) == sample_image.height * sample_image.width
+    x0, y0, x1, y1 = seg.box
+    assert x0 <= x1 and y0 <= y1
+    for seed in range(5):
+        s = SamplingSettings(temperature=1.0, top_p=1.0, max_tokens=10, seed=seed)
+        r = generator.query(sample_image, "which?", s, choices=("yes", "no", "maybe not"))
+        assert r.text in ("yes", "no", "maybe not") and r.finish_reason == "eos"
+        r = generator.query(None, "digits", s, regex=r"[0-9]{2,4}")
+        assert re.fullmatch(r"[0-9]{2,4}", r.text)
