@@ -21,7 +21,6 @@ class PrefixEntry:
     full_pages: list[int]
     tail_page: int | None  # partly filled last page, or None
     users: int = 0
-    ready: bool = False  # set once the prefill that writes it has been launched
     pages: list[int] = field(init=False)
 
     def __post_init__(self) -> None:

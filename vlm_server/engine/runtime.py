@@ -39,6 +39,7 @@ class SlotBuffers:
     """Fixed-address buffers of one pipeline slot, allocated once."""
 
     launch_host: torch.Tensor  # [max_rows, 2] int64: row, position (pinned)
+    block_stage: torch.Tensor  # pinned copy of the block-table rows this slot uploads
     launch_dev: torch.Tensor
     fin_host: torch.Tensor  # [max_rows, N_FIN] int64 (pinned)
     fin_dev: torch.Tensor
@@ -119,6 +120,7 @@ class ModelRuntime:
         s, dev = self.streams, self.device
         return SlotBuffers(
             launch_host=s.host_buffer((rows, 2), torch.int64),
+            block_stage=s.host_buffer(tuple(self.block_host.shape), torch.int32),
             launch_dev=torch.zeros((rows, 2), dtype=torch.int64, device=dev),
             fin_host=s.host_buffer((rows, N_FIN), torch.int64),
             fin_dev=torch.zeros((rows, N_FIN), dtype=torch.int64, device=dev),
@@ -131,16 +133,21 @@ class ModelRuntime:
 
     # ---- host-to-device uploads (copy stream, ordered by events) -------------------------
 
-    def _upload_block_table(self) -> None:
+    def _upload_block_table(self, buf: SlotBuffers) -> None:
         rows = self.pages.take_dirty()
         if rows:
             lo, hi = rows[0], rows[-1] + 1  # one copy covering every dirty row
-            self.block_dev[lo:hi].copy_(self.block_host[lo:hi], non_blocking=True)
+            # Staged per slot: the host mirror may change again while this copy is queued,
+            # the slot's stage only after the commit that frees the slot.
+            buf.block_stage[lo:hi] = self.block_host[lo:hi]
+            self.block_dev[lo:hi].copy_(buf.block_stage[lo:hi], non_blocking=True)
 
     def _upload_table_rows(self) -> None:
         n = len(self.table)
         if n > self._table_uploaded:
             rows = torch.from_numpy(self.table.dense(self._table_uploaded, n))
+            if self.streams.is_cuda:
+                rows = rows.pin_memory()  # a pageable source would make the copy block
             self.table_dev[self._table_uploaded:n].copy_(rows, non_blocking=True)
             self._table_uploaded = n
 
@@ -161,7 +168,7 @@ class ModelRuntime:
             max_pos = max(max_pos, pos)
         host[b:n, 0], host[b:n, 1] = self.pad_row, 0
         with st.on(st.copy):
-            self._upload_block_table()
+            self._upload_block_table(buf)
             buf.launch_dev[:n].copy_(buf.launch_host[:n], non_blocking=True)
             buf.inputs_ready.record()
         st.wait(st.compute, buf.inputs_ready)
@@ -222,7 +229,7 @@ class ModelRuntime:
         prefixes not yet cached, then each prompt; the last hidden state goes to the slot."""
         buf, st, m = self.slots[slot], self.streams, self.model
         with st.on(st.copy):
-            self._upload_block_table()
+            self._upload_block_table(buf)
             buf.inputs_ready.record()
         st.wait(st.compute, buf.inputs_ready)
         with st.on(st.compute):
@@ -237,9 +244,9 @@ class ModelRuntime:
                         kp[own].copy_(kp[tail])
                         vp[own].copy_(vp[tail])
                 pages = (seq.prefix.full_pages if seq.prefix else []) + seq.own_pages
-                start = seq.prefix_len
+                first = seq.prefix_len
                 ids = self._h2d(seq.prompt)
-                pos = torch.arange(start, start + len(seq.prompt), device=self.device)[None]
+                pos = torch.arange(first, first + len(seq.prompt), device=self.device)[None]
                 kv = PagedKV(self.k_pools, self.v_pools, self._h2d(pages)[None], seq.prefix_len)
                 buf.hidden[i] = m.text(m.text.embed(ids)[None], pos, kv)[0, -1]
             if self.forward_events is not None:
@@ -259,8 +266,10 @@ class ModelRuntime:
         m = self.model
         crops = [image_for[i] for i in todo]
         counts = [c.shape[0] for c in crops]
-        normalized = [normalize_crops(c.to(self.device, non_blocking=True), self.dtype)
-                      for c in crops]
+        pin = self.streams.is_cuda  # a pageable source would make the copy block the host
+        normalized = [normalize_crops((c.pin_memory() if pin else c).to(self.device,
+                                                                        non_blocking=True),
+                                      self.dtype) for c in crops]
         feats = m.vision.encode(torch.cat(normalized))
         out = {}
         for i, f in zip(todo, feats.split(counts), strict=True):

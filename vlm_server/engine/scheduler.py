@@ -49,8 +49,8 @@ from vlm_server.engine.runtime import (
     F_TEMP,
     F_TOP_P,
     N_FIN,
-    ModelRuntime,
 )
+from vlm_server.engine.runtime_protocol import Runtime
 from vlm_server.engine.sequence import (
     PHASE_BOUNDARY,
     PHASE_COORD,
@@ -63,7 +63,7 @@ from vlm_server.engine.sequence import (
 
 
 class Scheduler:
-    def __init__(self, runtime: ModelRuntime, cfg: EngineConfig, eos_id: int,
+    def __init__(self, runtime: Runtime, cfg: EngineConfig, eos_id: int,
                  image_prefix_len: int) -> None:
         self.rt = runtime
         self.cfg = cfg

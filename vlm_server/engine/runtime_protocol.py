@@ -1,0 +1,60 @@
+"""What the scheduler needs from a device runtime, as a structural type.
+
+`ModelRuntime` (the real model on CUDA or the CPU) and the fake device runtime used by the
+pipeline tests both satisfy it, so the scheduler runs unchanged on either.
+
+The contract every implementation keeps: `launch_prefill`, `launch_decode`, `finalize` and
+`release_row` only enqueue device work and return at once; none of them waits for the device.
+`read_outputs` is the one place the host waits, and only for the device-to-host copy of the one
+step it reads. Each slot's buffers and events are reused only after the scheduler committed the
+step that used them (see pipeline_state.py), so an implementation needs no further waits.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from vlm_server.engine.pages import PageAllocator
+    from vlm_server.engine.sequence import Sequence
+
+
+@runtime_checkable
+class Runtime(Protocol):
+    """The device side of the engine, seen from the scheduler."""
+
+    # The KV page allocator and host mirror of the block table; uploads of changed rows are
+    # enqueued by the next launch.
+    pages: PageAllocator
+
+    def launch_prefill(self, slot: int, seqs: list[Sequence],
+                       image_for: dict[int, torch.Tensor | None]) -> None:
+        """Enqueue the prefill of ``seqs`` into ``slot`` (``image_for[i]``: crops of row i, or
+        None when its image prefix is cached or it has no image). No host wait."""
+        ...
+
+    def launch_decode(self, slot: int, seqs: list[Sequence]) -> None:
+        """Enqueue one decode forward of ``seqs`` (row order = batch order) into ``slot``; it
+        reads each sequence's next input where the previous finalize wrote it on the device.
+        No host wait."""
+        ...
+
+    def finalize(self, slot: int, seqs: list[Sequence], fin: np.ndarray,
+                 constrained: bool, regions: bool, greedy: bool = False) -> None:
+        """Enqueue mask upload, sampling, region values, next inputs and the result copy to the
+        host for the step in ``slot``; ``fin`` [B, N_FIN] was built from committed state.
+        No host wait."""
+        ...
+
+    def read_outputs(self, slot: int, b: int) -> np.ndarray:
+        """Wait for the device-to-host copy of the step in ``slot`` (the tick's single host
+        wait) and return its first ``b`` output rows, valid until the slot is reused."""
+        ...
+
+    def release_row(self, row: int) -> None:
+        """Forget a released sequence's row (block-table row back to the sink page).
+        No host wait."""
+        ...
