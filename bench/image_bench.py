@@ -1,0 +1,209 @@
+"""Image pipeline alone: decode + tile (`prepare_image`) and normalize, per size, format and
+thread count.
+
+Each cell runs ``threads`` workers of a ThreadPoolExecutor, each preparing generated pictures
+back to back for at least ``--min-seconds`` (and ``--min-calls`` per worker), as the server's
+decode threads do. Reports images/s over the wall time and the median ms per image of each
+stage. The server normalizes on its device, so ``--normalize-device cuda`` mirrors it on a GPU
+machine; ``none`` skips that stage.
+
+    python -m bench.image_bench
+    python -m bench.image_bench --sizes 800x600 4000x3000 --formats jpeg --threads 1 4
+
+Writes ``image_bench.json`` and ``image_bench.png`` (default bench/results/<device>/) and
+prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from bench.synth_images import parse_size, unique_images
+from image_pipeline import ImageLimits, prepare_image
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Generous limits: the benchmark measures the pipeline, not the server's input policy.
+LIMITS = ImageLimits(max_bytes=512 << 20, max_pixels=200_000_000, max_side=None)
+
+
+def run_cell(images: Sequence[bytes], threads: int, min_seconds: float, min_calls: int,
+             norm_device: str | None, dtype: torch.dtype) -> dict[str, Any]:
+    """``threads`` workers preparing ``images`` in turn; images/s and per-stage ms."""
+    lock = threading.Lock()
+    prep_ms: list[float] = []
+    norm_ms: list[float] = []
+    crops: list[int] = []
+    sync = norm_device is not None and norm_device.startswith("cuda")
+
+    def one(data: bytes) -> tuple[float, float, int]:
+        t0 = time.perf_counter()
+        prepared = prepare_image(data, LIMITS)
+        t1 = time.perf_counter()
+        if norm_device is not None:
+            prepared.normalized(dtype=dtype, device=norm_device)
+            if sync:
+                torch.cuda.synchronize()
+        return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, prepared.num_crops
+
+    def worker(k: int, deadline: float) -> int:
+        done = 0
+        while done < min_calls or time.perf_counter() < deadline:
+            p, n, c = one(images[(k + done * threads) % len(images)])
+            done += 1
+            with lock:
+                prep_ms.append(p)
+                norm_ms.append(n)
+                crops.append(c)
+        return done
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, images[:threads]))  # warm-up: codecs, allocator, kernels
+        start = time.perf_counter()
+        calls = sum(pool.map(worker, range(threads), [start + min_seconds] * threads))
+        wall = time.perf_counter() - start
+    total = [p + n for p, n in zip(prep_ms, norm_ms, strict=True)]
+    return {
+        "threads": threads, "calls": calls, "wall_s": wall, "images_per_s": calls / wall,
+        "ms_per_image": statistics.median(total),
+        "prepare_ms": statistics.median(prep_ms),
+        "normalize_ms": statistics.median(norm_ms) if norm_device is not None else None,
+        "crops": statistics.median(crops),
+    }
+
+
+def device_label(norm_device: str | None) -> str:
+    if norm_device is not None and norm_device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(norm_device))
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return "cpu"
+
+
+def plot(rows: Sequence[dict[str, Any]], path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key in dict.fromkeys((r["size"], r["format"]) for r in rows):
+        pts = sorted((r["threads"], r["images_per_s"]) for r in rows
+                     if (r["size"], r["format"]) == key)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-" if key[1] == "jpeg" else "s--",
+                label=f"{key[0]} {key[1]}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("threads")
+    ax.set_ylabel("images/s")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", nargs="+", default=["640x480", "800x600", "1920x1080",
+                                                   "4000x3000"])
+    ap.add_argument("--formats", nargs="+", default=["jpeg", "png"], choices=["jpeg", "png"])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--images", type=int, default=8, help="distinct pictures per size/format")
+    ap.add_argument("--min-seconds", type=float, default=1.0, help="per cell")
+    ap.add_argument("--min-calls", type=int, default=2, help="per worker and cell")
+    ap.add_argument("--normalize-device", default="cpu",
+                    help="cpu, cuda[:N] or none (skip normalization)")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    norm = None if args.normalize_device == "none" else args.normalize_device
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    previous_threads = torch.get_num_threads()
+    if norm == "cpu":
+        # One intra-op thread per worker: otherwise torch's own pool oversubscribes the cores
+        # and the thread-count axis stops meaning anything.
+        torch.set_num_threads(1)
+    try:
+        return _run(args, norm, dtype)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run(args: argparse.Namespace, norm: str | None, dtype: torch.dtype) -> int:
+    """Generate the pictures, measure every cell, write and print the results."""
+    name = device_label(norm)
+    cores = os.cpu_count() or 1
+    gen_threads = min(8, cores)
+    rows: list[dict[str, Any]] = []
+    cells = [(s, f) for s in args.sizes for f in args.formats]
+    bar = tqdm(total=len(cells) * len(args.threads), desc="image bench", unit="cell")
+    for size_text, fmt in cells:
+        w, h = parse_size(size_text)
+        images = unique_images(w, h, range(args.images), fmt=fmt, threads=gen_threads)
+        mean_bytes = sum(map(len, images)) / len(images)
+        for threads in args.threads:
+            row = {"size": f"{w}x{h}", "format": fmt, "bytes": mean_bytes,
+                   **run_cell(images, threads, args.min_seconds, args.min_calls, norm, dtype)}
+            rows.append(row)
+            bar.update(1)
+    bar.close()
+    out = args.out or REPO_ROOT / "bench" / "results" / name.replace(" ", "_")
+    out.mkdir(parents=True, exist_ok=True)
+    cpu_name = _cpu_model()
+    result = {"device": name, "cpu": cpu_name, "cpu_count": cores,
+              "normalize_device": args.normalize_device, "dtype": args.dtype,
+              "torch_threads": torch.get_num_threads(), "rows": rows}
+    path = out / "image_bench.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(f"\nimage pipeline on {cpu_name} ({cores} cores), normalize on "
+          f"{args.normalize_device} {args.dtype}")
+    print(f"{'size':>10} {'fmt':>5} {'KB':>7} {'crops':>5} {'thr':>4} {'img/s':>8} "
+          f"{'ms/img':>8} {'prep ms':>8} {'norm ms':>8}")
+    for r in rows:
+        print(f"{r['size']:>10} {r['format']:>5} {r['bytes'] / 1024:>7.0f} {r['crops']:>5.0f} "
+              f"{r['threads']:>4} {r['images_per_s']:>8.1f} {r['ms_per_image']:>8.2f} "
+              f"{r['prepare_ms']:>8.2f} {_fmt(r['normalize_ms'], '8.2f'):>8}")
+    png = out / "image_bench.png"
+    wrote = plot(rows, png, f"image pipeline, {cpu_name}")
+    print(f"\nwrote {path}" + (f", {png}" if wrote else ""))
+    return 0
+
+
+def _cpu_model() -> str:
+    """The CPU's model name where the platform tells it (Linux), else the architecture."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.machine() or "cpu"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""CPU smoke tests of the benchmarks: each runs in a tiny configuration and writes
+well-formed results (the GPU numbers themselves come from bench/run_gpu_suite.sh)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import hf_baseline, image_bench, load_gen
+from bench.synth_images import parse_size, unique_images
+from image_pipeline import prepare_image
+
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def _strict_json(path: Path) -> Any:
+    """Parsed JSON; NaN or Infinity (not JSON) fail the test."""
+
+    def refuse(token: str) -> None:
+        raise AssertionError(f"{path.name} holds {token}")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def _ordered(row: dict[str, Any], prefix: str) -> None:
+    p50, p90, p99 = (row[f"{prefix}_p{q}_ms"] for q in (50, 90, 99))
+    assert 0 <= p50 <= p90 <= p99, (prefix, p50, p90, p99)
+
+
+def test_percentile_and_schedule() -> None:
+    xs = [5.0, 1.0, 3.0, 2.0, 4.0]
+    assert load_gen.percentile(xs, 50) == 3.0
+    assert load_gen.percentile(xs, 0) == 1.0 and load_gen.percentile(xs, 100) == 5.0
+    assert load_gen.percentile([1.0, 2.0], 50) == 1.5
+    arrivals = load_gen.poisson_schedule(rate=100.0, max_requests=50, duration=10.0, seed=1)
+    assert len(arrivals) == 50 and arrivals == sorted(arrivals)
+    short = load_gen.poisson_schedule(rate=10.0, max_requests=10_000, duration=2.0, seed=1)
+    assert 1 <= len(short) < 100 and short[-1] <= 2.0
+    known = load_gen.workloads(64)
+    sc = load_gen.parse_scenario("detect5:64x48:repeated:c1,c8,r2.5", known, ())
+    assert (sc.size, sc.mode, sc.workload.max_objects) == ((64, 48), "repeated", 5)
+    assert [lv.label for lv in sc.levels] == ["c=1", "c=8", "r=2.5/s"]
+    with pytest.raises(ValueError):
+        load_gen.parse_scenario("query3:64x48:unique:x4", known, ())
+
+
+def test_unique_images_differ_after_decoding() -> None:
+    w, h = parse_size("400x300")
+    images = unique_images(w, h, [0, 1, 2], threads=2)
+    assert len({prepare_image(b).content_hash for b in images}) == 3
+
+
+def test_load_gen_spawned_server(tiny_dir: Path, tmp_path: Path) -> None:
+    code = load_gen.main([
+        "--spawn", "--scenario", "query3:64x48:unique:c1,c2",
+        "--scenario", "query3:64x48:repeated:c1", "--scenario", "detect5:64x48::c2,r20",
+        "--requests", "3", "--duration", "30", "--warmup", "1", "--slo-ms", "60000",
+        "--quiet", "--out", str(tmp_path), "--",
+        "--model", str(tiny_dir), "--device", "cpu", "--dtype", "fp32"])
+    assert code == 0
+    data = _strict_json(tmp_path / "load_gen.json")
+    assert data["complete"] and data["server_exit_code"] == 0
+    assert data["device"] == "cpu" and data["model"]["preset"] == "tiny"
+    rows = {(r["scenario"], r["level"]): r for r in data["rows"]}
+    assert list(rows) == [("query3/64x48/unique", "c=1"), ("query3/64x48/unique", "c=2"),
+                          ("query3/64x48/repeated", "c=1"), ("detect5/64x48/unique", "c=2"),
+                          ("detect5/64x48/unique", "r=20/s")]
+    for (_, level), r in rows.items():
+        expected = 3 if level != "r=20/s" else r["requests"]
+        assert r["requests"] == expected and r["ok"] == expected and not r["errors"]
+        assert 1 <= r["requests"] <= 3
+        _ordered(r, "e2e")
+        _ordered(r, "ttft")
+        assert r["ttft_p50_ms"] <= r["e2e_p50_ms"]
+        assert r["req_per_s"] > 0 and r["goodput_req_per_s"] == pytest.approx(r["req_per_s"])
+    query = rows[("query3/64x48/unique", "c=1")]
+    assert 1 <= query["output_tokens_max"] <= 3  # max_tokens 3; actual count reported
+    assert query["tokens_per_s"] > 0
+    _ordered(query, "itl")
+    # Unary RPCs: the first "token" is the whole answer.
+    detect = rows[("detect5/64x48/unique", "c=2")]
+    assert detect["ttft_p50_ms"] == detect["e2e_p50_ms"] and detect["itl_p50_ms"] is None
+    # One repeated picture hits the prefix cache; unique ones never do.
+    assert (rows[("query3/64x48/repeated", "c=1")]["cached_tokens_mean"]
+            > query["cached_tokens_mean"])
+    assert (tmp_path / "load_gen_server.log").exists()
+    if HAVE_MATPLOTLIB:
+        assert (tmp_path / "load_gen_latency.png").stat().st_size > 0
+        assert (tmp_path / "load_gen_throughput.png").stat().st_size > 0
+
+
+def test_image_bench_tiny(tmp_path: Path) -> None:
+    code = image_bench.main(["--sizes", "64x48", "--formats", "jpeg", "png", "--threads", "1",
+                             "2", "--images", "2", "--min-seconds", "0.02", "--min-calls", "1",
+                             "--out", str(tmp_path)])
+    assert code == 0
+    data = _strict_json(tmp_path / "image_bench.json")
+    assert [(r["format"], r["threads"]) for r in data["rows"]] == [
+        ("jpeg", 1), ("jpeg", 2), ("png", 1), ("png", 2)]
+    for r in data["rows"]:
+        assert r["calls"] >= r["threads"] and r["images_per_s"] > 0
+        assert 0 < r["prepare_ms"] <= r["ms_per_image"] and r["normalize_ms"] >= 0
+        assert r["crops"] >= 1
+
+
+def test_hf_baseline_tiny(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    code = hf_baseline.main(["--tiny", "--batches", "1", "--new-tokens", "4", "--repeats", "1",
+                             "--cb-requests", "2", "--cb-tokens", "4", "--cb-runs", "1",
+                             "--out", str(tmp_path)])
+    assert code == 0
+    data = _strict_json(tmp_path / "hf_baseline.json")
+    for mode in ("dynamic", "static"):
+        (row,) = data[mode]
+        assert "error" not in row, row
+        assert row["batch"] == 1 and row["new_tokens"] == 5
+        assert row["ms_per_token"] > 0 and row["tokens_per_s"] > 0
+    batch = data["batch"]
+    assert batch["status"] in ("ok", "unavailable")
+    if batch["status"] == "ok":
+        assert batch["generated_tokens"] == 2 * 4 and batch["tokens_per_s"] > 0
