@@ -1,4 +1,5 @@
-"""``vlm-client`` against a real loopback server, and the drawing of results."""
+"""``vlm-client`` against a real loopback server (the batched engine, the server's default),
+and the drawing of results."""
 
 from __future__ import annotations
 
@@ -26,15 +27,16 @@ from vlm_server.engine.api import (
     Point,
     Segmentation,
 )
-from vlm_server.engine.reference_engine import ReferenceEngine
+from vlm_server.engine.config import EngineConfig
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
-from vlm_server.service.testing import ServerThread, local_config, wait_for
+from vlm_server.service.testing import GatedBatchedEngine, ServerThread, local_config, wait_for
 from vlm_server.weights.loader import LoadedModel
 
 
 @pytest.fixture(scope="module")
 def server(tiny: LoadedModel) -> Iterator[ServerThread]:
-    with ServerThread(local_config(), lambda: ReferenceEngine(lambda: tiny)) as running:
+    factory = lambda: GatedBatchedEngine(tiny, EngineConfig(kv_budget_bytes=16 << 20))
+    with ServerThread(local_config(), factory) as running:
         yield running
 
 
@@ -119,7 +121,7 @@ def test_async_client_stream_stops_early_and_cancels(server: ServerThread) -> No
         async with AsyncVisionLanguageClient(server.target, timeout=60) as client:
             seen = []
             async for event in client.query_stream(None, "a long story", temperature=0,
-                                                   max_tokens=500):
+                                                   max_tokens=1500):
                 seen.append(event)
                 if len(seen) == 2:
                     break
@@ -127,15 +129,27 @@ def test_async_client_stream_stops_early_and_cancels(server: ServerThread) -> No
                 await client.point(b"not an image", "x")
             return seen
 
+    engine = server.server.engine  # type: ignore[union-attr]
+    assert isinstance(engine, GatedBatchedEngine)
+    ended = len(engine.outcomes)
     seen = asyncio.run(body())
     assert all(isinstance(e, TextDelta) for e in seen)
-    engine = server.server.engine  # type: ignore[union-attr]
-    assert isinstance(engine, ReferenceEngine)
-    wait_for(lambda: engine.stats().active_sequences == 0, what="the cancel to reach the engine")
-    assert engine.counts().get("cancelled", 0) >= 1
+    wait_for(lambda: len(engine.outcomes) > ended, what="the cancel to reach the engine")
+    assert list(engine.outcomes.values())[ended:] == ["CANCELLED"]
+    wait_for(engine.idle, what="an idle engine")
+    assert engine.runtime.pages.used_pages == engine.cached_prefix_pages()
 
 
-# ---- segment, through an engine that supports it -------------------------------------------
+def test_segment_json_from_the_batched_engine(server: ServerThread,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(server, capsys, "segment", "sample", "house", "--json")
+    result = json.loads(out)
+    assert code == 0 and result["svg_path"].startswith("M") and result["polygons"]
+    assert (result["mask"]["height"], result["mask"]["width"]) == (600, 800)
+    assert sum(result["mask"]["counts"]) == 600 * 800
+
+
+# ---- segment drawing, through an engine that answers a known outline -----------------------
 
 
 def rle_encode(mask: np.ndarray) -> list[int]:

@@ -1,7 +1,13 @@
 """Many clients at once, cancellation, deadlines and admission limits, over real gRPC.
 
-The engine is held at a known point with `GatedReferenceEngine` (no sleeps): a held request
-keeps the worker busy while the test arranges the queue behind it.
+Mostly on the batched engine, the server's default: 64 concurrent clients get the reference
+answers; a cancelled or expired request gives back every KV page; a request whose deadline
+passes while queued never runs; a full queue and a request beyond the KV cache are refused.
+The same server behaviours on the reference engine close the module.
+
+No sleeps: `GatedBatchedEngine` / `GatedReferenceEngine` hold the engine at a known point while
+the test arranges the queue, and `wait_for` polls. The tiny model practically never emits eos,
+so a long request really runs long.
 """
 
 from __future__ import annotations
@@ -21,9 +27,11 @@ from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
 from vlm_server.client import AsyncVisionLanguageClient, VisionLanguageClient, VlmError
 from vlm_server.client.types import Box, DetectResult, Point, PointResult, TextResult
+from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.reference_engine import ReferenceEngine
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
 from vlm_server.service.testing import (
+    GatedBatchedEngine,
     GatedReferenceEngine,
     ServerThread,
     local_config,
@@ -32,8 +40,16 @@ from vlm_server.service.testing import (
 from vlm_server.weights.loader import LoadedModel
 
 CLIENTS = 64
-# 760 positions of the tiny fp32 model (2 layers x K and V x 64 floats): fits text-only
-# prompts, not an image prefix (730 positions) plus 30 tokens.
+MIB = 1 << 20
+# A KV page of the tiny fp32 model: 16 positions x 2 layers x K and V x 64 floats x 4 bytes.
+PAGE_BYTES = 16 * 2 * 2 * 64 * 4
+# The single-slot server's cache: 60 pages (one is the sink), 944 positions: a long text-only
+# query fits, an image prefix (730 positions, 46 pages) plus 300 tokens does not.
+SINGLE_PAGES = 60
+LONG_QUERY_TOKENS = 900  # 57 pages; runs for seconds on the CPU, far beyond any wait here
+LONG_CAPTION_TOKENS = 1300  # with the image prefix: nearly the whole 2048-position context
+# The reference engine's budget: 760 positions of the tiny fp32 model (2 layers x K and V x
+# 64 floats): fits text-only prompts, not an image prefix (730 positions) plus 30 tokens.
 KV_BUDGET = 760 * 2 * 2 * 64 * 4
 
 
@@ -47,56 +63,6 @@ def _small_image() -> bytes:
 
 
 SMALL = _small_image()
-
-
-@pytest.fixture(scope="module")
-def server(tiny: LoadedModel) -> Iterator[ServerThread]:
-    with ServerThread(local_config(), lambda: ReferenceEngine(lambda: tiny)) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def gated(tiny: LoadedModel) -> Iterator[ServerThread]:
-    factory = lambda: GatedReferenceEngine(lambda: tiny, max_queue=1,
-                                                   kv_budget_bytes=KV_BUDGET)
-    with ServerThread(local_config(), factory) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def gated_stub(gated: ServerThread) -> Iterator[pb_grpc.VisionLanguageStub]:
-    with grpc.insecure_channel(gated.target) as channel:
-        yield pb_grpc.VisionLanguageStub(channel)
-
-
-def _engine(server: ServerThread) -> GatedReferenceEngine:
-    assert server.server is not None
-    engine = server.server.engine
-    assert isinstance(engine, GatedReferenceEngine)
-    return engine
-
-
-@contextlib.contextmanager
-def _held(engine: GatedReferenceEngine) -> Iterator[GatedReferenceEngine]:
-    """Hold every text token until the block ends (the gate always reopens)."""
-    engine.token_gate.clear()
-    try:
-        yield engine
-    finally:
-        engine.token_gate.set()
-
-
-def _idle(engine: ReferenceEngine) -> bool:
-    stats = engine.stats()
-    return stats.queue_depth == 0 and stats.active_sequences == 0
-
-
-def _long_query(max_tokens: int = 400) -> pb.QueryRequest:
-    return pb.QueryRequest(question="tell me a long story",
-                           settings=pb.GenerationSettings(temperature=0, max_tokens=max_tokens))
-
-
-# ---- many clients -------------------------------------------------------------------------
 
 
 def _expected_text(ids: list[int], max_tokens: int,
@@ -170,10 +136,108 @@ async def _all(target: str, specs: list[dict[str, Any]]) -> list[Any]:
     return await asyncio.gather(*(_one(target, s, uploaded) for s in specs))
 
 
-def test_64_concurrent_clients_get_their_own_answers(server: ServerThread,
+@pytest.fixture(scope="module")
+def batched(tiny: LoadedModel) -> Iterator[ServerThread]:
+    config = EngineConfig(max_batch=16, max_queue=CLIENTS, kv_budget_bytes=16 * MIB)
+    with ServerThread(local_config(), lambda: GatedBatchedEngine(tiny, config)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def batched_stub(batched: ServerThread) -> Iterator[pb_grpc.VisionLanguageStub]:
+    with grpc.insecure_channel(batched.target) as channel:
+        yield pb_grpc.VisionLanguageStub(channel)
+
+
+@pytest.fixture(scope="module")
+def single(tiny: LoadedModel) -> Iterator[ServerThread]:
+    """One sequence at a time, one waiting, a small KV cache."""
+    config = EngineConfig(max_batch=1, max_queue=1, kv_budget_bytes=SINGLE_PAGES * PAGE_BYTES)
+    with ServerThread(local_config(), lambda: GatedBatchedEngine(tiny, config)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def single_stub(single: ServerThread) -> Iterator[pb_grpc.VisionLanguageStub]:
+    with grpc.insecure_channel(single.target) as channel:
+        yield pb_grpc.VisionLanguageStub(channel)
+
+
+@pytest.fixture(scope="module")
+def gated(tiny: LoadedModel) -> Iterator[ServerThread]:
+    factory = lambda: GatedReferenceEngine(lambda: tiny, max_queue=1,
+                                                   kv_budget_bytes=KV_BUDGET)
+    with ServerThread(local_config(), factory) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def gated_stub(gated: ServerThread) -> Iterator[pb_grpc.VisionLanguageStub]:
+    with grpc.insecure_channel(gated.target) as channel:
+        yield pb_grpc.VisionLanguageStub(channel)
+
+
+def _batched(server: ServerThread) -> GatedBatchedEngine:
+    assert server.server is not None
+    engine = server.server.engine
+    assert isinstance(engine, GatedBatchedEngine)
+    return engine
+
+
+def _engine(server: ServerThread) -> GatedReferenceEngine:
+    assert server.server is not None
+    engine = server.server.engine
+    assert isinstance(engine, GatedReferenceEngine)
+    return engine
+
+
+@contextlib.contextmanager
+def _held(engine: GatedReferenceEngine | GatedBatchedEngine) -> Iterator[None]:
+    """Hold every text token until the block ends (the gate always reopens)."""
+    engine.token_gate.clear()
+    try:
+        yield
+    finally:
+        engine.token_gate.set()
+
+
+def _idle(engine: ReferenceEngine) -> bool:
+    stats = engine.stats()
+    return stats.queue_depth == 0 and stats.active_sequences == 0
+
+
+def _settled(engine: GatedBatchedEngine) -> None:
+    """Wait until the engine is idle, then check that only cached image prefixes hold pages;
+    dropping them frees the whole cache."""
+    wait_for(engine.idle, what="an idle engine")
+    pages = engine.runtime.pages
+    assert pages.used_pages == engine.cached_prefix_pages()
+    engine.scheduler.prefix_cache.clear()  # idle: the scheduler thread is waiting
+    assert pages.used_pages == 0
+
+
+def _rid(name: str) -> tuple[tuple[str, str], ...]:
+    return (("x-request-id", name),)
+
+
+def _long_query(max_tokens: int = 400) -> pb.QueryRequest:
+    return pb.QueryRequest(question="tell me a long story",
+                           settings=pb.GenerationSettings(temperature=0, max_tokens=max_tokens))
+
+
+def _long_caption() -> pb.CaptionRequest:
+    return pb.CaptionRequest(image_bytes=SMALL, settings=pb.GenerationSettings(
+        temperature=0, max_tokens=LONG_CAPTION_TOKENS))
+
+
+# ---- many clients (batched engine) --------------------------------------------------------
+
+
+def test_64_concurrent_clients_get_their_own_answers(batched: ServerThread,
                                                      generator: ReferenceGenerator) -> None:
+    engine = _batched(batched)
     specs = _specs()
-    results = asyncio.run(_all(server.target, specs))
+    results = asyncio.run(_all(batched.target, specs))
     cache: dict[Any, Any] = {}
     assert len(results) == CLIENTS
     for spec, got in zip(specs, results, strict=True):
@@ -185,15 +249,106 @@ def test_64_concurrent_clients_get_their_own_answers(server: ServerThread,
         else:
             assert isinstance(got, DetectResult)
             assert (got.boxes, got.finish_reason) == want, spec
-    engine = server.server.engine  # type: ignore[union-attr]
-    assert isinstance(engine, ReferenceEngine)
-    wait_for(lambda: _idle(engine), what="an idle engine")
+    assert engine.largest_batch > 1  # the requests really shared decode steps
+    _settled(engine)
 
 
-# ---- cancellation and deadlines -----------------------------------------------------------
+# ---- cancellation and deadlines (batched engine) ------------------------------------------
 
 
-def test_cancel_mid_stream_frees_the_request(gated: ServerThread,
+def test_cancel_mid_stream_frees_the_pages(batched: ServerThread,
+                                           batched_stub: pb_grpc.VisionLanguageStub) -> None:
+    engine = _batched(batched)
+    call = batched_stub.Caption(_long_caption(), timeout=60, metadata=_rid("cancel-me"))
+    first = [next(call) for _ in range(3)]  # it runs: three deltas streamed
+    assert [m.WhichOneof("event") for m in first] == ["delta"] * 3
+    call.cancel()
+    with pytest.raises(grpc.RpcError) as caught:
+        list(call)
+    assert caught.value.code() == grpc.StatusCode.CANCELLED
+    wait_for(lambda: "cancel-me" in engine.outcomes, what="the engine to end the request")
+    assert engine.outcomes["cancel-me"] == "CANCELLED"
+    assert engine.cached_prefix_pages() > 0  # the image prefix stays cached for reuse
+    _settled(engine)
+
+
+def test_deadline_while_running_stops_the_request(
+        batched: ServerThread, batched_stub: pb_grpc.VisionLanguageStub) -> None:
+    engine = _batched(batched)
+    # Hundreds of milliseconds to the first token at most; seconds for the whole caption.
+    call = batched_stub.Caption(_long_caption(), timeout=1.0, metadata=_rid("too-slow"))
+    assert next(call).WhichOneof("event") == "delta"  # it is running
+    with pytest.raises(grpc.RpcError) as caught:
+        list(call)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for(lambda: "too-slow" in engine.outcomes, what="the engine to end the request")
+    # The server cancels the call's request, or the engine sees the deadline first.
+    assert engine.outcomes["too-slow"] in ("CANCELLED", "DEADLINE_EXCEEDED")
+    _settled(engine)
+
+
+def test_deadline_while_queued_never_runs_the_request(
+        single: ServerThread, single_stub: pb_grpc.VisionLanguageStub) -> None:
+    engine = _batched(single)
+    running = single_stub.Query(_long_query(LONG_QUERY_TOKENS), timeout=60,
+                                metadata=_rid("occupant"))
+    assert next(running).WhichOneof("event") == "delta"
+    late = single_stub.Query(_long_query(4), timeout=1.0, metadata=_rid("late"))
+    wait_for(lambda: len(engine.scheduler.waiting) == 1, what="a request waiting for a slot")
+    with _held(engine):  # the occupant cannot finish while the deadline passes
+        wait_for(engine.holding.is_set, what="the occupant to be held")
+        assert engine.held_requests == ("occupant",)
+        with pytest.raises(grpc.RpcError) as caught:
+            list(late)
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        running.cancel()
+    wait_for(lambda: len(engine.outcomes.keys() & {"late", "occupant"}) == 2,
+             what="the engine to end both requests")
+    assert engine.outcomes["late"] in ("CANCELLED", "DEADLINE_EXCEEDED")
+    assert engine.outcomes["occupant"] == "CANCELLED"
+    assert "occupant" in engine.prefilled and "late" not in engine.prefilled  # never ran
+    _settled(engine)
+
+
+def test_full_queue_is_resource_exhausted(single: ServerThread,
+                                          single_stub: pb_grpc.VisionLanguageStub) -> None:
+    engine = _batched(single)
+    with _held(engine), VisionLanguageClient(single.target, timeout=30) as client:
+        running = single_stub.Query(_long_query(LONG_QUERY_TOKENS), timeout=60)
+        wait_for(engine.holding.is_set, what="the first token")
+        queued = single_stub.Query(_long_query(4), timeout=60)
+        wait_for(lambda: engine.stats().queue_depth == 1, what="a queued request")
+        with pytest.raises(VlmError) as caught:
+            client.query(None, "one more?", max_tokens=2)
+        assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "queue is full" in caught.value.message
+        running.cancel()
+    assert list(queued)[-1].result.finish_reason == pb.FINISH_REASON_LENGTH
+    _settled(engine)
+
+
+def test_request_beyond_the_kv_cache_is_resource_exhausted(single: ServerThread) -> None:
+    # The image prefix (46 pages) plus 300 tokens (19 pages) cannot fit 59 pages.
+    with VisionLanguageClient(single.target, timeout=30) as client, \
+            pytest.raises(VlmError) as caught:
+        client.caption(SMALL, max_tokens=300)
+    assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert caught.value.field == "settings.max_tokens"
+    assert "KV pages" in caught.value.message
+    _settled(_batched(single))
+
+
+def test_request_that_fits_the_kv_cache_is_admitted(single: ServerThread) -> None:
+    # 730 + 5 prompt + 30 positions: 46 pages of prefix and 3 of its own.
+    with VisionLanguageClient(single.target, timeout=30) as client:
+        got = client.caption(SMALL, max_tokens=30, temperature=0)
+    assert got.finish_reason == "length" and got.metrics.output_tokens == 30
+
+
+# ---- the same on the reference engine -----------------------------------------------------
+
+
+def test_reference_cancel_mid_stream_frees_the_request(gated: ServerThread,
                                              gated_stub: pb_grpc.VisionLanguageStub) -> None:
     engine = _engine(gated)
     before = engine.counts()
@@ -212,7 +367,7 @@ def test_cancel_mid_stream_frees_the_request(gated: ServerThread,
     assert caught.value.code() == grpc.StatusCode.CANCELLED
 
 
-def test_deadline_while_queued_never_runs_the_request(
+def test_reference_deadline_while_queued_never_runs_the_request(
         gated: ServerThread, gated_stub: pb_grpc.VisionLanguageStub) -> None:
     engine = _engine(gated)
     with _held(engine):
@@ -228,7 +383,7 @@ def test_deadline_while_queued_never_runs_the_request(
     assert engine.counts()["started"] == started  # the expired request never ran
 
 
-def test_deadline_while_running_stops_the_request(
+def test_reference_deadline_while_running_stops_the_request(
         gated: ServerThread, gated_stub: pb_grpc.VisionLanguageStub) -> None:
     engine = _engine(gated)
     before = engine.counts()
@@ -247,7 +402,7 @@ def test_deadline_while_running_stops_the_request(
     assert after.get("finished", 0) == before.get("finished", 0)
 
 
-def test_full_queue_is_resource_exhausted(gated: ServerThread,
+def test_reference_full_queue_is_resource_exhausted(gated: ServerThread,
                                           gated_stub: pb_grpc.VisionLanguageStub) -> None:
     engine = _engine(gated)
     with _held(engine), VisionLanguageClient(gated.target, timeout=30) as client:
@@ -264,7 +419,8 @@ def test_full_queue_is_resource_exhausted(gated: ServerThread,
     wait_for(lambda: _idle(engine), what="an idle engine")
 
 
-def test_request_beyond_the_kv_budget_is_resource_exhausted(gated: ServerThread) -> None:
+def test_reference_request_beyond_the_kv_budget_is_resource_exhausted(
+        gated: ServerThread) -> None:
     with VisionLanguageClient(gated.target, timeout=30) as client, \
             pytest.raises(VlmError) as caught:
         client.caption(SMALL, max_tokens=30)

@@ -1,4 +1,7 @@
-"""Start, readiness, drain and SIGTERM; reflection; the Prometheus endpoint."""
+"""Start, readiness, drain and SIGTERM; reflection; the Prometheus endpoint.
+
+The subprocess server runs its default engine (batched); in-process servers run both engines.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import subprocess
 import sys
 import threading
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -23,15 +26,25 @@ from image_pipeline import PreparedImage, sample_image_bytes
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
 from vlm_server.client import TextResult, VisionLanguageClient, VlmError
+from vlm_server.engine.api import Engine
+from vlm_server.engine.batched_engine import BatchedEngine
+from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.reference_engine import ReferenceEngine
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
 from vlm_server.service.servicer import SERVICE_NAME
-from vlm_server.service.testing import GatedReferenceEngine, ServerThread, local_config, wait_for
+from vlm_server.service.testing import (
+    GatedBatchedEngine,
+    GatedReferenceEngine,
+    ServerThread,
+    local_config,
+    wait_for,
+)
 from vlm_server.weights.loader import LoadedModel
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 REPO_ROOT = Path(__file__).resolve().parents[1]
+KV_BUDGET = 16 << 20  # the batched engine's cache in these tests (its default is 256 MiB)
 
 
 def _health(target: str, service: str) -> int:
@@ -60,11 +73,16 @@ def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 # ---- start and drain ----------------------------------------------------------------------
 
 
-def test_readiness_is_off_while_loading_and_during_drain(tiny: LoadedModel) -> None:
-    engines: list[GatedReferenceEngine] = []
+@pytest.mark.parametrize("kind", ["batched", "reference"])
+def test_readiness_is_off_while_loading_and_during_drain(tiny: LoadedModel, kind: str) -> None:
+    engines: list[GatedBatchedEngine | GatedReferenceEngine] = []
 
-    def factory() -> GatedReferenceEngine:
-        engine = GatedReferenceEngine(lambda: tiny)
+    def factory() -> GatedBatchedEngine | GatedReferenceEngine:
+        engine: GatedBatchedEngine | GatedReferenceEngine
+        if kind == "batched":
+            engine = GatedBatchedEngine(tiny, EngineConfig(kv_budget_bytes=KV_BUDGET))
+        else:
+            engine = GatedReferenceEngine(lambda: tiny)
         engine.start_gate.clear()
         engines.append(engine)
         return engine
@@ -101,6 +119,9 @@ def test_readiness_is_off_while_loading_and_during_drain(tiny: LoadedModel) -> N
             engine.token_gate.set()
             events = first.result(60)
             drained.result(60)
+        if isinstance(engine, GatedBatchedEngine):
+            wait_for(engine.idle, what="an idle engine")
+            assert engine.runtime.pages.used_pages == 0  # a text-only request: no prefix
         final = events[-1]
         assert isinstance(final, TextResult) and final.finish_reason in ("eos", "length")
         assert "".join(e.text for e in events[:-1]) == final.text
@@ -131,7 +152,7 @@ def test_sigterm_finishes_accepted_requests_then_exits_0(
                             env=env, cwd=REPO_ROOT)
     lines: list[str] = []
     try:
-        port, metrics_port = _read_ports(proc, lines)
+        port, _ = _read_ports(proc, lines)
         drain_log = threading.Thread(target=lambda: lines.extend(proc.stderr or ()),
                                      daemon=True)
         drain_log.start()
@@ -144,17 +165,14 @@ def test_sigterm_finishes_accepted_requests_then_exits_0(
                 image_bytes=sample_image_bytes(),
                 settings=pb.GenerationSettings(temperature=0, max_tokens=max_tokens))
             calls = [stub.Caption(request, timeout=120) for _ in range(n)]
-            first = next(calls[0])  # the first request is running
-            received = f"http://127.0.0.1:{metrics_port}/metrics"
-            wait_for(lambda: sum(v for (name, _), v in _scrape(received).items()
-                                 if name == "vlm_requests_received_total") >= n,
-                     what="all requests accepted")
+            # Every request runs (a delta streamed), with about a hundred steps to go.
+            firsts = [next(call) for call in calls]
             proc.send_signal(signal.SIGTERM)
             wait_for(lambda: _not_ready(target), what="the signal to take effect")
             with pytest.raises(grpc.RpcError) as caught:  # new work is refused
                 list(stub.Caption(request, timeout=30))
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-            results = [[first, *calls[0]], *(list(c) for c in calls[1:])]
+            results = [[first, *call] for first, call in zip(firsts, calls, strict=True)]
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
@@ -167,16 +185,25 @@ def test_sigterm_finishes_accepted_requests_then_exits_0(
         assert "".join(m.delta.text for m in messages[:-1]) == want.text
     log = "".join(lines)
     assert "msg=config" in log and "grace_period=60.000" in log  # the environment was read
-    assert "msg=draining" in log and "msg=stopped" in log
+    assert " engine=batched " in log  # the default engine
+    draining = re.search(r"msg=draining .*in_flight=(\d+)", log)
+    assert draining and int(draining.group(1)) >= 1, log  # the drain had work to finish
+    assert "msg=stopped" in log
     assert log.count("msg=request") >= n and "code=OK" in log
 
 
 # ---- reflection and metrics ---------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def server(tiny: LoadedModel) -> Iterator[ServerThread]:
-    with ServerThread(local_config(), lambda: ReferenceEngine(lambda: tiny)) as running:
+def _engine_factory(kind: str, tiny: LoadedModel) -> Callable[[], Engine]:
+    if kind == "batched":
+        return lambda: BatchedEngine(tiny, EngineConfig(kv_budget_bytes=KV_BUDGET))
+    return lambda: ReferenceEngine(lambda: tiny)
+
+
+@pytest.fixture(scope="module", params=["batched", "reference"])
+def server(tiny: LoadedModel, request: pytest.FixtureRequest) -> Iterator[ServerThread]:
+    with ServerThread(local_config(), _engine_factory(request.param, tiny)) as running:
         yield running
 
 
@@ -219,7 +246,7 @@ def test_metrics_endpoint_counts_requests_and_reads_engine_gauges(
 
 def test_two_servers_in_one_process_keep_separate_metrics(server: ServerThread,
                                                           tiny: LoadedModel) -> None:
-    with ServerThread(local_config(), lambda: ReferenceEngine(lambda: tiny)) as other:
+    with ServerThread(local_config(), _engine_factory("batched", tiny)) as other:
         with VisionLanguageClient(other.target, timeout=60) as client:
             client.model_info()
         samples = _scrape(other.metrics_url)

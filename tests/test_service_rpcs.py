@@ -1,8 +1,8 @@
 """Every RPC end to end on real loopback servers (tiny model), on both engines: the batched
 engine (the server's default) and the reference engine. Results are compared with the
 reference generation; every input error is checked for its status code and field. Segment and
-constrained queries, which only the batched engine implements, are checked for well-formed
-answers there and for UNIMPLEMENTED on the reference engine."""
+constrained queries, which only the batched engine serves, are checked there for well-formed
+answers equal to the reference generation, and for UNIMPLEMENTED on the reference engine."""
 
 from __future__ import annotations
 
@@ -89,6 +89,11 @@ def reference_client(reference_server: ServerThread) -> Iterator[VisionLanguageC
         yield c
 
 
+def _known_bug(request: pytest.FixtureRequest, reason: str) -> None:
+    """Mark the running test as an expected failure (strict: it must fail until fixed)."""
+    request.applymarker(pytest.mark.xfail(strict=True, reason=f"bug: {reason}"))
+
+
 def _greedy(max_tokens: int) -> SamplingSettings:
     return SamplingSettings(temperature=0.0, max_tokens=max_tokens)
 
@@ -112,7 +117,6 @@ def test_caption_streams_deltas_then_one_final_result(
     assert result.finish_reason == pb.FINISH_REASON_LENGTH
     m = result.metrics
     assert m.output_tokens == len(want.token_ids) == 12
-    assert m.input_tokens == want.prompt_tokens
     assert m.prefill_ms > 0 and 0 < m.time_to_first_token_ms <= m.total_ms
     assert m.queue_wait_ms >= 0 and m.decode_ms > 0
 
@@ -165,7 +169,34 @@ def test_point_and_detect_equal_the_reference(client: VisionLanguageClient,
     assert [(b.x_min, b.y_min, b.x_max, b.y_max) for b in boxes.boxes] == [
         (b.x_min, b.y_min, b.x_max, b.y_max) for b in want_boxes.boxes]
     assert boxes.finish_reason == want_boxes.finish_reason
-    assert boxes.metrics.input_tokens == want_boxes.prompt_tokens
+
+
+def _input_tokens_against_the_reference(client: VisionLanguageClient,
+                                        generator: ReferenceGenerator,
+                                        sample_image: PreparedImage) -> None:
+    """``metrics.input_tokens`` counts prompt tokens, image positions not (the proto's
+    contract): the reference generation's ``prompt_tokens``, for every kind of request."""
+    caption = client.caption(sample_image_bytes(), max_tokens=2, **GREEDY)
+    assert caption.metrics.input_tokens == generator.caption(
+        sample_image, "normal", _greedy(2)).prompt_tokens
+    query = client.query(None, "how many?", max_tokens=2, **GREEDY)
+    assert query.metrics.input_tokens == generator.query(
+        None, "how many?", _greedy(2)).prompt_tokens
+    boxes = client.detect(sample_image_bytes(), "house", max_objects=1)
+    assert boxes.metrics.input_tokens == generator.detect(
+        sample_image, "house", max_objects=1).prompt_tokens
+
+
+def test_input_tokens_count_the_prompt_on_the_reference_engine(
+        reference_client: VisionLanguageClient, generator: ReferenceGenerator,
+        sample_image: PreparedImage) -> None:
+    _input_tokens_against_the_reference(reference_client, generator, sample_image)
+
+
+def test_input_tokens_count_the_prompt_on_the_batched_engine(
+        batched_client: VisionLanguageClient, generator: ReferenceGenerator,
+        sample_image: PreparedImage) -> None:
+    _input_tokens_against_the_reference(batched_client, generator, sample_image)
 
 
 def test_encode_image_ids_name_the_content(client: VisionLanguageClient,
@@ -183,12 +214,17 @@ def test_model_info_reports_model_and_limits(client: VisionLanguageClient, engin
                                              tiny: LoadedModel) -> None:
     info = client.model_info()
     assert (info.model_name, info.token_contract) == ("tiny", "tiny")
-    assert (info.device, info.dtype) == ("cpu", "fp32")
+    assert info.device == "cpu"
     assert info.max_context == info.max_tokens == tiny.config.text.max_context
     assert info.max_message_bytes == 32 * MIB
     assert (info.pipeline_depth, info.max_batch_size) == SHAPES[engine_kind]
     assert info.max_queue == 100
     assert info.server_version
+
+
+def test_model_info_names_the_dtype_as_the_dtype_flag_does(
+        client: VisionLanguageClient, engine_kind: str, request: pytest.FixtureRequest) -> None:
+    assert client.model_info().dtype == "fp32"
 
 
 def test_request_id_comes_back_in_trailing_metadata(stub: pb_grpc.VisionLanguageStub) -> None:
@@ -243,11 +279,18 @@ IMAGE_ID_ERRORS: list[tuple[str, Callable[..., Any], grpc.StatusCode, str]] = [
 ]
 
 
-@pytest.mark.parametrize(("fn", "code", "field"), [e[1:] for e in IMAGE_ID_ERRORS],
+# Errors the batched engine answers differently from the contract (and the reference engine).
+BATCHED_ERROR_BUGS: dict[str, str] = {}
+
+
+@pytest.mark.parametrize(("case", "fn", "code", "field"), IMAGE_ID_ERRORS,
                          ids=[e[0] for e in IMAGE_ID_ERRORS])
 def test_bad_requests_fail_with_a_code_and_name_the_field(
-        client: VisionLanguageClient, uploaded: EncodedImage, fn: Callable[..., Any],
+        client: VisionLanguageClient, uploaded: EncodedImage, engine_kind: str,
+        request: pytest.FixtureRequest, case: str, fn: Callable[..., Any],
         code: grpc.StatusCode, field: str) -> None:
+    if engine_kind == "batched" and case in BATCHED_ERROR_BUGS:
+        _known_bug(request, BATCHED_ERROR_BUGS[case])
     with pytest.raises(VlmError) as caught:
         fn(client, uploaded)
     err = caught.value
@@ -279,6 +322,8 @@ def test_reference_engine_answers_segment_with_unimplemented(
 
 @pytest.mark.parametrize("choices", [["yes", "no"], ["red", "green", "blue", "a long one"]])
 def test_query_with_choices_answers_one_of_them(batched_client: VisionLanguageClient,
+                                                generator: ReferenceGenerator,
+                                                sample_image: PreparedImage,
                                                 choices: list[str]) -> None:
     image = batched_client.encode_image(sample_image_bytes())
     events = list(batched_client.query_stream(image, "which one?", choices=choices, **GREEDY))
@@ -286,25 +331,35 @@ def test_query_with_choices_answers_one_of_them(batched_client: VisionLanguageCl
     assert isinstance(final, TextResult) and final.finish_reason == "eos"
     assert final.text in choices
     assert "".join(e.text for e in events[:-1]) == final.text
+    want = generator.query(sample_image, "which one?", _greedy(768), choices=tuple(choices))
+    assert final.text == want.text
     sampled = batched_client.query(None, "pick one", choices=choices, temperature=1.0, seed=7)
     assert sampled.text in choices
+    assert sampled.text == generator.query(
+        None, "pick one", SamplingSettings(temperature=1.0, seed=7),
+        choices=tuple(choices)).text
 
 
-@pytest.mark.parametrize("pattern", [r"[0-9]{1,3}", r"(yes|no), because [a-z]+",
-                                     r"[A-Z][a-z]{2,8}"])
+@pytest.mark.parametrize("pattern", [r"[0-9]{1,3}", r"(yes|no), because [a-z]{1,8}",
+                                     r"[A-Z][a-z]{2,8}( [0-9])?"])
 def test_query_with_a_regex_answers_a_full_match(batched_client: VisionLanguageClient,
+                                                 generator: ReferenceGenerator,
+                                                 sample_image: PreparedImage,
                                                  pattern: str) -> None:
     image = batched_client.encode_image(sample_image_bytes())
     got = batched_client.query(image, "answer in the format", regex=pattern, max_tokens=24,
                                **GREEDY)
     assert got.finish_reason == "eos", got
     assert re.fullmatch(pattern, got.text), got.text
+    want = generator.query(sample_image, "answer in the format", _greedy(24), regex=pattern)
+    assert (got.text, got.finish_reason) == (want.text, want.finish_reason)
 
 
 def test_segment_answers_a_box_path_polygons_and_mask(
-        batched_client: VisionLanguageClient) -> None:
+        batched_client: VisionLanguageClient, generator: ReferenceGenerator,
+        sample_image: PreparedImage) -> None:
     image = batched_client.encode_image(sample_image_bytes())
-    by_id, by_bytes = (batched_client.segment(source, "house", max_tokens=64)
+    by_id, by_bytes = (batched_client.segment(source, "house", max_tokens=32)
                        for source in (image, sample_image_bytes()))
     for seg in (by_id, by_bytes):
         b = seg.box
@@ -317,6 +372,11 @@ def test_segment_answers_a_box_path_polygons_and_mask(
         assert seg.metrics.input_tokens > 0
     assert (by_id.box, by_id.svg_path, by_id.mask) == (by_bytes.box, by_bytes.svg_path,
                                                        by_bytes.mask)
+    want, reason = generator.segment(sample_image, "house", 32)
+    assert (by_id.svg_path, by_id.mask.counts, by_id.finish_reason) == (
+        want.path, list(want.mask_counts), reason)
+    box = by_id.box
+    assert (box.x_min, box.y_min, box.x_max, box.y_max) == want.box
 
 
 def test_oversized_message_is_refused_with_the_limit_stated(

@@ -108,18 +108,18 @@ class TaskCompiler:
         else:
             built = BuiltRequest(prompt, grammar, mc.image_prefix_len)
         if built.total_positions > mc.text.max_context:
+            field = "max_objects" if req.task in (Task.POINT, Task.DETECT) else "max_tokens"
             raise EngineError(
                 ErrorCode.OUT_OF_RANGE,
-                f"prompt ({built.prefix_len + len(built.prompt)} positions) plus the output "
-                f"budget ({grammar.max_positions}) exceeds the model context of "
-                f"{mc.text.max_context}",
-                "max_objects" if req.task in (Task.POINT, Task.DETECT) else "max_tokens")
+                f"{field}: the prompt ({built.prefix_len + len(built.prompt)} positions) plus "
+                f"the output budget ({grammar.max_positions} positions) exceeds the model "
+                f"context of {mc.text.max_context}", field)
         return built
 
     def _constraint(self, req: GenerationRequest) -> AutomatonRows | None:
         if req.choices and req.regex:
-            raise EngineError(ErrorCode.INVALID_ARGUMENT, "give choices or regex, not both",
-                              "regex")
+            raise EngineError(ErrorCode.INVALID_ARGUMENT, "choices: give choices or regex, "
+                              "not both", "choices")
         field = "choices" if req.choices else "regex"
         try:
             with self._lock:

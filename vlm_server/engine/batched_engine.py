@@ -37,6 +37,8 @@ from vlm_server.weights.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
 
 
 class _Stream:
@@ -87,7 +89,7 @@ class BatchedEngine:
         self.contract = contract
         self.info = EngineInfo(
             model_name=mc.name, preset=preset_name or mc.name, token_contract=contract.name,
-            device=str(model.device), dtype=str(model.dtype).removeprefix("torch."),
+            device=str(model.device), dtype=_DTYPE_NAMES.get(model.dtype, str(model.dtype)),
             pipeline_depth=self.cfg.pipeline_depth, max_batch_size=self.cfg.max_batch,
             max_context=mc.text.max_context, max_queue=self.cfg.max_queue)
         self.tasks = TaskCompiler(mc, loaded.tokenizer, self.cfg.mask_table_rows)
@@ -152,8 +154,10 @@ class BatchedEngine:
         seq = self._build(request)
         scheduler = self.scheduler
         total_pages = self.runtime.pages.n_pages - 1
+        # Worst case (the image prefix not cached): the sequence's pages, plus a private copy
+        # of a partly filled last prefix page.
         need = scheduler.rt.pages.pages_for(seq.total_positions) + (
-            scheduler.prefix_cache.pages_per_entry if seq.prefix_len else 0)
+            1 if seq.prefix_len and scheduler.prefix_cache.has_tail else 0)
         if need > total_pages:
             raise EngineError(ErrorCode.RESOURCE_EXHAUSTED,
                               f"the request needs {need} KV pages but the cache has "

@@ -310,7 +310,8 @@ class Scheduler:
         g = seq.grammar
         m = seq.metrics
         m.decode_ms = (now - seq.first_token_at) * 1e3 if seq.first_token_at else 0.0
-        m.input_tokens = seq.prefill_len
+        # The task's prompt tokens, as the API states: image positions and BOS not counted.
+        m.input_tokens = len(seq.prompt) - (1 if seq.prefix_len == 0 else 0)
         stop = g.finish_reason is FinishReason.STOP
         result = Finished(finish_reason="eos" if stop else "length", metrics=m)
         if isinstance(g, TextGrammar):

@@ -15,6 +15,7 @@ from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import Any, TypeVar
 
+from vlm_server.engine.api import EngineError, Finished
 from vlm_server.engine.batched_engine import BatchedEngine
 from vlm_server.engine.pipeline_state import Step, StepKind
 from vlm_server.engine.reference_engine import ReferenceEngine
@@ -135,12 +136,18 @@ class GatedReferenceEngine(ReferenceEngine):
 
 
 class GatedBatchedEngine(BatchedEngine):
-    """A `BatchedEngine` a test can hold: at start (`start_gate`) and before the scheduler
-    commits a decode step (`token_gate`), so every request in the batch has streamed at least
-    its first token and none advances while held. Gates are open until cleared; `holding` is
-    set while a step is held and `held_requests` names the request ids of its batch.
-    `prefilled` lists the request id of every request whose prefill was launched, in order
-    (a request absent from it never ran)."""
+    """A `BatchedEngine` a test can hold and watch.
+
+    Gates, open until cleared: `start_gate` holds `start`; `token_gate` holds the scheduler
+    thread before it commits a decode step, so every request of that batch has streamed at
+    least its first token and none advances while held (`holding` is set then, and
+    `held_requests` names the batch's request ids).
+
+    Records, by request id: `prefilled` lists every request whose prefill was launched, in
+    order (a request absent from it never ran); `outcomes` maps each request the scheduler
+    ended to its finish reason (eos, length, max_objects) or error code (CANCELLED,
+    DEADLINE_EXCEEDED). `largest_batch` is the most sequences decoded in one step.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -151,7 +158,20 @@ class GatedBatchedEngine(BatchedEngine):
         self.holding = threading.Event()
         self.held_requests: tuple[str, ...] = ()
         self.prefilled: list[str] = []
-        self.scheduler.trace = self._on_step
+        self.outcomes: dict[str, str] = {}
+        self.largest_batch = 0
+        scheduler = self.scheduler
+        scheduler.trace = self._on_step
+        emit = scheduler._emit
+
+        def record(seq: Any, event: object) -> None:
+            if isinstance(event, Finished):
+                self.outcomes[seq.request.request_id] = event.finish_reason
+            elif isinstance(event, EngineError):
+                self.outcomes[seq.request.request_id] = event.code.value
+            emit(seq, event)
+
+        scheduler._emit = record  # type: ignore[method-assign]
 
     async def start(self) -> None:
         await asyncio.to_thread(self.start_gate.wait, GATE_TIMEOUT_S)
@@ -163,8 +183,11 @@ class GatedBatchedEngine(BatchedEngine):
 
     def _on_step(self, phase: str, step: Step) -> None:
         """Called on the scheduler thread around each pipeline action."""
-        if phase == "launch" and step.kind is StepKind.PREFILL:
-            self.prefilled.extend(s.request.request_id for s in step.seqs)
+        if phase == "launch":
+            if step.kind is StepKind.PREFILL:
+                self.prefilled.extend(s.request.request_id for s in step.seqs)
+            else:
+                self.largest_batch = max(self.largest_batch, len(step.seqs))
         if phase != "commit" or step.kind is not StepKind.DECODE or self.token_gate.is_set():
             return
         self.held_requests = tuple(s.request.request_id for s in step.seqs)
