@@ -44,15 +44,23 @@ class PagedKV:
     """The `KVCache` the text decoder sees during one engine forward."""
 
     def __init__(self, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor],
-                 block_rows: torch.Tensor, prefix_len: int) -> None:
+                 block_rows: torch.Tensor, prefix_len: int, fresh_prefix: bool = False) -> None:
         self.k_pools, self.v_pools = k_pools, v_pools
         self.block_rows = block_rows
         self.prefix_len = prefix_len
+        # The forward is exactly the bidirectional prefix [0, prefix_len) of each row: keys
+        # and values are the ones just computed, and no mask applies.
+        self.fresh_prefix = fresh_prefix
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
         kp, vp = self.k_pools[layer], self.v_pools[layer]
         write_kv(kp, vp, self.block_rows, positions, k, v)
+        if self.fresh_prefix:
+            rep = q.shape[1] // k.shape[1]
+            if rep > 1:
+                k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            return F.scaled_dot_product_attention(q, k.to(kp.dtype), v.to(vp.dtype))
         return paged_attention(q, kp, vp, self.block_rows, positions, self.prefix_len)
 
 

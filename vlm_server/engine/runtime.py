@@ -235,16 +235,18 @@ class ModelRuntime:
         with st.on(st.compute):
             start = self._mark()
             prefixes = self._image_prefixes(seqs, image_for)
+            if prefixes:
+                self._prefill_prefixes([seqs[i] for i in prefixes], list(prefixes.values()))
             for i, seq in enumerate(seqs):
-                if seq.prefix is not None and i in prefixes:
-                    self._prefill_prefix(seq, prefixes[i])
                 if seq.prefix is not None and seq.prefix.tail_page is not None:
                     tail, own = seq.prefix.tail_page, seq.own_pages[0]
                     for kp, vp in zip(self.k_pools, self.v_pools, strict=True):
                         kp[own].copy_(kp[tail])
                         vp[own].copy_(vp[tail])
-                pages = (seq.prefix.full_pages if seq.prefix else []) + seq.own_pages
                 first = seq.prefix_len
+                # Only the pages holding positions before the end of the prompt are visible.
+                visible = self.pages.pages_for(first + len(seq.prompt))
+                pages = ((seq.prefix.full_pages if seq.prefix else []) + seq.own_pages)[:visible]
                 ids = self._h2d(seq.prompt)
                 pos = torch.arange(first, first + len(seq.prompt), device=self.device)[None]
                 kv = PagedKV(self.k_pools, self.v_pools, self._h2d(pages)[None], seq.prefix_len)
@@ -276,12 +278,15 @@ class ModelRuntime:
             out[i] = m.prefix_embeddings(m.vision.project(f, seqs[i].request.image.tiling))
         return out
 
-    def _prefill_prefix(self, seq: Sequence, emb: torch.Tensor) -> None:
-        entry = seq.prefix
-        assert entry is not None
-        n = seq.prefix_len
-        kv = PagedKV(self.k_pools, self.v_pools, self._h2d(entry.pages)[None], n)
-        self.model.text(emb, torch.arange(n, device=self.device)[None], kv)
+    def _prefill_prefixes(self, seqs: list[Sequence], embs: list[torch.Tensor]) -> None:
+        """BOS + image of several new images in one forward, straight into their cache
+        entries' pages. The prefix sees only itself, both ways, so attention needs no mask
+        (the fused attention kernels apply)."""
+        n = seqs[0].prefix_len
+        rows = torch.stack([self._h2d(s.prefix.pages) for s in seqs])  # type: ignore[union-attr]
+        kv = PagedKV(self.k_pools, self.v_pools, rows, n, fresh_prefix=True)
+        pos = torch.arange(n, device=self.device)[None].expand(len(seqs), n)
+        self.model.text(torch.cat(embs), pos, kv)
 
     # ---- finalize: masks, sampling, region values, next inputs, D2H ---------------------
 
