@@ -25,6 +25,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--context", type=int, default=760)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--vision", action="store_true",
+                    help="time the vision tower (eager and graphed) per crop count instead")
     ap.add_argument("--sweep", action="store_true",
                     help="time graph replays for attention variants instead of profiling")
     args = ap.parse_args()
@@ -38,6 +40,9 @@ def main() -> None:
     rt.block_dev.copy_(rt.block_host)
     if args.sweep:
         sweep(rt, args)
+        return
+    if args.vision:
+        vision(rt)
         return
     rt.capture_graphs(progress=False)
     for b in args.batch:
@@ -80,6 +85,31 @@ def _replay_ms(rt: ModelRuntime, b: int) -> float:
         e.synchronize()
         times.append(s.elapsed_time(e))
     return statistics.median(times)
+
+
+def _ms(fn: object, iters: int = 20) -> float:
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()  # type: ignore[operator]
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def vision(rt: ModelRuntime) -> None:
+    """Vision tower per crop count: eager and graph replay (1 global + local tiles)."""
+    rt.capture_vision_graphs(progress=False)
+    vc = rt.model.config.vision
+    print(f"{'crops':>5} {'eager ms':>9} {'graph ms':>9}")
+    for n in (2, 5, 9, 13):
+        x = torch.randn(n, 3, vc.crop_size, vc.crop_size, device="cuda", dtype=rt.dtype)
+        with torch.inference_mode():
+            eager = _ms(lambda x=x: rt.model.vision.encode(x))
+            graphed = _ms(lambda x=x: rt._encode_graphed(x))
+        print(f"{n:>5} {eager:>9.3f} {graphed:>9.3f}", flush=True)
 
 
 def sweep(rt: ModelRuntime, args: argparse.Namespace) -> None:

@@ -46,8 +46,16 @@ def _elapsed(pairs: list[tuple[object, object]]) -> list[float]:
     return out
 
 
+def _request(task: str, image: object, i: int, tokens: int) -> GenerationRequest:
+    if task == "detect":  # 3 positions per box: about `tokens` decode steps per stream
+        return GenerationRequest(Task.DETECT, image, request_id=str(i),  # type: ignore[arg-type]
+                                 object_name="car", max_objects=max(1, tokens // 3))
+    return GenerationRequest(Task.CAPTION, image, request_id=str(i),  # type: ignore[arg-type]
+                             temperature=0, max_tokens=tokens, seed=i)
+
+
 async def run_case(loaded: LoadedModel, streams: int, tokens: int, depth: int,
-                   graphs: bool, kv_bytes: int | None) -> dict:
+                   graphs: bool, kv_bytes: int | None, task: str = "caption") -> dict:
     cfg = EngineConfig(pipeline_depth=depth, max_batch=max(streams, 1), cuda_graphs=graphs,
                        kv_budget_bytes=kv_bytes)
     engine = BatchedEngine(loaded, cfg)
@@ -60,8 +68,7 @@ async def run_case(loaded: LoadedModel, streams: int, tokens: int, depth: int,
         pass
     rt.forward_events, rt.finalize_events = [], []
     sched.host_times, sched.commit_log = [], []
-    reqs = [GenerationRequest(Task.CAPTION, image, request_id=str(i), temperature=0,
-                              max_tokens=tokens, seed=i) for i in range(streams)]
+    reqs = [_request(task, image, i, tokens) for i in range(streams)]
 
     async def one(req: GenerationRequest) -> Finished:
         async for event in engine.submit(req):
@@ -83,8 +90,10 @@ async def run_case(loaded: LoadedModel, streams: int, tokens: int, depth: int,
     full = [b - a for (a, n1), (b, n2) in itertools.pairwise(commits) if n1 == n2 == streams]
     host = sched.host_times
     out_tokens = sum(r.metrics.output_tokens for r in results)
+    if task == "detect":  # count decode steps: 3 per box
+        out_tokens = 3 * sum(len(r.boxes) for r in results)
     row = {
-        "streams": streams, "depth": depth, "graphs": graphs, "tokens": tokens,
+        "streams": streams, "depth": depth, "graphs": graphs, "tokens": tokens, "task": task,
         "forward_ms": _median(_elapsed(fwd)), "sampling_ms": _median(_elapsed(fin)),
         "period_ms": _median(full) * 1e3, "wall_s": wall,
         "tokens_per_s": out_tokens / wall,
@@ -109,18 +118,26 @@ def main() -> None:
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--kv-gib", type=float, default=8.0)
+    ap.add_argument("--task", default="caption", choices=["caption", "detect"],
+                    help="detect: constrained boundary masks and region values every step; "
+                         "the random model is biased so every stream runs to max_objects")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     loaded = random_model(preset(args.preset), seed=0, dtype=dtype, device=device)
+    if args.task == "detect":
+        coord = loaded.config.tokens.coord_id  # type: ignore[union-attr]
+        if coord is not None:
+            with torch.no_grad():
+                loaded.model.text.lm_head.bias[coord] += 1e4
     kv = int(args.kv_gib * (1 << 30)) if args.kv_gib else None
     rows = []
     for streams in args.streams:
         for depth in args.depths:
             row = asyncio.run(run_case(loaded, streams, args.tokens, depth,
-                                       not args.no_graphs, kv))
+                                       not args.no_graphs, kv, args.task))
             rows.append(row)
             print(json.dumps(row), flush=True)
     by = {(r["streams"], r["depth"]): r for r in rows}
@@ -132,7 +149,8 @@ def main() -> None:
             p["predicted_speedup"] = b["period_ms"] / p["period_ms"] * (1 - z) - 1
     out = args.out or Path("bench/results") / name.replace(" ", "_")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "step_bench.json").write_text(json.dumps(
+    name_json = "step_bench.json" if args.task == "caption" else f"step_bench_{args.task}.json"
+    (out / name_json).write_text(json.dumps(
         {"device": name, "preset": args.preset, "dtype": args.dtype, "rows": rows}, indent=2))
     head = (f"{'streams':>7} {'depth':>5} {'fwd ms':>7} {'samp ms':>7} {'period':>7} "
             f"{'idle':>6} {'commit':>7} {'final':>6} {'launch':>6} {'tok/s':>8} {'speedup':>8}")
@@ -160,7 +178,8 @@ def main() -> None:
         ax.set_ylabel("decode period (ms)")
         ax.set_title(f"{args.preset} on {name}")
         ax.legend()
-        fig.savefig(out / "step_period.png", dpi=120, bbox_inches="tight")
+        fig.savefig(out / name_json.replace(".json", ".png").replace("step_bench", "step_period"),
+                    dpi=120, bbox_inches="tight")
     except ImportError:
         pass
 

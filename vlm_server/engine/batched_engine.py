@@ -108,7 +108,9 @@ class BatchedEngine:
     async def start(self) -> None:
         """Capture CUDA graphs (on CUDA), then start the scheduler thread."""
         if self.cfg.cuda_graphs and self.runtime.streams.is_cuda and not self.runtime.graphs:
-            await asyncio.get_running_loop().run_in_executor(None, self.runtime.capture_graphs)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self.runtime.capture_graphs)
+            await loop.run_in_executor(None, self.runtime.capture_vision_graphs)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
             self._thread.start()

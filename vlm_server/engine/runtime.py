@@ -99,6 +99,8 @@ class ModelRuntime:
         self.use_triton = self.streams.is_cuda and triton_available()
         self.buckets = graph_buckets(cfg.max_batch)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.vision_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor,
+                                            torch.Tensor]] = {}
         # Benchmarks set these lists to collect (start, end) device events of each forward
         # and each finalize, in launch order; None in production (no events recorded).
         self.forward_events: list[tuple[str, object, object]] | None = None
@@ -272,11 +274,54 @@ class ModelRuntime:
         normalized = [normalize_crops((c.pin_memory() if pin else c).to(self.device,
                                                                         non_blocking=True),
                                       self.dtype) for c in crops]
-        feats = m.vision.encode(torch.cat(normalized))
         out = {}
+        if self.vision_graphs:
+            # One graph replay per image (captured per crop count); counts without a graph
+            # (extreme aspect ratios) run eagerly.
+            for i, x in zip(todo, normalized, strict=True):
+                f = self._encode_graphed(x)
+                out[i] = m.prefix_embeddings(m.vision.project(f, seqs[i].request.image.tiling))
+            return out
+        feats = m.vision.encode(torch.cat(normalized))
         for i, f in zip(todo, feats.split(counts), strict=True):
             out[i] = m.prefix_embeddings(m.vision.project(f, seqs[i].request.image.tiling))
         return out
+
+    def _encode_graphed(self, crops: torch.Tensor) -> torch.Tensor:
+        entry = self.vision_graphs.get(crops.shape[0])
+        if entry is None:
+            return self.model.vision.encode(crops)
+        graph, static_in, static_out = entry
+        static_in.copy_(crops)
+        graph.replay()
+        return static_out  # read before the next replay: the caller projects it right away
+
+    @torch.inference_mode()
+    def capture_vision_graphs(self, progress: bool = True) -> None:
+        """Capture the vision tower once per crop count of a single image (1 + h*w tiles up
+        to max_crops), largest first, in one memory pool. CUDA only."""
+        if not self.streams.is_cuda:
+            return
+        from tqdm import tqdm
+
+        vc = self.model.config.vision
+        pool = torch.cuda.graph_pool_handle()
+        counts = sorted({1 + h * w for h in range(1, vc.max_crops + 1)
+                         for w in range(1, vc.max_crops + 1) if h * w <= vc.max_crops},
+                        reverse=True)
+        torch.cuda.synchronize(self.device)  # start-up only
+        graphs = {}
+        for n in tqdm(counts, desc="capturing vision graphs", disable=not progress):
+            static_in = torch.zeros((n, vc.in_channels, vc.crop_size, vc.crop_size),
+                                    dtype=self.dtype, device=self.device)
+            with torch.cuda.stream(self.streams.compute):
+                self.model.vision.encode(static_in)  # warm-up outside the capture
+            self.streams.compute.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=self.streams.compute):
+                static_out = self.model.vision.encode(static_in)
+            graphs[n] = (graph, static_in, static_out)
+        self.vision_graphs = graphs
 
     def _prefill_prefixes(self, seqs: list[Sequence], embs: list[torch.Tensor]) -> None:
         """BOS + image of several new images in one forward, straight into their cache
