@@ -11,6 +11,7 @@ import random
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from decoding.vocab import byte_level_alphabet
 from vlm_server.config import GPT2_EOS, TINY_SPECIAL_TOKENS, ModelConfig
 
 # Enough everyday words that captions of random weights read as words, not byte soup.
@@ -29,19 +30,6 @@ background foreground front behind group some several people color colour face h
 _CONTRACT_2025_06_SPECIALS = TINY_SPECIAL_TOKENS[:10]
 
 
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible map from bytes to printable unicode characters."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
-    mapping = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
-
-
 def _specials_for(config: ModelConfig) -> dict[int, str]:
     contract = config.tokens
     assert contract is not None
@@ -58,7 +46,7 @@ def build_tokenizer(config: ModelConfig, seed: int = 0) -> Tokenizer:
     """A byte-level BPE tokenizer with exactly ``config.tokenizer_vocab_size`` entries."""
     size = config.tokenizer_vocab_size
     specials = _specials_for(config)
-    byte_chars = list(bytes_to_unicode().values())
+    byte_chars = list(byte_level_alphabet().values())
     n_regular = size - len(specials)
     if n_regular < len(byte_chars):
         raise ValueError(f"tokenizer_vocab_size {size} leaves no room for the 256 byte tokens")
@@ -73,7 +61,7 @@ def build_tokenizer(config: ModelConfig, seed: int = 0) -> Tokenizer:
             tokens.append(a + b)
             known.add(a + b)
 
-    space = bytes_to_unicode()[ord(" ")]
+    space = byte_level_alphabet()[ord(" ")]
     # Spaced words first: BPE applies merges by rank, so "Ġ"+"r" must outrank "r"+"e" for
     # " red" to become one token.
     for spelled in [space + w for w in _WORDS] + list(_WORDS):
