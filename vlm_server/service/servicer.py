@@ -308,29 +308,27 @@ class VisionLanguageServicer(pb_grpc.VisionLanguageServicer):
             async for message in self._text(call, gen, pb.QueryResponse):
                 yield message
 
-    async def Point(self, request: pb.PointRequest,
-                    context: grpc.aio.ServicerContext) -> pb.PointResponse:
-        async with self._call(Task.POINT, context) as call:
-            gen = self._request(call, Task.POINT, request.settings,
+    async def _object_task(self, task: Task, request: Any, context: grpc.aio.ServicerContext,
+                           respond: Callable[[Any, float], Any]) -> Any:
+        """Point, Detect and Segment: an object name, an image, one final answer."""
+        async with self._call(task, context) as call:
+            gen = self._request(call, task, request.settings,
                                 object_name=validation.object_name(request.object))
             done = await self._final(call, await self._with_image(gen, request))
-            return convert.point_response(done, call.elapsed_ms())
+            return respond(done, call.elapsed_ms())
+
+    async def Point(self, request: pb.PointRequest,
+                    context: grpc.aio.ServicerContext) -> pb.PointResponse:
+        return await self._object_task(Task.POINT, request, context, convert.point_response)
 
     async def Detect(self, request: pb.DetectRequest,
                      context: grpc.aio.ServicerContext) -> pb.DetectResponse:
-        async with self._call(Task.DETECT, context) as call:
-            gen = self._request(call, Task.DETECT, request.settings,
-                                object_name=validation.object_name(request.object))
-            done = await self._final(call, await self._with_image(gen, request))
-            return convert.detect_response(done, call.elapsed_ms())
+        return await self._object_task(Task.DETECT, request, context, convert.detect_response)
 
     async def Segment(self, request: pb.SegmentRequest,
                       context: grpc.aio.ServicerContext) -> pb.SegmentResponse:
-        async with self._call(Task.SEGMENT, context) as call:
-            gen = self._request(call, Task.SEGMENT, request.settings,
-                                object_name=validation.object_name(request.object))
-            done = await self._final(call, await self._with_image(gen, request))
-            return convert.segment_response(done, call.elapsed_ms())
+        return await self._object_task(Task.SEGMENT, request, context,
+                                       convert.segment_response)
 
     async def EncodeImage(self, request: pb.EncodeImageRequest,
                           context: grpc.aio.ServicerContext) -> pb.EncodeImageResponse:
