@@ -51,10 +51,14 @@ def main() -> None:
         steps = torch.zeros(b, dtype=torch.int64, device=dev)
         idx = torch.randint(0, 64, (b,), device=dev)
 
-        def masked_sample(logits: torch.Tensor = logits, idx: torch.Tensor = idx,
-                          temp: torch.Tensor = temp, top_p: torch.Tensor = top_p,
-                          seeds: torch.Tensor = seeds, steps: torch.Tensor = steps
-                          ) -> torch.Tensor:
+        def masked_sample(
+            logits: torch.Tensor = logits,
+            idx: torch.Tensor = idx,
+            temp: torch.Tensor = temp,
+            top_p: torch.Tensor = top_p,
+            seeds: torch.Tensor = seeds,
+            steps: torch.Tensor = steps,
+        ) -> torch.Tensor:
             return sample(apply_masks(logits, idx, table), temp, top_p, seeds, steps)
 
         def greedy(logits: torch.Tensor = logits) -> torch.Tensor:
@@ -65,20 +69,25 @@ def main() -> None:
         torch.cuda.synchronize()
         with torch.cuda.graph(graph):
             masked_sample()
-        row = {"batch": b, "mask_sample_eager_ms": _time(masked_sample),
-               "mask_sample_graph_ms": _time(graph.replay), "greedy_ms": _time(greedy)}
+        row = {
+            "batch": b,
+            "mask_sample_eager_ms": _time(masked_sample),
+            "mask_sample_graph_ms": _time(graph.replay),
+            "greedy_ms": _time(greedy),
+        }
         rows.append(row)
         print(json.dumps(row), flush=True)
     name = torch.cuda.get_device_name()
     out = args.out or Path("bench/results") / name.replace(" ", "_")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sampling_bench.json").write_text(json.dumps({"device": name, "rows": rows},
-                                                        indent=2))
+    (out / "sampling_bench.json").write_text(json.dumps({"device": name, "rows": rows}, indent=2))
     print(f"\n{name}, vocab {args.vocab}")
     print(f"{'batch':>5} {'mask+sample eager':>17} {'graphed':>8} {'greedy':>7}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['mask_sample_eager_ms']:>17.3f} "
-              f"{r['mask_sample_graph_ms']:>8.3f} {r['greedy_ms']:>7.3f}")
+        print(
+            f"{r['batch']:>5} {r['mask_sample_eager_ms']:>17.3f} "
+            f"{r['mask_sample_graph_ms']:>8.3f} {r['greedy_ms']:>7.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -40,10 +40,22 @@ from tqdm import tqdm
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # moondream2's text decoder (vlm_server.config preset "moondream2").
-FULL_DIMS = {"hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 32,
-             "intermediate_size": 8192, "vocab_size": 51200, "max_position_embeddings": 2048}
-TINY_DIMS = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "intermediate_size": 256, "vocab_size": 1024, "max_position_embeddings": 512}
+FULL_DIMS = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 32,
+    "intermediate_size": 8192,
+    "vocab_size": 51200,
+    "max_position_embeddings": 2048,
+}
+TINY_DIMS = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 256,
+    "vocab_size": 1024,
+    "max_position_embeddings": 512,
+}
 
 
 def build_model(tiny: bool, device: torch.device, dtype: torch.dtype) -> Any:
@@ -52,8 +64,9 @@ def build_model(tiny: bool, device: torch.device, dtype: torch.dtype) -> Any:
 
     dims = TINY_DIMS if tiny else FULL_DIMS
     # No eos/bos: every sequence runs to its token budget, as the server benchmarks do.
-    config = PhiConfig(**dims, partial_rotary_factor=0.5, eos_token_id=None, bos_token_id=None,
-                       pad_token_id=0)
+    config = PhiConfig(
+        **dims, partial_rotary_factor=0.5, eos_token_id=None, bos_token_id=None, pad_token_id=0
+    )
     # A private RNG stream: the same weights every run, and the caller's RNG state untouched.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)
@@ -73,8 +86,14 @@ def _sync(device: torch.device) -> None:
 def _gen_config(new_tokens: int, **extra: Any) -> Any:
     from transformers import GenerationConfig
 
-    return GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                            do_sample=False, eos_token_id=None, pad_token_id=0, **extra)
+    return GenerationConfig(
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        **extra,
+    )
 
 
 def timed_generate(model: Any, ids: torch.Tensor, new_tokens: int, **extra: Any) -> float:
@@ -82,8 +101,9 @@ def timed_generate(model: Any, ids: torch.Tensor, new_tokens: int, **extra: Any)
     mask = torch.ones_like(ids)
     _sync(ids.device)
     start = time.perf_counter()
-    out = model.generate(input_ids=ids, attention_mask=mask,
-                         generation_config=_gen_config(new_tokens, **extra))
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, generation_config=_gen_config(new_tokens, **extra)
+    )
     _sync(ids.device)
     elapsed = time.perf_counter() - start
     if out.shape[1] != ids.shape[1] + new_tokens:
@@ -91,8 +111,9 @@ def timed_generate(model: Any, ids: torch.Tensor, new_tokens: int, **extra: Any)
     return elapsed
 
 
-def generate_case(model: Any, ids: torch.Tensor, new_tokens: int, repeats: int,
-                  static: bool) -> dict[str, Any]:
+def generate_case(
+    model: Any, ids: torch.Tensor, new_tokens: int, repeats: int, static: bool
+) -> dict[str, Any]:
     """Decode step and per-token figures of ``generate`` at one batch size."""
     extra: dict[str, Any] = {}
     if static:
@@ -114,7 +135,9 @@ def generate_case(model: Any, ids: torch.Tensor, new_tokens: int, repeats: int,
         shorts.append(timed_generate(model, ids, 1, **extra))
     steps = [(a - b) / new_tokens for a, b in zip(longs, shorts, strict=True)]
     return {
-        "batch": ids.shape[0], "prompt_len": ids.shape[1], "new_tokens": new_tokens + 1,
+        "batch": ids.shape[0],
+        "prompt_len": ids.shape[1],
+        "new_tokens": new_tokens + 1,
         "warmup_s": warmup,
         "decode_step_ms": statistics.median(steps) * 1e3,
         "prefill_ms": statistics.median(shorts) * 1e3,
@@ -129,16 +152,20 @@ def _supported_kwargs(fn: Callable[..., Any], **kwargs: Any) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k in params}
 
 
-def batch_case(model: Any, prompts: list[list[int]], new_tokens: int, runs: int,
-               tiny: bool) -> dict[str, Any]:
+def batch_case(
+    model: Any, prompts: list[list[int]], new_tokens: int, runs: int, tiny: bool
+) -> dict[str, Any]:
     """Continuous batching through ``generate_batch``; each run timed whole."""
     if not hasattr(model, "generate_batch"):
-        return {"status": "unavailable",
-                "reason": "this transformers has no generate_batch (continuous batching)"}
+        return {
+            "status": "unavailable",
+            "reason": "this transformers has no generate_batch (continuous batching)",
+        }
     from transformers import GenerationConfig
 
-    gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)
+    gen = GenerationConfig(
+        max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     extra: dict[str, Any] = {}
     if tiny:
         # On the CPU the default cache sizing allocates for seconds; a small cache suffices.
@@ -148,7 +175,9 @@ def batch_case(model: Any, prompts: list[list[int]], new_tokens: int, runs: int,
             extra = _supported_kwargs(
                 model.generate_batch,
                 continuous_batching_config=ContinuousBatchingConfig(
-                    num_blocks=64, max_batch_tokens=512, page_size=16))
+                    num_blocks=64, max_batch_tokens=512, page_size=16
+                ),
+            )
         except (ImportError, TypeError):
             extra = {}
     seconds, generated = [], []
@@ -160,9 +189,14 @@ def batch_case(model: Any, prompts: list[list[int]], new_tokens: int, runs: int,
         seconds.append(time.perf_counter() - start)
         generated.append(sum(len(o.generated_tokens) for o in out.values()))
     return {
-        "status": "ok", "requests": len(prompts), "prompt_len": len(prompts[0]),
-        "new_tokens": new_tokens, "run_seconds": seconds, "generated_tokens": generated[-1],
-        "total_s": seconds[-1], "tokens_per_s": generated[-1] / seconds[-1],
+        "status": "ok",
+        "requests": len(prompts),
+        "prompt_len": len(prompts[0]),
+        "new_tokens": new_tokens,
+        "run_seconds": seconds,
+        "generated_tokens": generated[-1],
+        "total_s": seconds[-1],
+        "tokens_per_s": generated[-1] / seconds[-1],
         "first_run_tokens_per_s": generated[0] / seconds[0],
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
     }
@@ -185,8 +219,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         ax.bar(xs, [r["decode_step_ms"] for r in rows], width, label=f"{mode} cache")
         ax.set_xticks(range(len(rows)), [f"batch {r['batch']}" for r in rows])
     ax.set_ylabel("ms per decode step")
-    ax.set_title(f"transformers {result['transformers']} generate, {result['device']}",
-                 fontsize=10)
+    ax.set_title(f"transformers {result['transformers']} generate, {result['device']}", fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -198,10 +231,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="small fp32 model (CPU smoke test)")
     ap.add_argument("--device", default=None, help="default: cuda if present, else cpu")
-    ap.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
-                    help="default bf16 on CUDA, fp32 on the CPU or with --tiny")
-    ap.add_argument("--modes", nargs="+", default=["dynamic", "static", "batch"],
-                    choices=["dynamic", "static", "batch"])
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        choices=["bf16", "fp32"],
+        help="default bf16 on CUDA, fp32 on the CPU or with --tiny",
+    )
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=["dynamic", "static", "batch"],
+        choices=["dynamic", "static", "batch"],
+    )
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="default 1 8")
     ap.add_argument("--prompt-len", type=int, default=None, help="default 760 (tiny: 48)")
     ap.add_argument("--new-tokens", type=int, default=None, help="default 64 (tiny: 8)")
@@ -214,8 +255,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         import transformers
     except ImportError:
-        print("hf_baseline needs Hugging Face transformers, which the server does not: "
-              "pip install 'transformers>=4.45' (or pip install -e '.[bench]')", file=sys.stderr)
+        print(
+            "hf_baseline needs Hugging Face transformers, which the server does not: "
+            "pip install 'transformers>=4.45' (or pip install -e '.[bench]')",
+            file=sys.stderr,
+        )
         return 2
     transformers.logging.set_verbosity_error()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -240,10 +284,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return torch.randint(100, vocab, (batch, prompt_len), generator=gen).to(device)
 
     result: dict[str, Any] = {
-        "device": name, "dtype": dtype_name, "tiny": args.tiny,
-        "transformers": transformers.__version__, "torch": torch.__version__,
-        "params": params, "dims": TINY_DIMS if args.tiny else FULL_DIMS,
-        "build_s": build_s, "auto_compile": device.type == "cuda",
+        "device": name,
+        "dtype": dtype_name,
+        "tiny": args.tiny,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "params": params,
+        "dims": TINY_DIMS if args.tiny else FULL_DIMS,
+        "build_s": build_s,
+        "auto_compile": device.type == "cuda",
     }
     cases = [(m, b) for m in ("dynamic", "static") if m in args.modes for b in batches]
     out = args.out or REPO_ROOT / "bench" / "results" / name.replace(" ", "_")
@@ -256,8 +305,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for mode, batch in tqdm(cases, desc="hf generate", unit="case"):
         try:
-            row = generate_case(model, prompt(batch), new_tokens, args.repeats,
-                                static=mode == "static")
+            row = generate_case(
+                model, prompt(batch), new_tokens, args.repeats, static=mode == "static"
+            )
         except Exception as err:  # a failing mode must not lose the others' figures
             row = {"batch": batch, "error": f"{type(err).__name__}: {err}"}
         result.setdefault(mode, []).append(row)
@@ -269,24 +319,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception as err:
             result["batch"] = {"status": "failed", "reason": f"{type(err).__name__}: {err}"}
     save()
-    print(f"\ntransformers {transformers.__version__}, PhiForCausalLM {params / 1e9:.2f} B "
-          f"params, {dtype_name} on {name}, prompt {prompt_len} tokens")
-    print(f"{'path':>8} {'batch':>5} {'step ms':>8} {'ms/tok':>7} {'prefill':>8} "
-          f"{'tok/s':>8} {'warm-up s':>9}")
+    print(
+        f"\ntransformers {transformers.__version__}, PhiForCausalLM {params / 1e9:.2f} B "
+        f"params, {dtype_name} on {name}, prompt {prompt_len} tokens"
+    )
+    print(
+        f"{'path':>8} {'batch':>5} {'step ms':>8} {'ms/tok':>7} {'prefill':>8} "
+        f"{'tok/s':>8} {'warm-up s':>9}"
+    )
     for mode in ("dynamic", "static"):
         for r in result.get(mode, []):
             if "error" in r:
                 print(f"{mode:>8} {r['batch']:>5}  failed: {r['error']}")
                 continue
-            print(f"{mode:>8} {r['batch']:>5} {r['decode_step_ms']:>8.2f} "
-                  f"{r['ms_per_token']:>7.2f} {r['prefill_ms']:>8.1f} "
-                  f"{r['tokens_per_s']:>8.1f} {r['warmup_s']:>9.1f}")
+            print(
+                f"{mode:>8} {r['batch']:>5} {r['decode_step_ms']:>8.2f} "
+                f"{r['ms_per_token']:>7.2f} {r['prefill_ms']:>8.1f} "
+                f"{r['tokens_per_s']:>8.1f} {r['warmup_s']:>9.1f}"
+            )
     cb = result.get("batch")
     if cb is not None:
         if cb.get("status") == "ok":
-            print(f"generate_batch: {cb['requests']} requests x {cb['new_tokens']} tokens: "
-                  f"{cb['tokens_per_s']:.1f} tokens/s, {cb['total_s']:.2f} s "
-                  f"(first run {cb['run_seconds'][0]:.2f} s)")
+            print(
+                f"generate_batch: {cb['requests']} requests x {cb['new_tokens']} tokens: "
+                f"{cb['tokens_per_s']:.1f} tokens/s, {cb['total_s']:.2f} s "
+                f"(first run {cb['run_seconds'][0]:.2f} s)"
+            )
         else:
             print(f"generate_batch: {cb['status']} ({cb.get('reason', '')})")
     png = out / "hf_baseline.png"

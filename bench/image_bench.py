@@ -40,8 +40,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 LIMITS = ImageLimits(max_bytes=512 << 20, max_pixels=200_000_000, max_side=None)
 
 
-def run_cell(images: Sequence[bytes], threads: int, min_seconds: float, min_calls: int,
-             norm_device: str | None, dtype: torch.dtype) -> dict[str, Any]:
+def run_cell(
+    images: Sequence[bytes],
+    threads: int,
+    min_seconds: float,
+    min_calls: int,
+    norm_device: str | None,
+    dtype: torch.dtype,
+) -> dict[str, Any]:
     """``threads`` workers preparing ``images`` in turn; images/s and per-stage ms."""
     lock = threading.Lock()
     prep_ms: list[float] = []
@@ -77,7 +83,10 @@ def run_cell(images: Sequence[bytes], threads: int, min_seconds: float, min_call
         wall = time.perf_counter() - start
     total = [p + n for p, n in zip(prep_ms, norm_ms, strict=True)]
     return {
-        "threads": threads, "calls": calls, "wall_s": wall, "images_per_s": calls / wall,
+        "threads": threads,
+        "calls": calls,
+        "wall_s": wall,
+        "images_per_s": calls / wall,
         "ms_per_image": statistics.median(total),
         "prepare_ms": statistics.median(prep_ms),
         "normalize_ms": statistics.median(norm_ms) if norm_device is not None else None,
@@ -104,10 +113,15 @@ def plot(rows: Sequence[dict[str, Any]], path: Path, title: str) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for key in dict.fromkeys((r["size"], r["format"]) for r in rows):
-        pts = sorted((r["threads"], r["images_per_s"]) for r in rows
-                     if (r["size"], r["format"]) == key)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-" if key[1] == "jpeg" else "s--",
-                label=f"{key[0]} {key[1]}")
+        pts = sorted(
+            (r["threads"], r["images_per_s"]) for r in rows if (r["size"], r["format"]) == key
+        )
+        ax.plot(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            "o-" if key[1] == "jpeg" else "s--",
+            label=f"{key[0]} {key[1]}",
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("threads")
@@ -127,15 +141,15 @@ def _fmt(v: Any, spec: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", nargs="+", default=["640x480", "800x600", "1920x1080",
-                                                   "4000x3000"])
+    ap.add_argument("--sizes", nargs="+", default=["640x480", "800x600", "1920x1080", "4000x3000"])
     ap.add_argument("--formats", nargs="+", default=["jpeg", "png"], choices=["jpeg", "png"])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--images", type=int, default=8, help="distinct pictures per size/format")
     ap.add_argument("--min-seconds", type=float, default=1.0, help="per cell")
     ap.add_argument("--min-calls", type=int, default=2, help="per worker and cell")
-    ap.add_argument("--normalize-device", default="cpu",
-                    help="cpu, cuda[:N] or none (skip normalization)")
+    ap.add_argument(
+        "--normalize-device", default="cpu", help="cpu, cuda[:N] or none (skip normalization)"
+    )
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -165,27 +179,43 @@ def _run(args: argparse.Namespace, norm: str | None, dtype: torch.dtype) -> int:
         images = unique_images(w, h, range(args.images), fmt=fmt, threads=gen_threads)
         mean_bytes = sum(map(len, images)) / len(images)
         for threads in args.threads:
-            row = {"size": f"{w}x{h}", "format": fmt, "bytes": mean_bytes,
-                   **run_cell(images, threads, args.min_seconds, args.min_calls, norm, dtype)}
+            row = {
+                "size": f"{w}x{h}",
+                "format": fmt,
+                "bytes": mean_bytes,
+                **run_cell(images, threads, args.min_seconds, args.min_calls, norm, dtype),
+            }
             rows.append(row)
             bar.update(1)
     bar.close()
     out = args.out or REPO_ROOT / "bench" / "results" / name.replace(" ", "_")
     out.mkdir(parents=True, exist_ok=True)
     cpu_name = _cpu_model()
-    result = {"device": name, "cpu": cpu_name, "cpu_count": cores,
-              "normalize_device": args.normalize_device, "dtype": args.dtype,
-              "torch_threads": torch.get_num_threads(), "rows": rows}
+    result = {
+        "device": name,
+        "cpu": cpu_name,
+        "cpu_count": cores,
+        "normalize_device": args.normalize_device,
+        "dtype": args.dtype,
+        "torch_threads": torch.get_num_threads(),
+        "rows": rows,
+    }
     path = out / "image_bench.json"
     path.write_text(json.dumps(result, indent=2))
-    print(f"\nimage pipeline on {cpu_name} ({cores} cores), normalize on "
-          f"{args.normalize_device} {args.dtype}")
-    print(f"{'size':>10} {'fmt':>5} {'KB':>7} {'crops':>5} {'thr':>4} {'img/s':>8} "
-          f"{'ms/img':>8} {'prep ms':>8} {'norm ms':>8}")
+    print(
+        f"\nimage pipeline on {cpu_name} ({cores} cores), normalize on "
+        f"{args.normalize_device} {args.dtype}"
+    )
+    print(
+        f"{'size':>10} {'fmt':>5} {'KB':>7} {'crops':>5} {'thr':>4} {'img/s':>8} "
+        f"{'ms/img':>8} {'prep ms':>8} {'norm ms':>8}"
+    )
     for r in rows:
-        print(f"{r['size']:>10} {r['format']:>5} {r['bytes'] / 1024:>7.0f} {r['crops']:>5.0f} "
-              f"{r['threads']:>4} {r['images_per_s']:>8.1f} {r['ms_per_image']:>8.2f} "
-              f"{r['prepare_ms']:>8.2f} {_fmt(r['normalize_ms'], '8.2f'):>8}")
+        print(
+            f"{r['size']:>10} {r['format']:>5} {r['bytes'] / 1024:>7.0f} {r['crops']:>5.0f} "
+            f"{r['threads']:>4} {r['images_per_s']:>8.1f} {r['ms_per_image']:>8.2f} "
+            f"{r['prepare_ms']:>8.2f} {_fmt(r['normalize_ms'], '8.2f'):>8}"
+        )
     png = out / "image_bench.png"
     wrote = plot(rows, png, f"image pipeline, {cpu_name}")
     print(f"\nwrote {path}" + (f", {png}" if wrote else ""))

@@ -71,6 +71,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # ---- workloads ------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Workload:
     """One kind of request with fixed output limits."""
@@ -87,8 +88,13 @@ def workloads(segment_tokens: int) -> dict[str, Workload]:
     """The named workloads; ``segment_tokens`` caps the outline's path tokens."""
     items = [
         Workload("query3", "query", True, max_tokens=3, question="What is in this image?"),
-        Workload("query30", "query", True, max_tokens=30,
-                 question="Describe the main object in this image and explain your reasoning."),
+        Workload(
+            "query30",
+            "query",
+            True,
+            max_tokens=30,
+            question="Describe the main object in this image and explain your reasoning.",
+        ),
         Workload("caption64", "caption", True, max_tokens=64),
         Workload("point5", "point", False, max_objects=5),
         Workload("detect5", "detect", False, max_objects=5),
@@ -137,8 +143,9 @@ def parse_levels(text: str) -> tuple[Level, ...]:
     return tuple(out)
 
 
-def parse_scenario(text: str, known: dict[str, Workload],
-                   default_levels: tuple[Level, ...]) -> Scenario:
+def parse_scenario(
+    text: str, known: dict[str, Workload], default_levels: tuple[Level, ...]
+) -> Scenario:
     """``WORKLOAD[:WxH[:unique|repeated[:LEVELS]]]``, e.g. ``query3:800x600:unique:c1,c16``."""
     parts = text.split(":")
     if parts[0] not in known:
@@ -152,6 +159,7 @@ def parse_scenario(text: str, known: dict[str, Workload],
 
 
 # ---- one request ----------------------------------------------------------------------------
+
 
 @dataclass
 class Record:
@@ -169,8 +177,14 @@ class Record:
     server: t.Metrics | None = None
 
 
-async def run_one(client: AsyncVisionLanguageClient, wl: Workload, image: bytes, seed: int,
-                  t0: float, timeout: float) -> Record:
+async def run_one(
+    client: AsyncVisionLanguageClient,
+    wl: Workload,
+    image: bytes,
+    seed: int,
+    t0: float,
+    timeout: float,
+) -> Record:
     """Issue one request; latencies count from ``t0`` (perf_counter seconds)."""
     settings: dict[str, Any] = {"temperature": 0.0, "seed": seed}
     if wl.max_tokens is not None:
@@ -200,21 +214,35 @@ async def run_one(client: AsyncVisionLanguageClient, wl: Workload, image: bytes,
             end = time.perf_counter()
             if result is None:
                 return Record(False, "NO_RESULT", e2e_s=end - t0)
-            return Record(True, streamed=True,
-                          ttft_s=(first if first is not None else end) - t0,
-                          e2e_s=end - t0, gaps_s=gaps,
-                          output_tokens=result.metrics.output_tokens,
-                          finish_reason=result.finish_reason, server=result.metrics)
-        method = {"point": client.point, "detect": client.detect,
-                  "segment": client.segment}[wl.rpc]
+            return Record(
+                True,
+                streamed=True,
+                ttft_s=(first if first is not None else end) - t0,
+                e2e_s=end - t0,
+                gaps_s=gaps,
+                output_tokens=result.metrics.output_tokens,
+                finish_reason=result.finish_reason,
+                server=result.metrics,
+            )
+        method = {"point": client.point, "detect": client.detect, "segment": client.segment}[wl.rpc]
         res = await method(image, "object", timeout=timeout, **settings)
         end = time.perf_counter()
-        objects = (len(res.points) if isinstance(res, t.PointResult)
-                   else len(res.boxes) if isinstance(res, t.DetectResult)
-                   else len(res.polygons))
-        return Record(True, ttft_s=end - t0, e2e_s=end - t0,
-                      output_tokens=res.metrics.output_tokens, objects=objects,
-                      finish_reason=res.finish_reason, server=res.metrics)
+        objects = (
+            len(res.points)
+            if isinstance(res, t.PointResult)
+            else len(res.boxes)
+            if isinstance(res, t.DetectResult)
+            else len(res.polygons)
+        )
+        return Record(
+            True,
+            ttft_s=end - t0,
+            e2e_s=end - t0,
+            output_tokens=res.metrics.output_tokens,
+            objects=objects,
+            finish_reason=res.finish_reason,
+            server=res.metrics,
+        )
     except t.VlmError as err:
         return Record(False, err.code.name, e2e_s=time.perf_counter() - t0)
     except (grpc.RpcError, OSError) as err:  # OSError covers TimeoutError
@@ -222,6 +250,7 @@ async def run_one(client: AsyncVisionLanguageClient, wl: Workload, image: bytes,
 
 
 # ---- statistics -----------------------------------------------------------------------------
+
 
 def percentile(values: Sequence[float], q: float) -> float:
     """Linear-interpolated percentile (q in 0..100); NaN for no values."""
@@ -246,21 +275,29 @@ def summarize(records: Sequence[Record], wall_s: float, slo_ms: float) -> dict[s
     errors = Counter(r.error for r in records if not r.ok)
     tokens = [r.output_tokens for r in ok]
     # Time per output token after the first: the decode pace one stream sees.
-    tpot = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in ok
-            if r.streamed and r.output_tokens > 1]
+    tpot = [
+        (r.e2e_s - r.ttft_s) / (r.output_tokens - 1)
+        for r in ok
+        if r.streamed and r.output_tokens > 1
+    ]
     within = sum(1 for r in ok if r.e2e_s * 1e3 <= slo_ms)
     servers = [r.server for r in ok if r.server is not None]
     wall = max(wall_s, 1e-9)
     row: dict[str, Any] = {
-        "requests": len(records), "ok": len(ok), "errors": dict(errors), "wall_s": wall_s,
-        "req_per_s": len(ok) / wall, "tokens_per_s": sum(tokens) / wall,
+        "requests": len(records),
+        "ok": len(ok),
+        "errors": dict(errors),
+        "wall_s": wall_s,
+        "req_per_s": len(ok) / wall,
+        "tokens_per_s": sum(tokens) / wall,
         "output_tokens_total": sum(tokens),
         "output_tokens_mean": sum(tokens) / len(tokens) if tokens else float("nan"),
         "output_tokens_min": min(tokens) if tokens else 0,
         "output_tokens_max": max(tokens) if tokens else 0,
         "objects_mean": sum(r.objects for r in ok) / len(ok) if ok else float("nan"),
         "finish_reasons": dict(Counter(r.finish_reason for r in ok)),
-        "slo_ms": slo_ms, "goodput_req_per_s": within / wall,
+        "slo_ms": slo_ms,
+        "goodput_req_per_s": within / wall,
         "slo_attainment": within / len(records) if records else float("nan"),
     }
     row |= _dist_ms([r.ttft_s for r in ok], "ttft")
@@ -271,12 +308,14 @@ def summarize(records: Sequence[Record], wall_s: float, slo_ms: float) -> dict[s
     row["server_ttft_p50_ms"] = percentile([m.time_to_first_token_ms for m in servers], 50)
     row["server_prefill_p50_ms"] = percentile([m.prefill_ms for m in servers], 50)
     row["server_total_p50_ms"] = percentile([m.total_ms for m in servers], 50)
-    row["cached_tokens_mean"] = (sum(m.cached_tokens for m in servers) / len(servers)
-                                 if servers else float("nan"))
+    row["cached_tokens_mean"] = (
+        sum(m.cached_tokens for m in servers) / len(servers) if servers else float("nan")
+    )
     return row
 
 
 # ---- levels ---------------------------------------------------------------------------------
+
 
 class ImageSource:
     """Pictures for one scenario; unique ones never repeat across the whole run."""
@@ -293,13 +332,26 @@ class ImageSource:
             if self._repeated is None:
                 self._repeated = unique_images(w, h, [0], seed=self.seed, threads=1)[0]
             return [self._repeated]
-        return unique_images(w, h, range(start_index, start_index + n), seed=self.seed,
-                             threads=self.threads, desc=f"images {w}x{h}" if n > 8 else None)
+        return unique_images(
+            w,
+            h,
+            range(start_index, start_index + n),
+            seed=self.seed,
+            threads=self.threads,
+            desc=f"images {w}x{h}" if n > 8 else None,
+        )
 
 
-async def closed_loop(client: AsyncVisionLanguageClient, wl: Workload, images: list[bytes],
-                      concurrency: int, max_requests: int, duration: float, timeout: float,
-                      bar: tqdm) -> tuple[list[Record], float]:
+async def closed_loop(
+    client: AsyncVisionLanguageClient,
+    wl: Workload,
+    images: list[bytes],
+    concurrency: int,
+    max_requests: int,
+    duration: float,
+    timeout: float,
+    bar: tqdm,
+) -> tuple[list[Record], float]:
     """``concurrency`` workers issue back to back until the request or time budget is spent."""
     records: list[Record] = []
     issued = 0
@@ -311,8 +363,9 @@ async def closed_loop(client: AsyncVisionLanguageClient, wl: Workload, images: l
         while issued < max_requests and time.perf_counter() < deadline:
             i = issued
             issued += 1
-            rec = await run_one(client, wl, images[i % len(images)], i, time.perf_counter(),
-                                timeout)
+            rec = await run_one(
+                client, wl, images[i % len(images)], i, time.perf_counter(), timeout
+            )
             records.append(rec)
             bar.update(1)
 
@@ -320,8 +373,7 @@ async def closed_loop(client: AsyncVisionLanguageClient, wl: Workload, images: l
     return records, time.perf_counter() - start
 
 
-def poisson_schedule(rate: float, max_requests: int, duration: float,
-                     seed: int) -> list[float]:
+def poisson_schedule(rate: float, max_requests: int, duration: float, seed: int) -> list[float]:
     """Arrival offsets (s) of a Poisson process at ``rate``/s; at least one arrival."""
     rng = random.Random(seed)
     times: list[float] = []
@@ -334,9 +386,14 @@ def poisson_schedule(rate: float, max_requests: int, duration: float,
     return times
 
 
-async def open_loop(client: AsyncVisionLanguageClient, wl: Workload, images: list[bytes],
-                    arrivals: list[float], timeout: float,
-                    bar: tqdm) -> tuple[list[Record], float, int]:
+async def open_loop(
+    client: AsyncVisionLanguageClient,
+    wl: Workload,
+    images: list[bytes],
+    arrivals: list[float],
+    timeout: float,
+    bar: tqdm,
+) -> tuple[list[Record], float, int]:
     """Issue at the scheduled offsets regardless of completions; returns the records, the
     wall time and the most requests seen in flight at once."""
     in_flight = peak = 0
@@ -362,9 +419,12 @@ async def open_loop(client: AsyncVisionLanguageClient, wl: Workload, images: lis
     return records, time.perf_counter() - start, peak
 
 
-async def run_scenarios(target: str, scenarios: Sequence[Scenario], args: argparse.Namespace,
-                        on_row: Callable[[list[dict[str, Any]]], None] | None = None,
-                        ) -> tuple[list[dict[str, Any]], list[str]]:
+async def run_scenarios(
+    target: str,
+    scenarios: Sequence[Scenario],
+    args: argparse.Namespace,
+    on_row: Callable[[list[dict[str, Any]]], None] | None = None,
+) -> tuple[list[dict[str, Any]], list[str]]:
     """Every level of every scenario against ``target``: one summary row per level, and the
     levels skipped because ``args.time_budget`` ran out. ``on_row`` sees the rows so far."""
     rows: list[dict[str, Any]] = []
@@ -381,8 +441,12 @@ async def run_scenarios(target: str, scenarios: Sequence[Scenario], args: argpar
                 warm = source.take(args.warmup, next_index)
                 next_index += args.warmup
                 # Warm-up: kernels, allocator and (repeated mode) the image prefix.
-                await asyncio.gather(*(run_one(client, sc.workload, img, i, time.perf_counter(),
-                                               args.timeout) for i, img in enumerate(warm)))
+                await asyncio.gather(
+                    *(
+                        run_one(client, sc.workload, img, i, time.perf_counter(), args.timeout)
+                        for i, img in enumerate(warm)
+                    )
+                )
             for level in sc.levels:
                 if time.monotonic() >= deadline:
                     skipped.append(f"{sc.name} {level.label}")
@@ -394,29 +458,47 @@ async def run_scenarios(target: str, scenarios: Sequence[Scenario], args: argpar
                     cap = max(args.requests, conc)  # the level must reach its concurrency
                     images = source.take(cap, next_index)
                     next_index += cap
-                    with tqdm(total=cap, desc=f"{sc.name} {level.label}", unit="req",
-                              leave=False, disable=args.quiet) as bar:
-                        records, wall = await closed_loop(client, sc.workload, images, conc,
-                                                          cap, duration, args.timeout, bar)
+                    with tqdm(
+                        total=cap,
+                        desc=f"{sc.name} {level.label}",
+                        unit="req",
+                        leave=False,
+                        disable=args.quiet,
+                    ) as bar:
+                        records, wall = await closed_loop(
+                            client, sc.workload, images, conc, cap, duration, args.timeout, bar
+                        )
                     peak = conc
                 else:
-                    arrivals = poisson_schedule(level.value, args.requests, duration,
-                                                args.seed + len(rows))
+                    arrivals = poisson_schedule(
+                        level.value, args.requests, duration, args.seed + len(rows)
+                    )
                     images = source.take(len(arrivals), next_index)
                     next_index += len(arrivals)
-                    with tqdm(total=len(arrivals), desc=f"{sc.name} {level.label}", unit="req",
-                              leave=False, disable=args.quiet) as bar:
-                        records, wall, peak = await open_loop(client, sc.workload, images,
-                                                              arrivals, args.timeout, bar)
-                row = {"scenario": sc.name, "workload": sc.workload.name,
-                       "image": f"{sc.size[0]}x{sc.size[1]}", "image_mode": sc.mode,
-                       "loop": level.kind, "level": level.label,
-                       "concurrency": int(level.value) if level.kind == "closed" else None,
-                       "rate": level.value if level.kind == "open" else None,
-                       "peak_in_flight": peak,
-                       "max_tokens": sc.workload.max_tokens,
-                       "max_objects": sc.workload.max_objects,
-                       **summarize(records, wall, args.slo_ms)}
+                    with tqdm(
+                        total=len(arrivals),
+                        desc=f"{sc.name} {level.label}",
+                        unit="req",
+                        leave=False,
+                        disable=args.quiet,
+                    ) as bar:
+                        records, wall, peak = await open_loop(
+                            client, sc.workload, images, arrivals, args.timeout, bar
+                        )
+                row = {
+                    "scenario": sc.name,
+                    "workload": sc.workload.name,
+                    "image": f"{sc.size[0]}x{sc.size[1]}",
+                    "image_mode": sc.mode,
+                    "loop": level.kind,
+                    "level": level.label,
+                    "concurrency": int(level.value) if level.kind == "closed" else None,
+                    "rate": level.value if level.kind == "open" else None,
+                    "peak_in_flight": peak,
+                    "max_tokens": sc.workload.max_tokens,
+                    "max_objects": sc.workload.max_objects,
+                    **summarize(records, wall, args.slo_ms),
+                }
                 rows.append(row)
                 if on_row is not None:
                     on_row(rows)
@@ -426,6 +508,7 @@ async def run_scenarios(target: str, scenarios: Sequence[Scenario], args: argpar
 
 
 # ---- spawned server -------------------------------------------------------------------------
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free right now on ``host`` (the server binds it moments later)."""
@@ -458,9 +541,14 @@ class SpawnedServer:
     """``vlm serve`` in a subprocess on a free loopback port; a context manager that waits
     for readiness on entry and drains it with SIGTERM on exit."""
 
-    def __init__(self, server_args: Sequence[str], log_path: Path,
-                 startup_timeout: float = 900.0, stop_timeout: float = 60.0,
-                 quiet: bool = False) -> None:
+    def __init__(
+        self,
+        server_args: Sequence[str],
+        log_path: Path,
+        startup_timeout: float = 900.0,
+        stop_timeout: float = 60.0,
+        quiet: bool = False,
+    ) -> None:
         self.port = free_port()
         self.target = f"127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -468,8 +556,19 @@ class SpawnedServer:
         self.stop_timeout = stop_timeout
         self.quiet = quiet
         # Our own port flags come last, so they win over anything in server_args.
-        self.cmd = [sys.executable, "-m", "vlm_server.cli", "serve", *server_args,
-                    "--host", "127.0.0.1", "--port", str(self.port), "--metrics-port", "0"]
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "vlm_server.cli",
+            "serve",
+            *server_args,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--metrics-port",
+            "0",
+        ]
         self.proc: subprocess.Popen[bytes] | None = None
         self.startup_s = float("nan")
 
@@ -478,11 +577,13 @@ class SpawnedServer:
         env = dict(os.environ)
         # The server must import this checkout; keep whatever PYTHONPATH the caller set.
         env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+            p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
+        )
         start = time.perf_counter()
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         env=env, cwd=REPO_ROOT)
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT
+            )
         try:
             asyncio.run(self._wait_ready())
         except BaseException:
@@ -494,17 +595,26 @@ class SpawnedServer:
     async def _wait_ready(self) -> None:
         assert self.proc is not None
         deadline = time.monotonic() + self.startup_timeout
-        with tqdm(desc="waiting for the server", leave=False, bar_format="{desc}: {elapsed}",
-                  mininterval=1.0, disable=self.quiet) as bar:
+        with tqdm(
+            desc="waiting for the server",
+            leave=False,
+            bar_format="{desc}: {elapsed}",
+            mininterval=1.0,
+            disable=self.quiet,
+        ) as bar:
             while True:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"the server exited with {self.proc.returncode} while "
-                                       f"starting:\n{self._log_tail()}")
+                    raise RuntimeError(
+                        f"the server exited with {self.proc.returncode} while "
+                        f"starting:\n{self._log_tail()}"
+                    )
                 if await _health_status(self.target, SERVICE_NAME) == "SERVING":
                     return
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"the server was not ready after {self.startup_timeout}"
-                                       f" s:\n{self._log_tail()}")
+                    raise TimeoutError(
+                        f"the server was not ready after {self.startup_timeout}"
+                        f" s:\n{self._log_tail()}"
+                    )
                 bar.update(0)
                 await asyncio.sleep(0.2)
 
@@ -530,6 +640,7 @@ class SpawnedServer:
 
 # ---- output ---------------------------------------------------------------------------------
 
+
 def finite(value: Any) -> Any:
     """``value`` with every NaN or infinity replaced by None (strict JSON has neither)."""
     if isinstance(value, float):
@@ -545,23 +656,29 @@ def _fmt(v: Any, spec: str = ".1f") -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
-TABLE_HEAD = (f"{'scenario':<30} {'level':>9} {'ok/n':>9} {'req/s':>7} {'tok/s':>8} "
-              f"{'ttft50':>7} {'e2e50':>7} {'e2e90':>7} {'e2e99':>7} {'itl50':>6} "
-              f"{'tok':>5} {'good/s':>7}")
+TABLE_HEAD = (
+    f"{'scenario':<30} {'level':>9} {'ok/n':>9} {'req/s':>7} {'tok/s':>8} "
+    f"{'ttft50':>7} {'e2e50':>7} {'e2e90':>7} {'e2e99':>7} {'itl50':>6} "
+    f"{'tok':>5} {'good/s':>7}"
+)
 
 
 def _table_line(r: dict[str, Any]) -> str:
-    return (f"{r['scenario']:<30} {r['level']:>9} {str(r['ok']) + '/' + str(r['requests']):>9} "
-            f"{_fmt(r['req_per_s'], '.2f'):>7} {_fmt(r['tokens_per_s']):>8} "
-            f"{_fmt(r['ttft_p50_ms']):>7} {_fmt(r['e2e_p50_ms']):>7} "
-            f"{_fmt(r['e2e_p90_ms']):>7} {_fmt(r['e2e_p99_ms']):>7} "
-            f"{_fmt(r['itl_p50_ms'], '.2f'):>6} {_fmt(r['output_tokens_mean']):>5} "
-            f"{_fmt(r['goodput_req_per_s'], '.2f'):>7}")
+    return (
+        f"{r['scenario']:<30} {r['level']:>9} {str(r['ok']) + '/' + str(r['requests']):>9} "
+        f"{_fmt(r['req_per_s'], '.2f'):>7} {_fmt(r['tokens_per_s']):>8} "
+        f"{_fmt(r['ttft_p50_ms']):>7} {_fmt(r['e2e_p50_ms']):>7} "
+        f"{_fmt(r['e2e_p90_ms']):>7} {_fmt(r['e2e_p99_ms']):>7} "
+        f"{_fmt(r['itl_p50_ms'], '.2f'):>6} {_fmt(r['output_tokens_mean']):>5} "
+        f"{_fmt(r['goodput_req_per_s'], '.2f'):>7}"
+    )
 
 
 def print_table(rows: Sequence[dict[str, Any]], title: str) -> None:
-    print(f"\n{title}\n(latencies ms, client side; tok = mean output tokens; good/s = requests "
-          f"within the objective per second)")
+    print(
+        f"\n{title}\n(latencies ms, client side; tok = mean output tokens; good/s = requests "
+        f"within the objective per second)"
+    )
     print(TABLE_HEAD)
     for r in rows:
         print(_table_line(r))
@@ -579,15 +696,17 @@ def plot(rows: Sequence[dict[str, Any]], out: Path, tag: str, title: str) -> lis
         return []
     scenarios = list(dict.fromkeys(r["scenario"] for r in rows))
     paths = []
-    closed = [s for s in scenarios
-              if any(r["scenario"] == s and r["loop"] == "closed" for r in rows)]
+    closed = [
+        s for s in scenarios if any(r["scenario"] == s and r["loop"] == "closed" for r in rows)
+    ]
     if closed:
         cols = min(3, len(closed))
         nrows = math.ceil(len(closed) / cols)
         fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.6 * nrows), squeeze=False)
         for ax, s in zip(axes.flat, closed, strict=False):
-            pts = sorted((r["concurrency"], r) for r in rows
-                         if r["scenario"] == s and r["loop"] == "closed")
+            pts = sorted(
+                (r["concurrency"], r) for r in rows if r["scenario"] == s and r["loop"] == "closed"
+            )
             xs = [c for c, _ in pts]
             for q, style in ((50, "o-"), (90, "s--"), (99, "^:")):
                 ax.plot(xs, [r[f"e2e_p{q}_ms"] for _, r in pts], style, label=f"e2e p{q}")
@@ -598,7 +717,7 @@ def plot(rows: Sequence[dict[str, Any]], out: Path, tag: str, title: str) -> lis
             ax.set_xlabel("concurrency")
             ax.set_ylabel("ms")
             ax.grid(alpha=0.3)
-        for ax in list(axes.flat)[len(closed):]:
+        for ax in list(axes.flat)[len(closed) :]:
             ax.set_visible(False)
         axes.flat[0].legend(fontsize=7)
         fig.suptitle(f"latency by concurrency - {title}", fontsize=10)
@@ -612,17 +731,28 @@ def plot(rows: Sequence[dict[str, Any]], out: Path, tag: str, title: str) -> lis
         colour = None
         # One line per loop kind, in load order, each point labelled with its level.
         for loop, key, style in (("closed", "concurrency", "o-"), ("open", "rate", "s--")):
-            pts = sorted((r for r in rows if r["scenario"] == s and r["loop"] == loop),
-                         key=lambda r, k=key: r[k])
+            pts = sorted(
+                (r for r in rows if r["scenario"] == s and r["loop"] == loop),
+                key=lambda r, k=key: r[k],
+            )
             if not pts:
                 continue
-            line = ax.plot([r["req_per_s"] for r in pts], [r["e2e_p50_ms"] for r in pts],
-                           style, color=colour,
-                           label=f"{s} ({'closed' if loop == 'closed' else 'open'} loop)")
+            line = ax.plot(
+                [r["req_per_s"] for r in pts],
+                [r["e2e_p50_ms"] for r in pts],
+                style,
+                color=colour,
+                label=f"{s} ({'closed' if loop == 'closed' else 'open'} loop)",
+            )
             colour = line[0].get_color()
             for r in pts:
-                ax.annotate(r["level"], (r["req_per_s"], r["e2e_p50_ms"]), fontsize=6,
-                            textcoords="offset points", xytext=(3, 3))
+                ax.annotate(
+                    r["level"],
+                    (r["req_per_s"], r["e2e_p50_ms"]),
+                    fontsize=6,
+                    textcoords="offset points",
+                    xytext=(3, 3),
+                )
     ax.set_xlabel("throughput (req/s)")
     ax.set_ylabel("end-to-end latency p50 (ms)")
     ax.set_yscale("log")
@@ -660,42 +790,78 @@ async def _model_info(target: str) -> t.ModelInfo | None:
 
 # ---- main -----------------------------------------------------------------------------------
 
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
-        epilog="Flags after a lone -- go to the spawned server (vlm serve --help).")
+        epilog="Flags after a lone -- go to the spawned server (vlm serve --help).",
+    )
     where = ap.add_mutually_exclusive_group(required=True)
     where.add_argument("--target", help="host:port of a running server")
-    where.add_argument("--spawn", action="store_true",
-                       help="start vlm serve (flags after --) on a free loopback port")
-    ap.add_argument("--workloads", nargs="+", default=["query3"],
-                    help="query3 query30 caption64 point5 detect5 segment")
+    where.add_argument(
+        "--spawn",
+        action="store_true",
+        help="start vlm serve (flags after --) on a free loopback port",
+    )
+    ap.add_argument(
+        "--workloads",
+        nargs="+",
+        default=["query3"],
+        help="query3 query30 caption64 point5 detect5 segment",
+    )
     ap.add_argument("--image-sizes", nargs="+", default=["800x600"], help="e.g. 4000x3000")
-    ap.add_argument("--image-modes", nargs="+", default=["unique"],
-                    choices=["unique", "repeated"])
-    ap.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 16, 64],
-                    help="closed-loop levels (requests in flight)")
-    ap.add_argument("--rates", type=float, nargs="*", default=[],
-                    help="open-loop levels (Poisson arrivals, req/s)")
-    ap.add_argument("--scenario", action="append", default=[],
-                    help="WORKLOAD[:WxH[:unique|repeated[:LEVELS]]], LEVELS like c1,c16,r10; "
-                         "repeatable; replaces --workloads/--image-sizes/--image-modes")
+    ap.add_argument("--image-modes", nargs="+", default=["unique"], choices=["unique", "repeated"])
+    ap.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="*",
+        default=[1, 4, 16, 64],
+        help="closed-loop levels (requests in flight)",
+    )
+    ap.add_argument(
+        "--rates",
+        type=float,
+        nargs="*",
+        default=[],
+        help="open-loop levels (Poisson arrivals, req/s)",
+    )
+    ap.add_argument(
+        "--scenario",
+        action="append",
+        default=[],
+        help="WORKLOAD[:WxH[:unique|repeated[:LEVELS]]], LEVELS like c1,c16,r10; "
+        "repeatable; replaces --workloads/--image-sizes/--image-modes",
+    )
     ap.add_argument("--requests", type=int, default=200, help="most requests per level")
     ap.add_argument("--duration", type=float, default=20.0, help="most seconds per level")
-    ap.add_argument("--time-budget", type=float, default=0.0,
-                    help="most seconds for all levels; later levels are skipped (0: no limit)")
+    ap.add_argument(
+        "--time-budget",
+        type=float,
+        default=0.0,
+        help="most seconds for all levels; later levels are skipped (0: no limit)",
+    )
     ap.add_argument("--warmup", type=int, default=4, help="untimed requests per scenario")
-    ap.add_argument("--slo-ms", type=float, default=500.0,
-                    help="end-to-end latency objective for goodput")
-    ap.add_argument("--segment-tokens", type=int, default=128,
-                    help="max_tokens of segment requests (caps the outline path)")
+    ap.add_argument(
+        "--slo-ms", type=float, default=500.0, help="end-to-end latency objective for goodput"
+    )
+    ap.add_argument(
+        "--segment-tokens",
+        type=int,
+        default=128,
+        help="max_tokens of segment requests (caps the outline path)",
+    )
     ap.add_argument("--timeout", type=float, default=300.0, help="deadline per request (s)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--image-threads", type=int, default=min(8, os.cpu_count() or 1))
-    ap.add_argument("--startup-timeout", type=float, default=900.0,
-                    help="seconds to wait for a spawned server's readiness")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="results folder (default bench/results/<device>)")
+    ap.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=900.0,
+        help="seconds to wait for a spawned server's readiness",
+    )
+    ap.add_argument(
+        "--out", type=Path, default=None, help="results folder (default bench/results/<device>)"
+    )
     ap.add_argument("--tag", default="load_gen", help="file name stem of the results")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     return ap
@@ -703,8 +869,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _scenarios(args: argparse.Namespace) -> list[Scenario]:
     known = workloads(args.segment_tokens)
-    default_levels = tuple([Level("closed", c) for c in args.concurrency]
-                           + [Level("open", r) for r in args.rates])
+    default_levels = tuple(
+        [Level("closed", c) for c in args.concurrency] + [Level("open", r) for r in args.rates]
+    )
     if args.scenario:
         return [parse_scenario(s, known, default_levels) for s in args.scenario]
     for name in args.workloads:
@@ -712,8 +879,12 @@ def _scenarios(args: argparse.Namespace) -> list[Scenario]:
             raise ValueError(f"unknown workload {name!r}; choose from {sorted(known)}")
     if not default_levels:
         raise ValueError("no levels: give --concurrency and/or --rates")
-    return [Scenario(known[w], parse_size(size), mode, default_levels)
-            for w in args.workloads for size in args.image_sizes for mode in args.image_modes]
+    return [
+        Scenario(known[w], parse_size(size), mode, default_levels)
+        for w in args.workloads
+        for size in args.image_sizes
+        for mode in args.image_modes
+    ]
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -727,7 +898,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     server_args: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
-        argv, server_args = argv[:cut], argv[cut + 1:]
+        argv, server_args = argv[:cut], argv[cut + 1 :]
     ap = build_parser()
     args = ap.parse_args(argv)
     if server_args and not args.spawn:
@@ -755,10 +926,10 @@ def _run(args: argparse.Namespace, scenarios: list[Scenario], server_args: list[
     out = log_dir
     with contextlib.ExitStack() as stack:
         if args.spawn:
-            server = stack.enter_context(SpawnedServer(server_args, log_path,
-                                                       args.startup_timeout, quiet=args.quiet))
-            print(f"server ready on {server.target} after {server.startup_s:.1f} s",
-                  flush=True)
+            server = stack.enter_context(
+                SpawnedServer(server_args, log_path, args.startup_timeout, quiet=args.quiet)
+            )
+            print(f"server ready on {server.target} after {server.startup_s:.1f} s", flush=True)
             target = server.target
         else:
             target = args.target
@@ -769,20 +940,23 @@ def _run(args: argparse.Namespace, scenarios: list[Scenario], server_args: list[
         out.mkdir(parents=True, exist_ok=True)
         path = out / f"{args.tag}.json"
         result = {
-            "device": name, "target": target, "spawned": args.spawn,
+            "device": name,
+            "target": target,
+            "spawned": args.spawn,
             "server_args": server_args,
             "server_startup_s": server.startup_s if server else None,
             "model": dataclasses.asdict(info) if info else None,
-            "started_unix": time.time(), "slo_ms": args.slo_ms,
-            "settings": {k: (str(v) if isinstance(v, Path) else v)
-                         for k, v in vars(args).items()},
-            "complete": False, "skipped_levels": [], "rows": rows,
+            "started_unix": time.time(),
+            "slo_ms": args.slo_ms,
+            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "complete": False,
+            "skipped_levels": [],
+            "rows": rows,
         }
 
         def write(so_far: list[dict[str, Any]]) -> None:
             result["rows"] = so_far
-            path.write_text(json.dumps(finite(result), indent=2, default=str,
-                                       allow_nan=False))
+            path.write_text(json.dumps(finite(result), indent=2, default=str, allow_nan=False))
 
         write(rows)
         try:
@@ -796,8 +970,10 @@ def _run(args: argparse.Namespace, scenarios: list[Scenario], server_args: list[
         write(rows)
     if server is not None and log_path.parent != out and log_path.exists():
         log_path.replace(out / log_path.name)
-    title = (f"{info.model_name if info else '?'} ({info.preset if info else '?'}, "
-             f"{info.dtype if info else '?'}) on {name}, objective {args.slo_ms:g} ms")
+    title = (
+        f"{info.model_name if info else '?'} ({info.preset if info else '?'}, "
+        f"{info.dtype if info else '?'}) on {name}, objective {args.slo_ms:g} ms"
+    )
     print_table(rows, title)
     if result["skipped_levels"]:
         print(f"skipped (time budget): {', '.join(result['skipped_levels'])}")

@@ -25,10 +25,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--context", type=int, default=760)
     ap.add_argument("--top", type=int, default=25)
-    ap.add_argument("--vision", action="store_true",
-                    help="time the vision tower (eager and graphed) per crop count instead")
-    ap.add_argument("--sweep", action="store_true",
-                    help="time graph replays for attention variants instead of profiling")
+    ap.add_argument(
+        "--vision",
+        action="store_true",
+        help="time the vision tower (eager and graphed) per crop count instead",
+    )
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="time graph replays for attention variants instead of profiling",
+    )
     args = ap.parse_args()
     loaded = random_model(preset(args.preset), dtype=torch.bfloat16, device="cuda")
     cfg = EngineConfig(max_batch=max(args.batch), kv_budget_bytes=8 << 30)
@@ -110,8 +116,10 @@ def sweep(rt: ModelRuntime, args: argparse.Namespace) -> None:
     print(f"{'target':>6} {'block_n':>7} " + " ".join(f"{'b' + str(b):>7}" for b in args.batch))
     for target in (512, 2048, 4096):
         for block_n in (32, 64, 128):
-            def variant(*a: object, _t: int = target, _n: int = block_n,
-                        **k: object) -> torch.Tensor:
+
+            def variant(
+                *a: object, _t: int = target, _n: int = block_n, **k: object
+            ) -> torch.Tensor:
                 splits = ta.split_count(a[0].shape[0], a[0].shape[1], _t)
                 return original(*a, block_n=_n, splits=splits)
 
@@ -123,8 +131,7 @@ def sweep(rt: ModelRuntime, args: argparse.Namespace) -> None:
                 buf.launch_dev[:b, 0] = torch.arange(b)
                 buf.launch_dev[:b, 1] = args.context
             times = [_replay_ms(rt, b) for b in args.batch]
-            print(f"{target:>6} {block_n:>7} " + " ".join(f"{t:>7.3f}" for t in times),
-                  flush=True)
+            print(f"{target:>6} {block_n:>7} " + " ".join(f"{t:>7.3f}" for t in times), flush=True)
     ta.paged_decode_attention = original
 
 

@@ -48,16 +48,38 @@ def _elapsed(pairs: list[tuple[object, object]]) -> list[float]:
 
 def _request(task: str, image: object, i: int, tokens: int) -> GenerationRequest:
     if task == "detect":  # 3 positions per box: about `tokens` decode steps per stream
-        return GenerationRequest(Task.DETECT, image, request_id=str(i),  # type: ignore[arg-type]
-                                 object_name="car", max_objects=max(1, tokens // 3))
-    return GenerationRequest(Task.CAPTION, image, request_id=str(i),  # type: ignore[arg-type]
-                             temperature=0, max_tokens=tokens, seed=i)
+        return GenerationRequest(
+            Task.DETECT,
+            image,
+            request_id=str(i),  # type: ignore[arg-type]
+            object_name="car",
+            max_objects=max(1, tokens // 3),
+        )
+    return GenerationRequest(
+        Task.CAPTION,
+        image,
+        request_id=str(i),  # type: ignore[arg-type]
+        temperature=0,
+        max_tokens=tokens,
+        seed=i,
+    )
 
 
-async def run_case(loaded: LoadedModel, streams: int, tokens: int, depth: int,
-                   graphs: bool, kv_bytes: int | None, task: str = "caption") -> dict:
-    cfg = EngineConfig(pipeline_depth=depth, max_batch=max(streams, 1), cuda_graphs=graphs,
-                       kv_budget_bytes=kv_bytes)
+async def run_case(
+    loaded: LoadedModel,
+    streams: int,
+    tokens: int,
+    depth: int,
+    graphs: bool,
+    kv_bytes: int | None,
+    task: str = "caption",
+) -> dict:
+    cfg = EngineConfig(
+        pipeline_depth=depth,
+        max_batch=max(streams, 1),
+        cuda_graphs=graphs,
+        kv_budget_bytes=kv_bytes,
+    )
     engine = BatchedEngine(loaded, cfg)
     await engine.start()
     rt, sched = engine.runtime, engine.scheduler
@@ -93,9 +115,15 @@ async def run_case(loaded: LoadedModel, streams: int, tokens: int, depth: int,
     if task == "detect":  # count decode steps: 3 per box
         out_tokens = 3 * sum(len(r.boxes) for r in results)
     row = {
-        "streams": streams, "depth": depth, "graphs": graphs, "tokens": tokens, "task": task,
-        "forward_ms": _median(_elapsed(fwd)), "sampling_ms": _median(_elapsed(fin)),
-        "period_ms": _median(full) * 1e3, "wall_s": wall,
+        "streams": streams,
+        "depth": depth,
+        "graphs": graphs,
+        "tokens": tokens,
+        "task": task,
+        "forward_ms": _median(_elapsed(fwd)),
+        "sampling_ms": _median(_elapsed(fin)),
+        "period_ms": _median(full) * 1e3,
+        "wall_s": wall,
         "tokens_per_s": out_tokens / wall,
         "host_commit_ms": _median([h[0] for h in host]) * 1e3,
         "host_finalize_ms": _median([h[1] for h in host]) * 1e3,
@@ -118,9 +146,13 @@ def main() -> None:
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--kv-gib", type=float, default=8.0)
-    ap.add_argument("--task", default="caption", choices=["caption", "detect"],
-                    help="detect: constrained boundary masks and region values every step; "
-                         "the random model is biased so every stream runs to max_objects")
+    ap.add_argument(
+        "--task",
+        default="caption",
+        choices=["caption", "detect"],
+        help="detect: constrained boundary masks and region values every step; "
+        "the random model is biased so every stream runs to max_objects",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -136,8 +168,9 @@ def main() -> None:
     rows = []
     for streams in args.streams:
         for depth in args.depths:
-            row = asyncio.run(run_case(loaded, streams, args.tokens, depth,
-                                       not args.no_graphs, kv, args.task))
+            row = asyncio.run(
+                run_case(loaded, streams, args.tokens, depth, not args.no_graphs, kv, args.task)
+            )
             rows.append(row)
             print(json.dumps(row), flush=True)
     by = {(r["streams"], r["depth"]): r for r in rows}
@@ -150,19 +183,26 @@ def main() -> None:
     out = args.out or Path("bench/results") / name.replace(" ", "_")
     out.mkdir(parents=True, exist_ok=True)
     name_json = "step_bench.json" if args.task == "caption" else f"step_bench_{args.task}.json"
-    (out / name_json).write_text(json.dumps(
-        {"device": name, "preset": args.preset, "dtype": args.dtype, "rows": rows}, indent=2))
-    head = (f"{'streams':>7} {'depth':>5} {'fwd ms':>7} {'samp ms':>7} {'period':>7} "
-            f"{'idle':>6} {'commit':>7} {'final':>6} {'launch':>6} {'tok/s':>8} {'speedup':>8}")
+    (out / name_json).write_text(
+        json.dumps(
+            {"device": name, "preset": args.preset, "dtype": args.dtype, "rows": rows}, indent=2
+        )
+    )
+    head = (
+        f"{'streams':>7} {'depth':>5} {'fwd ms':>7} {'samp ms':>7} {'period':>7} "
+        f"{'idle':>6} {'commit':>7} {'final':>6} {'launch':>6} {'tok/s':>8} {'speedup':>8}"
+    )
     print(f"\n{name}, {args.preset} {args.dtype}, {args.tokens} tokens per stream")
     print(head)
     for r in rows:
         sp = r.get("observed_speedup")
-        print(f"{r['streams']:>7} {r['depth']:>5} {r['forward_ms']:>7.3f} "
-              f"{r['sampling_ms']:>7.3f} {r['period_ms']:>7.3f} {r['gpu_idle_ms']:>6.3f} "
-              f"{r['host_commit_ms']:>7.3f} {r['host_finalize_ms']:>6.3f} "
-              f"{r['host_launch_ms']:>6.3f} {r['tokens_per_s']:>8.1f} "
-              f"{'' if sp is None else f'{sp:+.1%}':>8}")
+        print(
+            f"{r['streams']:>7} {r['depth']:>5} {r['forward_ms']:>7.3f} "
+            f"{r['sampling_ms']:>7.3f} {r['period_ms']:>7.3f} {r['gpu_idle_ms']:>6.3f} "
+            f"{r['host_commit_ms']:>7.3f} {r['host_finalize_ms']:>6.3f} "
+            f"{r['host_launch_ms']:>6.3f} {r['tokens_per_s']:>8.1f} "
+            f"{'' if sp is None else f'{sp:+.1%}':>8}"
+        )
     try:
         import matplotlib
 
@@ -172,14 +212,18 @@ def main() -> None:
         fig, ax = plt.subplots(figsize=(6, 4))
         for depth in args.depths:
             pts = [(r["streams"], r["period_ms"]) for r in rows if r["depth"] == depth]
-            ax.plot(*zip(*pts, strict=True), marker="o",
-                    label="blocking" if depth == 1 else "pipelined")
+            ax.plot(
+                *zip(*pts, strict=True), marker="o", label="blocking" if depth == 1 else "pipelined"
+            )
         ax.set_xlabel("streams")
         ax.set_ylabel("decode period (ms)")
         ax.set_title(f"{args.preset} on {name}")
         ax.legend()
-        fig.savefig(out / name_json.replace(".json", ".png").replace("step_bench", "step_period"),
-                    dpi=120, bbox_inches="tight")
+        fig.savefig(
+            out / name_json.replace(".json", ".png").replace("step_bench", "step_period"),
+            dpi=120,
+            bbox_inches="tight",
+        )
     except ImportError:
         pass
 

@@ -68,8 +68,9 @@ def stamp_index(img: Image.Image, index: int) -> Image.Image:
     for bit in range(INDEX_BITS):
         on = (index >> bit) & 1
         x0 = block + bit * block
-        draw.rectangle((x0, top, x0 + block - 1, top + block - 1),
-                       fill=(255, 255, 255) if on else (0, 0, 0))
+        draw.rectangle(
+            (x0, top, x0 + block - 1, top + block - 1), fill=(255, 255, 255) if on else (0, 0, 0)
+        )
     draw.text((block, max(0, top - 12)), str(index), fill=(255, 255, 255))
     return out
 
@@ -85,12 +86,20 @@ def encode(img: Image.Image, fmt: str = "jpeg", quality: int = 90) -> bytes:
     return buf.getvalue()
 
 
-def unique_images(width: int, height: int, indices: Sequence[int], fmt: str = "jpeg",
-                  seed: int = 0, threads: int = 8, desc: str | None = None) -> list[bytes]:
+def unique_images(
+    width: int,
+    height: int,
+    indices: Sequence[int],
+    fmt: str = "jpeg",
+    seed: int = 0,
+    threads: int = 8,
+    desc: str | None = None,
+) -> list[bytes]:
     """One encoded picture per index, all with different pixels; encoded on ``threads``
     threads (Pillow releases the GIL while encoding), with a progress bar when ``desc``."""
     base = base_image(width, height, seed)
     with ThreadPoolExecutor(max(1, threads)) as pool:
         jobs = pool.map(lambda i: encode(stamp_index(base, i), fmt), indices)
-        return list(tqdm(jobs, total=len(indices), desc=desc, unit="img", leave=False,
-                         disable=desc is None))
+        return list(
+            tqdm(jobs, total=len(indices), desc=desc, unit="img", leave=False, disable=desc is None)
+        )

@@ -25,8 +25,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_checkpoint(preset("tiny"), tmp_path_factory.mktemp("tiny"), seed=0,
-                            progress=False)
+    return write_checkpoint(preset("tiny"), tmp_path_factory.mktemp("tiny"), seed=0, progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -55,20 +55,47 @@ def test_unique_images_differ_after_decoding() -> None:
 
 
 def test_load_gen_spawned_server(tiny_dir: Path, tmp_path: Path) -> None:
-    code = load_gen.main([
-        "--spawn", "--scenario", "query3:64x48:unique:c1,c2",
-        "--scenario", "query3:64x48:repeated:c1", "--scenario", "detect5:64x48::c2,r20",
-        "--requests", "3", "--duration", "30", "--warmup", "1", "--slo-ms", "60000",
-        "--quiet", "--out", str(tmp_path), "--",
-        "--model", str(tiny_dir), "--device", "cpu", "--dtype", "fp32"])
+    code = load_gen.main(
+        [
+            "--spawn",
+            "--scenario",
+            "query3:64x48:unique:c1,c2",
+            "--scenario",
+            "query3:64x48:repeated:c1",
+            "--scenario",
+            "detect5:64x48::c2,r20",
+            "--requests",
+            "3",
+            "--duration",
+            "30",
+            "--warmup",
+            "1",
+            "--slo-ms",
+            "60000",
+            "--quiet",
+            "--out",
+            str(tmp_path),
+            "--",
+            "--model",
+            str(tiny_dir),
+            "--device",
+            "cpu",
+            "--dtype",
+            "fp32",
+        ]
+    )
     assert code == 0
     data = _strict_json(tmp_path / "load_gen.json")
     assert data["complete"] and data["server_exit_code"] == 0
     assert data["device"] == "cpu" and data["model"]["preset"] == "tiny"
     rows = {(r["scenario"], r["level"]): r for r in data["rows"]}
-    assert list(rows) == [("query3/64x48/unique", "c=1"), ("query3/64x48/unique", "c=2"),
-                          ("query3/64x48/repeated", "c=1"), ("detect5/64x48/unique", "c=2"),
-                          ("detect5/64x48/unique", "r=20/s")]
+    assert list(rows) == [
+        ("query3/64x48/unique", "c=1"),
+        ("query3/64x48/unique", "c=2"),
+        ("query3/64x48/repeated", "c=1"),
+        ("detect5/64x48/unique", "c=2"),
+        ("detect5/64x48/unique", "r=20/s"),
+    ]
     for (_, level), r in rows.items():
         expected = 3 if level != "r=20/s" else r["requests"]
         assert r["requests"] == expected and r["ok"] == expected and not r["errors"]
@@ -85,8 +112,9 @@ def test_load_gen_spawned_server(tiny_dir: Path, tmp_path: Path) -> None:
     detect = rows[("detect5/64x48/unique", "c=2")]
     assert detect["ttft_p50_ms"] == detect["e2e_p50_ms"] and detect["itl_p50_ms"] is None
     # One repeated picture hits the prefix cache; unique ones never do.
-    assert (rows[("query3/64x48/repeated", "c=1")]["cached_tokens_mean"]
-            > query["cached_tokens_mean"])
+    assert (
+        rows[("query3/64x48/repeated", "c=1")]["cached_tokens_mean"] > query["cached_tokens_mean"]
+    )
     assert (tmp_path / "load_gen_server.log").exists()
     if HAVE_MATPLOTLIB:
         assert (tmp_path / "load_gen_latency.png").stat().st_size > 0
@@ -94,13 +122,34 @@ def test_load_gen_spawned_server(tiny_dir: Path, tmp_path: Path) -> None:
 
 
 def test_image_bench_tiny(tmp_path: Path) -> None:
-    code = image_bench.main(["--sizes", "64x48", "--formats", "jpeg", "png", "--threads", "1",
-                             "2", "--images", "2", "--min-seconds", "0.02", "--min-calls", "1",
-                             "--out", str(tmp_path)])
+    code = image_bench.main(
+        [
+            "--sizes",
+            "64x48",
+            "--formats",
+            "jpeg",
+            "png",
+            "--threads",
+            "1",
+            "2",
+            "--images",
+            "2",
+            "--min-seconds",
+            "0.02",
+            "--min-calls",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     data = _strict_json(tmp_path / "image_bench.json")
     assert [(r["format"], r["threads"]) for r in data["rows"]] == [
-        ("jpeg", 1), ("jpeg", 2), ("png", 1), ("png", 2)]
+        ("jpeg", 1),
+        ("jpeg", 2),
+        ("png", 1),
+        ("png", 2),
+    ]
     for r in data["rows"]:
         assert r["calls"] >= r["threads"] and r["images_per_s"] > 0
         assert 0 < r["prepare_ms"] <= r["ms_per_image"] and r["normalize_ms"] >= 0
@@ -109,9 +158,25 @@ def test_image_bench_tiny(tmp_path: Path) -> None:
 
 def test_hf_baseline_tiny(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    code = hf_baseline.main(["--tiny", "--batches", "1", "--new-tokens", "4", "--repeats", "1",
-                             "--cb-requests", "2", "--cb-tokens", "4", "--cb-runs", "1",
-                             "--out", str(tmp_path)])
+    code = hf_baseline.main(
+        [
+            "--tiny",
+            "--batches",
+            "1",
+            "--new-tokens",
+            "4",
+            "--repeats",
+            "1",
+            "--cb-requests",
+            "2",
+            "--cb-tokens",
+            "4",
+            "--cb-runs",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     data = _strict_json(tmp_path / "hf_baseline.json")
     for mode in ("dynamic", "static"):

@@ -40,44 +40,54 @@ def server(tiny: LoadedModel) -> Iterator[ServerThread]:
         yield running
 
 
-def cli(server: ServerThread, capsys: pytest.CaptureFixture[str], *args: str
-        ) -> tuple[int, str, str]:
+def cli(
+    server: ServerThread, capsys: pytest.CaptureFixture[str], *args: str
+) -> tuple[int, str, str]:
     code = main([*args, "--target", server.target, "--timeout", "60"])
     out, err = capsys.readouterr()
     return code, out, err
 
 
 def test_caption_stream_prints_the_reference_text(
-        server: ServerThread, capsys: pytest.CaptureFixture[str],
-        generator: ReferenceGenerator, sample_image: PreparedImage) -> None:
-    code, out, _ = cli(server, capsys, "caption", "sample", "--stream", "--temperature", "0",
-                       "--max-tokens", "8")
-    want = generator.caption(sample_image, "normal", SamplingSettings(temperature=0,
-                                                                      max_tokens=8))
+    server: ServerThread,
+    capsys: pytest.CaptureFixture[str],
+    generator: ReferenceGenerator,
+    sample_image: PreparedImage,
+) -> None:
+    code, out, _ = cli(
+        server, capsys, "caption", "sample", "--stream", "--temperature", "0", "--max-tokens", "8"
+    )
+    want = generator.caption(sample_image, "normal", SamplingSettings(temperature=0, max_tokens=8))
     assert code == 0 and out == want.text + "\n"
 
 
-def test_query_without_image_as_json(server: ServerThread, capsys: pytest.CaptureFixture[str],
-                                     generator: ReferenceGenerator) -> None:
-    code, out, _ = cli(server, capsys, "query", "none", "why?", "--json", "--temperature", "0",
-                       "--max-tokens", "5")
+def test_query_without_image_as_json(
+    server: ServerThread, capsys: pytest.CaptureFixture[str], generator: ReferenceGenerator
+) -> None:
+    code, out, _ = cli(
+        server, capsys, "query", "none", "why?", "--json", "--temperature", "0", "--max-tokens", "5"
+    )
     result = json.loads(out)
     want = generator.query(None, "why?", SamplingSettings(temperature=0, max_tokens=5))
     assert code == 0 and result["text"] == want.text and result["finish_reason"] == "length"
     assert result["metrics"]["output_tokens"] == 5
 
 
-def test_detect_json_and_point_drawing(server: ServerThread, tmp_path: Path,
-                                       capsys: pytest.CaptureFixture[str],
-                                       generator: ReferenceGenerator,
-                                       sample_image: PreparedImage) -> None:
+def test_detect_json_and_point_drawing(
+    server: ServerThread,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    generator: ReferenceGenerator,
+    sample_image: PreparedImage,
+) -> None:
     image = tmp_path / "photo.jpg"
     image.write_bytes(sample_image_bytes())
     code, out, _ = cli(server, capsys, "detect", str(image), "car", "--json")
     want = generator.detect(sample_image, "car")
     assert code == 0
     assert [tuple(b.values()) for b in json.loads(out)["boxes"]] == [
-        (b.x_min, b.y_min, b.x_max, b.y_max) for b in want.boxes]
+        (b.x_min, b.y_min, b.x_max, b.y_max) for b in want.boxes
+    ]
     drawn = tmp_path / "points.png"
     code, out, _ = cli(server, capsys, "point", str(image), "sun", "--draw", str(drawn))
     points = generator.point(sample_image, "sun").points
@@ -89,8 +99,9 @@ def test_detect_json_and_point_drawing(server: ServerThread, tmp_path: Path,
         assert picture.getpixel((x, y)) == COLOR
 
 
-def test_encode_then_use_the_id(server: ServerThread, capsys: pytest.CaptureFixture[str],
-                                sample_image: PreparedImage) -> None:
+def test_encode_then_use_the_id(
+    server: ServerThread, capsys: pytest.CaptureFixture[str], sample_image: PreparedImage
+) -> None:
     code, out, _ = cli(server, capsys, "encode", "sample")
     assert code == 0 and out.strip() == f"id:{sample_image.content_hash}"
     code, out, _ = cli(server, capsys, "caption", out.strip(), "--max-tokens", "3")
@@ -102,8 +113,9 @@ def test_info_lists_the_model(server: ServerThread, capsys: pytest.CaptureFixtur
     assert code == 0 and "model_name: tiny" in out and "max_message_bytes: 33554432" in out
 
 
-def test_errors_exit_1_with_code_and_field(server: ServerThread,
-                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_errors_exit_1_with_code_and_field(
+    server: ServerThread, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, _, err = cli(server, capsys, "caption", "sample", "--temperature", "-1")
     assert code == 1
     assert "INVALID_ARGUMENT" in err and "settings.temperature" in err
@@ -120,8 +132,9 @@ def test_async_client_stream_stops_early_and_cancels(server: ServerThread) -> No
     async def body() -> list[Any]:
         async with AsyncVisionLanguageClient(server.target, timeout=60) as client:
             seen = []
-            async for event in client.query_stream(None, "a long story", temperature=0,
-                                                   max_tokens=1500):
+            async for event in client.query_stream(
+                None, "a long story", temperature=0, max_tokens=1500
+            ):
                 seen.append(event)
                 if len(seen) == 2:
                     break
@@ -140,8 +153,9 @@ def test_async_client_stream_stops_early_and_cancels(server: ServerThread) -> No
     assert engine.runtime.pages.used_pages == engine.cached_prefix_pages()
 
 
-def test_segment_json_from_the_batched_engine(server: ServerThread,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_segment_json_from_the_batched_engine(
+    server: ServerThread, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, out, _ = cli(server, capsys, "segment", "sample", "house", "--json")
     result = json.loads(out)
     assert code == 0 and result["svg_path"].startswith("M") and result["polygons"]
@@ -181,10 +195,15 @@ class SegmentOnlyEngine:
     def submit(self, request: GenerationRequest) -> Any:
         w, h = self.size
         mask = np.zeros((h, w), dtype=bool)
-        mask[h // 4:3 * h // 4, w // 4:3 * w // 4] = True
-        seg = Segmentation(box=Box(0.25, 0.25, 0.75, 0.75), svg_path="M0.25,0.25 H0.75 V0.75 "
-                           "H0.25 Z", polygons=(tuple(Point(x, y) for x, y in SQUARE),),
-                           mask_rle=tuple(rle_encode(mask)), mask_height=h, mask_width=w)
+        mask[h // 4 : 3 * h // 4, w // 4 : 3 * w // 4] = True
+        seg = Segmentation(
+            box=Box(0.25, 0.25, 0.75, 0.75),
+            svg_path="M0.25,0.25 H0.75 V0.75 H0.25 Z",
+            polygons=(tuple(Point(x, y) for x, y in SQUARE),),
+            mask_rle=tuple(rle_encode(mask)),
+            mask_height=h,
+            mask_width=w,
+        )
         done = Finished(finish_reason="eos", segmentation=seg)
 
         class Stream:
@@ -206,8 +225,9 @@ class SegmentOnlyEngine:
         return None
 
 
-def test_segment_end_to_end_with_drawing(tmp_path: Path,
-                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_segment_end_to_end_with_drawing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     image = tmp_path / "white.png"
     Image.new("RGB", (80, 60), (255, 255, 255)).save(image)
     with ServerThread(local_config(), lambda: SegmentOnlyEngine((80, 60))) as fake:

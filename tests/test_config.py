@@ -44,7 +44,12 @@ def test_invalid_configs_are_refused() -> None:
     with pytest.raises(ValueError):
         TextConfig(dim=100, n_heads=3)
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        dataclasses.replace(preset("tiny"), text=dataclasses.replace(preset("tiny").text,
-                                                                      vocab_size=1000,
-                                                                      ), tokenizer_vocab_size=1000,
-                            tokens=preset("moondream2-2025-01-09").tokens)
+        dataclasses.replace(
+            preset("tiny"),
+            text=dataclasses.replace(
+                preset("tiny").text,
+                vocab_size=1000,
+            ),
+            tokenizer_vocab_size=1000,
+            tokens=preset("moondream2-2025-01-09").tokens,
+        )

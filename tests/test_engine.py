@@ -53,8 +53,9 @@ def text_model(tiny: LoadedModel, sample_image: PreparedImage) -> LoadedModel:
     """Emits eos wherever the plain model would emit one common token, so generations end
     with eos at different steps for different prompts."""
     ref = ReferenceGenerator(tiny.model, tiny.tokenizer)
-    out = ref.query(sample_image, "what is this?", SamplingSettings(temperature=0,
-                                                                    max_tokens=8)).token_ids
+    out = ref.query(
+        sample_image, "what is this?", SamplingSettings(temperature=0, max_tokens=8)
+    ).token_ids
     common = out[5]
     model = copy.deepcopy(tiny.model)
     eos = tiny.config.tokens.eos_id
@@ -71,8 +72,9 @@ def region_model(tiny: LoadedModel) -> LoadedModel:
     hidden state: answers stop with eos after different numbers of objects, or hit the cap."""
     c = tiny.config.tokens
     model = copy.deepcopy(tiny.model)
-    noise = torch.randn(model.text.lm_head.weight.shape[1],
-                        generator=torch.Generator().manual_seed(5))
+    noise = torch.randn(
+        model.text.lm_head.weight.shape[1], generator=torch.Generator().manual_seed(5)
+    )
     with torch.no_grad():
         head = model.text.lm_head
         head.bias[c.coord_id] = head.bias.max() + 5.0
@@ -85,12 +87,14 @@ def region_model(tiny: LoadedModel) -> LoadedModel:
 @pytest.fixture(scope="module")
 def images() -> list[PreparedImage]:
     base = sample_image()
-    return [prepare_pil(base), prepare_pil(base.rotate(90, expand=True)),
-            prepare_pil(base.resize((300, 200)))]
+    return [
+        prepare_pil(base),
+        prepare_pil(base.rotate(90, expand=True)),
+        prepare_pil(base.resize((300, 200))),
+    ]
 
 
-async def _collect(engine: BatchedEngine, req: GenerationRequest
-                   ) -> tuple[list[str], Finished]:
+async def _collect(engine: BatchedEngine, req: GenerationRequest) -> tuple[list[str], Finished]:
     parts: list[str] = []
     async for event in engine.submit(req):
         if isinstance(event, TextDelta):
@@ -120,21 +124,50 @@ def _assert_clean(engine: BatchedEngine) -> None:
 def _text_requests(images: list[PreparedImage]) -> list[GenerationRequest]:
     reqs = []
     for i, (length, n) in enumerate([("short", 40), ("normal", 7), ("long", 33), ("short", 1)]):
-        reqs.append(GenerationRequest(Task.CAPTION, images[i % 3], request_id=f"c{i}",
-                                      caption_length=length, temperature=0, max_tokens=n))
+        reqs.append(
+            GenerationRequest(
+                Task.CAPTION,
+                images[i % 3],
+                request_id=f"c{i}",
+                caption_length=length,
+                temperature=0,
+                max_tokens=n,
+            )
+        )
     for i, q in enumerate(["what is this?", "count the cars", "where", "colour?"]):
-        reqs.append(GenerationRequest(Task.QUERY, images[i % 2], request_id=f"q{i}",
-                                      question=q, temperature=0, max_tokens=24 + 6 * i))
-    reqs.append(GenerationRequest(Task.QUERY, None, request_id="t0", question="no image",
-                                  temperature=0, max_tokens=15))
-    reqs.append(GenerationRequest(Task.CAPTION, images[0], request_id="s0", temperature=0.8,
-                                  top_p=0.9, seed=11, max_tokens=25))
+        reqs.append(
+            GenerationRequest(
+                Task.QUERY,
+                images[i % 2],
+                request_id=f"q{i}",
+                question=q,
+                temperature=0,
+                max_tokens=24 + 6 * i,
+            )
+        )
+    reqs.append(
+        GenerationRequest(
+            Task.QUERY, None, request_id="t0", question="no image", temperature=0, max_tokens=15
+        )
+    )
+    reqs.append(
+        GenerationRequest(
+            Task.CAPTION,
+            images[0],
+            request_id="s0",
+            temperature=0.8,
+            top_p=0.9,
+            seed=11,
+            max_tokens=25,
+        )
+    )
     return reqs
 
 
 @pytest.mark.parametrize("depth", [1, 2])
-def test_text_tasks_equal_the_reference(text_model: LoadedModel, images: list[PreparedImage],
-                                        depth: int) -> None:
+def test_text_tasks_equal_the_reference(
+    text_model: LoadedModel, images: list[PreparedImage], depth: int
+) -> None:
     ref = ReferenceGenerator(text_model.model, text_model.tokenizer)
     reqs = _text_requests(images)
 
@@ -152,10 +185,14 @@ def test_text_tasks_equal_the_reference(text_model: LoadedModel, images: list[Pr
     results = asyncio.run(run())
     reasons = set()
     for req, (parts, fin) in zip(reqs, results, strict=True):
-        settings = SamplingSettings(temperature=req.temperature, top_p=req.top_p,
-                                    max_tokens=req.max_tokens, seed=req.seed)
-        want = (ref.caption(req.image, req.caption_length, settings)
-                if req.task is Task.CAPTION else ref.query(req.image, req.question, settings))
+        settings = SamplingSettings(
+            temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_tokens, seed=req.seed
+        )
+        want = (
+            ref.caption(req.image, req.caption_length, settings)
+            if req.task is Task.CAPTION
+            else ref.query(req.image, req.question, settings)
+        )
         assert fin.text == want.text, req.request_id
         assert "".join(parts) == fin.text
         assert fin.finish_reason == want.finish_reason, req.request_id
@@ -165,14 +202,25 @@ def test_text_tasks_equal_the_reference(text_model: LoadedModel, images: list[Pr
 
 
 @pytest.mark.parametrize("depth", [1, 2])
-def test_region_tasks_equal_the_reference(region_model: LoadedModel,
-                                          images: list[PreparedImage], depth: int) -> None:
+def test_region_tasks_equal_the_reference(
+    region_model: LoadedModel, images: list[PreparedImage], depth: int
+) -> None:
     ref = ReferenceGenerator(region_model.model, region_model.tokenizer)
-    reqs = [GenerationRequest(task, images[i % 3], request_id=f"{task}{i}", object_name=obj,
-                              max_objects=n)
-            for i, (task, obj, n) in enumerate([
-                (Task.DETECT, "car", 3), (Task.POINT, "dog", 4), (Task.DETECT, "tree", 8),
-                (Task.POINT, "car", 1), (Task.DETECT, "person", 5), (Task.POINT, "sign", 6)])]
+    reqs = [
+        GenerationRequest(
+            task, images[i % 3], request_id=f"{task}{i}", object_name=obj, max_objects=n
+        )
+        for i, (task, obj, n) in enumerate(
+            [
+                (Task.DETECT, "car", 3),
+                (Task.POINT, "dog", 4),
+                (Task.DETECT, "tree", 8),
+                (Task.POINT, "car", 1),
+                (Task.DETECT, "person", 5),
+                (Task.POINT, "sign", 6),
+            ]
+        )
+    ]
 
     async def run() -> list[tuple[list[str], Finished]]:
         engine = _engine(region_model, depth)
@@ -190,12 +238,14 @@ def test_region_tasks_equal_the_reference(region_model: LoadedModel,
     for req, (_, fin) in zip(reqs, asyncio.run(run()), strict=True):
         if req.task is Task.DETECT:
             want = ref.detect(req.image, req.object_name, req.max_objects)
-            assert [tuple(vars(b).values()) for b in fin.boxes] == \
-                [tuple(vars(b).values()) for b in want.boxes]
+            assert [tuple(vars(b).values()) for b in fin.boxes] == [
+                tuple(vars(b).values()) for b in want.boxes
+            ]
         else:
             want = ref.point(req.image, req.object_name, req.max_objects)
-            assert [tuple(vars(p).values()) for p in fin.points] == \
-                [tuple(vars(p).values()) for p in want.points]
+            assert [tuple(vars(p).values()) for p in fin.points] == [
+                tuple(vars(p).values()) for p in want.points
+            ]
         assert fin.finish_reason == want.finish_reason
         reasons.add(fin.finish_reason)
         counts.add(len(fin.points) + len(fin.boxes))
@@ -203,15 +253,15 @@ def test_region_tasks_equal_the_reference(region_model: LoadedModel,
     assert len(counts) >= 3
 
 
-def test_cancel_mid_stream_frees_everything(tiny: LoadedModel,
-                                            images: list[PreparedImage]) -> None:
+def test_cancel_mid_stream_frees_everything(tiny: LoadedModel, images: list[PreparedImage]) -> None:
     async def run() -> None:
         engine = _engine(tiny, 2)
         await engine.start()
         try:
             long = GenerationRequest(Task.CAPTION, images[0], temperature=0, max_tokens=1000)
-            other = GenerationRequest(Task.QUERY, images[1], question="what is this?",
-                                      temperature=0, max_tokens=12)
+            other = GenerationRequest(
+                Task.QUERY, images[1], question="what is this?", temperature=0, max_tokens=12
+            )
             stream = engine.submit(long)
             other_task = asyncio.create_task(_collect(engine, other))
             seen = 0
@@ -240,22 +290,32 @@ async def _wait_idle(engine: BatchedEngine, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.005)
 
 
-def test_deadline_while_queued_is_never_scheduled(tiny: LoadedModel,
-                                                  images: list[PreparedImage]) -> None:
+def test_deadline_while_queued_is_never_scheduled(
+    tiny: LoadedModel, images: list[PreparedImage]
+) -> None:
     async def run() -> None:
         engine = _engine(tiny, 2, max_batch=1)
         launched: list[str] = []
         engine.scheduler.trace = lambda what, step: launched.extend(
-            s.request.request_id for s in step.seqs if what == "launch")
+            s.request.request_id for s in step.seqs if what == "launch"
+        )
         await engine.start()
         try:
-            busy = engine.submit(GenerationRequest(Task.CAPTION, images[0], request_id="busy",
-                                                   temperature=0, max_tokens=400))
+            busy = engine.submit(
+                GenerationRequest(
+                    Task.CAPTION, images[0], request_id="busy", temperature=0, max_tokens=400
+                )
+            )
             first = await anext(aiter(busy))
             assert isinstance(first, TextDelta)
-            late = GenerationRequest(Task.CAPTION, images[1], request_id="late",
-                                     temperature=0, max_tokens=5,
-                                     deadline=time.monotonic() + 0.01)
+            late = GenerationRequest(
+                Task.CAPTION,
+                images[1],
+                request_id="late",
+                temperature=0,
+                max_tokens=5,
+                deadline=time.monotonic() + 0.01,
+            )
             with pytest.raises(EngineError) as info:
                 await _collect(engine, late)
             assert info.value.code is ErrorCode.DEADLINE_EXCEEDED
@@ -277,8 +337,13 @@ def test_deadline_while_running(tiny: LoadedModel, images: list[PreparedImage]) 
         engine = _engine(tiny, 2)
         await engine.start()
         try:
-            req = GenerationRequest(Task.CAPTION, images[0], temperature=0, max_tokens=500,
-                                    deadline=time.monotonic() + 0.3)
+            req = GenerationRequest(
+                Task.CAPTION,
+                images[0],
+                temperature=0,
+                max_tokens=500,
+                deadline=time.monotonic() + 0.3,
+            )
             parts = []
             with pytest.raises(EngineError) as info:
                 async for event in engine.submit(req):
@@ -292,20 +357,35 @@ def test_deadline_while_running(tiny: LoadedModel, images: list[PreparedImage]) 
     asyncio.run(run())
 
 
-def test_constrained_query_and_segment_always_parse(tiny: LoadedModel,
-                                                   images: list[PreparedImage]) -> None:
+def test_constrained_query_and_segment_always_parse(
+    tiny: LoadedModel, images: list[PreparedImage]
+) -> None:
     async def run() -> None:
         engine = _engine(tiny, 2)
         await engine.start()
         try:
-            choice = GenerationRequest(Task.QUERY, images[0], question="which?",
-                                       choices=("red car", "blue bus", "no"), temperature=1.0,
-                                       seed=3, max_tokens=20)
-            regex = GenerationRequest(Task.QUERY, images[0], question="count", regex=r"\d{1,3}",
-                                      temperature=1.0, seed=4, max_tokens=20)
+            choice = GenerationRequest(
+                Task.QUERY,
+                images[0],
+                question="which?",
+                choices=("red car", "blue bus", "no"),
+                temperature=1.0,
+                seed=3,
+                max_tokens=20,
+            )
+            regex = GenerationRequest(
+                Task.QUERY,
+                images[0],
+                question="count",
+                regex=r"\d{1,3}",
+                temperature=1.0,
+                seed=4,
+                max_tokens=20,
+            )
             seg = GenerationRequest(Task.SEGMENT, images[2], object_name="car", max_tokens=60)
             (_, a), (_, b), (_, c) = await asyncio.gather(
-                _collect(engine, choice), _collect(engine, regex), _collect(engine, seg))
+                _collect(engine, choice), _collect(engine, regex), _collect(engine, seg)
+            )
             assert a.text in choice.choices
             assert re.fullmatch(r"\d{1,3}", b.text)
             s = c.segmentation
@@ -313,8 +393,9 @@ def test_constrained_query_and_segment_always_parse(tiny: LoadedModel,
             assert s.mask_height == images[2].height and s.mask_width == images[2].width
             assert sum(s.mask_rle) == s.mask_height * s.mask_width
             with pytest.raises(EngineError) as info:
-                engine.submit(GenerationRequest(Task.QUERY, images[0], question="x",
-                                                regex="(unclosed"))
+                engine.submit(
+                    GenerationRequest(Task.QUERY, images[0], question="x", regex="(unclosed")
+                )
             assert info.value.code is ErrorCode.INVALID_ARGUMENT and info.value.field == "regex"
             await _wait_idle(engine)
             _assert_clean(engine)
@@ -328,14 +409,26 @@ def test_admission_errors(tiny: LoadedModel, images: list[PreparedImage]) -> Non
     async def run() -> None:
         engine = _engine(tiny, 2, max_queue=1)
         cases = [
-            (dict(task=Task.CAPTION, image=images[0], max_tokens=1500), ErrorCode.OUT_OF_RANGE,
-             "max_tokens"),
-            (dict(task=Task.CAPTION, image=images[0], temperature=-1),
-             ErrorCode.INVALID_ARGUMENT, "temperature"),
-            (dict(task=Task.CAPTION, image=images[0], top_p=0), ErrorCode.INVALID_ARGUMENT,
-             "top_p"),
-            (dict(task=Task.DETECT, image=images[0], object_name=" "),
-             ErrorCode.INVALID_ARGUMENT, "object"),
+            (
+                dict(task=Task.CAPTION, image=images[0], max_tokens=1500),
+                ErrorCode.OUT_OF_RANGE,
+                "max_tokens",
+            ),
+            (
+                dict(task=Task.CAPTION, image=images[0], temperature=-1),
+                ErrorCode.INVALID_ARGUMENT,
+                "temperature",
+            ),
+            (
+                dict(task=Task.CAPTION, image=images[0], top_p=0),
+                ErrorCode.INVALID_ARGUMENT,
+                "top_p",
+            ),
+            (
+                dict(task=Task.DETECT, image=images[0], object_name=" "),
+                ErrorCode.INVALID_ARGUMENT,
+                "object",
+            ),
             (dict(task=Task.CAPTION, image=None), ErrorCode.INVALID_ARGUMENT, "image"),
         ]
         for kwargs, code, field in cases:
@@ -356,15 +449,26 @@ def test_admission_errors(tiny: LoadedModel, images: list[PreparedImage]) -> Non
     asyncio.run(run())
 
 
-def test_many_concurrent_requests_under_page_pressure(text_model: LoadedModel,
-                                                      images: list[PreparedImage]) -> None:
+def test_many_concurrent_requests_under_page_pressure(
+    text_model: LoadedModel, images: list[PreparedImage]
+) -> None:
     """More requests than pages for all of them at once: they wait, then all finish."""
-    reqs = [GenerationRequest(Task.QUERY, images[i % 3], request_id=str(i), question=f"q{i}",
-                              temperature=0, max_tokens=3 + i % 5) for i in range(24)]
+    reqs = [
+        GenerationRequest(
+            Task.QUERY,
+            images[i % 3],
+            request_id=str(i),
+            question=f"q{i}",
+            temperature=0,
+            max_tokens=3 + i % 5,
+        )
+        for i in range(24)
+    ]
 
     async def run() -> list[Finished]:
-        engine = _engine(text_model, 2, max_batch=6, kv_budget_bytes=2 << 20,
-                         prefix_cache_entries=2)
+        engine = _engine(
+            text_model, 2, max_batch=6, kv_budget_bytes=2 << 20, prefix_cache_entries=2
+        )
         await engine.start()
         try:
             out = await asyncio.gather(*[_collect(engine, r) for r in reqs])
@@ -376,14 +480,16 @@ def test_many_concurrent_requests_under_page_pressure(text_model: LoadedModel,
 
     ref = ReferenceGenerator(text_model.model, text_model.tokenizer)
     for req, fin in zip(reqs, asyncio.run(run()), strict=True):
-        want = ref.query(req.image, req.question,
-                         SamplingSettings(temperature=0, max_tokens=req.max_tokens))
+        want = ref.query(
+            req.image, req.question, SamplingSettings(temperature=0, max_tokens=req.max_tokens)
+        )
         assert fin.text == want.text
 
 
 @pytest.mark.parametrize("depth", [1, 2])
-def test_commit_before_finalize_order(tiny: LoadedModel, images: list[PreparedImage],
-                                      depth: int) -> None:
+def test_commit_before_finalize_order(
+    tiny: LoadedModel, images: list[PreparedImage], depth: int
+) -> None:
     """A row's mask for step t is built only after the step t-1 holding the same sequence was
     committed; commits follow launch order; no sequence is in more than two steps at once."""
     log: list[tuple[str, int, tuple[int, ...]]] = []
@@ -391,14 +497,23 @@ def test_commit_before_finalize_order(tiny: LoadedModel, images: list[PreparedIm
     async def run() -> None:
         engine = _engine(tiny, depth, max_batch=4)
         engine.scheduler.trace = lambda what, step: log.append(
-            (what, step.step_id, tuple(id(s) for s in step.seqs)))
+            (what, step.step_id, tuple(id(s) for s in step.seqs))
+        )
         await engine.start()
         try:
-            reqs = [GenerationRequest(Task.QUERY, images[i % 2], question="q", max_tokens=6,
-                                      regex=r"[a-z ]{1,12}", temperature=1.0, seed=i)
-                    for i in range(6)]
-            reqs += [GenerationRequest(Task.DETECT, images[2], object_name="car",
-                                       max_objects=2)]
+            reqs = [
+                GenerationRequest(
+                    Task.QUERY,
+                    images[i % 2],
+                    question="q",
+                    max_tokens=6,
+                    regex=r"[a-z ]{1,12}",
+                    temperature=1.0,
+                    seed=i,
+                )
+                for i in range(6)
+            ]
+            reqs += [GenerationRequest(Task.DETECT, images[2], object_name="car", max_objects=2)]
             await asyncio.gather(*[_collect(engine, r) for r in reqs])
             await _wait_idle(engine)
         finally:
@@ -426,18 +541,38 @@ def test_commit_before_finalize_order(tiny: LoadedModel, images: list[PreparedIm
 
 
 @pytest.mark.parametrize("depth", [1, 2])
-def test_constrained_and_segment_equal_the_reference(tiny: LoadedModel,
-                                                     images: list[PreparedImage],
-                                                     depth: int) -> None:
+def test_constrained_and_segment_equal_the_reference(
+    tiny: LoadedModel, images: list[PreparedImage], depth: int
+) -> None:
     """Choices, regex (sampled and greedy) and segment: the engine's answers are the
     reference's, through the same grammars and masks."""
     reqs = [
-        GenerationRequest(Task.QUERY, images[0], question="which?", seed=1, temperature=1.0,
-                          top_p=0.95, choices=("red car", "blue bus", "a dog", "no")),
-        GenerationRequest(Task.QUERY, images[1], question="count", seed=2, temperature=0.8,
-                          regex=r"[0-9]{1,3} (cars|dogs)", max_tokens=12),
-        GenerationRequest(Task.QUERY, None, question="name", temperature=0,
-                          regex=r"[a-z]+( [a-z]+)?", max_tokens=8),
+        GenerationRequest(
+            Task.QUERY,
+            images[0],
+            question="which?",
+            seed=1,
+            temperature=1.0,
+            top_p=0.95,
+            choices=("red car", "blue bus", "a dog", "no"),
+        ),
+        GenerationRequest(
+            Task.QUERY,
+            images[1],
+            question="count",
+            seed=2,
+            temperature=0.8,
+            regex=r"[0-9]{1,3} (cars|dogs)",
+            max_tokens=12,
+        ),
+        GenerationRequest(
+            Task.QUERY,
+            None,
+            question="name",
+            temperature=0,
+            regex=r"[a-z]+( [a-z]+)?",
+            max_tokens=8,
+        ),
         GenerationRequest(Task.SEGMENT, images[2], object_name="car", max_tokens=40),
         GenerationRequest(Task.SEGMENT, images[0], object_name="tree", max_tokens=25),
     ]
@@ -456,8 +591,12 @@ def test_constrained_and_segment_equal_the_reference(tiny: LoadedModel,
     ref = ReferenceGenerator(tiny.model, tiny.tokenizer)
     for req, fin in zip(reqs, asyncio.run(run()), strict=True):
         if req.task is Task.QUERY:
-            s = SamplingSettings(temperature=req.temperature, top_p=req.top_p,
-                                 max_tokens=req.max_tokens, seed=req.seed)
+            s = SamplingSettings(
+                temperature=req.temperature,
+                top_p=req.top_p,
+                max_tokens=req.max_tokens,
+                seed=req.seed,
+            )
             want = ref.query(req.image, req.question, s, choices=req.choices, regex=req.regex)
             assert fin.text == want.text and fin.finish_reason == want.finish_reason
             if req.choices:

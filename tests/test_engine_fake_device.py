@@ -66,17 +66,28 @@ def _sequence(i: int, table: MaskTable, region_rows: RegionRows) -> Sequence:
     prompt = [3 + (7 * i + j) % 30 for j in range(2 + i % 5)]
     if kind <= 1:
         suppressed = [COORD, 3 + i % 5] if i % 3 == 0 else [COORD]
-        grammar: Any = TextGrammar(EOS, 1 + (5 * i) % 12, row=table.allow_all_but(suppressed),
-                                   first_row=NO_MASK)
+        grammar: Any = TextGrammar(
+            EOS, 1 + (5 * i) % 12, row=table.allow_all_but(suppressed), first_row=NO_MASK
+        )
         task = Task.QUERY if kind == 0 else Task.CAPTION
     else:
         make = point_grammar if kind == 2 else detect_grammar
         grammar = make(region_rows, 1 + i % 3)
         task = Task.POINT if kind == 2 else Task.DETECT
-    req = GenerationRequest(task, image, request_id=f"r{i}", temperature=0.7 * (i % 2),
-                            seed=i, deadline=0.0 if i == 9 else None)
-    return Sequence(req, [BOS, *prompt] if image is None else prompt, grammar,
-                    PREFIX if image is not None else 0)
+    req = GenerationRequest(
+        task,
+        image,
+        request_id=f"r{i}",
+        temperature=0.7 * (i % 2),
+        seed=i,
+        deadline=0.0 if i == 9 else None,
+    )
+    return Sequence(
+        req,
+        [BOS, *prompt] if image is None else prompt,
+        grammar,
+        PREFIX if image is not None else 0,
+    )
 
 
 def _cancelled(i: int) -> bool:
@@ -112,18 +123,38 @@ class Run:
         return out
 
 
-def _drive(depth: int, seed: int, *, scheduler: type[Scheduler] = Scheduler,
-           pipeline: type[PipelineState] | None = None, **faults: bool) -> Run:
+def _drive(
+    depth: int,
+    seed: int,
+    *,
+    scheduler: type[Scheduler] = Scheduler,
+    pipeline: type[PipelineState] | None = None,
+    **faults: bool,
+) -> Run:
     """Submit, cancel and tick by hand (no thread); between ticks the device runs a random
     number of operations, so launches overlap device work in many different ways."""
     rng = random.Random(1000 + seed)
     device = FakeDevice(seed)
-    cfg = EngineConfig(max_batch=4, page_size=PAGE, pipeline_depth=depth, max_prefill_batch=3,
-                       prefix_cache_entries=2, mask_table_rows=64)
+    cfg = EngineConfig(
+        max_batch=4,
+        page_size=PAGE,
+        pipeline_depth=depth,
+        max_prefill_batch=3,
+        prefix_cache_entries=2,
+        mask_table_rows=64,
+    )
     table = MaskTable(VOCAB, max_rows=64)
     region_rows = RegionRows.register(table, RegionTokens(EOS, COORD))
-    rt = FakeRuntime(device, cfg, table, n_pages=30, max_context=MAX_CONTEXT, eos_id=EOS,
-                     coord_id=COORD, **faults)
+    rt = FakeRuntime(
+        device,
+        cfg,
+        table,
+        n_pages=30,
+        max_context=MAX_CONTEXT,
+        eos_id=EOS,
+        coord_id=COORD,
+        **faults,
+    )
     sched = scheduler(rt, cfg, EOS, PREFIX)
     if pipeline is not None:
         sched.pipe = pipeline(depth)
@@ -177,7 +208,8 @@ def blocking_answers() -> dict[int, tuple[object, ...]]:
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("depth", [1, 2])
 def test_scheduler_keeps_the_pipeline_invariants(
-        depth: int, seed: int, blocking_answers: dict[int, tuple[object, ...]]) -> None:
+    depth: int, seed: int, blocking_answers: dict[int, tuple[object, ...]]
+) -> None:
     run = _drive(depth, seed)
     s, device = run.sched, run.device
     for events in run.ends.values():  # every request ends exactly once
@@ -215,16 +247,19 @@ class EagerReleaseScheduler(Scheduler):
             seq.own_pages = []
 
 
-@pytest.mark.parametrize(("depth", "fault", "invariant"), [
-    (1, {"skip_d2h_wait": True}, "I7"),
-    (2, {"skip_d2h_wait": True}, "I7"),
-    (2, {"skip_step_done_wait": True}, "I3"),
-    (2, {"skip_mask_wait": True}, "order"),
-    (2, {"skip_inputs_wait": True}, "order"),
-    (2, {"stream_per_slot": True}, "I1"),
-    (2, {"pipeline": EarlySlotReusePipeline}, "I5"),
-    (2, {"scheduler": EagerReleaseScheduler}, "I6"),
-])
+@pytest.mark.parametrize(
+    ("depth", "fault", "invariant"),
+    [
+        (1, {"skip_d2h_wait": True}, "I7"),
+        (2, {"skip_d2h_wait": True}, "I7"),
+        (2, {"skip_step_done_wait": True}, "I3"),
+        (2, {"skip_mask_wait": True}, "order"),
+        (2, {"skip_inputs_wait": True}, "order"),
+        (2, {"stream_per_slot": True}, "I1"),
+        (2, {"pipeline": EarlySlotReusePipeline}, "I5"),
+        (2, {"scheduler": EagerReleaseScheduler}, "I6"),
+    ],
+)
 def test_faults_are_caught(depth: int, fault: dict[str, Any], invariant: str) -> None:
     with pytest.raises(DeviceViolation) as info:
         for seed in SEEDS:  # races are random: some seed must expose it
@@ -306,14 +341,22 @@ def test_protocol_is_what_the_scheduler_uses() -> None:
 @pytest.mark.parametrize("impl", [ModelRuntime, FakeRuntime])
 def test_runtimes_match_the_protocol(impl: type) -> None:
     for name in _METHODS:
-        assert inspect.signature(getattr(impl, name)) == \
-            inspect.signature(getattr(Runtime, name)), f"{impl.__name__}.{name}"
+        assert inspect.signature(getattr(impl, name)) == inspect.signature(
+            getattr(Runtime, name)
+        ), f"{impl.__name__}.{name}"
 
 
 def test_runtime_instances_satisfy_the_protocol(tiny: LoadedModel) -> None:
     cfg = EngineConfig(max_batch=2, kv_budget_bytes=1 << 20)
     real = ModelRuntime(tiny.model, cfg, MaskTable(tiny.model.config.text.vocab_size, 8))
-    fake = FakeRuntime(FakeDevice(), cfg, MaskTable(VOCAB, 8), n_pages=8,
-                       max_context=MAX_CONTEXT, eos_id=EOS, coord_id=COORD)
+    fake = FakeRuntime(
+        FakeDevice(),
+        cfg,
+        MaskTable(VOCAB, 8),
+        n_pages=8,
+        max_context=MAX_CONTEXT,
+        eos_id=EOS,
+        coord_id=COORD,
+    )
     for rt in (real, fake):
         assert isinstance(rt, Runtime) and isinstance(rt.pages, PageAllocator)

@@ -115,23 +115,33 @@ def two_images() -> list[PreparedImage]:
 
 
 _ACTIONS = st.lists(
-    st.tuples(st.sampled_from(["submit", "cancel", "tick", "tick", "tick"]),
-              st.integers(0, 1000)), min_size=1, max_size=40)
+    st.tuples(st.sampled_from(["submit", "cancel", "tick", "tick", "tick"]), st.integers(0, 1000)),
+    min_size=1,
+    max_size=40,
+)
 
 
-@settings(max_examples=60, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(actions=_ACTIONS, depth=st.sampled_from([1, 2]))
 def test_random_interleavings_leave_nothing_behind(
-        _threads: None, tiny: LoadedModel, two_images: list[PreparedImage],
-        actions: list[tuple[str, int]], depth: int) -> None:
+    _threads: None,
+    tiny: LoadedModel,
+    two_images: list[PreparedImage],
+    actions: list[tuple[str, int]],
+    depth: int,
+) -> None:
     """Submit, cancel and tick in random orders (the scheduler driven by hand, no thread):
     every request ends exactly once, and then every page, row and slot is free."""
 
     async def run() -> None:
-        engine = BatchedEngine(tiny, EngineConfig(pipeline_depth=depth, max_batch=3,
-                                                  kv_budget_bytes=3 << 20,
-                                                  prefix_cache_entries=1))
+        engine = BatchedEngine(
+            tiny,
+            EngineConfig(
+                pipeline_depth=depth, max_batch=3, kv_budget_bytes=3 << 20, prefix_cache_entries=1
+            ),
+        )
         s = engine.scheduler
         ends: dict[int, list[object]] = {}
         streams = {}
@@ -139,9 +149,16 @@ def test_random_interleavings_leave_nothing_behind(
             if action == "submit":
                 task = [Task.CAPTION, Task.QUERY, Task.POINT, Task.DETECT][n % 4]
                 image = two_images[n % 2] if n % 5 or task is not Task.QUERY else None
-                req = GenerationRequest(task, image,
-                                        question="q", object_name="o", temperature=n % 2,
-                                        max_tokens=1 + n % 7, max_objects=1 + n % 3, seed=n)
+                req = GenerationRequest(
+                    task,
+                    image,
+                    question="q",
+                    object_name="o",
+                    temperature=n % 2,
+                    max_tokens=1 + n % 7,
+                    max_objects=1 + n % 3,
+                    seed=n,
+                )
                 stream = engine.submit(req)
                 i = len(streams)
                 streams[i] = stream

@@ -27,8 +27,9 @@ def _lin(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
     return x @ layer.weight.double().T + layer.bias.double()
 
 
-def _softmax_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  allowed: torch.Tensor | None) -> torch.Tensor:
+def _softmax_attn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None
+) -> torch.Tensor:
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
@@ -44,8 +45,9 @@ def test_vision_block_matches_float64(tiny: LoadedModel) -> None:
     h = _ln(xd, block.ln1.weight.double(), block.ln1.bias.double())
     qkv = _lin(h, block.attn.qkv)
     d, nh = cfg.enc_dim, cfg.enc_n_heads
-    q, k, v = (qkv[..., i * d:(i + 1) * d].reshape(2, 50, nh, d // nh).transpose(1, 2)
-               for i in range(3))
+    q, k, v = (
+        qkv[..., i * d : (i + 1) * d].reshape(2, 50, nh, d // nh).transpose(1, 2) for i in range(3)
+    )
     a = _softmax_attn(q, k, v, None).transpose(1, 2).reshape(2, 50, d)
     xd = xd + _lin(a, block.attn.proj)
     h = _ln(xd, block.ln2.weight.double(), block.ln2.bias.double())
@@ -53,8 +55,7 @@ def test_vision_block_matches_float64(tiny: LoadedModel) -> None:
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
 
 
-def test_text_block_matches_float64_with_prefix_mask_and_partial_rotary(
-        tiny: LoadedModel) -> None:
+def test_text_block_matches_float64_with_prefix_mask_and_partial_rotary(tiny: LoadedModel) -> None:
     cfg = tiny.config.text
     block: TextBlock = tiny.model.text.blocks[0]
     t, prefix = 12, 5
@@ -68,8 +69,9 @@ def test_text_block_matches_float64_with_prefix_mask_and_partial_rotary(
     h = _ln(xd, block.ln.weight.double(), block.ln.bias.double())
     qkv = _lin(h, block.attn.qkv)
     nh, hd, d = cfg.n_heads, cfg.head_dim, cfg.dim
-    q, k, v = (qkv[..., i * d:(i + 1) * d].reshape(1, t, nh, hd).transpose(1, 2)
-               for i in range(3))
+    q, k, v = (
+        qkv[..., i * d : (i + 1) * d].reshape(1, t, nh, hd).transpose(1, 2) for i in range(3)
+    )
     # Moondream's own form: rotate the first rotary_dim dims with (re, im) = halves, then
     # write back interleaved; the interleave permutes q and k alike.
     r = cfg.rotary_dim
@@ -77,7 +79,7 @@ def test_text_block_matches_float64_with_prefix_mask_and_partial_rotary(
     ang = torch.arange(t, dtype=torch.float64)[:, None] * inv
 
     def rope(z: torch.Tensor) -> torch.Tensor:
-        re, im = z[..., : r // 2], z[..., r // 2: r]
+        re, im = z[..., : r // 2], z[..., r // 2 : r]
         c, s = ang.cos(), ang.sin()
         out = torch.stack([re * c - im * s, re * s + im * c], dim=-1).flatten(-2)
         return torch.cat([out, z[..., r:]], -1)
@@ -102,15 +104,23 @@ def test_region_heads_match_float64(tiny: LoadedModel) -> None:
         f = 2 * math.pi * v.double() @ w.double()
         return torch.cat([f.cos(), f.sin()], -1)
 
-    torch.testing.assert_close(region.encode_coord(x).double(),
-                               _lin(fourier(x, region.coord_features), region.coord_encoder),
-                               atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(region.encode_size(wh).double(),
-                               _lin(fourier(wh, region.size_features), region.size_encoder),
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        region.encode_coord(x).double(),
+        _lin(fourier(x, region.coord_features), region.coord_encoder),
+        atol=1e-4,
+        rtol=1e-4,
+    )
+    torch.testing.assert_close(
+        region.encode_size(wh).double(),
+        _lin(fourier(wh, region.size_features), region.size_encoder),
+        atol=1e-4,
+        rtol=1e-4,
+    )
     hd = hidden.double()
-    for mlp, got in ((region.coord_decoder, region.decode_coord(hidden)),
-                     (region.size_decoder, region.decode_size(hidden))):
+    for mlp, got in (
+        (region.coord_decoder, region.decode_coord(hidden)),
+        (region.size_decoder, region.decode_size(hidden)),
+    ):
         want = _lin(_gelu(_lin(hd, mlp.fc1)), mlp.fc2)
         torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
     assert region.decode_coord(hidden).shape[-1] == 1024
@@ -124,7 +134,7 @@ def test_patchify_order_matches_conv_weight_flattening(tiny: LoadedModel) -> Non
     patches = enc.patchify(crops)
     p = cfg.patch_size
     py, px = 3, 5
-    want = crops[0, :, py * p:(py + 1) * p, px * p:(px + 1) * p].reshape(-1)
+    want = crops[0, :, py * p : (py + 1) * p, px * p : (px + 1) * p].reshape(-1)
     assert torch.equal(patches[0, py * cfg.grid_size + px], want)
 
 

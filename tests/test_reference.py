@@ -22,8 +22,9 @@ from vlm_server.weights.writer import write_checkpoint
 GREEDY = SamplingSettings(temperature=0.0, max_tokens=24)
 
 
-def test_caption_lengths_use_their_templates(generator: ReferenceGenerator,
-                                             sample_image: PreparedImage) -> None:
+def test_caption_lengths_use_their_templates(
+    generator: ReferenceGenerator, sample_image: PreparedImage
+) -> None:
     texts = {}
     for length in ("short", "normal", "long"):
         r = generator.caption(sample_image, length, GREEDY)
@@ -36,13 +37,15 @@ def test_caption_lengths_use_their_templates(generator: ReferenceGenerator,
     logits = []
     for length in ("short", "normal", "long"):
         _, hidden, _ = generator._start(
-            sample_image, prompts.caption_prompt(generator.contract, length), 1)
+            sample_image, prompts.caption_prompt(generator.contract, length), 1
+        )
         logits.append(generator.model.text.logits(hidden))
     assert not torch.allclose(logits[0], logits[1]) and not torch.allclose(logits[1], logits[2])
 
 
-def test_greedy_decode_equals_full_recompute(generator: ReferenceGenerator,
-                                             sample_image: PreparedImage) -> None:
+def test_greedy_decode_equals_full_recompute(
+    generator: ReferenceGenerator, sample_image: PreparedImage
+) -> None:
     """The cached step-by-step decode gives the argmax of a from-scratch forward each step."""
     m = generator.model
     r = generator.query(sample_image, "what is here?", GREEDY)
@@ -65,19 +68,26 @@ def test_greedy_decode_equals_full_recompute(generator: ReferenceGenerator,
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(
-        generator: ReferenceGenerator, sample_image: PreparedImage) -> None:
+    generator: ReferenceGenerator, sample_image: PreparedImage
+) -> None:
     s = SamplingSettings(temperature=1.0, top_p=0.95, max_tokens=16, seed=7)
     a = generator.caption(sample_image, "normal", s)
     b = generator.caption(sample_image, "normal", s)
-    others = [generator.caption(sample_image, "normal",
-                                SamplingSettings(temperature=1.0, top_p=0.95, max_tokens=16,
-                                                 seed=seed)).token_ids for seed in (8, 9, 10)]
+    others = [
+        generator.caption(
+            sample_image,
+            "normal",
+            SamplingSettings(temperature=1.0, top_p=0.95, max_tokens=16, seed=seed),
+        ).token_ids
+        for seed in (8, 9, 10)
+    ]
     assert a.token_ids == b.token_ids
     assert any(o != a.token_ids for o in others)
 
 
 def test_suppressed_ids_never_appear_after_the_first_token(
-        generator: ReferenceGenerator, sample_image: PreparedImage) -> None:
+    generator: ReferenceGenerator, sample_image: PreparedImage
+) -> None:
     model = copy.deepcopy(generator.model)
     answer = generator.contract.answer_id
     with torch.no_grad():
@@ -102,7 +112,8 @@ def _biased(generator: ReferenceGenerator, token: int) -> ReferenceGenerator:
 
 @pytest.mark.parametrize("task", ["point", "detect"])
 def test_regions_hit_max_objects_and_stay_normalized(
-        generator: ReferenceGenerator, sample_image: PreparedImage, task: str) -> None:
+    generator: ReferenceGenerator, sample_image: PreparedImage, task: str
+) -> None:
     gen = _biased(generator, generator.contract.coord_id)
     r = getattr(gen, task)(sample_image, "car", max_objects=4)
     assert r.finish_reason == "max_objects"
@@ -117,15 +128,17 @@ def test_regions_hit_max_objects_and_stay_normalized(
 
 
 @pytest.mark.parametrize("task", ["point", "detect"])
-def test_regions_stop_at_eos(generator: ReferenceGenerator, sample_image: PreparedImage,
-                             task: str) -> None:
+def test_regions_stop_at_eos(
+    generator: ReferenceGenerator, sample_image: PreparedImage, task: str
+) -> None:
     gen = _biased(generator, generator.contract.eos_id)
     r = getattr(gen, task)(sample_image, "car")
     assert r.finish_reason == "eos" and not r.points and not r.boxes
 
 
-def test_coord_or_eos_boundary_ignores_other_tokens(generator: ReferenceGenerator,
-                                                    sample_image: PreparedImage) -> None:
+def test_coord_or_eos_boundary_ignores_other_tokens(
+    generator: ReferenceGenerator, sample_image: PreparedImage
+) -> None:
     # The argmax is some third token; the 2025-06 rule still only weighs coord against eos.
     gen = _biased(generator, 42)
     logits = torch.zeros(1, generator.config.text.vocab_size)
@@ -151,8 +164,9 @@ def test_gpt2_contract_tests_only_eos(tmp_path: Path, sample_image: PreparedImag
     assert 50256 not in r.token_ids
 
 
-def test_context_overflow_is_refused(generator: ReferenceGenerator,
-                                     sample_image: PreparedImage) -> None:
+def test_context_overflow_is_refused(
+    generator: ReferenceGenerator, sample_image: PreparedImage
+) -> None:
     with pytest.raises(ContextOverflow, match="exceeds the model context"):
         generator.caption(sample_image, "short", SamplingSettings(max_tokens=2000))
     with pytest.raises(ContextOverflow):
@@ -165,8 +179,9 @@ def test_invalid_settings_are_refused() -> None:
             SamplingSettings(**bad)
 
 
-def test_cli_runs_each_task_on_the_sample(tiny_dir: Path, capsys: pytest.CaptureFixture,
-                                          tiny: LoadedModel) -> None:
+def test_cli_runs_each_task_on_the_sample(
+    tiny_dir: Path, capsys: pytest.CaptureFixture, tiny: LoadedModel
+) -> None:
     base = ["--model", str(tiny_dir), "--device", "cpu", "--dtype", "fp32"]
     assert cli_main(["run", "detect", "sample", "car", "--json", *base]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -181,8 +196,9 @@ def test_cli_runs_each_task_on_the_sample(tiny_dir: Path, capsys: pytest.Capture
     assert "error" in capsys.readouterr().err
 
 
-def test_cli_default_model_is_written_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                           capsys: pytest.CaptureFixture) -> None:
+def test_cli_default_model_is_written_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert cli_main(["run", "caption", "sample", "--max-tokens", "3", "--device", "cpu"]) == 0
     assert "random" in capsys.readouterr().err
@@ -192,8 +208,9 @@ def test_cli_default_model_is_written_once(tmp_path: Path, monkeypatch: pytest.M
     assert (tmp_path / "ck" / "model.safetensors").exists()
 
 
-def test_reference_segment_and_constraints_parse(generator: ReferenceGenerator,
-                                                 sample_image: PreparedImage) -> None:
+def test_reference_segment_and_constraints_parse(
+    generator: ReferenceGenerator, sample_image: PreparedImage
+) -> None:
     seg, reason = generator.segment(sample_image, "car", max_tokens=30)
     assert reason in ("eos", "length")
     assert seg.path.startswith("M") and seg.path.endswith("Z")

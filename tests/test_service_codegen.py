@@ -30,8 +30,15 @@ def test_service_has_one_rpc_per_task_with_streaming_text() -> None:
     service = pb.DESCRIPTOR.services_by_name["VisionLanguage"]
     assert service.full_name == "vlm.v1.VisionLanguage"
     methods = {m.name: m for m in service.methods}
-    assert set(methods) == {"Caption", "Query", "Point", "Detect", "Segment", "EncodeImage",
-                            "GetModelInfo"}
+    assert set(methods) == {
+        "Caption",
+        "Query",
+        "Point",
+        "Detect",
+        "Segment",
+        "EncodeImage",
+        "GetModelInfo",
+    }
     streaming = {name for name, m in methods.items() if m.server_streaming}
     assert streaming == {"Caption", "Query"}
     assert not any(m.client_streaming for m in methods.values())
@@ -41,15 +48,19 @@ def test_coordinates_are_named_as_normalized() -> None:
     point = pb.NormalizedPoint.DESCRIPTOR
     box = pb.NormalizedBox.DESCRIPTOR
     assert [f.name for f in point.fields] == ["x_norm", "y_norm"]
-    assert [f.name for f in box.fields] == ["x_min_norm", "y_min_norm", "x_max_norm",
-                                            "y_max_norm"]
+    assert [f.name for f in box.fields] == ["x_min_norm", "y_min_norm", "x_max_norm", "y_max_norm"]
     source = (codegen.PROTO_ROOT / codegen.PROTO_FILES[0]).read_text()
     assert "normalized to [0, 1]" in source and "origin at the top-left" in source
 
 
 def test_every_task_request_takes_bytes_or_an_image_id() -> None:
-    for message in (pb.CaptionRequest, pb.QueryRequest, pb.PointRequest, pb.DetectRequest,
-                    pb.SegmentRequest):
+    for message in (
+        pb.CaptionRequest,
+        pb.QueryRequest,
+        pb.PointRequest,
+        pb.DetectRequest,
+        pb.SegmentRequest,
+    ):
         oneof = message.DESCRIPTOR.oneofs_by_name["image"]
         assert [f.name for f in oneof.fields] == ["image_bytes", "image_id"]
         assert "settings" in message.DESCRIPTOR.fields_by_name

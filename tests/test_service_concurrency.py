@@ -65,8 +65,9 @@ def _small_image() -> bytes:
 SMALL = _small_image()
 
 
-def _expected_text(ids: list[int], max_tokens: int,
-                   generator: ReferenceGenerator) -> tuple[str, str]:
+def _expected_text(
+    ids: list[int], max_tokens: int, generator: ReferenceGenerator
+) -> tuple[str, str]:
     """Greedy output for ``max_tokens`` from a longer greedy run: a prefix of it ("length"),
     or all of it when the run ended with eos sooner."""
     if max_tokens <= len(ids):
@@ -80,30 +81,49 @@ def _specs() -> list[dict[str, Any]]:
     for i in range(CLIENTS):
         kind = i % 4
         if kind == 0:
-            specs.append({"task": "caption", "length": ["short", "normal", "long"][i // 4 % 3],
-                          "max_tokens": 1 + i // 4 % 4})
+            specs.append(
+                {
+                    "task": "caption",
+                    "length": ["short", "normal", "long"][i // 4 % 3],
+                    "max_tokens": 1 + i // 4 % 4,
+                }
+            )
         elif kind == 1:
-            specs.append({"task": "query", "question": f"question number {i}?",
-                          "max_tokens": 3, "image": i % 8 == 1})
+            specs.append(
+                {
+                    "task": "query",
+                    "question": f"question number {i}?",
+                    "max_tokens": 3,
+                    "image": i % 8 == 1,
+                }
+            )
         else:
-            specs.append({"task": "point" if kind == 2 else "detect",
-                          "object": objects[i // 4 % 4], "max_objects": 3})
+            specs.append(
+                {
+                    "task": "point" if kind == 2 else "detect",
+                    "object": objects[i // 4 % 4],
+                    "max_objects": 3,
+                }
+            )
     return specs
 
 
-def _expected(spec: dict[str, Any], generator: ReferenceGenerator,
-              cache: dict[Any, Any]) -> Any:
+def _expected(spec: dict[str, Any], generator: ReferenceGenerator, cache: dict[Any, Any]) -> Any:
     image = cache.setdefault("image", prepare_image(SMALL))
     if spec["task"] == "caption":
         key = ("caption", spec["length"])
         if key not in cache:
-            cache[key] = generator.caption(image, spec["length"],
-                                           SamplingSettings(temperature=0, max_tokens=4))
+            cache[key] = generator.caption(
+                image, spec["length"], SamplingSettings(temperature=0, max_tokens=4)
+            )
         run = cache[key]
         return _expected_text(run.token_ids, spec["max_tokens"], generator)
     if spec["task"] == "query":
-        run = generator.query(image if spec["image"] else None, spec["question"],
-                              SamplingSettings(temperature=0, max_tokens=spec["max_tokens"]))
+        run = generator.query(
+            image if spec["image"] else None,
+            spec["question"],
+            SamplingSettings(temperature=0, max_tokens=spec["max_tokens"]),
+        )
         return run.text, run.finish_reason
     key = (spec["task"], spec["object"])
     if key not in cache:
@@ -118,11 +138,16 @@ def _expected(spec: dict[str, Any], generator: ReferenceGenerator,
 async def _one(target: str, spec: dict[str, Any], uploaded: Any) -> Any:
     async with AsyncVisionLanguageClient(target, timeout=120) as client:
         if spec["task"] == "caption":
-            r: Any = await client.caption(uploaded, spec["length"], temperature=0,
-                                          max_tokens=spec["max_tokens"])
+            r: Any = await client.caption(
+                uploaded, spec["length"], temperature=0, max_tokens=spec["max_tokens"]
+            )
         elif spec["task"] == "query":
-            r = await client.query(SMALL if spec["image"] else None, spec["question"],
-                                   temperature=0, max_tokens=spec["max_tokens"])
+            r = await client.query(
+                SMALL if spec["image"] else None,
+                spec["question"],
+                temperature=0,
+                max_tokens=spec["max_tokens"],
+            )
         elif spec["task"] == "point":
             r = await client.point(SMALL, spec["object"], max_objects=spec["max_objects"])
         else:
@@ -165,8 +190,7 @@ def single_stub(single: ServerThread) -> Iterator[pb_grpc.VisionLanguageStub]:
 
 @pytest.fixture(scope="module")
 def gated(tiny: LoadedModel) -> Iterator[ServerThread]:
-    factory = lambda: GatedReferenceEngine(lambda: tiny, max_queue=1,
-                                                   kv_budget_bytes=KV_BUDGET)
+    factory = lambda: GatedReferenceEngine(lambda: tiny, max_queue=1, kv_budget_bytes=KV_BUDGET)
     with ServerThread(local_config(), factory) as running:
         yield running
 
@@ -221,20 +245,25 @@ def _rid(name: str) -> tuple[tuple[str, str], ...]:
 
 
 def _long_query(max_tokens: int = 400) -> pb.QueryRequest:
-    return pb.QueryRequest(question="tell me a long story",
-                           settings=pb.GenerationSettings(temperature=0, max_tokens=max_tokens))
+    return pb.QueryRequest(
+        question="tell me a long story",
+        settings=pb.GenerationSettings(temperature=0, max_tokens=max_tokens),
+    )
 
 
 def _long_caption() -> pb.CaptionRequest:
-    return pb.CaptionRequest(image_bytes=SMALL, settings=pb.GenerationSettings(
-        temperature=0, max_tokens=LONG_CAPTION_TOKENS))
+    return pb.CaptionRequest(
+        image_bytes=SMALL,
+        settings=pb.GenerationSettings(temperature=0, max_tokens=LONG_CAPTION_TOKENS),
+    )
 
 
 # ---- many clients (batched engine) --------------------------------------------------------
 
 
-def test_64_concurrent_clients_get_their_own_answers(batched: ServerThread,
-                                                     generator: ReferenceGenerator) -> None:
+def test_64_concurrent_clients_get_their_own_answers(
+    batched: ServerThread, generator: ReferenceGenerator
+) -> None:
     engine = _batched(batched)
     specs = _specs()
     results = asyncio.run(_all(batched.target, specs))
@@ -256,8 +285,9 @@ def test_64_concurrent_clients_get_their_own_answers(batched: ServerThread,
 # ---- cancellation and deadlines (batched engine) ------------------------------------------
 
 
-def test_cancel_mid_stream_frees_the_pages(batched: ServerThread,
-                                           batched_stub: pb_grpc.VisionLanguageStub) -> None:
+def test_cancel_mid_stream_frees_the_pages(
+    batched: ServerThread, batched_stub: pb_grpc.VisionLanguageStub
+) -> None:
     engine = _batched(batched)
     call = batched_stub.Caption(_long_caption(), timeout=60, metadata=_rid("cancel-me"))
     first = [next(call) for _ in range(3)]  # it runs: three deltas streamed
@@ -273,7 +303,8 @@ def test_cancel_mid_stream_frees_the_pages(batched: ServerThread,
 
 
 def test_deadline_while_running_stops_the_request(
-        batched: ServerThread, batched_stub: pb_grpc.VisionLanguageStub) -> None:
+    batched: ServerThread, batched_stub: pb_grpc.VisionLanguageStub
+) -> None:
     engine = _batched(batched)
     # Hundreds of milliseconds to the first token at most; seconds for the whole caption.
     call = batched_stub.Caption(_long_caption(), timeout=1.0, metadata=_rid("too-slow"))
@@ -288,10 +319,12 @@ def test_deadline_while_running_stops_the_request(
 
 
 def test_deadline_while_queued_never_runs_the_request(
-        single: ServerThread, single_stub: pb_grpc.VisionLanguageStub) -> None:
+    single: ServerThread, single_stub: pb_grpc.VisionLanguageStub
+) -> None:
     engine = _batched(single)
-    running = single_stub.Query(_long_query(LONG_QUERY_TOKENS), timeout=60,
-                                metadata=_rid("occupant"))
+    running = single_stub.Query(
+        _long_query(LONG_QUERY_TOKENS), timeout=60, metadata=_rid("occupant")
+    )
     assert next(running).WhichOneof("event") == "delta"
     late = single_stub.Query(_long_query(4), timeout=1.0, metadata=_rid("late"))
     wait_for(lambda: len(engine.scheduler.waiting) == 1, what="a request waiting for a slot")
@@ -302,16 +335,19 @@ def test_deadline_while_queued_never_runs_the_request(
             list(late)
         assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         running.cancel()
-    wait_for(lambda: len(engine.outcomes.keys() & {"late", "occupant"}) == 2,
-             what="the engine to end both requests")
+    wait_for(
+        lambda: len(engine.outcomes.keys() & {"late", "occupant"}) == 2,
+        what="the engine to end both requests",
+    )
     assert engine.outcomes["late"] in ("CANCELLED", "DEADLINE_EXCEEDED")
     assert engine.outcomes["occupant"] == "CANCELLED"
     assert "occupant" in engine.prefilled and "late" not in engine.prefilled  # never ran
     _settled(engine)
 
 
-def test_full_queue_is_resource_exhausted(single: ServerThread,
-                                          single_stub: pb_grpc.VisionLanguageStub) -> None:
+def test_full_queue_is_resource_exhausted(
+    single: ServerThread, single_stub: pb_grpc.VisionLanguageStub
+) -> None:
     engine = _batched(single)
     with _held(engine), VisionLanguageClient(single.target, timeout=30) as client:
         running = single_stub.Query(_long_query(LONG_QUERY_TOKENS), timeout=60)
@@ -329,8 +365,10 @@ def test_full_queue_is_resource_exhausted(single: ServerThread,
 
 def test_request_beyond_the_kv_cache_is_resource_exhausted(single: ServerThread) -> None:
     # The image prefix (46 pages) plus 300 tokens (19 pages) cannot fit 59 pages.
-    with VisionLanguageClient(single.target, timeout=30) as client, \
-            pytest.raises(VlmError) as caught:
+    with (
+        VisionLanguageClient(single.target, timeout=30) as client,
+        pytest.raises(VlmError) as caught,
+    ):
         client.caption(SMALL, max_tokens=300)
     assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert caught.value.field == "settings.max_tokens"
@@ -348,8 +386,9 @@ def test_request_that_fits_the_kv_cache_is_admitted(single: ServerThread) -> Non
 # ---- the same on the reference engine -----------------------------------------------------
 
 
-def test_reference_cancel_mid_stream_frees_the_request(gated: ServerThread,
-                                             gated_stub: pb_grpc.VisionLanguageStub) -> None:
+def test_reference_cancel_mid_stream_frees_the_request(
+    gated: ServerThread, gated_stub: pb_grpc.VisionLanguageStub
+) -> None:
     engine = _engine(gated)
     before = engine.counts()
     with _held(engine):
@@ -368,7 +407,8 @@ def test_reference_cancel_mid_stream_frees_the_request(gated: ServerThread,
 
 
 def test_reference_deadline_while_queued_never_runs_the_request(
-        gated: ServerThread, gated_stub: pb_grpc.VisionLanguageStub) -> None:
+    gated: ServerThread, gated_stub: pb_grpc.VisionLanguageStub
+) -> None:
     engine = _engine(gated)
     with _held(engine):
         running = gated_stub.Query(_long_query(8), timeout=60)
@@ -384,7 +424,8 @@ def test_reference_deadline_while_queued_never_runs_the_request(
 
 
 def test_reference_deadline_while_running_stops_the_request(
-        gated: ServerThread, gated_stub: pb_grpc.VisionLanguageStub) -> None:
+    gated: ServerThread, gated_stub: pb_grpc.VisionLanguageStub
+) -> None:
     engine = _engine(gated)
     before = engine.counts()
     with _held(engine):
@@ -402,8 +443,9 @@ def test_reference_deadline_while_running_stops_the_request(
     assert after.get("finished", 0) == before.get("finished", 0)
 
 
-def test_reference_full_queue_is_resource_exhausted(gated: ServerThread,
-                                          gated_stub: pb_grpc.VisionLanguageStub) -> None:
+def test_reference_full_queue_is_resource_exhausted(
+    gated: ServerThread, gated_stub: pb_grpc.VisionLanguageStub
+) -> None:
     engine = _engine(gated)
     with _held(engine), VisionLanguageClient(gated.target, timeout=30) as client:
         running = gated_stub.Query(_long_query(4), timeout=60)
@@ -419,10 +461,11 @@ def test_reference_full_queue_is_resource_exhausted(gated: ServerThread,
     wait_for(lambda: _idle(engine), what="an idle engine")
 
 
-def test_reference_request_beyond_the_kv_budget_is_resource_exhausted(
-        gated: ServerThread) -> None:
-    with VisionLanguageClient(gated.target, timeout=30) as client, \
-            pytest.raises(VlmError) as caught:
+def test_reference_request_beyond_the_kv_budget_is_resource_exhausted(gated: ServerThread) -> None:
+    with (
+        VisionLanguageClient(gated.target, timeout=30) as client,
+        pytest.raises(VlmError) as caught,
+    ):
         client.caption(SMALL, max_tokens=30)
     assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert caught.value.field == "settings.max_tokens"

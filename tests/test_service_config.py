@@ -20,8 +20,13 @@ def test_defaults() -> None:
 
 
 def test_environment_then_flags_take_precedence() -> None:
-    env = {"VLM_PORT": "6000", "VLM_MAX_BATCH_SIZE": "8", "VLM_MAX_MESSAGE_BYTES": "64MiB",
-           "VLM_MODEL": "/models/md2", "VLM_DTYPE": "bf16"}
+    env = {
+        "VLM_PORT": "6000",
+        "VLM_MAX_BATCH_SIZE": "8",
+        "VLM_MAX_MESSAGE_BYTES": "64MiB",
+        "VLM_MODEL": "/models/md2",
+        "VLM_DTYPE": "bf16",
+    }
     config = load_config(["--port", "7000", "--queue-limit", "5"], environ=env)
     assert (config.port, config.max_batch_size, config.queue_limit) == (7000, 8, 5)
     assert config.max_message_bytes == 64 << 20
@@ -34,21 +39,27 @@ def test_every_option_has_a_flag_and_an_environment_variable() -> None:
     assert all(opt.env == "VLM_" + opt.name.upper() for opt in OPTIONS)
 
 
-@pytest.mark.parametrize(("text", "value"), [("1024", 1024), ("2KiB", 2048), ("32MiB", 32 << 20),
-                                             ("1g", 1 << 30), ("5 MB", 5 << 20)])
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("1024", 1024), ("2KiB", 2048), ("32MiB", 32 << 20), ("1g", 1 << 30), ("5 MB", 5 << 20)],
+)
 def test_parse_size(text: str, value: int) -> None:
     assert parse_size(text) == value
 
 
-@pytest.mark.parametrize(("argv", "env"), [
-    ([], {"VLM_PORT": "many"}),
-    ([], {"VLM_DTYPE": "int4"}),
-    (["--queue-limit", "0"], {}),
-    (["--max-message-bytes", "lots"], {}),
-    (["--log-format", "xml"], {}),
-])
-def test_bad_values_are_refused(argv: list[str], env: dict[str, str],
-                                capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("argv", "env"),
+    [
+        ([], {"VLM_PORT": "many"}),
+        ([], {"VLM_DTYPE": "int4"}),
+        (["--queue-limit", "0"], {}),
+        (["--max-message-bytes", "lots"], {}),
+        (["--log-format", "xml"], {}),
+    ],
+)
+def test_bad_values_are_refused(
+    argv: list[str], env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as caught:
         load_config(argv, environ=env)
     assert caught.value.code == 2
@@ -62,8 +73,9 @@ def _record(**fields: object) -> logging.LogRecord:
 
 
 def test_key_value_and_json_log_lines() -> None:
-    record = _record(request_id="ab12", task="caption", code="OK", total_ms=12.3456,
-                     error="bad thing = here")
+    record = _record(
+        request_id="ab12", task="caption", code="OK", total_ms=12.3456, error="bad thing = here"
+    )
     line = KeyValueFormatter().format(record)
     assert "msg=request request_id=ab12 task=caption code=OK total_ms=12.346" in line
     assert 'error="bad thing = here"' in line and "\n" not in line

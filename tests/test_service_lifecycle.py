@@ -103,8 +103,7 @@ def test_readiness_is_off_while_loading_and_during_drain(tiny: LoadedModel, kind
             wait_for(lambda: _health(target, SERVICE_NAME) == SERVING, what="readiness")
 
             engine.token_gate.clear()
-            stream = client.query_stream(None, "a long answer please", temperature=0,
-                                         max_tokens=24)
+            stream = client.query_stream(None, "a long answer please", temperature=0, max_tokens=24)
             reader = concurrent.futures.ThreadPoolExecutor(1)
             first = reader.submit(lambda: list(stream))
             reader.shutdown(wait=False)
@@ -143,18 +142,33 @@ def _read_ports(proc: subprocess.Popen[str], lines: list[str]) -> tuple[int, int
 
 
 def test_sigterm_finishes_accepted_requests_then_exits_0(
-        tiny_dir: Path, generator: ReferenceGenerator, sample_image: PreparedImage) -> None:
+    tiny_dir: Path, generator: ReferenceGenerator, sample_image: PreparedImage
+) -> None:
     env = {**os.environ, "VLM_GRACE_PERIOD": "60"}  # also checks the environment is read
-    cmd = [sys.executable, "-m", "vlm_server.service.main", "--model", str(tiny_dir),
-           "--device", "cpu", "--dtype", "fp32", "--host", "127.0.0.1", "--port", "0",
-           "--metrics-port", "0"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env=env, cwd=REPO_ROOT)
+    cmd = [
+        sys.executable,
+        "-m",
+        "vlm_server.service.main",
+        "--model",
+        str(tiny_dir),
+        "--device",
+        "cpu",
+        "--dtype",
+        "fp32",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+    ]
+    proc = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=REPO_ROOT
+    )
     lines: list[str] = []
     try:
         port, _ = _read_ports(proc, lines)
-        drain_log = threading.Thread(target=lambda: lines.extend(proc.stderr or ()),
-                                     daemon=True)
+        drain_log = threading.Thread(target=lambda: lines.extend(proc.stderr or ()), daemon=True)
         drain_log.start()
         target = f"127.0.0.1:{port}"
         wait_for(lambda: _health(target, SERVICE_NAME) == SERVING, timeout=60, what="ready")
@@ -163,7 +177,8 @@ def test_sigterm_finishes_accepted_requests_then_exits_0(
             stub = pb_grpc.VisionLanguageStub(channel)
             request = pb.CaptionRequest(
                 image_bytes=sample_image_bytes(),
-                settings=pb.GenerationSettings(temperature=0, max_tokens=max_tokens))
+                settings=pb.GenerationSettings(temperature=0, max_tokens=max_tokens),
+            )
             calls = [stub.Caption(request, timeout=120) for _ in range(n)]
             # Every request runs (a delta streamed), with about a hundred steps to go.
             firsts = [next(call) for call in calls]
@@ -178,8 +193,9 @@ def test_sigterm_finishes_accepted_requests_then_exits_0(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    want = generator.caption(sample_image, "normal", SamplingSettings(temperature=0,
-                                                                      max_tokens=max_tokens))
+    want = generator.caption(
+        sample_image, "normal", SamplingSettings(temperature=0, max_tokens=max_tokens)
+    )
     for messages in results:
         assert messages[-1].result.text == want.text
         assert "".join(m.delta.text for m in messages[:-1]) == want.text
@@ -210,9 +226,10 @@ def server(tiny: LoadedModel, request: pytest.FixtureRequest) -> Iterator[Server
 def test_reflection_lists_and_describes_the_service(server: ServerThread) -> None:
     with grpc.insecure_channel(server.target) as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-        requests = [reflection_pb2.ServerReflectionRequest(list_services=""),
-                    reflection_pb2.ServerReflectionRequest(
-                        file_containing_symbol="vlm.v1.VisionLanguage")]
+        requests = [
+            reflection_pb2.ServerReflectionRequest(list_services=""),
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol="vlm.v1.VisionLanguage"),
+        ]
         listing, described = list(stub.ServerReflectionInfo(iter(requests), timeout=10))
     names = {s.name for s in listing.list_services_response.service}
     assert {SERVICE_NAME, "grpc.health.v1.Health"} <= names
@@ -220,8 +237,7 @@ def test_reflection_lists_and_describes_the_service(server: ServerThread) -> Non
     assert files and b"vlm/v1/vision_language.proto" in files[0]
 
 
-def test_metrics_endpoint_counts_requests_and_reads_engine_gauges(
-        server: ServerThread) -> None:
+def test_metrics_endpoint_counts_requests_and_reads_engine_gauges(server: ServerThread) -> None:
     with VisionLanguageClient(server.target, timeout=60) as client:
         for _ in range(2):
             client.query(None, "hello?", temperature=0, max_tokens=3)
@@ -238,14 +254,21 @@ def test_metrics_endpoint_counts_requests_and_reads_engine_gauges(
     assert value("vlm_time_to_first_token_seconds_count", task="query") == 2
     assert value("vlm_request_duration_seconds_count", task="query") == 3
     assert value("vlm_output_tokens_total", task="query") > 0
-    for gauge in ("vlm_queue_depth", "vlm_active_sequences", "vlm_kv_pages_in_use",
-                  "vlm_batch_size", "vlm_step_period_ms", "vlm_prefix_cache_hit_ratio"):
+    for gauge in (
+        "vlm_queue_depth",
+        "vlm_active_sequences",
+        "vlm_kv_pages_in_use",
+        "vlm_batch_size",
+        "vlm_step_period_ms",
+        "vlm_prefix_cache_hit_ratio",
+    ):
         assert (gauge, ()) in samples, gauge
     assert value("vlm_queue_depth") == 0 and value("vlm_requests_in_flight") == 0
 
 
-def test_two_servers_in_one_process_keep_separate_metrics(server: ServerThread,
-                                                          tiny: LoadedModel) -> None:
+def test_two_servers_in_one_process_keep_separate_metrics(
+    server: ServerThread, tiny: LoadedModel
+) -> None:
     with ServerThread(local_config(), _engine_factory("batched", tiny)) as other:
         with VisionLanguageClient(other.target, timeout=60) as client:
             client.model_info()

@@ -42,21 +42,30 @@ def run(test: Callable[[], Awaitable[None]]) -> None:
 
 
 def text_request(max_tokens: int = 400, **kwargs: Any) -> GenerationRequest:
-    return GenerationRequest(task=Task.QUERY, image=None, question="tell me a story",
-                             temperature=0.0, max_tokens=max_tokens, **kwargs)
+    return GenerationRequest(
+        task=Task.QUERY,
+        image=None,
+        question="tell me a story",
+        temperature=0.0,
+        max_tokens=max_tokens,
+        **kwargs,
+    )
 
 
 def test_text_events_are_deltas_then_the_reference_result(
-        tiny: LoadedModel, generator: ReferenceGenerator, sample_image: PreparedImage) -> None:
+    tiny: LoadedModel, generator: ReferenceGenerator, sample_image: PreparedImage
+) -> None:
     async def body() -> None:
         engine = ReferenceEngine(lambda: tiny)
         await engine.start()
-        request = GenerationRequest(task=Task.CAPTION, image=sample_image, temperature=0.0,
-                                    max_tokens=10)
+        request = GenerationRequest(
+            task=Task.CAPTION, image=sample_image, temperature=0.0, max_tokens=10
+        )
         events = await collect(engine.submit(request))
         await engine.close()
-        want = generator.caption(sample_image, "normal", SamplingSettings(temperature=0.0,
-                                                                          max_tokens=10))
+        want = generator.caption(
+            sample_image, "normal", SamplingSettings(temperature=0.0, max_tokens=10)
+        )
         assert all(isinstance(e, TextDelta) and e.text for e in events[:-1])
         done = events[-1]
         assert isinstance(done, Finished)
@@ -67,8 +76,9 @@ def test_text_events_are_deltas_then_the_reference_result(
     run(body)
 
 
-def test_submit_checks_queue_limit_and_context(tiny: LoadedModel,
-                                               sample_image: PreparedImage) -> None:
+def test_submit_checks_queue_limit_and_context(
+    tiny: LoadedModel, sample_image: PreparedImage
+) -> None:
     async def body() -> None:
         engine = GatedReferenceEngine(lambda: tiny, max_queue=1)
         with pytest.raises(EngineError) as caught:
@@ -77,8 +87,9 @@ def test_submit_checks_queue_limit_and_context(tiny: LoadedModel,
         await engine.start()
         max_context = engine.info.max_context
         with pytest.raises(EngineError) as caught:
-            engine.submit(GenerationRequest(task=Task.CAPTION, image=sample_image,
-                                            max_tokens=max_context))
+            engine.submit(
+                GenerationRequest(task=Task.CAPTION, image=sample_image, max_tokens=max_context)
+            )
         assert caught.value.code == ErrorCode.OUT_OF_RANGE
         assert caught.value.field == "max_tokens"
         engine.token_gate.clear()

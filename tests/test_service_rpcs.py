@@ -102,11 +102,13 @@ def _greedy(max_tokens: int) -> SamplingSettings:
 
 
 def test_caption_streams_deltas_then_one_final_result(
-        stub: pb_grpc.VisionLanguageStub, generator: ReferenceGenerator,
-        sample_image: PreparedImage) -> None:
-    request = pb.CaptionRequest(image_bytes=sample_image_bytes(),
-                                length=pb.CAPTION_LENGTH_NORMAL,
-                                settings=pb.GenerationSettings(temperature=0, max_tokens=12))
+    stub: pb_grpc.VisionLanguageStub, generator: ReferenceGenerator, sample_image: PreparedImage
+) -> None:
+    request = pb.CaptionRequest(
+        image_bytes=sample_image_bytes(),
+        length=pb.CAPTION_LENGTH_NORMAL,
+        settings=pb.GenerationSettings(temperature=0, max_tokens=12),
+    )
     messages = list(stub.Caption(request, timeout=60))
     kinds = [m.WhichOneof("event") for m in messages]
     assert kinds[-1] == "result" and kinds.count("result") == 1
@@ -122,25 +124,32 @@ def test_caption_streams_deltas_then_one_final_result(
 
 
 @pytest.mark.parametrize("length", ["short", "long"])
-def test_caption_lengths_equal_the_reference(client: VisionLanguageClient,
-                                             generator: ReferenceGenerator,
-                                             sample_image: PreparedImage,
-                                             uploaded: EncodedImage, length: str) -> None:
+def test_caption_lengths_equal_the_reference(
+    client: VisionLanguageClient,
+    generator: ReferenceGenerator,
+    sample_image: PreparedImage,
+    uploaded: EncodedImage,
+    length: str,
+) -> None:
     got = client.caption(uploaded, length, max_tokens=6, **GREEDY)
     want = generator.caption(sample_image, length, _greedy(6))
     assert (got.text, got.finish_reason) == (want.text, want.finish_reason)
 
 
 def test_query_with_an_uploaded_image_equals_the_reference(
-        client: VisionLanguageClient, generator: ReferenceGenerator,
-        sample_image: PreparedImage, uploaded: EncodedImage) -> None:
+    client: VisionLanguageClient,
+    generator: ReferenceGenerator,
+    sample_image: PreparedImage,
+    uploaded: EncodedImage,
+) -> None:
     got = client.query(uploaded, "what is in the picture?", max_tokens=10, **GREEDY)
     want = generator.query(sample_image, "what is in the picture?", _greedy(10))
     assert (got.text, got.finish_reason) == (want.text, want.finish_reason)
 
 
 def test_query_without_an_image_streams_the_reference_text(
-        client: VisionLanguageClient, generator: ReferenceGenerator) -> None:
+    client: VisionLanguageClient, generator: ReferenceGenerator
+) -> None:
     events = list(client.query_stream(None, "tell me a story", max_tokens=16, **GREEDY))
     want = generator.query(None, "tell me a story", _greedy(16))
     final = events[-1]
@@ -149,17 +158,20 @@ def test_query_without_an_image_streams_the_reference_text(
 
 
 def test_sampled_query_is_reproducible_with_its_seed(
-        client: VisionLanguageClient, generator: ReferenceGenerator) -> None:
+    client: VisionLanguageClient, generator: ReferenceGenerator
+) -> None:
     settings = {"temperature": 1.0, "top_p": 0.9, "max_tokens": 10, "seed": 1234}
     got = client.query(None, "name a colour", **settings)
     want = generator.query(None, "name a colour", SamplingSettings(**settings))
     assert got.text == want.text
 
 
-def test_point_and_detect_equal_the_reference(client: VisionLanguageClient,
-                                              generator: ReferenceGenerator,
-                                              sample_image: PreparedImage,
-                                              uploaded: EncodedImage) -> None:
+def test_point_and_detect_equal_the_reference(
+    client: VisionLanguageClient,
+    generator: ReferenceGenerator,
+    sample_image: PreparedImage,
+    uploaded: EncodedImage,
+) -> None:
     points = client.point(sample_image_bytes(), "ball", max_objects=4)
     want_points = generator.point(sample_image, "ball", max_objects=4)
     assert [(p.x, p.y) for p in points.points] == [(p.x, p.y) for p in want_points.points]
@@ -167,40 +179,49 @@ def test_point_and_detect_equal_the_reference(client: VisionLanguageClient,
     boxes = client.detect(uploaded, "house", max_objects=4)
     want_boxes = generator.detect(sample_image, "house", max_objects=4)
     assert [(b.x_min, b.y_min, b.x_max, b.y_max) for b in boxes.boxes] == [
-        (b.x_min, b.y_min, b.x_max, b.y_max) for b in want_boxes.boxes]
+        (b.x_min, b.y_min, b.x_max, b.y_max) for b in want_boxes.boxes
+    ]
     assert boxes.finish_reason == want_boxes.finish_reason
 
 
-def _input_tokens_against_the_reference(client: VisionLanguageClient,
-                                        generator: ReferenceGenerator,
-                                        sample_image: PreparedImage) -> None:
+def _input_tokens_against_the_reference(
+    client: VisionLanguageClient, generator: ReferenceGenerator, sample_image: PreparedImage
+) -> None:
     """``metrics.input_tokens`` counts prompt tokens, image positions not (the proto's
     contract): the reference generation's ``prompt_tokens``, for every kind of request."""
     caption = client.caption(sample_image_bytes(), max_tokens=2, **GREEDY)
-    assert caption.metrics.input_tokens == generator.caption(
-        sample_image, "normal", _greedy(2)).prompt_tokens
+    assert (
+        caption.metrics.input_tokens
+        == generator.caption(sample_image, "normal", _greedy(2)).prompt_tokens
+    )
     query = client.query(None, "how many?", max_tokens=2, **GREEDY)
-    assert query.metrics.input_tokens == generator.query(
-        None, "how many?", _greedy(2)).prompt_tokens
+    assert (
+        query.metrics.input_tokens == generator.query(None, "how many?", _greedy(2)).prompt_tokens
+    )
     boxes = client.detect(sample_image_bytes(), "house", max_objects=1)
-    assert boxes.metrics.input_tokens == generator.detect(
-        sample_image, "house", max_objects=1).prompt_tokens
+    assert (
+        boxes.metrics.input_tokens
+        == generator.detect(sample_image, "house", max_objects=1).prompt_tokens
+    )
 
 
 def test_input_tokens_count_the_prompt_on_the_reference_engine(
-        reference_client: VisionLanguageClient, generator: ReferenceGenerator,
-        sample_image: PreparedImage) -> None:
+    reference_client: VisionLanguageClient,
+    generator: ReferenceGenerator,
+    sample_image: PreparedImage,
+) -> None:
     _input_tokens_against_the_reference(reference_client, generator, sample_image)
 
 
 def test_input_tokens_count_the_prompt_on_the_batched_engine(
-        batched_client: VisionLanguageClient, generator: ReferenceGenerator,
-        sample_image: PreparedImage) -> None:
+    batched_client: VisionLanguageClient, generator: ReferenceGenerator, sample_image: PreparedImage
+) -> None:
     _input_tokens_against_the_reference(batched_client, generator, sample_image)
 
 
-def test_encode_image_ids_name_the_content(client: VisionLanguageClient,
-                                           sample_image: PreparedImage) -> None:
+def test_encode_image_ids_name_the_content(
+    client: VisionLanguageClient, sample_image: PreparedImage
+) -> None:
     first = client.encode_image(sample_image_bytes())
     png = io.BytesIO()
     Image.open(io.BytesIO(sample_image_bytes())).save(png, format="PNG")
@@ -210,8 +231,9 @@ def test_encode_image_ids_name_the_content(client: VisionLanguageClient,
     assert (first.width, first.height, first.num_crops) == (800, 600, sample_image.num_crops)
 
 
-def test_model_info_reports_model_and_limits(client: VisionLanguageClient, engine_kind: str,
-                                             tiny: LoadedModel) -> None:
+def test_model_info_reports_model_and_limits(
+    client: VisionLanguageClient, engine_kind: str, tiny: LoadedModel
+) -> None:
     info = client.model_info()
     assert (info.model_name, info.token_contract) == ("tiny", "tiny")
     assert info.device == "cpu"
@@ -223,13 +245,15 @@ def test_model_info_reports_model_and_limits(client: VisionLanguageClient, engin
 
 
 def test_model_info_names_the_dtype_as_the_dtype_flag_does(
-        client: VisionLanguageClient, engine_kind: str, request: pytest.FixtureRequest) -> None:
+    client: VisionLanguageClient, engine_kind: str, request: pytest.FixtureRequest
+) -> None:
     assert client.model_info().dtype == "fp32"
 
 
 def test_request_id_comes_back_in_trailing_metadata(stub: pb_grpc.VisionLanguageStub) -> None:
-    _, call = stub.GetModelInfo.with_call(pb.GetModelInfoRequest(), timeout=10,
-                                          metadata=(("x-request-id", "abc-123"),))
+    _, call = stub.GetModelInfo.with_call(
+        pb.GetModelInfoRequest(), timeout=10, metadata=(("x-request-id", "abc-123"),)
+    )
     assert ("vlm-request-id", "abc-123") in tuple(call.trailing_metadata())
 
 
@@ -238,44 +262,105 @@ def test_request_id_comes_back_in_trailing_metadata(stub: pb_grpc.VisionLanguage
 
 SAMPLE = sample_image_bytes()
 IMAGE_ID_ERRORS: list[tuple[str, Callable[..., Any], grpc.StatusCode, str]] = [
-    ("garbage image", lambda c, i: c.point(b"\x00garbage" * 64, "car"),
-     grpc.StatusCode.INVALID_ARGUMENT, "image_bytes"),
-    ("empty image", lambda c, i: c.detect(b"", "car"),
-     grpc.StatusCode.INVALID_ARGUMENT, "image_bytes"),
-    ("truncated jpeg", lambda c, i: c.caption(SAMPLE[: len(SAMPLE) // 3]),
-     grpc.StatusCode.INVALID_ARGUMENT, "image_bytes"),
-    ("no image", lambda c, i: c.caption(None),
-     grpc.StatusCode.INVALID_ARGUMENT, "image"),
-    ("empty object", lambda c, i: c.detect(i, "   "),
-     grpc.StatusCode.INVALID_ARGUMENT, "object"),
-    ("empty question", lambda c, i: c.query(i, ""),
-     grpc.StatusCode.INVALID_ARGUMENT, "question"),
-    ("negative temperature", lambda c, i: c.caption(i, temperature=-0.1),
-     grpc.StatusCode.INVALID_ARGUMENT, "settings.temperature"),
-    ("nan temperature", lambda c, i: c.caption(i, temperature=float("nan")),
-     grpc.StatusCode.INVALID_ARGUMENT, "settings.temperature"),
-    ("top_p zero", lambda c, i: c.caption(i, top_p=0.0),
-     grpc.StatusCode.INVALID_ARGUMENT, "settings.top_p"),
-    ("top_p above one", lambda c, i: c.query(i, "q", top_p=1.5),
-     grpc.StatusCode.INVALID_ARGUMENT, "settings.top_p"),
-    ("max_tokens zero", lambda c, i: c.caption(i, max_tokens=0),
-     grpc.StatusCode.INVALID_ARGUMENT, "settings.max_tokens"),
-    ("max_tokens beyond the model", lambda c, i: c.caption(i, max_tokens=100_000),
-     grpc.StatusCode.INVALID_ARGUMENT, "settings.max_tokens"),
-    ("max_objects zero", lambda c, i: c.point(i, "car", max_objects=0),
-     grpc.StatusCode.INVALID_ARGUMENT, "settings.max_objects"),
-    ("unknown image id", lambda c, i: c.caption(EncodedImage("f" * 64, 1, 1, 1)),
-     grpc.StatusCode.INVALID_ARGUMENT, "image_id"),
-    ("bad regex", lambda c, i: c.query(i, "q", regex="(unclosed"),
-     grpc.StatusCode.INVALID_ARGUMENT, "regex"),
-    ("choices and regex", lambda c, i: c.query(i, "q", choices=["a"], regex="a"),
-     grpc.StatusCode.INVALID_ARGUMENT, "choices"),
-    ("empty choice", lambda c, i: c.query(i, "q", choices=["yes", ""]),
-     grpc.StatusCode.INVALID_ARGUMENT, "choices"),
-    ("prompt + max_tokens beyond context", lambda c, i: c.caption(i, max_tokens=2000),
-     grpc.StatusCode.OUT_OF_RANGE, "settings.max_tokens"),
-    ("objects beyond context", lambda c, i: c.detect(i, "car", max_objects=1000),
-     grpc.StatusCode.OUT_OF_RANGE, "settings.max_objects"),
+    (
+        "garbage image",
+        lambda c, i: c.point(b"\x00garbage" * 64, "car"),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "image_bytes",
+    ),
+    (
+        "empty image",
+        lambda c, i: c.detect(b"", "car"),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "image_bytes",
+    ),
+    (
+        "truncated jpeg",
+        lambda c, i: c.caption(SAMPLE[: len(SAMPLE) // 3]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "image_bytes",
+    ),
+    ("no image", lambda c, i: c.caption(None), grpc.StatusCode.INVALID_ARGUMENT, "image"),
+    ("empty object", lambda c, i: c.detect(i, "   "), grpc.StatusCode.INVALID_ARGUMENT, "object"),
+    ("empty question", lambda c, i: c.query(i, ""), grpc.StatusCode.INVALID_ARGUMENT, "question"),
+    (
+        "negative temperature",
+        lambda c, i: c.caption(i, temperature=-0.1),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "settings.temperature",
+    ),
+    (
+        "nan temperature",
+        lambda c, i: c.caption(i, temperature=float("nan")),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "settings.temperature",
+    ),
+    (
+        "top_p zero",
+        lambda c, i: c.caption(i, top_p=0.0),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "settings.top_p",
+    ),
+    (
+        "top_p above one",
+        lambda c, i: c.query(i, "q", top_p=1.5),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "settings.top_p",
+    ),
+    (
+        "max_tokens zero",
+        lambda c, i: c.caption(i, max_tokens=0),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "settings.max_tokens",
+    ),
+    (
+        "max_tokens beyond the model",
+        lambda c, i: c.caption(i, max_tokens=100_000),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "settings.max_tokens",
+    ),
+    (
+        "max_objects zero",
+        lambda c, i: c.point(i, "car", max_objects=0),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "settings.max_objects",
+    ),
+    (
+        "unknown image id",
+        lambda c, i: c.caption(EncodedImage("f" * 64, 1, 1, 1)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "image_id",
+    ),
+    (
+        "bad regex",
+        lambda c, i: c.query(i, "q", regex="(unclosed"),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "regex",
+    ),
+    (
+        "choices and regex",
+        lambda c, i: c.query(i, "q", choices=["a"], regex="a"),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "choices",
+    ),
+    (
+        "empty choice",
+        lambda c, i: c.query(i, "q", choices=["yes", ""]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "choices",
+    ),
+    (
+        "prompt + max_tokens beyond context",
+        lambda c, i: c.caption(i, max_tokens=2000),
+        grpc.StatusCode.OUT_OF_RANGE,
+        "settings.max_tokens",
+    ),
+    (
+        "objects beyond context",
+        lambda c, i: c.detect(i, "car", max_objects=1000),
+        grpc.StatusCode.OUT_OF_RANGE,
+        "settings.max_objects",
+    ),
 ]
 
 
@@ -283,12 +368,19 @@ IMAGE_ID_ERRORS: list[tuple[str, Callable[..., Any], grpc.StatusCode, str]] = [
 BATCHED_ERROR_BUGS: dict[str, str] = {}
 
 
-@pytest.mark.parametrize(("case", "fn", "code", "field"), IMAGE_ID_ERRORS,
-                         ids=[e[0] for e in IMAGE_ID_ERRORS])
+@pytest.mark.parametrize(
+    ("case", "fn", "code", "field"), IMAGE_ID_ERRORS, ids=[e[0] for e in IMAGE_ID_ERRORS]
+)
 def test_bad_requests_fail_with_a_code_and_name_the_field(
-        client: VisionLanguageClient, uploaded: EncodedImage, engine_kind: str,
-        request: pytest.FixtureRequest, case: str, fn: Callable[..., Any],
-        code: grpc.StatusCode, field: str) -> None:
+    client: VisionLanguageClient,
+    uploaded: EncodedImage,
+    engine_kind: str,
+    request: pytest.FixtureRequest,
+    case: str,
+    fn: Callable[..., Any],
+    code: grpc.StatusCode,
+    field: str,
+) -> None:
     if engine_kind == "batched" and case in BATCHED_ERROR_BUGS:
         _known_bug(request, BATCHED_ERROR_BUGS[case])
     with pytest.raises(VlmError) as caught:
@@ -302,7 +394,8 @@ def test_bad_requests_fail_with_a_code_and_name_the_field(
 
 @pytest.mark.parametrize("kwargs", [{"regex": "yes|no"}, {"choices": ["yes", "no"]}])
 def test_reference_engine_answers_constraints_with_unimplemented(
-        reference_client: VisionLanguageClient, kwargs: dict[str, Any]) -> None:
+    reference_client: VisionLanguageClient, kwargs: dict[str, Any]
+) -> None:
     with pytest.raises(VlmError) as caught:
         reference_client.query(sample_image_bytes(), "is it sunny?", **kwargs)
     assert caught.value.code == grpc.StatusCode.UNIMPLEMENTED
@@ -310,7 +403,8 @@ def test_reference_engine_answers_constraints_with_unimplemented(
 
 
 def test_reference_engine_answers_segment_with_unimplemented(
-        reference_client: VisionLanguageClient) -> None:
+    reference_client: VisionLanguageClient,
+) -> None:
     with pytest.raises(VlmError) as caught:
         reference_client.segment(sample_image_bytes(), "house")
     assert caught.value.code == grpc.StatusCode.UNIMPLEMENTED
@@ -321,10 +415,12 @@ def test_reference_engine_answers_segment_with_unimplemented(
 
 
 @pytest.mark.parametrize("choices", [["yes", "no"], ["red", "green", "blue", "a long one"]])
-def test_query_with_choices_answers_one_of_them(batched_client: VisionLanguageClient,
-                                                generator: ReferenceGenerator,
-                                                sample_image: PreparedImage,
-                                                choices: list[str]) -> None:
+def test_query_with_choices_answers_one_of_them(
+    batched_client: VisionLanguageClient,
+    generator: ReferenceGenerator,
+    sample_image: PreparedImage,
+    choices: list[str],
+) -> None:
     image = batched_client.encode_image(sample_image_bytes())
     events = list(batched_client.query_stream(image, "which one?", choices=choices, **GREEDY))
     final = events[-1]
@@ -335,20 +431,27 @@ def test_query_with_choices_answers_one_of_them(batched_client: VisionLanguageCl
     assert final.text == want.text
     sampled = batched_client.query(None, "pick one", choices=choices, temperature=1.0, seed=7)
     assert sampled.text in choices
-    assert sampled.text == generator.query(
-        None, "pick one", SamplingSettings(temperature=1.0, seed=7),
-        choices=tuple(choices)).text
+    assert (
+        sampled.text
+        == generator.query(
+            None, "pick one", SamplingSettings(temperature=1.0, seed=7), choices=tuple(choices)
+        ).text
+    )
 
 
-@pytest.mark.parametrize("pattern", [r"[0-9]{1,3}", r"(yes|no), because [a-z]{1,8}",
-                                     r"[A-Z][a-z]{2,8}( [0-9])?"])
-def test_query_with_a_regex_answers_a_full_match(batched_client: VisionLanguageClient,
-                                                 generator: ReferenceGenerator,
-                                                 sample_image: PreparedImage,
-                                                 pattern: str) -> None:
+@pytest.mark.parametrize(
+    "pattern", [r"[0-9]{1,3}", r"(yes|no), because [a-z]{1,8}", r"[A-Z][a-z]{2,8}( [0-9])?"]
+)
+def test_query_with_a_regex_answers_a_full_match(
+    batched_client: VisionLanguageClient,
+    generator: ReferenceGenerator,
+    sample_image: PreparedImage,
+    pattern: str,
+) -> None:
     image = batched_client.encode_image(sample_image_bytes())
-    got = batched_client.query(image, "answer in the format", regex=pattern, max_tokens=24,
-                               **GREEDY)
+    got = batched_client.query(
+        image, "answer in the format", regex=pattern, max_tokens=24, **GREEDY
+    )
     assert got.finish_reason == "eos", got
     assert re.fullmatch(pattern, got.text), got.text
     want = generator.query(sample_image, "answer in the format", _greedy(24), regex=pattern)
@@ -356,11 +459,13 @@ def test_query_with_a_regex_answers_a_full_match(batched_client: VisionLanguageC
 
 
 def test_segment_answers_a_box_path_polygons_and_mask(
-        batched_client: VisionLanguageClient, generator: ReferenceGenerator,
-        sample_image: PreparedImage) -> None:
+    batched_client: VisionLanguageClient, generator: ReferenceGenerator, sample_image: PreparedImage
+) -> None:
     image = batched_client.encode_image(sample_image_bytes())
-    by_id, by_bytes = (batched_client.segment(source, "house", max_tokens=32)
-                       for source in (image, sample_image_bytes()))
+    by_id, by_bytes = (
+        batched_client.segment(source, "house", max_tokens=32)
+        for source in (image, sample_image_bytes())
+    )
     for seg in (by_id, by_bytes):
         b = seg.box
         assert 0 <= b.x_min <= b.x_max <= 1 and 0 <= b.y_min <= b.y_max <= 1
@@ -370,17 +475,24 @@ def test_segment_answers_a_box_path_polygons_and_mask(
         assert sum(seg.mask.counts) == 600 * 800 and min(seg.mask.counts) >= 0
         assert seg.finish_reason in ("eos", "length")
         assert seg.metrics.input_tokens > 0
-    assert (by_id.box, by_id.svg_path, by_id.mask) == (by_bytes.box, by_bytes.svg_path,
-                                                       by_bytes.mask)
+    assert (by_id.box, by_id.svg_path, by_id.mask) == (
+        by_bytes.box,
+        by_bytes.svg_path,
+        by_bytes.mask,
+    )
     want, reason = generator.segment(sample_image, "house", 32)
     assert (by_id.svg_path, by_id.mask.counts, by_id.finish_reason) == (
-        want.path, list(want.mask_counts), reason)
+        want.path,
+        list(want.mask_counts),
+        reason,
+    )
     box = by_id.box
     assert (box.x_min, box.y_min, box.x_max, box.y_max) == want.box
 
 
 def test_oversized_message_is_refused_with_the_limit_stated(
-        stub: pb_grpc.VisionLanguageStub) -> None:
+    stub: pb_grpc.VisionLanguageStub,
+) -> None:
     request = pb.PointRequest(image_bytes=b"\xff" * (32 * MIB + 1), object="car")
     with pytest.raises(grpc.RpcError) as caught:
         stub.Point(request, timeout=60)
@@ -388,6 +500,7 @@ def test_oversized_message_is_refused_with_the_limit_stated(
     assert str(32 * MIB) in caught.value.details()
 
 
-def test_server_still_answers_after_the_errors(client: VisionLanguageClient,
-                                               uploaded: EncodedImage) -> None:
+def test_server_still_answers_after_the_errors(
+    client: VisionLanguageClient, uploaded: EncodedImage
+) -> None:
     assert client.caption(uploaded, max_tokens=2, **GREEDY).finish_reason in ("eos", "length")

@@ -34,21 +34,35 @@ def test_written_checkpoint_has_native_keys_with_prefix(tiny_dir: Path) -> None:
 
 
 def test_writer_is_deterministic_per_seed(tmp_path: Path) -> None:
-    a = load_file(str(write_checkpoint(preset("tiny"), tmp_path / "a", seed=3,
-                                       progress=False) / "model.safetensors"))
-    b = load_file(str(write_checkpoint(preset("tiny"), tmp_path / "b", seed=3,
-                                       progress=False) / "model.safetensors"))
-    c = load_file(str(write_checkpoint(preset("tiny"), tmp_path / "c", seed=4,
-                                       progress=False) / "model.safetensors"))
+    a = load_file(
+        str(
+            write_checkpoint(preset("tiny"), tmp_path / "a", seed=3, progress=False)
+            / "model.safetensors"
+        )
+    )
+    b = load_file(
+        str(
+            write_checkpoint(preset("tiny"), tmp_path / "b", seed=3, progress=False)
+            / "model.safetensors"
+        )
+    )
+    c = load_file(
+        str(
+            write_checkpoint(preset("tiny"), tmp_path / "c", seed=4, progress=False)
+            / "model.safetensors"
+        )
+    )
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["model.text.wte"], c["model.text.wte"])
 
 
 @pytest.mark.parametrize(("layout", "prefix"), [("native", False), ("legacy", True)])
-def test_layouts_round_trip_to_the_same_model(tmp_path: Path, tiny: LoadedModel, layout: str,
-                                              prefix: bool) -> None:
-    out = write_checkpoint(preset("tiny"), tmp_path, seed=0, layout=layout, prefix=prefix,
-                           progress=False)
+def test_layouts_round_trip_to_the_same_model(
+    tmp_path: Path, tiny: LoadedModel, layout: str, prefix: bool
+) -> None:
+    out = write_checkpoint(
+        preset("tiny"), tmp_path, seed=0, layout=layout, prefix=prefix, progress=False
+    )
     other = load_model(out, dtype=torch.float32, progress=False)
     assert _same_weights(tiny, other)
 
@@ -73,9 +87,11 @@ def test_legacy_torch_file_with_orig_mod_names(tmp_path: Path, tiny: LoadedModel
     with pytest.raises(CheckpointError, match="no tokenizer"):
         load_model(tmp_path / "ckpt" / "model.pt", preset_name="tiny", progress=False)
     (tmp_path / "ckpt" / "tokenizer.json").write_bytes(
-        (Path(tiny.source) / "tokenizer.json").read_bytes())
-    other = load_model(tmp_path / "ckpt" / "model.pt", preset_name="tiny",
-                       dtype=torch.float32, progress=False)
+        (Path(tiny.source) / "tokenizer.json").read_bytes()
+    )
+    other = load_model(
+        tmp_path / "ckpt" / "model.pt", preset_name="tiny", dtype=torch.float32, progress=False
+    )
     assert _same_weights(tiny, other)
 
 
@@ -107,8 +123,7 @@ def _rewrite(tiny_dir: Path, out: Path, edit) -> Path:
     return out
 
 
-def test_missing_extra_and_misshaped_tensors_are_all_named(tmp_path: Path,
-                                                           tiny_dir: Path) -> None:
+def test_missing_extra_and_misshaped_tensors_are_all_named(tmp_path: Path, tiny_dir: Path) -> None:
     def edit(state: dict) -> None:
         del state["model.text.blocks.1.attn.qkv.bias"]
         del state["model.region.size_features"]
@@ -119,8 +134,12 @@ def test_missing_extra_and_misshaped_tensors_are_all_named(tmp_path: Path,
     with pytest.raises(CheckpointError) as info:
         load_model(out, progress=False)
     msg = str(info.value)
-    for name in ("text.blocks.1.attn.qkv.bias", "region.size_features",
-                 "text.blocks.9.ln.weight", "text.lm_head.bias [7]"):
+    for name in (
+        "text.blocks.1.attn.qkv.bias",
+        "region.size_features",
+        "text.blocks.9.ln.weight",
+        "text.lm_head.bias [7]",
+    ):
         assert name in msg
     assert "missing 2" in msg and "unexpected 1" in msg and "wrong shape 1" in msg
 
@@ -166,8 +185,7 @@ def test_hf_snapshot_config_selects_the_preset(tmp_path: Path, tiny_dir: Path) -
     assert load_model(snap, preset_name="tiny", progress=False).config.name == "tiny"
 
 
-def test_hub_repo_id_resolves_offline_from_a_local_snapshot(tmp_path: Path,
-                                                            tiny_dir: Path) -> None:
+def test_hub_repo_id_resolves_offline_from_a_local_snapshot(tmp_path: Path, tiny_dir: Path) -> None:
     pytest.importorskip("huggingface_hub")
     commit = "0123456789abcdef0123456789abcdef01234567"
     repo = tmp_path / "hub" / "models--someone--tiny-moondream"
@@ -188,8 +206,9 @@ def test_hub_repo_id_resolves_offline_from_a_local_snapshot(tmp_path: Path,
         "    print('error', e)\n"
     )
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert "loaded tiny" in out.stdout
     assert "error could not fetch 'someone/not-cached'" in out.stdout

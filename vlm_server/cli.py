@@ -25,14 +25,25 @@ SAMPLE = "sample"
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="checkpoint directory, .safetensors file or Hugging Face repo id "
-                        "(default: the built-in random tiny model)")
-    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                   help="configuration when the checkpoint carries none (e.g. a HF snapshot)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint directory, .safetensors file or Hugging Face repo id "
+        "(default: the built-in random tiny model)",
+    )
+    p.add_argument(
+        "--preset",
+        default=None,
+        choices=sorted(PRESETS),
+        help="configuration when the checkpoint carries none (e.g. a HF snapshot)",
+    )
     p.add_argument("--tokenizer", default=None, help="tokenizer.json to use instead")
-    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                   help="weights dtype (default bf16 on CUDA, fp32 on CPU)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=sorted(DTYPES),
+        help="weights dtype (default bf16 on CUDA, fp32 on CPU)",
+    )
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if present)")
 
 
@@ -44,8 +55,12 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run one task on one image (reference path)")
     run.add_argument("task", choices=["caption", "query", "point", "detect"])
     run.add_argument("image", help=f"image file, or '{SAMPLE}' for the bundled sample image")
-    run.add_argument("text", nargs="?", default=None,
-                     help="the question (query) or the object name (point, detect)")
+    run.add_argument(
+        "text",
+        nargs="?",
+        default=None,
+        help="the question (query) or the object name (point, detect)",
+    )
     run.add_argument("--length", default="normal", choices=["short", "normal", "long"])
     run.add_argument("--temperature", type=float, default=0.5)
     run.add_argument("--top-p", type=float, default=0.3)
@@ -72,27 +87,43 @@ def _device(name: str | None) -> torch.device:
 
 def _run(args: argparse.Namespace) -> int:
     if args.task != "caption" and not args.text:
-        print(f"vlm: {args.task} needs the {'question' if args.task == 'query' else 'object'}",
-              file=sys.stderr)
+        print(
+            f"vlm: {args.task} needs the {'question' if args.task == 'query' else 'object'}",
+            file=sys.stderr,
+        )
         return 2
     device = _device(args.device)
-    dtype = DTYPES[args.dtype] if args.dtype else (
-        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = (
+        DTYPES[args.dtype]
+        if args.dtype
+        else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    )
     source = args.model or default_model_dir()
     if args.model is None:
-        print("vlm: using the built-in random tiny model (random words; pass --model for real "
-              "moondream2 weights)", file=sys.stderr)
-    loaded = load_model(source, preset_name=args.preset, dtype=dtype, device=device,
-                        tokenizer_path=args.tokenizer)
+        print(
+            "vlm: using the built-in random tiny model (random words; pass --model for real "
+            "moondream2 weights)",
+            file=sys.stderr,
+        )
+    loaded = load_model(
+        source, preset_name=args.preset, dtype=dtype, device=device, tokenizer_path=args.tokenizer
+    )
     data = sample_image_bytes() if args.image == SAMPLE else Path(args.image).read_bytes()
     image = prepare_image(data)
     gen = ReferenceGenerator(loaded.model, loaded.tokenizer)
     start = time.perf_counter()
     if args.task in ("caption", "query"):
-        settings = SamplingSettings(temperature=args.temperature, top_p=args.top_p,
-                                    max_tokens=args.max_tokens, seed=args.seed)
-        result = (gen.caption(image, args.length, settings) if args.task == "caption"
-                  else gen.query(image, args.text, settings))
+        settings = SamplingSettings(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+        )
+        result = (
+            gen.caption(image, args.length, settings)
+            if args.task == "caption"
+            else gen.query(image, args.text, settings)
+        )
     elif args.task == "point":
         result = gen.point(image, args.text, args.max_objects)
     else:
@@ -126,8 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             return _run(args)
-        write_checkpoint(PRESETS[args.preset](), args.out, seed=args.seed,
-                         dtype=DTYPES[args.dtype], layout=args.layout)
+        write_checkpoint(
+            PRESETS[args.preset](),
+            args.out,
+            seed=args.seed,
+            dtype=DTYPES[args.dtype],
+            layout=args.layout,
+        )
         print(args.out)
         return 0
     except (CheckpointError, ImageError, ContextOverflow, ValueError, OSError) as err:

@@ -133,11 +133,15 @@ class PromptTemplates:
     def caption(self, length: str) -> tuple[int, ...]:
         """The caption template for ``short``, ``normal`` or ``long``."""
         try:
-            return {"short": self.caption_short, "normal": self.caption_normal,
-                    "long": self.caption_long}[length]
+            return {
+                "short": self.caption_short,
+                "normal": self.caption_normal,
+                "long": self.caption_long,
+            }[length]
         except KeyError:
             raise ValueError(
-                f"caption length must be short, normal or long, not {length!r}") from None
+                f"caption length must be short, normal or long, not {length!r}"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -187,8 +191,13 @@ class ModelConfig:
             raise ValueError("vision proj_out_dim and region dim must equal text dim")
         if self.tokenizer_vocab_size > self.text.vocab_size:
             raise ValueError("tokenizer_vocab_size exceeds the model's vocab_size")
-        ids = [self.tokens.bos_id, self.tokens.eos_id, self.tokens.coord_id,
-               self.tokens.size_id, self.tokens.answer_id]
+        ids = [
+            self.tokens.bos_id,
+            self.tokens.eos_id,
+            self.tokens.coord_id,
+            self.tokens.size_id,
+            self.tokens.answer_id,
+        ]
         bad = [i for i in ids if i is not None and not 0 <= i < self.text.vocab_size]
         if bad:
             raise ValueError(f"special ids {bad} are outside the vocabulary")
@@ -205,8 +214,7 @@ class ModelConfig:
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         """Inverse of `to_dict`; lists become tuples again."""
         tok = dict(data["tokens"])
-        tpl = {k: (tuple(v) if isinstance(v, list) else v)
-               for k, v in tok.pop("templates").items()}
+        tpl = {k: (tuple(v) if isinstance(v, list) else v) for k, v in tok.pop("templates").items()}
         tok["decode_suppressed_ids"] = tuple(tok.get("decode_suppressed_ids", ()))
         return cls(
             name=data["name"],
@@ -237,15 +245,21 @@ _GPT2_TEMPLATES = PromptTemplates(
 )
 
 CONTRACT_GPT2_LINEAR = TokenContract(
-    name="gpt2-2025-01-09", bos_id=GPT2_EOS, eos_id=GPT2_EOS, templates=_GPT2_TEMPLATES,
-    size_scale="linear", boundary_rule="eos_only",
+    name="gpt2-2025-01-09",
+    bos_id=GPT2_EOS,
+    eos_id=GPT2_EOS,
+    templates=_GPT2_TEMPLATES,
+    size_scale="linear",
+    boundary_rule="eos_only",
 )
 CONTRACT_GPT2_LOG = dataclasses.replace(
-    CONTRACT_GPT2_LINEAR, name="gpt2-2025-04-14", size_scale="log")
+    CONTRACT_GPT2_LINEAR, name="gpt2-2025-04-14", size_scale="log"
+)
 
 CONTRACT_2025_06 = TokenContract(
     name="2025-06",
-    bos_id=0, eos_id=0,
+    bos_id=0,
+    eos_id=0,
     templates=PromptTemplates(
         caption_short=(1, 32708, 2, 12492, 3),
         caption_normal=(1, 32708, 2, 6382, 3),
@@ -260,22 +274,41 @@ CONTRACT_2025_06 = TokenContract(
         question_leading_space=False,
         object_leading_space=True,
     ),
-    size_scale="log", boundary_rule="coord_or_eos",
-    coord_id=5, size_id=6, answer_id=3, decode_suppressed_ids=(3,),
+    size_scale="log",
+    boundary_rule="coord_or_eos",
+    coord_id=5,
+    size_id=6,
+    answer_id=3,
+    decode_suppressed_ids=(3,),
 )
 
 # The tiny vocabulary's special tokens, in id order. The first ten mirror the 2025-06 layout.
 TINY_SPECIAL_TOKENS: tuple[str, ...] = (
-    "<|endoftext|>", "<|open|>", "<|close|>", "<|answer|>", "<|thinking|>", "<|coord|>",
-    "<|size|>", "<|start_ground_points|>", "<|start_ground_text|>", "<|end_ground|>",
-    "<|caption|>", "<|short|>", "<|normal|>", "<|long|>", "<|query|>", "<|detect|>",
-    "<|point|>", "<|segment|>",
+    "<|endoftext|>",
+    "<|open|>",
+    "<|close|>",
+    "<|answer|>",
+    "<|thinking|>",
+    "<|coord|>",
+    "<|size|>",
+    "<|start_ground_points|>",
+    "<|start_ground_text|>",
+    "<|end_ground|>",
+    "<|caption|>",
+    "<|short|>",
+    "<|normal|>",
+    "<|long|>",
+    "<|query|>",
+    "<|detect|>",
+    "<|point|>",
+    "<|segment|>",
 )
 _TINY = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS)}
 
 CONTRACT_TINY = TokenContract(
     name="tiny",
-    bos_id=0, eos_id=0,
+    bos_id=0,
+    eos_id=0,
     templates=PromptTemplates(
         caption_short=(1, _TINY["<|caption|>"], 2, _TINY["<|short|>"], 3),
         caption_normal=(1, _TINY["<|caption|>"], 2, _TINY["<|normal|>"], 3),
@@ -291,8 +324,12 @@ CONTRACT_TINY = TokenContract(
         question_leading_space=False,
         object_leading_space=True,
     ),
-    size_scale="log", boundary_rule="coord_or_eos",
-    coord_id=5, size_id=6, answer_id=3, decode_suppressed_ids=(3,),
+    size_scale="log",
+    boundary_rule="coord_or_eos",
+    coord_id=5,
+    size_id=6,
+    answer_id=3,
+    decode_suppressed_ids=(3,),
 )
 
 # ---- presets ---------------------------------------------------------------------------
@@ -305,10 +342,24 @@ def _moondream2(name: str, tokens: TokenContract, tokenizer_vocab: int) -> Model
 def _tiny() -> ModelConfig:
     return ModelConfig(
         name="tiny",
-        vision=VisionConfig(enc_dim=64, enc_n_layers=2, enc_n_heads=4, enc_ff_dim=128,
-                            proj_inner_dim=128, proj_out_dim=64),
-        text=TextConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ff_dim=256,
-                        vocab_size=1024, max_context=2048, rotary_dim=8),
+        vision=VisionConfig(
+            enc_dim=64,
+            enc_n_layers=2,
+            enc_n_heads=4,
+            enc_ff_dim=128,
+            proj_inner_dim=128,
+            proj_out_dim=64,
+        ),
+        text=TextConfig(
+            dim=64,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=4,
+            ff_dim=256,
+            vocab_size=1024,
+            max_context=2048,
+            rotary_dim=8,
+        ),
         region=RegionConfig(dim=64, coord_feat_dim=32, size_feat_dim=64, inner_dim=128),
         tokens=CONTRACT_TINY,
         tokenizer_vocab_size=1000,
@@ -317,15 +368,20 @@ def _tiny() -> ModelConfig:
 
 PRESETS: dict[str, Any] = {
     "moondream2": lambda: _moondream2("moondream2", CONTRACT_2025_06, 51200),
-    "moondream2-2025-04-14": lambda: _moondream2("moondream2-2025-04-14", CONTRACT_GPT2_LOG,
-                                                 GPT2_EOS + 1),
-    "moondream2-2025-01-09": lambda: _moondream2("moondream2-2025-01-09", CONTRACT_GPT2_LINEAR,
-                                                 GPT2_EOS + 1),
+    "moondream2-2025-04-14": lambda: _moondream2(
+        "moondream2-2025-04-14", CONTRACT_GPT2_LOG, GPT2_EOS + 1
+    ),
+    "moondream2-2025-01-09": lambda: _moondream2(
+        "moondream2-2025-01-09", CONTRACT_GPT2_LINEAR, GPT2_EOS + 1
+    ),
     "tiny": _tiny,
     # Tiny dimensions under the GPT-2-era contract: ids are valid in the model's padded vocab.
     "tiny-gpt2": lambda: dataclasses.replace(
-        _tiny(), name="tiny-gpt2", tokens=CONTRACT_GPT2_LINEAR,
-        text=dataclasses.replace(_tiny().text, vocab_size=51200)),
+        _tiny(),
+        name="tiny-gpt2",
+        tokens=CONTRACT_GPT2_LINEAR,
+        text=dataclasses.replace(_tiny().text, vocab_size=51200),
+    ),
 }
 
 DEFAULT_PRESET = "tiny"

@@ -17,8 +17,13 @@ def query_prompt(contract: TokenContract, tokenizer: Tokenizer, question: str) -
     return [*t.query_prefix, *tokenizer.encode(text).ids, *t.query_suffix]
 
 
-def _object_prompt(prefix: tuple[int, ...], suffix: tuple[int, ...], leading_space: bool,
-                   tokenizer: Tokenizer, obj: str) -> list[int]:
+def _object_prompt(
+    prefix: tuple[int, ...],
+    suffix: tuple[int, ...],
+    leading_space: bool,
+    tokenizer: Tokenizer,
+    obj: str,
+) -> list[int]:
     text = (" " + obj) if leading_space else obj
     return [*prefix, *tokenizer.encode(text).ids, *suffix]
 
@@ -37,5 +42,6 @@ def segment_prompt(contract: TokenContract, tokenizer: Tokenizer, obj: str) -> l
     t = contract.templates
     if t.segment_prefix is None or t.segment_suffix is None:
         raise ValueError(f"token contract {contract.name!r} defines no segment template")
-    return _object_prompt(t.segment_prefix, t.segment_suffix, t.object_leading_space,
-                          tokenizer, obj)
+    return _object_prompt(
+        t.segment_prefix, t.segment_suffix, t.object_leading_space, tokenizer, obj
+    )

@@ -112,22 +112,25 @@ class ReferenceGenerator:
             raise ValueError(err.message) from err
 
     @torch.inference_mode()
-    def _start(self, image: PreparedImage | None, prompt: list[int], budget: int
-               ) -> tuple[DenseKVCache, torch.Tensor, int]:
+    def _start(
+        self, image: PreparedImage | None, prompt: list[int], budget: int
+    ) -> tuple[DenseKVCache, torch.Tensor, int]:
         """Prefill (image prefix, then prompt; BOS is added when there is no image); return
         the cache, the last hidden state [1, D] and the next position."""
         if image is None:
             prompt = [self.contract.bos_id, *prompt]
         return self._prefill(image, prompt, budget)
 
-    def _prefill(self, image: PreparedImage | None, prompt: list[int], budget: int
-                 ) -> tuple[DenseKVCache, torch.Tensor, int]:
+    def _prefill(
+        self, image: PreparedImage | None, prompt: list[int], budget: int
+    ) -> tuple[DenseKVCache, torch.Tensor, int]:
         m, dev = self.model, self.model.device
         prefix_len = self.config.image_prefix_len if image is not None else 0
         if prefix_len + len(prompt) + budget > self.config.text.max_context:
             raise ContextOverflow(
                 f"prompt ({prefix_len + len(prompt)} positions) plus output ({budget}) "
-                f"exceeds the context of {self.config.text.max_context}")
+                f"exceeds the context of {self.config.text.max_context}"
+            )
         cache = DenseKVCache(self.config.text, 1, m.dtype, dev, prefix_len)
         if image is not None:
             crops = image.normalized(m.dtype, dev)
@@ -156,8 +159,9 @@ class ReferenceGenerator:
     # ---- the generic loop ----------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, req: GenerationRequest, on_token: OnToken | None = None
-            ) -> tuple[BuiltRequest, FinishReason, list[int]]:
+    def run(
+        self, req: GenerationRequest, on_token: OnToken | None = None
+    ) -> tuple[BuiltRequest, FinishReason, list[int]]:
         """Walk the request's grammar to the end. Returns the built request (whose grammar
         holds the answer), the finish reason and the output token ids (text tasks).
 
@@ -220,30 +224,65 @@ class ReferenceGenerator:
         built, reason, out = self.run(req, on_token)
         # The task's own prompt tokens: without the BOS a text-only query starts with.
         prompt_tokens = len(built.prompt) - (1 if built.prefix_len == 0 else 0)
-        return TextResult(text=self.tokenizer.decode(out), token_ids=out, finish_reason=reason,
-                          prompt_tokens=prompt_tokens)
+        return TextResult(
+            text=self.tokenizer.decode(out),
+            token_ids=out,
+            finish_reason=reason,
+            prompt_tokens=prompt_tokens,
+        )
 
-    def caption(self, image: PreparedImage, length: str = "normal",
-                settings: SamplingSettings | None = None,
-                on_token: OnToken | None = None) -> TextResult:
+    def caption(
+        self,
+        image: PreparedImage,
+        length: str = "normal",
+        settings: SamplingSettings | None = None,
+        on_token: OnToken | None = None,
+    ) -> TextResult:
         s = settings or SamplingSettings()
-        return self._text(GenerationRequest(Task.CAPTION, image, caption_length=length,
-                                            temperature=s.temperature, top_p=s.top_p,
-                                            max_tokens=s.max_tokens, seed=s.seed), on_token)
+        return self._text(
+            GenerationRequest(
+                Task.CAPTION,
+                image,
+                caption_length=length,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                max_tokens=s.max_tokens,
+                seed=s.seed,
+            ),
+            on_token,
+        )
 
-    def query(self, image: PreparedImage | None, question: str,
-              settings: SamplingSettings | None = None, on_token: OnToken | None = None,
-              choices: tuple[str, ...] = (), regex: str | None = None) -> TextResult:
+    def query(
+        self,
+        image: PreparedImage | None,
+        question: str,
+        settings: SamplingSettings | None = None,
+        on_token: OnToken | None = None,
+        choices: tuple[str, ...] = (),
+        regex: str | None = None,
+    ) -> TextResult:
         s = settings or SamplingSettings()
-        return self._text(GenerationRequest(Task.QUERY, image, question=question,
-                                            temperature=s.temperature, top_p=s.top_p,
-                                            max_tokens=s.max_tokens, seed=s.seed,
-                                            choices=choices, regex=regex), on_token)
+        return self._text(
+            GenerationRequest(
+                Task.QUERY,
+                image,
+                question=question,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                max_tokens=s.max_tokens,
+                seed=s.seed,
+                choices=choices,
+                regex=regex,
+            ),
+            on_token,
+        )
 
-    def _regions(self, task: Task, image: PreparedImage, obj: str, max_objects: int
-                 ) -> RegionResult:
-        built, reason, _ = self.run(GenerationRequest(task, image, object_name=obj,
-                                                      max_objects=max_objects))
+    def _regions(
+        self, task: Task, image: PreparedImage, obj: str, max_objects: int
+    ) -> RegionResult:
+        built, reason, _ = self.run(
+            GenerationRequest(task, image, object_name=obj, max_objects=max_objects)
+        )
         g = built.grammar
         assert isinstance(g, ObjectGrammar)
         result = RegionResult(finish_reason=reason, prompt_tokens=len(built.prompt))
@@ -260,11 +299,13 @@ class ReferenceGenerator:
     def detect(self, image: PreparedImage, obj: str, max_objects: int = 50) -> RegionResult:
         return self._regions(Task.DETECT, image, obj, max_objects)
 
-    def segment(self, image: PreparedImage, obj: str, max_tokens: int = 256
-                ) -> tuple[SegmentResult, FinishReason]:
+    def segment(
+        self, image: PreparedImage, obj: str, max_tokens: int = 256
+    ) -> tuple[SegmentResult, FinishReason]:
         """Box, normalized SVG path, polygons and RLE mask at the image's size."""
-        built, reason, _ = self.run(GenerationRequest(Task.SEGMENT, image, object_name=obj,
-                                                      max_tokens=max_tokens))
+        built, reason, _ = self.run(
+            GenerationRequest(Task.SEGMENT, image, object_name=obj, max_tokens=max_tokens)
+        )
         g = built.grammar
         assert isinstance(g, SegmentGrammar)
         return g.result((image.width, image.height)), reason

@@ -52,8 +52,7 @@ class TaskCompiler:
     builders safe, and compiled constraints are cached by the compiler.
     """
 
-    def __init__(self, config: ModelConfig, tokenizer: Tokenizer, mask_rows: int = 1024
-                 ) -> None:
+    def __init__(self, config: ModelConfig, tokenizer: Tokenizer, mask_rows: int = 1024) -> None:
         contract = config.tokens
         assert contract is not None
         self.config = config
@@ -63,8 +62,9 @@ class TaskCompiler:
         self.vocab = TokenVocab.from_tokenizer(tokenizer)
         suppressed = list(contract.decode_suppressed_ids)
         self.suppress_row = self.table.allow_all_but(suppressed) if suppressed else NO_MASK
-        self.constraints = ConstraintCompiler(self.vocab, self.table, contract.eos_id,
-                                              blocked=frozenset(suppressed))
+        self.constraints = ConstraintCompiler(
+            self.vocab, self.table, contract.eos_id, blocked=frozenset(suppressed)
+        )
         coord = contract.coord_id if contract.boundary_rule == "coord_or_eos" else None
         self.region_rows = RegionRows.register(self.table, RegionTokens(contract.eos_id, coord))
         self._path_rows: PathRows | None = None
@@ -77,12 +77,18 @@ class TaskCompiler:
         try:
             if req.task is Task.CAPTION:
                 prompt = prompts.caption_prompt(c, req.caption_length)
-                grammar: Grammar = TextGrammar(c.eos_id, req.max_tokens, row=self.suppress_row,
-                                               first_row=NO_MASK)
+                grammar: Grammar = TextGrammar(
+                    c.eos_id, req.max_tokens, row=self.suppress_row, first_row=NO_MASK
+                )
             elif req.task is Task.QUERY:
                 prompt = prompts.query_prompt(c, tok, req.question)
-                grammar = TextGrammar(c.eos_id, req.max_tokens, row=self.suppress_row,
-                                      first_row=NO_MASK, constraint=self._constraint(req))
+                grammar = TextGrammar(
+                    c.eos_id,
+                    req.max_tokens,
+                    row=self.suppress_row,
+                    first_row=NO_MASK,
+                    constraint=self._constraint(req),
+                )
             elif req.task in (Task.POINT, Task.DETECT):
                 _need_object(req)
                 point = req.task is Task.POINT
@@ -93,15 +99,21 @@ class TaskCompiler:
             else:
                 _need_object(req)
                 prompt = prompts.segment_prompt(c, tok, req.object_name)
-                grammar = SegmentGrammar(self.region_rows, self._segment_rows(),
-                                         SEGMENT_MAX_POINTS,
-                                         min(req.max_tokens, SEGMENT_MAX_PATH_TOKENS))
+                grammar = SegmentGrammar(
+                    self.region_rows,
+                    self._segment_rows(),
+                    SEGMENT_MAX_POINTS,
+                    min(req.max_tokens, SEGMENT_MAX_PATH_TOKENS),
+                )
         except EngineError:
             raise
         except ValueError as err:
             field = "caption_length" if req.task is Task.CAPTION else "task"
-            code = (ErrorCode.UNIMPLEMENTED if "defines no segment" in str(err)
-                    else ErrorCode.INVALID_ARGUMENT)
+            code = (
+                ErrorCode.UNIMPLEMENTED
+                if "defines no segment" in str(err)
+                else ErrorCode.INVALID_ARGUMENT
+            )
             raise EngineError(code, str(err), field) from err
         if req.image is None:
             built = BuiltRequest([c.bos_id, *prompt], grammar, 0)
@@ -113,13 +125,16 @@ class TaskCompiler:
                 ErrorCode.OUT_OF_RANGE,
                 f"{field}: the prompt ({built.prefix_len + len(built.prompt)} positions) plus "
                 f"the output budget ({grammar.max_positions} positions) exceeds the model "
-                f"context of {mc.text.max_context}", field)
+                f"context of {mc.text.max_context}",
+                field,
+            )
         return built
 
     def _constraint(self, req: GenerationRequest) -> AutomatonRows | None:
         if req.choices and req.regex:
-            raise EngineError(ErrorCode.INVALID_ARGUMENT, "choices: give choices or regex, "
-                              "not both", "choices")
+            raise EngineError(
+                ErrorCode.INVALID_ARGUMENT, "choices: give choices or regex, not both", "choices"
+            )
         field = "choices" if req.choices else "regex"
         try:
             with self._lock:
@@ -148,11 +163,11 @@ def _check_settings(req: GenerationRequest, max_context: int) -> None:
     if not 0 < req.top_p <= 1:
         raise EngineError(ErrorCode.INVALID_ARGUMENT, "top_p must be in (0, 1]", "top_p")
     if not 1 <= req.max_tokens <= max_context:
-        raise EngineError(ErrorCode.INVALID_ARGUMENT,
-                          f"max_tokens must be in 1..{max_context}", "max_tokens")
+        raise EngineError(
+            ErrorCode.INVALID_ARGUMENT, f"max_tokens must be in 1..{max_context}", "max_tokens"
+        )
     if req.task in (Task.POINT, Task.DETECT) and req.max_objects < 1:
-        raise EngineError(ErrorCode.INVALID_ARGUMENT, "max_objects must be >= 1",
-                          "max_objects")
+        raise EngineError(ErrorCode.INVALID_ARGUMENT, "max_objects must be >= 1", "max_objects")
 
 
 def _need_object(req: GenerationRequest) -> None:

@@ -1,10 +1,10 @@
 """Client of the ``vlm.v1.VisionLanguage`` gRPC service (sync and asyncio) and ``vlm-client``.
 
-    from vlm_server.client import VisionLanguageClient
+from vlm_server.client import VisionLanguageClient
 
-    with VisionLanguageClient("localhost:50051") as client:
-        print(client.caption("photo.jpg").text)
-        boxes = client.detect("photo.jpg", "car").boxes  # normalized to [0, 1]
+with VisionLanguageClient("localhost:50051") as client:
+    print(client.caption("photo.jpg").text)
+    boxes = client.detect("photo.jpg", "car").boxes  # normalized to [0, 1]
 """
 
 from vlm_server.client.aio import AsyncVisionLanguageClient

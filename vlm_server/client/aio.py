@@ -19,12 +19,18 @@ from vlm_server.client.sync import DEFAULT_MAX_RECEIVE_BYTES, DEFAULT_TARGET, ch
 class AsyncVisionLanguageClient:
     """asyncio twin of `VisionLanguageClient`; create and use it inside one event loop."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None,
-                 max_receive_bytes: int = DEFAULT_MAX_RECEIVE_BYTES) -> None:
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        timeout: float | None = None,
+        max_receive_bytes: int = DEFAULT_MAX_RECEIVE_BYTES,
+    ) -> None:
         self.target = target
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(target,
-                                                  options=channel_options(max_receive_bytes))
+        self._channel = grpc.aio.insecure_channel(
+            target, options=channel_options(max_receive_bytes)
+        )
         self._stub = pb_grpc.VisionLanguageStub(self._channel)
 
     async def close(self) -> None:
@@ -33,8 +39,12 @@ class AsyncVisionLanguageClient:
     async def __aenter__(self) -> AsyncVisionLanguageClient:
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         await self.close()
 
     def _timeout(self, timeout: float | None) -> float | None:
@@ -46,8 +56,9 @@ class AsyncVisionLanguageClient:
         except grpc.RpcError as err:
             raise convert.error(err) from None
 
-    async def _stream(self, method: Any, request: Any,
-                      timeout: float | None) -> AsyncIterator[t.TextDelta | t.TextResult]:
+    async def _stream(
+        self, method: Any, request: Any, timeout: float | None
+    ) -> AsyncIterator[t.TextDelta | t.TextResult]:
         call = method(request, timeout=self._timeout(timeout))
         try:
             async for message in call:
@@ -64,70 +75,110 @@ class AsyncVisionLanguageClient:
                 return event
         raise t.VlmError(grpc.StatusCode.INTERNAL, "the stream ended without a result")
 
-    def caption_stream(self, image: ImageInput, length: str = "normal", *,
-                       timeout: float | None = None, **settings: Unpack[Settings]
-                       ) -> AsyncIterator[t.TextDelta | t.TextResult]:
+    def caption_stream(
+        self,
+        image: ImageInput,
+        length: str = "normal",
+        *,
+        timeout: float | None = None,
+        **settings: Unpack[Settings],
+    ) -> AsyncIterator[t.TextDelta | t.TextResult]:
         """Text deltas as they are generated, then the `TextResult`."""
         request = convert.caption_request(image, length, convert.settings(**settings))
         return self._stream(self._stub.Caption, request, timeout)
 
-    async def caption(self, image: ImageInput, length: str = "normal", *,
-                      timeout: float | None = None, **settings: Unpack[Settings]
-                      ) -> t.TextResult:
+    async def caption(
+        self,
+        image: ImageInput,
+        length: str = "normal",
+        *,
+        timeout: float | None = None,
+        **settings: Unpack[Settings],
+    ) -> t.TextResult:
         """Caption ``image`` (short, normal or long)."""
-        return await self._collect(self.caption_stream(image, length, timeout=timeout,
-                                                       **settings))
+        return await self._collect(self.caption_stream(image, length, timeout=timeout, **settings))
 
-    def query_stream(self, image: ImageInput | None, question: str, *,
-                     choices: list[str] | None = None, regex: str | None = None,
-                     timeout: float | None = None, **settings: Unpack[Settings]
-                     ) -> AsyncIterator[t.TextDelta | t.TextResult]:
+    def query_stream(
+        self,
+        image: ImageInput | None,
+        question: str,
+        *,
+        choices: list[str] | None = None,
+        regex: str | None = None,
+        timeout: float | None = None,
+        **settings: Unpack[Settings],
+    ) -> AsyncIterator[t.TextDelta | t.TextResult]:
         """Like `query`, streamed."""
-        request = convert.query_request(image, question, choices, regex,
-                                        convert.settings(**settings))
+        request = convert.query_request(
+            image, question, choices, regex, convert.settings(**settings)
+        )
         return self._stream(self._stub.Query, request, timeout)
 
-    async def query(self, image: ImageInput | None, question: str, *,
-                    choices: list[str] | None = None, regex: str | None = None,
-                    timeout: float | None = None, **settings: Unpack[Settings]
-                    ) -> t.TextResult:
+    async def query(
+        self,
+        image: ImageInput | None,
+        question: str,
+        *,
+        choices: list[str] | None = None,
+        regex: str | None = None,
+        timeout: float | None = None,
+        **settings: Unpack[Settings],
+    ) -> t.TextResult:
         """Answer ``question`` about ``image`` (None: text only), optionally constrained."""
-        return await self._collect(self.query_stream(image, question, choices=choices,
-                                                     regex=regex, timeout=timeout,
-                                                     **settings))
+        return await self._collect(
+            self.query_stream(
+                image, question, choices=choices, regex=regex, timeout=timeout, **settings
+            )
+        )
 
-    async def point(self, image: ImageInput, obj: str, *, timeout: float | None = None,
-                    **settings: Unpack[Settings]) -> t.PointResult:
+    async def point(
+        self,
+        image: ImageInput,
+        obj: str,
+        *,
+        timeout: float | None = None,
+        **settings: Unpack[Settings],
+    ) -> t.PointResult:
         """Points at each ``obj`` in ``image``."""
-        request = convert.object_request(pb.PointRequest, image, obj,
-                                         convert.settings(**settings))
+        request = convert.object_request(pb.PointRequest, image, obj, convert.settings(**settings))
         return convert.point_result(await self._unary(self._stub.Point, request, timeout))
 
-    async def detect(self, image: ImageInput, obj: str, *, timeout: float | None = None,
-                     **settings: Unpack[Settings]) -> t.DetectResult:
+    async def detect(
+        self,
+        image: ImageInput,
+        obj: str,
+        *,
+        timeout: float | None = None,
+        **settings: Unpack[Settings],
+    ) -> t.DetectResult:
         """Boxes around each ``obj`` in ``image``."""
-        request = convert.object_request(pb.DetectRequest, image, obj,
-                                         convert.settings(**settings))
+        request = convert.object_request(pb.DetectRequest, image, obj, convert.settings(**settings))
         return convert.detect_result(await self._unary(self._stub.Detect, request, timeout))
 
-    async def segment(self, image: ImageInput, obj: str, *, timeout: float | None = None,
-                      **settings: Unpack[Settings]) -> t.SegmentResult:
+    async def segment(
+        self,
+        image: ImageInput,
+        obj: str,
+        *,
+        timeout: float | None = None,
+        **settings: Unpack[Settings],
+    ) -> t.SegmentResult:
         """Outline of ``obj``: box, SVG path, polygons and RLE mask."""
-        request = convert.object_request(pb.SegmentRequest, image, obj,
-                                         convert.settings(**settings))
+        request = convert.object_request(
+            pb.SegmentRequest, image, obj, convert.settings(**settings)
+        )
         return convert.segment_result(await self._unary(self._stub.Segment, request, timeout))
 
-    async def encode_image(self, image: ImageInput, *, timeout: float | None = None
-                           ) -> t.EncodedImage:
+    async def encode_image(
+        self, image: ImageInput, *, timeout: float | None = None
+    ) -> t.EncodedImage:
         """Upload once; pass the result as the image of later calls."""
         if isinstance(image, t.EncodedImage):
             return image
         request = pb.EncodeImageRequest(**convert.image_fields(image))
-        return convert.encoded_image(await self._unary(self._stub.EncodeImage, request,
-                                                       timeout))
+        return convert.encoded_image(await self._unary(self._stub.EncodeImage, request, timeout))
 
     async def model_info(self, *, timeout: float | None = None) -> t.ModelInfo:
         """The served model and the server's limits."""
-        response = await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(),
-                                     timeout)
+        response = await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
         return convert.model_info(response)

@@ -41,13 +41,17 @@ def _common(parser: argparse.ArgumentParser, suppress: bool) -> None:
     def default(value: Any) -> Any:
         return argparse.SUPPRESS if suppress else value
 
-    parser.add_argument("--target", default=default(os.environ.get("VLM_TARGET",
-                                                                    DEFAULT_TARGET)),
-                        help="server address host:port [VLM_TARGET]")
-    parser.add_argument("--timeout", type=float, default=default(None),
-                        help="deadline of the call in seconds")
-    parser.add_argument("--json", action="store_true", default=default(False),
-                        help="print the result as JSON")
+    parser.add_argument(
+        "--target",
+        default=default(os.environ.get("VLM_TARGET", DEFAULT_TARGET)),
+        help="server address host:port [VLM_TARGET]",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=default(None), help="deadline of the call in seconds"
+    )
+    parser.add_argument(
+        "--json", action="store_true", default=default(False), help="print the result as JSON"
+    )
 
 
 def _settings(parser: argparse.ArgumentParser, objects: bool) -> None:
@@ -62,8 +66,9 @@ def _settings(parser: argparse.ArgumentParser, objects: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vlm-client", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="vlm-client", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     _common(parser, suppress=False)
     common = argparse.ArgumentParser(add_help=False)
     _common(common, suppress=True)
@@ -81,13 +86,20 @@ def build_parser() -> argparse.ArgumentParser:
     query.add_argument("--regex", help="the answer must fully match this pattern")
     _settings(query, objects=False)
 
-    for name, text in (("point", "point at objects"), ("detect", "find boxes"),
-                       ("segment", "outline an object")):
+    for name, text in (
+        ("point", "point at objects"),
+        ("detect", "find boxes"),
+        ("segment", "outline an object"),
+    ):
         p = sub.add_parser(name, parents=[common], help=text)
         p.add_argument("image")
         p.add_argument("object")
-        p.add_argument("--draw", type=Path, metavar="OUT.png",
-                       help="save the image with the result drawn on it")
+        p.add_argument(
+            "--draw",
+            type=Path,
+            metavar="OUT.png",
+            help="save the image with the result drawn on it",
+        )
         _settings(p, objects=True)
 
     enc = sub.add_parser("encode", parents=[common], help="upload an image; print its id")
@@ -100,7 +112,7 @@ def _image_input(spec: str) -> bytes | EncodedImage | None:
     if spec == NO_IMAGE:
         return None
     if spec.startswith(ID_PREFIX):
-        return EncodedImage(spec[len(ID_PREFIX):], 0, 0, 0)
+        return EncodedImage(spec[len(ID_PREFIX) :], 0, 0, 0)
     if spec == SAMPLE and not Path(spec).exists():
         from image_pipeline import sample_image_bytes
 
@@ -117,8 +129,9 @@ def _print_json(value: Any) -> None:
     print(json.dumps(dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value))
 
 
-def _text(client: VisionLanguageClient, args: argparse.Namespace,
-          image: bytes | EncodedImage | None) -> None:
+def _text(
+    client: VisionLanguageClient, args: argparse.Namespace, image: bytes | EncodedImage | None
+) -> None:
     settings = _settings_of(args)
     if args.command == "caption":
         if image is None:
@@ -126,8 +139,14 @@ def _text(client: VisionLanguageClient, args: argparse.Namespace,
         events = client.caption_stream(image, args.length, timeout=args.timeout, **settings)
     else:
         choices = args.choices.split(",") if args.choices else None
-        events = client.query_stream(image, args.question, choices=choices, regex=args.regex,
-                                     timeout=args.timeout, **settings)
+        events = client.query_stream(
+            image,
+            args.question,
+            choices=choices,
+            regex=args.regex,
+            timeout=args.timeout,
+            **settings,
+        )
     for event in events:
         if isinstance(event, TextDelta):
             if args.stream and not args.json:
@@ -142,8 +161,9 @@ def _text(client: VisionLanguageClient, args: argparse.Namespace,
             print(event.text)
 
 
-def _regions(client: VisionLanguageClient, args: argparse.Namespace,
-             image: bytes | EncodedImage) -> None:
+def _regions(
+    client: VisionLanguageClient, args: argparse.Namespace, image: bytes | EncodedImage
+) -> None:
     settings = _settings_of(args)
     fn = {"point": client.point, "detect": client.detect, "segment": client.segment}
     result = fn[args.command](image, args.object, timeout=args.timeout, **settings)
@@ -152,11 +172,13 @@ def _regions(client: VisionLanguageClient, args: argparse.Namespace,
             raise SystemExit("vlm-client: --draw needs the image itself, not an id")
         picture = Image.open(io.BytesIO(image))
         if args.command == "segment":
-            drawn = draw.render(picture, boxes=[result.box], polygons=result.polygons,
-                                mask=result.mask)
+            drawn = draw.render(
+                picture, boxes=[result.box], polygons=result.polygons, mask=result.mask
+            )
         else:
-            drawn = draw.render(picture, points=getattr(result, "points", ()),
-                                boxes=getattr(result, "boxes", ()))
+            drawn = draw.render(
+                picture, points=getattr(result, "points", ()), boxes=getattr(result, "boxes", ())
+            )
         drawn.save(args.draw)
     if args.json:
         _print_json(result)
@@ -167,16 +189,20 @@ def _regions(client: VisionLanguageClient, args: argparse.Namespace,
         print(f"({len(result.points)} points, finish: {result.finish_reason})")
     elif args.command == "detect":
         for b in result.boxes:
-            print(f"x_min={b.x_min:.4f} y_min={b.y_min:.4f} x_max={b.x_max:.4f} "
-                  f"y_max={b.y_max:.4f}")
+            print(
+                f"x_min={b.x_min:.4f} y_min={b.y_min:.4f} x_max={b.x_max:.4f} y_max={b.y_max:.4f}"
+            )
         print(f"({len(result.boxes)} boxes, finish: {result.finish_reason})")
     else:
         b = result.box
-        print(f"box x_min={b.x_min:.4f} y_min={b.y_min:.4f} x_max={b.x_max:.4f} "
-              f"y_max={b.y_max:.4f}")
+        print(
+            f"box x_min={b.x_min:.4f} y_min={b.y_min:.4f} x_max={b.x_max:.4f} y_max={b.y_max:.4f}"
+        )
         print(f"path {result.svg_path}")
-        print(f"({len(result.polygons)} polygons, mask {result.mask.height}x"
-              f"{result.mask.width}, finish: {result.finish_reason})")
+        print(
+            f"({len(result.polygons)} polygons, mask {result.mask.height}x"
+            f"{result.mask.width}, finish: {result.finish_reason})"
+        )
     if args.draw is not None:
         print(f"drawn to {args.draw}", file=sys.stderr)
 

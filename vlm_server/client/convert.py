@@ -14,11 +14,17 @@ from vlm_server.client import types as t
 ImageInput = bytes | str | os.PathLike[str] | t.EncodedImage
 """Encoded image bytes, a path to an image file, or an image uploaded with encode_image."""
 
-CAPTION_LENGTHS = {"short": pb.CAPTION_LENGTH_SHORT, "normal": pb.CAPTION_LENGTH_NORMAL,
-                   "long": pb.CAPTION_LENGTH_LONG}
-FINISH_REASONS = {pb.FINISH_REASON_EOS: "eos", pb.FINISH_REASON_LENGTH: "length",
-                  pb.FINISH_REASON_MAX_OBJECTS: "max_objects",
-                  pb.FINISH_REASON_CANCELLED: "cancelled"}
+CAPTION_LENGTHS = {
+    "short": pb.CAPTION_LENGTH_SHORT,
+    "normal": pb.CAPTION_LENGTH_NORMAL,
+    "long": pb.CAPTION_LENGTH_LONG,
+}
+FINISH_REASONS = {
+    pb.FINISH_REASON_EOS: "eos",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_MAX_OBJECTS: "max_objects",
+    pb.FINISH_REASON_CANCELLED: "cancelled",
+}
 FIELD_METADATA_KEY = "vlm-field"
 REQUEST_ID_METADATA_KEY = "vlm-request-id"
 
@@ -57,11 +63,16 @@ def caption_length(length: str) -> int:
 
 
 def metrics(m: pb.RequestMetrics) -> t.Metrics:
-    return t.Metrics(queue_wait_ms=m.queue_wait_ms,
-                     time_to_first_token_ms=m.time_to_first_token_ms,
-                     prefill_ms=m.prefill_ms, decode_ms=m.decode_ms, total_ms=m.total_ms,
-                     input_tokens=m.input_tokens, output_tokens=m.output_tokens,
-                     cached_tokens=m.cached_tokens)
+    return t.Metrics(
+        queue_wait_ms=m.queue_wait_ms,
+        time_to_first_token_ms=m.time_to_first_token_ms,
+        prefill_ms=m.prefill_ms,
+        decode_ms=m.decode_ms,
+        total_ms=m.total_ms,
+        input_tokens=m.input_tokens,
+        output_tokens=m.output_tokens,
+        cached_tokens=m.cached_tokens,
+    )
 
 
 def finish_reason(value: int) -> str:
@@ -84,21 +95,26 @@ def text_event(message: pb.CaptionResponse | pb.QueryResponse) -> t.TextDelta | 
 
 
 def point_result(r: pb.PointResponse) -> t.PointResult:
-    return t.PointResult([point(p) for p in r.points], finish_reason(r.finish_reason),
-                         metrics(r.metrics))
+    return t.PointResult(
+        [point(p) for p in r.points], finish_reason(r.finish_reason), metrics(r.metrics)
+    )
 
 
 def detect_result(r: pb.DetectResponse) -> t.DetectResult:
-    return t.DetectResult([box(b) for b in r.boxes], finish_reason(r.finish_reason),
-                          metrics(r.metrics))
+    return t.DetectResult(
+        [box(b) for b in r.boxes], finish_reason(r.finish_reason), metrics(r.metrics)
+    )
 
 
 def segment_result(r: pb.SegmentResponse) -> t.SegmentResult:
     return t.SegmentResult(
-        box=box(r.box), svg_path=r.svg_path,
+        box=box(r.box),
+        svg_path=r.svg_path,
         polygons=[[point(p) for p in poly.points] for poly in r.polygons],
         mask=t.RleMask(list(r.mask.counts), r.mask.height, r.mask.width),
-        finish_reason=finish_reason(r.finish_reason), metrics=metrics(r.metrics))
+        finish_reason=finish_reason(r.finish_reason),
+        metrics=metrics(r.metrics),
+    )
 
 
 def encoded_image(r: pb.EncodeImageResponse) -> t.EncodedImage:
@@ -108,13 +124,23 @@ def encoded_image(r: pb.EncodeImageResponse) -> t.EncodedImage:
 def model_info(r: pb.GetModelInfoResponse) -> t.ModelInfo:
     lim = r.limits
     return t.ModelInfo(
-        model_name=r.model_name, preset=r.preset, token_contract=r.token_contract,
-        device=r.device, dtype=r.dtype, max_context=r.max_context,
-        pipeline_depth=r.pipeline_depth, max_batch_size=r.max_batch_size,
-        server_version=r.server_version, max_message_bytes=lim.max_message_bytes,
-        max_image_bytes=lim.max_image_bytes, max_image_pixels=lim.max_image_pixels,
-        max_image_side=lim.max_image_side, max_tokens=lim.max_tokens, max_queue=lim.max_queue,
-        image_cache_bytes=lim.image_cache_bytes)
+        model_name=r.model_name,
+        preset=r.preset,
+        token_contract=r.token_contract,
+        device=r.device,
+        dtype=r.dtype,
+        max_context=r.max_context,
+        pipeline_depth=r.pipeline_depth,
+        max_batch_size=r.max_batch_size,
+        server_version=r.server_version,
+        max_message_bytes=lim.max_message_bytes,
+        max_image_bytes=lim.max_image_bytes,
+        max_image_pixels=lim.max_image_pixels,
+        max_image_side=lim.max_image_side,
+        max_tokens=lim.max_tokens,
+        max_queue=lim.max_queue,
+        image_cache_bytes=lim.image_cache_bytes,
+    )
 
 
 def error(err: grpc.RpcError) -> t.VlmError:
@@ -123,23 +149,30 @@ def error(err: grpc.RpcError) -> t.VlmError:
     details = (err.details() if hasattr(err, "details") else None) or str(err)
     trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
     meta = dict(trailing or ())
-    return t.VlmError(code, details, meta.get(FIELD_METADATA_KEY),
-                      meta.get(REQUEST_ID_METADATA_KEY))
+    return t.VlmError(
+        code, details, meta.get(FIELD_METADATA_KEY), meta.get(REQUEST_ID_METADATA_KEY)
+    )
 
 
-def caption_request(image: ImageInput, length: str,
-                    gen: pb.GenerationSettings) -> pb.CaptionRequest:
+def caption_request(
+    image: ImageInput, length: str, gen: pb.GenerationSettings
+) -> pb.CaptionRequest:
     return pb.CaptionRequest(length=caption_length(length), settings=gen, **image_fields(image))
 
 
-def query_request(image: ImageInput | None, question: str, choices: list[str] | None,
-                  regex: str | None, gen: pb.GenerationSettings) -> pb.QueryRequest:
+def query_request(
+    image: ImageInput | None,
+    question: str,
+    choices: list[str] | None,
+    regex: str | None,
+    gen: pb.GenerationSettings,
+) -> pb.QueryRequest:
     extra = {} if regex is None else {"regex": regex}
-    return pb.QueryRequest(question=question, choices=list(choices or ()), settings=gen,
-                           **extra, **image_fields(image))
+    return pb.QueryRequest(
+        question=question, choices=list(choices or ()), settings=gen, **extra, **image_fields(image)
+    )
 
 
-def object_request(kind: type[Any], image: ImageInput, obj: str,
-                   gen: pb.GenerationSettings) -> Any:
+def object_request(kind: type[Any], image: ImageInput, obj: str, gen: pb.GenerationSettings) -> Any:
     """A Point, Detect or Segment request (they share one shape)."""
     return kind(object=obj, settings=gen, **image_fields(image))

@@ -29,9 +29,15 @@ def upright(image: Image.Image) -> Image.Image:
     return ImageOps.exif_transpose(image).convert("RGB")
 
 
-def render(image: Image.Image, *, points: Sequence[Point] = (), boxes: Sequence[Box] = (),
-           polygons: Sequence[Sequence[Point]] = (), mask: RleMask | None = None,
-           color: tuple[int, int, int] = COLOR) -> Image.Image:
+def render(
+    image: Image.Image,
+    *,
+    points: Sequence[Point] = (),
+    boxes: Sequence[Box] = (),
+    polygons: Sequence[Sequence[Point]] = (),
+    mask: RleMask | None = None,
+    color: tuple[int, int, int] = COLOR,
+) -> Image.Image:
     """A copy of ``image`` (upright) with the results drawn on it."""
     out = upright(image)
     w, h = out.size
@@ -56,6 +62,10 @@ def render(image: Image.Image, *, points: Sequence[Point] = (), boxes: Sequence[
     radius = max(3, round(min(w, h) / 80))
     for p in points:
         x, y = p.x * w, p.y * h
-        draw.ellipse([x - radius, y - radius, x + radius, y + radius], fill=color,
-                     outline=(255, 255, 255), width=max(1, line // 2))
+        draw.ellipse(
+            [x - radius, y - radius, x + radius, y + radius],
+            fill=color,
+            outline=(255, 255, 255),
+            width=max(1, line // 2),
+        )
     return out

@@ -31,8 +31,13 @@ class VisionLanguageClient:
     Streaming methods cancel the call when the caller stops iterating early.
     """
 
-    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None,
-                 max_receive_bytes: int = DEFAULT_MAX_RECEIVE_BYTES) -> None:
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        timeout: float | None = None,
+        max_receive_bytes: int = DEFAULT_MAX_RECEIVE_BYTES,
+    ) -> None:
         self.target = target
         self.timeout = timeout
         self._channel = grpc.insecure_channel(target, options=channel_options(max_receive_bytes))
@@ -44,8 +49,12 @@ class VisionLanguageClient:
     def __enter__(self) -> VisionLanguageClient:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
     def _timeout(self, timeout: float | None) -> float | None:
@@ -57,8 +66,9 @@ class VisionLanguageClient:
         except grpc.RpcError as err:
             raise convert.error(err) from None
 
-    def _stream(self, method: Any, request: Any,
-                timeout: float | None) -> Iterator[t.TextDelta | t.TextResult]:
+    def _stream(
+        self, method: Any, request: Any, timeout: float | None
+    ) -> Iterator[t.TextDelta | t.TextResult]:
         call = method(request, timeout=self._timeout(timeout))
         try:
             for message in call:
@@ -75,9 +85,14 @@ class VisionLanguageClient:
                 return event
         raise t.VlmError(grpc.StatusCode.INTERNAL, "the stream ended without a result")
 
-    def caption_stream(self, image: ImageInput, length: str = "normal", *,
-                       timeout: float | None = None,
-                       **settings: Unpack[Settings]) -> Iterator[t.TextDelta | t.TextResult]:
+    def caption_stream(
+        self,
+        image: ImageInput,
+        length: str = "normal",
+        *,
+        timeout: float | None = None,
+        **settings: Unpack[Settings],
+    ) -> Iterator[t.TextDelta | t.TextResult]:
         """Text deltas as they are generated, then the `TextResult`.
 
         ``settings``: temperature, top_p, max_tokens, seed (unset: server defaults).
@@ -85,50 +100,89 @@ class VisionLanguageClient:
         request = convert.caption_request(image, length, convert.settings(**settings))
         return self._stream(self._stub.Caption, request, timeout)
 
-    def caption(self, image: ImageInput, length: str = "normal", *,
-                timeout: float | None = None, **settings: Unpack[Settings]) -> t.TextResult:
+    def caption(
+        self,
+        image: ImageInput,
+        length: str = "normal",
+        *,
+        timeout: float | None = None,
+        **settings: Unpack[Settings],
+    ) -> t.TextResult:
         """Caption ``image`` (short, normal or long)."""
         return self._collect(self.caption_stream(image, length, timeout=timeout, **settings))
 
-    def query_stream(self, image: ImageInput | None, question: str, *,
-                     choices: list[str] | None = None, regex: str | None = None,
-                     timeout: float | None = None,
-                     **settings: Unpack[Settings]) -> Iterator[t.TextDelta | t.TextResult]:
+    def query_stream(
+        self,
+        image: ImageInput | None,
+        question: str,
+        *,
+        choices: list[str] | None = None,
+        regex: str | None = None,
+        timeout: float | None = None,
+        **settings: Unpack[Settings],
+    ) -> Iterator[t.TextDelta | t.TextResult]:
         """Like `query`, streamed."""
-        request = convert.query_request(image, question, choices, regex,
-                                        convert.settings(**settings))
+        request = convert.query_request(
+            image, question, choices, regex, convert.settings(**settings)
+        )
         return self._stream(self._stub.Query, request, timeout)
 
-    def query(self, image: ImageInput | None, question: str, *,
-              choices: list[str] | None = None, regex: str | None = None,
-              timeout: float | None = None, **settings: Unpack[Settings]) -> t.TextResult:
+    def query(
+        self,
+        image: ImageInput | None,
+        question: str,
+        *,
+        choices: list[str] | None = None,
+        regex: str | None = None,
+        timeout: float | None = None,
+        **settings: Unpack[Settings],
+    ) -> t.TextResult:
         """Answer ``question`` about ``image`` (None: text only), optionally constrained."""
-        return self._collect(self.query_stream(image, question, choices=choices, regex=regex,
-                                               timeout=timeout, **settings))
+        return self._collect(
+            self.query_stream(
+                image, question, choices=choices, regex=regex, timeout=timeout, **settings
+            )
+        )
 
-    def point(self, image: ImageInput, obj: str, *, timeout: float | None = None,
-              **settings: Unpack[Settings]) -> t.PointResult:
+    def point(
+        self,
+        image: ImageInput,
+        obj: str,
+        *,
+        timeout: float | None = None,
+        **settings: Unpack[Settings],
+    ) -> t.PointResult:
         """Points at each ``obj`` in ``image`` (``max_objects`` caps the count)."""
-        request = convert.object_request(pb.PointRequest, image, obj,
-                                         convert.settings(**settings))
+        request = convert.object_request(pb.PointRequest, image, obj, convert.settings(**settings))
         return convert.point_result(self._unary(self._stub.Point, request, timeout))
 
-    def detect(self, image: ImageInput, obj: str, *, timeout: float | None = None,
-               **settings: Unpack[Settings]) -> t.DetectResult:
+    def detect(
+        self,
+        image: ImageInput,
+        obj: str,
+        *,
+        timeout: float | None = None,
+        **settings: Unpack[Settings],
+    ) -> t.DetectResult:
         """Boxes around each ``obj`` in ``image``."""
-        request = convert.object_request(pb.DetectRequest, image, obj,
-                                         convert.settings(**settings))
+        request = convert.object_request(pb.DetectRequest, image, obj, convert.settings(**settings))
         return convert.detect_result(self._unary(self._stub.Detect, request, timeout))
 
-    def segment(self, image: ImageInput, obj: str, *, timeout: float | None = None,
-                **settings: Unpack[Settings]) -> t.SegmentResult:
+    def segment(
+        self,
+        image: ImageInput,
+        obj: str,
+        *,
+        timeout: float | None = None,
+        **settings: Unpack[Settings],
+    ) -> t.SegmentResult:
         """Outline of ``obj``: box, SVG path, polygons and RLE mask."""
-        request = convert.object_request(pb.SegmentRequest, image, obj,
-                                         convert.settings(**settings))
+        request = convert.object_request(
+            pb.SegmentRequest, image, obj, convert.settings(**settings)
+        )
         return convert.segment_result(self._unary(self._stub.Segment, request, timeout))
 
-    def encode_image(self, image: ImageInput, *, timeout: float | None = None
-                     ) -> t.EncodedImage:
+    def encode_image(self, image: ImageInput, *, timeout: float | None = None) -> t.EncodedImage:
         """Upload once; pass the result as the image of later calls."""
         if isinstance(image, t.EncodedImage):
             return image

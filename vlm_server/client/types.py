@@ -117,8 +117,13 @@ class ModelInfo:
 class VlmError(Exception):
     """A call failed: ``code`` is the gRPC status, ``field`` the request field at fault."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None,
-                 request_id: str | None = None) -> None:
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        field: str | None = None,
+        request_id: str | None = None,
+    ) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message

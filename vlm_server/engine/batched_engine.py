@@ -40,12 +40,12 @@ log = logging.getLogger(__name__)
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-
 class _Stream:
     """Per-request event stream on the event loop; raises the EngineError that ended it."""
 
-    def __init__(self, engine: BatchedEngine, seq: Sequence, loop: asyncio.AbstractEventLoop
-                 ) -> None:
+    def __init__(
+        self, engine: BatchedEngine, seq: Sequence, loop: asyncio.AbstractEventLoop
+    ) -> None:
         self._engine = engine
         self._seq = seq
         self._queue: asyncio.Queue[object] = asyncio.Queue()
@@ -78,8 +78,9 @@ class _Stream:
 class BatchedEngine:
     """Continuous batching over a paged KV cache with a two-slot pipeline."""
 
-    def __init__(self, loaded: LoadedModel, cfg: EngineConfig | None = None,
-                 preset_name: str | None = None) -> None:
+    def __init__(
+        self, loaded: LoadedModel, cfg: EngineConfig | None = None, preset_name: str | None = None
+    ) -> None:
         self.loaded = loaded
         self.cfg = cfg or EngineConfig()
         model = loaded.model
@@ -88,10 +89,16 @@ class BatchedEngine:
         assert contract is not None
         self.contract = contract
         self.info = EngineInfo(
-            model_name=mc.name, preset=preset_name or mc.name, token_contract=contract.name,
-            device=str(model.device), dtype=_DTYPE_NAMES.get(model.dtype, str(model.dtype)),
-            pipeline_depth=self.cfg.pipeline_depth, max_batch_size=self.cfg.max_batch,
-            max_context=mc.text.max_context, max_queue=self.cfg.max_queue)
+            model_name=mc.name,
+            preset=preset_name or mc.name,
+            token_contract=contract.name,
+            device=str(model.device),
+            dtype=_DTYPE_NAMES.get(model.dtype, str(model.dtype)),
+            pipeline_depth=self.cfg.pipeline_depth,
+            max_batch_size=self.cfg.max_batch,
+            max_context=mc.text.max_context,
+            max_queue=self.cfg.max_queue,
+        )
         self.tasks = TaskCompiler(mc, loaded.tokenizer, self.cfg.mask_table_rows)
         self.table = self.tasks.table
         self.runtime = ModelRuntime(model, self.cfg, self.table)
@@ -142,9 +149,13 @@ class BatchedEngine:
         """Every page free (cached image prefixes aside), every slot and row unused."""
         with self._cv:
             s = self.scheduler
-            return (not self._inbox and not s.has_work() and not s.zombies
-                    and len(s.free_rows) == self.cfg.max_rows
-                    and all(x is None for x in s.pipe.slots))
+            return (
+                not self._inbox
+                and not s.has_work()
+                and not s.zombies
+                and len(s.free_rows) == self.cfg.max_rows
+                and all(x is None for x in s.pipe.slots)
+            )
 
     # ---- submission -------------------------------------------------------------------
 
@@ -159,17 +170,23 @@ class BatchedEngine:
         # Worst case (the image prefix not cached): the sequence's pages, plus a private copy
         # of a partly filled last prefix page.
         need = scheduler.rt.pages.pages_for(seq.total_positions) + (
-            1 if seq.prefix_len and scheduler.prefix_cache.has_tail else 0)
+            1 if seq.prefix_len and scheduler.prefix_cache.has_tail else 0
+        )
         if need > total_pages:
-            raise EngineError(ErrorCode.RESOURCE_EXHAUSTED,
-                              f"the request needs {need} KV pages but the cache has "
-                              f"{total_pages}; lower max_tokens / max_objects", "max_tokens")
+            raise EngineError(
+                ErrorCode.RESOURCE_EXHAUSTED,
+                f"the request needs {need} KV pages but the cache has "
+                f"{total_pages}; lower max_tokens / max_objects",
+                "max_tokens",
+            )
         stream = _Stream(self, seq, asyncio.get_running_loop())
         seq.emit = stream.push
         with self._cv:
             if len(self._inbox) + len(scheduler.waiting) >= self.cfg.max_queue:
-                raise EngineError(ErrorCode.RESOURCE_EXHAUSTED,
-                                  f"the queue is full ({self.cfg.max_queue} waiting requests)")
+                raise EngineError(
+                    ErrorCode.RESOURCE_EXHAUSTED,
+                    f"the queue is full ({self.cfg.max_queue} waiting requests)",
+                )
             self._inbox.append(seq)
             self._cv.notify()
         return stream
@@ -177,8 +194,9 @@ class BatchedEngine:
     def _build(self, req: GenerationRequest) -> Sequence:
         """The request's sequence: prompt and grammar from the shared task definitions."""
         built = self.tasks.build(req)
-        seq = Sequence(request=req, prompt=built.prompt, grammar=built.grammar,
-                       prefix_len=built.prefix_len)
+        seq = Sequence(
+            request=req, prompt=built.prompt, grammar=built.grammar, prefix_len=built.prefix_len
+        )
         if isinstance(built.grammar, TextGrammar):
             seq.detok = StreamDetokenizer(self.tasks.vocab)
         return seq

@@ -134,13 +134,23 @@ class FakeStream:
         if event._marker is not None:
             self._push(_Op(f"wait {event.name}", self, wait=event._marker))
 
-    def copy(self, name: str, fn: Callable[[], None], reads: Iterable[FakeBuffer],
-             writes: Iterable[FakeBuffer]) -> None:
+    def copy(
+        self,
+        name: str,
+        fn: Callable[[], None],
+        reads: Iterable[FakeBuffer],
+        writes: Iterable[FakeBuffer],
+    ) -> None:
         """Enqueue a memory copy."""
         self._enqueue(name, fn, reads, writes)
 
-    def kernel(self, name: str, fn: Callable[[], None], reads: Iterable[FakeBuffer],
-               writes: Iterable[FakeBuffer]) -> None:
+    def kernel(
+        self,
+        name: str,
+        fn: Callable[[], None],
+        reads: Iterable[FakeBuffer],
+        writes: Iterable[FakeBuffer],
+    ) -> None:
         """Enqueue a compute kernel (forward, sampling): only one stream may run kernels."""
         self.device._kernel_on(self)
         self._enqueue(name, fn, reads, writes)
@@ -151,8 +161,13 @@ class FakeStream:
         wait = self.queue[0].wait
         return wait is None or wait.done
 
-    def _enqueue(self, name: str, fn: Callable[[], None], reads: Iterable[FakeBuffer],
-                 writes: Iterable[FakeBuffer]) -> None:
+    def _enqueue(
+        self,
+        name: str,
+        fn: Callable[[], None],
+        reads: Iterable[FakeBuffer],
+        writes: Iterable[FakeBuffer],
+    ) -> None:
         op = _Op(name, self, fn)
         for buf in reads:
             op.reads.append((buf, buf.issued))
@@ -189,8 +204,15 @@ class FakeDevice:
     def event(self, name: str) -> FakeEvent:
         return FakeEvent(self, name)
 
-    def buffer(self, name: str, value: Any, *, host: bool = False, slot: int | None = None,
-               early_read: str = "order") -> FakeBuffer:
+    def buffer(
+        self,
+        name: str,
+        value: Any,
+        *,
+        host: bool = False,
+        slot: int | None = None,
+        early_read: str = "order",
+    ) -> FakeBuffer:
         return FakeBuffer(name, value, host=host, slot=slot, early_read=early_read)
 
     @property
@@ -228,8 +250,9 @@ class FakeDevice:
     def _run_until(self, done: Callable[[], bool], what: str) -> None:
         while not done():
             if not self._step(self._ready()):
-                raise DeviceViolation("order", f"waiting for {what}, which nothing queued "
-                                               "can complete")
+                raise DeviceViolation(
+                    "order", f"waiting for {what}, which nothing queued can complete"
+                )
 
     def _step(self, ready: list[FakeStream]) -> bool:
         if not ready:
@@ -245,21 +268,33 @@ class FakeDevice:
         where = f"{op.name!r} on stream {op.stream.name!r}"
         for buf, v in op.reads:
             if buf.held < v:
-                raise DeviceViolation(buf.early_read, f"{where} read {buf.name} before the write "
-                                      f"it depends on executed (holds v{buf.held}, needs v{v}): "
-                                      "a missing event wait")
+                raise DeviceViolation(
+                    buf.early_read,
+                    f"{where} read {buf.name} before the write "
+                    f"it depends on executed (holds v{buf.held}, needs v{v}): "
+                    "a missing event wait",
+                )
             if buf.held > v:
-                raise DeviceViolation(buf.race, f"{where} read {buf.name} after a later write "
-                                      f"replaced it (holds v{buf.held}, needs v{v})")
+                raise DeviceViolation(
+                    buf.race,
+                    f"{where} read {buf.name} after a later write "
+                    f"replaced it (holds v{buf.held}, needs v{v})",
+                )
         own = Counter(op.reads)
         for buf, v in op.writes:
             if buf.held != v - 1:
-                raise DeviceViolation(buf.race, f"{where} wrote {buf.name} v{v} while it holds "
-                                      f"v{buf.held}: two writes ran out of order")
+                raise DeviceViolation(
+                    buf.race,
+                    f"{where} wrote {buf.name} v{v} while it holds "
+                    f"v{buf.held}: two writes ran out of order",
+                )
             others = buf.pending[v - 1] - own[(buf, v - 1)]
             if others:
-                raise DeviceViolation(buf.race, f"{where} overwrote {buf.name} while {others} "
-                                      "queued read(s) of its previous contents had not run")
+                raise DeviceViolation(
+                    buf.race,
+                    f"{where} overwrote {buf.name} while {others} "
+                    "queued read(s) of its previous contents had not run",
+                )
         if op.record is not None:
             op.record.done = True
         if op.fn is not None:
@@ -274,8 +309,11 @@ class FakeDevice:
         if stream.name not in self.kernel_streams:
             self.kernel_streams.append(stream.name)
         if len(self.kernel_streams) > 1:
-            raise DeviceViolation("I1", f"kernels on streams {self.kernel_streams}: all forwards "
-                                  "and sampling must share one compute stream")
+            raise DeviceViolation(
+                "I1",
+                f"kernels on streams {self.kernel_streams}: all forwards "
+                "and sampling must share one compute stream",
+            )
 
     # ---- host access to pinned memory ---------------------------------------------------
 
@@ -284,8 +322,11 @@ class FakeDevice:
         if not buf.host:
             raise DeviceViolation("I7", f"the host wrote device memory {buf.name} directly")
         if buf.pending[buf.held] or buf.issued != buf.held:
-            raise DeviceViolation("I5", f"the host overwrote {buf.name} while a queued copy "
-                                  "still reads or writes it: the buffer was reused too early")
+            raise DeviceViolation(
+                "I5",
+                f"the host overwrote {buf.name} while a queued copy "
+                "still reads or writes it: the buffer was reused too early",
+            )
         buf.value[: len(values)] = values
         buf.issued += 1
         buf.held = buf.issued
@@ -297,11 +338,17 @@ class FakeDevice:
             raise DeviceViolation("I7", f"the host read device memory {buf.name} directly")
         want = buf.issued if version is None else version
         if buf.held < want:
-            raise DeviceViolation("I7", f"the host read {buf.name} before the copy into it "
-                                  "executed: nothing waited for its event")
+            raise DeviceViolation(
+                "I7",
+                f"the host read {buf.name} before the copy into it "
+                "executed: nothing waited for its event",
+            )
         if buf.held > want:
-            raise DeviceViolation("I5", f"a later copy overwrote {buf.name} before the host "
-                                  "read it: the slot was reused too early")
+            raise DeviceViolation(
+                "I5",
+                f"a later copy overwrote {buf.name} before the host "
+                "read it: the slot was reused too early",
+            )
         return buf.value
 
 
@@ -380,11 +427,22 @@ class FakeRuntime:
     equal requests get equal answers whatever the depth or interleaving.
     """
 
-    def __init__(self, device: FakeDevice, cfg: EngineConfig, table: MaskTable, *,
-                 n_pages: int, max_context: int, eos_id: int, coord_id: int,
-                 skip_d2h_wait: bool = False, skip_step_done_wait: bool = False,
-                 skip_mask_wait: bool = False, skip_inputs_wait: bool = False,
-                 stream_per_slot: bool = False) -> None:
+    def __init__(
+        self,
+        device: FakeDevice,
+        cfg: EngineConfig,
+        table: MaskTable,
+        *,
+        n_pages: int,
+        max_context: int,
+        eos_id: int,
+        coord_id: int,
+        skip_d2h_wait: bool = False,
+        skip_step_done_wait: bool = False,
+        skip_mask_wait: bool = False,
+        skip_inputs_wait: bool = False,
+        stream_per_slot: bool = False,
+    ) -> None:
         self.device = device
         self.cfg = cfg
         self.table = table
@@ -400,13 +458,15 @@ class FakeRuntime:
         # The host mirror of the block table (pinned in the real runtime; the allocator writes
         # it in place and the next launch uploads the changed rows).
         self.block_host = np.zeros((rows, max_pages), np.int32)
-        self.pages: PageAllocator = _CheckedPages(self._check_freed, n_pages, cfg.page_size,
-                                                  rows, max_pages, block_table=self.block_host)
+        self.pages: PageAllocator = _CheckedPages(
+            self._check_freed, n_pages, cfg.page_size, rows, max_pages, block_table=self.block_host
+        )
         self.copy = device.stream("copy")
         names = ["compute0", "compute1"] if stream_per_slot else ["compute"]
         self.computes = [device.stream(n) for n in names]
-        self.block_dev = [device.buffer(f"block_dev[{r}]", np.zeros(max_pages, np.int32))
-                          for r in range(rows)]
+        self.block_dev = [
+            device.buffer(f"block_dev[{r}]", np.zeros(max_pages, np.int32)) for r in range(rows)
+        ]
         self.row_state = [device.buffer(f"row_state[{r}]", None) for r in range(rows)]
         self.next_input = [device.buffer(f"next_input[{r}]", None) for r in range(rows)]
         self.table_dev = device.buffer("table_dev", np.zeros((0, table.width), bool))
@@ -418,8 +478,9 @@ class FakeRuntime:
 
     # ---- the protocol ---------------------------------------------------------------------
 
-    def launch_prefill(self, slot: int, seqs: list[Sequence],
-                       image_for: dict[int, torch.Tensor | None]) -> None:
+    def launch_prefill(
+        self, slot: int, seqs: list[Sequence], image_for: dict[int, torch.Tensor | None]
+    ) -> None:
         """Block-table upload and inputs_ready on the copy stream; the prefill waits for it."""
         if sorted(image_for) != list(range(len(seqs))):
             raise DeviceViolation("data", f"prefill images for rows {sorted(image_for)}")
@@ -437,9 +498,12 @@ class FakeRuntime:
             jobs.append((s.row, next(self._tags), _mix(salt, *s.prompt), s.prefill_len))
         rows = [s.row for s in seqs]
         blocks = {r: self.block_host[r].copy() for r in rows}
-        compute.kernel(f"prefill slot{slot}", partial(self._prefill, buf, jobs, blocks),
-                       [self.block_dev[r] for r in rows],
-                       [buf.hidden, *(self.row_state[r] for r in rows)])
+        compute.kernel(
+            f"prefill slot{slot}",
+            partial(self._prefill, buf, jobs, blocks),
+            [self.block_dev[r] for r in rows],
+            [buf.hidden, *(self.row_state[r] for r in rows)],
+        )
 
     def launch_decode(self, slot: int, seqs: list[Sequence]) -> None:
         """Inputs into the pinned buffer, uploaded on the copy stream; the forward waits."""
@@ -449,22 +513,39 @@ class FakeRuntime:
         host = np.array([[s.row, s.next_position()] for s in seqs], np.int64).reshape(b, 2)
         self.device.host_write(buf.launch_host, host)
         self._upload_block_table()
-        self.copy.copy(f"h2d inputs slot{slot}", partial(_copy_rows, buf.launch_dev,
-                                                         buf.launch_host, b),
-                       [buf.launch_host], [buf.launch_dev])
+        self.copy.copy(
+            f"h2d inputs slot{slot}",
+            partial(_copy_rows, buf.launch_dev, buf.launch_host, b),
+            [buf.launch_host],
+            [buf.launch_dev],
+        )
         buf.inputs_ready.record(self.copy)
         compute = self._compute(slot)
         if not self.skip_inputs_wait:
             compute.wait(buf.inputs_ready)
         blocks = {r: self.block_host[r].copy() for r in rows}
-        reads = [buf.launch_dev, *(self.block_dev[r] for r in rows),
-                 *(self.row_state[r] for r in rows), *(self.next_input[r] for r in rows)]
-        compute.kernel(f"decode forward slot{slot}",
-                       partial(self._decode_forward, buf, rows, blocks), reads,
-                       [buf.hidden, *(self.row_state[r] for r in rows)])
+        reads = [
+            buf.launch_dev,
+            *(self.block_dev[r] for r in rows),
+            *(self.row_state[r] for r in rows),
+            *(self.next_input[r] for r in rows),
+        ]
+        compute.kernel(
+            f"decode forward slot{slot}",
+            partial(self._decode_forward, buf, rows, blocks),
+            reads,
+            [buf.hidden, *(self.row_state[r] for r in rows)],
+        )
 
-    def finalize(self, slot: int, seqs: list[Sequence], fin: np.ndarray,
-                 constrained: bool, regions: bool, greedy: bool = False) -> None:
+    def finalize(
+        self,
+        slot: int,
+        seqs: list[Sequence],
+        fin: np.ndarray,
+        constrained: bool,
+        regions: bool,
+        greedy: bool = False,
+    ) -> None:
         """Mask upload + mask_ready (copy); sample + step_done (compute); D2H after step_done,
         then d2h_done (copy)."""
         buf, b = self.slots[slot], len(seqs)
@@ -473,22 +554,30 @@ class FakeRuntime:
         self.device.host_write(buf.fin_host, fin)
         if constrained:
             self._upload_table_rows()
-        self.copy.copy(f"h2d fin slot{slot}", partial(_copy_rows, buf.fin_dev, buf.fin_host, b),
-                       [buf.fin_host], [buf.fin_dev])
+        self.copy.copy(
+            f"h2d fin slot{slot}",
+            partial(_copy_rows, buf.fin_dev, buf.fin_host, b),
+            [buf.fin_host],
+            [buf.fin_dev],
+        )
         buf.mask_ready.record(self.copy)
         compute = self._compute(slot)
         if not self.skip_mask_wait:
             compute.wait(buf.mask_ready)
         reads = [buf.fin_dev, buf.hidden, *([self.table_dev] if constrained else [])]
         writes = [buf.out_dev, *(self.next_input[r] for r in step.rows)]
-        compute.kernel(f"sample slot{slot}", partial(self._sample, buf, b, constrained, regions),
-                       reads, writes)
+        compute.kernel(
+            f"sample slot{slot}", partial(self._sample, buf, b, constrained, regions), reads, writes
+        )
         buf.step_done.record(compute)
         if not self.skip_step_done_wait:
             self.copy.wait(buf.step_done)
-        self.copy.copy(f"d2h outputs slot{slot}", partial(_copy_rows, buf.out_host, buf.out_dev,
-                                                          b),
-                       [buf.out_dev], [buf.out_host])
+        self.copy.copy(
+            f"d2h outputs slot{slot}",
+            partial(_copy_rows, buf.out_host, buf.out_dev, b),
+            [buf.out_dev],
+            [buf.out_host],
+        )
         step.d2h_version = buf.out_host.issued
         buf.d2h_done.record(self.copy)
 
@@ -496,8 +585,9 @@ class FakeRuntime:
         """The one host wait: d2h_done of the oldest step, which must be this one (I2)."""
         step = self._in_flight[0] if self._in_flight else None
         if step is None or step.slot != slot or len(step.rows) != b or not step.finalized:
-            raise DeviceViolation("I2", f"commit of slot {slot} ({b} rows) is not the oldest "
-                                  "finalized step in flight")
+            raise DeviceViolation(
+                "I2", f"commit of slot {slot} ({b} rows) is not the oldest finalized step in flight"
+            )
         buf = self.slots[slot]
         if not self.skip_d2h_wait:
             buf.d2h_done.synchronize()
@@ -507,8 +597,7 @@ class FakeRuntime:
 
     def release_row(self, row: int) -> None:
         if any(row in s.rows for s in self._in_flight):
-            raise DeviceViolation("I6", f"row {row} released while a step holding it is in "
-                                  "flight")
+            raise DeviceViolation("I6", f"row {row} released while a step holding it is in flight")
         self.pages.clear(row)
 
     # ---- bookkeeping checks ---------------------------------------------------------------
@@ -518,8 +607,9 @@ class FakeRuntime:
 
     def _begin(self, slot: int, seqs: list[Sequence]) -> None:
         if any(s.slot == slot for s in self._in_flight):
-            raise DeviceViolation("I5", f"launch into slot {slot} while the step using it is "
-                                  "not committed")
+            raise DeviceViolation(
+                "I5", f"launch into slot {slot} while the step using it is not committed"
+            )
         rows = [s.row for s in seqs]
         if min(rows, default=0) < 0 or len(set(rows)) != len(rows):
             raise DeviceViolation("data", f"launch with rows {rows}")
@@ -529,15 +619,14 @@ class FakeRuntime:
     def _finalizing(self, slot: int, seqs: list[Sequence], fin: np.ndarray) -> _InFlight:
         step = next((s for s in self._in_flight if not s.finalized), None)
         rows = [s.row for s in seqs]
-        if (step is None or step.slot != slot or step.rows != rows
-                or fin[:, F_ROW].tolist() != rows):
-            raise DeviceViolation("I2", f"finalize of slot {slot} rows {rows} is not the oldest "
-                                  "unfinalized launch")
+        if step is None or step.slot != slot or step.rows != rows or fin[:, F_ROW].tolist() != rows:
+            raise DeviceViolation(
+                "I2", f"finalize of slot {slot} rows {rows} is not the oldest unfinalized launch"
+            )
         step.finalized = True
         return step
 
-    def _check_flags(self, fin: np.ndarray, constrained: bool, regions: bool,
-                     greedy: bool) -> None:
+    def _check_flags(self, fin: np.ndarray, constrained: bool, regions: bool, greedy: bool) -> None:
         phases = set(fin[:, F_PHASE].tolist())
         if (fin[:, F_MASK] != NO_MASK).any() and not constrained:
             raise DeviceViolation("data", "masked rows in a step finalized unconstrained")
@@ -549,8 +638,9 @@ class FakeRuntime:
     def _check_freed(self, pages: set[int]) -> None:
         busy = pages & set().union(*(s.pages for s in self._in_flight))
         if busy:
-            raise DeviceViolation("I6", f"pages {sorted(busy)} freed while a step in flight "
-                                  "still uses them")
+            raise DeviceViolation(
+                "I6", f"pages {sorted(busy)} freed while a step in flight still uses them"
+            )
 
     # ---- uploads ----------------------------------------------------------------------------
 
@@ -558,9 +648,12 @@ class FakeRuntime:
         rows = self.pages.take_dirty()
         if rows:
             lo, hi = rows[0], rows[-1] + 1  # one copy covering every dirty row, as the real one
-            self.copy.copy("h2d block table",
-                           partial(self._copy_blocks, lo, hi, self.block_host[lo:hi].copy()),
-                           [], self.block_dev[lo:hi])
+            self.copy.copy(
+                "h2d block table",
+                partial(self._copy_blocks, lo, hi, self.block_host[lo:hi].copy()),
+                [],
+                self.block_dev[lo:hi],
+            )
 
     def _copy_blocks(self, lo: int, hi: int, issued: np.ndarray) -> None:
         # The real runtime copies from a per-slot pinned stage filled at issue time, so the
@@ -572,8 +665,12 @@ class FakeRuntime:
         n = len(self.table)
         if n > self._table_uploaded:
             rows = self.table.dense(0, n)
-            self.copy.copy("h2d mask rows", partial(setattr, self.table_dev, "value", rows), [],
-                           [self.table_dev])
+            self.copy.copy(
+                "h2d mask rows",
+                partial(setattr, self.table_dev, "value", rows),
+                [],
+                [self.table_dev],
+            )
             self._table_uploaded = n
 
     # ---- the stand-in model (runs on the device) ------------------------------------------
@@ -581,11 +678,15 @@ class FakeRuntime:
     def _check_blocks(self, row: int, want: np.ndarray, what: str) -> None:
         have = self.block_dev[row].value
         if not np.array_equal(have, want):
-            raise DeviceViolation("order", f"{what} read block-table row {row} as "
-                                  f"{have.tolist()}, launched with {want.tolist()}")
+            raise DeviceViolation(
+                "order",
+                f"{what} read block-table row {row} as "
+                f"{have.tolist()}, launched with {want.tolist()}",
+            )
 
-    def _prefill(self, buf: _FakeSlot, jobs: list[tuple[int, int, int, int]],
-                 blocks: dict[int, np.ndarray]) -> None:
+    def _prefill(
+        self, buf: _FakeSlot, jobs: list[tuple[int, int, int, int]], blocks: dict[int, np.ndarray]
+    ) -> None:
         hidden = []
         for row, tag, h, prefill_len in jobs:
             self._check_blocks(row, blocks[row], "prefill")
@@ -594,8 +695,9 @@ class FakeRuntime:
             hidden.append((row, tag, h, 0, eos_at))
         buf.hidden.value = hidden
 
-    def _decode_forward(self, buf: _FakeSlot, rows: list[int],
-                        blocks: dict[int, np.ndarray]) -> None:
+    def _decode_forward(
+        self, buf: _FakeSlot, rows: list[int], blocks: dict[int, np.ndarray]
+    ) -> None:
         launch = buf.launch_dev.value[: len(rows)].tolist()
         if [r for r, _ in launch] != rows:
             raise DeviceViolation("order", f"decode forward read rows {launch}, launched {rows}")
@@ -605,12 +707,17 @@ class FakeRuntime:
             tag, h, k, eos_at, next_pos = self.row_state[row].value
             in_tag, in_k, value = self.next_input[row].value
             if (in_tag, in_k) != (tag, k):
-                raise DeviceViolation("order", f"decode forward of row {row} read the next "
-                                      f"input of output {in_k} (occupant {in_tag}), but output "
-                                      f"{k} (occupant {tag}) is the last one sampled")
+                raise DeviceViolation(
+                    "order",
+                    f"decode forward of row {row} read the next "
+                    f"input of output {in_k} (occupant {in_tag}), but output "
+                    f"{k} (occupant {tag}) is the last one sampled",
+                )
             if pos != next_pos:
-                raise DeviceViolation("data", f"decode forward of row {row} at position {pos}, "
-                                      f"the row is at {next_pos}")
+                raise DeviceViolation(
+                    "data",
+                    f"decode forward of row {row} at position {pos}, the row is at {next_pos}",
+                )
             h = _mix(h, value)
             self.row_state[row].value = (tag, h, k + 1, eos_at, pos + 1)
             hidden.append((row, tag, h, k + 1, eos_at))
@@ -628,8 +735,9 @@ class FakeRuntime:
             allowed = None
             if constrained and mask != NO_MASK:
                 if mask >= len(table):
-                    raise DeviceViolation("order", f"sampling used mask row {mask} before "
-                                          "its upload executed")
+                    raise DeviceViolation(
+                        "order", f"sampling used mask row {mask} before its upload executed"
+                    )
                 allowed = table[mask]
             token = self._choose(h, k, eos_at, allowed)
             out[i, 0] = token

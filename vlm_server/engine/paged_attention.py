@@ -12,8 +12,14 @@ import torch.nn.functional as F
 from vlm_server.model.text import allowed_mask
 
 
-def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, block_rows: torch.Tensor,
-             positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def write_kv(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_rows: torch.Tensor,
+    positions: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
     """Store k, v [B, kv_heads, T, hd] at positions [B, T] through block_rows [B, n_blocks]."""
     ps = k_pool.shape[1]
     pages = block_rows.gather(1, positions // ps)  # [B, T]
@@ -22,9 +28,14 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, block_rows: torch.Tenso
     v_pool[pages, offsets] = v.transpose(1, 2).to(v_pool.dtype)
 
 
-def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                    block_rows: torch.Tensor, positions: torch.Tensor,
-                    prefix_len: int) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_rows: torch.Tensor,
+    positions: torch.Tensor,
+    prefix_len: int,
+) -> torch.Tensor:
     """Attention of q [B, H, T, hd] at positions [B, T] over the pages of block_rows
     [B, n_blocks] (which must cover every visible position). Causal, except that positions
     below ``prefix_len`` see each other both ways."""
@@ -43,8 +54,14 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 class PagedKV:
     """The `KVCache` the text decoder sees during one engine forward."""
 
-    def __init__(self, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor],
-                 block_rows: torch.Tensor, prefix_len: int, fresh_prefix: bool = False) -> None:
+    def __init__(
+        self,
+        k_pools: list[torch.Tensor],
+        v_pools: list[torch.Tensor],
+        block_rows: torch.Tensor,
+        prefix_len: int,
+        fresh_prefix: bool = False,
+    ) -> None:
         self.k_pools, self.v_pools = k_pools, v_pools
         self.block_rows = block_rows
         self.prefix_len = prefix_len
@@ -52,8 +69,9 @@ class PagedKV:
         # and values are the ones just computed, and no mask applies.
         self.fresh_prefix = fresh_prefix
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
         kp, vp = self.k_pools[layer], self.v_pools[layer]
         write_kv(kp, vp, self.block_rows, positions, k, v)
         if self.fresh_prefix:
@@ -70,10 +88,17 @@ class DecodeKV:
     then attention over live pages only); shapes never depend on host values, so the step can
     be graph-captured. Elsewhere: plain PyTorch over the first ``n_blocks`` pages."""
 
-    def __init__(self, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor],
-                 block_table: torch.Tensor, rows: torch.Tensor, n_blocks: int,
-                 rope: tuple[torch.Tensor, torch.Tensor], n_heads: int,
-                 use_triton: bool) -> None:
+    def __init__(
+        self,
+        k_pools: list[torch.Tensor],
+        v_pools: list[torch.Tensor],
+        block_table: torch.Tensor,
+        rows: torch.Tensor,
+        n_blocks: int,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        n_heads: int,
+        use_triton: bool,
+    ) -> None:
         self.k_pools, self.v_pools = k_pools, v_pools
         self.block_table = block_table
         self.rows = rows
@@ -83,19 +108,29 @@ class DecodeKV:
         # The decoder takes the fused path when this attribute is not None.
         self.attend_packed = self._attend_packed if use_triton else None
 
-    def _attend_packed(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor
-                       ) -> torch.Tensor:
+    def _attend_packed(
+        self, layer: int, qkv: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
         from vlm_server.engine.triton_attention import paged_decode_attention, rope_and_store_kv
 
         kp, vp = self.k_pools[layer], self.v_pools[layer]
-        q = rope_and_store_kv(qkv[:, 0], self.rope[0], self.rope[1], positions,
-                              self.block_table, self.rows, kp, vp, self.n_heads)
-        out = paged_decode_attention(q, kp, vp, self.block_table, self.rows,
-                                     positions[:, 0] + 1)
+        q = rope_and_store_kv(
+            qkv[:, 0],
+            self.rope[0],
+            self.rope[1],
+            positions,
+            self.block_table,
+            self.rows,
+            kp,
+            vp,
+            self.n_heads,
+        )
+        out = paged_decode_attention(q, kp, vp, self.block_table, self.rows, positions[:, 0] + 1)
         return out[:, :, None]
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
         kp, vp = self.k_pools[layer], self.v_pools[layer]
         ps = kp.shape[1]
         pages = self.block_table[self.rows[:, None], positions // ps].long()  # [B, 1]

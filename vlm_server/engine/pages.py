@@ -21,8 +21,14 @@ class OutOfPages(RuntimeError):
 
 
 class PageAllocator:
-    def __init__(self, n_pages: int, page_size: int, max_rows: int, max_pages_per_row: int,
-                 block_table: np.ndarray | None = None) -> None:
+    def __init__(
+        self,
+        n_pages: int,
+        page_size: int,
+        max_rows: int,
+        max_pages_per_row: int,
+        block_table: np.ndarray | None = None,
+    ) -> None:
         if n_pages < 2:
             raise ValueError("the KV pool needs at least 2 pages (one is the sink)")
         self.n_pages = n_pages
@@ -74,7 +80,7 @@ class PageAllocator:
         if len(pages) > self.block_table.shape[1]:
             raise ValueError("sequence needs more pages than a block-table row holds")
         self.block_table[row, : len(pages)] = pages
-        self.block_table[row, len(pages):] = SINK_PAGE
+        self.block_table[row, len(pages) :] = SINK_PAGE
         self._dirty.add(row)
 
     def clear(self, row: int) -> None:

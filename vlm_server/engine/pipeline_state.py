@@ -76,8 +76,9 @@ class PipelineState:
 
     def launch(self, kind: StepKind, seqs: list[Any]) -> Step:
         if len(self.in_flight) >= self.depth:
-            raise PipelineError(f"launch with {len(self.in_flight)} steps in flight "
-                                f"at depth {self.depth}")
+            raise PipelineError(
+                f"launch with {len(self.in_flight)} steps in flight at depth {self.depth}"
+            )
         slot = self.free_slot()
         if slot is None:
             raise PipelineError("launch with no free slot")

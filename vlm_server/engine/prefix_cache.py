@@ -28,8 +28,7 @@ class PrefixEntry:
 
 
 class PrefixCache:
-    def __init__(self, allocator: PageAllocator, prefix_len: int, max_entries: int = 256
-                 ) -> None:
+    def __init__(self, allocator: PageAllocator, prefix_len: int, max_entries: int = 256) -> None:
         self.alloc = allocator
         self.prefix_len = prefix_len
         self.max_entries = max_entries
@@ -65,8 +64,11 @@ class PrefixCache:
         """Allocate pages for a new prefix, already acquired once by the caller (who made room
         with `evict_for`)."""
         pages = self.alloc.allocate(self.pages_per_entry)
-        entry = (PrefixEntry(key, pages[:-1], pages[-1], users=1) if self.has_tail
-                 else PrefixEntry(key, pages, None, users=1))
+        entry = (
+            PrefixEntry(key, pages[:-1], pages[-1], users=1)
+            if self.has_tail
+            else PrefixEntry(key, pages, None, users=1)
+        )
         self._entries[key] = entry
         while len(self._entries) > self.max_entries and self._evict_one():
             pass

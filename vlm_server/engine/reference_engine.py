@@ -110,8 +110,9 @@ class ReferenceEngine:
     context) bounds the KV cache one request may need.
     """
 
-    def __init__(self, load: Callable[[], LoadedModel], *, max_queue: int = 64,
-                 kv_budget_bytes: int = 0) -> None:
+    def __init__(
+        self, load: Callable[[], LoadedModel], *, max_queue: int = 64, kv_budget_bytes: int = 0
+    ) -> None:
         if max_queue < 1:
             raise ValueError("max_queue must be >= 1")
         self._load = load
@@ -147,8 +148,9 @@ class ReferenceEngine:
         self._idle.set()
         loaded: asyncio.Future[None] = self._loop.create_future()
         # Daemon: a process asked to exit must not hang on a model still loading.
-        self._thread = threading.Thread(target=self._main, args=(loaded,), daemon=True,
-                                        name="reference-engine")
+        self._thread = threading.Thread(
+            target=self._main, args=(loaded,), daemon=True, name="reference-engine"
+        )
         self._thread.start()
         await loaded
 
@@ -165,8 +167,10 @@ class ReferenceEngine:
         with self._cond:
             if len(self._waiting) >= self._max_queue:
                 self._counts["rejected_queue_full"] += 1
-                raise EngineError(ErrorCode.RESOURCE_EXHAUSTED,
-                                  f"the request queue is full ({self._max_queue} waiting)")
+                raise EngineError(
+                    ErrorCode.RESOURCE_EXHAUSTED,
+                    f"the request queue is full ({self._max_queue} waiting)",
+                )
             self._waiting.append(job)
             self._counts["admitted"] += 1
             self._cond.notify()
@@ -174,16 +178,19 @@ class ReferenceEngine:
         self._idle.clear()
         if request.deadline is not None:
             job.deadline_timer = self._loop.call_later(
-                max(0.0, request.deadline - time.monotonic()), self._expire_waiting, job)
+                max(0.0, request.deadline - time.monotonic()), self._expire_waiting, job
+            )
         return stream
 
     def stats(self) -> EngineStats:
         with self._cond:
             running = self._running is not None
-            return EngineStats(queue_depth=len(self._waiting),
-                               active_sequences=int(running),
-                               last_batch_size=int(running),
-                               last_step_ms=self._last_step_ms)
+            return EngineStats(
+                queue_depth=len(self._waiting),
+                active_sequences=int(running),
+                last_batch_size=int(running),
+                last_step_ms=self._last_step_ms,
+            )
 
     async def drain(self, timeout: float) -> None:
         """Refuse new requests, then wait (up to ``timeout`` s) for accepted ones to finish."""
@@ -205,8 +212,9 @@ class ReferenceEngine:
                 self._running.cancelled.set()
             self._cond.notify_all()
         for job in left:
-            job.stream.push(EngineError(ErrorCode.UNAVAILABLE,
-                                        "the server shut down before the request ran"))
+            job.stream.push(
+                EngineError(ErrorCode.UNAVAILABLE, "the server shut down before the request ran")
+            )
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
 
@@ -224,38 +232,42 @@ class ReferenceEngine:
         assert gen is not None
         if request.task == Task.QUERY:
             if request.choices and request.regex is not None:
-                raise EngineError(ErrorCode.INVALID_ARGUMENT,
-                                  "choices and regex cannot both be set", "choices")
+                raise EngineError(
+                    ErrorCode.INVALID_ARGUMENT, "choices and regex cannot both be set", "choices"
+                )
             if request.regex is not None:
                 try:
                     _check_regex(request.regex)
                 except ValueError as err:
-                    raise EngineError(ErrorCode.INVALID_ARGUMENT,
-                                      f"regex does not compile: {err}", "regex") from None
+                    raise EngineError(
+                        ErrorCode.INVALID_ARGUMENT, f"regex does not compile: {err}", "regex"
+                    ) from None
             if request.choices:
                 try:
                     choices_dfa(request.choices)
                 except ValueError as err:
-                    raise EngineError(ErrorCode.INVALID_ARGUMENT, f"choices: {err}",
-                                      "choices") from None
+                    raise EngineError(
+                        ErrorCode.INVALID_ARGUMENT, f"choices: {err}", "choices"
+                    ) from None
             if request.choices or request.regex is not None:
-                raise EngineError(ErrorCode.UNIMPLEMENTED,
-                                  "the reference engine does not enforce choices or regex "
-                                  "answer constraints (the batched engine does)")
+                raise EngineError(
+                    ErrorCode.UNIMPLEMENTED,
+                    "the reference engine does not enforce choices or regex "
+                    "answer constraints (the batched engine does)",
+                )
         if request.task == Task.SEGMENT:
-            raise EngineError(ErrorCode.UNIMPLEMENTED,
-                              "the reference engine does not implement segment")
+            raise EngineError(
+                ErrorCode.UNIMPLEMENTED, "the reference engine does not implement segment"
+            )
         if request.task in (Task.POINT, Task.DETECT, Task.SEGMENT) and request.image is None:
-            raise EngineError(ErrorCode.INVALID_ARGUMENT,
-                              f"{request.task} needs an image", "image")
+            raise EngineError(ErrorCode.INVALID_ARGUMENT, f"{request.task} needs an image", "image")
         if request.task == Task.CAPTION:
             if request.image is None:
                 raise EngineError(ErrorCode.INVALID_ARGUMENT, "caption needs an image", "image")
             try:
                 prompt = prompts.caption_prompt(gen.contract, request.caption_length)
             except ValueError as err:
-                raise EngineError(ErrorCode.INVALID_ARGUMENT, str(err),
-                                  "caption_length") from None
+                raise EngineError(ErrorCode.INVALID_ARGUMENT, str(err), "caption_length") from None
         elif request.task == Task.QUERY:
             prompt = prompts.query_prompt(gen.contract, gen.tokenizer, request.question)
         elif request.task == Task.POINT:
@@ -280,13 +292,17 @@ class ReferenceEngine:
             raise EngineError(
                 ErrorCode.OUT_OF_RANGE,
                 f"the prompt ({prefix} positions) plus {name} ({budget} positions) exceeds the "
-                f"model's context of {config.max_context}", name)
+                f"model's context of {config.max_context}",
+                name,
+            )
         need = (prefix + budget) * self._kv_bytes_per_position
         if self._kv_budget_bytes and need > self._kv_budget_bytes:
             raise EngineError(
                 ErrorCode.RESOURCE_EXHAUSTED,
                 f"the request needs {prefix + budget} KV positions ({need} bytes); the KV "
-                f"budget is {self._kv_budget_bytes} bytes", name)
+                f"budget is {self._kv_budget_bytes} bytes",
+                name,
+            )
 
     def _cancel(self, job: _Job) -> None:
         with self._cond:
@@ -304,8 +320,11 @@ class ReferenceEngine:
                 return
             self._waiting.remove(job)
             self._counts["expired_waiting"] += 1
-        job.stream.push(EngineError(ErrorCode.DEADLINE_EXCEEDED,
-                                    "the deadline passed while the request was queued"))
+        job.stream.push(
+            EngineError(
+                ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while the request was queued"
+            )
+        )
         self._finish_job(job)
 
     def _finish_job(self, job: _Job) -> None:
@@ -328,15 +347,20 @@ class ReferenceEngine:
             self._vocab = TokenVocab.from_tokenizer(model.tokenizer)
             config = model.config
             text = config.text
-            self._kv_bytes_per_position = (2 * text.n_layers * text.n_kv_heads * text.head_dim
-                                           * model.model.dtype.itemsize)
+            self._kv_bytes_per_position = (
+                2 * text.n_layers * text.n_kv_heads * text.head_dim * model.model.dtype.itemsize
+            )
             self._info = EngineInfo(
-                model_name=config.name, preset=config.name,
+                model_name=config.name,
+                preset=config.name,
                 token_contract=config.tokens.name if config.tokens else "",
                 device=str(model.model.device),
                 dtype=_DTYPE_NAMES.get(model.model.dtype, str(model.model.dtype)),
-                pipeline_depth=1, max_batch_size=1,
-                max_context=config.text.max_context, max_queue=self._max_queue)
+                pipeline_depth=1,
+                max_batch_size=1,
+                max_context=config.text.max_context,
+                max_queue=self._max_queue,
+            )
         except BaseException as err:  # start() re-raises it on the event loop
             loop.call_soon_threadsafe(_set_exception, loaded, err)
             return
@@ -370,21 +394,26 @@ class ReferenceEngine:
         if deadline is not None and started >= deadline:
             with self._cond:
                 self._counts["expired_waiting"] += 1
-            job.stream.push(EngineError(ErrorCode.DEADLINE_EXCEEDED,
-                                        "the deadline passed while the request was queued"))
+            job.stream.push(
+                EngineError(
+                    ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while the request was queued"
+                )
+            )
             return
         with self._cond:
             self._counts["started"] += 1
-        metrics = RequestMetrics(queue_wait_ms=(started - job.admitted) * 1e3,
-                                 input_tokens=len(job.prompt))
+        metrics = RequestMetrics(
+            queue_wait_ms=(started - job.admitted) * 1e3, input_tokens=len(job.prompt)
+        )
         try:
             if job.request.task in (Task.CAPTION, Task.QUERY):
                 event = self._text(job, started, metrics)
             else:
                 event = self._regions(job, started, metrics)
         except _DeadlineExceeded:
-            event = EngineError(ErrorCode.DEADLINE_EXCEEDED,
-                                "the deadline passed while the request was running")
+            event = EngineError(
+                ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while the request was running"
+            )
         except ContextOverflow as err:
             event = EngineError(ErrorCode.OUT_OF_RANGE, str(err), "max_tokens")
         except ValueError as err:
@@ -394,8 +423,13 @@ class ReferenceEngine:
             event = EngineError(ErrorCode.INTERNAL, f"internal error: {type(err).__name__}")
         if isinstance(event, Finished) and event.finish_reason == "cancelled":
             event = self._cancelled_event()
-        key = ("cancelled" if job.cancelled.is_set() else
-               "failed" if isinstance(event, EngineError) else "finished")
+        key = (
+            "cancelled"
+            if job.cancelled.is_set()
+            else "failed"
+            if isinstance(event, EngineError)
+            else "finished"
+        )
         with self._cond:
             self._counts[key] += 1
         job.stream.push(event)
@@ -423,11 +457,14 @@ class ReferenceEngine:
                 expired = True
             return expired or job.cancelled.is_set()
 
-        settings = SamplingSettings(temperature=req.temperature, top_p=req.top_p,
-                                    max_tokens=req.max_tokens, seed=req.seed)
-        result = (gen.caption(req.image, req.caption_length, settings, on_token)
-                  if req.task is Task.CAPTION
-                  else gen.query(req.image, req.question, settings, on_token))
+        settings = SamplingSettings(
+            temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_tokens, seed=req.seed
+        )
+        result = (
+            gen.caption(req.image, req.caption_length, settings, on_token)
+            if req.task is Task.CAPTION
+            else gen.query(req.image, req.question, settings, on_token)
+        )
         if expired:
             raise _DeadlineExceeded
         tail = detok.flush()
@@ -445,7 +482,8 @@ class ReferenceEngine:
         gen, req = self._generator, job.request
         assert gen is not None and req.image is not None
         result = (gen.detect if req.task == Task.DETECT else gen.point)(
-            req.image, req.object_name, req.max_objects)
+            req.image, req.object_name, req.max_objects
+        )
         end = time.monotonic()
         if req.deadline is not None and end >= req.deadline:
             raise _DeadlineExceeded
@@ -455,15 +493,18 @@ class ReferenceEngine:
         n = len(result.points) + len(result.boxes)
         metrics.output_tokens = n * _POSITIONS_PER_OBJECT[req.task]
         return Finished(
-            finish_reason=result.finish_reason, metrics=metrics,
+            finish_reason=result.finish_reason,
+            metrics=metrics,
             points=[Point(p.x, p.y) for p in result.points],
-            boxes=[Box(b.x_min, b.y_min, b.x_max, b.y_max) for b in result.boxes])
+            boxes=[Box(b.x_min, b.y_min, b.x_max, b.y_max) for b in result.boxes],
+        )
 
     def _cancelled_event(self) -> Event | EngineError:
         # A request stopped by close() must not look like a normal end to its consumer.
         if self._closed:
-            return EngineError(ErrorCode.UNAVAILABLE,
-                               "the server shut down while the request was running")
+            return EngineError(
+                ErrorCode.UNAVAILABLE, "the server shut down while the request was running"
+            )
         return Finished(finish_reason="cancelled")
 
     def _after_token(self, job: _Job) -> None:

@@ -82,32 +82,34 @@ class ModelRuntime:
         budget = cfg.kv_budget_bytes or self._default_budget()
         n_pages = max(2, budget // kv_page_bytes(model, cfg.page_size))
         shape = (n_pages, cfg.page_size, tc.n_kv_heads, tc.head_dim)
-        self.k_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                        for _ in range(tc.n_layers)]
-        self.v_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                        for _ in range(tc.n_layers)]
+        self.k_pools = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(tc.n_layers)
+        ]
+        self.v_pools = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(tc.n_layers)
+        ]
         rows, max_pages = cfg.max_rows, -(-tc.max_context // cfg.page_size)
         # One extra row pads graph buckets: its block-table row stays on the sink page.
         self.pad_row = rows
         self.block_host = self.streams.host_buffer((rows + 1, max_pages), torch.int32)
-        self.block_dev = torch.zeros((rows + 1, max_pages), dtype=torch.int32,
-                                     device=self.device)
-        self.pages = PageAllocator(n_pages, cfg.page_size, rows, max_pages,
-                                   block_table=self.block_host.numpy()[:rows])
+        self.block_dev = torch.zeros((rows + 1, max_pages), dtype=torch.int32, device=self.device)
+        self.pages = PageAllocator(
+            n_pages, cfg.page_size, rows, max_pages, block_table=self.block_host.numpy()[:rows]
+        )
         self.next_embed = torch.zeros(rows + 1, tc.dim, dtype=self.dtype, device=self.device)
         self.slots = [self._slot_buffers(rows + 1, tc.dim) for _ in range(2)]
         self.use_triton = self.streams.is_cuda and triton_available()
         self.buckets = graph_buckets(cfg.max_batch)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.vision_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor,
-                                            torch.Tensor]] = {}
+        self.vision_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         # Benchmarks set these lists to collect (start, end) device events of each forward
         # and each finalize, in launch order; None in production (no events recorded).
         self.forward_events: list[tuple[str, object, object]] | None = None
         self.finalize_events: list[tuple[object, object]] | None = None
         self.table = table
-        self.table_dev = torch.ones((table.max_rows, table.width), dtype=torch.bool,
-                                    device=self.device)
+        self.table_dev = torch.ones(
+            (table.max_rows, table.width), dtype=torch.bool, device=self.device
+        )
         self._table_uploaded = 0
 
     # ---- setup ------------------------------------------------------------------------
@@ -129,7 +131,9 @@ class ModelRuntime:
             hidden=torch.zeros((rows, dim), dtype=self.dtype, device=dev),
             out_dev=torch.zeros((rows, N_OUT), dtype=torch.float32, device=dev),
             out_host=s.host_buffer((rows, N_OUT), torch.float32),
-            inputs_ready=s.event(), mask_ready=s.event(), step_done=s.event(),
+            inputs_ready=s.event(),
+            mask_ready=s.event(),
+            step_done=s.event(),
             d2h_done=s.event(),
         )
 
@@ -150,7 +154,7 @@ class ModelRuntime:
             rows = torch.from_numpy(self.table.dense(self._table_uploaded, n))
             if self.streams.is_cuda:
                 rows = rows.pin_memory()  # a pageable source would make the copy block
-            self.table_dev[self._table_uploaded:n].copy_(rows, non_blocking=True)
+            self.table_dev[self._table_uploaded : n].copy_(rows, non_blocking=True)
             self._table_uploaded = n
 
     # ---- forwards ---------------------------------------------------------------------
@@ -187,8 +191,16 @@ class ModelRuntime:
     def _decode_forward(self, buf: SlotBuffers, n: int, n_blocks: int) -> None:
         rows, pos = buf.launch_dev[:n, 0], buf.launch_dev[:n, 1:2]
         text = self.model.text
-        kv = DecodeKV(self.k_pools, self.v_pools, self.block_dev, rows, n_blocks,
-                      (text.rope_cos, text.rope_sin), text.cfg.n_heads, self.use_triton)
+        kv = DecodeKV(
+            self.k_pools,
+            self.v_pools,
+            self.block_dev,
+            rows,
+            n_blocks,
+            (text.rope_cos, text.rope_sin),
+            text.cfg.n_heads,
+            self.use_triton,
+        )
         x = self.next_embed[rows][:, None]
         buf.hidden[:n] = self.model.text(x, pos, kv)[:, -1]
 
@@ -225,8 +237,9 @@ class ModelRuntime:
         self.graphs = graphs
 
     @torch.inference_mode()
-    def launch_prefill(self, slot: int, seqs: list[Sequence],
-                       image_for: dict[int, torch.Tensor | None]) -> None:
+    def launch_prefill(
+        self, slot: int, seqs: list[Sequence], image_for: dict[int, torch.Tensor | None]
+    ) -> None:
         """Enqueue the prefill of ``seqs``: vision (batched over all new images' crops), image
         prefixes not yet cached, then each prompt; the last hidden state goes to the slot."""
         buf, st, m = self.slots[slot], self.streams, self.model
@@ -261,8 +274,9 @@ class ModelRuntime:
         host = torch.tensor(values, dtype=torch.int64, pin_memory=self.streams.is_cuda)
         return host.to(self.device, non_blocking=True)
 
-    def _image_prefixes(self, seqs: list[Sequence], image_for: dict[int, torch.Tensor | None]
-                        ) -> dict[int, torch.Tensor]:
+    def _image_prefixes(
+        self, seqs: list[Sequence], image_for: dict[int, torch.Tensor | None]
+    ) -> dict[int, torch.Tensor]:
         """BOS + image embeddings for the sequences whose prefix must be computed."""
         todo = [i for i, s in enumerate(seqs) if s.prefix is not None and not s.prefix_hit]
         if not todo:
@@ -271,9 +285,12 @@ class ModelRuntime:
         crops = [image_for[i] for i in todo]
         counts = [c.shape[0] for c in crops]
         pin = self.streams.is_cuda  # a pageable source would make the copy block the host
-        normalized = [normalize_crops((c.pin_memory() if pin else c).to(self.device,
-                                                                        non_blocking=True),
-                                      self.dtype) for c in crops]
+        normalized = [
+            normalize_crops(
+                (c.pin_memory() if pin else c).to(self.device, non_blocking=True), self.dtype
+            )
+            for c in crops
+        ]
         out = {}
         if self.vision_graphs:
             # One graph replay per image (captured per crop count); counts without a graph
@@ -306,14 +323,23 @@ class ModelRuntime:
 
         vc = self.model.config.vision
         pool = torch.cuda.graph_pool_handle()
-        counts = sorted({1 + h * w for h in range(1, vc.max_crops + 1)
-                         for w in range(1, vc.max_crops + 1) if h * w <= vc.max_crops},
-                        reverse=True)
+        counts = sorted(
+            {
+                1 + h * w
+                for h in range(1, vc.max_crops + 1)
+                for w in range(1, vc.max_crops + 1)
+                if h * w <= vc.max_crops
+            },
+            reverse=True,
+        )
         torch.cuda.synchronize(self.device)  # start-up only
         graphs = {}
         for n in tqdm(counts, desc="capturing vision graphs", disable=not progress):
-            static_in = torch.zeros((n, vc.in_channels, vc.crop_size, vc.crop_size),
-                                    dtype=self.dtype, device=self.device)
+            static_in = torch.zeros(
+                (n, vc.in_channels, vc.crop_size, vc.crop_size),
+                dtype=self.dtype,
+                device=self.device,
+            )
             with torch.cuda.stream(self.streams.compute):
                 self.model.vision.encode(static_in)  # warm-up outside the capture
             self.streams.compute.synchronize()
@@ -336,8 +362,15 @@ class ModelRuntime:
     # ---- finalize: masks, sampling, region values, next inputs, D2H ---------------------
 
     @torch.inference_mode()
-    def finalize(self, slot: int, seqs: list[Sequence], fin: np.ndarray,
-                 constrained: bool, regions: bool, greedy: bool = False) -> None:
+    def finalize(
+        self,
+        slot: int,
+        seqs: list[Sequence],
+        fin: np.ndarray,
+        constrained: bool,
+        regions: bool,
+        greedy: bool = False,
+    ) -> None:
         """Sample the step in ``slot``. ``fin`` [B, N_FIN] was filled from committed state;
         ``greedy`` says every row is at temperature 0."""
         buf, st, m = self.slots[slot], self.streams, self.model
@@ -360,8 +393,13 @@ class ModelRuntime:
             if greedy:  # every row at temperature 0: what sample() returns, without the sort
                 tokens = logits.argmax(dim=-1)
             else:
-                tokens = sample(logits, floats[:, F_TEMP].float(), floats[:, F_TOP_P].float(),
-                                fin_dev[:, F_SEED], fin_dev[:, F_STEP])
+                tokens = sample(
+                    logits,
+                    floats[:, F_TEMP].float(),
+                    floats[:, F_TOP_P].float(),
+                    fin_dev[:, F_SEED],
+                    fin_dev[:, F_STEP],
+                )
             phase = fin_dev[:, F_PHASE]
             out = buf.out_dev[:b]
             out[:, 0] = tokens.float()
@@ -373,8 +411,9 @@ class ModelRuntime:
                 out[:, 2:4] = size
                 is_size = (phase == PHASE_SIZE)[:, None]
                 is_token = (phase == PHASE_TOKEN)[:, None]
-                region_emb = torch.where(is_size, m.region.encode_size(size),
-                                         m.region.encode_coord(coord))
+                region_emb = torch.where(
+                    is_size, m.region.encode_size(size), m.region.encode_coord(coord)
+                )
                 nxt = torch.where(is_token, nxt, region_emb)
             self.next_embed[fin_dev[:, F_ROW]] = nxt.to(self.dtype)
             if self.finalize_events is not None:

@@ -30,8 +30,9 @@ class Runtime(Protocol):
     # enqueued by the next launch.
     pages: PageAllocator
 
-    def launch_prefill(self, slot: int, seqs: list[Sequence],
-                       image_for: dict[int, torch.Tensor | None]) -> None:
+    def launch_prefill(
+        self, slot: int, seqs: list[Sequence], image_for: dict[int, torch.Tensor | None]
+    ) -> None:
         """Enqueue the prefill of ``seqs`` into ``slot`` (``image_for[i]``: crops of row i, or
         None when its image prefix is cached or it has no image). No host wait."""
         ...
@@ -42,8 +43,15 @@ class Runtime(Protocol):
         No host wait."""
         ...
 
-    def finalize(self, slot: int, seqs: list[Sequence], fin: np.ndarray,
-                 constrained: bool, regions: bool, greedy: bool = False) -> None:
+    def finalize(
+        self,
+        slot: int,
+        seqs: list[Sequence],
+        fin: np.ndarray,
+        constrained: bool,
+        regions: bool,
+        greedy: bool = False,
+    ) -> None:
         """Enqueue mask upload, sampling, region values, next inputs and the result copy to the
         host for the step in ``slot``; ``fin`` [B, N_FIN] was built from committed state.
         No host wait."""

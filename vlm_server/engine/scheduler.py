@@ -63,8 +63,9 @@ from vlm_server.engine.sequence import (
 
 
 class Scheduler:
-    def __init__(self, runtime: Runtime, cfg: EngineConfig, eos_id: int,
-                 image_prefix_len: int) -> None:
+    def __init__(
+        self, runtime: Runtime, cfg: EngineConfig, eos_id: int, image_prefix_len: int
+    ) -> None:
         self.rt = runtime
         self.cfg = cfg
         self.eos_id = eos_id
@@ -73,8 +74,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # admitted and not yet finished
         self.zombies: list[Sequence] = []  # finished, still referenced by an in-flight step
         self.free_rows = list(range(cfg.max_rows - 1, -1, -1))
-        self.prefix_cache = PrefixCache(runtime.pages, image_prefix_len,
-                                        cfg.prefix_cache_entries)
+        self.prefix_cache = PrefixCache(runtime.pages, image_prefix_len, cfg.prefix_cache_entries)
         self.last_batch = 0
         self.last_step_ms = 0.0
         self._last_commit_at = 0.0
@@ -92,10 +92,15 @@ class Scheduler:
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            queue_depth=len(self.waiting), active_sequences=len(self.running),
-            kv_pages_in_use=self.rt.pages.used_pages, kv_pages_total=self.rt.pages.n_pages - 1,
-            last_batch_size=self.last_batch, last_step_ms=self.last_step_ms,
-            prefix_hits=self.prefix_cache.hits, prefix_lookups=self.prefix_cache.lookups)
+            queue_depth=len(self.waiting),
+            active_sequences=len(self.running),
+            kv_pages_in_use=self.rt.pages.used_pages,
+            kv_pages_total=self.rt.pages.n_pages - 1,
+            last_batch_size=self.last_batch,
+            last_step_ms=self.last_step_ms,
+            prefix_hits=self.prefix_cache.hits,
+            prefix_lookups=self.prefix_cache.lookups,
+        )
 
     def pages_to_admit(self, seq: Sequence) -> int:
         """Free pages admitting ``seq`` takes now: its own pages (prompt + output budget, and a
@@ -177,8 +182,12 @@ class Scheduler:
     def _admit(self) -> list[Sequence]:
         admitted: list[Sequence] = []
         pages, cache = self.rt.pages, self.prefix_cache
-        while (self.waiting and len(admitted) < self.cfg.max_prefill_batch
-               and self.free_rows and len(self.running) < self.cfg.max_batch):
+        while (
+            self.waiting
+            and len(admitted) < self.cfg.max_prefill_batch
+            and self.free_rows
+            and len(self.running) < self.cfg.max_batch
+        ):
             seq = self.waiting[0]
             total = pages.pages_for(seq.total_positions)
             entry = None
@@ -336,8 +345,11 @@ class Scheduler:
         self._emit(seq, result)
 
     def _fail(self, seq: Sequence, code: str) -> None:
-        message = ("the request's deadline passed" if code == ErrorCode.DEADLINE_EXCEEDED
-                   else "the request was cancelled")
+        message = (
+            "the request's deadline passed"
+            if code == ErrorCode.DEADLINE_EXCEEDED
+            else "the request was cancelled"
+        )
         self._finish(seq)
         self._emit(seq, EngineError(ErrorCode(code), message))
 
@@ -371,10 +383,15 @@ class Scheduler:
             if seq.cancelled is not None:
                 self.waiting.remove(seq)
                 seq.state = SeqState.FINISHED
-                self._emit(seq, EngineError(ErrorCode(seq.cancelled),
-                                            "the request's deadline passed while queued"
-                                            if seq.cancelled == ErrorCode.DEADLINE_EXCEEDED
-                                            else "the request was cancelled"))
+                self._emit(
+                    seq,
+                    EngineError(
+                        ErrorCode(seq.cancelled),
+                        "the request's deadline passed while queued"
+                        if seq.cancelled == ErrorCode.DEADLINE_EXCEEDED
+                        else "the request was cancelled",
+                    ),
+                )
         for seq in list(self.running):
             if seq.cancelled is not None and seq.inflight_refs == 0:
                 self._fail(seq, seq.cancelled)
@@ -392,5 +409,11 @@ class Scheduler:
 def _segmentation(seg: SegmentResult) -> Segmentation:
     polygons = tuple(tuple(Point(x, y) for x, y in poly) for poly in seg.polygons)
     h, w = seg.mask_size
-    return Segmentation(box=Box(*seg.box), svg_path=seg.path, polygons=polygons,
-                        mask_rle=tuple(seg.mask_counts), mask_height=h, mask_width=w)
+    return Segmentation(
+        box=Box(*seg.box),
+        svg_path=seg.path,
+        polygons=polygons,
+        mask_rle=tuple(seg.mask_counts),
+        mask_height=h,
+        mask_width=w,
+    )

@@ -79,8 +79,11 @@ class Sequence:
         Launches run ahead of commits, so this is an upper bound: the grammar's position budget
         caps the steps, and a finished sequence launches nothing.
         """
-        return (self.state is SeqState.RUNNING and self.cancelled is None
-                and self.decode_launched < self.grammar.max_positions)
+        return (
+            self.state is SeqState.RUNNING
+            and self.cancelled is None
+            and self.decode_launched < self.grammar.max_positions
+        )
 
     def next_position(self) -> int:
         return self.prefill_len + self.decode_launched

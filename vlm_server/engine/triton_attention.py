@@ -25,10 +25,26 @@ if AVAILABLE:
 
     @triton.jit
     def _paged_decode_kernel(
-        q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, table_ptr, rows_ptr, lengths_ptr,
-        scale, table_stride, rows_stride, n_heads, kv_group,
-        PAGE: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLITS: tl.constexpr, SPLIT_MAX: tl.constexpr,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        m_ptr,
+        l_ptr,
+        acc_ptr,
+        table_ptr,
+        rows_ptr,
+        lengths_ptr,
+        scale,
+        table_stride,
+        rows_stride,
+        n_heads,
+        kv_group,
+        PAGE: tl.constexpr,
+        KVH: tl.constexpr,
+        HD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SPLITS: tl.constexpr,
+        SPLIT_MAX: tl.constexpr,
     ):
         """Partial attention of one (row, head) over one split of its live positions."""
         b = tl.program_id(0)
@@ -52,8 +68,7 @@ if AVAILABLE:
             if (i < chunk) & (start < length):
                 pos = start + n
                 valid = pos < length
-                page = tl.load(table_ptr + row * table_stride + pos // PAGE, mask=valid,
-                               other=0)
+                page = tl.load(table_ptr + row * table_stride + pos // PAGE, mask=valid, other=0)
                 base = (page.to(tl.int64) * PAGE + pos % PAGE) * (KVH * HD) + kvh * HD
                 k = tl.load(k_ptr + base[:, None] + d[None, :], mask=valid[:, None], other=0.0)
                 s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
@@ -71,8 +86,7 @@ if AVAILABLE:
         tl.store(acc_ptr + part * HD + d, acc)
 
     @triton.jit
-    def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS: tl.constexpr,
-                        HD: tl.constexpr):
+    def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS: tl.constexpr, HD: tl.constexpr):
         """Merge the splits' online-softmax partials of one (row, head)."""
         bh = tl.program_id(0)
         s = tl.arange(0, SPLITS)
@@ -91,9 +105,24 @@ if AVAILABLE:
 
     @triton.jit
     def _rope_store_kernel(
-        qkv_ptr, cos_ptr, sin_ptr, pos_ptr, table_ptr, rows_ptr, q_out_ptr, k_ptr, v_ptr,
-        qkv_stride, pos_stride, table_stride, rows_stride, n_heads,
-        PAGE: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr,
+        qkv_ptr,
+        cos_ptr,
+        sin_ptr,
+        pos_ptr,
+        table_ptr,
+        rows_ptr,
+        q_out_ptr,
+        k_ptr,
+        v_ptr,
+        qkv_stride,
+        pos_stride,
+        table_stride,
+        rows_stride,
+        n_heads,
+        PAGE: tl.constexpr,
+        KVH: tl.constexpr,
+        HD: tl.constexpr,
+        HALF: tl.constexpr,
     ):
         b = tl.program_id(0)
         j = tl.program_id(1)
@@ -114,8 +143,7 @@ if AVAILABLE:
         sn = tl.load(sin_ptr + pos * HALF + freq, mask=rot, other=0.0)
         out = tl.where(rot, x * c + sign * xp * sn, x)
         if is_q:
-            tl.store(q_out_ptr + (b * n_heads + j) * HD + d,
-                     out.to(q_out_ptr.dtype.element_ty))
+            tl.store(q_out_ptr + (b * n_heads + j) * HD + d, out.to(q_out_ptr.dtype.element_ty))
         else:
             row = tl.load(rows_ptr + b * rows_stride)
             page = tl.load(table_ptr + row * table_stride + pos // PAGE).to(tl.int64)
@@ -125,9 +153,17 @@ if AVAILABLE:
             tl.store(v_ptr + slot + d, v.to(v_ptr.dtype.element_ty))
 
 
-def rope_and_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      positions: torch.Tensor, block_table: torch.Tensor, rows: torch.Tensor,
-                      k_pool: torch.Tensor, v_pool: torch.Tensor, n_heads: int) -> torch.Tensor:
+def rope_and_store_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    block_table: torch.Tensor,
+    rows: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    n_heads: int,
+) -> torch.Tensor:
     """One kernel for a decode step's rotary and KV write: qkv [B, (H + 2 KVH) * hd] (the
     qkv projection of one position per row) -> rotated q [B, H, hd]; rotated k and v go
     straight into the paged pools at each row's position. cos/sin are the fp32 tables
@@ -138,9 +174,24 @@ def rope_and_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     _, page, kvh, hd = k_pool.shape
     q = torch.empty((b, n_heads, hd), dtype=qkv.dtype, device=qkv.device)
     _rope_store_kernel[(b, n_heads + kvh)](
-        qkv, cos, sin, positions, block_table, rows, q, k_pool, v_pool,
-        qkv.stride(0), positions.stride(0), block_table.stride(0), rows.stride(0), n_heads,
-        PAGE=page, KVH=kvh, HD=hd, HALF=cos.shape[1],
+        qkv,
+        cos,
+        sin,
+        positions,
+        block_table,
+        rows,
+        q,
+        k_pool,
+        v_pool,
+        qkv.stride(0),
+        positions.stride(0),
+        block_table.stride(0),
+        rows.stride(0),
+        n_heads,
+        PAGE=page,
+        KVH=kvh,
+        HD=hd,
+        HALF=cos.shape[1],
     )
     return q
 
@@ -153,10 +204,16 @@ def split_count(batch: int, heads: int, target_programs: int = 4096) -> int:
     return splits
 
 
-def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                           block_table: torch.Tensor, rows: torch.Tensor,
-                           lengths: torch.Tensor, block_n: int = 64,
-                           splits: int | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    rows: torch.Tensor,
+    lengths: torch.Tensor,
+    block_n: int = 64,
+    splits: int | None = None,
+) -> torch.Tensor:
     """q [B, H, hd] -> out [B, H, hd]; row b attends to positions [0, lengths[b]) of
     ``block_table[rows[b]]`` in the pools [n_pages, page_size, kv_heads, hd]. Each (row,
     head) is split over ``splits`` programs (flash-decoding) and the partials merged."""
@@ -172,9 +229,26 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     l_sum = torch.empty_like(m)
     acc = torch.empty((b, n_heads, splits, hd), dtype=torch.float32, device=q.device)
     _paged_decode_kernel[(b, n_heads, splits)](
-        q, k_pool, v_pool, m, l_sum, acc, block_table, rows, lengths,
-        hd ** -0.5, block_table.stride(0), rows.stride(0), n_heads, n_heads // kvh,
-        PAGE=page, KVH=kvh, HD=hd, BLOCK_N=block_n, SPLITS=splits, SPLIT_MAX=split_max,
+        q,
+        k_pool,
+        v_pool,
+        m,
+        l_sum,
+        acc,
+        block_table,
+        rows,
+        lengths,
+        hd**-0.5,
+        block_table.stride(0),
+        rows.stride(0),
+        n_heads,
+        n_heads // kvh,
+        PAGE=page,
+        KVH=kvh,
+        HD=hd,
+        BLOCK_N=block_n,
+        SPLITS=splits,
+        SPLIT_MAX=split_max,
     )
     out = torch.empty_like(q)
     _combine_kernel[(b * n_heads,)](m, l_sum, acc, out, SPLITS=splits, HD=hd)

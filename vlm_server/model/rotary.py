@@ -5,11 +5,13 @@ from __future__ import annotations
 import torch
 
 
-def rotary_tables(rotary_dim: int, max_positions: int, theta: float,
-                  device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(
+    rotary_dim: int, max_positions: int, theta: float, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables [max_positions, rotary_dim // 2] in fp32."""
-    inv_freq = theta ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64,
-                                       device=device) / rotary_dim)
+    inv_freq = theta ** (
+        -torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device) / rotary_dim
+    )
     angles = torch.arange(max_positions, dtype=torch.float64, device=device)[:, None] * inv_freq
     return angles.cos().float(), angles.sin().float()
 
@@ -26,4 +28,4 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     rot = x[..., : 2 * half].float()
     x1, x2 = rot[..., :half], rot[..., half:]
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-    return torch.cat([out, x[..., 2 * half:]], dim=-1)
+    return torch.cat([out, x[..., 2 * half :]], dim=-1)

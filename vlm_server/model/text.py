@@ -20,8 +20,9 @@ from vlm_server.model.rotary import apply_rotary, rotary_tables
 class KVCache(Protocol):
     """Storage for keys (after rotary) and values, one pair per layer."""
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
         """Store k, v [B, kv_heads, T, hd] at ``positions`` [B, T]; return attention of q over
         everything this sequence may see, [B, heads, T, hd]."""
         ...
@@ -38,16 +39,23 @@ def allowed_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, prefix_len: int) -> t
 class DenseKVCache:
     """Contiguous per-layer cache [B, kv_heads, max_context, hd]; the reference path uses it."""
 
-    def __init__(self, cfg: TextConfig, batch: int, dtype: torch.dtype,
-                 device: torch.device | str, prefix_len: int) -> None:
+    def __init__(
+        self,
+        cfg: TextConfig,
+        batch: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        prefix_len: int,
+    ) -> None:
         shape = (batch, cfg.n_kv_heads, cfg.max_context, cfg.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
         self.prefix_len = prefix_len
         self.max_context = cfg.max_context
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
         b = torch.arange(q.shape[0], device=q.device)[:, None]
         self.k[layer][b, :, positions] = k.transpose(1, 2)
         self.v[layer][b, :, positions] = v.transpose(1, 2)
@@ -70,22 +78,31 @@ class TextAttention(nn.Module):
         self.qkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd)
         self.proj = nn.Linear(cfg.dim, cfg.dim)
 
-    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project_qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> q [B, H, T, hd], k and v [B, KVH, T, hd]; rotary applied to q and k."""
         b, t, _ = x.shape
         cfg = self.cfg
         hd = cfg.head_dim
-        q, k, v = self.qkv(x).split([cfg.n_heads * hd, cfg.n_kv_heads * hd,
-                                     cfg.n_kv_heads * hd], dim=-1)
+        q, k, v = self.qkv(x).split(
+            [cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd], dim=-1
+        )
         q = q.view(b, t, cfg.n_heads, hd).transpose(1, 2)
         k = k.view(b, t, cfg.n_kv_heads, hd).transpose(1, 2)
         v = v.view(b, t, cfg.n_kv_heads, hd).transpose(1, 2)
         cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                positions: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        layer: int,
+    ) -> torch.Tensor:
         # A cache may fuse rotary, the KV write and attention over the raw projection.
         packed = getattr(cache, "attend_packed", None)
         if packed is not None:
@@ -106,8 +123,15 @@ class TextBlock(nn.Module):
         self.attn = TextAttention(cfg)
         self.mlp = MLP(cfg.dim, cfg.ff_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                positions: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        layer: int,
+    ) -> torch.Tensor:
         h = self.ln(x)
         return x + self.attn(h, cos, sin, positions, cache, layer) + self.mlp(h)
 
@@ -124,8 +148,9 @@ class TextDecoder(nn.Module):
 
     def reset_rotary(self, device: torch.device | str | None) -> None:
         """(Re)build the fp32 rotary tables, e.g. after loading onto a device from meta."""
-        cos, sin = rotary_tables(self.cfg.rotary_dim, self.cfg.max_context, self.cfg.rope_theta,
-                                 device=device)
+        cos, sin = rotary_tables(
+            self.cfg.rotary_dim, self.cfg.max_context, self.cfg.rope_theta, device=device
+        )
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 

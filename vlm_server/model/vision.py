@@ -74,8 +74,9 @@ class VisionEncoder(nn.Module):
         g = self.cfg.grid_size
         h, w = tiling
         if features.shape[0] != 1 + h * w:
-            raise ValueError(f"expected {1 + h * w} crops for tiling {tiling}, "
-                             f"got {features.shape[0]}")
+            raise ValueError(
+                f"expected {1 + h * w} crops for tiling {tiling}, got {features.shape[0]}"
+            )
         global_feat = features[0]
         local = features[1:].view(h * w, g, g, -1)
         stitched = stitch_tiles(local, (h, w), self.cfg.overlap_margin)
@@ -100,5 +101,5 @@ def stitch_tiles(tiles: torch.Tensor, tiling: tuple[int, int], margin: int) -> t
             x0 = 0 if tx == 0 else margin
             x1 = g if tx == w - 1 else g - margin
             oy, ox = ty * c, tx * c
-            out[oy + y0:oy + y1, ox + x0:ox + x1] = tiles[ty * w + tx, y0:y1, x0:x1]
+            out[oy + y0 : oy + y1, ox + x0 : ox + x1] = tiles[ty * w + tx, y0:y1, x0:x1]
     return out

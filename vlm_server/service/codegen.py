@@ -101,10 +101,14 @@ def generated_files(directory: Path) -> dict[str, bytes]:
 
 def main(argv: list[str] | None = None) -> int:
     """Regenerate ``vlm_server/api`` (or check it with ``--check``)."""
-    parser = argparse.ArgumentParser(prog="python -m vlm_server.service.codegen",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true",
-                        help="exit 1 if the checked-in code differs from a fresh generation")
+    parser = argparse.ArgumentParser(
+        prog="python -m vlm_server.service.codegen", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 if the checked-in code differs from a fresh generation",
+    )
     args = parser.parse_args(argv)
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -112,8 +116,10 @@ def main(argv: list[str] | None = None) -> int:
             fresh = generated_files(Path(tmp))
             if args.check:
                 if fresh != generated_files(API_DIR):
-                    print("vlm_server/api is stale: run python -m vlm_server.service.codegen",
-                          file=sys.stderr)
+                    print(
+                        "vlm_server/api is stale: run python -m vlm_server.service.codegen",
+                        file=sys.stderr,
+                    )
                     return 1
                 return 0
             if API_DIR.exists():

@@ -65,9 +65,16 @@ class ServerConfig:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        positive = ("max_batch_size", "pipeline_depth", "queue_limit", "max_image_bytes",
-                    "max_image_pixels", "image_cache_bytes", "max_message_bytes",
-                    "decode_threads")
+        positive = (
+            "max_batch_size",
+            "pipeline_depth",
+            "queue_limit",
+            "max_image_bytes",
+            "max_image_pixels",
+            "image_cache_bytes",
+            "max_message_bytes",
+            "decode_threads",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -81,8 +88,11 @@ class ServerConfig:
 
     @property
     def image_limits(self) -> ImageLimits:
-        return ImageLimits(max_bytes=self.max_image_bytes, max_pixels=self.max_image_pixels,
-                           max_side=self.max_image_side or None)
+        return ImageLimits(
+            max_bytes=self.max_image_bytes,
+            max_pixels=self.max_image_pixels,
+            max_side=self.max_image_side or None,
+        )
 
     def items(self) -> list[tuple[str, Any]]:
         """(name, value) pairs in declaration order, for printing at start."""
@@ -106,26 +116,41 @@ class _Option:
 
 
 OPTIONS: tuple[_Option, ...] = (
-    _Option("model", _optional_str, "checkpoint directory, .safetensors file or Hugging Face "
-            "repo id (default: the built-in random tiny model)"),
+    _Option(
+        "model",
+        _optional_str,
+        "checkpoint directory, .safetensors file or Hugging Face "
+        "repo id (default: the built-in random tiny model)",
+    ),
     _Option("preset", _optional_str, "model configuration when the checkpoint carries none"),
     _Option("tokenizer", _optional_str, "tokenizer.json to use instead of the checkpoint's"),
-    _Option("dtype", _optional_str, "weights dtype (default bf16 on CUDA, fp32 on CPU)",
-            ("bf16", "fp16", "fp32")),
+    _Option(
+        "dtype",
+        _optional_str,
+        "weights dtype (default bf16 on CUDA, fp32 on CPU)",
+        ("bf16", "fp16", "fp32"),
+    ),
     _Option("device", _optional_str, "cpu or cuda[:N] (default: cuda if present)"),
     _Option("engine", str, "engine implementation"),
     _Option("host", str, "address to listen on"),
     _Option("port", int, "gRPC port (0 = any free port)"),
     _Option("max_batch_size", int, "most sequences decoded together (batched engine)"),
-    _Option("kv_budget", parse_size, "KV cache memory (0 = the engine's default: the "
-            "batched engine takes 40%% of free GPU memory)"),
+    _Option(
+        "kv_budget",
+        parse_size,
+        "KV cache memory (0 = the engine's default: the "
+        "batched engine takes 40%% of free GPU memory)",
+    ),
     _Option("pipeline_depth", int, "steps in flight: 2 overlaps host work, 1 is blocking"),
     _Option("queue_limit", int, "requests waiting beyond this are refused (RESOURCE_EXHAUSTED)"),
     _Option("max_image_bytes", parse_size, "largest accepted encoded image"),
     _Option("max_image_pixels", int, "largest accepted width x height"),
     _Option("max_image_side", int, "largest accepted width or height (0 = no limit)"),
-    _Option("image_cache_bytes", parse_size,
-            "memory for images uploaded with EncodeImage (least recently used go first)"),
+    _Option(
+        "image_cache_bytes",
+        parse_size,
+        "memory for images uploaded with EncodeImage (least recently used go first)",
+    ),
     _Option("max_message_bytes", parse_size, "largest gRPC message, request or response"),
     _Option("metrics_host", _optional_str, "address of the Prometheus endpoint (default: host)"),
     _Option("metrics_port", int, "Prometheus endpoint port (0 = any free port)"),
@@ -139,20 +164,31 @@ OPTIONS: tuple[_Option, ...] = (
 def build_parser(prog: str = "vlm-server") -> argparse.ArgumentParser:
     """Flags for every option; defaults come from the environment at parse time."""
     parser = argparse.ArgumentParser(
-        prog=prog, description="Serve a Moondream model over gRPC.",
+        prog=prog,
+        description="Serve a Moondream model over gRPC.",
         epilog="Every flag can also be set with an environment variable: --max-batch-size is "
-               "VLM_MAX_BATCH_SIZE. Flags win over the environment.")
+        "VLM_MAX_BATCH_SIZE. Flags win over the environment.",
+    )
     defaults = ServerConfig()
     for opt in OPTIONS:
         default = getattr(defaults, opt.name)
-        parser.add_argument(opt.flag, dest=opt.name, type=opt.parse, choices=opt.choices,
-                            default=None, metavar=opt.name.upper(),
-                            help=f"{opt.help} [{opt.env}; default {default}]")
+        parser.add_argument(
+            opt.flag,
+            dest=opt.name,
+            type=opt.parse,
+            choices=opt.choices,
+            default=None,
+            metavar=opt.name.upper(),
+            help=f"{opt.help} [{opt.env}; default {default}]",
+        )
     return parser
 
 
-def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None,
-                prog: str = "vlm-server") -> ServerConfig:
+def load_config(
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    prog: str = "vlm-server",
+) -> ServerConfig:
     """Parse flags and environment into a validated config; exits (argparse) on bad input."""
     environ = os.environ if environ is None else environ
     parser = build_parser(prog)

@@ -19,10 +19,15 @@ def finish_reason(reason: str) -> int:
 
 def metrics(m: RequestMetrics, total_ms: float) -> pb.RequestMetrics:
     return pb.RequestMetrics(
-        queue_wait_ms=m.queue_wait_ms, time_to_first_token_ms=m.time_to_first_token_ms,
-        prefill_ms=m.prefill_ms, decode_ms=m.decode_ms, total_ms=total_ms,
-        input_tokens=m.input_tokens, output_tokens=m.output_tokens,
-        cached_tokens=m.cached_tokens)
+        queue_wait_ms=m.queue_wait_ms,
+        time_to_first_token_ms=m.time_to_first_token_ms,
+        prefill_ms=m.prefill_ms,
+        decode_ms=m.decode_ms,
+        total_ms=total_ms,
+        input_tokens=m.input_tokens,
+        output_tokens=m.output_tokens,
+        cached_tokens=m.cached_tokens,
+    )
 
 
 def point(p: Point) -> pb.NormalizedPoint:
@@ -30,30 +35,39 @@ def point(p: Point) -> pb.NormalizedPoint:
 
 
 def box(b: Box) -> pb.NormalizedBox:
-    return pb.NormalizedBox(x_min_norm=b.x_min, y_min_norm=b.y_min, x_max_norm=b.x_max,
-                            y_max_norm=b.y_max)
+    return pb.NormalizedBox(
+        x_min_norm=b.x_min, y_min_norm=b.y_min, x_max_norm=b.x_max, y_max_norm=b.y_max
+    )
 
 
 def text_result(done: Finished, total_ms: float) -> pb.TextResult:
-    return pb.TextResult(text=done.text or "", finish_reason=finish_reason(done.finish_reason),
-                         metrics=metrics(done.metrics, total_ms))
+    return pb.TextResult(
+        text=done.text or "",
+        finish_reason=finish_reason(done.finish_reason),
+        metrics=metrics(done.metrics, total_ms),
+    )
 
 
 def point_response(done: Finished, total_ms: float) -> pb.PointResponse:
-    return pb.PointResponse(points=[point(p) for p in done.points],
-                            finish_reason=finish_reason(done.finish_reason),
-                            metrics=metrics(done.metrics, total_ms))
+    return pb.PointResponse(
+        points=[point(p) for p in done.points],
+        finish_reason=finish_reason(done.finish_reason),
+        metrics=metrics(done.metrics, total_ms),
+    )
 
 
 def detect_response(done: Finished, total_ms: float) -> pb.DetectResponse:
-    return pb.DetectResponse(boxes=[box(b) for b in done.boxes],
-                             finish_reason=finish_reason(done.finish_reason),
-                             metrics=metrics(done.metrics, total_ms))
+    return pb.DetectResponse(
+        boxes=[box(b) for b in done.boxes],
+        finish_reason=finish_reason(done.finish_reason),
+        metrics=metrics(done.metrics, total_ms),
+    )
 
 
 def segment_response(done: Finished, total_ms: float) -> pb.SegmentResponse:
-    response = pb.SegmentResponse(finish_reason=finish_reason(done.finish_reason),
-                                  metrics=metrics(done.metrics, total_ms))
+    response = pb.SegmentResponse(
+        finish_reason=finish_reason(done.finish_reason), metrics=metrics(done.metrics, total_ms)
+    )
     seg: Segmentation | None = done.segmentation
     if seg is not None:
         response.box.CopyFrom(box(seg.box))

@@ -114,7 +114,10 @@ class ImageResolver:
             image_id: str = request.image_id  # type: ignore[attr-defined]
             image = self.cache.get(image_id)
             if image is None:
-                raise invalid("image_id", f"unknown image id {image_id[:80]!r} (never uploaded "
-                              "or evicted from the cache: call EncodeImage again)")
+                raise invalid(
+                    "image_id",
+                    f"unknown image id {image_id[:80]!r} (never uploaded "
+                    "or evicted from the cache: call EncodeImage again)",
+                )
             return image
         return await self.decode(request.image_bytes)  # type: ignore[attr-defined]

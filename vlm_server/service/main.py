@@ -38,24 +38,36 @@ def _device(config: ServerConfig) -> torch.device:
 def _loader(config: ServerConfig) -> Callable[[], LoadedModel]:
     """A function that loads the configured model (with a progress bar for large files)."""
     device = _device(config)
-    dtype = DTYPES[config.dtype] if config.dtype else (
-        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = (
+        DTYPES[config.dtype]
+        if config.dtype
+        else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    )
 
     def load() -> LoadedModel:
         if config.model is None:
-            log.warning("no --model given: serving the built-in random tiny model, which "
-                        "answers with random words")
+            log.warning(
+                "no --model given: serving the built-in random tiny model, which "
+                "answers with random words"
+            )
         source = config.model or default_model_dir()
-        return load_model(source, preset_name=config.preset, dtype=dtype, device=device,
-                          tokenizer_path=config.tokenizer, progress=True)
+        return load_model(
+            source,
+            preset_name=config.preset,
+            dtype=dtype,
+            device=device,
+            tokenizer_path=config.tokenizer,
+            progress=True,
+        )
 
     return load
 
 
 def reference_engine(config: ServerConfig) -> Engine:
     """One request at a time; loads the model when started."""
-    return ReferenceEngine(_loader(config), max_queue=config.queue_limit,
-                           kv_budget_bytes=config.kv_budget)
+    return ReferenceEngine(
+        _loader(config), max_queue=config.queue_limit, kv_budget_bytes=config.kv_budget
+    )
 
 
 def batched_engine(config: ServerConfig) -> Engine:
@@ -63,8 +75,12 @@ def batched_engine(config: ServerConfig) -> Engine:
     from vlm_server.engine.batched_engine import BatchedEngine
     from vlm_server.engine.config import EngineConfig
 
-    cfg = EngineConfig(max_batch=config.max_batch_size, pipeline_depth=config.pipeline_depth,
-                       max_queue=config.queue_limit, kv_budget_bytes=config.kv_budget or None)
+    cfg = EngineConfig(
+        max_batch=config.max_batch_size,
+        pipeline_depth=config.pipeline_depth,
+        max_queue=config.queue_limit,
+        kv_budget_bytes=config.kv_budget or None,
+    )
     return BatchedEngine(_loader(config)(), cfg, preset_name=config.preset)
 
 

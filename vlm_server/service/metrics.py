@@ -22,8 +22,22 @@ from vlm_server.engine.api import EngineStats
 
 log = logging.getLogger(__name__)
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-                    120.0)
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
 _SCRAPE_TIMEOUT_S = 2.0
 
 StatsSource = Callable[[], EngineStats | None]
@@ -77,14 +91,17 @@ class _EngineCollector(Collector):
             "vlm_step_period_ms": ("duration of the last engine step", stats.last_step_ms),
             "vlm_prefix_cache_hit_ratio": (
                 "image-prefix cache hits / lookups (0 before any lookup)",
-                stats.prefix_hits / stats.prefix_lookups if stats.prefix_lookups else 0.0),
+                stats.prefix_hits / stats.prefix_lookups if stats.prefix_lookups else 0.0,
+            ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
-        yield CounterMetricFamily("vlm_prefix_cache_hits", "image-prefix cache hits",
-                                  value=stats.prefix_hits)
-        yield CounterMetricFamily("vlm_prefix_cache_lookups", "image-prefix cache lookups",
-                                  value=stats.prefix_lookups)
+        yield CounterMetricFamily(
+            "vlm_prefix_cache_hits", "image-prefix cache hits", value=stats.prefix_hits
+        )
+        yield CounterMetricFamily(
+            "vlm_prefix_cache_lookups", "image-prefix cache lookups", value=stats.prefix_lookups
+        )
 
 
 class ServiceMetrics:
@@ -93,24 +110,43 @@ class ServiceMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.received = Counter("vlm_requests_received", "requests received, by task",
-                                ["task"], registry=r)
-        self.requests = Counter("vlm_requests", "requests finished, by task and status code",
-                                ["task", "code"], registry=r)
+        self.received = Counter(
+            "vlm_requests_received", "requests received, by task", ["task"], registry=r
+        )
+        self.requests = Counter(
+            "vlm_requests",
+            "requests finished, by task and status code",
+            ["task", "code"],
+            registry=r,
+        )
         self.in_flight = Gauge("vlm_requests_in_flight", "requests being handled", registry=r)
-        self.ttft = Histogram("vlm_time_to_first_token_seconds",
-                              "time from receiving a text request to its first token",
-                              ["task"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.latency = Histogram("vlm_request_duration_seconds",
-                                 "time from receiving a request to its last message",
-                                 ["task"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_wait = Histogram("vlm_queue_wait_seconds",
-                                    "time requests waited for the engine", ["task"],
-                                    buckets=_LATENCY_BUCKETS, registry=r)
-        self.output_tokens = Counter("vlm_output_tokens", "tokens generated, by task",
-                                     ["task"], registry=r)
-        self.image_cache_bytes = Gauge("vlm_image_cache_bytes",
-                                       "memory held by EncodeImage images", registry=r)
+        self.ttft = Histogram(
+            "vlm_time_to_first_token_seconds",
+            "time from receiving a text request to its first token",
+            ["task"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.latency = Histogram(
+            "vlm_request_duration_seconds",
+            "time from receiving a request to its last message",
+            ["task"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "vlm_queue_wait_seconds",
+            "time requests waited for the engine",
+            ["task"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.output_tokens = Counter(
+            "vlm_output_tokens", "tokens generated, by task", ["task"], registry=r
+        )
+        self.image_cache_bytes = Gauge(
+            "vlm_image_cache_bytes", "memory held by EncodeImage images", registry=r
+        )
         self._http: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 

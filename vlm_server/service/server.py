@@ -41,15 +41,19 @@ class VisionLanguageServer:
         self.engine: Engine | None = None
         self.metrics = ServiceMetrics()
         self.health = HealthState(SERVICE_NAME)
-        self._executor = ThreadPoolExecutor(config.decode_threads,
-                                            thread_name_prefix="image-decode")
-        images = ImageResolver(config.image_limits, ImageCache(config.image_cache_bytes),
-                               self._executor)
-        limits = Limits(max_message_bytes=config.max_message_bytes,
-                        max_image_bytes=config.max_image_bytes,
-                        max_image_pixels=config.max_image_pixels,
-                        max_image_side=config.max_image_side,
-                        image_cache_bytes=config.image_cache_bytes)
+        self._executor = ThreadPoolExecutor(
+            config.decode_threads, thread_name_prefix="image-decode"
+        )
+        images = ImageResolver(
+            config.image_limits, ImageCache(config.image_cache_bytes), self._executor
+        )
+        limits = Limits(
+            max_message_bytes=config.max_message_bytes,
+            max_image_bytes=config.max_image_bytes,
+            max_image_pixels=config.max_image_pixels,
+            max_image_side=config.max_image_side,
+            image_cache_bytes=config.image_cache_bytes,
+        )
         self.servicer = VisionLanguageServicer(images, self.metrics, limits)
         self._server: grpc.aio.Server | None = None
         self._loading: asyncio.Task[None] | None = None
@@ -61,14 +65,17 @@ class VisionLanguageServer:
     async def start(self) -> None:
         """Bind and serve health, reflection and metrics; load the engine in the background."""
         limit = self.config.max_message_bytes
-        server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit),
-        ])
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+            ]
+        )
         pb_grpc.add_VisionLanguageServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
+            (SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server
+        )
         address = f"{self.config.host}:{self.config.port}"
         self.port = server.add_insecure_port(address)
         if self.port == 0:
@@ -78,10 +85,13 @@ class VisionLanguageServer:
         self._server = server
         loop = asyncio.get_running_loop()
         self.metrics.watch_engine(loop, self._engine_stats)
-        self.metrics_port = self.metrics.serve(self.config.metrics_host or self.config.host,
-                                               self.config.metrics_port)
-        log.info("listening", extra={"fields": {"grpc_port": self.port,
-                                                "metrics_port": self.metrics_port}})
+        self.metrics_port = self.metrics.serve(
+            self.config.metrics_host or self.config.host, self.config.metrics_port
+        )
+        log.info(
+            "listening",
+            extra={"fields": {"grpc_port": self.port, "metrics_port": self.metrics_port}},
+        )
         self._loading = asyncio.create_task(self._load())
 
     def _engine_stats(self) -> EngineStats | None:
@@ -98,9 +108,17 @@ class VisionLanguageServer:
         info = engine.info
         self.servicer.engine = engine
         await self.health.ready()
-        log.info("ready", extra={"fields": {
-            "model": info.model_name, "device": info.device, "dtype": info.dtype,
-            "load_s": round(time.perf_counter() - started, 2)}})
+        log.info(
+            "ready",
+            extra={
+                "fields": {
+                    "model": info.model_name,
+                    "device": info.device,
+                    "dtype": info.dtype,
+                    "load_s": round(time.perf_counter() - started, 2),
+                }
+            },
+        )
 
     async def wait_ready(self) -> None:
         """Return once the engine serves; raises what loading raised."""
@@ -119,8 +137,10 @@ class VisionLanguageServer:
         self._shutting_down = True
         grace = self.config.grace_period if grace is None else grace
         deadline = time.monotonic() + grace
-        log.info("draining", extra={"fields": {"grace_s": grace,
-                                               "in_flight": self.servicer.in_flight.count}})
+        log.info(
+            "draining",
+            extra={"fields": {"grace_s": grace, "in_flight": self.servicer.in_flight.count}},
+        )
         self.servicer.begin_drain()
         await self.health.draining()
         await self.servicer.submitting.wait_empty(max(0.0, deadline - time.monotonic()))
@@ -128,8 +148,7 @@ class VisionLanguageServer:
             await self.engine.drain(max(0.0, deadline - time.monotonic()))
         # Engine done: wait for the handlers to send their last messages.
         if not await self.servicer.in_flight.wait_empty(max(0.0, deadline - time.monotonic())):
-            log.warning("grace period over; cancelling %d calls",
-                        self.servicer.in_flight.count)
+            log.warning("grace period over; cancelling %d calls", self.servicer.in_flight.count)
         await self.health.stopped()
         if self._server is not None:
             await self._server.stop(_FINAL_STOP_GRACE_S)

@@ -99,8 +99,9 @@ class _Gate:
 class _Call:
     """Bookkeeping of one RPC: admission, timing, error -> status, metrics, access log."""
 
-    def __init__(self, servicer: VisionLanguageServicer, task: str,
-                 context: grpc.aio.ServicerContext) -> None:
+    def __init__(
+        self, servicer: VisionLanguageServicer, task: str, context: grpc.aio.ServicerContext
+    ) -> None:
         self.servicer = servicer
         self.task = task
         self.context = context
@@ -148,8 +149,12 @@ class _Call:
             self._submitting = False
             self.servicer.submitting.leave()
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> bool:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
         self.submitted()
         s = self.servicer
         if exc is None:
@@ -160,8 +165,9 @@ class _Call:
             code = "CANCELLED"
         else:
             code = "INTERNAL"
-            log.error("request %s (%s) failed", self.request_id, self.task,
-                      exc_info=(exc_type, exc, tb))  # type: ignore[arg-type]
+            log.error(
+                "request %s (%s) failed", self.request_id, self.task, exc_info=(exc_type, exc, tb)
+            )  # type: ignore[arg-type]
         self._record(code, exc)
         s.in_flight.leave()
         s.metrics.in_flight.dec()
@@ -172,8 +178,9 @@ class _Call:
                 trailing += ((FIELD_METADATA_KEY, field),)
             await self.context.abort(STATUS[exc.code], exc.message, trailing_metadata=trailing)
         if code == "INTERNAL":
-            await self.context.abort(grpc.StatusCode.INTERNAL,
-                                     f"internal error (request id {self.request_id})")
+            await self.context.abort(
+                grpc.StatusCode.INTERNAL, f"internal error (request id {self.request_id})"
+            )
         return False
 
     def _record(self, code: str, exc: BaseException | None) -> None:
@@ -181,8 +188,12 @@ class _Call:
         m = self.servicer.metrics
         m.requests.labels(self.task, code).inc()
         m.latency.labels(self.task).observe(total_s)
-        fields: dict[str, Any] = {"request_id": self.request_id, "task": self.task,
-                                  "code": code, "total_ms": total_s * 1e3}
+        fields: dict[str, Any] = {
+            "request_id": self.request_id,
+            "task": self.task,
+            "code": code,
+            "total_ms": total_s * 1e3,
+        }
         if self.first_token is not None:
             m.ttft.labels(self.task).observe(self.first_token - self.start)
             fields["ttft_ms"] = (self.first_token - self.start) * 1e3
@@ -190,10 +201,15 @@ class _Call:
         if em is not None:
             m.queue_wait.labels(self.task).observe(em.queue_wait_ms / 1e3)
             m.output_tokens.labels(self.task).inc(em.output_tokens)
-            fields.update(queue_ms=em.queue_wait_ms, prefill_ms=em.prefill_ms,
-                          decode_ms=em.decode_ms, input_tokens=em.input_tokens,
-                          output_tokens=em.output_tokens, cached_tokens=em.cached_tokens,
-                          finish=self.finish_reason)
+            fields.update(
+                queue_ms=em.queue_wait_ms,
+                prefill_ms=em.prefill_ms,
+                decode_ms=em.decode_ms,
+                input_tokens=em.input_tokens,
+                output_tokens=em.output_tokens,
+                cached_tokens=em.cached_tokens,
+                finish=self.finish_reason,
+            )
         if isinstance(exc, EngineError):
             fields["error"] = exc.message
         if self.peer:
@@ -251,8 +267,9 @@ class VisionLanguageServicer(pb_grpc.VisionLanguageServicer):
             stream.cancel()  # frees the request if this handler is cancelled; else a no-op
         raise EngineError(ErrorCode.INTERNAL, "the engine ended the request without a result")
 
-    async def _text(self, call: _Call, request: GenerationRequest,
-                    wrap: Callable[..., Any]) -> AsyncIterator[Any]:
+    async def _text(
+        self, call: _Call, request: GenerationRequest, wrap: Callable[..., Any]
+    ) -> AsyncIterator[Any]:
         """Run a text request: a message per delta, then the final one."""
         stream = await self._submit(call, request)
         try:
@@ -271,91 +288,134 @@ class VisionLanguageServicer(pb_grpc.VisionLanguageServicer):
             stream.cancel()
         raise EngineError(ErrorCode.INTERNAL, "the engine ended the request without a result")
 
-    def _request(self, call: _Call, task: Task, settings: pb.GenerationSettings,
-                 **fields: Any) -> GenerationRequest:
+    def _request(
+        self, call: _Call, task: Task, settings: pb.GenerationSettings, **fields: Any
+    ) -> GenerationRequest:
         """Check the settings and build the engine request (the image is set later)."""
         s = validation.settings(settings, self._max_tokens(call.engine()))
         return GenerationRequest(
-            task=task, image=None, request_id=call.request_id, temperature=s.temperature,
-            top_p=s.top_p, max_tokens=s.max_tokens, max_objects=s.max_objects, seed=s.seed,
-            deadline=call.deadline(), **fields)
+            task=task,
+            image=None,
+            request_id=call.request_id,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            max_tokens=s.max_tokens,
+            max_objects=s.max_objects,
+            seed=s.seed,
+            deadline=call.deadline(),
+            **fields,
+        )
 
-    async def _with_image(self, gen: GenerationRequest, request: Any,
-                          required: bool = True) -> GenerationRequest:
+    async def _with_image(
+        self, gen: GenerationRequest, request: Any, required: bool = True
+    ) -> GenerationRequest:
         # Decoding is the expensive check, so it comes after all the cheap ones.
         image = await self.images.resolve(request, required=required)
         return dataclasses.replace(gen, image=image)
 
     # ---- RPCs -------------------------------------------------------------------------
 
-    async def Caption(self, request: pb.CaptionRequest,
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.CaptionResponse]:
+    async def Caption(
+        self, request: pb.CaptionRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.CaptionResponse]:
         async with self._call(Task.CAPTION, context) as call:
-            gen = self._request(call, Task.CAPTION, request.settings,
-                                caption_length=validation.caption_length(request.length))
+            gen = self._request(
+                call,
+                Task.CAPTION,
+                request.settings,
+                caption_length=validation.caption_length(request.length),
+            )
             gen = await self._with_image(gen, request)
             async for message in self._text(call, gen, pb.CaptionResponse):
                 yield message
 
-    async def Query(self, request: pb.QueryRequest,
-                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.QueryResponse]:
+    async def Query(
+        self, request: pb.QueryRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.QueryResponse]:
         async with self._call(Task.QUERY, context) as call:
-            gen = self._request(call, Task.QUERY, request.settings,
-                                question=validation.question(request.question),
-                                choices=validation.choices(list(request.choices)),
-                                regex=request.regex if request.HasField("regex") else None)
+            gen = self._request(
+                call,
+                Task.QUERY,
+                request.settings,
+                question=validation.question(request.question),
+                choices=validation.choices(list(request.choices)),
+                regex=request.regex if request.HasField("regex") else None,
+            )
             gen = await self._with_image(gen, request, required=False)
             async for message in self._text(call, gen, pb.QueryResponse):
                 yield message
 
-    async def _object_task(self, task: Task, request: Any, context: grpc.aio.ServicerContext,
-                           respond: Callable[[Any, float], Any]) -> Any:
+    async def _object_task(
+        self,
+        task: Task,
+        request: Any,
+        context: grpc.aio.ServicerContext,
+        respond: Callable[[Any, float], Any],
+    ) -> Any:
         """Point, Detect and Segment: an object name, an image, one final answer."""
         async with self._call(task, context) as call:
-            gen = self._request(call, task, request.settings,
-                                object_name=validation.object_name(request.object))
+            gen = self._request(
+                call, task, request.settings, object_name=validation.object_name(request.object)
+            )
             done = await self._final(call, await self._with_image(gen, request))
             return respond(done, call.elapsed_ms())
 
-    async def Point(self, request: pb.PointRequest,
-                    context: grpc.aio.ServicerContext) -> pb.PointResponse:
+    async def Point(
+        self, request: pb.PointRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PointResponse:
         return await self._object_task(Task.POINT, request, context, convert.point_response)
 
-    async def Detect(self, request: pb.DetectRequest,
-                     context: grpc.aio.ServicerContext) -> pb.DetectResponse:
+    async def Detect(
+        self, request: pb.DetectRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DetectResponse:
         return await self._object_task(Task.DETECT, request, context, convert.detect_response)
 
-    async def Segment(self, request: pb.SegmentRequest,
-                      context: grpc.aio.ServicerContext) -> pb.SegmentResponse:
-        return await self._object_task(Task.SEGMENT, request, context,
-                                       convert.segment_response)
+    async def Segment(
+        self, request: pb.SegmentRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SegmentResponse:
+        return await self._object_task(Task.SEGMENT, request, context, convert.segment_response)
 
-    async def EncodeImage(self, request: pb.EncodeImageRequest,
-                          context: grpc.aio.ServicerContext) -> pb.EncodeImageResponse:
+    async def EncodeImage(
+        self, request: pb.EncodeImageRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EncodeImageResponse:
         async with self._call("encode_image", context) as call:
             call.engine()
             image = await self.images.decode(request.image_bytes)
             image_id, present = self.images.cache.put(image)
             self.metrics.image_cache_bytes.set(self.images.cache.nbytes)
-            return pb.EncodeImageResponse(image_id=image_id, width=image.width,
-                                          height=image.height, num_crops=image.num_crops,
-                                          already_cached=present)
+            return pb.EncodeImageResponse(
+                image_id=image_id,
+                width=image.width,
+                height=image.height,
+                num_crops=image.num_crops,
+                already_cached=present,
+            )
 
-    async def GetModelInfo(self, request: pb.GetModelInfoRequest,
-                           context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetModelInfoResponse:
         async with self._call("model_info", context) as call:
             if self.engine is None:
                 call.engine()  # raises UNAVAILABLE: nothing to describe yet
             assert self.engine is not None
             info, lim = self.engine.info, self.limits
             return pb.GetModelInfoResponse(
-                model_name=info.model_name, preset=info.preset,
-                token_contract=info.token_contract, device=info.device, dtype=info.dtype,
-                max_context=info.max_context, pipeline_depth=info.pipeline_depth,
-                max_batch_size=info.max_batch_size, server_version=_server_version(),
+                model_name=info.model_name,
+                preset=info.preset,
+                token_contract=info.token_contract,
+                device=info.device,
+                dtype=info.dtype,
+                max_context=info.max_context,
+                pipeline_depth=info.pipeline_depth,
+                max_batch_size=info.max_batch_size,
+                server_version=_server_version(),
                 limits=pb.ServerLimits(
                     max_message_bytes=lim.max_message_bytes,
                     max_image_bytes=lim.max_image_bytes,
                     max_image_pixels=lim.max_image_pixels,
-                    max_image_side=lim.max_image_side, max_tokens=info.max_context,
-                    max_queue=info.max_queue, image_cache_bytes=lim.image_cache_bytes))
+                    max_image_side=lim.max_image_side,
+                    max_tokens=info.max_context,
+                    max_queue=info.max_queue,
+                    image_cache_bytes=lim.image_cache_bytes,
+                ),
+            )

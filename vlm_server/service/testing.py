@@ -27,8 +27,12 @@ T = TypeVar("T")
 GATE_TIMEOUT_S = 60.0  # a forgotten gate must not hang a test run forever
 
 
-def wait_for(predicate: Callable[[], T], timeout: float = 20.0, interval: float = 0.005,
-             what: str = "the condition") -> T:
+def wait_for(
+    predicate: Callable[[], T],
+    timeout: float = 20.0,
+    interval: float = 0.005,
+    what: str = "the condition",
+) -> T:
     """Poll ``predicate`` until it returns something truthy; TimeoutError after ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
@@ -42,8 +46,13 @@ def wait_for(predicate: Callable[[], T], timeout: float = 20.0, interval: float 
 
 def local_config(**overrides: Any) -> ServerConfig:
     """A config for a server on loopback with free ports."""
-    values: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "metrics_port": 0,
-                              "decode_threads": 2, "grace_period": 20.0}
+    values: dict[str, Any] = {
+        "host": "127.0.0.1",
+        "port": 0,
+        "metrics_port": 0,
+        "decode_threads": 2,
+        "grace_period": 20.0,
+    }
     values.update(overrides)
     return ServerConfig(**values)
 
@@ -55,8 +64,9 @@ class ServerThread:
         self.config = config
         self._factory = engine_factory
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
-                                        name="vlm-server-loop")
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, daemon=True, name="vlm-server-loop"
+        )
         self.server: VisionLanguageServer | None = None
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = 60.0) -> T:
@@ -103,8 +113,12 @@ class ServerThread:
     def __enter__(self) -> ServerThread:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.stop()
 
 

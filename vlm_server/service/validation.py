@@ -49,8 +49,10 @@ def settings(msg: pb.GenerationSettings, max_tokens_limit: int) -> Settings:
     if not msg.HasField("max_tokens"):
         max_tokens = min(max_tokens, max_tokens_limit)
     if not 1 <= max_tokens <= max_tokens_limit:
-        raise invalid("settings.max_tokens",
-                      f"must be in 1..{max_tokens_limit} (the model's context), got {max_tokens}")
+        raise invalid(
+            "settings.max_tokens",
+            f"must be in 1..{max_tokens_limit} (the model's context), got {max_tokens}",
+        )
     if max_objects < 1:
         raise invalid("settings.max_objects", f"must be >= 1, got {max_objects}")
     return Settings(temperature, top_p, max_tokens, max_objects, seed)

@@ -23,8 +23,10 @@ def resolve_source(source: str | Path) -> Path:
         return path
     text = str(source)
     if not looks_like_repo_id(text):
-        raise CheckpointError(f"model source {text!r} is neither an existing path nor a "
-                              "Hugging Face repo id (owner/name[@revision])")
+        raise CheckpointError(
+            f"model source {text!r} is neither an existing path nor a "
+            "Hugging Face repo id (owner/name[@revision])"
+        )
     repo_id, _, revision = text.partition("@")
     try:
         from huggingface_hub import snapshot_download
@@ -34,8 +36,7 @@ def resolve_source(source: str | Path) -> Path:
             "install it (pip install 'moondream-serve[hub]') or pass a local directory"
         ) from None
     try:
-        return Path(snapshot_download(repo_id, revision=revision or None,
-                                      allow_patterns=_PATTERNS))
+        return Path(snapshot_download(repo_id, revision=revision or None, allow_patterns=_PATTERNS))
     except Exception as err:  # the hub raises many types: offline, 404, auth, disk
         raise CheckpointError(
             f"could not fetch {text!r} from the Hugging Face Hub and no complete local copy is "

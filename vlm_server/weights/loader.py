@@ -57,14 +57,18 @@ def read_config(directory: Path, preset_name: str | None) -> ModelConfig:
         if data.get("format") == CONFIG_FORMAT:
             config = ModelConfig.from_dict(data["model"])
             if preset_name is not None and preset(preset_name) != config:
-                raise CheckpointError(f"{path} describes model {config.name!r}, which differs "
-                                      f"from the requested preset {preset_name!r}")
+                raise CheckpointError(
+                    f"{path} describes model {config.name!r}, which differs "
+                    f"from the requested preset {preset_name!r}"
+                )
             return config
         if data.get("model_type", "").startswith("moondream"):
             return preset(preset_name or "moondream2")
     if preset_name is None:
-        raise CheckpointError(f"{directory} has no usable {CONFIG_FILE}; name a preset "
-                              "(e.g. moondream2 or moondream2-2025-01-09)")
+        raise CheckpointError(
+            f"{directory} has no usable {CONFIG_FILE}; name a preset "
+            "(e.g. moondream2 or moondream2-2025-01-09)"
+        )
     return preset(preset_name)
 
 
@@ -75,9 +79,10 @@ def _weights_file(directory: Path) -> Path:
     found = sorted(directory.glob("*.safetensors"))
     if len(found) == 1:
         return found[0]
-    raise CheckpointError(f"{directory} holds no {WEIGHTS_FILE}"
-                          + (f" (and several .safetensors: {[f.name for f in found]})"
-                             if found else ""))
+    raise CheckpointError(
+        f"{directory} holds no {WEIGHTS_FILE}"
+        + (f" (and several .safetensors: {[f.name for f in found]})" if found else "")
+    )
 
 
 def _fmt(items: list[str]) -> str:
@@ -85,13 +90,20 @@ def _fmt(items: list[str]) -> str:
     return shown + (f", ... ({len(items)} in all)" if len(items) > _LIST_LIMIT else "")
 
 
-def check_shapes(found: dict[str, tuple[int, ...]], unknown: list[str],
-                 expected: dict[str, tuple[int, ...]], source: str) -> None:
+def check_shapes(
+    found: dict[str, tuple[int, ...]],
+    unknown: list[str],
+    expected: dict[str, tuple[int, ...]],
+    source: str,
+) -> None:
     """Raise one `CheckpointError` naming every missing, unexpected and mis-shaped tensor."""
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected)) + sorted(unknown)
-    misshaped = sorted(f"{k} {list(found[k])} (expected {list(expected[k])})"
-                       for k in set(found) & set(expected) if found[k] != expected[k])
+    misshaped = sorted(
+        f"{k} {list(found[k])} (expected {list(expected[k])})"
+        for k in set(found) & set(expected)
+        if found[k] != expected[k]
+    )
     problems = []
     if missing:
         problems.append(f"missing {len(missing)}: {_fmt(missing)}")
@@ -100,8 +112,9 @@ def check_shapes(found: dict[str, tuple[int, ...]], unknown: list[str],
     if misshaped:
         problems.append(f"wrong shape {len(misshaped)}: {_fmt(misshaped)}")
     if problems:
-        raise CheckpointError(f"checkpoint {source} does not match the model: "
-                              + "; ".join(problems))
+        raise CheckpointError(
+            f"checkpoint {source} does not match the model: " + "; ".join(problems)
+        )
 
 
 class _Reader:
@@ -153,8 +166,13 @@ def _native_names(keys: list[str]) -> tuple[dict[str, str], list[str], bool]:
     return names, unknown, not native
 
 
-def load_state(path: Path, config: ModelConfig, dtype: torch.dtype,
-               device: torch.device | str, progress: bool = True) -> dict[str, torch.Tensor]:
+def load_state(
+    path: Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    progress: bool = True,
+) -> dict[str, torch.Tensor]:
     """Read, rename, validate and convert a checkpoint's tensors for ``config``."""
     reader = _Reader(path)
     names, unknown, legacy = _native_names(reader.keys)
@@ -165,8 +183,9 @@ def load_state(path: Path, config: ModelConfig, dtype: torch.dtype,
     check_shapes(found, unknown, expected_shapes(config), str(path))
     show = progress and path.stat().st_size > _PROGRESS_BYTES
     state = {}
-    for name, key in tqdm(names.items(), desc=f"loading {path.name}", unit="tensor",
-                          disable=not show):
+    for name, key in tqdm(
+        names.items(), desc=f"loading {path.name}", unit="tensor", disable=not show
+    ):
         value = reader.tensor(key)
         if legacy and name in TRANSPOSED_NATIVE_KEYS:
             value = value.T
@@ -174,9 +193,15 @@ def load_state(path: Path, config: ModelConfig, dtype: torch.dtype,
     return state
 
 
-def load_model(source: str | Path, *, preset_name: str | None = None,
-               dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-               tokenizer_path: str | Path | None = None, progress: bool = True) -> LoadedModel:
+def load_model(
+    source: str | Path,
+    *,
+    preset_name: str | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    tokenizer_path: str | Path | None = None,
+    progress: bool = True,
+) -> LoadedModel:
     """Load weights, tokenizer and configuration from ``source``."""
     path = resolve_source(source)
     if path.is_dir():
@@ -208,18 +233,31 @@ def load_model(source: str | Path, *, preset_name: str | None = None,
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, source=str(source))
 
 
-def random_model(config: ModelConfig, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu", progress: bool = True) -> LoadedModel:
+def random_model(
+    config: ModelConfig,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    progress: bool = True,
+) -> LoadedModel:
     """Exactly what loading `write_checkpoint(config, seed=seed)` gives (bf16 values), built in
     memory: for benchmarks and GPU tests that need no file."""
     shapes = expected_shapes(config)
-    state = {key: random_tensor(key, shape, seed, torch.bfloat16).to(device=device, dtype=dtype)
-             for key, shape in tqdm(shapes.items(), desc=f"random {config.name}",
-                                    unit="tensor", disable=not progress)}
+    state = {
+        key: random_tensor(key, shape, seed, torch.bfloat16).to(device=device, dtype=dtype)
+        for key, shape in tqdm(
+            shapes.items(), desc=f"random {config.name}", unit="tensor", disable=not progress
+        )
+    }
     with torch.device("meta"):
         model = MoondreamModel(config)
     model.load_state_dict(state, strict=True, assign=True)
     model.text.reset_rotary(device)
     model.eval().requires_grad_(False)
-    return LoadedModel(model=model, tokenizer=build_tokenizer(config, seed),
-                       config=config, source=f"random:{config.name}:{seed}")
+    return LoadedModel(
+        model=model,
+        tokenizer=build_tokenizer(config, seed),
+        config=config,
+        source=f"random:{config.name}:{seed}",
+    )

@@ -59,9 +59,16 @@ def random_tensor(key: str, shape: tuple[int, ...], seed: int, dtype: torch.dtyp
     return (torch.randn(shape, generator=gen) * std).to(dtype)
 
 
-def write_checkpoint(config: ModelConfig, out_dir: str | Path, *, seed: int = 0,
-                     dtype: torch.dtype = torch.bfloat16, layout: str = "native",
-                     prefix: bool = True, progress: bool = True) -> Path:
+def write_checkpoint(
+    config: ModelConfig,
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    layout: str = "native",
+    prefix: bool = True,
+    progress: bool = True,
+) -> Path:
     """Write ``model.safetensors``, ``tokenizer.json`` and ``config.json`` into ``out_dir``.
 
     ``layout`` is ``"native"`` (keys ``model.`` + module path, or without the prefix when
@@ -73,8 +80,9 @@ def write_checkpoint(config: ModelConfig, out_dir: str | Path, *, seed: int = 0,
     out.mkdir(parents=True, exist_ok=True)
     shapes = expected_shapes(config)
     tensors: dict[str, torch.Tensor] = {}
-    items = tqdm(shapes.items(), desc=f"random weights ({config.name})", unit="tensor",
-                 disable=not progress)
+    items = tqdm(
+        shapes.items(), desc=f"random weights ({config.name})", unit="tensor", disable=not progress
+    )
     for key, shape in items:
         value = random_tensor(key, shape, seed, dtype)
         if layout == "legacy":
@@ -85,7 +93,11 @@ def write_checkpoint(config: ModelConfig, out_dir: str | Path, *, seed: int = 0,
             tensors[(NATIVE_PREFIX if prefix else "") + key] = value
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     build_tokenizer(config, seed=seed).save(str(out / TOKENIZER_FILE))
-    meta = {"format": CONFIG_FORMAT, "seed": seed, "random_weights": True,
-            "model": config.to_dict()}
+    meta = {
+        "format": CONFIG_FORMAT,
+        "seed": seed,
+        "random_weights": True,
+        "model": config.to_dict(),
+    }
     (out / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     return out
