@@ -86,14 +86,14 @@ async def run_case(
     image = prepare_image(sample_image_bytes())
     # Warm-up: the image prefix gets cached, kernels compiled, allocator primed.
     warm = GenerationRequest(Task.CAPTION, image, temperature=0, max_tokens=8)
-    async for _ in engine.submit(warm):
+    async for _ in await engine.submit(warm):
         pass
     rt.forward_events, rt.finalize_events = [], []
     sched.host_times, sched.commit_log = [], []
     reqs = [_request(task, image, i, tokens) for i in range(streams)]
 
     async def one(req: GenerationRequest) -> Finished:
-        async for event in engine.submit(req):
+        async for event in await engine.submit(req):
             if isinstance(event, Finished):
                 return event
         raise AssertionError("no result")

@@ -96,7 +96,7 @@ def images() -> list[PreparedImage]:
 
 async def _collect(engine: BatchedEngine, req: GenerationRequest) -> tuple[list[str], Finished]:
     parts: list[str] = []
-    async for event in engine.submit(req):
+    async for event in await engine.submit(req):
         if isinstance(event, TextDelta):
             parts.append(event.text)
         else:
@@ -262,7 +262,7 @@ def test_cancel_mid_stream_frees_everything(tiny: LoadedModel, images: list[Prep
             other = GenerationRequest(
                 Task.QUERY, images[1], question="what is this?", temperature=0, max_tokens=12
             )
-            stream = engine.submit(long)
+            stream = await engine.submit(long)
             other_task = asyncio.create_task(_collect(engine, other))
             seen = 0
             with pytest.raises(EngineError) as info:
@@ -301,7 +301,7 @@ def test_deadline_while_queued_is_never_scheduled(
         )
         await engine.start()
         try:
-            busy = engine.submit(
+            busy = await engine.submit(
                 GenerationRequest(
                     Task.CAPTION, images[0], request_id="busy", temperature=0, max_tokens=400
                 )
@@ -346,7 +346,7 @@ def test_deadline_while_running(tiny: LoadedModel, images: list[PreparedImage]) 
             )
             parts = []
             with pytest.raises(EngineError) as info:
-                async for event in engine.submit(req):
+                async for event in await engine.submit(req):
                     parts.append(event)
             assert info.value.code is ErrorCode.DEADLINE_EXCEEDED
             await _wait_idle(engine)
@@ -393,7 +393,7 @@ def test_constrained_query_and_segment_always_parse(
             assert s.mask_height == images[2].height and s.mask_width == images[2].width
             assert sum(s.mask_rle) == s.mask_height * s.mask_width
             with pytest.raises(EngineError) as info:
-                engine.submit(
+                await engine.submit(
                     GenerationRequest(Task.QUERY, images[0], question="x", regex="(unclosed")
                 )
             assert info.value.code is ErrorCode.INVALID_ARGUMENT and info.value.field == "regex"
@@ -433,16 +433,16 @@ def test_admission_errors(tiny: LoadedModel, images: list[PreparedImage]) -> Non
         ]
         for kwargs, code, field in cases:
             with pytest.raises(EngineError) as info:
-                engine.submit(GenerationRequest(**kwargs))  # type: ignore[arg-type]
+                await engine.submit(GenerationRequest(**kwargs))  # type: ignore[arg-type]
             assert info.value.code is code and info.value.field == field
         # The engine is not started: the first request waits, the second finds the queue full.
-        engine.submit(GenerationRequest(Task.CAPTION, images[0], max_tokens=2))
+        await engine.submit(GenerationRequest(Task.CAPTION, images[0], max_tokens=2))
         with pytest.raises(EngineError) as info:
-            engine.submit(GenerationRequest(Task.CAPTION, images[0], max_tokens=2))
+            await engine.submit(GenerationRequest(Task.CAPTION, images[0], max_tokens=2))
         assert info.value.code is ErrorCode.RESOURCE_EXHAUSTED
         small = _engine(tiny, 2, kv_budget_bytes=1 << 20)
         with pytest.raises(EngineError) as info:
-            small.submit(GenerationRequest(Task.CAPTION, images[0], max_tokens=1200))
+            await small.submit(GenerationRequest(Task.CAPTION, images[0], max_tokens=1200))
         assert info.value.code is ErrorCode.RESOURCE_EXHAUSTED
         await engine.close()
 

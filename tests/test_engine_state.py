@@ -159,7 +159,7 @@ def test_random_interleavings_leave_nothing_behind(
                     max_objects=1 + n % 3,
                     seed=n,
                 )
-                stream = engine.submit(req)
+                stream = await engine.submit(req)
                 i = len(streams)
                 streams[i] = stream
                 ends[i] = []

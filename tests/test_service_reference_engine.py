@@ -61,7 +61,7 @@ def test_text_events_are_deltas_then_the_reference_result(
         request = GenerationRequest(
             task=Task.CAPTION, image=sample_image, temperature=0.0, max_tokens=10
         )
-        events = await collect(engine.submit(request))
+        events = await collect(await engine.submit(request))
         await engine.close()
         want = generator.caption(
             sample_image, "normal", SamplingSettings(temperature=0.0, max_tokens=10)
@@ -82,22 +82,22 @@ def test_submit_checks_queue_limit_and_context(
     async def body() -> None:
         engine = GatedReferenceEngine(lambda: tiny, max_queue=1)
         with pytest.raises(EngineError) as caught:
-            engine.submit(text_request())
+            await engine.submit(text_request())
         assert caught.value.code == ErrorCode.UNAVAILABLE  # not started
         await engine.start()
         max_context = engine.info.max_context
         with pytest.raises(EngineError) as caught:
-            engine.submit(
+            await engine.submit(
                 GenerationRequest(task=Task.CAPTION, image=sample_image, max_tokens=max_context)
             )
         assert caught.value.code == ErrorCode.OUT_OF_RANGE
         assert caught.value.field == "max_tokens"
         engine.token_gate.clear()
-        running = engine.submit(text_request())
+        running = await engine.submit(text_request())
         await until(engine.holding.is_set)
-        queued = engine.submit(text_request())
+        queued = await engine.submit(text_request())
         with pytest.raises(EngineError) as caught:
-            engine.submit(text_request())
+            await engine.submit(text_request())
         assert caught.value.code == ErrorCode.RESOURCE_EXHAUSTED
         queued.cancel()
         assert engine.stats().queue_depth == 0  # the slot is free at once
@@ -114,14 +114,14 @@ def test_deadline_passing_in_the_queue_fails_it_without_running(tiny: LoadedMode
         engine = GatedReferenceEngine(lambda: tiny)
         await engine.start()
         engine.token_gate.clear()
-        running = engine.submit(text_request())
+        running = await engine.submit(text_request())
         await until(engine.holding.is_set)
-        late = engine.submit(text_request(deadline=time.monotonic() + 0.2))
+        late = await engine.submit(text_request(deadline=time.monotonic() + 0.2))
         with pytest.raises(EngineError) as caught:
             await collect(late)  # fails while the worker is still held
         assert caught.value.code == ErrorCode.DEADLINE_EXCEEDED
         assert engine.counts()["started"] == 1
-        already = engine.submit(text_request(deadline=time.monotonic() - 1))
+        already = await engine.submit(text_request(deadline=time.monotonic() - 1))
         with pytest.raises(EngineError):
             await collect(already)
         assert engine.counts()["expired_waiting"] == 2
@@ -141,7 +141,7 @@ def test_deadline_passing_while_running_stops_between_tokens(tiny: LoadedModel) 
         await engine.start()
         engine.token_gate.clear()
         deadline = time.monotonic() + 0.3
-        stream = engine.submit(text_request(deadline=deadline))
+        stream = await engine.submit(text_request(deadline=deadline))
         await until(engine.holding.is_set)
         await until(lambda: time.monotonic() > deadline)
         engine.token_gate.set()
@@ -159,13 +159,13 @@ def test_drain_refuses_new_work_and_waits_for_accepted(tiny: LoadedModel) -> Non
         engine = GatedReferenceEngine(lambda: tiny)
         await engine.start()
         engine.token_gate.clear()
-        first = engine.submit(text_request(max_tokens=5))
+        first = await engine.submit(text_request(max_tokens=5))
         await until(engine.holding.is_set)
-        second = engine.submit(text_request(max_tokens=5))
+        second = await engine.submit(text_request(max_tokens=5))
         drain = asyncio.create_task(engine.drain(30))
         await until(lambda: engine._draining)
         with pytest.raises(EngineError) as caught:
-            engine.submit(text_request())
+            await engine.submit(text_request())
         assert caught.value.code == ErrorCode.UNAVAILABLE
         assert not drain.done()
         engine.token_gate.set()
@@ -182,9 +182,9 @@ def test_close_fails_what_is_left_with_unavailable(tiny: LoadedModel) -> None:
         engine = GatedReferenceEngine(lambda: tiny)
         await engine.start()
         engine.token_gate.clear()
-        running = engine.submit(text_request())
+        running = await engine.submit(text_request())
         await until(engine.holding.is_set)
-        queued = engine.submit(text_request())
+        queued = await engine.submit(text_request())
         await engine.drain(0.05)  # the grace period runs out
         closing = asyncio.create_task(engine.close())
         engine.token_gate.set()

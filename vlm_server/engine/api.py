@@ -160,8 +160,8 @@ class Engine(Protocol):
     async def start(self) -> None:
         """Load/warm up; returns when the engine can take requests."""
 
-    def submit(self, request: GenerationRequest) -> RequestStream:
-        """Admit a request without blocking; raises EngineError when it cannot be taken."""
+    async def submit(self, request: GenerationRequest) -> RequestStream:
+        """Admit a request without blocking the loop; raises EngineError when it cannot be taken."""
 
     def stats(self) -> EngineStats: ...
 

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -109,6 +110,8 @@ class BatchedEngine:
         self._stopping = False
         self._draining = False
         self._failure: BaseException | None = None
+        # One builder thread: constraint compilation holds the compiler's lock anyway.
+        self._builders = ThreadPoolExecutor(1, thread_name_prefix="request-builder")
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -139,6 +142,7 @@ class BatchedEngine:
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
             self._thread = None
+        self._builders.shutdown(wait=False, cancel_futures=True)
 
     def stats(self) -> EngineStats:
         stats = self.scheduler.stats()  # plain counters: a racy read is fine for metrics
@@ -159,12 +163,19 @@ class BatchedEngine:
 
     # ---- submission -------------------------------------------------------------------
 
-    def submit(self, request: GenerationRequest) -> _Stream:
-        if self._draining or self._stopping:
-            raise EngineError(ErrorCode.UNAVAILABLE, "the server is shutting down")
-        if self._failure is not None:
-            raise EngineError(ErrorCode.UNAVAILABLE, f"the engine failed: {self._failure}")
-        seq = self._build(request)
+    async def submit(self, request: GenerationRequest) -> _Stream:
+        """Admit a request; raises EngineError when it cannot be taken.
+
+        Building a request can compile a user constraint (choices / regex) over the whole
+        vocabulary, so that work runs on the builder pool, never on the event loop.
+        """
+        self._check_open()
+        if request.choices or request.regex is not None:
+            loop = asyncio.get_running_loop()
+            seq = await loop.run_in_executor(self._builders, self._build, request)
+            self._check_open()
+        else:
+            seq = self._build(request)
         scheduler = self.scheduler
         total_pages = self.runtime.pages.n_pages - 1
         # Worst case (the image prefix not cached): the sequence's pages, plus a private copy
@@ -190,6 +201,12 @@ class BatchedEngine:
             self._inbox.append(seq)
             self._cv.notify()
         return stream
+
+    def _check_open(self) -> None:
+        if self._draining or self._stopping:
+            raise EngineError(ErrorCode.UNAVAILABLE, "the server is shutting down")
+        if self._failure is not None:
+            raise EngineError(ErrorCode.UNAVAILABLE, f"the engine failed: {self._failure}")
 
     def _build(self, req: GenerationRequest) -> Sequence:
         """The request's sequence: prompt and grammar from the shared task definitions."""

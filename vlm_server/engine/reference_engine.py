@@ -154,7 +154,7 @@ class ReferenceEngine:
         self._thread.start()
         await loaded
 
-    def submit(self, request: GenerationRequest) -> _Stream:
+    async def submit(self, request: GenerationRequest) -> _Stream:
         """Validate and enqueue; raises EngineError when the request cannot be taken."""
         if self._loop is None or self._generator is None:
             raise EngineError(ErrorCode.UNAVAILABLE, "the engine is not started")

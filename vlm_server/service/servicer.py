@@ -248,7 +248,7 @@ class VisionLanguageServicer(pb_grpc.VisionLanguageServicer):
 
     async def _submit(self, call: _Call, request: GenerationRequest) -> RequestStream:
         engine = call.engine()
-        stream = engine.submit(request)
+        stream = await engine.submit(request)
         call.submitted()
         # Frees the engine's request when the RPC ends for any reason (client cancel,
         # deadline), without waiting for the handler's generator to be finalized.
