@@ -32,8 +32,8 @@ from decoding.mask_table import MaskTable
 from decoding.regex_dfa import regex_dfa
 from decoding.svg_path import PathLanguage
 from decoding.token_masks import MaskCache, compile_masks, vocab_trie
-from decoding.toy_tokenizers import EOS, random_byte_level
 from decoding.vocab import TokenVocab
+from tests.support.toy_tokenizers import EOS, random_byte_level
 
 REGEXES = {
     "phone": r"\d{3}-\d{4}",

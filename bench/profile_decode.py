@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 from decoding.mask_table import MaskTable
 from vlm_server.config import preset
 from vlm_server.engine.config import EngineConfig
-from vlm_server.engine.runtime import ModelRuntime
+from vlm_server.engine.device.runtime import ModelRuntime
 from vlm_server.weights.loader import random_model
 
 
@@ -110,7 +110,7 @@ def vision(rt: ModelRuntime) -> None:
 
 def sweep(rt: ModelRuntime, args: argparse.Namespace) -> None:
     """Graph-replay time of the decode forward for attention split targets and block sizes."""
-    from vlm_server.engine import triton_attention as ta
+    from vlm_server.engine.device.kernels import triton_attention as ta
 
     original = ta.paged_decode_attention
     print(f"{'target':>6} {'block_n':>7} " + " ".join(f"{'b' + str(b):>7}" for b in args.batch))

@@ -29,8 +29,8 @@ import torch
 from image_pipeline import prepare_image, sample_image_bytes
 from vlm_server.config import preset
 from vlm_server.engine.api import Finished, GenerationRequest, Task
-from vlm_server.engine.batched_engine import BatchedEngine
 from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.engine import BatchedEngine
 from vlm_server.weights.loader import LoadedModel, random_model
 
 

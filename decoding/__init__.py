@@ -8,5 +8,4 @@ Map:
   batch_masks, sampling                          device side: per-row masks, counter-based sampling
   detokenize, segment_output                     streaming text; segment polygons and RLE masks
   region_values                                  coordinate / size bins -> floats
-  toy_tokenizers                                 tokenizers built from scratch for tests/benches
 """

@@ -14,6 +14,7 @@ import pytest
 from PIL import Image
 
 from image_pipeline import PreparedImage, sample_image_bytes
+from tests.support.service_harness import GatedBatchedEngine, ServerThread, local_config, wait_for
 from vlm_server.client import AsyncVisionLanguageClient, RleMask, TextDelta, VlmError
 from vlm_server.client import Point as ClientPoint
 from vlm_server.client.cli import main
@@ -29,7 +30,6 @@ from vlm_server.engine.api import (
 )
 from vlm_server.engine.config import EngineConfig
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
-from vlm_server.service.testing import GatedBatchedEngine, ServerThread, local_config, wait_for
 from vlm_server.weights.loader import LoadedModel
 
 
@@ -192,7 +192,7 @@ class SegmentOnlyEngine:
     async def start(self) -> None:
         return None
 
-    def submit(self, request: GenerationRequest) -> Any:
+    async def submit(self, request: GenerationRequest) -> Any:
         w, h = self.size
         mask = np.zeros((h, w), dtype=bool)
         mask[h // 4 : 3 * h // 4, w // 4 : 3 * w // 4] = True

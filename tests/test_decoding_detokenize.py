@@ -8,13 +8,13 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from decoding.detokenize import StreamDetokenizer, detokenize
-from decoding.toy_tokenizers import (
+from decoding.vocab import TokenVocab, byte_level_alphabet, byte_level_bytes
+from tests.support.toy_tokenizers import (
     CORPUS,
     byte_fallback_bpe,
     byte_level_bpe,
     random_byte_level,
 )
-from decoding.vocab import TokenVocab, byte_level_alphabet, byte_level_bytes
 
 TEXTS = [
     *CORPUS,

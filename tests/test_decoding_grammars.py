@@ -31,8 +31,8 @@ from decoding.grammars import (
 from decoding.mask_table import NO_MASK, MaskTable
 from decoding.sampling import sample
 from decoding.svg_path import PathLanguage, parse_path
-from decoding.toy_tokenizers import byte_level_bpe
 from decoding.vocab import TokenVocab
+from tests.support.toy_tokenizers import byte_level_bpe
 
 EOS = 0
 COORD = 5  # stands in for the 2025-06 coord token

@@ -17,8 +17,8 @@ from decoding.token_masks import (
     compile_masks,
 )
 from decoding.token_trie import TokenTrie
-from decoding.toy_tokenizers import byte_fallback_bpe, byte_level_bpe
 from decoding.vocab import TokenVocab
+from tests.support.toy_tokenizers import byte_fallback_bpe, byte_level_bpe
 
 PAD = 16  # the model's vocabulary is padded beyond the tokenizer's
 

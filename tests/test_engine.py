@@ -25,8 +25,8 @@ from vlm_server.engine.api import (
     Task,
     TextDelta,
 )
-from vlm_server.engine.batched_engine import BatchedEngine
 from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.engine import BatchedEngine
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
 from vlm_server.weights.loader import LoadedModel
 

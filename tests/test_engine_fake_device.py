@@ -22,21 +22,21 @@ import torch
 from decoding.grammars import RegionRows, RegionTokens, TextGrammar, detect_grammar, point_grammar
 from decoding.mask_table import NO_MASK, MaskTable
 from image_pipeline import PreparedImage
-from vlm_server.engine import scheduler as scheduler_module
-from vlm_server.engine.api import EngineError, ErrorCode, Finished, GenerationRequest, Task
-from vlm_server.engine.config import EngineConfig
-from vlm_server.engine.fake_runtime import (
+from tests.support.fake_device import (
     DeviceViolation,
     EarlySlotReusePipeline,
     FakeDevice,
     FakeRuntime,
 )
-from vlm_server.engine.pages import PageAllocator
-from vlm_server.engine.pipeline_state import PipelineState, Step
-from vlm_server.engine.runtime import ModelRuntime
-from vlm_server.engine.runtime_protocol import Runtime
-from vlm_server.engine.scheduler import Scheduler
-from vlm_server.engine.sequence import Sequence
+from vlm_server.engine.api import EngineError, ErrorCode, Finished, GenerationRequest, Task
+from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.core import scheduler as scheduler_module
+from vlm_server.engine.core.pages import PageAllocator
+from vlm_server.engine.core.pipeline import PipelineState, Step
+from vlm_server.engine.core.runtime_protocol import Runtime
+from vlm_server.engine.core.scheduler import Scheduler
+from vlm_server.engine.core.sequence import Sequence
+from vlm_server.engine.device.runtime import ModelRuntime
 from vlm_server.weights.loader import LoadedModel
 
 VOCAB, BOS, EOS, COORD = 40, 0, 1, 2

@@ -21,7 +21,7 @@ from tests.test_engine import (  # noqa: F401  (fixtures)
 )
 from vlm_server.config import preset
 from vlm_server.engine.api import GenerationRequest, Task
-from vlm_server.engine.paged_attention import paged_attention
+from vlm_server.engine.device.kernels.paged_attention import paged_attention
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
 from vlm_server.weights.loader import LoadedModel, random_model
 
@@ -35,7 +35,7 @@ def _cuda(loaded: LoadedModel) -> LoadedModel:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_paged_decode_matches_torch(dtype: torch.dtype) -> None:
-    from vlm_server.engine.triton_attention import paged_decode_attention
+    from vlm_server.engine.device.kernels.triton_attention import paged_decode_attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
     b, h, kvh, hd, ps, pages = 5, 32, 32, 64, 16, 300

@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 
 from image_pipeline import PreparedImage, prepare_pil, sample_image
 from vlm_server.engine.api import EngineError, Finished, GenerationRequest, Task
-from vlm_server.engine.batched_engine import BatchedEngine
 from vlm_server.engine.config import EngineConfig
-from vlm_server.engine.pages import SINK_PAGE, OutOfPages, PageAllocator
-from vlm_server.engine.pipeline_state import PipelineError, PipelineState, StepKind
-from vlm_server.engine.prefix_cache import PrefixCache
+from vlm_server.engine.core.pages import SINK_PAGE, OutOfPages, PageAllocator
+from vlm_server.engine.core.pipeline import PipelineError, PipelineState, StepKind
+from vlm_server.engine.core.prefix_cache import PrefixCache
+from vlm_server.engine.engine import BatchedEngine
 from vlm_server.weights.loader import LoadedModel
 
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from image_pipeline import PreparedImage
-from vlm_server import prompts
 from vlm_server.cli import main as cli_main
 from vlm_server.config import preset
+from vlm_server.engine.requests import prompts
 from vlm_server.model.text import DenseKVCache
 from vlm_server.reference import ContextOverflow, ReferenceGenerator, SamplingSettings
 from vlm_server.weights.loader import LoadedModel, load_model

@@ -23,6 +23,13 @@ import pytest
 from PIL import Image, ImageDraw
 
 from image_pipeline import prepare_image
+from tests.support.service_harness import (
+    GatedBatchedEngine,
+    GatedReferenceEngine,
+    ServerThread,
+    local_config,
+    wait_for,
+)
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
 from vlm_server.client import AsyncVisionLanguageClient, VisionLanguageClient, VlmError
@@ -30,13 +37,6 @@ from vlm_server.client.types import Box, DetectResult, Point, PointResult, TextR
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.reference_engine import ReferenceEngine
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
-from vlm_server.service.testing import (
-    GatedBatchedEngine,
-    GatedReferenceEngine,
-    ServerThread,
-    local_config,
-    wait_for,
-)
 from vlm_server.weights.loader import LoadedModel
 
 CLIENTS = 64

@@ -23,22 +23,22 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from image_pipeline import PreparedImage, sample_image_bytes
-from vlm_server.api.v1 import vision_language_pb2 as pb
-from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
-from vlm_server.client import TextResult, VisionLanguageClient, VlmError
-from vlm_server.engine.api import Engine
-from vlm_server.engine.batched_engine import BatchedEngine
-from vlm_server.engine.config import EngineConfig
-from vlm_server.engine.reference_engine import ReferenceEngine
-from vlm_server.reference import ReferenceGenerator, SamplingSettings
-from vlm_server.service.servicer import SERVICE_NAME
-from vlm_server.service.testing import (
+from tests.support.service_harness import (
     GatedBatchedEngine,
     GatedReferenceEngine,
     ServerThread,
     local_config,
     wait_for,
 )
+from vlm_server.api.v1 import vision_language_pb2 as pb
+from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
+from vlm_server.client import TextResult, VisionLanguageClient, VlmError
+from vlm_server.engine.api import Engine
+from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.engine import BatchedEngine
+from vlm_server.engine.reference_engine import ReferenceEngine
+from vlm_server.reference import ReferenceGenerator, SamplingSettings
+from vlm_server.service.servicer import SERVICE_NAME
 from vlm_server.weights.loader import LoadedModel
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from image_pipeline import PreparedImage
+from tests.support.service_harness import GatedReferenceEngine
 from vlm_server.engine.api import (
     EngineError,
     ErrorCode,
@@ -20,7 +21,6 @@ from vlm_server.engine.api import (
 )
 from vlm_server.engine.reference_engine import ReferenceEngine
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
-from vlm_server.service.testing import GatedReferenceEngine
 from vlm_server.weights.loader import LoadedModel
 
 

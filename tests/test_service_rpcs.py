@@ -16,14 +16,14 @@ import pytest
 from PIL import Image
 
 from image_pipeline import PreparedImage, sample_image_bytes
+from tests.support.service_harness import ServerThread, local_config
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
 from vlm_server.client import EncodedImage, TextResult, VisionLanguageClient, VlmError
-from vlm_server.engine.batched_engine import BatchedEngine
 from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.engine import BatchedEngine
 from vlm_server.engine.reference_engine import ReferenceEngine
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
-from vlm_server.service.testing import ServerThread, local_config
 from vlm_server.weights.loader import LoadedModel
 
 GREEDY = {"temperature": 0.0}

@@ -1,9 +1,9 @@
 """Reference generation: one request at a time, plain and obviously right.
 
 This is the correctness oracle. It walks a request's grammar (shared with the engine through
-`vlm_server.tasks`) one position at a time on a contiguous KV cache, following the model
-specification's protocols: prefill of BOS + image, the prompt, then per step either a sampled
-token (masked by the grammar's row when constrained) or a region value decoded from the
+`vlm_server.engine.requests.tasks`) one position at a time on a contiguous KV cache, following
+the model specification's protocols: prefill of BOS + image, the prompt, then per step either a
+sampled token (masked by the grammar's row when constrained) or a region value decoded from the
 hidden state and fed back through its encoder. The batched engine must reproduce its greedy
 output token for token. Sampling and region decoding are the engine's own functions.
 """
@@ -26,9 +26,9 @@ from decoding.segment_output import SegmentResult
 from image_pipeline import PreparedImage
 from vlm_server.config import ModelConfig
 from vlm_server.engine.api import EngineError, ErrorCode, GenerationRequest, Task
+from vlm_server.engine.requests.tasks import BuiltRequest, TaskCompiler
 from vlm_server.model import MoondreamModel
 from vlm_server.model.text import DenseKVCache
-from vlm_server.tasks import BuiltRequest, TaskCompiler
 
 FinishReason = Literal["eos", "length", "max_objects", "cancelled"]
 

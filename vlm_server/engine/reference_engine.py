@@ -31,7 +31,6 @@ from decoding.automaton import choices_dfa
 from decoding.detokenize import StreamDetokenizer
 from decoding.regex_dfa import regex_dfa
 from decoding.vocab import TokenVocab
-from vlm_server import prompts
 from vlm_server.engine.api import (
     Box,
     EngineError,
@@ -46,6 +45,7 @@ from vlm_server.engine.api import (
     Task,
     TextDelta,
 )
+from vlm_server.engine.requests import prompts
 from vlm_server.reference import ContextOverflow, ReferenceGenerator, SamplingSettings
 from vlm_server.weights.loader import LoadedModel
 

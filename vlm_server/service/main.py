@@ -72,8 +72,8 @@ def reference_engine(config: ServerConfig) -> Engine:
 
 def batched_engine(config: ServerConfig) -> Engine:
     """Continuous batching; loads the model here (the server calls this off its loop)."""
-    from vlm_server.engine.batched_engine import BatchedEngine
     from vlm_server.engine.config import EngineConfig
+    from vlm_server.engine.engine import BatchedEngine
 
     cfg = EngineConfig(
         max_batch=config.max_batch_size,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from vlm_server.engine.pages import PageAllocator
+from vlm_server.engine.core.pages import PageAllocator
 
 
 @dataclass

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from decoding.detokenize import StreamDetokenizer
 from decoding.grammars import Grammar, StepKind
 from vlm_server.engine.api import GenerationRequest, RequestMetrics
-from vlm_server.engine.prefix_cache import PrefixEntry
+from vlm_server.engine.core.prefix_cache import PrefixEntry
 
 
 class SeqState(enum.Enum):

@@ -35,16 +35,16 @@ import numpy as np
 
 from decoding.mask_table import NO_MASK, MaskTable
 from vlm_server.engine.config import EngineConfig
-from vlm_server.engine.pages import SINK_PAGE, PageAllocator
-from vlm_server.engine.pipeline_state import PipelineError, PipelineState, SlotState, Step
-from vlm_server.engine.runtime import F_MASK, F_PHASE, F_ROW, F_TEMP, N_FIN, N_OUT
-from vlm_server.engine.sequence import (
+from vlm_server.engine.core.pages import SINK_PAGE, PageAllocator
+from vlm_server.engine.core.pipeline import PipelineError, PipelineState, SlotState, Step
+from vlm_server.engine.core.sequence import (
     PHASE_BOUNDARY,
     PHASE_COORD,
     PHASE_SIZE,
     PHASE_TOKEN,
     Sequence,
 )
+from vlm_server.engine.device.runtime import F_MASK, F_PHASE, F_ROW, F_TEMP, N_FIN, N_OUT
 
 if TYPE_CHECKING:
     import torch

@@ -111,7 +111,10 @@ class DecodeKV:
     def _attend_packed(
         self, layer: int, qkv: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
-        from vlm_server.engine.triton_attention import paged_decode_attention, rope_and_store_kv
+        from vlm_server.engine.device.kernels.triton_attention import (
+            paged_decode_attention,
+            rope_and_store_kv,
+        )
 
         kp, vp = self.k_pools[layer], self.v_pools[layer]
         q = rope_and_store_kv(

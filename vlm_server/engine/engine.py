@@ -30,10 +30,10 @@ from vlm_server.engine.api import (
     GenerationRequest,
 )
 from vlm_server.engine.config import EngineConfig
-from vlm_server.engine.runtime import ModelRuntime
-from vlm_server.engine.scheduler import Scheduler
-from vlm_server.engine.sequence import Sequence
-from vlm_server.tasks import TaskCompiler
+from vlm_server.engine.core.scheduler import Scheduler
+from vlm_server.engine.core.sequence import Sequence
+from vlm_server.engine.device.runtime import ModelRuntime
+from vlm_server.engine.requests.tasks import TaskCompiler
 from vlm_server.weights.loader import LoadedModel
 
 log = logging.getLogger(__name__)

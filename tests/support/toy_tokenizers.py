@@ -12,7 +12,7 @@ import random
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from .vocab import byte_level_alphabet
+from decoding.vocab import byte_level_alphabet
 
 EOS = "<|endoftext|>"
 

@@ -21,10 +21,10 @@ from decoding.region_values import coord_from_logits, size_from_logits
 from decoding.sampling import sample
 from image_pipeline import normalize_crops
 from vlm_server.engine.config import EngineConfig
-from vlm_server.engine.device import CpuEvent, DeviceStreams
-from vlm_server.engine.paged_attention import DecodeKV, PagedKV
-from vlm_server.engine.pages import PageAllocator
-from vlm_server.engine.sequence import PHASE_BOUNDARY, PHASE_SIZE, PHASE_TOKEN, Sequence
+from vlm_server.engine.core.pages import PageAllocator
+from vlm_server.engine.core.sequence import PHASE_BOUNDARY, PHASE_SIZE, PHASE_TOKEN, Sequence
+from vlm_server.engine.device.kernels.paged_attention import DecodeKV, PagedKV
+from vlm_server.engine.device.streams import CpuEvent, DeviceStreams
 from vlm_server.model import MoondreamModel
 
 # Columns of the per-step finalize input (int64; temperature and top_p bit-cast from float64).
@@ -60,7 +60,7 @@ def graph_buckets(max_batch: int) -> list[int]:
 
 
 def triton_available() -> bool:
-    from vlm_server.engine import triton_attention
+    from vlm_server.engine.device.kernels import triton_attention
 
     return triton_attention.AVAILABLE
 

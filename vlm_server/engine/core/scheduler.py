@@ -38,9 +38,19 @@ from vlm_server.engine.api import (
     TextDelta,
 )
 from vlm_server.engine.config import EngineConfig
-from vlm_server.engine.pipeline_state import PipelineState, Step, StepKind
-from vlm_server.engine.prefix_cache import PrefixCache
-from vlm_server.engine.runtime import (
+from vlm_server.engine.core.pipeline import PipelineState, Step, StepKind
+from vlm_server.engine.core.prefix_cache import PrefixCache
+from vlm_server.engine.core.runtime_protocol import Runtime
+from vlm_server.engine.core.sequence import (
+    PHASE_BOUNDARY,
+    PHASE_COORD,
+    PHASE_IDLE,
+    PHASE_SIZE,
+    PHASE_TOKEN,
+    SeqState,
+    Sequence,
+)
+from vlm_server.engine.device.runtime import (
     F_MASK,
     F_PHASE,
     F_ROW,
@@ -49,16 +59,6 @@ from vlm_server.engine.runtime import (
     F_TEMP,
     F_TOP_P,
     N_FIN,
-)
-from vlm_server.engine.runtime_protocol import Runtime
-from vlm_server.engine.sequence import (
-    PHASE_BOUNDARY,
-    PHASE_COORD,
-    PHASE_IDLE,
-    PHASE_SIZE,
-    PHASE_TOKEN,
-    SeqState,
-    Sequence,
 )
 
 

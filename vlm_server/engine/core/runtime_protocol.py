@@ -18,8 +18,8 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from vlm_server.engine.pages import PageAllocator
-    from vlm_server.engine.sequence import Sequence
+    from vlm_server.engine.core.pages import PageAllocator
+    from vlm_server.engine.core.sequence import Sequence
 
 
 @runtime_checkable

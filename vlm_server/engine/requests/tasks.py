@@ -25,9 +25,9 @@ from decoding.grammars import (
 )
 from decoding.mask_table import NO_MASK, AutomatonRows, MaskTable
 from decoding.vocab import TokenVocab
-from vlm_server import prompts
 from vlm_server.config import ModelConfig
 from vlm_server.engine.api import EngineError, ErrorCode, GenerationRequest, Task
+from vlm_server.engine.requests import prompts
 
 SEGMENT_MAX_POINTS = 64
 SEGMENT_MAX_PATH_TOKENS = 256

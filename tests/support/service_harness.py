@@ -16,8 +16,8 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from vlm_server.engine.api import EngineError, Finished
-from vlm_server.engine.batched_engine import BatchedEngine
-from vlm_server.engine.pipeline_state import Step, StepKind
+from vlm_server.engine.core.pipeline import Step, StepKind
+from vlm_server.engine.engine import BatchedEngine
 from vlm_server.engine.reference_engine import ReferenceEngine
 from vlm_server.service.config import ServerConfig
 from vlm_server.service.server import EngineFactory, VisionLanguageServer

@@ -1,0 +1,1 @@
+"""Test doubles and harnesses (never installed): fake device, service harness, toy tokenizers."""

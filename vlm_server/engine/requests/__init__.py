@@ -1,0 +1,1 @@
+"""Request -> prompt tokens + grammar: one definition of each task (prompts, limits)."""
