@@ -37,14 +37,16 @@ from decoding.mask_table import NO_MASK, MaskTable
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.pages import SINK_PAGE, PageAllocator
 from vlm_server.engine.core.pipeline import PipelineError, PipelineState, SlotState, Step
-from vlm_server.engine.core.sequence import (
-    PHASE_BOUNDARY,
-    PHASE_COORD,
-    PHASE_SIZE,
-    PHASE_TOKEN,
-    Sequence,
+from vlm_server.engine.core.sequence import Sequence
+from vlm_server.engine.core.step_layout import (
+    F_MASK,
+    F_PHASE,
+    F_ROW,
+    F_TEMP,
+    N_FIN,
+    N_OUT,
+    RowPhase,
 )
-from vlm_server.engine.device.runtime import F_MASK, F_PHASE, F_ROW, F_TEMP, N_FIN, N_OUT
 
 if TYPE_CHECKING:
     import torch
@@ -630,7 +632,7 @@ class FakeRuntime:
         phases = set(fin[:, F_PHASE].tolist())
         if (fin[:, F_MASK] != NO_MASK).any() and not constrained:
             raise DeviceViolation("data", "masked rows in a step finalized unconstrained")
-        if phases & {PHASE_BOUNDARY, PHASE_COORD, PHASE_SIZE} and not regions:
+        if phases & {RowPhase.BOUNDARY, RowPhase.COORD, RowPhase.SIZE} and not regions:
             raise DeviceViolation("data", "region rows in a step finalized without regions")
         if greedy and (fin.view(np.float64)[:, F_TEMP] > 0).any():
             raise DeviceViolation("data", "a sampled row in a step finalized greedy")
@@ -746,9 +748,9 @@ class FakeRuntime:
                 coord = ((h >> 8) % 1000) / 1000
                 size = (((h >> 20) % 400) / 1000, ((h >> 32) % 400) / 1000)
                 out[i, 1], out[i, 2], out[i, 3] = coord, *size
-                if phase == PHASE_SIZE:
+                if phase == RowPhase.SIZE:
                     value = _mix(round(size[0] * 1e6), round(size[1] * 1e6))
-                elif phase != PHASE_TOKEN:
+                elif phase != RowPhase.TOKEN:
                     value = round(coord * 1e6)
             self.next_input[row].value = (tag, k, value)
 

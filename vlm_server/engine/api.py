@@ -11,9 +11,10 @@ from __future__ import annotations
 import enum
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from image_pipeline import PreparedImage
+if TYPE_CHECKING:  # the API stays torch-free: the engine core imports it
+    from image_pipeline import PreparedImage
 
 
 class Task(enum.StrEnum):

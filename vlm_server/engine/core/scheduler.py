@@ -41,16 +41,8 @@ from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.pipeline import PipelineState, Step, StepKind
 from vlm_server.engine.core.prefix_cache import PrefixCache
 from vlm_server.engine.core.runtime_protocol import Runtime
-from vlm_server.engine.core.sequence import (
-    PHASE_BOUNDARY,
-    PHASE_COORD,
-    PHASE_IDLE,
-    PHASE_SIZE,
-    PHASE_TOKEN,
-    SeqState,
-    Sequence,
-)
-from vlm_server.engine.device.runtime import (
+from vlm_server.engine.core.sequence import SeqState, Sequence
+from vlm_server.engine.core.step_layout import (
     F_MASK,
     F_PHASE,
     F_ROW,
@@ -59,6 +51,7 @@ from vlm_server.engine.device.runtime import (
     F_TEMP,
     F_TOP_P,
     N_FIN,
+    RowPhase,
 )
 
 
@@ -233,7 +226,7 @@ class Scheduler:
             fin[i, F_ROW] = s.row
             fin[i, F_PHASE] = phase
             g = s.grammar
-            fin[i, F_MASK] = g.mask_row if phase in (PHASE_TOKEN, PHASE_BOUNDARY) else NO_MASK
+            fin[i, F_MASK] = g.mask_row if phase in (RowPhase.TOKEN, RowPhase.BOUNDARY) else NO_MASK
             fin[i, F_SEED] = s.request.seed
             if isinstance(g, TextGrammar):
                 fin[i, F_STEP] = len(g.token_ids)
@@ -243,7 +236,7 @@ class Scheduler:
                 floats[i, F_TOP_P] = 1.0
         step.phases = phases
         constrained = bool((fin[:, F_MASK] != NO_MASK).any())
-        regions = any(p in (PHASE_BOUNDARY, PHASE_COORD, PHASE_SIZE) for p in phases)
+        regions = any(p in (RowPhase.BOUNDARY, RowPhase.COORD, RowPhase.SIZE) for p in phases)
         self._trace("finalize", step)
         greedy = not (floats[:, F_TEMP] > 0).any()
         self.rt.finalize(step.slot, step.seqs, fin, constrained, regions, greedy)
@@ -273,7 +266,7 @@ class Scheduler:
             if not seq.finished:
                 if seq.cancelled is not None:
                     self._fail(seq, seq.cancelled)
-                elif phase != PHASE_IDLE:
+                elif phase != RowPhase.IDLE:
                     self._apply(seq, phase, row, now)
                     deadline = seq.request.deadline
                     if not seq.finished and deadline is not None and now > deadline:
@@ -284,7 +277,7 @@ class Scheduler:
     def _apply(self, seq: Sequence, phase: int, row: list[float], now: float) -> None:
         g = seq.grammar
         token = int(row[0])
-        if phase == PHASE_TOKEN:
+        if phase == RowPhase.TOKEN:
             before = len(g.token_ids) if isinstance(g, TextGrammar) else 0
             g.advance_token(token)
             if isinstance(g, TextGrammar) and len(g.token_ids) > before:
@@ -296,14 +289,14 @@ class Scheduler:
                     self._emit(seq, TextDelta(text))
             elif isinstance(g, SegmentGrammar):
                 seq.metrics.output_tokens += 1
-        elif phase == PHASE_BOUNDARY:
+        elif phase == RowPhase.BOUNDARY:
             g.advance_token(token)
             self._first_output(seq, now)
             if g.next_kind.name == "COORD_X":
                 g.advance_value(row[1])
-        elif phase == PHASE_COORD:
+        elif phase == RowPhase.COORD:
             g.advance_value(row[1])
-        elif phase == PHASE_SIZE:
+        elif phase == RowPhase.SIZE:
             g.advance_value((row[2], row[3]))
         if g.finished:
             self._complete(seq, now)

@@ -19,6 +19,7 @@ from decoding.detokenize import StreamDetokenizer
 from decoding.grammars import Grammar, StepKind
 from vlm_server.engine.api import GenerationRequest, RequestMetrics
 from vlm_server.engine.core.prefix_cache import PrefixEntry
+from vlm_server.engine.core.step_layout import RowPhase
 
 
 class SeqState(enum.Enum):
@@ -27,15 +28,6 @@ class SeqState(enum.Enum):
     RUNNING = "running"
     FINISHED = "finished"
     RELEASED = "released"
-
-
-# Per-row phase codes shared with the runtime's finalize (what the step's output is and which
-# embedding becomes the sequence's next input).
-PHASE_TOKEN = 0  # sample a token; it is the next input
-PHASE_BOUNDARY = 1  # sample a token (eos or not) and decode x; next input is x's embedding
-PHASE_COORD = 2  # decode y; next input is its embedding
-PHASE_SIZE = 3  # decode (w, h); next input is its embedding
-PHASE_IDLE = 4  # zombie or finished row: outputs are ignored
 
 
 @dataclass
@@ -88,18 +80,18 @@ class Sequence:
     def next_position(self) -> int:
         return self.prefill_len + self.decode_launched
 
-    def phase(self) -> int:
+    def phase(self) -> RowPhase:
         """The phase of the step about to be finalized, from the committed grammar state."""
         if self.finished or self.cancelled is not None:
-            return PHASE_IDLE
+            return RowPhase.IDLE
         kind = self.grammar.next_kind
         if kind is StepKind.TOKEN:
-            return PHASE_TOKEN if self.grammar.feeds_token else PHASE_BOUNDARY
+            return RowPhase.TOKEN if self.grammar.feeds_token else RowPhase.BOUNDARY
         if kind is StepKind.COORD_Y:
-            return PHASE_COORD
+            return RowPhase.COORD
         if kind is StepKind.SIZE:
-            return PHASE_SIZE
-        return PHASE_IDLE
+            return RowPhase.SIZE
+        return RowPhase.IDLE
 
     def add_ref(self) -> None:
         if self.inflight_refs >= 2:

@@ -16,22 +16,28 @@ import numpy as np
 import torch
 
 from decoding.batch_masks import apply_masks
-from decoding.mask_table import NO_MASK, MaskTable
+from decoding.mask_table import MaskTable
 from decoding.region_values import coord_from_logits, size_from_logits
 from decoding.sampling import sample
 from image_pipeline import normalize_crops
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.pages import PageAllocator
-from vlm_server.engine.core.sequence import PHASE_BOUNDARY, PHASE_SIZE, PHASE_TOKEN, Sequence
+from vlm_server.engine.core.sequence import Sequence
+from vlm_server.engine.core.step_layout import (
+    F_MASK,
+    F_PHASE,
+    F_ROW,
+    F_SEED,
+    F_STEP,
+    F_TEMP,
+    F_TOP_P,
+    N_FIN,
+    N_OUT,
+    RowPhase,
+)
 from vlm_server.engine.device.kernels.paged_attention import DecodeKV, PagedKV
 from vlm_server.engine.device.streams import CpuEvent, DeviceStreams
 from vlm_server.model import MoondreamModel
-
-# Columns of the per-step finalize input (int64; temperature and top_p bit-cast from float64).
-F_ROW, F_MASK, F_PHASE, F_SEED, F_STEP, F_TEMP, F_TOP_P = range(7)
-N_FIN = 7
-# Columns of the per-step output copied back: token id, coordinate, width, height.
-N_OUT = 4
 
 
 @dataclass
@@ -409,8 +415,8 @@ class ModelRuntime:
                 size = size_from_logits(m.region.decode_size(h), self.contract.size_scale)
                 out[:, 1:2] = coord
                 out[:, 2:4] = size
-                is_size = (phase == PHASE_SIZE)[:, None]
-                is_token = (phase == PHASE_TOKEN)[:, None]
+                is_size = (phase == RowPhase.SIZE)[:, None]
+                is_token = (phase == RowPhase.TOKEN)[:, None]
                 region_emb = torch.where(
                     is_size, m.region.encode_size(size), m.region.encode_coord(coord)
                 )
@@ -443,4 +449,4 @@ class ModelRuntime:
         self.pages.clear(row)
 
 
-__all__ = ["NO_MASK", "PHASE_BOUNDARY", "ModelRuntime", "kv_page_bytes"]
+__all__ = ["ModelRuntime", "kv_page_bytes"]

@@ -1,0 +1,178 @@
+"""The package layout keeps its promises: a torch-free engine core, no import cycles between
+packages, dependencies pointing down, and test doubles never shipped in the package."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ["vlm_server", "decoding", "image_pipeline"]
+
+# Higher layers may import lower ones, never the reverse (DESIGN.md, Layout).
+LAYERS = {
+    "image_pipeline": 0,
+    "decoding": 0,
+    "vlm_server.config": 0,
+    "vlm_server.api": 0,  # generated gRPC code
+    "vlm_server.client": 1,  # talks to a server through vlm_server.api only
+    "vlm_server.model": 1,
+    "vlm_server.weights": 2,
+    "vlm_server.default_model": 3,
+    "vlm_server.engine": 3,  # the package itself (its __init__ is empty)
+    "vlm_server.engine.core": 3,
+    "vlm_server.engine.requests": 3,
+    "vlm_server.engine.api": 3,
+    "vlm_server.engine.config": 3,
+    "vlm_server.engine.device": 4,
+    "vlm_server.engine.reference_engine": 5,
+    "vlm_server.engine.engine": 5,
+    "vlm_server.reference": 5,
+    "vlm_server.service": 6,
+    "vlm_server.http": 6,
+    "vlm_server.cli": 7,
+}
+
+
+def test_the_engine_core_imports_no_torch() -> None:
+    """Import every core module (and what they import) where importing torch raises."""
+    modules = sorted(
+        f"vlm_server.engine.core.{p.stem}"
+        for p in (ROOT / "vlm_server/engine/core").glob("*.py")
+        if p.stem != "__init__"
+    )
+    code = textwrap.dedent(
+        f"""
+        import importlib, importlib.abc, sys
+
+        class NoTorch(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name == "torch" or name.startswith("torch.") or name == "triton":
+                    raise ImportError("the engine core must not import " + name)
+                return None
+
+        sys.meta_path.insert(0, NoTorch())
+        for name in {modules!r}:
+            importlib.import_module(name)
+        importlib.import_module("vlm_server.engine.requests.tasks")
+        assert "torch" not in sys.modules
+        print("ok", len({modules!r}))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("ok")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for top in SHIPPED:
+        for path in (ROOT / top).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            if len(parts) > 1:  # the top-level packages' own __init__ files are empty
+                found[".".join(parts)] = path
+    return found
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """Project modules ``name`` imports at run time (TYPE_CHECKING blocks skipped)."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+                continue
+            if isinstance(node, ast.Import):
+                out.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")
+                    up = up[: len(up) - node.level + 1]
+                    base = ".".join([*up, base]) if base else ".".join(up)
+                out.add(base)
+                out.update(f"{base}.{a.name}" for a in node.names)
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.stmt):
+                    visit([child])
+
+    visit(tree.body)
+    return {m for m in out if m in known and m != name}
+
+
+def _layer(module: str) -> tuple[str, int] | None:
+    best = None
+    for prefix, level in LAYERS.items():
+        if (module == prefix or module.startswith(prefix + ".")) and (
+            best is None or len(prefix) > len(best[0])
+        ):
+            best = (prefix, level)
+    return best
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {name: _imports(name, path, set(mods)) for name, path in mods.items()}
+
+
+def test_dependencies_point_down(graph: dict[str, set[str]]) -> None:
+    upward = []
+    for name, deps in graph.items():
+        mine = _layer(name)
+        for dep in deps:
+            theirs = _layer(dep)
+            if mine and theirs and theirs[1] > mine[1]:
+                upward.append(f"{name} -> {dep}")
+    unlayered = sorted(name for name in graph if _layer(name) is None)
+    assert not unlayered, f"modules with no layer in LAYERS: {unlayered}"
+    assert not upward, "imports that climb the layers:\n" + "\n".join(sorted(upward))
+
+
+def test_no_import_cycles_between_packages(graph: dict[str, set[str]]) -> None:
+    def package(mod: str) -> str:
+        hit = _layer(mod)
+        return hit[0] if hit else mod.rpartition(".")[0] or mod
+
+    edges: dict[str, set[str]] = {}
+    for name, deps in graph.items():
+        for dep in deps:
+            a, b = package(name), package(dep)
+            if a != b:
+                edges.setdefault(a, set()).add(b)
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def dfs(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                cycle = [*stack[stack.index(nxt) :], nxt]
+                raise AssertionError("package import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                dfs(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            dfs(node)
+
+
+def test_test_doubles_are_not_shipped() -> None:
+    shipped = [p for top in SHIPPED for p in (ROOT / top).rglob("*.py")]
+    names = {p.stem for p in shipped}
+    assert not names & {"fake_runtime", "fake_device", "testing", "toy_tokenizers"}
