@@ -15,6 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 from decoding.mask_table import MaskTable
 from vlm_server.config import preset
 from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.device.graphs import GraphSet
 from vlm_server.engine.device.runtime import ModelRuntime
 from vlm_server.weights.loader import random_model
 
@@ -55,29 +56,28 @@ def main() -> None:
         buf = rt.slots[0]
         buf.launch_dev[:b, 0] = torch.arange(b)
         buf.launch_dev[:b, 1] = args.context
-        with torch.cuda.stream(rt.streams.compute):
+        with torch.cuda.stream(rt.dev.compute_stream):
             for _ in range(3):
                 rt._decode_forward(buf, b, pages_per_row)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            with torch.cuda.stream(rt.streams.compute):
+            with torch.cuda.stream(rt.dev.compute_stream):
                 rt._decode_forward(buf, b, pages_per_row)
             torch.cuda.synchronize()
         print(f"\n=== batch {b}, context {args.context}: eager forward kernels ===")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top))
-        if (0, b) in rt.graphs:
+        if (0, b) in rt.decode_graphs:
             print(f"graph replay, batch {b}: median {_replay_ms(rt, b):.3f} ms")
 
 
 def _replay_ms(rt: ModelRuntime, b: int) -> float:
-    graph = rt.graphs[(0, b)]
     times = []
     for _ in range(50):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record(rt.streams.compute)
-        with torch.cuda.stream(rt.streams.compute):
-            graph.replay()
-        e.record(rt.streams.compute)
+        s.record(rt.dev.compute_stream)
+        with torch.cuda.stream(rt.dev.compute_stream):
+            rt.decode_graphs.replay((0, b))
+        e.record(rt.dev.compute_stream)
         e.synchronize()
         times.append(s.elapsed_time(e))
     return statistics.median(times)
@@ -124,7 +124,7 @@ def sweep(rt: ModelRuntime, args: argparse.Namespace) -> None:
                 return original(*a, block_n=_n, splits=splits)
 
             ta.paged_decode_attention = variant
-            rt.graphs = {}
+            rt.decode_graphs = GraphSet("decode")
             rt.capture_graphs(progress=False)
             for b in args.batch:
                 buf = rt.slots[0]

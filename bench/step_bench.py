@@ -30,8 +30,34 @@ from image_pipeline import prepare_image, sample_image_bytes
 from vlm_server.config import preset
 from vlm_server.engine.api import Finished, GenerationRequest, Task
 from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.core.observer import Observer
+from vlm_server.engine.core.pipeline import Step
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.weights.loader import LoadedModel, random_model
+
+
+class StepRecorder(Observer):
+    """Collects device timing events, commit times and host seconds per tick."""
+
+    def __init__(self) -> None:
+        self.forwards: list[tuple[str, object, object]] = []
+        self.samples: list[tuple[object, object]] = []
+        self.commits: list[tuple[float, str, int]] = []
+        self.host: list[tuple[float, float, float]] = []
+
+    def forward_timed(self, kind: str, start: object, end: object) -> None:
+        self.forwards.append((kind, start, end))
+
+    def sample_timed(self, start: object, end: object) -> None:
+        self.samples.append((start, end))
+
+    def committed(self, step: Step) -> None:
+        if self.device_timing:
+            self.commits.append((time.perf_counter(), step.kind.value, len(step.seqs)))
+
+    def tick(self, commit_s: float, finalize_s: float, launch_s: float) -> None:
+        if self.device_timing:
+            self.host.append((commit_s, finalize_s, launch_s))
 
 
 def _median(xs: list[float]) -> float:
@@ -80,16 +106,16 @@ async def run_case(
         cuda_graphs=graphs,
         kv_budget_bytes=kv_bytes,
     )
-    engine = BatchedEngine(loaded, cfg)
+    rec = StepRecorder()
+    engine = BatchedEngine(loaded, cfg, observer=rec)
     await engine.start()
-    rt, sched = engine.runtime, engine.scheduler
+    rt = engine.runtime
     image = prepare_image(sample_image_bytes())
     # Warm-up: the image prefix gets cached, kernels compiled, allocator primed.
     warm = GenerationRequest(Task.CAPTION, image, temperature=0, max_tokens=8)
     async for _ in await engine.submit(warm):
         pass
-    rt.forward_events, rt.finalize_events = [], []
-    sched.host_times, sched.commit_log = [], []
+    rec.device_timing = True
     reqs = [_request(task, image, i, tokens) for i in range(streams)]
 
     async def one(req: GenerationRequest) -> Finished:
@@ -103,14 +129,14 @@ async def run_case(
     wall = time.perf_counter() - t0
     while not engine.idle():
         await asyncio.sleep(0.001)
-    if rt.streams.is_cuda:
+    if rt.dev.is_cuda:
         torch.cuda.synchronize()
-    fwd = [(s, e) for kind, s, e in rt.forward_events if kind == "decode"]
-    kinds = [kind for kind, _, _ in rt.forward_events]
-    fin = [p for p, k in zip(rt.finalize_events, kinds, strict=False) if k == "decode"]
-    commits = [(t, n) for t, kind, n in sched.commit_log if kind == "decode"]
+    fwd = [(s, e) for kind, s, e in rec.forwards if kind == "decode"]
+    kinds = [kind for kind, _, _ in rec.forwards]
+    fin = [p for p, k in zip(rec.samples, kinds, strict=False) if k == "decode"]
+    commits = [(t, n) for t, kind, n in rec.commits if kind == "decode"]
     full = [b - a for (a, n1), (b, n2) in itertools.pairwise(commits) if n1 == n2 == streams]
-    host = sched.host_times
+    host = rec.host
     out_tokens = sum(r.metrics.output_tokens for r in results)
     if task == "detect":  # count decode steps: 3 per box
         out_tokens = 3 * sum(len(r.boxes) for r in results)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from image_pipeline import PreparedImage, prepare_image, sample_image_bytes
 from vlm_server.config import preset
-from vlm_server.reference import ReferenceGenerator
+from vlm_server.reference import ReferenceGenerator, SamplingSettings
 from vlm_server.weights.loader import LoadedModel, load_model
 from vlm_server.weights.writer import write_checkpoint
 
@@ -41,3 +42,39 @@ def generator(tiny: LoadedModel) -> ReferenceGenerator:
 @pytest.fixture(scope="session")
 def sample_image() -> PreparedImage:
     return prepare_image(sample_image_bytes())
+
+
+@pytest.fixture(scope="session")
+def text_model(tiny: LoadedModel, sample_image: PreparedImage) -> LoadedModel:
+    """Emits eos wherever the plain model would emit one common token, so generations end
+    with eos at different steps for different prompts."""
+    ref = ReferenceGenerator(tiny.model, tiny.tokenizer)
+    out = ref.query(
+        sample_image, "what is this?", SamplingSettings(temperature=0, max_tokens=8)
+    ).token_ids
+    common = out[5]
+    model = copy.deepcopy(tiny.model)
+    eos = tiny.config.tokens.eos_id
+    with torch.no_grad():
+        head = model.text.lm_head
+        head.weight[eos] = head.weight[common]
+        head.bias[eos] = head.bias[common] + 1e-3
+    return LoadedModel(model, tiny.tokenizer, tiny.config, tiny.source)
+
+
+@pytest.fixture(scope="session")
+def region_model(tiny: LoadedModel) -> LoadedModel:
+    """At an object boundary eos and coord nearly tie, and which one wins depends on the
+    hidden state: answers stop with eos after different numbers of objects, or hit the cap."""
+    c = tiny.config.tokens
+    model = copy.deepcopy(tiny.model)
+    noise = torch.randn(
+        model.text.lm_head.weight.shape[1], generator=torch.Generator().manual_seed(5)
+    )
+    with torch.no_grad():
+        head = model.text.lm_head
+        head.bias[c.coord_id] = head.bias.max() + 5.0
+        head.weight[c.eos_id] = head.weight[c.coord_id] + 0.1 * noise
+        # Tuned on the seed-0 tiny model: some answers end at once, others hit the cap.
+        head.bias[c.eos_id] = head.bias[c.coord_id] - 1.49
+    return LoadedModel(model, tiny.tokenizer, tiny.config, tiny.source)

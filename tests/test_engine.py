@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from image_pipeline import PreparedImage, prepare_pil, sample_image
+from tests.support.observers import StepLog
 from vlm_server.engine.api import (
     EngineError,
     ErrorCode,
@@ -26,6 +27,7 @@ from vlm_server.engine.api import (
     TextDelta,
 )
 from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.core.observer import NO_OBSERVER, Observer
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
 from vlm_server.weights.loader import LoadedModel
@@ -49,42 +51,6 @@ def _biased(loaded: LoadedModel, token: int, over: int, delta: float) -> LoadedM
 
 
 @pytest.fixture(scope="module")
-def text_model(tiny: LoadedModel, sample_image: PreparedImage) -> LoadedModel:
-    """Emits eos wherever the plain model would emit one common token, so generations end
-    with eos at different steps for different prompts."""
-    ref = ReferenceGenerator(tiny.model, tiny.tokenizer)
-    out = ref.query(
-        sample_image, "what is this?", SamplingSettings(temperature=0, max_tokens=8)
-    ).token_ids
-    common = out[5]
-    model = copy.deepcopy(tiny.model)
-    eos = tiny.config.tokens.eos_id
-    with torch.no_grad():
-        head = model.text.lm_head
-        head.weight[eos] = head.weight[common]
-        head.bias[eos] = head.bias[common] + 1e-3
-    return LoadedModel(model, tiny.tokenizer, tiny.config, tiny.source)
-
-
-@pytest.fixture(scope="module")
-def region_model(tiny: LoadedModel) -> LoadedModel:
-    """At an object boundary eos and coord nearly tie, and which one wins depends on the
-    hidden state: answers stop with eos after different numbers of objects, or hit the cap."""
-    c = tiny.config.tokens
-    model = copy.deepcopy(tiny.model)
-    noise = torch.randn(
-        model.text.lm_head.weight.shape[1], generator=torch.Generator().manual_seed(5)
-    )
-    with torch.no_grad():
-        head = model.text.lm_head
-        head.bias[c.coord_id] = head.bias.max() + 5.0
-        head.weight[c.eos_id] = head.weight[c.coord_id] + 0.1 * noise
-        # Tuned on the seed-0 tiny model: some answers end at once, others hit the cap.
-        head.bias[c.eos_id] = head.bias[c.coord_id] - 1.49
-    return LoadedModel(model, tiny.tokenizer, tiny.config, tiny.source)
-
-
-@pytest.fixture(scope="module")
 def images() -> list[PreparedImage]:
     base = sample_image()
     return [
@@ -104,10 +70,12 @@ async def _collect(engine: BatchedEngine, req: GenerationRequest) -> tuple[list[
     raise AssertionError("stream ended without Finished")
 
 
-def _engine(loaded: LoadedModel, depth: int, **kw: object) -> BatchedEngine:
+def _engine(
+    loaded: LoadedModel, depth: int, observer: Observer = NO_OBSERVER, **kw: object
+) -> BatchedEngine:
     options: dict = {"max_batch": 8, "kv_budget_bytes": 32 << 20, **kw}
     cfg = EngineConfig(pipeline_depth=depth, **options)
-    return BatchedEngine(loaded, cfg)
+    return BatchedEngine(loaded, cfg, observer=observer)
 
 
 def _assert_clean(engine: BatchedEngine) -> None:
@@ -294,10 +262,16 @@ def test_deadline_while_queued_is_never_scheduled(
     tiny: LoadedModel, images: list[PreparedImage]
 ) -> None:
     async def run() -> None:
-        engine = _engine(tiny, 2, max_batch=1)
         launched: list[str] = []
-        engine.scheduler.trace = lambda what, step: launched.extend(
-            s.request.request_id for s in step.seqs if what == "launch"
+        engine = _engine(
+            tiny,
+            2,
+            max_batch=1,
+            observer=StepLog(
+                lambda what, step: launched.extend(
+                    s.request.request_id for s in step.seqs if what == "launch"
+                )
+            ),
         )
         await engine.start()
         try:
@@ -495,9 +469,13 @@ def test_commit_before_finalize_order(
     log: list[tuple[str, int, tuple[int, ...]]] = []
 
     async def run() -> None:
-        engine = _engine(tiny, depth, max_batch=4)
-        engine.scheduler.trace = lambda what, step: log.append(
-            (what, step.step_id, tuple(id(s) for s in step.seqs))
+        engine = _engine(
+            tiny,
+            depth,
+            max_batch=4,
+            observer=StepLog(
+                lambda what, step: log.append((what, step.step_id, tuple(id(s) for s in step.seqs)))
+            ),
         )
         await engine.start()
         try:

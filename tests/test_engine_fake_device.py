@@ -1,10 +1,14 @@
-"""The real scheduler on a fake device (vlm_server/engine/fake_runtime.py) that checks the
-pipeline invariants I1-I7 of DESIGN.md under seeded random interleavings of its streams.
+"""The production runtime and scheduler on a fake device (tests/support/fake_device.py) that
+checks the pipeline invariants I1-I7 of DESIGN.md under seeded random interleavings.
 
-Text, point and detect requests of different lengths, image-prefix hits and misses, page
-pressure, cancellations and an expired deadline run at depth 1 and 2: nothing is flagged, and
-the answers equal those of the blocking run. Then each removed wait, a slot reused before its
-commit, zombie pages freed early and a second compute stream must each be caught.
+`ModelRuntime` runs the tiny model on CPU tensors, but every copy, kernel, event record and
+wait goes through the fake device, which executes them later, stream by stream, in a random
+order that respects only the waits the runtime issued. Text, point and detect requests of
+different lengths, image-prefix hits and misses, page pressure, cancellations and an expired
+deadline run at depth 1 and 2: nothing is flagged, and the answers equal those of the blocking
+run. Then removing any single event wait or record the runtime issues, the host's one wait, a
+slot reused before its commit, zombie pages freed early and a second compute stream must each
+be caught.
 """
 
 from __future__ import annotations
@@ -13,80 +17,72 @@ import inspect
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from decoding.grammars import RegionRows, RegionTokens, TextGrammar, detect_grammar, point_grammar
-from decoding.mask_table import NO_MASK, MaskTable
-from image_pipeline import PreparedImage
+from decoding.detokenize import StreamDetokenizer
+from decoding.grammars import TextGrammar
+from image_pipeline import PreparedImage, prepare_pil, sample_image
 from tests.support.fake_device import (
     DeviceViolation,
     EarlySlotReusePipeline,
     FakeDevice,
-    FakeRuntime,
+    FakeTorchDevice,
 )
 from vlm_server.engine.api import EngineError, ErrorCode, Finished, GenerationRequest, Task
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core import scheduler as scheduler_module
+from vlm_server.engine.core.observer import Observer
 from vlm_server.engine.core.pages import PageAllocator
 from vlm_server.engine.core.pipeline import PipelineState, Step
 from vlm_server.engine.core.runtime_protocol import Runtime
 from vlm_server.engine.core.scheduler import Scheduler
 from vlm_server.engine.core.sequence import Sequence
 from vlm_server.engine.device.runtime import ModelRuntime
+from vlm_server.engine.requests.tasks import TaskCompiler
 from vlm_server.weights.loader import LoadedModel
 
-VOCAB, BOS, EOS, COORD = 40, 0, 1, 2
-PAGE = 4
-PREFIX = 10  # image prefix positions: not a page multiple, so prefixes have a tail page
-MAX_CONTEXT = 96
-N_REQUESTS = 48
-SEEDS = list(range(6))
+N_REQUESTS = 28
+PAGE = 16  # an image prefix (730 positions) is not a page multiple: prefixes have a tail page
+SEEDS = list(range(4))
 # Device operations run between two ticks, drawn from 0..burst: from a device that runs only
 # during host waits to one that is nearly synchronous.
 BURSTS = [0, 3, 8, 40]
 
 
-def _image(i: int) -> PreparedImage:
-    crops = torch.zeros((1, 2, 2, 3), dtype=torch.uint8)
-    return PreparedImage(crops, (0, 0), f"image-{i}", 64, 48, (48, 64))
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> object:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
-IMAGES = [_image(i) for i in range(3)]
+@pytest.fixture(scope="module")
+def images() -> list[PreparedImage]:
+    base = sample_image()
+    return [prepare_pil(base.resize((120, 90))), prepare_pil(base.resize((90, 160)))]
 
 
-def _sequence(i: int, table: MaskTable, region_rows: RegionRows) -> Sequence:
-    """Request i: text without image, text with image, point, detect, in turn. Text masks are
-    registered when the request arrives, so the device mask table grows mid-run."""
+def _request(i: int, images: list[PreparedImage]) -> GenerationRequest:
+    """Request i: a query without image, a caption, a point and a detect, in turn."""
     kind = i % 4
-    image = IMAGES[i % 3] if kind else None
-    prompt = [3 + (7 * i + j) % 30 for j in range(2 + i % 5)]
-    if kind <= 1:
-        suppressed = [COORD, 3 + i % 5] if i % 3 == 0 else [COORD]
-        grammar: Any = TextGrammar(
-            EOS, 1 + (5 * i) % 12, row=table.allow_all_but(suppressed), first_row=NO_MASK
-        )
-        task = Task.QUERY if kind == 0 else Task.CAPTION
-    else:
-        make = point_grammar if kind == 2 else detect_grammar
-        grammar = make(region_rows, 1 + i % 3)
-        task = Task.POINT if kind == 2 else Task.DETECT
-    req = GenerationRequest(
+    image = images[i % len(images)] if kind else None
+    task = [Task.QUERY, Task.CAPTION, Task.POINT, Task.DETECT][kind]
+    return GenerationRequest(
         task,
         image,
         request_id=f"r{i}",
+        question=f"what is {i}?",
+        object_name="dog" if i % 3 else "cat",
         temperature=0.7 * (i % 2),
+        max_tokens=1 + (5 * i) % 9,
+        max_objects=1 + i % 3,
         seed=i,
         deadline=0.0 if i == 9 else None,
-    )
-    return Sequence(
-        req,
-        [BOS, *prompt] if image is None else prompt,
-        grammar,
-        PREFIX if image is not None else 0,
     )
 
 
@@ -94,17 +90,61 @@ def _cancelled(i: int) -> bool:
     return i % 6 == 4
 
 
+class _Watch(Observer):
+    """Records the pipeline's steps and checks I6 (pages of in-flight steps stay allocated)."""
+
+    def __init__(self, device: FakeDevice) -> None:
+        self.device = device
+        self.trace: list[tuple[str, Step]] = []
+        self.queued_at_commit: list[int] = []
+        self.in_flight: dict[int, set[int]] = {}
+
+    def launched(self, step: Step) -> None:
+        self.trace.append(("launch", step))
+        pages: set[int] = set()
+        for seq in step.seqs:
+            pages.update(seq.own_pages)
+            if seq.prefix is not None:
+                pages.update(seq.prefix.pages)
+        self.in_flight[step.step_id] = pages
+
+    def committed(self, step: Step) -> None:
+        # The host waits for this step's results next; only then are its pages released.
+        self.trace.append(("commit", step))
+        self.queued_at_commit.append(self.device.queued)
+        self.in_flight.pop(step.step_id, None)
+
+    def finalized(self, step: Step) -> None:
+        self.trace.append(("finalize", step))
+
+    def check_free(self, pages: list[int], allocator: PageAllocator) -> None:
+        freed = {p for p in pages if allocator.refcount[p] == 0}
+        busy = freed & set().union(*self.in_flight.values())
+        if busy:
+            raise DeviceViolation(
+                "I6", f"pages {sorted(busy)} freed while a step in flight still uses them"
+            )
+
+
+class _CheckedPages(PageAllocator):
+    """The page allocator, asking the watcher about every page whose last reference went."""
+
+    watch: _Watch
+
+    def release(self, pages: list[int]) -> None:
+        super().release(pages)
+        self.watch.check_free(pages, self)
+
+
 @dataclass
 class Run:
     depth: int
-    device: FakeDevice
-    rt: FakeRuntime
+    device: FakeTorchDevice
     sched: Scheduler
+    watch: _Watch
     seqs: dict[int, Sequence] = field(default_factory=dict)
     ends: dict[int, list[object]] = field(default_factory=dict)
-    trace: list[tuple[str, Step]] = field(default_factory=list)
     max_refs: int = 0
-    queued_at_commit: list[int] = field(default_factory=list)
 
     def answers(self) -> dict[int, tuple[object, ...]]:
         """Each request's end, comparable across runs (cancelled ones left out)."""
@@ -124,114 +164,115 @@ class Run:
 
 
 def _drive(
+    loaded: LoadedModel,
+    images: list[PreparedImage],
     depth: int,
     seed: int,
     *,
     scheduler: type[Scheduler] = Scheduler,
     pipeline: type[PipelineState] | None = None,
-    **faults: bool,
+    **faults: object,
 ) -> Run:
     """Submit, cancel and tick by hand (no thread); between ticks the device runs a random
     number of operations, so launches overlap device work in many different ways."""
     rng = random.Random(1000 + seed)
-    device = FakeDevice(seed)
+    device = FakeTorchDevice(seed, **faults)  # type: ignore[arg-type]
     cfg = EngineConfig(
         max_batch=4,
         page_size=PAGE,
         pipeline_depth=depth,
         max_prefill_batch=3,
-        prefix_cache_entries=2,
+        prefix_cache_entries=1,
         mask_table_rows=64,
+        # Room for a few requests at a time: admission waits for pages to come back.
+        kv_budget_bytes=_kv_bytes(loaded, pages=150),
     )
-    table = MaskTable(VOCAB, max_rows=64)
-    region_rows = RegionRows.register(table, RegionTokens(EOS, COORD))
-    rt = FakeRuntime(
-        device,
-        cfg,
-        table,
-        n_pages=30,
-        max_context=MAX_CONTEXT,
-        eos_id=EOS,
-        coord_id=COORD,
-        **faults,
+    tasks = TaskCompiler(loaded.config, loaded.tokenizer, cfg.mask_table_rows)
+    watch = _Watch(device)
+    rt = ModelRuntime(loaded.model, cfg, tasks.table, device=device, observer=watch)
+    checked = _CheckedPages(
+        rt.pages.n_pages,
+        cfg.page_size,
+        cfg.max_rows,
+        rt.pages.block_table.shape[1],
+        block_table=rt.pages.block_table,
     )
-    sched = scheduler(rt, cfg, EOS, PREFIX)
-    if pipeline is not None:
-        sched.pipe = pipeline(depth)
-    run = Run(depth, device, rt, sched)
-
-    def trace(what: str, step: Step) -> None:
-        run.trace.append((what, step))
-        if what == "commit":
-            run.queued_at_commit.append(device.queued)
-
-    sched.trace = trace
-    release = sched._release
-
-    def checked_release(seq: Sequence) -> None:  # I6, seen from the scheduler
-        held = [s for s in sched.pipe.slots if s is not None and seq in s.seqs]
-        assert seq.finished and seq.inflight_refs == 0 and not held
-        release(seq)
-
-    sched._release = checked_release  # type: ignore[method-assign]
+    checked.watch = watch
+    rt.pages = checked
+    pipe = pipeline(depth) if pipeline is not None else None
+    sched = scheduler(
+        rt, cfg, loaded.config.tokens.eos_id, loaded.config.image_prefix_len, watch, pipe
+    )
+    run = Run(depth, device, sched, watch)
     burst = BURSTS[seed % len(BURSTS)]
-    arrivals = {i: rng.randrange(60) for i in range(N_REQUESTS)}
+    arrivals = {i: rng.randrange(40) for i in range(N_REQUESTS)}
     cancels = {i: arrivals[i] + rng.randrange(12) for i in arrivals if _cancelled(i)}
-    for tick in range(5000):
-        for i in (i for i, t in arrivals.items() if t == tick):
-            seq = run.seqs[i] = _sequence(i, table, region_rows)
-            run.ends[i] = []
-            seq.emit = run.ends[i].append
-            sched.waiting.append(seq)
-        for i in (i for i, t in cancels.items() if t == tick):
-            seq = run.seqs[i]
-            if seq.cancelled is None and not seq.finished:
-                seq.cancelled = ErrorCode.CANCELLED
-        sched.tick()
-        for seq in run.seqs.values():  # I4
-            assert 0 <= seq.inflight_refs <= 2
-            run.max_refs = max(run.max_refs, seq.inflight_refs)
-        device.run(rng.randint(0, burst))
-        if tick >= max(arrivals.values()) and not sched.has_work():
-            break
-    else:
-        raise AssertionError("the workload did not finish")
-    device.drain()
+    with torch.inference_mode():
+        for tick in range(4000):
+            for i in (i for i, t in arrivals.items() if t == tick):
+                built = tasks.build(_request(i, images))
+                seq = Sequence(_request(i, images), built.prompt, built.grammar, built.prefix_len)
+                if isinstance(built.grammar, TextGrammar):
+                    seq.detok = StreamDetokenizer(tasks.vocab)
+                run.seqs[i], run.ends[i] = seq, []
+                seq.emit = run.ends[i].append
+                sched.waiting.append(seq)
+            for i in (i for i, t in cancels.items() if t == tick):
+                seq = run.seqs[i]
+                if seq.cancelled is None and not seq.finished:
+                    seq.cancelled = ErrorCode.CANCELLED
+            sched.tick()
+            for seq in run.seqs.values():  # I4
+                assert 0 <= seq.inflight_refs <= 2
+                run.max_refs = max(run.max_refs, seq.inflight_refs)
+            device.run(rng.randint(0, burst))
+            if tick >= max(arrivals.values()) and not sched.has_work():
+                break
+        else:
+            raise AssertionError("the workload did not finish")
+        device.drain()
     return run
 
 
+def _kv_bytes(loaded: LoadedModel, pages: int) -> int:
+    t = loaded.config.text
+    per_page = 2 * t.n_layers * PAGE * t.n_kv_heads * t.head_dim * loaded.model.dtype.itemsize
+    return pages * per_page
+
+
 @pytest.fixture(scope="module")
-def blocking_answers() -> dict[int, tuple[object, ...]]:
-    return _drive(1, 0).answers()
+def blocking(region_model: LoadedModel, images: list[PreparedImage]) -> Run:
+    return _drive(region_model, images, 1, 0)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("depth", [1, 2])
-def test_scheduler_keeps_the_pipeline_invariants(
-    depth: int, seed: int, blocking_answers: dict[int, tuple[object, ...]]
+def test_the_production_runtime_keeps_the_pipeline_invariants(
+    region_model: LoadedModel, images: list[PreparedImage], depth: int, seed: int, blocking: Run
 ) -> None:
-    run = _drive(depth, seed)
-    s, device = run.sched, run.device
+    run = _drive(region_model, images, depth, seed)
+    s, device, watch = run.sched, run.device, run.watch
     for events in run.ends.values():  # every request ends exactly once
         assert sum(isinstance(e, Finished | EngineError) for e in events) == 1
         assert isinstance(events[-1], Finished | EngineError)
-    assert run.answers() == blocking_answers  # same answers at any depth and interleaving
-    kinds = {a[0] for a in blocking_answers.values()}
-    assert {"eos", "length", "max_objects", "error"} <= kinds
-    launched = [step.step_id for what, step in run.trace if what == "launch"]
-    committed = [step for what, step in run.trace if what == "commit"]
+    expected = blocking.answers()
+    assert run.answers() == expected  # same answers at any depth and interleaving
+    kinds = {a[0] for a in expected.values()}
+    assert {"eos", "length", "max_objects", "error"} <= kinds, kinds
+    launched = [step.step_id for what, step in watch.trace if what == "launch"]
+    committed = [step for what, step in watch.trace if what == "commit"]
     assert [step.step_id for step in committed] == launched  # I2: all of them, FIFO
     assert device.kernel_streams == ["compute"]  # I1
     # I7: exactly one host wait per committed step, on that step's D2H event.
     assert device.host_waits == [f"slot{step.slot}.d2h_done" for step in committed]
     if depth == 2:  # it really pipelined: a sequence in two steps, commits with work queued
-        assert run.max_refs == 2 and max(run.queued_at_commit) > 0
+        assert run.max_refs == 2 and max(watch.queued_at_commit) > 0
     else:
         assert run.max_refs == 1
     assert not s.zombies and not s.running and not s.waiting
     assert all(x is None for x in s.pipe.slots) and len(s.free_rows) == s.cfg.max_rows
     s.prefix_cache.clear()
-    assert run.rt.pages.used_pages == 0 and device.queued == 0
+    assert s.rt.pages.used_pages == 0 and device.queued == 0
 
 
 # ---- each fault is caught ------------------------------------------------------------------
@@ -247,24 +288,61 @@ class EagerReleaseScheduler(Scheduler):
             seq.own_pages = []
 
 
+def _sync_points(blocking: Run) -> tuple[list[str], list[str]]:
+    """Every event the production runtime waits on and records (by name, slots merged)."""
+    waits = sorted({name for _, name in blocking.device.waits_seen})
+    records = sorted({name for stream, name in blocking.device.records_seen if stream != "host"})
+    return waits, records
+
+
+def test_the_runtime_issues_the_expected_waits_and_records(blocking: Run) -> None:
+    waits, records = _sync_points(blocking)
+    assert waits == ["inputs_ready", "mask_ready", "step_done"]
+    assert records == ["d2h_done", "inputs_ready", "mask_ready", "step_done"]
+
+
 @pytest.mark.parametrize(
-    ("depth", "fault", "invariant"),
+    ("fault", "invariant"),
     [
-        (1, {"skip_d2h_wait": True}, "I7"),
-        (2, {"skip_d2h_wait": True}, "I7"),
-        (2, {"skip_step_done_wait": True}, "I3"),
-        (2, {"skip_mask_wait": True}, "order"),
-        (2, {"skip_inputs_wait": True}, "order"),
-        (2, {"stream_per_slot": True}, "I1"),
-        (2, {"pipeline": EarlySlotReusePipeline}, "I5"),
-        (2, {"scheduler": EagerReleaseScheduler}, "I6"),
+        ({"drop_waits": ["inputs_ready"]}, "order"),
+        ({"drop_waits": ["mask_ready"]}, "order"),
+        ({"drop_waits": ["step_done"]}, "I3"),
+        ({"drop_records": ["inputs_ready"]}, "order"),
+        ({"drop_records": ["mask_ready"]}, "order"),
+        ({"drop_records": ["step_done"]}, "I3"),
+        ({"drop_records": ["d2h_done"]}, "I7"),
+        ({"skip_host_wait": True}, "I7"),
+        ({"split_compute": True}, "I1"),
+        ({"pipeline": EarlySlotReusePipeline}, "I5"),
+        ({"scheduler": EagerReleaseScheduler}, "I6"),
     ],
 )
-def test_faults_are_caught(depth: int, fault: dict[str, Any], invariant: str) -> None:
+def test_each_fault_is_caught(
+    region_model: LoadedModel,
+    images: list[PreparedImage],
+    fault: dict[str, object],
+    invariant: str,
+    blocking: Run,
+) -> None:
+    waits, records = _sync_points(blocking)
+    for name in fault.get("drop_waits", []):  # type: ignore[attr-defined]
+        assert name in waits
+    for name in fault.get("drop_records", []):  # type: ignore[attr-defined]
+        assert name in records
     with pytest.raises(DeviceViolation) as info:
         for seed in SEEDS:  # races are random: some seed must expose it
-            _drive(depth, seed, **fault)
+            _drive(region_model, images, 2, seed, **fault)  # type: ignore[arg-type]
     assert info.value.invariant == invariant, info.value
+
+
+def test_every_wait_and_record_of_the_runtime_is_covered_by_a_fault_test(blocking: Run) -> None:
+    """Removing any single wait or record must be among the faults above."""
+    waits, records = _sync_points(blocking)
+    params = Path(__file__).read_text()
+    for name in waits:
+        assert f'"drop_waits": ["{name}"]' in params, name
+    for name in records:
+        assert f'"drop_records": ["{name}"]' in params, name
 
 
 # ---- the fake device itself ----------------------------------------------------------------
@@ -325,6 +403,18 @@ def test_device_detects_races() -> None:
     assert info.value.invariant == "I1"
 
 
+def test_row_regions_are_versioned_per_row() -> None:
+    """A copy into some rows of a buffer does not race a queued read of other rows."""
+    dev = FakeTorchDevice(0)
+    table = dev.buffer("table", torch.zeros(4, 2))
+    dev.kernel(dev.compute_stream, "read row 0", lambda: None, lambda: ([(table, [0])], []))
+    dev.copy(dev.copy_stream, "write row 1", lambda: None, lambda: ([], [(table, [1])]))
+    dev.run_stream(dev.copy_stream)  # fine: row 0's reader is not affected
+    dev.copy(dev.copy_stream, "write row 0", lambda: None, lambda: ([], [(table, [0])]))
+    with pytest.raises(DeviceViolation):
+        dev.run_stream(dev.copy_stream)  # row 0 still has a queued reader
+
+
 # ---- the runtime protocol ------------------------------------------------------------------
 
 _METHODS = ["launch_prefill", "launch_decode", "finalize", "read_outputs", "release_row"]
@@ -338,25 +428,13 @@ def test_protocol_is_what_the_scheduler_uses() -> None:
     assert Runtime.__annotations__ == {"pages": "PageAllocator"}
 
 
-@pytest.mark.parametrize("impl", [ModelRuntime, FakeRuntime])
-def test_runtimes_match_the_protocol(impl: type) -> None:
+def test_the_runtime_matches_the_protocol(tiny: LoadedModel) -> None:
     for name in _METHODS:
-        assert inspect.signature(getattr(impl, name)) == inspect.signature(
+        assert inspect.signature(getattr(ModelRuntime, name)) == inspect.signature(
             getattr(Runtime, name)
-        ), f"{impl.__name__}.{name}"
-
-
-def test_runtime_instances_satisfy_the_protocol(tiny: LoadedModel) -> None:
+        ), name
     cfg = EngineConfig(max_batch=2, kv_budget_bytes=1 << 20)
-    real = ModelRuntime(tiny.model, cfg, MaskTable(tiny.model.config.text.vocab_size, 8))
-    fake = FakeRuntime(
-        FakeDevice(),
-        cfg,
-        MaskTable(VOCAB, 8),
-        n_pages=8,
-        max_context=MAX_CONTEXT,
-        eos_id=EOS,
-        coord_id=COORD,
-    )
-    for rt in (real, fake):
+    table = TaskCompiler(tiny.config, tiny.tokenizer, 8).table
+    for device in (None, FakeTorchDevice()):
+        rt = ModelRuntime(tiny.model, cfg, table, device=device)
         assert isinstance(rt, Runtime) and isinstance(rt.pages, PageAllocator)

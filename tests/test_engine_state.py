@@ -15,7 +15,7 @@ from image_pipeline import PreparedImage, prepare_pil, sample_image
 from vlm_server.engine.api import EngineError, Finished, GenerationRequest, Task
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.pages import SINK_PAGE, OutOfPages, PageAllocator
-from vlm_server.engine.core.pipeline import PipelineError, PipelineState, StepKind
+from vlm_server.engine.core.pipeline import LaunchKind, PipelineError, PipelineState
 from vlm_server.engine.core.prefix_cache import PrefixCache
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.weights.loader import LoadedModel
@@ -23,18 +23,18 @@ from vlm_server.weights.loader import LoadedModel
 
 def test_pipeline_depth_two_cycle() -> None:
     p = PipelineState(depth=2)
-    a = p.launch(StepKind.PREFILL, ["x"])
+    a = p.launch(LaunchKind.PREFILL, ["x"])
     p.mark_finalized(a)
-    b = p.launch(StepKind.DECODE, ["x"])
+    b = p.launch(LaunchKind.DECODE, ["x"])
     assert not p.can_launch()
     with pytest.raises(PipelineError):
-        p.launch(StepKind.DECODE, [])  # a third step in flight
+        p.launch(LaunchKind.DECODE, [])  # a third step in flight
     assert p.pop_oldest() is a  # FIFO
     with pytest.raises(PipelineError):
-        p.launch(StepKind.DECODE, [])  # a's slot is still being read by its commit
+        p.launch(LaunchKind.DECODE, [])  # a's slot is still being read by its commit
     p.complete(a)
     p.mark_finalized(b)
-    c = p.launch(StepKind.DECODE, ["x"])
+    c = p.launch(LaunchKind.DECODE, ["x"])
     assert c.slot == a.slot  # ping-pong
     with pytest.raises(PipelineError):
         p.complete(a)  # twice
@@ -42,12 +42,12 @@ def test_pipeline_depth_two_cycle() -> None:
 
 def test_pipeline_illegal_orders_raise() -> None:
     p = PipelineState(depth=2)
-    a = p.launch(StepKind.DECODE, [])
+    a = p.launch(LaunchKind.DECODE, [])
     with pytest.raises(PipelineError):
         p.pop_oldest()  # commit before finalize
     b_state = PipelineState(depth=2)
-    x = b_state.launch(StepKind.DECODE, [])
-    y = b_state.launch(StepKind.DECODE, [])
+    x = b_state.launch(LaunchKind.DECODE, [])
+    y = b_state.launch(LaunchKind.DECODE, [])
     with pytest.raises(PipelineError):
         b_state.mark_finalized(y)  # finalize out of launch order
     b_state.mark_finalized(x)
@@ -55,7 +55,7 @@ def test_pipeline_illegal_orders_raise() -> None:
         b_state.mark_finalized(x)
     p.mark_finalized(a)
     blocking = PipelineState(depth=1)
-    blocking.launch(StepKind.DECODE, [])
+    blocking.launch(LaunchKind.DECODE, [])
     assert not blocking.can_launch()
     with pytest.raises(ValueError):
         PipelineState(depth=3)

@@ -1,55 +1,40 @@
-"""A fake device that runs the real scheduler and checks the pipeline invariants of DESIGN.md.
+"""A fake device with the production device surface, to run the real runtime and scheduler
+and check the pipeline invariants of DESIGN.md.
 
 `FakeDevice` keeps what matters for ordering on a GPU: named streams, each a FIFO of
 operations; events whose `record` enqueues a marker (the event completes once the device has
-executed everything before the marker on that stream); `FakeStream.wait`, a barrier holding
-the stream until the marker the event pointed at when the wait was issued has executed; and
-`FakeEvent.synchronize`, the host wait, which runs the device until the event completed.
-Nothing executes unless a test calls `FakeDevice.run` or the host waits, and then in a seeded
-random interleaving of the streams, so a missing wait turns into an observable race.
+executed everything before the marker on that stream); `wait`, a barrier holding a stream until
+the marker the event pointed at when the wait was issued has executed; and `host_wait`, which
+runs the device until the event completed. Nothing executes unless a test calls `run` or the
+host waits, and then in a seeded random interleaving of the streams, so a missing wait turns
+into an observable race. Operations run their real torch work (on CPU tensors) when they
+execute, not when they are issued.
 
 Every buffer keeps versions: how many writes were issued (program order) and which one its
 memory holds now. A read is issued against the version current at issue time, so executing it
 checks that exactly that write landed and nothing overwrote it yet; a write checks that no
-issued read of the previous contents is still queued. Any violation raises `DeviceViolation`
-naming the invariant at stake.
+issued read of the previous contents is still queued. A ``(buffer, rows)`` access versions
+each row on its own. Any violation raises `DeviceViolation` naming the invariant at stake.
 
-`FakeRuntime` implements the runtime protocol on the fake device with the operation sequence
-of `ModelRuntime` and a deterministic stand-in model, so the real scheduler and the real
-grammars run end to end. Its fault switches each remove one wait, or give every slot its own
-compute stream; `EarlySlotReusePipeline` hands a slot out again before its commit.
+Faults, for the tests that prove each wait matters: ``drop_waits`` / ``drop_records`` ignore
+the waits on / records of the named events (by name without the ``slotN.`` prefix),
+``skip_host_wait`` makes `host_wait` return at once, ``split_compute`` runs every other kernel
+on a second compute stream.
 """
 
 from __future__ import annotations
 
-import itertools
 import random
-import zlib
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
+import torch
 
-from decoding.mask_table import NO_MASK, MaskTable
-from vlm_server.engine.config import EngineConfig
-from vlm_server.engine.core.pages import SINK_PAGE, PageAllocator
 from vlm_server.engine.core.pipeline import PipelineError, PipelineState, SlotState, Step
-from vlm_server.engine.core.sequence import Sequence
-from vlm_server.engine.core.step_layout import (
-    F_MASK,
-    F_PHASE,
-    F_ROW,
-    F_TEMP,
-    N_FIN,
-    N_OUT,
-    RowPhase,
-)
-
-if TYPE_CHECKING:
-    import torch
+from vlm_server.engine.device.streams import Access
 
 
 class DeviceViolation(AssertionError):
@@ -321,6 +306,10 @@ class FakeDevice:
 
     def host_write(self, buf: FakeBuffer, values: np.ndarray) -> None:
         """The host writes the first rows of a pinned buffer in place."""
+        self._check_host_write(buf)
+        buf.value[: len(values)] = values
+
+    def _check_host_write(self, buf: FakeBuffer) -> None:
         if not buf.host:
             raise DeviceViolation("I7", f"the host wrote device memory {buf.name} directly")
         if buf.pending[buf.held] or buf.issued != buf.held:
@@ -329,7 +318,6 @@ class FakeDevice:
                 f"the host overwrote {buf.name} while a queued copy "
                 "still reads or writes it: the buffer was reused too early",
             )
-        buf.value[: len(values)] = values
         buf.issued += 1
         buf.held = buf.issued
 
@@ -354,413 +342,134 @@ class FakeDevice:
         return buf.value
 
 
-# ---- the runtime on the fake device --------------------------------------------------------
-
-_M64 = (1 << 64) - 1
+# ---- the production device surface on the fake device --------------------------------------
 
 
-def _mix(*values: int) -> int:
-    """A stable 64-bit hash of integers: the stand-in model's arithmetic."""
-    h = 0x9E3779B97F4A7C15
-    for v in values:
-        h = ((h ^ (v & _M64)) * 0xBF58476D1CE4E5B9) & _M64
-        h ^= h >> 31
-    return h
+def _base(name: str) -> str:
+    """An event's name without its slot: ``slot1.mask_ready`` -> ``mask_ready``."""
+    return name.split(".", 1)[-1]
 
 
-def _copy_rows(dst: FakeBuffer, src: FakeBuffer, b: int) -> None:
-    dst.value[:b] = src.value[:b]
+class FakeTorchDevice(FakeDevice):
+    """`FakeDevice` behind the `Device` surface the production runtime enqueues through."""
 
-
-class _FakeSlot:
-    """One pipeline slot's buffers and events (SlotBuffers of the real runtime)."""
-
-    def __init__(self, device: FakeDevice, slot: int, rows: int) -> None:
-        def buf(name: str, value: Any, **kw: Any) -> FakeBuffer:
-            return device.buffer(f"slot{slot}.{name}", value, slot=slot, **kw)
-
-        self.launch_host = buf("launch_host", np.zeros((rows, 2), np.int64), host=True)
-        self.launch_dev = buf("launch_dev", np.zeros((rows, 2), np.int64))
-        self.fin_host = buf("fin_host", np.zeros((rows, N_FIN), np.int64), host=True)
-        self.fin_dev = buf("fin_dev", np.zeros((rows, N_FIN), np.int64))
-        self.hidden = buf("hidden", [])
-        # A copy reading outputs not yet written waited on the wrong event, or none (I3).
-        self.out_dev = buf("out_dev", np.zeros((rows, N_OUT), np.float32), early_read="I3")
-        self.out_host = buf("out_host", np.zeros((rows, N_OUT), np.float32), host=True)
-        self.inputs_ready = device.event(f"slot{slot}.inputs_ready")
-        self.mask_ready = device.event(f"slot{slot}.mask_ready")
-        self.step_done = device.event(f"slot{slot}.step_done")
-        self.d2h_done = device.event(f"slot{slot}.d2h_done")
-
-
-@dataclass(eq=False)
-class _InFlight:
-    """A launched step whose outputs the scheduler has not read back yet."""
-
-    slot: int
-    rows: list[int]
-    pages: set[int]
-    finalized: bool = False
-    d2h_version: int = 0
-
-
-class _CheckedPages(PageAllocator):
-    """The page allocator, reporting pages whose last reference went away (I6 check)."""
-
-    def __init__(self, on_free: Callable[[set[int]], None], *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self._on_free = on_free
-
-    def release(self, pages: list[int]) -> None:
-        super().release(pages)
-        freed = {p for p in pages if self.refcount[p] == 0}
-        if freed:
-            self._on_free(freed)
-
-
-class FakeRuntime:
-    """The runtime protocol on a `FakeDevice`, enqueuing what `ModelRuntime` enqueues.
-
-    The stand-in model: a prefill hashes the prompt and image into a row state; each decode
-    forward folds the row's next input (written on the device by the previous finalize) into
-    it. Sampling picks, among the tokens the row's mask allows, eos from an output index the
-    prefill derived from the prompt, else a token chosen by the state; coordinates and sizes
-    come from the state too. So answers depend on every value flowing through the device, and
-    equal requests get equal answers whatever the depth or interleaving.
-    """
+    is_cuda = False
 
     def __init__(
         self,
-        device: FakeDevice,
-        cfg: EngineConfig,
-        table: MaskTable,
+        seed: int = 0,
         *,
-        n_pages: int,
-        max_context: int,
-        eos_id: int,
-        coord_id: int,
-        skip_d2h_wait: bool = False,
-        skip_step_done_wait: bool = False,
-        skip_mask_wait: bool = False,
-        skip_inputs_wait: bool = False,
-        stream_per_slot: bool = False,
+        drop_waits: Iterable[str] = (),
+        drop_records: Iterable[str] = (),
+        skip_host_wait: bool = False,
+        split_compute: bool = False,
     ) -> None:
-        self.device = device
-        self.cfg = cfg
-        self.table = table
-        self.eos_id = eos_id
-        self.coord_id = coord_id
-        # Faults: each removes one wait of the real operation sequence.
-        self.skip_d2h_wait = skip_d2h_wait  # read_outputs reads without the host wait
-        self.skip_step_done_wait = skip_step_done_wait  # the D2H copy ignores step_done
-        self.skip_mask_wait = skip_mask_wait  # sampling ignores mask_ready
-        self.skip_inputs_wait = skip_inputs_wait  # the forward ignores inputs_ready
-        rows = cfg.max_rows
-        max_pages = -(-max_context // cfg.page_size)
-        # The host mirror of the block table (pinned in the real runtime; the allocator writes
-        # it in place and the next launch uploads the changed rows).
-        self.block_host = np.zeros((rows, max_pages), np.int32)
-        self.pages: PageAllocator = _CheckedPages(
-            self._check_freed, n_pages, cfg.page_size, rows, max_pages, block_table=self.block_host
-        )
-        self.copy = device.stream("copy")
-        names = ["compute0", "compute1"] if stream_per_slot else ["compute"]
-        self.computes = [device.stream(n) for n in names]
-        self.block_dev = [
-            device.buffer(f"block_dev[{r}]", np.zeros(max_pages, np.int32)) for r in range(rows)
-        ]
-        self.row_state = [device.buffer(f"row_state[{r}]", None) for r in range(rows)]
-        self.next_input = [device.buffer(f"next_input[{r}]", None) for r in range(rows)]
-        self.table_dev = device.buffer("table_dev", np.zeros((0, table.width), bool))
-        self._table_uploaded = 0
-        self.slots = [_FakeSlot(device, i, rows) for i in range(2)]
-        self._in_flight: deque[_InFlight] = deque()
-        self._tags = itertools.count(1)  # tells a row's successive occupants apart
-        self._all_ids = np.arange(table.width)
+        super().__init__(seed)
+        self.compute_stream = self.stream("compute")
+        self.copy_stream = self.stream("copy")
+        self._second_compute = self.stream("compute2") if split_compute else None
+        self._kernels = 0
+        self.drop_waits = set(drop_waits)
+        self.drop_records = set(drop_records)
+        self.skip_host_wait = skip_host_wait
+        self._meta: dict[int, FakeBuffer] = {}
+        self._rows: dict[tuple[int, int], FakeBuffer] = {}
+        self._tensors: list[torch.Tensor] = []  # keeps registered tensors (and their ids) alive
+        # What the production runtime did, for tests that remove one wait or record at a time.
+        self.waits_seen: set[tuple[str, str]] = set()  # (stream, event base name)
+        self.records_seen: set[tuple[str, str]] = set()
 
-    # ---- the protocol ---------------------------------------------------------------------
+    # ---- buffers -------------------------------------------------------------------------
 
-    def launch_prefill(
-        self, slot: int, seqs: list[Sequence], image_for: dict[int, torch.Tensor | None]
-    ) -> None:
-        """Block-table upload and inputs_ready on the copy stream; the prefill waits for it."""
-        if sorted(image_for) != list(range(len(seqs))):
-            raise DeviceViolation("data", f"prefill images for rows {sorted(image_for)}")
-        buf = self.slots[slot]
-        self._begin(slot, seqs)
-        self._upload_block_table()
-        buf.inputs_ready.record(self.copy)
-        compute = self._compute(slot)
-        if not self.skip_inputs_wait:
-            compute.wait(buf.inputs_ready)
-        jobs = []
-        for s in seqs:
-            image = s.request.image
-            salt = zlib.crc32(image.content_hash.encode()) if image is not None else 0
-            jobs.append((s.row, next(self._tags), _mix(salt, *s.prompt), s.prefill_len))
-        rows = [s.row for s in seqs]
-        blocks = {r: self.block_host[r].copy() for r in rows}
-        compute.kernel(
-            f"prefill slot{slot}",
-            partial(self._prefill, buf, jobs, blocks),
-            [self.block_dev[r] for r in rows],
-            [buf.hidden, *(self.row_state[r] for r in rows)],
-        )
+    def _register(self, tensor: torch.Tensor, meta: FakeBuffer) -> torch.Tensor:
+        self._meta[id(tensor)] = meta
+        self._tensors.append(tensor)
+        return tensor
 
-    def launch_decode(self, slot: int, seqs: list[Sequence]) -> None:
-        """Inputs into the pinned buffer, uploaded on the copy stream; the forward waits."""
-        buf, b = self.slots[slot], len(seqs)
-        self._begin(slot, seqs)
-        rows = [s.row for s in seqs]
-        host = np.array([[s.row, s.next_position()] for s in seqs], np.int64).reshape(b, 2)
-        self.device.host_write(buf.launch_host, host)
-        self._upload_block_table()
-        self.copy.copy(
-            f"h2d inputs slot{slot}",
-            partial(_copy_rows, buf.launch_dev, buf.launch_host, b),
-            [buf.launch_host],
-            [buf.launch_dev],
-        )
-        buf.inputs_ready.record(self.copy)
-        compute = self._compute(slot)
-        if not self.skip_inputs_wait:
-            compute.wait(buf.inputs_ready)
-        blocks = {r: self.block_host[r].copy() for r in rows}
-        reads = [
-            buf.launch_dev,
-            *(self.block_dev[r] for r in rows),
-            *(self.row_state[r] for r in rows),
-            *(self.next_input[r] for r in rows),
-        ]
-        compute.kernel(
-            f"decode forward slot{slot}",
-            partial(self._decode_forward, buf, rows, blocks),
-            reads,
-            [buf.hidden, *(self.row_state[r] for r in rows)],
-        )
+    def host_buffer(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, slot: int | None = None
+    ) -> torch.Tensor:
+        tensor = torch.zeros(shape, dtype=dtype)
+        return self._register(tensor, self.buffer_meta(name, tensor, host=True, slot=slot))
 
-    def finalize(
+    def buffer(  # type: ignore[override]
         self,
-        slot: int,
-        seqs: list[Sequence],
-        fin: np.ndarray,
-        constrained: bool,
-        regions: bool,
-        greedy: bool = False,
-    ) -> None:
-        """Mask upload + mask_ready (copy); sample + step_done (compute); D2H after step_done,
-        then d2h_done (copy)."""
-        buf, b = self.slots[slot], len(seqs)
-        step = self._finalizing(slot, seqs, fin)
-        self._check_flags(fin, constrained, regions, greedy)
-        self.device.host_write(buf.fin_host, fin)
-        if constrained:
-            self._upload_table_rows()
-        self.copy.copy(
-            f"h2d fin slot{slot}",
-            partial(_copy_rows, buf.fin_dev, buf.fin_host, b),
-            [buf.fin_host],
-            [buf.fin_dev],
+        name: str,
+        tensor: torch.Tensor,
+        slot: int | None = None,
+        early_read: str = "order",
+    ) -> torch.Tensor:
+        return self._register(
+            tensor, self.buffer_meta(name, tensor, slot=slot, early_read=early_read)
         )
-        buf.mask_ready.record(self.copy)
-        compute = self._compute(slot)
-        if not self.skip_mask_wait:
-            compute.wait(buf.mask_ready)
-        reads = [buf.fin_dev, buf.hidden, *([self.table_dev] if constrained else [])]
-        writes = [buf.out_dev, *(self.next_input[r] for r in step.rows)]
-        compute.kernel(
-            f"sample slot{slot}", partial(self._sample, buf, b, constrained, regions), reads, writes
-        )
-        buf.step_done.record(compute)
-        if not self.skip_step_done_wait:
-            self.copy.wait(buf.step_done)
-        self.copy.copy(
-            f"d2h outputs slot{slot}",
-            partial(_copy_rows, buf.out_host, buf.out_dev, b),
-            [buf.out_dev],
-            [buf.out_host],
-        )
-        step.d2h_version = buf.out_host.issued
-        buf.d2h_done.record(self.copy)
 
-    def read_outputs(self, slot: int, b: int) -> np.ndarray:
-        """The one host wait: d2h_done of the oldest step, which must be this one (I2)."""
-        step = self._in_flight[0] if self._in_flight else None
-        if step is None or step.slot != slot or len(step.rows) != b or not step.finalized:
-            raise DeviceViolation(
-                "I2", f"commit of slot {slot} ({b} rows) is not the oldest finalized step in flight"
-            )
-        buf = self.slots[slot]
-        if not self.skip_d2h_wait:
-            buf.d2h_done.synchronize()
-        out = self.device.host_read(buf.out_host, step.d2h_version)
-        self._in_flight.popleft()
-        return out[:b]
+    def buffer_meta(self, name: str, value: Any, **kw: Any) -> FakeBuffer:
+        return FakeDevice.buffer(self, name, value, **kw)
 
-    def release_row(self, row: int) -> None:
-        if any(row in s.rows for s in self._in_flight):
-            raise DeviceViolation("I6", f"row {row} released while a step holding it is in flight")
-        self.pages.clear(row)
+    def _regions(self, regions: Iterable[Any]) -> list[FakeBuffer]:
+        out: list[FakeBuffer] = []
+        for region in regions:
+            if isinstance(region, tuple):
+                tensor, rows = region
+                meta = self._meta[id(tensor)]
+                for r in rows:
+                    key = (id(tensor), int(r))
+                    if key not in self._rows:
+                        self._rows[key] = FakeBuffer(
+                            f"{meta.name}[{r}]", None, slot=meta.slot, early_read=meta.early_read
+                        )
+                    out.append(self._rows[key])
+            else:
+                out.append(self._meta[id(region)])
+        return out
 
-    # ---- bookkeeping checks ---------------------------------------------------------------
+    # ---- enqueueing ----------------------------------------------------------------------
 
-    def _compute(self, slot: int) -> FakeStream:
-        return self.computes[slot % len(self.computes)]
+    def kernel(self, stream: object, name: str, fn: Callable[[], None], access: Access) -> None:
+        reads, writes = access()
+        target = stream
+        if self._second_compute is not None:
+            self._kernels += 1
+            target = self._second_compute if self._kernels % 2 == 0 else stream
+        assert isinstance(target, FakeStream)
+        target.kernel(name, fn, self._regions(reads), self._regions(writes))
 
-    def _begin(self, slot: int, seqs: list[Sequence]) -> None:
-        if any(s.slot == slot for s in self._in_flight):
-            raise DeviceViolation(
-                "I5", f"launch into slot {slot} while the step using it is not committed"
-            )
-        rows = [s.row for s in seqs]
-        if min(rows, default=0) < 0 or len(set(rows)) != len(rows):
-            raise DeviceViolation("data", f"launch with rows {rows}")
-        pages = set(self.block_host[rows].ravel().tolist()) - {SINK_PAGE}
-        self._in_flight.append(_InFlight(slot, rows, pages))
+    def copy(self, stream: object, name: str, fn: Callable[[], None], access: Access) -> None:
+        reads, writes = access()
+        assert isinstance(stream, FakeStream)
+        stream.copy(name, fn, self._regions(reads), self._regions(writes))
 
-    def _finalizing(self, slot: int, seqs: list[Sequence], fin: np.ndarray) -> _InFlight:
-        step = next((s for s in self._in_flight if not s.finalized), None)
-        rows = [s.row for s in seqs]
-        if step is None or step.slot != slot or step.rows != rows or fin[:, F_ROW].tolist() != rows:
-            raise DeviceViolation(
-                "I2", f"finalize of slot {slot} rows {rows} is not the oldest unfinalized launch"
-            )
-        step.finalized = True
-        return step
+    def record(self, event: object, stream: object) -> None:
+        assert isinstance(event, FakeEvent) and isinstance(stream, FakeStream)
+        self.records_seen.add((stream.name, _base(event.name)))
+        if _base(event.name) not in self.drop_records:
+            event.record(stream)
 
-    def _check_flags(self, fin: np.ndarray, constrained: bool, regions: bool, greedy: bool) -> None:
-        phases = set(fin[:, F_PHASE].tolist())
-        if (fin[:, F_MASK] != NO_MASK).any() and not constrained:
-            raise DeviceViolation("data", "masked rows in a step finalized unconstrained")
-        if phases & {RowPhase.BOUNDARY, RowPhase.COORD, RowPhase.SIZE} and not regions:
-            raise DeviceViolation("data", "region rows in a step finalized without regions")
-        if greedy and (fin.view(np.float64)[:, F_TEMP] > 0).any():
-            raise DeviceViolation("data", "a sampled row in a step finalized greedy")
+    def wait(self, stream: object, event: object) -> None:  # type: ignore[override]
+        assert isinstance(event, FakeEvent) and isinstance(stream, FakeStream)
+        self.waits_seen.add((stream.name, _base(event.name)))
+        if _base(event.name) not in self.drop_waits:
+            stream.wait(event)
 
-    def _check_freed(self, pages: set[int]) -> None:
-        busy = pages & set().union(*(s.pages for s in self._in_flight))
-        if busy:
-            raise DeviceViolation(
-                "I6", f"pages {sorted(busy)} freed while a step in flight still uses them"
-            )
+    # ---- the host ------------------------------------------------------------------------
 
-    # ---- uploads ----------------------------------------------------------------------------
-
-    def _upload_block_table(self) -> None:
-        rows = self.pages.take_dirty()
-        if rows:
-            lo, hi = rows[0], rows[-1] + 1  # one copy covering every dirty row, as the real one
-            self.copy.copy(
-                "h2d block table",
-                partial(self._copy_blocks, lo, hi, self.block_host[lo:hi].copy()),
-                [],
-                self.block_dev[lo:hi],
-            )
-
-    def _copy_blocks(self, lo: int, hi: int, issued: np.ndarray) -> None:
-        # The real runtime copies from a per-slot pinned stage filled at issue time, so the
-        # device gets the rows as they were when the upload was enqueued.
-        for r in range(lo, hi):
-            self.block_dev[r].value = issued[r - lo].copy()
-
-    def _upload_table_rows(self) -> None:
-        n = len(self.table)
-        if n > self._table_uploaded:
-            rows = self.table.dense(0, n)
-            self.copy.copy(
-                "h2d mask rows",
-                partial(setattr, self.table_dev, "value", rows),
-                [],
-                [self.table_dev],
-            )
-            self._table_uploaded = n
-
-    # ---- the stand-in model (runs on the device) ------------------------------------------
-
-    def _check_blocks(self, row: int, want: np.ndarray, what: str) -> None:
-        have = self.block_dev[row].value
-        if not np.array_equal(have, want):
-            raise DeviceViolation(
-                "order",
-                f"{what} read block-table row {row} as "
-                f"{have.tolist()}, launched with {want.tolist()}",
-            )
-
-    def _prefill(
-        self, buf: _FakeSlot, jobs: list[tuple[int, int, int, int]], blocks: dict[int, np.ndarray]
+    def host_write(  # type: ignore[override]
+        self, buffer: torch.Tensor, values: np.ndarray, start: int = 0
     ) -> None:
-        hidden = []
-        for row, tag, h, prefill_len in jobs:
-            self._check_blocks(row, blocks[row], "prefill")
-            eos_at = h % 11  # the output index at which this answer wants to stop
-            self.row_state[row].value = (tag, h, 0, eos_at, prefill_len)
-            hidden.append((row, tag, h, 0, eos_at))
-        buf.hidden.value = hidden
+        meta = self._meta[id(buffer)]
+        self._check_host_write(meta)
+        buffer.numpy()[start : start + len(values)] = values
 
-    def _decode_forward(
-        self, buf: _FakeSlot, rows: list[int], blocks: dict[int, np.ndarray]
-    ) -> None:
-        launch = buf.launch_dev.value[: len(rows)].tolist()
-        if [r for r, _ in launch] != rows:
-            raise DeviceViolation("order", f"decode forward read rows {launch}, launched {rows}")
-        hidden = []
-        for row, pos in launch:
-            self._check_blocks(row, blocks[row], "decode forward")
-            tag, h, k, eos_at, next_pos = self.row_state[row].value
-            in_tag, in_k, value = self.next_input[row].value
-            if (in_tag, in_k) != (tag, k):
-                raise DeviceViolation(
-                    "order",
-                    f"decode forward of row {row} read the next "
-                    f"input of output {in_k} (occupant {in_tag}), but output "
-                    f"{k} (occupant {tag}) is the last one sampled",
-                )
-            if pos != next_pos:
-                raise DeviceViolation(
-                    "data",
-                    f"decode forward of row {row} at position {pos}, the row is at {next_pos}",
-                )
-            h = _mix(h, value)
-            self.row_state[row].value = (tag, h, k + 1, eos_at, pos + 1)
-            hidden.append((row, tag, h, k + 1, eos_at))
-        buf.hidden.value = hidden
+    def host_read(self, buffer: torch.Tensor) -> np.ndarray:  # type: ignore[override]
+        meta = self._meta[id(buffer)]
+        FakeDevice.host_read(self, meta)
+        return buffer.numpy()
 
-    def _sample(self, buf: _FakeSlot, b: int, constrained: bool, regions: bool) -> None:
-        fin = buf.fin_dev.value[:b]
-        hidden = buf.hidden.value
-        if [x[0] for x in hidden] != fin[:, F_ROW].tolist():
-            raise DeviceViolation("order", "sampling rows differ from the forward's rows")
-        out = buf.out_dev.value
-        table = self.table_dev.value
-        for i, (row, tag, h, k, eos_at) in enumerate(hidden):
-            phase, mask = int(fin[i, F_PHASE]), int(fin[i, F_MASK])
-            allowed = None
-            if constrained and mask != NO_MASK:
-                if mask >= len(table):
-                    raise DeviceViolation(
-                        "order", f"sampling used mask row {mask} before its upload executed"
-                    )
-                allowed = table[mask]
-            token = self._choose(h, k, eos_at, allowed)
-            out[i, 0] = token
-            value = token
-            if regions:
-                coord = ((h >> 8) % 1000) / 1000
-                size = (((h >> 20) % 400) / 1000, ((h >> 32) % 400) / 1000)
-                out[i, 1], out[i, 2], out[i, 3] = coord, *size
-                if phase == RowPhase.SIZE:
-                    value = _mix(round(size[0] * 1e6), round(size[1] * 1e6))
-                elif phase != RowPhase.TOKEN:
-                    value = round(coord * 1e6)
-            self.next_input[row].value = (tag, k, value)
-
-    def _choose(self, h: int, k: int, eos_at: int, allowed: np.ndarray | None) -> int:
-        eos = self.eos_id
-        if k >= eos_at and (allowed is None or allowed[eos]):
-            return eos
-        ids = self._all_ids if allowed is None else np.flatnonzero(allowed)
-        ids = ids[ids != eos]
-        return int(ids[h % len(ids)]) if len(ids) else eos
+    def host_wait(self, event: object) -> None:
+        assert isinstance(event, FakeEvent)
+        self.records_seen.add(("host", _base(event.name)))
+        if not self.skip_host_wait:
+            event.synchronize()
 
 
 class EarlySlotReusePipeline(PipelineState):

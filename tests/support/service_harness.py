@@ -15,8 +15,10 @@ from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import Any, TypeVar
 
+from tests.support.observers import StepLog
 from vlm_server.engine.api import EngineError, Finished
-from vlm_server.engine.core.pipeline import Step, StepKind
+from vlm_server.engine.core.pipeline import LaunchKind, Step
+from vlm_server.engine.core.sequence import Sequence
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.engine.reference_engine import ReferenceEngine
 from vlm_server.service.config import ServerConfig
@@ -128,7 +130,7 @@ class GatedReferenceEngine(ReferenceEngine):
     `held_job` is the request it belongs to."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, observer=StepLog(self._on_step, self._on_end), **kwargs)
         self.start_gate = threading.Event()
         self.start_gate.set()
         self.token_gate = threading.Event()
@@ -174,18 +176,13 @@ class GatedBatchedEngine(BatchedEngine):
         self.prefilled: list[str] = []
         self.outcomes: dict[str, str] = {}
         self.largest_batch = 0
-        scheduler = self.scheduler
-        scheduler.trace = self._on_step
-        emit = scheduler._emit
 
-        def record(seq: Any, event: object) -> None:
-            if isinstance(event, Finished):
-                self.outcomes[seq.request.request_id] = event.finish_reason
-            elif isinstance(event, EngineError):
-                self.outcomes[seq.request.request_id] = event.code.value
-            emit(seq, event)
-
-        scheduler._emit = record  # type: ignore[method-assign]
+    def _on_end(self, seq: Sequence, event: Finished | EngineError) -> None:
+        rid = seq.request.request_id
+        if isinstance(event, Finished):
+            self.outcomes[rid] = event.finish_reason
+        else:
+            self.outcomes[rid] = event.code.value
 
     async def start(self) -> None:
         await asyncio.to_thread(self.start_gate.wait, GATE_TIMEOUT_S)
@@ -198,11 +195,11 @@ class GatedBatchedEngine(BatchedEngine):
     def _on_step(self, phase: str, step: Step) -> None:
         """Called on the scheduler thread around each pipeline action."""
         if phase == "launch":
-            if step.kind is StepKind.PREFILL:
+            if step.kind is LaunchKind.PREFILL:
                 self.prefilled.extend(s.request.request_id for s in step.seqs)
             else:
                 self.largest_batch = max(self.largest_batch, len(step.seqs))
-        if phase != "commit" or step.kind is not StepKind.DECODE or self.token_gate.is_set():
+        if phase != "commit" or step.kind is not LaunchKind.DECODE or self.token_gate.is_set():
             return
         self.held_requests = tuple(s.request.request_id for s in step.seqs)
         self.holding.set()

@@ -120,7 +120,8 @@ class Finished:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
 
-Event = TextDelta | Finished
+Event = TextDelta | Finished  # what a request's stream yields
+Emitted = TextDelta | Finished | EngineError  # what the scheduler delivers: an error ends it
 
 
 class RequestStream(Protocol):

@@ -30,6 +30,7 @@ from vlm_server.engine.api import (
     GenerationRequest,
 )
 from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.core.observer import NO_OBSERVER, Observer
 from vlm_server.engine.core.scheduler import Scheduler
 from vlm_server.engine.core.sequence import Sequence
 from vlm_server.engine.device.runtime import ModelRuntime
@@ -80,7 +81,11 @@ class BatchedEngine:
     """Continuous batching over a paged KV cache with a two-slot pipeline."""
 
     def __init__(
-        self, loaded: LoadedModel, cfg: EngineConfig | None = None, preset_name: str | None = None
+        self,
+        loaded: LoadedModel,
+        cfg: EngineConfig | None = None,
+        preset_name: str | None = None,
+        observer: Observer = NO_OBSERVER,
     ) -> None:
         self.loaded = loaded
         self.cfg = cfg or EngineConfig()
@@ -102,8 +107,10 @@ class BatchedEngine:
         )
         self.tasks = TaskCompiler(mc, loaded.tokenizer, self.cfg.mask_table_rows)
         self.table = self.tasks.table
-        self.runtime = ModelRuntime(model, self.cfg, self.table)
-        self.scheduler = Scheduler(self.runtime, self.cfg, contract.eos_id, mc.image_prefix_len)
+        self.runtime = ModelRuntime(model, self.cfg, self.table, observer=observer)
+        self.scheduler = Scheduler(
+            self.runtime, self.cfg, contract.eos_id, mc.image_prefix_len, observer=observer
+        )
         self._inbox: list[Sequence] = []
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -117,7 +124,8 @@ class BatchedEngine:
 
     async def start(self) -> None:
         """Capture CUDA graphs (on CUDA), then start the scheduler thread."""
-        if self.cfg.cuda_graphs and self.runtime.streams.is_cuda and not self.runtime.graphs:
+        rt = self.runtime
+        if self.cfg.cuda_graphs and rt.dev.is_cuda and not rt.decode_graphs:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, self.runtime.capture_graphs)
             await loop.run_in_executor(None, self.runtime.capture_vision_graphs)

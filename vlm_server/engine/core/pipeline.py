@@ -19,12 +19,26 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Generic, Protocol, TypeVar
+
+from vlm_server.engine.core.step_layout import RowPhase
 
 
-class StepKind(enum.Enum):
+class LaunchKind(enum.Enum):
+    """What a pipeline step's forward does (not to be confused with a grammar's step kind)."""
+
     PREFILL = "prefill"
     DECODE = "decode"
+
+
+class SequenceLike(Protocol):
+    """What the pipeline needs of a sequence: its batch row and in-flight reference count."""
+
+    row: int
+    inflight_refs: int
+
+
+S = TypeVar("S", bound=SequenceLike)
 
 
 class SlotState(enum.Enum):
@@ -39,26 +53,25 @@ class PipelineError(RuntimeError):
 
 
 @dataclass
-class Step:
+class Step(Generic[S]):
     step_id: int
     slot: int
-    kind: StepKind
-    seqs: list[Any]  # the sequences in batch-row order
+    kind: LaunchKind
+    seqs: list[S]  # the sequences in batch-row order
     state: SlotState = SlotState.LAUNCHED
-    # Per-row phase/kind that finalize chose; commit reads it back.
-    phases: list[int] = field(default_factory=list)
-    launch_time: float = 0.0
+    # Per-row phase that finalize chose; commit reads it back.
+    phases: list[RowPhase] = field(default_factory=list)
 
 
-class PipelineState:
+class PipelineState(Generic[S]):
     def __init__(self, depth: int, n_slots: int = 2) -> None:
         if depth not in (1, 2):
             raise ValueError("pipeline depth must be 1 (blocking) or 2 (pipelined)")
         if n_slots < depth:
             raise ValueError("need at least as many slots as the pipeline depth")
         self.depth = depth
-        self.slots: list[Step | None] = [None] * n_slots
-        self.in_flight: deque[Step] = deque()
+        self.slots: list[Step[S] | None] = [None] * n_slots
+        self.in_flight: deque[Step[S]] = deque()
         self._next_id = 0
 
     @property
@@ -74,7 +87,7 @@ class PipelineState:
                 return i
         return None
 
-    def launch(self, kind: StepKind, seqs: list[Any]) -> Step:
+    def launch(self, kind: LaunchKind, seqs: list[S]) -> Step[S]:
         if len(self.in_flight) >= self.depth:
             raise PipelineError(
                 f"launch with {len(self.in_flight)} steps in flight at depth {self.depth}"
@@ -88,21 +101,21 @@ class PipelineState:
         self.in_flight.append(step)
         return step
 
-    def unfinalized(self) -> Step | None:
+    def unfinalized(self) -> Step[S] | None:
         """The newest step still waiting for its finalize (at most one can be)."""
         for step in self.in_flight:
             if step.state is SlotState.LAUNCHED:
                 return step
         return None
 
-    def mark_finalized(self, step: Step) -> None:
+    def mark_finalized(self, step: Step[S]) -> None:
         if step.state is not SlotState.LAUNCHED:
             raise PipelineError(f"finalize of step {step.step_id} in state {step.state}")
         if any(s.state is SlotState.LAUNCHED for s in self.in_flight if s.step_id < step.step_id):
             raise PipelineError("finalize out of launch order")
         step.state = SlotState.FINALIZED
 
-    def pop_oldest(self) -> Step:
+    def pop_oldest(self) -> Step[S]:
         """Take the oldest step for commit; its slot stays reserved until `complete`."""
         if not self.in_flight:
             raise PipelineError("commit with nothing in flight")
@@ -113,7 +126,7 @@ class PipelineState:
         step.state = SlotState.COMMITTING
         return step
 
-    def complete(self, step: Step) -> None:
+    def complete(self, step: Step[S]) -> None:
         """The commit finished reading the slot's host buffers: the slot is free again."""
         if step.state is not SlotState.COMMITTING or self.slots[step.slot] is not step:
             raise PipelineError(f"complete of step {step.step_id} in state {step.state}")

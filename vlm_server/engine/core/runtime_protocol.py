@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import numpy as np
-    import torch
 
     from vlm_server.engine.core.pages import PageAllocator
     from vlm_server.engine.core.sequence import Sequence
@@ -30,11 +29,9 @@ class Runtime(Protocol):
     # enqueued by the next launch.
     pages: PageAllocator
 
-    def launch_prefill(
-        self, slot: int, seqs: list[Sequence], image_for: dict[int, torch.Tensor | None]
-    ) -> None:
-        """Enqueue the prefill of ``seqs`` into ``slot`` (``image_for[i]``: crops of row i, or
-        None when its image prefix is cached or it has no image). No host wait."""
+    def launch_prefill(self, slot: int, seqs: list[Sequence]) -> None:
+        """Enqueue the prefill of ``seqs`` into ``slot``: the image prefixes not cached yet
+        (``seq.prefix_hit`` False), then each prompt. No host wait."""
         ...
 
     def launch_decode(self, slot: int, seqs: list[Sequence]) -> None:

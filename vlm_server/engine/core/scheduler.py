@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
 
 import numpy as np
 
@@ -29,6 +28,7 @@ from decoding.mask_table import NO_MASK
 from decoding.segment_output import SegmentResult
 from vlm_server.engine.api import (
     Box,
+    Emitted,
     EngineError,
     EngineStats,
     ErrorCode,
@@ -38,7 +38,8 @@ from vlm_server.engine.api import (
     TextDelta,
 )
 from vlm_server.engine.config import EngineConfig
-from vlm_server.engine.core.pipeline import PipelineState, Step, StepKind
+from vlm_server.engine.core.observer import NO_OBSERVER, Observer
+from vlm_server.engine.core.pipeline import LaunchKind, PipelineState, SlotState, Step
 from vlm_server.engine.core.prefix_cache import PrefixCache
 from vlm_server.engine.core.runtime_protocol import Runtime
 from vlm_server.engine.core.sequence import SeqState, Sequence
@@ -57,12 +58,19 @@ from vlm_server.engine.core.step_layout import (
 
 class Scheduler:
     def __init__(
-        self, runtime: Runtime, cfg: EngineConfig, eos_id: int, image_prefix_len: int
+        self,
+        runtime: Runtime,
+        cfg: EngineConfig,
+        eos_id: int,
+        image_prefix_len: int,
+        observer: Observer = NO_OBSERVER,
+        pipeline: PipelineState[Sequence] | None = None,
     ) -> None:
         self.rt = runtime
         self.cfg = cfg
         self.eos_id = eos_id
-        self.pipe = PipelineState(cfg.pipeline_depth)
+        self.observer = observer
+        self.pipe: PipelineState[Sequence] = pipeline or PipelineState(cfg.pipeline_depth)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted and not yet finished
         self.zombies: list[Sequence] = []  # finished, still referenced by an in-flight step
@@ -71,12 +79,6 @@ class Scheduler:
         self.last_batch = 0
         self.last_step_ms = 0.0
         self._last_commit_at = 0.0
-        # Test hook: called with (phase name, step) around each pipeline action.
-        self.trace: Callable[[str, Step], None] | None = None
-        # Benchmarks set this to collect per-tick host seconds: (commit, finalize, launch).
-        self.host_times: list[tuple[float, float, float]] | None = None
-        # Benchmarks set this to collect (commit time, step kind, batch size) per commit.
-        self.commit_log: list[tuple[float, str, int]] | None = None
 
     # ---- queries ----------------------------------------------------------------------
 
@@ -115,7 +117,7 @@ class Scheduler:
         t0 = time.perf_counter()
         if pipe.n_in_flight and (pipe.n_in_flight >= pipe.depth or not self._launchable()):
             oldest = pipe.in_flight[0]
-            if oldest.state.value == "launched":  # depth 1: sample before committing
+            if oldest.state is SlotState.LAUNCHED:  # depth 1: sample before committing
                 self._finalize(oldest)
             self._commit(pipe.pop_oldest())
         t1 = time.perf_counter()
@@ -125,9 +127,7 @@ class Scheduler:
         t2 = time.perf_counter()
         if pipe.can_launch():
             self._launch()
-        if self.host_times is not None:
-            t3 = time.perf_counter()
-            self.host_times.append((t1 - t0, t2 - t1, t3 - t2))
+        self.observer.tick(t1 - t0, t2 - t1, time.perf_counter() - t2)
 
     def _launchable(self) -> bool:
         if any(s.wants_decode_step() for s in self.running):
@@ -139,23 +139,21 @@ class Scheduler:
     def _launch(self) -> None:
         admitted = self._admit()
         if admitted:
-            step = self.pipe.launch(StepKind.PREFILL, admitted)
+            step = self.pipe.launch(LaunchKind.PREFILL, admitted)
             now = time.monotonic()
-            images = {}
-            for i, s in enumerate(admitted):
+            for s in admitted:
                 s.state = SeqState.PREFILL
                 s.add_ref()
                 s.prefill_launched_at = now
                 s.metrics.queue_wait_ms = (now - s.submitted_at) * 1e3
-                images[i] = s.request.image.crops if s.request.image is not None else None
-            self._trace("launch", step)
-            self.rt.launch_prefill(step.slot, admitted, images)
+            self.observer.launched(step)
+            self.rt.launch_prefill(step.slot, admitted)
             return
         batch = [s for s in self.running if s.wants_decode_step()][: self.cfg.max_batch]
         if not batch:
             return
-        step = self.pipe.launch(StepKind.DECODE, batch)
-        self._trace("launch", step)
+        step = self.pipe.launch(LaunchKind.DECODE, batch)
+        self.observer.launched(step)
         self.rt.launch_decode(step.slot, batch)
         for s in batch:
             s.decode_launched += 1
@@ -215,7 +213,7 @@ class Scheduler:
 
     # ---- finalize ---------------------------------------------------------------------
 
-    def _finalize(self, step: Step) -> None:
+    def _finalize(self, step: Step[Sequence]) -> None:
         b = len(step.seqs)
         fin = np.zeros((b, N_FIN), dtype=np.int64)
         floats = fin.view(np.float64)
@@ -237,10 +235,10 @@ class Scheduler:
         step.phases = phases
         constrained = bool((fin[:, F_MASK] != NO_MASK).any())
         regions = any(p in (RowPhase.BOUNDARY, RowPhase.COORD, RowPhase.SIZE) for p in phases)
-        self._trace("finalize", step)
+        self.observer.finalized(step)
         greedy = not (floats[:, F_TEMP] > 0).any()
         self.rt.finalize(step.slot, step.seqs, fin, constrained, regions, greedy)
-        if step.kind is StepKind.PREFILL:
+        if step.kind is LaunchKind.PREFILL:
             for s in step.seqs:
                 if s.state is SeqState.PREFILL:
                     s.state = SeqState.RUNNING
@@ -248,20 +246,18 @@ class Scheduler:
 
     # ---- commit -----------------------------------------------------------------------
 
-    def _commit(self, step: Step) -> None:
-        self._trace("commit", step)
+    def _commit(self, step: Step[Sequence]) -> None:
+        self.observer.committed(step)
         out = self.rt.read_outputs(step.slot, len(step.seqs))
         values = out.tolist()  # host copy: the slot's buffer is handed back below
         self.pipe.complete(step)
         now = time.monotonic()
-        if self.commit_log is not None:
-            self.commit_log.append((time.perf_counter(), step.kind.value, len(step.seqs)))
         if self._last_commit_at:
             self.last_step_ms = (now - self._last_commit_at) * 1e3
         self._last_commit_at = now
         for seq, phase, row in zip(step.seqs, step.phases, values, strict=True):
             seq.drop_ref()
-            if step.kind is StepKind.PREFILL:
+            if step.kind is LaunchKind.PREFILL:
                 seq.metrics.prefill_ms = (now - seq.prefill_launched_at) * 1e3
             if not seq.finished:
                 if seq.cancelled is not None:
@@ -337,14 +333,14 @@ class Scheduler:
         self._finish(seq)
         self._emit(seq, result)
 
-    def _fail(self, seq: Sequence, code: str) -> None:
+    def _fail(self, seq: Sequence, code: ErrorCode) -> None:
         message = (
             "the request's deadline passed"
             if code == ErrorCode.DEADLINE_EXCEEDED
             else "the request was cancelled"
         )
         self._finish(seq)
-        self._emit(seq, EngineError(ErrorCode(code), message))
+        self._emit(seq, EngineError(code, message))
 
     def _finish(self, seq: Sequence) -> None:
         seq.state = SeqState.FINISHED
@@ -356,6 +352,7 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         if seq.inflight_refs:
             raise AssertionError("release of a sequence still referenced in flight")
+        self.observer.released(seq)
         self.rt.pages.release(seq.own_pages)
         seq.own_pages = []
         if seq.prefix is not None:
@@ -379,7 +376,7 @@ class Scheduler:
                 self._emit(
                     seq,
                     EngineError(
-                        ErrorCode(seq.cancelled),
+                        seq.cancelled,
                         "the request's deadline passed while queued"
                         if seq.cancelled == ErrorCode.DEADLINE_EXCEEDED
                         else "the request was cancelled",
@@ -390,13 +387,11 @@ class Scheduler:
                 self._fail(seq, seq.cancelled)
                 self._release(seq)
 
-    def _emit(self, seq: Sequence, event: object) -> None:
+    def _emit(self, seq: Sequence, event: Emitted) -> None:
+        if isinstance(event, Finished | EngineError):
+            self.observer.ended(seq, event)
         if seq.emit is not None:
             seq.emit(event)
-
-    def _trace(self, what: str, step: Step) -> None:
-        if self.trace is not None:
-            self.trace(what, step)
 
 
 def _segmentation(seg: SegmentResult) -> Segmentation:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from decoding.detokenize import StreamDetokenizer
 from decoding.grammars import Grammar, StepKind
-from vlm_server.engine.api import GenerationRequest, RequestMetrics
+from vlm_server.engine.api import Emitted, ErrorCode, GenerationRequest, RequestMetrics
 from vlm_server.engine.core.prefix_cache import PrefixEntry
 from vlm_server.engine.core.step_layout import RowPhase
 
@@ -37,7 +37,7 @@ class Sequence:
     grammar: Grammar
     prefix_len: int  # 0 (text only, BOS in the prompt) or BOS + image patches
     detok: StreamDetokenizer | None = None
-    emit: Callable[[object], None] | None = None  # delivers events to the request's stream
+    emit: Callable[[Emitted], None] | None = None  # delivers events to the request's stream
     state: SeqState = SeqState.WAITING
     row: int = -1
     own_pages: list[int] = field(default_factory=list)
@@ -45,7 +45,7 @@ class Sequence:
     prefix_hit: bool = False
     inflight_refs: int = 0
     decode_launched: int = 0  # decode steps launched so far
-    cancelled: str | None = None  # reason code when cancelled (CANCELLED / DEADLINE_EXCEEDED)
+    cancelled: ErrorCode | None = None  # CANCELLED or DEADLINE_EXCEEDED once asked to stop
     text_parts: list[str] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     submitted_at: float = field(default_factory=time.monotonic)

@@ -6,21 +6,30 @@ synchronization) except `read_outputs`, which waits for one step's device-to-hos
 Sampled ids and region values never visit the host before the next forward: finalize writes
 each sequence's next input embedding into ``next_embed[row]`` on the device, and the next
 forward reads it from there.
+
+All stream, event, copy and pinned-buffer work goes through a `Device`
+(`TorchDevice` in production), so the same code runs on a fake device in the tests. Per step:
+
+    copy    | h2d block rows, inputs | rec inputs_ready | h2d mask rows, fin | rec mask_ready |
+    compute |   wait inputs_ready -> forward        wait mask_ready -> sample | rec step_done |
+    copy    |   wait step_done -> d2h outputs | rec d2h_done       (host: wait d2h_done, read)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
 
 from decoding.batch_masks import apply_masks
-from decoding.mask_table import MaskTable
+from decoding.mask_table import NO_MASK, MaskTable
 from decoding.region_values import coord_from_logits, size_from_logits
 from decoding.sampling import sample
 from image_pipeline import normalize_crops
 from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.core.observer import NO_OBSERVER, Observer
 from vlm_server.engine.core.pages import PageAllocator
 from vlm_server.engine.core.sequence import Sequence
 from vlm_server.engine.core.step_layout import (
@@ -35,8 +44,9 @@ from vlm_server.engine.core.step_layout import (
     N_OUT,
     RowPhase,
 )
+from vlm_server.engine.device.graphs import GraphSet
 from vlm_server.engine.device.kernels.paged_attention import DecodeKV, PagedKV
-from vlm_server.engine.device.streams import CpuEvent, DeviceStreams
+from vlm_server.engine.device.streams import CpuEvent, Device, Event, TorchDevice
 from vlm_server.model import MoondreamModel
 
 
@@ -52,10 +62,31 @@ class SlotBuffers:
     hidden: torch.Tensor  # [max_rows, dim] forward output (pre-norm hidden of the last pos)
     out_dev: torch.Tensor  # [max_rows, N_OUT] float32
     out_host: torch.Tensor  # pinned landing buffer for the D2H copy
-    inputs_ready: object
-    mask_ready: object
-    step_done: object
-    d2h_done: object
+    inputs_ready: Event
+    mask_ready: Event
+    step_done: Event
+    d2h_done: Event
+
+
+@dataclass(frozen=True)
+class _PromptJob:
+    """One prompt of a prefill, planned on the host at launch time."""
+
+    index: int  # the sequence's row in the step
+    ids: list[int]
+    first: int  # position of the first prompt token (the prefix length)
+    pages: list[int]  # pages holding positions before the end of the prompt
+    tail: tuple[int, int] | None  # (cached tail page, private copy) to fill first
+
+
+@dataclass(frozen=True)
+class _PrefixJob:
+    """A new image prefix of a prefill: BOS + image embeddings into the entry's pages."""
+
+    index: int
+    crops: torch.Tensor
+    tiling: tuple[int, int]
+    pages: list[int]
 
 
 def graph_buckets(max_batch: int) -> list[int]:
@@ -76,92 +107,133 @@ def kv_page_bytes(model: MoondreamModel, page_size: int) -> int:
     return 2 * t.n_layers * page_size * t.n_kv_heads * t.head_dim * model.dtype.itemsize
 
 
+def vision_crop_counts(max_crops: int) -> list[int]:
+    """Crop counts of one image (global crop + h x w tiles), largest first."""
+    counts = {
+        1 + h * w
+        for h in range(1, max_crops + 1)
+        for w in range(1, max_crops + 1)
+        if h * w <= max_crops
+    }
+    return sorted(counts, reverse=True)
+
+
 class ModelRuntime:
-    def __init__(self, model: MoondreamModel, cfg: EngineConfig, table: MaskTable) -> None:
+    def __init__(
+        self,
+        model: MoondreamModel,
+        cfg: EngineConfig,
+        table: MaskTable,
+        device: Device | None = None,
+        observer: Observer = NO_OBSERVER,
+    ) -> None:
         self.model = model
         self.cfg = cfg
-        self.device = model.device
+        self.torch_device = model.device
         self.dtype = model.dtype
-        self.streams = DeviceStreams(self.device)
-        tc = model.config.text
+        self.dev: Device = device or TorchDevice(model.device)
+        self.observer = observer
+        dev, tc = self.dev, model.config.text
         self.contract = model.config.tokens
         budget = cfg.kv_budget_bytes or self._default_budget()
         n_pages = max(2, budget // kv_page_bytes(model, cfg.page_size))
         shape = (n_pages, cfg.page_size, tc.n_kv_heads, tc.head_dim)
-        self.k_pools = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(tc.n_layers)
-        ]
-        self.v_pools = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(tc.n_layers)
-        ]
+        self.k_pools = [self._zeros(shape, self.dtype) for _ in range(tc.n_layers)]
+        self.v_pools = [self._zeros(shape, self.dtype) for _ in range(tc.n_layers)]
         rows, max_pages = cfg.max_rows, -(-tc.max_context // cfg.page_size)
         # One extra row pads graph buckets: its block-table row stays on the sink page.
         self.pad_row = rows
-        self.block_host = self.streams.host_buffer((rows + 1, max_pages), torch.int32)
-        self.block_dev = torch.zeros((rows + 1, max_pages), dtype=torch.int32, device=self.device)
+        self.block_host = dev.host_buffer("block_host", (rows + 1, max_pages), torch.int32)
+        self.block_dev = dev.buffer("block_dev", self._zeros((rows + 1, max_pages), torch.int32))
         self.pages = PageAllocator(
             n_pages, cfg.page_size, rows, max_pages, block_table=self.block_host.numpy()[:rows]
         )
-        self.next_embed = torch.zeros(rows + 1, tc.dim, dtype=self.dtype, device=self.device)
-        self.slots = [self._slot_buffers(rows + 1, tc.dim) for _ in range(2)]
-        self.use_triton = self.streams.is_cuda and triton_available()
+        self.next_embed = dev.buffer("next_embed", self._zeros((rows + 1, tc.dim), self.dtype))
+        self.slots = [self._slot_buffers(i, rows + 1, tc.dim) for i in range(2)]
+        self._launch_rows = np.zeros((rows + 1, 2), np.int64)  # host scratch, one per runtime
+        self.use_triton = dev.is_cuda and triton_available()
         self.buckets = graph_buckets(cfg.max_batch)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.vision_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
-        # Benchmarks set these lists to collect (start, end) device events of each forward
-        # and each finalize, in launch order; None in production (no events recorded).
-        self.forward_events: list[tuple[str, object, object]] | None = None
-        self.finalize_events: list[tuple[object, object]] | None = None
+        self.decode_graphs: GraphSet[tuple[int, int]] = GraphSet("decode")
+        self.vision_graphs: GraphSet[int] = GraphSet("vision")
+        self._vision_inputs: dict[int, torch.Tensor] = {}
         self.table = table
-        self.table_dev = torch.ones(
-            (table.max_rows, table.width), dtype=torch.bool, device=self.device
+        self.table_dev = dev.buffer(
+            "table_dev",
+            torch.ones((table.max_rows, table.width), dtype=torch.bool).to(self.torch_device),
         )
         self._table_uploaded = 0
 
     # ---- setup ------------------------------------------------------------------------
 
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=self.torch_device)
+
     def _default_budget(self) -> int:
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
+        if self.torch_device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.torch_device)
             return int(free * 0.4)
         return 256 << 20
 
-    def _slot_buffers(self, rows: int, dim: int) -> SlotBuffers:
-        s, dev = self.streams, self.device
+    def _slot_buffers(self, slot: int, rows: int, dim: int) -> SlotBuffers:
+        dev = self.dev
+
+        def host(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return dev.host_buffer(f"slot{slot}.{name}", shape, dtype, slot=slot)
+
+        def device(
+            name: str, shape: tuple[int, ...], dtype: torch.dtype, **kw: str
+        ) -> torch.Tensor:
+            return dev.buffer(f"slot{slot}.{name}", self._zeros(shape, dtype), slot=slot, **kw)
+
         return SlotBuffers(
-            launch_host=s.host_buffer((rows, 2), torch.int64),
-            block_stage=s.host_buffer(tuple(self.block_host.shape), torch.int32),
-            launch_dev=torch.zeros((rows, 2), dtype=torch.int64, device=dev),
-            fin_host=s.host_buffer((rows, N_FIN), torch.int64),
-            fin_dev=torch.zeros((rows, N_FIN), dtype=torch.int64, device=dev),
-            hidden=torch.zeros((rows, dim), dtype=self.dtype, device=dev),
-            out_dev=torch.zeros((rows, N_OUT), dtype=torch.float32, device=dev),
-            out_host=s.host_buffer((rows, N_OUT), torch.float32),
-            inputs_ready=s.event(),
-            mask_ready=s.event(),
-            step_done=s.event(),
-            d2h_done=s.event(),
+            launch_host=host("launch_host", (rows, 2), torch.int64),
+            block_stage=host("block_stage", tuple(self.block_host.shape), torch.int32),
+            launch_dev=device("launch_dev", (rows, 2), torch.int64),
+            fin_host=host("fin_host", (rows, N_FIN), torch.int64),
+            fin_dev=device("fin_dev", (rows, N_FIN), torch.int64),
+            hidden=device("hidden", (rows, dim), self.dtype),
+            # A copy of outputs not yet written waited on the wrong event, or none (I3).
+            out_dev=device("out_dev", (rows, N_OUT), torch.float32, early_read="I3"),
+            out_host=host("out_host", (rows, N_OUT), torch.float32),
+            inputs_ready=dev.event(f"slot{slot}.inputs_ready"),
+            mask_ready=dev.event(f"slot{slot}.mask_ready"),
+            step_done=dev.event(f"slot{slot}.step_done"),
+            d2h_done=dev.event(f"slot{slot}.d2h_done"),
         )
 
     # ---- host-to-device uploads (copy stream, ordered by events) -------------------------
 
     def _upload_block_table(self, buf: SlotBuffers) -> None:
-        rows = self.pages.take_dirty()
-        if rows:
-            lo, hi = rows[0], rows[-1] + 1  # one copy covering every dirty row
-            # Staged per slot: the host mirror may change again while this copy is queued,
-            # the slot's stage only after the commit that frees the slot.
-            buf.block_stage[lo:hi] = self.block_host[lo:hi]
-            self.block_dev[lo:hi].copy_(buf.block_stage[lo:hi], non_blocking=True)
+        dirty = self.pages.take_dirty()
+        if not dirty:
+            return
+        lo, hi = dirty[0], dirty[-1] + 1  # one copy covering every dirty row
+        # Staged per slot: the host mirror may change again while this copy is queued, the
+        # slot's stage only after the commit that frees the slot.
+        self.dev.host_write(buf.block_stage, self.block_host.numpy()[lo:hi], start=lo)
+        self.dev.copy(
+            self.dev.copy_stream,
+            "h2d block rows",
+            partial(_copy_rows, self.block_dev, buf.block_stage, lo, hi),
+            # Rows between dirty ones are rewritten with the values they hold: only the dirty
+            # rows change, and only they may be read by no step still queued.
+            lambda: ([buf.block_stage], [(self.block_dev, dirty)]),
+        )
 
     def _upload_table_rows(self) -> None:
-        n = len(self.table)
-        if n > self._table_uploaded:
-            rows = torch.from_numpy(self.table.dense(self._table_uploaded, n))
-            if self.streams.is_cuda:
-                rows = rows.pin_memory()  # a pageable source would make the copy block
-            self.table_dev[self._table_uploaded : n].copy_(rows, non_blocking=True)
-            self._table_uploaded = n
+        lo, hi = self._table_uploaded, len(self.table)
+        if hi <= lo:
+            return
+        rows = torch.from_numpy(self.table.dense(lo, hi))
+        if self.dev.is_cuda:
+            rows = rows.pin_memory()  # a pageable source would make the copy block
+        self.dev.copy(
+            self.dev.copy_stream,
+            "h2d mask rows",
+            partial(_copy_into, self.table_dev, lo, hi, rows),
+            lambda: ([], [(self.table_dev, range(lo, hi))]),
+        )
+        self._table_uploaded = hi
 
     # ---- forwards ---------------------------------------------------------------------
 
@@ -169,30 +241,42 @@ class ModelRuntime:
     def launch_decode(self, slot: int, seqs: list[Sequence]) -> None:
         """Enqueue one decode forward for ``seqs`` (row order = batch order). With graphs on,
         the batch is padded to its bucket with the pad row and the bucket's graph replays."""
-        buf, st = self.slots[slot], self.streams
+        buf, dev = self.slots[slot], self.dev
         b = len(seqs)
-        n = self._bucket(b) if self.graphs else b
-        host = buf.launch_host.numpy()
-        max_pos = 0
+        n = self._bucket(b) if self.decode_graphs else b
+        host = self._launch_rows
         for i, seq in enumerate(seqs):
-            pos = seq.next_position()
-            host[i, 0], host[i, 1] = seq.row, pos
-            max_pos = max(max_pos, pos)
+            host[i, 0], host[i, 1] = seq.row, seq.next_position()
         host[b:n, 0], host[b:n, 1] = self.pad_row, 0
-        with st.on(st.copy):
-            self._upload_block_table(buf)
-            buf.launch_dev[:n].copy_(buf.launch_host[:n], non_blocking=True)
-            buf.inputs_ready.record()
-        st.wait(st.compute, buf.inputs_ready)
-        with st.on(st.compute):
-            start = self._mark()
-            graph = self.graphs.get((slot, n)) if self.graphs else None
-            if graph is not None:
-                graph.replay()
-            else:
-                self._decode_forward(buf, n, max_pos // self.cfg.page_size + 1)
-            if self.forward_events is not None:
-                self.forward_events.append(("decode", start, self._mark()))
+        n_blocks = int(host[:b, 1].max()) // self.cfg.page_size + 1
+        dev.host_write(buf.launch_host, host[:n])
+        self._upload_block_table(buf)
+        dev.copy(
+            dev.copy_stream,
+            f"h2d inputs slot{slot}",
+            partial(_copy_rows, buf.launch_dev, buf.launch_host, 0, n),
+            lambda: ([buf.launch_host], [buf.launch_dev]),
+        )
+        dev.record(buf.inputs_ready, dev.copy_stream)
+        dev.wait(dev.compute_stream, buf.inputs_ready)
+
+        def access() -> tuple[list, list]:
+            rows = host[:b, 0].tolist()
+            return [buf.launch_dev, (self.block_dev, rows), (self.next_embed, rows)], [buf.hidden]
+
+        dev.kernel(
+            dev.compute_stream,
+            f"decode slot{slot}",
+            partial(self._decode_step, slot, n, n_blocks),
+            access,
+        )
+
+    def _decode_step(self, slot: int, n: int, n_blocks: int) -> None:
+        start = self._mark()
+        if self.decode_graphs.replay((slot, n)) is None:
+            self._decode_forward(self.slots[slot], n, n_blocks)
+        if start is not None:
+            self.observer.forward_timed("decode", start, self._mark())
 
     def _decode_forward(self, buf: SlotBuffers, n: int, n_blocks: int) -> None:
         rows, pos = buf.launch_dev[:n, 0], buf.launch_dev[:n, 1:2]
@@ -218,152 +302,135 @@ class ModelRuntime:
 
     @torch.inference_mode()
     def capture_graphs(self, progress: bool = True) -> None:
-        """Capture the decode forward per (slot, batch bucket), largest first, in one memory
-        pool. CUDA only; the CPU keeps running the same forward eagerly."""
-        if not self.streams.is_cuda:
+        """Capture the decode forward per (slot, batch bucket). CUDA only; the CPU keeps
+        running the same forward eagerly."""
+        if not self.dev.is_cuda:
             return
-        from tqdm import tqdm
-
-        pool = torch.cuda.graph_pool_handle()
         max_blocks = self.block_dev.shape[1]
-        todo = [(slot, n) for n in sorted(self.buckets, reverse=True) for slot in (0, 1)]
-        graphs = {}
-        torch.cuda.synchronize(self.device)  # start-up only: buffers made on other streams
-        for slot, n in tqdm(todo, desc="capturing decode graphs", disable=not progress):
-            buf = self.slots[slot]
-            with torch.cuda.stream(self.streams.compute):
-                buf.launch_dev[:n, 0] = self.pad_row
-                buf.launch_dev[:n, 1] = 0
-                self._decode_forward(buf, n, max_blocks)  # warm-up: kernels compiled, no alloc
-            self.streams.compute.synchronize()  # start-up only: capture needs a quiet stream
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=self.streams.compute):
-                self._decode_forward(buf, n, max_blocks)
-            graphs[(slot, n)] = graph
-        self.graphs = graphs
 
-    @torch.inference_mode()
-    def launch_prefill(
-        self, slot: int, seqs: list[Sequence], image_for: dict[int, torch.Tensor | None]
-    ) -> None:
-        """Enqueue the prefill of ``seqs``: vision (batched over all new images' crops), image
-        prefixes not yet cached, then each prompt; the last hidden state goes to the slot."""
-        buf, st, m = self.slots[slot], self.streams, self.model
-        with st.on(st.copy):
-            self._upload_block_table(buf)
-            buf.inputs_ready.record()
-        st.wait(st.compute, buf.inputs_ready)
-        with st.on(st.compute):
-            start = self._mark()
-            prefixes = self._image_prefixes(seqs, image_for)
-            if prefixes:
-                self._prefill_prefixes([seqs[i] for i in prefixes], list(prefixes.values()))
-            for i, seq in enumerate(seqs):
-                if seq.prefix is not None and seq.prefix.tail_page is not None:
-                    tail, own = seq.prefix.tail_page, seq.own_pages[0]
-                    for kp, vp in zip(self.k_pools, self.v_pools, strict=True):
-                        kp[own].copy_(kp[tail])
-                        vp[own].copy_(vp[tail])
-                first = seq.prefix_len
-                # Only the pages holding positions before the end of the prompt are visible.
-                visible = self.pages.pages_for(first + len(seq.prompt))
-                pages = ((seq.prefix.full_pages if seq.prefix else []) + seq.own_pages)[:visible]
-                ids = self._h2d(seq.prompt)
-                pos = torch.arange(first, first + len(seq.prompt), device=self.device)[None]
-                kv = PagedKV(self.k_pools, self.v_pools, self._h2d(pages)[None], seq.prefix_len)
-                buf.hidden[i] = m.text(m.text.embed(ids)[None], pos, kv)[0, -1]
-            if self.forward_events is not None:
-                self.forward_events.append(("prefill", start, self._mark()))
+        def prepare(key: tuple[int, int]) -> None:
+            slot, n = key
+            self.slots[slot].launch_dev[:n, 0] = self.pad_row
+            self.slots[slot].launch_dev[:n, 1] = 0
 
-    def _h2d(self, values: list[int]) -> torch.Tensor:
-        """Small host list -> device tensor through pinned memory, without a host wait."""
-        host = torch.tensor(values, dtype=torch.int64, pin_memory=self.streams.is_cuda)
-        return host.to(self.device, non_blocking=True)
+        def run(key: tuple[int, int]) -> None:
+            self._decode_forward(self.slots[key[0]], key[1], max_blocks)
 
-    def _image_prefixes(
-        self, seqs: list[Sequence], image_for: dict[int, torch.Tensor | None]
-    ) -> dict[int, torch.Tensor]:
-        """BOS + image embeddings for the sequences whose prefix must be computed."""
-        todo = [i for i, s in enumerate(seqs) if s.prefix is not None and not s.prefix_hit]
-        if not todo:
-            return {}
-        m = self.model
-        crops = [image_for[i] for i in todo]
-        counts = [c.shape[0] for c in crops]
-        pin = self.streams.is_cuda  # a pageable source would make the copy block the host
-        normalized = [
-            normalize_crops(
-                (c.pin_memory() if pin else c).to(self.device, non_blocking=True), self.dtype
-            )
-            for c in crops
-        ]
-        out = {}
-        if self.vision_graphs:
-            # One graph replay per image (captured per crop count); counts without a graph
-            # (extreme aspect ratios) run eagerly.
-            for i, x in zip(todo, normalized, strict=True):
-                f = self._encode_graphed(x)
-                out[i] = m.prefix_embeddings(m.vision.project(f, seqs[i].request.image.tiling))
-            return out
-        feats = m.vision.encode(torch.cat(normalized))
-        for i, f in zip(todo, feats.split(counts), strict=True):
-            out[i] = m.prefix_embeddings(m.vision.project(f, seqs[i].request.image.tiling))
-        return out
-
-    def _encode_graphed(self, crops: torch.Tensor) -> torch.Tensor:
-        entry = self.vision_graphs.get(crops.shape[0])
-        if entry is None:
-            return self.model.vision.encode(crops)
-        graph, static_in, static_out = entry
-        static_in.copy_(crops)
-        graph.replay()
-        return static_out  # read before the next replay: the caller projects it right away
+        keys = [(slot, n) for n in sorted(self.buckets, reverse=True) for slot in (0, 1)]
+        self.decode_graphs.capture(keys, prepare, run, self.dev.compute_stream, progress)
 
     @torch.inference_mode()
     def capture_vision_graphs(self, progress: bool = True) -> None:
-        """Capture the vision tower once per crop count of a single image (1 + h*w tiles up
-        to max_crops), largest first, in one memory pool. CUDA only."""
-        if not self.streams.is_cuda:
+        """Capture the vision tower once per crop count of a single image. CUDA only."""
+        if not self.dev.is_cuda:
             return
-        from tqdm import tqdm
-
         vc = self.model.config.vision
-        pool = torch.cuda.graph_pool_handle()
-        counts = sorted(
-            {
-                1 + h * w
-                for h in range(1, vc.max_crops + 1)
-                for w in range(1, vc.max_crops + 1)
-                if h * w <= vc.max_crops
-            },
-            reverse=True,
-        )
-        torch.cuda.synchronize(self.device)  # start-up only
-        graphs = {}
-        for n in tqdm(counts, desc="capturing vision graphs", disable=not progress):
-            static_in = torch.zeros(
-                (n, vc.in_channels, vc.crop_size, vc.crop_size),
-                dtype=self.dtype,
-                device=self.device,
-            )
-            with torch.cuda.stream(self.streams.compute):
-                self.model.vision.encode(static_in)  # warm-up outside the capture
-            self.streams.compute.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=self.streams.compute):
-                static_out = self.model.vision.encode(static_in)
-            graphs[n] = (graph, static_in, static_out)
-        self.vision_graphs = graphs
 
-    def _prefill_prefixes(self, seqs: list[Sequence], embs: list[torch.Tensor]) -> None:
-        """BOS + image of several new images in one forward, straight into their cache
-        entries' pages. The prefix sees only itself, both ways, so attention needs no mask
-        (the fused attention kernels apply)."""
-        n = seqs[0].prefix_len
-        rows = torch.stack([self._h2d(s.prefix.pages) for s in seqs])  # type: ignore[union-attr]
+        def prepare(n: int) -> None:
+            if n not in self._vision_inputs:
+                shape = (n, vc.in_channels, vc.crop_size, vc.crop_size)
+                self._vision_inputs[n] = self._zeros(shape, self.dtype)
+
+        def run(n: int) -> torch.Tensor:
+            return self.model.vision.encode(self._vision_inputs[n])
+
+        counts = vision_crop_counts(vc.max_crops)
+        self.vision_graphs.capture(counts, prepare, run, self.dev.compute_stream, progress)
+
+    @torch.inference_mode()
+    def launch_prefill(self, slot: int, seqs: list[Sequence]) -> None:
+        """Enqueue the prefill of ``seqs``: vision over the new images' crops, the image
+        prefixes not yet cached, then each prompt; the last hidden state goes to the slot.
+
+        Everything the device work needs from the host (pages, token ids, crops) is planned
+        here, at launch: by the time the work runs, the sequences may have moved on."""
+        buf = self.slots[slot]
+        prefixes, prompts = [], []
+        for i, seq in enumerate(seqs):
+            entry = seq.prefix
+            if entry is not None and not seq.prefix_hit:
+                image = seq.request.image
+                assert image is not None
+                prefixes.append(_PrefixJob(i, image.crops, image.tiling, list(entry.pages)))
+            tail = None
+            if entry is not None and entry.tail_page is not None:
+                tail = (entry.tail_page, seq.own_pages[0])
+            visible = self.pages.pages_for(seq.prefix_len + len(seq.prompt))
+            pages = ((entry.full_pages if entry else []) + seq.own_pages)[:visible]
+            prompts.append(_PromptJob(i, list(seq.prompt), seq.prefix_len, pages, tail))
+        self.dev.kernel(
+            self.dev.compute_stream,
+            f"prefill slot{slot}",
+            partial(self._prefill, buf, prefixes, prompts),
+            lambda: ([], [buf.hidden]),
+        )
+
+    def _prefill(
+        self, buf: SlotBuffers, prefixes: list[_PrefixJob], prompts: list[_PromptJob]
+    ) -> None:
+        m = self.model
+        start = self._mark()
+        if prefixes:
+            self._prefill_prefixes(prefixes)
+        for job in prompts:
+            if job.tail is not None:
+                tail, own = job.tail
+                for kp, vp in zip(self.k_pools, self.v_pools, strict=True):
+                    kp[own].copy_(kp[tail])
+                    vp[own].copy_(vp[tail])
+            ids = self._h2d(job.ids)
+            pos = torch.arange(job.first, job.first + len(job.ids), device=self.torch_device)
+            kv = PagedKV(self.k_pools, self.v_pools, self._h2d(job.pages)[None], job.first)
+            buf.hidden[job.index] = m.text(m.text.embed(ids)[None], pos[None], kv)[0, -1]
+        if start is not None:
+            self.observer.forward_timed("prefill", start, self._mark())
+
+    def _h2d(self, values: list[int]) -> torch.Tensor:
+        """Small host list -> device tensor through pinned memory, without a host wait."""
+        host = torch.tensor(values, dtype=torch.int64, pin_memory=self.dev.is_cuda)
+        return host.to(self.torch_device, non_blocking=True)
+
+    def _prefill_prefixes(self, jobs: list[_PrefixJob]) -> None:
+        """Vision over every new image's crops, then BOS + image of all of them in one forward,
+        straight into their cache entries' pages. The prefix sees only itself, both ways, so
+        attention needs no mask (the fused attention kernels apply)."""
+        m = self.model
+        pin = self.dev.is_cuda  # a pageable source would make the copy block the host
+        normalized = [
+            normalize_crops(
+                (j.crops.pin_memory() if pin else j.crops).to(self.torch_device, non_blocking=True),
+                self.dtype,
+            )
+            for j in jobs
+        ]
+        if self.vision_graphs:
+            # One graph replay per image (captured per crop count); counts without a graph
+            # (extreme aspect ratios) run eagerly.
+            feats = [self._encode_graphed(x) for x in normalized]
+            embs = [
+                m.prefix_embeddings(m.vision.project(f, j.tiling))
+                for f, j in zip(feats, jobs, strict=True)
+            ]
+        else:
+            all_feats = m.vision.encode(torch.cat(normalized))
+            counts = [x.shape[0] for x in normalized]
+            embs = [
+                m.prefix_embeddings(m.vision.project(f, j.tiling))
+                for f, j in zip(all_feats.split(counts), jobs, strict=True)
+            ]
+        n = embs[0].shape[1]
+        rows = torch.stack([self._h2d(j.pages) for j in jobs])
         kv = PagedKV(self.k_pools, self.v_pools, rows, n, fresh_prefix=True)
-        pos = torch.arange(n, device=self.device)[None].expand(len(seqs), n)
-        self.model.text(torch.cat(embs), pos, kv)
+        pos = torch.arange(n, device=self.torch_device)[None].expand(len(jobs), n)
+        m.text(torch.cat(embs), pos, kv)
+
+    def _encode_graphed(self, crops: torch.Tensor) -> torch.Tensor:
+        n = crops.shape[0]
+        if n not in self.vision_graphs:
+            return self.model.vision.encode(crops)
+        self._vision_inputs[n].copy_(crops)
+        # Read before the next replay: the caller projects it right away.
+        return self.vision_graphs.replay(n)  # type: ignore[return-value]
 
     # ---- finalize: masks, sampling, region values, next inputs, D2H ---------------------
 
@@ -379,74 +446,106 @@ class ModelRuntime:
     ) -> None:
         """Sample the step in ``slot``. ``fin`` [B, N_FIN] was filled from committed state;
         ``greedy`` says every row is at temperature 0."""
-        buf, st, m = self.slots[slot], self.streams, self.model
+        buf, dev = self.slots[slot], self.dev
         b = len(seqs)
-        buf.fin_host.numpy()[:b] = fin
-        with st.on(st.copy):
-            if constrained:
-                self._upload_table_rows()
-            buf.fin_dev[:b].copy_(buf.fin_host[:b], non_blocking=True)
-            buf.mask_ready.record()
-        st.wait(st.compute, buf.mask_ready)
-        with st.on(st.compute):
-            start = self._mark()
-            fin_dev = buf.fin_dev[:b]
-            floats = fin_dev.view(torch.float64)
-            h = buf.hidden[:b]
-            logits = m.text.logits(h)
-            if constrained:
-                logits = apply_masks(logits, fin_dev[:, F_MASK], self.table_dev)
-            if greedy:  # every row at temperature 0: what sample() returns, without the sort
-                tokens = logits.argmax(dim=-1)
-            else:
-                tokens = sample(
-                    logits,
-                    floats[:, F_TEMP].float(),
-                    floats[:, F_TOP_P].float(),
-                    fin_dev[:, F_SEED],
-                    fin_dev[:, F_STEP],
-                )
-            phase = fin_dev[:, F_PHASE]
-            out = buf.out_dev[:b]
-            out[:, 0] = tokens.float()
-            nxt = m.text.embed(tokens)
-            if regions:
-                coord = coord_from_logits(m.region.decode_coord(h))
-                size = size_from_logits(m.region.decode_size(h), self.contract.size_scale)
-                out[:, 1:2] = coord
-                out[:, 2:4] = size
-                is_size = (phase == RowPhase.SIZE)[:, None]
-                is_token = (phase == RowPhase.TOKEN)[:, None]
-                region_emb = torch.where(
-                    is_size, m.region.encode_size(size), m.region.encode_coord(coord)
-                )
-                nxt = torch.where(is_token, nxt, region_emb)
-            self.next_embed[fin_dev[:, F_ROW]] = nxt.to(self.dtype)
-            if self.finalize_events is not None:
-                self.finalize_events.append((start, self._mark()))
-            buf.step_done.record()
-        st.wait(st.copy, buf.step_done)
-        with st.on(st.copy):
-            buf.out_host[:b].copy_(out, non_blocking=True)
-            buf.d2h_done.record()
+        dev.host_write(buf.fin_host, fin)
+        if constrained:
+            self._upload_table_rows()
+        dev.copy(
+            dev.copy_stream,
+            f"h2d fin slot{slot}",
+            partial(_copy_rows, buf.fin_dev, buf.fin_host, 0, b),
+            lambda: ([buf.fin_host], [buf.fin_dev]),
+        )
+        dev.record(buf.mask_ready, dev.copy_stream)
+        dev.wait(dev.compute_stream, buf.mask_ready)
 
-    def _mark(self) -> object:
-        """A timing event on the current stream, only while a benchmark collects them."""
-        if self.forward_events is None:
+        def access() -> tuple[list, list]:
+            rows = fin[:, F_ROW].tolist()
+            masks = sorted(set(fin[:, F_MASK].tolist()) - {NO_MASK})
+            reads = [buf.fin_dev, buf.hidden, *([(self.table_dev, masks)] if masks else [])]
+            return reads, [buf.out_dev, (self.next_embed, rows)]
+
+        dev.kernel(
+            dev.compute_stream,
+            f"sample slot{slot}",
+            partial(self._sample, buf, b, constrained, regions, greedy),
+            access,
+        )
+        dev.record(buf.step_done, dev.compute_stream)
+        dev.wait(dev.copy_stream, buf.step_done)
+        dev.copy(
+            dev.copy_stream,
+            f"d2h outputs slot{slot}",
+            partial(_copy_rows, buf.out_host, buf.out_dev, 0, b),
+            lambda: ([buf.out_dev], [buf.out_host]),
+        )
+        dev.record(buf.d2h_done, dev.copy_stream)
+
+    def _sample(
+        self, buf: SlotBuffers, b: int, constrained: bool, regions: bool, greedy: bool
+    ) -> None:
+        m = self.model
+        start = self._mark()
+        fin_dev = buf.fin_dev[:b]
+        floats = fin_dev.view(torch.float64)
+        h = buf.hidden[:b]
+        logits = m.text.logits(h)
+        if constrained:
+            logits = apply_masks(logits, fin_dev[:, F_MASK], self.table_dev)
+        if greedy:  # every row at temperature 0: what sample() returns, without the sort
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = sample(
+                logits,
+                floats[:, F_TEMP].float(),
+                floats[:, F_TOP_P].float(),
+                fin_dev[:, F_SEED],
+                fin_dev[:, F_STEP],
+            )
+        phase = fin_dev[:, F_PHASE]
+        out = buf.out_dev[:b]
+        out[:, 0] = tokens.float()
+        nxt = m.text.embed(tokens)
+        if regions:
+            coord = coord_from_logits(m.region.decode_coord(h))
+            size = size_from_logits(m.region.decode_size(h), self.contract.size_scale)
+            out[:, 1:2] = coord
+            out[:, 2:4] = size
+            is_size = (phase == RowPhase.SIZE)[:, None]
+            is_token = (phase == RowPhase.TOKEN)[:, None]
+            region_emb = torch.where(
+                is_size, m.region.encode_size(size), m.region.encode_coord(coord)
+            )
+            nxt = torch.where(is_token, nxt, region_emb)
+        self.next_embed[fin_dev[:, F_ROW]] = nxt.to(self.dtype)
+        if start is not None:
+            self.observer.sample_timed(start, self._mark())
+
+    def _mark(self) -> object | None:
+        """A timing event on the current stream, only while an observer asks for them."""
+        if not self.observer.device_timing:
             return None
-        event = torch.cuda.Event(enable_timing=True) if self.streams.is_cuda else CpuEvent()
+        event = torch.cuda.Event(enable_timing=True) if self.dev.is_cuda else CpuEvent()
         event.record()
         return event
 
     def read_outputs(self, slot: int, b: int) -> np.ndarray:
         """Wait for the slot's D2H copy (the scheduler's one intended sync) and view it."""
         buf = self.slots[slot]
-        if not isinstance(buf.d2h_done, CpuEvent):
-            buf.d2h_done.synchronize()  # the tick's single wait: this step's results
-        return buf.out_host.numpy()[:b]
+        self.dev.host_wait(buf.d2h_done)  # the tick's single wait: this step's results
+        return self.dev.host_read(buf.out_host)[:b]
 
     def release_row(self, row: int) -> None:
         self.pages.clear(row)
+
+
+def _copy_rows(dst: torch.Tensor, src: torch.Tensor, lo: int, hi: int) -> None:
+    dst[lo:hi].copy_(src[lo:hi], non_blocking=True)
+
+
+def _copy_into(dst: torch.Tensor, lo: int, hi: int, src: torch.Tensor) -> None:
+    dst[lo:hi].copy_(src, non_blocking=True)
 
 
 __all__ = ["ModelRuntime", "kv_page_bytes"]

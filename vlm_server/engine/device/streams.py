@@ -1,14 +1,84 @@
-"""A small device shim: streams, events and pinned buffers on CUDA, no-ops on the CPU.
+"""The device surface the runtime enqueues through: streams, events, buffers, copies, kernels.
 
-The scheduler and runtime use only this, so CPU tests run the production code paths.
+`TorchDevice` is the production implementation: CUDA streams and events, or synchronous
+execution on the CPU where streams and events are no-ops. The runtime never touches a stream,
+an event or a pinned buffer except through these calls, so a test double with the same surface
+(tests/support/fake_device.py: per-stream FIFO queues, real event semantics, versioned
+buffers, seeded interleavings) runs the production runtime unchanged and checks the pipeline
+invariants on the code that ships.
+
+Every enqueue names what it touches through ``access``: a callable returning (reads, writes),
+each a list of whole buffers or ``(buffer, rows)`` pairs. Production never calls it (no host
+work in the hot path); the fake device calls it at issue time to version the buffers.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
 
+import numpy as np
 import torch
+
+Region = torch.Tensor | tuple[torch.Tensor, Sequence[int]]
+Access = Callable[[], tuple[Sequence[Region], Sequence[Region]]]
+
+
+class Event(Protocol):
+    def query(self) -> bool: ...
+
+
+class Device(Protocol):
+    """What the runtime needs from a device (see the module docstring)."""
+
+    is_cuda: bool
+    compute_stream: object  # every forward and every sampling (I1)
+    copy_stream: object  # uploads and the result copy back, ordered by events
+
+    def event(self, name: str) -> Event: ...
+
+    def host_buffer(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, slot: int | None = None
+    ) -> torch.Tensor:
+        """Pinned host memory that copies read or land in."""
+        ...
+
+    def buffer(
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        slot: int | None = None,
+        early_read: str = "order",
+    ) -> torch.Tensor:
+        """Register device memory by name (the fake versions it); returns ``tensor``."""
+        ...
+
+    def kernel(self, stream: object, name: str, fn: Callable[[], None], access: Access) -> None:
+        """Enqueue compute work on ``stream``."""
+        ...
+
+    def copy(self, stream: object, name: str, fn: Callable[[], None], access: Access) -> None:
+        """Enqueue a memory copy on ``stream``."""
+        ...
+
+    def record(self, event: Event, stream: object) -> None: ...
+
+    def wait(self, stream: object, event: Event) -> None:
+        """Later work on ``stream`` waits for ``event`` on the device (never a host wait)."""
+        ...
+
+    def host_write(self, buffer: torch.Tensor, values: np.ndarray, start: int = 0) -> None:
+        """The host writes rows ``start..`` of a pinned buffer in place."""
+        ...
+
+    def host_read(self, buffer: torch.Tensor) -> np.ndarray:
+        """The host reads a pinned buffer (after waiting for the copy into it)."""
+        ...
+
+    def host_wait(self, event: Event) -> None:
+        """Block the host until ``event`` completed: the tick's one intended sync."""
+        ...
 
 
 class CpuEvent:
@@ -24,30 +94,63 @@ class CpuEvent:
         return True
 
 
-class DeviceStreams:
-    """One compute stream and one copy stream (None on the CPU)."""
+class TorchDevice:
+    """One compute stream and one copy stream on CUDA; synchronous no-op streams on the CPU."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
-        self.compute = torch.cuda.Stream(device) if self.is_cuda else None
-        self.copy = torch.cuda.Stream(device) if self.is_cuda else None
+        self.compute_stream = torch.cuda.Stream(device) if self.is_cuda else None
+        self.copy_stream = torch.cuda.Stream(device) if self.is_cuda else None
 
-    def event(self) -> torch.cuda.Event | CpuEvent:
+    def event(self, name: str) -> torch.cuda.Event | CpuEvent:
         return torch.cuda.Event() if self.is_cuda else CpuEvent()
 
+    def host_buffer(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, slot: int | None = None
+    ) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, pin_memory=self.is_cuda)
+
+    def buffer(
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        slot: int | None = None,
+        early_read: str = "order",
+    ) -> torch.Tensor:
+        return tensor
+
+    def kernel(self, stream: object, name: str, fn: Callable[[], None], access: Access) -> None:
+        with self.on(stream):
+            fn()
+
+    def copy(self, stream: object, name: str, fn: Callable[[], None], access: Access) -> None:
+        with self.on(stream):
+            fn()
+
+    def record(self, event: Event, stream: object) -> None:
+        if stream is not None:
+            event.record(stream)  # type: ignore[attr-defined]
+
+    def wait(self, stream: object, event: Event) -> None:
+        if stream is not None:
+            stream.wait_event(event)  # type: ignore[attr-defined]
+
+    def host_write(self, buffer: torch.Tensor, values: np.ndarray, start: int = 0) -> None:
+        buffer.numpy()[start : start + len(values)] = values
+
+    def host_read(self, buffer: torch.Tensor) -> np.ndarray:
+        return buffer.numpy()
+
+    def host_wait(self, event: Event) -> None:
+        if not isinstance(event, CpuEvent):
+            event.synchronize()  # type: ignore[attr-defined]
+
     @contextlib.contextmanager
-    def on(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
+    def on(self, stream: object) -> Iterator[None]:
+        """Run enclosed work on ``stream`` (start-up paths such as graph capture use it)."""
         if stream is None:
             yield
         else:
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream):  # type: ignore[arg-type]
                 yield
-
-    def wait(self, stream: torch.cuda.Stream | None, event: torch.cuda.Event | CpuEvent) -> None:
-        """Make ``stream`` wait for ``event`` on the device (never a host wait)."""
-        if stream is not None:
-            stream.wait_event(event)  # type: ignore[arg-type]
-
-    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return torch.zeros(shape, dtype=dtype, pin_memory=self.is_cuda)
