@@ -16,8 +16,6 @@ from tests.test_engine import (  # noqa: F401  (fixtures)
     _text_requests,
     _wait_idle,
     images,
-    region_model,
-    text_model,
 )
 from vlm_server.config import preset
 from vlm_server.engine.api import GenerationRequest, Task
@@ -55,8 +53,8 @@ def test_triton_paged_decode_matches_torch(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("depth", [1, 2])
 def test_cuda_engine_equals_reference_tiny(
-    text_model: LoadedModel,  # noqa: F811
-    region_model: LoadedModel,  # noqa: F811
+    text_model: LoadedModel,
+    region_model: LoadedModel,
     images: list[PreparedImage],  # noqa: F811
     depth: int,
 ) -> None:
@@ -70,7 +68,7 @@ def test_cuda_engine_equals_reference_tiny(
     async def run(loaded: LoadedModel, batch: list[GenerationRequest]) -> list:
         engine = _engine(loaded, depth, max_batch=4)
         await engine.start()
-        assert engine.runtime.graphs and engine.runtime.use_triton
+        assert engine.runtime.decode_graphs and engine.runtime.use_triton
         try:
             out = await asyncio.gather(*[_collect(engine, r) for r in batch])
             await _wait_idle(engine)

@@ -130,7 +130,7 @@ class GatedReferenceEngine(ReferenceEngine):
     `held_job` is the request it belongs to."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, observer=StepLog(self._on_step, self._on_end), **kwargs)
+        super().__init__(*args, **kwargs)
         self.start_gate = threading.Event()
         self.start_gate.set()
         self.token_gate = threading.Event()
@@ -166,7 +166,7 @@ class GatedBatchedEngine(BatchedEngine):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, observer=StepLog(self._on_step, self._on_end), **kwargs)
         self.start_gate = threading.Event()
         self.start_gate.set()
         self.token_gate = threading.Event()
