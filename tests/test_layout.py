@@ -30,7 +30,6 @@ LAYERS = {
     "vlm_server.engine.api": 3,
     "vlm_server.engine.config": 3,
     "vlm_server.engine.device": 4,
-    "vlm_server.engine.reference_engine": 5,
     "vlm_server.engine.engine": 5,
     "vlm_server.reference": 5,
     "vlm_server.service": 6,

@@ -1,11 +1,10 @@
 """Many clients at once, cancellation, deadlines and admission limits, over real gRPC.
 
-Mostly on the batched engine, the server's default: 64 concurrent clients get the reference
+On the batched engine: 64 concurrent clients get the reference
 answers; a cancelled or expired request gives back every KV page; a request whose deadline
 passes while queued never runs; a full queue and a request beyond the KV cache are refused.
-The same server behaviours on the reference engine close the module.
 
-No sleeps: `GatedBatchedEngine` / `GatedReferenceEngine` hold the engine at a known point while
+No sleeps: `GatedBatchedEngine` holds the engine at a known point while
 the test arranges the queue, and `wait_for` polls. The tiny model practically never emits eos,
 so a long request really runs long.
 """
@@ -25,7 +24,6 @@ from PIL import Image, ImageDraw
 from image_pipeline import prepare_image
 from tests.support.service_harness import (
     GatedBatchedEngine,
-    GatedReferenceEngine,
     ServerThread,
     local_config,
     wait_for,
@@ -35,7 +33,6 @@ from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
 from vlm_server.client import AsyncVisionLanguageClient, VisionLanguageClient, VlmError
 from vlm_server.client.types import Box, DetectResult, Point, PointResult, TextResult
 from vlm_server.engine.config import EngineConfig
-from vlm_server.engine.reference_engine import ReferenceEngine
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
 from vlm_server.weights.loader import LoadedModel
 
@@ -48,9 +45,6 @@ PAGE_BYTES = 16 * 2 * 2 * 64 * 4
 SINGLE_PAGES = 60
 LONG_QUERY_TOKENS = 900  # 57 pages; runs for seconds on the CPU, far beyond any wait here
 LONG_CAPTION_TOKENS = 1300  # with the image prefix: nearly the whole 2048-position context
-# The reference engine's budget: 760 positions of the tiny fp32 model (2 layers x K and V x
-# 64 floats): fits text-only prompts, not an image prefix (730 positions) plus 30 tokens.
-KV_BUDGET = 760 * 2 * 2 * 64 * 4
 
 
 def _small_image() -> bytes:
@@ -188,19 +182,6 @@ def single_stub(single: ServerThread) -> Iterator[pb_grpc.VisionLanguageStub]:
         yield pb_grpc.VisionLanguageStub(channel)
 
 
-@pytest.fixture(scope="module")
-def gated(tiny: LoadedModel) -> Iterator[ServerThread]:
-    factory = lambda: GatedReferenceEngine(lambda: tiny, max_queue=1, kv_budget_bytes=KV_BUDGET)
-    with ServerThread(local_config(), factory) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def gated_stub(gated: ServerThread) -> Iterator[pb_grpc.VisionLanguageStub]:
-    with grpc.insecure_channel(gated.target) as channel:
-        yield pb_grpc.VisionLanguageStub(channel)
-
-
 def _batched(server: ServerThread) -> GatedBatchedEngine:
     assert server.server is not None
     engine = server.server.engine
@@ -208,26 +189,14 @@ def _batched(server: ServerThread) -> GatedBatchedEngine:
     return engine
 
 
-def _engine(server: ServerThread) -> GatedReferenceEngine:
-    assert server.server is not None
-    engine = server.server.engine
-    assert isinstance(engine, GatedReferenceEngine)
-    return engine
-
-
 @contextlib.contextmanager
-def _held(engine: GatedReferenceEngine | GatedBatchedEngine) -> Iterator[None]:
+def _held(engine: GatedBatchedEngine) -> Iterator[None]:
     """Hold every text token until the block ends (the gate always reopens)."""
     engine.token_gate.clear()
     try:
         yield
     finally:
         engine.token_gate.set()
-
-
-def _idle(engine: ReferenceEngine) -> bool:
-    stats = engine.stats()
-    return stats.queue_depth == 0 and stats.active_sequences == 0
 
 
 def _settled(engine: GatedBatchedEngine) -> None:
@@ -381,92 +350,3 @@ def test_request_that_fits_the_kv_cache_is_admitted(single: ServerThread) -> Non
     with VisionLanguageClient(single.target, timeout=30) as client:
         got = client.caption(SMALL, max_tokens=30, temperature=0)
     assert got.finish_reason == "length" and got.metrics.output_tokens == 30
-
-
-# ---- the same on the reference engine -----------------------------------------------------
-
-
-def test_reference_cancel_mid_stream_frees_the_request(
-    gated: ServerThread, gated_stub: pb_grpc.VisionLanguageStub
-) -> None:
-    engine = _engine(gated)
-    before = engine.counts()
-    with _held(engine):
-        call = gated_stub.Query(_long_query(), timeout=60)
-        wait_for(engine.holding.is_set, what="the first token")
-        job = engine.held_job
-        call.cancel()
-        wait_for(job.cancelled.is_set, what="the engine to see the cancel")
-    wait_for(lambda: _idle(engine), what="an idle engine")
-    after = engine.counts()
-    assert after.get("cancelled", 0) == before.get("cancelled", 0) + 1
-    assert after.get("finished", 0) == before.get("finished", 0)
-    with pytest.raises(grpc.RpcError) as caught:
-        list(call)
-    assert caught.value.code() == grpc.StatusCode.CANCELLED
-
-
-def test_reference_deadline_while_queued_never_runs_the_request(
-    gated: ServerThread, gated_stub: pb_grpc.VisionLanguageStub
-) -> None:
-    engine = _engine(gated)
-    with _held(engine):
-        running = gated_stub.Query(_long_query(8), timeout=60)
-        wait_for(engine.holding.is_set, what="the first token")
-        started = engine.counts()["started"]
-        with pytest.raises(grpc.RpcError) as caught:
-            list(gated_stub.Query(_long_query(4), timeout=0.5))
-        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        wait_for(lambda: engine.stats().queue_depth == 0, what="the queue to empty")
-    assert list(running)[-1].result.finish_reason == pb.FINISH_REASON_LENGTH
-    wait_for(lambda: _idle(engine), what="an idle engine")
-    assert engine.counts()["started"] == started  # the expired request never ran
-
-
-def test_reference_deadline_while_running_stops_the_request(
-    gated: ServerThread, gated_stub: pb_grpc.VisionLanguageStub
-) -> None:
-    engine = _engine(gated)
-    before = engine.counts()
-    with _held(engine):
-        # A text-only prompt starts in milliseconds, far inside the 2 s deadline.
-        call = gated_stub.Query(_long_query(), timeout=2.0)
-        with pytest.raises(grpc.RpcError) as caught:
-            list(call)
-        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert engine.holding.is_set()  # it was running, held after a token
-        job = engine.held_job
-        wait_for(job.cancelled.is_set, what="the server to cancel the request")
-    wait_for(lambda: _idle(engine), what="an idle engine")
-    after = engine.counts()
-    assert after["started"] == before["started"] + 1
-    assert after.get("finished", 0) == before.get("finished", 0)
-
-
-def test_reference_full_queue_is_resource_exhausted(
-    gated: ServerThread, gated_stub: pb_grpc.VisionLanguageStub
-) -> None:
-    engine = _engine(gated)
-    with _held(engine), VisionLanguageClient(gated.target, timeout=30) as client:
-        running = gated_stub.Query(_long_query(4), timeout=60)
-        wait_for(engine.holding.is_set, what="the first token")
-        queued = gated_stub.Query(_long_query(4), timeout=60)
-        wait_for(lambda: engine.stats().queue_depth == 1, what="a queued request")
-        with pytest.raises(VlmError) as caught:
-            client.query(None, "one more?", max_tokens=2)
-        assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "queue is full" in caught.value.message
-    assert list(running)[-1].WhichOneof("event") == "result"
-    assert list(queued)[-1].WhichOneof("event") == "result"
-    wait_for(lambda: _idle(engine), what="an idle engine")
-
-
-def test_reference_request_beyond_the_kv_budget_is_resource_exhausted(gated: ServerThread) -> None:
-    with (
-        VisionLanguageClient(gated.target, timeout=30) as client,
-        pytest.raises(VlmError) as caught,
-    ):
-        client.caption(SMALL, max_tokens=30)
-    assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert caught.value.field == "settings.max_tokens"
-    assert str(KV_BUDGET) in caught.value.message

@@ -25,7 +25,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from image_pipeline import PreparedImage, sample_image_bytes
 from tests.support.service_harness import (
     GatedBatchedEngine,
-    GatedReferenceEngine,
     ServerThread,
     local_config,
     wait_for,
@@ -36,7 +35,6 @@ from vlm_server.client import TextResult, VisionLanguageClient, VlmError
 from vlm_server.engine.api import Engine
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
-from vlm_server.engine.reference_engine import ReferenceEngine
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
 from vlm_server.service.servicer import SERVICE_NAME
 from vlm_server.weights.loader import LoadedModel
@@ -73,16 +71,13 @@ def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 # ---- start and drain ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["batched", "reference"])
-def test_readiness_is_off_while_loading_and_during_drain(tiny: LoadedModel, kind: str) -> None:
-    engines: list[GatedBatchedEngine | GatedReferenceEngine] = []
+@pytest.mark.parametrize("depth", [2, 1])
+def test_readiness_is_off_while_loading_and_during_drain(tiny: LoadedModel, depth: int) -> None:
+    engines: list[GatedBatchedEngine] = []
 
-    def factory() -> GatedBatchedEngine | GatedReferenceEngine:
-        engine: GatedBatchedEngine | GatedReferenceEngine
-        if kind == "batched":
-            engine = GatedBatchedEngine(tiny, EngineConfig(kv_budget_bytes=KV_BUDGET))
-        else:
-            engine = GatedReferenceEngine(lambda: tiny)
+    def factory() -> GatedBatchedEngine:
+        config = EngineConfig(kv_budget_bytes=KV_BUDGET, pipeline_depth=depth)
+        engine = GatedBatchedEngine(tiny, config)
         engine.start_gate.clear()
         engines.append(engine)
         return engine
@@ -211,15 +206,13 @@ def test_sigterm_finishes_accepted_requests_then_exits_0(
 # ---- reflection and metrics ---------------------------------------------------------------
 
 
-def _engine_factory(kind: str, tiny: LoadedModel) -> Callable[[], Engine]:
-    if kind == "batched":
-        return lambda: BatchedEngine(tiny, EngineConfig(kv_budget_bytes=KV_BUDGET))
-    return lambda: ReferenceEngine(lambda: tiny)
+def _engine_factory(tiny: LoadedModel) -> Callable[[], Engine]:
+    return lambda: BatchedEngine(tiny, EngineConfig(kv_budget_bytes=KV_BUDGET))
 
 
-@pytest.fixture(scope="module", params=["batched", "reference"])
-def server(tiny: LoadedModel, request: pytest.FixtureRequest) -> Iterator[ServerThread]:
-    with ServerThread(local_config(), _engine_factory(request.param, tiny)) as running:
+@pytest.fixture(scope="module")
+def server(tiny: LoadedModel) -> Iterator[ServerThread]:
+    with ServerThread(local_config(), _engine_factory(tiny)) as running:
         yield running
 
 
@@ -269,7 +262,7 @@ def test_metrics_endpoint_counts_requests_and_reads_engine_gauges(server: Server
 def test_two_servers_in_one_process_keep_separate_metrics(
     server: ServerThread, tiny: LoadedModel
 ) -> None:
-    with ServerThread(local_config(), _engine_factory("batched", tiny)) as other:
+    with ServerThread(local_config(), _engine_factory(tiny)) as other:
         with VisionLanguageClient(other.target, timeout=60) as client:
             client.model_info()
         samples = _scrape(other.metrics_url)

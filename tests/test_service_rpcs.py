@@ -1,8 +1,8 @@
-"""Every RPC end to end on real loopback servers (tiny model), on both engines: the batched
-engine (the server's default) and the reference engine. Results are compared with the
-reference generation; every input error is checked for its status code and field. Segment and
-constrained queries, which only the batched engine serves, are checked there for well-formed
-answers equal to the reference generation, and for UNIMPLEMENTED on the reference engine."""
+"""Every RPC end to end on real loopback servers (tiny model): the batched engine (the
+server's default) and the same engine one request at a time, blocking. Results are compared
+with the reference generation; every input error is checked for its status code and field.
+Segment and constrained queries are checked for well-formed answers equal to the reference
+generation."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
 from vlm_server.client import EncodedImage, TextResult, VisionLanguageClient, VlmError
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
-from vlm_server.engine.reference_engine import ReferenceEngine
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
 from vlm_server.weights.loader import LoadedModel
 
@@ -30,13 +29,14 @@ GREEDY = {"temperature": 0.0}
 MIB = 1 << 20
 BATCH = 8
 # (pipeline depth, max batch size) each engine reports in GetModelInfo.
-SHAPES = {"reference": (1, 1), "batched": (2, BATCH)}
+SHAPES = {"single": (1, 1), "batched": (2, BATCH)}
 
 
 @pytest.fixture(scope="module")
-def reference_server(tiny: LoadedModel) -> Iterator[ServerThread]:
-    factory = lambda: ReferenceEngine(lambda: tiny, max_queue=100)
-    with ServerThread(local_config(), factory) as running:
+def single_server(tiny: LoadedModel) -> Iterator[ServerThread]:
+    """One request at a time, blocking: what ``--engine reference`` serves."""
+    config = EngineConfig(max_batch=1, pipeline_depth=1, max_queue=100, kv_budget_bytes=16 * MIB)
+    with ServerThread(local_config(), lambda: BatchedEngine(tiny, config)) as running:
         yield running
 
 
@@ -47,7 +47,7 @@ def batched_server(tiny: LoadedModel) -> Iterator[ServerThread]:
         yield running
 
 
-@pytest.fixture(scope="module", params=["batched", "reference"])
+@pytest.fixture(scope="module", params=["batched", "single"])
 def engine_kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -84,14 +84,9 @@ def batched_client(batched_server: ServerThread) -> Iterator[VisionLanguageClien
 
 
 @pytest.fixture(scope="module")
-def reference_client(reference_server: ServerThread) -> Iterator[VisionLanguageClient]:
-    with VisionLanguageClient(reference_server.target, timeout=60) as c:
+def single_client(single_server: ServerThread) -> Iterator[VisionLanguageClient]:
+    with VisionLanguageClient(single_server.target, timeout=60) as c:
         yield c
-
-
-def _known_bug(request: pytest.FixtureRequest, reason: str) -> None:
-    """Mark the running test as an expected failure (strict: it must fail until fixed)."""
-    request.applymarker(pytest.mark.xfail(strict=True, reason=f"bug: {reason}"))
 
 
 def _greedy(max_tokens: int) -> SamplingSettings:
@@ -205,12 +200,12 @@ def _input_tokens_against_the_reference(
     )
 
 
-def test_input_tokens_count_the_prompt_on_the_reference_engine(
-    reference_client: VisionLanguageClient,
+def test_input_tokens_count_the_prompt_one_request_at_a_time(
+    single_client: VisionLanguageClient,
     generator: ReferenceGenerator,
     sample_image: PreparedImage,
 ) -> None:
-    _input_tokens_against_the_reference(reference_client, generator, sample_image)
+    _input_tokens_against_the_reference(single_client, generator, sample_image)
 
 
 def test_input_tokens_count_the_prompt_on_the_batched_engine(
@@ -364,25 +359,17 @@ IMAGE_ID_ERRORS: list[tuple[str, Callable[..., Any], grpc.StatusCode, str]] = [
 ]
 
 
-# Errors the batched engine answers differently from the contract (and the reference engine).
-BATCHED_ERROR_BUGS: dict[str, str] = {}
-
-
 @pytest.mark.parametrize(
     ("case", "fn", "code", "field"), IMAGE_ID_ERRORS, ids=[e[0] for e in IMAGE_ID_ERRORS]
 )
 def test_bad_requests_fail_with_a_code_and_name_the_field(
     client: VisionLanguageClient,
     uploaded: EncodedImage,
-    engine_kind: str,
-    request: pytest.FixtureRequest,
     case: str,
     fn: Callable[..., Any],
     code: grpc.StatusCode,
     field: str,
 ) -> None:
-    if engine_kind == "batched" and case in BATCHED_ERROR_BUGS:
-        _known_bug(request, BATCHED_ERROR_BUGS[case])
     with pytest.raises(VlmError) as caught:
         fn(client, uploaded)
     err = caught.value
@@ -392,26 +379,7 @@ def test_bad_requests_fail_with_a_code_and_name_the_field(
     assert err.request_id
 
 
-@pytest.mark.parametrize("kwargs", [{"regex": "yes|no"}, {"choices": ["yes", "no"]}])
-def test_reference_engine_answers_constraints_with_unimplemented(
-    reference_client: VisionLanguageClient, kwargs: dict[str, Any]
-) -> None:
-    with pytest.raises(VlmError) as caught:
-        reference_client.query(sample_image_bytes(), "is it sunny?", **kwargs)
-    assert caught.value.code == grpc.StatusCode.UNIMPLEMENTED
-    assert "choices or regex" in caught.value.message
-
-
-def test_reference_engine_answers_segment_with_unimplemented(
-    reference_client: VisionLanguageClient,
-) -> None:
-    with pytest.raises(VlmError) as caught:
-        reference_client.segment(sample_image_bytes(), "house")
-    assert caught.value.code == grpc.StatusCode.UNIMPLEMENTED
-    assert "segment" in caught.value.message
-
-
-# ---- what only the batched engine implements ----------------------------------------------
+# ---- segment and constrained queries ---------------------------------------------------------
 
 
 @pytest.mark.parametrize("choices", [["yes", "no"], ["red", "green", "blue", "a long one"]])

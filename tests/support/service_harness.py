@@ -1,9 +1,9 @@
 """Running a server inside a process (tests, notebooks): its own event loop on a thread.
 
 `ServerThread` starts a `VisionLanguageServer` on a background loop, so blocking clients can
-call it from the calling thread. `GatedReferenceEngine` and `GatedBatchedEngine` let a test
-hold the engine at start or after a token, to put the server in a known state without
-sleeping. `wait_for` polls a condition until a deadline.
+call it from the calling thread. `GatedBatchedEngine` lets a test hold the engine at start or
+before a decode commit, to put the server in a known state without sleeping. `wait_for` polls
+a condition until a deadline.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from vlm_server.engine.api import EngineError, Finished
 from vlm_server.engine.core.pipeline import LaunchKind, Step
 from vlm_server.engine.core.sequence import Sequence
 from vlm_server.engine.engine import BatchedEngine
-from vlm_server.engine.reference_engine import ReferenceEngine
 from vlm_server.service.config import ServerConfig
 from vlm_server.service.server import EngineFactory, VisionLanguageServer
 
@@ -122,33 +121,6 @@ class ServerThread:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
-
-
-class GatedReferenceEngine(ReferenceEngine):
-    """A `ReferenceEngine` a test can hold: at start (`start_gate`) and after each text token
-    (`token_gate`). Gates are open until cleared; `holding` is set while a token is held and
-    `held_job` is the request it belongs to."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.start_gate = threading.Event()
-        self.start_gate.set()
-        self.token_gate = threading.Event()
-        self.token_gate.set()
-        self.holding = threading.Event()
-        self.held_job: Any = None
-
-    async def start(self) -> None:
-        await asyncio.to_thread(self.start_gate.wait, GATE_TIMEOUT_S)
-        await super().start()
-
-    def _after_token(self, job: Any) -> None:
-        if self.token_gate.is_set():
-            return
-        self.held_job = job
-        self.holding.set()
-        self.token_gate.wait(GATE_TIMEOUT_S)
-        self.holding.clear()
 
 
 class GatedBatchedEngine(BatchedEngine):

@@ -131,7 +131,11 @@ OPTIONS: tuple[_Option, ...] = (
         ("bf16", "fp16", "fp32"),
     ),
     _Option("device", _optional_str, "cpu or cuda[:N] (default: cuda if present)"),
-    _Option("engine", str, "engine implementation"),
+    _Option(
+        "engine",
+        str,
+        "batched (continuous batching) or reference (the same engine at batch 1, blocking)",
+    ),
     _Option("host", str, "address to listen on"),
     _Option("port", int, "gRPC port (0 = any free port)"),
     _Option("max_batch_size", int, "most sequences decoded together (batched engine)"),

@@ -2,7 +2,8 @@
 
 On the signal it drains: readiness goes NOT_SERVING, new calls get UNAVAILABLE, accepted ones
 finish within the grace period, then the process exits 0. ``--engine`` picks the engine behind
-the service (`ENGINES`): ``reference`` (one request at a time) or ``batched``.
+the service (`ENGINES`): ``batched`` (continuous batching) or ``reference`` (the same engine
+one request at a time, blocking: a baseline and a debugging aid).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import torch
 
 from vlm_server.default_model import default_model_dir
 from vlm_server.engine.api import Engine
-from vlm_server.engine.reference_engine import ReferenceEngine
 from vlm_server.service.config import ServerConfig, load_config
 from vlm_server.service.logs import configure_logging
 from vlm_server.service.server import VisionLanguageServer
@@ -63,21 +63,15 @@ def _loader(config: ServerConfig) -> Callable[[], LoadedModel]:
     return load
 
 
-def reference_engine(config: ServerConfig) -> Engine:
-    """One request at a time; loads the model when started."""
-    return ReferenceEngine(
-        _loader(config), max_queue=config.queue_limit, kv_budget_bytes=config.kv_budget
-    )
-
-
-def batched_engine(config: ServerConfig) -> Engine:
-    """Continuous batching; loads the model here (the server calls this off its loop)."""
+def batched_engine(config: ServerConfig, one_at_a_time: bool = False) -> Engine:
+    """Continuous batching; loads the model here (the server calls this off its loop).
+    ``one_at_a_time``: batch 1, blocking (depth 1), what ``--engine reference`` serves."""
     from vlm_server.engine.config import EngineConfig
     from vlm_server.engine.engine import BatchedEngine
 
     cfg = EngineConfig(
-        max_batch=config.max_batch_size,
-        pipeline_depth=config.pipeline_depth,
+        max_batch=1 if one_at_a_time else config.max_batch_size,
+        pipeline_depth=1 if one_at_a_time else config.pipeline_depth,
         max_queue=config.queue_limit,
         kv_budget_bytes=config.kv_budget or None,
     )
@@ -86,8 +80,8 @@ def batched_engine(config: ServerConfig) -> Engine:
 
 # Engine implementations by name (--engine).
 ENGINES: dict[str, Callable[[ServerConfig], Engine]] = {
-    "reference": reference_engine,
     "batched": batched_engine,
+    "reference": lambda config: batched_engine(config, one_at_a_time=True),
 }
 
 
