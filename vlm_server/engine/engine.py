@@ -186,11 +186,7 @@ class BatchedEngine:
             seq = self._build(request)
         scheduler = self.scheduler
         total_pages = self.runtime.pages.n_pages - 1
-        # Worst case (the image prefix not cached): the sequence's pages, plus a private copy
-        # of a partly filled last prefix page.
-        need = scheduler.rt.pages.pages_for(seq.total_positions) + (
-            1 if seq.prefix_len and scheduler.prefix_cache.has_tail else 0
-        )
+        need = scheduler.worst_case_pages(seq)
         if need > total_pages:
             raise EngineError(
                 ErrorCode.RESOURCE_EXHAUSTED,

@@ -103,12 +103,10 @@ class ImageResolver:
             self._by_encoding.popitem(last=False)
         return image
 
-    async def resolve(self, request: _HasImage, required: bool) -> PreparedImage | None:
-        """The request's image; None only when it has none and ``required`` is False."""
+    async def resolve(self, request: _HasImage) -> PreparedImage | None:
+        """The request's image, or None when it sets neither image_bytes nor image_id."""
         which = request.WhichOneof("image")
         if which is None:
-            if required:
-                raise invalid("image", "set image_bytes or image_id")
             return None
         if which == "image_id":
             image_id: str = request.image_id  # type: ignore[attr-defined]

@@ -306,11 +306,10 @@ class VisionLanguageServicer(pb_grpc.VisionLanguageServicer):
             **fields,
         )
 
-    async def _with_image(
-        self, gen: GenerationRequest, request: Any, required: bool = True
-    ) -> GenerationRequest:
-        # Decoding is the expensive check, so it comes after all the cheap ones.
-        image = await self.images.resolve(request, required=required)
+    async def _with_image(self, gen: GenerationRequest, request: Any) -> GenerationRequest:
+        # Decoding is the expensive check, so it comes after all the cheap ones. Whether the
+        # task needs an image is the request compiler's check (it defines the tasks).
+        image = await self.images.resolve(request)
         return dataclasses.replace(gen, image=image)
 
     # ---- RPCs -------------------------------------------------------------------------
@@ -341,7 +340,7 @@ class VisionLanguageServicer(pb_grpc.VisionLanguageServicer):
                 choices=validation.choices(list(request.choices)),
                 regex=request.regex if request.HasField("regex") else None,
             )
-            gen = await self._with_image(gen, request, required=False)
+            gen = await self._with_image(gen, request)
             async for message in self._text(call, gen, pb.QueryResponse):
                 yield message
 

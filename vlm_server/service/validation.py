@@ -1,7 +1,8 @@
 """Checks of request fields that need no model: ranges, empty strings, enum values.
 
 Errors are INVALID_ARGUMENT with a message that starts with the proto field's path. Checks
-that depend on the model (context length, regex against the vocabulary) are the engine's.
+that depend on the model (context length, regex against the vocabulary) or on the task (whether
+it needs an image) are the request compiler's (vlm_server/engine/requests/tasks.py).
 """
 
 from __future__ import annotations
@@ -45,14 +46,12 @@ def settings(msg: pb.GenerationSettings, max_tokens_limit: int) -> Settings:
         raise invalid("settings.temperature", f"must be >= 0, got {temperature}")
     if not math.isfinite(top_p) or not 0 < top_p <= 1:
         raise invalid("settings.top_p", f"must be in (0, 1], got {top_p}")
-    # The default may exceed a small model's context; only an explicit value is an error.
+    # The default may exceed a small model's context; only an explicit value is an error, and
+    # the request compiler owns that check (it knows the context).
     if not msg.HasField("max_tokens"):
         max_tokens = min(max_tokens, max_tokens_limit)
-    if not 1 <= max_tokens <= max_tokens_limit:
-        raise invalid(
-            "settings.max_tokens",
-            f"must be in 1..{max_tokens_limit} (the model's context), got {max_tokens}",
-        )
+    if max_tokens < 1:
+        raise invalid("settings.max_tokens", f"must be >= 1, got {max_tokens}")
     if max_objects < 1:
         raise invalid("settings.max_objects", f"must be >= 1, got {max_objects}")
     return Settings(temperature, top_p, max_tokens, max_objects, seed)

@@ -97,16 +97,23 @@ class Scheduler:
             prefix_lookups=self.prefix_cache.lookups,
         )
 
-    def pages_to_admit(self, seq: Sequence) -> int:
-        """Free pages admitting ``seq`` takes now: its own pages (prompt + output budget, and a
-        private copy of a partly filled prefix page), plus the image prefix if not cached."""
+    def worst_case_pages(self, seq: Sequence) -> int:
+        """The most free pages admitting ``seq`` can take: its own pages (prompt + output
+        budget, and a private copy of a partly filled prefix page) plus its whole image prefix,
+        as if not cached. Admission refuses a request above the cache's size with it."""
         total = self.rt.pages.pages_for(seq.total_positions)
         if seq.prefix_len == 0:
             return total
         cache = self.prefix_cache
         shared = cache.pages_per_entry - (1 if cache.has_tail else 0)
-        cached = cache.peek(seq.request.image.content_hash) is not None
-        return total - shared + (0 if cached else cache.pages_per_entry)
+        return total - shared + cache.pages_per_entry
+
+    def pages_to_admit(self, seq: Sequence) -> int:
+        """Free pages admitting ``seq`` takes now (its prefix's pages only if not cached)."""
+        worst = self.worst_case_pages(seq)
+        if seq.prefix_len and self.prefix_cache.peek(seq.request.image.content_hash) is not None:
+            return worst - self.prefix_cache.pages_per_entry
+        return worst
 
     # ---- the tick ---------------------------------------------------------------------
 

@@ -90,14 +90,12 @@ class TaskCompiler:
                     constraint=self._constraint(req),
                 )
             elif req.task in (Task.POINT, Task.DETECT):
-                _need_object(req)
                 point = req.task is Task.POINT
                 build = prompts.point_prompt if point else prompts.detect_prompt
                 prompt = build(c, tok, req.object_name)
                 make = point_grammar if point else detect_grammar
                 grammar = make(self.region_rows, req.max_objects)
             else:
-                _need_object(req)
                 prompt = prompts.segment_prompt(c, tok, req.object_name)
                 grammar = SegmentGrammar(
                     self.region_rows,
@@ -156,20 +154,17 @@ class TaskCompiler:
 
 
 def _check_settings(req: GenerationRequest, max_context: int) -> None:
+    """The checks that need the task definitions or the model; value ranges that need
+    neither (temperature, top_p, max_objects >= 1, ...) are the service's."""
     if req.task is not Task.QUERY and req.image is None:
-        raise EngineError(ErrorCode.INVALID_ARGUMENT, f"{req.task} needs an image", "image")
-    if req.temperature < 0:
-        raise EngineError(ErrorCode.INVALID_ARGUMENT, "temperature must be >= 0", "temperature")
-    if not 0 < req.top_p <= 1:
-        raise EngineError(ErrorCode.INVALID_ARGUMENT, "top_p must be in (0, 1]", "top_p")
-    if not 1 <= req.max_tokens <= max_context:
         raise EngineError(
-            ErrorCode.INVALID_ARGUMENT, f"max_tokens must be in 1..{max_context}", "max_tokens"
+            ErrorCode.INVALID_ARGUMENT,
+            f"{req.task} needs an image: set image_bytes or image_id",
+            "image",
         )
-    if req.task in (Task.POINT, Task.DETECT) and req.max_objects < 1:
-        raise EngineError(ErrorCode.INVALID_ARGUMENT, "max_objects must be >= 1", "max_objects")
-
-
-def _need_object(req: GenerationRequest) -> None:
-    if not req.object_name.strip():
-        raise EngineError(ErrorCode.INVALID_ARGUMENT, "object must not be empty", "object")
+    if req.max_tokens > max_context:
+        raise EngineError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"max_tokens must be at most {max_context} (the model's context), got {req.max_tokens}",
+            "max_tokens",
+        )
