@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 from tokenizers import Tokenizer
@@ -25,12 +24,18 @@ from decoding.sampling import sample
 from decoding.segment_output import SegmentResult
 from image_pipeline import PreparedImage
 from vlm_server.config import ModelConfig
-from vlm_server.engine.api import EngineError, ErrorCode, GenerationRequest, Task
+from vlm_server.engine.api import (
+    Box,
+    EngineError,
+    ErrorCode,
+    FinishReason,
+    GenerationRequest,
+    Point,
+    Task,
+)
 from vlm_server.engine.requests.tasks import BuiltRequest, TaskCompiler
 from vlm_server.model import MoondreamModel
 from vlm_server.model.text import DenseKVCache
-
-FinishReason = Literal["eos", "length", "max_objects", "cancelled"]
 
 
 @dataclass(frozen=True)
@@ -60,26 +65,12 @@ class TextResult:
 
 
 @dataclass
-class Point:
-    x: float
-    y: float
-
-
-@dataclass
-class Box:
-    x_min: float
-    y_min: float
-    x_max: float
-    y_max: float
-
-
-@dataclass
 class RegionResult:
     """Points (point task) or boxes (detect task), normalized to [0, 1], origin top-left."""
 
     points: list[Point] = field(default_factory=list)
     boxes: list[Box] = field(default_factory=list)
-    finish_reason: FinishReason = "eos"
+    finish_reason: FinishReason = FinishReason.EOS
     prompt_tokens: int = 0
 
 
@@ -215,8 +206,8 @@ class ReferenceGenerator:
             pos += 1
         stop = g.finish_reason is GrammarFinish.STOP
         if isinstance(g, ObjectGrammar):
-            return built, "eos" if stop else "max_objects", out
-        return built, "eos" if stop else "length", out
+            return built, FinishReason.EOS if stop else FinishReason.MAX_OBJECTS, out
+        return built, FinishReason.EOS if stop else FinishReason.LENGTH, out
 
     # ---- tasks ------------------------------------------------------------------------
 

@@ -25,6 +25,14 @@ class Task(enum.StrEnum):
     SEGMENT = "segment"
 
 
+class FinishReason(enum.StrEnum):
+    """Why a request ended with a result (errors, cancellation included, end with EngineError)."""
+
+    EOS = "eos"  # the model ended the answer
+    LENGTH = "length"  # max_tokens reached
+    MAX_OBJECTS = "max_objects"  # point / detect: max_objects reached
+
+
 class ErrorCode(enum.StrEnum):
     """Mirrors the gRPC status codes the service answers with."""
 
@@ -112,7 +120,7 @@ class TextDelta:
 
 @dataclass
 class Finished:
-    finish_reason: str  # eos | length | max_objects | cancelled
+    finish_reason: FinishReason
     text: str | None = None
     points: list[Point] = field(default_factory=list)
     boxes: list[Box] = field(default_factory=list)

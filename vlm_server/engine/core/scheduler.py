@@ -22,7 +22,7 @@ from collections import deque
 
 import numpy as np
 
-from decoding.grammar_base import FinishReason
+from decoding.grammar_base import FinishReason as GrammarEnd
 from decoding.grammars import ObjectGrammar, SegmentGrammar, TextGrammar
 from decoding.mask_table import NO_MASK
 from decoding.segment_output import SegmentResult
@@ -33,6 +33,7 @@ from vlm_server.engine.api import (
     EngineStats,
     ErrorCode,
     Finished,
+    FinishReason,
     Point,
     Segmentation,
     TextDelta,
@@ -317,8 +318,9 @@ class Scheduler:
         m.decode_ms = (now - seq.first_token_at) * 1e3 if seq.first_token_at else 0.0
         # The task's prompt tokens, as the API states: image positions and BOS not counted.
         m.input_tokens = len(seq.prompt) - (1 if seq.prefix_len == 0 else 0)
-        stop = g.finish_reason is FinishReason.STOP
-        result = Finished(finish_reason="eos" if stop else "length", metrics=m)
+        stop = g.finish_reason is GrammarEnd.STOP
+        reason = FinishReason.EOS if stop else FinishReason.LENGTH
+        result = Finished(finish_reason=reason, metrics=m)
         if isinstance(g, TextGrammar):
             if seq.detok is not None:
                 tail = seq.detok.flush()
@@ -327,7 +329,7 @@ class Scheduler:
                     self._emit(seq, TextDelta(tail))
             result.text = "".join(seq.text_parts)
         elif isinstance(g, ObjectGrammar):
-            result.finish_reason = "eos" if stop else "max_objects"
+            result.finish_reason = FinishReason.EOS if stop else FinishReason.MAX_OBJECTS
             m.output_tokens = len(g.objects)
             for obj in g.objects:
                 if len(obj) == 2:
