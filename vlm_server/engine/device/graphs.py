@@ -72,11 +72,9 @@ class GraphSet(Generic[K]):
             self.pool_bytes / 2**20,
         )
 
-    def replay(self, key: K) -> object | None:
-        """Replay the graph of ``key`` on the current stream; None when there is none."""
-        entry = self._graphs.get(key)
-        if entry is None:
-            return None
-        graph, out = entry
+    def replay(self, key: K) -> object:
+        """Replay the graph of ``key`` on the current stream; returns what its capture
+        returned (the same tensor every time). KeyError when ``key`` has no graph."""
+        graph, out = self._graphs[key]
         graph.replay()
         return out

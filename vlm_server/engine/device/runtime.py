@@ -273,7 +273,9 @@ class ModelRuntime:
 
     def _decode_step(self, slot: int, n: int, n_blocks: int) -> None:
         start = self._mark()
-        if self.decode_graphs.replay((slot, n)) is None:
+        if (slot, n) in self.decode_graphs:
+            self.decode_graphs.replay((slot, n))
+        else:
             self._decode_forward(self.slots[slot], n, n_blocks)
         if start is not None:
             self.observer.forward_timed("decode", start, self._mark())
@@ -406,10 +408,10 @@ class ModelRuntime:
         if self.vision_graphs:
             # One graph replay per image (captured per crop count); counts without a graph
             # (extreme aspect ratios) run eagerly.
-            feats = [self._encode_graphed(x) for x in normalized]
+            # Each replay overwrites its graph's output: project it before the next one.
             embs = [
-                m.prefix_embeddings(m.vision.project(f, j.tiling))
-                for f, j in zip(feats, jobs, strict=True)
+                m.prefix_embeddings(m.vision.project(self._encode_graphed(x), j.tiling))
+                for x, j in zip(normalized, jobs, strict=True)
             ]
         else:
             all_feats = m.vision.encode(torch.cat(normalized))
