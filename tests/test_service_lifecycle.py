@@ -161,6 +161,8 @@ def test_sigterm_finishes_accepted_requests_then_exits_0(
         "0",
         "--metrics-port",
         "0",
+        "--http-port",
+        "-1",
     ]
     proc = subprocess.Popen(
         cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=REPO_ROOT

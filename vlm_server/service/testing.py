@@ -45,10 +45,12 @@ def wait_for(
 
 
 def local_config(**overrides: Any) -> ServerConfig:
-    """A config for a server on loopback with free ports."""
+    """A config for a server on loopback with free ports; HTTP is off unless ``http_port`` is
+    given (-1: any free port)."""
     values: dict[str, Any] = {
         "host": "127.0.0.1",
         "port": 0,
+        "http_port": 0,
         "metrics_port": 0,
         "decode_threads": 2,
         "grace_period": 20.0,
@@ -94,6 +96,12 @@ class ServerThread:
     def target(self) -> str:
         assert self.server is not None
         return f"{self.config.host}:{self.server.port}"
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the HTTP door's API (``.../v1``)."""
+        assert self.server is not None and self.server.http_port, "HTTP is off"
+        return f"http://{self.config.host}:{self.server.http_port}/v1"
 
     @property
     def metrics_url(self) -> str:
