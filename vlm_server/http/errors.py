@@ -17,7 +17,7 @@ from vlm_server.service.errors import proto_field
 STATUS: dict[ErrorCode, int] = {
     ErrorCode.INVALID_ARGUMENT: 400,
     ErrorCode.OUT_OF_RANGE: 422,  # well-formed, but beyond the model (e.g. its context)
-    ErrorCode.RESOURCE_EXHAUSTED: 429,  # queue or KV cache full
+    ErrorCode.RESOURCE_EXHAUSTED: 429,  # queue full: retry later
     ErrorCode.UNAVAILABLE: 503,
     ErrorCode.DEADLINE_EXCEEDED: 504,
     ErrorCode.CANCELLED: 499,  # nobody reads it: the client has gone
@@ -53,18 +53,21 @@ def not_found(path: str) -> HttpError:
 
 
 def status_of(err: EngineError) -> int:
-    return err.status if isinstance(err, HttpError) else STATUS.get(err.code, 500)
+    if isinstance(err, HttpError):
+        return err.status
+    if err.code is ErrorCode.RESOURCE_EXHAUSTED and err.field:
+        return 413  # this request can never fit (e.g. beyond the KV cache); retrying won't help
+    return STATUS.get(err.code, 500)
 
 
-def rename(err: EngineError, names: Mapping[str, str]) -> EngineError:
-    """``err`` with its field (a proto path) renamed to what this route's clients call it."""
+def rename(err: EngineError, names: Mapping[str, str]) -> HttpError:
+    """``err`` naming its field as this route's clients call it, in the field and at the head
+    of the message (engines name `GenerationRequest` fields, validation the proto's)."""
     field = proto_field(err.field)
-    if field is None or field not in names:
-        return err
-    new = names[field]
+    new = names.get(field, field) if field is not None else None
     message = err.message
     for old in (err.field, field):
-        if old and message.startswith(f"{old}:"):
+        if old and new and message.startswith(f"{old}:"):
             message = new + message[len(old) :]
             break
     return HttpError(status_of(err), err.code, message, new, name=_name(err))
@@ -75,12 +78,9 @@ def _name(err: EngineError) -> str:
 
 
 def body(err: EngineError, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The JSON error object; ``extra`` adds members (e.g. OpenAI's ``type`` and ``param``)."""
-    error: dict[str, Any] = {
-        "code": _name(err),
-        "message": err.message,
-        "field": proto_field(err.field),
-    }
+    """The JSON error object of a `rename`d error; ``extra`` adds members (e.g. OpenAI's
+    ``type`` and ``param``)."""
+    error: dict[str, Any] = {"code": _name(err), "message": err.message, "field": err.field}
     if extra:
         error.update(extra)
     return {"error": error}

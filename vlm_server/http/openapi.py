@@ -29,9 +29,9 @@ ERROR_SCHEMA: dict[str, Any] = {
 _ERRORS = {
     "400": "Bad input; the message and field name what is wrong",
     "401": "Missing or wrong API key (when the server requires one)",
-    "413": "Body larger than the server's limit",
+    "413": "Body larger than the server's limit, or a request larger than the KV cache",
     "422": "Well-formed but beyond the model (e.g. prompt plus max_tokens beyond its context)",
-    "429": "Queue or KV cache full; retry later",
+    "429": "Queue full; retry later",
     "501": "Not implemented by the serving engine",
     "503": "Model loading or server draining; retry elsewhere",
     "504": "Deadline (X-Request-Timeout) exceeded",

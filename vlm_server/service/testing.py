@@ -19,6 +19,7 @@ from vlm_server.engine.api import EngineError, Finished
 from vlm_server.engine.batched_engine import BatchedEngine
 from vlm_server.engine.pipeline_state import Step, StepKind
 from vlm_server.engine.reference_engine import ReferenceEngine
+from vlm_server.http.server import Authorizer
 from vlm_server.service.config import ServerConfig
 from vlm_server.service.server import EngineFactory, VisionLanguageServer
 
@@ -62,9 +63,15 @@ def local_config(**overrides: Any) -> ServerConfig:
 class ServerThread:
     """A server on a private event loop in a daemon thread; use as a context manager."""
 
-    def __init__(self, config: ServerConfig, engine_factory: EngineFactory) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        engine_factory: EngineFactory,
+        http_auth: Authorizer | None = None,
+    ) -> None:
         self.config = config
         self._factory = engine_factory
+        self._http_auth = http_auth
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self.loop.run_forever, daemon=True, name="vlm-server-loop"
@@ -83,7 +90,7 @@ class ServerThread:
         self._thread.start()
 
         async def create() -> VisionLanguageServer:
-            server = VisionLanguageServer(self.config, self._factory)
+            server = VisionLanguageServer(self.config, self._factory, self._http_auth)
             await server.start()
             return server
 
