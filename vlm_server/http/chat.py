@@ -187,6 +187,9 @@ async def _question(ex: Exchange, messages: list[Any], message: pb.QueryRequest)
     image: str | None = None
     for i, raw in enumerate(content):
         where = f"messages[0].content[{i}]"
+        kind = raw.get("type") if isinstance(raw, dict) else None
+        if kind not in ("text", "image_url"):  # the part's kind first: it decides the rest
+            raise invalid(f"{where}.type", f"must be text or image_url, got {str(kind)[:40]!r}")
         part = check(_PART, raw, where)
         if part["type"] == "text":
             if part.get("text") is None:
