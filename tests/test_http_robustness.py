@@ -7,6 +7,7 @@ every route; and the server stays healthy throughout."""
 from __future__ import annotations
 
 import concurrent.futures
+import io
 import json
 import socket
 import urllib.request
@@ -15,6 +16,7 @@ from typing import Any
 
 import grpc
 import pytest
+from PIL import Image
 
 from image_pipeline import sample_image_bytes
 from tests.http_support import data_url, events, post, post_json
@@ -361,6 +363,48 @@ def test_the_server_is_healthy_after_all_that(server: ServerThread) -> None:
     )
     assert status == 200 and answer["finish_reason"] == "length"
     _settled(_engine(server))
+
+
+# ---- admission limits ----------------------------------------------------------------------------
+
+# A KV page of the tiny fp32 model: 16 positions x 2 layers x K and V x 64 floats x 4 bytes.
+PAGE_BYTES = 16 * 2 * 2 * 64 * 4
+
+
+def _small_png() -> bytes:
+    # Small pictures tile to two crops: an image prefix of 730 positions (46 pages).
+    picture = Image.new("RGB", (96, 64), (40, 120, 200))
+    out = io.BytesIO()
+    picture.save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_a_full_queue_is_429_and_a_request_beyond_the_cache_413(tiny: LoadedModel) -> None:
+    config = EngineConfig(max_batch=1, max_queue=1, kv_budget_bytes=60 * PAGE_BYTES)
+    factory = lambda: GatedBatchedEngine(tiny, config)
+    with ServerThread(local_config(http_port=-1), factory) as single:
+        engine, url = _engine(single), single.http_url
+        engine.token_gate.clear()
+        try:
+            pool = concurrent.futures.ThreadPoolExecutor(2)
+            story = {"question": "a story", "settings": {"temperature": 0, "max_tokens": 40}}
+            occupant = pool.submit(post_json, f"{url}/query", story)
+            wait_for(engine.holding.is_set, what="the occupant's first token")
+            queued = pool.submit(post_json, f"{url}/query", story)
+            wait_for(lambda: engine.stats().queue_depth == 1, what="a queued request")
+            status, error = post_json(f"{url}/query", story)
+            assert status == 429 and error["error"]["code"] == "RESOURCE_EXHAUSTED"
+            assert "queue is full" in error["error"]["message"]
+        finally:
+            engine.token_gate.set()
+        assert occupant.result(60)[0] == queued.result(60)[0] == 200
+        pool.shutdown()
+        # The image prefix (46 pages) plus 300 tokens (19 pages) can never fit 59 pages.
+        body = {"image_url": data_url(_small_png(), "image/png"), "settings": {"max_tokens": 300}}
+        status, error = post_json(f"{url}/caption", body)
+        assert status == 413 and error["error"]["field"] == "settings.max_tokens"
+        assert "KV pages" in error["error"]["message"]
+        _settled(engine)
 
 
 # ---- loading and draining -----------------------------------------------------------------------
