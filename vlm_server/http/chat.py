@@ -238,10 +238,7 @@ async def completions(ex: Exchange) -> web.StreamResponse:
     submitted = await call.submit(await call.build(message))
     head = {"id": f"chatcmpl-{ex.request_id}", "created": int(time.time()), "model": model}
     if not body.get("stream"):
-        try:
-            done = await call.result(submitted)
-        finally:
-            submitted.cancel()
+        done = await call.result(submitted)
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": done.text or ""},

@@ -52,7 +52,9 @@ def _api_key(request: web.Request) -> str | None:
     if key:
         return key
     scheme, _, value = request.headers.get("Authorization", "").partition(" ")
-    return value.strip() or None if scheme.lower() == "bearer" else None
+    if scheme.lower() != "bearer":
+        return None
+    return value.strip() or None
 
 
 class HttpFrontDoor:
@@ -172,9 +174,9 @@ class HttpFrontDoor:
             if exc.status == 404:
                 err: EngineError = errors.not_found(request.path)
             else:
-                err = errors.HttpError(
-                    exc.status, ErrorCode.INVALID_ARGUMENT, exc.reason, name=exc.reason.upper()
-                )
+                name = exc.reason.upper().replace(" ", "_")  # e.g. METHOD_NOT_ALLOWED
+                code = ErrorCode.INVALID_ARGUMENT
+                err = errors.HttpError(exc.status, code, exc.reason, name=name)
             response = await ex.fail(err)
             if exc.status == 405:
                 response.headers["Allow"] = exc.headers.get("Allow", "")
