@@ -176,7 +176,7 @@ def build_parser(prog: str = "vlm-server") -> argparse.ArgumentParser:
     """Flags for every option; defaults come from the environment at parse time."""
     parser = argparse.ArgumentParser(
         prog=prog,
-        description="Serve a Moondream model over gRPC.",
+        description="Serve a Moondream model over gRPC and HTTP.",
         epilog="Every flag can also be set with an environment variable: --max-batch-size is "
         "VLM_MAX_BATCH_SIZE. Flags win over the environment.",
     )
