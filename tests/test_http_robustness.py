@@ -392,8 +392,10 @@ def test_a_full_queue_is_429_and_a_request_beyond_the_cache_413(tiny: LoadedMode
             wait_for(engine.holding.is_set, what="the occupant's first token")
             queued = pool.submit(post_json, f"{url}/query", story)
             wait_for(lambda: engine.stats().queue_depth == 1, what="a queued request")
-            status, error = post_json(f"{url}/query", story)
+            status, headers, raw = post(f"{url}/query", story)
+            error = json.loads(raw)
             assert status == 429 and error["error"]["code"] == "RESOURCE_EXHAUSTED"
+            assert headers["Retry-After"] == "1"
             assert "queue is full" in error["error"]["message"]
         finally:
             engine.token_gate.set()

@@ -106,11 +106,14 @@ class Exchange:
 
     async def fail(self, err: EngineError) -> web.StreamResponse:
         """Answer ``err``: a JSON error with its status, or an error event on a begun stream."""
-        err = errors.rename(err, self.names)
+        named = errors.rename(err, self.names)
         if self.events is None:
-            return self.respond(self.error_body(err), errors.status_of(err))
-        if err.code is not ErrorCode.CANCELLED:
+            response = self.respond(self.error_body(named), named.status)
+            if named.status in (429, 503):
+                response.headers["Retry-After"] = "1"
+            return response
+        if named.code is not ErrorCode.CANCELLED:
             with contextlib.suppress(EngineError):  # the client may have gone too
-                await self.events.send(self.error_body(err))
+                await self.events.send(self.error_body(named))
         await self.events.close()
         return self.events.response

@@ -125,6 +125,8 @@ class ServiceMetrics:
         self.in_flight = Gauge(
             "vlm_requests_in_flight", "requests being handled, by door", ["door"], registry=r
         )
+        for door in ("grpc", "http"):  # exported as 0 before the first request
+            self.in_flight.labels(door)
         self.ttft = Histogram(
             "vlm_time_to_first_token_seconds",
             "time from receiving a text request to its first token",
