@@ -20,7 +20,6 @@ from tests.http_support import data_url, events, moondream_client, post, post_js
 from vlm_server.client import VisionLanguageClient
 from vlm_server.engine.batched_engine import BatchedEngine
 from vlm_server.engine.config import EngineConfig
-from vlm_server.engine.reference_engine import ReferenceEngine
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
 from vlm_server.service.testing import ServerThread, local_config, wait_for
 from vlm_server.weights.loader import LoadedModel
@@ -179,7 +178,7 @@ def test_metrics_are_labelled_by_door(server: ServerThread) -> None:
 
 
 def test_an_api_key_is_checked_when_the_server_wants_one(md: ModuleType, tiny: LoadedModel) -> None:
-    factory = lambda: ReferenceEngine(lambda: tiny)
+    factory = lambda: BatchedEngine(tiny, EngineConfig(max_batch=1, kv_budget_bytes=4 * MIB))
     config = local_config(http_port=-1)
     with ServerThread(config, factory, http_auth=lambda key: key == "s3cret") as running:
         settings = {"temperature": 0, "max_tokens": 2}
