@@ -30,6 +30,13 @@ end, per second) and the server's own metrics (queue wait, prefill, cached token
         --device cuda --dtype bf16 --max-batch-size 64
     python -m bench.load_gen --spawn --scenario query3:800x600:unique:c1,c4,r10 -- --preset tiny
 
+``--doors grpc http`` runs every level through each front door in turn (gRPC, and the HTTP
+door's Moondream API with server-sent events), with the same pictures and settings; rows carry
+their ``door``. HTTP vs gRPC on the same server, short answers on one repeated picture:
+
+    python -m bench.load_gen --spawn --doors grpc http \
+        --scenario query3:800x600:repeated:c64 -- --model DIR --device cuda --dtype bf16
+
 With ``--spawn`` the server (``vlm serve`` with the flags after ``--``) runs as a subprocess on
 a free loopback port, is waited on through gRPC health readiness and stopped with SIGTERM at
 the end; its log goes to ``<out>/<tag>_server.log``. Writes ``<tag>.json`` and two PNG plots
@@ -58,15 +65,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 from tqdm import tqdm
 
+from bench.http_client import HttpLoadClient
 from bench.synth_images import parse_size, unique_images
 from vlm_server.client import AsyncVisionLanguageClient
 from vlm_server.client import types as t
 
 SERVICE_NAME = "vlm.v1.VisionLanguage"
 REPO_ROOT = Path(__file__).resolve().parent.parent
+DOORS = ("grpc", "http")
+Client = AsyncVisionLanguageClient | HttpLoadClient
 
 
 # ---- workloads ------------------------------------------------------------------------------
@@ -178,7 +189,7 @@ class Record:
 
 
 async def run_one(
-    client: AsyncVisionLanguageClient,
+    client: Client,
     wl: Workload,
     image: bytes,
     seed: int,
@@ -245,7 +256,7 @@ async def run_one(
         )
     except t.VlmError as err:
         return Record(False, err.code.name, e2e_s=time.perf_counter() - t0)
-    except (grpc.RpcError, OSError) as err:  # OSError covers TimeoutError
+    except (grpc.RpcError, aiohttp.ClientError, OSError) as err:  # OSError: TimeoutError too
         return Record(False, type(err).__name__, e2e_s=time.perf_counter() - t0)
 
 
@@ -343,7 +354,7 @@ class ImageSource:
 
 
 async def closed_loop(
-    client: AsyncVisionLanguageClient,
+    client: Client,
     wl: Workload,
     images: list[bytes],
     concurrency: int,
@@ -387,7 +398,7 @@ def poisson_schedule(rate: float, max_requests: int, duration: float, seed: int)
 
 
 async def open_loop(
-    client: AsyncVisionLanguageClient,
+    client: Client,
     wl: Workload,
     images: list[bytes],
     arrivals: list[float],
@@ -424,87 +435,103 @@ async def run_scenarios(
     scenarios: Sequence[Scenario],
     args: argparse.Namespace,
     on_row: Callable[[list[dict[str, Any]]], None] | None = None,
+    http_url: str | None = None,
 ) -> tuple[list[dict[str, Any]], list[str]]:
-    """Every level of every scenario against ``target``: one summary row per level, and the
-    levels skipped because ``args.time_budget`` ran out. ``on_row`` sees the rows so far."""
+    """Every level of every scenario against ``target``, through each of ``args.doors`` (HTTP
+    at ``http_url``): one summary row per level and door, and the levels skipped because
+    ``args.time_budget`` ran out. ``on_row`` sees the rows so far."""
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
     next_index = 1  # picture stamps are global, so no level reuses another's pictures
     deadline = time.monotonic() + args.time_budget if args.time_budget else math.inf
-    async with AsyncVisionLanguageClient(target, timeout=args.timeout) as client:
+    doors: list[str] = list(dict.fromkeys(args.doors))
+    async with contextlib.AsyncExitStack() as stack:
+        clients: dict[str, Client] = {}
+        for door in doors:
+            if door == "grpc":
+                clients[door] = AsyncVisionLanguageClient(target, timeout=args.timeout)
+            else:
+                assert http_url is not None, "the http door needs its URL"
+                clients[door] = HttpLoadClient(http_url, timeout=args.timeout)
+            await stack.enter_async_context(clients[door])
         for sc in scenarios:
-            if time.monotonic() >= deadline:
-                skipped += [f"{sc.name} {level.label}" for level in sc.levels]
-                continue
-            source = ImageSource(sc, args.seed, args.image_threads)
-            if args.warmup > 0:
-                warm = source.take(args.warmup, next_index)
-                next_index += args.warmup
-                # Warm-up: kernels, allocator and (repeated mode) the image prefix.
-                await asyncio.gather(
-                    *(
-                        run_one(client, sc.workload, img, i, time.perf_counter(), args.timeout)
-                        for i, img in enumerate(warm)
-                    )
-                )
-            for level in sc.levels:
+            for door in doors:
+                client = clients[door]
                 if time.monotonic() >= deadline:
-                    skipped.append(f"{sc.name} {level.label}")
+                    skipped += [f"{sc.name} {level.label} {door}" for level in sc.levels]
                     continue
-                # A level never runs past the overall budget.
-                duration = min(args.duration, max(1.0, deadline - time.monotonic()))
-                if level.kind == "closed":
-                    conc = int(level.value)
-                    cap = max(args.requests, conc)  # the level must reach its concurrency
-                    images = source.take(cap, next_index)
-                    next_index += cap
-                    with tqdm(
-                        total=cap,
-                        desc=f"{sc.name} {level.label}",
-                        unit="req",
-                        leave=False,
-                        disable=args.quiet,
-                    ) as bar:
-                        records, wall = await closed_loop(
-                            client, sc.workload, images, conc, cap, duration, args.timeout, bar
+                source = ImageSource(sc, args.seed, args.image_threads)
+                if args.warmup > 0:
+                    warm = source.take(args.warmup, next_index)
+                    next_index += args.warmup
+                    # Warm-up: kernels, allocator and (repeated mode) the image prefix.
+                    await asyncio.gather(
+                        *(
+                            run_one(client, sc.workload, img, i, time.perf_counter(), args.timeout)
+                            for i, img in enumerate(warm)
                         )
-                    peak = conc
-                else:
-                    arrivals = poisson_schedule(
-                        level.value, args.requests, duration, args.seed + len(rows)
                     )
-                    images = source.take(len(arrivals), next_index)
-                    next_index += len(arrivals)
-                    with tqdm(
-                        total=len(arrivals),
-                        desc=f"{sc.name} {level.label}",
-                        unit="req",
-                        leave=False,
-                        disable=args.quiet,
-                    ) as bar:
-                        records, wall, peak = await open_loop(
-                            client, sc.workload, images, arrivals, args.timeout, bar
-                        )
-                row = {
-                    "scenario": sc.name,
-                    "workload": sc.workload.name,
-                    "image": f"{sc.size[0]}x{sc.size[1]}",
-                    "image_mode": sc.mode,
-                    "loop": level.kind,
-                    "level": level.label,
-                    "concurrency": int(level.value) if level.kind == "closed" else None,
-                    "rate": level.value if level.kind == "open" else None,
-                    "peak_in_flight": peak,
-                    "max_tokens": sc.workload.max_tokens,
-                    "max_objects": sc.workload.max_objects,
-                    **summarize(records, wall, args.slo_ms),
-                }
-                rows.append(row)
-                if on_row is not None:
-                    on_row(rows)
-                if not args.quiet:
-                    tqdm.write(_table_line(row))
+                for level in sc.levels:
+                    if time.monotonic() >= deadline:
+                        skipped.append(f"{sc.name} {level.label} {door}")
+                        continue
+                    records, wall, peak, taken = await _level(
+                        client, sc, level, source, next_index, deadline, len(rows), args
+                    )
+                    next_index += taken
+                    row = {
+                        "scenario": sc.name,
+                        "door": door,
+                        "workload": sc.workload.name,
+                        "image": f"{sc.size[0]}x{sc.size[1]}",
+                        "image_mode": sc.mode,
+                        "loop": level.kind,
+                        "level": level.label,
+                        "concurrency": int(level.value) if level.kind == "closed" else None,
+                        "rate": level.value if level.kind == "open" else None,
+                        "peak_in_flight": peak,
+                        "max_tokens": sc.workload.max_tokens,
+                        "max_objects": sc.workload.max_objects,
+                        **summarize(records, wall, args.slo_ms),
+                    }
+                    rows.append(row)
+                    if on_row is not None:
+                        on_row(rows)
+                    if not args.quiet:
+                        tqdm.write(_table_line(row))
     return rows, skipped
+
+
+async def _level(
+    client: Client,
+    sc: Scenario,
+    level: Level,
+    source: ImageSource,
+    first_index: int,
+    deadline: float,
+    seed_offset: int,
+    args: argparse.Namespace,
+) -> tuple[list[Record], float, int, int]:
+    """Run one level: its records, wall time, peak in flight and the pictures it took."""
+    # A level never runs past the overall budget.
+    duration = min(args.duration, max(1.0, deadline - time.monotonic()))
+    desc = f"{sc.name} {level.label}"
+    if level.kind == "closed":
+        conc = int(level.value)
+        cap = max(args.requests, conc)  # the level must reach its concurrency
+        images = source.take(cap, first_index)
+        with tqdm(total=cap, desc=desc, unit="req", leave=False, disable=args.quiet) as bar:
+            records, wall = await closed_loop(
+                client, sc.workload, images, conc, cap, duration, args.timeout, bar
+            )
+        return records, wall, conc, cap
+    arrivals = poisson_schedule(level.value, args.requests, duration, args.seed + seed_offset)
+    images = source.take(len(arrivals), first_index)
+    with tqdm(total=len(arrivals), desc=desc, unit="req", leave=False, disable=args.quiet) as bar:
+        records, wall, peak = await open_loop(
+            client, sc.workload, images, arrivals, args.timeout, bar
+        )
+    return records, wall, peak, len(arrivals)
 
 
 # ---- spawned server -------------------------------------------------------------------------
@@ -548,9 +575,13 @@ class SpawnedServer:
         startup_timeout: float = 900.0,
         stop_timeout: float = 60.0,
         quiet: bool = False,
+        http: bool = False,
     ) -> None:
         self.port = free_port()
         self.target = f"127.0.0.1:{self.port}"
+        # The HTTP door only when measured (its default port would clash between servers).
+        self.http_port = free_port() if http else 0
+        self.http_url = f"http://127.0.0.1:{self.http_port}/v1" if http else None
         self.log_path = log_path
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
@@ -568,6 +599,8 @@ class SpawnedServer:
             str(self.port),
             "--metrics-port",
             "0",
+            "--http-port",
+            str(self.http_port),
         ]
         self.proc: subprocess.Popen[bytes] | None = None
         self.startup_s = float("nan")
@@ -657,7 +690,7 @@ def _fmt(v: Any, spec: str = ".1f") -> str:
 
 
 TABLE_HEAD = (
-    f"{'scenario':<30} {'level':>9} {'ok/n':>9} {'req/s':>7} {'tok/s':>8} "
+    f"{'scenario':<30} {'door':>5} {'level':>9} {'ok/n':>9} {'req/s':>7} {'tok/s':>8} "
     f"{'ttft50':>7} {'e2e50':>7} {'e2e90':>7} {'e2e99':>7} {'itl50':>6} "
     f"{'tok':>5} {'good/s':>7}"
 )
@@ -665,7 +698,8 @@ TABLE_HEAD = (
 
 def _table_line(r: dict[str, Any]) -> str:
     return (
-        f"{r['scenario']:<30} {r['level']:>9} {str(r['ok']) + '/' + str(r['requests']):>9} "
+        f"{r['scenario']:<30} {r.get('door', 'grpc'):>5} {r['level']:>9} "
+        f"{str(r['ok']) + '/' + str(r['requests']):>9} "
         f"{_fmt(r['req_per_s'], '.2f'):>7} {_fmt(r['tokens_per_s']):>8} "
         f"{_fmt(r['ttft_p50_ms']):>7} {_fmt(r['e2e_p50_ms']):>7} "
         f"{_fmt(r['e2e_p90_ms']):>7} {_fmt(r['e2e_p99_ms']):>7} "
@@ -684,6 +718,12 @@ def print_table(rows: Sequence[dict[str, Any]], title: str) -> None:
         print(_table_line(r))
 
 
+def series(row: dict[str, Any]) -> str:
+    """A plot line's name: the scenario, and the door unless it is gRPC."""
+    door = row.get("door", "grpc")
+    return row["scenario"] if door == "grpc" else f"{row['scenario']} [{door}]"
+
+
 def plot(rows: Sequence[dict[str, Any]], out: Path, tag: str, title: str) -> list[Path]:
     """Latency percentiles by concurrency, and throughput against latency; the PNG paths."""
     try:
@@ -694,18 +734,16 @@ def plot(rows: Sequence[dict[str, Any]], out: Path, tag: str, title: str) -> lis
     except ImportError:
         print("matplotlib is not installed: no plots", file=sys.stderr)
         return []
-    scenarios = list(dict.fromkeys(r["scenario"] for r in rows))
+    scenarios = list(dict.fromkeys(series(r) for r in rows))
     paths = []
-    closed = [
-        s for s in scenarios if any(r["scenario"] == s and r["loop"] == "closed" for r in rows)
-    ]
+    closed = [s for s in scenarios if any(series(r) == s and r["loop"] == "closed" for r in rows)]
     if closed:
         cols = min(3, len(closed))
         nrows = math.ceil(len(closed) / cols)
         fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.6 * nrows), squeeze=False)
         for ax, s in zip(axes.flat, closed, strict=False):
             pts = sorted(
-                (r["concurrency"], r) for r in rows if r["scenario"] == s and r["loop"] == "closed"
+                (r["concurrency"], r) for r in rows if series(r) == s and r["loop"] == "closed"
             )
             xs = [c for c, _ in pts]
             for q, style in ((50, "o-"), (90, "s--"), (99, "^:")):
@@ -732,7 +770,7 @@ def plot(rows: Sequence[dict[str, Any]], out: Path, tag: str, title: str) -> lis
         # One line per loop kind, in load order, each point labelled with its level.
         for loop, key, style in (("closed", "concurrency", "o-"), ("open", "rate", "s--")):
             pts = sorted(
-                (r for r in rows if r["scenario"] == s and r["loop"] == loop),
+                (r for r in rows if series(r) == s and r["loop"] == loop),
                 key=lambda r, k=key: r[k],
             )
             if not pts:
@@ -802,6 +840,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--spawn",
         action="store_true",
         help="start vlm serve (flags after --) on a free loopback port",
+    )
+    ap.add_argument(
+        "--doors",
+        nargs="+",
+        default=["grpc"],
+        choices=DOORS,
+        help="front doors to measure, each in turn (http: the Moondream API)",
+    )
+    ap.add_argument(
+        "--http-url",
+        help="API root of a running server's HTTP door (default with --target: "
+        "http://HOST:2020/v1)",
     )
     ap.add_argument(
         "--workloads",
@@ -927,12 +977,19 @@ def _run(args: argparse.Namespace, scenarios: list[Scenario], server_args: list[
     with contextlib.ExitStack() as stack:
         if args.spawn:
             server = stack.enter_context(
-                SpawnedServer(server_args, log_path, args.startup_timeout, quiet=args.quiet)
+                SpawnedServer(
+                    server_args,
+                    log_path,
+                    args.startup_timeout,
+                    quiet=args.quiet,
+                    http="http" in args.doors,
+                )
             )
             print(f"server ready on {server.target} after {server.startup_s:.1f} s", flush=True)
-            target = server.target
+            target, http_url = server.target, server.http_url
         else:
             target = args.target
+            http_url = args.http_url or f"http://{target.rsplit(':', 1)[0]}:2020/v1"
         info = asyncio.run(_model_info(target))
         local = args.spawn or target.split(":")[0] in ("localhost", "127.0.0.1", "[::1]")
         name = device_name(info, local)
@@ -942,6 +999,7 @@ def _run(args: argparse.Namespace, scenarios: list[Scenario], server_args: list[
         result = {
             "device": name,
             "target": target,
+            "http_url": http_url if "http" in args.doors else None,
             "spawned": args.spawn,
             "server_args": server_args,
             "server_startup_s": server.startup_s if server else None,
@@ -960,7 +1018,7 @@ def _run(args: argparse.Namespace, scenarios: list[Scenario], server_args: list[
 
         write(rows)
         try:
-            rows, skipped = asyncio.run(run_scenarios(target, scenarios, args, write))
+            rows, skipped = asyncio.run(run_scenarios(target, scenarios, args, write, http_url))
             result["complete"] = True
             result["skipped_levels"] = skipped
         except KeyboardInterrupt:

@@ -121,6 +121,57 @@ def test_load_gen_spawned_server(tiny_dir: Path, tmp_path: Path) -> None:
         assert (tmp_path / "load_gen_throughput.png").stat().st_size > 0
 
 
+def test_load_gen_compares_the_http_and_grpc_doors(tiny_dir: Path, tmp_path: Path) -> None:
+    code = load_gen.main(
+        [
+            "--spawn",
+            "--doors",
+            "grpc",
+            "http",
+            "--scenario",
+            "query3:64x48:repeated:c4",
+            "--scenario",
+            "detect5:64x48:unique:c2",
+            "--requests",
+            "4",
+            "--warmup",
+            "1",
+            "--slo-ms",
+            "60000",
+            "--quiet",
+            "--out",
+            str(tmp_path),
+            "--",
+            "--model",
+            str(tiny_dir),
+            "--device",
+            "cpu",
+            "--dtype",
+            "fp32",
+        ]
+    )
+    assert code == 0
+    data = _strict_json(tmp_path / "load_gen.json")
+    assert data["complete"] and data["server_exit_code"] == 0 and data["http_url"]
+    rows = {(r["scenario"], r["door"]): r for r in data["rows"]}
+    assert list(rows) == [
+        ("query3/64x48/repeated", "grpc"),
+        ("query3/64x48/repeated", "http"),
+        ("detect5/64x48/unique", "grpc"),
+        ("detect5/64x48/unique", "http"),
+    ]
+    for r in rows.values():
+        assert r["ok"] == r["requests"] == 4 and not r["errors"], r
+        _ordered(r, "e2e")
+        assert r["server_total_p50_ms"] > 0  # the server's metrics came back over both doors
+    query = rows[("query3/64x48/repeated", "http")]
+    assert 1 <= query["output_tokens_max"] <= 3 and query["cached_tokens_mean"] > 0
+    assert query["ttft_p50_ms"] <= query["e2e_p50_ms"]
+    # The same picture and settings through either door: the same answers' lengths.
+    grpc_query = rows[("query3/64x48/repeated", "grpc")]
+    assert query["output_tokens_total"] == grpc_query["output_tokens_total"]
+
+
 def test_image_bench_tiny(tmp_path: Path) -> None:
     code = image_bench.main(
         [

@@ -32,9 +32,11 @@ LAYERS = {
     "vlm_server.engine.device": 4,
     "vlm_server.engine.engine": 5,
     "vlm_server.reference": 5,
-    "vlm_server.service": 6,
-    "vlm_server.http": 6,
-    "vlm_server.cli": 7,
+    "vlm_server.service": 6,  # the gRPC door and what both doors share (calls, validation)
+    "vlm_server.http": 7,  # the HTTP door, built on the shared service pieces
+    "vlm_server.service.server": 8,  # the process: both doors, health, metrics, drain
+    "vlm_server.service.main": 8,
+    "vlm_server.cli": 9,
 }
 
 

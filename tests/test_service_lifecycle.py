@@ -156,6 +156,8 @@ def test_sigterm_finishes_accepted_requests_then_exits_0(
         "0",
         "--metrics-port",
         "0",
+        "--http-port",
+        "-1",
     ]
     proc = subprocess.Popen(
         cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=REPO_ROOT
@@ -241,12 +243,13 @@ def test_metrics_endpoint_counts_requests_and_reads_engine_gauges(server: Server
     def value(name: str, **labels: str) -> float:
         return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
-    assert value("vlm_requests_total", task="query", code="OK") == 2
-    assert value("vlm_requests_total", task="query", code="INVALID_ARGUMENT") == 1
-    assert value("vlm_requests_received_total", task="query") == 3
-    assert value("vlm_time_to_first_token_seconds_count", task="query") == 2
-    assert value("vlm_request_duration_seconds_count", task="query") == 3
-    assert value("vlm_output_tokens_total", task="query") > 0
+    grpc_query = {"door": "grpc", "task": "query"}
+    assert value("vlm_requests_total", **grpc_query, code="OK") == 2
+    assert value("vlm_requests_total", **grpc_query, code="INVALID_ARGUMENT") == 1
+    assert value("vlm_requests_received_total", **grpc_query) == 3
+    assert value("vlm_time_to_first_token_seconds_count", **grpc_query) == 2
+    assert value("vlm_request_duration_seconds_count", **grpc_query) == 3
+    assert value("vlm_output_tokens_total", **grpc_query) > 0
     for gauge in (
         "vlm_queue_depth",
         "vlm_active_sequences",
@@ -256,7 +259,7 @@ def test_metrics_endpoint_counts_requests_and_reads_engine_gauges(server: Server
         "vlm_prefix_cache_hit_ratio",
     ):
         assert (gauge, ()) in samples, gauge
-    assert value("vlm_queue_depth") == 0 and value("vlm_requests_in_flight") == 0
+    assert value("vlm_queue_depth") == 0 and value("vlm_requests_in_flight", door="grpc") == 0
 
 
 def test_two_servers_in_one_process_keep_separate_metrics(
@@ -266,5 +269,6 @@ def test_two_servers_in_one_process_keep_separate_metrics(
         with VisionLanguageClient(other.target, timeout=60) as client:
             client.model_info()
         samples = _scrape(other.metrics_url)
-    assert samples[("vlm_requests_total", (("code", "OK"), ("task", "model_info")))] == 1
-    assert ("vlm_requests_total", (("code", "OK"), ("task", "query"))) not in samples
+    ok = (("code", "OK"), ("door", "grpc"))
+    assert samples[("vlm_requests_total", (*ok, ("task", "model_info")))] == 1
+    assert ("vlm_requests_total", (*ok, ("task", "query"))) not in samples

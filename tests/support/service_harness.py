@@ -20,6 +20,7 @@ from vlm_server.engine.api import EngineError, Finished
 from vlm_server.engine.core.pipeline import LaunchKind, Step
 from vlm_server.engine.core.sequence import Sequence
 from vlm_server.engine.engine import BatchedEngine
+from vlm_server.http.server import Authorizer
 from vlm_server.service.config import ServerConfig
 from vlm_server.service.server import EngineFactory, VisionLanguageServer
 
@@ -46,10 +47,12 @@ def wait_for(
 
 
 def local_config(**overrides: Any) -> ServerConfig:
-    """A config for a server on loopback with free ports."""
+    """A config for a server on loopback with free ports; HTTP is off unless ``http_port`` is
+    given (-1: any free port)."""
     values: dict[str, Any] = {
         "host": "127.0.0.1",
         "port": 0,
+        "http_port": 0,
         "metrics_port": 0,
         "decode_threads": 2,
         "grace_period": 20.0,
@@ -61,9 +64,15 @@ def local_config(**overrides: Any) -> ServerConfig:
 class ServerThread:
     """A server on a private event loop in a daemon thread; use as a context manager."""
 
-    def __init__(self, config: ServerConfig, engine_factory: EngineFactory) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        engine_factory: EngineFactory,
+        http_auth: Authorizer | None = None,
+    ) -> None:
         self.config = config
         self._factory = engine_factory
+        self._http_auth = http_auth
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self.loop.run_forever, daemon=True, name="vlm-server-loop"
@@ -82,7 +91,7 @@ class ServerThread:
         self._thread.start()
 
         async def create() -> VisionLanguageServer:
-            server = VisionLanguageServer(self.config, self._factory)
+            server = VisionLanguageServer(self.config, self._factory, self._http_auth)
             await server.start()
             return server
 
@@ -95,6 +104,12 @@ class ServerThread:
     def target(self) -> str:
         assert self.server is not None
         return f"{self.config.host}:{self.server.port}"
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the HTTP door's API (``.../v1``)."""
+        assert self.server is not None and self.server.http_port, "HTTP is off"
+        return f"http://{self.config.host}:{self.server.http_port}/v1"
 
     @property
     def metrics_url(self) -> str:

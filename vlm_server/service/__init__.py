@@ -3,8 +3,12 @@
 Map:
   main        ``vlm-server``: flags -> config -> engine factory -> server; SIGTERM drains
   config      flags and VLM_* environment variables
-  server      grpc.aio server: servicer, health, reflection, metrics; start / drain / stop
-  servicer    one handler per RPC: validation, image lookup, engine events -> messages
+  server      grpc.aio server (and the HTTP door, vlm_server.http): servicer, health,
+              reflection, metrics; start / drain / stop
+  calls       what every front door shares: the engine, drain gates, one request's admission,
+              metrics (labelled by door) and access log
+  servicer    one handler per RPC: the gRPC side of a call, engine events -> messages
+  requests    proto request -> engine request: the one validation both doors go through
   validation  field checks that need no model; errors name the proto field
   images      image decoding in a thread pool; the EncodeImage LRU cache
   convert     engine results -> proto messages

@@ -48,6 +48,7 @@ class ServerConfig:
     engine: str = "batched"
     host: str = "0.0.0.0"
     port: int = 50051
+    http_port: int = 2020
     max_batch_size: int = 32
     kv_budget: int = 0
     pipeline_depth: int = 2
@@ -57,6 +58,7 @@ class ServerConfig:
     max_image_side: int = 32_768
     image_cache_bytes: int = 512 * MIB
     max_message_bytes: int = 32 * MIB
+    max_http_body_bytes: int = 32 * MIB
     metrics_host: str | None = None
     metrics_port: int = 9464
     grace_period: float = 30.0
@@ -73,6 +75,7 @@ class ServerConfig:
             "max_image_pixels",
             "image_cache_bytes",
             "max_message_bytes",
+            "max_http_body_bytes",
             "decode_threads",
         )
         for name in positive:
@@ -81,6 +84,8 @@ class ServerConfig:
         for name in ("port", "metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be in 0..65535 (0 = any free port)")
+        if not -1 <= self.http_port <= 65535:
+            raise ValueError("http_port must be in -1..65535 (0 = off, -1 = any free port)")
         if self.kv_budget < 0 or self.grace_period < 0 or self.max_image_side < 0:
             raise ValueError("kv_budget, grace_period and max_image_side must be >= 0")
         if self.log_format not in ("kv", "json"):
@@ -138,6 +143,11 @@ OPTIONS: tuple[_Option, ...] = (
     ),
     _Option("host", str, "address to listen on"),
     _Option("port", int, "gRPC port (0 = any free port)"),
+    _Option(
+        "http_port",
+        int,
+        "HTTP port of the Moondream and OpenAI-compatible API (0 = off, -1 = any free port)",
+    ),
     _Option("max_batch_size", int, "most sequences decoded together (batched engine)"),
     _Option(
         "kv_budget",
@@ -156,6 +166,7 @@ OPTIONS: tuple[_Option, ...] = (
         "memory for images uploaded with EncodeImage (least recently used go first)",
     ),
     _Option("max_message_bytes", parse_size, "largest gRPC message, request or response"),
+    _Option("max_http_body_bytes", parse_size, "largest HTTP request body (413 beyond)"),
     _Option("metrics_host", _optional_str, "address of the Prometheus endpoint (default: host)"),
     _Option("metrics_port", int, "Prometheus endpoint port (0 = any free port)"),
     _Option("grace_period", float, "seconds to finish accepted requests after SIGTERM"),
@@ -169,7 +180,7 @@ def build_parser(prog: str = "vlm-server") -> argparse.ArgumentParser:
     """Flags for every option; defaults come from the environment at parse time."""
     parser = argparse.ArgumentParser(
         prog=prog,
-        description="Serve a Moondream model over gRPC.",
+        description="Serve a Moondream model over gRPC and HTTP.",
         epilog="Every flag can also be set with an environment variable: --max-batch-size is "
         "VLM_MAX_BATCH_SIZE. Flags win over the environment.",
     )

@@ -1,8 +1,9 @@
 """Prometheus metrics of one server, on a registry of its own (several servers per process
 stay apart), served over HTTP on their own port.
 
-Request metrics are recorded by the servicer; engine gauges are read from `Engine.stats()` at
-scrape time, on the event loop (engines expect to be called there, not from the HTTP thread).
+Request metrics are recorded by every front door's calls, labelled by door (grpc, http); engine
+gauges are read from `Engine.stats()` at scrape time, on the event loop (engines expect to be
+called there, not from the HTTP thread).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ _LATENCY_BUCKETS = (
     120.0,
 )
 _SCRAPE_TIMEOUT_S = 2.0
+_DT = ("door", "task")
 
 StatsSource = Callable[[], EngineStats | None]
 
@@ -110,39 +112,44 @@ class ServiceMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # Request metrics carry the front door (grpc, http) they came through.
         self.received = Counter(
-            "vlm_requests_received", "requests received, by task", ["task"], registry=r
+            "vlm_requests_received", "requests received, by door and task", _DT, registry=r
         )
         self.requests = Counter(
             "vlm_requests",
-            "requests finished, by task and status code",
-            ["task", "code"],
+            "requests finished, by door, task and status code",
+            [*_DT, "code"],
             registry=r,
         )
-        self.in_flight = Gauge("vlm_requests_in_flight", "requests being handled", registry=r)
+        self.in_flight = Gauge(
+            "vlm_requests_in_flight", "requests being handled, by door", ["door"], registry=r
+        )
+        for door in ("grpc", "http"):  # exported as 0 before the first request
+            self.in_flight.labels(door)
         self.ttft = Histogram(
             "vlm_time_to_first_token_seconds",
             "time from receiving a text request to its first token",
-            ["task"],
+            _DT,
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.latency = Histogram(
             "vlm_request_duration_seconds",
             "time from receiving a request to its last message",
-            ["task"],
+            _DT,
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.queue_wait = Histogram(
             "vlm_queue_wait_seconds",
             "time requests waited for the engine",
-            ["task"],
+            _DT,
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.output_tokens = Counter(
-            "vlm_output_tokens", "tokens generated, by task", ["task"], registry=r
+            "vlm_output_tokens", "tokens generated, by door and task", _DT, registry=r
         )
         self.image_cache_bytes = Gauge(
             "vlm_image_cache_bytes", "memory held by EncodeImage images", registry=r

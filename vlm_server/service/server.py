@@ -1,9 +1,10 @@
-"""The gRPC server: listens at once, loads the engine behind NOT_SERVING, drains on request.
+"""The server: gRPC and HTTP front doors over one engine; listens at once, loads the engine
+behind NOT_SERVING, drains on request.
 
 Lifecycle: `start` binds the ports (health answers right away: live, not ready) and begins
 loading the engine in the background; `wait_ready` returns once it serves. `shutdown` turns
-readiness off, refuses new calls with UNAVAILABLE, lets every accepted call finish within the
-grace period, then stops the server and the engine.
+readiness off, refuses new calls with UNAVAILABLE (HTTP: 503) through either door, lets every
+accepted call finish within the grace period, then stops the doors and the engine.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from grpc_reflection.v1alpha import reflection
 
 from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
 from vlm_server.engine.api import Engine, EngineStats
+from vlm_server.http.server import Authorizer, HttpFrontDoor
+from vlm_server.service.calls import Limits, ServiceCore
 from vlm_server.service.config import ServerConfig
 from vlm_server.service.health import HealthState
 from vlm_server.service.images import ImageCache, ImageResolver
 from vlm_server.service.metrics import ServiceMetrics
-from vlm_server.service.servicer import SERVICE_NAME, Limits, VisionLanguageServicer
+from vlm_server.service.servicer import SERVICE_NAME, VisionLanguageServicer, server_version
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +36,16 @@ _FINAL_STOP_GRACE_S = 1.0
 
 
 class VisionLanguageServer:
-    """One gRPC server in front of one engine (one process per GPU)."""
+    """The gRPC and HTTP doors in front of one engine (one process per GPU).
 
-    def __init__(self, config: ServerConfig, engine_factory: EngineFactory) -> None:
+    ``http_auth`` checks the API keys of HTTP requests (None: open)."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        engine_factory: EngineFactory,
+        http_auth: Authorizer | None = None,
+    ) -> None:
         self.config = config
         self._engine_factory = engine_factory
         self.engine: Engine | None = None
@@ -54,12 +64,19 @@ class VisionLanguageServer:
             max_image_side=config.max_image_side,
             image_cache_bytes=config.image_cache_bytes,
         )
-        self.servicer = VisionLanguageServicer(images, self.metrics, limits)
+        self.core = ServiceCore(images, self.metrics, limits)
+        self.servicer = VisionLanguageServicer(self.core)
+        self.http: HttpFrontDoor | None = None
+        if config.http_port != 0:
+            self.http = HttpFrontDoor(
+                self.core, config.max_http_body_bytes, http_auth, server_version()
+            )
         self._server: grpc.aio.Server | None = None
         self._loading: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
         self._shutting_down = False
         self.port = 0
+        self.http_port = 0
         self.metrics_port = 0
 
     async def start(self) -> None:
@@ -83,6 +100,8 @@ class VisionLanguageServer:
         await self.health.loading()
         await server.start()
         self._server = server
+        if self.http is not None:
+            self.http_port = await self.http.start(self.config.host, self.config.http_port)
         loop = asyncio.get_running_loop()
         self.metrics.watch_engine(loop, self._engine_stats)
         self.metrics_port = self.metrics.serve(
@@ -90,12 +109,18 @@ class VisionLanguageServer:
         )
         log.info(
             "listening",
-            extra={"fields": {"grpc_port": self.port, "metrics_port": self.metrics_port}},
+            extra={
+                "fields": {
+                    "grpc_port": self.port,
+                    "metrics_port": self.metrics_port,
+                    "http_port": self.http_port,
+                }
+            },
         )
         self._loading = asyncio.create_task(self._load())
 
     def _engine_stats(self) -> EngineStats | None:
-        engine = self.servicer.engine  # None until loaded: no gauges while loading
+        engine = self.core.engine  # None until loaded: no gauges while loading
         return engine.stats() if engine is not None else None
 
     async def _load(self) -> None:
@@ -106,7 +131,7 @@ class VisionLanguageServer:
         self.engine = engine
         await engine.start()
         info = engine.info
-        self.servicer.engine = engine
+        self.core.engine = engine
         await self.health.ready()
         log.info(
             "ready",
@@ -127,7 +152,7 @@ class VisionLanguageServer:
 
     @property
     def ready(self) -> bool:
-        return self.servicer.engine is not None
+        return self.core.engine is not None
 
     async def shutdown(self, grace: float | None = None) -> None:
         """Drain (accepted calls finish within ``grace`` s), then stop everything."""
@@ -139,22 +164,24 @@ class VisionLanguageServer:
         deadline = time.monotonic() + grace
         log.info(
             "draining",
-            extra={"fields": {"grace_s": grace, "in_flight": self.servicer.in_flight.count}},
+            extra={"fields": {"grace_s": grace, "in_flight": self.core.in_flight.count}},
         )
-        self.servicer.begin_drain()
+        self.core.begin_drain()
         await self.health.draining()
-        await self.servicer.submitting.wait_empty(max(0.0, deadline - time.monotonic()))
-        if self.engine is not None and self.servicer.engine is not None:
+        await self.core.submitting.wait_empty(max(0.0, deadline - time.monotonic()))
+        if self.engine is not None and self.core.engine is not None:
             await self.engine.drain(max(0.0, deadline - time.monotonic()))
         # Engine done: wait for the handlers to send their last messages.
-        if not await self.servicer.in_flight.wait_empty(max(0.0, deadline - time.monotonic())):
-            log.warning("grace period over; cancelling %d calls", self.servicer.in_flight.count)
+        if not await self.core.in_flight.wait_empty(max(0.0, deadline - time.monotonic())):
+            log.warning("grace period over; cancelling %d calls", self.core.in_flight.count)
         await self.health.stopped()
+        if self.http is not None:
+            await self.http.stop()
         if self._server is not None:
             await self._server.stop(_FINAL_STOP_GRACE_S)
         if self._loading is not None and not self._loading.done():
             self._loading.cancel()
-        if self.engine is not None and self.servicer.engine is not None:
+        if self.engine is not None and self.core.engine is not None:
             await self.engine.close()
         await asyncio.to_thread(self.metrics.stop)
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -7,7 +7,7 @@ The contract every implementation keeps: `launch_prefill`, `launch_decode`, `fin
 `release_row` only enqueue device work and return at once; none of them waits for the device.
 `read_outputs` is the one place the host waits, and only for the device-to-host copy of the one
 step it reads. Each slot's buffers and events are reused only after the scheduler committed the
-step that used them (see pipeline_state.py), so an implementation needs no further waits.
+step that used them (see core/pipeline.py), so an implementation needs no further waits.
 """
 
 from __future__ import annotations

@@ -1,0 +1,174 @@
+"""The OpenAI-compatible endpoints with the official ``openai`` client, unmodified: chat
+completions streamed and not (answered by the query task, equal to the reference generation),
+the model list, and errors that name the parameter at fault."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from image_pipeline import PreparedImage, sample_image_bytes
+from tests.http_support import data_url
+from tests.support.service_harness import ServerThread, local_config
+from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.engine import BatchedEngine
+from vlm_server.reference import ReferenceGenerator, SamplingSettings
+from vlm_server.weights.loader import LoadedModel
+
+MIB = 1 << 20
+IMG = data_url(sample_image_bytes())
+
+
+@pytest.fixture(scope="module")
+def server(tiny: LoadedModel) -> Iterator[ServerThread]:
+    config = EngineConfig(max_batch=8, max_queue=100, kv_budget_bytes=16 * MIB)
+    with ServerThread(local_config(http_port=-1), lambda: BatchedEngine(tiny, config)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerThread) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=server.http_url, api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def _user(question: str, image: str | None = None) -> list[dict[str, Any]]:
+    parts: list[dict[str, Any]] = [{"type": "text", "text": question}]
+    if image is not None:
+        parts.append({"type": "image_url", "image_url": {"url": image}})
+    return [{"role": "user", "content": parts}]
+
+
+def _greedy(max_tokens: int) -> SamplingSettings:
+    return SamplingSettings(temperature=0.0, max_tokens=max_tokens)
+
+
+def test_a_chat_completion_is_the_query_answer(
+    client: openai.OpenAI, generator: ReferenceGenerator, sample_image: PreparedImage
+) -> None:
+    got = client.chat.completions.create(
+        model="moondream", messages=_user("what is this?", IMG), temperature=0, max_tokens=7
+    )
+    want = generator.query(sample_image, "what is this?", _greedy(7))
+    (choice,) = got.choices
+    assert choice.message.role == "assistant" and choice.message.content == want.text
+    assert choice.finish_reason == "length" and got.model == "tiny"
+    assert got.usage is not None and got.usage.completion_tokens == 7
+    assert got.usage.prompt_tokens == want.prompt_tokens
+    assert got.usage.total_tokens == got.usage.prompt_tokens + 7
+    assert got.id.startswith("chatcmpl-") and got.object == "chat.completion"
+    # A plain string content, no picture, max_completion_tokens instead of max_tokens.
+    text_only = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "tell me a story"}],
+        temperature=0,
+        max_completion_tokens=9,
+    )
+    story = generator.query(None, "tell me a story", _greedy(9)).text
+    assert text_only.choices[0].message.content == story
+
+
+def test_a_streamed_chat_completion_ends_with_done(
+    client: openai.OpenAI, generator: ReferenceGenerator, sample_image: PreparedImage
+) -> None:
+    chunks = list(
+        client.chat.completions.create(
+            model="moondream",
+            messages=_user("what is this?", IMG),
+            temperature=0,
+            max_tokens=7,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    want = generator.query(sample_image, "what is this?", _greedy(7)).text
+    with_choices = [c for c in chunks if c.choices]
+    assert with_choices[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in with_choices)
+    assert text == want
+    assert with_choices[-1].choices[0].finish_reason == "length"
+    assert sum(1 for c in with_choices if c.choices[0].delta.content) > 1  # really streamed
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 7
+    assert {c.id for c in chunks} == {chunks[0].id}
+
+
+def test_the_model_list_names_the_served_model(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == ["tiny"]
+
+
+ERRORS: list[tuple[str, dict[str, Any], str]] = [
+    ("negative temperature", {"temperature": -1}, "temperature"),
+    ("top_p zero", {"top_p": 0}, "top_p"),
+    ("max_tokens zero", {"max_tokens": 0}, "max_tokens"),
+    ("max_completion_tokens zero", {"max_completion_tokens": 0}, "max_completion_tokens"),
+    ("two choices", {"n": 2}, "n"),
+    ("stop sequences", {"stop": ["\n"]}, "stop"),
+    (
+        "a system turn",
+        {"messages": [{"role": "system", "content": "be brief"}, *_user("hi")]},
+        "messages",
+    ),
+    (
+        "an assistant turn",
+        {"messages": [{"role": "assistant", "content": "hi"}]},
+        "messages[0].role",
+    ),
+    ("an empty question", {"messages": [{"role": "user", "content": " "}]}, "messages[0].content"),
+    (
+        "a remote picture",
+        {"messages": _user("what?", "https://example.com/a.jpg")},
+        "messages[0].content[1].image_url.url",
+    ),
+    (
+        "a broken picture",
+        {"messages": _user("what?", data_url(b"\x00garbage" * 64))},
+        "messages[0].content[1].image_url.url",
+    ),
+    (
+        "two pictures",
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": IMG}},
+                        {"type": "image_url", "image_url": {"url": IMG}},
+                    ],
+                }
+            ]
+        },
+        "messages[0].content[1]",
+    ),
+    (
+        "an audio part",
+        {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+        "messages[0].content[0].type",
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "kwargs", "param"), ERRORS, ids=[e[0] for e in ERRORS])
+def test_errors_name_the_parameter(
+    client: openai.OpenAI, case: str, kwargs: dict[str, Any], param: str
+) -> None:
+    request: dict[str, Any] = {"model": "m", "messages": _user("hi"), "max_tokens": 2, **kwargs}
+    if "max_completion_tokens" in kwargs:
+        del request["max_tokens"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**request)
+    err = caught.value
+    assert err.status_code == 400
+    body = err.body
+    assert isinstance(body, dict)
+    assert body["param"] == body["field"] == param
+    assert body["code"] == "INVALID_ARGUMENT" and body["type"] == "invalid_request_error"
+    assert body["message"].startswith(f"{param}:")
+
+
+def test_the_server_still_answers(client: openai.OpenAI) -> None:
+    got = client.chat.completions.create(model="m", messages=_user("ok?"), max_tokens=2)
+    assert got.choices[0].finish_reason in ("stop", "length")

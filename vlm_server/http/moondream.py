@@ -1,0 +1,328 @@
+"""Moondream's HTTP API (``/v1/caption``, ``/query``, ``/point``, ``/detect``, ``/segment``),
+wire-compatible with the official ``moondream`` clients.
+
+Each handler checks the JSON's shape (`body.check`), translates it into the task's proto request
+and hands that to the shared validation (`Call.build`), exactly as the gRPC door does. Streams
+are server-sent events the official clients parse: ``{"chunk": ..., "completed": false}`` per
+piece of text, then ``{"chunk": "", "completed": true, ...}``; segment streams ``bbox``,
+``path_delta`` and ``final`` events (all sent when the outline is done: the engine does not
+stream outlines). Answers carry ``request_id``, ``finish_reason`` and timing ``metrics``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from aiohttp import web
+
+from vlm_server.api.v1 import vision_language_pb2 as pb
+from vlm_server.engine.api import Box, Finished, TextDelta
+from vlm_server.http import data_url
+from vlm_server.http.body import Field
+from vlm_server.http.exchange import Exchange
+from vlm_server.service.errors import invalid
+
+IMAGE_FIELD = "image_url"
+# The shared validation names proto fields; these are the JSON names clients sent.
+NAMES = {"image_bytes": IMAGE_FIELD, "image": IMAGE_FIELD, "image_id": IMAGE_FIELD}
+FINISH_REASONS = {"eos": "stop", "length": "length", "max_objects": "max_objects"}
+CAPTION_LENGTHS = {
+    "short": pb.CAPTION_LENGTH_SHORT,
+    "normal": pb.CAPTION_LENGTH_NORMAL,
+    "long": pb.CAPTION_LENGTH_LONG,
+}
+SETTING_NAMES = ("temperature", "top_p", "max_tokens", "max_objects", "seed")
+
+# ---- request shapes ---------------------------------------------------------------------------
+
+SETTINGS = Field(
+    "settings",
+    "object",
+    "Sampling settings; unset ones take the server's defaults.",
+    fields=(
+        Field("temperature", "number", "Sampling temperature (0 = greedy)."),
+        Field("top_p", "number", "Nucleus sampling mass, in (0, 1]."),
+        Field("max_tokens", "integer", "Most tokens to generate."),
+        Field("max_objects", "integer", "Most points or boxes (point, detect)."),
+        Field("seed", "integer", "Sampling seed (an extension of this server)."),
+    ),
+)
+IMAGE = Field(
+    IMAGE_FIELD,
+    "string",
+    "The picture as a base64 data URL (data:image/jpeg;base64,...); remote URLs are refused.",
+    required=True,
+)
+MODEL = Field("model", "string", "Accepted for compatibility; the server's one model answers.")
+VARIANT = Field(
+    "variant",
+    "string",
+    "A finetuned variant.",
+    unsupported="this server serves one model and has no variants",
+)
+SPATIAL_REFS = Field(
+    "spatial_refs",
+    "array",
+    "Points or boxes the question refers to.",
+    items=Field("ref", "array", "[x, y] or [x1, y1, x2, y2]", items=Field("v", "number", "")),
+    unsupported="this model takes no spatial references",
+)
+
+
+def _stream(what: str, streams: bool) -> Field:
+    if streams:
+        return Field("stream", "boolean", f"Stream the {what} as server-sent events.")
+    return Field(
+        "stream",
+        "boolean",
+        "Must be false or absent.",
+        unsupported=f"{what} answers once; it does not stream",
+    )
+
+
+def _object(what: str) -> Field:
+    return Field("object", "string", f"What to {what}, e.g. 'car'.", required=True)
+
+
+COMMON = (SETTINGS, MODEL, VARIANT)
+CAPTION = (
+    IMAGE,
+    Field("length", "string", "Caption length (default normal).", enum=tuple(CAPTION_LENGTHS)),
+    _stream("caption", True),
+    *COMMON,
+)
+QUERY = (
+    Field(IMAGE.name, IMAGE.type, IMAGE.description + " Optional for a query."),
+    Field("question", "string", "The question.", required=True),
+    _stream("answer", True),
+    Field(
+        "reasoning",
+        "boolean",
+        "Think before answering.",
+        unsupported="this model has no reasoning mode",
+    ),
+    SPATIAL_REFS,
+    Field(
+        "choices",
+        "array",
+        "The answer must be exactly one of these (an extension of this server).",
+        items=Field("choice", "string", ""),
+    ),
+    Field(
+        "regex",
+        "string",
+        "The answer must fully match this pattern (an extension of this server).",
+    ),
+    *COMMON,
+)
+POINT = (IMAGE, _object("point at"), _stream("point", False), SPATIAL_REFS, *COMMON)
+DETECT = (IMAGE, _object("find"), _stream("detect", False), *COMMON)
+SEGMENT = (IMAGE, _object("outline"), _stream("outline", True), SPATIAL_REFS, *COMMON)
+
+# ---- response shapes (OpenAPI) ----------------------------------------------------------------
+
+_NUMBER = {"type": "number"}
+METRICS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "Timings (milliseconds) and token counts of the request.",
+    "properties": {
+        name: {"type": "integer" if name.endswith("tokens") else "number"}
+        for name in (
+            "input_tokens",
+            "output_tokens",
+            "cached_tokens",
+            "queue_time_ms",
+            "prefill_time_ms",
+            "ttft_ms",
+            "decode_time_ms",
+            "total_time_ms",
+        )
+    },
+}
+REGION_SCHEMA = {
+    "type": "object",
+    "description": "A box, normalized to [0, 1], origin top-left.",
+    "properties": {k: _NUMBER for k in ("x_min", "y_min", "x_max", "y_max")},
+}
+POINT_SCHEMA = {
+    "type": "object",
+    "description": "A point, normalized to [0, 1], origin top-left.",
+    "properties": {"x": _NUMBER, "y": _NUMBER},
+}
+
+
+def answer_schema(key: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {
+            "request_id": {"type": "string"},
+            key: schema,
+            "finish_reason": {"type": "string", "enum": ["stop", "length", "max_objects"]},
+            "metrics": METRICS_SCHEMA,
+        },
+    }
+
+
+CAPTION_RESPONSE = answer_schema("caption", {"type": "string"})
+QUERY_RESPONSE = answer_schema("answer", {"type": "string"})
+POINT_RESPONSE = answer_schema("points", {"type": "array", "items": POINT_SCHEMA})
+DETECT_RESPONSE = answer_schema("objects", {"type": "array", "items": REGION_SCHEMA})
+SEGMENT_RESPONSE = answer_schema(
+    "path", {"type": "string", "description": "SVG path data, normalized coordinates"}
+)
+SEGMENT_RESPONSE["properties"]["bbox"] = REGION_SCHEMA
+
+# ---- translation ------------------------------------------------------------------------------
+
+
+def settings(values: dict[str, Any] | None) -> pb.GenerationSettings:
+    """The proto settings of a JSON ``settings`` object (types already checked)."""
+    out = pb.GenerationSettings()
+    for name in SETTING_NAMES:
+        value = (values or {}).get(name)
+        if value is None:
+            continue
+        try:
+            setattr(out, name, value)
+        except (ValueError, TypeError):  # an integer beyond the proto field's range
+            raise invalid(f"settings.{name}", f"is out of range: {value}") from None
+    return out
+
+
+async def set_image(message: Any, url: str | None, field: str = IMAGE_FIELD) -> None:
+    if url is not None:
+        message.image_bytes = await data_url.decode(url, field)
+
+
+def metrics(done: Finished, total_ms: float) -> dict[str, Any]:
+    m = done.metrics
+    return {
+        "input_tokens": m.input_tokens,
+        "output_tokens": m.output_tokens,
+        "cached_tokens": m.cached_tokens,
+        "queue_time_ms": round(m.queue_wait_ms, 3),
+        "prefill_time_ms": round(m.prefill_ms, 3),
+        "ttft_ms": round(m.time_to_first_token_ms, 3),
+        "decode_time_ms": round(m.decode_ms, 3),
+        "total_time_ms": round(total_ms, 3),
+    }
+
+
+def finish_reason(done: Finished) -> str:
+    return FINISH_REASONS.get(done.finish_reason, done.finish_reason)
+
+
+def region(b: Box) -> dict[str, float]:
+    return {"x_min": b.x_min, "y_min": b.y_min, "x_max": b.x_max, "y_max": b.y_max}
+
+
+def _tail(ex: Exchange, done: Finished) -> dict[str, Any]:
+    """What every answer ends with."""
+    return {
+        "request_id": ex.request_id,
+        "finish_reason": finish_reason(done),
+        "metrics": metrics(done, ex.active_call.elapsed_ms()),
+    }
+
+
+# ---- handlers ---------------------------------------------------------------------------------
+
+
+async def _text(ex: Exchange, message: Any, key: str, stream: bool) -> web.StreamResponse:
+    """Run a caption or query; answer ``{key: text}`` or stream chunks then a completion."""
+    call = ex.active_call
+    submitted = await call.submit(await call.build(message))
+    if not stream:
+        done = await call.result(submitted)
+        return ex.respond({key: done.text or "", **_tail(ex, done)})
+    try:
+        events = await ex.stream()
+        async with contextlib.aclosing(call.events(submitted)) as produced:
+            async for event in produced:
+                if isinstance(event, TextDelta):
+                    chunk = {"chunk": event.text, "completed": False}
+                    await events.send({**chunk, "request_id": ex.request_id})
+                else:
+                    await events.send({"chunk": "", "completed": True, **_tail(ex, event)})
+    finally:
+        submitted.cancel()  # a no-op once finished; frees the request on any early exit
+    await events.close()
+    return events.response
+
+
+async def caption(ex: Exchange) -> web.StreamResponse:
+    ex.names = dict(NAMES)
+    body = await ex.json(CAPTION)
+    message = pb.CaptionRequest(
+        length=CAPTION_LENGTHS[body.get("length") or "normal"],
+        settings=settings(body.get("settings")),
+    )
+    await set_image(message, body["image_url"])
+    return await _text(ex, message, "caption", bool(body.get("stream")))
+
+
+async def query(ex: Exchange) -> web.StreamResponse:
+    ex.names = dict(NAMES)
+    body = await ex.json(QUERY)
+    message = pb.QueryRequest(
+        question=body["question"],
+        choices=body.get("choices") or (),
+        settings=settings(body.get("settings")),
+    )
+    if body.get("regex") is not None:
+        message.regex = body["regex"]
+    await set_image(message, body.get("image_url"))
+    return await _text(ex, message, "answer", bool(body.get("stream")))
+
+
+async def point(ex: Exchange) -> web.StreamResponse:
+    ex.names = dict(NAMES)
+    body = await ex.json(POINT)
+    message = pb.PointRequest(object=body["object"], settings=settings(body.get("settings")))
+    await set_image(message, body["image_url"])
+    call = ex.active_call
+    done = await call.final(await call.build(message))
+    points = [{"x": p.x, "y": p.y} for p in done.points]
+    return ex.respond({"points": points, **_tail(ex, done)})
+
+
+async def detect(ex: Exchange) -> web.StreamResponse:
+    ex.names = dict(NAMES)
+    body = await ex.json(DETECT)
+    message = pb.DetectRequest(object=body["object"], settings=settings(body.get("settings")))
+    await set_image(message, body["image_url"])
+    call = ex.active_call
+    done = await call.final(await call.build(message))
+    return ex.respond({"objects": [region(b) for b in done.boxes], **_tail(ex, done)})
+
+
+async def segment(ex: Exchange) -> web.StreamResponse:
+    ex.names = dict(NAMES)
+    body = await ex.json(SEGMENT)
+    message = pb.SegmentRequest(object=body["object"], settings=settings(body.get("settings")))
+    await set_image(message, body["image_url"])
+    call = ex.active_call
+    submitted = await call.submit(await call.build(message))
+    try:
+        events = await ex.stream() if body.get("stream") else None
+        done = await call.result(submitted)
+    finally:
+        submitted.cancel()
+    seg = done.segmentation
+    path = seg.svg_path if seg is not None else ""
+    bbox = region(seg.box) if seg is not None else None
+    if events is None:
+        answer: dict[str, Any] = {"path": path, **_tail(ex, done)}
+        if bbox is not None:
+            answer["bbox"] = bbox
+        return ex.respond(answer)
+    if bbox is not None:
+        await events.send({"type": "bbox", "bbox": bbox, "request_id": ex.request_id})
+    if path:
+        await events.send({"type": "path_delta", "chunk": path, "completed": False})
+    await events.send(
+        {"type": "final", "path": path, "bbox": bbox, "completed": True, **_tail(ex, done)}
+    )
+    await events.close()
+    return events.response

@@ -1,0 +1,279 @@
+"""What every front door (gRPC, HTTP) shares: the engine, the drain state, and the bookkeeping
+of one request.
+
+`ServiceCore` holds the state the doors share; `Call` admits one request (refused while the
+model loads or the server drains), builds its engine request through the one shared validation
+(`requests.build`), runs it, and on exit records metrics and the access-log line. Turning an
+error into a status is the door's job: `Call` lets every exception through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from vlm_server.engine.api import (
+    Engine,
+    EngineError,
+    ErrorCode,
+    Finished,
+    GenerationRequest,
+    RequestMetrics,
+    RequestStream,
+    Task,
+    TextDelta,
+)
+from vlm_server.service import requests
+from vlm_server.service.errors import unavailable
+from vlm_server.service.images import ImageResolver
+from vlm_server.service.logs import log_request
+from vlm_server.service.metrics import ServiceMetrics
+
+log = logging.getLogger(__name__)
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+
+
+class Door(enum.StrEnum):
+    """The front door a request came through (the ``door`` label of the metrics)."""
+
+    GRPC = "grpc"
+    HTTP = "http"
+
+
+def request_id(client_value: str | None) -> str:
+    """The client's request id when it is well formed, else a fresh one."""
+    if client_value and _REQUEST_ID.match(client_value):
+        return client_value
+    return uuid.uuid4().hex[:16]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Server-side limits reported by GetModelInfo."""
+
+    max_message_bytes: int
+    max_image_bytes: int
+    max_image_pixels: int
+    max_image_side: int
+    image_cache_bytes: int
+
+
+class Gate:
+    """Counts requests in some phase; lets shutdown wait until none is left."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._zero = asyncio.Event()
+        self._zero.set()
+
+    def enter(self) -> None:
+        self.count += 1
+        self._zero.clear()
+
+    def leave(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self._zero.set()
+
+    async def wait_empty(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._zero.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+
+class ServiceCore:
+    """The engine (None while loading), the drain flag and the gates every door shares."""
+
+    def __init__(self, images: ImageResolver, metrics: ServiceMetrics, limits: Limits) -> None:
+        self.images = images
+        self.metrics = metrics
+        self.limits = limits
+        self.engine: Engine | None = None
+        self.draining = False
+        self.in_flight = Gate()  # requests being handled, from arrival to last byte
+        self.submitting = Gate()  # accepted requests that have not reached the engine yet
+
+    def begin_drain(self) -> None:
+        """Refuse requests from now on; those already received still run."""
+        self.draining = True
+
+
+class Call:
+    """One request through any door: admission, timing, running it, metrics, access log.
+
+    Use as ``async with``. ``deadline`` is a ``time.monotonic()`` value (None: none)."""
+
+    def __init__(
+        self,
+        core: ServiceCore,
+        door: Door,
+        task: str,
+        request_id: str,
+        peer: str = "",
+        deadline: float | None = None,
+    ) -> None:
+        self.core = core
+        self.door = door
+        self.task = task
+        self.request_id = request_id
+        self.peer = peer
+        self.deadline = deadline
+        self.start = time.perf_counter()
+        self.first_token: float | None = None
+        self.engine_metrics: RequestMetrics | None = None
+        self.finish_reason = ""
+        # Received before a drain began = accepted: it may still submit to the engine.
+        self.accepted = not core.draining
+        self._submitting = False
+
+    def elapsed_ms(self) -> float:
+        return (time.perf_counter() - self.start) * 1e3
+
+    async def __aenter__(self) -> Call:
+        c = self.core
+        c.in_flight.enter()
+        c.metrics.in_flight.labels(self.door).inc()
+        c.metrics.received.labels(self.door, self.task).inc()
+        if self.accepted:
+            c.submitting.enter()
+            self._submitting = True
+        return self
+
+    def engine(self) -> Engine:
+        """The engine, or UNAVAILABLE while it loads or the server drains."""
+        if not self.accepted:
+            raise unavailable("the server is draining; retry elsewhere")
+        if self.core.engine is None:
+            raise unavailable("the model is loading; retry shortly")
+        return self.core.engine
+
+    def submitted(self) -> None:
+        """Called once the request reached the engine (or will not): the drain stops waiting."""
+        if self._submitting:
+            self._submitting = False
+            self.core.submitting.leave()
+
+    async def build(self, message: Any) -> GenerationRequest:
+        """Check a proto request message of this call's task and build the engine request."""
+        max_context = self.engine().info.max_context
+        return await requests.build(
+            Task(self.task),
+            message,
+            self.core.images,
+            request_id=self.request_id,
+            deadline=self.deadline,
+            max_tokens_limit=max_context,
+        )
+
+    async def submit(self, request: GenerationRequest) -> RequestStream:
+        stream = await self.engine().submit(request)
+        self.submitted()
+        return stream
+
+    async def final(self, request: GenerationRequest) -> Finished:
+        """Run a request to its one result."""
+        return await self.result(await self.submit(request))
+
+    async def result(self, stream: RequestStream) -> Finished:
+        """The `Finished` event of a submitted request."""
+        try:
+            async for event in stream:
+                if isinstance(event, Finished):
+                    self.engine_metrics, self.finish_reason = event.metrics, event.finish_reason
+                    return event
+        finally:
+            stream.cancel()  # frees the request if this handler is cancelled; else a no-op
+        raise EngineError(ErrorCode.INTERNAL, "the engine ended the request without a result")
+
+    async def events(self, stream: RequestStream) -> AsyncIterator[TextDelta | Finished]:
+        """The events of a submitted text request: its deltas, then its `Finished` (the last).
+
+        Submit first, then start answering: errors at admission (queue full, beyond the
+        context) then still reach the client as a status, not as an event of a begun stream."""
+        try:
+            async for event in stream:
+                if self.first_token is None:
+                    self.first_token = time.perf_counter()
+                if isinstance(event, Finished):
+                    self.engine_metrics, self.finish_reason = event.metrics, event.finish_reason
+                    yield event
+                    return
+                yield event
+        finally:
+            stream.cancel()
+        raise EngineError(ErrorCode.INTERNAL, "the engine ended the request without a result")
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        self.submitted()
+        self._record(status_code(exc), exc, tb)
+        self.core.in_flight.leave()
+        self.core.metrics.in_flight.labels(self.door).dec()
+        return False
+
+    def _record(self, code: str, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if code == "INTERNAL" and exc is not None:
+            log.error(
+                "request %s (%s) failed",
+                self.request_id,
+                self.task,
+                exc_info=(type(exc), exc, tb),
+            )
+        total_s = time.perf_counter() - self.start
+        m = self.core.metrics
+        m.requests.labels(self.door, self.task, code).inc()
+        m.latency.labels(self.door, self.task).observe(total_s)
+        fields: dict[str, Any] = {
+            "request_id": self.request_id,
+            "door": self.door.value,
+            "task": self.task,
+            "code": code,
+            "total_ms": total_s * 1e3,
+        }
+        if self.first_token is not None:
+            m.ttft.labels(self.door, self.task).observe(self.first_token - self.start)
+            fields["ttft_ms"] = (self.first_token - self.start) * 1e3
+        em = self.engine_metrics
+        if em is not None:
+            m.queue_wait.labels(self.door, self.task).observe(em.queue_wait_ms / 1e3)
+            m.output_tokens.labels(self.door, self.task).inc(em.output_tokens)
+            fields.update(
+                queue_ms=em.queue_wait_ms,
+                prefill_ms=em.prefill_ms,
+                decode_ms=em.decode_ms,
+                input_tokens=em.input_tokens,
+                output_tokens=em.output_tokens,
+                cached_tokens=em.cached_tokens,
+                finish=self.finish_reason,
+            )
+        if isinstance(exc, EngineError):
+            fields["error"] = exc.message
+        if self.peer:
+            fields["peer"] = self.peer
+        log_request(fields)
+
+
+def status_code(exc: BaseException | None) -> str:
+    """The status-code name a request that ended with ``exc`` is counted under."""
+    if exc is None:
+        return "OK"
+    if isinstance(exc, EngineError):
+        return exc.code.value
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        return "CANCELLED"
+    return "INTERNAL"

@@ -1,0 +1,57 @@
+"""Proto request messages -> engine requests: the one place every front door's input is checked.
+
+The gRPC servicer passes the messages it receives; the HTTP door translates its JSON into the
+same messages first, so both doors share every check, limit and error message. Errors name the
+proto field (``settings.temperature``, ``image_bytes``); a door may rename them for its clients.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vlm_server.engine.api import GenerationRequest, Task
+from vlm_server.service import validation
+from vlm_server.service.images import ImageResolver
+
+
+def _task_fields(task: Task, message: Any) -> dict[str, Any]:
+    if task is Task.CAPTION:
+        return {"caption_length": validation.caption_length(message.length)}
+    if task is Task.QUERY:
+        return {
+            "question": validation.question(message.question),
+            "choices": validation.choices(list(message.choices)),
+            "regex": message.regex if message.HasField("regex") else None,
+        }
+    return {"object_name": validation.object_name(message.object)}
+
+
+async def build(
+    task: Task,
+    message: Any,
+    images: ImageResolver,
+    *,
+    request_id: str,
+    deadline: float | None,
+    max_tokens_limit: int,
+) -> GenerationRequest:
+    """Check ``message`` (the task's proto request) and build the engine request.
+
+    Cheap checks first (task fields, then settings); decoding the image, the expensive one,
+    comes last. Whether the task needs an image is the request compiler's check (it defines
+    the tasks): a request without one is refused there, naming ``image``."""
+    fields = _task_fields(task, message)
+    s = validation.settings(message.settings, max_tokens_limit)
+    image = await images.resolve(message)
+    return GenerationRequest(
+        task=task,
+        image=image,
+        request_id=request_id,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        max_tokens=s.max_tokens,
+        max_objects=s.max_objects,
+        seed=s.seed,
+        deadline=deadline,
+        **fields,
+    )
