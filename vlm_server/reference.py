@@ -170,6 +170,15 @@ class ReferenceGenerator:
         token; returning True stops the request ("cancelled").
         """
         built = self._build(req)
+        try:
+            reason, out = self._walk(req, built, on_token)
+        finally:
+            built.release()  # one request at a time: nothing else reads its mask rows
+        return built, reason, out
+
+    def _walk(
+        self, req: GenerationRequest, built: BuiltRequest, on_token: OnToken | None
+    ) -> tuple[FinishReason, list[int]]:
         g = built.grammar
         m, dev = self.model, self.model.device
         cache, hidden, pos = self._prefill(req.image, built.prompt, g.max_positions)
@@ -190,7 +199,7 @@ class ReferenceGenerator:
                 if text and len(g.token_ids) > before:
                     out.append(token)
                     if on_token is not None and on_token(token):
-                        return built, "cancelled", out
+                        return "cancelled", out
                 if g.finished:
                     break
                 if feeds:
@@ -215,8 +224,8 @@ class ReferenceGenerator:
             pos += 1
         stop = g.finish_reason is GrammarFinish.STOP
         if isinstance(g, ObjectGrammar):
-            return built, "eos" if stop else "max_objects", out
-        return built, "eos" if stop else "length", out
+            return "eos" if stop else "max_objects", out
+        return "eos" if stop else "length", out
 
     # ---- tasks ------------------------------------------------------------------------
 

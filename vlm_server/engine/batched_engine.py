@@ -100,7 +100,9 @@ class BatchedEngine:
             max_context=mc.text.max_context,
             max_queue=self.cfg.max_queue,
         )
-        self.tasks = TaskCompiler(mc, loaded.tokenizer, self.cfg.mask_table_rows)
+        self.tasks = TaskCompiler(
+            mc, loaded.tokenizer, self.cfg.mask_table_rows, self.cfg.constraint_limits
+        )
         self.table = self.tasks.table
         self.runtime = ModelRuntime(model, self.cfg, self.table)
         self.scheduler = Scheduler(self.runtime, self.cfg, contract.eos_id, mc.image_prefix_len)
@@ -173,9 +175,16 @@ class BatchedEngine:
         if request.choices or request.regex is not None:
             loop = asyncio.get_running_loop()
             seq = await loop.run_in_executor(self._builders, self._build, request)
-            self._check_open()
         else:
             seq = self._build(request)
+        try:
+            return self._enqueue(seq)
+        except BaseException:
+            seq.release_resources()  # refused: nothing in flight ever saw its rows
+            raise
+
+    def _enqueue(self, seq: Sequence) -> _Stream:
+        self._check_open()
         scheduler = self.scheduler
         total_pages = self.runtime.pages.n_pages - 1
         # Worst case (the image prefix not cached): the sequence's pages, plus a private copy
@@ -212,7 +221,11 @@ class BatchedEngine:
         """The request's sequence: prompt and grammar from the shared task definitions."""
         built = self.tasks.build(req)
         seq = Sequence(
-            request=req, prompt=built.prompt, grammar=built.grammar, prefix_len=built.prefix_len
+            request=req,
+            prompt=built.prompt,
+            grammar=built.grammar,
+            prefix_len=built.prefix_len,
+            on_release=built.release,
         )
         if isinstance(built.grammar, TextGrammar):
             seq.detok = StreamDetokenizer(self.tasks.vocab)

@@ -469,8 +469,8 @@ class FakeRuntime:
         ]
         self.row_state = [device.buffer(f"row_state[{r}]", None) for r in range(rows)]
         self.next_input = [device.buffer(f"next_input[{r}]", None) for r in range(rows)]
-        self.table_dev = device.buffer("table_dev", np.zeros((0, table.width), bool))
-        self._table_uploaded = 0
+        # Device copy of the mask table: row id -> bool [width], rows as last uploaded.
+        self.table_dev = device.buffer("table_dev", {})
         self.slots = [_FakeSlot(device, i, rows) for i in range(2)]
         self._in_flight: deque[_InFlight] = deque()
         self._tags = itertools.count(1)  # tells a row's successive occupants apart
@@ -662,16 +662,14 @@ class FakeRuntime:
             self.block_dev[r].value = issued[r - lo].copy()
 
     def _upload_table_rows(self) -> None:
-        n = len(self.table)
-        if n > self._table_uploaded:
-            rows = self.table.dense(0, n)
-            self.copy.copy(
-                "h2d mask rows",
-                partial(setattr, self.table_dev, "value", rows),
-                [],
-                [self.table_dev],
-            )
-            self._table_uploaded = n
+        ids, packed = self.table.take_dirty()
+        if ids.size:
+            dense = np.unpackbits(packed, axis=1, count=self.table.width, bitorder="little")
+            rows = dict(zip(ids.tolist(), dense.astype(bool), strict=True))
+            self.copy.copy("h2d mask rows", partial(self._write_rows, rows), [], [self.table_dev])
+
+    def _write_rows(self, rows: dict[int, np.ndarray]) -> None:
+        self.table_dev.value = {**self.table_dev.value, **rows}
 
     # ---- the stand-in model (runs on the device) ------------------------------------------
 
@@ -734,11 +732,15 @@ class FakeRuntime:
             phase, mask = int(fin[i, F_PHASE]), int(fin[i, F_MASK])
             allowed = None
             if constrained and mask != NO_MASK:
-                if mask >= len(table):
+                if mask not in table:
                     raise DeviceViolation(
                         "order", f"sampling used mask row {mask} before its upload executed"
                     )
                 allowed = table[mask]
+                # A row a live request holds never changes on the host: a device copy that
+                # differs is a reclaimed row whose rewrite was never uploaded.
+                if not np.array_equal(allowed, self.table.allowed(mask)):
+                    raise DeviceViolation("data", f"mask row {mask} on the device is stale")
             token = self._choose(h, k, eos_at, allowed)
             out[i, 0] = token
             value = token

@@ -110,7 +110,6 @@ class ModelRuntime:
         self.table_dev = torch.ones(
             (table.max_rows, table.width), dtype=torch.bool, device=self.device
         )
-        self._table_uploaded = 0
 
     # ---- setup ------------------------------------------------------------------------
 
@@ -149,13 +148,19 @@ class ModelRuntime:
             self.block_dev[lo:hi].copy_(buf.block_stage[lo:hi], non_blocking=True)
 
     def _upload_table_rows(self) -> None:
-        n = len(self.table)
-        if n > self._table_uploaded:
-            rows = torch.from_numpy(self.table.dense(self._table_uploaded, n))
-            if self.streams.is_cuda:
-                rows = rows.pin_memory()  # a pageable source would make the copy block
-            self.table_dev[self._table_uploaded : n].copy_(rows, non_blocking=True)
-            self._table_uploaded = n
+        # New and rewritten (reclaimed) rows alike: the table hands out each dirty row once.
+        ids, packed = self.table.take_dirty()
+        if not ids.size:
+            return
+        dense = np.unpackbits(packed, axis=1, count=self.table.width, bitorder="little")
+        rows = torch.from_numpy(dense.astype(bool))
+        if self.streams.is_cuda:
+            rows = rows.pin_memory()  # a pageable source would make the copy block
+        # One copy per run of consecutive row ids.
+        breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+        for lo, hi in zip(np.r_[0, breaks], np.r_[breaks, ids.size], strict=True):
+            first = int(ids[lo])
+            self.table_dev[first : first + hi - lo].copy_(rows[lo:hi], non_blocking=True)
 
     # ---- forwards ---------------------------------------------------------------------
 
