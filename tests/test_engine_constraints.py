@@ -173,3 +173,13 @@ def test_empty_string_language_answers_at_once(
     assert fin.text == "" and fin.finish_reason == "eos"
     want = generator.query(None, "which?", SamplingSettings(temperature=0), regex=pattern)
     assert want.text == "" and want.finish_reason == "eos"
+
+
+def test_a_segment_budget_too_small_for_any_path_names_max_tokens(
+    tiny: LoadedModel, sample_image: PreparedImage
+) -> None:
+    tasks = TaskCompiler(tiny.config, tiny.tokenizer)
+    req = GenerationRequest(Task.SEGMENT, sample_image, object_name="car", max_tokens=2)
+    with pytest.raises(EngineError) as info:
+        tasks.build(req)
+    assert info.value.code is ErrorCode.INVALID_ARGUMENT and info.value.field == "max_tokens"

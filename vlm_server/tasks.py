@@ -132,12 +132,17 @@ class TaskCompiler:
             else:
                 _need_object(req)
                 prompt = prompts.segment_prompt(c, tok, req.object_name)
-                grammar = SegmentGrammar(
-                    self.region_rows,
-                    self.path_rows,
-                    SEGMENT_MAX_POINTS,
-                    min(req.max_tokens, SEGMENT_MAX_PATH_TOKENS),
-                )
+                try:
+                    grammar = SegmentGrammar(
+                        self.region_rows,
+                        self.path_rows,
+                        SEGMENT_MAX_POINTS,
+                        min(req.max_tokens, SEGMENT_MAX_PATH_TOKENS),
+                    )
+                except ValueError as err:  # no closed path fits the token budget
+                    raise EngineError(
+                        ErrorCode.INVALID_ARGUMENT, f"max_tokens: {err}", "max_tokens"
+                    ) from err
         except EngineError:
             raise
         except ValueError as err:
