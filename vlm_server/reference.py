@@ -153,8 +153,9 @@ class ReferenceGenerator:
         return logits.masked_fill(~allowed, float("-inf"))
 
     def boundary_token(self, logits: torch.Tensor) -> int:
-        """The greedy decision at an object boundary (the token itself is never fed back)."""
-        return int(self._masked(logits, self.tasks.region_rows.boundary).argmax(dim=-1)[0])
+        """The greedy decision at an object boundary: the argmax over the whole vocabulary;
+        eos ends the answer, any other token means "next object" (it is never fed back)."""
+        return int(logits.argmax(dim=-1)[0])
 
     # ---- the generic loop ----------------------------------------------------------------
 

@@ -86,8 +86,9 @@ class TaskCompiler:
             blocked=frozenset(suppressed),
             limits=limits or ConstraintLimits(),
         )
-        coord = contract.coord_id if contract.boundary_rule == "coord_or_eos" else None
-        self.region_rows = RegionRows.register(self.table, RegionTokens(contract.eos_id, coord))
+        self.region_rows = RegionRows.register(
+            self.table, RegionTokens(contract.eos_id, contract.coord_id)
+        )
         self.path_rows: PathRows = self.constraints.segment_path()
 
     def build(self, req: GenerationRequest) -> BuiltRequest:
