@@ -89,7 +89,14 @@ class TaskCompiler:
         self.region_rows = RegionRows.register(
             self.table, RegionTokens(contract.eos_id, contract.coord_id)
         )
-        self.path_rows: PathRows = self.constraints.segment_path()
+        # Compiled (and pinned) here, not on the first Segment request: once clients hold
+        # the table's rows, segment could otherwise find no room.
+        self.path_rows: PathRows | None = None
+        self._no_path = ""
+        try:
+            self.path_rows = self.constraints.segment_path()
+        except ValueError as err:  # a vocabulary that cannot spell SVG paths
+            self._no_path = f"this tokenizer cannot write segment paths: {err}"
 
     def build(self, req: GenerationRequest) -> BuiltRequest:
         """Prompt, grammar and prefix of one request; EngineError naming the bad field.
@@ -133,6 +140,8 @@ class TaskCompiler:
             else:
                 _need_object(req)
                 prompt = prompts.segment_prompt(c, tok, req.object_name)
+                if self.path_rows is None:
+                    raise EngineError(ErrorCode.UNIMPLEMENTED, self._no_path, "task")
                 try:
                     grammar = SegmentGrammar(
                         self.region_rows,
