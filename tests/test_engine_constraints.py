@@ -183,3 +183,26 @@ def test_a_segment_budget_too_small_for_any_path_names_max_tokens(
     with pytest.raises(EngineError) as info:
         tasks.build(req)
     assert info.value.code is ErrorCode.INVALID_ARGUMENT and info.value.field == "max_tokens"
+
+
+def test_reference_engine_refuses_constraints_without_compiling_them(tiny: LoadedModel) -> None:
+    """It does not enforce constraints: a costly regex must not stall the event loop on its
+    way to UNIMPLEMENTED, while a syntax error is still the client's (INVALID_ARGUMENT)."""
+    from vlm_server.engine.reference_engine import ReferenceEngine
+
+    async def run() -> None:
+        engine = ReferenceEngine(lambda: tiny)
+        await engine.start()
+        try:
+            start = time.monotonic()
+            with pytest.raises(EngineError) as info:
+                await engine.submit(_query(regex="(a|b)*a(a|b){16}"))
+            assert info.value.code is ErrorCode.UNIMPLEMENTED
+            assert time.monotonic() - start < 0.5
+            with pytest.raises(EngineError) as info:
+                await engine.submit(_query(regex="(unclosed"))
+            assert info.value.code is ErrorCode.INVALID_ARGUMENT and info.value.field == "regex"
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
