@@ -206,3 +206,23 @@ def test_reference_engine_refuses_constraints_without_compiling_them(tiny: Loade
             await engine.close()
 
     asyncio.run(run())
+
+
+def test_a_caller_gone_mid_build_leaks_no_rows(tiny: LoadedModel) -> None:
+    async def run() -> None:
+        engine = BatchedEngine(tiny, EngineConfig(max_batch=2, kv_budget_bytes=16 << 20))
+        pinned = engine.table.live_rows
+        try:
+            for i in range(3):
+                task = asyncio.create_task(engine.submit(_query(regex=f"[a-{chr(100 + i)}]{{3}}")))
+                await asyncio.sleep(0)  # the build is on the builder thread now
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            await asyncio.get_running_loop().run_in_executor(engine._builders, lambda: None)
+            await asyncio.sleep(0.05)  # done-callbacks run on the loop
+            assert engine.table.live_rows == pinned
+        finally:
+            await engine.close()
+
+    asyncio.run(run())

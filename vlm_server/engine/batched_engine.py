@@ -76,6 +76,11 @@ class _Stream:
             self._engine._wake()
 
 
+def _release_abandoned(built: asyncio.Future[Sequence]) -> None:
+    if not built.cancelled() and built.exception() is None:
+        built.result().release_resources()
+
+
 class BatchedEngine:
     """Continuous batching over a paged KV cache with a two-slot pipeline."""
 
@@ -174,7 +179,14 @@ class BatchedEngine:
         self._check_open()
         if request.choices or request.regex is not None:
             loop = asyncio.get_running_loop()
-            seq = await loop.run_in_executor(self._builders, self._build, request)
+            built = loop.run_in_executor(self._builders, self._build, request)
+            try:
+                # Shielded: a caller that goes away mid-build must not leak the rows the
+                # build is about to take; they are given back when it completes.
+                seq = await asyncio.shield(built)
+            except asyncio.CancelledError:
+                built.add_done_callback(_release_abandoned)
+                raise
         else:
             seq = self._build(request)
         try:
