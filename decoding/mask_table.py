@@ -179,6 +179,17 @@ class MaskTable:
             self._dirty.clear()
             return ids, self._data[ids].copy()
 
+    def take_dirty_runs(self) -> list[tuple[int, np.ndarray]]:
+        """`take_dirty` as (first row id, bool [n, width]) runs of consecutive rows: one
+        host-to-device copy each."""
+        ids, packed = self.take_dirty()
+        if not ids.size:
+            return []
+        dense = np.unpackbits(packed, axis=1, count=self.width, bitorder="little").astype(bool)
+        breaks = (np.flatnonzero(np.diff(ids) != 1) + 1).tolist()
+        bounds = list(zip([0, *breaks], [*breaks, ids.size], strict=True))
+        return [(int(ids[lo]), dense[lo:hi]) for lo, hi in bounds]
+
     # ---- internals (lock held) -------------------------------------------------------------
 
     def _blob(self, packed: np.ndarray) -> bytes:

@@ -257,3 +257,17 @@ def test_full_only_when_every_row_is_live(vocab: TokenVocab) -> None:
     with pytest.raises(ValueError):
         table.release(held[0])  # not registered any more
     assert table.allowed(NO_MASK).all()
+
+
+def test_dirty_rows_come_in_runs_of_consecutive_ids(vocab: TokenVocab) -> None:
+    table = MaskTable(vocab.size + PAD, max_rows=8)
+    for ids in ([1], [2], [3], [5], [6]):
+        table.allow_only(ids)
+    table.take_dirty_runs()
+    table.allow_only([9])  # slot 6
+    runs = table.take_dirty_runs()
+    assert [(first, len(rows)) for first, rows in runs] == [(6, 1)]
+    table2 = MaskTable(vocab.size + PAD, max_rows=8)
+    runs = table2.take_dirty_runs()
+    assert [(first, len(rows)) for first, rows in runs] == [(0, 1)] and runs[0][1].all()
+    assert table2.take_dirty_runs() == []

@@ -662,10 +662,8 @@ class FakeRuntime:
             self.block_dev[r].value = issued[r - lo].copy()
 
     def _upload_table_rows(self) -> None:
-        ids, packed = self.table.take_dirty()
-        if ids.size:
-            dense = np.unpackbits(packed, axis=1, count=self.table.width, bitorder="little")
-            rows = dict(zip(ids.tolist(), dense.astype(bool), strict=True))
+        for first, dense in self.table.take_dirty_runs():
+            rows = dict(enumerate(dense, start=first))
             self.copy.copy("h2d mask rows", partial(self._write_rows, rows), [], [self.table_dev])
 
     def _write_rows(self, rows: dict[int, np.ndarray]) -> None:

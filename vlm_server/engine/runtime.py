@@ -149,18 +149,11 @@ class ModelRuntime:
 
     def _upload_table_rows(self) -> None:
         # New and rewritten (reclaimed) rows alike: the table hands out each dirty row once.
-        ids, packed = self.table.take_dirty()
-        if not ids.size:
-            return
-        dense = np.unpackbits(packed, axis=1, count=self.table.width, bitorder="little")
-        rows = torch.from_numpy(dense.astype(bool))
-        if self.streams.is_cuda:
-            rows = rows.pin_memory()  # a pageable source would make the copy block
-        # One copy per run of consecutive row ids.
-        breaks = np.flatnonzero(np.diff(ids) != 1) + 1
-        for lo, hi in zip(np.r_[0, breaks], np.r_[breaks, ids.size], strict=True):
-            first = int(ids[lo])
-            self.table_dev[first : first + hi - lo].copy_(rows[lo:hi], non_blocking=True)
+        for first, dense in self.table.take_dirty_runs():
+            rows = torch.from_numpy(dense)
+            if self.streams.is_cuda:
+                rows = rows.pin_memory()  # a pageable source would make the copy block
+            self.table_dev[first : first + len(rows)].copy_(rows, non_blocking=True)
 
     # ---- forwards ---------------------------------------------------------------------
 
