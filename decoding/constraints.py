@@ -64,18 +64,22 @@ class ConstraintCompiler:
         if not choices:
             raise ValueError("must not be empty")
         if len(choices) > lim.max_choices:
-            raise ConstraintTooLarge(f"at most {lim.max_choices} choices, got {len(choices)}")
+            raise ConstraintTooLarge(
+                f"at most {lim.max_choices} choices (max_choices), got {len(choices)}"
+            )
         if any(not c for c in choices):
             raise ValueError("choices must be non-empty strings")
         longest = max(len(c) for c in choices)
         if longest > lim.max_choice_chars:
             raise ConstraintTooLarge(
-                f"a choice is {longest} characters long; the limit is {lim.max_choice_chars}"
+                f"a choice is {longest} characters long; the limit is {lim.max_choice_chars} "
+                "(max_choice_chars)"
             )
         total = sum(len(c) for c in choices)
         if total > lim.max_choices_total_chars:
             raise ConstraintTooLarge(
-                f"the choices hold {total} characters; the limit is {lim.max_choices_total_chars}"
+                f"the choices hold {total} characters; the limit is "
+                f"{lim.max_choices_total_chars} (max_choices_total_chars)"
             )
         self._check_fits(min(len(c.encode("utf-8")) for c in choices), max_tokens)
         key: _Key = ("choices", tuple(choices))
@@ -86,7 +90,8 @@ class ConstraintCompiler:
         lim = self.limits
         if len(pattern) > lim.max_regex_chars:
             raise ConstraintTooLarge(
-                f"the regex is {len(pattern)} characters long; the limit is {lim.max_regex_chars}"
+                f"the regex is {len(pattern)} characters long; the limit is {lim.max_regex_chars} "
+                "(max_regex_chars)"
             )
         tree = parse_regex(pattern)  # linear in the pattern: syntax errors before any cost
         shortest = shortest_match_bytes(tree)

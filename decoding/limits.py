@@ -62,7 +62,8 @@ class CompileBudget:
         """Raise CompileTimeout if the budget is spent."""
         if self._deadline is not None and self._clock() > self._deadline:
             raise CompileTimeout(
-                f"compiling the constraint took longer than its {self.seconds:g} s budget"
+                f"compiling the constraint took longer than its {self.seconds:g} s budget "
+                "(compile_seconds); simplify it or retry later"
             )
 
 

@@ -225,7 +225,7 @@ def _compile(
     for lo in range(0, live.size, chunk_size):
         budget.check()
         chunk = live[lo : lo + chunk_size]
-        ends = trie.walk_states(dfa.trans, chunk)
+        ends = trie.walk_states(dfa.trans, chunk, budget)
         for row, state in enumerate(chunk.tolist()):
             ids = np.flatnonzero(ends[row])
             tokens_of[state] = ids
@@ -268,7 +268,7 @@ def _compile(
             if local is None:
                 if len(packed_rows) >= max_rows:
                     raise ConstraintTooLarge(
-                        f"constraint too complex (more than {max_rows} mask rows)"
+                        f"constraint too complex (more than {max_rows} mask rows, max_mask_rows)"
                     )
                 local = len(packed_rows)
                 row_ids[blob] = local
