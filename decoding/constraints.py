@@ -54,6 +54,7 @@ class ConstraintCompiler:
         pieces = [p for p in self.vocab.text_pieces() if p]
         self._longest_piece = max((len(p) for p in pieces), default=1)
         self._compiled: OrderedDict[_Key, CompiledMasks | _Refusal] = OrderedDict()
+        self._cached_bytes = 0
         self._lock = threading.Lock()
 
     # ---- request constraints (reference-counted rows) ------------------------------------
@@ -154,16 +155,27 @@ class ConstraintCompiler:
             hit = self._compiled.get(key)
             if hit is None:
                 hit = self._compile_uncached(build)
-                if self.limits.cache_entries:
-                    self._compiled[key] = hit
-                    while len(self._compiled) > self.limits.cache_entries:
-                        self._compiled.popitem(last=False)
+                self._remember(key, hit)
             else:
                 self._compiled.move_to_end(key)
         if isinstance(hit, tuple):
             kind, message = hit
             raise kind(message)
         return hit
+
+    def _remember(self, key: _Key, entry: CompiledMasks | _Refusal) -> None:
+        # Bounded by entries and by bytes: at 51,200 tokens one mask row is 6.4 KB.
+        size = _nbytes(entry)
+        if not self.limits.cache_entries or size > self.limits.cache_bytes:
+            return
+        self._compiled[key] = entry
+        self._cached_bytes += size
+        while (
+            len(self._compiled) > self.limits.cache_entries
+            or self._cached_bytes > self.limits.cache_bytes
+        ):
+            _, dropped = self._compiled.popitem(last=False)
+            self._cached_bytes -= _nbytes(dropped)
 
     def _compile_uncached(self, build: Callable[[CompileBudget], Dfa]) -> CompiledMasks | _Refusal:
         # Refusals are cached too: a client repeating a costly constraint gets its answer
@@ -182,6 +194,13 @@ class ConstraintCompiler:
             )
         except (CompileTimeout, ValueError) as err:
             return type(err), str(err)
+
+
+def _nbytes(entry: CompiledMasks | _Refusal) -> int:
+    if isinstance(entry, tuple):
+        return len(entry[1])
+    arrays = (entry.rows, entry.dist, entry.level_base, entry.level_ptr, entry.level_rows)
+    return sum(a.nbytes for a in arrays) + entry.dfa.trans.nbytes
 
 
 __all__ = [

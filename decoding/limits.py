@@ -32,6 +32,7 @@ class ConstraintLimits:
     max_mask_rows: int = 512  # distinct mask rows one constraint may occupy in the table
     compile_seconds: float = 2.0  # time budget of one compilation
     cache_entries: int = 256  # compiled constraints (and refusals) kept for reuse
+    cache_bytes: int = 64 << 20  # and the memory they may take
 
     def __post_init__(self) -> None:
         for name in (
@@ -46,8 +47,8 @@ class ConstraintLimits:
                 raise ValueError(f"{name} must be >= 1")
         if self.compile_seconds <= 0:
             raise ValueError("compile_seconds must be positive")
-        if self.cache_entries < 0:
-            raise ValueError("cache_entries must be >= 0")
+        if self.cache_entries < 0 or self.cache_bytes < 0:
+            raise ValueError("cache_entries and cache_bytes must be >= 0")
 
 
 class CompileBudget:

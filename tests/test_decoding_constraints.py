@@ -271,3 +271,14 @@ def test_dirty_rows_come_in_runs_of_consecutive_ids(vocab: TokenVocab) -> None:
     runs = table2.take_dirty_runs()
     assert [(first, len(rows)) for first, rows in runs] == [(0, 1)] and runs[0][1].all()
     assert table2.take_dirty_runs() == []
+
+
+def test_the_cache_is_bounded_by_entries_and_bytes(vocab: TokenVocab, compile_calls: list) -> None:
+    compiler = _compiler(vocab, cache_entries=2)
+    for pattern in ("[ab]", "[cd]", "[ef]", "[ab]"):
+        compiler.release(compiler.regex(pattern))
+    assert len(compile_calls) == 4  # "[ab]" was the oldest of three: evicted, compiled again
+    small = _compiler(vocab, cache_bytes=1)
+    for _ in range(2):
+        small.release(small.regex("[gh]"))
+    assert len(compile_calls) == 6  # nothing fits one byte: nothing kept
