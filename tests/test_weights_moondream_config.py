@@ -147,3 +147,11 @@ def test_tokenizer_with_a_wordpiece_decoder_serves_constraints(
         r = gen.query(None, "which one?", s, choices=choices)
         assert r.text.strip() in ("red car", "blue bus")
         assert r.text == loaded.tokenizer.decode(r.token_ids)
+
+
+def test_reference_defaults_are_the_current_moondream2() -> None:
+    got, want = from_moondream_dict({"text": {}}), preset("moondream2")
+    assert (got.text, got.vision, got.region) == (want.text, want.vision, want.region)
+    assert got.tokens is not None and want.tokens is not None
+    assert got.tokens.templates == want.tokens.templates
+    assert got.tokens.decode_suppressed_ids == want.tokens.decode_suppressed_ids == (3,)
