@@ -60,6 +60,7 @@ async def _wait_idle(engine: BatchedEngine, timeout: float = 30.0) -> None:
         (_query(choices=("abcdefgh" * 20,), max_tokens=2), ErrorCode.INVALID_ARGUMENT, "choices"),
         (_query(regex=r"\d{12}", max_tokens=2), ErrorCode.INVALID_ARGUMENT, "regex"),
         (_query(regex="(unclosed"), ErrorCode.INVALID_ARGUMENT, "regex"),
+        (_query(choices=("a",), regex=""), ErrorCode.INVALID_ARGUMENT, "choices"),
     ],
 )
 def test_constraint_errors_name_their_field(

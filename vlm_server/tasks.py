@@ -182,7 +182,7 @@ class TaskCompiler:
         """The request's choices / regex rows (held: `BuiltRequest.release` gives them back);
         errors name the field: INVALID_ARGUMENT for a bad or too large constraint,
         RESOURCE_EXHAUSTED when compiling runs out of time or the mask table is full."""
-        if req.choices and req.regex:
+        if req.choices and req.regex is not None:  # an empty regex is still a regex
             raise EngineError(
                 ErrorCode.INVALID_ARGUMENT, "choices: give choices or regex, not both", "choices"
             )
