@@ -3,7 +3,8 @@
 Map:
   automaton, regex_dfa, utf8_ranges, svg_path   constraints as byte DFAs
   vocab, token_trie, token_masks                 DFA x vocabulary -> token mask rows (cached)
-  mask_table, constraints                        global row registry; request-time compiling
+  mask_table, constraints, limits                reference-counted row registry; bounded,
+                                                 cached request-time compiling
   grammars (grammar_base, text_grammar, region_grammars)   per-request state and protocol
   batch_masks, sampling                          device side: per-row masks, counter-based sampling
   detokenize, segment_output                     streaming text; segment polygons and RLE masks

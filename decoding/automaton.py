@@ -22,6 +22,8 @@ from functools import cached_property
 
 import numpy as np
 
+from .limits import UNLIMITED, CompileBudget
+
 DEAD = 0
 
 
@@ -83,24 +85,15 @@ class Dfa:
 
     def live_states(self) -> np.ndarray:
         """Bool [n_states]: states from which an accepting state is reachable."""
-        live = self.accepting.copy()
-        while True:
-            grown = live | live[self.trans].any(axis=1)
-            if np.array_equal(grown, live):
-                return live
-            live = grown
+        src, dst = _edges(self.trans)
+        return _backward_reach(self.n_states, self.accepting, src, dst)
 
     def reachable_states(self) -> np.ndarray:
         """Bool [n_states]: states reachable from the start state."""
-        seen = np.zeros(self.n_states, dtype=bool)
-        seen[self.start] = True
-        frontier = np.array([self.start])
-        while frontier.size:
-            nxt = np.unique(self.trans[frontier])
-            nxt = nxt[~seen[nxt]]
-            seen[nxt] = True
-            frontier = nxt
-        return seen
+        seed = np.zeros(self.n_states, dtype=bool)
+        seed[self.start] = True
+        src, dst = _edges(self.trans)
+        return _backward_reach(self.n_states, seed, dst, src)  # edges reversed: forward reach
 
     def trimmed(self) -> Dfa:
         """Same state numbering, but every transition into a state that cannot accept goes to DEAD.
@@ -112,10 +105,12 @@ class Dfa:
         trans[~live] = DEAD
         return Dfa(trans, self.accepting & live, self.start)
 
-    def minimized(self) -> Dfa:
+    def minimized(self, budget: CompileBudget = UNLIMITED) -> Dfa:
         """The minimal equivalent DFA, numbered canonically (BFS from start, byte order).
 
         Equal languages give equal tables, hence equal signatures and shared mask caches.
+        Acyclic automata (choices, bounded regexes) are minimized in one bottom-up pass;
+        others by Moore refinement, which polls `budget` once per round.
         """
         dfa = self.trimmed()
         keep = dfa.reachable_states()
@@ -125,25 +120,108 @@ class Dfa:
         remap[old_ids] = np.arange(old_ids.size)
         trans = remap[dfa.trans[old_ids]]
         accepting = dfa.accepting[old_ids]
-        # Moore refinement: split classes by (class, classes of all successors) until stable.
-        cls = np.where(accepting, 2, 1)
-        cls[DEAD] = 0
-        n_cls = len(np.unique(cls))
-        while True:
-            sig = np.concatenate([cls[:, None], cls[trans]], axis=1)
-            _, new_cls = np.unique(sig, axis=0, return_inverse=True)
-            new_cls = new_cls.reshape(-1)
-            n_new = int(new_cls.max()) + 1
-            cls = new_cls
-            if n_new == n_cls:
-                break
-            n_cls = n_new
+        # Bytes no state tells apart share one column: signatures need one column per class.
+        _, columns = np.unique(trans, axis=1, return_index=True)
+        narrow = trans[:, np.sort(columns)]
+        cls = _acyclic_classes(narrow, accepting, budget)
+        if cls is None:
+            cls = _moore_classes(narrow, accepting, budget)
+        n_cls = int(cls.max()) + 1
         start = int(cls[remap[dfa.start]])
         cls_trans = np.zeros((n_cls, 256), dtype=np.int64)
         cls_trans[cls] = cls[trans]
         cls_acc = np.zeros(n_cls, dtype=bool)
         cls_acc[cls] = accepting
         return _canonical(cls_trans, cls_acc, start, dead=int(cls[DEAD]))
+
+
+def _edges(trans: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct (source, target) pairs of `trans` [n, k], DEAD targets left out."""
+    n = trans.shape[0]
+    flat = np.arange(n, dtype=np.int64)[:, None] * n + trans.astype(np.int64)
+    pairs = np.unique(flat[trans != DEAD])
+    return pairs // n, pairs % n
+
+
+def _backward_reach(
+    n_states: int, seeds: np.ndarray, src: np.ndarray, dst: np.ndarray
+) -> np.ndarray:
+    """Bool [n_states]: `seeds` and every state with a path of edges (src -> dst) into them."""
+    order = np.argsort(dst, kind="stable")
+    preds = src[order].tolist()
+    bounds = np.searchsorted(dst[order], np.arange(n_states + 1)).tolist()
+    seen = seeds.astype(bool).copy()
+    seen_list = seen.tolist()
+    stack = np.flatnonzero(seen).tolist()
+    while stack:
+        s = stack.pop()
+        for p in preds[bounds[s] : bounds[s + 1]]:
+            if not seen_list[p]:
+                seen_list[p] = True
+                stack.append(p)
+    return np.array(seen_list, dtype=bool)
+
+
+def _acyclic_classes(
+    trans: np.ndarray, accepting: np.ndarray, budget: CompileBudget
+) -> np.ndarray | None:
+    """Equivalence classes of a trimmed acyclic DFA in one bottom-up pass (None if cyclic).
+
+    Equivalent states have equal heights (longest word to the end), so states are grouped
+    height by height, leaves first, and each group is split by (accepting, successor classes)
+    once every successor already has its class.
+    """
+    n = trans.shape[0]
+    rows = trans.tolist()
+    succ = [sorted({t for t in row if t != DEAD}) for row in rows]
+    pending = [len(s) for s in succ]
+    preds: list[list[int]] = [[] for _ in range(n)]
+    for s, targets in enumerate(succ):
+        for t in targets:
+            preds[t].append(s)
+    height = [0] * n
+    ready = [s for s in range(1, n) if pending[s] == 0]
+    order: list[int] = []
+    while ready:
+        s = ready.pop()
+        order.append(s)
+        for p in preds[s]:
+            height[p] = max(height[p], height[s] + 1)
+            pending[p] -= 1
+            if pending[p] == 0:
+                ready.append(p)
+    if len(order) != n - 1:
+        return None  # a cycle: some state never became ready
+    cls = [0] * n  # DEAD is class 0
+    acc = accepting.tolist()
+    by_height: dict[int, list[int]] = {}
+    for s in order:
+        by_height.setdefault(height[s], []).append(s)
+    signature: dict[tuple, int] = {}
+    for h in sorted(by_height):
+        budget.check()
+        for s in by_height[h]:
+            key = (h, acc[s], tuple(cls[t] for t in rows[s]))
+            cls[s] = signature.setdefault(key, len(signature) + 1)
+    return np.array(cls, dtype=np.int64)
+
+
+def _moore_classes(trans: np.ndarray, accepting: np.ndarray, budget: CompileBudget) -> np.ndarray:
+    """Equivalence classes by Moore refinement: split by (class, successor classes) until
+    stable. DEAD (state 0) is alone in class 0."""
+    cls = np.where(accepting, 2, 1)
+    cls[DEAD] = 0
+    n_cls = len(np.unique(cls))
+    while True:
+        budget.check()
+        sig = np.concatenate([cls[:, None], cls[trans]], axis=1)
+        _, new_cls = np.unique(sig, axis=0, return_inverse=True)
+        new_cls = new_cls.reshape(-1)
+        n_new = int(new_cls.max()) + 1
+        cls = new_cls
+        if n_new == n_cls:
+            return cls
+        n_cls = n_new
 
 
 def _canonical(trans: np.ndarray, accepting: np.ndarray, start: int, dead: int) -> Dfa:
@@ -170,7 +248,7 @@ def _canonical(trans: np.ndarray, accepting: np.ndarray, start: int, dead: int) 
     return Dfa(new_trans, accepting[order_arr].copy(), index[start])
 
 
-def choices_dfa(choices: Iterable[str]) -> Dfa:
+def choices_dfa(choices: Iterable[str], budget: CompileBudget = UNLIMITED) -> Dfa:
     """DFA accepting exactly the given strings (UTF-8 encoded)."""
     words = [c.encode("utf-8") for c in choices]
     if not words:
@@ -193,4 +271,4 @@ def choices_dfa(choices: Iterable[str]) -> Dfa:
     for state, edges in enumerate(children):
         for b, target in edges.items():
             trans[state, b] = target
-    return Dfa(trans, np.array(accepting, dtype=bool), 1).minimized()
+    return Dfa(trans, np.array(accepting, dtype=bool), 1).minimized(budget)

@@ -30,6 +30,7 @@ class StreamDetokenizer:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._run = bytearray()  # pending sentencepiece byte-fallback run
         self._strip_pending = vocab.strip_leading_space
+        self._held_space = False  # a trailing space kept back (vocab.strip_trailing_space)
 
     def push(self, token_id: int) -> str:
         """Text completed by this token (possibly empty)."""
@@ -49,8 +50,11 @@ class StreamDetokenizer:
     def flush(self) -> str:
         """Whatever is still pending at the end of the stream."""
         if self._vocab.style == "byte_level":
-            return self._emit(self._utf8.decode(b"", final=True))
-        return self._emit(self._end_run())
+            text = self._emit(self._utf8.decode(b"", final=True))
+        else:
+            text = self._emit(self._end_run())
+        self._held_space = False  # the decoder drops the output's last space
+        return text
 
     def _end_run(self) -> str:
         if not self._run:
@@ -65,8 +69,13 @@ class StreamDetokenizer:
         if self._strip_pending and text:
             self._strip_pending = False
             if text[0] == " ":
-                return text[1:]
-        return text
+                text = text[1:]
+        if not self._vocab.strip_trailing_space or not text:
+            return text
+        if self._held_space:
+            text = " " + text
+        self._held_space = text.endswith(" ")
+        return text[:-1] if self._held_space else text
 
 
 def detokenize(vocab: TokenVocab, ids: list[int], skip_special_tokens: bool = True) -> str:

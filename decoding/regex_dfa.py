@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .automaton import DEAD, Dfa
+from .limits import UNLIMITED, CompileBudget, ConstraintTooLarge
 from .utf8_ranges import MAX_CODE_POINT, byte_sequences, complement, normalize
 
 MAX_REPEAT = 1000
@@ -294,7 +295,7 @@ class _Nfa:
 
     def new(self) -> int:
         if len(self.eps) >= MAX_NFA_STATES:
-            raise ValueError(f"regex too large (more than {MAX_NFA_STATES} NFA states)")
+            raise ConstraintTooLarge(f"regex too large (more than {MAX_NFA_STATES} NFA states)")
         self.eps.append([])
         self.edges.append([])
         return len(self.eps) - 1
@@ -348,15 +349,44 @@ class _Nfa:
         raise AssertionError(f"unknown node {kind}")
 
 
-def regex_dfa(pattern: str) -> Dfa:
-    """Compile `pattern` (see module docstring for the subset) to a minimal byte DFA."""
-    tree = _Parser(pattern).parse()
+def parse_regex(pattern: str) -> Node:
+    """The syntax tree of `pattern` (ValueError naming the construct if unsupported)."""
+    return _Parser(pattern).parse()
+
+
+def shortest_match_bytes(tree: Node) -> int | None:
+    """Length in UTF-8 bytes of the shortest string the tree matches (None: matches nothing)."""
+    kind = tree[0]
+    if kind == "set":
+        return len(chr(tree[1][0][0]).encode("utf-8", "surrogatepass")) if tree[1] else None
+    if kind in ("cat", "alt"):
+        parts = [shortest_match_bytes(child) for child in tree[1]]
+        if kind == "alt":
+            found = [p for p in parts if p is not None]
+            return min(found) if found else None
+        return None if None in parts else sum(p for p in parts if p is not None)
+    _, child, lo, _ = tree
+    inner = shortest_match_bytes(child)
+    if lo == 0:
+        return 0
+    return None if inner is None else lo * inner
+
+
+def regex_dfa(
+    pattern: str | Node,
+    max_states: int = MAX_DFA_STATES,
+    budget: CompileBudget = UNLIMITED,
+) -> Dfa:
+    """Compile `pattern` (see module docstring for the subset; or a tree from `parse_regex`)
+    to a minimal byte DFA. ConstraintTooLarge beyond `max_states` DFA states; CompileTimeout
+    when `budget` runs out."""
+    tree = parse_regex(pattern) if isinstance(pattern, str) else pattern
     nfa = _Nfa()
     entry, final = nfa.build(tree)
-    return _determinize(nfa, entry, final).minimized()
+    return _determinize(nfa, entry, final, max_states, budget).minimized(budget)
 
 
-def _determinize(nfa: _Nfa, entry: int, final: int) -> Dfa:
+def _determinize(nfa: _Nfa, entry: int, final: int, max_states: int, budget: CompileBudget) -> Dfa:
     # Byte classes: bytes no edge range tells apart share one column during subset construction.
     cuts = {0, 256}
     for edges in nfa.edges:
@@ -386,6 +416,7 @@ def _determinize(nfa: _Nfa, entry: int, final: int) -> Dfa:
     table: list[list[int]] = [[DEAD] * n_classes]
     pos = 1
     while pos < len(order):
+        budget.check()
         current = order[pos]
         pos += 1
         moves: list[set[int]] = [set() for _ in range(n_classes)]
@@ -401,8 +432,10 @@ def _determinize(nfa: _Nfa, entry: int, final: int) -> Dfa:
             target_set = closure(move)
             target = index.get(target_set)
             if target is None:
-                if len(order) >= MAX_DFA_STATES:
-                    raise ValueError(f"regex too large (more than {MAX_DFA_STATES} DFA states)")
+                if len(order) > max_states:
+                    raise ConstraintTooLarge(
+                        f"regex too large (more than {max_states} automaton states, max_dfa_states)"
+                    )
                 target = len(order)
                 index[target_set] = target
                 order.append(target_set)

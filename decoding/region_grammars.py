@@ -27,8 +27,10 @@ from .svg_path import PathLanguage
 class RegionTokens:
     """Token contract of the region tasks.
 
-    `coord_id` None is the GPT-2-era contract: at a boundary any token may be sampled and only
-    eos-or-not matters. With `coord_id` set (2025-06 contract) a boundary allows {coord, eos}.
+    At a point/detect object boundary the token is chosen over the whole vocabulary, as the
+    reference does: eos ends the answer, anything else starts the next object (the token is
+    never fed back, so the answer parses whatever it is). `coord_id` (2025-06 contract; None
+    in the GPT-2 era) is the only token segment's box may start with.
     """
 
     eos_id: int
@@ -40,19 +42,14 @@ class RegionRows:
     """The fixed rows of point/detect/segment, registered once per table."""
 
     tokens: RegionTokens
-    boundary: int
     segment_start: int
 
     @classmethod
     def register(cls, table: MaskTable, tokens: RegionTokens) -> RegionRows:
-        """Register the rows for `tokens` in `table`."""
+        """Register the rows for `tokens` in `table` (pinned)."""
         if tokens.coord_id is None:
-            return cls(tokens, NO_MASK, table.allow_all_but([tokens.eos_id]))
-        return cls(
-            tokens,
-            table.allow_only([tokens.coord_id, tokens.eos_id]),
-            table.allow_only([tokens.coord_id]),
-        )
+            return cls(tokens, table.allow_all_but([tokens.eos_id]))
+        return cls(tokens, table.allow_only([tokens.coord_id]))
 
 
 class ObjectGrammar(GrammarBase):
@@ -71,8 +68,8 @@ class ObjectGrammar(GrammarBase):
 
     @property
     def mask_row(self) -> int:
-        """Mask row of the next step (NO_MASK when it samples no token)."""
-        return self._rows.boundary if self.next_kind is StepKind.TOKEN else NO_MASK
+        """Always NO_MASK: a boundary weighs the whole vocabulary (eos or not), values no token."""
+        return NO_MASK
 
     @property
     def feeds_token(self) -> bool:
@@ -87,11 +84,8 @@ class ObjectGrammar(GrammarBase):
     def advance_token(self, token_id: int) -> None:
         """Commit the boundary token: eos ends the answer, anything else starts an object."""
         self._expect(StepKind.TOKEN)
-        tokens = self._rows.tokens
-        if token_id == tokens.eos_id:
+        if token_id == self._rows.tokens.eos_id:
             self._finish(FinishReason.STOP)
-        elif tokens.coord_id is not None and token_id != tokens.coord_id:
-            raise GrammarError(f"token {token_id} is not allowed at an object boundary")
         else:
             self.next_kind = StepKind.COORD_X
 

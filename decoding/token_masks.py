@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from .automaton import DEAD, Dfa
+from .limits import UNLIMITED, CompileBudget, ConstraintTooLarge
 from .token_trie import TokenTrie
 from .vocab import TokenVocab
 
@@ -180,12 +181,14 @@ def compile_masks(
     blocked: Iterable[int] = (),
     cache: MaskCache | None = None,
     max_rows: int = MAX_ROWS,
+    budget: CompileBudget = UNLIMITED,
 ) -> CompiledMasks:
     """Masks of `dfa` over `vocab` for a logits row of `width` ids (the model's vocab size).
 
     `blocked` ids are never allowed (e.g. task-suppressed ids); special ids never are either,
     except `eos_id` in accepting states. Raises ValueError when no token sequence can reach an
-    accepting state from the start, or the masks would need more than `max_rows` rows.
+    accepting state from the start, ConstraintTooLarge when the masks would need more than
+    `max_rows` rows, CompileTimeout when `budget` runs out.
     """
     if not 0 <= eos_id < width:
         raise ValueError(f"eos id {eos_id} outside the mask width {width}")
@@ -197,7 +200,7 @@ def compile_masks(
     # eos is never text, even in a vocabulary that does not mark it special.
     excluded = [i for i in blocked | {eos_id} if i < vocab.size] + list(range(width, vocab.size))
     trie = vocab_trie(vocab).without(excluded)
-    compiled = _compile(key, dfa, trie, eos_id, width, max_rows)
+    compiled = _compile(key, dfa, trie, eos_id, width, max_rows, budget)
     if cache is not None:
         cache.put(compiled)
     return compiled
@@ -210,6 +213,7 @@ def _compile(
     eos_id: int,
     width: int,
     max_rows: int,
+    budget: CompileBudget,
 ) -> CompiledMasks:
     n_states = dfa.n_states
     live = np.flatnonzero(dfa.live_states())
@@ -219,8 +223,9 @@ def _compile(
     widest = int(np.diff(trie.level_start).max(initial=1))
     chunk_size = max(1, _CHUNK_ELEMENTS // widest)
     for lo in range(0, live.size, chunk_size):
+        budget.check()
         chunk = live[lo : lo + chunk_size]
-        ends = trie.walk_states(dfa.trans, chunk)
+        ends = trie.walk_states(dfa.trans, chunk, budget)
         for row, state in enumerate(chunk.tolist()):
             ids = np.flatnonzero(ends[row])
             tokens_of[state] = ids
@@ -238,6 +243,8 @@ def _compile(
     level_rows: list[int] = []
     allowed = np.zeros(width, dtype=bool)
     for state in range(n_states):
+        if state % 64 == 0:
+            budget.check()
         level_ptr[state] = len(level_rows)
         if state == DEAD or dist[state] >= UNREACHABLE:
             continue
@@ -260,7 +267,9 @@ def _compile(
             local = row_ids.get(blob)
             if local is None:
                 if len(packed_rows) >= max_rows:
-                    raise ValueError(f"constraint too complex (more than {max_rows} mask rows)")
+                    raise ConstraintTooLarge(
+                        f"constraint too complex (more than {max_rows} mask rows, max_mask_rows)"
+                    )
                 local = len(packed_rows)
                 row_ids[blob] = local
                 packed_rows.append(packed)
@@ -283,7 +292,8 @@ def _compile(
 def _distances(
     n_states: int, accepting: np.ndarray, targets_of: dict[int, np.ndarray]
 ) -> np.ndarray:
-    """Fewest tokens from each state to an accepting one (UNREACHABLE if none)."""
+    """Fewest tokens from each state to an accepting one (UNREACHABLE if none): a breadth-first
+    search backwards from the accepting states, one token per edge."""
     src_parts, dst_parts = [], []
     for state, targets in targets_of.items():
         uniq = np.unique(targets)
@@ -291,11 +301,23 @@ def _distances(
         dst_parts.append(uniq.astype(np.int64))
     src = np.concatenate(src_parts) if src_parts else np.zeros(0, dtype=np.int64)
     dst = np.concatenate(dst_parts) if dst_parts else np.zeros(0, dtype=np.int64)
-    dist = np.full(n_states, UNREACHABLE, dtype=np.int64)
-    dist[accepting] = 0
-    dist[DEAD] = UNREACHABLE
-    while True:
-        before = dist.copy()
-        np.minimum.at(dist, src, np.minimum(dist[dst] + 1, UNREACHABLE))
-        if np.array_equal(before, dist):
-            return dist
+    keep = dst != DEAD
+    src, dst = src[keep], dst[keep]
+    order = np.argsort(dst, kind="stable")
+    preds = src[order].tolist()
+    bounds = np.searchsorted(dst[order], np.arange(n_states + 1)).tolist()
+    dist = [UNREACHABLE] * n_states
+    frontier = [s for s in np.flatnonzero(accepting).tolist() if s != DEAD]
+    for s in frontier:
+        dist[s] = 0
+    level = 0
+    while frontier:
+        level += 1
+        nxt = []
+        for s in frontier:
+            for p in preds[bounds[s] : bounds[s + 1]]:
+                if dist[p] == UNREACHABLE:
+                    dist[p] = level
+                    nxt.append(p)
+        frontier = nxt
+    return np.array(dist, dtype=np.int64)

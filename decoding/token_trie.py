@@ -8,6 +8,8 @@ from functools import cached_property
 
 import numpy as np
 
+from .limits import UNLIMITED, CompileBudget
+
 
 @dataclass(frozen=True, eq=False)
 class TokenTrie:
@@ -90,19 +92,22 @@ class TokenTrie:
         np.cumsum(np.bincount(nodes, minlength=self.n_nodes), out=ptr[1:])
         return ptr, ids[order]
 
-    def walk_states(self, trans: np.ndarray, states: np.ndarray) -> np.ndarray:
+    def walk_states(
+        self, trans: np.ndarray, states: np.ndarray, budget: CompileBudget = UNLIMITED
+    ) -> np.ndarray:
         """State reached at every token end, from each start state: int32 [len(states), n_ids]
         (0 where the walk died or the id takes no part).
 
         All start states walk together, one trie level per step, over the frontier of nodes
         where at least one of them is still alive: a shared prefix is walked once, and a
-        subtree every start state has left is never visited.
+        subtree every start state has left is never visited. `budget` is polled per level.
         """
         ptr, token_ids = self._node_tokens
         out = np.zeros((len(states), self.token_node.size), dtype=np.int32)
         nodes = self.root_children
         cur = trans[np.asarray(states)[:, None], self.byte[nodes][None, :]]
         while nodes.size:
+            budget.check()
             alive = (cur != 0).any(axis=0)
             nodes, cur = nodes[alive], cur[:, alive]
             counts = ptr[nodes + 1] - ptr[nodes]

@@ -115,15 +115,16 @@ def test_byte_level_bytes_rule() -> None:
     assert byte_level_bytes("Ã©") == "é".encode()
 
 
-def test_unsupported_decoder_rejected() -> None:
+def test_decoders_without_a_byte_mapping_are_read_through_the_library() -> None:
     from tokenizers import decoders, models
 
-    tok = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
-    with pytest.raises(ValueError, match="no decoder"):
-        TokenVocab.from_tokenizer(tok)
-    tok.decoder = decoders.WordPiece()
-    with pytest.raises(ValueError, match="unsupported"):
-        TokenVocab.from_tokenizer(tok)
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    for decoder in (None, decoders.WordPiece()):
+        if decoder is not None:
+            tok.decoder = decoder
+        vocab = TokenVocab.from_tokenizer(tok)
+        assert vocab.style == "text"
+        assert detokenize(vocab, [0, 1, 0]) == tok.decode([0, 1, 0])
 
 
 def test_linear_work_per_push() -> None:

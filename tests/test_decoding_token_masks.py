@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from decoding.automaton import DEAD, Dfa, choices_dfa
-from decoding.mask_table import NO_MASK, MaskTable
+from decoding.mask_table import NO_MASK, MaskTable, MaskTableFull
 from decoding.regex_dfa import regex_dfa
 from decoding.svg_path import PathLanguage
 from decoding.token_masks import (
@@ -219,5 +219,5 @@ def test_mask_table_rejects_wrong_shapes_and_overflow() -> None:
     with pytest.raises(ValueError):
         table.add(np.ones(9, dtype=bool))
     table.allow_only([3])
-    with pytest.raises(ValueError, match="full"):
+    with pytest.raises(MaskTableFull, match="full"):
         table.allow_only([4])

@@ -434,7 +434,7 @@ def test_the_runtime_matches_the_protocol(tiny: LoadedModel) -> None:
             getattr(Runtime, name)
         ), name
     cfg = EngineConfig(max_batch=2, kv_budget_bytes=1 << 20)
-    table = TaskCompiler(tiny.config, tiny.tokenizer, 8).table
+    table = TaskCompiler(tiny.config, tiny.tokenizer, 64).table
     for device in (None, FakeTorchDevice()):
         rt = ModelRuntime(tiny.model, cfg, table, device=device)
         assert isinstance(rt, Runtime) and isinstance(rt.pages, PageAllocator)

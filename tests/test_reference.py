@@ -136,17 +136,23 @@ def test_regions_stop_at_eos(
     assert r.finish_reason == "eos" and not r.points and not r.boxes
 
 
-def test_coord_or_eos_boundary_ignores_other_tokens(
+def test_boundary_weighs_the_whole_vocabulary(
     generator: ReferenceGenerator, sample_image: PreparedImage
 ) -> None:
-    # The argmax is some third token; the 2025-06 rule still only weighs coord against eos.
-    gen = _biased(generator, 42)
+    # eos outscores coord, but a third token outscores both: the reference continues.
+    eos, coord = generator.contract.eos_id, generator.contract.coord_id
     logits = torch.zeros(1, generator.config.text.vocab_size)
-    logits[0, 42] = 10
-    logits[0, generator.contract.coord_id] = 1
-    assert gen.boundary_token(logits) == generator.contract.coord_id
-    r = gen.detect(sample_image, "car", max_objects=2)
-    assert r.finish_reason in ("eos", "max_objects")
+    logits[0, 42], logits[0, eos], logits[0, coord] = 10, 5, 1
+    assert generator.boundary_token(logits) == 42
+    model = copy.deepcopy(generator.model)
+    with torch.no_grad():
+        bias = model.text.lm_head.bias
+        bias[eos] = bias.max() + 1e3
+        bias[42] = bias[eos] + 1e3
+    gen = ReferenceGenerator(model, generator.tokenizer)
+    for task, items in (("point", "points"), ("detect", "boxes")):
+        r = getattr(gen, task)(sample_image, "car", max_objects=3)
+        assert r.finish_reason == "max_objects" and len(getattr(r, items)) == 3
 
 
 def test_gpt2_contract_tests_only_eos(tmp_path: Path, sample_image: PreparedImage) -> None:

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 SizeScale = Literal["log", "linear"]
-BoundaryRule = Literal["eos_only", "coord_or_eos"]
 
 
 @dataclass(frozen=True)
@@ -153,9 +152,8 @@ class TokenContract:
     eos_id: int
     templates: PromptTemplates
     size_scale: SizeScale
-    # What decides "another object or stop" at a point/detect object boundary: the GPT-2-era
-    # loop tests only "eos or not"; the 2025-06 contract restricts the choice to {coord, eos}.
-    boundary_rule: BoundaryRule
+    # At a point/detect object boundary every era decides the reference's way: the token chosen
+    # over the whole vocabulary ends the answer if it is eos and otherwise starts an object.
     coord_id: int | None = None
     size_id: int | None = None
     answer_id: int | None = None
@@ -165,10 +163,6 @@ class TokenContract:
     def __post_init__(self) -> None:
         if self.size_scale not in ("log", "linear"):
             raise ValueError(f"size_scale must be 'log' or 'linear', not {self.size_scale!r}")
-        if self.boundary_rule not in ("eos_only", "coord_or_eos"):
-            raise ValueError(f"unknown boundary_rule {self.boundary_rule!r}")
-        if self.boundary_rule == "coord_or_eos" and self.coord_id is None:
-            raise ValueError("boundary_rule 'coord_or_eos' needs coord_id")
 
 
 @dataclass(frozen=True)
@@ -214,6 +208,8 @@ class ModelConfig:
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         """Inverse of `to_dict`; lists become tuples again."""
         tok = dict(data["tokens"])
+        # Written by earlier versions; the boundary decision no longer depends on the contract.
+        tok.pop("boundary_rule", None)
         tpl = {k: (tuple(v) if isinstance(v, list) else v) for k, v in tok.pop("templates").items()}
         tok["decode_suppressed_ids"] = tuple(tok.get("decode_suppressed_ids", ()))
         return cls(
@@ -250,7 +246,6 @@ CONTRACT_GPT2_LINEAR = TokenContract(
     eos_id=GPT2_EOS,
     templates=_GPT2_TEMPLATES,
     size_scale="linear",
-    boundary_rule="eos_only",
 )
 CONTRACT_GPT2_LOG = dataclasses.replace(
     CONTRACT_GPT2_LINEAR, name="gpt2-2025-04-14", size_scale="log"
@@ -275,7 +270,6 @@ CONTRACT_2025_06 = TokenContract(
         object_leading_space=True,
     ),
     size_scale="log",
-    boundary_rule="coord_or_eos",
     coord_id=5,
     size_id=6,
     answer_id=3,
@@ -325,7 +319,6 @@ CONTRACT_TINY = TokenContract(
         object_leading_space=True,
     ),
     size_scale="log",
-    boundary_rule="coord_or_eos",
     coord_id=5,
     size_id=6,
     answer_id=3,

@@ -144,8 +144,9 @@ class ReferenceGenerator:
         return logits.masked_fill(~allowed, float("-inf"))
 
     def boundary_token(self, logits: torch.Tensor) -> int:
-        """The greedy decision at an object boundary (the token itself is never fed back)."""
-        return int(self._masked(logits, self.tasks.region_rows.boundary).argmax(dim=-1)[0])
+        """The greedy decision at an object boundary: the argmax over the whole vocabulary;
+        eos ends the answer, any other token means "next object" (it is never fed back)."""
+        return int(logits.argmax(dim=-1)[0])
 
     # ---- the generic loop ----------------------------------------------------------------
 
@@ -161,6 +162,15 @@ class ReferenceGenerator:
         token; returning True stops the request ("cancelled").
         """
         built = self._build(req)
+        try:
+            reason, out = self._walk(req, built, on_token)
+        finally:
+            built.release()  # one request at a time: nothing else reads its mask rows
+        return built, reason, out
+
+    def _walk(
+        self, req: GenerationRequest, built: BuiltRequest, on_token: OnToken | None
+    ) -> tuple[FinishReason, list[int]]:
         g = built.grammar
         m, dev = self.model, self.model.device
         cache, hidden, pos = self._prefill(req.image, built.prompt, g.max_positions)
@@ -181,7 +191,7 @@ class ReferenceGenerator:
                 if text and len(g.token_ids) > before:
                     out.append(token)
                     if on_token is not None and on_token(token):
-                        return built, "cancelled", out
+                        return "cancelled", out
                 if g.finished:
                     break
                 if feeds:
@@ -206,8 +216,8 @@ class ReferenceGenerator:
             pos += 1
         stop = g.finish_reason is GrammarFinish.STOP
         if isinstance(g, ObjectGrammar):
-            return built, FinishReason.EOS if stop else FinishReason.MAX_OBJECTS, out
-        return built, FinishReason.EOS if stop else FinishReason.LENGTH, out
+            return FinishReason.EOS if stop else FinishReason.MAX_OBJECTS, out
+        return FinishReason.EOS if stop else FinishReason.LENGTH, out
 
     # ---- tasks ------------------------------------------------------------------------
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from decoding.limits import ConstraintLimits
 
 
 @dataclass(frozen=True)
@@ -16,6 +18,8 @@ class EngineConfig:
     prefix_cache_entries: int = 64  # image prefixes kept for reuse
     mask_table_rows: int = 1024  # device mask-table capacity (rows of vocab-wide bools)
     cuda_graphs: bool = True  # capture decode forwards per batch bucket (CUDA only)
+    # Caps and time budget of client constraints (choices / regex), see decoding/limits.py.
+    constraint_limits: ConstraintLimits = field(default_factory=ConstraintLimits)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_queue < 0 or self.max_prefill_batch < 1:

@@ -77,6 +77,11 @@ class _Stream:
             self._engine._wake()
 
 
+def _release_abandoned(built: asyncio.Future[Sequence]) -> None:
+    if not built.cancelled() and built.exception() is None:
+        built.result().release_resources()
+
+
 class BatchedEngine:
     """Continuous batching over a paged KV cache with a two-slot pipeline."""
 
@@ -105,7 +110,9 @@ class BatchedEngine:
             max_context=mc.text.max_context,
             max_queue=self.cfg.max_queue,
         )
-        self.tasks = TaskCompiler(mc, loaded.tokenizer, self.cfg.mask_table_rows)
+        self.tasks = TaskCompiler(
+            mc, loaded.tokenizer, self.cfg.mask_table_rows, self.cfg.constraint_limits
+        )
         self.table = self.tasks.table
         self.runtime = ModelRuntime(model, self.cfg, self.table, observer=observer)
         self.scheduler = Scheduler(
@@ -180,10 +187,24 @@ class BatchedEngine:
         self._check_open()
         if request.choices or request.regex is not None:
             loop = asyncio.get_running_loop()
-            seq = await loop.run_in_executor(self._builders, self._build, request)
-            self._check_open()
+            built = loop.run_in_executor(self._builders, self._build, request)
+            try:
+                # Shielded: a caller that goes away mid-build must not leak the rows the
+                # build is about to take; they are given back when it completes.
+                seq = await asyncio.shield(built)
+            except asyncio.CancelledError:
+                built.add_done_callback(_release_abandoned)
+                raise
         else:
             seq = self._build(request)
+        try:
+            return self._enqueue(seq)
+        except BaseException:
+            seq.release_resources()  # refused: nothing in flight ever saw its rows
+            raise
+
+    def _enqueue(self, seq: Sequence) -> _Stream:
+        self._check_open()
         scheduler = self.scheduler
         total_pages = self.runtime.pages.n_pages - 1
         need = scheduler.worst_case_pages(seq)
@@ -216,7 +237,11 @@ class BatchedEngine:
         """The request's sequence: prompt and grammar from the shared task definitions."""
         built = self.tasks.build(req)
         seq = Sequence(
-            request=req, prompt=built.prompt, grammar=built.grammar, prefix_len=built.prefix_len
+            request=req,
+            prompt=built.prompt,
+            grammar=built.grammar,
+            prefix_len=built.prefix_len,
+            on_release=built.release,
         )
         if isinstance(built.grammar, TextGrammar):
             seq.detok = StreamDetokenizer(self.tasks.vocab)

@@ -27,6 +27,7 @@ from vlm_server.weights.layout import (
     is_native,
     legacy_to_native,
 )
+from vlm_server.weights.moondream_config import from_moondream_dict, is_moondream_format
 from vlm_server.weights.tokenizer_build import build_tokenizer
 from vlm_server.weights.writer import (
     CONFIG_FILE,
@@ -49,11 +50,19 @@ class LoadedModel:
 
 
 def read_config(directory: Path, preset_name: str | None) -> ModelConfig:
-    """Config of a checkpoint directory: the project's own config.json, or a preset for a
-    Hugging Face moondream snapshot (whose config.json carries no usable fields)."""
+    """Config of a checkpoint directory: the project's own config.json, one in the moondream
+    reference's format (`text` / `vision` / `region` / `tokenizer` sections), or a preset for
+    a Hugging Face moondream snapshot (whose config.json carries no usable fields)."""
     path = directory / CONFIG_FILE
     if path.exists():
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise CheckpointError(f"cannot read {path}: {err}") from err
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{path} does not hold a JSON object")
+        if is_moondream_format(data):
+            return from_moondream_dict(data, preset_name)
         if data.get("format") == CONFIG_FORMAT:
             config = ModelConfig.from_dict(data["model"])
             if preset_name is not None and preset(preset_name) != config:

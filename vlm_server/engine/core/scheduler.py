@@ -275,6 +275,10 @@ class Scheduler:
                     deadline = seq.request.deadline
                     if not seq.finished and deadline is not None and now > deadline:
                         self._fail(seq, ErrorCode.DEADLINE_EXCEEDED)
+                elif seq.grammar.finished:
+                    # Finished before its first step (e.g. a regex whose only answer is the
+                    # empty string): nothing to sample, the answer is complete.
+                    self._complete(seq, now)
             if seq.finished and seq.inflight_refs == 0:
                 self._release(seq)
 
@@ -367,6 +371,8 @@ class Scheduler:
         if seq.prefix is not None:
             self.prefix_cache.release(seq.prefix)
         self.rt.release_row(seq.row)
+        # Mask rows only now: no in-flight step reads them, so the table may reuse them.
+        seq.release_resources()
         self.free_rows.append(seq.row)
         seq.row = -1
         seq.state = SeqState.RELEASED
@@ -382,6 +388,7 @@ class Scheduler:
             if seq.cancelled is not None:
                 self.waiting.remove(seq)
                 seq.state = SeqState.FINISHED
+                seq.release_resources()  # never admitted: no step ever read its rows
                 self._emit(
                     seq,
                     EngineError(

@@ -38,6 +38,9 @@ class Sequence:
     prefix_len: int  # 0 (text only, BOS in the prompt) or BOS + image patches
     detok: StreamDetokenizer | None = None
     emit: Callable[[Emitted], None] | None = None  # delivers events to the request's stream
+    # Gives back what the request holds outside the engine (a constraint's mask-table rows);
+    # called once, when no in-flight step can read them any more.
+    on_release: Callable[[], None] | None = None
     state: SeqState = SeqState.WAITING
     row: int = -1
     own_pages: list[int] = field(default_factory=list)
@@ -92,6 +95,12 @@ class Sequence:
         if kind is StepKind.SIZE:
             return RowPhase.SIZE
         return RowPhase.IDLE
+
+    def release_resources(self) -> None:
+        """Run `on_release` once (idempotent)."""
+        release, self.on_release = self.on_release, None
+        if release is not None:
+            release()
 
     def add_ref(self) -> None:
         if self.inflight_refs >= 2:

@@ -161,7 +161,6 @@ class ModelRuntime:
             "table_dev",
             torch.ones((table.max_rows, table.width), dtype=torch.bool).to(self.torch_device),
         )
-        self._table_uploaded = 0
 
     # ---- setup ------------------------------------------------------------------------
 
@@ -221,19 +220,18 @@ class ModelRuntime:
         )
 
     def _upload_table_rows(self) -> None:
-        lo, hi = self._table_uploaded, len(self.table)
-        if hi <= lo:
-            return
-        rows = torch.from_numpy(self.table.dense(lo, hi))
-        if self.dev.is_cuda:
-            rows = rows.pin_memory()  # a pageable source would make the copy block
-        self.dev.copy(
-            self.dev.copy_stream,
-            "h2d mask rows",
-            partial(_copy_into, self.table_dev, lo, hi, rows),
-            lambda: ([], [(self.table_dev, range(lo, hi))]),
-        )
-        self._table_uploaded = hi
+        # New and rewritten (reclaimed) rows alike: the table hands out each dirty run once.
+        for first, dense in self.table.take_dirty_runs():
+            rows = torch.from_numpy(dense)
+            if self.dev.is_cuda:
+                rows = rows.pin_memory()  # a pageable source would make the copy block
+            hi = first + len(dense)
+            self.dev.copy(
+                self.dev.copy_stream,
+                "h2d mask rows",
+                partial(_copy_into, self.table_dev, first, hi, rows),
+                lambda first=first, hi=hi: ([], [(self.table_dev, range(first, hi))]),
+            )
 
     # ---- forwards ---------------------------------------------------------------------
 

@@ -7,7 +7,6 @@ prompt tokens, the same grammar and the same masks on both paths.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 from tokenizers import Tokenizer
@@ -23,7 +22,8 @@ from decoding.grammars import (
     detect_grammar,
     point_grammar,
 )
-from decoding.mask_table import NO_MASK, AutomatonRows, MaskTable
+from decoding.limits import CompileTimeout, ConstraintLimits
+from decoding.mask_table import NO_MASK, AutomatonRows, MaskTable, MaskTableFull
 from decoding.vocab import TokenVocab
 from vlm_server.config import ModelConfig
 from vlm_server.engine.api import EngineError, ErrorCode, GenerationRequest, Task
@@ -38,21 +38,38 @@ class BuiltRequest:
     prompt: list[int]  # includes BOS when there is no image
     grammar: Grammar
     prefix_len: int  # positions before the prompt: BOS + image patches, or 0
+    # Mask-table rows of a choices / regex constraint, held until `release`.
+    constraint: AutomatonRows | None = None
+    table: MaskTable | None = None
 
     @property
     def total_positions(self) -> int:
         return self.prefix_len + len(self.prompt) + self.grammar.max_positions
+
+    def release(self) -> None:
+        """Give back the constraint's mask rows (idempotent). The engine calls this once no
+        in-flight step can read them any more."""
+        if self.constraint is not None and self.table is not None:
+            self.table.release(self.constraint)
+        self.constraint = None
 
 
 class TaskCompiler:
     """Builds requests for one model; owns the mask table every grammar indexes into.
 
     Compiling a regex or choices constraint costs CPU time proportional to the vocabulary
-    (milliseconds to a fraction of a second at 51,200 tokens); the lock makes concurrent
-    builders safe, and compiled constraints are cached by the compiler.
+    (milliseconds to a fraction of a second at 51,200 tokens), bounded by `limits`; compiled
+    constraints are cached by the compiler. The rows of the built-in tasks (suppression,
+    region, segment path) are pinned here, at start, so clients can never crowd them out.
     """
 
-    def __init__(self, config: ModelConfig, tokenizer: Tokenizer, mask_rows: int = 1024) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tokenizer: Tokenizer,
+        mask_rows: int = 1024,
+        limits: ConstraintLimits | None = None,
+    ) -> None:
         contract = config.tokens
         assert contract is not None
         self.config = config
@@ -63,17 +80,41 @@ class TaskCompiler:
         suppressed = list(contract.decode_suppressed_ids)
         self.suppress_row = self.table.allow_all_but(suppressed) if suppressed else NO_MASK
         self.constraints = ConstraintCompiler(
-            self.vocab, self.table, contract.eos_id, blocked=frozenset(suppressed)
+            self.vocab,
+            self.table,
+            contract.eos_id,
+            blocked=frozenset(suppressed),
+            limits=limits or ConstraintLimits(),
         )
-        coord = contract.coord_id if contract.boundary_rule == "coord_or_eos" else None
-        self.region_rows = RegionRows.register(self.table, RegionTokens(contract.eos_id, coord))
-        self._path_rows: PathRows | None = None
-        self._lock = threading.Lock()
+        self.region_rows = RegionRows.register(
+            self.table, RegionTokens(contract.eos_id, contract.coord_id)
+        )
+        # Compiled (and pinned) here, not on the first Segment request: once clients hold
+        # the table's rows, segment could otherwise find no room.
+        self.path_rows: PathRows | None = None
+        self._no_path = ""
+        try:
+            self.path_rows = self.constraints.segment_path()
+        except ValueError as err:  # a vocabulary that cannot spell SVG paths
+            self._no_path = f"this tokenizer cannot write segment paths: {err}"
 
     def build(self, req: GenerationRequest) -> BuiltRequest:
-        """Prompt, grammar and prefix of one request; EngineError naming the bad field."""
+        """Prompt, grammar and prefix of one request; EngineError naming the bad field.
+
+        The result may hold mask-table rows: call its `release` when the request is done."""
+        _check_settings(req, self.config.text.max_context)
+        constraint = self._constraint(req) if req.task is Task.QUERY else None
+        try:
+            built = self._build(req, constraint)
+        except BaseException:
+            if constraint is not None:
+                self.constraints.release(constraint)
+            raise
+        built.constraint, built.table = constraint, self.table
+        return built
+
+    def _build(self, req: GenerationRequest, constraint: AutomatonRows | None) -> BuiltRequest:
         c, tok, mc = self.contract, self.tokenizer, self.config
-        _check_settings(req, mc.text.max_context)
         try:
             if req.task is Task.CAPTION:
                 prompt = prompts.caption_prompt(c, req.caption_length)
@@ -87,7 +128,7 @@ class TaskCompiler:
                     req.max_tokens,
                     row=self.suppress_row,
                     first_row=NO_MASK,
-                    constraint=self._constraint(req),
+                    constraint=constraint,
                 )
             elif req.task in (Task.POINT, Task.DETECT):
                 point = req.task is Task.POINT
@@ -97,12 +138,19 @@ class TaskCompiler:
                 grammar = make(self.region_rows, req.max_objects)
             else:
                 prompt = prompts.segment_prompt(c, tok, req.object_name)
-                grammar = SegmentGrammar(
-                    self.region_rows,
-                    self._segment_rows(),
-                    SEGMENT_MAX_POINTS,
-                    min(req.max_tokens, SEGMENT_MAX_PATH_TOKENS),
-                )
+                if self.path_rows is None:
+                    raise EngineError(ErrorCode.UNIMPLEMENTED, self._no_path, "task")
+                try:
+                    grammar = SegmentGrammar(
+                        self.region_rows,
+                        self.path_rows,
+                        SEGMENT_MAX_POINTS,
+                        min(req.max_tokens, SEGMENT_MAX_PATH_TOKENS),
+                    )
+                except ValueError as err:  # no closed path fits the token budget
+                    raise EngineError(
+                        ErrorCode.INVALID_ARGUMENT, f"max_tokens: {err}", "max_tokens"
+                    ) from err
         except EngineError:
             raise
         except ValueError as err:
@@ -129,28 +177,30 @@ class TaskCompiler:
         return built
 
     def _constraint(self, req: GenerationRequest) -> AutomatonRows | None:
-        if req.choices and req.regex:
+        """The request's choices / regex rows (held: `BuiltRequest.release` gives them back);
+        errors name the field: INVALID_ARGUMENT for a bad or too large constraint,
+        RESOURCE_EXHAUSTED when compiling runs out of time or the mask table is full."""
+        if req.choices and req.regex is not None:  # an empty regex is still a regex
             raise EngineError(
                 ErrorCode.INVALID_ARGUMENT, "choices: give choices or regex, not both", "choices"
             )
+        if not req.choices and req.regex is None:
+            return None
         field = "choices" if req.choices else "regex"
         try:
-            with self._lock:
-                if req.choices:
-                    if any(not ch for ch in req.choices):
-                        raise ValueError("choices must be non-empty strings")
-                    return self.constraints.choices(req.choices)
-                if req.regex is not None:
-                    return self.constraints.regex(req.regex)
-        except (ValueError, RuntimeError) as err:
+            if req.choices:
+                return self.constraints.choices(req.choices, req.max_tokens)
+            return self.constraints.regex(req.regex or "", req.max_tokens)
+        except CompileTimeout as err:
+            raise EngineError(ErrorCode.RESOURCE_EXHAUSTED, f"{field}: {err}", field) from err
+        except MaskTableFull as err:
+            raise EngineError(
+                ErrorCode.RESOURCE_EXHAUSTED,
+                f"{field}: {err}; retry when running constrained requests finish",
+                field,
+            ) from err
+        except ValueError as err:
             raise EngineError(ErrorCode.INVALID_ARGUMENT, f"{field}: {err}", field) from err
-        return None
-
-    def _segment_rows(self) -> PathRows:
-        with self._lock:
-            if self._path_rows is None:
-                self._path_rows = self.constraints.segment_path()
-            return self._path_rows
 
 
 def _check_settings(req: GenerationRequest, max_context: int) -> None:
