@@ -19,8 +19,8 @@ class StepKind(enum.IntEnum):
     DONE = 4
 
 
-class FinishReason(enum.Enum):
-    """Why a request finished."""
+class GrammarEnd(enum.Enum):
+    """How a grammar closed its answer (the engine maps it to the API's FinishReason)."""
 
     STOP = "stop"  # eos, or the constraint allows nothing else
     LENGTH = "length"  # a token, object or point budget closed the answer
@@ -49,14 +49,14 @@ class GrammarBase:
 
     def __init__(self) -> None:
         self.next_kind = StepKind.TOKEN
-        self.finish_reason: FinishReason | None = None
+        self.finish_reason: GrammarEnd | None = None
 
     @property
     def finished(self) -> bool:
         """No further step is needed."""
         return self.next_kind is StepKind.DONE
 
-    def _finish(self, reason: FinishReason) -> None:
+    def _finish(self, reason: GrammarEnd) -> None:
         self.next_kind = StepKind.DONE
         self.finish_reason = reason
 

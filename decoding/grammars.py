@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .grammar_base import FinishReason, GrammarError, StepKind
+from .grammar_base import GrammarEnd, GrammarError, StepKind
 from .region_grammars import (
     ObjectGrammar,
     PathRows,
@@ -41,8 +41,8 @@ from .region_grammars import (
 from .text_grammar import TextGrammar
 
 __all__ = [
-    "FinishReason",
     "Grammar",
+    "GrammarEnd",
     "GrammarError",
     "ObjectGrammar",
     "PathRows",
@@ -60,7 +60,7 @@ class Grammar(Protocol):
     """What the engine sees of a request's grammar (every grammar here conforms)."""
 
     next_kind: StepKind
-    finish_reason: FinishReason | None
+    finish_reason: GrammarEnd | None
 
     @property
     def finished(self) -> bool: ...

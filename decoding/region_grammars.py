@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from .grammar_base import (
     BudgetedWalk,
-    FinishReason,
     GrammarBase,
+    GrammarEnd,
     GrammarError,
     StepKind,
     coordinate_value,
@@ -85,7 +85,7 @@ class ObjectGrammar(GrammarBase):
         """Commit the boundary token: eos ends the answer, anything else starts an object."""
         self._expect(StepKind.TOKEN)
         if token_id == self._rows.tokens.eos_id:
-            self._finish(FinishReason.STOP)
+            self._finish(GrammarEnd.STOP)
         else:
             self.next_kind = StepKind.COORD_X
 
@@ -112,7 +112,7 @@ class ObjectGrammar(GrammarBase):
 
     def _boundary(self) -> None:
         if len(self.objects) >= self._max_objects:
-            self._finish(FinishReason.LENGTH)
+            self._finish(GrammarEnd.LENGTH)
         else:
             self.next_kind = StepKind.TOKEN
 
@@ -199,7 +199,7 @@ class SegmentGrammar(GrammarBase):
         if token_id == tokens.eos_id:
             if not walk.automaton.accepting(walk.state):
                 raise GrammarError("eos before the path is closed")
-            self._finish(FinishReason.STOP)
+            self._finish(GrammarEnd.STOP)
             return
         walk.step(token_id)
         piece = walk.automaton.piece(token_id)
@@ -229,4 +229,4 @@ class SegmentGrammar(GrammarBase):
     def _check_end(self) -> None:
         if self._walk.only_eos():
             bound = self._walk.budget_bound() or self._points <= 0
-            self._finish(FinishReason.LENGTH if bound else FinishReason.STOP)
+            self._finish(GrammarEnd.LENGTH if bound else GrammarEnd.STOP)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .grammar_base import BudgetedWalk, FinishReason, GrammarBase, GrammarError, StepKind
+from .grammar_base import BudgetedWalk, GrammarBase, GrammarEnd, GrammarError, StepKind
 from .mask_table import NO_MASK, AutomatonRows
 
 
@@ -61,7 +61,7 @@ class TextGrammar(GrammarBase):
         if token_id == self._eos_id:
             if self._walk is not None and not self._walk.automaton.accepting(self._walk.state):
                 raise GrammarError("eos before the constraint is satisfied")
-            self._finish(FinishReason.STOP)
+            self._finish(GrammarEnd.STOP)
             return
         if self._walk is not None:
             self._walk.step(token_id)
@@ -77,6 +77,6 @@ class TextGrammar(GrammarBase):
         if self._walk is not None:
             if self._walk.only_eos():
                 bound = self._walk.budget_bound()
-                self._finish(FinishReason.LENGTH if bound else FinishReason.STOP)
+                self._finish(GrammarEnd.LENGTH if bound else GrammarEnd.STOP)
         elif self._remaining <= 0:
-            self._finish(FinishReason.LENGTH)
+            self._finish(GrammarEnd.LENGTH)

@@ -15,8 +15,8 @@ from decoding.batch_masks import apply_masks, fill_row_indices, table_tensor
 from decoding.constraints import ConstraintCompiler
 from decoding.detokenize import detokenize
 from decoding.grammars import (
-    FinishReason,
     Grammar,
+    GrammarEnd,
     GrammarError,
     ObjectGrammar,
     PathRows,
@@ -130,7 +130,7 @@ def test_regex_text_always_fullmatches(setup: Setup, seed: int, extra: int) -> N
         text = detokenize(setup.vocab, g.token_ids)
         assert re.fullmatch(pattern, text, re.ASCII), (pattern, text)
         assert len(g.token_ids) <= g.max_positions
-        assert g.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+        assert g.finish_reason in (GrammarEnd.STOP, GrammarEnd.LENGTH)
 
 
 @settings(max_examples=60, deadline=None)
@@ -152,7 +152,7 @@ def test_free_text_respects_budget_and_suppression(setup: Setup, seed: int) -> N
         assert len(g.token_ids) <= k % 9
         assert not {3, 7} & set(g.token_ids[1:])
         if len(g.token_ids) == k % 9:
-            assert g.finish_reason is FinishReason.LENGTH
+            assert g.finish_reason is GrammarEnd.LENGTH
 
 
 def test_text_grammar_rows_and_errors(setup: Setup) -> None:
@@ -160,7 +160,7 @@ def test_text_grammar_rows_and_errors(setup: Setup) -> None:
     assert g.mask_row == NO_MASK and g.feeds_token and g.next_kind is StepKind.TOKEN
     g.advance_token(10)
     g.advance_token(EOS)
-    assert g.finished and g.finish_reason is FinishReason.STOP
+    assert g.finished and g.finish_reason is GrammarEnd.STOP
     with pytest.raises(GrammarError):
         g.advance_token(10)
     assert TextGrammar(EOS, 0).finished
@@ -180,7 +180,7 @@ def test_choice_finishes_without_an_eos_step(setup: Setup) -> None:
     g = TextGrammar(EOS, 10, constraint=setup.compiler.choices(["no"]))
     for piece in (b"n", b"o"):
         g.advance_token(setup.vocab.text_pieces().index(piece))
-    assert g.finished and g.finish_reason is FinishReason.STOP
+    assert g.finished and g.finish_reason is GrammarEnd.STOP
 
 
 # ---------------------------------------------------------------- point / detect
@@ -204,7 +204,7 @@ def test_point_and_detect_under_both_contracts(setup: Setup, seed: int) -> None:
                 x0, y0, x1, y1 = obj
                 assert x0 <= x1 and y0 <= y1 and x1 - x0 <= 1 and y1 - y0 <= 1
         if len(g.objects) == k % 5:
-            assert g.finish_reason is FinishReason.LENGTH
+            assert g.finish_reason is GrammarEnd.LENGTH
 
 
 def test_detect_protocol_step_by_step(setup: Setup) -> None:
@@ -223,7 +223,7 @@ def test_detect_protocol_step_by_step(setup: Setup) -> None:
     assert g.objects == [(0.25, 0.125, 0.75, 0.375)]
     assert g.next_kind is StepKind.TOKEN
     g.advance_token(EOS)
-    assert g.finished and g.finish_reason is FinishReason.STOP
+    assert g.finished and g.finish_reason is GrammarEnd.STOP
     assert point_grammar(setup.gpt2, max_objects=0).finished
 
 
@@ -310,7 +310,7 @@ def test_values_are_validated(setup: Setup) -> None:
     g.advance_value(np.float32(0.5))
     g.advance_value(0.25)
     assert g.objects == [(0.5, 0.25)] and g.finished
-    assert g.finish_reason is FinishReason.LENGTH and g.mask_row == NO_MASK
+    assert g.finish_reason is GrammarEnd.LENGTH and g.mask_row == NO_MASK
     d = detect_grammar(setup.starmie, max_objects=1)
     d.advance_token(COORD)
     d.advance_value(0.5)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from tokenizers import Tokenizer
 
-from decoding.grammar_base import FinishReason as GrammarFinish
+from decoding.grammar_base import GrammarEnd
 from decoding.grammars import ObjectGrammar, SegmentGrammar, StepKind, TextGrammar
 from decoding.mask_table import NO_MASK
 from decoding.region_values import coord_from_logits, size_from_logits
@@ -214,7 +214,7 @@ class ReferenceGenerator:
                 break
             hidden = self._step(cache, emb, pos)
             pos += 1
-        stop = g.finish_reason is GrammarFinish.STOP
+        stop = g.finish_reason is GrammarEnd.STOP
         if isinstance(g, ObjectGrammar):
             return FinishReason.EOS if stop else FinishReason.MAX_OBJECTS, out
         return FinishReason.EOS if stop else FinishReason.LENGTH, out

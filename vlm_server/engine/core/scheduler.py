@@ -22,7 +22,7 @@ from collections import deque
 
 import numpy as np
 
-from decoding.grammar_base import FinishReason as GrammarEnd
+from decoding.grammar_base import GrammarEnd
 from decoding.grammars import ObjectGrammar, SegmentGrammar, TextGrammar
 from decoding.mask_table import NO_MASK
 from decoding.segment_output import SegmentResult
