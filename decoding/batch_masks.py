@@ -5,6 +5,9 @@ pinned int32 buffer (B values; NO_MASK for unconstrained rows). That buffer is t
 upload: B int32s, never a vocab-wide mask. Device side, `apply_masks` gathers the rows and
 sets disallowed logits to -inf; NO_MASK is an all-True row, so unconstrained rows keep their
 logits bit for bit. When no row of the batch is constrained the engine can skip both.
+
+The device table is dense bool (1,024 rows x 51,200 ids = 52 MB): one gather per step, no
+unpacking; the host keeps rows packed (mask_table.py) and uploads only new or rewritten rows.
 """
 
 from __future__ import annotations
@@ -37,30 +40,9 @@ def table_tensor(table: MaskTable, device: torch.device | str = "cpu") -> torch.
     return torch.from_numpy(table.dense()).to(device)
 
 
-def packed_table_tensor(table: MaskTable, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The whole table as packed uint8 [n_rows, ceil(width / 8)] (8x smaller than bool; new
-    rows later with `table.packed(start)`)."""
-    return torch.from_numpy(table.packed()).to(device)
-
-
 def apply_masks(logits: torch.Tensor, row_index: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """logits [B, V] float, row_index [B] int32/int64 (on the logits' device), table [R, V]
     bool -> new logits with -inf where the row's mask disallows a token. No host sync, static
     shapes (graph-capturable); allocates one [B, V] bool and the output."""
     allowed = table.index_select(0, row_index)  # int32 indices work as they are
     return logits.masked_fill(allowed.logical_not_(), float("-inf"))
-
-
-_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
-
-
-def apply_packed_masks(
-    logits: torch.Tensor, row_index: torch.Tensor, packed: torch.Tensor
-) -> torch.Tensor:
-    """Like `apply_masks` with a packed table (uint8 [R, ceil(V / 8)], little bit order, as
-    numpy.packbits(..., bitorder="little")): the rows are unpacked on the device."""
-    rows = packed.index_select(0, row_index)  # [B, V/8]
-    shifts = _BIT_SHIFTS.to(rows.device)
-    bits = (rows.unsqueeze(-1) >> shifts) & 1  # [B, V/8, 8], bit j of byte k is id 8k + j
-    blocked = bits.reshape(rows.shape[0], -1)[:, : logits.shape[1]] == 0
-    return logits.masked_fill(blocked, float("-inf"))

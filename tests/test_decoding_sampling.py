@@ -10,9 +10,7 @@ from hypothesis import strategies as st
 
 from decoding.batch_masks import (
     apply_masks,
-    apply_packed_masks,
     fill_row_indices,
-    packed_table_tensor,
     table_tensor,
 )
 from decoding.mask_table import NO_MASK, MaskTable
@@ -172,19 +170,6 @@ def test_apply_masks_sets_disallowed_to_minus_inf_and_keeps_no_mask_rows() -> No
     assert torch.equal(out[1, [1, 5, 7]], logits[1, [1, 5, 7]])
     assert torch.isinf(out[2, [0, 39]]).all() and torch.isfinite(out[2, 1:39]).all()
     assert torch.equal(logits, logits.clone())  # input not modified
-
-
-def test_packed_table_gives_the_same_result() -> None:
-    width = 45  # not a multiple of 8
-    table = MaskTable(width)
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(10):
-        table.add((torch.rand(width, generator=gen) < 0.5).numpy())
-    rows = torch.randint(0, len(table), (16,), generator=gen, dtype=torch.int32)
-    logits = torch.randn(16, width, generator=gen)
-    dense = apply_masks(logits, rows, table_tensor(table))
-    packed = apply_packed_masks(logits, rows, packed_table_tensor(table))
-    assert torch.equal(dense, packed)
 
 
 def test_fill_row_indices_counts_constrained_rows() -> None:
