@@ -23,7 +23,6 @@ CAPTION_LENGTHS = {
     pb.CAPTION_LENGTH_LONG: "long",
 }
 MAX_TEXT_CHARS = 16_384  # questions and object names; far beyond any context anyway
-MAX_CHOICES = 1024
 
 
 @dataclass(frozen=True)
@@ -82,8 +81,7 @@ def question(text: str) -> str:
 
 
 def choices(values: list[str]) -> tuple[str, ...]:
-    if len(values) > MAX_CHOICES:
-        raise invalid("choices", f"at most {MAX_CHOICES} choices, got {len(values)}")
+    # Their number and sizes are the request compiler's limits (decoding/limits.py).
     if any(not v for v in values):
         raise invalid("choices", "must not contain an empty string")
     return tuple(values)
