@@ -21,6 +21,7 @@ from vlm_server.engine.api import Engine
 from vlm_server.engine.reference_engine import ReferenceEngine
 from vlm_server.service.config import ServerConfig, load_config
 from vlm_server.service.logs import configure_logging
+from vlm_server.service.memory import limit_arenas
 from vlm_server.service.server import VisionLanguageServer
 from vlm_server.weights.loader import LoadedModel, load_model
 
@@ -92,9 +93,13 @@ ENGINES: dict[str, Callable[[ServerConfig], Engine]] = {
 
 
 async def serve(config: ServerConfig, engine_factory: Callable[[], Engine]) -> int:
-    """Run until a signal, then drain; returns the process exit code."""
-    server = VisionLanguageServer(config, engine_factory)
-    await server.start()
+    """Run until a signal, then drain; returns the process exit code (1: it could not start)."""
+    try:
+        server = VisionLanguageServer(config, engine_factory)
+        await server.start()
+    except (OSError, ValueError) as err:  # a port in use, an unreadable key or certificate
+        log.error("cannot start: %s", err)
+        return 1
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -122,6 +127,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "vlm-server") -> int:
         log.error("unknown engine %r; choose one of %s", config.engine, sorted(ENGINES))
         return 2
     log.info("config", extra={"fields": dict(config.items())})
+    # Before any thread allocates: arenas that exist stay.
+    limit_arenas(config.malloc_arena_max)
     factory = functools.partial(ENGINES[config.engine], config)
     return asyncio.run(serve(config, factory))
 

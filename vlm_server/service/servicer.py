@@ -49,7 +49,18 @@ from vlm_server.service.metrics import ServiceMetrics
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VisionLanguage"].full_name
+# The task label of each RPC in metrics and the access log.
+RPC_TASKS = {
+    "Caption": Task.CAPTION.value,
+    "Query": Task.QUERY.value,
+    "Point": Task.POINT.value,
+    "Detect": Task.DETECT.value,
+    "Segment": Task.SEGMENT.value,
+    "EncodeImage": "encode_image",
+    "GetModelInfo": "model_info",
+}
 CLIENT_REQUEST_ID_KEY = "x-request-id"
+Identify = Callable[[Any, str], str]  # (invocation metadata, peer) -> client identity
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
 
@@ -69,6 +80,7 @@ class Limits:
     max_image_pixels: int
     max_image_side: int
     image_cache_bytes: int
+    max_object_chars: int = validation.MAX_OBJECT_CHARS
 
 
 class _Gate:
@@ -109,6 +121,8 @@ class _Call:
         # Read now: after a client cancel the call's core object may be gone, and touching
         # the context then can crash the process.
         self.peer = context.peer()
+        remaining = context.time_remaining()
+        self._deadline = None if remaining is None else time.monotonic() + remaining
         self.start = time.perf_counter()
         self.first_token: float | None = None
         self.engine_metrics: RequestMetrics | None = None
@@ -121,8 +135,11 @@ class _Call:
         return (time.perf_counter() - self.start) * 1e3
 
     def deadline(self) -> float | None:
-        remaining = self.context.time_remaining()
-        return None if remaining is None else time.monotonic() + remaining
+        """The call's deadline as a time.monotonic() value (None: the client set none)."""
+        return self._deadline
+
+    def expired(self) -> bool:
+        return self._deadline is not None and time.monotonic() >= self._deadline
 
     async def __aenter__(self) -> _Call:
         s = self.servicer
@@ -162,7 +179,9 @@ class _Call:
         elif isinstance(exc, EngineError):
             code = exc.code.value
         elif isinstance(exc, asyncio.CancelledError | GeneratorExit):
-            code = "CANCELLED"
+            # gRPC cancels the handler both when the client cancels and when the deadline
+            # passes; only the clock tells them apart.
+            code = "DEADLINE_EXCEEDED" if self.expired() else "CANCELLED"
         else:
             code = "INTERNAL"
             log.error(
@@ -227,14 +246,37 @@ def _request_id(context: grpc.aio.ServicerContext) -> str:
 class VisionLanguageServicer(pb_grpc.VisionLanguageServicer):
     """Implements every RPC of ``vlm.v1.VisionLanguage`` against an `Engine`."""
 
-    def __init__(self, images: ImageResolver, metrics: ServiceMetrics, limits: Limits) -> None:
+    def __init__(
+        self,
+        images: ImageResolver,
+        metrics: ServiceMetrics,
+        limits: Limits,
+        identify: Identify | None = None,
+    ) -> None:
         self.images = images
         self.metrics = metrics
         self.limits = limits
+        self._identify = identify
         self.engine: Engine | None = None
         self.draining = False
         self.in_flight = _Gate()
         self.submitting = _Gate()
+
+    def record_rejected(self, method: str, code: grpc.StatusCode, message: str) -> None:
+        """Count and log a call refused before its handler ran (bad protobuf, no API key)."""
+        service, _, name = method.lstrip("/").partition("/")
+        if service != SERVICE_NAME or name not in RPC_TASKS:
+            return
+        task, code_name = RPC_TASKS[name], code.name
+        self.metrics.received.labels(task).inc()
+        self.metrics.requests.labels(task, code_name).inc()
+        log_request({"task": task, "code": code_name, "error": message})
+
+    def client_of(self, call: _Call) -> str:
+        """Who sent ``call``: an API key's identity, else the peer's address."""
+        if self._identify is None:
+            return call.peer
+        return self._identify(call.context.invocation_metadata(), call.peer)
 
     def begin_drain(self) -> None:
         """Refuse RPCs from now on; those already received still run."""
@@ -355,7 +397,10 @@ class VisionLanguageServicer(pb_grpc.VisionLanguageServicer):
         """Point, Detect and Segment: an object name, an image, one final answer."""
         async with self._call(task, context) as call:
             gen = self._request(
-                call, task, request.settings, object_name=validation.object_name(request.object)
+                call,
+                task,
+                request.settings,
+                object_name=validation.object_name(request.object, self.limits.max_object_chars),
             )
             done = await self._final(call, await self._with_image(gen, request))
             return respond(done, call.elapsed_ms())
@@ -380,9 +425,11 @@ class VisionLanguageServicer(pb_grpc.VisionLanguageServicer):
     ) -> pb.EncodeImageResponse:
         async with self._call("encode_image", context) as call:
             call.engine()
+            owner = self.client_of(call)
             image = await self.images.decode(request.image_bytes)
-            image_id, present = self.images.cache.put(image)
-            self.metrics.image_cache_bytes.set(self.images.cache.nbytes)
+            cache = self.images.cache
+            image_id, present = cache.put(image, owner=owner)
+            self.metrics.image_cache_bytes.set(cache.nbytes)
             return pb.EncodeImageResponse(
                 image_id=image_id,
                 width=image.width,
