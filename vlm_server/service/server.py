@@ -26,10 +26,10 @@ from vlm_server.service.auth import ApiKeys, AuthInterceptor, client_identity, r
 from vlm_server.service.config import ServerConfig
 from vlm_server.service.health import HealthState
 from vlm_server.service.images import ImageCache, ImageResolver
+from vlm_server.service.intake import IntakeInterceptor
 from vlm_server.service.memory import Trimmer
 from vlm_server.service.metrics import ServiceMetrics
 from vlm_server.service.servicer import SERVICE_NAME, Limits, VisionLanguageServicer
-from vlm_server.service.wire import MalformedRequestInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -102,10 +102,10 @@ class VisionLanguageServer:
 
     def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         reject = self.servicer.record_rejected
-        chain: list[grpc.aio.ServerInterceptor] = []
-        if self.api_keys is not None:  # first: unauthenticated calls are not even parsed
+        intake = IntakeInterceptor(reject, self.servicer.record_unstarted, (SERVICE_NAME,))
+        chain: list[grpc.aio.ServerInterceptor] = [intake]
+        if self.api_keys is not None:  # its refusals parse nothing
             chain.append(AuthInterceptor(self.api_keys, reject))
-        chain.append(MalformedRequestInterceptor(reject))
         return chain
 
     def _bind(self, server: grpc.aio.Server) -> int:

@@ -272,6 +272,18 @@ class VisionLanguageServicer(pb_grpc.VisionLanguageServicer):
         self.metrics.requests.labels(task, code_name).inc()
         log_request({"task": task, "code": code_name, "error": message})
 
+    def record_unstarted(self, method: str) -> None:
+        """Count a call that ended before its handler ran: gRPC ends a call whose deadline
+        passes (or whose client cancels) while its request is still arriving. It cannot say
+        which of the two, so the code is CANCELLED with ``stage=receiving`` in the log."""
+        service, _, name = method.lstrip("/").partition("/")
+        if service != SERVICE_NAME or name not in RPC_TASKS:
+            return
+        task = RPC_TASKS[name]
+        self.metrics.received.labels(task).inc()
+        self.metrics.requests.labels(task, "CANCELLED").inc()
+        log_request({"task": task, "code": "CANCELLED", "stage": "receiving"})
+
     def client_of(self, call: _Call) -> str:
         """Who sent ``call``: an API key's identity, else the peer's address."""
         if self._identify is None:

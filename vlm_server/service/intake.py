@@ -1,14 +1,19 @@
-"""Requests that are not valid protobuf: INVALID_ARGUMENT naming the field, no traceback.
+"""What happens to a call before its handler runs.
 
-grpc.aio parses a request before the handler runs; a parse error (corrupt wire format, or
-invalid UTF-8 in a ``string`` field) would escape as UNKNOWN with the exception's class in
-the message and an error-level traceback per request. `MalformedRequestInterceptor` wraps
-every method's parser so a failure becomes a `Malformed` value, and the handler answers it
-with INVALID_ARGUMENT. `bad_utf8_field` walks the wire format to name the culprit field.
+1. Requests that are not valid protobuf answer INVALID_ARGUMENT naming the field, without a
+   traceback. grpc.aio parses a request before the handler runs; a parse error (corrupt wire
+   format, or invalid UTF-8 in a ``string`` field) would escape as UNKNOWN with the
+   exception's class in the message and an error-level traceback per request. The
+   interceptor wraps every method's parser so a failure becomes a `Malformed` value, which
+   the wrapped handler answers. `bad_utf8_field` walks the wire format to name the field.
+2. Calls that end before their handler starts are still counted. When a deadline passes
+   while the request is still arriving (a large image under load), gRPC ends the call
+   without ever running the handler, so the servicer's own bookkeeping never sees it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -20,6 +25,8 @@ from google.protobuf.message import DecodeError, Message
 
 from vlm_server.service.auth import RejectHook
 from vlm_server.service.errors import FIELD_METADATA_KEY
+
+UnstartedHook = Callable[[str], None]  # the method of a call that ended before its handler
 
 _MAX_DEPTH = 32  # deeper nesting than any of our messages has: stop looking
 
@@ -115,7 +122,7 @@ async def _abort(bad: Malformed, context: grpc.aio.ServicerContext) -> None:
 
 
 def _guarded_handler(
-    handler: grpc.RpcMethodHandler, method: str, on_reject: RejectHook | None
+    handler: grpc.RpcMethodHandler, method: str, on_reject: RejectHook | None, started: list[bool]
 ) -> grpc.RpcMethodHandler:
     def rejected(bad: Malformed) -> None:
         if on_reject is not None:
@@ -125,6 +132,7 @@ def _guarded_handler(
         inner_uu = handler.unary_unary
 
         async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            started[0] = True
             if isinstance(request, Malformed):
                 rejected(request)
                 await _abort(request, context)
@@ -141,6 +149,7 @@ def _guarded_handler(
         async def unary_stream(
             request: Any, context: grpc.aio.ServicerContext
         ) -> AsyncIterator[Any]:
+            started[0] = True
             if isinstance(request, Malformed):
                 rejected(request)
                 await _abort(request, context)
@@ -153,14 +162,26 @@ def _guarded_handler(
             request_deserializer=guarded_parser(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
-    return handler  # client streaming (reflection): parsed per message by its own handler
+    started[0] = True  # client streaming (reflection): parsed per message by its own handler
+    return handler
 
 
-class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
-    """Answers unparsable unary requests with INVALID_ARGUMENT instead of UNKNOWN."""
+class IntakeInterceptor(grpc.aio.ServerInterceptor):
+    """Answers unparsable unary requests with INVALID_ARGUMENT instead of UNKNOWN, and
+    reports calls to ``watched`` services that end before their handler starts.
 
-    def __init__(self, on_reject: RejectHook | None = None) -> None:
+    Put it first in the chain: it must wrap the handler that finally runs (an auth
+    refusal included), or a refused call would look unstarted."""
+
+    def __init__(
+        self,
+        on_reject: RejectHook | None = None,
+        on_unstarted: UnstartedHook | None = None,
+        watched: tuple[str, ...] = (),
+    ) -> None:
         self._on_reject = on_reject
+        self._on_unstarted = on_unstarted
+        self._watched = tuple(f"/{name}/" for name in watched)
 
     async def intercept_service(
         self,
@@ -170,4 +191,11 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or handler.request_streaming or handler.request_deserializer is None:
             return handler
-        return _guarded_handler(handler, details.method, self._on_reject)
+        started = [False]
+        if self._on_unstarted is not None and details.method.startswith(self._watched):
+            # This runs in the call's own task, which ends however the call ends.
+            task = asyncio.current_task()
+            if task is not None:
+                hook, method = self._on_unstarted, details.method
+                task.add_done_callback(lambda _: None if started[0] else hook(method))
+        return _guarded_handler(handler, details.method, self._on_reject, started)

@@ -14,8 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.client import VisionLanguageClient
 from vlm_server.engine.reference_engine import ReferenceEngine
+from vlm_server.service.intake import bad_utf8_field
 from vlm_server.service.testing import ServerThread, local_config
-from vlm_server.service.wire import bad_utf8_field
 from vlm_server.weights.loader import LoadedModel
 
 BAD = b"\xff\xfe"
