@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import socket
@@ -15,7 +16,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from PIL import Image
 
+from image_pipeline import prepare_image
 from vlm_server.client import Security, VisionLanguageClient, VlmError
 from vlm_server.engine.reference_engine import ReferenceEngine
 from vlm_server.service.auth import ApiKeys, bearer_token, client_identity, read_keys_file
@@ -91,6 +94,29 @@ def test_health_stays_open_and_reflection_needs_a_key(guarded: ServerThread) -> 
         with pytest.raises(grpc.RpcError) as caught:
             list(reflect.ServerReflectionInfo(listing, timeout=10))
         assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_one_key_cannot_flush_the_images_another_key_uploaded(tiny: LoadedModel) -> None:
+    pictures = []
+    for i in range(8):
+        out = io.BytesIO()
+        Image.new("RGB", (64, 48), (i * 30, 255 - i * 30, 90)).save(out, format="PNG")
+        pictures.append(out.getvalue())
+    size = prepare_image(pictures[0]).crops.nbytes
+    config = local_config(
+        api_keys=KEYS, image_cache_bytes=4 * size, image_cache_client_bytes=2 * size
+    )
+    alice, mallory = Security("alpha-key"), Security("beta-key")
+    with ServerThread(config, lambda: _reference(tiny)) as server:
+        with VisionLanguageClient(server.target, timeout=60, security=alice) as client:
+            kept = client.encode_image(pictures[0])
+        with VisionLanguageClient(server.target, timeout=60, security=mallory) as client:
+            ids = [client.encode_image(p) for p in pictures[1:]]
+            with pytest.raises(VlmError) as caught:  # her own oldest went first
+                client.caption(ids[0], max_tokens=1)
+            assert caught.value.field == "image_id"
+        with VisionLanguageClient(server.target, timeout=60, security=alice) as client:
+            assert client.caption(kept, max_tokens=1, temperature=0).finish_reason
 
 
 # ---- TLS ----------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from vlm_server.default_model import default_model_dir
+from vlm_server.devices import resolve_device
 from vlm_server.engine.api import Engine
 from vlm_server.engine.reference_engine import ReferenceEngine
 from vlm_server.service.config import ServerConfig, load_config
@@ -30,15 +31,9 @@ log = logging.getLogger("vlm_server.service.main")  # also when run with -m
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _device(config: ServerConfig) -> torch.device:
-    if config.device:
-        return torch.device(config.device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def _loader(config: ServerConfig) -> Callable[[], LoadedModel]:
     """A function that loads the configured model (with a progress bar for large files)."""
-    device = _device(config)
+    device = resolve_device(config.device)
     dtype = (
         DTYPES[config.dtype]
         if config.dtype
@@ -125,6 +120,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "vlm-server") -> int:
     configure_logging(config.log_format, config.log_level)
     if config.engine not in ENGINES:
         log.error("unknown engine %r; choose one of %s", config.engine, sorted(ENGINES))
+        return 2
+    try:
+        resolve_device(config.device)
+    except ValueError as err:
+        log.error("%s", err)
         return 2
     log.info("config", extra={"fields": dict(config.items())})
     # Before any thread allocates: arenas that exist stay.
