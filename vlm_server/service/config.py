@@ -74,6 +74,7 @@ class ServerConfig:
     grace_period: float = 30.0
     decode_threads: int = 4
     malloc_arena_max: int = 2
+    malloc_mmap_threshold: int = MIB
     malloc_trim_interval: float = 10.0
     log_format: str = "kv"
     log_level: str = "info"
@@ -102,6 +103,7 @@ class ServerConfig:
             "grace_period",
             "max_image_side",
             "malloc_arena_max",
+            "malloc_mmap_threshold",
             "malloc_trim_interval",
         )
         for name in nonnegative:
@@ -111,6 +113,8 @@ class ServerConfig:
             raise ValueError("tls_cert and tls_key go together: give both or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("tls_client_ca needs tls_cert and tls_key (mutual TLS is TLS)")
+        if self.malloc_mmap_threshold > 32 * MIB:
+            raise ValueError("malloc_mmap_threshold must be at most 32MiB (glibc's ceiling)")
         if self.log_format not in ("kv", "json"):
             raise ValueError("log_format must be kv or json")
 
@@ -225,6 +229,13 @@ OPTIONS: tuple[_Option, ...] = (
         int,
         "glibc malloc arenas (0 = glibc's default of 8 per core): fewer keeps the memory "
         "that decode threads free reusable instead of stranded per thread",
+    ),
+    _Option(
+        "malloc_mmap_threshold",
+        parse_size,
+        "glibc malloc: blocks this large or larger are mapped apart and returned to the "
+        "system when freed (0 = glibc's default, which raises itself and then keeps freed "
+        "image buffers; at most 32MiB)",
     ),
     _Option(
         "malloc_trim_interval",

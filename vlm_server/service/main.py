@@ -22,7 +22,7 @@ from vlm_server.engine.api import Engine
 from vlm_server.engine.reference_engine import ReferenceEngine
 from vlm_server.service.config import ServerConfig, load_config
 from vlm_server.service.logs import configure_logging
-from vlm_server.service.memory import limit_arenas
+from vlm_server.service.memory import limit_arenas, limit_mmap_threshold
 from vlm_server.service.server import VisionLanguageServer
 from vlm_server.weights.loader import LoadedModel, load_model
 
@@ -129,6 +129,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "vlm-server") -> int:
     log.info("config", extra={"fields": dict(config.items())})
     # Before any thread allocates: arenas that exist stay.
     limit_arenas(config.malloc_arena_max)
+    limit_mmap_threshold(config.malloc_mmap_threshold)
     factory = functools.partial(ENGINES[config.engine], config)
     return asyncio.run(serve(config, factory))
 

@@ -1,11 +1,18 @@
 """Keeping the process's heap from growing past what it uses (glibc malloc only).
 
-Image decoding runs on several threads, and glibc gives each thread that allocates under
-contention an arena of its own (up to 8 per core). Memory freed in an arena stays mapped
-there for that arena's next allocation, so a burst of large decodes leaves every arena
-holding its peak: resident memory settles far above the live data. Fewer arenas
-(`limit_arenas`) let the threads reuse each other's freed memory, and `trim` hands free
-pages back to the kernel; `Trimmer` runs it periodically, off the event loop.
+Every request allocates a few large buffers (decoded pixels, crops, encoder inputs: 1 to
+15 MB each) on decode threads and the engine thread. glibc serves a block above its mmap
+threshold with a mapping of its own, returned to the kernel on free, but the first such
+free raises the threshold to that block's size (up to 32 MiB): from then on the buffers
+come from per-thread arenas, whose freed memory stays mapped, fragmented between live
+blocks. Resident memory then settles far above the live data and never comes back (measured
+with bench/soak.py: bench/RESULTS.md). Hence:
+
+- `limit_mmap_threshold` fixes the threshold (a fixed value turns the raising off), so
+  large buffers always go back to the kernel when freed;
+- `limit_arenas` caps the arenas, so threads reuse each other's freed small blocks;
+- `trim` returns free pages inside the heaps; `Trimmer` runs it periodically off the loop.
+
 Elsewhere (musl, macOS) these are no-ops.
 """
 
@@ -20,7 +27,10 @@ import logging
 
 log = logging.getLogger(__name__)
 
-_M_ARENA_MAX = -8  # mallopt parameter number, from glibc's malloc.h
+# mallopt parameter numbers, from glibc's malloc.h.
+_M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
+MAX_MMAP_THRESHOLD = 32 << 20  # glibc's ceiling on 64-bit systems
 
 
 @functools.cache
@@ -47,6 +57,15 @@ def limit_arenas(count: int) -> bool:
     if count < 1 or libc is None:
         return False
     return bool(libc.mallopt(_M_ARENA_MAX, count))
+
+
+def limit_mmap_threshold(nbytes: int) -> bool:
+    """Allocations of ``nbytes`` or more get their own mapping, returned on free (0 leaves
+    glibc's self-raising default); True if set."""
+    libc = _libc()
+    if nbytes < 1 or libc is None:
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, min(nbytes, MAX_MMAP_THRESHOLD)))
 
 
 def trim() -> bool:
