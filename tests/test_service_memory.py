@@ -66,7 +66,7 @@ def test_a_fixed_mmap_threshold_returns_freed_large_buffers() -> None:
 def test_the_server_defaults_bound_the_heap() -> None:
     config = ServerConfig()
     assert config.malloc_mmap_threshold == 1 << 20 and config.malloc_arena_max == 2
-    assert config.malloc_trim_interval > 0
+    assert config.memory_trim_interval > 0
     assert load_config(["--malloc-mmap-threshold", "0"], environ={}).malloc_mmap_threshold == 0
     with pytest.raises(SystemExit):
         load_config(["--malloc-mmap-threshold", "64MiB"], environ={})

@@ -75,7 +75,7 @@ class ServerConfig:
     decode_threads: int = 4
     malloc_arena_max: int = 2
     malloc_mmap_threshold: int = MIB
-    malloc_trim_interval: float = 10.0
+    memory_trim_interval: float = 10.0
     log_format: str = "kv"
     log_level: str = "info"
 
@@ -104,7 +104,7 @@ class ServerConfig:
             "max_image_side",
             "malloc_arena_max",
             "malloc_mmap_threshold",
-            "malloc_trim_interval",
+            "memory_trim_interval",
         )
         for name in nonnegative:
             if getattr(self, name) < 0:
@@ -238,9 +238,10 @@ OPTIONS: tuple[_Option, ...] = (
         "image buffers; at most 32MiB)",
     ),
     _Option(
-        "malloc_trim_interval",
+        "memory_trim_interval",
         float,
-        "seconds between returning freed heap memory to the system (0 = never)",
+        "seconds between collecting the reference cycles ended requests leave and returning "
+        "free heap memory to the system (0 = never)",
     ),
     _Option("log_format", str, "log line format", ("kv", "json")),
     _Option("log_level", str, "log level", ("debug", "info", "warning", "error")),

@@ -22,7 +22,7 @@ from vlm_server.engine.api import Engine
 from vlm_server.engine.reference_engine import ReferenceEngine
 from vlm_server.service.config import ServerConfig, load_config
 from vlm_server.service.logs import configure_logging
-from vlm_server.service.memory import limit_arenas, limit_mmap_threshold
+from vlm_server.service.memory import freeze, limit_arenas, limit_mmap_threshold
 from vlm_server.service.server import VisionLanguageServer
 from vlm_server.weights.loader import LoadedModel, load_model
 
@@ -107,6 +107,8 @@ async def serve(config: ServerConfig, engine_factory: Callable[[], Engine]) -> i
         stopping.cancel()
         await server.shutdown(0)
         return 1
+    if ready.done():
+        freeze()  # the model is loaded: later collections skip its objects
     await stopping
     log.info("signal received: draining")
     await server.shutdown()

@@ -92,7 +92,7 @@ class VisionLanguageServer:
             limits,
             identify=functools.partial(client_identity, self.api_keys),
         )
-        self._trimmer = Trimmer(config.malloc_trim_interval)
+        self._trimmer = Trimmer(config.memory_trim_interval)
         self._server: grpc.aio.Server | None = None
         self._loading: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
