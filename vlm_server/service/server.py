@@ -4,6 +4,10 @@ Lifecycle: `start` binds the ports (health answers right away: live, not ready) 
 loading the engine in the background; `wait_ready` returns once it serves. `shutdown` turns
 readiness off, refuses new calls with UNAVAILABLE, lets every accepted call finish within the
 grace period, then stops the server and the engine.
+
+Exposure: plaintext or TLS (mutual with ``--tls-client-ca``), API keys checked by
+`AuthInterceptor` (health stays open), metrics on loopback unless told otherwise, and
+SO_REUSEPORT off so that a second server on a taken port fails instead of sharing it.
 """
 
 from __future__ import annotations

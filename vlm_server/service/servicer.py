@@ -139,7 +139,8 @@ class _Call:
         return self._deadline
 
     def expired(self) -> bool:
-        return self._deadline is not None and time.monotonic() >= self._deadline
+        # A little slack: gRPC's timer and this clock need not agree to the millisecond.
+        return self._deadline is not None and time.monotonic() >= self._deadline - 0.01
 
     async def __aenter__(self) -> _Call:
         s = self.servicer
@@ -262,27 +263,25 @@ class VisionLanguageServicer(pb_grpc.VisionLanguageServicer):
         self.in_flight = _Gate()
         self.submitting = _Gate()
 
-    def record_rejected(self, method: str, code: grpc.StatusCode, message: str) -> None:
-        """Count and log a call refused before its handler ran (bad protobuf, no API key)."""
-        service, _, name = method.lstrip("/").partition("/")
-        if service != SERVICE_NAME or name not in RPC_TASKS:
-            return
-        task, code_name = RPC_TASKS[name], code.name
-        self.metrics.received.labels(task).inc()
-        self.metrics.requests.labels(task, code_name).inc()
-        log_request({"task": task, "code": code_name, "error": message})
-
-    def record_unstarted(self, method: str) -> None:
-        """Count a call that ended before its handler ran: gRPC ends a call whose deadline
-        passes (or whose client cancels) while its request is still arriving. It cannot say
-        which of the two, so the code is CANCELLED with ``stage=receiving`` in the log."""
+    def _record_early(self, method: str, code: str, fields: dict[str, Any]) -> None:
+        """Count and log a call of ours that ended before its handler ran."""
         service, _, name = method.lstrip("/").partition("/")
         if service != SERVICE_NAME or name not in RPC_TASKS:
             return
         task = RPC_TASKS[name]
         self.metrics.received.labels(task).inc()
-        self.metrics.requests.labels(task, "CANCELLED").inc()
-        log_request({"task": task, "code": "CANCELLED", "stage": "receiving"})
+        self.metrics.requests.labels(task, code).inc()
+        log_request({"task": task, "code": code, **fields})
+
+    def record_rejected(self, method: str, code: grpc.StatusCode, message: str) -> None:
+        """A call refused before its handler ran (bad protobuf, no API key)."""
+        self._record_early(method, code.name, {"error": message})
+
+    def record_unstarted(self, method: str) -> None:
+        """A call that ended before its handler ran: gRPC ends a call whose deadline passes
+        (or whose client cancels) while its request is still arriving. It cannot say which
+        of the two, so the code is CANCELLED with ``stage=receiving`` in the log."""
+        self._record_early(method, "CANCELLED", {"stage": "receiving"})
 
     def client_of(self, call: _Call) -> str:
         """Who sent ``call``: an API key's identity, else the peer's address."""
