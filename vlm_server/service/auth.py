@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +100,10 @@ def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
     async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
+    async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await deny(request, context)
+        yield  # never reached: abort raises; an async generator, as streaming handlers are
+
     ignore: Callable[[bytes], None] = lambda _data: None
     kinds = {
         (False, False): grpc.unary_unary_rpc_method_handler,
@@ -108,7 +112,8 @@ def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
         (True, True): grpc.stream_stream_rpc_method_handler,
     }
     make = kinds[(handler.request_streaming, handler.response_streaming)]
-    return make(deny, request_deserializer=ignore)  # type: ignore[operator]
+    behavior = deny_stream if handler.response_streaming else deny
+    return make(behavior, request_deserializer=ignore)  # type: ignore[operator]
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):

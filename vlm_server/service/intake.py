@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -153,7 +154,11 @@ def _guarded_handler(
             if isinstance(request, Malformed):
                 rejected(request)
                 await _abort(request, context)
-            async with contextlib.aclosing(inner_us(request, context)) as messages:
+            messages = inner_us(request, context)
+            if inspect.isawaitable(messages):  # a handler that writes with context.write
+                await messages
+                return
+            async with contextlib.aclosing(messages):
                 async for message in messages:
                     yield message
 
