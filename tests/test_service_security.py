@@ -20,6 +20,7 @@ from PIL import Image
 
 from image_pipeline import prepare_image
 from vlm_server.client import Security, VisionLanguageClient, VlmError
+from vlm_server.client.cli import main as client_main
 from vlm_server.engine.reference_engine import ReferenceEngine
 from vlm_server.service.auth import ApiKeys, bearer_token, client_identity, read_keys_file
 from vlm_server.service.config import ServerConfig, load_config
@@ -82,6 +83,18 @@ def test_calls_without_a_valid_key_are_unauthenticated(guarded: ServerThread) ->
     with VisionLanguageClient(guarded.target, timeout=30, security=Security("beta-key")) as ok:
         assert ok.model_info().model_name == "tiny"
         assert ok.query(None, "hello?", max_tokens=2, temperature=0).finish_reason
+
+
+def test_vlm_client_sends_the_key_from_its_flag_or_environment(
+    guarded: ServerThread, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = ["info", "--target", guarded.target, "--timeout", "30"]
+    assert client_main([*base, "--api-key", "alpha-key"]) == 0
+    assert "model_name: tiny" in capsys.readouterr().out
+    assert client_main(base) == 1
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+    monkeypatch.setenv("VLM_API_KEY", "beta-key")
+    assert client_main(base) == 0
 
 
 def test_health_stays_open_and_reflection_needs_a_key(guarded: ServerThread) -> None:
