@@ -239,3 +239,47 @@ def test_hf_baseline_tiny(tmp_path: Path) -> None:
     assert batch["status"] in ("ok", "unavailable")
     if batch["status"] == "ok":
         assert batch["generated_tokens"] == 2 * 4 and batch["tokens_per_s"] > 0
+
+
+def test_soak_against_a_running_server_counts_codes_and_samples_memory(
+    tiny: Any, tmp_path: Path
+) -> None:
+    from bench import soak
+    from tests.support.service_harness import ServerThread, local_config
+    from vlm_server.engine.config import EngineConfig
+    from vlm_server.engine.engine import BatchedEngine
+
+    pictures = soak.Pictures(96, 64)
+    assert len({prepare_image(pictures.take()).content_hash for _ in range(12)}) == 12
+    config = EngineConfig(max_batch=8, kv_budget_bytes=16 << 20)
+    with ServerThread(local_config(), lambda: BatchedEngine(tiny, config)) as server:
+        code = soak.main(
+            [
+                "--target",
+                server.target,
+                "--metrics-url",
+                server.metrics_url,
+                "--duration",
+                "3",
+                "--concurrency",
+                "4",
+                "--image-size",
+                "96x64",
+                "--storm-every",
+                "1",
+                "--storm-size",
+                "4",
+                "--settle",
+                "0.5",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+    assert code == 0
+    result = _strict_json(tmp_path / "soak.json")
+    summary = result["summary"]
+    assert summary["requests"] > 0 and summary["unclean"] == 0
+    assert summary["codes"]["storm"] == {"CANCELLED": summary["codes"]["storm"]["CANCELLED"]}
+    assert summary["rss_mib"]["peak"] > 0 and summary["kv_pages_total"] > 0
+    assert len(result["samples"]) >= 3
+    assert (tmp_path / "soak_rss.png").exists() == HAVE_MATPLOTLIB

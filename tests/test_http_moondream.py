@@ -151,13 +151,21 @@ def _unique_png() -> bytes:
 
 
 def test_a_picture_sent_over_http_is_in_the_cache_grpc_uses(server: ServerThread) -> None:
+    """The HTTP request decodes the picture into the shared cache; the gRPC upload of the same
+    bytes then finds it there without decoding again (``already_cached`` stays false: that
+    flag means an earlier EncodeImage upload)."""
     png = _unique_png()
+    assert server.server is not None
+    images = server.server.core.images
     body = {"image_url": data_url(png, "image/png"), "object": "box"}
     assert post_json(f"{server.http_url}/point", body)[0] == 200
+    key = prepare_image(png).content_hash
+    assert images.cache.get(key) is not None
+    hits = images.encoding_hits
     with VisionLanguageClient(server.target, timeout=60) as client:
         encoded = client.encode_image(png)
-    assert encoded.already_cached
-    assert encoded.image_id == prepare_image(png).content_hash
+    assert encoded.image_id == key and images.encoding_hits == hits + 1
+    assert not encoded.already_cached
 
 
 def test_metrics_are_labelled_by_door(server: ServerThread) -> None:

@@ -19,6 +19,7 @@ LAYERS = {
     "image_pipeline": 0,
     "decoding": 0,
     "vlm_server.config": 0,
+    "vlm_server.devices": 0,  # which torch devices this machine has
     "vlm_server.api": 0,  # generated gRPC code
     "vlm_server.client": 1,  # talks to a server through vlm_server.api only
     "vlm_server.model": 1,

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from vlm_server.service.config import OPTIONS, ServerConfig, load_config, parse_size
+from vlm_server.service.config import OPTIONS, ServerConfig, build_parser, load_config, parse_size
 from vlm_server.service.logs import JsonFormatter, KeyValueFormatter
 
 
@@ -81,3 +81,25 @@ def test_key_value_and_json_log_lines() -> None:
     assert 'error="bad thing = here"' in line and "\n" not in line
     data = json.loads(JsonFormatter().format(record))
     assert data["task"] == "caption" and data["total_ms"] == 12.3456 and data["level"] == "info"
+
+
+def test_help_lists_the_choices_of_every_enum_flag() -> None:
+    text = " ".join(build_parser("vlm serve").format_help().split())
+    for opt in OPTIONS:
+        if opt.choices:
+            assert f"(one of: {', '.join(opt.choices)})" in text, opt.name
+    assert "(one of: batched, reference)" in text and "(one of: kv, json)" in text
+
+
+def test_security_and_limit_flags_read_the_environment() -> None:
+    env = {
+        "VLM_API_KEYS": "a,b",
+        "VLM_IMAGE_CACHE_CLIENT_BYTES": "64MiB",
+        "VLM_MAX_OBJECT_CHARS": "80",
+        "VLM_METRICS_HOST": "0.0.0.0",
+    }
+    config = load_config([], environ=env)
+    assert config.api_keys == ("a", "b") and config.client_cache_bytes == 64 << 20
+    assert (config.max_object_chars, config.metrics_host) == (80, "0.0.0.0")
+    small = load_config(["--image-cache-bytes", "16MiB"], environ={})
+    assert small.client_cache_bytes == 16 << 20  # never more than the whole cache

@@ -226,6 +226,18 @@ def test_encode_image_ids_name_the_content(
     assert (first.width, first.height, first.num_crops) == (800, 600, sample_image.num_crops)
 
 
+def test_encode_image_reports_a_new_image_as_not_cached(
+    client: VisionLanguageClient, engine_kind: str
+) -> None:
+    png = io.BytesIO()
+    colour = (17, 201, 99) if engine_kind == "batched" else (201, 17, 99)
+    Image.new("RGB", (40, 30), colour).save(png, format="PNG")
+    first = client.encode_image(png.getvalue())
+    again = client.encode_image(png.getvalue())
+    assert first.image_id == again.image_id
+    assert (first.already_cached, again.already_cached) == (False, True)
+
+
 def test_model_info_reports_model_and_limits(
     client: VisionLanguageClient, engine_kind: str, tiny: LoadedModel
 ) -> None:
@@ -277,6 +289,12 @@ IMAGE_ID_ERRORS: list[tuple[str, Callable[..., Any], grpc.StatusCode, str]] = [
     ),
     ("no image", lambda c, i: c.caption(None), grpc.StatusCode.INVALID_ARGUMENT, "image"),
     ("empty object", lambda c, i: c.detect(i, "   "), grpc.StatusCode.INVALID_ARGUMENT, "object"),
+    (
+        "10 KB object name",
+        lambda c, i: c.detect(i, "x" * 10_000),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "object",
+    ),
     ("empty question", lambda c, i: c.query(i, ""), grpc.StatusCode.INVALID_ARGUMENT, "question"),
     (
         "negative temperature",

@@ -15,6 +15,7 @@ import torch
 from image_pipeline import ImageError, prepare_image, sample_image_bytes
 from vlm_server.config import PRESETS
 from vlm_server.default_model import default_model_dir
+from vlm_server.devices import resolve_device
 from vlm_server.reference import ContextOverflow, ReferenceGenerator, SamplingSettings
 from vlm_server.weights.errors import CheckpointError
 from vlm_server.weights.loader import load_model
@@ -79,12 +80,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _device(name: str | None) -> torch.device:
-    if name:
-        return torch.device(name)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def _run(args: argparse.Namespace) -> int:
     if args.task != "caption" and not args.text:
         print(
@@ -92,7 +87,11 @@ def _run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    device = _device(args.device)
+    try:
+        device = resolve_device(args.device)
+    except ValueError as err:
+        print(f"vlm: error: {err}", file=sys.stderr)
+        return 2
     dtype = (
         DTYPES[args.dtype]
         if args.dtype

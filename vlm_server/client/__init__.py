@@ -9,6 +9,7 @@ with VisionLanguageClient("localhost:50051") as client:
 
 from vlm_server.client.aio import AsyncVisionLanguageClient
 from vlm_server.client.convert import ImageInput, Settings
+from vlm_server.client.security import Security
 from vlm_server.client.sync import VisionLanguageClient
 from vlm_server.client.types import (
     Box,
@@ -36,6 +37,7 @@ __all__ = [
     "Point",
     "PointResult",
     "RleMask",
+    "Security",
     "SegmentResult",
     "Settings",
     "TextDelta",

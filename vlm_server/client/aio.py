@@ -13,6 +13,7 @@ from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
 from vlm_server.client import convert
 from vlm_server.client import types as t
 from vlm_server.client.convert import ImageInput, Settings
+from vlm_server.client.security import Security
 from vlm_server.client.sync import DEFAULT_MAX_RECEIVE_BYTES, DEFAULT_TARGET, channel_options
 
 
@@ -25,11 +26,18 @@ class AsyncVisionLanguageClient:
         *,
         timeout: float | None = None,
         max_receive_bytes: int = DEFAULT_MAX_RECEIVE_BYTES,
+        security: Security | None = None,
     ) -> None:
         self.target = target
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(
-            target, options=channel_options(max_receive_bytes)
+        security = security or Security()
+        self._metadata = security.metadata()
+        options = channel_options(max_receive_bytes)
+        credentials = security.credentials()
+        self._channel = (
+            grpc.aio.insecure_channel(target, options=options)
+            if credentials is None
+            else grpc.aio.secure_channel(target, credentials, options=options)
         )
         self._stub = pb_grpc.VisionLanguageStub(self._channel)
 
@@ -52,14 +60,14 @@ class AsyncVisionLanguageClient:
 
     async def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
         try:
-            return await method(request, timeout=self._timeout(timeout))
+            return await method(request, timeout=self._timeout(timeout), metadata=self._metadata)
         except grpc.RpcError as err:
             raise convert.error(err) from None
 
     async def _stream(
         self, method: Any, request: Any, timeout: float | None
     ) -> AsyncIterator[t.TextDelta | t.TextResult]:
-        call = method(request, timeout=self._timeout(timeout))
+        call = method(request, timeout=self._timeout(timeout), metadata=self._metadata)
         try:
             async for message in call:
                 yield convert.text_event(message)

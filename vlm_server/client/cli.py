@@ -10,7 +10,8 @@
 
 IMAGE is a file, ``sample`` for the bundled sample picture, or ``id:<image id>`` from
 ``encode``; ``query`` also takes ``none``. The server is ``--target host:port`` (or
-VLM_TARGET; default localhost:50051).
+VLM_TARGET; default localhost:50051); ``--api-key`` (VLM_API_KEY) and ``--tls`` /
+``--ca-cert`` / ``--client-cert`` / ``--client-key`` for servers that require them.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 from PIL import Image
 
 from vlm_server.client import draw
+from vlm_server.client.security import Security
 from vlm_server.client.sync import DEFAULT_TARGET, VisionLanguageClient
 from vlm_server.client.types import EncodedImage, TextDelta, TextResult, VlmError
 
@@ -52,6 +54,22 @@ def _common(parser: argparse.ArgumentParser, suppress: bool) -> None:
     parser.add_argument(
         "--json", action="store_true", default=default(False), help="print the result as JSON"
     )
+    parser.add_argument(
+        "--api-key",
+        default=default(os.environ.get("VLM_API_KEY")),
+        help="sent as 'authorization: Bearer KEY' [VLM_API_KEY]",
+    )
+    parser.add_argument(
+        "--tls", action="store_true", default=default(False), help="connect over TLS"
+    )
+    parser.add_argument(
+        "--ca-cert",
+        default=default(os.environ.get("VLM_CA_CERT")),
+        help="PEM CA of the server's certificate (implies --tls; default: system roots) "
+        "[VLM_CA_CERT]",
+    )
+    parser.add_argument("--client-cert", default=default(None), help="PEM, for mutual TLS")
+    parser.add_argument("--client-key", default=default(None), help="PEM, for mutual TLS")
 
 
 def _settings(parser: argparse.ArgumentParser, objects: bool) -> None:
@@ -207,8 +225,19 @@ def _regions(
         print(f"drawn to {args.draw}", file=sys.stderr)
 
 
+def _security(args: argparse.Namespace) -> Security:
+    return Security(
+        api_key=args.api_key,
+        tls=args.tls,
+        ca_cert=args.ca_cert,
+        client_cert=args.client_cert,
+        client_key=args.client_key,
+    )
+
+
 def _run(args: argparse.Namespace) -> None:
-    with VisionLanguageClient(args.target, timeout=args.timeout) as client:
+    security = _security(args)
+    with VisionLanguageClient(args.target, timeout=args.timeout, security=security) as client:
         if args.command == "info":
             info = client.model_info(timeout=args.timeout)
             if args.json:

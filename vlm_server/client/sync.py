@@ -13,6 +13,7 @@ from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
 from vlm_server.client import convert
 from vlm_server.client import types as t
 from vlm_server.client.convert import ImageInput, Settings
+from vlm_server.client.security import Security
 
 DEFAULT_TARGET = "localhost:50051"
 DEFAULT_MAX_RECEIVE_BYTES = 32 << 20
@@ -28,7 +29,8 @@ class VisionLanguageClient:
     """Talks to a ``vlm.v1.VisionLanguage`` server at ``target`` (``host:port``).
 
     ``timeout`` (seconds) is the default deadline of every call; each method takes its own.
-    Streaming methods cancel the call when the caller stops iterating early.
+    Streaming methods cancel the call when the caller stops iterating early. ``security``
+    turns on TLS and sends an API key (`Security`).
     """
 
     def __init__(
@@ -37,10 +39,19 @@ class VisionLanguageClient:
         *,
         timeout: float | None = None,
         max_receive_bytes: int = DEFAULT_MAX_RECEIVE_BYTES,
+        security: Security | None = None,
     ) -> None:
         self.target = target
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(target, options=channel_options(max_receive_bytes))
+        security = security or Security()
+        self._metadata = security.metadata()
+        options = channel_options(max_receive_bytes)
+        credentials = security.credentials()
+        self._channel = (
+            grpc.insecure_channel(target, options=options)
+            if credentials is None
+            else grpc.secure_channel(target, credentials, options=options)
+        )
         self._stub = pb_grpc.VisionLanguageStub(self._channel)
 
     def close(self) -> None:
@@ -62,14 +73,14 @@ class VisionLanguageClient:
 
     def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
         try:
-            return method(request, timeout=self._timeout(timeout))
+            return method(request, timeout=self._timeout(timeout), metadata=self._metadata)
         except grpc.RpcError as err:
             raise convert.error(err) from None
 
     def _stream(
         self, method: Any, request: Any, timeout: float | None
     ) -> Iterator[t.TextDelta | t.TextResult]:
-        call = method(request, timeout=self._timeout(timeout))
+        call = method(request, timeout=self._timeout(timeout), metadata=self._metadata)
         try:
             for message in call:
                 yield convert.text_event(message)

@@ -9,13 +9,18 @@ Map:
               metrics (labelled by door) and access log
   servicer    one handler per RPC: the gRPC side of a call, engine events -> messages
   requests    proto request -> engine request: the one validation both doors go through
+  intake      before a handler runs: unparsable requests -> INVALID_ARGUMENT naming the
+              field; calls that end before their handler are still counted
+  auth        API keys (`ApiKeys`, shared by both doors), the UNAUTHENTICATED interceptor,
+              client identity for per-client limits
   validation  field checks that need no model; errors name the proto field
-  images      image decoding in a thread pool; the EncodeImage LRU cache
+  images      image decoding in a thread pool; the image LRU cache with per-client shares
   convert     engine results -> proto messages
   errors      engine error codes -> gRPC status codes, field names
   health      grpc.health.v1 liveness ("") and readiness (the service name)
   metrics     Prometheus metrics on a private registry and their HTTP endpoint
   logs        key=value or JSON log lines; one access-log line per request
+  memory      glibc malloc settings, cycle collection and heap trimming under load
   codegen     regenerates vlm_server/api from protos/
   testing     in-process server thread, a holdable reference engine, a poll helper
 """

@@ -15,7 +15,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -31,7 +31,7 @@ from vlm_server.engine.api import (
     Task,
     TextDelta,
 )
-from vlm_server.service import requests
+from vlm_server.service import requests, validation
 from vlm_server.service.errors import unavailable
 from vlm_server.service.images import ImageResolver
 from vlm_server.service.logs import log_request
@@ -65,6 +65,10 @@ class Limits:
     max_image_pixels: int
     max_image_side: int
     image_cache_bytes: int
+    max_object_chars: int = validation.MAX_OBJECT_CHARS
+
+
+Identify = Callable[[Any, str], str]  # (request metadata, peer) -> client identity
 
 
 class Gate:
@@ -95,10 +99,17 @@ class Gate:
 class ServiceCore:
     """The engine (None while loading), the drain flag and the gates every door shares."""
 
-    def __init__(self, images: ImageResolver, metrics: ServiceMetrics, limits: Limits) -> None:
+    def __init__(
+        self,
+        images: ImageResolver,
+        metrics: ServiceMetrics,
+        limits: Limits,
+        identify: Identify | None = None,
+    ) -> None:
         self.images = images
         self.metrics = metrics
         self.limits = limits
+        self._identify = identify
         self.engine: Engine | None = None
         self.draining = False
         self.in_flight = Gate()  # requests being handled, from arrival to last byte
@@ -107,6 +118,16 @@ class ServiceCore:
     def begin_drain(self) -> None:
         """Refuse requests from now on; those already received still run."""
         self.draining = True
+
+    def client_of(self, metadata: Any, peer: str) -> str:
+        """Who sent a request: an API key's identity, else the peer's address."""
+        return peer if self._identify is None else self._identify(metadata, peer)
+
+    def record_early(self, door: Door, task: str, code: str, fields: dict[str, Any]) -> None:
+        """Count and log a request that ended before its handler ran."""
+        self.metrics.received.labels(door, task).inc()
+        self.metrics.requests.labels(door, task, code).inc()
+        log_request({"door": door.value, "task": task, "code": code, **fields})
 
 
 class Call:
@@ -139,6 +160,10 @@ class Call:
 
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self.start) * 1e3
+
+    def expired(self) -> bool:
+        # A little slack: the transport's timer and this clock need not agree to the ms.
+        return self.deadline is not None and time.monotonic() >= self.deadline - 0.01
 
     async def __aenter__(self) -> Call:
         c = self.core
@@ -174,6 +199,7 @@ class Call:
             request_id=self.request_id,
             deadline=self.deadline,
             max_tokens_limit=max_context,
+            max_object_chars=self.core.limits.max_object_chars,
         )
 
     async def submit(self, request: GenerationRequest) -> RequestStream:
@@ -221,7 +247,12 @@ class Call:
         tb: TracebackType | None,
     ) -> bool:
         self.submitted()
-        self._record(status_code(exc), exc, tb)
+        code = status_code(exc)
+        if code == "CANCELLED" and self.expired():
+            # A transport cancels the handler both when the client goes away and when the
+            # deadline passes; only the clock tells them apart.
+            code = "DEADLINE_EXCEEDED"
+        self._record(code, exc, tb)
         self.core.in_flight.leave()
         self.core.metrics.in_flight.labels(self.door).dec()
         return False

@@ -36,6 +36,11 @@ def _optional_str(text: str) -> str | None:
     return text or None
 
 
+def _key_list(text: str) -> tuple[str, ...]:
+    """``"k1,k2"`` -> ``("k1", "k2")``; blanks dropped."""
+    return tuple(k.strip() for k in text.split(",") if k.strip())
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Everything the server process needs; see `OPTIONS` for the meaning of each field."""
@@ -49,6 +54,11 @@ class ServerConfig:
     host: str = "0.0.0.0"
     port: int = 50051
     http_port: int = 2020
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    api_keys: tuple[str, ...] = ()
+    api_keys_file: str | None = None
     max_batch_size: int = 32
     kv_budget: int = 0
     pipeline_depth: int = 2
@@ -57,12 +67,17 @@ class ServerConfig:
     max_image_pixels: int = 50_000_000
     max_image_side: int = 32_768
     image_cache_bytes: int = 512 * MIB
+    image_cache_client_bytes: int = 128 * MIB
     max_message_bytes: int = 32 * MIB
     max_http_body_bytes: int = 32 * MIB
-    metrics_host: str | None = None
+    max_object_chars: int = 256
+    metrics_host: str = "127.0.0.1"
     metrics_port: int = 9464
     grace_period: float = 30.0
     decode_threads: int = 4
+    malloc_arena_max: int = 2
+    malloc_mmap_threshold: int = MIB
+    memory_trim_interval: float = 10.0
     log_format: str = "kv"
     log_level: str = "info"
 
@@ -74,8 +89,10 @@ class ServerConfig:
             "max_image_bytes",
             "max_image_pixels",
             "image_cache_bytes",
+            "image_cache_client_bytes",
             "max_message_bytes",
             "max_http_body_bytes",
+            "max_object_chars",
             "decode_threads",
         )
         for name in positive:
@@ -86,8 +103,23 @@ class ServerConfig:
                 raise ValueError(f"{name} must be in 0..65535 (0 = any free port)")
         if not -1 <= self.http_port <= 65535:
             raise ValueError("http_port must be in -1..65535 (0 = off, -1 = any free port)")
-        if self.kv_budget < 0 or self.grace_period < 0 or self.max_image_side < 0:
-            raise ValueError("kv_budget, grace_period and max_image_side must be >= 0")
+        nonnegative = (
+            "kv_budget",
+            "grace_period",
+            "max_image_side",
+            "malloc_arena_max",
+            "malloc_mmap_threshold",
+            "memory_trim_interval",
+        )
+        for name in nonnegative:
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca needs tls_cert and tls_key (mutual TLS is TLS)")
+        if self.malloc_mmap_threshold > 32 * MIB:
+            raise ValueError("malloc_mmap_threshold must be at most 32MiB (glibc's ceiling)")
         if self.log_format not in ("kv", "json"):
             raise ValueError("log_format must be kv or json")
 
@@ -99,9 +131,15 @@ class ServerConfig:
             max_side=self.max_image_side or None,
         )
 
+    @property
+    def client_cache_bytes(self) -> int:
+        """The image-cache share of one client (never more than the whole cache)."""
+        return min(self.image_cache_client_bytes, self.image_cache_bytes)
+
     def items(self) -> list[tuple[str, Any]]:
-        """(name, value) pairs in declaration order, for printing at start."""
-        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+        """(name, value) pairs in declaration order, for printing at start; keys redacted."""
+        pairs = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+        return [(n, f"<{len(v)} keys>" if n == "api_keys" else v) for n, v in pairs]
 
 
 @dataclass(frozen=True)
@@ -140,14 +178,35 @@ OPTIONS: tuple[_Option, ...] = (
         "engine",
         str,
         "batched (continuous batching) or reference (the same engine at batch 1, blocking)",
+        ("batched", "reference"),
     ),
-    _Option("host", str, "address to listen on"),
-    _Option("port", int, "gRPC port (0 = any free port)"),
+    _Option(
+        "host",
+        str,
+        "address the gRPC port listens on: 0.0.0.0 is every IPv4 interface (reachable from "
+        "other machines: use TLS and API keys there), 127.0.0.1 this machine only",
+    ),
+    _Option("port", int, "gRPC port (0 = any free port); a port in use is an error"),
     _Option(
         "http_port",
         int,
-        "HTTP port of the Moondream and OpenAI-compatible API (0 = off, -1 = any free port)",
+        "HTTP port of the Moondream and OpenAI-compatible API (0 = off, -1 = any free port); "
+        "it listens on --host and takes the same API keys",
     ),
+    _Option("tls_cert", _optional_str, "PEM certificate chain: serve gRPC over TLS"),
+    _Option("tls_key", _optional_str, "PEM private key of --tls-cert"),
+    _Option(
+        "tls_client_ca",
+        _optional_str,
+        "PEM CA bundle: clients must present a certificate it signed (mutual TLS)",
+    ),
+    _Option(
+        "api_keys",
+        _key_list,
+        "comma-separated API keys; calls must send 'authorization: Bearer KEY' (health "
+        "stays open). Prefer the environment variable or --api-keys-file: flags show in ps",
+    ),
+    _Option("api_keys_file", _optional_str, "file of API keys, one a line (# comments)"),
     _Option("max_batch_size", int, "most sequences decoded together (batched engine)"),
     _Option(
         "kv_budget",
@@ -165,15 +224,55 @@ OPTIONS: tuple[_Option, ...] = (
         parse_size,
         "memory for images uploaded with EncodeImage (least recently used go first)",
     ),
+    _Option(
+        "image_cache_client_bytes",
+        parse_size,
+        "share of the image cache one client (API key, else peer address) may hold; its "
+        "own oldest images go first, so no client can flush the others'",
+    ),
     _Option("max_message_bytes", parse_size, "largest gRPC message, request or response"),
     _Option("max_http_body_bytes", parse_size, "largest HTTP request body (413 beyond)"),
-    _Option("metrics_host", _optional_str, "address of the Prometheus endpoint (default: host)"),
+    _Option("max_object_chars", int, "longest object name (point, detect, segment)"),
+    _Option(
+        "metrics_host",
+        str,
+        "address of the Prometheus endpoint (loopback: 0.0.0.0 lets other machines scrape)",
+    ),
     _Option("metrics_port", int, "Prometheus endpoint port (0 = any free port)"),
     _Option("grace_period", float, "seconds to finish accepted requests after SIGTERM"),
     _Option("decode_threads", int, "threads decoding images"),
+    _Option(
+        "malloc_arena_max",
+        int,
+        "glibc malloc arenas (0 = glibc's default of 8 per core): fewer keeps the memory "
+        "that decode threads free reusable instead of stranded per thread",
+    ),
+    _Option(
+        "malloc_mmap_threshold",
+        parse_size,
+        "glibc malloc: blocks this large or larger are mapped apart and returned to the "
+        "system when freed (0 = glibc's default, which raises itself and then keeps freed "
+        "image buffers; at most 32MiB)",
+    ),
+    _Option(
+        "memory_trim_interval",
+        float,
+        "seconds between collecting the reference cycles ended requests leave and returning "
+        "free heap memory to the system (0 = never)",
+    ),
     _Option("log_format", str, "log line format", ("kv", "json")),
     _Option("log_level", str, "log level", ("debug", "info", "warning", "error")),
 )
+
+
+def _choices_text(opt: _Option) -> str:
+    return f" (one of: {', '.join(opt.choices)})" if opt.choices else ""
+
+
+def _shown(default: Any) -> Any:
+    if isinstance(default, tuple):
+        return ",".join(default) or "none"
+    return default
 
 
 def build_parser(prog: str = "vlm-server") -> argparse.ArgumentParser:
@@ -194,7 +293,7 @@ def build_parser(prog: str = "vlm-server") -> argparse.ArgumentParser:
             choices=opt.choices,
             default=None,
             metavar=opt.name.upper(),
-            help=f"{opt.help} [{opt.env}; default {default}]",
+            help=f"{opt.help}{_choices_text(opt)} [{opt.env}; default {_shown(default)}]",
         )
     return parser
 

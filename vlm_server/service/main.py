@@ -18,9 +18,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from vlm_server.default_model import default_model_dir
+from vlm_server.devices import resolve_device
 from vlm_server.engine.api import Engine
 from vlm_server.service.config import ServerConfig, load_config
 from vlm_server.service.logs import configure_logging
+from vlm_server.service.memory import freeze, limit_arenas, limit_mmap_threshold
 from vlm_server.service.server import VisionLanguageServer
 from vlm_server.weights.loader import LoadedModel, load_model
 
@@ -29,15 +31,9 @@ log = logging.getLogger("vlm_server.service.main")  # also when run with -m
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _device(config: ServerConfig) -> torch.device:
-    if config.device:
-        return torch.device(config.device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def _loader(config: ServerConfig) -> Callable[[], LoadedModel]:
     """A function that loads the configured model (with a progress bar for large files)."""
-    device = _device(config)
+    device = resolve_device(config.device)
     dtype = (
         DTYPES[config.dtype]
         if config.dtype
@@ -86,9 +82,13 @@ ENGINES: dict[str, Callable[[ServerConfig], Engine]] = {
 
 
 async def serve(config: ServerConfig, engine_factory: Callable[[], Engine]) -> int:
-    """Run until a signal, then drain; returns the process exit code."""
-    server = VisionLanguageServer(config, engine_factory)
-    await server.start()
+    """Run until a signal, then drain; returns the process exit code (1: it could not start)."""
+    try:
+        server = VisionLanguageServer(config, engine_factory)
+        await server.start()
+    except (OSError, ValueError) as err:  # a port in use, an unreadable key or certificate
+        log.error("cannot start: %s", err)
+        return 1
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -101,6 +101,8 @@ async def serve(config: ServerConfig, engine_factory: Callable[[], Engine]) -> i
         stopping.cancel()
         await server.shutdown(0)
         return 1
+    if ready.done():
+        freeze()  # the model is loaded: later collections skip its objects
     await stopping
     log.info("signal received: draining")
     await server.shutdown()
@@ -115,7 +117,15 @@ def main(argv: Sequence[str] | None = None, prog: str = "vlm-server") -> int:
     if config.engine not in ENGINES:
         log.error("unknown engine %r; choose one of %s", config.engine, sorted(ENGINES))
         return 2
+    try:
+        resolve_device(config.device)
+    except ValueError as err:
+        log.error("%s", err)
+        return 2
     log.info("config", extra={"fields": dict(config.items())})
+    # Before any thread allocates: arenas that exist stay.
+    limit_arenas(config.malloc_arena_max)
+    limit_mmap_threshold(config.malloc_mmap_threshold)
     factory = functools.partial(ENGINES[config.engine], config)
     return asyncio.run(serve(config, factory))
 

@@ -15,7 +15,14 @@ import threading
 from collections.abc import Callable, Iterator
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -112,6 +119,8 @@ class ServiceMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # process_resident_memory_bytes and friends (Linux): what a soak run watches.
+        ProcessCollector(registry=r)
         # Request metrics carry the front door (grpc, http) they came through.
         self.received = Counter(
             "vlm_requests_received", "requests received, by door and task", _DT, registry=r

@@ -5,15 +5,21 @@ Lifecycle: `start` binds the ports (health answers right away: live, not ready) 
 loading the engine in the background; `wait_ready` returns once it serves. `shutdown` turns
 readiness off, refuses new calls with UNAVAILABLE (HTTP: 503) through either door, lets every
 accepted call finish within the grace period, then stops the doors and the engine.
+
+Exposure: plaintext or TLS (mutual with ``--tls-client-ca``), API keys checked on both doors
+(gRPC: `AuthInterceptor`, health stays open), metrics on loopback unless told otherwise, and
+SO_REUSEPORT off so that a second server on a taken port fails instead of sharing it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -22,10 +28,13 @@ from grpc_reflection.v1alpha import reflection
 from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
 from vlm_server.engine.api import Engine, EngineStats
 from vlm_server.http.server import Authorizer, HttpFrontDoor
+from vlm_server.service.auth import ApiKeys, AuthInterceptor, client_identity, read_keys_file
 from vlm_server.service.calls import Limits, ServiceCore
 from vlm_server.service.config import ServerConfig
 from vlm_server.service.health import HealthState
 from vlm_server.service.images import ImageCache, ImageResolver
+from vlm_server.service.intake import IntakeInterceptor
+from vlm_server.service.memory import Trimmer
 from vlm_server.service.metrics import ServiceMetrics
 from vlm_server.service.servicer import SERVICE_NAME, VisionLanguageServicer, server_version
 
@@ -35,10 +44,37 @@ EngineFactory = Callable[[], Engine]
 _FINAL_STOP_GRACE_S = 1.0
 
 
+class ListenError(OSError):
+    """A port could not be bound; the message names the address."""
+
+
+def api_keys(config: ServerConfig) -> ApiKeys | None:
+    """The keys of ``--api-keys`` and ``--api-keys-file`` together; None: no auth."""
+    keys = list(config.api_keys)
+    if config.api_keys_file:
+        keys.extend(read_keys_file(config.api_keys_file))
+        if not keys:
+            raise ValueError(f"api_keys_file {config.api_keys_file}: no keys in it")
+    return ApiKeys(keys) if keys else None
+
+
+def tls_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    """Server credentials of ``--tls-cert``/``--tls-key`` (and ``--tls-client-ca``)."""
+    if config.tls_cert is None or config.tls_key is None:
+        return None
+    cert = Path(config.tls_cert).read_bytes()
+    key = Path(config.tls_key).read_bytes()
+    ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+    )
+
+
 class VisionLanguageServer:
     """The gRPC and HTTP doors in front of one engine (one process per GPU).
 
-    ``http_auth`` checks the API keys of HTTP requests (None: open)."""
+    ``http_auth`` checks the API keys of HTTP requests; by default the server's own keys
+    (``--api-keys``), the same as gRPC's (None there: open)."""
 
     def __init__(
         self,
@@ -54,23 +90,25 @@ class VisionLanguageServer:
         self._executor = ThreadPoolExecutor(
             config.decode_threads, thread_name_prefix="image-decode"
         )
-        images = ImageResolver(
-            config.image_limits, ImageCache(config.image_cache_bytes), self._executor
-        )
+        cache = ImageCache(config.image_cache_bytes, owner_bytes=config.client_cache_bytes)
+        images = ImageResolver(config.image_limits, cache, self._executor)
         limits = Limits(
             max_message_bytes=config.max_message_bytes,
             max_image_bytes=config.max_image_bytes,
             max_image_pixels=config.max_image_pixels,
             max_image_side=config.max_image_side,
             image_cache_bytes=config.image_cache_bytes,
+            max_object_chars=config.max_object_chars,
         )
-        self.core = ServiceCore(images, self.metrics, limits)
+        self.api_keys = api_keys(config)
+        identify = functools.partial(client_identity, self.api_keys)
+        self.core = ServiceCore(images, self.metrics, limits, identify)
         self.servicer = VisionLanguageServicer(self.core)
         self.http: HttpFrontDoor | None = None
         if config.http_port != 0:
-            self.http = HttpFrontDoor(
-                self.core, config.max_http_body_bytes, http_auth, server_version()
-            )
+            auth = http_auth if http_auth is not None else self.api_keys
+            self.http = HttpFrontDoor(self.core, config.max_http_body_bytes, auth, server_version())
+        self._trimmer = Trimmer(config.memory_trim_interval)
         self._server: grpc.aio.Server | None = None
         self._loading: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
@@ -79,34 +117,99 @@ class VisionLanguageServer:
         self.http_port = 0
         self.metrics_port = 0
 
+    def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        reject = self.servicer.record_rejected
+        intake = IntakeInterceptor(reject, self.servicer.record_unstarted, (SERVICE_NAME,))
+        chain: list[grpc.aio.ServerInterceptor] = [intake]
+        if self.api_keys is not None:  # its refusals parse nothing
+            chain.append(AuthInterceptor(self.api_keys, reject))
+        return chain
+
+    def _bind(self, server: grpc.aio.Server) -> int:
+        address = f"{self.config.host}:{self.config.port}"
+        credentials = tls_credentials(self.config)
+        try:
+            if credentials is None:
+                port = server.add_insecure_port(address)
+            else:
+                port = server.add_secure_port(address, credentials)
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            tls = "; or the TLS certificate and key do not match" if credentials else ""
+            raise ListenError(
+                f"cannot listen on {address}: port {self.config.port} is in use "
+                f"(another server?) or the address is not one of this machine's{tls}"
+            )
+        return port
+
+    def _serve_metrics(self) -> int:
+        host, port = self.config.metrics_host, self.config.metrics_port
+        try:
+            return self.metrics.serve(host, port)
+        except OSError as err:
+            reason = err.strerror or str(err)
+            raise ListenError(
+                f"cannot serve metrics on {host}:{port}: {reason} (--metrics-port)"
+            ) from None
+
+    async def _serve_http(self) -> int:
+        assert self.http is not None
+        host, port = self.config.host, self.config.http_port
+        try:
+            return await self.http.start(host, port)
+        except OSError as err:
+            reason = err.strerror or str(err)
+            raise ListenError(
+                f"cannot serve HTTP on {host}:{port}: {reason} (--http-port)"
+            ) from None
+
     async def start(self) -> None:
-        """Bind and serve health, reflection and metrics; load the engine in the background."""
+        """Bind and serve health, reflection and metrics; load the engine in the background.
+
+        Raises `ListenError` naming the port when a port is taken: gRPC's SO_REUSEPORT is
+        off, so a second server on the same port fails instead of sharing connections."""
         limit = self.config.max_message_bytes
         server = grpc.aio.server(
+            interceptors=self._interceptors(),
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
-            ]
+                ("grpc.so_reuseport", 0),
+            ],
         )
         pb_grpc.add_VisionLanguageServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server
         )
-        address = f"{self.config.host}:{self.config.port}"
-        self.port = server.add_insecure_port(address)
-        if self.port == 0:
-            raise OSError(f"cannot listen on {address}")
+        self.port = self._bind(server)
+        try:
+            self.metrics_port = self._serve_metrics()
+            if self.http is not None:
+                self.http_port = await self._serve_http()
+        except ListenError:
+            await server.stop(None)
+            await asyncio.to_thread(self.metrics.stop)
+            raise
         await self.health.loading()
         await server.start()
         self._server = server
-        if self.http is not None:
-            self.http_port = await self.http.start(self.config.host, self.config.http_port)
         loop = asyncio.get_running_loop()
         self.metrics.watch_engine(loop, self._engine_stats)
-        self.metrics_port = self.metrics.serve(
-            self.config.metrics_host or self.config.host, self.config.metrics_port
-        )
+        self._trimmer.start()
+        if self.http is not None and self.config.tls_cert is not None:
+            log.warning(
+                "the HTTP door on port %d is plaintext: put it behind a TLS proxy, or turn "
+                "it off with --http-port 0",
+                self.http_port,
+            )
+        if self.api_keys is None and self.config.host not in ("127.0.0.1", "::1", "localhost"):
+            log.warning(
+                "no API keys: anyone who can reach %s:%d may call (see --api-keys-file)",
+                self.config.host,
+                self.port,
+            )
         log.info(
             "listening",
             extra={
@@ -114,6 +217,8 @@ class VisionLanguageServer:
                     "grpc_port": self.port,
                     "metrics_port": self.metrics_port,
                     "http_port": self.http_port,
+                    "tls": self.config.tls_cert is not None,
+                    "api_keys": len(self.api_keys) if self.api_keys is not None else 0,
                 }
             },
         )
@@ -184,6 +289,7 @@ class VisionLanguageServer:
         if self.engine is not None and self.core.engine is not None:
             await self.engine.close()
         await asyncio.to_thread(self.metrics.stop)
+        await self._trimmer.stop()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._stopped.set()
         log.info("stopped")

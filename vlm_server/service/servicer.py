@@ -41,7 +41,18 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VisionLanguage"].full_name
 CLIENT_REQUEST_ID_KEY = "x-request-id"
 
-__all__ = ["SERVICE_NAME", "Limits", "VisionLanguageServicer"]
+# The task label of each RPC in metrics and the access log.
+RPC_TASKS = {
+    "Caption": Task.CAPTION.value,
+    "Query": Task.QUERY.value,
+    "Point": Task.POINT.value,
+    "Detect": Task.DETECT.value,
+    "Segment": Task.SEGMENT.value,
+    "EncodeImage": "encode_image",
+    "GetModelInfo": "model_info",
+}
+
+__all__ = ["RPC_TASKS", "SERVICE_NAME", "Limits", "VisionLanguageServicer"]
 
 
 def server_version() -> str:
@@ -113,6 +124,21 @@ class VisionLanguageServicer(pb_grpc.VisionLanguageServicer):
     def __init__(self, core: ServiceCore) -> None:
         self.core = core
 
+    def record_rejected(self, method: str, code: grpc.StatusCode, message: str) -> None:
+        """A call refused before its handler ran (bad protobuf, no API key)."""
+        self._record_early(method, code.name, {"error": message})
+
+    def record_unstarted(self, method: str) -> None:
+        """A call that ended before its handler ran: gRPC ends a call whose deadline passes
+        (or whose client cancels) while its request is still arriving. It cannot say which
+        of the two, so the code is CANCELLED with ``stage=receiving`` in the log."""
+        self._record_early(method, "CANCELLED", {"stage": "receiving"})
+
+    def _record_early(self, method: str, code: str, fields: dict[str, Any]) -> None:
+        service, _, name = method.lstrip("/").partition("/")
+        if service == SERVICE_NAME and name in RPC_TASKS:
+            self.core.record_early(Door.GRPC, RPC_TASKS[name], code, fields)
+
     def _call(self, task: str, context: grpc.aio.ServicerContext) -> _Call:
         return _Call(self.core, task, context)
 
@@ -177,8 +203,9 @@ class VisionLanguageServicer(pb_grpc.VisionLanguageServicer):
         async with self._call("encode_image", context) as call:
             call.engine()
             images = self.core.images
+            owner = self.core.client_of(context.invocation_metadata(), call.peer)
             image = await images.decode(request.image_bytes)
-            image_id, present = images.cache.put(image)
+            image_id, present = images.cache.put(image, owner=owner)
             self.core.metrics.image_cache_bytes.set(images.cache.nbytes)
             return pb.EncodeImageResponse(
                 image_id=image_id,

@@ -22,7 +22,10 @@ CAPTION_LENGTHS = {
     pb.CAPTION_LENGTH_NORMAL: "normal",
     pb.CAPTION_LENGTH_LONG: "long",
 }
-MAX_TEXT_CHARS = 16_384  # questions and object names; far beyond any context anyway
+MAX_TEXT_CHARS = 16_384  # questions; far beyond any context anyway
+# Object names are a few words; a long one would crowd the answer out of the context, and the
+# engine would blame settings.max_objects (the server's --max-object-chars).
+MAX_OBJECT_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -63,12 +66,12 @@ def caption_length(value: int) -> str:
         raise invalid("length", f"unknown caption length {value}") from None
 
 
-def object_name(text: str) -> str:
+def object_name(text: str, max_chars: int = MAX_OBJECT_CHARS) -> str:
     name = text.strip()
     if not name:
         raise invalid("object", "must not be empty")
-    if len(name) > MAX_TEXT_CHARS:
-        raise invalid("object", f"is longer than {MAX_TEXT_CHARS} characters")
+    if len(name) > max_chars:
+        raise invalid("object", f"is {len(name)} characters long; at most {max_chars}")
     return name
 
 

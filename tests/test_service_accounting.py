@@ -1,0 +1,102 @@
+"""Every call reaches the request metrics and the access log with its real status code:
+expired deadlines are DEADLINE_EXCEEDED (not CANCELLED), and calls that end before their
+handler runs (the deadline passed while the request was still arriving) are counted too."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.service_harness import GatedBatchedEngine, ServerThread, local_config, wait_for
+from vlm_server.api.v1 import vision_language_pb2 as pb
+from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
+from vlm_server.engine.config import EngineConfig
+from vlm_server.service.logs import ACCESS_LOGGER
+from vlm_server.weights.loader import LoadedModel
+
+
+@pytest.fixture(scope="module")
+def server(tiny: LoadedModel) -> Iterator[ServerThread]:
+    with ServerThread(
+        local_config(), lambda: GatedBatchedEngine(tiny, EngineConfig(kv_budget_bytes=16 << 20))
+    ) as running:
+        yield running
+
+
+def _requests_total(server: ServerThread) -> dict[tuple[str, str], float]:
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (s.labels["task"], s.labels["code"]): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "vlm_requests_total"
+    }
+
+
+def _access(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    return [r.fields for r in caplog.records if r.name == ACCESS_LOGGER]  # type: ignore[attr-defined]
+
+
+def test_a_deadline_that_passes_while_running_is_deadline_exceeded(
+    server: ServerThread, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert server.server is not None
+    engine = server.server.engine
+    assert isinstance(engine, GatedBatchedEngine)
+    before = _requests_total(server).get(("query", "DEADLINE_EXCEEDED"), 0)
+    request = pb.QueryRequest(
+        question="a long story", settings=pb.GenerationSettings(temperature=0, max_tokens=400)
+    )
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    engine.token_gate.clear()
+    try:
+        with grpc.insecure_channel(server.target) as channel:
+            stub = pb_grpc.VisionLanguageStub(channel)
+            call = stub.Query(request, timeout=1.0, metadata=(("x-request-id", "slowpoke"),))
+            with pytest.raises(grpc.RpcError) as caught:
+                list(call)
+            assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        engine.token_gate.set()
+    line = wait_for(
+        lambda: [f for f in _access(caplog) if f.get("request_id") == "slowpoke"],
+        what="the access-log line",
+    )[0]
+    assert line["code"] == "DEADLINE_EXCEEDED"
+    after = _requests_total(server).get(("query", "DEADLINE_EXCEEDED"), 0)
+    assert after == before + 1
+
+
+def test_a_call_that_expires_before_its_request_arrives_is_counted(
+    server: ServerThread, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The client opens the call but its message never comes: gRPC ends the call at the
+    deadline without running the handler."""
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    before = _requests_total(server).get(("point", "CANCELLED"), 0)
+    release = threading.Event()
+
+    def never() -> Iterator[bytes]:
+        release.wait(30)
+        return
+        yield b""  # a generator that sends nothing until released
+
+    with grpc.insecure_channel(server.target) as channel:
+        send = channel.stream_unary("/vlm.v1.VisionLanguage/Point")
+        with pytest.raises(grpc.RpcError) as caught:
+            send(never(), timeout=0.5)
+        release.set()
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for(
+        lambda: _requests_total(server).get(("point", "CANCELLED"), 0) == before + 1,
+        what="the call to be counted",
+    )
+    assert any(f.get("stage") == "receiving" for f in _access(caplog))

@@ -1,0 +1,206 @@
+"""What happens to a call before its handler runs.
+
+1. Requests that are not valid protobuf answer INVALID_ARGUMENT naming the field, without a
+   traceback. grpc.aio parses a request before the handler runs; a parse error (corrupt wire
+   format, or invalid UTF-8 in a ``string`` field) would escape as UNKNOWN with the
+   exception's class in the message and an error-level traceback per request. The
+   interceptor wraps every method's parser so a failure becomes a `Malformed` value, which
+   the wrapped handler answers. `bad_utf8_field` walks the wire format to name the field.
+2. Calls that end before their handler starts are still counted. When a deadline passes
+   while the request is still arriving (a large image under load), gRPC ends the call
+   without ever running the handler, so the servicer's own bookkeeping never sees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import DecodeError, Message
+
+from vlm_server.service.auth import RejectHook
+from vlm_server.service.errors import FIELD_METADATA_KEY
+
+UnstartedHook = Callable[[str], None]  # the method of a call that ended before its handler
+
+_MAX_DEPTH = 32  # deeper nesting than any of our messages has: stop looking
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """A request that did not parse; ``field`` is its proto path when known."""
+
+    type_name: str
+    reason: str
+    field: str | None = None
+
+    @property
+    def message(self) -> str:
+        where = f"{self.field}: " if self.field else ""
+        return f"{where}not a valid {self.type_name} message ({self.reason})"
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(data) or shift > 63:
+            raise ValueError("truncated varint")
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+
+
+def bad_utf8_field(data: bytes, descriptor: Descriptor, depth: int = 0) -> str | None:
+    """The path (``settings.x``, ``choices``) of the first string field in ``data`` whose
+    bytes are not UTF-8; None when there is none or the wire format breaks first."""
+    pos = 0
+    try:
+        while pos < len(data):
+            key, pos = _varint(data, pos)
+            number, wire_type = key >> 3, key & 7
+            if wire_type == 0:
+                _, pos = _varint(data, pos)
+                continue
+            if wire_type in (1, 5):
+                pos += 8 if wire_type == 1 else 4
+                continue
+            if wire_type != 2:
+                return None  # groups or garbage: nothing of ours
+            length, pos = _varint(data, pos)
+            chunk, pos = data[pos : pos + length], pos + length
+            field = descriptor.fields_by_number.get(number)
+            if field is None:
+                continue
+            if field.type == FieldDescriptor.TYPE_STRING:
+                try:
+                    chunk.decode("utf-8")
+                except UnicodeDecodeError:
+                    return field.name
+            elif field.type == FieldDescriptor.TYPE_MESSAGE and depth < _MAX_DEPTH:
+                inner = bad_utf8_field(chunk, field.message_type, depth + 1)
+                if inner is not None:
+                    return f"{field.name}.{inner}"
+    except ValueError:
+        return None
+    return None
+
+
+def _message_class(parse: Callable[[bytes], Any]) -> type[Message] | None:
+    owner = getattr(parse, "__self__", None)  # FromString is a classmethod of the type
+    return owner if isinstance(owner, type) and issubclass(owner, Message) else None
+
+
+def guarded_parser(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """``parse``, returning a `Malformed` instead of raising on bad input."""
+    cls = _message_class(parse)
+    type_name = cls.DESCRIPTOR.full_name if cls is not None else "request"
+
+    def guarded(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except (DecodeError, ValueError, UnicodeDecodeError) as err:
+            reason = str(err).rsplit(": ", 1)[-1] or type(err).__name__
+            field = bad_utf8_field(data, cls.DESCRIPTOR) if cls is not None else None
+            if field is not None:
+                reason = "invalid UTF-8 in a string field"
+            return Malformed(type_name, reason, field)
+
+    return guarded
+
+
+async def _abort(bad: Malformed, context: grpc.aio.ServicerContext) -> None:
+    trailing = ((FIELD_METADATA_KEY, bad.field),) if bad.field else ()
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad.message, trailing_metadata=trailing)
+
+
+def _guarded_handler(
+    handler: grpc.RpcMethodHandler, method: str, on_reject: RejectHook | None, started: list[bool]
+) -> grpc.RpcMethodHandler:
+    def rejected(bad: Malformed) -> None:
+        if on_reject is not None:
+            on_reject(method, grpc.StatusCode.INVALID_ARGUMENT, bad.message)
+
+    if handler.unary_unary is not None:
+        inner_uu = handler.unary_unary
+
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            started[0] = True
+            if isinstance(request, Malformed):
+                rejected(request)
+                await _abort(request, context)
+            return await inner_uu(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary_unary,
+            request_deserializer=guarded_parser(handler.request_deserializer),
+            response_serializer=handler.response_serializer,
+        )
+    if handler.unary_stream is not None:
+        inner_us = handler.unary_stream
+
+        async def unary_stream(
+            request: Any, context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[Any]:
+            started[0] = True
+            if isinstance(request, Malformed):
+                rejected(request)
+                await _abort(request, context)
+            messages = inner_us(request, context)
+            if inspect.isawaitable(messages):  # a handler that writes with context.write
+                await messages
+                return
+            async with contextlib.aclosing(messages):
+                async for message in messages:
+                    yield message
+
+        return grpc.unary_stream_rpc_method_handler(
+            unary_stream,
+            request_deserializer=guarded_parser(handler.request_deserializer),
+            response_serializer=handler.response_serializer,
+        )
+    started[0] = True  # client streaming (reflection): parsed per message by its own handler
+    return handler
+
+
+class IntakeInterceptor(grpc.aio.ServerInterceptor):
+    """Answers unparsable unary requests with INVALID_ARGUMENT instead of UNKNOWN, and
+    reports calls to ``watched`` services that end before their handler starts.
+
+    Put it first in the chain: it must wrap the handler that finally runs (an auth
+    refusal included), or a refused call would look unstarted."""
+
+    def __init__(
+        self,
+        on_reject: RejectHook | None = None,
+        on_unstarted: UnstartedHook | None = None,
+        watched: tuple[str, ...] = (),
+    ) -> None:
+        self._on_reject = on_reject
+        self._on_unstarted = on_unstarted
+        self._watched = tuple(f"/{name}/" for name in watched)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        started = [False]
+        if self._on_unstarted is not None and details.method.startswith(self._watched):
+            # This runs in the call's own task, which ends however the call ends.
+            task = asyncio.current_task()
+            if task is not None:
+                hook, method = self._on_unstarted, details.method
+                task.add_done_callback(lambda _: None if started[0] else hook(method))
+        return _guarded_handler(handler, details.method, self._on_reject, started)
