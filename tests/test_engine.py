@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
+import gc
 import re
 import time
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -256,6 +259,42 @@ async def _wait_idle(engine: BatchedEngine, timeout: float = 30.0) -> None:
     while not engine.idle():
         assert loop.time() < end, "engine did not become idle"
         await asyncio.sleep(0.005)
+
+
+def test_an_ended_request_is_freed_without_the_cycle_collector(
+    tiny: LoadedModel, images: list[PreparedImage]
+) -> None:
+    """A cancelled request and its image go away by reference counting alone: the sequence
+    drops its link to the request's stream once the last event is out."""
+
+    async def run() -> list[weakref.ref]:
+        engine = _engine(tiny, 2)
+        await engine.start()
+        refs = []
+        try:
+            for cancel in (True, False):
+                image = dataclasses.replace(
+                    images[0], crops=images[0].crops.clone(), content_hash=f"cycle-{cancel}"
+                )
+                req = GenerationRequest(Task.CAPTION, image, temperature=0, max_tokens=40)
+                stream = await engine.submit(req)
+                refs += [weakref.ref(image.crops), weakref.ref(stream)]
+                async for _ in stream:
+                    if cancel:
+                        stream.cancel()
+                        break
+                del image, req, stream
+            await _wait_idle(engine)
+        finally:
+            await engine.close()
+        return refs
+
+    gc.disable()
+    try:
+        refs = asyncio.run(run())
+        assert all(r() is None for r in refs)
+    finally:
+        gc.enable()
 
 
 def test_deadline_while_queued_is_never_scheduled(

@@ -404,10 +404,14 @@ class Scheduler:
                 self._release(seq)
 
     def _emit(self, seq: Sequence, event: Emitted) -> None:
+        emit = seq.emit
         if isinstance(event, Finished | EngineError):
             self.observer.ended(seq, event)
-        if seq.emit is not None:
-            seq.emit(event)
+            # The last event: drop the link to the request's stream, which links back to the
+            # sequence, so the pair (and its image) is freed without waiting for the cycle GC.
+            seq.emit = None
+        if emit is not None:
+            emit(event)
 
 
 def _segmentation(seg: SegmentResult) -> Segmentation:
