@@ -103,3 +103,16 @@ def test_security_and_limit_flags_read_the_environment() -> None:
     assert (config.max_object_chars, config.metrics_host) == (80, "0.0.0.0")
     small = load_config(["--image-cache-bytes", "16MiB"], environ={})
     assert small.client_cache_bytes == 16 << 20  # never more than the whole cache
+
+
+def test_constraint_flags_reach_the_engine_limits() -> None:
+    from vlm_server.service.main import constraint_limits
+
+    config = load_config(
+        ["--max-choices", "3", "--max-regex-chars", "40", "--constraint-compile-seconds", "0.5"],
+        environ={},
+    )
+    limits = constraint_limits(config)
+    assert (limits.max_choices, limits.max_regex_chars, limits.compile_seconds) == (3, 40, 0.5)
+    with pytest.raises(SystemExit):
+        load_config(["--max-choices", "0"], environ={})

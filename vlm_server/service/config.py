@@ -71,6 +71,12 @@ class ServerConfig:
     max_message_bytes: int = 32 * MIB
     max_http_body_bytes: int = 32 * MIB
     max_object_chars: int = 256
+    # Client constraints (Query choices / regex): sizes and compile time (decoding/limits.py).
+    max_choices: int = 1024
+    max_choice_chars: int = 1024
+    max_regex_chars: int = 1024
+    max_constraint_states: int = 4096
+    constraint_compile_seconds: float = 2.0
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9464
     grace_period: float = 30.0
@@ -93,11 +99,17 @@ class ServerConfig:
             "max_message_bytes",
             "max_http_body_bytes",
             "max_object_chars",
+            "max_choices",
+            "max_choice_chars",
+            "max_regex_chars",
+            "max_constraint_states",
             "decode_threads",
         )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.constraint_compile_seconds > 0:
+            raise ValueError("constraint_compile_seconds must be > 0")
         for name in ("port", "metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be in 0..65535 (0 = any free port)")
@@ -233,6 +245,19 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("max_message_bytes", parse_size, "largest gRPC message, request or response"),
     _Option("max_http_body_bytes", parse_size, "largest HTTP request body (413 beyond)"),
     _Option("max_object_chars", int, "longest object name (point, detect, segment)"),
+    _Option("max_choices", int, "most choices of one constrained query"),
+    _Option("max_choice_chars", int, "longest choice of a constrained query (characters)"),
+    _Option("max_regex_chars", int, "longest regex of a constrained query (characters)"),
+    _Option(
+        "max_constraint_states",
+        int,
+        "most automaton states a choices / regex constraint may compile to",
+    ),
+    _Option(
+        "constraint_compile_seconds",
+        float,
+        "time budget of compiling one choices / regex constraint (RESOURCE_EXHAUSTED beyond)",
+    ),
     _Option(
         "metrics_host",
         str,

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from decoding.limits import ConstraintLimits
 from vlm_server.default_model import default_model_dir
 from vlm_server.devices import resolve_device
 from vlm_server.engine.api import Engine
@@ -59,6 +60,17 @@ def _loader(config: ServerConfig) -> Callable[[], LoadedModel]:
     return load
 
 
+def constraint_limits(config: ServerConfig) -> ConstraintLimits:
+    """The engine's bounds on client constraints, from the server's flags."""
+    return ConstraintLimits(
+        max_choices=config.max_choices,
+        max_choice_chars=config.max_choice_chars,
+        max_regex_chars=config.max_regex_chars,
+        max_dfa_states=config.max_constraint_states,
+        compile_seconds=config.constraint_compile_seconds,
+    )
+
+
 def batched_engine(config: ServerConfig, one_at_a_time: bool = False) -> Engine:
     """Continuous batching; loads the model here (the server calls this off its loop).
     ``one_at_a_time``: batch 1, blocking (depth 1), what ``--engine reference`` serves."""
@@ -70,6 +82,7 @@ def batched_engine(config: ServerConfig, one_at_a_time: bool = False) -> Engine:
         pipeline_depth=1 if one_at_a_time else config.pipeline_depth,
         max_queue=config.queue_limit,
         kv_budget_bytes=config.kv_budget or None,
+        constraint_limits=constraint_limits(config),
     )
     return BatchedEngine(_loader(config)(), cfg, preset_name=config.preset)
 
