@@ -1,0 +1,186 @@
+"""Run resampling plans in torch, bit-exact, on the CPU or a GPU.
+
+Every stage is a product of an integer weight matrix with integer pixels. In float32 such
+a product is exact as long as every partial sum stays below 2**24, whatever order the
+matmul adds in, so the stages run as ordinary (cuBLAS / CPU BLAS) matmuls. Weights too
+wide for that (Pillow's 22-bit ones) are split into digits, one matmul per digit, and
+recombined in float64. Where TF32 may be used for float32 matmuls, digits are kept to the
+11 significant bits TF32 keeps.
+
+The weight matrices are banded. Output indices are processed in blocks, each multiplying
+only the input span its band touches: on the CPU small blocks save most of the work; on
+a GPU one or a few large blocks save launches.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .resample_plan import ROWS, BoxShrink, Filter, Plan
+
+__all__ = ["Resampler", "matmul_is_exact_fp32"]
+
+_EXACT = 1 << 24  # float32 holds every integer up to this
+_TF32_BITS = 11  # significant bits of a TF32 operand
+
+
+def matmul_is_exact_fp32(device: torch.device) -> bool:
+    """Whether float32 matmuls on ``device`` keep full float32 operands (no TF32/bf16)."""
+    if torch.get_float32_matmul_precision() != "highest":
+        return False
+    return not (device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
+
+
+@dataclass(frozen=True)
+class _Block:
+    out_start: int
+    out_stop: int
+    in_start: int
+    in_stop: int
+    digits: tuple[torch.Tensor, ...]  # float32 [out, in]
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    blocks: tuple[_Block, ...]
+    base: float  # digit k is worth base**k
+
+
+def _split_digits(weights: np.ndarray, bits: int) -> list[np.ndarray]:
+    """Signed digits in base 2**bits: ``weights == sum(d * 2**(bits*k))``; the top one signed."""
+    digits = []
+    rest = weights.copy()
+    base = 1 << bits
+    while True:
+        if np.all(np.abs(rest) < base):
+            digits.append(rest)
+            return digits
+        low = np.mod(rest, base)
+        digits.append(low)
+        rest = (rest - low) // base
+
+
+def _choose_digits(weights: np.ndarray, in_bound: int, shift: int, tf32: bool) -> tuple[int, list]:
+    """Fewest digits whose partial sums stay exact; returns (bits, digits)."""
+    top = int(np.abs(weights).max()) if weights.size else 0
+    width = max(top.bit_length(), 1)
+    for count in range(1, width + 1):
+        bits = -(-width // count)
+        if tf32 and bits > _TF32_BITS:
+            continue
+        digits = _split_digits(weights, bits)
+        half = (1 << (shift - 1)) if len(digits) == 1 else 0
+        if all(int(np.abs(d).sum(axis=1).max()) * in_bound + half < _EXACT for d in digits):
+            return bits, digits
+    raise ValueError("resampling weights cannot be applied exactly in float32")
+
+
+class Resampler:
+    """Applies :class:`Plan` objects to ``[H, W, C]`` pixel tensors on one device.
+
+    Thread-safe: prepared weights are cached per stage and device behind a lock; the
+    computation itself shares nothing.
+    """
+
+    MAX_CACHED = 512  # prepared stages kept (two or three per distinct image size)
+
+    def __init__(self, device: torch.device | str, block: int | None = None) -> None:
+        self.device = torch.device(device)
+        # Output indices per matmul block: small on the CPU (less work), large on a GPU
+        # (fewer launches; the extra multiply-adds cost nothing there).
+        self.block = block if block is not None else (32 if self.device.type == "cpu" else 1024)
+        self._cache: collections.OrderedDict[tuple[int, int, bool], tuple[Filter, _Prepared]]
+        self._cache = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def run(self, pixels: torch.Tensor, plan: Plan) -> torch.Tensor:
+        """``pixels`` uint8 (or integer-valued float32) ``[H, W, C]`` -> float32 ``[H', W', C]``.
+
+        The result holds integers in 0..255 (the last stage of a plan always clips).
+        """
+        if tuple(pixels.shape[:2]) != plan.in_size:
+            raise ValueError(f"plan is for {plan.in_size}, pixels are {tuple(pixels.shape[:2])}")
+        # Every stage works along dim 0, so each block is one 2-D matmul over whole rows
+        # and blocks concatenate contiguously; the image is transposed between axes.
+        x = pixels.to(self.device)
+        along = ROWS
+        tf32 = not matmul_is_exact_fp32(self.device)
+        bound = 255
+        for stage in plan.stages:
+            if stage.axis != along:
+                x = x.transpose(0, 1).contiguous()
+                along = stage.axis
+            if isinstance(stage, BoxShrink):
+                x = self._box(x, stage)
+            else:
+                x = self._filter(x, stage, bound, tf32)
+                bound = stage.out_bound(bound)
+        if along != ROWS:
+            x = x.transpose(0, 1).contiguous()
+        return x if x.dtype == torch.float32 else x.to(torch.float32)
+
+    # ------------------------------------------------------------------ stages
+
+    @staticmethod
+    def _box(x: torch.Tensor, stage: BoxShrink) -> torch.Tensor:
+        n, out_len = stage.factor, stage.out_len
+        pad = out_len * n - x.shape[0]
+        if pad:  # repeat the edge, as libvips' embed does
+            x = torch.cat([x, x[-1:].expand(pad, *x.shape[1:])])
+        sums = x.reshape(out_len, n, *x.shape[1:]).sum(1, dtype=torch.float64)
+        return torch.floor((sums + n // 2) * stage.multiplier / (1 << 24)).to(torch.float32)
+
+    def _filter(self, x: torch.Tensor, stage: Filter, bound: int, tf32: bool) -> torch.Tensor:
+        prepared = self._prepare(stage, bound, tf32)
+        rest = x.shape[1:]
+        flat = x.reshape(x.shape[0], -1)
+        half = 1 << (stage.shift - 1)
+        scale = 1.0 / (1 << stage.shift)
+        outs = []
+        for block in prepared.blocks:
+            src = flat[block.in_start : block.in_stop].to(torch.float32)
+            if len(block.digits) == 1:
+                acc = torch.matmul(block.digits[0], src)
+                outs.append(torch.floor_((acc.add_(half)).mul_(scale)))
+            else:
+                acc64 = sum(
+                    torch.matmul(d, src).to(torch.float64) * prepared.base**k
+                    for k, d in enumerate(block.digits)
+                )
+                outs.append(torch.floor_((acc64 + half) * scale).to(torch.float32))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if stage.clip:
+            out.clamp_(0, 255)
+        return out.reshape(stage.out_len, *rest)
+
+    def _prepare(self, stage: Filter, bound: int, tf32: bool) -> _Prepared:
+        key = (id(stage), bound, tf32)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+        if hit is not None and hit[0] is stage:
+            return hit[1]
+        bits, digits = _choose_digits(stage.weights, bound, stage.shift, tf32)
+        blocks = []
+        for start in range(0, stage.out_len, self.block):
+            stop = min(start + self.block, stage.out_len)
+            in_start = int(stage.starts[start:stop].min())
+            in_stop = max(int(stage.stops[start:stop].max()), in_start + 1)
+            tensors = []
+            for d in digits:
+                part = torch.from_numpy(d[start:stop, in_start:in_stop].astype(np.float32))
+                tensors.append(part.to(self.device))
+            blocks.append(_Block(start, stop, in_start, in_stop, tuple(tensors)))
+        prepared = _Prepared(tuple(blocks), float(1 << bits))
+        with self._lock:
+            # Keeping the stage in the entry pins its id; plans are cached, so few stay.
+            self._cache[key] = (stage, prepared)
+            while len(self._cache) > self.MAX_CACHED:
+                self._cache.popitem(last=False)
+        return prepared
