@@ -5,26 +5,27 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
-
-import vlm_server.service.images as images_mod
-from image_pipeline import DEFAULT_LIMITS, sample_image_bytes
+from image_pipeline import DEFAULT_LIMITS, ImagePreparer, PreparedImage, sample_image_bytes
 from vlm_server.service.images import ImageCache, ImageResolver
 
 
-def test_repeated_bytes_skip_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = []
-    real = images_mod.prepare_image
+class CountingPreparer(ImagePreparer):
+    def __init__(self, calls: list[int]) -> None:
+        super().__init__(DEFAULT_LIMITS)
+        self.calls = calls
 
-    def counting(data: bytes, limits: object) -> object:
-        calls.append(len(data))
-        return real(data, limits)
+    def prepare(self, data: bytes) -> PreparedImage:
+        self.calls.append(len(data))
+        return super().prepare(data)
 
-    monkeypatch.setattr(images_mod, "prepare_image", counting)
+
+def test_repeated_bytes_skip_decoding() -> None:
+    calls: list[int] = []
 
     async def run() -> None:
         with ThreadPoolExecutor(2) as pool:
-            resolver = ImageResolver(DEFAULT_LIMITS, ImageCache(64 << 20), pool)
+            preparer = CountingPreparer(calls)
+            resolver = ImageResolver(DEFAULT_LIMITS, ImageCache(64 << 20), pool, preparer)
             data = sample_image_bytes()
             a = await resolver.decode(data)
             b = await resolver.decode(data)
@@ -33,7 +34,7 @@ def test_repeated_bytes_skip_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
             c = await resolver.decode(data + b"\0")
             assert len(calls) == 2 and c.content_hash == a.content_hash
             # Evicted from the bounded cache: decoded again.
-            small = ImageResolver(DEFAULT_LIMITS, ImageCache(1), pool)
+            small = ImageResolver(DEFAULT_LIMITS, ImageCache(1), pool, preparer)
             await small.decode(data)
             small.cache._items.clear()
             await small.decode(data)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from image_pipeline import ImageLimits
+from image_pipeline import ImageLimits, ResizeMode
 
 MIB = 1 << 20
 ENV_PREFIX = "VLM_"
@@ -36,6 +36,16 @@ def _optional_str(text: str) -> str | None:
     return text or None
 
 
+def parse_bool(text: str) -> bool:
+    """``true``/``false`` (also ``1``/``0``, ``yes``/``no``, ``on``/``off``)."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r} (true or false)")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Everything the server process needs; see `OPTIONS` for the meaning of each field."""
@@ -55,6 +65,12 @@ class ServerConfig:
     max_image_bytes: int = 32 * MIB
     max_image_pixels: int = 50_000_000
     max_image_side: int = 32_768
+    max_image_pixels_per_byte: int = 256
+    image_free_pixels: int = 4 * MIB
+    image_decode_budget: int = 1024 * MIB
+    image_resize: str = "vips"
+    image_device: str = "auto"
+    image_reduced_decode: bool = True
     image_cache_bytes: int = 512 * MIB
     max_message_bytes: int = 32 * MIB
     metrics_host: str | None = None
@@ -74,6 +90,7 @@ class ServerConfig:
             "image_cache_bytes",
             "max_message_bytes",
             "decode_threads",
+            "image_decode_budget",
         )
         for name in positive:
             if getattr(self, name) < 1:
@@ -83,6 +100,10 @@ class ServerConfig:
                 raise ValueError(f"{name} must be in 0..65535 (0 = any free port)")
         if self.kv_budget < 0 or self.grace_period < 0 or self.max_image_side < 0:
             raise ValueError("kv_budget, grace_period and max_image_side must be >= 0")
+        if self.max_image_pixels_per_byte < 0 or self.image_free_pixels < 0:
+            raise ValueError("max_image_pixels_per_byte and image_free_pixels must be >= 0")
+        if self.image_resize not in tuple(ResizeMode):
+            raise ValueError(f"image_resize must be one of {', '.join(ResizeMode)}")
         if self.log_format not in ("kv", "json"):
             raise ValueError("log_format must be kv or json")
 
@@ -92,6 +113,8 @@ class ServerConfig:
             max_bytes=self.max_image_bytes,
             max_pixels=self.max_image_pixels,
             max_side=self.max_image_side or None,
+            max_pixels_per_byte=self.max_image_pixels_per_byte or None,
+            free_pixels=self.image_free_pixels,
         )
 
     def items(self) -> list[tuple[str, Any]]:
@@ -146,6 +169,37 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("max_image_bytes", parse_size, "largest accepted encoded image"),
     _Option("max_image_pixels", int, "largest accepted width x height"),
     _Option("max_image_side", int, "largest accepted width or height (0 = no limit)"),
+    _Option(
+        "max_image_pixels_per_byte",
+        int,
+        "images beyond --image-free-pixels need one encoded byte per this many pixels "
+        "(decompression-bomb sanity rule; 0 = off)",
+    ),
+    _Option("image_free_pixels", int, "pixels exempt from --max-image-pixels-per-byte"),
+    _Option(
+        "image_decode_budget",
+        parse_size,
+        "decoded image bytes in flight across decode threads; larger decodes wait, an "
+        "image needing more than all of it is refused",
+    ),
+    _Option(
+        "image_resize",
+        str,
+        "resizer the crops replicate bit for bit: vips (the moondream reference with "
+        "pyvips) or pillow (its Pillow fallback)",
+        tuple(ResizeMode),
+    ),
+    _Option(
+        "image_device",
+        str,
+        "where images are resized and cropped: auto (the model's device), cpu, cuda[:N]",
+    ),
+    _Option(
+        "image_reduced_decode",
+        parse_bool,
+        "decode large JPEGs at 1/2, 1/4 or 1/8 scale when that still covers the crops "
+        "(faster; pixels differ from a full decode)",
+    ),
     _Option(
         "image_cache_bytes",
         parse_size,

@@ -8,7 +8,10 @@ import hashlib
 from concurrent.futures import Executor
 from typing import Protocol
 
-from image_pipeline import ImageError, ImageLimits, PreparedImage, prepare_image
+import torch
+
+from image_pipeline import DecodeBudget, ImageError, ImageLimits, ImagePreparer, PreparedImage
+from vlm_server.service.config import ServerConfig
 from vlm_server.service.errors import invalid
 
 
@@ -61,16 +64,40 @@ class _HasImage(Protocol):
     def WhichOneof(self, name: str) -> str | None: ...
 
 
+def image_preparer(config: ServerConfig) -> ImagePreparer:
+    """The server's image path: limits, resize mode, device, reduced decode, decode budget.
+
+    ``image_device`` auto follows the model: ``--device``, else CUDA when present.
+    """
+    device = config.image_device
+    if device == "auto":
+        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return ImagePreparer(
+        config.image_limits,
+        resize=config.image_resize,
+        device=device,
+        reduced_decode=config.image_reduced_decode,
+        budget=DecodeBudget(config.image_decode_budget),
+    )
+
+
 class ImageResolver:
     """Turns a request's ``image`` oneof into a `PreparedImage`."""
 
     # Digests of encoded bytes remembered (a few hundred bytes each).
     MAX_KNOWN_ENCODINGS = 4096
 
-    def __init__(self, limits: ImageLimits, cache: ImageCache, executor: Executor) -> None:
+    def __init__(
+        self,
+        limits: ImageLimits,
+        cache: ImageCache,
+        executor: Executor,
+        preparer: ImagePreparer | None = None,
+    ) -> None:
         self.limits = limits
         self.cache = cache
         self._executor = executor
+        self.preparer = preparer if preparer is not None else ImagePreparer(limits)
         # SHA-256 of encoded bytes -> content hash in `cache`: the same upload sent again
         # skips decoding and tiling (tens of milliseconds of CPU per 800x600 picture).
         self._by_encoding: collections.OrderedDict[bytes, str] = collections.OrderedDict()
@@ -79,7 +106,11 @@ class ImageResolver:
     async def decode(self, data: bytes, field: str = "image_bytes") -> PreparedImage:
         """Decode and tile in the thread pool; bad data -> INVALID_ARGUMENT naming ``field``.
 
-        Bytes seen before (and still cached) are not decoded again."""
+        The digest of the encoded bytes comes first: bytes seen before (and still
+        cached) cost no decoding, no header parse, nothing but the hash. Otherwise the
+        header is checked (format, size, pixels per byte, orientation), the decode
+        waits for its share of the decode budget, and the crops are made on the
+        preparer's device."""
         loop = asyncio.get_running_loop()
         if len(data) > _HASH_ON_LOOP_BYTES:  # keep the event loop responsive for big uploads
             digest = await loop.run_in_executor(self._executor, _sha256, data)
@@ -93,7 +124,7 @@ class ImageResolver:
                 self.encoding_hits += 1
                 return image
         try:
-            image = await loop.run_in_executor(self._executor, prepare_image, data, self.limits)
+            image = await loop.run_in_executor(self._executor, self.preparer.prepare, data)
         except ImageError as err:
             raise invalid(field, f"{err.reason.value}: {err.message}") from None
         self.cache.put(image)

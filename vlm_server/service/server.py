@@ -22,7 +22,7 @@ from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
 from vlm_server.engine.api import Engine, EngineStats
 from vlm_server.service.config import ServerConfig
 from vlm_server.service.health import HealthState
-from vlm_server.service.images import ImageCache, ImageResolver
+from vlm_server.service.images import ImageCache, ImageResolver, image_preparer
 from vlm_server.service.metrics import ServiceMetrics
 from vlm_server.service.servicer import SERVICE_NAME, Limits, VisionLanguageServicer
 
@@ -45,7 +45,10 @@ class VisionLanguageServer:
             config.decode_threads, thread_name_prefix="image-decode"
         )
         images = ImageResolver(
-            config.image_limits, ImageCache(config.image_cache_bytes), self._executor
+            config.image_limits,
+            ImageCache(config.image_cache_bytes),
+            self._executor,
+            image_preparer(config),
         )
         limits = Limits(
             max_message_bytes=config.max_message_bytes,
