@@ -5,8 +5,19 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-from image_pipeline import DEFAULT_LIMITS, ImagePreparer, PreparedImage, sample_image_bytes
-from vlm_server.service.images import ImageCache, ImageResolver
+import pytest
+
+from image_pipeline import (
+    DEFAULT_LIMITS,
+    DecodeBudget,
+    ImagePreparer,
+    PreparedImage,
+    ResizeMode,
+    sample_image_bytes,
+)
+from vlm_server.engine.api import EngineError, ErrorCode
+from vlm_server.service.config import ServerConfig, load_config
+from vlm_server.service.images import ImageCache, ImageResolver, image_preparer
 
 
 class CountingPreparer(ImagePreparer):
@@ -41,3 +52,42 @@ def test_repeated_bytes_skip_decoding() -> None:
             assert len(calls) == 4
 
     asyncio.run(run())
+
+
+def test_bad_images_are_invalid_argument_naming_the_field() -> None:
+    async def run() -> None:
+        with ThreadPoolExecutor(2) as pool:
+            preparer = ImagePreparer(DEFAULT_LIMITS, budget=DecodeBudget(1000))
+            resolver = ImageResolver(DEFAULT_LIMITS, ImageCache(64 << 20), pool, preparer)
+            with pytest.raises(EngineError) as info:
+                await resolver.decode(sample_image_bytes(), field="image_bytes")
+            assert info.value.code is ErrorCode.INVALID_ARGUMENT
+            assert info.value.field == "image_bytes"
+            assert str(info.value).startswith("image_bytes: over_decode_budget:")
+
+    asyncio.run(run())
+
+
+def test_server_config_builds_the_image_path() -> None:
+    config = load_config(
+        [
+            "--image-resize",
+            "pillow",
+            "--image-device",
+            "cpu",
+            "--image-reduced-decode",
+            "false",
+            "--image-decode-budget",
+            "64MiB",
+            "--max-image-pixels-per-byte",
+            "0",
+        ],
+        environ={},
+    )
+    preparer = image_preparer(config)
+    assert preparer.resize is ResizeMode.PILLOW and preparer.device.type == "cpu"
+    assert not preparer.reduced_decode and preparer.budget.capacity == 64 << 20
+    assert preparer.limits.max_pixels_per_byte is None
+    assert image_preparer(ServerConfig()).resize is ResizeMode.VIPS
+    with pytest.raises(ValueError):
+        ServerConfig(image_resize="bilinear")
