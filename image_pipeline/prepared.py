@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,6 +118,8 @@ class ImagePreparer:
         reduced_decode: decode large JPEGs at 1/2, 1/4 or 1/8 scale when the result
             still covers the canvas; faster, but the pixels differ from a full decode.
         budget: shared bound on decoded bytes in flight, or None.
+        on_device_time: called with the device milliseconds of each image's upload,
+            resize and crop (CUDA only; for benchmarks).
     """
 
     def __init__(
@@ -128,6 +131,7 @@ class ImagePreparer:
         *,
         reduced_decode: bool = True,
         budget: DecodeBudget | None = None,
+        on_device_time: Callable[[float], None] | None = None,
     ) -> None:
         self.limits = limits
         self.tiling = tiling
@@ -135,6 +139,7 @@ class ImagePreparer:
         self.device = torch.device(device)
         self.reduced_decode = reduced_decode
         self.budget = budget
+        self.on_device_time = on_device_time
         self.resampler = Resampler(self.device)
         self._local = threading.local()
 
@@ -172,10 +177,20 @@ class ImagePreparer:
         pinned = torch.empty(host.shape, dtype=torch.uint8, pin_memory=True)
         pinned.copy_(host)
         stream = self._stream()
+        timed = self.on_device_time is not None
+        start = torch.cuda.Event(enable_timing=True) if timed else None
+        # A blocking event: the decode thread sleeps until the crops are done instead of
+        # spinning on a core.
+        done = torch.cuda.Event(enable_timing=timed, blocking=True)
         with torch.cuda.stream(stream):
+            if start is not None:
+                start.record(stream)
             pixels_dev = pinned.to(self.device, non_blocking=True)
             crops = make_crops(pixels_dev, tiles, self.tiling, self.resize, self.resampler)
-        stream.synchronize()
+            done.record(stream)
+        done.synchronize()
+        if start is not None and self.on_device_time is not None:
+            self.on_device_time(start.elapsed_time(done))
         return crops
 
     def _stream(self) -> torch.cuda.Stream:
