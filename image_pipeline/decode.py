@@ -47,7 +47,7 @@ from PIL import (
 
 from .budget import DecodeBudget
 from .errors import ImageError, ImageErrorReason
-from .jpeg import draft_scale, orient, try_decode_jpeg
+from .jpeg import Allocator, draft_scale, orient, try_decode_jpeg
 from .limits import DEFAULT_LIMITS, ImageLimits
 
 __all__ = [
@@ -308,6 +308,7 @@ def decode(
     *,
     target: TargetFn | None = None,
     budget: DecodeBudget | None = None,
+    alloc: Allocator | None = None,
 ) -> DecodedImage:
     """Decode untrusted bytes into oriented RGB pixels.
 
@@ -320,6 +321,8 @@ def decode(
             still covers that size in both dimensions.
         budget: optional bound on decoded bytes in flight across threads; the
             decode waits for its share (see :class:`DecodeBudget`).
+        alloc: optional allocator of the JPEG decoder's output array (used when
+            no orientation has to be applied).
 
     Raises:
         ImageError: for any problem with the data itself.
@@ -340,7 +343,8 @@ def decode(
     simple = is_jpeg and image.mode in ("RGB", "L")
     cost = -(-stored_w // scale) * -(-stored_h // scale) * _bytes_per_pixel(image, simple)
     with budget.reserve(cost) if budget is not None else contextlib.nullcontext():
-        pixels = try_decode_jpeg(data, stored_w, stored_h, scale) if simple else None
+        into = alloc if orientation == 1 else None
+        pixels = try_decode_jpeg(data, stored_w, stored_h, scale, into) if simple else None
         if pixels is not None:
             pixels = orient(pixels, orientation)
         else:

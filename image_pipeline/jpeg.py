@@ -10,10 +10,12 @@ accepts or refuses it exactly as before.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import simplejpeg
 
-__all__ = ["draft_scale", "orient", "try_decode_jpeg"]
+__all__ = ["Allocator", "draft_scale", "orient", "try_decode_jpeg"]
 
 
 def draft_scale(width: int, height: int, need_w: int, need_h: int) -> int:
@@ -25,24 +27,33 @@ def draft_scale(width: int, height: int, need_w: int, need_h: int) -> int:
     return 1
 
 
-def try_decode_jpeg(data: bytes, width: int, height: int, scale: int) -> np.ndarray | None:
+Allocator = Callable[[tuple[int, int, int]], np.ndarray]
+
+
+def try_decode_jpeg(
+    data: bytes, width: int, height: int, scale: int, alloc: Allocator | None = None
+) -> np.ndarray | None:
     """RGB ``[h, w, 3]`` uint8 of a JPEG decoded at ``1/scale``; None if simplejpeg balks.
 
     ``width``/``height`` are the header's (stored) size; the result is
-    ``ceil(height / scale) x ceil(width / scale)`` as libjpeg scales it.
+    ``ceil(height / scale) x ceil(width / scale)`` as libjpeg scales it. ``alloc``
+    gives the output array (e.g. pinned memory for a GPU upload without a copy).
     """
     out_h, out_w = -(-height // scale), -(-width // scale)
+    buffer = alloc((out_h, out_w, 3)) if alloc is not None else None
     try:
         if scale > 1:
             # simplejpeg takes the smallest M/8 factor keeping both sides >= these; for
             # sides of 16 px and more that is exactly 1/scale (checked below).
             pixels = simplejpeg.decode_jpeg(
-                data, colorspace="RGB", min_height=out_h, min_width=out_w
+                data, colorspace="RGB", min_height=out_h, min_width=out_w, buffer=buffer
             )
         else:
-            pixels = simplejpeg.decode_jpeg(data, colorspace="RGB")
+            pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", buffer=buffer)
     except ValueError:
         return None
+    if buffer is not None and pixels.shape == buffer.shape:
+        pixels = buffer  # the caller's array itself, not a view that hides where it lives
     if pixels.shape != (out_h, out_w, 3):
         return None
     return pixels

@@ -146,7 +146,10 @@ class ImagePreparer:
     def prepare(self, data: bytes) -> PreparedImage:
         """Decode untrusted bytes and cut the encoder crops (``ImageError`` on bad data)."""
         target = self._canvas_for if self.reduced_decode else None
-        return self.prepare_decoded(decode(data, self.limits, target=target, budget=self.budget))
+        # On CUDA the JPEG decoder writes straight into pinned memory: no staging copy.
+        alloc = _pinned if self.device.type == "cuda" else None
+        decoded = decode(data, self.limits, target=target, budget=self.budget, alloc=alloc)
+        return self.prepare_decoded(decoded)
 
     def prepare_decoded(self, decoded: DecodedImage) -> PreparedImage:
         """Crop an already decoded image. The tiling follows the original size."""
@@ -174,8 +177,11 @@ class ImagePreparer:
         # One upload of the uint8 pixels: pinned, so the copy is a real async DMA; on this
         # thread's own stream, so it overlaps the engine's work; finished before return,
         # so the engine may use the crops on any stream.
-        pinned = torch.empty(host.shape, dtype=torch.uint8, pin_memory=True)
-        pinned.copy_(host)
+        if host.is_pinned():
+            pinned = host
+        else:
+            pinned = torch.empty(host.shape, dtype=torch.uint8, pin_memory=True)
+            pinned.copy_(host)
         stream = self._stream()
         timed = self.on_device_time is not None
         start = torch.cuda.Event(enable_timing=True) if timed else None
@@ -198,6 +204,11 @@ class ImagePreparer:
         if stream is None:
             stream = self._local.stream = torch.cuda.Stream(self.device)
         return stream
+
+
+def _pinned(shape: tuple[int, int, int]) -> np.ndarray:
+    """A page-locked host array (the numpy view keeps its tensor alive)."""
+    return torch.empty(shape, dtype=torch.uint8, pin_memory=True).numpy()
 
 
 @functools.lru_cache(maxsize=32)

@@ -219,3 +219,16 @@ def test_budget_validates_capacity() -> None:
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError):
             DecodeBudget(bad)  # type: ignore[arg-type]
+
+
+def test_decoder_writes_into_the_callers_array() -> None:
+    data = jpeg(photo(320, 240))
+    arrays = []
+
+    def alloc(shape: tuple[int, int, int]) -> np.ndarray:
+        arrays.append(np.empty(shape, dtype=np.uint8))
+        return arrays[-1]
+
+    decoded = decode(data, alloc=alloc)
+    assert len(arrays) == 1 and decoded.pixels is arrays[0]
+    np.testing.assert_array_equal(decoded.pixels, pillow_pixels(data))
