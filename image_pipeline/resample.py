@@ -142,7 +142,13 @@ class Resampler:
         half = 1 << (stage.shift - 1)
         scale = 1.0 / (1 << stage.shift)
         outs = []
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         for block in prepared.blocks:
+            if stream is not None:
+                # Cached weights are shared by the decode threads' streams: an evicted
+                # block must not be reused while this stream may still read it.
+                for d in block.digits:
+                    d.record_stream(stream)
             src = flat[block.in_start : block.in_stop].to(torch.float32)
             if len(block.digits) == 1:
                 acc = torch.matmul(block.digits[0], src)

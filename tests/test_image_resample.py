@@ -8,7 +8,14 @@ import pyvips
 import torch
 from PIL import Image
 
-from image_pipeline import DEFAULT_TILING, ResizeMode, make_crops, overlap_crop
+from image_pipeline import (
+    DEFAULT_TILING,
+    ImagePreparer,
+    ResizeMode,
+    make_crops,
+    overlap_crop,
+    sample_image_bytes,
+)
 from image_pipeline.pillow_plan import pillow_resize_plan
 from image_pipeline.resample import Resampler, matmul_is_exact_fp32
 from image_pipeline.vips_plan import vips_resize_plan
@@ -165,3 +172,17 @@ def test_cuda_crops_equal_cpu_crops(mode: ResizeMode) -> None:
         Resampler("cuda"),
     )
     np.testing.assert_array_equal(gpu.cpu().numpy(), cpu)
+
+
+@pytest.mark.gpu
+def test_cuda_preparer_gives_the_cpu_preparers_crops_on_the_gpu() -> None:
+    device_times: list[float] = []
+    gpu = ImagePreparer(device="cuda", on_device_time=device_times.append)
+    cpu = ImagePreparer(device="cpu")
+    data = sample_image_bytes()
+    a, b = gpu.prepare(data), cpu.prepare(data)
+    assert a.crops.is_cuda and a.content_hash == b.content_hash and a.tiling == b.tiling
+    np.testing.assert_array_equal(a.crops.cpu().numpy(), b.crops.numpy())
+    assert len(device_times) == 1 and device_times[0] > 0
+    normalized = a.normalized(torch.bfloat16)
+    assert normalized.is_cuda and torch.equal(normalized.cpu(), b.normalized(torch.bfloat16))
