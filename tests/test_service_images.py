@@ -91,3 +91,27 @@ def test_server_config_builds_the_image_path() -> None:
     assert image_preparer(ServerConfig()).resize is ResizeMode.VIPS
     with pytest.raises(ValueError):
         ServerConfig(image_resize="bilinear")
+
+
+def test_concurrent_requests_with_the_same_new_bytes_share_one_decode() -> None:
+    calls: list[int] = []
+
+    async def run() -> None:
+        with ThreadPoolExecutor(4) as pool:
+            preparer = CountingPreparer(calls)
+            resolver = ImageResolver(DEFAULT_LIMITS, ImageCache(64 << 20), pool, preparer)
+            data = sample_image_bytes()
+            images = await asyncio.gather(*(resolver.decode(data) for _ in range(5)))
+            assert len(calls) == 1 and all(image is images[0] for image in images)
+            # Bad bytes: every waiter gets the error, naming its own field.
+            bad = b"\xff\xd8\xff" + b"junk" * 10
+            results = await asyncio.gather(
+                resolver.decode(bad, field="a"),
+                resolver.decode(bad, field="b"),
+                return_exceptions=True,
+            )
+            assert [str(r).split(":")[0] for r in results] == ["a", "b"]
+            assert all(isinstance(r, EngineError) for r in results)
+            assert not resolver._decoding
+
+    asyncio.run(run())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import hashlib
 from concurrent.futures import Executor
 from typing import Protocol
@@ -101,6 +102,8 @@ class ImageResolver:
         # SHA-256 of encoded bytes -> content hash in `cache`: the same upload sent again
         # skips decoding and tiling (tens of milliseconds of CPU per 800x600 picture).
         self._by_encoding: collections.OrderedDict[bytes, str] = collections.OrderedDict()
+        # Digest -> the decode in progress for it (requests racing with the same bytes).
+        self._decoding: dict[bytes, asyncio.Future[PreparedImage]] = {}
         self.encoding_hits = 0
 
     async def decode(self, data: bytes, field: str = "image_bytes") -> PreparedImage:
@@ -123,16 +126,31 @@ class ImageResolver:
                 self._by_encoding.move_to_end(digest)
                 self.encoding_hits += 1
                 return image
+        # The decode runs as its own future, shared by every request racing with the same
+        # new bytes, and finishes (into the cache) even if they are all cancelled.
+        pending = self._decoding.get(digest)
+        if pending is None:
+            pending = loop.run_in_executor(self._executor, self.preparer.prepare, data)
+            self._decoding[digest] = pending
+            pending.add_done_callback(functools.partial(self._decoded, digest))
+        else:
+            self.encoding_hits += 1
         try:
-            image = await loop.run_in_executor(self._executor, self.preparer.prepare, data)
+            return await asyncio.shield(pending)
         except ImageError as err:
             raise invalid(field, f"{err.reason.value}: {err.message}") from None
+
+    def _decoded(self, digest: bytes, future: asyncio.Future[PreparedImage]) -> None:
+        """Remember a finished decode (runs on the loop before its waiters resume)."""
+        del self._decoding[digest]
+        if future.cancelled() or future.exception() is not None:
+            return
+        image = future.result()
         self.cache.put(image)
         self._by_encoding[digest] = image.content_hash
         self._by_encoding.move_to_end(digest)
         while len(self._by_encoding) > self.MAX_KNOWN_ENCODINGS:
             self._by_encoding.popitem(last=False)
-        return image
 
     async def resolve(self, request: _HasImage, required: bool) -> PreparedImage | None:
         """The request's image; None only when it has none and ``required`` is False."""
