@@ -33,7 +33,11 @@ def matmul_is_exact_fp32(device: torch.device) -> bool:
     """Whether float32 matmuls on ``device`` keep full float32 operands (no TF32/bf16)."""
     if torch.get_float32_matmul_precision() != "highest":
         return False
-    return not (device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
+    if device.type != "cuda":
+        return True
+    # Both the legacy flag and the newer per-backend precision setting, where present.
+    newer = getattr(torch.backends.cuda.matmul, "fp32_precision", "ieee")
+    return not torch.backends.cuda.matmul.allow_tf32 and newer in ("ieee", "none")
 
 
 @dataclass(frozen=True)
