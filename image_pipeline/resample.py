@@ -37,6 +37,8 @@ def matmul_is_exact_fp32(device: torch.device) -> bool:
         return True
     # Both the legacy flag and the newer per-backend precision setting, where present.
     newer = getattr(torch.backends.cuda.matmul, "fp32_precision", "ieee")
+    if newer == "none":  # inherits the global setting
+        newer = getattr(torch.backends, "fp32_precision", "ieee")
     return not torch.backends.cuda.matmul.allow_tf32 and newer in ("ieee", "none")
 
 
