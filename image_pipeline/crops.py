@@ -75,5 +75,5 @@ def make_crops(
     row, col = canvas.stride(0), canvas.stride(1)
     step = spec.window
     windows = canvas.as_strided((h_t, w_t, size, size, 3), (step * row, step * col, row, col, 1))
-    out[1:] = windows.reshape(h_t * w_t, size, size, 3)
+    out[1:].view(h_t, w_t, size, size, 3).copy_(windows)  # one strided copy, cast included
     return out

@@ -27,6 +27,7 @@ __all__ = ["Resampler", "matmul_is_exact_fp32"]
 
 _EXACT = 1 << 24  # float32 holds every integer up to this
 _TF32_BITS = 11  # significant bits of a TF32 operand
+_CONVERT_WHOLE = 1 << 25  # uint8 inputs up to this many values are converted in one go
 
 
 def matmul_is_exact_fp32(device: torch.device) -> bool:
@@ -145,10 +146,14 @@ class Resampler:
         prepared = self._prepare(stage, bound, tf32)
         rest = x.shape[1:]
         flat = x.reshape(x.shape[0], -1)
+        if flat.dtype != torch.float32 and flat.numel() <= _CONVERT_WHOLE:
+            flat = flat.to(torch.float32)  # once, rather than per (overlapping) block
         half = 1 << (stage.shift - 1)
         scale = 1.0 / (1 << stage.shift)
-        outs = []
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        single = len(prepared.blocks[0].digits) == 1
+        dtype = torch.float32 if single else torch.float64
+        out = torch.empty((stage.out_len, flat.shape[1]), dtype=dtype, device=flat.device)
         for block in prepared.blocks:
             if stream is not None:
                 # Cached weights are shared by the decode threads' streams: an evicted
@@ -156,19 +161,17 @@ class Resampler:
                 for d in block.digits:
                     d.record_stream(stream)
             src = flat[block.in_start : block.in_stop].to(torch.float32)
-            if len(block.digits) == 1:
-                acc = torch.matmul(block.digits[0], src)
-                outs.append(torch.floor_((acc.add_(half)).mul_(scale)))
+            rows = out[block.out_start : block.out_stop]
+            if single:
+                torch.matmul(block.digits[0], src, out=rows)
             else:
-                acc64 = sum(
-                    torch.matmul(d, src).to(torch.float64) * prepared.base**k
-                    for k, d in enumerate(block.digits)
-                )
-                outs.append(torch.floor_((acc64 + half) * scale).to(torch.float32))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+                rows.zero_()
+                for k, d in enumerate(block.digits):
+                    rows.add_(torch.matmul(d, src).to(torch.float64), alpha=prepared.base**k)
+        out = torch.floor_(out.add_(half).mul_(scale))
         if stage.clip:
             out.clamp_(0, 255)
-        return out.reshape(stage.out_len, *rest)
+        return out.to(torch.float32).reshape(stage.out_len, *rest)
 
     def _prepare(self, stage: Filter, bound: int, tf32: bool) -> _Prepared:
         key = (id(stage), bound, tf32)
