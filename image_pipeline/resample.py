@@ -106,10 +106,7 @@ class Resampler:
         self._lock = threading.Lock()
 
     def run(self, pixels: torch.Tensor, plan: Plan) -> torch.Tensor:
-        """``pixels`` uint8 (or integer-valued float32) ``[H, W, C]`` -> float32 ``[H', W', C]``.
-
-        The result holds integers in 0..255 (the last stage of a plan always clips).
-        """
+        """``pixels`` uint8 ``[H, W, C]`` -> uint8 ``[H', W', C]``."""
         if tuple(pixels.shape[:2]) != plan.in_size:
             raise ValueError(f"plan is for {plan.in_size}, pixels are {tuple(pixels.shape[:2])}")
         # Every stage works along dim 0, so each block is one 2-D matmul over whole rows
@@ -123,13 +120,16 @@ class Resampler:
                 x = x.transpose(0, 1).contiguous()
                 along = stage.axis
             if isinstance(stage, BoxShrink):
-                x = self._box(x, stage)
+                x = self._box(x, stage).to(torch.uint8)
             else:
                 x = self._filter(x, stage, bound, tf32)
                 bound = stage.out_bound(bound)
+                # Between stages the values are small integers: keep them in the
+                # narrowest exact type (less to transpose and to move).
+                x = x.to(torch.uint8 if stage.clip else torch.int16)
         if along != ROWS:
             x = x.transpose(0, 1).contiguous()
-        return x if x.dtype == torch.float32 else x.to(torch.float32)
+        return x
 
     # ------------------------------------------------------------------ stages
 

@@ -62,7 +62,10 @@ class Filter:
         if self.clip:
             return 255
         total = int(np.abs(self.weights).sum(axis=1).max()) * in_bound
-        return (total >> self.shift) + 1
+        bound = (total >> self.shift) + 1
+        if bound >= 1 << 15:
+            raise ValueError("an unclipped stage must stay within int16")
+        return bound
 
 
 @dataclass(frozen=True)
