@@ -49,7 +49,7 @@ def _axis(axis: int, in_len: int, out_len: int) -> Filter:
     filterscale = max(scale, 1.0)
     support = _SUPPORT * filterscale
     inv_filterscale = 1.0 / filterscale
-    weights = np.zeros((out_len, in_len), dtype=np.int64)
+    rows: list[dict[int, int]] = []
     for o in range(out_len):
         center = (o + 0.5) * scale
         xmin = max(int(center - support + 0.5), 0)
@@ -60,8 +60,8 @@ def _axis(axis: int, in_len: int, out_len: int) -> Filter:
             total += t
         if total != 0.0:
             taps = [t / total for t in taps]
-        weights[o, xmin : xmin + xmax] = [_fixed(t) for t in taps]
-    return Filter(axis, weights, _SHIFT, clip=True)
+        rows.append({xmin + x: _fixed(t) for x, t in enumerate(taps)})
+    return Filter.from_rows(axis, in_len, rows, _SHIFT, clip=True)
 
 
 def pillow_resize_plan(in_size: tuple[int, int], out_size: tuple[int, int]) -> Plan:

@@ -58,13 +58,17 @@ class _Prepared:
     base: float  # digit k is worth base**k
 
 
-def _split_digits(weights: np.ndarray, bits: int) -> list[np.ndarray]:
-    """Signed digits in base 2**bits: ``weights == sum(d * 2**(bits*k))``; the top one signed."""
+def _split_digits(weights: np.ndarray, bits: int, count: int | None = None) -> list[np.ndarray]:
+    """Digits in base 2**bits, ``weights == sum(d * 2**(bits*k))``, the top one signed.
+
+    As few as needed, or exactly ``count`` (the last one takes the rest).
+    """
     digits = []
     rest = weights.copy()
     base = 1 << bits
     while True:
-        if np.all(np.abs(rest) < base):
+        last = len(digits) + 1 == count if count is not None else np.all(np.abs(rest) < base)
+        if last:
             digits.append(rest)
             return digits
         low = np.mod(rest, base)
@@ -181,15 +185,16 @@ class Resampler:
                 self._cache.move_to_end(key)
         if hit is not None and hit[0] is stage:
             return hit[1]
-        bits, digits = _choose_digits(stage.weights, bound, stage.shift, tf32)
+        bits, stage_digits = _choose_digits(stage.band, bound, stage.shift, tf32)
         blocks = []
         for start in range(0, stage.out_len, self.block):
             stop = min(start + self.block, stage.out_len)
             in_start = int(stage.starts[start:stop].min())
             in_stop = max(int(stage.stops[start:stop].max()), in_start + 1)
+            dense = stage.dense(start, stop, in_start, in_stop)
             tensors = []
-            for d in digits:
-                part = torch.from_numpy(d[start:stop, in_start:in_stop].astype(np.float32))
+            for d in _split_digits(dense, bits, len(stage_digits)):
+                part = torch.from_numpy(d.astype(np.float32))
                 tensors.append(part.to(self.device))
             blocks.append(_Block(start, stop, in_start, in_stop, tuple(tensors)))
         prepared = _Prepared(tuple(blocks), float(1 << bits))

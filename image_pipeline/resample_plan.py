@@ -12,7 +12,7 @@ they are cached per size pair by their builders.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -24,44 +24,59 @@ COLS = 1  # ... along the width
 
 @dataclass(frozen=True, eq=False)
 class Filter:
-    """``out[o] = clip?(floor((sum_i weights[o, i] * in[i] + 2**(shift-1)) / 2**shift))``.
+    """``out[o] = clip?(floor((sum_i w[o, i] * in[i] + 2**(shift-1)) / 2**shift))``.
+
+    The weight matrix ``w`` is banded; it is stored as one row of taps per output:
+    ``w[o, starts[o] + k] = band[o, k]`` for ``k < stops[o] - starts[o]``, zero elsewhere.
 
     Attributes:
         axis: :data:`ROWS` or :data:`COLS`.
-        weights: int64 ``[out_len, in_len]``; mostly zero (a band around the diagonal).
+        in_len: input length along ``axis``.
+        starts, stops: int64 ``[out_len]``, the input span of each output.
+        band: int64 ``[out_len, width]``, the taps (zero-padded on the right).
         shift: fixed-point fraction bits of the weights.
         clip: clip to 0..255 (False for an intermediate kept at full range).
     """
 
     axis: int
-    weights: np.ndarray
+    in_len: int
+    starts: np.ndarray
+    stops: np.ndarray
+    band: np.ndarray
     shift: int
     clip: bool = True
-    # First and one-past-last nonzero input index per output index.
-    starts: np.ndarray = field(init=False, repr=False)
-    stops: np.ndarray = field(init=False, repr=False)
 
-    def __post_init__(self) -> None:
-        nonzero = self.weights != 0
-        any_nz = nonzero.any(axis=1)
-        starts = np.where(any_nz, nonzero.argmax(axis=1), 0)
-        stops = np.where(any_nz, nonzero.shape[1] - nonzero[:, ::-1].argmax(axis=1), 0)
-        object.__setattr__(self, "starts", starts)
-        object.__setattr__(self, "stops", stops)
-
-    @property
-    def in_len(self) -> int:
-        return self.weights.shape[1]
+    @classmethod
+    def from_rows(
+        cls, axis: int, in_len: int, rows: list[dict[int, int]], shift: int, clip: bool = True
+    ) -> Filter:
+        """Build from one ``{input index: weight}`` map per output."""
+        starts = np.array([min(r) if r else 0 for r in rows], dtype=np.int64)
+        stops = np.array([max(r) + 1 if r else 0 for r in rows], dtype=np.int64)
+        width = max(int((stops - starts).max()), 1) if rows else 1
+        band = np.zeros((len(rows), width), dtype=np.int64)
+        for o, row in enumerate(rows):
+            for i, w in row.items():
+                band[o, i - starts[o]] += w
+        return cls(axis, in_len, starts, stops, band, shift, clip)
 
     @property
     def out_len(self) -> int:
-        return self.weights.shape[0]
+        return self.band.shape[0]
+
+    def dense(self, out_start: int, out_stop: int, in_start: int, in_stop: int) -> np.ndarray:
+        """Rows ``out_start:out_stop``, columns ``in_start:in_stop`` of the weight matrix."""
+        block = np.zeros((out_stop - out_start, in_stop - in_start), dtype=np.int64)
+        for r, o in enumerate(range(out_start, out_stop)):
+            s, e = int(self.starts[o]), int(self.stops[o])
+            block[r, s - in_start : e - in_start] = self.band[o, : e - s]
+        return block
 
     def out_bound(self, in_bound: int) -> int:
         """Largest magnitude of an output when inputs lie within ``[-in_bound, in_bound]``."""
         if self.clip:
             return 255
-        total = int(np.abs(self.weights).sum(axis=1).max()) * in_bound
+        total = int(np.abs(self.band).sum(axis=1).max()) * in_bound
         bound = (total >> self.shift) + 1
         if bound >= 1 << 15:
             raise ValueError("an unclipped stage must stay within int16")

@@ -22,8 +22,6 @@ from __future__ import annotations
 import functools
 import math
 
-import numpy as np
-
 from .resample_plan import COLS, ROWS, BoxShrink, Filter, Plan, Stage
 
 __all__ = ["vips_resize_plan"]
@@ -111,7 +109,7 @@ def _reduce_axis(axis: int, in_len: int, shrink: float) -> tuple[list[Stage], in
         _reduce_mask(n_points, shrink, t / _TRANSFORM_SCALE) for t in range(_TRANSFORM_SCALE + 1)
     ]
     pad = math.ceil(n_points / 2.0) - 1
-    weights = np.zeros((out_len, in_len), dtype=np.int64)
+    rows: list[dict[int, int]] = []
     top = (0 + 0.5) * shrink - 0.5 - offset
     position = top
     for o in range(out_len):
@@ -121,18 +119,20 @@ def _reduce_axis(axis: int, in_len: int, shrink: float) -> tuple[list[Stage], in
             position = (o + 0.5) * shrink - 0.5 - offset
         base = _c_trunc(position)
         mask = masks[_mask_index(position)]
+        row: dict[int, int] = {}
         for i, w in enumerate(mask):
             src = min(max(base + i - pad, 0), in_len - 1)
-            weights[o, src] += w
+            row[src] = row.get(src, 0) + w
+        rows.append(row)
         position += shrink
-    stages.append(Filter(axis, weights, _SHIFT, clip=True))
+    stages.append(Filter.from_rows(axis, in_len, rows, _SHIFT, clip=True))
     return stages, out_len
 
 
 def _affine_axis(axis: int, in_len: int, scale: float, inverse: float, clip: bool) -> Filter:
     """One axis of ``affine`` with the bicubic interpolator, idx/idy 0.5, extend copy."""
     out_len = _round_uint(scale * in_len)
-    weights = np.zeros((out_len, in_len), dtype=np.int64)
+    rows: list[dict[int, int]] = []
     # Input coordinates live in a copy padded by 2 pixels (interpolator window offset 1,
     # plus the 1 pixel border affine adds); 1.5 = 0.5 (idx) + 1 (window offset).
     position = 1.5
@@ -141,11 +141,13 @@ def _affine_axis(axis: int, in_len: int, scale: float, inverse: float, clip: boo
             position = (inverse * o + 0.5) + 1.0
         base = _c_trunc(position)
         mask = _CATMULL[_mask_index(position)]
+        row: dict[int, int] = {}
         for j, w in enumerate(mask):
             src = min(max(base - 3 + j, 0), in_len - 1)
-            weights[o, src] += w
+            row[src] = row.get(src, 0) + w
+        rows.append(row)
         position += inverse
-    return Filter(axis, weights, _SHIFT, clip=clip)
+    return Filter.from_rows(axis, in_len, rows, _SHIFT, clip=clip)
 
 
 @functools.lru_cache(maxsize=256)
