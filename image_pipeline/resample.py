@@ -57,6 +57,10 @@ class _Prepared:
     blocks: tuple[_Block, ...]
     base: float  # digit k is worth base**k
 
+    @property
+    def nbytes(self) -> int:
+        return sum(d.nbytes for b in self.blocks for d in b.digits)
+
 
 def _split_digits(weights: np.ndarray, bits: int, count: int | None = None) -> list[np.ndarray]:
     """Digits in base 2**bits, ``weights == sum(d * 2**(bits*k))``, the top one signed.
@@ -98,15 +102,16 @@ class Resampler:
     computation itself shares nothing.
     """
 
-    MAX_CACHED = 512  # prepared stages kept (two or three per distinct image size)
+    CACHE_BYTES = 128 << 20  # prepared weights kept (least recently used go first)
 
     def __init__(self, device: torch.device | str, block: int | None = None) -> None:
         self.device = torch.device(device)
         # Output indices per matmul block: small on the CPU (less work), large on a GPU
         # (fewer launches; the extra multiply-adds cost nothing there).
-        self.block = block if block is not None else (32 if self.device.type == "cpu" else 1024)
+        self.block = block if block is not None else (32 if self.device.type == "cpu" else 256)
         self._cache: collections.OrderedDict[tuple[int, int, bool], tuple[Filter, _Prepared]]
         self._cache = collections.OrderedDict()
+        self._cached_bytes = 0
         self._lock = threading.Lock()
 
     def run(self, pixels: torch.Tensor, plan: Plan) -> torch.Tensor:
@@ -200,7 +205,12 @@ class Resampler:
         prepared = _Prepared(tuple(blocks), float(1 << bits))
         with self._lock:
             # Keeping the stage in the entry pins its id; plans are cached, so few stay.
+            old = self._cache.pop(key, None)
+            if old is not None:
+                self._cached_bytes -= old[1].nbytes
             self._cache[key] = (stage, prepared)
-            while len(self._cache) > self.MAX_CACHED:
-                self._cache.popitem(last=False)
+            self._cached_bytes += prepared.nbytes
+            while self._cached_bytes > self.CACHE_BYTES and len(self._cache) > 1:
+                _, (_, evicted) = self._cache.popitem(last=False)
+                self._cached_bytes -= evicted.nbytes
         return prepared

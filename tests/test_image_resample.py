@@ -186,3 +186,13 @@ def test_cuda_preparer_gives_the_cpu_preparers_crops_on_the_gpu() -> None:
     assert len(device_times) == 1 and device_times[0] > 0
     normalized = a.normalized(torch.bfloat16)
     assert normalized.is_cuda and torch.equal(normalized.cpu(), b.normalized(torch.bfloat16))
+
+
+def test_weight_cache_is_bounded_by_bytes() -> None:
+    resampler = Resampler("cpu")
+    resampler.CACHE_BYTES = 200_000
+    pixels = picture(300, 400, seed=8)
+    for width in range(380, 400, 4):
+        resampler.run(torch.from_numpy(pixels), vips_resize_plan((300, 400), (1.0, width / 400)))
+    assert resampler._cached_bytes <= 200_000 or len(resampler._cache) == 1
+    assert resampler._cached_bytes == sum(p.nbytes for _, p in resampler._cache.values())
