@@ -106,8 +106,8 @@ class Resampler:
 
     def __init__(self, device: torch.device | str, block: int | None = None) -> None:
         self.device = torch.device(device)
-        # Output indices per matmul block: small on the CPU (less work), large on a GPU
-        # (fewer launches; the extra multiply-adds cost nothing there).
+        # Output indices per matmul block: small on the CPU (less work), larger on a GPU
+        # (fewer launches; the extra multiply-adds cost little there).
         self.block = block if block is not None else (32 if self.device.type == "cpu" else 256)
         self._cache: collections.OrderedDict[tuple[int, int, bool], tuple[Filter, _Prepared]]
         self._cache = collections.OrderedDict()
@@ -119,7 +119,7 @@ class Resampler:
         if tuple(pixels.shape[:2]) != plan.in_size:
             raise ValueError(f"plan is for {plan.in_size}, pixels are {tuple(pixels.shape[:2])}")
         # Every stage works along dim 0, so each block is one 2-D matmul over whole rows
-        # and blocks concatenate contiguously; the image is transposed between axes.
+        # writing a contiguous slice of the output; the image is transposed between axes.
         x = pixels.to(self.device)
         along = ROWS
         tf32 = not matmul_is_exact_fp32(self.device)
