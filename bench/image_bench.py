@@ -1,14 +1,17 @@
-"""Image pipeline alone: decode + tile (`prepare_image`) and normalize, per size, format and
-thread count.
+"""Image pipeline alone: decode + resize/crop (`ImagePreparer`) and normalize, per size,
+format, resize mode and thread count.
 
 Each cell runs ``threads`` workers of a ThreadPoolExecutor, each preparing generated pictures
 back to back for at least ``--min-seconds`` (and ``--min-calls`` per worker), as the server's
-decode threads do. Reports images/s over the wall time and the median ms per image of each
-stage. The server normalizes on its device, so ``--normalize-device cuda`` mirrors it on a GPU
-machine; ``none`` skips that stage.
+decode threads do. Reports images/s over the wall time and, per image (medians): wall ms,
+host CPU ms of the worker thread (decode, hash, and the resize on the CPU or its launches on
+a GPU), device ms of upload + resize + crop (CUDA only, from events), and normalize ms.
+``--device cuda`` makes the crops on the GPU as a CUDA server does (the default where CUDA
+exists); ``--normalize-device none`` skips normalization.
 
     python -m bench.image_bench
     python -m bench.image_bench --sizes 800x600 4000x3000 --formats jpeg --threads 1 4
+    python -m bench.image_bench --device cuda --resize vips pillow --normalize-device cuda
 
 Writes ``image_bench.json`` and ``image_bench.png`` (default bench/results/<device>/) and
 prints a table.
@@ -33,11 +36,13 @@ import torch
 from tqdm import tqdm
 
 from bench.synth_images import parse_size, unique_images
-from image_pipeline import ImageLimits, prepare_image
+from image_pipeline import ImageLimits, ImagePreparer, ResizeMode, content_hash, decode
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Generous limits: the benchmark measures the pipeline, not the server's input policy.
-LIMITS = ImageLimits(max_bytes=512 << 20, max_pixels=200_000_000, max_side=None)
+LIMITS = ImageLimits(
+    max_bytes=512 << 20, max_pixels=200_000_000, max_side=None, max_pixels_per_byte=None
+)
 
 
 def run_cell(
@@ -47,37 +52,66 @@ def run_cell(
     min_calls: int,
     norm_device: str | None,
     dtype: torch.dtype,
+    resize: ResizeMode,
+    device: str,
 ) -> dict[str, Any]:
-    """``threads`` workers preparing ``images`` in turn; images/s and per-stage ms."""
+    """``threads`` workers preparing ``images`` in turn; images/s and per-image medians."""
     lock = threading.Lock()
     prep_ms: list[float] = []
+    cpu_ms: list[float] = []
+    gpu_ms: list[float] = []
     norm_ms: list[float] = []
     crops: list[int] = []
     sync = norm_device is not None and norm_device.startswith("cuda")
 
-    def one(data: bytes) -> tuple[float, float, int]:
+    def on_device_time(ms: float) -> None:
+        with lock:
+            gpu_ms.append(ms)
+
+    preparer = ImagePreparer(LIMITS, resize=resize, device=device, on_device_time=on_device_time)
+
+    def one(data: bytes) -> tuple[float, float, float, int]:
+        c0 = time.thread_time()
         t0 = time.perf_counter()
-        prepared = prepare_image(data, LIMITS)
+        prepared = preparer.prepare(data)
         t1 = time.perf_counter()
+        c1 = time.thread_time()
         if norm_device is not None:
             prepared.normalized(dtype=dtype, device=norm_device)
             if sync:
                 torch.cuda.synchronize()
-        return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, prepared.num_crops
+        return (
+            (t1 - t0) * 1e3,
+            (c1 - c0) * 1e3,
+            (time.perf_counter() - t1) * 1e3,
+            (prepared.num_crops),
+        )
 
     def worker(k: int, deadline: float) -> int:
         done = 0
         while done < min_calls or time.perf_counter() < deadline:
-            p, n, c = one(images[(k + done * threads) % len(images)])
+            p, c, n, k_crops = one(images[(k + done * threads) % len(images)])
             done += 1
             with lock:
                 prep_ms.append(p)
+                cpu_ms.append(c)
                 norm_ms.append(n)
-                crops.append(c)
+                crops.append(k_crops)
         return done
 
+    # The host's share that stays on the CPU when crops are made on a GPU: header, decode,
+    # hash (one thread, back to back).
+    decode_cpu: list[float] = []
+    for data in images:
+        c0 = time.thread_time()
+        decoded = decode(data, LIMITS, target=preparer._canvas_for)
+        content_hash(decoded.pixels, (decoded.height, decoded.width))
+        decode_cpu.append((time.thread_time() - c0) * 1e3)
+
     with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(one, images[:threads]))  # warm-up: codecs, allocator, kernels
+        list(pool.map(one, images[:threads]))  # warm-up: codecs, weights, allocator, kernels
+        with lock:
+            gpu_ms.clear()
         start = time.perf_counter()
         calls = sum(pool.map(worker, range(threads), [start + min_seconds] * threads))
         wall = time.perf_counter() - start
@@ -89,6 +123,9 @@ def run_cell(
         "images_per_s": calls / wall,
         "ms_per_image": statistics.median(total),
         "prepare_ms": statistics.median(prep_ms),
+        "cpu_ms": statistics.median(cpu_ms),
+        "decode_cpu_ms": statistics.median(decode_cpu),
+        "gpu_ms": statistics.median(gpu_ms) if gpu_ms else None,
         "normalize_ms": statistics.median(norm_ms) if norm_device is not None else None,
         "crops": statistics.median(crops),
     }
@@ -112,15 +149,17 @@ def plot(rows: Sequence[dict[str, Any]], path: Path, title: str) -> bool:
         print("matplotlib is not installed: no plot", file=sys.stderr)
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for key in dict.fromkeys((r["size"], r["format"]) for r in rows):
+    for key in dict.fromkeys((r["size"], r["format"], r["resize"]) for r in rows):
         pts = sorted(
-            (r["threads"], r["images_per_s"]) for r in rows if (r["size"], r["format"]) == key
+            (r["threads"], r["images_per_s"])
+            for r in rows
+            if (r["size"], r["format"], r["resize"]) == key
         )
         ax.plot(
             [p[0] for p in pts],
             [p[1] for p in pts],
             "o-" if key[1] == "jpeg" else "s--",
-            label=f"{key[0]} {key[1]}",
+            label=" ".join(key),
         )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -151,12 +190,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--normalize-device", default="cpu", help="cpu, cuda[:N] or none (skip normalization)"
     )
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--resize", nargs="+", default=["vips"], choices=[m.value for m in ResizeMode])
+    ap.add_argument(
+        "--device",
+        default=None,
+        help="where crops are made: cpu or cuda[:N] (default: cuda where present)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     norm = None if args.normalize_device == "none" else args.normalize_device
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     previous_threads = torch.get_num_threads()
-    if norm == "cpu":
+    if norm == "cpu" or args.device == "cpu":
         # One intra-op thread per worker: otherwise torch's own pool oversubscribes the cores
         # and the thread-count axis stops meaning anything.
         torch.set_num_threads(1)
@@ -173,20 +220,28 @@ def _run(args: argparse.Namespace, norm: str | None, dtype: torch.dtype) -> int:
     gen_threads = min(8, cores)
     rows: list[dict[str, Any]] = []
     cells = [(s, f) for s in args.sizes for f in args.formats]
-    bar = tqdm(total=len(cells) * len(args.threads), desc="image bench", unit="cell")
+    total = len(cells) * len(args.resize) * len(args.threads)
+    bar = tqdm(total=total, desc="image bench", unit="cell")
     for size_text, fmt in cells:
         w, h = parse_size(size_text)
         images = unique_images(w, h, range(args.images), fmt=fmt, threads=gen_threads)
         mean_bytes = sum(map(len, images)) / len(images)
-        for threads in args.threads:
-            row = {
-                "size": f"{w}x{h}",
-                "format": fmt,
-                "bytes": mean_bytes,
-                **run_cell(images, threads, args.min_seconds, args.min_calls, norm, dtype),
-            }
-            rows.append(row)
-            bar.update(1)
+        for mode in args.resize:
+            for threads in args.threads:
+                cell = run_cell(
+                    images,
+                    threads,
+                    args.min_seconds,
+                    args.min_calls,
+                    norm,
+                    dtype,
+                    ResizeMode(mode),
+                    args.device,
+                )
+                rows.append(
+                    {"size": f"{w}x{h}", "format": fmt, "resize": mode, "bytes": mean_bytes} | cell
+                )
+                bar.update(1)
     bar.close()
     out = args.out or REPO_ROOT / "bench" / "results" / name.replace(" ", "_")
     out.mkdir(parents=True, exist_ok=True)
@@ -195,6 +250,7 @@ def _run(args: argparse.Namespace, norm: str | None, dtype: torch.dtype) -> int:
         "device": name,
         "cpu": cpu_name,
         "cpu_count": cores,
+        "image_device": args.device,
         "normalize_device": args.normalize_device,
         "dtype": args.dtype,
         "torch_threads": torch.get_num_threads(),
@@ -203,18 +259,21 @@ def _run(args: argparse.Namespace, norm: str | None, dtype: torch.dtype) -> int:
     path = out / "image_bench.json"
     path.write_text(json.dumps(result, indent=2))
     print(
-        f"\nimage pipeline on {cpu_name} ({cores} cores), normalize on "
-        f"{args.normalize_device} {args.dtype}"
+        f"\nimage pipeline on {cpu_name} ({cores} cores), crops on {args.device}, normalize "
+        f"on {args.normalize_device} {args.dtype}"
     )
     print(
-        f"{'size':>10} {'fmt':>5} {'KB':>7} {'crops':>5} {'thr':>4} {'img/s':>8} "
-        f"{'ms/img':>8} {'prep ms':>8} {'norm ms':>8}"
+        f"{'size':>10} {'fmt':>5} {'resize':>6} {'KB':>7} {'crops':>5} {'thr':>4} "
+        f"{'img/s':>8} {'ms/img':>8} {'prep ms':>8} {'cpu ms':>8} {'dec ms':>7} {'gpu ms':>8} "
+        f"{'norm ms':>8}"
     )
     for r in rows:
         print(
-            f"{r['size']:>10} {r['format']:>5} {r['bytes'] / 1024:>7.0f} {r['crops']:>5.0f} "
-            f"{r['threads']:>4} {r['images_per_s']:>8.1f} {r['ms_per_image']:>8.2f} "
-            f"{r['prepare_ms']:>8.2f} {_fmt(r['normalize_ms'], '8.2f'):>8}"
+            f"{r['size']:>10} {r['format']:>5} {r['resize']:>6} {r['bytes'] / 1024:>7.0f} "
+            f"{r['crops']:>5.0f} {r['threads']:>4} {r['images_per_s']:>8.1f} "
+            f"{r['ms_per_image']:>8.2f} {r['prepare_ms']:>8.2f} {r['cpu_ms']:>8.2f} "
+            f"{r['decode_cpu_ms']:>7.2f} "
+            f"{_fmt(r['gpu_ms'], '8.3f'):>8} {_fmt(r['normalize_ms'], '8.2f'):>8}"
         )
     png = out / "image_bench.png"
     wrote = plot(rows, png, f"image pipeline, {cpu_name}")

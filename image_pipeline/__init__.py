@@ -4,8 +4,25 @@ Typical use::
 
     prepared = prepare_image(data)            # ImageError on bad input
     pixels = prepared.normalized(device="cuda")  # [N, 3, 378, 378] bfloat16
+
+    preparer = ImagePreparer(limits, device="cuda", budget=DecodeBudget(1 << 30))
+    prepared = preparer.prepare(data)         # crops made and kept on the GPU
+
+Modules, in data-flow order:
+
+- ``limits``, ``errors``: what is accepted, and the typed refusal (``ImageError``).
+- ``decode``: header checks (format, size, ratio, EXIF orientation), then pixels;
+  ``jpeg``: the simplejpeg path for JPEG; ``budget``: decoded bytes in flight.
+- ``prepared``: ``ImagePreparer``/``prepare_image``: pixels -> hash -> device -> crops.
+- ``crops``: global crop + overlap crops in torch, ``ResizeMode`` (vips | pillow).
+- ``resample_plan``, ``vips_plan``, ``pillow_plan``: the resizers as integer stages;
+  ``resample``: runs them bit-exact as float32 matmuls on any device.
+- ``tiling``: crop geometry and the Pillow reference ``overlap_crop``;
+  ``normalize``: uint8 crops -> [-1, 1] as the reference does it.
 """
 
+from .budget import DecodeBudget
+from .crops import ResizeMode, make_crops
 from .decode import (
     ACCEPTED_FORMATS,
     DecodedImage,
@@ -18,7 +35,14 @@ from .decode import (
 from .errors import ImageError, ImageErrorReason
 from .limits import DEFAULT_LIMITS, ImageLimits
 from .normalize import normalize_crops
-from .prepared import PreparedImage, content_hash, prepare_decoded, prepare_image, prepare_pil
+from .prepared import (
+    ImagePreparer,
+    PreparedImage,
+    content_hash,
+    prepare_decoded,
+    prepare_image,
+    prepare_pil,
+)
 from .sample import sample_image, sample_image_bytes
 from .tiling import DEFAULT_TILING, TilingSpec, overlap_crop, select_tiling
 
@@ -26,16 +50,20 @@ __all__ = [
     "ACCEPTED_FORMATS",
     "DEFAULT_LIMITS",
     "DEFAULT_TILING",
+    "DecodeBudget",
     "DecodedImage",
     "ImageError",
     "ImageErrorReason",
     "ImageLimits",
+    "ImagePreparer",
     "PreparedImage",
+    "ResizeMode",
     "TilingSpec",
     "content_hash",
     "decode",
     "decode_image",
     "exif_orientation",
+    "make_crops",
     "normalize_crops",
     "overlap_crop",
     "prepare_decoded",

@@ -24,6 +24,7 @@ off, so truncated files are refused, and ``MAX_IMAGE_PIXELS`` is left alone.
 
 from __future__ import annotations
 
+import contextlib
 import io
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,7 +45,9 @@ from PIL import (
     WebPImagePlugin,  # noqa: F401
 )
 
+from .budget import DecodeBudget
 from .errors import ImageError, ImageErrorReason
+from .jpeg import Allocator, draft_scale, orient, try_decode_jpeg
 from .limits import DEFAULT_LIMITS, ImageLimits
 
 __all__ = [
@@ -91,22 +94,32 @@ _MAGIC: tuple[tuple[bytes, str], ...] = (
 TargetFn = Callable[[int, int], tuple[int, int]]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class DecodedImage:
-    """An oriented RGB image plus the oriented size of the original.
+    """Oriented RGB pixels plus the oriented size of the original.
 
-    ``image`` is smaller than ``width x height`` when a large JPEG was decoded
-    at reduced scale.
+    ``pixels`` (uint8 ``[h, w, 3]``, C-contiguous) is smaller than ``width x height``
+    when a large JPEG was decoded at reduced scale.
     """
 
-    image: Image.Image
+    pixels: np.ndarray
     width: int
     height: int
 
     @property
+    def image(self) -> Image.Image:
+        """The pixels as a Pillow image (a copy)."""
+        return Image.fromarray(self.pixels)
+
+    @property
+    def decoded_size(self) -> tuple[int, int]:
+        """``(height, width)`` of ``pixels``."""
+        return self.pixels.shape[0], self.pixels.shape[1]
+
+    @property
     def reduced(self) -> bool:
-        """True when ``image`` is a reduced-scale decode."""
-        return self.image.size != (self.width, self.height)
+        """True when ``pixels`` is a reduced-scale decode."""
+        return self.decoded_size != (self.height, self.width)
 
 
 def sniff_format(data: bytes) -> str | None:
@@ -120,8 +133,14 @@ def sniff_format(data: bytes) -> str | None:
     return None
 
 
-def check_size(width: int, height: int, limits: ImageLimits) -> None:
-    """Raise :class:`ImageError` if a (declared) image size breaks ``limits``."""
+def check_size(
+    width: int, height: int, limits: ImageLimits, encoded_bytes: int | None = None
+) -> None:
+    """Raise :class:`ImageError` if a (declared) image size breaks ``limits``.
+
+    With ``encoded_bytes``, also the ratio rule: pixels beyond ``limits.free_pixels``
+    need one encoded byte per ``limits.max_pixels_per_byte`` pixels.
+    """
     if width < limits.min_side or height < limits.min_side:
         raise ImageError(
             ImageErrorReason.TOO_SMALL,
@@ -138,6 +157,16 @@ def check_size(width: int, height: int, limits: ImageLimits) -> None:
             ImageErrorReason.TOO_LARGE_SIDE,
             f"image is {width}x{height}; each side must be at most {limits.max_side} px",
         )
+    ratio = limits.max_pixels_per_byte
+    if encoded_bytes is not None and ratio is not None:
+        allowed = limits.free_pixels + ratio * encoded_bytes
+        if width * height > allowed:
+            raise ImageError(
+                ImageErrorReason.TOO_COMPRESSED,
+                f"image is {width}x{height} = {width * height} pixels from {encoded_bytes} "
+                f"bytes; beyond {limits.free_pixels} pixels each byte may carry at most "
+                f"{ratio} pixels (max_pixels_per_byte)",
+            )
 
 
 def exif_orientation(image: Image.Image) -> int:
@@ -261,46 +290,39 @@ def _open(data: bytes, limits: ImageLimits) -> Image.Image:
     except Exception as exc:
         raise ImageError(ImageErrorReason.CORRUPT, f"cannot read image header: {exc}") from exc
     # The header's size is all we have read so far: refuse bombs before decoding.
-    check_size(image.width, image.height, limits)
+    check_size(image.width, image.height, limits, size)
     return image
 
 
-def _maybe_draft(
-    data: bytes, image: Image.Image, limits: ImageLimits, orientation: int, need: tuple[int, int]
-) -> Image.Image:
-    """Ask the JPEG decoder for a 1/2, 1/4 or 1/8 scale if that still covers ``need``.
-
-    ``need`` is an oriented (height, width); the decoder works in stored
-    orientation, so sides are swapped for orientations that transpose.
-    """
-    need_h, need_w = need
-    if orientation in _SWAPS_AXES:
-        need_h, need_w = need_w, need_h
-    need_w, need_h = max(1, need_w), max(1, need_h)
-    width, height = image.size
-    # Pillow picks the largest of 8/4/2 not above min(width // need_w, height // need_h)
-    # and rounds the result up, so both sides stay >= need. Nothing to gain below 2.
-    if min(width // need_w, height // need_h) < 2:
-        return image
-    image.draft(None, (need_w, need_h))
-    if image.width < need_w or image.height < need_h:
-        # Defensive: never let a decoder change make the crops come from too few pixels.
-        return _open(data, limits)
-    return image
+def _bytes_per_pixel(image: Image.Image, simple_jpeg: bool) -> int:
+    """Host bytes per stored pixel while decoding: the decoded mode plus the RGB result."""
+    if simple_jpeg:
+        return 3
+    # Pillow keeps RGB-like modes in 4 bytes; wide grey modes in 2 or 4.
+    return 4 + 4
 
 
 def decode(
-    data: bytes, limits: ImageLimits = DEFAULT_LIMITS, *, target: TargetFn | None = None
+    data: bytes,
+    limits: ImageLimits = DEFAULT_LIMITS,
+    *,
+    target: TargetFn | None = None,
+    budget: DecodeBudget | None = None,
+    alloc: Allocator | None = None,
 ) -> DecodedImage:
-    """Decode untrusted bytes into an oriented RGB image.
+    """Decode untrusted bytes into oriented RGB pixels.
 
     Args:
         data: encoded image.
-        limits: byte, pixel and side limits, checked before pixels are decoded.
+        limits: byte, pixel, side and ratio limits, checked before pixels are decoded.
         target: optional callback from the oriented original size (height, width)
             to the smallest (height, width) the caller will resize from. When it
             is given, large JPEGs are decoded at a reduced DCT scale whose result
             still covers that size in both dimensions.
+        budget: optional bound on decoded bytes in flight across threads; the
+            decode waits for its share (see :class:`DecodeBudget`).
+        alloc: optional allocator of the JPEG decoder's output array (used when
+            no orientation has to be applied).
 
     Raises:
         ImageError: for any problem with the data itself.
@@ -308,23 +330,45 @@ def decode(
     image = _open(data, limits)
     stored_w, stored_h = image.size  # the header's size, before any reduced decode
     is_jpeg = image.format in _JPEG_FORMATS
-    need: tuple[int, int] | None = None
-    if is_jpeg:
-        # JPEG keeps EXIF in a header segment: readable before decoding, which
-        # the reduced-scale decision needs. (Reading it never raises.)
-        orientation = exif_orientation(image)
-        if target is not None:
-            need = target(*_oriented(stored_h, stored_w, orientation))
+    orientation = exif_orientation(image) if is_jpeg else 1
+    scale = 1
+    if is_jpeg and target is not None:
+        # JPEG keeps EXIF in a header segment: readable before decoding, which the
+        # reduced-scale decision needs. The decoder works in stored orientation.
+        need_h, need_w = target(*_oriented(stored_h, stored_w, orientation))
+        if orientation in _SWAPS_AXES:
+            need_h, need_w = need_w, need_h
+        scale = draft_scale(stored_w, stored_h, need_w, need_h)
+    # YCbCr and grey JPEGs go to simplejpeg; CMYK and others to Pillow.
+    simple = is_jpeg and image.mode in ("RGB", "L")
+    cost = -(-stored_w // scale) * -(-stored_h // scale) * _bytes_per_pixel(image, simple)
+    with budget.reserve(cost) if budget is not None else contextlib.nullcontext():
+        into = alloc if orientation == 1 else None
+        pixels = try_decode_jpeg(data, stored_w, stored_h, scale, into) if simple else None
+        if pixels is not None:
+            pixels = orient(pixels, orientation)
+        else:
+            pixels, orientation = _decode_with_pillow(data, limits, image, is_jpeg, scale)
+    full_h, full_w = _oriented(stored_h, stored_w, orientation)
+    return DecodedImage(pixels=pixels, width=full_w, height=full_h)
+
+
+def _decode_with_pillow(
+    data: bytes, limits: ImageLimits, image: Image.Image, is_jpeg: bool, scale: int
+) -> tuple[np.ndarray, int]:
+    """Pillow's decode of an opened image; returns (oriented RGB pixels, orientation)."""
     try:
         if is_jpeg:
-            if need is not None:
-                image = _maybe_draft(data, image, limits, orientation, need)
+            orientation = exif_orientation(image)
+            if scale > 1:
+                image.draft(None, (image.width // scale, image.height // scale))
             image.load()
         else:
             # PNG may keep EXIF after the pixel data; load first so it is seen.
             image.load()
             orientation = exif_orientation(image)
         rgb = upright_rgb(image, orientation)
+        return np.array(rgb), orientation  # writable: torch.from_numpy wants that
     except ImageError:
         raise
     except Image.DecompressionBombError as exc:
@@ -335,11 +379,6 @@ def decode(
         # Pillow reports bad data as OSError, SyntaxError, ValueError, EOFError,
         # struct.error, zlib.error, ... depending on plugin and where it breaks.
         raise ImageError(ImageErrorReason.CORRUPT, f"cannot decode image: {exc}") from exc
-    # The result must not carry the orientation it no longer needs: a second
-    # pass through exif_orientation (prepare_pil) would rotate it again.
-    rgb.info = {}
-    full_h, full_w = _oriented(stored_h, stored_w, orientation)
-    return DecodedImage(image=rgb, width=full_w, height=full_h)
 
 
 def _oriented(height: int, width: int, orientation: int) -> tuple[int, int]:
@@ -353,4 +392,4 @@ def decode_image(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> Image.Ima
     Raises:
         ImageError: for any problem with the data itself.
     """
-    return decode(data, limits).image
+    return Image.fromarray(decode(data, limits).pixels)

@@ -23,6 +23,8 @@ class ImageErrorReason(StrEnum):
     UNSUPPORTED_FORMAT = "unsupported_format"
     UNSUPPORTED_MODE = "unsupported_mode"
     CORRUPT = "corrupt"
+    TOO_COMPRESSED = "too_compressed"
+    OVER_DECODE_BUDGET = "over_decode_budget"
 
 
 class ImageError(Exception):

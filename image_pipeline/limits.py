@@ -29,12 +29,20 @@ class ImageLimits:
             default) still applies on top of this; it is not changed here.
         min_side: smallest accepted width and height.
         max_side: largest accepted width and height, or ``None`` for no limit.
+        max_pixels_per_byte: decompression sanity rule: the pixels beyond
+            ``free_pixels`` need one encoded byte per this many pixels (``None``: off).
+            Real pictures carry a few pixels per byte; a 143 KB PNG declaring
+            7000 x 7000 carries 343 and costs seconds and hundreds of MB to decode.
+        free_pixels: pixels exempt from the ratio rule (flat screenshots compress
+            extremely well and are small).
     """
 
     max_bytes: int = 32 * MIB
     max_pixels: int = 50_000_000
     min_side: int = 1
     max_side: int | None = 32_768
+    max_pixels_per_byte: int | None = 256
+    free_pixels: int = 4 * MIB
 
     def __post_init__(self) -> None:
         _check_int("max_bytes", self.max_bytes, 1)
@@ -42,6 +50,9 @@ class ImageLimits:
         _check_int("min_side", self.min_side, 1)
         if self.max_side is not None:
             _check_int("max_side", self.max_side, self.min_side)
+        if self.max_pixels_per_byte is not None:
+            _check_int("max_pixels_per_byte", self.max_pixels_per_byte, 1)
+        _check_int("free_pixels", self.free_pixels, 0)
         if self.min_side * self.min_side > self.max_pixels:
             raise ValueError("min_side**2 exceeds max_pixels: no image could pass")
 

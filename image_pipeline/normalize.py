@@ -47,6 +47,10 @@ def normalize_crops(
 
     if device is not None:
         tensor = tensor.to(device)
+    if tensor.is_cuda:
+        # Crops made on a decode thread's stream are read on this one: tell the caching
+        # allocator, so their memory is not reused before this read has run.
+        tensor.record_stream(torch.cuda.current_stream(tensor.device))
     out = tensor.permute(0, 3, 1, 2).to(dtype, memory_format=torch.contiguous_format)
     out.div_(255).sub_(0.5).div_(0.5)
     return out

@@ -1,20 +1,40 @@
-"""The main entry point: bytes in, uint8 crops + metadata out."""
+"""The main entry point: bytes in, uint8 crops + metadata out.
+
+Per image: header checks -> decode to uint8 pixels on the host -> content hash -> the
+pixels go to the device once (pinned memory and a side stream on CUDA) -> resize, crop
+there (:mod:`.crops`). The crops stay on that device; normalization happens where the
+encoder runs (:meth:`PreparedImage.normalized`).
+"""
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from PIL import Image
 
+from .budget import DecodeBudget
+from .crops import ResizeMode, make_crops
 from .decode import DecodedImage, check_size, decode, upright_rgb
 from .errors import ImageError, ImageErrorReason
 from .limits import DEFAULT_LIMITS, ImageLimits
 from .normalize import normalize_crops
-from .tiling import DEFAULT_TILING, Tiling, TilingSpec, overlap_crop
+from .resample import Resampler
+from .tiling import DEFAULT_TILING, Tiling, TilingSpec
 
-__all__ = ["PreparedImage", "content_hash", "prepare_decoded", "prepare_image", "prepare_pil"]
+__all__ = [
+    "ImagePreparer",
+    "PreparedImage",
+    "content_hash",
+    "prepare_decoded",
+    "prepare_image",
+    "prepare_pil",
+]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -22,13 +42,14 @@ class PreparedImage:
     """Crops of one image, ready for the vision encoder.
 
     Attributes:
-        crops: uint8 ``[1 + h_t*w_t, crop, crop, 3]``, C-contiguous, on the CPU.
-            Index 0 is the global crop, then local crops in row-major order.
-            Treat it as read-only: it may be shared through a cache.
+        crops: uint8 ``[1 + h_t*w_t, crop, crop, 3]``, C-contiguous, on the device the
+            image was prepared for (the CPU by default). Index 0 is the global crop,
+            then local crops in row-major order. Treat it as read-only: it may be
+            shared through a cache. CUDA crops are complete when the image is returned.
         tiling: ``(h_t, w_t)``.
         content_hash: SHA-256 hex of the pixels the crops were made from (see
             :func:`content_hash`); usable as a cache key together with the tiling
-            spec.
+            spec and resize mode.
         width, height: size of the upright original image.
         decoded_size: ``(height, width)`` of the pixels actually resized; smaller
             than the original when a large JPEG was decoded at reduced scale.
@@ -53,38 +74,160 @@ class PreparedImage:
         return normalize_crops(self.crops, dtype=dtype, device=device)
 
 
-def content_hash(image: Image.Image, original_size: tuple[int, int] | None = None) -> str:
+def content_hash(
+    image: Image.Image | np.ndarray, original_size: tuple[int, int] | None = None
+) -> str:
     """SHA-256 hex of an RGB image's pixels and shape.
 
     The shape is hashed with the pixels, so a different size never gives the same
     digest, and the container the pixels came in plays no part. ``original_size``
     ``(height, width)`` marks a reduced-scale decode: its digest then differs from
     any full-size image's, since the same picture decoded at full size would give
-    other pixels.
+    other pixels. ``image`` is a Pillow RGB image or uint8 ``[h, w, 3]`` array.
     """
-    if image.mode != "RGB":
-        raise ValueError(f"expected an RGB image, got mode {image.mode!r}")
-    header = f"rgb8 {image.height}x{image.width}"
-    if original_size is not None and original_size != (image.height, image.width):
+    if isinstance(image, Image.Image):
+        if image.mode != "RGB":
+            raise ValueError(f"expected an RGB image, got mode {image.mode!r}")
+        height, width = image.height, image.width
+        data: bytes | memoryview = image.tobytes()
+    else:
+        if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+            raise ValueError("expected a uint8 [h, w, 3] array")
+        height, width = image.shape[:2]
+        data = memoryview(np.ascontiguousarray(image)).cast("B")
+    header = f"rgb8 {height}x{width}"
+    if original_size is not None and original_size != (height, width):
         header += f" reduced-from {original_size[0]}x{original_size[1]}"
     digest = hashlib.sha256(header.encode("ascii") + b"\n")
-    digest.update(image.tobytes())
+    digest.update(data)
     return digest.hexdigest()
 
 
-def prepare_decoded(decoded: DecodedImage, tiling: TilingSpec = DEFAULT_TILING) -> PreparedImage:
+class ImagePreparer:
+    """Turns encoded images into :class:`PreparedImage` on one device, one way.
+
+    Holds what is worth keeping between images: the device, the resize weights (per
+    size pair), the side streams of the calling threads (CUDA), the decode budget.
+    Thread-safe; meant to be called from a pool of decode threads.
+
+    Args:
+        limits: input limits (header checks before decoding).
+        tiling: crop geometry.
+        resize: resizer to replicate (see :class:`ResizeMode`).
+        device: where the crops are made and kept (``cpu``, ``cuda``, ``cuda:1``).
+        reduced_decode: decode large JPEGs at 1/2, 1/4 or 1/8 scale when the result
+            still covers the canvas; faster, but the pixels differ from a full decode.
+        budget: shared bound on decoded bytes in flight, or None.
+        on_device_time: called with the device milliseconds of each image's upload,
+            resize and crop (CUDA only; for benchmarks).
+    """
+
+    def __init__(
+        self,
+        limits: ImageLimits = DEFAULT_LIMITS,
+        tiling: TilingSpec = DEFAULT_TILING,
+        resize: ResizeMode | str = ResizeMode.VIPS,
+        device: torch.device | str = "cpu",
+        *,
+        reduced_decode: bool = True,
+        budget: DecodeBudget | None = None,
+        on_device_time: Callable[[float], None] | None = None,
+    ) -> None:
+        self.limits = limits
+        self.tiling = tiling
+        self.resize = ResizeMode(resize)
+        self.device = torch.device(device)
+        self.reduced_decode = reduced_decode
+        self.budget = budget
+        self.on_device_time = on_device_time
+        self.resampler = Resampler(self.device)
+        self._local = threading.local()
+
+    def prepare(self, data: bytes) -> PreparedImage:
+        """Decode untrusted bytes and cut the encoder crops (``ImageError`` on bad data)."""
+        target = self._canvas_for if self.reduced_decode else None
+        # On CUDA the JPEG decoder writes straight into pinned memory: no staging copy.
+        alloc = _pinned if self.device.type == "cuda" else None
+        decoded = decode(data, self.limits, target=target, budget=self.budget, alloc=alloc)
+        return self.prepare_decoded(decoded)
+
+    def prepare_decoded(self, decoded: DecodedImage) -> PreparedImage:
+        """Crop an already decoded image. The tiling follows the original size."""
+        tiles = self.tiling.tiling_for(decoded.height, decoded.width)
+        digest = content_hash(decoded.pixels, (decoded.height, decoded.width))
+        crops = self._crops(decoded.pixels, tiles)
+        return PreparedImage(
+            crops=crops,
+            tiling=tiles,
+            content_hash=digest,
+            width=decoded.width,
+            height=decoded.height,
+            decoded_size=decoded.decoded_size,
+        )
+
+    def _canvas_for(self, height: int, width: int) -> tuple[int, int]:
+        spec = self.tiling
+        canvas_h, canvas_w = spec.canvas_size(spec.tiling_for(height, width))
+        return max(canvas_h, spec.crop_size), max(canvas_w, spec.crop_size)
+
+    def _crops(self, pixels: np.ndarray, tiles: Tiling) -> torch.Tensor:
+        host = torch.from_numpy(pixels)
+        if self.device.type != "cuda":
+            return make_crops(host, tiles, self.tiling, self.resize, self.resampler)
+        # One upload of the uint8 pixels: pinned, so the copy is a real async DMA; on this
+        # thread's own stream, so it overlaps the engine's work; finished before return,
+        # so the engine may use the crops on any stream.
+        if host.is_pinned():
+            pinned = host
+        else:
+            pinned = torch.empty(host.shape, dtype=torch.uint8, pin_memory=True)
+            pinned.copy_(host)
+        stream = self._stream()
+        timed = self.on_device_time is not None
+        start = torch.cuda.Event(enable_timing=True) if timed else None
+        # A blocking event: the decode thread sleeps until the crops are done instead of
+        # spinning on a core.
+        done = torch.cuda.Event(enable_timing=timed, blocking=True)
+        with torch.cuda.stream(stream):
+            if start is not None:
+                start.record(stream)
+            pixels_dev = pinned.to(self.device, non_blocking=True)
+            crops = make_crops(pixels_dev, tiles, self.tiling, self.resize, self.resampler)
+            done.record(stream)
+        done.synchronize()
+        if start is not None and self.on_device_time is not None:
+            self.on_device_time(start.elapsed_time(done))
+        return crops
+
+    def _stream(self) -> torch.cuda.Stream:
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = torch.cuda.Stream(self.device)
+        return stream
+
+
+def _pinned(shape: tuple[int, int, int]) -> np.ndarray:
+    """A page-locked host array (the numpy view keeps its tensor alive)."""
+    return torch.empty(shape, dtype=torch.uint8, pin_memory=True).numpy()
+
+
+@functools.lru_cache(maxsize=32)
+def _default_preparer(
+    limits: ImageLimits, tiling: TilingSpec, resize: ResizeMode, device: str, reduced: bool
+) -> ImagePreparer:
+    return ImagePreparer(limits, tiling, resize, device, reduced_decode=reduced)
+
+
+def prepare_decoded(
+    decoded: DecodedImage,
+    tiling: TilingSpec = DEFAULT_TILING,
+    *,
+    resize: ResizeMode | str = ResizeMode.VIPS,
+    device: torch.device | str = "cpu",
+) -> PreparedImage:
     """Crop an already decoded image. The tiling follows the original size."""
-    tiles = tiling.tiling_for(decoded.height, decoded.width)
-    crops, _ = overlap_crop(decoded.image, tiling, tiles)
-    image = decoded.image
-    return PreparedImage(
-        crops=torch.from_numpy(crops),
-        tiling=tiles,
-        content_hash=content_hash(image, (decoded.height, decoded.width)),
-        width=decoded.width,
-        height=decoded.height,
-        decoded_size=(image.height, image.width),
-    )
+    preparer = _default_preparer(DEFAULT_LIMITS, tiling, ResizeMode(resize), str(device), True)
+    return preparer.prepare_decoded(decoded)
 
 
 def prepare_image(
@@ -93,32 +236,35 @@ def prepare_image(
     tiling: TilingSpec = DEFAULT_TILING,
     *,
     reduced_decode: bool = True,
+    resize: ResizeMode | str = ResizeMode.VIPS,
+    device: torch.device | str = "cpu",
 ) -> PreparedImage:
     """Decode untrusted image bytes and cut the encoder crops.
 
     Large JPEGs are decoded at a reduced DCT scale (1/2, 1/4, 1/8) when the
     result still covers the local canvas (and the global crop) in both
     dimensions; the tiling is always chosen from the original size. Set
-    ``reduced_decode=False`` to always decode at full size.
+    ``reduced_decode=False`` to always decode at full size. ``resize`` picks the
+    resizer the crops replicate; ``device`` where they are made and kept.
 
     Thread-safe: no shared mutable state.
 
     Raises:
         ImageError: for any problem with the data itself.
     """
-
-    def canvas_for(height: int, width: int) -> tuple[int, int]:
-        canvas_h, canvas_w = tiling.canvas_size(tiling.tiling_for(height, width))
-        return max(canvas_h, tiling.crop_size), max(canvas_w, tiling.crop_size)
-
-    decoded = decode(data, limits, target=canvas_for if reduced_decode else None)
-    return prepare_decoded(decoded, tiling)
+    preparer = _default_preparer(
+        limits, tiling, ResizeMode(resize), str(torch.device(device)), reduced_decode
+    )
+    return preparer.prepare(data)
 
 
 def prepare_pil(
     image: Image.Image,
     limits: ImageLimits = DEFAULT_LIMITS,
     tiling: TilingSpec = DEFAULT_TILING,
+    *,
+    resize: ResizeMode | str = ResizeMode.VIPS,
+    device: torch.device | str = "cpu",
 ) -> PreparedImage:
     """Like :func:`prepare_image` for an image that is already a Pillow object.
 
@@ -137,5 +283,5 @@ def prepare_pil(
         raise
     except Exception as exc:
         raise ImageError(ImageErrorReason.CORRUPT, f"cannot read image: {exc}") from exc
-    decoded = DecodedImage(image=rgb, width=rgb.width, height=rgb.height)
-    return prepare_decoded(decoded, tiling)
+    decoded = DecodedImage(pixels=np.array(rgb), width=rgb.width, height=rgb.height)
+    return prepare_decoded(decoded, tiling, resize=resize, device=device)

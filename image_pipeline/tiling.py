@@ -18,10 +18,10 @@ __all__ = ["DEFAULT_TILING", "TilingSpec", "cut_local_crops", "overlap_crop", "s
 
 Tiling = tuple[int, int]
 
-# The reference resizes with libvips (Lanczos3) when pyvips is importable and with
-# Pillow LANCZOS otherwise. Pillow is always used here, so results do not depend on
-# what happens to be installed; they are bit-exact with the reference's Pillow
-# fallback, and only close (not bit-exact) to a libvips-based reference run.
+# The reference resizes with libvips when pyvips is importable and with Pillow LANCZOS
+# otherwise. `overlap_crop` here is the Pillow one, bit-exact with the reference's
+# fallback; the server makes its crops in torch (`crops.make_crops`), replicating
+# either resizer bit for bit, and tests them against this function and pyvips.
 RESAMPLE = Image.Resampling.LANCZOS
 
 

@@ -189,21 +189,27 @@ def test_image_bench_tiny(tmp_path: Path) -> None:
             "0.02",
             "--min-calls",
             "1",
+            "--resize",
+            "vips",
+            "pillow",
+            "--device",
+            "cpu",
             "--out",
             str(tmp_path),
         ]
     )
     assert code == 0
     data = _strict_json(tmp_path / "image_bench.json")
-    assert [(r["format"], r["threads"]) for r in data["rows"]] == [
-        ("jpeg", 1),
-        ("jpeg", 2),
-        ("png", 1),
-        ("png", 2),
+    assert [(r["format"], r["resize"], r["threads"]) for r in data["rows"]] == [
+        (fmt, mode, threads)
+        for fmt in ("jpeg", "png")
+        for mode in ("vips", "pillow")
+        for threads in (1, 2)
     ]
     for r in data["rows"]:
         assert r["calls"] >= r["threads"] and r["images_per_s"] > 0
         assert 0 < r["prepare_ms"] <= r["ms_per_image"] and r["normalize_ms"] >= 0
+        assert r["cpu_ms"] > 0 and r["gpu_ms"] is None  # no device time on the CPU
         assert r["crops"] >= 1
 
 

@@ -68,10 +68,10 @@ def test_prepared_image_contract() -> None:
         prepared.tiling = (1, 1)  # type: ignore[misc]
 
 
-def test_crops_match_overlap_crop_of_the_decoded_image() -> None:
+def test_pillow_mode_crops_match_overlap_crop_of_the_decoded_image() -> None:
     data = encode(drawing(), "PNG")
     crops, tiling = overlap_crop(decode_image(data))
-    prepared = prepare_image(data)
+    prepared = prepare_image(data, resize="pillow")
     assert prepared.tiling == tiling
     np.testing.assert_array_equal(prepared.crops.numpy(), crops)
 

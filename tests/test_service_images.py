@@ -10,24 +10,37 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from PIL import Image
 
-import vlm_server.service.images as images_mod
-from image_pipeline import DEFAULT_LIMITS, PreparedImage, prepare_image, sample_image_bytes
-from vlm_server.service.images import ImageCache, ImageResolver
+from image_pipeline import (
+    DEFAULT_LIMITS,
+    DecodeBudget,
+    ImagePreparer,
+    PreparedImage,
+    ResizeMode,
+    prepare_image,
+    sample_image_bytes,
+)
+from vlm_server.engine.api import EngineError, ErrorCode
+from vlm_server.service.config import ServerConfig, load_config
+from vlm_server.service.images import ImageCache, ImageResolver, image_preparer
 
 
-def test_repeated_bytes_skip_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = []
-    real = images_mod.prepare_image
+class CountingPreparer(ImagePreparer):
+    def __init__(self, calls: list[int]) -> None:
+        super().__init__(DEFAULT_LIMITS)
+        self.calls = calls
 
-    def counting(data: bytes, limits: object) -> object:
-        calls.append(len(data))
-        return real(data, limits)
+    def prepare(self, data: bytes) -> PreparedImage:
+        self.calls.append(len(data))
+        return super().prepare(data)
 
-    monkeypatch.setattr(images_mod, "prepare_image", counting)
+
+def test_repeated_bytes_skip_decoding() -> None:
+    calls: list[int] = []
 
     async def run() -> None:
         with ThreadPoolExecutor(2) as pool:
-            resolver = ImageResolver(DEFAULT_LIMITS, ImageCache(64 << 20), pool)
+            preparer = CountingPreparer(calls)
+            resolver = ImageResolver(DEFAULT_LIMITS, ImageCache(64 << 20), pool, preparer)
             data = sample_image_bytes()
             a = await resolver.decode(data)
             b = await resolver.decode(data)
@@ -36,7 +49,7 @@ def test_repeated_bytes_skip_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
             c = await resolver.decode(data + b"\0")
             assert len(calls) == 2 and c.content_hash == a.content_hash
             # Evicted from the bounded cache: decoded again.
-            small = ImageResolver(DEFAULT_LIMITS, ImageCache(1), pool)
+            small = ImageResolver(DEFAULT_LIMITS, ImageCache(1), pool, preparer)
             await small.decode(data)
             small.cache._items.clear()
             await small.decode(data)
@@ -79,3 +92,66 @@ def test_put_reports_an_earlier_upload_and_keeps_its_owner() -> None:
     assert cache.put(image) == (image.content_hash, True)  # inline use keeps the owner
     assert cache.held_by("alice") == image.crops.nbytes and cache.held_by(None) == 0
     assert cache.put(image, owner="bob") == (image.content_hash, True)
+
+
+def test_bad_images_are_invalid_argument_naming_the_field() -> None:
+    async def run() -> None:
+        with ThreadPoolExecutor(2) as pool:
+            preparer = ImagePreparer(DEFAULT_LIMITS, budget=DecodeBudget(1000))
+            resolver = ImageResolver(DEFAULT_LIMITS, ImageCache(64 << 20), pool, preparer)
+            with pytest.raises(EngineError) as info:
+                await resolver.decode(sample_image_bytes(), field="image_bytes")
+            assert info.value.code is ErrorCode.INVALID_ARGUMENT
+            assert info.value.field == "image_bytes"
+            assert str(info.value).startswith("image_bytes: over_decode_budget:")
+
+    asyncio.run(run())
+
+
+def test_server_config_builds_the_image_path() -> None:
+    config = load_config(
+        [
+            "--image-resize",
+            "pillow",
+            "--image-device",
+            "cpu",
+            "--image-reduced-decode",
+            "false",
+            "--image-decode-budget",
+            "64MiB",
+            "--max-image-pixels-per-byte",
+            "0",
+        ],
+        environ={},
+    )
+    preparer = image_preparer(config)
+    assert preparer.resize is ResizeMode.PILLOW and preparer.device.type == "cpu"
+    assert not preparer.reduced_decode and preparer.budget.capacity == 64 << 20
+    assert preparer.limits.max_pixels_per_byte is None
+    assert image_preparer(ServerConfig()).resize is ResizeMode.VIPS
+    with pytest.raises(ValueError):
+        ServerConfig(image_resize="bilinear")
+
+
+def test_concurrent_requests_with_the_same_new_bytes_share_one_decode() -> None:
+    calls: list[int] = []
+
+    async def run() -> None:
+        with ThreadPoolExecutor(4) as pool:
+            preparer = CountingPreparer(calls)
+            resolver = ImageResolver(DEFAULT_LIMITS, ImageCache(64 << 20), pool, preparer)
+            data = sample_image_bytes()
+            images = await asyncio.gather(*(resolver.decode(data) for _ in range(5)))
+            assert len(calls) == 1 and all(image is images[0] for image in images)
+            # Bad bytes: every waiter gets the error, naming its own field.
+            bad = b"\xff\xd8\xff" + b"junk" * 10
+            results = await asyncio.gather(
+                resolver.decode(bad, field="a"),
+                resolver.decode(bad, field="b"),
+                return_exceptions=True,
+            )
+            assert [str(r).split(":")[0] for r in results] == ["a", "b"]
+            assert all(isinstance(r, EngineError) for r in results)
+            assert not resolver._decoding
+
+    asyncio.run(run())

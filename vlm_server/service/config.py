@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from image_pipeline import ImageLimits
+from image_pipeline import ImageLimits, ResizeMode
 
 MIB = 1 << 20
 ENV_PREFIX = "VLM_"
@@ -39,6 +39,16 @@ def _optional_str(text: str) -> str | None:
 def _key_list(text: str) -> tuple[str, ...]:
     """``"k1,k2"`` -> ``("k1", "k2")``; blanks dropped."""
     return tuple(k.strip() for k in text.split(",") if k.strip())
+
+
+def parse_bool(text: str) -> bool:
+    """``true``/``false`` (also ``1``/``0``, ``yes``/``no``, ``on``/``off``)."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r} (true or false)")
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,12 @@ class ServerConfig:
     max_image_bytes: int = 32 * MIB
     max_image_pixels: int = 50_000_000
     max_image_side: int = 32_768
+    max_image_pixels_per_byte: int = 256
+    image_free_pixels: int = 4 * MIB
+    image_decode_budget: int = 1024 * MIB
+    image_resize: str = "vips"
+    image_device: str = "auto"
+    image_reduced_decode: bool = True
     image_cache_bytes: int = 512 * MIB
     image_cache_client_bytes: int = 128 * MIB
     max_message_bytes: int = 32 * MIB
@@ -104,6 +120,7 @@ class ServerConfig:
             "max_regex_chars",
             "max_constraint_states",
             "decode_threads",
+            "image_decode_budget",
         )
         for name in positive:
             if getattr(self, name) < 1:
@@ -132,6 +149,10 @@ class ServerConfig:
             raise ValueError("tls_client_ca needs tls_cert and tls_key (mutual TLS is TLS)")
         if self.malloc_mmap_threshold > 32 * MIB:
             raise ValueError("malloc_mmap_threshold must be at most 32MiB (glibc's ceiling)")
+        if self.max_image_pixels_per_byte < 0 or self.image_free_pixels < 0:
+            raise ValueError("max_image_pixels_per_byte and image_free_pixels must be >= 0")
+        if self.image_resize not in tuple(ResizeMode):
+            raise ValueError(f"image_resize must be one of {', '.join(ResizeMode)}")
         if self.log_format not in ("kv", "json"):
             raise ValueError("log_format must be kv or json")
 
@@ -141,6 +162,8 @@ class ServerConfig:
             max_bytes=self.max_image_bytes,
             max_pixels=self.max_image_pixels,
             max_side=self.max_image_side or None,
+            max_pixels_per_byte=self.max_image_pixels_per_byte or None,
+            free_pixels=self.image_free_pixels,
         )
 
     @property
@@ -231,6 +254,37 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("max_image_bytes", parse_size, "largest accepted encoded image"),
     _Option("max_image_pixels", int, "largest accepted width x height"),
     _Option("max_image_side", int, "largest accepted width or height (0 = no limit)"),
+    _Option(
+        "max_image_pixels_per_byte",
+        int,
+        "images beyond --image-free-pixels need one encoded byte per this many pixels "
+        "(decompression-bomb sanity rule; 0 = off)",
+    ),
+    _Option("image_free_pixels", int, "pixels exempt from --max-image-pixels-per-byte"),
+    _Option(
+        "image_decode_budget",
+        parse_size,
+        "decoded image bytes in flight across decode threads; larger decodes wait, an "
+        "image needing more than all of it is refused",
+    ),
+    _Option(
+        "image_resize",
+        str,
+        "resizer the crops replicate bit for bit: vips (the moondream reference with "
+        "pyvips) or pillow (its Pillow fallback)",
+        tuple(ResizeMode),
+    ),
+    _Option(
+        "image_device",
+        str,
+        "where images are resized and cropped: auto (the model's device), cpu, cuda[:N]",
+    ),
+    _Option(
+        "image_reduced_decode",
+        parse_bool,
+        "decode large JPEGs at 1/2, 1/4 or 1/8 scale when that still covers the crops "
+        "(faster; pixels differ from a full decode)",
+    ),
     _Option(
         "image_cache_bytes",
         parse_size,

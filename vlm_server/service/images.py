@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import hashlib
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Protocol
 
-from image_pipeline import ImageError, ImageLimits, PreparedImage, prepare_image
+import torch
+
+from image_pipeline import DecodeBudget, ImageError, ImageLimits, ImagePreparer, PreparedImage
+from vlm_server.service.config import ServerConfig
 from vlm_server.service.errors import invalid
 
 
@@ -102,25 +106,55 @@ class _HasImage(Protocol):
     def WhichOneof(self, name: str) -> str | None: ...
 
 
+def image_preparer(config: ServerConfig) -> ImagePreparer:
+    """The server's image path: limits, resize mode, device, reduced decode, decode budget.
+
+    ``image_device`` auto follows the model: ``--device``, else CUDA when present.
+    """
+    device = config.image_device
+    if device == "auto":
+        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return ImagePreparer(
+        config.image_limits,
+        resize=config.image_resize,
+        device=device,
+        reduced_decode=config.image_reduced_decode,
+        budget=DecodeBudget(config.image_decode_budget),
+    )
+
+
 class ImageResolver:
     """Turns a request's ``image`` oneof into a `PreparedImage`."""
 
     # Digests of encoded bytes remembered (a few hundred bytes each).
     MAX_KNOWN_ENCODINGS = 4096
 
-    def __init__(self, limits: ImageLimits, cache: ImageCache, executor: Executor) -> None:
+    def __init__(
+        self,
+        limits: ImageLimits,
+        cache: ImageCache,
+        executor: Executor,
+        preparer: ImagePreparer | None = None,
+    ) -> None:
         self.limits = limits
         self.cache = cache
         self._executor = executor
+        self.preparer = preparer if preparer is not None else ImagePreparer(limits)
         # SHA-256 of encoded bytes -> content hash in `cache`: the same upload sent again
         # skips decoding and tiling (tens of milliseconds of CPU per 800x600 picture).
         self._by_encoding: collections.OrderedDict[bytes, str] = collections.OrderedDict()
+        # Digest -> the decode in progress for it (requests racing with the same bytes).
+        self._decoding: dict[bytes, asyncio.Future[PreparedImage]] = {}
         self.encoding_hits = 0
 
     async def decode(self, data: bytes, field: str = "image_bytes") -> PreparedImage:
         """Decode and tile in the thread pool; bad data -> INVALID_ARGUMENT naming ``field``.
 
-        Bytes seen before (and still cached) are not decoded again."""
+        The digest of the encoded bytes comes first: bytes seen before (and still
+        cached) cost no decoding, no header parse, nothing but the hash. Otherwise the
+        header is checked (format, size, pixels per byte, orientation), the decode
+        waits for its share of the decode budget, and the crops are made on the
+        preparer's device."""
         loop = asyncio.get_running_loop()
         if len(data) > _HASH_ON_LOOP_BYTES:  # keep the event loop responsive for big uploads
             digest = await loop.run_in_executor(self._executor, _sha256, data)
@@ -133,16 +167,31 @@ class ImageResolver:
                 self._by_encoding.move_to_end(digest)
                 self.encoding_hits += 1
                 return image
+        # The decode runs as its own future, shared by every request racing with the same
+        # new bytes, and finishes (into the cache) even if they are all cancelled.
+        pending = self._decoding.get(digest)
+        if pending is None:
+            pending = loop.run_in_executor(self._executor, self.preparer.prepare, data)
+            self._decoding[digest] = pending
+            pending.add_done_callback(functools.partial(self._decoded, digest))
+        else:
+            self.encoding_hits += 1
         try:
-            image = await loop.run_in_executor(self._executor, prepare_image, data, self.limits)
+            return await asyncio.shield(pending)
         except ImageError as err:
             raise invalid(field, f"{err.reason.value}: {err.message}") from None
+
+    def _decoded(self, digest: bytes, future: asyncio.Future[PreparedImage]) -> None:
+        """Remember a finished decode (runs on the loop before its waiters resume)."""
+        del self._decoding[digest]
+        if future.cancelled() or future.exception() is not None:
+            return
+        image = future.result()
         self.cache.put(image)
         self._by_encoding[digest] = image.content_hash
         self._by_encoding.move_to_end(digest)
         while len(self._by_encoding) > self.MAX_KNOWN_ENCODINGS:
             self._by_encoding.popitem(last=False)
-        return image
 
     async def resolve(self, request: _HasImage) -> PreparedImage | None:
         """The request's image, or None when it sets neither image_bytes nor image_id."""

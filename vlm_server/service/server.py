@@ -32,7 +32,7 @@ from vlm_server.service.auth import ApiKeys, AuthInterceptor, client_identity, r
 from vlm_server.service.calls import Limits, ServiceCore
 from vlm_server.service.config import ServerConfig
 from vlm_server.service.health import HealthState
-from vlm_server.service.images import ImageCache, ImageResolver
+from vlm_server.service.images import ImageCache, ImageResolver, image_preparer
 from vlm_server.service.intake import IntakeInterceptor
 from vlm_server.service.memory import Trimmer
 from vlm_server.service.metrics import ServiceMetrics
@@ -91,7 +91,7 @@ class VisionLanguageServer:
             config.decode_threads, thread_name_prefix="image-decode"
         )
         cache = ImageCache(config.image_cache_bytes, owner_bytes=config.client_cache_bytes)
-        images = ImageResolver(config.image_limits, cache, self._executor)
+        images = ImageResolver(config.image_limits, cache, self._executor, image_preparer(config))
         limits = Limits(
             max_message_bytes=config.max_message_bytes,
             max_image_bytes=config.max_image_bytes,

@@ -395,14 +395,7 @@ class ModelRuntime:
         straight into their cache entries' pages. The prefix sees only itself, both ways, so
         attention needs no mask (the fused attention kernels apply)."""
         m = self.model
-        pin = self.dev.is_cuda  # a pageable source would make the copy block the host
-        normalized = [
-            normalize_crops(
-                (j.crops.pin_memory() if pin else j.crops).to(self.torch_device, non_blocking=True),
-                self.dtype,
-            )
-            for j in jobs
-        ]
+        normalized = [normalize_crops(self._crops_on_device(j.crops), self.dtype) for j in jobs]
         if self.vision_graphs:
             # One graph replay per image (captured per crop count); counts without a graph
             # (extreme aspect ratios) run eagerly.
@@ -423,6 +416,15 @@ class ModelRuntime:
         kv = PagedKV(self.k_pools, self.v_pools, rows, n, fresh_prefix=True)
         pos = torch.arange(n, device=self.torch_device)[None].expand(len(jobs), n)
         m.text(torch.cat(embs), pos, kv)
+
+    def _crops_on_device(self, crops: torch.Tensor) -> torch.Tensor:
+        """The image preparer may have made the crops on this device already; host crops go
+        up through pinned memory (a pageable source would make the copy block the host)."""
+        if crops.device == self.torch_device:
+            return crops
+        if self.dev.is_cuda and not crops.is_pinned():
+            crops = crops.pin_memory()
+        return crops.to(self.torch_device, non_blocking=True)
 
     def _encode_graphed(self, crops: torch.Tensor) -> torch.Tensor:
         n = crops.shape[0]

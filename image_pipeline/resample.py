@@ -1,0 +1,216 @@
+"""Run resampling plans in torch, bit-exact, on the CPU or a GPU.
+
+Every stage is a product of an integer weight matrix with integer pixels. In float32 such
+a product is exact as long as every partial sum stays below 2**24, whatever order the
+matmul adds in, so the stages run as ordinary (cuBLAS / CPU BLAS) matmuls. Weights too
+wide for that (Pillow's 22-bit ones) are split into digits, one matmul per digit, and
+recombined in float64. Where TF32 may be used for float32 matmuls, digits are kept to the
+11 significant bits TF32 keeps.
+
+The weight matrices are banded. Output indices are processed in blocks, each multiplying
+only the input span its band touches: on the CPU small blocks save most of the work; on
+a GPU one or a few large blocks save launches.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .resample_plan import ROWS, BoxShrink, Filter, Plan
+
+__all__ = ["Resampler", "matmul_is_exact_fp32"]
+
+_EXACT = 1 << 24  # float32 holds every integer up to this
+_TF32_BITS = 11  # significant bits of a TF32 operand
+_CONVERT_WHOLE = 1 << 25  # uint8 inputs up to this many values are converted in one go
+
+
+def matmul_is_exact_fp32(device: torch.device) -> bool:
+    """Whether float32 matmuls on ``device`` keep full float32 operands (no TF32/bf16)."""
+    if torch.get_float32_matmul_precision() != "highest":
+        return False
+    if device.type != "cuda":
+        return True
+    # Both the legacy flag and the newer per-backend precision setting, where present.
+    newer = getattr(torch.backends.cuda.matmul, "fp32_precision", "ieee")
+    if newer == "none":  # inherits the global setting
+        newer = getattr(torch.backends, "fp32_precision", "ieee")
+    return not torch.backends.cuda.matmul.allow_tf32 and newer in ("ieee", "none")
+
+
+@dataclass(frozen=True)
+class _Block:
+    out_start: int
+    out_stop: int
+    in_start: int
+    in_stop: int
+    digits: tuple[torch.Tensor, ...]  # float32 [out, in]
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    blocks: tuple[_Block, ...]
+    base: float  # digit k is worth base**k
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.nbytes for b in self.blocks for d in b.digits)
+
+
+def _split_digits(weights: np.ndarray, bits: int, count: int | None = None) -> list[np.ndarray]:
+    """Digits in base 2**bits, ``weights == sum(d * 2**(bits*k))``, the top one signed.
+
+    As few as needed, or exactly ``count`` (the last one takes the rest).
+    """
+    digits = []
+    rest = weights.copy()
+    base = 1 << bits
+    while True:
+        last = len(digits) + 1 == count if count is not None else np.all(np.abs(rest) < base)
+        if last:
+            digits.append(rest)
+            return digits
+        low = np.mod(rest, base)
+        digits.append(low)
+        rest = (rest - low) // base
+
+
+def _choose_digits(weights: np.ndarray, in_bound: int, shift: int, tf32: bool) -> tuple[int, list]:
+    """Fewest digits whose partial sums stay exact; returns (bits, digits)."""
+    top = int(np.abs(weights).max()) if weights.size else 0
+    width = max(top.bit_length(), 1)
+    for count in range(1, width + 1):
+        bits = -(-width // count)
+        if tf32 and bits > _TF32_BITS:
+            continue
+        digits = _split_digits(weights, bits)
+        half = (1 << (shift - 1)) if len(digits) == 1 else 0
+        if all(int(np.abs(d).sum(axis=1).max()) * in_bound + half < _EXACT for d in digits):
+            return bits, digits
+    raise ValueError("resampling weights cannot be applied exactly in float32")
+
+
+class Resampler:
+    """Applies :class:`Plan` objects to ``[H, W, C]`` pixel tensors on one device.
+
+    Thread-safe: prepared weights are cached per stage and device behind a lock; the
+    computation itself shares nothing.
+    """
+
+    CACHE_BYTES = 128 << 20  # prepared weights kept (least recently used go first)
+
+    def __init__(self, device: torch.device | str, block: int | None = None) -> None:
+        self.device = torch.device(device)
+        # Output indices per matmul block: small on the CPU (less work), larger on a GPU
+        # (fewer launches; the extra multiply-adds cost little there).
+        self.block = block if block is not None else (32 if self.device.type == "cpu" else 256)
+        self._cache: collections.OrderedDict[tuple[int, int, bool], tuple[Filter, _Prepared]]
+        self._cache = collections.OrderedDict()
+        self._cached_bytes = 0
+        self._lock = threading.Lock()
+
+    def run(self, pixels: torch.Tensor, plan: Plan) -> torch.Tensor:
+        """``pixels`` uint8 ``[H, W, C]`` -> uint8 ``[H', W', C]``."""
+        if tuple(pixels.shape[:2]) != plan.in_size:
+            raise ValueError(f"plan is for {plan.in_size}, pixels are {tuple(pixels.shape[:2])}")
+        # Every stage works along dim 0, so each block is one 2-D matmul over whole rows
+        # writing a contiguous slice of the output; the image is transposed between axes.
+        x = pixels.to(self.device)
+        along = ROWS
+        tf32 = not matmul_is_exact_fp32(self.device)
+        bound = 255
+        for stage in plan.stages:
+            if stage.axis != along:
+                x = x.transpose(0, 1).contiguous()
+                along = stage.axis
+            if isinstance(stage, BoxShrink):
+                x = self._box(x, stage).to(torch.uint8)
+            else:
+                x = self._filter(x, stage, bound, tf32)
+                bound = stage.out_bound(bound)
+                # Between stages the values are small integers: keep them in the
+                # narrowest exact type (less to transpose and to move).
+                x = x.to(torch.uint8 if stage.clip else torch.int16)
+        if along != ROWS:
+            x = x.transpose(0, 1).contiguous()
+        return x
+
+    # ------------------------------------------------------------------ stages
+
+    @staticmethod
+    def _box(x: torch.Tensor, stage: BoxShrink) -> torch.Tensor:
+        n, out_len = stage.factor, stage.out_len
+        pad = out_len * n - x.shape[0]
+        if pad:  # repeat the edge, as libvips' embed does
+            x = torch.cat([x, x[-1:].expand(pad, *x.shape[1:])])
+        sums = x.reshape(out_len, n, *x.shape[1:]).sum(1, dtype=torch.float64)
+        return torch.floor((sums + n // 2) * stage.multiplier / (1 << 24)).to(torch.float32)
+
+    def _filter(self, x: torch.Tensor, stage: Filter, bound: int, tf32: bool) -> torch.Tensor:
+        prepared = self._prepare(stage, bound, tf32)
+        rest = x.shape[1:]
+        flat = x.reshape(x.shape[0], -1)
+        if flat.dtype != torch.float32 and flat.numel() <= _CONVERT_WHOLE:
+            flat = flat.to(torch.float32)  # once, rather than per (overlapping) block
+        half = 1 << (stage.shift - 1)
+        scale = 1.0 / (1 << stage.shift)
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        single = len(prepared.blocks[0].digits) == 1
+        dtype = torch.float32 if single else torch.float64
+        out = torch.empty((stage.out_len, flat.shape[1]), dtype=dtype, device=flat.device)
+        for block in prepared.blocks:
+            if stream is not None:
+                # Cached weights are shared by the decode threads' streams: an evicted
+                # block must not be reused while this stream may still read it.
+                for d in block.digits:
+                    d.record_stream(stream)
+            src = flat[block.in_start : block.in_stop].to(torch.float32)
+            rows = out[block.out_start : block.out_stop]
+            if single:
+                torch.matmul(block.digits[0], src, out=rows)
+            else:
+                rows.zero_()
+                for k, d in enumerate(block.digits):
+                    rows.add_(torch.matmul(d, src).to(torch.float64), alpha=prepared.base**k)
+        out = torch.floor_(out.add_(half).mul_(scale))
+        if stage.clip:
+            out.clamp_(0, 255)
+        return out.to(torch.float32).reshape(stage.out_len, *rest)
+
+    def _prepare(self, stage: Filter, bound: int, tf32: bool) -> _Prepared:
+        key = (id(stage), bound, tf32)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+        if hit is not None and hit[0] is stage:
+            return hit[1]
+        bits, stage_digits = _choose_digits(stage.band, bound, stage.shift, tf32)
+        blocks = []
+        for start in range(0, stage.out_len, self.block):
+            stop = min(start + self.block, stage.out_len)
+            in_start = int(stage.starts[start:stop].min())
+            in_stop = max(int(stage.stops[start:stop].max()), in_start + 1)
+            dense = stage.dense(start, stop, in_start, in_stop)
+            tensors = []
+            for d in _split_digits(dense, bits, len(stage_digits)):
+                part = torch.from_numpy(d.astype(np.float32))
+                tensors.append(part.to(self.device))
+            blocks.append(_Block(start, stop, in_start, in_stop, tuple(tensors)))
+        prepared = _Prepared(tuple(blocks), float(1 << bits))
+        with self._lock:
+            # Keeping the stage in the entry pins its id; plans are cached, so few stay.
+            old = self._cache.pop(key, None)
+            if old is not None:
+                self._cached_bytes -= old[1].nbytes
+            self._cache[key] = (stage, prepared)
+            self._cached_bytes += prepared.nbytes
+            while self._cached_bytes > self.CACHE_BYTES and len(self._cache) > 1:
+                _, (_, evicted) = self._cache.popitem(last=False)
+                self._cached_bytes -= evicted.nbytes
+        return prepared
