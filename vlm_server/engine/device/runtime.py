@@ -420,8 +420,8 @@ class ModelRuntime:
     def _crops_on_device(self, crops: torch.Tensor) -> torch.Tensor:
         """The image preparer may have made the crops on this device already; host crops go
         up through pinned memory (a pageable source would make the copy block the host)."""
-        if crops.device == self.torch_device:
-            return crops
+        if crops.device.type != "cpu":
+            return crops.to(self.torch_device, non_blocking=True)  # no-op on the same GPU
         if self.dev.is_cuda and not crops.is_pinned():
             crops = crops.pin_memory()
         return crops.to(self.torch_device, non_blocking=True)
