@@ -417,7 +417,7 @@ def test_row_regions_are_versioned_per_row() -> None:
 
 # ---- the runtime protocol ------------------------------------------------------------------
 
-_METHODS = ["launch_prefill", "launch_decode", "finalize", "read_outputs", "release_row"]
+_METHODS = ["launch_mixed", "launch_decode", "finalize", "read_outputs", "release_row"]
 
 
 def test_protocol_is_what_the_scheduler_uses() -> None:

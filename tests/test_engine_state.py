@@ -17,13 +17,14 @@ from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.pages import SINK_PAGE, OutOfPages, PageAllocator
 from vlm_server.engine.core.pipeline import LaunchKind, PipelineError, PipelineState
 from vlm_server.engine.core.prefix_cache import PrefixCache
+from vlm_server.engine.core.step_plan import Chunk, StepPlan
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.weights.loader import LoadedModel
 
 
 def test_pipeline_depth_two_cycle() -> None:
     p = PipelineState(depth=2)
-    a = p.launch(LaunchKind.PREFILL, ["x"])
+    a = p.launch(LaunchKind.MIXED, ["x"], StepPlan(0, [Chunk(0, 3, final=True)]))
     p.mark_finalized(a)
     b = p.launch(LaunchKind.DECODE, ["x"])
     assert not p.can_launch()

@@ -182,10 +182,10 @@ class GatedBatchedEngine(BatchedEngine):
     def _on_step(self, phase: str, step: Step) -> None:
         """Called on the scheduler thread around each pipeline action."""
         if phase == "launch":
-            if step.kind is LaunchKind.PREFILL:
-                self.prefilled.extend(s.request.request_id for s in step.seqs)
-            else:
-                self.largest_batch = max(self.largest_batch, len(step.seqs))
+            plan = step.plan
+            n_decode = len(step.seqs) if plan is None else plan.n_decode
+            self.largest_batch = max(self.largest_batch, n_decode)
+            self.prefilled.extend(s.request.request_id for s in step.seqs[n_decode:])
         if phase != "commit" or step.kind is not LaunchKind.DECODE or self.token_gate.is_set():
             return
         self.held_requests = tuple(s.request.request_id for s in step.seqs)
