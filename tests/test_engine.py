@@ -2,7 +2,9 @@
 
 Greedy output must equal the reference token for token, at pipeline depth 1 and 2, with many
 concurrent requests of different lengths, eos at different steps, max_objects hits, image
-prefix hits and misses, and cancellations; afterwards every page, row and slot is free.
+prefix hits and misses, and cancellations; afterwards every page, row and slot is free. The
+reference comparisons also run with a step budget of three prompt tokens beside a full decode
+batch, so prompts are prefilled in chunks over several mixed steps next to running decodes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import torch
 
 from image_pipeline import PreparedImage, prepare_pil, sample_image
 from tests.support.observers import StepLog
+from vlm_server.engine.core.pipeline import Step
+from vlm_server.engine.core.step_plan import StepPlan
 from vlm_server.engine.api import (
     EngineError,
     ErrorCode,
@@ -70,10 +74,42 @@ async def _collect(engine: BatchedEngine, req: GenerationRequest) -> tuple[list[
     raise AssertionError("stream ended without Finished")
 
 
+# Step budgets the reference comparisons run under: the default (prompts whole) and "chunked":
+# the full decode batch plus three prompt tokens per step.
+BUDGETS = ["default", "chunked"]
+
+
+class _Plans(StepLog):
+    """Keeps the plan of every mixed step launched."""
+
+    def __init__(self) -> None:
+        super().__init__(self._on_step)
+        self.plans: list[StepPlan] = []
+
+    def _on_step(self, what: str, step: Step) -> None:
+        if what == "launch" and step.plan is not None:
+            self.plans.append(step.plan)
+
+    def check(self, engine: BatchedEngine, budget: str) -> None:
+        """Under the chunked budget, prompts really were split and shared steps with decode
+        rows; under any budget, no step held more tokens than it."""
+        assert self.plans
+        assert all(p.n_tokens <= engine.cfg.max_step_tokens for p in self.plans)
+        if budget == "chunked":
+            assert any(not c.final for p in self.plans for c in p.chunks)
+            assert any(p.n_decode and any(c.length for c in p.chunks) for p in self.plans)
+
+
 def _engine(
-    loaded: LoadedModel, depth: int, observer: Observer = NO_OBSERVER, **kw: object
+    loaded: LoadedModel,
+    depth: int,
+    observer: Observer = NO_OBSERVER,
+    budget: str = "default",
+    **kw: object,
 ) -> BatchedEngine:
     options: dict = {"max_batch": 8, "kv_budget_bytes": 32 << 20, **kw}
+    if budget == "chunked":
+        options["max_step_tokens"] = options["max_batch"] + 3
     cfg = EngineConfig(pipeline_depth=depth, **options)
     return BatchedEngine(loaded, cfg, observer=observer)
 
@@ -132,24 +168,27 @@ def _text_requests(images: list[PreparedImage]) -> list[GenerationRequest]:
     return reqs
 
 
+@pytest.mark.parametrize("budget", BUDGETS)
 @pytest.mark.parametrize("depth", [1, 2])
 def test_text_tasks_equal_the_reference(
-    text_model: LoadedModel, images: list[PreparedImage], depth: int
+    text_model: LoadedModel, images: list[PreparedImage], depth: int, budget: str
 ) -> None:
     ref = ReferenceGenerator(text_model.model, text_model.tokenizer)
     reqs = _text_requests(images)
 
     async def run() -> list[tuple[list[str], Finished]]:
-        engine = _engine(text_model, depth, max_batch=4)
+        engine = _engine(text_model, depth, plans, budget=budget, max_batch=4)
         await engine.start()
         try:
             out = await asyncio.gather(*[_collect(engine, r) for r in reqs])
             await _wait_idle(engine)  # the last zombies release after their results went out
             _assert_clean(engine)
+            plans.check(engine, budget)
             return out
         finally:
             await engine.close()
 
+    plans = _Plans()
     results = asyncio.run(run())
     reasons = set()
     for req, (parts, fin) in zip(reqs, results, strict=True):
@@ -169,9 +208,10 @@ def test_text_tasks_equal_the_reference(
     assert reasons == {"eos", "length"}  # both endings were exercised
 
 
+@pytest.mark.parametrize("budget", BUDGETS)
 @pytest.mark.parametrize("depth", [1, 2])
 def test_region_tasks_equal_the_reference(
-    region_model: LoadedModel, images: list[PreparedImage], depth: int
+    region_model: LoadedModel, images: list[PreparedImage], depth: int, budget: str
 ) -> None:
     ref = ReferenceGenerator(region_model.model, region_model.tokenizer)
     reqs = [
@@ -191,17 +231,19 @@ def test_region_tasks_equal_the_reference(
     ]
 
     async def run() -> list[tuple[list[str], Finished]]:
-        engine = _engine(region_model, depth)
+        engine = _engine(region_model, depth, plans, budget=budget)
         await engine.start()
         try:
             out = await asyncio.gather(*[_collect(engine, r) for r in reqs])
             assert engine.stats().prefix_hits >= 3  # 6 requests over 3 images
             await _wait_idle(engine)
             _assert_clean(engine)
+            plans.check(engine, budget)
             return out
         finally:
             await engine.close()
 
+    plans = _Plans()
     reasons, counts = set(), set()
     for req, (_, fin) in zip(reqs, asyncio.run(run()), strict=True):
         if req.task is Task.DETECT:
@@ -511,9 +553,10 @@ def test_commit_before_finalize_order(
     assert len(committed) == len(launched)
 
 
+@pytest.mark.parametrize("budget", BUDGETS)
 @pytest.mark.parametrize("depth", [1, 2])
 def test_constrained_and_segment_equal_the_reference(
-    tiny: LoadedModel, images: list[PreparedImage], depth: int
+    tiny: LoadedModel, images: list[PreparedImage], depth: int, budget: str
 ) -> None:
     """Choices, regex (sampled and greedy) and segment: the engine's answers are the
     reference's, through the same grammars and masks."""
@@ -549,16 +592,18 @@ def test_constrained_and_segment_equal_the_reference(
     ]
 
     async def run() -> list[Finished]:
-        engine = _engine(tiny, depth)
+        engine = _engine(tiny, depth, plans, budget=budget)
         await engine.start()
         try:
             out = await asyncio.gather(*[_collect(engine, r) for r in reqs])
             await _wait_idle(engine)
             _assert_clean(engine)
+            plans.check(engine, budget)
             return [fin for _, fin in out]
         finally:
             await engine.close()
 
+    plans = _Plans()
     ref = ReferenceGenerator(tiny.model, tiny.tokenizer)
     for req, fin in zip(reqs, asyncio.run(run()), strict=True):
         if req.task is Task.QUERY:
