@@ -20,8 +20,6 @@ import torch
 
 from image_pipeline import PreparedImage, prepare_pil, sample_image
 from tests.support.observers import StepLog
-from vlm_server.engine.core.pipeline import Step
-from vlm_server.engine.core.step_plan import StepPlan
 from vlm_server.engine.api import (
     EngineError,
     ErrorCode,
@@ -32,6 +30,8 @@ from vlm_server.engine.api import (
 )
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.observer import NO_OBSERVER, Observer
+from vlm_server.engine.core.pipeline import Step
+from vlm_server.engine.core.step_plan import Chunk, StepPlan
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
 from vlm_server.weights.loader import LoadedModel
@@ -625,3 +625,64 @@ def test_constrained_and_segment_equal_the_reference(
             assert got is not None and fin.finish_reason == reason
             assert got.svg_path == seg.path and tuple(got.mask_rle) == tuple(seg.mask_counts)
             assert (got.box.x_min, got.box.y_min, got.box.x_max, got.box.y_max) == seg.box
+
+
+@pytest.mark.parametrize("code", [ErrorCode.CANCELLED, ErrorCode.DEADLINE_EXCEEDED])
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_stop_in_the_middle_of_a_chunked_prefill_frees_everything(
+    tiny: LoadedModel, images: list[PreparedImage], depth: int, code: ErrorCode
+) -> None:
+    """A request cancelled, or whose deadline passes, between two chunks of its prompt ends
+    with that error, launches no further chunk, and gives back every page and row; the
+    request decoding beside it is untouched."""
+    chunks: dict[str, list[Chunk]] = {}
+    beside: list[int] = []  # decode rows in the steps holding the victim's chunks
+
+    def on_step(what: str, step: Step) -> None:
+        if what != "launch" or step.plan is None:
+            return
+        for seq, chunk in zip(step.seqs[step.plan.n_decode :], step.plan.chunks, strict=True):
+            rid = seq.request.request_id
+            chunks.setdefault(rid, []).append(chunk)
+            if rid == "victim":
+                beside.append(step.plan.n_decode)
+            if rid == "victim" and len(chunks[rid]) == 2:  # its prefix, then a first chunk
+                assert chunk.length and not chunk.final
+                if code is ErrorCode.CANCELLED:
+                    seq.cancelled = ErrorCode.CANCELLED  # as the stream's cancel() does
+                else:  # the scheduler thread itself outlives the deadline
+                    assert seq.request.deadline is not None
+                    time.sleep(max(0.0, seq.request.deadline - time.monotonic()) + 0.01)
+
+    async def run() -> None:
+        engine = _engine(tiny, depth, StepLog(on_step), budget="chunked", max_batch=4)
+        await engine.start()
+        try:
+            other = GenerationRequest(
+                Task.CAPTION, images[0], request_id="other", temperature=0, max_tokens=100
+            )
+            other_task = asyncio.create_task(_collect(engine, other))
+            while engine.stats().last_batch_size == 0:
+                await asyncio.sleep(0.001)  # the other request is decoding
+            victim = GenerationRequest(
+                Task.QUERY,
+                images[1],
+                request_id="victim",
+                question="please describe every single thing you can see in this picture",
+                temperature=0,
+                max_tokens=20,
+                deadline=time.monotonic() + 2.0 if code is ErrorCode.DEADLINE_EXCEEDED else None,
+            )
+            with pytest.raises(EngineError) as info:
+                await _collect(engine, victim)
+            assert info.value.code is code
+            _, fin = await other_task
+            assert fin.finish_reason in ("eos", "length")
+            await _wait_idle(engine)
+            _assert_clean(engine)
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
+    assert len(chunks["victim"]) == 2 and chunks["victim"][0].prefix
+    assert beside[-1] == 1  # the other request decoded in the same step

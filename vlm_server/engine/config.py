@@ -30,8 +30,10 @@ class EngineConfig:
         if self.max_batch < 1 or self.max_queue < 0 or self.max_prefill_batch < 1:
             raise ValueError("max_batch and max_prefill_batch must be >= 1, max_queue >= 0")
         if self.max_step_tokens <= self.max_batch:
-            raise ValueError("max_step_tokens must exceed max_batch: every step takes all its "
-                             "decode rows and at least one prefill token")
+            raise ValueError(
+                "max_step_tokens must exceed max_batch: every step takes all its "
+                "decode rows and at least one prefill token"
+            )
         if self.page_size < 1:
             raise ValueError("page_size must be >= 1")
         if self.pipeline_depth not in (1, 2):

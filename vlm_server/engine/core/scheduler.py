@@ -46,7 +46,6 @@ from vlm_server.engine.core.pipeline import LaunchKind, PipelineState, SlotState
 from vlm_server.engine.core.prefix_cache import PrefixCache
 from vlm_server.engine.core.runtime_protocol import Runtime
 from vlm_server.engine.core.sequence import SeqState, Sequence
-from vlm_server.engine.core.step_plan import Chunk, StepBudget, StepPlan
 from vlm_server.engine.core.step_layout import (
     F_MASK,
     F_PHASE,
@@ -58,6 +57,7 @@ from vlm_server.engine.core.step_layout import (
     N_FIN,
     RowPhase,
 )
+from vlm_server.engine.core.step_plan import Chunk, StepBudget, StepPlan
 
 
 class Scheduler:

@@ -135,9 +135,9 @@ def pack_tokens(
     d = plan.n_decode
     if d:
         tokens[:d, T_ROW] = [s.row for s in seqs[:d]]
-        tokens[:d, T_POS] = positions if positions is not None else [
-            s.next_position() for s in seqs[:d]
-        ]
+        tokens[:d, T_POS] = (
+            positions if positions is not None else [s.next_position() for s in seqs[:d]]
+        )
         tokens[:d, T_ID] = DEVICE_INPUT
         last[:d] = np.arange(d)
     at = d

@@ -32,7 +32,6 @@ from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.observer import NO_OBSERVER, Observer
 from vlm_server.engine.core.pages import PageAllocator
 from vlm_server.engine.core.sequence import Sequence
-from vlm_server.engine.core.step_plan import N_TOK, T_ID, T_POS, T_ROW, StepPlan, pack_tokens
 from vlm_server.engine.core.step_layout import (
     F_MASK,
     F_PHASE,
@@ -45,6 +44,7 @@ from vlm_server.engine.core.step_layout import (
     N_OUT,
     RowPhase,
 )
+from vlm_server.engine.core.step_plan import N_TOK, T_ID, T_POS, T_ROW, StepPlan, pack_tokens
 from vlm_server.engine.device.graphs import GraphSet
 from vlm_server.engine.device.kernels.paged_attention import DecodeKV, PagedKV, RaggedKV
 from vlm_server.engine.device.streams import CpuEvent, Device, Event, TorchDevice
