@@ -147,9 +147,9 @@ class GatedBatchedEngine(BatchedEngine):
     `held_requests` names the batch's request ids).
 
     Records, by request id: `prefilled` lists every request whose prefill was launched, in
-    order (a request absent from it never ran); `outcomes` maps each request the scheduler
-    ended to its finish reason (eos, length, max_objects) or error code (CANCELLED,
-    DEADLINE_EXCEEDED). `largest_batch` is the most sequences decoded in one step.
+    order, once per prompt chunk (a request absent from it never ran); `outcomes` maps each
+    request the scheduler ended to its finish reason (eos, length, max_objects) or error code
+    (CANCELLED, DEADLINE_EXCEEDED). `largest_batch` is the most sequences decoded in one step.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

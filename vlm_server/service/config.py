@@ -50,6 +50,7 @@ class ServerConfig:
     port: int = 50051
     http_port: int = 2020
     max_batch_size: int = 32
+    max_step_tokens: int = 1024
     kv_budget: int = 0
     pipeline_depth: int = 2
     queue_limit: int = 256
@@ -69,6 +70,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         positive = (
             "max_batch_size",
+            "max_step_tokens",
             "pipeline_depth",
             "queue_limit",
             "max_image_bytes",
@@ -86,6 +88,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be in 0..65535 (0 = any free port)")
         if not -1 <= self.http_port <= 65535:
             raise ValueError("http_port must be in -1..65535 (0 = off, -1 = any free port)")
+        if self.max_step_tokens <= self.max_batch_size:
+            raise ValueError("max_step_tokens must exceed max_batch_size")
         if self.kv_budget < 0 or self.grace_period < 0 or self.max_image_side < 0:
             raise ValueError("kv_budget, grace_period and max_image_side must be >= 0")
         if self.log_format not in ("kv", "json"):
@@ -149,6 +153,12 @@ OPTIONS: tuple[_Option, ...] = (
         "HTTP port of the Moondream and OpenAI-compatible API (0 = off, -1 = any free port)",
     ),
     _Option("max_batch_size", int, "most sequences decoded together (batched engine)"),
+    _Option(
+        "max_step_tokens",
+        int,
+        "tokens of one forward: decode rows plus prompt chunks (longer prompts are prefilled "
+        "over several steps); above max_batch_size",
+    ),
     _Option(
         "kv_budget",
         parse_size,

@@ -7,6 +7,10 @@ Sampled ids and region values never visit the host before the next forward: fina
 each sequence's next input embedding into ``next_embed[row]`` on the device, and the next
 forward reads it from there.
 
+Two kinds of forward: a decode-only step (one token per row, graph-captured per batch bucket
+on CUDA) and a mixed step (core/step_plan.py): new image prefixes first, then one forward over
+a ragged batch of decode rows and prompt chunks with varlen paged attention, eager for now.
+
 All stream, event, copy and pinned-buffer work goes through a `Device`
 (`TorchDevice` in production), so the same code runs on a fake device in the tests. Per step:
 
