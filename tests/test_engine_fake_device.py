@@ -37,7 +37,7 @@ from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core import scheduler as scheduler_module
 from vlm_server.engine.core.observer import Observer
 from vlm_server.engine.core.pages import PageAllocator
-from vlm_server.engine.core.pipeline import PipelineState, Step
+from vlm_server.engine.core.pipeline import LaunchKind, PipelineState, Step
 from vlm_server.engine.core.runtime_protocol import Runtime
 from vlm_server.engine.core.scheduler import Scheduler
 from vlm_server.engine.core.sequence import Sequence
@@ -259,6 +259,9 @@ def test_chunked_prefill_answers_equal_unchunked_ones(
     chunked = [s for what, s in blocking.watch.trace if what == "launch" and s.plan]
     assert any(not c.final for s in chunked for c in s.plan.chunks)  # prompts were split
     assert any(s.plan.n_decode for s in chunked)  # and shared steps with decode rows
+    # Steps without prefill work stay decode-only (the graphed path on CUDA).
+    kinds = {s.kind for what, s in blocking.watch.trace if what == "launch"}
+    assert kinds == {LaunchKind.MIXED, LaunchKind.DECODE}
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.step_plan import (
     DEVICE_INPUT,
     T_ID,
@@ -90,6 +91,12 @@ def test_the_budget_keeps_its_invariants(
         starts = [s for s, _ in chunks[i]]
         ends = [s + n for s, n in chunks[i]]
         assert starts[0] == 0 and ends[-1] == p.prompt and starts[1:] == ends[:-1]
+
+
+def test_the_budget_holds_every_decode_row_and_a_prefill_token() -> None:
+    with pytest.raises(ValueError):
+        EngineConfig(max_batch=8, max_step_tokens=8)
+    assert EngineConfig(max_batch=8, max_step_tokens=9).max_step_tokens == 9
 
 
 def test_the_budget_refuses_what_does_not_fit() -> None:
