@@ -5,10 +5,11 @@ checks the pipeline invariants I1-I7 of DESIGN.md under seeded random interleavi
 wait goes through the fake device, which executes them later, stream by stream, in a random
 order that respects only the waits the runtime issued. Text, point and detect requests of
 different lengths, image-prefix hits and misses, page pressure, cancellations and an expired
-deadline run at depth 1 and 2: nothing is flagged, and the answers equal those of the blocking
-run. Then removing any single event wait or record the runtime issues, the host's one wait, a
-slot reused before its commit, zombie pages freed early and a second compute stream must each
-be caught.
+deadline run at depth 1 and 2 under a step budget so small that prompts are prefilled in chunks
+over several mixed steps beside running decodes: nothing is flagged, and the answers equal
+those of the blocking run and of a run whose prompts are never split. Then removing any
+single event wait or record the runtime issues, the host's one wait, a slot reused before its
+commit, zombie pages freed early and a second compute stream must each be caught.
 """
 
 from __future__ import annotations
@@ -257,6 +258,7 @@ def test_chunked_prefill_answers_equal_unchunked_ones(
     whole = _drive(region_model, images, 1, 0, budget=EngineConfig().max_step_tokens)
     assert whole.answers() == blocking.answers()
     chunked = [s for what, s in blocking.watch.trace if what == "launch" and s.plan]
+    assert all(s.plan.n_tokens <= SMALL_BUDGET for s in chunked)
     assert any(not c.final for s in chunked for c in s.plan.chunks)  # prompts were split
     assert any(s.plan.n_decode for s in chunked)  # and shared steps with decode rows
     # Steps without prefill work stay decode-only (the graphed path on CUDA).
