@@ -2,7 +2,9 @@
 
 Greedy output must equal the reference token for token, at pipeline depth 1 and 2, with many
 concurrent requests of different lengths, eos at different steps, max_objects hits, image
-prefix hits and misses, and cancellations; afterwards every page, row and slot is free.
+prefix hits and misses, and cancellations; afterwards every page, row and slot is free. The
+reference comparisons also run with a step budget of three prompt tokens beside a full decode
+batch, so prompts are prefilled in chunks over several mixed steps next to running decodes.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from vlm_server.engine.api import (
 )
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.observer import NO_OBSERVER, Observer
+from vlm_server.engine.core.pipeline import Step
+from vlm_server.engine.core.step_plan import Chunk, StepPlan
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
 from vlm_server.weights.loader import LoadedModel
@@ -73,10 +77,42 @@ async def _collect(engine: BatchedEngine, req: GenerationRequest) -> tuple[list[
     raise AssertionError("stream ended without Finished")
 
 
+# Step budgets the reference comparisons run under: the default (prompts whole) and "chunked":
+# the full decode batch plus three prompt tokens per step.
+BUDGETS = ["default", "chunked"]
+
+
+class _Plans(StepLog):
+    """Keeps the plan of every mixed step launched."""
+
+    def __init__(self) -> None:
+        super().__init__(self._on_step)
+        self.plans: list[StepPlan] = []
+
+    def _on_step(self, what: str, step: Step) -> None:
+        if what == "launch" and step.plan is not None:
+            self.plans.append(step.plan)
+
+    def check(self, engine: BatchedEngine, budget: str) -> None:
+        """Under the chunked budget, prompts really were split and shared steps with decode
+        rows; under any budget, no step held more tokens than it."""
+        assert self.plans
+        assert all(p.n_tokens <= engine.cfg.max_step_tokens for p in self.plans)
+        if budget == "chunked":
+            assert any(not c.final for p in self.plans for c in p.chunks)
+            assert any(p.n_decode and any(c.length for c in p.chunks) for p in self.plans)
+
+
 def _engine(
-    loaded: LoadedModel, depth: int, observer: Observer = NO_OBSERVER, **kw: object
+    loaded: LoadedModel,
+    depth: int,
+    observer: Observer = NO_OBSERVER,
+    budget: str = "default",
+    **kw: object,
 ) -> BatchedEngine:
     options: dict = {"max_batch": 8, "kv_budget_bytes": 32 << 20, **kw}
+    if budget == "chunked":
+        options["max_step_tokens"] = options["max_batch"] + 3
     cfg = EngineConfig(pipeline_depth=depth, **options)
     return BatchedEngine(loaded, cfg, observer=observer)
 
@@ -135,24 +171,27 @@ def _text_requests(images: list[PreparedImage]) -> list[GenerationRequest]:
     return reqs
 
 
+@pytest.mark.parametrize("budget", BUDGETS)
 @pytest.mark.parametrize("depth", [1, 2])
 def test_text_tasks_equal_the_reference(
-    text_model: LoadedModel, images: list[PreparedImage], depth: int
+    text_model: LoadedModel, images: list[PreparedImage], depth: int, budget: str
 ) -> None:
     ref = ReferenceGenerator(text_model.model, text_model.tokenizer)
     reqs = _text_requests(images)
 
     async def run() -> list[tuple[list[str], Finished]]:
-        engine = _engine(text_model, depth, max_batch=4)
+        engine = _engine(text_model, depth, plans, budget=budget, max_batch=4)
         await engine.start()
         try:
             out = await asyncio.gather(*[_collect(engine, r) for r in reqs])
             await _wait_idle(engine)  # the last zombies release after their results went out
             _assert_clean(engine)
+            plans.check(engine, budget)
             return out
         finally:
             await engine.close()
 
+    plans = _Plans()
     results = asyncio.run(run())
     reasons = set()
     for req, (parts, fin) in zip(reqs, results, strict=True):
@@ -172,9 +211,10 @@ def test_text_tasks_equal_the_reference(
     assert reasons == {"eos", "length"}  # both endings were exercised
 
 
+@pytest.mark.parametrize("budget", BUDGETS)
 @pytest.mark.parametrize("depth", [1, 2])
 def test_region_tasks_equal_the_reference(
-    region_model: LoadedModel, images: list[PreparedImage], depth: int
+    region_model: LoadedModel, images: list[PreparedImage], depth: int, budget: str
 ) -> None:
     ref = ReferenceGenerator(region_model.model, region_model.tokenizer)
     reqs = [
@@ -194,17 +234,19 @@ def test_region_tasks_equal_the_reference(
     ]
 
     async def run() -> list[tuple[list[str], Finished]]:
-        engine = _engine(region_model, depth)
+        engine = _engine(region_model, depth, plans, budget=budget)
         await engine.start()
         try:
             out = await asyncio.gather(*[_collect(engine, r) for r in reqs])
             assert engine.stats().prefix_hits >= 3  # 6 requests over 3 images
             await _wait_idle(engine)
             _assert_clean(engine)
+            plans.check(engine, budget)
             return out
         finally:
             await engine.close()
 
+    plans = _Plans()
     reasons, counts = set(), set()
     for req, (_, fin) in zip(reqs, asyncio.run(run()), strict=True):
         if req.task is Task.DETECT:
@@ -550,9 +592,10 @@ def test_commit_before_finalize_order(
     assert len(committed) == len(launched)
 
 
+@pytest.mark.parametrize("budget", BUDGETS)
 @pytest.mark.parametrize("depth", [1, 2])
 def test_constrained_and_segment_equal_the_reference(
-    tiny: LoadedModel, images: list[PreparedImage], depth: int
+    tiny: LoadedModel, images: list[PreparedImage], depth: int, budget: str
 ) -> None:
     """Choices, regex (sampled and greedy) and segment: the engine's answers are the
     reference's, through the same grammars and masks."""
@@ -588,16 +631,18 @@ def test_constrained_and_segment_equal_the_reference(
     ]
 
     async def run() -> list[Finished]:
-        engine = _engine(tiny, depth)
+        engine = _engine(tiny, depth, plans, budget=budget)
         await engine.start()
         try:
             out = await asyncio.gather(*[_collect(engine, r) for r in reqs])
             await _wait_idle(engine)
             _assert_clean(engine)
+            plans.check(engine, budget)
             return [fin for _, fin in out]
         finally:
             await engine.close()
 
+    plans = _Plans()
     ref = ReferenceGenerator(tiny.model, tiny.tokenizer)
     for req, fin in zip(reqs, asyncio.run(run()), strict=True):
         if req.task is Task.QUERY:
@@ -619,3 +664,64 @@ def test_constrained_and_segment_equal_the_reference(
             assert got is not None and fin.finish_reason == reason
             assert got.svg_path == seg.path and tuple(got.mask_rle) == tuple(seg.mask_counts)
             assert (got.box.x_min, got.box.y_min, got.box.x_max, got.box.y_max) == seg.box
+
+
+@pytest.mark.parametrize("code", [ErrorCode.CANCELLED, ErrorCode.DEADLINE_EXCEEDED])
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_stop_in_the_middle_of_a_chunked_prefill_frees_everything(
+    tiny: LoadedModel, images: list[PreparedImage], depth: int, code: ErrorCode
+) -> None:
+    """A request cancelled, or whose deadline passes, between two chunks of its prompt ends
+    with that error, launches no further chunk, and gives back every page and row; the
+    request decoding beside it is untouched."""
+    chunks: dict[str, list[Chunk]] = {}
+    beside: list[int] = []  # decode rows in the steps holding the victim's chunks
+
+    def on_step(what: str, step: Step) -> None:
+        if what != "launch" or step.plan is None:
+            return
+        for seq, chunk in zip(step.seqs[step.plan.n_decode :], step.plan.chunks, strict=True):
+            rid = seq.request.request_id
+            chunks.setdefault(rid, []).append(chunk)
+            if rid == "victim":
+                beside.append(step.plan.n_decode)
+            if rid == "victim" and len(chunks[rid]) == 2:  # its prefix, then a first chunk
+                assert chunk.length and not chunk.final
+                if code is ErrorCode.CANCELLED:
+                    seq.cancelled = ErrorCode.CANCELLED  # as the stream's cancel() does
+                else:  # the scheduler thread itself outlives the deadline
+                    assert seq.request.deadline is not None
+                    time.sleep(max(0.0, seq.request.deadline - time.monotonic()) + 0.01)
+
+    async def run() -> None:
+        engine = _engine(tiny, depth, StepLog(on_step), budget="chunked", max_batch=4)
+        await engine.start()
+        try:
+            other = GenerationRequest(
+                Task.CAPTION, images[0], request_id="other", temperature=0, max_tokens=100
+            )
+            other_task = asyncio.create_task(_collect(engine, other))
+            while engine.stats().last_batch_size == 0:
+                await asyncio.sleep(0.001)  # the other request is decoding
+            victim = GenerationRequest(
+                Task.QUERY,
+                images[1],
+                request_id="victim",
+                question="please describe every single thing you can see in this picture",
+                temperature=0,
+                max_tokens=20,
+                deadline=time.monotonic() + 2.0 if code is ErrorCode.DEADLINE_EXCEEDED else None,
+            )
+            with pytest.raises(EngineError) as info:
+                await _collect(engine, victim)
+            assert info.value.code is code
+            _, fin = await other_task
+            assert fin.finish_reason in ("eos", "length")
+            await _wait_idle(engine)
+            _assert_clean(engine)
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
+    assert len(chunks["victim"]) == 2 and chunks["victim"][0].prefix
+    assert beside[-1] == 1  # the other request decoded in the same step

@@ -5,10 +5,11 @@ checks the pipeline invariants I1-I7 of DESIGN.md under seeded random interleavi
 wait goes through the fake device, which executes them later, stream by stream, in a random
 order that respects only the waits the runtime issued. Text, point and detect requests of
 different lengths, image-prefix hits and misses, page pressure, cancellations and an expired
-deadline run at depth 1 and 2: nothing is flagged, and the answers equal those of the blocking
-run. Then removing any single event wait or record the runtime issues, the host's one wait, a
-slot reused before its commit, zombie pages freed early and a second compute stream must each
-be caught.
+deadline run at depth 1 and 2 under a step budget so small that prompts are prefilled in chunks
+over several mixed steps beside running decodes: nothing is flagged, and the answers equal
+those of the blocking run and of a run whose prompts are never split. Then removing any
+single event wait or record the runtime issues, the host's one wait, a slot reused before its
+commit, zombie pages freed early and a second compute stream must each be caught.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core import scheduler as scheduler_module
 from vlm_server.engine.core.observer import Observer
 from vlm_server.engine.core.pages import PageAllocator
-from vlm_server.engine.core.pipeline import PipelineState, Step
+from vlm_server.engine.core.pipeline import LaunchKind, PipelineState, Step
 from vlm_server.engine.core.runtime_protocol import Runtime
 from vlm_server.engine.core.scheduler import Scheduler
 from vlm_server.engine.core.sequence import Sequence
@@ -51,6 +52,9 @@ SEEDS = list(range(4))
 # Device operations run between two ticks, drawn from 0..burst: from a device that runs only
 # during host waits to one that is nearly synchronous.
 BURSTS = [0, 3, 8, 40]
+# Tokens per step: the four decode rows and at most three prompt tokens, so prompts are
+# chunked over several mixed steps and image prefixes (730 positions) overdraw it alone.
+SMALL_BUDGET = 7
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -171,6 +175,7 @@ def _drive(
     *,
     scheduler: type[Scheduler] = Scheduler,
     pipeline: type[PipelineState] | None = None,
+    budget: int = SMALL_BUDGET,
     **faults: object,
 ) -> Run:
     """Submit, cancel and tick by hand (no thread); between ticks the device runs a random
@@ -182,6 +187,7 @@ def _drive(
         page_size=PAGE,
         pipeline_depth=depth,
         max_prefill_batch=3,
+        max_step_tokens=budget,
         prefix_cache_entries=1,
         mask_table_rows=64,
         # Room for a few requests at a time: admission waits for pages to come back.
@@ -243,6 +249,21 @@ def _kv_bytes(loaded: LoadedModel, pages: int) -> int:
 @pytest.fixture(scope="module")
 def blocking(region_model: LoadedModel, images: list[PreparedImage]) -> Run:
     return _drive(region_model, images, 1, 0)
+
+
+def test_chunked_prefill_answers_equal_unchunked_ones(
+    region_model: LoadedModel, images: list[PreparedImage], blocking: Run
+) -> None:
+    """The same workload with a budget that never splits a prompt answers the same."""
+    whole = _drive(region_model, images, 1, 0, budget=EngineConfig().max_step_tokens)
+    assert whole.answers() == blocking.answers()
+    chunked = [s for what, s in blocking.watch.trace if what == "launch" and s.plan]
+    assert all(s.plan.n_tokens <= SMALL_BUDGET for s in chunked)
+    assert any(not c.final for s in chunked for c in s.plan.chunks)  # prompts were split
+    assert any(s.plan.n_decode for s in chunked)  # and shared steps with decode rows
+    # Steps without prefill work stay decode-only (the graphed path on CUDA).
+    kinds = {s.kind for what, s in blocking.watch.trace if what == "launch"}
+    assert kinds == {LaunchKind.MIXED, LaunchKind.DECODE}
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -417,7 +438,7 @@ def test_row_regions_are_versioned_per_row() -> None:
 
 # ---- the runtime protocol ------------------------------------------------------------------
 
-_METHODS = ["launch_prefill", "launch_decode", "finalize", "read_outputs", "release_row"]
+_METHODS = ["launch_mixed", "launch_decode", "finalize", "read_outputs", "release_row"]
 
 
 def test_protocol_is_what_the_scheduler_uses() -> None:

@@ -11,6 +11,7 @@ import torch
 
 from image_pipeline import PreparedImage
 from tests.test_engine import (  # noqa: F401  (fixtures)
+    BUDGETS,
     _collect,
     _engine,
     _text_requests,
@@ -51,13 +52,17 @@ def test_triton_paged_decode_matches_torch(dtype: torch.dtype) -> None:
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("budget", BUDGETS)
 @pytest.mark.parametrize("depth", [1, 2])
 def test_cuda_engine_equals_reference_tiny(
     text_model: LoadedModel,
     region_model: LoadedModel,
     images: list[PreparedImage],  # noqa: F811
     depth: int,
+    budget: str,
 ) -> None:
+    """Decode-only steps replay graphs; mixed steps (prompts chunked under the "chunked"
+    budget) run eagerly between them."""
     tm, rm = _cuda(text_model), _cuda(region_model)
     reqs = _text_requests(images)
     regions = [
@@ -66,7 +71,7 @@ def test_cuda_engine_equals_reference_tiny(
     ]
 
     async def run(loaded: LoadedModel, batch: list[GenerationRequest]) -> list:
-        engine = _engine(loaded, depth, max_batch=4)
+        engine = _engine(loaded, depth, budget=budget, max_batch=4)
         await engine.start()
         assert engine.runtime.decode_graphs and engine.runtime.use_triton
         try:

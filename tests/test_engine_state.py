@@ -17,13 +17,14 @@ from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.pages import SINK_PAGE, OutOfPages, PageAllocator
 from vlm_server.engine.core.pipeline import LaunchKind, PipelineError, PipelineState
 from vlm_server.engine.core.prefix_cache import PrefixCache
+from vlm_server.engine.core.step_plan import Chunk, StepPlan
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.weights.loader import LoadedModel
 
 
 def test_pipeline_depth_two_cycle() -> None:
     p = PipelineState(depth=2)
-    a = p.launch(LaunchKind.PREFILL, ["x"])
+    a = p.launch(LaunchKind.MIXED, ["x"], StepPlan(0, [Chunk(0, 3, final=True)]))
     p.mark_finalized(a)
     b = p.launch(LaunchKind.DECODE, ["x"])
     assert not p.can_launch()
@@ -124,22 +125,28 @@ _ACTIONS = st.lists(
 @settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(actions=_ACTIONS, depth=st.sampled_from([1, 2]))
+@given(actions=_ACTIONS, depth=st.sampled_from([1, 2]), budget=st.sampled_from([4, 6, 1024]))
 def test_random_interleavings_leave_nothing_behind(
     _threads: None,
     tiny: LoadedModel,
     two_images: list[PreparedImage],
     actions: list[tuple[str, int]],
     depth: int,
+    budget: int,
 ) -> None:
-    """Submit, cancel and tick in random orders (the scheduler driven by hand, no thread):
-    every request ends exactly once, and then every page, row and slot is free."""
+    """Submit, cancel and tick in random orders (the scheduler driven by hand, no thread),
+    with prompts whole or prefilled in chunks of one to three tokens: every request ends
+    exactly once, and then every page, row and slot is free."""
 
     async def run() -> None:
         engine = BatchedEngine(
             tiny,
             EngineConfig(
-                pipeline_depth=depth, max_batch=3, kv_budget_bytes=3 << 20, prefix_cache_entries=1
+                pipeline_depth=depth,
+                max_batch=3,
+                max_step_tokens=budget,
+                kv_budget_bytes=3 << 20,
+                prefix_cache_entries=1,
             ),
         )
         s = engine.scheduler

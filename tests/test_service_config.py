@@ -53,6 +53,7 @@ def test_parse_size(text: str, value: int) -> None:
         ([], {"VLM_PORT": "many"}),
         ([], {"VLM_DTYPE": "int4"}),
         (["--queue-limit", "0"], {}),
+        (["--max-batch-size", "8", "--max-step-tokens", "8"], {}),  # no room for a prefill
         (["--max-message-bytes", "lots"], {}),
         (["--log-format", "xml"], {}),
     ],

@@ -147,9 +147,9 @@ class GatedBatchedEngine(BatchedEngine):
     `held_requests` names the batch's request ids).
 
     Records, by request id: `prefilled` lists every request whose prefill was launched, in
-    order (a request absent from it never ran); `outcomes` maps each request the scheduler
-    ended to its finish reason (eos, length, max_objects) or error code (CANCELLED,
-    DEADLINE_EXCEEDED). `largest_batch` is the most sequences decoded in one step.
+    order, once per prompt chunk (a request absent from it never ran); `outcomes` maps each
+    request the scheduler ended to its finish reason (eos, length, max_objects) or error code
+    (CANCELLED, DEADLINE_EXCEEDED). `largest_batch` is the most sequences decoded in one step.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -182,10 +182,10 @@ class GatedBatchedEngine(BatchedEngine):
     def _on_step(self, phase: str, step: Step) -> None:
         """Called on the scheduler thread around each pipeline action."""
         if phase == "launch":
-            if step.kind is LaunchKind.PREFILL:
-                self.prefilled.extend(s.request.request_id for s in step.seqs)
-            else:
-                self.largest_batch = max(self.largest_batch, len(step.seqs))
+            plan = step.plan
+            n_decode = len(step.seqs) if plan is None else plan.n_decode
+            self.largest_batch = max(self.largest_batch, n_decode)
+            self.prefilled.extend(s.request.request_id for s in step.seqs[n_decode:])
         if phase != "commit" or step.kind is not LaunchKind.DECODE or self.token_gate.is_set():
             return
         self.held_requests = tuple(s.request.request_id for s in step.seqs)

@@ -14,7 +14,12 @@ class EngineConfig:
     kv_budget_bytes: int | None = None  # None: 256 MiB on the CPU, 40% of free memory on CUDA
     pipeline_depth: int = 2  # 1 = blocking, 2 = pipelined
     max_queue: int = 256  # waiting requests before RESOURCE_EXHAUSTED
-    max_prefill_batch: int = 8  # requests prefilled together in one launch
+    max_prefill_batch: int = 8  # requests admitted (first prefill chunk) in one step
+    # Tokens of one step's forward: its decode rows plus prefill chunks (core/step_plan.py).
+    # 1024 holds a full decode batch, one image prefix (730 positions for moondream2, which
+    # cannot be split) and its prompt, so a new request still starts in one step; the GPU
+    # measurement of decode stall against admission rate is what should tune it.
+    max_step_tokens: int = 1024
     prefix_cache_entries: int = 64  # image prefixes kept for reuse
     mask_table_rows: int = 1024  # device mask-table capacity (rows of vocab-wide bools)
     cuda_graphs: bool = True  # capture decode forwards per batch bucket (CUDA only)
@@ -24,6 +29,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_queue < 0 or self.max_prefill_batch < 1:
             raise ValueError("max_batch and max_prefill_batch must be >= 1, max_queue >= 0")
+        if self.max_step_tokens <= self.max_batch:
+            raise ValueError(
+                "max_step_tokens must exceed max_batch: every step takes all its "
+                "decode rows and at least one prefill token"
+            )
         if self.page_size < 1:
             raise ValueError("page_size must be >= 1")
         if self.pipeline_depth not in (1, 2):

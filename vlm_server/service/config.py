@@ -70,6 +70,7 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()
     api_keys_file: str | None = None
     max_batch_size: int = 32
+    max_step_tokens: int = 1024
     kv_budget: int = 0
     pipeline_depth: int = 2
     queue_limit: int = 256
@@ -106,6 +107,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         positive = (
             "max_batch_size",
+            "max_step_tokens",
             "pipeline_depth",
             "queue_limit",
             "max_image_bytes",
@@ -153,6 +155,8 @@ class ServerConfig:
             raise ValueError("max_image_pixels_per_byte and image_free_pixels must be >= 0")
         if self.image_resize not in tuple(ResizeMode):
             raise ValueError(f"image_resize must be one of {', '.join(ResizeMode)}")
+        if self.max_step_tokens <= self.max_batch_size:
+            raise ValueError("max_step_tokens must exceed max_batch_size")
         if self.log_format not in ("kv", "json"):
             raise ValueError("log_format must be kv or json")
 
@@ -243,6 +247,12 @@ OPTIONS: tuple[_Option, ...] = (
     ),
     _Option("api_keys_file", _optional_str, "file of API keys, one a line (# comments)"),
     _Option("max_batch_size", int, "most sequences decoded together (batched engine)"),
+    _Option(
+        "max_step_tokens",
+        int,
+        "tokens of one forward: decode rows plus prompt chunks (longer prompts are prefilled "
+        "over several steps); above max_batch_size",
+    ),
     _Option(
         "kv_budget",
         parse_size,

@@ -79,6 +79,7 @@ def batched_engine(config: ServerConfig, one_at_a_time: bool = False) -> Engine:
 
     cfg = EngineConfig(
         max_batch=1 if one_at_a_time else config.max_batch_size,
+        max_step_tokens=config.max_step_tokens,
         pipeline_depth=1 if one_at_a_time else config.pipeline_depth,
         max_queue=config.queue_limit,
         kv_budget_bytes=config.kv_budget or None,

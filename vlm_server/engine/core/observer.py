@@ -39,7 +39,8 @@ class Observer:
         """Host seconds spent in each part of one scheduler tick."""
 
     def forward_timed(self, kind: str, start: object, end: object) -> None:
-        """Device events around one forward (``kind``: prefill or decode)."""
+        """Device events around one forward (``kind``: the step's `LaunchKind` value, mixed or
+        decode; a mixed step's includes the image prefixes it computes)."""
 
     def sample_timed(self, start: object, end: object) -> None:
         """Device events around one step's masks + sampling."""

@@ -22,13 +22,14 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from vlm_server.engine.core.step_layout import RowPhase
+from vlm_server.engine.core.step_plan import StepPlan
 
 
 class LaunchKind(enum.Enum):
     """What a pipeline step's forward does (not to be confused with a grammar's step kind)."""
 
-    PREFILL = "prefill"
-    DECODE = "decode"
+    MIXED = "mixed"  # decode rows plus prefill chunks in one ragged forward (core/step_plan.py)
+    DECODE = "decode"  # decode rows only: the graphed path on CUDA
 
 
 class SequenceLike(Protocol):
@@ -59,6 +60,8 @@ class Step(Generic[S]):
     kind: LaunchKind
     seqs: list[S]  # the sequences in batch-row order
     state: SlotState = SlotState.LAUNCHED
+    # A mixed step's rows and chunks; None for a decode-only step.
+    plan: StepPlan | None = None
     # Per-row phase that finalize chose; commit reads it back.
     phases: list[RowPhase] = field(default_factory=list)
 
@@ -87,7 +90,7 @@ class PipelineState(Generic[S]):
                 return i
         return None
 
-    def launch(self, kind: LaunchKind, seqs: list[S]) -> Step[S]:
+    def launch(self, kind: LaunchKind, seqs: list[S], plan: StepPlan | None = None) -> Step[S]:
         if len(self.in_flight) >= self.depth:
             raise PipelineError(
                 f"launch with {len(self.in_flight)} steps in flight at depth {self.depth}"
@@ -95,7 +98,9 @@ class PipelineState(Generic[S]):
         slot = self.free_slot()
         if slot is None:
             raise PipelineError("launch with no free slot")
-        step = Step(self._next_id, slot, kind, seqs)
+        if (plan is None) != (kind is LaunchKind.DECODE) or (plan and plan.n_rows != len(seqs)):
+            raise PipelineError("a mixed step needs a plan of its rows, a decode step none")
+        step = Step(self._next_id, slot, kind, seqs, plan=plan)
         self._next_id += 1
         self.slots[slot] = step
         self.in_flight.append(step)

@@ -3,7 +3,7 @@
 `ModelRuntime` (the real model on CUDA or the CPU) and the fake device runtime used by the
 pipeline tests both satisfy it, so the scheduler runs unchanged on either.
 
-The contract every implementation keeps: `launch_prefill`, `launch_decode`, `finalize` and
+The contract every implementation keeps: `launch_mixed`, `launch_decode`, `finalize` and
 `release_row` only enqueue device work and return at once; none of them waits for the device.
 `read_outputs` is the one place the host waits, and only for the device-to-host copy of the one
 step it reads. Each slot's buffers and events are reused only after the scheduler committed the
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
     from vlm_server.engine.core.pages import PageAllocator
     from vlm_server.engine.core.sequence import Sequence
+    from vlm_server.engine.core.step_plan import StepPlan
 
 
 @runtime_checkable
@@ -29,9 +30,11 @@ class Runtime(Protocol):
     # enqueued by the next launch.
     pages: PageAllocator
 
-    def launch_prefill(self, slot: int, seqs: list[Sequence]) -> None:
-        """Enqueue the prefill of ``seqs`` into ``slot``: the image prefixes not cached yet
-        (``seq.prefix_hit`` False), then each prompt. No host wait."""
+    def launch_mixed(self, slot: int, seqs: list[Sequence], plan: StepPlan) -> None:
+        """Enqueue one mixed step into ``slot``: the image prefixes its chunks ask for
+        (``Chunk.prefix``), then one forward over the decode rows and prompt chunks of
+        ``plan`` (rows in ``seqs`` order, see core/step_plan.py); the last token's hidden
+        state of each row lands in the slot for finalize. No host wait."""
         ...
 
     def launch_decode(self, slot: int, seqs: list[Sequence]) -> None:

@@ -9,8 +9,10 @@ A tick is three named calls, in this order (commit-before-finalize):
 2. `_finalize` the step in flight that has not been sampled: build each row's mask index and
    sampling parameters from the now-committed state, upload them on the copy stream, and
    enqueue mask + sample + region values + next-input embeddings on the compute stream.
-3. `_launch` the next forward into the free slot: a prefill of newly admitted requests, or a
-   decode step of the running ones. It reads the inputs finalize wrote on the device.
+3. `_launch` the next forward into the free slot: every running sequence's decode row, plus
+   prefill chunks of admitted sequences (and newly admitted ones) under the step's token budget
+   (core/step_plan.py): a mixed step; without prefill work, a decode-only step (the graphed
+   path on CUDA). Decode rows read the inputs finalize wrote on the device.
 
 At depth 1 the same calls run as launch -> finalize -> commit, one step at a time (blocking).
 """
@@ -55,6 +57,7 @@ from vlm_server.engine.core.step_layout import (
     N_FIN,
     RowPhase,
 )
+from vlm_server.engine.core.step_plan import Chunk, StepBudget, StepPlan
 
 
 class Scheduler:
@@ -138,35 +141,55 @@ class Scheduler:
         self.observer.tick(t1 - t0, t2 - t1, time.perf_counter() - t2)
 
     def _launchable(self) -> bool:
-        if any(s.wants_decode_step() for s in self.running):
+        if any(s.wants_decode_step() or s.wants_prefill_chunk() for s in self.running):
             return True
         return bool(self.waiting) and self._can_admit(self.waiting[0])
 
     # ---- launch -----------------------------------------------------------------------
 
     def _launch(self) -> None:
-        admitted = self._admit()
-        if admitted:
-            step = self.pipe.launch(LaunchKind.PREFILL, admitted)
-            now = time.monotonic()
-            for s in admitted:
+        decode = [s for s in self.running if s.wants_decode_step()][: self.cfg.max_batch]
+        budget = StepBudget(self.cfg.max_step_tokens, len(decode))
+        prefill: list[Sequence] = []
+        chunks: list[Chunk] = []
+        for s in self.running:  # admission order: the oldest prefill first
+            if s.wants_prefill_chunk():
+                if not budget.can_take():
+                    break
+                chunks.append(self._chunk(s, budget.take(len(s.prompt) - s.prefill_launched)))
+                prefill.append(s)
+        for s, chunk in self._admit(budget):
+            chunks.append(chunk)
+            prefill.append(s)
+        if not decode and not prefill:
+            return
+        seqs = decode + prefill
+        if prefill:
+            plan = StepPlan(len(decode), chunks)
+            step = self.pipe.launch(LaunchKind.MIXED, seqs, plan)
+            self.observer.launched(step)
+            self.rt.launch_mixed(step.slot, seqs, plan)
+        else:
+            step = self.pipe.launch(LaunchKind.DECODE, seqs)
+            self.observer.launched(step)
+            self.rt.launch_decode(step.slot, seqs)
+        now = time.monotonic()
+        for s in decode:
+            s.decode_launched += 1
+        for s, chunk in zip(prefill, chunks, strict=True):
+            if s.state is SeqState.WAITING:
                 s.state = SeqState.PREFILL
-                s.add_ref()
                 s.prefill_launched_at = now
                 s.metrics.queue_wait_ms = (now - s.submitted_at) * 1e3
-            self.observer.launched(step)
-            self.rt.launch_prefill(step.slot, admitted)
-            return
-        batch = [s for s in self.running if s.wants_decode_step()][: self.cfg.max_batch]
-        if not batch:
-            return
-        step = self.pipe.launch(LaunchKind.DECODE, batch)
-        self.observer.launched(step)
-        self.rt.launch_decode(step.slot, batch)
-        for s in batch:
-            s.decode_launched += 1
+            s.prefill_launched += chunk.length
+        for s in seqs:
             s.add_ref()
-        self.last_batch = len(batch)
+        self.last_batch = len(decode)
+
+    @staticmethod
+    def _chunk(seq: Sequence, length: int, prefix: bool = False) -> Chunk:
+        start = seq.prefill_launched
+        return Chunk(start, length, start + length == len(seq.prompt), prefix)
 
     def _can_admit(self, seq: Sequence) -> bool:
         if not self.free_rows or len(self.running) >= self.cfg.max_batch:
@@ -178,8 +201,11 @@ class Scheduler:
             free -= len(own_entry.pages)  # it will be used, so it cannot be evicted
         return self.pages_to_admit(seq) <= free
 
-    def _admit(self) -> list[Sequence]:
-        admitted: list[Sequence] = []
+    def _admit(self, budget: StepBudget) -> list[tuple[Sequence, Chunk]]:
+        """Admit waiting sequences (FIFO) while the step's budget, rows and pages allow:
+        reserve prompt + output pages, share or create the image prefix, take a row, and
+        plan each one's first chunk (after its image prefix when that is not cached)."""
+        admitted: list[tuple[Sequence, Chunk]] = []
         pages, cache = self.rt.pages, self.prefix_cache
         while (
             self.waiting
@@ -188,6 +214,11 @@ class Scheduler:
             and len(self.running) < self.cfg.max_batch
         ):
             seq = self.waiting[0]
+            if not seq.prompt:
+                raise AssertionError("a request without prompt tokens")
+            new_prefix = seq.prefix_len and cache.peek(seq.request.image.content_hash) is None
+            if not budget.can_take(seq.prefix_len if new_prefix else 0):
+                break
             total = pages.pages_for(seq.total_positions)
             entry = None
             if seq.prefix_len:
@@ -216,7 +247,9 @@ class Scheduler:
             seq.row = self.free_rows.pop()
             pages.assign(seq.row, (entry.full_pages if entry else []) + seq.own_pages)
             self.running.append(seq)
-            admitted.append(seq)
+            prefix = seq.prefix_len if seq.prefix_len and not seq.prefix_hit else 0
+            n = budget.take(len(seq.prompt), prefix)
+            admitted.append((seq, self._chunk(seq, n, prefix=bool(prefix))))
         return admitted
 
     # ---- finalize ---------------------------------------------------------------------
@@ -226,8 +259,10 @@ class Scheduler:
         fin = np.zeros((b, N_FIN), dtype=np.int64)
         floats = fin.view(np.float64)
         phases = []
+        plan = step.plan
         for i, s in enumerate(step.seqs):
-            phase = s.phase()
+            # A chunk that does not end its prompt samples nothing: its row idles.
+            phase = s.phase() if plan is None or plan.samples(i) else RowPhase.IDLE
             phases.append(phase)
             fin[i, F_ROW] = s.row
             fin[i, F_PHASE] = phase
@@ -246,9 +281,9 @@ class Scheduler:
         self.observer.finalized(step)
         greedy = not (floats[:, F_TEMP] > 0).any()
         self.rt.finalize(step.slot, step.seqs, fin, constrained, regions, greedy)
-        if step.kind is LaunchKind.PREFILL:
-            for s in step.seqs:
-                if s.state is SeqState.PREFILL:
+        if plan is not None:
+            for i, s in enumerate(step.seqs):
+                if plan.ends_prefill(i) and s.state is SeqState.PREFILL:
                     s.state = SeqState.RUNNING
         self.pipe.mark_finalized(step)
 
@@ -263,9 +298,10 @@ class Scheduler:
         if self._last_commit_at:
             self.last_step_ms = (now - self._last_commit_at) * 1e3
         self._last_commit_at = now
-        for seq, phase, row in zip(step.seqs, step.phases, values, strict=True):
+        plan = step.plan
+        for i, (seq, phase, row) in enumerate(zip(step.seqs, step.phases, values, strict=True)):
             seq.drop_ref()
-            if step.kind is LaunchKind.PREFILL:
+            if plan is not None and plan.ends_prefill(i):
                 seq.metrics.prefill_ms = (now - seq.prefill_launched_at) * 1e3
             if not seq.finished:
                 if seq.cancelled is not None:
@@ -399,6 +435,10 @@ class Scheduler:
                     ),
                 )
         for seq in list(self.running):
+            d = seq.request.deadline
+            if seq.cancelled is None and d is not None and now > d:
+                # Also stops a prefill between its chunks: no further chunk is launched.
+                seq.cancelled = ErrorCode.DEADLINE_EXCEEDED
             if seq.cancelled is not None and seq.inflight_refs == 0:
                 self._fail(seq, seq.cancelled)
                 self._release(seq)

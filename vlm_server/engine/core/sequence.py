@@ -1,6 +1,7 @@
 """One request's host-side state in the engine (CUDA-free).
 
-Lifecycle: WAITING -> PREFILL (prefill launched) -> RUNNING (first output sampled on device)
+Lifecycle: WAITING -> PREFILL (admitted: its prompt is launched chunk by chunk, over one or more
+mixed steps) -> RUNNING (the step holding its last prompt chunk sampled its first output)
 -> FINISHED (result delivered; may still be a zombie in flight) -> RELEASED (pages and row
 returned once ``inflight_refs`` is 0).
 
@@ -47,6 +48,7 @@ class Sequence:
     prefix: PrefixEntry | None = None
     prefix_hit: bool = False
     inflight_refs: int = 0
+    prefill_launched: int = 0  # prompt tokens whose chunk was launched so far
     decode_launched: int = 0  # decode steps launched so far
     cancelled: ErrorCode | None = None  # CANCELLED or DEADLINE_EXCEEDED once asked to stop
     text_parts: list[str] = field(default_factory=list)
@@ -78,6 +80,14 @@ class Sequence:
             self.state is SeqState.RUNNING
             and self.cancelled is None
             and self.decode_launched < self.grammar.max_positions
+        )
+
+    def wants_prefill_chunk(self) -> bool:
+        """Whether an admitted sequence still has prompt tokens to launch."""
+        return (
+            self.state is SeqState.PREFILL
+            and self.cancelled is None
+            and self.prefill_launched < len(self.prompt)
         )
 
     def next_position(self) -> int:

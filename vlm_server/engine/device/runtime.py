@@ -7,6 +7,10 @@ Sampled ids and region values never visit the host before the next forward: fina
 each sequence's next input embedding into ``next_embed[row]`` on the device, and the next
 forward reads it from there.
 
+Two kinds of forward: a decode-only step (one token per row, graph-captured per batch bucket
+on CUDA) and a mixed step (core/step_plan.py): new image prefixes first, then one forward over
+a ragged batch of decode rows and prompt chunks with varlen paged attention, eager for now.
+
 All stream, event, copy and pinned-buffer work goes through a `Device`
 (`TorchDevice` in production), so the same code runs on a fake device in the tests. Per step:
 
@@ -44,8 +48,9 @@ from vlm_server.engine.core.step_layout import (
     N_OUT,
     RowPhase,
 )
+from vlm_server.engine.core.step_plan import N_TOK, T_ID, T_POS, T_ROW, StepPlan, pack_tokens
 from vlm_server.engine.device.graphs import GraphSet
-from vlm_server.engine.device.kernels.paged_attention import DecodeKV, PagedKV
+from vlm_server.engine.device.kernels.paged_attention import DecodeKV, PagedKV, RaggedKV
 from vlm_server.engine.device.streams import CpuEvent, Device, Event, TorchDevice
 from vlm_server.model import MoondreamModel
 
@@ -57,6 +62,9 @@ class SlotBuffers:
     launch_host: torch.Tensor  # [max_rows, 2] int64: row, position (pinned)
     block_stage: torch.Tensor  # pinned copy of the block-table rows this slot uploads
     launch_dev: torch.Tensor
+    # A mixed step's token layout (core/step_plan.py), packed flat: tokens [T, 3] then last [B].
+    mixed_host: torch.Tensor  # pinned
+    mixed_dev: torch.Tensor
     fin_host: torch.Tensor  # [max_rows, N_FIN] int64 (pinned)
     fin_dev: torch.Tensor
     hidden: torch.Tensor  # [max_rows, dim] forward output (pre-norm hidden of the last pos)
@@ -66,17 +74,6 @@ class SlotBuffers:
     mask_ready: Event
     step_done: Event
     d2h_done: Event
-
-
-@dataclass(frozen=True)
-class _PromptJob:
-    """One prompt of a prefill, planned on the host at launch time."""
-
-    index: int  # the sequence's row in the step
-    ids: list[int]
-    first: int  # position of the first prompt token (the prefix length)
-    pages: list[int]  # pages holding positions before the end of the prompt
-    tail: tuple[int, int] | None  # (cached tail page, private copy) to fill first
 
 
 @dataclass(frozen=True)
@@ -149,6 +146,7 @@ class ModelRuntime:
             n_pages, cfg.page_size, rows, max_pages, block_table=self.block_host.numpy()[:rows]
         )
         self.next_embed = dev.buffer("next_embed", self._zeros((rows + 1, tc.dim), self.dtype))
+        self._mixed_len = N_TOK * cfg.max_step_tokens + rows
         self.slots = [self._slot_buffers(i, rows + 1, tc.dim) for i in range(2)]
         self._launch_rows = np.zeros((rows + 1, 2), np.int64)  # host scratch, one per runtime
         self.use_triton = dev.is_cuda and triton_available()
@@ -188,6 +186,8 @@ class ModelRuntime:
             launch_host=host("launch_host", (rows, 2), torch.int64),
             block_stage=host("block_stage", tuple(self.block_host.shape), torch.int32),
             launch_dev=device("launch_dev", (rows, 2), torch.int64),
+            mixed_host=host("mixed_host", (self._mixed_len,), torch.int64),
+            mixed_dev=device("mixed_dev", (self._mixed_len,), torch.int64),
             fin_host=host("fin_host", (rows, N_FIN), torch.int64),
             fin_dev=device("fin_dev", (rows, N_FIN), torch.int64),
             hidden=device("hidden", (rows, dim), self.dtype),
@@ -338,52 +338,89 @@ class ModelRuntime:
         self.vision_graphs.capture(counts, prepare, run, self.dev.compute_stream, progress)
 
     @torch.inference_mode()
-    def launch_prefill(self, slot: int, seqs: list[Sequence]) -> None:
-        """Enqueue the prefill of ``seqs``: vision over the new images' crops, the image
-        prefixes not yet cached, then each prompt; the last hidden state goes to the slot.
+    def launch_mixed(self, slot: int, seqs: list[Sequence], plan: StepPlan) -> None:
+        """Enqueue one mixed step: the image prefixes its chunks ask for, the cached prefix
+        tail pages copied into the sequences starting their prompt, then one forward over the
+        ragged token batch (decode rows + prompt chunks, core/step_plan.py); each row's last
+        token's hidden state lands in the slot's ``hidden`` for finalize.
 
-        Everything the device work needs from the host (pages, token ids, crops) is planned
-        here, at launch: by the time the work runs, the sequences may have moved on."""
-        buf = self.slots[slot]
-        prefixes, prompts = [], []
-        for i, seq in enumerate(seqs):
+        Everything the device work needs from the host (the token layout, pages, crops) is
+        planned here, at launch: by the time the work runs, the sequences may have moved on.
+        The layout goes up in one copy from the slot's pinned buffer."""
+        buf, dev = self.slots[slot], self.dev
+        tokens, last = pack_tokens(seqs, plan)
+        t, b = len(tokens), len(last)
+        if t > self.cfg.max_step_tokens:
+            raise ValueError(f"{t} tokens exceed the step budget {self.cfg.max_step_tokens}")
+        n = N_TOK * t + b
+        packed = np.concatenate([tokens.reshape(-1), last])
+        n_blocks = int(tokens[:, T_POS].max()) // self.cfg.page_size + 1 if t else 0
+        prefixes, tails = [], []
+        for i, chunk in enumerate(plan.chunks, start=plan.n_decode):
+            seq = seqs[i]
             entry = seq.prefix
-            if entry is not None and not seq.prefix_hit:
+            if chunk.prefix:
                 image = seq.request.image
-                assert image is not None
+                assert image is not None and entry is not None
                 prefixes.append(_PrefixJob(i, image.crops, image.tiling, list(entry.pages)))
-            tail = None
-            if entry is not None and entry.tail_page is not None:
-                tail = (entry.tail_page, seq.own_pages[0])
-            visible = self.pages.pages_for(seq.prefix_len + len(seq.prompt))
-            pages = ((entry.full_pages if entry else []) + seq.own_pages)[:visible]
-            prompts.append(_PromptJob(i, list(seq.prompt), seq.prefix_len, pages, tail))
-        self.dev.kernel(
-            self.dev.compute_stream,
-            f"prefill slot{slot}",
-            partial(self._prefill, buf, prefixes, prompts),
-            lambda: ([], [buf.hidden]),
+            if chunk.start == 0 and chunk.length and entry and entry.tail_page is not None:
+                # The prompt continues the prefix's partly filled last page: in a private copy.
+                tails.append((entry.tail_page, seq.own_pages[0]))
+        dev.host_write(buf.mixed_host, packed)
+        self._upload_block_table(buf)
+        dev.copy(
+            dev.copy_stream,
+            f"h2d inputs slot{slot}",
+            partial(_copy_rows, buf.mixed_dev, buf.mixed_host, 0, n),
+            lambda: ([buf.mixed_host], [buf.mixed_dev]),
+        )
+        dev.record(buf.inputs_ready, dev.copy_stream)
+        dev.wait(dev.compute_stream, buf.inputs_ready)
+
+        def access() -> tuple[list, list]:
+            rows = sorted(set(tokens[:, T_ROW].tolist()))
+            decode_rows = tokens[: plan.n_decode, T_ROW].tolist()
+            reads = [buf.mixed_dev, (self.block_dev, rows), (self.next_embed, decode_rows)]
+            return reads, [buf.hidden]
+
+        dev.kernel(
+            dev.compute_stream,
+            f"mixed slot{slot}",
+            partial(self._mixed_step, buf, prefixes, tails, t, b, n_blocks),
+            access,
         )
 
-    def _prefill(
-        self, buf: SlotBuffers, prefixes: list[_PrefixJob], prompts: list[_PromptJob]
+    def _mixed_step(
+        self,
+        buf: SlotBuffers,
+        prefixes: list[_PrefixJob],
+        tails: list[tuple[int, int]],
+        t: int,
+        b: int,
+        n_blocks: int,
     ) -> None:
-        m = self.model
         start = self._mark()
         if prefixes:
             self._prefill_prefixes(prefixes)
-        for job in prompts:
-            if job.tail is not None:
-                tail, own = job.tail
-                for kp, vp in zip(self.k_pools, self.v_pools, strict=True):
-                    kp[own].copy_(kp[tail])
-                    vp[own].copy_(vp[tail])
-            ids = self._h2d(job.ids)
-            pos = torch.arange(job.first, job.first + len(job.ids), device=self.torch_device)
-            kv = PagedKV(self.k_pools, self.v_pools, self._h2d(job.pages)[None], job.first)
-            buf.hidden[job.index] = m.text(m.text.embed(ids)[None], pos[None], kv)[0, -1]
+        for tail, own in tails:
+            for kp, vp in zip(self.k_pools, self.v_pools, strict=True):
+                kp[own].copy_(kp[tail])
+                vp[own].copy_(vp[tail])
+        if t:  # zero when the step's only prefill work was an image prefix
+            m = self.model
+            tokens = buf.mixed_dev[: N_TOK * t].view(t, N_TOK)
+            last = buf.mixed_dev[N_TOK * t : N_TOK * t + b]
+            rows, pos, ids = tokens[:, T_ROW], tokens[:, T_POS], tokens[:, T_ID]
+            # Decode rows (id -1) take the input finalize left on the device.
+            x = torch.where(
+                (ids < 0)[:, None], self.next_embed[rows], m.text.embed(ids.clamp(min=0))
+            )
+            kv = RaggedKV(self.k_pools, self.v_pools, self.block_dev, rows, n_blocks)
+            h = m.text(x[None].to(self.dtype), pos[None], kv)[0]
+            # Rows without a token here (-1) sample nothing: any row's state will do.
+            buf.hidden[:b] = h[last.clamp(min=0)]
         if start is not None:
-            self.observer.forward_timed("prefill", start, self._mark())
+            self.observer.forward_timed("mixed", start, self._mark())
 
     def _h2d(self, values: list[int]) -> torch.Tensor:
         """Small host list -> device tensor through pinned memory, without a host wait."""

@@ -142,3 +142,84 @@ class DecodeKV:
         vp[pages, offsets] = v.transpose(1, 2).to(vp.dtype)
         rows = self.block_table[self.rows, : self.n_blocks].long()
         return paged_attention(q, kp, vp, rows, positions, 0)
+
+
+def ragged_paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    n_blocks: int,
+    prefix_lens: torch.Tensor | None = None,
+    query_block: int = 64,
+) -> torch.Tensor:
+    """Varlen paged attention, the reference (and CPU path) of a mixed step's attention.
+
+    Each query token t of q [T, H, hd] belongs to block-table row ``rows[t]`` at
+    ``positions[t]`` and attends over that row's first ``n_blocks`` pages up to its own
+    position: causal, except that a query inside its row's prefix (``prefix_lens[t]``, none
+    when omitted) sees the whole prefix both ways. Returns [T, H, hd].
+
+    Tokens are taken ``query_block`` at a time so the gathered keys stay
+    [query_block, n_blocks * page_size] whatever the step's size; the loop runs over host-known
+    sizes only (no device value is read).
+    """
+    t_total, h, hd = q.shape
+    ps, kvh = k_pool.shape[1], k_pool.shape[2]
+    rep = h // kvh
+    k_pos = torch.arange(n_blocks * ps, device=q.device)
+    outs = []
+    for lo in range(0, t_total, query_block):
+        hi = min(lo + query_block, t_total)
+        pages = block_table[rows[lo:hi], :n_blocks].long()  # [t, n_blocks]
+        t = hi - lo
+        keys = k_pool[pages].reshape(t, n_blocks * ps, kvh, hd).transpose(1, 2)
+        values = v_pool[pages].reshape(t, n_blocks * ps, kvh, hd).transpose(1, 2)
+        if rep > 1:
+            keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
+        pos = positions[lo:hi, None]
+        mask = k_pos[None] <= pos  # [t, K]
+        if prefix_lens is not None:
+            plen = prefix_lens[lo:hi, None]
+            mask = mask | ((pos < plen) & (k_pos[None] < plen))
+        out = F.scaled_dot_product_attention(
+            q[lo:hi, :, None].to(keys.dtype), keys, values, attn_mask=mask[:, None, None]
+        )
+        outs.append(out[:, :, 0])
+    return torch.cat(outs) if outs else q.new_zeros(q.shape)
+
+
+class RaggedKV:
+    """The `KVCache` of a mixed step's forward over [1, T] tokens: token t writes its key and
+    value at ``positions[t]`` of block-table row ``rows[t]`` and attends with
+    `ragged_paged_attention` (every position in a mixed step is past its prefix: causal)."""
+
+    def __init__(
+        self,
+        k_pools: list[torch.Tensor],
+        v_pools: list[torch.Tensor],
+        block_table: torch.Tensor,
+        rows: torch.Tensor,
+        n_blocks: int,
+    ) -> None:
+        self.k_pools, self.v_pools = k_pools, v_pools
+        self.block_table = block_table
+        self.rows = rows
+        self.n_blocks = n_blocks
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        kp, vp = self.k_pools[layer], self.v_pools[layer]
+        ps = kp.shape[1]
+        pos = positions[0]  # [T]
+        pages = self.block_table[self.rows, pos // ps].long()
+        offsets = pos % ps
+        kp[pages, offsets] = k[0].transpose(0, 1).to(kp.dtype)  # [T, kv_heads, hd]
+        vp[pages, offsets] = v[0].transpose(0, 1).to(vp.dtype)
+        out = ragged_paged_attention(
+            q[0].transpose(0, 1), kp, vp, self.block_table, self.rows, pos, self.n_blocks
+        )
+        return out.transpose(0, 1)[None]  # [1, H, T, hd]

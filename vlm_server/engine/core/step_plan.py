@@ -1,0 +1,154 @@
+"""Planning one mixed step: decode rows plus prefill chunks under a per-step token budget.
+
+A mixed step is one forward over a ragged token batch. Its rows, in this order:
+
+    decode rows (one token each, input read on the device) | prefill chunks (prompt tokens)
+
+`StepBudget` decides how many prompt tokens each prefill gets, first come first served: every
+decode row is always in (the budget is at least ``max_batch + 1``, see EngineConfig), then the
+oldest prefill takes what is left, then the next one, until the budget is spent. A prompt
+longer than what is left is split across steps (chunked prefill), so admitting a request never
+stalls running streams by more than one step.
+
+An image prefix (BOS + image patches) sees itself both ways, so it cannot be split into
+chunks: it is computed whole, in the step that admits its first user, ahead of that step's
+token batch. Its positions count against the budget; a prefix larger than what is left is
+still taken when it is the step's first prefill work (else a prefix above the budget could
+never start), and its prompt then waits for the next step.
+
+`pack_tokens` turns a plan into the per-token layout the runtime uploads in one copy:
+
+    tokens [T, 3] int64: block-table row | position | token id (-1: the row's next input,
+                         written on the device by the previous finalize)
+    last   [B]    int64: index in the token batch of each step row's last token (its
+                         hidden state is what finalize samples from), -1 when the row has
+                         no token in this step (a prefix-only row)
+
+Invariants (tests/test_step_plan.py checks them under hypothesis):
+  B1 the tokens of a step (decode rows + chunks) never exceed the budget;
+  B2 every decode row is included; B3 the oldest waiting prefill always progresses (tokens,
+  or its prefix); B4 chunks are contiguous and in prompt order, taken FIFO across prefills.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+T_ROW, T_POS, T_ID = range(3)
+N_TOK = 3
+DEVICE_INPUT = -1  # token id of a decode row: its input embedding is already on the device
+
+
+class StepBudget:
+    """The token budget of one step, handed out to prefills in arrival order."""
+
+    def __init__(self, budget: int, n_decode: int) -> None:
+        if n_decode >= budget:
+            raise ValueError(f"{n_decode} decode rows leave no room in a budget of {budget}")
+        self.budget = budget
+        self.tokens = n_decode  # token rows planned so far (B1 bounds this)
+        self.prefix_positions = 0  # image-prefix positions computed ahead of the tokens
+        self._prefill_work = False  # some prefill (tokens or a prefix) already in this step
+
+    @property
+    def left(self) -> int:
+        return self.budget - self.tokens - self.prefix_positions
+
+    def can_take(self, prefix: int = 0) -> bool:
+        """Whether the next prefill (with an image prefix of ``prefix`` positions still to
+        compute) gets anything in this step."""
+        if prefix:
+            return prefix <= self.left or not self._prefill_work
+        return self.left > 0
+
+    def take(self, remaining: int, prefix: int = 0) -> int:
+        """Prompt tokens the next prefill launches in this step (0 when only its prefix fits);
+        call only after `can_take` said yes."""
+        if remaining < 1 and not prefix:
+            raise ValueError("a prefill with nothing left to launch")
+        if not self.can_take(prefix):
+            raise ValueError("the step's budget is spent")
+        self.prefix_positions += prefix
+        n = min(remaining, max(self.left, 0))
+        self.tokens += n
+        self._prefill_work = True
+        return n
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Prompt tokens ``[start, start + length)`` of one sequence, launched in one step."""
+
+    start: int
+    length: int
+    final: bool  # the prompt's last token is in it: the row samples its first output
+    prefix: bool = False  # the sequence's image prefix is computed in this step, first
+
+
+@dataclass
+class StepPlan:
+    """The rows of one mixed step: ``n_decode`` decode rows, then one row per chunk."""
+
+    n_decode: int
+    chunks: list[Chunk] = field(default_factory=list)
+
+    @property
+    def n_rows(self) -> int:
+        return self.n_decode + len(self.chunks)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.n_decode + sum(c.length for c in self.chunks)
+
+    def samples(self, i: int) -> bool:
+        """Whether step row ``i`` samples an output: decode rows and final chunks do."""
+        return i < self.n_decode or self.chunks[i - self.n_decode].final
+
+    def ends_prefill(self, i: int) -> bool:
+        """Whether step row ``i`` is the last chunk of its sequence's prefill."""
+        return i >= self.n_decode and self.chunks[i - self.n_decode].final
+
+
+class TokenSource(Protocol):
+    """What packing needs of a sequence."""
+
+    row: int
+    prompt: list[int]
+    prefix_len: int
+
+    def next_position(self) -> int: ...
+
+
+def pack_tokens(
+    seqs: Sequence[TokenSource], plan: StepPlan, positions: Sequence[int] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The per-token layout of ``plan`` over ``seqs`` (step-row order), see the module
+    docstring. ``positions`` gives each decode row's position (default: its next one)."""
+    if len(seqs) != plan.n_rows:
+        raise ValueError(f"{len(seqs)} sequences for a plan of {plan.n_rows} rows")
+    tokens = np.empty((plan.n_tokens, N_TOK), np.int64)
+    last = np.full(plan.n_rows, -1, np.int64)
+    d = plan.n_decode
+    if d:
+        tokens[:d, T_ROW] = [s.row for s in seqs[:d]]
+        tokens[:d, T_POS] = (
+            positions if positions is not None else [s.next_position() for s in seqs[:d]]
+        )
+        tokens[:d, T_ID] = DEVICE_INPUT
+        last[:d] = np.arange(d)
+    at = d
+    for i, (seq, chunk) in enumerate(zip(seqs[d:], plan.chunks, strict=True)):
+        if not chunk.length:
+            continue
+        end = at + chunk.length
+        first = seq.prefix_len + chunk.start
+        tokens[at:end, T_ROW] = seq.row
+        tokens[at:end, T_POS] = np.arange(first, first + chunk.length)
+        tokens[at:end, T_ID] = seq.prompt[chunk.start : chunk.start + chunk.length]
+        last[d + i] = end - 1
+        at = end
+    return tokens, last
