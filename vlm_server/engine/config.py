@@ -16,10 +16,11 @@ class EngineConfig:
     max_queue: int = 256  # waiting requests before RESOURCE_EXHAUSTED
     max_prefill_batch: int = 8  # requests admitted (first prefill chunk) in one step
     # Tokens of one step's forward: its decode rows plus prefill chunks (core/step_plan.py).
-    # 1024 holds a full decode batch, one image prefix (730 positions for moondream2, which
-    # cannot be split) and its prompt, so a new request still starts in one step; the GPU
-    # measurement of decode stall against admission rate is what should tune it.
-    max_step_tokens: int = 1024
+    # An image prefix (730 positions for moondream2) cannot be split, so this sets how many
+    # new images one step admits: 4096 (five) measured best on an H100 for unique 800x600
+    # queries at 64 clients (30.7 req/s, against 23.8 at 2048 and 14.0 at 1024), at the cost
+    # of longer mixed steps (bench/RESULTS.md). Lower it to bound inter-token stalls.
+    max_step_tokens: int = 4096
     prefix_cache_entries: int = 64  # image prefixes kept for reuse
     mask_table_rows: int = 1024  # device mask-table capacity (rows of vocab-wide bools)
     cuda_graphs: bool = True  # capture decode forwards per batch bucket (CUDA only)

@@ -70,7 +70,7 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()
     api_keys_file: str | None = None
     max_batch_size: int = 32
-    max_step_tokens: int = 1024
+    max_step_tokens: int = 4096
     kv_budget: int = 0
     pipeline_depth: int = 2
     queue_limit: int = 256
