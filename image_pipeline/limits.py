@@ -9,7 +9,8 @@ __all__ = ["DEFAULT_LIMITS", "ImageLimits"]
 MIB = 1024 * 1024
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
+def check_int(name: str, value: object, minimum: int) -> None:
+    """TypeError unless ``value`` is an int (not a bool), ValueError below ``minimum``."""
     # bool is an int subclass; True as a limit is always a mistake.
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -45,14 +46,14 @@ class ImageLimits:
     free_pixels: int = 4 * MIB
 
     def __post_init__(self) -> None:
-        _check_int("max_bytes", self.max_bytes, 1)
-        _check_int("max_pixels", self.max_pixels, 1)
-        _check_int("min_side", self.min_side, 1)
+        check_int("max_bytes", self.max_bytes, 1)
+        check_int("max_pixels", self.max_pixels, 1)
+        check_int("min_side", self.min_side, 1)
         if self.max_side is not None:
-            _check_int("max_side", self.max_side, self.min_side)
+            check_int("max_side", self.max_side, self.min_side)
         if self.max_pixels_per_byte is not None:
-            _check_int("max_pixels_per_byte", self.max_pixels_per_byte, 1)
-        _check_int("free_pixels", self.free_pixels, 0)
+            check_int("max_pixels_per_byte", self.max_pixels_per_byte, 1)
+        check_int("free_pixels", self.free_pixels, 0)
         if self.min_side * self.min_side > self.max_pixels:
             raise ValueError("min_side**2 exceeds max_pixels: no image could pass")
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
+from .limits import check_int
+
 __all__ = ["DEFAULT_TILING", "TilingSpec", "cut_local_crops", "overlap_crop", "select_tiling"]
 
 Tiling = tuple[int, int]
@@ -23,13 +25,6 @@ Tiling = tuple[int, int]
 # fallback; the server makes its crops in torch (`crops.make_crops`), replicating
 # either resizer bit for bit, and tests them against this function and pyvips.
 RESAMPLE = Image.Resampling.LANCZOS
-
-
-def _positive_int(name: str, value: object, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,10 +44,10 @@ class TilingSpec:
     max_crops: int = 12
 
     def __post_init__(self) -> None:
-        _positive_int("crop_size", self.crop_size)
-        _positive_int("patch_size", self.patch_size)
-        _positive_int("overlap_margin", self.overlap_margin, 0)
-        _positive_int("max_crops", self.max_crops)
+        check_int("crop_size", self.crop_size, 1)
+        check_int("patch_size", self.patch_size, 1)
+        check_int("overlap_margin", self.overlap_margin, 0)
+        check_int("max_crops", self.max_crops, 1)
         if self.crop_size % self.patch_size:
             raise ValueError("crop_size must be a multiple of patch_size")
         if self.grid <= 2 * self.overlap_margin:
