@@ -233,6 +233,24 @@ class ModelRuntime:
                 lambda first=first, hi=hi: ([], [(self.table_dev, range(first, hi))]),
             )
 
+    def _send_inputs(
+        self, slot: int, host: torch.Tensor, device: torch.Tensor, values: np.ndarray
+    ) -> None:
+        """A step's inputs into the slot's pinned buffer and up in one copy, after the dirty
+        block-table rows; the compute stream waits for both (inputs_ready), never the host."""
+        buf, dev = self.slots[slot], self.dev
+        n = len(values)
+        dev.host_write(host, values)
+        self._upload_block_table(buf)
+        dev.copy(
+            dev.copy_stream,
+            f"h2d inputs slot{slot}",
+            partial(_copy_rows, device, host, 0, n),
+            lambda: ([host], [device]),
+        )
+        dev.record(buf.inputs_ready, dev.copy_stream)
+        dev.wait(dev.compute_stream, buf.inputs_ready)
+
     # ---- forwards ---------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -247,16 +265,7 @@ class ModelRuntime:
             host[i, 0], host[i, 1] = seq.row, seq.next_position()
         host[b:n, 0], host[b:n, 1] = self.pad_row, 0
         n_blocks = int(host[:b, 1].max()) // self.cfg.page_size + 1
-        dev.host_write(buf.launch_host, host[:n])
-        self._upload_block_table(buf)
-        dev.copy(
-            dev.copy_stream,
-            f"h2d inputs slot{slot}",
-            partial(_copy_rows, buf.launch_dev, buf.launch_host, 0, n),
-            lambda: ([buf.launch_host], [buf.launch_dev]),
-        )
-        dev.record(buf.inputs_ready, dev.copy_stream)
-        dev.wait(dev.compute_stream, buf.inputs_ready)
+        self._send_inputs(slot, buf.launch_host, buf.launch_dev, host[:n])
 
         def access() -> tuple[list, list]:
             rows = host[:b, 0].tolist()
@@ -352,7 +361,6 @@ class ModelRuntime:
         t, b = len(tokens), len(last)
         if t > self.cfg.max_step_tokens:
             raise ValueError(f"{t} tokens exceed the step budget {self.cfg.max_step_tokens}")
-        n = N_TOK * t + b
         packed = np.concatenate([tokens.reshape(-1), last])
         n_blocks = int(tokens[:, T_POS].max()) // self.cfg.page_size + 1 if t else 0
         prefixes, tails = [], []
@@ -366,16 +374,7 @@ class ModelRuntime:
             if chunk.start == 0 and chunk.length and entry and entry.tail_page is not None:
                 # The prompt continues the prefix's partly filled last page: in a private copy.
                 tails.append((entry.tail_page, seq.own_pages[0]))
-        dev.host_write(buf.mixed_host, packed)
-        self._upload_block_table(buf)
-        dev.copy(
-            dev.copy_stream,
-            f"h2d inputs slot{slot}",
-            partial(_copy_rows, buf.mixed_dev, buf.mixed_host, 0, n),
-            lambda: ([buf.mixed_host], [buf.mixed_dev]),
-        )
-        dev.record(buf.inputs_ready, dev.copy_stream)
-        dev.wait(dev.compute_stream, buf.inputs_ready)
+        self._send_inputs(slot, buf.mixed_host, buf.mixed_dev, packed)
 
         def access() -> tuple[list, list]:
             rows = sorted(set(tokens[:, T_ROW].tolist()))
