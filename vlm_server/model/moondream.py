@@ -33,5 +33,8 @@ class MoondreamModel(nn.Module):
 
     def prefix_embeddings(self, image_emb: torch.Tensor) -> torch.Tensor:
         """BOS followed by the image embeddings: [1, 1 + patches, dim]."""
-        bos = self.text.embed(torch.tensor([self.config.tokens.bos_id], device=self.device))
+        # A view of BOS's embedding row: building an id tensor here would be a host-to-device
+        # copy from pageable memory, which makes the host wait for the GPU (the vision tower).
+        bos_id = self.config.tokens.bos_id
+        bos = self.text.wte[bos_id : bos_id + 1]
         return torch.cat([bos, image_emb], dim=0)[None]
