@@ -268,6 +268,7 @@ class ModelRuntime:
         self._send_inputs(slot, buf.launch_host, buf.launch_dev, host[:n])
 
         def access() -> tuple[list, list]:
+            # Host numpy only, and only the fake device calls it: no device sync here.
             rows = host[:b, 0].tolist()
             return [buf.launch_dev, (self.block_dev, rows), (self.next_embed, rows)], [buf.hidden]
 
@@ -377,6 +378,7 @@ class ModelRuntime:
         self._send_inputs(slot, buf.mixed_host, buf.mixed_dev, packed)
 
         def access() -> tuple[list, list]:
+            # Host numpy only, and only the fake device calls it: no device sync here.
             rows = sorted(set(tokens[:, T_ROW].tolist()))
             decode_rows = tokens[: plan.n_decode, T_ROW].tolist()
             reads = [buf.mixed_dev, (self.block_dev, rows), (self.next_embed, decode_rows)]
@@ -499,6 +501,7 @@ class ModelRuntime:
         dev.wait(dev.compute_stream, buf.mask_ready)
 
         def access() -> tuple[list, list]:
+            # Host numpy only, and only the fake device calls it: no device sync here.
             rows = fin[:, F_ROW].tolist()
             masks = sorted(set(fin[:, F_MASK].tolist()) - {NO_MASK})
             reads = [buf.fin_dev, buf.hidden, *([(self.table_dev, masks)] if masks else [])]

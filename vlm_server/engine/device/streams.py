@@ -137,9 +137,11 @@ class TorchDevice:
             stream.wait_event(event)  # type: ignore[attr-defined]
 
     def host_write(self, buffer: torch.Tensor, values: np.ndarray, start: int = 0) -> None:
+        # A pinned host buffer viewed as numpy: no device sync (slot reuse orders it, I5).
         buffer.numpy()[start : start + len(values)] = values
 
     def host_read(self, buffer: torch.Tensor) -> np.ndarray:
+        # Pinned host memory; the caller waited for the copy into it with host_wait.
         return buffer.numpy()
 
     def host_wait(self, event: Event) -> None:
