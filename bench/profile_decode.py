@@ -96,16 +96,22 @@ def _ms(fn: object, iters: int = 20) -> float:
 
 
 def vision(rt: ModelRuntime) -> None:
-    """Vision tower per crop count: eager and graph replay (1 global + local tiles)."""
+    """The vision tower per crop count (eager), and the whole image path per tiling (uint8
+    crops to BOS + image embeddings) eager and graph-replayed."""
     rt.capture_vision_graphs(progress=False)
     vc = rt.model.config.vision
-    print(f"{'crops':>5} {'eager ms':>9} {'graph ms':>9}")
-    for n in (2, 5, 9, 13):
+    print(f"{'crops':>5} {'tower ms':>9} {'path eager':>11} {'path graph':>11}")
+    for tiling in ((1, 1), (2, 2), (2, 4), (3, 4)):
+        n = 1 + tiling[0] * tiling[1]
         x = torch.randn(n, 3, vc.crop_size, vc.crop_size, device="cuda", dtype=rt.dtype)
+        u8 = torch.randint(0, 256, (n, vc.crop_size, vc.crop_size, 3), dtype=torch.uint8)
+        u8 = u8.to("cuda")
         with torch.inference_mode():
-            eager = _ms(lambda x=x: rt.model.vision.encode(x))
-            graphed = _ms(lambda x=x: rt._encode_graphed(x))
-        print(f"{n:>5} {eager:>9.3f} {graphed:>9.3f}", flush=True)
+            tower = _ms(lambda x=x: rt.model.vision.encode(x))
+            eager = _ms(lambda u=u8, t=tiling: rt._image_embedding(u, t))
+            rt._image_inputs[n].copy_(u8)
+            graphed = _ms(lambda t=tiling: rt.image_graphs.replay(t))
+        print(f"{n:>5} {tower:>9.3f} {eager:>11.3f} {graphed:>11.3f}", flush=True)
 
 
 def sweep(rt: ModelRuntime, args: argparse.Namespace) -> None:

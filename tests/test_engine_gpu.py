@@ -61,8 +61,8 @@ def test_cuda_engine_equals_reference_tiny(
     depth: int,
     budget: str,
 ) -> None:
-    """Decode-only steps replay graphs; mixed steps (prompts chunked under the "chunked"
-    budget) run eagerly between them."""
+    """Decode-only steps replay decode graphs; mixed steps (prompts chunked under the
+    "chunked" budget) replay graphs per token bucket, image prefixes per tiling and count."""
     tm, rm = _cuda(text_model), _cuda(region_model)
     reqs = _text_requests(images)
     regions = [
@@ -73,7 +73,8 @@ def test_cuda_engine_equals_reference_tiny(
     async def run(loaded: LoadedModel, batch: list[GenerationRequest]) -> list:
         engine = _engine(loaded, depth, budget=budget, max_batch=4)
         await engine.start()
-        assert engine.runtime.decode_graphs and engine.runtime.use_triton
+        rt = engine.runtime
+        assert rt.decode_graphs and rt.mixed_graphs and rt.prefix_graphs and rt.use_triton
         try:
             out = await asyncio.gather(*[_collect(engine, r) for r in batch])
             await _wait_idle(engine)
@@ -134,3 +135,57 @@ def test_moondream2_size_engine_equals_reference_fp32(
         == ref.query(images[1], "what is it?", SamplingSettings(temperature=0, max_tokens=9)).text
     )
     assert [vars(b) for b in det.boxes] == [vars(b) for b in ref.detect(images[2], "car", 3).boxes]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_mixed_graph_matches_pytorch_varlen(text_model: LoadedModel, seed: int) -> None:
+    """One mixed step's token forward, graph-replayed with pad tokens and the decode kernels
+    per token, gives the hidden states of the eager PyTorch varlen path (fp32)."""
+    import numpy as np
+
+    from decoding.mask_table import MaskTable
+    from vlm_server.engine.config import EngineConfig
+    from vlm_server.engine.core.step_plan import DEVICE_INPUT
+    from vlm_server.engine.device.runtime import ModelRuntime
+
+    loaded = _cuda(text_model)
+    model = loaded.model.float()
+    cfg = EngineConfig(max_batch=8, max_step_tokens=64, kv_budget_bytes=64 << 20)
+    rt = ModelRuntime(model, cfg, MaskTable(loaded.config.text.vocab_size, 4))
+    rng = np.random.default_rng(seed)
+    ps = cfg.page_size
+    for row in range(cfg.max_rows):
+        rt.pages.assign(row, rt.pages.allocate(6))
+    rt.block_dev.copy_(rt.block_host)
+    rt.kv.normal_()
+    rt.next_embed.normal_()
+    rt.capture_graphs(progress=False)
+    # Decode rows, then two prompt chunks of rows 8 and 9 (positions continue their context).
+    d = int(rng.integers(1, 8))
+    chunks = [(8, int(rng.integers(20, 40)), int(rng.integers(2, 15))), (9, 3, 5)]
+    rows = list(range(d)) + [r for r, _, n in chunks for _ in range(n)]
+    pos = list(rng.integers(0, 5 * ps, d)) + [p + i for _, p, n in chunks for i in range(n)]
+    ids = [DEVICE_INPUT] * d + list(rng.integers(0, 100, len(rows) - d))
+    tokens = np.array([rows, pos, ids], np.int64).T.copy()
+    last = np.array([*range(d), d + chunks[0][2] - 1, len(rows) - 1], np.int64)
+    t = len(tokens)
+    n = rt._token_bucket(t)
+    assert n > t  # some padding in play
+    host = rt.mixed_layout.pack(rt._mixed_scratch, tokens, last, [], [], n, rt.pad_row)
+    buf = rt.slots[1]
+    buf.mixed_dev[: len(host)].copy_(torch.from_numpy(host))
+    kv_before = rt.kv.clone()
+    stream = rt.dev.compute_stream
+    with torch.inference_mode(), torch.cuda.stream(stream):
+        rt._mixed_step(1, [], 0, t, n, 6)
+    stream.synchronize()
+    got = buf.hidden[: len(last)].clone()
+    kv_graph = rt.kv.clone()
+    rt.kv.copy_(kv_before)
+    rt.use_triton = False
+    with torch.inference_mode(), torch.cuda.stream(stream):
+        rt._mixed_forward(buf, t, 6)
+    stream.synchronize()
+    torch.testing.assert_close(got, buf.hidden[: len(last)], atol=2e-4, rtol=2e-4)
+    # Same keys and values written, except into the sink page (pad tokens write there).
+    torch.testing.assert_close(kv_graph[:, :, 1:], rt.kv[:, :, 1:], atol=2e-4, rtol=2e-4)

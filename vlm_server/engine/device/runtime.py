@@ -8,8 +8,10 @@ each sequence's next input embedding into ``next_embed[row]`` on the device, and
 forward reads it from there.
 
 Two kinds of forward: a decode-only step (one token per row, graph-captured per batch bucket
-on CUDA) and a mixed step (core/step_plan.py): new image prefixes first, then one forward over
-a ragged batch of decode rows and prompt chunks with varlen paged attention, eager for now.
+on CUDA) and a mixed step (core/step_plan.py): new image prefixes first (the image path
+graph-captured per tiling, their BOS + image forward per number of images), then one forward
+over a ragged batch of decode rows and prompt chunks, graph-captured per token-count bucket
+with the batch padded by pad tokens (core/mixed_inputs.py gives the input layout).
 
 All stream, event, copy and pinned-buffer work goes through a `Device`
 (`TorchDevice` in production), so the same code runs on a fake device in the tests. Per step:
@@ -33,6 +35,7 @@ from decoding.region_values import coord_from_logits, size_from_logits
 from decoding.sampling import sample
 from image_pipeline import normalize_crops
 from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.core.mixed_inputs import MixedLayout
 from vlm_server.engine.core.observer import NO_OBSERVER, Observer
 from vlm_server.engine.core.pages import PageAllocator
 from vlm_server.engine.core.sequence import Sequence
@@ -62,7 +65,7 @@ class SlotBuffers:
     launch_host: torch.Tensor  # [max_rows, 2] int64: row, position (pinned)
     block_stage: torch.Tensor  # pinned copy of the block-table rows this slot uploads
     launch_dev: torch.Tensor
-    # A mixed step's token layout (core/step_plan.py), packed flat: tokens [T, 3] then last [B].
+    # A mixed step's inputs, packed flat as core/mixed_inputs.py lays them out.
     mixed_host: torch.Tensor  # pinned
     mixed_dev: torch.Tensor
     fin_host: torch.Tensor  # [max_rows, N_FIN] int64 (pinned)
@@ -78,12 +81,11 @@ class SlotBuffers:
 
 @dataclass(frozen=True)
 class _PrefixJob:
-    """A new image prefix of a prefill: BOS + image embeddings into the entry's pages."""
+    """A new image prefix of a prefill: BOS + image embeddings into the entry's pages (the
+    pages travel in the step's inputs)."""
 
-    index: int
-    crops: torch.Tensor
+    crops: torch.Tensor  # uint8 [N, H, W, 3], on the host or already on the device
     tiling: tuple[int, int]
-    pages: list[int]
 
 
 def graph_buckets(max_batch: int) -> list[int]:
@@ -91,6 +93,27 @@ def graph_buckets(max_batch: int) -> list[int]:
     sizes = [n for n in (1, 2, 4) if n < max_batch]
     sizes += list(range(8, max_batch, 8))
     return [*sizes, max_batch]
+
+
+def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
+    """Token counts with a captured mixed-step graph: about 1.5x apart (16, 24, 32, 48, ...),
+    so padding wastes at most a third of a step, up to and including ``max_tokens``."""
+    sizes, n = [], smallest
+    while n < max_tokens:
+        sizes.append(n)
+        n = n * 3 // 2 if n & (n - 1) == 0 else n * 4 // 3
+    return [*sizes, max_tokens]
+
+
+def image_tilings(max_crops: int) -> list[tuple[int, int]]:
+    """Every (h, w) tiling of at most ``max_crops`` local crops, most crops first."""
+    tilings = [
+        (h, w)
+        for h in range(1, max_crops + 1)
+        for w in range(1, max_crops + 1)
+        if h * w <= max_crops
+    ]
+    return sorted(tilings, key=lambda hw: (-hw[0] * hw[1], hw))
 
 
 def triton_available() -> bool:
@@ -102,17 +125,6 @@ def triton_available() -> bool:
 def kv_page_bytes(model: MoondreamModel, page_size: int) -> int:
     t = model.config.text
     return 2 * t.n_layers * page_size * t.n_kv_heads * t.head_dim * model.dtype.itemsize
-
-
-def vision_crop_counts(max_crops: int) -> list[int]:
-    """Crop counts of one image (global crop + h x w tiles), largest first."""
-    counts = {
-        1 + h * w
-        for h in range(1, max_crops + 1)
-        for w in range(1, max_crops + 1)
-        if h * w <= max_crops
-    }
-    return sorted(counts, reverse=True)
 
 
 class ModelRuntime:
@@ -134,9 +146,10 @@ class ModelRuntime:
         self.contract = model.config.tokens
         budget = cfg.kv_budget_bytes or self._default_budget()
         n_pages = max(2, budget // kv_page_bytes(model, cfg.page_size))
-        shape = (n_pages, cfg.page_size, tc.n_kv_heads, tc.head_dim)
-        self.k_pools = [self._zeros(shape, self.dtype) for _ in range(tc.n_layers)]
-        self.v_pools = [self._zeros(shape, self.dtype) for _ in range(tc.n_layers)]
+        shape = (2, tc.n_layers, n_pages, cfg.page_size, tc.n_kv_heads, tc.head_dim)
+        # One tensor for every layer's keys and values: a page copy is one op for all layers.
+        self.kv = self._zeros(shape, self.dtype)
+        self.k_pools, self.v_pools = list(self.kv[0]), list(self.kv[1])
         rows, max_pages = cfg.max_rows, -(-tc.max_context // cfg.page_size)
         # One extra row pads graph buckets: its block-table row stays on the sink page.
         self.pad_row = rows
@@ -146,14 +159,29 @@ class ModelRuntime:
             n_pages, cfg.page_size, rows, max_pages, block_table=self.block_host.numpy()[:rows]
         )
         self.next_embed = dev.buffer("next_embed", self._zeros((rows + 1, tc.dim), self.dtype))
-        self._mixed_len = N_TOK * cfg.max_step_tokens + rows
+        prefix_len = model.config.image_prefix_len
+        self.mixed_layout = MixedLayout(
+            rows=rows + 1,
+            # Tail copies happen when a prompt's first chunk launches, at most one per step row.
+            max_tails=cfg.max_batch,
+            max_prefixes=cfg.max_prefill_batch,
+            prefix_pages=-(-prefix_len // cfg.page_size),
+        )
+        self._mixed_len = self.mixed_layout.size(cfg.max_step_tokens)
+        self._mixed_scratch = np.zeros(self._mixed_len, np.int64)
+        # BOS + image embeddings of the image prefixes computed in one step.
+        self.prefix_emb = self._zeros((cfg.max_prefill_batch, prefix_len, tc.dim), self.dtype)
+        self._prefix_pos = torch.arange(prefix_len, device=self.torch_device)
         self.slots = [self._slot_buffers(i, rows + 1, tc.dim) for i in range(2)]
         self._launch_rows = np.zeros((rows + 1, 2), np.int64)  # host scratch, one per runtime
         self.use_triton = dev.is_cuda and triton_available()
         self.buckets = graph_buckets(cfg.max_batch)
+        self.token_buckets = token_buckets(cfg.max_step_tokens)
         self.decode_graphs: GraphSet[tuple[int, int]] = GraphSet("decode")
-        self.vision_graphs: GraphSet[int] = GraphSet("vision")
-        self._vision_inputs: dict[int, torch.Tensor] = {}
+        self.mixed_graphs: GraphSet[tuple[int, int]] = GraphSet("mixed step")
+        self.image_graphs: GraphSet[tuple[int, int]] = GraphSet("image")
+        self.prefix_graphs: GraphSet[tuple[int, int]] = GraphSet("image prefix")
+        self._image_inputs: dict[int, torch.Tensor] = {}
         self.table = table
         self.table_dev = dev.buffer(
             "table_dev",
@@ -310,42 +338,80 @@ class ModelRuntime:
                 return size
         raise ValueError(f"batch {b} exceeds the largest graph bucket {self.buckets[-1]}")
 
+    def _token_bucket(self, t: int) -> int:
+        for size in self.token_buckets:
+            if size >= t:
+                return size
+        raise ValueError(f"{t} tokens exceed the step budget {self.cfg.max_step_tokens}")
+
     @torch.inference_mode()
     def capture_graphs(self, progress: bool = True) -> None:
-        """Capture the decode forward per (slot, batch bucket). CUDA only; the CPU keeps
-        running the same forward eagerly."""
+        """Capture the decode forward per (slot, batch bucket), the mixed step's token forward
+        per (slot, token bucket) and the image-prefix forward per (slot, images in the step).
+        CUDA only; the CPU keeps running the same forwards eagerly."""
         if not self.dev.is_cuda:
             return
         max_blocks = self.block_dev.shape[1]
+        stream = self.dev.compute_stream
 
-        def prepare(key: tuple[int, int]) -> None:
+        def prepare_decode(key: tuple[int, int]) -> None:
             slot, n = key
             self.slots[slot].launch_dev[:n, 0] = self.pad_row
             self.slots[slot].launch_dev[:n, 1] = 0
 
-        def run(key: tuple[int, int]) -> None:
+        def run_decode(key: tuple[int, int]) -> None:
             self._decode_forward(self.slots[key[0]], key[1], max_blocks)
 
         keys = [(slot, n) for n in sorted(self.buckets, reverse=True) for slot in (0, 1)]
-        self.decode_graphs.capture(keys, prepare, run, self.dev.compute_stream, progress)
+        self.decode_graphs.capture(keys, prepare_decode, run_decode, stream, progress)
+
+        def prepare_mixed(key: tuple[int, int]) -> None:
+            slot, t = key
+            host = self.mixed_layout.pack(
+                self._mixed_scratch,
+                np.zeros((0, N_TOK), np.int64),
+                np.zeros(0, np.int64),
+                [],
+                [],
+                t,
+                self.pad_row,
+            )
+            self.slots[slot].mixed_dev[: len(host)].copy_(torch.from_numpy(host))
+
+        def run_mixed(key: tuple[int, int]) -> None:
+            self._mixed_forward(self.slots[key[0]], key[1], max_blocks)
+
+        keys = [(slot, t) for t in sorted(self.token_buckets, reverse=True) for slot in (0, 1)]
+        self.mixed_graphs.capture(keys, prepare_mixed, run_mixed, stream, progress)
+
+        def run_prefix(key: tuple[int, int]) -> None:
+            self._prefix_forward(self.slots[key[0]], key[1])
+
+        most = self.mixed_layout.max_prefixes
+        keys = [(slot, k) for k in range(most, 0, -1) for slot in (0, 1)]
+        # Pages of the sink only (a fresh slot buffer holds zeros): the warm-up writes there.
+        self.prefix_graphs.capture(keys, lambda key: None, run_prefix, stream, progress)
 
     @torch.inference_mode()
     def capture_vision_graphs(self, progress: bool = True) -> None:
-        """Capture the vision tower once per crop count of a single image. CUDA only."""
+        """Capture the image path (normalize, vision tower, projection, BOS) once per tiling.
+        CUDA only."""
         if not self.dev.is_cuda:
             return
         vc = self.model.config.vision
 
-        def prepare(n: int) -> None:
-            if n not in self._vision_inputs:
-                shape = (n, vc.in_channels, vc.crop_size, vc.crop_size)
-                self._vision_inputs[n] = self._zeros(shape, self.dtype)
+        def prepare(tiling: tuple[int, int]) -> None:
+            n = 1 + tiling[0] * tiling[1]
+            if n not in self._image_inputs:
+                shape = (n, vc.crop_size, vc.crop_size, vc.in_channels)
+                self._image_inputs[n] = self._zeros(shape, torch.uint8)
 
-        def run(n: int) -> torch.Tensor:
-            return self.model.vision.encode(self._vision_inputs[n])
+        def run(tiling: tuple[int, int]) -> torch.Tensor:
+            crops = self._image_inputs[1 + tiling[0] * tiling[1]]
+            return self._image_embedding(crops, tiling)
 
-        counts = vision_crop_counts(vc.max_crops)
-        self.vision_graphs.capture(counts, prepare, run, self.dev.compute_stream, progress)
+        tilings = image_tilings(vc.max_crops)
+        self.image_graphs.capture(tilings, prepare, run, self.dev.compute_stream, progress)
 
     @torch.inference_mode()
     def launch_mixed(self, slot: int, seqs: list[Sequence], plan: StepPlan) -> None:
@@ -356,26 +422,30 @@ class ModelRuntime:
 
         Everything the device work needs from the host (the token layout, pages, crops) is
         planned here, at launch: by the time the work runs, the sequences may have moved on.
-        The layout goes up in one copy from the slot's pinned buffer."""
+        The inputs go up in one copy from the slot's pinned buffer (core/mixed_inputs.py)."""
         buf, dev = self.slots[slot], self.dev
         tokens, last = pack_tokens(seqs, plan)
-        t, b = len(tokens), len(last)
+        t = len(tokens)
         if t > self.cfg.max_step_tokens:
             raise ValueError(f"{t} tokens exceed the step budget {self.cfg.max_step_tokens}")
-        packed = np.concatenate([tokens.reshape(-1), last])
+        n = self._token_bucket(t) if self.mixed_graphs else t
         n_blocks = int(tokens[:, T_POS].max()) // self.cfg.page_size + 1 if t else 0
-        prefixes, tails = [], []
+        jobs, prefix_pages, tails = [], [], []
         for i, chunk in enumerate(plan.chunks, start=plan.n_decode):
             seq = seqs[i]
             entry = seq.prefix
             if chunk.prefix:
                 image = seq.request.image
                 assert image is not None and entry is not None
-                prefixes.append(_PrefixJob(i, image.crops, image.tiling, list(entry.pages)))
+                jobs.append(_PrefixJob(image.crops, image.tiling))
+                prefix_pages.append(entry.pages)
             if chunk.start == 0 and chunk.length and entry and entry.tail_page is not None:
                 # The prompt continues the prefix's partly filled last page: in a private copy.
                 tails.append((entry.tail_page, seq.own_pages[0]))
-        self._send_inputs(slot, buf.mixed_host, buf.mixed_dev, packed)
+        values = self.mixed_layout.pack(
+            self._mixed_scratch, tokens, last, tails, prefix_pages, n, self.pad_row
+        )
+        self._send_inputs(slot, buf.mixed_host, buf.mixed_dev, values)
 
         def access() -> tuple[list, list]:
             # Host numpy only, and only the fake device calls it: no device sync here.
@@ -387,73 +457,89 @@ class ModelRuntime:
         dev.kernel(
             dev.compute_stream,
             f"mixed slot{slot}",
-            partial(self._mixed_step, buf, prefixes, tails, t, b, n_blocks),
+            partial(self._mixed_step, slot, jobs, len(tails), t, n, n_blocks),
             access,
         )
 
     def _mixed_step(
-        self,
-        buf: SlotBuffers,
-        prefixes: list[_PrefixJob],
-        tails: list[tuple[int, int]],
-        t: int,
-        b: int,
-        n_blocks: int,
+        self, slot: int, jobs: list[_PrefixJob], n_tails: int, t: int, n: int, n_blocks: int
     ) -> None:
+        buf = self.slots[slot]
         start = self._mark()
-        if prefixes:
-            self._prefill_prefixes(prefixes)
-        for tail, own in tails:
-            for kp, vp in zip(self.k_pools, self.v_pools, strict=True):
-                kp[own].copy_(kp[tail])
-                vp[own].copy_(vp[tail])
+        if jobs:
+            self._image_prefixes(slot, jobs)
+        if n_tails:
+            at = self.mixed_layout.tails_at
+            pairs = buf.mixed_dev[at : at + 2 * n_tails].view(n_tails, 2)
+            # Every layer's keys and values of the tail pages, in one gather and one scatter.
+            self.kv[:, :, pairs[:, 1]] = self.kv[:, :, pairs[:, 0]]
         if t:  # zero when the step's only prefill work was an image prefix
-            m = self.model
-            tokens = buf.mixed_dev[: N_TOK * t].view(t, N_TOK)
-            last = buf.mixed_dev[N_TOK * t : N_TOK * t + b]
-            rows, pos, ids = tokens[:, T_ROW], tokens[:, T_POS], tokens[:, T_ID]
-            # Decode rows (id -1) take the input finalize left on the device.
-            x = torch.where(
-                (ids < 0)[:, None], self.next_embed[rows], m.text.embed(ids.clamp(min=0))
-            )
-            kv = RaggedKV(self.k_pools, self.v_pools, self.block_dev, rows, n_blocks)
-            h = m.text(x[None].to(self.dtype), pos[None], kv)[0]
-            # Rows without a token here (-1) sample nothing: any row's state will do.
-            buf.hidden[:b] = h[last.clamp(min=0)]
+            if (slot, n) in self.mixed_graphs:
+                self.mixed_graphs.replay((slot, n))
+            else:
+                self._mixed_forward(buf, n, n_blocks)
         if start is not None:
             self.observer.forward_timed("mixed", start, self._mark())
 
-    def _h2d(self, values: list[int]) -> torch.Tensor:
-        """Small host list -> device tensor through pinned memory, without a host wait."""
-        host = torch.tensor(values, dtype=torch.int64, pin_memory=self.dev.is_cuda)
-        return host.to(self.torch_device, non_blocking=True)
-
-    def _prefill_prefixes(self, jobs: list[_PrefixJob]) -> None:
-        """Vision over every new image's crops, then BOS + image of all of them in one forward,
-        straight into their cache entries' pages. The prefix sees only itself, both ways, so
-        attention needs no mask (the fused attention kernels apply)."""
-        m = self.model
-        normalized = [normalize_crops(self._crops_on_device(j.crops), self.dtype) for j in jobs]
-        if self.vision_graphs:
-            # One graph replay per image (captured per crop count); counts without a graph
-            # (extreme aspect ratios) run eagerly.
-            # Each replay overwrites its graph's output: project it before the next one.
-            embs = [
-                m.prefix_embeddings(m.vision.project(self._encode_graphed(x), j.tiling))
-                for x, j in zip(normalized, jobs, strict=True)
-            ]
+    def _mixed_forward(self, buf: SlotBuffers, n: int, n_blocks: int) -> None:
+        """The token forward of a mixed step over the slot's ``n`` (padded) tokens. On CUDA
+        every token is a query row of the decode kernels (its row's pages up to its own
+        position: causal, since every prefix is computed before), so no shape depends on the
+        host; elsewhere the PyTorch varlen path over the first ``n_blocks`` pages."""
+        m, lay = self.model, self.mixed_layout
+        tokens = buf.mixed_dev[lay.tokens_at : lay.size(n)].view(n, N_TOK)
+        last = buf.mixed_dev[: lay.rows]
+        rows, pos, ids = tokens[:, T_ROW], tokens[:, T_POS], tokens[:, T_ID]
+        # Decode rows (id -1) take the input finalize left on the device.
+        x = torch.where((ids < 0)[:, None], self.next_embed[rows], m.text.embed(ids.clamp(min=0)))
+        x = x.to(self.dtype)
+        if self.use_triton:
+            text = m.text
+            rope = (text.rope_cos, text.rope_sin)
+            kv = DecodeKV(
+                self.k_pools, self.v_pools, self.block_dev, rows, 0, rope, text.cfg.n_heads, True
+            )
+            h = text(x[:, None], pos[:, None], kv)[:, 0]
         else:
-            all_feats = m.vision.encode(torch.cat(normalized))
-            counts = [x.shape[0] for x in normalized]
-            embs = [
-                m.prefix_embeddings(m.vision.project(f, j.tiling))
-                for f, j in zip(all_feats.split(counts), jobs, strict=True)
-            ]
-        n = embs[0].shape[1]
-        rows = torch.stack([self._h2d(j.pages) for j in jobs])
-        kv = PagedKV(self.k_pools, self.v_pools, rows, n, fresh_prefix=True)
-        pos = torch.arange(n, device=self.torch_device)[None].expand(len(jobs), n)
-        m.text(torch.cat(embs), pos, kv)
+            kv = RaggedKV(self.k_pools, self.v_pools, self.block_dev, rows, n_blocks)
+            h = m.text(x[None], pos[None], kv)[0]
+        # Rows without a token here (-1) sample nothing: any row's state will do.
+        buf.hidden[: lay.rows] = h[last.clamp(min=0)]
+
+    def _image_prefixes(self, slot: int, jobs: list[_PrefixJob]) -> None:
+        """BOS + image embeddings of each new image (one graph replay per image, captured per
+        tiling; tilings beyond the crop budget run eagerly), then the BOS + image forward of
+        all of them at once, straight into their cache entries' pages."""
+        for j, job in enumerate(jobs):
+            crops = self._crops_on_device(job.crops)
+            if job.tiling in self.image_graphs:
+                self._image_inputs[crops.shape[0]].copy_(crops)
+                emb = self.image_graphs.replay(job.tiling)
+            else:
+                emb = self._image_embedding(crops, job.tiling)
+            # Copied out before the next replay overwrites the graph's output.
+            self.prefix_emb[j].copy_(emb[0])  # type: ignore[index]
+        k = len(jobs)
+        if (slot, k) in self.prefix_graphs:
+            self.prefix_graphs.replay((slot, k))
+        else:
+            self._prefix_forward(self.slots[slot], k)
+
+    def _image_embedding(self, crops: torch.Tensor, tiling: tuple[int, int]) -> torch.Tensor:
+        """uint8 crops of one image -> BOS + image embeddings [1, prefix_len, dim]."""
+        m = self.model
+        x = normalize_crops(crops, self.dtype)
+        return m.prefix_embeddings(m.vision.project(m.vision.encode(x), tiling))
+
+    def _prefix_forward(self, buf: SlotBuffers, k: int) -> None:
+        """BOS + image of the step's ``k`` new images (``prefix_emb[:k]``) into their pages. A
+        prefix sees only itself, both ways, so attention needs no mask."""
+        lay = self.mixed_layout
+        pages = buf.mixed_dev[lay.prefixes_at : lay.tokens_at].view(lay.max_prefixes, -1)[:k]
+        length = self.prefix_emb.shape[1]
+        kv = PagedKV(self.k_pools, self.v_pools, pages, length, fresh_prefix=True)
+        pos = self._prefix_pos[None].expand(k, length)
+        self.model.text(self.prefix_emb[:k], pos, kv)
 
     def _crops_on_device(self, crops: torch.Tensor) -> torch.Tensor:
         """The image preparer may have made the crops on this device already; host crops go
@@ -463,14 +549,6 @@ class ModelRuntime:
         if self.dev.is_cuda and not crops.is_pinned():
             crops = crops.pin_memory()
         return crops.to(self.torch_device, non_blocking=True)
-
-    def _encode_graphed(self, crops: torch.Tensor) -> torch.Tensor:
-        n = crops.shape[0]
-        if n not in self.vision_graphs:
-            return self.model.vision.encode(crops)
-        self._vision_inputs[n].copy_(crops)
-        # Read before the next replay: the caller projects it right away.
-        return self.vision_graphs.replay(n)  # type: ignore[return-value]
 
     # ---- finalize: masks, sampling, region values, next inputs, D2H ---------------------
 

@@ -1,0 +1,80 @@
+"""The mixed step's input layout (core/mixed_inputs.py) and the runtime's graph keys."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vlm_server.engine.core.mixed_inputs import MixedLayout
+from vlm_server.engine.core.step_plan import N_TOK, T_ID, T_POS, T_ROW
+from vlm_server.engine.device.runtime import image_tilings, token_buckets
+
+LAYOUT = MixedLayout(rows=9, max_tails=4, max_prefixes=3, prefix_pages=5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    t=st.integers(0, 20),
+    pad=st.integers(0, 10),
+    n_last=st.integers(0, 9),
+    n_tails=st.integers(0, 4),
+    n_prefixes=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_pack_round_trips_and_pads(
+    t: int, pad: int, n_last: int, n_tails: int, n_prefixes: int, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(-1, 500, (t, N_TOK))
+    last = rng.integers(-1, max(t, 1), n_last)
+    tails = [tuple(int(x) for x in rng.integers(1, 99, 2)) for _ in range(n_tails)]
+    prefixes = [rng.integers(1, 99, LAYOUT.prefix_pages).tolist() for _ in range(n_prefixes)]
+    # Scratch full of garbage: everything the layout promises must be written by pack.
+    scratch = rng.integers(-(2**40), 2**40, LAYOUT.size(40))
+    n = t + pad
+    out = LAYOUT.pack(scratch, tokens, last, tails, prefixes, n, pad_row=8)
+    assert len(out) == LAYOUT.size(n) and np.shares_memory(out, scratch)
+    assert out[:n_last].tolist() == last.tolist() and not out[n_last : LAYOUT.rows].any()
+    pairs = out[LAYOUT.tails_at : LAYOUT.prefixes_at].reshape(-1, 2)[:n_tails]
+    assert [tuple(p) for p in pairs.tolist()] == tails
+    pages = out[LAYOUT.prefixes_at : LAYOUT.tokens_at].reshape(LAYOUT.max_prefixes, -1)
+    assert pages[:n_prefixes].tolist() == prefixes
+    batch = out[LAYOUT.tokens_at :].reshape(n, N_TOK)
+    assert (batch[:t] == tokens).all()
+    # Pad tokens: the pad row (its pages are the sink) at position 0, a real token id.
+    assert (batch[t:, T_ROW] == 8).all() and not batch[t:, T_POS].any()
+    assert not batch[t:, T_ID].any()
+
+
+def test_pack_refuses_what_does_not_fit() -> None:
+    scratch = np.zeros(LAYOUT.size(8), np.int64)
+    empty = np.zeros((0, N_TOK), np.int64)
+    none = np.zeros(0, np.int64)
+    with pytest.raises(ValueError, match="do not fit"):
+        LAYOUT.pack(scratch, np.zeros((9, N_TOK), np.int64), none, [], [], 8, 0)
+    with pytest.raises(ValueError, match="tail copies"):
+        LAYOUT.pack(scratch, empty, none, [(1, 2)] * 5, [], 8, 0)
+    with pytest.raises(ValueError, match="image prefixes"):
+        LAYOUT.pack(scratch, empty, none, [], [[1] * 5] * 4, 8, 0)
+    with pytest.raises(ValueError, match="pages, expected 5"):
+        LAYOUT.pack(scratch, empty, none, [], [[1, 2]], 8, 0)
+
+
+@pytest.mark.parametrize("budget", [65, 100, 512, 4096, 5000])
+def test_token_buckets_cover_the_budget_with_bounded_padding(budget: int) -> None:
+    sizes = token_buckets(budget)
+    assert sizes == sorted(set(sizes)) and sizes[-1] == budget and sizes[0] >= 1
+    for t in range(1, budget + 1):
+        bucket = next(s for s in sizes if s >= t)
+        # At most half a step of padding beyond the smallest bucket.
+        assert t <= 16 or bucket <= 1.5 * t + 1, (t, bucket)
+
+
+def test_image_tilings_are_every_grid_within_the_crop_budget() -> None:
+    tilings = image_tilings(12)
+    assert len(tilings) == len(set(tilings)) == sum(12 // h for h in range(1, 13))
+    assert all(h * w <= 12 for h, w in tilings)
+    crops = [h * w for h, w in tilings]
+    assert crops == sorted(crops, reverse=True)  # largest first: one shared graph pool
