@@ -195,15 +195,21 @@ async def progress(tl: Timeline, quiet: bool, done_arrivals: list[int]) -> None:
         unit="s",
         leave=False,
         disable=quiet,
-        bar_format="{desc}{n:.1f}/{total} s |{bar}| {postfix}",
+        bar_format="{desc} {n:.1f}/{total} s |{bar}|{postfix}",
     ) as bar:
+        counts: Counter[str | None] = Counter()
+        seen = 0
         while True:
             now = time.perf_counter()
             phase = tl.phase(now)
             bar.set_description(
                 "warm-up" if now < tl.warmup_end else PHASE_NAMES[phase] if phase else "draining"
             )
-            counts = Counter(tl.phase(g.end) for g in tl.gaps)
+            # Only the new gaps: a pass over all of them would stall this loop, whose
+            # lateness every gap measured here includes.
+            fresh = tl.gaps[seen:]
+            seen += len(fresh)
+            counts.update(tl.phase(g.end) for g in fresh)
             bar.set_postfix_str(
                 f"streams done {len(tl.streams)}, gaps A {counts['A']} B {counts['B']}, "
                 f"arrivals {done_arrivals[0]}/{len(tl.arrivals)}"
