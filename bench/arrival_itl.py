@@ -325,7 +325,8 @@ def phase_summary(tl: Timeline, phase: str) -> dict[str, Any]:
     recs = [r for end, _, r in tl.streams if tl.phase(end) == phase]
     ok = [r for r in recs if r.ok]
     tokens = [r.output_tokens for r in ok]
-    deltas = [len(r.gaps_s) + 1 for r in ok]
+    # run_one puts the first delta at the end when there was none.
+    deltas = [len(r.gaps_s) + (r.ttft_s < r.e2e_s) for r in ok]
     steps = [(ms, b) for at, ms, b in tl.step_samples if tl.phase(at) == phase]
     lag = [s for at, s in tl.loop_lag if tl.phase(at) == phase]
     row: dict[str, Any] = {
