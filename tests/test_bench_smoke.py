@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from bench import hf_baseline, image_bench, load_gen
+from bench import arrival_itl, hf_baseline, image_bench, load_gen
 from bench.synth_images import parse_size, unique_images
 from image_pipeline import prepare_image
 
@@ -170,6 +170,80 @@ def test_load_gen_compares_the_http_and_grpc_doors(tiny_dir: Path, tmp_path: Pat
     # The same picture and settings through either door: the same answers' lengths.
     grpc_query = rows[("query3/64x48/repeated", "grpc")]
     assert query["output_tokens_total"] == grpc_query["output_tokens_total"]
+
+
+def test_arrival_itl_counts_each_gap_in_the_phase_it_ends() -> None:
+    tl = arrival_itl.Timeline(start=0.0, warmup_end=1.0, a_end=3.0, b_end=5.0)
+    assert [tl.phase(t) for t in (0.5, 1.0, 2.9, 3.0, 4.9, 5.0)] == [
+        None,
+        "A",
+        "A",
+        "B",
+        "B",
+        None,
+    ]
+    rec = load_gen.Record(True, streamed=True, ttft_s=0.5, e2e_s=0.9, gaps_s=[0.1, 0.2])
+    assert arrival_itl.stream_deltas(rec, 10.0) == pytest.approx([10.5, 10.6, 10.8])
+    assert arrival_itl.stream_deltas(load_gen.Record(False), 10.0) == []
+
+
+def test_arrival_itl_spawned_server(tiny_dir: Path, tmp_path: Path) -> None:
+    code = arrival_itl.main(
+        [
+            "--spawn",
+            "--streams",
+            "2",
+            "--rate",
+            "2",
+            "--duration",
+            "2",
+            "--warmup",
+            "1",
+            "--warmup-arrivals",
+            "1",
+            "--size",
+            "64x48",
+            "--caption-tokens",
+            "32",
+            "--quiet",
+            "--out",
+            str(tmp_path),
+            "--",
+            "--model",
+            str(tiny_dir),
+            "--device",
+            "cpu",
+            "--dtype",
+            "fp32",
+        ]
+    )
+    assert code == 0
+    data = _strict_json(tmp_path / "arrival_itl.json")
+    assert data["complete"] and data["server_exit_code"] == 0 and data["device"] == "cpu"
+    samples = 0
+    for phase in ("A", "B"):
+        r = data["phases"][phase]
+        assert r["gaps"] > 0 and r["streams_with_gaps"] == 2 and not r["stream_errors"], r
+        _ordered(r, "itl")
+        assert r["itl_p99_ms"] <= r["itl_p99.9_ms"] <= r["itl_max_ms"]
+        assert 1 <= r["output_tokens_min"] <= r["output_tokens_max"] <= 32  # max_tokens 32
+        assert r["tokens_per_delta"] > 0
+        samples += r["server_step_samples"]
+        cdf = data["gap_cdf_ms"][phase]
+        assert [q for q, _ in cdf] == sorted({q for q, _ in cdf})
+        assert [ms for _, ms in cdf] == sorted(ms for _, ms in cdf)
+    assert data["metrics_url"] and samples > 0  # the step gauge was found and read
+    arrivals = data["arrivals"]
+    assert arrivals["requests"] >= 1 and arrivals["ok"] == arrivals["requests"]
+    assert arrivals["offered_req_per_s"] > 0 and arrivals["achieved_req_per_s"] > 0
+    assert 1 <= arrivals["output_tokens_max"] <= 3
+    _ordered(arrivals, "e2e")
+    verdict = data["verdict"]
+    assert verdict["decode_period_ms"] == data["phases"]["A"]["itl_p50_ms"]
+    assert verdict["ratio_b_p99_over_a_p50"] > 0 and verdict["target_ratio"] == 2.0
+    assert isinstance(verdict["meets_target"], bool)
+    assert (tmp_path / "arrival_itl_server.log").exists()
+    assert (tmp_path / "arrival_itl.png").exists() == HAVE_MATPLOTLIB
 
 
 def test_image_bench_tiny(tmp_path: Path) -> None:
