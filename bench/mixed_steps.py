@@ -157,8 +157,6 @@ def main() -> None:
             eager = wall_ms(lambda k=k: rt._prefix_forward(buf, k), stream)
         prefixes.append({"images": k, "graph_ms": graph, "eager_wall_ms": eager})
     compiled = None
-    if args.compile_vision:
-        compiled = compile_vision(loaded.model.vision, vc, stream)
     result = {
         "device": torch.cuda.get_device_name(),
         "context": args.context,
@@ -188,11 +186,15 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "mixed_steps.json").write_text(json.dumps(result, indent=2))
     report(result, out)
+    if args.compile_vision:  # last: a slow compile must not cost the tables above
+        result["vision_compile"] = compile_vision(loaded.model.vision, vc, stream)
+        (out / "mixed_steps.json").write_text(json.dumps(result, indent=2))
+        report(result, out)
 
 
 def compile_vision(vision: torch.nn.Module, vc: object, stream: torch.cuda.Stream) -> dict:
     """torch.compile of the vision tower: compile time and run time per crop count."""
-    fn = torch.compile(vision.encode, mode="max-autotune-no-cudagraphs", dynamic=False)
+    fn = torch.compile(vision.encode, mode=None)
     rows = []
     for crops in (1, 5, 9, 13):
         x = torch.randn(crops, 3, vc.crop_size, vc.crop_size, device="cuda", dtype=torch.bfloat16)
@@ -212,7 +214,7 @@ def compile_vision(vision: torch.nn.Module, vc: object, stream: torch.cuda.Strea
                     "max_abs_diff": err,
                 }
             )
-    return {"mode": "max-autotune-no-cudagraphs", "rows": rows}
+    return {"mode": "default", "rows": rows}
 
 
 def report(result: dict, out: Path) -> None:
