@@ -120,7 +120,7 @@ def main() -> None:
     for n in tqdm(rt.token_buckets, desc="mixed steps"):
         tokens = step_tokens(n, args.context, prefix_len, cfg.max_rows)
         last = np.arange(min(n, DECODE_ROWS + CHUNK_ROWS), dtype=np.int64)
-        host = lay.pack(rt._mixed_scratch, tokens, last, [], [], n, rt.pad_row)
+        host = lay.pack(rt._mixed_scratch, tokens, last, [], n, rt.pad_row)
         buf.mixed_dev[: len(host)].copy_(torch.from_numpy(host))
         n_blocks = int(tokens[:, 1].max()) // ps + 1
         with torch.inference_mode():
@@ -141,7 +141,7 @@ def main() -> None:
             tower = gpu_ms(lambda x=x: loaded.model.vision.encode(x), stream)
             path_eager = wall_ms(lambda u=u8, t=tiling: rt._image_embedding(u, t), stream)
             rt._image_inputs[crops].copy_(u8)
-            path_graph = gpu_ms(lambda t=tiling: rt.image_graphs.replay(t), stream)
+            path_graph = gpu_ms(lambda t=tiling: rt.image_graphs.replay(t), rt.dev.prefill_stream)
         images.append(
             {
                 "crops": crops,
@@ -151,10 +151,11 @@ def main() -> None:
             }
         )
     prefixes = []
-    for k in range(1, lay.max_prefixes + 1):
+    side = rt.dev.prefill_stream
+    for k in range(1, cfg.max_prefill_batch + 1):
         with torch.inference_mode():
-            graph = gpu_ms(lambda k=k: rt.prefix_graphs.replay((0, k)), stream)
-            eager = wall_ms(lambda k=k: rt._prefix_forward(buf, k), stream)
+            graph = gpu_ms(lambda k=k: rt.prefix_graphs.replay((0, k)), side)
+            eager = wall_ms(lambda k=k: rt._prefix_forward(0, k), side)
         prefixes.append({"images": k, "graph_ms": graph, "eager_wall_ms": eager})
     compiled = None
     result = {

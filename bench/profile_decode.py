@@ -112,6 +112,43 @@ def vision(rt: ModelRuntime) -> None:
             rt._image_inputs[n].copy_(u8)
             graphed = _ms(lambda t=tiling: rt.image_graphs.replay(t))
         print(f"{n:>5} {tower:>9.3f} {eager:>11.3f} {graphed:>11.3f}", flush=True)
+    x = torch.randn(9, 3, vc.crop_size, vc.crop_size, device="cuda", dtype=rt.dtype)
+    with torch.inference_mode():
+        rt.model.vision.encode(x)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            rt.model.vision.encode(x)
+            torch.cuda.synchronize()
+    print("\n=== vision tower, 9 crops: eager kernels ===")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+    attention_backends(rt, vc)
+
+
+def attention_backends(rt: ModelRuntime, vc: object) -> None:
+    """The tower's attention alone (9 crops), per SDPA backend."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    heads = vc.enc_n_heads  # type: ignore[attr-defined]
+    hd = vc.enc_dim // heads  # type: ignore[attr-defined]
+    q, k, v = (
+        torch.randn(9, heads, vc.n_patches, hd, device="cuda", dtype=rt.dtype)  # type: ignore[attr-defined]
+        for _ in range(3)
+    )
+    print(f"\nattention [9, {heads}, {vc.n_patches}, {hd}]:")  # type: ignore[attr-defined]
+    for backend in (
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.MATH,
+    ):
+        try:
+            with sdpa_kernel([backend]), torch.inference_mode():
+                ms = _ms(lambda: F.scaled_dot_product_attention(q, k, v))
+            layers = vc.enc_n_layers  # type: ignore[attr-defined]
+            print(f"  {backend.name:<20} {ms:.3f} ms (x{layers} layers: {layers * ms:.2f} ms)")
+        except RuntimeError as err:
+            print(f"  {backend.name:<20} unavailable: {str(err).splitlines()[0][:80]}")
 
 
 def sweep(rt: ModelRuntime, args: argparse.Namespace) -> None:

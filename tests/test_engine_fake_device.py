@@ -319,7 +319,9 @@ def _sync_points(blocking: Run) -> tuple[list[str], list[str]]:
 def test_the_runtime_issues_the_expected_waits_and_records(blocking: Run) -> None:
     waits, records = _sync_points(blocking)
     assert waits == ["inputs_ready", "mask_ready", "step_done"]
-    assert records == ["d2h_done", "inputs_ready", "mask_ready", "step_done"]
+    # prefix_done: no wait on it anywhere; the scheduler polls it before any step reads a
+    # new image prefix's pages.
+    assert records == ["d2h_done", "inputs_ready", "mask_ready", "prefix_done", "step_done"]
 
 
 @pytest.mark.parametrize(
@@ -332,6 +334,8 @@ def test_the_runtime_issues_the_expected_waits_and_records(blocking: Run) -> Non
         ({"drop_records": ["mask_ready"]}, "order"),
         ({"drop_records": ["step_done"]}, "I3"),
         ({"drop_records": ["d2h_done"]}, "I7"),
+        # A slow prefill stream: steps would read a new prefix's pages before they are written.
+        ({"drop_records": ["prefix_done"], "lagging": ["prefill"]}, "order"),
         ({"skip_host_wait": True}, "I7"),
         ({"split_compute": True}, "I1"),
         ({"pipeline": EarlySlotReusePipeline}, "I5"),
@@ -438,15 +442,23 @@ def test_row_regions_are_versioned_per_row() -> None:
 
 # ---- the runtime protocol ------------------------------------------------------------------
 
-_METHODS = ["launch_mixed", "launch_decode", "finalize", "read_outputs", "release_row"]
+_METHODS = [
+    "launch_prefixes",
+    "prefix_ready",
+    "launch_mixed",
+    "launch_decode",
+    "finalize",
+    "read_outputs",
+    "release_row",
+]
 
 
 def test_protocol_is_what_the_scheduler_uses() -> None:
     src = inspect.getsource(scheduler_module)
     used = set(re.findall(r"self\.rt\.(\w+)", src)) | set(re.findall(r"runtime\.(\w+)", src))
-    assert used == {"pages", *_METHODS}
+    assert used == {"pages", "prefix_slots", *_METHODS}
     assert inspect.signature(Scheduler).parameters["runtime"].annotation == "Runtime"
-    assert Runtime.__annotations__ == {"pages": "PageAllocator"}
+    assert Runtime.__annotations__ == {"pages": "PageAllocator", "prefix_slots": "int"}
 
 
 def test_the_runtime_matches_the_protocol(tiny: LoadedModel) -> None:

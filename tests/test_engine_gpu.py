@@ -171,13 +171,13 @@ def test_mixed_graph_matches_pytorch_varlen(text_model: LoadedModel, seed: int) 
     t = len(tokens)
     n = rt._token_bucket(t)
     assert n > t  # some padding in play
-    host = rt.mixed_layout.pack(rt._mixed_scratch, tokens, last, [], [], n, rt.pad_row)
+    host = rt.mixed_layout.pack(rt._mixed_scratch, tokens, last, [], n, rt.pad_row)
     buf = rt.slots[1]
     buf.mixed_dev[: len(host)].copy_(torch.from_numpy(host))
     kv_before = rt.kv.clone()
     stream = rt.dev.compute_stream
     with torch.inference_mode(), torch.cuda.stream(stream):
-        rt._mixed_step(1, [], 0, t, n, 6)
+        rt._mixed_step(1, 0, t, n, 6)
     stream.synchronize()
     got = buf.hidden[: len(last)].clone()
     kv_graph = rt.kv.clone()

@@ -101,6 +101,23 @@ def test_prefix_cache_lru_eviction_only_when_idle() -> None:
     assert alloc.used_pages == 0
 
 
+def test_a_prefix_still_being_computed_is_never_evicted() -> None:
+    """Its pages are being written on the prefill stream: freeing them for another sequence
+    would race that work, even once no sequence holds the entry."""
+    alloc = PageAllocator(n_pages=8, page_size=4, max_rows=1, max_pages_per_row=4)
+    cache = PrefixCache(alloc, prefix_len=8, max_entries=1)
+    a = cache.create("a")
+    a.ready = False
+    cache.release(a)  # its only user cancelled
+    assert cache.evictable_pages() == 0
+    assert not cache.evict_for(alloc.free_pages + 1)
+    cache.create("b")  # over max_entries: still not evicted
+    assert cache.peek("a") is a
+    a.ready = True
+    assert cache.evictable_pages() == 2 and cache.evict_for(alloc.free_pages + 2)
+    assert cache.peek("a") is None
+
+
 @pytest.fixture(scope="module")
 def _threads() -> Iterator[None]:
     before = torch.get_num_threads()

@@ -11,7 +11,7 @@ from vlm_server.engine.core.mixed_inputs import MixedLayout
 from vlm_server.engine.core.step_plan import N_TOK, T_ID, T_POS, T_ROW
 from vlm_server.engine.device.runtime import image_tilings, token_buckets
 
-LAYOUT = MixedLayout(rows=9, max_tails=4, max_prefixes=3, prefix_pages=5)
+LAYOUT = MixedLayout(rows=9, max_tails=4)
 
 
 @settings(max_examples=60, deadline=None)
@@ -20,27 +20,21 @@ LAYOUT = MixedLayout(rows=9, max_tails=4, max_prefixes=3, prefix_pages=5)
     pad=st.integers(0, 10),
     n_last=st.integers(0, 9),
     n_tails=st.integers(0, 4),
-    n_prefixes=st.integers(0, 3),
     seed=st.integers(0, 2**16),
 )
-def test_pack_round_trips_and_pads(
-    t: int, pad: int, n_last: int, n_tails: int, n_prefixes: int, seed: int
-) -> None:
+def test_pack_round_trips_and_pads(t: int, pad: int, n_last: int, n_tails: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
     tokens = rng.integers(-1, 500, (t, N_TOK))
     last = rng.integers(-1, max(t, 1), n_last)
     tails = [tuple(int(x) for x in rng.integers(1, 99, 2)) for _ in range(n_tails)]
-    prefixes = [rng.integers(1, 99, LAYOUT.prefix_pages).tolist() for _ in range(n_prefixes)]
     # Scratch full of garbage: everything the layout promises must be written by pack.
     scratch = rng.integers(-(2**40), 2**40, LAYOUT.size(40))
     n = t + pad
-    out = LAYOUT.pack(scratch, tokens, last, tails, prefixes, n, pad_row=8)
+    out = LAYOUT.pack(scratch, tokens, last, tails, n, pad_row=8)
     assert len(out) == LAYOUT.size(n) and np.shares_memory(out, scratch)
     assert out[:n_last].tolist() == last.tolist() and not out[n_last : LAYOUT.rows].any()
-    pairs = out[LAYOUT.tails_at : LAYOUT.prefixes_at].reshape(-1, 2)[:n_tails]
+    pairs = out[LAYOUT.tails_at : LAYOUT.tokens_at].reshape(-1, 2)[:n_tails]
     assert [tuple(p) for p in pairs.tolist()] == tails
-    pages = out[LAYOUT.prefixes_at : LAYOUT.tokens_at].reshape(LAYOUT.max_prefixes, -1)
-    assert pages[:n_prefixes].tolist() == prefixes
     batch = out[LAYOUT.tokens_at :].reshape(n, N_TOK)
     assert (batch[:t] == tokens).all()
     # Pad tokens: the pad row (its pages are the sink) at position 0, a real token id.
@@ -53,13 +47,11 @@ def test_pack_refuses_what_does_not_fit() -> None:
     empty = np.zeros((0, N_TOK), np.int64)
     none = np.zeros(0, np.int64)
     with pytest.raises(ValueError, match="do not fit"):
-        LAYOUT.pack(scratch, np.zeros((9, N_TOK), np.int64), none, [], [], 8, 0)
+        LAYOUT.pack(scratch, np.zeros((9, N_TOK), np.int64), none, [], 8, 0)
     with pytest.raises(ValueError, match="tail copies"):
-        LAYOUT.pack(scratch, empty, none, [(1, 2)] * 5, [], 8, 0)
-    with pytest.raises(ValueError, match="image prefixes"):
-        LAYOUT.pack(scratch, empty, none, [], [[1] * 5] * 4, 8, 0)
-    with pytest.raises(ValueError, match="pages, expected 5"):
-        LAYOUT.pack(scratch, empty, none, [], [[1, 2]], 8, 0)
+        LAYOUT.pack(scratch, empty, none, [(1, 2)] * 5, 8, 0)
+    with pytest.raises(ValueError, match="step rows"):
+        LAYOUT.pack(scratch, empty, np.zeros(10, np.int64), [], 8, 0)
 
 
 @pytest.mark.parametrize("budget", [65, 100, 512, 4096, 5000])

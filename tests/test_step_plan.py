@@ -34,27 +34,21 @@ from vlm_server.model.text import allowed_mask
 @dataclass
 class _Prefill:
     prompt: int  # prompt tokens
-    prefix: int  # image-prefix positions to compute at admission (0: cached or none)
     launched: int = 0
-    admitted: bool = False
 
     @property
     def done(self) -> bool:
-        return self.admitted and self.launched == self.prompt
+        return self.launched == self.prompt
 
 
 @settings(max_examples=300, deadline=None)
 @given(
     budget=st.integers(2, 64),
-    work=st.lists(
-        st.tuples(st.integers(1, 80), st.sampled_from([0, 0, 5, 40, 200])), min_size=1, max_size=8
-    ),
+    work=st.lists(st.integers(1, 80), min_size=1, max_size=8),
     decode=st.lists(st.integers(0, 63), min_size=1, max_size=200),
 )
-def test_the_budget_keeps_its_invariants(
-    budget: int, work: list[tuple[int, int]], decode: list[int]
-) -> None:
-    prefills = [_Prefill(prompt, prefix) for prompt, prefix in work]
+def test_the_budget_keeps_its_invariants(budget: int, work: list[int], decode: list[int]) -> None:
+    prefills = [_Prefill(prompt) for prompt in work]
     chunks: dict[int, list[tuple[int, int]]] = {i: [] for i in range(len(prefills))}
     for step in range(10_000):
         if all(p.done for p in prefills):
@@ -62,25 +56,18 @@ def test_the_budget_keeps_its_invariants(
         n_decode = decode[step % len(decode)] % budget  # B2: any decode batch below it fits
         b = StepBudget(budget, n_decode)
         got: list[int] = []
-        prefix_taken: list[int] = []
         for i, p in enumerate(prefills):
             if p.done:
                 continue
-            prefix = 0 if p.admitted else p.prefix
-            if not b.can_take(prefix):
+            if not b.can_take():
                 break
-            n = b.take(p.prompt - p.launched, prefix)
-            if prefix:
-                prefix_taken.append(i)
+            n = b.take(p.prompt - p.launched)
+            assert n >= 1
             chunks[i].append((p.launched, n))
             p.launched += n
-            p.admitted = True
             got.append(i)
         assert b.tokens <= budget  # B1: decode rows + prompt tokens
         assert b.tokens >= n_decode  # B2: every decode row is in
-        if b.tokens + b.prefix_positions > budget:  # only a prefix that came first overdraws
-            assert prefix_taken and prefix_taken[0] == got[0]
-            assert b.tokens + b.prefix_positions - prefills[got[0]].prefix <= budget
         oldest = next(i for i, p in enumerate(prefills) if not p.done or i in got)
         assert got and got[0] == oldest  # B3: the oldest prefill progresses every step
         for i in got[:-1]:  # B4: a later prefill gets work only once the earlier ones are done
@@ -104,13 +91,11 @@ def test_the_budget_refuses_what_does_not_fit() -> None:
         StepBudget(4, 4)  # decode rows fill it: no room for any prefill
     b = StepBudget(10, 3)
     assert b.take(5) == 5 and b.left == 2
-    assert not b.can_take(prefix=3)  # a prefix after other prefill work must fit
     assert b.take(9) == 2 and not b.can_take()
     with pytest.raises(ValueError):
         b.take(1)
-    first = StepBudget(10, 3)
-    assert first.can_take(prefix=30) and first.take(4, prefix=30) == 0  # overdraws, alone
-    assert not first.can_take() and not first.can_take(prefix=1)
+    with pytest.raises(ValueError):
+        StepBudget(10, 3).take(0)  # a prefill with nothing left
 
 
 @dataclass
@@ -129,12 +114,10 @@ def test_pack_tokens_lays_out_decode_rows_then_chunks() -> None:
         _Seq(5, [], 0, position=12),
         _Seq(2, [], 10, position=40),
         _Seq(7, [1, 2, 3, 4, 5], 10),  # chunk [2, 5): the last one, it samples
-        _Seq(0, [8, 9], 0),  # prefix-only row: no token
+        _Seq(0, [8, 9], 0),  # a row without a token in this step
         _Seq(3, [6, 7, 8, 9], 0),  # chunk [0, 2): not the last
     ]
-    plan = StepPlan(
-        2, [Chunk(2, 3, final=True), Chunk(0, 0, final=False, prefix=True), Chunk(0, 2, False)]
-    )
+    plan = StepPlan(2, [Chunk(2, 3, final=True), Chunk(0, 0, final=False), Chunk(0, 2, False)])
     tokens, last = pack_tokens(seqs, plan)
     assert tokens[:, T_ROW].tolist() == [5, 2, 7, 7, 7, 3, 3]
     assert tokens[:, T_POS].tolist() == [12, 40, 12, 13, 14, 0, 1]

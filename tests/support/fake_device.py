@@ -174,6 +174,7 @@ class FakeDevice:
 
     def __init__(self, seed: int = 0) -> None:
         self.rng = random.Random(seed)
+        self.lagging: set[str] = set()  # streams that run only when no other one can
         self.streams: dict[str, FakeStream] = {}
         self.host_waits: list[str] = []  # the event each host wait was for, in order
         self.kernel_streams: list[str] = []  # streams that ran kernels (I1: exactly one)
@@ -247,7 +248,9 @@ class FakeDevice:
                 heads = {s.name: s.queue[0].name for s in self.streams.values() if s.queue}
                 raise DeviceViolation("order", f"deadlock: every stream waits ({heads})")
             return False
-        stream = self.rng.choice(ready)
+        # A lagging stream runs only when nothing else can: the order a fault needs to show.
+        prompt = [s for s in ready if s.name not in self.lagging] or ready
+        stream = self.rng.choice(prompt)
         self._execute(stream.queue.popleft())
         return True
 
@@ -293,6 +296,8 @@ class FakeDevice:
         self.executed += 1
 
     def _kernel_on(self, stream: FakeStream) -> None:
+        if stream.name == "prefill":  # image prefixes: ordered for steps by their event
+            return
         if stream.name not in self.kernel_streams:
             self.kernel_streams.append(stream.name)
         if len(self.kernel_streams) > 1:
@@ -363,10 +368,13 @@ class FakeTorchDevice(FakeDevice):
         drop_records: Iterable[str] = (),
         skip_host_wait: bool = False,
         split_compute: bool = False,
+        lagging: Iterable[str] = (),
     ) -> None:
         super().__init__(seed)
+        self.lagging = set(lagging)
         self.compute_stream = self.stream("compute")
         self.copy_stream = self.stream("copy")
+        self.prefill_stream = self.stream("prefill")
         self._second_compute = self.stream("compute2") if split_compute else None
         self._kernels = 0
         self.drop_waits = set(drop_waits)

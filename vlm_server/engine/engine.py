@@ -39,6 +39,9 @@ from vlm_server.weights.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
+# How long the scheduler thread sleeps when it waits for nothing but an image prefix.
+PREFIX_POLL_S = 0.0005
+
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
@@ -268,6 +271,12 @@ class BatchedEngine:
                     # for device work.
                     s.waiting.extend(arrived)
                     s.tick()
+                    if s.stalled_on_prefixes():
+                        # Only an image prefix is running: sleep briefly instead of spinning
+                        # (a new request wakes the loop at once).
+                        with self._cv:
+                            if not self._inbox and not self._stopping:
+                                self._cv.wait(timeout=PREFIX_POLL_S)
         except BaseException as err:  # a bug or a device failure: fail every request loudly
             log.exception("scheduler thread failed")
             self._failure = err

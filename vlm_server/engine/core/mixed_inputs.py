@@ -2,10 +2,9 @@
 
 One host-to-device copy per step carries everything the step's device work reads:
 
-    last     [rows]                 index in the token batch of each step row's last token
-    tails    [max_tails, 2]         (source, destination) page of each prefix tail copy
-    prefixes [max_prefixes, pages]  the pages of each image prefix computed in this step
-    tokens   [n_tokens, N_TOK]      row | position | id of each token (core/step_plan.py)
+    last     [rows]             index in the token batch of each step row's last token
+    tails    [max_tails, 2]     (source, destination) page of each prefix tail copy
+    tokens   [n_tokens, N_TOK]  row | position | id of each token (core/step_plan.py)
 
 The fixed-size parts come first, so a CUDA graph captured for one token count reads them at
 the same addresses every step; the token batch is padded to that count with pad tokens (the
@@ -26,20 +25,14 @@ from vlm_server.engine.core.step_plan import N_TOK, T_ROW
 class MixedLayout:
     rows: int  # entries of ``last``: every block-table row, plus the pad row
     max_tails: int
-    max_prefixes: int
-    prefix_pages: int  # pages of one image prefix
 
     @property
     def tails_at(self) -> int:
         return self.rows
 
     @property
-    def prefixes_at(self) -> int:
-        return self.tails_at + 2 * self.max_tails
-
-    @property
     def tokens_at(self) -> int:
-        return self.prefixes_at + self.max_prefixes * self.prefix_pages
+        return self.tails_at + 2 * self.max_tails
 
     def size(self, n_tokens: int) -> int:
         """Buffer entries used by a step of ``n_tokens`` (padded) tokens."""
@@ -51,7 +44,6 @@ class MixedLayout:
         tokens: np.ndarray,
         last: np.ndarray,
         tails: Sequence[tuple[int, int]],
-        prefixes: Sequence[Sequence[int]],
         n_tokens: int,
         pad_row: int,
     ) -> np.ndarray:
@@ -62,23 +54,12 @@ class MixedLayout:
             raise ValueError(f"{t} tokens do not fit a batch of {n_tokens}")
         if len(last) > self.rows or len(tails) > self.max_tails:
             raise ValueError("more step rows or tail copies than the layout holds")
-        if len(prefixes) > self.max_prefixes:
-            raise ValueError(
-                f"{len(prefixes)} image prefixes in one step, at most {self.max_prefixes}"
-            )
         used = out[: self.size(n_tokens)]
         used[: self.rows] = 0
         used[: len(last)] = last
-        pairs = used[self.tails_at : self.prefixes_at].reshape(self.max_tails, 2)
+        pairs = used[self.tails_at : self.tokens_at].reshape(self.max_tails, 2)
         if tails:
             pairs[: len(tails)] = tails
-        pages = used[self.prefixes_at : self.tokens_at].reshape(
-            self.max_prefixes, self.prefix_pages
-        )
-        for i, p in enumerate(prefixes):
-            if len(p) != self.prefix_pages:
-                raise ValueError(f"an image prefix of {len(p)} pages, expected {self.prefix_pages}")
-            pages[i] = p
         batch = used[self.tokens_at :].reshape(n_tokens, N_TOK)
         batch[:t] = tokens
         batch[t:] = 0

@@ -5,6 +5,11 @@ sequence that uses it; the last, partly filled page (when the prefix length is n
 of the page size) is copied into each sequence's own page, since the sequence's prompt
 continues in it. Entries are reference counted through the page allocator and evicted least
 recently used, only when no running sequence holds them.
+
+A new entry's pages are written by work on the device's prefill stream (image path and BOS +
+image forward) while steps keep running: it is not ``ready`` until the scheduler saw that work
+complete, and until then no step reads its pages and it is never evicted (its pages are still
+being written).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ class PrefixEntry:
     full_pages: list[int]
     tail_page: int | None  # partly filled last page, or None
     users: int = 0
+    ready: bool = True  # its pages hold the prefix (False while the device computes it)
+    pending: object | None = None  # the runtime's handle of that computation
     pages: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -83,7 +90,7 @@ class PrefixCache:
         entry.users -= 1
 
     def evictable_pages(self) -> int:
-        return sum(len(e.pages) for e in self._entries.values() if e.users == 0)
+        return sum(len(e.pages) for e in self._entries.values() if _idle(e))
 
     def evict_for(self, n_pages: int) -> bool:
         """Evict idle entries (least recently used first) until ``n_pages`` are free."""
@@ -98,8 +105,13 @@ class PrefixCache:
 
     def _evict_one(self) -> bool:
         for key, entry in self._entries.items():
-            if entry.users == 0:
+            if _idle(entry):
                 del self._entries[key]
                 self.alloc.release(entry.pages)
                 return True
         return False
+
+
+def _idle(entry: PrefixEntry) -> bool:
+    """Evictable: no sequence holds it and no device work still writes its pages."""
+    return entry.users == 0 and entry.ready

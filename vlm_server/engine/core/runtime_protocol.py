@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import numpy as np
 
+    from image_pipeline import PreparedImage
     from vlm_server.engine.core.pages import PageAllocator
     from vlm_server.engine.core.sequence import Sequence
     from vlm_server.engine.core.step_plan import StepPlan
@@ -29,12 +30,24 @@ class Runtime(Protocol):
     # The KV page allocator and host mirror of the block table; uploads of changed rows are
     # enqueued by the next launch.
     pages: PageAllocator
+    # Batches of image prefixes that may be in flight on the prefill stream at once.
+    prefix_slots: int
+
+    def launch_prefixes(self, jobs: list[tuple[list[int], PreparedImage]]) -> object:
+        """Enqueue the image path and the BOS + image forward of each (pages, image) on the
+        prefill stream, into those pages; returns a handle for `prefix_ready`. The caller
+        keeps at most ``prefix_slots`` batches unfinished. No host wait."""
+        ...
+
+    def prefix_ready(self, handle: object) -> bool:
+        """Whether the device finished the batch of ``handle`` (a non-blocking query)."""
+        ...
 
     def launch_mixed(self, slot: int, seqs: list[Sequence], plan: StepPlan) -> None:
-        """Enqueue one mixed step into ``slot``: the image prefixes its chunks ask for
-        (``Chunk.prefix``), then one forward over the decode rows and prompt chunks of
-        ``plan`` (rows in ``seqs`` order, see core/step_plan.py); the last token's hidden
-        state of each row lands in the slot for finalize. No host wait."""
+        """Enqueue one mixed step into ``slot``: one forward over the decode rows and prompt
+        chunks of ``plan`` (rows in ``seqs`` order, see core/step_plan.py; every image prefix
+        they read is ready); the last token's hidden state of each row lands in the slot for
+        finalize. No host wait."""
         ...
 
     def launch_decode(self, slot: int, seqs: list[Sequence]) -> None:

@@ -43,7 +43,7 @@ from vlm_server.engine.api import (
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.observer import NO_OBSERVER, Observer
 from vlm_server.engine.core.pipeline import LaunchKind, PipelineState, SlotState, Step
-from vlm_server.engine.core.prefix_cache import PrefixCache
+from vlm_server.engine.core.prefix_cache import PrefixCache, PrefixEntry
 from vlm_server.engine.core.runtime_protocol import Runtime
 from vlm_server.engine.core.sequence import SeqState, Sequence
 from vlm_server.engine.core.step_layout import (
@@ -80,6 +80,8 @@ class Scheduler:
         self.zombies: list[Sequence] = []  # finished, still referenced by an in-flight step
         self.free_rows = list(range(cfg.max_rows - 1, -1, -1))
         self.prefix_cache = PrefixCache(runtime.pages, image_prefix_len, cfg.prefix_cache_entries)
+        # New image prefixes the device is still computing (on its prefill stream), oldest first.
+        self.pending_prefixes: list[PrefixEntry] = []
         self.last_batch = 0
         self.last_step_ms = 0.0
         self._last_commit_at = 0.0
@@ -87,7 +89,12 @@ class Scheduler:
     # ---- queries ----------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.pipe.n_in_flight)
+        return bool(self.waiting or self.running or self.pipe.n_in_flight or self.pending_prefixes)
+
+    def stalled_on_prefixes(self) -> bool:
+        """Nothing to launch or commit until an image prefix is ready: the caller may sleep a
+        little (new requests wake it) instead of ticking in a busy loop."""
+        return bool(self.pending_prefixes and not self.pipe.n_in_flight and not self._launchable())
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -124,6 +131,7 @@ class Scheduler:
     def tick(self) -> None:
         """One scheduler iteration (see the module docstring for the order and why)."""
         self._sweep_cancelled()
+        self._poll_prefixes()
         pipe = self.pipe
         t0 = time.perf_counter()
         if pipe.n_in_flight and (pipe.n_in_flight >= pipe.depth or not self._launchable()):
@@ -173,23 +181,33 @@ class Scheduler:
             step = self.pipe.launch(LaunchKind.DECODE, seqs)
             self.observer.launched(step)
             self.rt.launch_decode(step.slot, seqs)
-        now = time.monotonic()
         for s in decode:
             s.decode_launched += 1
         for s, chunk in zip(prefill, chunks, strict=True):
-            if s.state is SeqState.WAITING:
-                s.state = SeqState.PREFILL
-                s.prefill_launched_at = now
-                s.metrics.queue_wait_ms = (now - s.submitted_at) * 1e3
             s.prefill_launched += chunk.length
         for s in seqs:
             s.add_ref()
         self.last_batch = len(decode)
 
     @staticmethod
-    def _chunk(seq: Sequence, length: int, prefix: bool = False) -> Chunk:
+    def _chunk(seq: Sequence, length: int) -> Chunk:
         start = seq.prefill_launched
-        return Chunk(start, length, start + length == len(seq.prompt), prefix)
+        return Chunk(start, length, start + length == len(seq.prompt))
+
+    def _poll_prefixes(self) -> None:
+        """Mark the image prefixes the device finished as ready (a non-blocking query)."""
+        if not self.pending_prefixes:
+            return
+        still = []
+        for entry in self.pending_prefixes:
+            if self.rt.prefix_ready(entry.pending):
+                entry.ready, entry.pending = True, None
+            else:
+                still.append(entry)
+        self.pending_prefixes = still
+
+    def _prefix_batches_in_flight(self) -> int:
+        return len({id(e.pending) for e in self.pending_prefixes})
 
     def _can_admit(self, seq: Sequence) -> bool:
         if not self.free_rows or len(self.running) >= self.cfg.max_batch:
@@ -197,6 +215,9 @@ class Scheduler:
         cache = self.prefix_cache
         free = self.rt.pages.free_pages + cache.evictable_pages()
         own_entry = cache.peek(seq.request.image.content_hash) if seq.prefix_len else None
+        new_prefix = seq.prefix_len and own_entry is None
+        if new_prefix and self._prefix_batches_in_flight() >= self.rt.prefix_slots:
+            return False
         if own_entry is not None and own_entry.users == 0:
             free -= len(own_entry.pages)  # it will be used, so it cannot be evicted
         return self.pages_to_admit(seq) <= free
@@ -204,20 +225,29 @@ class Scheduler:
     def _admit(self, budget: StepBudget) -> list[tuple[Sequence, Chunk]]:
         """Admit waiting sequences (FIFO) while the step's budget, rows and pages allow:
         reserve prompt + output pages, share or create the image prefix, take a row, and
-        plan each one's first chunk (after its image prefix when that is not cached)."""
+        plan each one's first chunk. New image prefixes of the admitted start on the device's
+        prefill stream as one batch; their users' chunks wait until they are ready."""
         admitted: list[tuple[Sequence, Chunk]] = []
+        new_prefixes: list[tuple[PrefixEntry, Sequence]] = []
         pages, cache = self.rt.pages, self.prefix_cache
+        n_admitted = 0
+        now = time.monotonic()
         while (
             self.waiting
-            and len(admitted) < self.cfg.max_prefill_batch
+            and n_admitted < self.cfg.max_prefill_batch
             and self.free_rows
             and len(self.running) < self.cfg.max_batch
         ):
             seq = self.waiting[0]
             if not seq.prompt:
                 raise AssertionError("a request without prompt tokens")
-            new_prefix = seq.prefix_len and cache.peek(seq.request.image.content_hash) is None
-            if not budget.can_take(seq.prefix_len if new_prefix else 0):
+            known = cache.peek(seq.request.image.content_hash) if seq.prefix_len else None
+            if seq.prefix_len and known is None:
+                # The prefill stream holds enough batches: admitting more would only hold
+                # their pages and rows while they wait.
+                if not new_prefixes and self._prefix_batches_in_flight() >= self.rt.prefix_slots:
+                    break
+            elif (known is None or known.ready) and not budget.can_take():
                 break
             total = pages.pages_for(seq.total_positions)
             entry = None
@@ -235,6 +265,8 @@ class Scheduler:
                     if not cache.evict_for(own + cache.pages_per_entry):
                         break
                     entry = cache.create(seq.request.image.content_hash)
+                    entry.ready = False
+                    new_prefixes.append((entry, seq))
                     seq.prefix_hit = False
                 seq.metrics.cached_tokens = seq.prefix_len if seq.prefix_hit else 0
             else:
@@ -247,9 +279,19 @@ class Scheduler:
             seq.row = self.free_rows.pop()
             pages.assign(seq.row, (entry.full_pages if entry else []) + seq.own_pages)
             self.running.append(seq)
-            prefix = seq.prefix_len if seq.prefix_len and not seq.prefix_hit else 0
-            n = budget.take(len(seq.prompt), prefix)
-            admitted.append((seq, self._chunk(seq, n, prefix=bool(prefix))))
+            n_admitted += 1
+            seq.state = SeqState.PREFILL
+            seq.prefill_launched_at = now
+            seq.metrics.queue_wait_ms = (now - seq.submitted_at) * 1e3
+            if seq.wants_prefill_chunk():  # no image, or its prefix is ready
+                admitted.append((seq, self._chunk(seq, budget.take(len(seq.prompt)))))
+        if new_prefixes:
+            handle = self.rt.launch_prefixes(
+                [(entry.pages, seq.request.image) for entry, seq in new_prefixes]
+            )
+            for entry, _ in new_prefixes:
+                entry.pending = handle
+                self.pending_prefixes.append(entry)
         return admitted
 
     # ---- finalize ---------------------------------------------------------------------

@@ -83,11 +83,13 @@ class Sequence:
         )
 
     def wants_prefill_chunk(self) -> bool:
-        """Whether an admitted sequence still has prompt tokens to launch."""
+        """Whether an admitted sequence still has prompt tokens to launch (once its image
+        prefix, if any, is on the device)."""
         return (
             self.state is SeqState.PREFILL
             and self.cancelled is None
             and self.prefill_launched < len(self.prompt)
+            and (self.prefix is None or self.prefix.ready)
         )
 
     def next_position(self) -> int:

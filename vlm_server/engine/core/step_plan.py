@@ -10,11 +10,10 @@ oldest prefill takes what is left, then the next one, until the budget is spent.
 longer than what is left is split across steps (chunked prefill), so admitting a request never
 stalls running streams by more than one step.
 
-An image prefix (BOS + image patches) sees itself both ways, so it cannot be split into
-chunks: it is computed whole, in the step that admits its first user, ahead of that step's
-token batch. Its positions count against the budget; a prefix larger than what is left is
-still taken when it is the step's first prefill work (else a prefix above the budget could
-never start), and its prompt then waits for the next step.
+An image prefix (BOS + image patches) is not part of any step: the scheduler starts it on
+the device's prefill stream when it admits the prefix's first user, and that user's prompt
+chunks join steps once the prefix is ready (core/prefix_cache.py), so a new image never
+lengthens a step.
 
 `pack_tokens` turns a plan into the per-token layout the runtime uploads in one copy:
 
@@ -22,12 +21,12 @@ never start), and its prompt then waits for the next step.
                          written on the device by the previous finalize)
     last   [B]    int64: index in the token batch of each step row's last token (its
                          hidden state is what finalize samples from), -1 when the row has
-                         no token in this step (a prefix-only row)
+                         no token in this step
 
 Invariants (tests/test_step_plan.py checks them under hypothesis):
   B1 the tokens of a step (decode rows + chunks) never exceed the budget;
-  B2 every decode row is included; B3 the oldest waiting prefill always progresses (tokens,
-  or its prefix); B4 chunks are contiguous and in prompt order, taken FIFO across prefills.
+  B2 every decode row is included; B3 the oldest waiting prefill always progresses;
+  B4 chunks are contiguous and in prompt order, taken FIFO across prefills.
 """
 
 from __future__ import annotations
@@ -51,31 +50,24 @@ class StepBudget:
             raise ValueError(f"{n_decode} decode rows leave no room in a budget of {budget}")
         self.budget = budget
         self.tokens = n_decode  # token rows planned so far (B1 bounds this)
-        self.prefix_positions = 0  # image-prefix positions computed ahead of the tokens
-        self._prefill_work = False  # some prefill (tokens or a prefix) already in this step
 
     @property
     def left(self) -> int:
-        return self.budget - self.tokens - self.prefix_positions
+        return self.budget - self.tokens
 
-    def can_take(self, prefix: int = 0) -> bool:
-        """Whether the next prefill (with an image prefix of ``prefix`` positions still to
-        compute) gets anything in this step."""
-        if prefix:
-            return prefix <= self.left or not self._prefill_work
+    def can_take(self) -> bool:
+        """Whether the next prefill gets any token in this step."""
         return self.left > 0
 
-    def take(self, remaining: int, prefix: int = 0) -> int:
-        """Prompt tokens the next prefill launches in this step (0 when only its prefix fits);
-        call only after `can_take` said yes."""
-        if remaining < 1 and not prefix:
+    def take(self, remaining: int) -> int:
+        """Prompt tokens the next prefill launches in this step; call only after `can_take`
+        said yes."""
+        if remaining < 1:
             raise ValueError("a prefill with nothing left to launch")
-        if not self.can_take(prefix):
+        if not self.can_take():
             raise ValueError("the step's budget is spent")
-        self.prefix_positions += prefix
-        n = min(remaining, max(self.left, 0))
+        n = min(remaining, self.left)
         self.tokens += n
-        self._prefill_work = True
         return n
 
 
@@ -86,7 +78,6 @@ class Chunk:
     start: int
     length: int
     final: bool  # the prompt's last token is in it: the row samples its first output
-    prefix: bool = False  # the sequence's image prefix is computed in this step, first
 
 
 @dataclass

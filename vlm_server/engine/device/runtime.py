@@ -8,10 +8,15 @@ each sequence's next input embedding into ``next_embed[row]`` on the device, and
 forward reads it from there.
 
 Two kinds of forward: a decode-only step (one token per row, graph-captured per batch bucket
-on CUDA) and a mixed step (core/step_plan.py): new image prefixes first (the image path
-graph-captured per tiling, their BOS + image forward per number of images), then one forward
-over a ragged batch of decode rows and prompt chunks, graph-captured per token-count bucket
-with the batch padded by pad tokens (core/mixed_inputs.py gives the input layout).
+on CUDA) and a mixed step (core/step_plan.py): one forward over a ragged batch of decode rows
+and prompt chunks, graph-captured per token-count bucket with the batch padded by pad tokens
+(core/mixed_inputs.py gives the input layout).
+
+New image prefixes are not part of any step: `launch_prefixes` runs the image path (one graph
+per tiling) and the BOS + image forward (one graph per number of images) on the prefill
+stream, a low-priority stream beside the compute stream, so a new image overlaps the decode
+steps instead of lengthening one. Only the prefix's own pages are written there, and the
+scheduler launches no step that reads them before `prefix_ready` said the batch completed.
 
 All stream, event, copy and pinned-buffer work goes through a `Device`
 (`TorchDevice` in production), so the same code runs on a fake device in the tests. Per step:
@@ -19,6 +24,7 @@ All stream, event, copy and pinned-buffer work goes through a `Device`
     copy    | h2d block rows, inputs | rec inputs_ready | h2d mask rows, fin | rec mask_ready |
     compute |   wait inputs_ready -> forward        wait mask_ready -> sample | rec step_done |
     copy    |   wait step_done -> d2h outputs | rec d2h_done       (host: wait d2h_done, read)
+    prefill | h2d prefix pages -> image paths -> BOS + image forward | rec prefix.done (polled)
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from decoding.batch_masks import apply_masks
 from decoding.mask_table import NO_MASK, MaskTable
 from decoding.region_values import coord_from_logits, size_from_logits
 from decoding.sampling import sample
-from image_pipeline import normalize_crops
+from image_pipeline import PreparedImage, normalize_crops
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.mixed_inputs import MixedLayout
 from vlm_server.engine.core.observer import NO_OBSERVER, Observer
@@ -86,6 +92,15 @@ class _PrefixJob:
 
     crops: torch.Tensor  # uint8 [N, H, W, 3], on the host or already on the device
     tiling: tuple[int, int]
+
+
+@dataclass
+class PrefixSlot:
+    """Buffers of one batch of image prefixes in flight on the prefill stream."""
+
+    pages_host: torch.Tensor  # [max_prefill_batch, pages per prefix] int64 (pinned)
+    pages_dev: torch.Tensor
+    done: Event
 
 
 def graph_buckets(max_batch: int) -> list[int]:
@@ -148,7 +163,7 @@ class ModelRuntime:
         n_pages = max(2, budget // kv_page_bytes(model, cfg.page_size))
         shape = (2, tc.n_layers, n_pages, cfg.page_size, tc.n_kv_heads, tc.head_dim)
         # One tensor for every layer's keys and values: a page copy is one op for all layers.
-        self.kv = self._zeros(shape, self.dtype)
+        self.kv = dev.buffer("kv", self._zeros(shape, self.dtype))
         self.k_pools, self.v_pools = list(self.kv[0]), list(self.kv[1])
         rows, max_pages = cfg.max_rows, -(-tc.max_context // cfg.page_size)
         # One extra row pads graph buckets: its block-table row stays on the sink page.
@@ -160,16 +175,28 @@ class ModelRuntime:
         )
         self.next_embed = dev.buffer("next_embed", self._zeros((rows + 1, tc.dim), self.dtype))
         prefix_len = model.config.image_prefix_len
-        self.mixed_layout = MixedLayout(
-            rows=rows + 1,
-            # Tail copies happen when a prompt's first chunk launches, at most one per step row.
-            max_tails=cfg.max_batch,
-            max_prefixes=cfg.max_prefill_batch,
-            prefix_pages=-(-prefix_len // cfg.page_size),
-        )
+        # Tail copies happen when a prompt's first chunk launches, at most one per step row.
+        self.mixed_layout = MixedLayout(rows=rows + 1, max_tails=cfg.max_batch)
         self._mixed_len = self.mixed_layout.size(cfg.max_step_tokens)
         self._mixed_scratch = np.zeros(self._mixed_len, np.int64)
-        # BOS + image embeddings of the image prefixes computed in one step.
+        # Image prefixes: batches of up to max_prefill_batch images, two batches in flight.
+        self.prefix_slots = 2
+        prefix_pages = -(-prefix_len // cfg.page_size)
+        self._prefix = [
+            PrefixSlot(
+                dev.host_buffer(
+                    f"prefix{i}.pages_host", (cfg.max_prefill_batch, prefix_pages), torch.int64
+                ),
+                dev.buffer(
+                    f"prefix{i}.pages_dev",
+                    self._zeros((cfg.max_prefill_batch, prefix_pages), torch.int64),
+                ),
+                dev.event(f"prefix{i}.prefix_done"),
+            )
+            for i in range(self.prefix_slots)
+        ]
+        self._next_prefix = 0
+        # BOS + image embeddings of one batch (written and read on the prefill stream only).
         self.prefix_emb = self._zeros((cfg.max_prefill_batch, prefix_len, tc.dim), self.dtype)
         self._prefix_pos = torch.arange(prefix_len, device=self.torch_device)
         self.slots = [self._slot_buffers(i, rows + 1, tc.dim) for i in range(2)]
@@ -347,8 +374,8 @@ class ModelRuntime:
     @torch.inference_mode()
     def capture_graphs(self, progress: bool = True) -> None:
         """Capture the decode forward per (slot, batch bucket), the mixed step's token forward
-        per (slot, token bucket) and the image-prefix forward per (slot, images in the step).
-        CUDA only; the CPU keeps running the same forwards eagerly."""
+        per (slot, token bucket) and the BOS + image forward per (prefix slot, images in the
+        batch). CUDA only; the CPU keeps running the same forwards eagerly."""
         if not self.dev.is_cuda:
             return
         max_blocks = self.block_dev.shape[1]
@@ -372,7 +399,6 @@ class ModelRuntime:
                 np.zeros((0, N_TOK), np.int64),
                 np.zeros(0, np.int64),
                 [],
-                [],
                 t,
                 self.pad_row,
             )
@@ -385,12 +411,14 @@ class ModelRuntime:
         self.mixed_graphs.capture(keys, prepare_mixed, run_mixed, stream, progress)
 
         def run_prefix(key: tuple[int, int]) -> None:
-            self._prefix_forward(self.slots[key[0]], key[1])
+            self._prefix_forward(key[0], key[1])
 
-        most = self.mixed_layout.max_prefixes
-        keys = [(slot, k) for k in range(most, 0, -1) for slot in (0, 1)]
-        # Pages of the sink only (a fresh slot buffer holds zeros): the warm-up writes there.
-        self.prefix_graphs.capture(keys, lambda key: None, run_prefix, stream, progress)
+        most, slots = self.cfg.max_prefill_batch, range(self.prefix_slots)
+        keys = [(i, k) for k in range(most, 0, -1) for i in slots]
+        # Pages of the sink only (a fresh pages buffer holds zeros): the warm-up writes there.
+        self.prefix_graphs.capture(
+            keys, lambda key: None, run_prefix, self.dev.prefill_stream, progress
+        )
 
     @torch.inference_mode()
     def capture_vision_graphs(self, progress: bool = True) -> None:
@@ -411,18 +439,53 @@ class ModelRuntime:
             return self._image_embedding(crops, tiling)
 
         tilings = image_tilings(vc.max_crops)
-        self.image_graphs.capture(tilings, prepare, run, self.dev.compute_stream, progress)
+        self.image_graphs.capture(tilings, prepare, run, self.dev.prefill_stream, progress)
+
+    @torch.inference_mode()
+    def launch_prefixes(self, jobs: list[tuple[list[int], PreparedImage]]) -> object:
+        """Enqueue on the prefill stream, for each (pages, image): the image path, then the
+        BOS + image forward of the whole batch straight into those pages. Returns the event the
+        scheduler polls (`prefix_ready`); it keeps at most ``prefix_slots`` batches unfinished,
+        so this slot's pinned buffer is free again."""
+        dev = self.dev
+        i = self._next_prefix
+        self._next_prefix = (i + 1) % self.prefix_slots
+        slot = self._prefix[i]
+        k = len(jobs)
+        if not 0 < k <= self.cfg.max_prefill_batch:
+            raise ValueError(f"{k} image prefixes in one batch")
+        dev.host_write(slot.pages_host, np.array([pages for pages, _ in jobs], np.int64))
+        dev.copy(
+            dev.prefill_stream,
+            f"h2d prefix pages {i}",
+            partial(_copy_rows, slot.pages_dev, slot.pages_host, 0, k),
+            lambda: ([slot.pages_host], [slot.pages_dev]),
+        )
+        images = [_PrefixJob(image.crops, image.tiling) for _, image in jobs]
+        written = [p for pages, _ in jobs for p in pages]
+        dev.kernel(
+            dev.prefill_stream,
+            f"image prefixes {i}",
+            partial(self._image_prefixes, i, images),
+            lambda: ([slot.pages_dev], [(self.kv, written)]),
+        )
+        dev.record(slot.done, dev.prefill_stream)
+        return slot.done
+
+    def prefix_ready(self, handle: object) -> bool:
+        """Whether a `launch_prefixes` batch completed: a non-blocking event query."""
+        return handle.query()  # type: ignore[attr-defined]
 
     @torch.inference_mode()
     def launch_mixed(self, slot: int, seqs: list[Sequence], plan: StepPlan) -> None:
-        """Enqueue one mixed step: the image prefixes its chunks ask for, the cached prefix
-        tail pages copied into the sequences starting their prompt, then one forward over the
-        ragged token batch (decode rows + prompt chunks, core/step_plan.py); each row's last
-        token's hidden state lands in the slot's ``hidden`` for finalize.
+        """Enqueue one mixed step: the cached prefix tail pages copied into the sequences
+        starting their prompt, then one forward over the ragged token batch (decode rows +
+        prompt chunks, core/step_plan.py); each row's last token's hidden state lands in the
+        slot's ``hidden`` for finalize.
 
-        Everything the device work needs from the host (the token layout, pages, crops) is
-        planned here, at launch: by the time the work runs, the sequences may have moved on.
-        The inputs go up in one copy from the slot's pinned buffer (core/mixed_inputs.py)."""
+        Everything the device work needs from the host (the token layout, pages) is planned
+        here, at launch: by the time the work runs, the sequences may have moved on. The inputs
+        go up in one copy from the slot's pinned buffer (core/mixed_inputs.py)."""
         buf, dev = self.slots[slot], self.dev
         tokens, last = pack_tokens(seqs, plan)
         t = len(tokens)
@@ -430,54 +493,48 @@ class ModelRuntime:
             raise ValueError(f"{t} tokens exceed the step budget {self.cfg.max_step_tokens}")
         n = self._token_bucket(t) if self.mixed_graphs else t
         n_blocks = int(tokens[:, T_POS].max()) // self.cfg.page_size + 1 if t else 0
-        jobs, prefix_pages, tails = [], [], []
+        tails, prefix_pages = [], []
         for i, chunk in enumerate(plan.chunks, start=plan.n_decode):
-            seq = seqs[i]
-            entry = seq.prefix
-            if chunk.prefix:
-                image = seq.request.image
-                assert image is not None and entry is not None
-                jobs.append(_PrefixJob(image.crops, image.tiling))
-                prefix_pages.append(entry.pages)
-            if chunk.start == 0 and chunk.length and entry and entry.tail_page is not None:
-                # The prompt continues the prefix's partly filled last page: in a private copy.
-                tails.append((entry.tail_page, seq.own_pages[0]))
-        values = self.mixed_layout.pack(
-            self._mixed_scratch, tokens, last, tails, prefix_pages, n, self.pad_row
-        )
+            entry = seqs[i].prefix
+            if chunk.start == 0 and entry is not None:
+                prefix_pages += entry.pages  # written on the prefill stream: read only if ready
+                if entry.tail_page is not None:
+                    # The prompt continues the prefix's partly filled last page: a private copy.
+                    tails.append((entry.tail_page, seqs[i].own_pages[0]))
+        values = self.mixed_layout.pack(self._mixed_scratch, tokens, last, tails, n, self.pad_row)
         self._send_inputs(slot, buf.mixed_host, buf.mixed_dev, values)
 
         def access() -> tuple[list, list]:
             # Host numpy only, and only the fake device calls it: no device sync here.
             rows = sorted(set(tokens[:, T_ROW].tolist()))
             decode_rows = tokens[: plan.n_decode, T_ROW].tolist()
-            reads = [buf.mixed_dev, (self.block_dev, rows), (self.next_embed, decode_rows)]
+            reads = [
+                buf.mixed_dev,
+                (self.block_dev, rows),
+                (self.next_embed, decode_rows),
+                (self.kv, prefix_pages),
+            ]
             return reads, [buf.hidden]
 
         dev.kernel(
             dev.compute_stream,
             f"mixed slot{slot}",
-            partial(self._mixed_step, slot, jobs, len(tails), t, n, n_blocks),
+            partial(self._mixed_step, slot, len(tails), t, n, n_blocks),
             access,
         )
 
-    def _mixed_step(
-        self, slot: int, jobs: list[_PrefixJob], n_tails: int, t: int, n: int, n_blocks: int
-    ) -> None:
+    def _mixed_step(self, slot: int, n_tails: int, t: int, n: int, n_blocks: int) -> None:
         buf = self.slots[slot]
         start = self._mark()
-        if jobs:
-            self._image_prefixes(slot, jobs)
         if n_tails:
             at = self.mixed_layout.tails_at
             pairs = buf.mixed_dev[at : at + 2 * n_tails].view(n_tails, 2)
             # Every layer's keys and values of the tail pages, in one gather and one scatter.
             self.kv[:, :, pairs[:, 1]] = self.kv[:, :, pairs[:, 0]]
-        if t:  # zero when the step's only prefill work was an image prefix
-            if (slot, n) in self.mixed_graphs:
-                self.mixed_graphs.replay((slot, n))
-            else:
-                self._mixed_forward(buf, n, n_blocks)
+        if (slot, n) in self.mixed_graphs:
+            self.mixed_graphs.replay((slot, n))
+        else:
+            self._mixed_forward(buf, n, n_blocks)
         if start is not None:
             self.observer.forward_timed("mixed", start, self._mark())
 
@@ -506,7 +563,7 @@ class ModelRuntime:
         # Rows without a token here (-1) sample nothing: any row's state will do.
         buf.hidden[: lay.rows] = h[last.clamp(min=0)]
 
-    def _image_prefixes(self, slot: int, jobs: list[_PrefixJob]) -> None:
+    def _image_prefixes(self, i: int, jobs: list[_PrefixJob]) -> None:
         """BOS + image embeddings of each new image (one graph replay per image, captured per
         tiling; tilings beyond the crop budget run eagerly), then the BOS + image forward of
         all of them at once, straight into their cache entries' pages."""
@@ -520,10 +577,10 @@ class ModelRuntime:
             # Copied out before the next replay overwrites the graph's output.
             self.prefix_emb[j].copy_(emb[0])  # type: ignore[index]
         k = len(jobs)
-        if (slot, k) in self.prefix_graphs:
-            self.prefix_graphs.replay((slot, k))
+        if (i, k) in self.prefix_graphs:
+            self.prefix_graphs.replay((i, k))
         else:
-            self._prefix_forward(self.slots[slot], k)
+            self._prefix_forward(i, k)
 
     def _image_embedding(self, crops: torch.Tensor, tiling: tuple[int, int]) -> torch.Tensor:
         """uint8 crops of one image -> BOS + image embeddings [1, prefix_len, dim]."""
@@ -531,11 +588,10 @@ class ModelRuntime:
         x = normalize_crops(crops, self.dtype)
         return m.prefix_embeddings(m.vision.project(m.vision.encode(x), tiling))
 
-    def _prefix_forward(self, buf: SlotBuffers, k: int) -> None:
-        """BOS + image of the step's ``k`` new images (``prefix_emb[:k]``) into their pages. A
-        prefix sees only itself, both ways, so attention needs no mask."""
-        lay = self.mixed_layout
-        pages = buf.mixed_dev[lay.prefixes_at : lay.tokens_at].view(lay.max_prefixes, -1)[:k]
+    def _prefix_forward(self, i: int, k: int) -> None:
+        """BOS + image of prefix slot ``i``'s ``k`` images (``prefix_emb[:k]``) into their
+        pages. A prefix sees only itself, both ways, so attention needs no mask."""
+        pages = self._prefix[i].pages_dev[:k]
         length = self.prefix_emb.shape[1]
         kv = PagedKV(self.k_pools, self.v_pools, pages, length, fresh_prefix=True)
         pos = self._prefix_pos[None].expand(k, length)

@@ -33,8 +33,11 @@ class Device(Protocol):
     """What the runtime needs from a device (see the module docstring)."""
 
     is_cuda: bool
-    compute_stream: object  # every forward and every sampling (I1)
+    compute_stream: object  # every step's forward and every sampling (I1)
     copy_stream: object  # uploads and the result copy back, ordered by events
+    # New image prefixes (image path, BOS + image forward), at a lower priority than the
+    # compute stream; they write only their own pages, which no step reads before they are done.
+    prefill_stream: object
 
     def event(self, name: str) -> Event: ...
 
@@ -95,13 +98,18 @@ class CpuEvent:
 
 
 class TorchDevice:
-    """One compute stream and one copy stream on CUDA; synchronous no-op streams on the CPU."""
+    """Compute, copy and prefill streams on CUDA; synchronous no-op streams on the CPU."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
-        self.compute_stream = torch.cuda.Stream(device) if self.is_cuda else None
-        self.copy_stream = torch.cuda.Stream(device) if self.is_cuda else None
+        if self.is_cuda:
+            # Lower numbers run first: decode steps get SMs ahead of a new image's prefix.
+            self.compute_stream = torch.cuda.Stream(device, priority=-1)
+            self.copy_stream = torch.cuda.Stream(device)
+            self.prefill_stream = torch.cuda.Stream(device, priority=0)
+        else:
+            self.compute_stream = self.copy_stream = self.prefill_stream = None
 
     def event(self, name: str) -> torch.cuda.Event | CpuEvent:
         return torch.cuda.Event() if self.is_cuda else CpuEvent()
