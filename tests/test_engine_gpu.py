@@ -189,3 +189,55 @@ def test_mixed_graph_matches_pytorch_varlen(text_model: LoadedModel, seed: int) 
     torch.testing.assert_close(got, buf.hidden[: len(last)], atol=2e-4, rtol=2e-4)
     # Same keys and values written, except into the sink page (pad tokens write there).
     torch.testing.assert_close(kv_graph[:, :, 1:], rt.kv[:, :, 1:], atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_tile_attention_matches_pytorch_varlen(
+    dtype: torch.dtype, kv_heads: int, seed: int
+) -> None:
+    """The mixed step's Triton varlen kernel against the PyTorch path over random steps:
+    decode rows and prompt chunks of random lengths and positions, GQA or not, padding."""
+    import numpy as np
+
+    from vlm_server.engine.core.mixed_inputs import MixedLayout
+    from vlm_server.engine.core.step_plan import N_TOK, T_POS, T_ROW
+    from vlm_server.engine.device.kernels.paged_attention import ragged_paged_attention
+    from vlm_server.engine.device.kernels.triton_attention import paged_tile_attention
+
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    heads, hd, page, n_pages, width = 8, 64, 16, 300, 24
+    kp, vp = (
+        torch.randn(n_pages, page, kv_heads, hd, device="cuda", generator=gen, dtype=dtype)
+        for _ in range(2)
+    )
+    table = torch.from_numpy(rng.integers(1, n_pages, (40, width))).int().cuda()
+    rows, pos = [], []
+    for r in range(int(rng.integers(0, 20))):  # decode rows
+        rows.append(r)
+        pos.append(int(rng.integers(0, width * page)))
+    for r in range(20, 20 + int(rng.integers(1, 6))):  # prompt chunks
+        length = int(rng.integers(1, 90))
+        start = int(rng.integers(0, width * page - length))
+        rows += [r] * length
+        pos += list(range(start, start + length))
+    t = len(rows)
+    layout = MixedLayout(rows=41, max_tails=1)
+    n = t + int(rng.integers(0, 20))
+    tokens = np.zeros((t, N_TOK), np.int64)
+    tokens[:, T_ROW], tokens[:, T_POS] = rows, pos
+    host = layout.pack(np.zeros(layout.size(n), np.int64), tokens, np.zeros(0, np.int64), [], n, 39)
+    dev = torch.from_numpy(host.copy()).cuda()
+    batch = dev[layout.tokens_at : layout.tiles_at(n)].view(n, N_TOK)
+    tiles = dev[layout.tiles_at(n) :].view(-1, 2)
+    q = torch.randn(n, heads, hd, device="cuda", generator=gen, dtype=dtype)
+    got = paged_tile_attention(
+        q, kp, vp, table, batch[:, T_ROW], batch[:, T_POS], tiles, layout.tile_tokens
+    )
+    want = ragged_paged_attention(
+        q[:t].float(), kp.float(), vp.float(), table, batch[:t, T_ROW], batch[:t, T_POS], width
+    )
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got[:t].float(), want, atol=tol, rtol=tol)

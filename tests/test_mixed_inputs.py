@@ -25,6 +25,9 @@ LAYOUT = MixedLayout(rows=9, max_tails=4)
 def test_pack_round_trips_and_pads(t: int, pad: int, n_last: int, n_tails: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
     tokens = rng.integers(-1, 500, (t, N_TOK))
+    # Rows in runs, as a step lays them out: decode rows (runs of one), then prompt chunks.
+    runs = rng.integers(1, 40, t)
+    tokens[:, T_ROW] = np.repeat(np.arange(t), runs)[:t] if t else 0
     last = rng.integers(-1, max(t, 1), n_last)
     tails = [tuple(int(x) for x in rng.integers(1, 99, 2)) for _ in range(n_tails)]
     # Scratch full of garbage: everything the layout promises must be written by pack.
@@ -35,11 +38,29 @@ def test_pack_round_trips_and_pads(t: int, pad: int, n_last: int, n_tails: int, 
     assert out[:n_last].tolist() == last.tolist() and not out[n_last : LAYOUT.rows].any()
     pairs = out[LAYOUT.tails_at : LAYOUT.tokens_at].reshape(-1, 2)[:n_tails]
     assert [tuple(p) for p in pairs.tolist()] == tails
-    batch = out[LAYOUT.tokens_at :].reshape(n, N_TOK)
+    batch = out[LAYOUT.tokens_at : LAYOUT.tiles_at(n)].reshape(n, N_TOK)
     assert (batch[:t] == tokens).all()
     # Pad tokens: the pad row (its pages are the sink) at position 0, a real token id.
     assert (batch[t:, T_ROW] == 8).all() and not batch[t:, T_POS].any()
     assert not batch[t:, T_ID].any()
+    # Tiles: consecutive tokens of one row each, at most tile_tokens, covering [0, t) in order.
+    tiles = out[LAYOUT.tiles_at(n) :].reshape(-1, 2)
+    assert len(tiles) == LAYOUT.max_tiles(n)
+    used = tiles[tiles[:, 1] > 0]
+    assert not tiles[len(used) :].any()
+    assert (used[:, 1] <= LAYOUT.tile_tokens).all()
+    ends = used[:, 0] + used[:, 1]
+    if t:
+        assert used[:, 0].tolist() == [0, *ends[:-1].tolist()] and ends[-1] == t
+    else:
+        assert not len(used)
+    for first, count in used:
+        assert len(set(tokens[first : first + count, T_ROW].tolist())) == 1
+        assert (
+            first + count == t
+            or count == LAYOUT.tile_tokens
+            or (tokens[first + count, T_ROW] != tokens[first, T_ROW])
+        )
 
 
 def test_pack_refuses_what_does_not_fit() -> None:

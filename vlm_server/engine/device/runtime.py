@@ -540,11 +540,12 @@ class ModelRuntime:
 
     def _mixed_forward(self, buf: SlotBuffers, n: int, n_blocks: int) -> None:
         """The token forward of a mixed step over the slot's ``n`` (padded) tokens. On CUDA
-        every token is a query row of the decode kernels (its row's pages up to its own
-        position: causal, since every prefix is computed before), so no shape depends on the
-        host; elsewhere the PyTorch varlen path over the first ``n_blocks`` pages."""
+        every token is a row of the rotary + KV-write kernel, and attention runs per tile of a
+        row's consecutive tokens over its pages up to each token's position (causal: every
+        prefix was computed before), so no shape depends on the host; elsewhere the PyTorch
+        varlen path over the first ``n_blocks`` pages."""
         m, lay = self.model, self.mixed_layout
-        tokens = buf.mixed_dev[lay.tokens_at : lay.size(n)].view(n, N_TOK)
+        tokens = buf.mixed_dev[lay.tokens_at : lay.tiles_at(n)].view(n, N_TOK)
         last = buf.mixed_dev[: lay.rows]
         rows, pos, ids = tokens[:, T_ROW], tokens[:, T_POS], tokens[:, T_ID]
         # Decode rows (id -1) take the input finalize left on the device.
@@ -553,8 +554,18 @@ class ModelRuntime:
         if self.use_triton:
             text = m.text
             rope = (text.rope_cos, text.rope_sin)
+            tiles = buf.mixed_dev[lay.tiles_at(n) : lay.size(n)].view(-1, 2)
             kv = DecodeKV(
-                self.k_pools, self.v_pools, self.block_dev, rows, 0, rope, text.cfg.n_heads, True
+                self.k_pools,
+                self.v_pools,
+                self.block_dev,
+                rows,
+                0,
+                rope,
+                text.cfg.n_heads,
+                True,
+                tiles=tiles,
+                tile_tokens=lay.tile_tokens,
             )
             h = text(x[:, None], pos[:, None], kv)[:, 0]
         else:

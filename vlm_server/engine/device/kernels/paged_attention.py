@@ -86,7 +86,11 @@ class DecodeKV:
     """The `KVCache` of a decode step: one new position per row, rows read from the block
     table on the device. On CUDA two Triton kernels per layer do the work (rotary + KV write,
     then attention over live pages only); shapes never depend on host values, so the step can
-    be graph-captured. Elsewhere: plain PyTorch over the first ``n_blocks`` pages."""
+    be graph-captured. Elsewhere: plain PyTorch over the first ``n_blocks`` pages.
+
+    A mixed step on CUDA uses it too, one "row" per token: with ``tiles`` (see
+    core/mixed_inputs.py) attention runs per tile of a row's consecutive tokens, so a prompt
+    chunk loads each key block once for up to ``tile_tokens`` queries."""
 
     def __init__(
         self,
@@ -98,6 +102,8 @@ class DecodeKV:
         rope: tuple[torch.Tensor, torch.Tensor],
         n_heads: int,
         use_triton: bool,
+        tiles: torch.Tensor | None = None,
+        tile_tokens: int = 16,
     ) -> None:
         self.k_pools, self.v_pools = k_pools, v_pools
         self.block_table = block_table
@@ -105,6 +111,8 @@ class DecodeKV:
         self.n_blocks = n_blocks
         self.rope = rope
         self.n_heads = n_heads
+        self.tiles = tiles
+        self.tile_tokens = tile_tokens
         # The decoder takes the fused path when this attribute is not None.
         self.attend_packed = self._attend_packed if use_triton else None
 
@@ -113,6 +121,7 @@ class DecodeKV:
     ) -> torch.Tensor:
         from vlm_server.engine.device.kernels.triton_attention import (
             paged_decode_attention,
+            paged_tile_attention,
             rope_and_store_kv,
         )
 
@@ -128,7 +137,21 @@ class DecodeKV:
             vp,
             self.n_heads,
         )
-        out = paged_decode_attention(q, kp, vp, self.block_table, self.rows, positions[:, 0] + 1)
+        if self.tiles is not None:
+            out = paged_tile_attention(
+                q,
+                kp,
+                vp,
+                self.block_table,
+                self.rows,
+                positions[:, 0],
+                self.tiles,
+                self.tile_tokens,
+            )
+        else:
+            out = paged_decode_attention(
+                q, kp, vp, self.block_table, self.rows, positions[:, 0] + 1
+            )
         return out[:, :, None]
 
     def attend(

@@ -1,4 +1,5 @@
-"""Triton kernels of the decode step: fused rotary + paged KV write, and paged attention.
+"""Triton kernels of the steps: fused rotary + paged KV write, paged decode attention, and
+varlen paged attention over query tiles for mixed steps.
 
 Attention reads only each row's live pages: programs per (batch row, query head, split) walk
 a share of the row's block-table entries up to the row's length with an online softmax,
@@ -194,6 +195,129 @@ def rope_and_store_kv(
         HALF=cos.shape[1],
     )
     return q
+
+
+if AVAILABLE:
+
+    @triton.jit
+    def _paged_tile_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        out_ptr,
+        table_ptr,
+        rows_ptr,
+        pos_ptr,
+        tiles_ptr,
+        scale,
+        table_stride,
+        rows_stride,
+        pos_stride,
+        n_heads,
+        kv_group,
+        PAGE: tl.constexpr,
+        KVH: tl.constexpr,
+        HD: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        MAX_POS: tl.constexpr,  # positions a block-table row can hold
+        PRECISION: tl.constexpr,  # of fp32 dots: "ieee" for fp32 models (no TF32 rounding)
+    ):
+        """Attention of one tile (up to BLOCK_M consecutive query tokens of one row) for one
+        head: each query sees its row's positions up to its own (causal), read in place from
+        the pages; every key block is loaded once for the whole tile."""
+        tile = tl.program_id(0)
+        h = tl.program_id(1)
+        kvh = h // kv_group
+        first = tl.load(tiles_ptr + 2 * tile)
+        count = tl.load(tiles_ptr + 2 * tile + 1)
+        m = tl.arange(0, BLOCK_M)
+        valid_m = m < count
+        tok = first + m
+        row = tl.load(rows_ptr + first * rows_stride, mask=count > 0, other=0)
+        pos = tl.load(pos_ptr + tok * pos_stride, mask=valid_m, other=-1)
+        hi = tl.max(pos, axis=0) + 1  # 0 for an empty tile: the loop below does nothing
+        d = tl.arange(0, HD)
+        q = tl.load(
+            q_ptr + (tok[:, None] * n_heads + h) * HD + d[None, :], mask=valid_m[:, None], other=0.0
+        )
+        m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HD], tl.float32)
+        n = tl.arange(0, BLOCK_N)
+        # A static loop with a scalar branch: the bound is read on the device (graph-safe).
+        for start in tl.range(0, MAX_POS, BLOCK_N):
+            if start < hi:
+                kpos = start + n
+                valid_n = kpos < hi
+                page = tl.load(table_ptr + row * table_stride + kpos // PAGE, mask=valid_n, other=0)
+                base = (page.to(tl.int64) * PAGE + kpos % PAGE) * (KVH * HD) + kvh * HD
+                k = tl.load(k_ptr + base[:, None] + d[None, :], mask=valid_n[:, None], other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+                s = tl.where(kpos[None, :] <= pos[:, None], s, -float("inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                # Rows with nothing visible yet keep -inf: guard the exponent against inf - inf.
+                m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+                p = tl.exp(s - m_safe[:, None])
+                alpha = tl.exp(m_i - m_safe)
+                v = tl.load(v_ptr + base[:, None] + d[None, :], mask=valid_n[:, None], other=0.0)
+                pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                acc = acc * alpha[:, None] + pv
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                m_i = m_new
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out_ptr + (tok[:, None] * n_heads + h) * HD + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=valid_m[:, None],
+        )
+
+
+def paged_tile_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    tiles: torch.Tensor,
+    block_m: int,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """Varlen paged attention of a mixed step: q [T, H, hd] -> out [T, H, hd]. Token t belongs
+    to block-table row ``rows[t]`` at ``positions[t]`` and sees that row's positions up to its
+    own. ``tiles`` [n_tiles, 2] lists (first token, token count <= block_m) of runs of
+    consecutive tokens of one row; tiles with count 0 do nothing (padding). Shapes never
+    depend on host values, so the call can be graph-captured."""
+    if not AVAILABLE:
+        raise RuntimeError("Triton is not installed")
+    _, n_heads, hd = q.shape
+    _, page, kvh, _ = k_pool.shape
+    out = torch.zeros_like(q)  # tokens in no tile (padding) read as zeros
+    _paged_tile_kernel[(tiles.shape[0], n_heads)](
+        q,
+        k_pool,
+        v_pool,
+        out,
+        block_table,
+        rows,
+        positions,
+        tiles,
+        hd**-0.5,
+        block_table.stride(0),
+        rows.stride(0),
+        positions.stride(0),
+        n_heads,
+        n_heads // kvh,
+        PAGE=page,
+        KVH=kvh,
+        HD=hd,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        MAX_POS=block_table.shape[1] * page,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    return out
 
 
 def split_count(batch: int, heads: int, target_programs: int = 4096) -> int:
