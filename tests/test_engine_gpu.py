@@ -241,3 +241,21 @@ def test_tile_attention_matches_pytorch_varlen(
     )
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got[:t].float(), want, atol=tol, rtol=tol)
+
+
+def test_mlp_epilogue_gelu_is_the_tanh_gelu() -> None:
+    """On CUDA the MLP puts fc1's bias and GELU in the GEMM epilogue: it must be the tanh
+    GELU the model uses (the CPU's _addmm_activation would be the erf one)."""
+    import torch.nn.functional as F
+
+    from vlm_server.model.layers import MLP, gelu_tanh
+
+    torch.manual_seed(0)
+    mlp = MLP(64, 256, 32).cuda()
+    x = torch.randn(3, 37, 64, device="cuda") * 3
+    with torch.inference_mode():
+        fused = mlp.fc1_gelu(x)
+        plain = gelu_tanh(mlp.fc1(x))
+        erf = F.gelu(mlp.fc1(x))
+    torch.testing.assert_close(fused, plain, atol=2e-5, rtol=2e-5)
+    assert (fused - erf).abs().max() > 1e-4

@@ -35,4 +35,13 @@ class MLP(nn.Module):
         self.fc2 = nn.Linear(inner, dim if out is None else out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return self.fc2(self.fc1_gelu(x))
         return self.fc2(gelu_tanh(self.fc1(x)))
+
+    def fc1_gelu(self, x: torch.Tensor) -> torch.Tensor:
+        """gelu_tanh(fc1(x)) with the bias and the GELU in the GEMM's epilogue (cuBLASLt on
+        CUDA): one kernel instead of two, and no round trip of the widest activation."""
+        flat = x.reshape(-1, x.shape[-1])
+        h = torch._addmm_activation(self.fc1.bias, flat, self.fc1.weight.t(), use_gelu=True)
+        return h.view(*x.shape[:-1], h.shape[-1])
