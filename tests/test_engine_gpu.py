@@ -259,3 +259,25 @@ def test_mlp_epilogue_gelu_is_the_tanh_gelu() -> None:
         erf = F.gelu(mlp.fc1(x))
     torch.testing.assert_close(fused, plain, atol=2e-5, rtol=2e-5)
     assert (fused - erf).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [1152, 2048])
+def test_fused_add_layernorm_matches_pytorch(dtype: torch.dtype, dim: int) -> None:
+    """The residual sum is exactly the unfused one; the norm matches PyTorch's to rounding."""
+    from vlm_server.model.fused_norm import add_layernorm
+    from vlm_server.model.layers import LayerNorm
+
+    torch.manual_seed(0)
+    norm = LayerNorm(dim).cuda().to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+    x, a, b = (torch.randn(5, 33, dim, device="cuda", dtype=dtype) * 4 for _ in range(3))
+    with torch.inference_mode():
+        for extra in (None, b):
+            s, out = add_layernorm(x, a, extra, norm)
+            want = x + a if extra is None else x + a + extra
+            assert torch.equal(s, want)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(out, norm(want), atol=tol, rtol=tol)

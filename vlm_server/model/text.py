@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_server.config import TextConfig
+from vlm_server.model.fused_norm import add_layernorm
 from vlm_server.model.layers import MLP, LayerNorm
 from vlm_server.model.rotary import apply_rotary, rotary_tables
 
@@ -160,8 +161,15 @@ class TextDecoder(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Input embeddings x [B, T, D] at positions [B, T] -> hidden [B, T, D] before post_ln."""
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, positions, cache, i)
+        blocks = self.blocks
+        h = blocks[0].ln(x)
+        # Each block's forward, with its residual adds fused into the next block's norm.
+        for i, block in enumerate(blocks):
+            a, m = block.attn(h, cos, sin, positions, cache, i), block.mlp(h)
+            if i + 1 < len(blocks):
+                x, h = add_layernorm(x, a, m, blocks[i + 1].ln)
+            else:
+                x = x + a + m
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_server.config import VisionConfig
+from vlm_server.model.fused_norm import add_layernorm
 from vlm_server.model.layers import MLP, LayerNorm
 
 
@@ -65,9 +66,14 @@ class VisionEncoder(nn.Module):
     def encode(self, crops: torch.Tensor) -> torch.Tensor:
         """Run the tower on a batch of crops (of one or many images)."""
         x = self.patch_emb(self.patchify(crops)) + self.pos_emb
-        for block in self.blocks:
-            x = block(x)
-        return self.post_ln(x)
+        blocks = self.blocks
+        h = blocks[0].ln1(x)
+        # Each block's forward, with every residual add fused into the norm that follows it.
+        for i, block in enumerate(blocks):
+            x, h = add_layernorm(x, block.attn(h), None, block.ln2)
+            after = blocks[i + 1].ln1 if i + 1 < len(blocks) else self.post_ln
+            x, h = add_layernorm(x, block.mlp(h), None, after)
+        return h
 
     def project(self, features: torch.Tensor, tiling: tuple[int, int]) -> torch.Tensor:
         """One image's features [1 + h*w, patches, enc_dim] -> embeddings [patches, text_dim]."""

@@ -1,0 +1,86 @@
+"""Residual adds fused with the LayerNorm that follows them (a Triton kernel on CUDA).
+
+A pre-norm block ends with ``x = x + branch`` and the next block (or the final norm) starts
+with ``LayerNorm(x)``: one kernel can read ``x`` and the branch outputs once and write both the
+new residual stream and its normalized copy. The sums are rounded to the activation dtype in
+the order the unfused code adds them (``(x + a) + b``), so the residual stream is bit-for-bit
+the same; the norm's statistics are computed in fp32 as PyTorch's kernel does, though not in
+the same summation order (last-bit differences). Elsewhere (the CPU, or no Triton) the plain
+PyTorch ops run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vlm_server.model.layers import LN_EPS, LayerNorm
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU path needs no Triton
+    triton = None
+    tl = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _add_layernorm_kernel(
+        x_ptr,
+        a_ptr,
+        b_ptr,
+        w_ptr,
+        bias_ptr,
+        sum_ptr,
+        out_ptr,
+        dim,
+        eps,
+        HAS_B: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < dim
+        offs = row.to(tl.int64) * dim + cols
+        s = tl.load(x_ptr + offs, mask=mask, other=0.0) + tl.load(
+            a_ptr + offs, mask=mask, other=0.0
+        )
+        if HAS_B:
+            s = s + tl.load(b_ptr + offs, mask=mask, other=0.0)
+        tl.store(sum_ptr + offs, s, mask=mask)
+        v = s.to(tl.float32)
+        mean = tl.sum(v, axis=0) / dim
+        centred = tl.where(mask, v - mean, 0.0)
+        var = tl.sum(centred * centred, axis=0) / dim
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = centred * tl.rsqrt(var + eps) * w + b
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_layernorm(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, norm: LayerNorm
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + a (+ b)`` and ``norm(s)``; returns (s, norm(s))."""
+    if triton is None or not x.is_cuda or x.dtype != a.dtype:
+        s = x + a if b is None else x + a + b
+        return s, norm(s)
+    dim = x.shape[-1]
+    x, a = x.contiguous(), a.contiguous()
+    b = b.contiguous() if b is not None else a
+    s, out = torch.empty_like(x), torch.empty_like(x)
+    _add_layernorm_kernel[(x.numel() // dim,)](
+        x,
+        a,
+        b,
+        norm.weight,
+        norm.bias,
+        s,
+        out,
+        dim,
+        LN_EPS,
+        HAS_B=b is not a,
+        BLOCK=triton.next_power_of_2(dim),
+    )
+    return s, out
