@@ -7,7 +7,8 @@ decode threads do. Reports images/s over the wall time and, per image (medians):
 host CPU ms of the worker thread (decode, hash, and the resize on the CPU or its launches on
 a GPU), device ms of upload + resize + crop (CUDA only, from events), and normalize ms.
 ``--device cuda`` makes the crops on the GPU as a CUDA server does (the default where CUDA
-exists); ``--normalize-device none`` skips normalization.
+exists); ``--normalize-device none`` skips normalization; ``--exif-orientation 6`` tags the
+JPEGs as phone portrait photos, which the decoder turns upright.
 
     python -m bench.image_bench
     python -m bench.image_bench --sizes 800x600 4000x3000 --formats jpeg --threads 1 4
@@ -35,7 +36,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from bench.synth_images import parse_size, unique_images
+from bench.synth_images import parse_size, unique_images, with_orientation
 from image_pipeline import ImageLimits, ImagePreparer, ResizeMode, content_hash, decode
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -196,6 +197,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="where crops are made: cpu or cuda[:N] (default: cuda where present)",
     )
+    ap.add_argument(
+        "--exif-orientation",
+        type=int,
+        default=1,
+        choices=range(1, 9),
+        metavar="1..8",
+        help="EXIF orientation tag of the JPEG pictures (6: a phone's portrait photo, turned "
+        "on decoding)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     norm = None if args.normalize_device == "none" else args.normalize_device
@@ -225,6 +235,8 @@ def _run(args: argparse.Namespace, norm: str | None, dtype: torch.dtype) -> int:
     for size_text, fmt in cells:
         w, h = parse_size(size_text)
         images = unique_images(w, h, range(args.images), fmt=fmt, threads=gen_threads)
+        if fmt == "jpeg" and args.exif_orientation != 1:
+            images = [with_orientation(data, args.exif_orientation) for data in images]
         mean_bytes = sum(map(len, images)) / len(images)
         for mode in args.resize:
             for threads in args.threads:
@@ -253,6 +265,7 @@ def _run(args: argparse.Namespace, norm: str | None, dtype: torch.dtype) -> int:
         "image_device": args.device,
         "normalize_device": args.normalize_device,
         "dtype": args.dtype,
+        "exif_orientation": args.exif_orientation,
         "torch_threads": torch.get_num_threads(),
         "rows": rows,
     }
@@ -261,6 +274,7 @@ def _run(args: argparse.Namespace, norm: str | None, dtype: torch.dtype) -> int:
     print(
         f"\nimage pipeline on {cpu_name} ({cores} cores), crops on {args.device}, normalize "
         f"on {args.normalize_device} {args.dtype}"
+        + (f", JPEG EXIF orientation {args.exif_orientation}" if args.exif_orientation != 1 else "")
     )
     print(
         f"{'size':>10} {'fmt':>5} {'resize':>6} {'KB':>7} {'crops':>5} {'thr':>4} "

@@ -10,6 +10,7 @@ never hits a prefix or image cache.
 from __future__ import annotations
 
 import io
+import struct
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -84,6 +85,17 @@ def encode(img: Image.Image, fmt: str = "jpeg", quality: int = 90) -> bytes:
     else:
         img.save(buf, format=kind, compress_level=6)
     return buf.getvalue()
+
+
+def with_orientation(data: bytes, orientation: int) -> bytes:
+    """A JPEG with an EXIF orientation tag (1..8) put in front of its segments; the stored
+    pixels stay as they are, so decoders turn them (6: a phone's portrait photo)."""
+    if data[:2] != b"\xff\xd8":
+        raise ValueError("not a JPEG")
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    payload = exif.tobytes()
+    return data[:2] + b"\xff\xe1" + struct.pack(">H", len(payload) + 2) + payload + data[2:]
 
 
 def unique_images(

@@ -321,8 +321,8 @@ def decode(
             still covers that size in both dimensions.
         budget: optional bound on decoded bytes in flight across threads; the
             decode waits for its share (see :class:`DecodeBudget`).
-        alloc: optional allocator of the JPEG decoder's output array (used when
-            no orientation has to be applied).
+        alloc: optional allocator of the upright pixels of the simplejpeg path (the
+            decoder's output, or the oriented copy when an orientation applies).
 
     Raises:
         ImageError: for any problem with the data itself.
@@ -343,10 +343,12 @@ def decode(
     simple = is_jpeg and image.mode in ("RGB", "L")
     cost = -(-stored_w // scale) * -(-stored_h // scale) * _bytes_per_pixel(image, simple)
     with budget.reserve(cost) if budget is not None else contextlib.nullcontext():
+        # The array that ``alloc`` gives receives the final, upright pixels: the decoder's
+        # output when nothing turns, else the oriented copy.
         into = alloc if orientation == 1 else None
         pixels = try_decode_jpeg(data, stored_w, stored_h, scale, into) if simple else None
         if pixels is not None:
-            pixels = orient(pixels, orientation)
+            pixels = orient(pixels, orientation, alloc)
         else:
             pixels, orientation = _decode_with_pillow(data, limits, image, is_jpeg, scale)
     full_h, full_w = _oriented(stored_h, stored_w, orientation)

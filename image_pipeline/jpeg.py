@@ -59,8 +59,12 @@ def try_decode_jpeg(
     return pixels
 
 
-def orient(pixels: np.ndarray, orientation: int) -> np.ndarray:
-    """Apply an EXIF orientation (1..8) like ``ImageOps.exif_transpose``; C-contiguous result."""
+def orient(pixels: np.ndarray, orientation: int, alloc: Allocator | None = None) -> np.ndarray:
+    """Apply an EXIF orientation (1..8) like ``ImageOps.exif_transpose``; C-contiguous result.
+
+    ``alloc`` gives the output array when one is made (orientations 2..8). Orientation 1
+    returns ``pixels`` itself.
+    """
     if orientation == 2:
         view = pixels[:, ::-1]
     elif orientation == 3:
@@ -76,5 +80,14 @@ def orient(pixels: np.ndarray, orientation: int) -> np.ndarray:
     elif orientation == 8:
         view = pixels.transpose(1, 0, 2)[::-1]
     else:
-        view = pixels
-    return np.ascontiguousarray(view)
+        return np.ascontiguousarray(pixels)
+    shape = (view.shape[0], view.shape[1], view.shape[2])
+    out = alloc(shape) if alloc is not None else np.empty(shape, dtype=np.uint8)
+    if orientation == 4:
+        out[...] = view  # whole rows in reverse order: row copies
+    else:
+        # One plane at a time: numpy copies a whole [h, w, 3] view 3 bytes per inner loop,
+        # a plane with inner loops as long as a row (3 to 4 times faster, same bytes).
+        for c in range(view.shape[2]):
+            out[:, :, c] = view[:, :, c]
+    return out

@@ -1,9 +1,10 @@
 """The main entry point: bytes in, uint8 crops + metadata out.
 
-Per image: header checks -> decode to uint8 pixels on the host -> content hash -> the
-pixels go to the device once (pinned memory and a side stream on CUDA) -> resize, crop
-there (:mod:`.crops`). The crops stay on that device; normalization happens where the
-encoder runs (:meth:`PreparedImage.normalized`).
+Per image: header checks -> decode to uint8 pixels on the host -> the pixels go to the
+device once (pinned memory and a side stream on CUDA) -> resize, crop there
+(:mod:`.crops`); the content hash of the pixels is computed on the host meanwhile. The
+crops stay on that device; normalization happens where the encoder runs
+(:meth:`PreparedImage.normalized`).
 """
 
 from __future__ import annotations
@@ -154,8 +155,11 @@ class ImagePreparer:
     def prepare_decoded(self, decoded: DecodedImage) -> PreparedImage:
         """Crop an already decoded image. The tiling follows the original size."""
         tiles = self.tiling.tiling_for(decoded.height, decoded.width)
-        digest = content_hash(decoded.pixels, (decoded.height, decoded.width))
-        crops = self._crops(decoded.pixels, tiles)
+        crops, digest = self._crops(
+            decoded.pixels,
+            tiles,
+            functools.partial(content_hash, decoded.pixels, (decoded.height, decoded.width)),
+        )
         return PreparedImage(
             crops=crops,
             tiling=tiles,
@@ -170,10 +174,15 @@ class ImagePreparer:
         canvas_h, canvas_w = spec.canvas_size(spec.tiling_for(height, width))
         return max(canvas_h, spec.crop_size), max(canvas_w, spec.crop_size)
 
-    def _crops(self, pixels: np.ndarray, tiles: Tiling) -> torch.Tensor:
+    def _crops(
+        self, pixels: np.ndarray, tiles: Tiling, digest: Callable[[], str]
+    ) -> tuple[torch.Tensor, str]:
+        """The crops of ``pixels``, and ``digest()``: on CUDA computed while the device
+        works (it only reads the host pixels, which nothing writes meanwhile)."""
         host = torch.from_numpy(pixels)
         if self.device.type != "cuda":
-            return make_crops(host, tiles, self.tiling, self.resize, self.resampler)
+            key = digest()
+            return make_crops(host, tiles, self.tiling, self.resize, self.resampler), key
         # One upload of the uint8 pixels: pinned, so the copy is a real async DMA; on this
         # thread's own stream, so it overlaps the engine's work; finished before return,
         # so the engine may use the crops on any stream.
@@ -194,10 +203,11 @@ class ImagePreparer:
             pixels_dev = pinned.to(self.device, non_blocking=True)
             crops = make_crops(pixels_dev, tiles, self.tiling, self.resize, self.resampler)
             done.record(stream)
+        key = digest()  # the host hashes while the device uploads, resizes and crops
         done.synchronize()
         if start is not None and self.on_device_time is not None:
             self.on_device_time(start.elapsed_time(done))
-        return crops
+        return crops, key
 
     def _stream(self) -> torch.cuda.Stream:
         stream = getattr(self._local, "stream", None)

@@ -8,11 +8,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from bench import arrival_itl, hf_baseline, image_bench, load_gen
-from bench.synth_images import parse_size, unique_images
-from image_pipeline import prepare_image
+from bench.synth_images import parse_size, unique_images, with_orientation
+from image_pipeline import decode, prepare_image
 
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
@@ -244,6 +245,13 @@ def test_arrival_itl_spawned_server(tiny_dir: Path, tmp_path: Path) -> None:
     assert isinstance(verdict["meets_target"], bool)
     assert (tmp_path / "arrival_itl_server.log").exists()
     assert (tmp_path / "arrival_itl.png").exists() == HAVE_MATPLOTLIB
+
+
+def test_with_orientation_turns_the_decoded_picture() -> None:
+    (data,) = unique_images(64, 48, [0], threads=1)
+    decoded = decode(with_orientation(data, 6))
+    assert (decoded.width, decoded.height) == (48, 64)
+    np.testing.assert_array_equal(decoded.pixels, decode(data).pixels.transpose(1, 0, 2)[:, ::-1])
 
 
 def test_image_bench_tiny(tmp_path: Path) -> None:

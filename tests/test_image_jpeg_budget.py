@@ -22,7 +22,7 @@ from image_pipeline import (
     ImagePreparer,
     decode,
 )
-from image_pipeline.jpeg import draft_scale, try_decode_jpeg
+from image_pipeline.jpeg import draft_scale, orient, try_decode_jpeg
 
 R = ImageErrorReason
 # The package exports a function named like the module: fetch the module itself.
@@ -94,6 +94,53 @@ def test_exif_orientations_equal_pillows_exif_transpose(orientation: int) -> Non
     expected = pillow_pixels(data)
     np.testing.assert_array_equal(decoded.pixels, expected)
     assert (decoded.height, decoded.width) == expected.shape[:2]
+
+
+# What each orientation displays, as a numpy view of the stored pixels.
+ORIENTED_VIEWS = {
+    1: lambda p: p,
+    2: lambda p: p[:, ::-1],
+    3: lambda p: p[::-1, ::-1],
+    4: lambda p: p[::-1],
+    5: lambda p: p.transpose(1, 0, 2),
+    6: lambda p: p.transpose(1, 0, 2)[:, ::-1],
+    7: lambda p: p.transpose(1, 0, 2)[::-1, ::-1],
+    8: lambda p: p.transpose(1, 0, 2)[::-1],
+}
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_orient_copies_the_views_into_the_given_array(orientation: int) -> None:
+    pixels = np.random.default_rng(orientation).integers(0, 256, (37, 53, 3), dtype=np.uint8)
+    expected = np.ascontiguousarray(ORIENTED_VIEWS[orientation](pixels))
+    given: list[np.ndarray] = []
+
+    def alloc(shape: tuple[int, int, int]) -> np.ndarray:
+        given.append(np.full(shape, 7, dtype=np.uint8))
+        return given[-1]
+
+    for out in (orient(pixels, orientation), orient(pixels, orientation, alloc)):
+        assert out.flags.c_contiguous and out.dtype == np.uint8
+        np.testing.assert_array_equal(out, expected)
+    if orientation == 1:
+        assert not given and orient(pixels, 1, alloc) is pixels  # nothing to copy
+    else:
+        assert len(given) == 1 and orient(pixels, orientation, alloc) is given[-1]
+
+
+def test_oriented_jpeg_lands_in_the_allocated_array() -> None:
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    data = jpeg(photo(120, 70, seed=6), exif=exif.tobytes())
+    given: list[np.ndarray] = []
+
+    def alloc(shape: tuple[int, int, int]) -> np.ndarray:
+        given.append(np.empty(shape, dtype=np.uint8))
+        return given[-1]
+
+    decoded = decode(data, alloc=alloc)
+    assert len(given) == 1 and decoded.pixels is given[0]
+    np.testing.assert_array_equal(decoded.pixels, pillow_pixels(data))
 
 
 def test_jpeg_with_decoder_warnings_falls_back_to_pillow() -> None:
