@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from decoding.detokenize import StreamDetokenizer
-from decoding.grammars import Grammar, StepKind
+from decoding.grammars import Grammar, StepKind, TextGrammar
 from vlm_server.engine.api import Emitted, ErrorCode, GenerationRequest, RequestMetrics
 from vlm_server.engine.core.prefix_cache import PrefixEntry
 from vlm_server.engine.core.step_layout import RowPhase
@@ -31,7 +31,9 @@ class SeqState(enum.Enum):
     RELEASED = "released"
 
 
-@dataclass
+# eq=False: sequences are compared by identity, so the scheduler's `in` / `remove` on its lists
+# scan pointers instead of calling a generated field-by-field __eq__ per element.
+@dataclass(eq=False)
 class Sequence:
     request: GenerationRequest
     prompt: list[int]
@@ -56,6 +58,13 @@ class Sequence:
     submitted_at: float = field(default_factory=time.monotonic)
     prefill_launched_at: float = 0.0
     first_token_at: float = 0.0
+    # Fixed by the grammar at construction; read every step, so kept as plain attributes.
+    is_text: bool = field(init=False)
+    max_decode: int = field(init=False)  # the grammar's position budget
+
+    def __post_init__(self) -> None:
+        self.is_text = isinstance(self.grammar, TextGrammar)
+        self.max_decode = self.grammar.max_positions
 
     @property
     def prefill_len(self) -> int:
@@ -79,7 +88,7 @@ class Sequence:
         return (
             self.state is SeqState.RUNNING
             and self.cancelled is None
-            and self.decode_launched < self.grammar.max_positions
+            and self.decode_launched < self.max_decode
         )
 
     def wants_prefill_chunk(self) -> bool:
@@ -91,7 +100,7 @@ class Sequence:
         )
 
     def next_position(self) -> int:
-        return self.prefill_len + self.decode_launched
+        return self.prefix_len + len(self.prompt) + self.decode_launched
 
     def phase(self) -> RowPhase:
         """The phase of the step about to be finalized, from the committed grammar state."""
