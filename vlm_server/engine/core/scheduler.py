@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from itertools import chain
 
 import numpy as np
 
@@ -299,7 +300,8 @@ class Scheduler:
             states = [_row_state(s, True) for s in seqs]
         else:
             states = [_row_state(s, plan.samples(i)) for i, s in enumerate(seqs)]
-        cols = np.array(states, np.int64).reshape(b, 4)  # row | phase | mask | step
+        # row | phase | mask | step, per step row
+        cols = np.fromiter(chain.from_iterable(states), np.int64, 4 * b).reshape(b, 4)
         fin = self._fin[step.slot][:b]
         np.take(self._row_fin, cols[:, 0], axis=0, out=fin)
         fin[:, F_PHASE] = cols[:, 1]
@@ -500,13 +502,16 @@ class Scheduler:
             emit(event)
 
 
+_IDLE, _BOUNDARY = RowPhase.IDLE, RowPhase.BOUNDARY
+
+
 def _row_state(seq: Sequence, samples: bool) -> tuple[int, RowPhase, int, int]:
     """(row, phase, mask row, sampled-token count) of ``seq`` for the step being finalized,
     from its committed state; ``samples`` is False for a chunk that does not end its prompt."""
     g = seq.grammar
-    phase = seq.phase() if samples else RowPhase.IDLE
+    phase = seq.phase() if samples else _IDLE
     # TOKEN and BOUNDARY sample a token: only they are masked.
-    mask = g.mask_row if phase <= RowPhase.BOUNDARY else NO_MASK
+    mask = g.mask_row if phase <= _BOUNDARY else NO_MASK
     return seq.row, phase, mask, len(g.token_ids) if seq.is_text else 0  # type: ignore[attr-defined]
 
 

@@ -33,6 +33,17 @@ class SeqState(enum.Enum):
 
 # eq=False: sequences are compared by identity, so the scheduler's `in` / `remove` on its lists
 # scan pointers instead of calling a generated field-by-field __eq__ per element.
+_DONE = (SeqState.FINISHED, SeqState.RELEASED)
+_TOKEN_STEP, _COORD_Y_STEP, _SIZE_STEP = StepKind.TOKEN, StepKind.COORD_Y, StepKind.SIZE
+_TOKEN, _BOUNDARY, _COORD, _SIZE, _IDLE = (
+    RowPhase.TOKEN,
+    RowPhase.BOUNDARY,
+    RowPhase.COORD,
+    RowPhase.SIZE,
+    RowPhase.IDLE,
+)
+
+
 @dataclass(eq=False)
 class Sequence:
     request: GenerationRequest
@@ -77,7 +88,7 @@ class Sequence:
 
     @property
     def finished(self) -> bool:
-        return self.state in (SeqState.FINISHED, SeqState.RELEASED)
+        return self.state in _DONE
 
     def wants_decode_step(self) -> bool:
         """Whether another decode step may be launched for this sequence now.
@@ -104,16 +115,18 @@ class Sequence:
 
     def phase(self) -> RowPhase:
         """The phase of the step about to be finalized, from the committed grammar state."""
-        if self.finished or self.cancelled is not None:
-            return RowPhase.IDLE
-        kind = self.grammar.next_kind
-        if kind is StepKind.TOKEN:
-            return RowPhase.TOKEN if self.grammar.feeds_token else RowPhase.BOUNDARY
-        if kind is StepKind.COORD_Y:
-            return RowPhase.COORD
-        if kind is StepKind.SIZE:
-            return RowPhase.SIZE
-        return RowPhase.IDLE
+        # Called per row every step: module constants, not enum attribute lookups.
+        if self.state in _DONE or self.cancelled is not None:
+            return _IDLE
+        g = self.grammar
+        kind = g.next_kind
+        if kind is _TOKEN_STEP:
+            return _TOKEN if g.feeds_token else _BOUNDARY
+        if kind is _COORD_Y_STEP:
+            return _COORD
+        if kind is _SIZE_STEP:
+            return _SIZE
+        return _IDLE
 
     def release_resources(self) -> None:
         """Run `on_release` once (idempotent)."""
