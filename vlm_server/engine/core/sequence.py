@@ -12,9 +12,12 @@ finished and inflight_refs is 0; a finished sequence's later commits append noth
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from decoding.detokenize import StreamDetokenizer
 from decoding.grammars import Grammar, StepKind, TextGrammar
@@ -89,6 +92,13 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.state in _DONE
+
+    @functools.cached_property
+    def prompt_ids(self) -> np.ndarray:
+        """The prompt as a read-only int64 array: prefill chunks are copied from it."""
+        ids = np.asarray(self.prompt, np.int64)
+        ids.flags.writeable = False
+        return ids
 
     def wants_decode_step(self) -> bool:
         """Whether another decode step may be launched for this sequence now.
