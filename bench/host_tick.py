@@ -18,17 +18,27 @@ Scenarios, each at every row count (all rows running, steady state, then ``--tic
 
 Prints a table of median microseconds per tick (best of ``--repeat`` runs), writes JSON and a
 PNG plot (default bench/results/cpu_tiny/host_tick.json). The scripted sampling's own time is
-subtracted from finalize; events are delivered to a list (a served request pays a thread-safe
-call per event on top).
+subtracted from finalize.
+
+``--events`` says where the events (text deltas, results) go:
+  list       appended to a list: the scheduler alone
+  batched    to asyncio queues drained by a task on an event loop in another thread, through
+             the engine's `EventOutbox` (one thread-safe call per tick), as a server does
+  per-event  the same loop, one ``loop.call_soon_threadsafe`` per event (what the engine did
+             before it batched them)
+Tick totals include the flush at the end of the tick; the split does not.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
+import inspect
 import json
 import platform
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -53,6 +63,7 @@ from vlm_server.engine.requests.tasks import TaskCompiler
 from vlm_server.weights.loader import LoadedModel, random_model
 
 SCENARIOS = ("text", "constrained", "region", "churn")
+EVENTS = ("list", "batched", "per-event")
 WORD = 300  # a plain word of the tiny vocabulary
 
 
@@ -173,8 +184,33 @@ def _request(scenario: str, i: int, image: object) -> GenerationRequest:
     )
 
 
+class LoopThread:
+    """An event loop in its own thread with one task draining a queue, standing in for a
+    server's request streams."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.queue: asyncio.Queue[object] = asyncio.Queue()
+        self.received = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self._drain())
+
+    async def _drain(self) -> None:
+        while await self.queue.get() is not None:
+            self.received += 1
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
+        self._thread.join()
+        self.loop.close()
+
+
 def run_case(
-    loaded: LoadedModel, scenario: str, rows: int, ticks: int, image: object
+    loaded: LoadedModel, scenario: str, rows: int, ticks: int, image: object, events: str = "list"
 ) -> dict[str, float | int | str]:
     cfg = EngineConfig(max_batch=rows, kv_budget_bytes=512 << 20, cuda_graphs=False)
     mc = loaded.config
@@ -184,8 +220,29 @@ def run_case(
     device = ScriptedDevice(tasks.table, contract.eos_id, contract.coord_id)
     rt = ModelRuntime(loaded.model, cfg, tasks.table, device=device)  # type: ignore[arg-type]
     obs = TickTimes(device)
-    sched = Scheduler(rt, cfg, contract.eos_id, mc.image_prefix_len, observer=obs)
-    events: list[object] = []
+    sink: list[object] = []
+    emit = sink.append
+    extra = {}
+    loop_thread = LoopThread() if events != "list" else None
+    if loop_thread is not None:
+        loop, put = loop_thread.loop, loop_thread.queue.put_nowait
+        if events == "batched":
+            from vlm_server.engine.engine import EventOutbox  # absent from older trees
+
+            outbox = EventOutbox()
+            extra["flush_events"] = outbox.flush
+
+            def emit(event: object) -> None:
+                outbox.push(loop, put, event)
+
+        else:
+
+            def emit(event: object) -> None:
+                loop.call_soon_threadsafe(put, event)
+
+    if extra and "flush_events" not in inspect.signature(Scheduler).parameters:
+        raise SystemExit("this tree's scheduler does not batch events: use --events list")
+    sched = Scheduler(rt, cfg, contract.eos_id, mc.image_prefix_len, observer=obs, **extra)
     made = 0
 
     def submit() -> None:
@@ -196,7 +253,7 @@ def run_case(
         seq = Sequence(req, built.prompt, built.grammar, built.prefix_len, on_release=built.release)
         if isinstance(built.grammar, TextGrammar):
             seq.detok = StreamDetokenizer(tasks.vocab)
-        seq.emit = events.append
+        seq.emit = emit
         sched.waiting.append(seq)
 
     for _ in range(rows):
@@ -222,8 +279,10 @@ def run_case(
         t0 = time.perf_counter()
         sched.tick()
         totals.append(time.perf_counter() - t0)
-        events.clear()
+        sink.clear()
     obs.recording = False
+    if loop_thread is not None:
+        loop_thread.close()
     if scenario != "churn" and len(sched.running) != rows:
         raise RuntimeError(f"{scenario}: rows finished during the measured ticks")
     commit, finalize, launch = zip(*obs.ticks, strict=True)
@@ -233,6 +292,7 @@ def run_case(
 
     return {
         "scenario": scenario,
+        "events": events,
         "rows": rows,
         "ticks": ticks,
         "commit_us": us(commit),
@@ -256,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         "tick is kept (other processes on the machine only ever add time)",
     )
     ap.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+    ap.add_argument("--events", choices=EVENTS, default="list", help="see the module doc")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--label", default="", help="suffix of the output files (host_tick_LABEL)")
     args = ap.parse_args(argv)
@@ -266,7 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     for scenario in args.scenarios:
         for rows in args.rows:
             t0 = time.perf_counter()
-            runs = [run_case(loaded, scenario, rows, args.ticks, image) for _ in range(args.repeat)]
+            runs = [
+                run_case(loaded, scenario, rows, args.ticks, image, args.events)
+                for _ in range(args.repeat)
+            ]
             row = min(runs, key=lambda r: r["tick_us"])
             row["repeats"] = args.repeat
             results.append(row)
@@ -281,10 +345,19 @@ def main(argv: list[str] | None = None) -> int:
     stem = f"host_tick_{args.label}" if args.label else "host_tick"
     (out / f"{stem}.json").write_text(
         json.dumps(
-            {"machine": name, "python": platform.python_version(), "rows": results}, indent=2
+            {
+                "machine": name,
+                "python": platform.python_version(),
+                "events": args.events,
+                "rows": results,
+            },
+            indent=2,
         )
     )
-    print(f"\nhost us per tick (median of {args.ticks} ticks, best of {args.repeat}), {name}")
+    print(
+        f"\nhost us per tick (median of {args.ticks} ticks, best of {args.repeat}), "
+        f"events: {args.events}, {name}"
+    )
     print(
         f"{'scenario':<12} {'rows':>4} {'commit':>8} {'finalize':>8} {'launch':>8} "
         f"{'tick':>8} {'mean':>8}"

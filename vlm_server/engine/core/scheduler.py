@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from itertools import chain
 
 import numpy as np
@@ -73,8 +74,12 @@ class Scheduler:
         image_prefix_len: int,
         observer: Observer = NO_OBSERVER,
         pipeline: PipelineState[Sequence] | None = None,
+        flush_events: Callable[[], None] = lambda: None,
     ) -> None:
         self.rt = runtime
+        # Sends the events emitted so far on their way (the engine batches them per tick):
+        # called after the cancellation sweep and at the end of every tick.
+        self.flush_events = flush_events
         self.cfg = cfg
         self.eos_id = eos_id
         self.observer = observer
@@ -137,6 +142,7 @@ class Scheduler:
     def tick(self) -> None:
         """One scheduler iteration (see the module docstring for the order and why)."""
         self._sweep_cancelled()
+        self.flush_events()  # a commit may wait long (a test's gate): errors go out first
         pipe = self.pipe
         t0 = time.perf_counter()
         if pipe.n_in_flight and (pipe.n_in_flight >= pipe.depth or not self._launchable()):
@@ -152,6 +158,7 @@ class Scheduler:
         if pipe.can_launch():
             self._launch()
         self.observer.tick(t1 - t0, t2 - t1, time.perf_counter() - t2)
+        self.flush_events()
 
     def _launchable(self) -> bool:
         if any(s.wants_decode_step() or s.wants_prefill_chunk() for s in self.running):
