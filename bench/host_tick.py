@@ -36,8 +36,11 @@ import asyncio
 import gc
 import inspect
 import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -304,6 +307,82 @@ def run_case(
     }
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Worker:
+    """This script in a subprocess that imports the engine from ``root`` (a checkout), so two
+    trees can be measured case by case, alternately, on the same machine in the same run."""
+
+    def __init__(self, root: Path) -> None:
+        env = dict(os.environ, PYTHONPATH=str(root))
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=root,
+        )
+        if self._line() != "ready":
+            raise RuntimeError(f"the worker for {root} did not start")
+
+    def _line(self) -> str:
+        assert self.proc.stdout is not None
+        return self.proc.stdout.readline().strip()
+
+    def run(self, scenario: str, rows: int, ticks: int, events: str) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{scenario} {rows} {ticks} {events}\n")
+        self.proc.stdin.flush()
+        return json.loads(self._line())
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+def _serve_cases() -> None:
+    """The worker's loop: one ``scenario rows ticks events`` line in, one JSON row out."""
+    torch.set_num_threads(1)
+    loaded = random_model(preset("tiny"), seed=0, dtype=torch.float32, progress=False)
+    image = prepare_image(sample_image_bytes())
+    print("ready", flush=True)
+    for line in sys.stdin:
+        scenario, rows, ticks, events = line.split()
+        print(json.dumps(run_case(loaded, scenario, int(rows), int(ticks), image, events)))
+        sys.stdout.flush()
+
+
+def compare(args: argparse.Namespace) -> list[dict]:
+    """Every case on ``args.baseline`` and on this tree, alternating (ABBA) ``args.repeat``
+    times; the best run of each side is kept."""
+    sides = {"before": Worker(args.baseline), "after": Worker(ROOT)}
+    results = []
+    try:
+        for scenario in args.scenarios:
+            for rows in args.rows:
+                best: dict[str, dict] = {}
+                for i in range(args.repeat):
+                    for side in ("before", "after") if i % 2 == 0 else ("after", "before"):
+                        row = sides[side].run(scenario, rows, args.ticks, args.events)
+                        if side not in best or row["tick_us"] < best[side]["tick_us"]:
+                            best[side] = row
+                row = {**best["after"], "before": best["before"], "repeats": args.repeat}
+                row["ratio"] = row["tick_us"] / best["before"]["tick_us"]
+                results.append(row)
+                print(
+                    f"  {scenario:<12} {rows:>3} rows: {best['before']['tick_us']:8.1f} -> "
+                    f"{row['tick_us']:8.1f} us/tick ({row['ratio']:.2f}x)",
+                    flush=True,
+                )
+    finally:
+        for worker in sides.values():
+            worker.close()
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -319,7 +398,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--events", choices=EVENTS, default="list", help="see the module doc")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--label", default="", help="suffix of the output files (host_tick_LABEL)")
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        help="another checkout of the project (e.g. `git worktree add /tmp/base BASE`): run "
+        "every case there and here, alternately, and report both and their ratio",
+    )
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.worker:
+        _serve_cases()
+        return 0
+    if args.baseline is not None:
+        return _report_comparison(args, compare(args))
     torch.set_num_threads(1)
     loaded = random_model(preset("tiny"), seed=0, dtype=torch.float32, progress=False)
     image = prepare_image(sample_image_bytes())
@@ -384,6 +475,34 @@ def main(argv: list[str] | None = None) -> int:
         fig.savefig(out / f"{stem}.png", dpi=120, bbox_inches="tight")
     except ImportError:
         pass
+    return 0
+
+
+def _report_comparison(args: argparse.Namespace, results: list[dict]) -> int:
+    name = platform.processor() or platform.machine() or "cpu"
+    out = args.out or Path("bench/results") / "cpu_tiny"
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"host_tick_{args.label}" if args.label else "host_tick_compare"
+    meta = {"machine": name, "python": platform.python_version(), "events": args.events}
+    meta["baseline"] = str(args.baseline)
+    (out / f"{stem}.json").write_text(json.dumps({**meta, "rows": results}, indent=2))
+    print(
+        f"\nhost us per tick, before ({args.baseline}) -> after (this tree): median of "
+        f"{args.ticks} ticks, best of {args.repeat} alternating runs, events: {args.events}, {name}"
+    )
+    print(
+        f"{'scenario':<12} {'rows':>4} {'commit':>15} {'finalize':>15} {'launch':>15} "
+        f"{'tick':>15} {'ratio':>6}"
+    )
+    for r in results:
+        b = r["before"]
+        cells = " ".join(
+            f"{b[k]:>7.1f}>{r[k]:<7.1f}" for k in ("commit_us", "finalize_us", "launch_us")
+        )
+        print(
+            f"{r['scenario']:<12} {r['rows']:>4} {cells} {b['tick_us']:>7.1f}>{r['tick_us']:<7.1f} "
+            f"{r['ratio']:>6.2f}"
+        )
     return 0
 
 
