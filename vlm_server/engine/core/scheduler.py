@@ -20,6 +20,7 @@ At depth 1 the same calls run as launch -> finalize -> commit, one step at a tim
 from __future__ import annotations
 
 import math
+import struct
 import time
 from collections import deque
 from collections.abc import Callable
@@ -285,17 +286,16 @@ class Scheduler:
     # ---- finalize ---------------------------------------------------------------------
 
     def _set_row_constants(self, seq: Sequence) -> None:
-        """The fixed finalize columns of ``seq``'s row (see ``_row_fin``)."""
-        fixed = self._row_fin[seq.row]
-        fixed[:] = 0
+        """The fixed finalize columns of ``seq``'s row (see ``_row_fin``), in one write."""
+        fixed = [0] * N_FIN
         fixed[F_ROW] = seq.row
         fixed[F_SEED] = seq.request.seed
-        floats = fixed.view(np.float64)
         if seq.is_text:
-            floats[F_TEMP] = seq.request.temperature
-            floats[F_TOP_P] = seq.request.top_p
+            fixed[F_TEMP] = _f64_bits(seq.request.temperature)
+            fixed[F_TOP_P] = _f64_bits(seq.request.top_p)
         else:  # region answers and segment paths decode greedily, as the reference does
-            floats[F_TOP_P] = 1.0
+            fixed[F_TOP_P] = _f64_bits(1.0)
+        self._row_fin[seq.row] = fixed
 
     def _finalize(self, step: Step[Sequence]) -> None:
         seqs = step.seqs
@@ -510,6 +510,13 @@ class Scheduler:
 
 
 _IDLE, _BOUNDARY = RowPhase.IDLE, RowPhase.BOUNDARY
+_F64 = struct.Struct("=d")
+_I64 = struct.Struct("=q")
+
+
+def _f64_bits(x: float) -> int:
+    """``x``'s float64 bits as an int64: the fin array carries floats bit-cast."""
+    return _I64.unpack(_F64.pack(x))[0]
 
 
 def _row_state(seq: Sequence, samples: bool) -> tuple[int, RowPhase, int, int]:
