@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from bench import hf_baseline, image_bench, load_gen
+from bench import hf_baseline, host_tick, image_bench, load_gen
 from bench.synth_images import parse_size, unique_images
 from image_pipeline import prepare_image
 
@@ -305,3 +305,19 @@ def test_soak_against_a_running_server_counts_codes_and_samples_memory(
     assert summary["rss_mib"]["peak"] > 0 and summary["kv_pages_total"] > 0
     assert len(result["samples"]) >= 3
     assert (tmp_path / "soak_rss.png").exists() == HAVE_MATPLOTLIB
+
+
+def test_host_tick_every_scenario_and_a_comparison(tmp_path: Path) -> None:
+    args = ["--rows", "1", "3", "--ticks", "10", "--repeat", "1", "--out", str(tmp_path)]
+    assert host_tick.main([*args, "--events", "batched"]) == 0
+    data = _strict_json(tmp_path / "host_tick.json")
+    assert [(r["scenario"], r["rows"]) for r in data["rows"]] == [
+        (s, n) for s in host_tick.SCENARIOS for n in (1, 3)
+    ]
+    for r in data["rows"]:
+        assert 0 < r["commit_us"] + r["finalize_us"] + r["launch_us"] <= r["tick_mean_us"] * 3
+    # This tree against itself, in two worker processes.
+    compare = ["--baseline", str(host_tick.ROOT), "--scenarios", "region", "--label", "ab"]
+    assert host_tick.main([*args, *compare]) == 0
+    rows = _strict_json(tmp_path / "host_tick_ab.json")["rows"]
+    assert [r["rows"] for r in rows] == [1, 3] and all(r["ratio"] > 0 for r in rows)
