@@ -59,6 +59,7 @@ from vlm_server.engine.core.step_layout import (
     F_TEMP,
     F_TOP_P,
     N_FIN,
+    REGION_PHASES,
     RowPhase,
 )
 from vlm_server.engine.core.step_plan import Chunk, StepBudget, StepPlan
@@ -307,19 +308,17 @@ class Scheduler:
             states = [_row_state(s, True) for s in seqs]
         else:
             states = [_row_state(s, plan.samples(i)) for i, s in enumerate(seqs)]
-        # row | phase | mask | step, per step row
+        # row | mask | phase | step per step row: mask and phase are adjacent in fin too
         cols = np.fromiter(chain.from_iterable(states), np.int64, 4 * b).reshape(b, 4)
         fin = self._fin[step.slot][:b]
-        np.take(self._row_fin, cols[:, 0], axis=0, out=fin)
-        fin[:, F_PHASE] = cols[:, 1]
-        fin[:, F_MASK] = cols[:, 2]
+        self._row_fin.take(cols[:, 0], axis=0, out=fin)
+        fin[:, F_MASK : F_PHASE + 1] = cols[:, 1:3]
         fin[:, F_STEP] = cols[:, 3]
-        step.phases = [st[1] for st in states]
-        constrained = bool((cols[:, 2] != NO_MASK).any())
-        phase = cols[:, 1]
-        regions = bool(((phase >= RowPhase.BOUNDARY) & (phase <= RowPhase.SIZE)).any())
+        step.phases = [st[2] for st in states]
+        constrained = bool((cols[:, 1] != NO_MASK).any())
+        regions = bool(_REGION_PHASE[cols[:, 2]].any())
         self.observer.finalized(step)
-        greedy = not (fin[:, F_TEMP].view(np.float64) > 0).any()
+        greedy = not fin[:, F_TEMP].view(np.float64).max() > 0
         self.rt.finalize(step.slot, seqs, fin, constrained, regions, greedy)
         if plan is not None:
             for i in range(plan.n_decode, b):
@@ -510,6 +509,8 @@ class Scheduler:
 
 
 _IDLE, _BOUNDARY = RowPhase.IDLE, RowPhase.BOUNDARY
+_REGION_PHASE = np.isin(np.arange(len(RowPhase)), list(REGION_PHASES))  # by phase value
+assert F_PHASE == F_MASK + 1  # finalize writes both columns in one slice
 _F64 = struct.Struct("=d")
 _I64 = struct.Struct("=q")
 
@@ -519,14 +520,14 @@ def _f64_bits(x: float) -> int:
     return _I64.unpack(_F64.pack(x))[0]
 
 
-def _row_state(seq: Sequence, samples: bool) -> tuple[int, RowPhase, int, int]:
-    """(row, phase, mask row, sampled-token count) of ``seq`` for the step being finalized,
+def _row_state(seq: Sequence, samples: bool) -> tuple[int, int, RowPhase, int]:
+    """(row, mask row, phase, sampled-token count) of ``seq`` for the step being finalized,
     from its committed state; ``samples`` is False for a chunk that does not end its prompt."""
     g = seq.grammar
     phase = seq.phase() if samples else _IDLE
     # TOKEN and BOUNDARY sample a token: only they are masked.
     mask = g.mask_row if phase <= _BOUNDARY else NO_MASK
-    return seq.row, phase, mask, len(g.token_ids) if seq.is_text else 0  # type: ignore[attr-defined]
+    return seq.row, mask, phase, len(g.token_ids) if seq.is_text else 0  # type: ignore[attr-defined]
 
 
 def _segmentation(seg: SegmentResult) -> Segmentation:
