@@ -170,18 +170,14 @@ class Scheduler:
     # ---- launch -----------------------------------------------------------------------
 
     def _launch(self) -> None:
-        decode: list[Sequence] = []
-        prefilling: list[Sequence] = []
-        for s in self.running:  # one pass; admission order within each list
-            if s.wants_decode_step():
-                decode.append(s)
-            elif s.wants_prefill_chunk():
-                prefilling.append(s)
-        del decode[self.cfg.max_batch :]
+        running = self.running
+        decode = [s for s in running if s.wants_decode_step()][: self.cfg.max_batch]
+        # Admission order, the oldest prefill first; the state test spares most rows a call.
+        prefilling = [s for s in running if s.state is _PREFILL and s.wants_prefill_chunk()]
         budget = StepBudget(self.cfg.max_step_tokens, len(decode))
         prefill: list[Sequence] = []
         chunks: list[Chunk] = []
-        for s in prefilling:  # the oldest prefill first
+        for s in prefilling:
             if not budget.can_take():
                 break
             chunks.append(self._chunk(s, budget.take(len(s.prompt) - s.prefill_launched)))
@@ -509,6 +505,7 @@ class Scheduler:
 
 
 _IDLE, _BOUNDARY = RowPhase.IDLE, RowPhase.BOUNDARY
+_PREFILL = SeqState.PREFILL
 _REGION_PHASE = np.isin(np.arange(len(RowPhase)), list(REGION_PHASES))  # by phase value
 assert F_PHASE == F_MASK + 1  # finalize writes both columns in one slice
 _F64 = struct.Struct("=d")

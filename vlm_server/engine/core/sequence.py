@@ -12,7 +12,6 @@ finished and inflight_refs is 0; a finished sequence's later commits append noth
 from __future__ import annotations
 
 import enum
-import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -75,10 +74,15 @@ class Sequence:
     # Fixed by the grammar at construction; read every step, so kept as plain attributes.
     is_text: bool = field(init=False)
     max_decode: int = field(init=False)  # the grammar's position budget
+    # The prompt as int64, made where the sequence is built (not on the scheduler thread):
+    # prefill chunks are copied from it.
+    prompt_ids: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.is_text = isinstance(self.grammar, TextGrammar)
         self.max_decode = self.grammar.max_positions
+        self.prompt_ids = np.asarray(self.prompt, np.int64)
+        self.prompt_ids.flags.writeable = False
 
     @property
     def prefill_len(self) -> int:
@@ -92,13 +96,6 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.state in _DONE
-
-    @functools.cached_property
-    def prompt_ids(self) -> np.ndarray:
-        """The prompt as a read-only int64 array: prefill chunks are copied from it."""
-        ids = np.asarray(self.prompt, np.int64)
-        ids.flags.writeable = False
-        return ids
 
     def wants_decode_step(self) -> bool:
         """Whether another decode step may be launched for this sequence now.
