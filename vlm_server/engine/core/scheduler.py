@@ -20,7 +20,6 @@ At depth 1 the same calls run as launch -> finalize -> commit, one step at a tim
 from __future__ import annotations
 
 import math
-import struct
 import time
 from collections import deque
 from collections.abc import Callable
@@ -95,6 +94,7 @@ class Scheduler:
         # and fills only phase, mask and step per row. A row is reused only after release,
         # when no in-flight step references its sequence any more.
         self._row_fin = np.zeros((cfg.max_rows, N_FIN), np.int64)
+        self._row_floats = self._row_fin.view(np.float64)  # temperature, top_p bit-cast
         # Each slot's fin is built in place: the runtime copies it into its pinned buffer
         # before finalize returns, and the slot's next finalize comes after its commit.
         self._fin = [np.zeros((cfg.max_rows, N_FIN), np.int64) for _ in self.pipe.slots]
@@ -283,16 +283,18 @@ class Scheduler:
     # ---- finalize ---------------------------------------------------------------------
 
     def _set_row_constants(self, seq: Sequence) -> None:
-        """The fixed finalize columns of ``seq``'s row (see ``_row_fin``), in one write."""
+        """The fixed finalize columns of ``seq``'s row (see ``_row_fin``)."""
+        row = seq.row
         fixed = [0] * N_FIN
-        fixed[F_ROW] = seq.row
+        fixed[F_ROW] = row
         fixed[F_SEED] = seq.request.seed
+        self._row_fin[row] = fixed
+        floats = self._row_floats
         if seq.is_text:
-            fixed[F_TEMP] = _f64_bits(seq.request.temperature)
-            fixed[F_TOP_P] = _f64_bits(seq.request.top_p)
+            floats[row, F_TEMP] = seq.request.temperature
+            floats[row, F_TOP_P] = seq.request.top_p
         else:  # region answers and segment paths decode greedily, as the reference does
-            fixed[F_TOP_P] = _f64_bits(1.0)
-        self._row_fin[seq.row] = fixed
+            floats[row, F_TOP_P] = 1.0
 
     def _finalize(self, step: Step[Sequence]) -> None:
         seqs = step.seqs
@@ -508,13 +510,6 @@ _IDLE, _BOUNDARY = RowPhase.IDLE, RowPhase.BOUNDARY
 _PREFILL = SeqState.PREFILL
 _REGION_PHASE = np.isin(np.arange(len(RowPhase)), list(REGION_PHASES))  # by phase value
 assert F_PHASE == F_MASK + 1  # finalize writes both columns in one slice
-_F64 = struct.Struct("=d")
-_I64 = struct.Struct("=q")
-
-
-def _f64_bits(x: float) -> int:
-    """``x``'s float64 bits as an int64: the fin array carries floats bit-cast."""
-    return _I64.unpack(_F64.pack(x))[0]
 
 
 def _row_state(seq: Sequence, samples: bool) -> tuple[int, int, RowPhase, int]:
