@@ -405,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
         help="another checkout of the project (e.g. `git worktree add /tmp/base BASE`): run "
         "every case there and here, alternately, and report both and their ratio",
     )
+    ap.add_argument(
+        "--baseline-name", help="what the JSON calls the baseline (default: its folder's name)"
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -485,7 +488,7 @@ def _report_comparison(args: argparse.Namespace, results: list[dict]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stem = f"host_tick_{args.label}" if args.label else "host_tick_compare"
     meta = {"machine": name, "python": platform.python_version(), "events": args.events}
-    meta["baseline"] = str(args.baseline)
+    meta["baseline"] = args.baseline_name or args.baseline.name
     (out / f"{stem}.json").write_text(json.dumps({**meta, "rows": results}, indent=2))
     print(
         f"\nhost us per tick, before ({args.baseline}) -> after (this tree): median of "
