@@ -23,7 +23,10 @@ Images are generated JPEGs (e.g. 800x600, 4000x3000), made before a level's cloc
 Reported per level: time to first token (first streamed delta; unary: the whole call),
 inter-token latency (gaps between streamed deltas) and time per output token after the first,
 end-to-end p50/p90/p99, req/s, output tokens/s, goodput (requests within ``--slo-ms`` end to
-end, per second) and the server's own metrics (queue wait, prefill, cached tokens).
+end, per second), the server's own metrics (queue wait, prefill, cached tokens) and its
+event-loop lag over the level (p50 / p99 from the ``vlm_event_loop_lag_seconds`` histogram,
+scraped before and after each level; a spawned server's metrics port is known, a running one's
+is ``--metrics-url``, by default port 9464 on the target's host; unreachable: no lag columns).
 
     python -m bench.load_gen --target localhost:50051 --workloads query3 caption64
     python -m bench.load_gen --spawn --concurrency 1 4 --requests 50 -- --model DIR \
@@ -59,6 +62,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -325,6 +329,67 @@ def summarize(records: Sequence[Record], wall_s: float, slo_ms: float) -> dict[s
     return row
 
 
+# ---- the server's event-loop lag ------------------------------------------------------------
+
+LOOP_LAG = "vlm_event_loop_lag_seconds"
+
+
+def scrape_loop_lag(url: str | None) -> dict[float, float] | None:
+    """The loop-lag histogram at ``url`` (Prometheus text) as {upper bound: cumulative count},
+    the +Inf bucket included; None when there is no URL or it cannot be read."""
+    if not url:
+        return None
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    buckets = {
+        float(s.labels["le"]): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == f"{LOOP_LAG}_bucket"
+    }
+    return buckets or None
+
+
+def histogram_quantile(q: float, buckets: dict[float, float]) -> float:
+    """The ``q`` quantile (0..1) of cumulative ``buckets``, interpolated linearly inside its
+    bucket as Prometheus does (the +Inf bucket answers its lower bound); NaN when empty."""
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]] if bounds else 0.0
+    if total <= 0:
+        return float("nan")
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for upper in bounds:
+        count = buckets[upper]
+        if count >= rank:
+            if math.isinf(upper):
+                return lower
+            if count == below:
+                return upper
+            return lower + (upper - lower) * (rank - below) / (count - below)
+        lower, below = upper, count
+    return lower
+
+
+def loop_lag_summary(
+    before: dict[float, float] | None, after: dict[float, float] | None
+) -> dict[str, Any]:
+    """Loop-lag p50 / p99 (ms) and sample count over a level: the histogram's growth."""
+    if before is None or after is None:
+        return {"loop_lag_samples": 0, "loop_lag_p50_ms": None, "loop_lag_p99_ms": None}
+    delta = {b: after[b] - before.get(b, 0.0) for b in after}
+    return {
+        "loop_lag_samples": int(delta[max(delta)]),
+        "loop_lag_p50_ms": histogram_quantile(0.50, delta) * 1e3,
+        "loop_lag_p99_ms": histogram_quantile(0.99, delta) * 1e3,
+    }
+
+
 # ---- levels ---------------------------------------------------------------------------------
 
 
@@ -436,10 +501,12 @@ async def run_scenarios(
     args: argparse.Namespace,
     on_row: Callable[[list[dict[str, Any]]], None] | None = None,
     http_url: str | None = None,
+    metrics_url: str | None = None,
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """Every level of every scenario against ``target``, through each of ``args.doors`` (HTTP
     at ``http_url``): one summary row per level and door, and the levels skipped because
-    ``args.time_budget`` ran out. ``on_row`` sees the rows so far."""
+    ``args.time_budget`` ran out. ``on_row`` sees the rows so far. With ``metrics_url``, each
+    row carries the server's event-loop lag over its level."""
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
     next_index = 1  # picture stamps are global, so no level reuses another's pictures
@@ -475,9 +542,11 @@ async def run_scenarios(
                     if time.monotonic() >= deadline:
                         skipped.append(f"{sc.name} {level.label} {door}")
                         continue
+                    lag_before = await asyncio.to_thread(scrape_loop_lag, metrics_url)
                     records, wall, peak, taken = await _level(
                         client, sc, level, source, next_index, deadline, len(rows), args
                     )
+                    lag_after = await asyncio.to_thread(scrape_loop_lag, metrics_url)
                     next_index += taken
                     row = {
                         "scenario": sc.name,
@@ -493,6 +562,7 @@ async def run_scenarios(
                         "max_tokens": sc.workload.max_tokens,
                         "max_objects": sc.workload.max_objects,
                         **summarize(records, wall, args.slo_ms),
+                        **loop_lag_summary(lag_before, lag_after),
                     }
                     rows.append(row)
                     if on_row is not None:
@@ -582,6 +652,8 @@ class SpawnedServer:
         # The HTTP door only when measured (its default port would clash between servers).
         self.http_port = free_port() if http else 0
         self.http_url = f"http://127.0.0.1:{self.http_port}/v1" if http else None
+        self.metrics_port = free_port()  # known, so its loop lag can be scraped
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         self.log_path = log_path
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
@@ -598,7 +670,7 @@ class SpawnedServer:
             "--port",
             str(self.port),
             "--metrics-port",
-            "0",
+            str(self.metrics_port),
             "--http-port",
             str(self.http_port),
         ]
@@ -692,7 +764,7 @@ def _fmt(v: Any, spec: str = ".1f") -> str:
 TABLE_HEAD = (
     f"{'scenario':<30} {'door':>5} {'level':>9} {'ok/n':>9} {'req/s':>7} {'tok/s':>8} "
     f"{'ttft50':>7} {'e2e50':>7} {'e2e90':>7} {'e2e99':>7} {'itl50':>6} "
-    f"{'tok':>5} {'good/s':>7}"
+    f"{'tok':>5} {'good/s':>7} {'lag50':>6} {'lag99':>6}"
 )
 
 
@@ -704,14 +776,15 @@ def _table_line(r: dict[str, Any]) -> str:
         f"{_fmt(r['ttft_p50_ms']):>7} {_fmt(r['e2e_p50_ms']):>7} "
         f"{_fmt(r['e2e_p90_ms']):>7} {_fmt(r['e2e_p99_ms']):>7} "
         f"{_fmt(r['itl_p50_ms'], '.2f'):>6} {_fmt(r['output_tokens_mean']):>5} "
-        f"{_fmt(r['goodput_req_per_s'], '.2f'):>7}"
+        f"{_fmt(r['goodput_req_per_s'], '.2f'):>7} {_fmt(r.get('loop_lag_p50_ms')):>6} "
+        f"{_fmt(r.get('loop_lag_p99_ms')):>6}"
     )
 
 
 def print_table(rows: Sequence[dict[str, Any]], title: str) -> None:
     print(
         f"\n{title}\n(latencies ms, client side; tok = mean output tokens; good/s = requests "
-        f"within the objective per second)"
+        f"within the objective per second; lag = the server's event-loop lag, ms)"
     )
     print(TABLE_HEAD)
     for r in rows:
@@ -854,6 +927,11 @@ def build_parser() -> argparse.ArgumentParser:
         "http://HOST:2020/v1)",
     )
     ap.add_argument(
+        "--metrics-url",
+        help="Prometheus endpoint of a running server, for its event-loop lag (default with "
+        "--target: http://HOST:9464/metrics)",
+    )
+    ap.add_argument(
         "--workloads",
         nargs="+",
         default=["query3"],
@@ -987,9 +1065,12 @@ def _run(args: argparse.Namespace, scenarios: list[Scenario], server_args: list[
             )
             print(f"server ready on {server.target} after {server.startup_s:.1f} s", flush=True)
             target, http_url = server.target, server.http_url
+            metrics_url: str | None = server.metrics_url
         else:
             target = args.target
-            http_url = args.http_url or f"http://{target.rsplit(':', 1)[0]}:2020/v1"
+            host = target.rsplit(":", 1)[0]
+            http_url = args.http_url or f"http://{host}:2020/v1"
+            metrics_url = args.metrics_url or f"http://{host}:9464/metrics"
         info = asyncio.run(_model_info(target))
         local = args.spawn or target.split(":")[0] in ("localhost", "127.0.0.1", "[::1]")
         name = device_name(info, local)
@@ -1000,6 +1081,7 @@ def _run(args: argparse.Namespace, scenarios: list[Scenario], server_args: list[
             "device": name,
             "target": target,
             "http_url": http_url if "http" in args.doors else None,
+            "metrics_url": metrics_url,
             "spawned": args.spawn,
             "server_args": server_args,
             "server_startup_s": server.startup_s if server else None,
@@ -1018,7 +1100,9 @@ def _run(args: argparse.Namespace, scenarios: list[Scenario], server_args: list[
 
         write(rows)
         try:
-            rows, skipped = asyncio.run(run_scenarios(target, scenarios, args, write, http_url))
+            rows, skipped = asyncio.run(
+                run_scenarios(target, scenarios, args, write, http_url, metrics_url)
+            )
             result["complete"] = True
             result["skipped_levels"] = skipped
         except KeyboardInterrupt:

@@ -182,6 +182,11 @@ class MaskTable:
     def take_dirty_runs(self) -> list[tuple[int, np.ndarray]]:
         """`take_dirty` as (first row id, bool [n, width]) runs of consecutive rows: one
         host-to-device copy each."""
+        # Most steps have nothing new: skip the lock and the copies. Reading the set without
+        # the lock is safe: a row a request needs was written before the request reached
+        # the caller's thread, and one added right after this check goes up with the next call.
+        if not self._dirty:
+            return []
         ids, packed = self.take_dirty()
         if not ids.size:
             return []

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from bench import arrival_itl, hf_baseline, image_bench, load_gen
+from bench import arrival_itl, hf_baseline, host_tick, image_bench, load_gen
 from bench.synth_images import parse_size, unique_images, with_orientation
 from image_pipeline import decode, prepare_image
 
@@ -47,6 +48,19 @@ def test_percentile_and_schedule() -> None:
     assert [lv.label for lv in sc.levels] == ["c=1", "c=8", "r=2.5/s"]
     with pytest.raises(ValueError):
         load_gen.parse_scenario("query3:64x48:unique:x4", known, ())
+
+
+def test_loop_lag_quantiles_from_histogram_growth() -> None:
+    inf = float("inf")
+    before = {0.001: 10.0, 0.01: 10.0, 0.1: 10.0, inf: 10.0}
+    after = {0.001: 60.0, 0.01: 100.0, 0.1: 109.0, inf: 110.0}  # 50 / 40 / 9 / 1 new samples
+    lag = load_gen.loop_lag_summary(before, after)
+    assert lag["loop_lag_samples"] == 100
+    assert lag["loop_lag_p50_ms"] == pytest.approx(1.0)  # the 50th sample ends bucket one
+    assert lag["loop_lag_p99_ms"] == pytest.approx(100.0)
+    assert load_gen.histogram_quantile(0.995, after) == 0.1  # in +Inf: its lower bound
+    assert math.isnan(load_gen.histogram_quantile(0.5, {0.1: 0.0, inf: 0.0}))
+    assert load_gen.loop_lag_summary(None, after)["loop_lag_p99_ms"] is None
 
 
 def test_unique_images_differ_after_decoding() -> None:
@@ -116,6 +130,8 @@ def test_load_gen_spawned_server(tiny_dir: Path, tmp_path: Path) -> None:
     assert (
         rows[("query3/64x48/repeated", "c=1")]["cached_tokens_mean"] > query["cached_tokens_mean"]
     )
+    # The spawned server's metrics port is known: each level carries its loop-lag summary.
+    assert data["metrics_url"] and all(r["loop_lag_samples"] >= 0 for r in rows.values())
     assert (tmp_path / "load_gen_server.log").exists()
     if HAVE_MATPLOTLIB:
         assert (tmp_path / "load_gen_latency.png").stat().st_size > 0
@@ -371,3 +387,19 @@ def test_soak_against_a_running_server_counts_codes_and_samples_memory(
     assert summary["rss_mib"]["peak"] > 0 and summary["kv_pages_total"] > 0
     assert len(result["samples"]) >= 3
     assert (tmp_path / "soak_rss.png").exists() == HAVE_MATPLOTLIB
+
+
+def test_host_tick_every_scenario_and_a_comparison(tmp_path: Path) -> None:
+    args = ["--rows", "1", "3", "--ticks", "10", "--repeat", "1", "--out", str(tmp_path)]
+    assert host_tick.main([*args, "--events", "batched"]) == 0
+    data = _strict_json(tmp_path / "host_tick.json")
+    assert [(r["scenario"], r["rows"]) for r in data["rows"]] == [
+        (s, n) for s in host_tick.SCENARIOS for n in (1, 3)
+    ]
+    for r in data["rows"]:
+        assert 0 < r["commit_us"] + r["finalize_us"] + r["launch_us"] <= r["tick_mean_us"] * 3
+    # This tree against itself, in two worker processes.
+    compare = ["--baseline", str(host_tick.ROOT), "--scenarios", "region", "--label", "ab"]
+    assert host_tick.main([*args, *compare]) == 0
+    rows = _strict_json(tmp_path / "host_tick_ab.json")["rows"]
+    assert [r["rows"] for r in rows] == [1, 3] and all(r["ratio"] > 0 for r in rows)

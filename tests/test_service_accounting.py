@@ -1,11 +1,14 @@
 """Every call reaches the request metrics and the access log with its real status code:
 expired deadlines are DEADLINE_EXCEEDED (not CANCELLED), and calls that end before their
-handler runs (the deadline passed while the request was still arriving) are counted too."""
+handler runs (the deadline passed while the request was still arriving) are counted too; and
+a stalled event loop shows in the loop-lag histogram."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -19,6 +22,7 @@ from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
 from vlm_server.engine.config import EngineConfig
 from vlm_server.service.logs import ACCESS_LOGGER
+from vlm_server.service.metrics import ServiceMetrics
 from vlm_server.weights.loader import LoadedModel
 
 
@@ -100,3 +104,50 @@ def test_a_call_that_expires_before_its_request_arrives_is_counted(
         what="the call to be counted",
     )
     assert any(f.get("stage") == "receiving" for f in _access(caplog))
+
+
+def _loop_lag(server: ServerThread) -> tuple[float, float]:
+    """(observations, observations above 0.1 s) of the server's event-loop lag histogram."""
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    samples = {
+        (s.name, s.labels.get("le")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("vlm_event_loop_lag_seconds")
+    }
+    count = samples[("vlm_event_loop_lag_seconds_count", None)]
+    return count, count - samples[("vlm_event_loop_lag_seconds_bucket", "0.1")]
+
+
+def test_a_blocked_event_loop_shows_in_the_loop_lag_histogram(server: ServerThread) -> None:
+    count, slow = _loop_lag(server)
+
+    async def block() -> None:
+        time.sleep(0.25)  # holds the loop: the lag sampler wakes >= 0.2 s late
+
+    server.run(block())
+    # The sampler sleeps 50 ms at a time, so it was due at most that long into the block.
+    after = wait_for(
+        lambda: (lag := _loop_lag(server))[1] > slow and lag, what="a late wake-up recorded"
+    )
+    assert after[0] > count
+
+
+def test_the_loop_lag_sampler_records_how_late_it_wakes_and_stops() -> None:
+    metrics = ServiceMetrics()
+
+    async def main() -> None:
+        metrics.watch_loop(interval=0.01)
+        await asyncio.sleep(0.05)
+        time.sleep(0.2)  # the sampler was due at most 10 ms into this
+        await asyncio.sleep(0.05)
+        await metrics.unwatch_loop()
+
+    asyncio.run(main())
+    get = metrics.registry.get_sample_value
+    count = get("vlm_event_loop_lag_seconds_count")
+    assert count is not None and count >= 3
+    assert (get("vlm_event_loop_lag_seconds_sum") or 0.0) >= 0.19
+    assert (get("vlm_event_loop_lag_seconds_bucket", {"le": "0.1"}) or 0.0) <= count - 1
+    assert metrics._lag_task is None

@@ -105,6 +105,10 @@ class _Seq:
     prefix_len: int
     position: int = 0
 
+    @property
+    def prompt_ids(self) -> np.ndarray:
+        return np.asarray(self.prompt, np.int64)
+
     def next_position(self) -> int:
         return self.position
 

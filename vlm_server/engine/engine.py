@@ -2,7 +2,8 @@
 
 `submit` validates a request, builds its prompt and grammar, and hands the sequence to the
 scheduler thread through a lock-protected inbox; events come back to the event loop with
-``loop.call_soon_threadsafe``. The scheduler thread owns the model and the device.
+``loop.call_soon_threadsafe``, one call per batch of events (`EventOutbox`). The
+scheduler thread owns the model and the device.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -58,8 +59,8 @@ class _Stream:
         self._done = False
 
     def push(self, event: object) -> None:
-        """Called from the scheduler thread."""
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        """Called from the scheduler thread: held until the engine flushes its events."""
+        self._engine.outbox.push(self._loop, self._queue.put_nowait, event)
 
     def __aiter__(self) -> AsyncIterator[Event]:
         return self._iterate()
@@ -78,6 +79,43 @@ class _Stream:
         if self._seq.cancelled is None and not self._seq.finished:
             self._seq.cancelled = ErrorCode.CANCELLED
             self._engine._wake()
+
+
+class EventOutbox:
+    """Events from the scheduler thread to event loops, handed over in batches.
+
+    Each ``loop.call_soon_threadsafe`` writes to the loop's wake-up socket and wakes it; at 64
+    streams a step emits 64 events, and one call per event cost the scheduler thread more
+    than building the step. `flush` makes one call per loop for everything pushed so far.
+    Used from one thread (the scheduler's).
+    """
+
+    def __init__(self) -> None:
+        self._items: list[tuple[asyncio.AbstractEventLoop, Callable[[object], None], object]] = []
+
+    def push(
+        self, loop: asyncio.AbstractEventLoop, put: Callable[[object], None], event: object
+    ) -> None:
+        self._items.append((loop, put, event))
+
+    def flush(self) -> None:
+        if not self._items:
+            return
+        batch, self._items = self._items, []
+        loop = batch[0][0]
+        if all(item[0] is loop for item in batch):
+            loop.call_soon_threadsafe(_deliver, batch)
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for item in batch:
+            by_loop.setdefault(item[0], []).append(item)
+        for each, items in by_loop.items():
+            each.call_soon_threadsafe(_deliver, items)
+
+
+def _deliver(batch: list[tuple[object, Callable[[object], None], object]]) -> None:
+    for _, put, event in batch:
+        put(event)
 
 
 def _release_abandoned(built: asyncio.Future[Sequence]) -> None:
@@ -117,9 +155,15 @@ class BatchedEngine:
             mc, loaded.tokenizer, self.cfg.mask_table_rows, self.cfg.constraint_limits
         )
         self.table = self.tasks.table
+        self.outbox = EventOutbox()  # before the scheduler, which flushes it
         self.runtime = ModelRuntime(model, self.cfg, self.table, observer=observer)
         self.scheduler = Scheduler(
-            self.runtime, self.cfg, contract.eos_id, mc.image_prefix_len, observer=observer
+            self.runtime,
+            self.cfg,
+            contract.eos_id,
+            mc.image_prefix_len,
+            observer=observer,
+            flush_events=self.outbox.flush,
         )
         self._inbox: list[Sequence] = []
         self._cv = threading.Condition()
@@ -285,3 +329,4 @@ class BatchedEngine:
             for seq in pending:
                 if seq.emit is not None and not seq.finished:
                     seq.emit(EngineError(ErrorCode.INTERNAL, f"engine failure: {err}"))
+            self.outbox.flush()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -46,6 +47,9 @@ _LATENCY_BUCKETS = (
     60.0,
     120.0,
 )
+# Event-loop lag: from a timer's resolution up to a loop stalled for seconds.
+_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+LOOP_LAG_INTERVAL_S = 0.05
 _SCRAPE_TIMEOUT_S = 2.0
 _DT = ("door", "task")
 
@@ -160,6 +164,14 @@ class ServiceMetrics:
         self.output_tokens = Counter(
             "vlm_output_tokens", "tokens generated, by door and task", _DT, registry=r
         )
+        self.loop_lag = Histogram(
+            "vlm_event_loop_lag_seconds",
+            f"how late the event loop wakes a task sleeping {LOOP_LAG_INTERVAL_S:g} s "
+            "(callbacks that ran long, or the GIL held by other threads)",
+            buckets=_LAG_BUCKETS,
+            registry=r,
+        )
+        self._lag_task: asyncio.Task[None] | None = None
         self.image_cache_bytes = Gauge(
             "vlm_image_cache_bytes", "memory held by EncodeImage images", registry=r
         )
@@ -169,6 +181,26 @@ class ServiceMetrics:
     def watch_engine(self, loop: asyncio.AbstractEventLoop, source: StatsSource) -> None:
         """Export the gauges of the engine ``source`` returns (None while there is none)."""
         self.registry.register(_EngineCollector(loop, source))
+
+    def watch_loop(self, interval: float = LOOP_LAG_INTERVAL_S) -> None:
+        """Record the running loop's lag every ``interval`` seconds until `unwatch_loop`."""
+        if self._lag_task is None:
+            self._lag_task = asyncio.get_running_loop().create_task(self._sample_lag(interval))
+
+    async def unwatch_loop(self) -> None:
+        task, self._lag_task = self._lag_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _sample_lag(self, interval: float) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + interval
+            await asyncio.sleep(interval)
+            # The loop may run a timer up to its clock resolution early: no negative lag.
+            self.loop_lag.observe(max(0.0, loop.time() - due))
 
     def serve(self, host: str, port: int) -> int:
         """Start the HTTP endpoint (``/metrics``); returns the bound port."""

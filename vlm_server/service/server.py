@@ -197,6 +197,7 @@ class VisionLanguageServer:
         self._server = server
         loop = asyncio.get_running_loop()
         self.metrics.watch_engine(loop, self._engine_stats)
+        self.metrics.watch_loop()
         self._trimmer.start()
         if self.http is not None and self.config.tls_cert is not None:
             log.warning(
@@ -288,6 +289,7 @@ class VisionLanguageServer:
             self._loading.cancel()
         if self.engine is not None and self.core.engine is not None:
             await self.engine.close()
+        await self.metrics.unwatch_loop()
         await asyncio.to_thread(self.metrics.stop)
         await self._trimmer.stop()
         self._executor.shutdown(wait=False, cancel_futures=True)

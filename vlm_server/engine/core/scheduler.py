@@ -19,8 +19,11 @@ At depth 1 the same calls run as launch -> finalize -> commit, one step at a tim
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
+from collections.abc import Callable
+from itertools import chain
 
 import numpy as np
 
@@ -55,9 +58,12 @@ from vlm_server.engine.core.step_layout import (
     F_TEMP,
     F_TOP_P,
     N_FIN,
+    REGION_PHASES,
     RowPhase,
 )
 from vlm_server.engine.core.step_plan import Chunk, StepBudget, StepPlan
+
+_FINAL_EVENTS = (Finished, EngineError)
 
 
 class Scheduler:
@@ -69,8 +75,12 @@ class Scheduler:
         image_prefix_len: int,
         observer: Observer = NO_OBSERVER,
         pipeline: PipelineState[Sequence] | None = None,
+        flush_events: Callable[[], None] = lambda: None,
     ) -> None:
         self.rt = runtime
+        # Sends the events emitted so far on their way (the engine batches them per tick):
+        # called after the cancellation sweep and at the end of every tick.
+        self.flush_events = flush_events
         self.cfg = cfg
         self.eos_id = eos_id
         self.observer = observer
@@ -79,6 +89,16 @@ class Scheduler:
         self.running: list[Sequence] = []  # admitted and not yet finished
         self.zombies: list[Sequence] = []  # finished, still referenced by an in-flight step
         self.free_rows = list(range(cfg.max_rows - 1, -1, -1))
+        # The finalize columns that stay fixed while a sequence holds its row (row, seed,
+        # temperature, top_p), written at admission: finalize gathers them in one numpy take
+        # and fills only phase, mask and step per row. A row is reused only after release,
+        # when no in-flight step references its sequence any more.
+        self._row_fin = np.zeros((cfg.max_rows, N_FIN), np.int64)
+        self._row_floats = self._row_fin.view(np.float64)  # temperature, top_p bit-cast
+        # Each slot's fin is built in place: the runtime copies it into its pinned buffer
+        # before finalize returns, and the slot's next finalize comes after its commit.
+        self._fin = [np.zeros((cfg.max_rows, N_FIN), np.int64) for _ in self.pipe.slots]
+        self._next_deadline = math.inf  # no running sequence's deadline is earlier
         self.prefix_cache = PrefixCache(runtime.pages, image_prefix_len, cfg.prefix_cache_entries)
         # New image prefixes the device is still computing (on its prefill stream), oldest first.
         self.pending_prefixes: list[PrefixEntry] = []
@@ -131,6 +151,7 @@ class Scheduler:
     def tick(self) -> None:
         """One scheduler iteration (see the module docstring for the order and why)."""
         self._sweep_cancelled()
+        self.flush_events()  # a commit may wait long (a test's gate): errors go out first
         self._poll_prefixes()
         pipe = self.pipe
         t0 = time.perf_counter()
@@ -147,6 +168,7 @@ class Scheduler:
         if pipe.can_launch():
             self._launch()
         self.observer.tick(t1 - t0, t2 - t1, time.perf_counter() - t2)
+        self.flush_events()
 
     def _launchable(self) -> bool:
         if any(s.wants_decode_step() or s.wants_prefill_chunk() for s in self.running):
@@ -156,16 +178,18 @@ class Scheduler:
     # ---- launch -----------------------------------------------------------------------
 
     def _launch(self) -> None:
-        decode = [s for s in self.running if s.wants_decode_step()][: self.cfg.max_batch]
+        running = self.running
+        decode = [s for s in running if s.wants_decode_step()][: self.cfg.max_batch]
+        # Admission order, the oldest prefill first; the state test spares most rows a call.
+        prefilling = [s for s in running if s.state is _PREFILL and s.wants_prefill_chunk()]
         budget = StepBudget(self.cfg.max_step_tokens, len(decode))
         prefill: list[Sequence] = []
         chunks: list[Chunk] = []
-        for s in self.running:  # admission order: the oldest prefill first
-            if s.wants_prefill_chunk():
-                if not budget.can_take():
-                    break
-                chunks.append(self._chunk(s, budget.take(len(s.prompt) - s.prefill_launched)))
-                prefill.append(s)
+        for s in prefilling:
+            if not budget.can_take():
+                break
+            chunks.append(self._chunk(s, budget.take(len(s.prompt) - s.prefill_launched)))
+            prefill.append(s)
         for s, chunk in self._admit(budget):
             chunks.append(chunk)
             prefill.append(s)
@@ -183,9 +207,9 @@ class Scheduler:
             self.rt.launch_decode(step.slot, seqs)
         for s in decode:
             s.decode_launched += 1
+            s.add_ref()
         for s, chunk in zip(prefill, chunks, strict=True):
             s.prefill_launched += chunk.length
-        for s in seqs:
             s.add_ref()
         self.last_batch = len(decode)
 
@@ -278,11 +302,14 @@ class Scheduler:
             seq.own_pages = pages.allocate(own)
             seq.row = self.free_rows.pop()
             pages.assign(seq.row, (entry.full_pages if entry else []) + seq.own_pages)
+            self._set_row_constants(seq)
             self.running.append(seq)
             n_admitted += 1
             seq.state = SeqState.PREFILL
             seq.prefill_launched_at = now
             seq.metrics.queue_wait_ms = (now - seq.submitted_at) * 1e3
+            if seq.request.deadline is not None:
+                self._next_deadline = min(self._next_deadline, seq.request.deadline)
             if seq.wants_prefill_chunk():  # no image, or its prefix is ready
                 admitted.append((seq, self._chunk(seq, budget.take(len(seq.prompt)))))
         if new_prefixes:
@@ -296,35 +323,45 @@ class Scheduler:
 
     # ---- finalize ---------------------------------------------------------------------
 
+    def _set_row_constants(self, seq: Sequence) -> None:
+        """The fixed finalize columns of ``seq``'s row (see ``_row_fin``)."""
+        row = seq.row
+        fixed = [0] * N_FIN
+        fixed[F_ROW] = row
+        fixed[F_SEED] = seq.request.seed
+        self._row_fin[row] = fixed
+        floats = self._row_floats
+        if seq.is_text:
+            floats[row, F_TEMP] = seq.request.temperature
+            floats[row, F_TOP_P] = seq.request.top_p
+        else:  # region answers and segment paths decode greedily, as the reference does
+            floats[row, F_TOP_P] = 1.0
+
     def _finalize(self, step: Step[Sequence]) -> None:
-        b = len(step.seqs)
-        fin = np.zeros((b, N_FIN), dtype=np.int64)
-        floats = fin.view(np.float64)
-        phases = []
+        seqs = step.seqs
+        b = len(seqs)
         plan = step.plan
-        for i, s in enumerate(step.seqs):
-            # A chunk that does not end its prompt samples nothing: its row idles.
-            phase = s.phase() if plan is None or plan.samples(i) else RowPhase.IDLE
-            phases.append(phase)
-            fin[i, F_ROW] = s.row
-            fin[i, F_PHASE] = phase
-            g = s.grammar
-            fin[i, F_MASK] = g.mask_row if phase in (RowPhase.TOKEN, RowPhase.BOUNDARY) else NO_MASK
-            fin[i, F_SEED] = s.request.seed
-            if isinstance(g, TextGrammar):
-                fin[i, F_STEP] = len(g.token_ids)
-                floats[i, F_TEMP] = s.request.temperature
-                floats[i, F_TOP_P] = s.request.top_p
-            else:  # region answers and segment paths decode greedily, as the reference does
-                floats[i, F_TOP_P] = 1.0
-        step.phases = phases
-        constrained = bool((fin[:, F_MASK] != NO_MASK).any())
-        regions = any(p in (RowPhase.BOUNDARY, RowPhase.COORD, RowPhase.SIZE) for p in phases)
+        # One Python pass for what changes every step; a chunk that does not end its prompt
+        # samples nothing: its row idles.
+        if plan is None:
+            states = [_row_state(s, True) for s in seqs]
+        else:
+            states = [_row_state(s, plan.samples(i)) for i, s in enumerate(seqs)]
+        # row | mask | phase | step per step row: mask and phase are adjacent in fin too
+        cols = np.fromiter(chain.from_iterable(states), np.int64, 4 * b).reshape(b, 4)
+        fin = self._fin[step.slot][:b]
+        self._row_fin.take(cols[:, 0], axis=0, out=fin)
+        fin[:, F_MASK : F_PHASE + 1] = cols[:, 1:3]
+        fin[:, F_STEP] = cols[:, 3]
+        step.phases = [st[2] for st in states]
+        constrained = bool((cols[:, 1] != NO_MASK).any())
+        regions = bool(_REGION_PHASE[cols[:, 2]].any())
         self.observer.finalized(step)
-        greedy = not (floats[:, F_TEMP] > 0).any()
-        self.rt.finalize(step.slot, step.seqs, fin, constrained, regions, greedy)
+        greedy = not fin[:, F_TEMP].view(np.float64).max() > 0
+        self.rt.finalize(step.slot, seqs, fin, constrained, regions, greedy)
         if plan is not None:
-            for i, s in enumerate(step.seqs):
+            for i in range(plan.n_decode, b):
+                s = seqs[i]
                 if plan.ends_prefill(i) and s.state is SeqState.PREFILL:
                     s.state = SeqState.RUNNING
         self.pipe.mark_finalized(step)
@@ -341,40 +378,46 @@ class Scheduler:
             self.last_step_ms = (now - self._last_commit_at) * 1e3
         self._last_commit_at = now
         plan = step.plan
+        chunk_rows = len(step.seqs) if plan is None else plan.n_decode  # first chunk row
+        idle = RowPhase.IDLE
         for i, (seq, phase, row) in enumerate(zip(step.seqs, step.phases, values, strict=True)):
             seq.drop_ref()
-            if plan is not None and plan.ends_prefill(i):
+            if i >= chunk_rows and plan is not None and plan.ends_prefill(i):
                 seq.metrics.prefill_ms = (now - seq.prefill_launched_at) * 1e3
             if not seq.finished:
                 if seq.cancelled is not None:
                     self._fail(seq, seq.cancelled)
-                elif phase != RowPhase.IDLE:
+                elif phase != idle:
                     self._apply(seq, phase, row, now)
                     deadline = seq.request.deadline
-                    if not seq.finished and deadline is not None and now > deadline:
+                    if deadline is not None and now > deadline and not seq.finished:
                         self._fail(seq, ErrorCode.DEADLINE_EXCEEDED)
                 elif seq.grammar.finished:
                     # Finished before its first step (e.g. a regex whose only answer is the
                     # empty string): nothing to sample, the answer is complete.
                     self._complete(seq, now)
-            if seq.finished and seq.inflight_refs == 0:
+            if seq.inflight_refs == 0 and seq.finished:
                 self._release(seq)
 
     def _apply(self, seq: Sequence, phase: int, row: list[float], now: float) -> None:
         g = seq.grammar
         token = int(row[0])
         if phase == RowPhase.TOKEN:
-            before = len(g.token_ids) if isinstance(g, TextGrammar) else 0
-            g.advance_token(token)
-            if isinstance(g, TextGrammar) and len(g.token_ids) > before:
-                self._first_output(seq, now)
-                seq.metrics.output_tokens += 1
-                text = seq.detok.push(token) if seq.detok is not None else ""
-                if text:
-                    seq.text_parts.append(text)
-                    self._emit(seq, TextDelta(text))
-            elif isinstance(g, SegmentGrammar):
-                seq.metrics.output_tokens += 1
+            if seq.is_text:
+                before = len(g.token_ids)  # type: ignore[attr-defined]
+                g.advance_token(token)
+                if len(g.token_ids) > before:  # type: ignore[attr-defined]
+                    if not seq.first_token_at:
+                        self._first_output(seq, now)
+                    seq.metrics.output_tokens += 1
+                    text = seq.detok.push(token) if seq.detok is not None else ""
+                    if text:
+                        seq.text_parts.append(text)
+                        self._emit(seq, TextDelta(text))
+            else:
+                g.advance_token(token)
+                if isinstance(g, SegmentGrammar):
+                    seq.metrics.output_tokens += 1
         elif phase == RowPhase.BOUNDARY:
             g.advance_token(token)
             self._first_output(seq, now)
@@ -476,24 +519,48 @@ class Scheduler:
                         else "the request was cancelled",
                     ),
                 )
-        for seq in list(self.running):
-            d = seq.request.deadline
-            if seq.cancelled is None and d is not None and now > d:
-                # Also stops a prefill between its chunks: no further chunk is launched.
-                seq.cancelled = ErrorCode.DEADLINE_EXCEEDED
-            if seq.cancelled is not None and seq.inflight_refs == 0:
-                self._fail(seq, seq.cancelled)
+        if now > self._next_deadline:  # some running deadline passed: check them all
+            self._next_deadline = math.inf
+            for seq in self.running:
+                d = seq.request.deadline
+                if d is None or seq.cancelled is not None:
+                    continue
+                if now > d:
+                    # Also stops a prefill between its chunks: no further chunk is launched.
+                    seq.cancelled = ErrorCode.DEADLINE_EXCEEDED
+                else:
+                    self._next_deadline = min(self._next_deadline, d)
+        # Cancellation is a flag set from other threads, so every tick looks at each one.
+        for seq in [s for s in self.running if s.cancelled is not None]:
+            if seq.inflight_refs == 0:
+                self._fail(seq, seq.cancelled)  # type: ignore[arg-type]
                 self._release(seq)
 
     def _emit(self, seq: Sequence, event: Emitted) -> None:
         emit = seq.emit
-        if isinstance(event, Finished | EngineError):
+        if isinstance(event, _FINAL_EVENTS):
             self.observer.ended(seq, event)
             # The last event: drop the link to the request's stream, which links back to the
             # sequence, so the pair (and its image) is freed without waiting for the cycle GC.
             seq.emit = None
         if emit is not None:
             emit(event)
+
+
+_IDLE, _BOUNDARY = RowPhase.IDLE, RowPhase.BOUNDARY
+_PREFILL = SeqState.PREFILL
+_REGION_PHASE = np.isin(np.arange(len(RowPhase)), list(REGION_PHASES))  # by phase value
+assert F_PHASE == F_MASK + 1  # finalize writes both columns in one slice
+
+
+def _row_state(seq: Sequence, samples: bool) -> tuple[int, int, RowPhase, int]:
+    """(row, mask row, phase, sampled-token count) of ``seq`` for the step being finalized,
+    from its committed state; ``samples`` is False for a chunk that does not end its prompt."""
+    g = seq.grammar
+    phase = seq.phase() if samples else _IDLE
+    # TOKEN and BOUNDARY sample a token: only they are masked.
+    mask = g.mask_row if phase <= _BOUNDARY else NO_MASK
+    return seq.row, mask, phase, len(g.token_ids) if seq.is_text else 0  # type: ignore[attr-defined]
 
 
 def _segmentation(seg: SegmentResult) -> Segmentation:

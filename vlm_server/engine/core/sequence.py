@@ -16,8 +16,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from decoding.detokenize import StreamDetokenizer
-from decoding.grammars import Grammar, StepKind
+from decoding.grammars import Grammar, StepKind, TextGrammar
 from vlm_server.engine.api import Emitted, ErrorCode, GenerationRequest, RequestMetrics
 from vlm_server.engine.core.prefix_cache import PrefixEntry
 from vlm_server.engine.core.step_layout import RowPhase
@@ -31,7 +33,20 @@ class SeqState(enum.Enum):
     RELEASED = "released"
 
 
-@dataclass
+# eq=False: sequences are compared by identity, so the scheduler's `in` / `remove` on its lists
+# scan pointers instead of calling a generated field-by-field __eq__ per element.
+_DONE = (SeqState.FINISHED, SeqState.RELEASED)
+_TOKEN_STEP, _COORD_Y_STEP, _SIZE_STEP = StepKind.TOKEN, StepKind.COORD_Y, StepKind.SIZE
+_TOKEN, _BOUNDARY, _COORD, _SIZE, _IDLE = (
+    RowPhase.TOKEN,
+    RowPhase.BOUNDARY,
+    RowPhase.COORD,
+    RowPhase.SIZE,
+    RowPhase.IDLE,
+)
+
+
+@dataclass(eq=False)
 class Sequence:
     request: GenerationRequest
     prompt: list[int]
@@ -56,6 +71,18 @@ class Sequence:
     submitted_at: float = field(default_factory=time.monotonic)
     prefill_launched_at: float = 0.0
     first_token_at: float = 0.0
+    # Fixed by the grammar at construction; read every step, so kept as plain attributes.
+    is_text: bool = field(init=False)
+    max_decode: int = field(init=False)  # the grammar's position budget
+    # The prompt as int64, made where the sequence is built (not on the scheduler thread):
+    # prefill chunks are copied from it.
+    prompt_ids: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.is_text = isinstance(self.grammar, TextGrammar)
+        self.max_decode = self.grammar.max_positions
+        self.prompt_ids = np.asarray(self.prompt, np.int64)
+        self.prompt_ids.flags.writeable = False
 
     @property
     def prefill_len(self) -> int:
@@ -68,7 +95,7 @@ class Sequence:
 
     @property
     def finished(self) -> bool:
-        return self.state in (SeqState.FINISHED, SeqState.RELEASED)
+        return self.state in _DONE
 
     def wants_decode_step(self) -> bool:
         """Whether another decode step may be launched for this sequence now.
@@ -79,7 +106,7 @@ class Sequence:
         return (
             self.state is SeqState.RUNNING
             and self.cancelled is None
-            and self.decode_launched < self.grammar.max_positions
+            and self.decode_launched < self.max_decode
         )
 
     def wants_prefill_chunk(self) -> bool:
@@ -93,20 +120,22 @@ class Sequence:
         )
 
     def next_position(self) -> int:
-        return self.prefill_len + self.decode_launched
+        return self.prefix_len + len(self.prompt) + self.decode_launched
 
     def phase(self) -> RowPhase:
         """The phase of the step about to be finalized, from the committed grammar state."""
-        if self.finished or self.cancelled is not None:
-            return RowPhase.IDLE
-        kind = self.grammar.next_kind
-        if kind is StepKind.TOKEN:
-            return RowPhase.TOKEN if self.grammar.feeds_token else RowPhase.BOUNDARY
-        if kind is StepKind.COORD_Y:
-            return RowPhase.COORD
-        if kind is StepKind.SIZE:
-            return RowPhase.SIZE
-        return RowPhase.IDLE
+        # Called per row every step: module constants, not enum attribute lookups.
+        if self.state in _DONE or self.cancelled is not None:
+            return _IDLE
+        g = self.grammar
+        kind = g.next_kind
+        if kind is _TOKEN_STEP:
+            return _TOKEN if g.feeds_token else _BOUNDARY
+        if kind is _COORD_Y_STEP:
+            return _COORD
+        if kind is _SIZE_STEP:
+            return _SIZE
+        return _IDLE
 
     def release_resources(self) -> None:
         """Run `on_release` once (idempotent)."""

@@ -108,8 +108,12 @@ class TokenSource(Protocol):
     """What packing needs of a sequence."""
 
     row: int
-    prompt: list[int]
     prefix_len: int
+
+    @property
+    def prompt_ids(self) -> np.ndarray:
+        """The prompt as int64 (chunks are copied from it, not converted token by token)."""
+        ...
 
     def next_position(self) -> int: ...
 
@@ -122,24 +126,29 @@ def pack_tokens(
     if len(seqs) != plan.n_rows:
         raise ValueError(f"{len(seqs)} sequences for a plan of {plan.n_rows} rows")
     tokens = np.empty((plan.n_tokens, N_TOK), np.int64)
-    last = np.full(plan.n_rows, -1, np.int64)
+    last = np.empty(plan.n_rows, np.int64)
     d = plan.n_decode
     if d:
-        tokens[:d, T_ROW] = [s.row for s in seqs[:d]]
-        tokens[:d, T_POS] = (
-            positions if positions is not None else [s.next_position() for s in seqs[:d]]
-        )
+        dec = seqs[:d]
+        tokens[:d, T_ROW] = np.fromiter([s.row for s in dec], np.int64, d)
+        if positions is None:
+            positions = np.fromiter([s.next_position() for s in dec], np.int64, d)
+        tokens[:d, T_POS] = positions
         tokens[:d, T_ID] = DEVICE_INPUT
         last[:d] = np.arange(d)
     at = d
-    for i, (seq, chunk) in enumerate(zip(seqs[d:], plan.chunks, strict=True)):
-        if not chunk.length:
+    for i, chunk in enumerate(plan.chunks, start=d):
+        n = chunk.length
+        if not n:
+            last[i] = -1  # a prefix-only row
             continue
-        end = at + chunk.length
+        seq = seqs[i]
+        end = at + n
         first = seq.prefix_len + chunk.start
-        tokens[at:end, T_ROW] = seq.row
-        tokens[at:end, T_POS] = np.arange(first, first + chunk.length)
-        tokens[at:end, T_ID] = seq.prompt[chunk.start : chunk.start + chunk.length]
-        last[d + i] = end - 1
+        block = tokens[at:end]
+        block[:, T_ROW] = seq.row
+        block[:, T_POS] = np.arange(first, first + n)
+        block[:, T_ID] = seq.prompt_ids[chunk.start : chunk.start + n]
+        last[i] = end - 1
         at = end
     return tokens, last
