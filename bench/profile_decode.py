@@ -32,6 +32,11 @@ def main() -> None:
         help="time the vision tower (eager and graphed) per crop count instead",
     )
     ap.add_argument(
+        "--prefix",
+        action="store_true",
+        help="profile the BOS + image forward of one image (eager) instead",
+    )
+    ap.add_argument(
         "--sweep",
         action="store_true",
         help="time graph replays for attention variants instead of profiling",
@@ -50,6 +55,17 @@ def main() -> None:
         return
     if args.vision:
         vision(rt)
+        return
+    if args.prefix:
+        with torch.inference_mode():
+            for _ in range(2):
+                rt._prefix_forward(0, 1)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                rt._prefix_forward(0, 1)
+                torch.cuda.synchronize()
+        print("\n=== BOS + image forward, one image: eager kernels ===")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top))
         return
     rt.capture_graphs(progress=False)
     for b in args.batch:
