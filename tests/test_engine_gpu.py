@@ -281,3 +281,42 @@ def test_fused_add_layernorm_matches_pytorch(dtype: torch.dtype, dim: int) -> No
             assert torch.equal(s, want)
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(out, norm(want), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefix_kv_matches_the_pytorch_prefix_path(dtype: torch.dtype) -> None:
+    """The BOS + image forward through the Triton rotary/KV-write kernel (PrefixKV) gives the
+    hidden states and the pages of the PyTorch path (PagedKV, fresh prefix)."""
+    from vlm_server.engine.device.kernels.paged_attention import PagedKV, PrefixKV
+    from vlm_server.model.text import TextDecoder
+
+    cfg = preset("tiny").text
+    torch.manual_seed(0)
+    dec = TextDecoder(cfg)
+    for p in dec.parameters():
+        p.data.normal_(0, 0.05)
+    dec = dec.cuda().to(dtype)
+    dec.reset_rotary("cuda")
+    length, images, page = 45, 3, 16
+    ppe = -(-length // page)
+    shape = (40, page, cfg.n_kv_heads, cfg.head_dim)
+
+    def pools() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return (
+            [torch.zeros(shape, device="cuda", dtype=dtype) for _ in range(cfg.n_layers)],
+            [torch.zeros(shape, device="cuda", dtype=dtype) for _ in range(cfg.n_layers)],
+        )
+
+    pages = torch.arange(1, 1 + images * ppe, device="cuda").view(images, ppe)
+    x = torch.randn(images, length, cfg.dim, device="cuda", dtype=dtype)
+    pos = torch.arange(length, device="cuda")[None].expand(images, length)
+    (k1, v1), (k2, v2) = pools(), pools()
+    image_of_token = torch.arange(images, device="cuda").repeat_interleave(length)
+    rope = (dec.rope_cos, dec.rope_sin)
+    with torch.inference_mode():
+        want = dec(x, pos, PagedKV(k1, v1, pages, length, fresh_prefix=True))
+        got = dec(x, pos, PrefixKV(k2, v2, pages, image_of_token, rope, cfg.n_heads))
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    for a, b in zip(k1 + v1, k2 + v2, strict=True):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)

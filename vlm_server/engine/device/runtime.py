@@ -59,7 +59,7 @@ from vlm_server.engine.core.step_layout import (
 )
 from vlm_server.engine.core.step_plan import N_TOK, T_ID, T_POS, T_ROW, StepPlan, pack_tokens
 from vlm_server.engine.device.graphs import GraphSet
-from vlm_server.engine.device.kernels.paged_attention import DecodeKV, PagedKV, RaggedKV
+from vlm_server.engine.device.kernels.paged_attention import DecodeKV, PagedKV, PrefixKV, RaggedKV
 from vlm_server.engine.device.streams import CpuEvent, Device, Event, TorchDevice
 from vlm_server.model import MoondreamModel
 
@@ -199,6 +199,10 @@ class ModelRuntime:
         # BOS + image embeddings of one batch (written and read on the prefill stream only).
         self.prefix_emb = self._zeros((cfg.max_prefill_batch, prefix_len, tc.dim), self.dtype)
         self._prefix_pos = torch.arange(prefix_len, device=self.torch_device)
+        # Which image of a prefix batch each flattened token belongs to (the Triton path).
+        self._prefix_image_of_token = torch.arange(
+            cfg.max_prefill_batch, device=self.torch_device
+        ).repeat_interleave(prefix_len)
         self.slots = [self._slot_buffers(i, rows + 1, tc.dim) for i in range(2)]
         self._launch_rows = np.zeros((rows + 1, 2), np.int64)  # host scratch, one per runtime
         self.use_triton = dev.is_cuda and triton_available()
@@ -604,7 +608,20 @@ class ModelRuntime:
         pages. A prefix sees only itself, both ways, so attention needs no mask."""
         pages = self._prefix[i].pages_dev[:k]
         length = self.prefix_emb.shape[1]
-        kv = PagedKV(self.k_pools, self.v_pools, pages, length, fresh_prefix=True)
+        text = self.model.text
+        kv: PagedKV | PrefixKV
+        if self.use_triton:
+            rope = (text.rope_cos, text.rope_sin)
+            kv = PrefixKV(
+                self.k_pools,
+                self.v_pools,
+                self._prefix[i].pages_dev,
+                self._prefix_image_of_token,
+                rope,
+                text.cfg.n_heads,
+            )
+        else:
+            kv = PagedKV(self.k_pools, self.v_pools, pages, length, fresh_prefix=True)
         pos = self._prefix_pos[None].expand(k, length)
         self.model.text(self.prefix_emb[:k], pos, kv)
 

@@ -82,6 +82,61 @@ class PagedKV:
         return paged_attention(q, kp, vp, self.block_rows, positions, self.prefix_len)
 
 
+class PrefixKV:
+    """The `KVCache` of a BOS + image forward on CUDA: the Triton rotary kernel rotates q and
+    k and writes the keys and values straight into the prefix's pages (``pages`` [images,
+    pages per prefix], token t of the flattened batch in image ``image_of_token[t]``), then
+    dense attention over the prefix, which sees itself both ways (no mask)."""
+
+    def __init__(
+        self,
+        k_pools: list[torch.Tensor],
+        v_pools: list[torch.Tensor],
+        pages: torch.Tensor,
+        image_of_token: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        n_heads: int,
+    ) -> None:
+        self.k_pools, self.v_pools = k_pools, v_pools
+        self.pages = pages
+        self.image_of_token = image_of_token
+        self.rope = rope
+        self.n_heads = n_heads
+
+    def attend_packed(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        from vlm_server.engine.device.kernels.triton_attention import rope_and_store_kv
+
+        kp, vp = self.k_pools[layer], self.v_pools[layer]
+        images, length = positions.shape
+        kvh, hd = kp.shape[2], kp.shape[3]
+        flat = qkv.reshape(images * length, -1)
+        keys = torch.empty((images * length, kvh, hd), dtype=kp.dtype, device=qkv.device)
+        q = rope_and_store_kv(
+            flat,
+            self.rope[0],
+            self.rope[1],
+            positions.reshape(-1, 1),
+            self.pages,
+            self.image_of_token[: images * length],
+            kp,
+            vp,
+            self.n_heads,
+            k_out=keys,
+        )
+        q = q.view(images, length, self.n_heads, hd).transpose(1, 2)
+        k = keys.view(images, length, kvh, hd).transpose(1, 2)
+        v = flat[:, (self.n_heads + kvh) * hd :].view(images, length, kvh, hd).transpose(1, 2)
+        rep = self.n_heads // kvh
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        return F.scaled_dot_product_attention(q, k, v.to(kp.dtype))
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        raise NotImplementedError("PrefixKV runs through attend_packed only")
+
+
 class DecodeKV:
     """The `KVCache` of a decode step: one new position per row, rows read from the block
     table on the device. On CUDA two Triton kernels per layer do the work (rotary + KV write,

@@ -115,6 +115,7 @@ if AVAILABLE:
         q_out_ptr,
         k_ptr,
         v_ptr,
+        k_out_ptr,
         qkv_stride,
         pos_stride,
         table_stride,
@@ -124,6 +125,7 @@ if AVAILABLE:
         KVH: tl.constexpr,
         HD: tl.constexpr,
         HALF: tl.constexpr,
+        STORE_K: tl.constexpr,  # also write the rotated keys to k_out [B, KVH, HD]
     ):
         b = tl.program_id(0)
         j = tl.program_id(1)
@@ -150,6 +152,8 @@ if AVAILABLE:
             page = tl.load(table_ptr + row * table_stride + pos // PAGE).to(tl.int64)
             slot = ((page * PAGE + pos % PAGE) * KVH + kvh) * HD
             tl.store(k_ptr + slot + d, out.to(k_ptr.dtype.element_ty))
+            if STORE_K:
+                tl.store(k_out_ptr + (b * KVH + kvh) * HD + d, out.to(k_out_ptr.dtype.element_ty))
             v = tl.load(qkv_ptr + b * qkv_stride + (n_heads + KVH) * HD + kvh * HD + d)
             tl.store(v_ptr + slot + d, v.to(v_ptr.dtype.element_ty))
 
@@ -164,11 +168,13 @@ def rope_and_store_kv(
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
     n_heads: int,
+    k_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One kernel for a decode step's rotary and KV write: qkv [B, (H + 2 KVH) * hd] (the
     qkv projection of one position per row) -> rotated q [B, H, hd]; rotated k and v go
-    straight into the paged pools at each row's position. cos/sin are the fp32 tables
-    [max_context, rotary_dim / 2]; rotary math in fp32, as the PyTorch path."""
+    straight into the paged pools at each row's position (and the rotated k into ``k_out``
+    [B, KVH, hd] when given). cos/sin are the fp32 tables [max_context, rotary_dim / 2];
+    rotary math in fp32, as the PyTorch path."""
     if not AVAILABLE:
         raise RuntimeError("Triton is not installed")
     b = qkv.shape[0]
@@ -184,6 +190,7 @@ def rope_and_store_kv(
         q,
         k_pool,
         v_pool,
+        k_out if k_out is not None else q,
         qkv.stride(0),
         positions.stride(0),
         block_table.stride(0),
@@ -193,6 +200,7 @@ def rope_and_store_kv(
         KVH=kvh,
         HD=hd,
         HALF=cos.shape[1],
+        STORE_K=k_out is not None,
     )
     return q
 
