@@ -297,7 +297,7 @@ def test_prefix_kv_matches_the_pytorch_prefix_path(dtype: torch.dtype) -> None:
         p.data.normal_(0, 0.05)
     dec = dec.cuda().to(dtype)
     dec.reset_rotary("cuda")
-    length, images, page = 45, 3, 16
+    length, n_img, page = 45, 3, 16
     ppe = -(-length // page)
     shape = (40, page, cfg.n_kv_heads, cfg.head_dim)
 
@@ -307,11 +307,11 @@ def test_prefix_kv_matches_the_pytorch_prefix_path(dtype: torch.dtype) -> None:
             [torch.zeros(shape, device="cuda", dtype=dtype) for _ in range(cfg.n_layers)],
         )
 
-    pages = torch.arange(1, 1 + images * ppe, device="cuda").view(images, ppe)
-    x = torch.randn(images, length, cfg.dim, device="cuda", dtype=dtype)
-    pos = torch.arange(length, device="cuda")[None].expand(images, length)
+    pages = torch.arange(1, 1 + n_img * ppe, device="cuda").view(n_img, ppe)
+    x = torch.randn(n_img, length, cfg.dim, device="cuda", dtype=dtype)
+    pos = torch.arange(length, device="cuda")[None].expand(n_img, length)
     (k1, v1), (k2, v2) = pools(), pools()
-    image_of_token = torch.arange(images, device="cuda").repeat_interleave(length)
+    image_of_token = torch.arange(n_img, device="cuda").repeat_interleave(length)
     rope = (dec.rope_cos, dec.rope_sin)
     with torch.inference_mode():
         want = dec(x, pos, PagedKV(k1, v1, pages, length, fresh_prefix=True))
