@@ -49,7 +49,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import signal
 import sys
 import threading
@@ -71,6 +70,7 @@ from bench.load_gen import (
     Workload,
     _model_info,
     _terminate,
+    add_run_args,
     device_name,
     finite,
     open_loop,
@@ -520,20 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--scrape-every", type=float, default=0.1, help="seconds between metric samples (0: off)"
     )
-    ap.add_argument("--timeout", type=float, default=300.0, help="deadline per request (s)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--image-threads", type=int, default=min(8, os.cpu_count() or 1))
-    ap.add_argument(
-        "--startup-timeout",
-        type=float,
-        default=900.0,
-        help="seconds to wait for a spawned server's readiness",
-    )
-    ap.add_argument(
-        "--out", type=Path, default=None, help="results folder (default bench/results/<device>)"
-    )
-    ap.add_argument("--tag", default="arrival_itl", help="file name stem of the results")
-    ap.add_argument("--quiet", action="store_true", help="no progress output")
+    add_run_args(ap, "arrival_itl")
     return ap
 
 

@@ -978,6 +978,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=128,
         help="max_tokens of segment requests (caps the outline path)",
     )
+    add_run_args(ap, "load_gen")
+    return ap
+
+
+def add_run_args(ap: argparse.ArgumentParser, tag: str) -> None:
+    """Options every client-side benchmark of a (spawned) server shares."""
     ap.add_argument("--timeout", type=float, default=300.0, help="deadline per request (s)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--image-threads", type=int, default=min(8, os.cpu_count() or 1))
@@ -990,9 +996,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--out", type=Path, default=None, help="results folder (default bench/results/<device>)"
     )
-    ap.add_argument("--tag", default="load_gen", help="file name stem of the results")
-    ap.add_argument("--quiet", action="store_true", help="no progress bars")
-    return ap
+    ap.add_argument("--tag", default=tag, help="file name stem of the results")
+    ap.add_argument("--quiet", action="store_true", help="no progress output")
 
 
 def _scenarios(args: argparse.Namespace) -> list[Scenario]:

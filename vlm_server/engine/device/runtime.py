@@ -320,8 +320,8 @@ class ModelRuntime:
         b = len(seqs)
         n = self._bucket(b) if self.decode_graphs else b
         host = self._launch_rows
-        for i, seq in enumerate(seqs):
-            host[i, 0], host[i, 1] = seq.row, seq.next_position()
+        host[:b, 0] = np.fromiter((seq.row for seq in seqs), np.int64, b)
+        host[:b, 1] = np.fromiter((seq.next_position() for seq in seqs), np.int64, b)
         host[b:n, 0], host[b:n, 1] = self.pad_row, 0
         n_blocks = int(host[:b, 1].max()) // self.cfg.page_size + 1
         self._send_inputs(slot, buf.launch_host, buf.launch_dev, host[:n])
