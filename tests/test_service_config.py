@@ -97,11 +97,13 @@ def test_security_and_limit_flags_read_the_environment() -> None:
         "VLM_API_KEYS": "a,b",
         "VLM_IMAGE_CACHE_CLIENT_BYTES": "64MiB",
         "VLM_MAX_OBJECT_CHARS": "80",
+        "VLM_MAX_QUESTION_CHARS": "500",
         "VLM_METRICS_HOST": "0.0.0.0",
     }
     config = load_config([], environ=env)
     assert config.api_keys == ("a", "b") and config.client_cache_bytes == 64 << 20
     assert (config.max_object_chars, config.metrics_host) == (80, "0.0.0.0")
+    assert config.max_question_chars == 500
     small = load_config(["--image-cache-bytes", "16MiB"], environ={})
     assert small.client_cache_bytes == 16 << 20  # never more than the whole cache
 

@@ -116,3 +116,25 @@ def test_bad_utf8_field_names_nested_and_repeated_fields() -> None:
     assert bad_utf8_field(data, pb.QueryRequest.DESCRIPTOR) == "choices"
     assert bad_utf8_field(request.SerializeToString(), pb.QueryRequest.DESCRIPTOR) is None
     assert bad_utf8_field(b"\x0a\xff", pb.QueryRequest.DESCRIPTOR) is None  # truncated
+
+
+def test_text_limits_are_the_server_flags(tiny: LoadedModel) -> None:
+    """--max-question-chars and --max-object-chars set the limits, and the errors name the
+    field and the limit."""
+    from vlm_server.client.types import VlmError
+
+    config = local_config(max_question_chars=20, max_object_chars=8)
+
+    def engine() -> BatchedEngine:
+        return BatchedEngine(tiny, EngineConfig(max_batch=1, kv_budget_bytes=16 << 20))
+
+    with ServerThread(config, engine) as running, VisionLanguageClient(running.target) as client:
+        assert client.query(None, "q" * 20, max_tokens=1, temperature=0).text is not None
+        with pytest.raises(VlmError) as caught:
+            client.query(None, "q" * 21, max_tokens=1)
+        err = caught.value
+        assert err.code == grpc.StatusCode.INVALID_ARGUMENT and err.field == "question"
+        assert "at most 20" in err.message
+        with pytest.raises(VlmError) as caught:
+            client.detect(None, "o" * 9)
+        assert caught.value.field == "object" and "at most 8" in caught.value.message

@@ -297,6 +297,12 @@ IMAGE_ID_ERRORS: list[tuple[str, Callable[..., Any], grpc.StatusCode, str]] = [
     ),
     ("empty question", lambda c, i: c.query(i, ""), grpc.StatusCode.INVALID_ARGUMENT, "question"),
     (
+        "20 KB question",
+        lambda c, i: c.query(i, "x" * 20_000),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "question",
+    ),
+    (
         "negative temperature",
         lambda c, i: c.caption(i, temperature=-0.1),
         grpc.StatusCode.INVALID_ARGUMENT,

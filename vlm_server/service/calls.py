@@ -66,6 +66,7 @@ class Limits:
     max_image_side: int
     image_cache_bytes: int
     max_object_chars: int = validation.MAX_OBJECT_CHARS
+    max_question_chars: int = validation.MAX_QUESTION_CHARS
 
 
 Identify = Callable[[Any, str], str]  # (request metadata, peer) -> client identity
@@ -200,6 +201,7 @@ class Call:
             deadline=self.deadline,
             max_tokens_limit=max_context,
             max_object_chars=self.core.limits.max_object_chars,
+            max_question_chars=self.core.limits.max_question_chars,
         )
 
     async def submit(self, request: GenerationRequest) -> RequestStream:

@@ -88,6 +88,7 @@ class ServerConfig:
     max_message_bytes: int = 32 * MIB
     max_http_body_bytes: int = 32 * MIB
     max_object_chars: int = 256
+    max_question_chars: int = 16_384
     # Client constraints (Query choices / regex): sizes and compile time (decoding/limits.py).
     max_choices: int = 1024
     max_choice_chars: int = 1024
@@ -117,6 +118,7 @@ class ServerConfig:
             "max_message_bytes",
             "max_http_body_bytes",
             "max_object_chars",
+            "max_question_chars",
             "max_choices",
             "max_choice_chars",
             "max_regex_chars",
@@ -309,6 +311,7 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("max_message_bytes", parse_size, "largest gRPC message, request or response"),
     _Option("max_http_body_bytes", parse_size, "largest HTTP request body (413 beyond)"),
     _Option("max_object_chars", int, "longest object name (point, detect, segment)"),
+    _Option("max_question_chars", int, "longest question of a query (characters)"),
     _Option("max_choices", int, "most choices of one constrained query"),
     _Option("max_choice_chars", int, "longest choice of a constrained query (characters)"),
     _Option("max_regex_chars", int, "longest regex of a constrained query (characters)"),

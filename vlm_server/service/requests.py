@@ -14,12 +14,14 @@ from vlm_server.service import validation
 from vlm_server.service.images import ImageResolver
 
 
-def _task_fields(task: Task, message: Any, max_object_chars: int) -> dict[str, Any]:
+def _task_fields(
+    task: Task, message: Any, max_object_chars: int, max_question_chars: int
+) -> dict[str, Any]:
     if task is Task.CAPTION:
         return {"caption_length": validation.caption_length(message.length)}
     if task is Task.QUERY:
         return {
-            "question": validation.question(message.question),
+            "question": validation.question(message.question, max_question_chars),
             "choices": validation.choices(list(message.choices)),
             "regex": message.regex if message.HasField("regex") else None,
         }
@@ -35,13 +37,14 @@ async def build(
     deadline: float | None,
     max_tokens_limit: int,
     max_object_chars: int = validation.MAX_OBJECT_CHARS,
+    max_question_chars: int = validation.MAX_QUESTION_CHARS,
 ) -> GenerationRequest:
     """Check ``message`` (the task's proto request) and build the engine request.
 
     Cheap checks first (task fields, then settings); decoding the image, the expensive one,
     comes last. Whether the task needs an image is the request compiler's check (it defines
     the tasks): a request without one is refused there, naming ``image``."""
-    fields = _task_fields(task, message, max_object_chars)
+    fields = _task_fields(task, message, max_object_chars, max_question_chars)
     s = validation.settings(message.settings, max_tokens_limit)
     image = await images.resolve(message)
     return GenerationRequest(

@@ -99,6 +99,7 @@ class VisionLanguageServer:
             max_image_side=config.max_image_side,
             image_cache_bytes=config.image_cache_bytes,
             max_object_chars=config.max_object_chars,
+            max_question_chars=config.max_question_chars,
         )
         self.api_keys = api_keys(config)
         identify = functools.partial(client_identity, self.api_keys)

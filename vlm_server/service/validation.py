@@ -22,7 +22,8 @@ CAPTION_LENGTHS = {
     pb.CAPTION_LENGTH_NORMAL: "normal",
     pb.CAPTION_LENGTH_LONG: "long",
 }
-MAX_TEXT_CHARS = 16_384  # questions; far beyond any context anyway
+# Questions: far beyond any context anyway (the server's --max-question-chars).
+MAX_QUESTION_CHARS = 16_384
 # Object names are a few words; a long one would crowd the answer out of the context, and the
 # engine would blame settings.max_objects (the server's --max-object-chars).
 MAX_OBJECT_CHARS = 256
@@ -75,11 +76,11 @@ def object_name(text: str, max_chars: int = MAX_OBJECT_CHARS) -> str:
     return name
 
 
-def question(text: str) -> str:
+def question(text: str, max_chars: int = MAX_QUESTION_CHARS) -> str:
     if not text.strip():
         raise invalid("question", "must not be empty")
-    if len(text) > MAX_TEXT_CHARS:
-        raise invalid("question", f"is longer than {MAX_TEXT_CHARS} characters")
+    if len(text) > max_chars:
+        raise invalid("question", f"is {len(text)} characters long; at most {max_chars}")
     return text
 
 
