@@ -249,6 +249,10 @@ def test_model_info_reports_model_and_limits(
     assert (info.pipeline_depth, info.max_batch_size) == SHAPES[engine_kind]
     assert info.max_queue == 100
     assert info.server_version
+    # Every limit a request can hit is reported, at the server's defaults here.
+    assert (info.max_object_chars, info.max_question_chars) == (256, 16_384)
+    assert (info.max_choices, info.max_choice_chars, info.max_regex_chars) == (1024, 1024, 1024)
+    assert info.max_step_tokens > info.max_batch_size
 
 
 def test_model_info_names_the_dtype_as_the_dtype_flag_does(

@@ -140,6 +140,12 @@ def model_info(r: pb.GetModelInfoResponse) -> t.ModelInfo:
         max_tokens=lim.max_tokens,
         max_queue=lim.max_queue,
         image_cache_bytes=lim.image_cache_bytes,
+        max_step_tokens=r.max_step_tokens,
+        max_object_chars=lim.max_object_chars,
+        max_question_chars=lim.max_question_chars,
+        max_choices=lim.max_choices,
+        max_choice_chars=lim.max_choice_chars,
+        max_regex_chars=lim.max_regex_chars,
     )
 
 

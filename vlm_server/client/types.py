@@ -112,6 +112,12 @@ class ModelInfo:
     max_tokens: int
     max_queue: int
     image_cache_bytes: int
+    max_step_tokens: int = 0
+    max_object_chars: int = 0
+    max_question_chars: int = 0
+    max_choices: int = 0
+    max_choice_chars: int = 0
+    max_regex_chars: int = 0
 
 
 class VlmError(Exception):

@@ -150,6 +150,11 @@ class EngineInfo:
     max_batch_size: int
     max_context: int
     max_queue: int
+    max_step_tokens: int = 0  # tokens of one step: decode rows + prompt chunks
+    # Caps on a query's constraint (decoding/limits.py), enforced by the engine.
+    max_choices: int = 0
+    max_choice_chars: int = 0
+    max_regex_chars: int = 0
 
 
 @dataclass

@@ -150,6 +150,10 @@ class BatchedEngine:
             max_batch_size=self.cfg.max_batch,
             max_context=mc.text.max_context,
             max_queue=self.cfg.max_queue,
+            max_step_tokens=self.cfg.max_step_tokens,
+            max_choices=self.cfg.constraint_limits.max_choices,
+            max_choice_chars=self.cfg.constraint_limits.max_choice_chars,
+            max_regex_chars=self.cfg.constraint_limits.max_regex_chars,
         )
         self.tasks = TaskCompiler(
             mc, loaded.tokenizer, self.cfg.mask_table_rows, self.cfg.constraint_limits

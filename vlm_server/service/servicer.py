@@ -234,6 +234,7 @@ class VisionLanguageServicer(pb_grpc.VisionLanguageServicer):
                 pipeline_depth=info.pipeline_depth,
                 max_batch_size=info.max_batch_size,
                 server_version=server_version(),
+                max_step_tokens=info.max_step_tokens,
                 limits=pb.ServerLimits(
                     max_message_bytes=lim.max_message_bytes,
                     max_image_bytes=lim.max_image_bytes,
@@ -242,5 +243,10 @@ class VisionLanguageServicer(pb_grpc.VisionLanguageServicer):
                     max_tokens=info.max_context,
                     max_queue=info.max_queue,
                     image_cache_bytes=lim.image_cache_bytes,
+                    max_object_chars=lim.max_object_chars,
+                    max_question_chars=lim.max_question_chars,
+                    max_choices=info.max_choices,
+                    max_choice_chars=info.max_choice_chars,
+                    max_regex_chars=info.max_regex_chars,
                 ),
             )

@@ -258,7 +258,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerLimits(_message.Message):
-    __slots__ = ("max_message_bytes", "max_image_bytes", "max_image_pixels", "max_image_side", "max_tokens", "max_queue", "image_cache_bytes")
+    __slots__ = ("max_message_bytes", "max_image_bytes", "max_image_pixels", "max_image_side", "max_tokens", "max_queue", "image_cache_bytes", "max_object_chars", "max_question_chars", "max_choices", "max_choice_chars", "max_regex_chars")
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_IMAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_IMAGE_PIXELS_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +266,11 @@ class ServerLimits(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
     IMAGE_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_OBJECT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUESTION_CHARS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHOICES_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHOICE_CHARS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REGEX_CHARS_FIELD_NUMBER: _ClassVar[int]
     max_message_bytes: int
     max_image_bytes: int
     max_image_pixels: int
@@ -273,10 +278,15 @@ class ServerLimits(_message.Message):
     max_tokens: int
     max_queue: int
     image_cache_bytes: int
-    def __init__(self, max_message_bytes: _Optional[int] = ..., max_image_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., max_image_side: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_queue: _Optional[int] = ..., image_cache_bytes: _Optional[int] = ...) -> None: ...
+    max_object_chars: int
+    max_question_chars: int
+    max_choices: int
+    max_choice_chars: int
+    max_regex_chars: int
+    def __init__(self, max_message_bytes: _Optional[int] = ..., max_image_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., max_image_side: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_queue: _Optional[int] = ..., image_cache_bytes: _Optional[int] = ..., max_object_chars: _Optional[int] = ..., max_question_chars: _Optional[int] = ..., max_choices: _Optional[int] = ..., max_choice_chars: _Optional[int] = ..., max_regex_chars: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "preset", "token_contract", "device", "dtype", "max_context", "pipeline_depth", "max_batch_size", "limits", "server_version")
+    __slots__ = ("model_name", "preset", "token_contract", "device", "dtype", "max_context", "pipeline_depth", "max_batch_size", "limits", "server_version", "max_step_tokens")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     PRESET_FIELD_NUMBER: _ClassVar[int]
     TOKEN_CONTRACT_FIELD_NUMBER: _ClassVar[int]
@@ -287,6 +297,7 @@ class GetModelInfoResponse(_message.Message):
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     preset: str
     token_contract: str
@@ -297,4 +308,5 @@ class GetModelInfoResponse(_message.Message):
     max_batch_size: int
     limits: ServerLimits
     server_version: str
-    def __init__(self, model_name: _Optional[str] = ..., preset: _Optional[str] = ..., token_contract: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_context: _Optional[int] = ..., pipeline_depth: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., server_version: _Optional[str] = ...) -> None: ...
+    max_step_tokens: int
+    def __init__(self, model_name: _Optional[str] = ..., preset: _Optional[str] = ..., token_contract: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_context: _Optional[int] = ..., pipeline_depth: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., server_version: _Optional[str] = ..., max_step_tokens: _Optional[int] = ...) -> None: ...
