@@ -725,3 +725,46 @@ def test_a_stop_in_the_middle_of_a_chunked_prefill_frees_everything(
     asyncio.run(run())
     assert len(chunks["victim"]) == 1 and chunks["victim"][0].start == 0
     assert beside[-1] == 1  # the other request decoded in the same step
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_requests_for_one_new_image_share_one_prefix_computation(
+    text_model: LoadedModel, images: list[PreparedImage], depth: int
+) -> None:
+    """Requests for an image whose prefix is still being computed wait for that computation
+    instead of starting their own; each image's prefix is computed once, in batches of the
+    images admitted together, and every answer equals the reference's."""
+    ref = ReferenceGenerator(text_model.model, text_model.tokenizer)
+    questions = ["what is it?", "how many?", "which color?", "where?"]
+    reqs = [
+        GenerationRequest(
+            Task.QUERY, images[i % 2], request_id=f"q{i}", question=q, temperature=0, max_tokens=6
+        )
+        for i, q in enumerate(questions)
+    ]
+    batches: list[list[str]] = []
+
+    async def run() -> list[tuple[list[str], Finished]]:
+        engine = _engine(text_model, depth, max_batch=4)
+        launch = engine.runtime.launch_prefixes
+
+        def recording(jobs: list) -> object:
+            batches.append([image.content_hash for _, image in jobs])
+            return launch(jobs)
+
+        engine.runtime.launch_prefixes = recording  # type: ignore[method-assign]
+        await engine.start()
+        try:
+            out = await asyncio.gather(*[_collect(engine, r) for r in reqs])
+            await _wait_idle(engine)
+            _assert_clean(engine)
+            return out
+        finally:
+            await engine.close()
+
+    results = asyncio.run(run())
+    computed = [h for batch in batches for h in batch]
+    assert sorted(computed) == sorted({images[0].content_hash, images[1].content_hash})
+    for req, (_, fin) in zip(reqs, results, strict=True):
+        want = ref.query(req.image, req.question, SamplingSettings(temperature=0, max_tokens=6))
+        assert fin.text == want.text, req.request_id
