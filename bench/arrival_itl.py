@@ -26,7 +26,11 @@ where the server's Prometheus endpoint can be reached, its ``vlm_step_period_ms`
 engine step, commit to commit) and ``vlm_batch_size`` gauges are sampled every
 ``--scrape-every`` s as well. The figure of merit is phase B's gap p99 over phase A's gap
 p50, against the target 2.0. The client's own event-loop lag is sampled too (a lagging
-client inflates every gap it measures).
+client inflates every gap it measures), and so is the server's ``vlm_step_interval_seconds``
+histogram: the time between commits of steps with decode rows, i.e. the gaps the server gives
+every running stream, with no client scheduling in them. Its growth over each phase gives the
+same ratio from the server's side (``server_ratio_b_p99_over_a_p50``; histogram percentiles,
+interpolated inside buckets of 0.5 ms up to 4 ms, coarser above).
 
 On a GPU (the server's batch must hold the S streams plus the arrivals in flight):
 
@@ -73,10 +77,12 @@ from bench.load_gen import (
     add_run_args,
     device_name,
     finite,
+    histogram_quantile,
     open_loop,
     percentile,
     poisson_schedule,
     run_one,
+    scrape_histogram,
     summarize,
 )
 from bench.soak import _metrics_port, _scrape
@@ -111,6 +117,8 @@ class Timeline:
     streams: list[tuple[float, int, Record]] = field(default_factory=list)  # (end, worker, rec)
     step_samples: list[tuple[float, float, float]] = field(default_factory=list)  # t, ms, batch
     loop_lag: list[tuple[float, float]] = field(default_factory=list)  # t, seconds late
+    # The server's step-interval histogram (vlm_step_interval_seconds) as sampled: t, buckets.
+    intervals: list[tuple[float, dict[float, float]]] = field(default_factory=list)
     arrivals: list[float] = field(default_factory=list)  # issue times (perf_counter)
     stopping: bool = False
 
@@ -163,9 +171,14 @@ async def caption_worker(
 
 
 async def sample_steps(url: str, every: float, tl: Timeline) -> None:
-    """Sample the server's step-period and batch-size gauges until cancelled."""
+    """Sample the server's step-period and batch-size gauges, and its step-interval
+    histogram, until cancelled."""
     while True:
         with contextlib.suppress(OSError, ValueError):
+            at = time.perf_counter()
+            buckets = await asyncio.to_thread(scrape_histogram, url, STEP_INTERVAL)
+            if buckets:
+                tl.intervals.append((at, buckets))
             values = await asyncio.to_thread(_scrape, url)
             if "vlm_step_period_ms" in values:
                 tl.step_samples.append(
@@ -319,6 +332,26 @@ def _pcts(values: Sequence[float], prefix: str, scale: float = 1e3) -> dict[str,
     return out
 
 
+STEP_INTERVAL = "vlm_step_interval_seconds"
+
+
+def server_intervals(tl: Timeline, phase: str) -> dict[str, Any]:
+    """The server's own inter-token gaps over a phase (the step-interval histogram's growth
+    between the samples at its start and end): free of the client's scheduling noise."""
+    lo, hi = (tl.warmup_end, tl.a_end) if phase == "A" else (tl.a_end, tl.b_end)
+    first = next((b for at, b in tl.intervals if at >= lo), None)
+    last = next((b for at, b in reversed(tl.intervals) if at <= hi), None)
+    if first is None or last is None or first is last:
+        return {"server_steps": 0, "server_itl_p50_ms": None, "server_itl_p99_ms": None}
+    delta = {b: last[b] - first.get(b, 0.0) for b in last}
+    return {
+        "server_steps": int(delta[max(delta)]),
+        "server_itl_p50_ms": histogram_quantile(0.50, delta) * 1e3,
+        "server_itl_p90_ms": histogram_quantile(0.90, delta) * 1e3,
+        "server_itl_p99_ms": histogram_quantile(0.99, delta) * 1e3,
+    }
+
+
 def phase_summary(tl: Timeline, phase: str) -> dict[str, Any]:
     gaps = [g.seconds for g in tl.gaps if tl.phase(g.end) == phase]
     # Streams count in the phase in which they ended.
@@ -331,6 +364,7 @@ def phase_summary(tl: Timeline, phase: str) -> dict[str, Any]:
     lag = [s for at, s in tl.loop_lag if tl.phase(at) == phase]
     row: dict[str, Any] = {
         "phase": phase,
+        **server_intervals(tl, phase),
         "gaps": len(gaps),
         "streams_with_gaps": len({g.stream for g in tl.gaps if tl.phase(g.end) == phase}),
         **_pcts(gaps, "itl"),
@@ -390,7 +424,17 @@ def verdict(tl: Timeline, a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any
         "b_gaps_over_target_fraction": over("B"),
         "target_ratio": TARGET_RATIO,
         "meets_target": bool(ratio <= TARGET_RATIO) if not math.isnan(ratio) else None,
+        # The same ratio from the server's own step intervals (no client noise in it).
+        "server_ratio_b_p99_over_a_p50": _ratio(
+            b.get("server_itl_p99_ms"), a.get("server_itl_p50_ms")
+        ),
     }
+
+
+def _ratio(top: float | None, bottom: float | None) -> float:
+    if top is None or not bottom or math.isnan(bottom):
+        return math.nan
+    return top / bottom
 
 
 # ---- output ---------------------------------------------------------------------------------
@@ -433,6 +477,14 @@ def print_table(result: dict[str, Any], title: str) -> None:
         f"<= {TARGET_RATIO:g}: {met}; gaps over {TARGET_RATIO:g}x A p50: A "
         f"{_fmt(v['a_gaps_over_target_fraction'] * 100, '.2f')}%, B "
         f"{_fmt(v['b_gaps_over_target_fraction'] * 100, '.2f')}%"
+    )
+    a_srv, b_srv = result["phases"]["A"], result["phases"]["B"]
+    print(
+        f"server side (step intervals): A p50 / p99 {_fmt(a_srv['server_itl_p50_ms'], '.2f')} / "
+        f"{_fmt(a_srv['server_itl_p99_ms'], '.2f')} ms, B p50 / p99 "
+        f"{_fmt(b_srv['server_itl_p50_ms'], '.2f')} / "
+        f"{_fmt(b_srv['server_itl_p99_ms'], '.2f')} ms; B p99 / A p50 = "
+        f"{_fmt(v['server_ratio_b_p99_over_a_p50'], '.2f')}"
     )
 
 

@@ -335,7 +335,12 @@ LOOP_LAG = "vlm_event_loop_lag_seconds"
 
 
 def scrape_loop_lag(url: str | None) -> dict[float, float] | None:
-    """The loop-lag histogram at ``url`` (Prometheus text) as {upper bound: cumulative count},
+    """The loop-lag histogram at ``url`` (see `scrape_histogram`)."""
+    return scrape_histogram(url, LOOP_LAG)
+
+
+def scrape_histogram(url: str | None, name: str) -> dict[float, float] | None:
+    """Histogram ``name`` at ``url`` (Prometheus text) as {upper bound: cumulative count},
     the +Inf bucket included; None when there is no URL or it cannot be read."""
     if not url:
         return None
@@ -350,7 +355,7 @@ def scrape_loop_lag(url: str | None) -> dict[float, float] | None:
         float(s.labels["le"]): s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
-        if s.name == f"{LOOP_LAG}_bucket"
+        if s.name == f"{name}_bucket"
     }
     return buckets or None
 

@@ -246,6 +246,9 @@ def test_arrival_itl_spawned_server(tiny_dir: Path, tmp_path: Path) -> None:
         assert 1 <= r["output_tokens_min"] <= r["output_tokens_max"] <= 32  # max_tokens 32
         assert r["tokens_per_delta"] > 0
         samples += r["server_step_samples"]
+        # The server's own step intervals over the phase: steps counted, percentiles ordered.
+        assert r["server_steps"] > 0
+        assert 0 < r["server_itl_p50_ms"] <= r["server_itl_p90_ms"] <= r["server_itl_p99_ms"]
         cdf = data["gap_cdf_ms"][phase]
         assert [q for q, _ in cdf] == sorted({q for q, _ in cdf})
         assert [ms for _, ms in cdf] == sorted(ms for _, ms in cdf)
@@ -258,6 +261,7 @@ def test_arrival_itl_spawned_server(tiny_dir: Path, tmp_path: Path) -> None:
     verdict = data["verdict"]
     assert verdict["decode_period_ms"] == data["phases"]["A"]["itl_p50_ms"]
     assert verdict["ratio_b_p99_over_a_p50"] > 0 and verdict["target_ratio"] == 2.0
+    assert verdict["server_ratio_b_p99_over_a_p50"] > 0
     assert isinstance(verdict["meets_target"], bool)
     assert (tmp_path / "arrival_itl_server.log").exists()
     assert (tmp_path / "arrival_itl.png").exists() == HAVE_MATPLOTLIB

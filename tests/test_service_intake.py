@@ -138,3 +138,30 @@ def test_text_limits_are_the_server_flags(tiny: LoadedModel) -> None:
         with pytest.raises(VlmError) as caught:
             client.detect(None, "o" * 9)
         assert caught.value.field == "object" and "at most 8" in caught.value.message
+
+
+def test_step_intervals_are_exported_as_a_histogram(
+    server: ServerThread, channel: grpc.Channel
+) -> None:
+    """The gaps running streams see, as the server makes them: one observation per committed
+    step with decode rows, in cumulative buckets with their sum."""
+
+    def histogram() -> dict[str, float]:
+        with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+            text = response.read().decode()
+        return {
+            (s.name + s.labels.get("le", "")): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name.startswith("vlm_step_interval_seconds")
+        }
+
+    before = histogram()
+    with VisionLanguageClient(server.target, timeout=60) as client:
+        client.query(None, "count to ten", max_tokens=8, temperature=0)
+    after = histogram()
+    grew = after["vlm_step_interval_seconds_count"] - before["vlm_step_interval_seconds_count"]
+    assert grew >= 1  # its decode steps (the first token comes from the prefill step)
+    assert after["vlm_step_interval_seconds_sum"] > before["vlm_step_interval_seconds_sum"]
+    buckets = [v for k, v in after.items() if k.startswith("vlm_step_interval_seconds_bucket")]
+    assert buckets == sorted(buckets) and buckets[-1] == after["vlm_step_interval_seconds_count"]

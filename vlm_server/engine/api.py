@@ -157,6 +157,14 @@ class EngineInfo:
     max_regex_chars: int = 0
 
 
+# Buckets (ms) of EngineStats.step_interval_counts: a decode period (~1.5-5 ms) finely, a stall
+# (an image prefix beside the steps, a long prompt chunk) coarsely.
+STEP_INTERVAL_BOUNDS_MS = (
+    0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 10.0, 15.0, 20.0, 30.0, 50.0, 100.0,
+    250.0, 1000.0,
+)  # fmt: skip
+
+
 @dataclass
 class EngineStats:
     queue_depth: int = 0
@@ -167,6 +175,11 @@ class EngineStats:
     last_step_ms: float = 0.0
     prefix_hits: int = 0
     prefix_lookups: int = 0
+    # Intervals between the commits of steps that carried decode rows: the inter-token gaps of
+    # running streams as the server makes them. Counts per STEP_INTERVAL_BOUNDS_MS bucket
+    # (values <= the bound; one more for everything above), and their sum.
+    step_interval_counts: tuple[int, ...] = ()
+    step_interval_sum_ms: float = 0.0
 
 
 class Engine(Protocol):

@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import math
 import threading
 from collections.abc import Callable, Iterator
 from wsgiref.simple_server import WSGIServer
@@ -24,10 +25,15 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
-from vlm_server.engine.api import EngineStats
+from vlm_server.engine.api import STEP_INTERVAL_BOUNDS_MS, EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +120,17 @@ class _EngineCollector(Collector):
         )
         yield CounterMetricFamily(
             "vlm_prefix_cache_lookups", "image-prefix cache lookups", value=stats.prefix_lookups
+        )
+        counts = stats.step_interval_counts or (0,) * (len(STEP_INTERVAL_BOUNDS_MS) + 1)
+        cumulative, buckets = 0, []
+        for bound, count in zip((*STEP_INTERVAL_BOUNDS_MS, math.inf), counts, strict=True):
+            cumulative += count
+            buckets.append(("+Inf" if math.isinf(bound) else repr(bound / 1e3), cumulative))
+        yield HistogramMetricFamily(
+            "vlm_step_interval_seconds",
+            "time between the commits of steps with decode rows: running streams' token gaps",
+            buckets=buckets,
+            sum_value=stats.step_interval_sum_ms / 1e3,
         )
 
 

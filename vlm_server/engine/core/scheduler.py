@@ -19,6 +19,7 @@ At depth 1 the same calls run as launch -> finalize -> commit, one step at a tim
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections import deque
@@ -32,6 +33,7 @@ from decoding.grammars import ObjectGrammar, SegmentGrammar, TextGrammar
 from decoding.mask_table import NO_MASK
 from decoding.segment_output import SegmentResult
 from vlm_server.engine.api import (
+    STEP_INTERVAL_BOUNDS_MS,
     Box,
     Emitted,
     EngineError,
@@ -105,6 +107,8 @@ class Scheduler:
         self.last_batch = 0
         self.last_step_ms = 0.0
         self._last_commit_at = 0.0
+        self._interval_counts = [0] * (len(STEP_INTERVAL_BOUNDS_MS) + 1)
+        self._interval_sum_ms = 0.0
 
     # ---- queries ----------------------------------------------------------------------
 
@@ -126,6 +130,8 @@ class Scheduler:
             last_step_ms=self.last_step_ms,
             prefix_hits=self.prefix_cache.hits,
             prefix_lookups=self.prefix_cache.lookups,
+            step_interval_counts=tuple(self._interval_counts),
+            step_interval_sum_ms=self._interval_sum_ms,
         )
 
     def worst_case_pages(self, seq: Sequence) -> int:
@@ -374,11 +380,15 @@ class Scheduler:
         values = out.tolist()  # host copy: the slot's buffer is handed back below
         self.pipe.complete(step)
         now = time.monotonic()
-        if self._last_commit_at:
-            self.last_step_ms = (now - self._last_commit_at) * 1e3
-        self._last_commit_at = now
         plan = step.plan
         chunk_rows = len(step.seqs) if plan is None else plan.n_decode  # first chunk row
+        if self._last_commit_at:
+            self.last_step_ms = (now - self._last_commit_at) * 1e3
+            if chunk_rows:  # its decode rows waited this long since their previous token
+                ms = self.last_step_ms
+                self._interval_counts[bisect.bisect_left(STEP_INTERVAL_BOUNDS_MS, ms)] += 1
+                self._interval_sum_ms += ms
+        self._last_commit_at = now
         idle = RowPhase.IDLE
         for i, (seq, phase, row) in enumerate(zip(step.seqs, step.phases, values, strict=True)):
             seq.drop_ref()
