@@ -312,7 +312,9 @@ class BatchedEngine:
                     with self._cv:
                         while not self._stopping and not self._inbox and not s.has_work():
                             self._cv.wait()
-                        if self._stopping and not s.pipe.n_in_flight:
+                        # Stop once no device work is left in flight: steps, and image
+                        # prefixes still writing pages on the prefill stream.
+                        if self._stopping and not s.pipe.n_in_flight and not s.pending_prefixes:
                             return
                         arrived, self._inbox = self._inbox, []
                     # The tick runs without the lock: submit() on the event loop never waits

@@ -14,6 +14,11 @@ A tick is three named calls, in this order (commit-before-finalize):
    (core/step_plan.py): a mixed step; without prefill work, a decode-only step (the graphed
    path on CUDA). Decode rows read the inputs finalize wrote on the device.
 
+Before those, each tick polls (without blocking) the image prefixes admission started on the
+device's prefill stream: a prefix becomes ready once its batch's event completed, and only
+then do the prompt chunks of its requests (and of any request for the same image admitted
+meanwhile) join steps. At most ``runtime.prefix_slots`` batches are in flight.
+
 At depth 1 the same calls run as launch -> finalize -> commit, one step at a time (blocking).
 """
 
