@@ -296,6 +296,32 @@ def test_the_production_runtime_keeps_the_pipeline_invariants(
     assert s.rt.pages.used_pages == 0 and device.queued == 0
 
 
+class _PendingWatch(Scheduler):
+    """Counts the ticks that launched a step while some image prefix was still pending."""
+
+    waited = 0
+
+    def _launch(self) -> None:
+        if self.pending_prefixes and self.running:
+            self.waited += 1
+        super()._launch()
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_slow_prefill_stream_changes_no_answer(
+    region_model: LoadedModel, images: list[PreparedImage], depth: int, blocking: Run
+) -> None:
+    """Image prefixes that finish only when nothing else can run (their requests wait as
+    pending, requests for the same image join them): same answers, same invariants."""
+    run = _drive(region_model, images, depth, 1, scheduler=_PendingWatch, lagging=["prefill"])
+    assert run.answers() == blocking.answers()
+    assert isinstance(run.sched, _PendingWatch) and run.sched.waited > 0  # they really waited
+    assert run.device.kernel_streams == ["compute"]
+    assert not run.sched.pending_prefixes and not run.sched.running
+    run.sched.prefix_cache.clear()
+    assert run.sched.rt.pages.used_pages == 0 and run.device.queued == 0
+
+
 # ---- each fault is caught ------------------------------------------------------------------
 
 
