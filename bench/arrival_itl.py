@@ -81,6 +81,8 @@ from bench.load_gen import (
     open_loop,
     percentile,
     poisson_schedule,
+    portable,
+    portable_settings,
     run_one,
     scrape_histogram,
     summarize,
@@ -628,11 +630,11 @@ def _run(args: argparse.Namespace, server_args: list[str]) -> int:
             "target": target,
             "metrics_url": metrics_url,
             "spawned": args.spawn,
-            "server_args": server_args,
+            "server_args": portable(server_args),
             "server_startup_s": server.startup_s if server else None,
             "model": dataclasses.asdict(info) if info else None,
             "started_unix": time.time(),
-            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "settings": portable_settings(args),
             "complete": False,
         }
         path.write_text(json.dumps(finite(result), indent=2, allow_nan=False))

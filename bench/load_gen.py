@@ -751,6 +751,22 @@ class SpawnedServer:
 # ---- output ---------------------------------------------------------------------------------
 
 
+def portable(values: Sequence[str]) -> list[str]:
+    """Command-line values with absolute paths cut to their last part: results name no
+    machine's folders."""
+    return [Path(v).name if v.startswith("/") else v for v in values]
+
+
+def portable_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """A benchmark's settings for its results: paths as `portable` gives them."""
+    out: dict[str, Any] = {}
+    for k, v in vars(args).items():
+        if isinstance(v, Path) or (isinstance(v, str) and v.startswith("/")):
+            v = Path(v).name
+        out[k] = v
+    return out
+
+
 def finite(value: Any) -> Any:
     """``value`` with every NaN or infinity replaced by None (strict JSON has neither)."""
     if isinstance(value, float):
@@ -1093,12 +1109,12 @@ def _run(args: argparse.Namespace, scenarios: list[Scenario], server_args: list[
             "http_url": http_url if "http" in args.doors else None,
             "metrics_url": metrics_url,
             "spawned": args.spawn,
-            "server_args": server_args,
+            "server_args": portable(server_args),
             "server_startup_s": server.startup_s if server else None,
             "model": dataclasses.asdict(info) if info else None,
             "started_unix": time.time(),
             "slo_ms": args.slo_ms,
-            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "settings": portable_settings(args),
             "complete": False,
             "skipped_levels": [],
             "rows": rows,

@@ -43,7 +43,7 @@ from typing import Any
 
 import grpc
 
-from bench.load_gen import REPO_ROOT, SpawnedServer
+from bench.load_gen import REPO_ROOT, SpawnedServer, portable, portable_settings
 from bench.synth_images import base_image, parse_size
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
@@ -476,8 +476,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = {
         "target": target,
         "spawned": args.spawn,
-        "server_args": server_args,
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "server_args": portable(server_args),
+        "settings": portable_settings(args),
         "summary": summary,
         "samples": [s.__dict__ for s in sampler.samples],
     }

@@ -237,6 +237,8 @@ def test_arrival_itl_spawned_server(tiny_dir: Path, tmp_path: Path) -> None:
     assert code == 0
     data = _strict_json(tmp_path / "arrival_itl.json")
     assert data["complete"] and data["server_exit_code"] == 0 and data["device"] == "cpu"
+    # Results name no machine's folders (the checkpoint and the output folder were absolute).
+    assert str(tmp_path) not in json.dumps(data) and str(tiny_dir) not in json.dumps(data)
     samples = 0
     for phase in ("A", "B"):
         r = data["phases"][phase]
