@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
-import hashlib
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Protocol
 
+import blake3
 import torch
 
 from image_pipeline import DecodeBudget, ImageError, ImageLimits, ImagePreparer, PreparedImage
@@ -98,8 +98,8 @@ class ImageCache:
 _HASH_ON_LOOP_BYTES = 1 << 20
 
 
-def _sha256(data: bytes) -> bytes:
-    return hashlib.sha256(data).digest()
+def _digest(data: bytes) -> bytes:
+    return blake3.blake3(data).digest()
 
 
 class _HasImage(Protocol):
@@ -140,7 +140,7 @@ class ImageResolver:
         self.cache = cache
         self._executor = executor
         self.preparer = preparer if preparer is not None else ImagePreparer(limits)
-        # SHA-256 of encoded bytes -> content hash in `cache`: the same upload sent again
+        # BLAKE3 of encoded bytes -> content hash in `cache`: the same upload sent again
         # skips decoding and tiling (tens of milliseconds of CPU per 800x600 picture).
         self._by_encoding: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         # Digest -> the decode in progress for it (requests racing with the same bytes).
@@ -157,9 +157,9 @@ class ImageResolver:
         preparer's device."""
         loop = asyncio.get_running_loop()
         if len(data) > _HASH_ON_LOOP_BYTES:  # keep the event loop responsive for big uploads
-            digest = await loop.run_in_executor(self._executor, _sha256, data)
+            digest = await loop.run_in_executor(self._executor, _digest, data)
         else:
-            digest = _sha256(data)
+            digest = _digest(data)
         known = self._by_encoding.get(digest)
         if known is not None:
             image = self.cache.get(known)
