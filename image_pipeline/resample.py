@@ -106,9 +106,10 @@ class Resampler:
 
     def __init__(self, device: torch.device | str, block: int | None = None) -> None:
         self.device = torch.device(device)
-        # Output indices per matmul block: small on the CPU (less work), larger on a GPU
-        # (fewer launches; the extra multiply-adds cost little there).
-        self.block = block if block is not None else (32 if self.device.type == "cpu" else 256)
+        # Output indices per matmul block: small on the CPU (less work), large on a GPU,
+        # where the image path is launch-bound: one block per stage up to 2048 outputs
+        # (canvases of common sizes), and the extra multiply-adds cost little there.
+        self.block = block if block is not None else (32 if self.device.type == "cpu" else 2048)
         self._cache: collections.OrderedDict[tuple[int, int, bool], tuple[Filter, _Prepared]]
         self._cache = collections.OrderedDict()
         self._cached_bytes = 0

@@ -99,6 +99,7 @@ class ServerConfig:
     metrics_port: int = 9464
     grace_period: float = 30.0
     decode_threads: int = 4
+    gil_switch_interval_ms: float = 5.0
     malloc_arena_max: int = 2
     malloc_mmap_threshold: int = MIB
     memory_trim_interval: float = 10.0
@@ -131,6 +132,10 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.constraint_compile_seconds > 0:
             raise ValueError("constraint_compile_seconds must be > 0")
+        if not 0.01 <= self.gil_switch_interval_ms <= 100:
+            raise ValueError(
+                f"gil_switch_interval_ms must be in 0.01..100, got {self.gil_switch_interval_ms}"
+            )
         for name in ("port", "metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be in 0..65535 (0 = any free port)")
@@ -333,6 +338,13 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("metrics_port", int, "Prometheus endpoint port (0 = any free port)"),
     _Option("grace_period", float, "seconds to finish accepted requests after SIGTERM"),
     _Option("decode_threads", int, "threads decoding images"),
+    _Option(
+        "gil_switch_interval_ms",
+        float,
+        "how long a Python thread may hold the GIL while another waits for it "
+        "(sys.setswitchinterval): the engine's scheduler thread waits up to this long "
+        "behind the event loop, so it bounds the stall a busy loop adds to a decode step",
+    ),
     _Option(
         "malloc_arena_max",
         int,

@@ -140,6 +140,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "vlm-server") -> int:
     # Before any thread allocates: arenas that exist stay.
     limit_arenas(config.malloc_arena_max)
     limit_mmap_threshold(config.malloc_mmap_threshold)
+    sys.setswitchinterval(config.gil_switch_interval_ms / 1000)
     factory = functools.partial(ENGINES[config.engine], config)
     return asyncio.run(serve(config, factory))
 
