@@ -24,6 +24,10 @@ class EngineConfig:
     prefix_cache_entries: int = 64  # image prefixes kept for reuse
     mask_table_rows: int = 1024  # device mask-table capacity (rows of vocab-wide bools)
     cuda_graphs: bool = True  # capture decode forwards per batch bucket (CUDA only)
+    # SMs the image-prefix path's GEMMs leave free (cuBLAS SM count target, baked into its
+    # graphs): the prefill stream runs beside decode steps, and cuBLAS's persistent GEMM
+    # kernels otherwise hold every SM for their whole length, stalling the steps' kernels.
+    prefill_sm_carveout: int = 0
     # Caps and time budget of client constraints (choices / regex), see decoding/limits.py.
     constraint_limits: ConstraintLimits = field(default_factory=ConstraintLimits)
 
@@ -35,6 +39,8 @@ class EngineConfig:
                 "max_step_tokens must exceed max_batch: every step takes all its "
                 "decode rows and at least one prefill token"
             )
+        if self.prefill_sm_carveout < 0:
+            raise ValueError("prefill_sm_carveout must be >= 0")
         if self.page_size < 1:
             raise ValueError("page_size must be >= 1")
         if self.pipeline_depth not in (1, 2):

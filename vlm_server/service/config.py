@@ -100,6 +100,7 @@ class ServerConfig:
     grace_period: float = 30.0
     decode_threads: int = 4
     gil_switch_interval_ms: float = 5.0
+    prefill_sm_carveout: int = 0
     malloc_arena_max: int = 2
     malloc_mmap_threshold: int = MIB
     memory_trim_interval: float = 10.0
@@ -143,6 +144,7 @@ class ServerConfig:
             raise ValueError("http_port must be in -1..65535 (0 = off, -1 = any free port)")
         nonnegative = (
             "kv_budget",
+            "prefill_sm_carveout",
             "grace_period",
             "max_image_side",
             "malloc_arena_max",
@@ -265,6 +267,13 @@ OPTIONS: tuple[_Option, ...] = (
         parse_size,
         "KV cache memory (0 = the engine's default: the "
         "batched engine takes 40%% of free GPU memory)",
+    ),
+    _Option(
+        "prefill_sm_carveout",
+        int,
+        "SMs the image-prefix path's matrix products leave to the decode steps running beside "
+        "it (CUDA; 0 = none): bounds how much a new image slows running streams, at the cost "
+        "of a slower image path",
     ),
     _Option("pipeline_depth", int, "steps in flight: 2 overlaps host work, 1 is blocking"),
     _Option("queue_limit", int, "requests waiting beyond this are refused (RESOURCE_EXHAUSTED)"),

@@ -83,6 +83,7 @@ def batched_engine(config: ServerConfig, one_at_a_time: bool = False) -> Engine:
         pipeline_depth=1 if one_at_a_time else config.pipeline_depth,
         max_queue=config.queue_limit,
         kv_budget_bytes=config.kv_budget or None,
+        prefill_sm_carveout=config.prefill_sm_carveout,
         constraint_limits=constraint_limits(config),
     )
     return BatchedEngine(_loader(config)(), cfg, preset_name=config.preset)

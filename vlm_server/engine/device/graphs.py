@@ -7,9 +7,10 @@ first into one shared memory pool, so smaller graphs reuse the larger ones' memo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Generic, TypeVar
 
 import torch
@@ -78,3 +79,19 @@ class GraphSet(Generic[K]):
         graph, out = self._graphs[key]
         graph.replay()
         return out
+
+
+@contextlib.contextmanager
+def sm_carveout(sms: int) -> Iterator[None]:
+    """Matmuls launched (or captured) inside leave ``sms`` SMs free (cuBLAS's SM count
+    target; 0: no change). A captured graph keeps the setting of its capture."""
+    setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    if sms <= 0 or setter is None:
+        yield
+        return
+    before = torch._C._get_sm_carveout_experimental()
+    setter(sms)
+    try:
+        yield
+    finally:
+        setter(before)

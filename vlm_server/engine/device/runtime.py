@@ -58,7 +58,7 @@ from vlm_server.engine.core.step_layout import (
     RowPhase,
 )
 from vlm_server.engine.core.step_plan import N_TOK, T_ID, T_POS, T_ROW, StepPlan, pack_tokens
-from vlm_server.engine.device.graphs import GraphSet
+from vlm_server.engine.device.graphs import GraphSet, sm_carveout
 from vlm_server.engine.device.kernels.paged_attention import DecodeKV, PagedKV, PrefixKV, RaggedKV
 from vlm_server.engine.device.streams import CpuEvent, Device, Event, TorchDevice
 from vlm_server.model import MoondreamModel
@@ -159,6 +159,13 @@ class ModelRuntime:
         self.observer = observer
         dev, tc = self.dev, model.config.text
         self.contract = model.config.tokens
+        if dev.is_cuda and cfg.prefill_sm_carveout:
+            sms = torch.cuda.get_device_properties(self.torch_device).multi_processor_count
+            if cfg.prefill_sm_carveout >= sms:
+                raise ValueError(
+                    f"prefill_sm_carveout ({cfg.prefill_sm_carveout}) must leave the image "
+                    f"path some of the device's {sms} SMs"
+                )
         budget = cfg.kv_budget_bytes or self._default_budget()
         n_pages = max(2, budget // kv_page_bytes(model, cfg.page_size))
         shape = (2, tc.n_layers, n_pages, cfg.page_size, tc.n_kv_heads, tc.head_dim)
@@ -600,8 +607,9 @@ class ModelRuntime:
     def _image_embedding(self, crops: torch.Tensor, tiling: tuple[int, int]) -> torch.Tensor:
         """uint8 crops of one image -> BOS + image embeddings [1, prefix_len, dim]."""
         m = self.model
-        x = normalize_crops(crops, self.dtype)
-        return m.prefix_embeddings(m.vision.project(m.vision.encode(x), tiling))
+        with sm_carveout(self.cfg.prefill_sm_carveout if self.dev.is_cuda else 0):
+            x = normalize_crops(crops, self.dtype)
+            return m.prefix_embeddings(m.vision.project(m.vision.encode(x), tiling))
 
     def _prefix_forward(self, i: int, k: int) -> None:
         """BOS + image of prefix slot ``i``'s ``k`` images (``prefix_emb[:k]``) into their
@@ -623,7 +631,8 @@ class ModelRuntime:
         else:
             kv = PagedKV(self.k_pools, self.v_pools, pages, length, fresh_prefix=True)
         pos = self._prefix_pos[None].expand(k, length)
-        self.model.text(self.prefix_emb[:k], pos, kv)
+        with sm_carveout(self.cfg.prefill_sm_carveout if self.dev.is_cuda else 0):
+            self.model.text(self.prefix_emb[:k], pos, kv)
 
     def _crops_on_device(self, crops: torch.Tensor) -> torch.Tensor:
         """The image preparer may have made the crops on this device already; host crops go
