@@ -9,11 +9,14 @@ called there, not from the HTTP thread).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import concurrent.futures
 import contextlib
+import gc
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from wsgiref.simple_server import WSGIServer
 
@@ -55,6 +58,7 @@ _LATENCY_BUCKETS = (
 )
 # Event-loop lag: from a timer's resolution up to a loop stalled for seconds.
 _LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_GC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 LOOP_LAG_INTERVAL_S = 0.05
 _SCRAPE_TIMEOUT_S = 2.0
 _DT = ("door", "task")
@@ -134,6 +138,52 @@ class _EngineCollector(Collector):
         )
 
 
+class GcPauses(Collector):
+    """``vlm_gc_pause_seconds``: Python garbage collections by generation. Every thread waits
+    while one runs, the scheduler thread's next launch included.
+
+    The collection callback only bumps counters: it runs inside whichever thread allocated,
+    possibly one holding a metrics lock, so it must take none."""
+
+    def __init__(self) -> None:
+        n = len(_GC_BUCKETS) + 1
+        self._counts = [[0] * n for _ in range(3)]
+        self._sums = [0.0] * 3
+        self._started = 0.0
+
+    def install(self) -> None:
+        if self._on_gc not in gc.callbacks:
+            gc.callbacks.append(self._on_gc)
+
+    def uninstall(self) -> None:
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        generation = min(max(info.get("generation", 2), 0), 2)
+        pause = time.perf_counter() - self._started
+        self._counts[generation][bisect.bisect_left(_GC_BUCKETS, pause)] += 1
+        self._sums[generation] += pause
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(
+            "vlm_gc_pause_seconds",
+            "Python garbage collection pauses, by generation (every thread waits)",
+            labels=["generation"],
+        )
+        for generation in range(3):
+            cumulative, buckets = 0, []
+            counts = list(self._counts[generation])
+            for bound, count in zip((*_GC_BUCKETS, math.inf), counts, strict=True):
+                cumulative += count
+                buckets.append(("+Inf" if math.isinf(bound) else repr(bound), cumulative))
+            family.add_metric([str(generation)], buckets, self._sums[generation])
+        yield family
+
+
 class ServiceMetrics:
     """The server's metrics and, once `serve` is called, their HTTP endpoint."""
 
@@ -189,6 +239,8 @@ class ServiceMetrics:
             registry=r,
         )
         self._lag_task: asyncio.Task[None] | None = None
+        self.gc_pauses = GcPauses()
+        r.register(self.gc_pauses)
         self.image_cache_bytes = Gauge(
             "vlm_image_cache_bytes", "memory held by EncodeImage images", registry=r
         )
@@ -200,11 +252,15 @@ class ServiceMetrics:
         self.registry.register(_EngineCollector(loop, source))
 
     def watch_loop(self, interval: float = LOOP_LAG_INTERVAL_S) -> None:
-        """Record the running loop's lag every ``interval`` seconds until `unwatch_loop`."""
+        """Record the running loop's lag every ``interval`` seconds, and every garbage
+        collection's pause, until `unwatch_loop`."""
         if self._lag_task is None:
             self._lag_task = asyncio.get_running_loop().create_task(self._sample_lag(interval))
 
+        self.gc_pauses.install()
+
     async def unwatch_loop(self) -> None:
+        self.gc_pauses.uninstall()
         task, self._lag_task = self._lag_task, None
         if task is not None:
             task.cancel()
