@@ -14,6 +14,7 @@ SO_REUSEPORT off so that a second server on a taken port fails instead of sharin
 from __future__ import annotations
 
 import asyncio
+import gc
 import functools
 import logging
 import time
@@ -237,6 +238,11 @@ class VisionLanguageServer:
         engine = await asyncio.to_thread(self._engine_factory)
         self.engine = engine
         await engine.start()
+        # What loading made (modules, the model's Python objects, graphs) lives as long as
+        # the server: out of the collector's generations, no later full collection walks it
+        # while every thread, the scheduler's included, waits.
+        gc.collect()
+        gc.freeze()
         info = engine.info
         self.core.engine = engine
         await self.health.ready()
