@@ -14,8 +14,8 @@ SO_REUSEPORT off so that a second server on a taken port fails instead of sharin
 from __future__ import annotations
 
 import asyncio
-import gc
 import functools
+import gc
 import logging
 import time
 from collections.abc import Callable
