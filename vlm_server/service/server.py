@@ -238,11 +238,6 @@ class VisionLanguageServer:
         engine = await asyncio.to_thread(self._engine_factory)
         self.engine = engine
         await engine.start()
-        # What loading made (modules, the model's Python objects, graphs) lives as long as
-        # the server: out of the collector's generations, no later full collection walks it
-        # while every thread, the scheduler's included, waits.
-        gc.collect()
-        gc.freeze()
         info = engine.info
         self.core.engine = engine
         await self.health.ready()
