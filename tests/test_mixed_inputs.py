@@ -1,14 +1,18 @@
-"""The mixed step's input layout (core/mixed_inputs.py) and the runtime's graph keys."""
+"""The mixed step's input layout (core/mixed_inputs.py), the runtime's graph keys and the
+prefill path's SM carveout."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.mixed_inputs import MixedLayout
 from vlm_server.engine.core.step_plan import N_TOK, T_ID, T_POS, T_ROW
+from vlm_server.engine.device.graphs import sm_carveout
 from vlm_server.engine.device.runtime import image_tilings, token_buckets
 
 LAYOUT = MixedLayout(rows=9, max_tails=4)
@@ -91,3 +95,14 @@ def test_image_tilings_are_every_grid_within_the_crop_budget() -> None:
     assert all(h * w <= 12 for h, w in tilings)
     crops = [h * w for h, w in tilings]
     assert crops == sorted(crops, reverse=True)  # largest first: one shared graph pool
+
+
+def test_sm_carveout_applies_inside_and_restores_after() -> None:
+    before = torch._C._get_sm_carveout_experimental()
+    with sm_carveout(24):
+        assert torch._C._get_sm_carveout_experimental() == 24
+    assert torch._C._get_sm_carveout_experimental() == before
+    with sm_carveout(0):  # no carveout: the setting is left alone
+        assert torch._C._get_sm_carveout_experimental() == before
+    with pytest.raises(ValueError, match="prefill_sm_carveout"):
+        EngineConfig(prefill_sm_carveout=-1)

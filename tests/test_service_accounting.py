@@ -6,6 +6,7 @@ a stalled event loop shows in the loop-lag histogram."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -151,3 +152,28 @@ def test_the_loop_lag_sampler_records_how_late_it_wakes_and_stops() -> None:
     assert (get("vlm_event_loop_lag_seconds_sum") or 0.0) >= 0.19
     assert (get("vlm_event_loop_lag_seconds_bucket", {"le": "0.1"}) or 0.0) <= count - 1
     assert metrics._lag_task is None
+
+
+def test_garbage_collections_are_counted_by_generation_while_watched() -> None:
+    metrics = ServiceMetrics()
+
+    def count(generation: int) -> float:
+        value = metrics.registry.get_sample_value(
+            "vlm_gc_pause_seconds_count", {"generation": str(generation)}
+        )
+        return value or 0.0
+
+    async def main() -> None:
+        metrics.watch_loop(interval=0.01)
+        gc.collect()
+        gc.collect(0)
+        await metrics.unwatch_loop()
+
+    asyncio.run(main())
+    full, young = count(2), count(0)
+    assert full >= 1 and young >= 1
+    assert (
+        metrics.registry.get_sample_value("vlm_gc_pause_seconds_sum", {"generation": "2"}) or 0.0
+    ) > 0
+    gc.collect()  # not watched any more: nothing recorded
+    assert count(2) == full

@@ -56,6 +56,9 @@ def test_parse_size(text: str, value: int) -> None:
         (["--max-batch-size", "8", "--max-step-tokens", "8"], {}),  # no room for a prefill
         (["--max-message-bytes", "lots"], {}),
         (["--log-format", "xml"], {}),
+        (["--gil-switch-interval-ms", "0"], {}),
+        (["--gil-switch-interval-ms", "1000"], {}),
+        (["--prefill-sm-carveout", "-1"], {}),
     ],
 )
 def test_bad_values_are_refused(
@@ -119,3 +122,11 @@ def test_constraint_flags_reach_the_engine_limits() -> None:
     assert (limits.max_choices, limits.max_regex_chars, limits.compile_seconds) == (3, 40, 0.5)
     with pytest.raises(SystemExit):
         load_config(["--max-choices", "0"], environ={})
+
+
+def test_engine_and_interpreter_tuning_flags() -> None:
+    config = load_config(["--gil-switch-interval-ms", "0.5", "--prefill-sm-carveout", "16"])
+    assert config.gil_switch_interval_ms == 0.5 and config.prefill_sm_carveout == 16
+    assert load_config([], environ={"VLM_PREFILL_SM_CARVEOUT": "8"}).prefill_sm_carveout == 8
+    with pytest.raises(ValueError, match="gil_switch_interval_ms"):
+        ServerConfig(gil_switch_interval_ms=0.001)
