@@ -351,6 +351,8 @@ def server_intervals(tl: Timeline, phase: str) -> dict[str, Any]:
         "server_itl_p50_ms": histogram_quantile(0.50, delta) * 1e3,
         "server_itl_p90_ms": histogram_quantile(0.90, delta) * 1e3,
         "server_itl_p99_ms": histogram_quantile(0.99, delta) * 1e3,
+        # Cumulative counts by upper bound (seconds): where the tail sits, bucket by bucket.
+        "server_itl_buckets": {repr(b): int(n) for b, n in sorted(delta.items())},
     }
 
 
