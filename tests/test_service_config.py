@@ -119,3 +119,15 @@ def test_constraint_flags_reach_the_engine_limits() -> None:
     assert (limits.max_choices, limits.max_regex_chars, limits.compile_seconds) == (3, 40, 0.5)
     with pytest.raises(SystemExit):
         load_config(["--max-choices", "0"], environ={})
+
+
+def test_gpu_decode_threshold_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert ServerConfig().image_gpu_decode_min_pixels == 0  # off by default
+    config = load_config([], environ={"VLM_IMAGE_GPU_DECODE_MIN_PIXELS": "4000000"})
+    assert config.image_gpu_decode_min_pixels == 4_000_000
+    flag = load_config(["--image-gpu-decode-min-pixels", "1000000"], environ={})
+    assert flag.image_gpu_decode_min_pixels == 1_000_000
+    with pytest.raises(SystemExit) as caught:
+        load_config(["--image-gpu-decode-min-pixels", "-1"], environ={})
+    assert caught.value.code == 2
+    assert "--image-gpu-decode-min-pixels must be >= 0" in capsys.readouterr().err
