@@ -141,7 +141,9 @@ def _host_decoder(data: bytes, device: torch.device) -> torch.Tensor:
     raise AssertionError("not called here")
 
 
-def test_gpu_decode_flag_reaches_the_preparer(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpu_decode_flag_reaches_the_preparer(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     asked: list[torch.device] = []
 
     def decoder_for(device: torch.device) -> object:
@@ -156,8 +158,10 @@ def test_gpu_decode_flag_reaches_the_preparer(monkeypatch: pytest.MonkeyPatch) -
     assert on_cuda.gpu_decoder is _host_decoder and on_cuda.gpu_decode_min_pixels == 2_000_000
     # Off, or crops made on the CPU: no GPU decoder is looked for.
     assert image_preparer(ServerConfig(image_device="cuda")).gpu_decoder is None
+    assert "image-gpu-decode" not in caplog.text
     on_cpu = image_preparer(ServerConfig(image_device="cpu", image_gpu_decode_min_pixels=1))
     assert on_cpu.gpu_decoder is None and len(asked) == 1
+    assert "--image-gpu-decode-min-pixels has no effect: images are cropped on cpu" in caplog.text
 
 
 def _unavailable(device: torch.device) -> object:

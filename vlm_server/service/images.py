@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import logging
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Protocol
@@ -16,6 +17,8 @@ from image_pipeline import DecodeBudget, ImageError, ImageLimits, ImagePreparer,
 from image_pipeline.gpu_jpeg import GpuDecoder, torchvision_decoder
 from vlm_server.service.config import ServerConfig
 from vlm_server.service.errors import invalid
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -125,7 +128,9 @@ def image_preparer(config: ServerConfig) -> ImagePreparer:
     )
     min_pixels = config.image_gpu_decode_min_pixels
     decoder: GpuDecoder | None = None
-    if min_pixels > 0 and device.type == "cuda":
+    if min_pixels > 0 and device.type != "cuda":
+        log.warning("--image-gpu-decode-min-pixels has no effect: images are cropped on %s", device)
+    elif min_pixels > 0:
         try:
             decoder = torchvision_decoder(device)
         except RuntimeError as err:
