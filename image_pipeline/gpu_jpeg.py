@@ -36,6 +36,8 @@ __all__ = [
 # orientation. Any exception means "not this way": the host path decides about the picture.
 GpuDecoder = Callable[[bytes, torch.device], torch.Tensor]
 
+_EOI = b"\xff\xd9"  # JPEG end-of-image marker
+
 # EXIF orientation -> (swap axes, then flip rows, flip columns): the moves that display the
 # stored picture upright, the same as jpeg.orient's numpy views (exif_transpose semantics).
 _MOVES: dict[int, tuple[bool, bool, bool]] = {
@@ -112,9 +114,14 @@ def decode_upright(
     """Decode with ``decoder`` and turn upright: uint8 ``[h, w, 3]``, C-contiguous.
 
     Raises:
-        GpuDecodeError: the decoder raised, or its output is not the ``[1 or 3, H, W]``
-            uint8 picture of the header's stored size (then the host path decides).
+        GpuDecodeError: the data does not end with the JPEG end marker, the decoder raised,
+            or its output is not the ``[1 or 3, H, W]`` uint8 picture of the header's
+            stored size (then the host path decides).
     """
+    if bytes(data[-2:]) != _EOI:
+        # Truncated, or bytes after the picture: the host path refuses a truncated file,
+        # and nvJPEG may decode one without an error (the missing part grey).
+        raise GpuDecodeError("no JPEG end marker at the end of the data")
     try:
         planes = decoder(data, device)
     except Exception as exc:  # nvJPEG reports unsupported and corrupt data alike

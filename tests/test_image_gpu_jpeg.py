@@ -282,6 +282,24 @@ def test_corrupt_jpeg_gets_the_host_paths_error(damage: Callable[[bytes], bytes]
         assert gpu_error.value.message == host_error.value.message
 
 
+def test_data_without_the_end_marker_is_left_to_the_host_path() -> None:
+    """A GPU decoder might fill a truncated picture in silently: it never sees one."""
+    whole = encode(photo(300, 200))
+    seen: list[int] = []
+
+    def lenient(data: bytes, device: torch.device) -> torch.Tensor:
+        seen.append(len(data))
+        return torch.zeros((3, 200, 300), dtype=torch.uint8)
+
+    gpu = ImagePreparer(gpu_decode_min_pixels=1, gpu_decoder=lenient)
+    with pytest.raises(ImageError) as info:
+        gpu.prepare(whole[: len(whole) * 3 // 4])
+    assert info.value.reason is R.CORRUPT and not seen
+    padded = whole + b"\x00" * 16  # bytes after the picture: decoded on the host, accepted
+    assert_same_crops(gpu.prepare(padded), ImagePreparer().prepare(padded))
+    assert not seen
+
+
 def test_fallback_gives_the_budget_back_first() -> None:
     data = encode(photo(200, 150))
     budget = DecodeBudget(200 * 150 * 3)  # exactly one full-size decode: a nested one would hang
@@ -354,7 +372,9 @@ def test_digest_is_of_the_encoded_bytes_and_never_a_pixel_digest() -> None:
     assert prepared.content_hash == blake3.blake3(b"jpeg-gpu 300x200\n" + data).hexdigest()
     again, _ = gpu_and_host(1, HostDecoder())
     assert again.prepare(data).content_hash == prepared.content_hash  # stable
-    other = data + b"\x00"  # other bytes (after the end marker), the same pixels
+    # Other bytes, the same pixels (an empty comment segment after the start marker).
+    other = data[:2] + b"\xff\xfe\x00\x02" + data[2:]
+    assert np.array_equal(decode(other).pixels, pixels)
     assert gpu.prepare(other).content_hash == encoded_digest(other, (300, 200))
     assert encoded_digest(other, (300, 200)) != prepared.content_hash
 
@@ -403,9 +423,10 @@ def synthetic_photo(width: int, height: int) -> Image.Image:
 @pytest.mark.gpu
 @pytest.mark.parametrize("size", [(4000, 3000), (800, 600)], ids=["12MP", "800x600"])
 def test_nvjpeg_crops_are_close_to_the_host_paths(size: tuple[int, int]) -> None:
-    decoder = _cuda_decoder()
+    _cuda_decoder()  # skips where torchvision's nvJPEG decode does not work
     data = encode(synthetic_photo(*size), quality=90)
-    gpu = ImagePreparer(device="cuda", gpu_decode_min_pixels=1, gpu_decoder=decoder)
+    gpu = ImagePreparer(device="cuda", gpu_decode_min_pixels=1)  # the default decoder
+    assert gpu.gpu_decoder is not None
     host = ImagePreparer(device="cuda", reduced_decode=False)
     a, b = gpu.prepare(data), host.prepare(data)
     assert a.crops.is_cuda and a.content_hash == encoded_digest(data, (size[1], size[0]))
@@ -419,7 +440,9 @@ def test_nvjpeg_crops_are_close_to_the_host_paths(size: tuple[int, int]) -> None
 @pytest.mark.parametrize("orientation", range(1, 9))
 def test_nvjpeg_orientation_on_the_gpu(orientation: int) -> None:
     decoder = _cuda_decoder()
-    data = oriented_jpeg(orientation, 320, 200)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    data = encode(synthetic_photo(320, 200), quality=90, exif=exif.tobytes())
     upright = decode_upright(decoder, data, torch.device("cuda"), read_header(data))
     assert upright.is_cuda and upright.is_contiguous()
     expected = pillow_upright(data)
@@ -429,6 +452,43 @@ def test_nvjpeg_orientation_on_the_gpu(orientation: int) -> None:
     # The GPU moves equal the host's exactly on the same pixels.
     stored = torch.from_numpy(simplejpeg.decode_jpeg(data)).cuda()
     np.testing.assert_array_equal(orient_tensor(stored, orientation).cpu().numpy(), expected)
+
+
+def outcome(preparer: ImagePreparer, data: bytes) -> str:
+    try:
+        preparer.prepare(data)
+    except ImageError as err:
+        return err.reason.value
+    return "accepted"
+
+
+def test_damaged_jpegs_get_the_host_paths_outcome() -> None:
+    data = encode(photo(300, 200))
+    for bad in (data[: len(data) * 3 // 4], data[: len(data) * 3 // 4] + b"\xff\xd9"):
+        host = outcome(ImagePreparer(), bad)
+        assert (
+            outcome(ImagePreparer(gpu_decode_min_pixels=1, gpu_decoder=HostDecoder()), bad) == host
+        )
+    assert outcome(ImagePreparer(), data[: len(data) * 3 // 4]) == "corrupt"
+    assert outcome(ImagePreparer(), data[: len(data) * 3 // 4] + b"\xff\xd9") == "accepted"
+
+
+@pytest.mark.gpu
+def test_nvjpeg_refuses_what_the_host_path_refuses() -> None:
+    decoder = _cuda_decoder()
+    data = encode(synthetic_photo(640, 480), quality=90)
+    gpu = ImagePreparer(device="cuda", gpu_decode_min_pixels=1, gpu_decoder=decoder)
+    host = ImagePreparer(device="cuda")
+    sos = data.index(b"\xff\xda")
+    cases = {
+        "truncated": data[: len(data) * 3 // 4],
+        "truncated_with_end_marker": data[: len(data) * 3 // 4] + b"\xff\xd9",
+        "no_scan": data[:sos] + b"\xff\xd9",
+    }
+    for name, bad in cases.items():
+        # Refused with the same reason, or accepted by both (Pillow fills in a truncated
+        # scan that ends with the end marker).
+        assert outcome(gpu, bad) == outcome(host, bad), name
 
 
 @pytest.mark.gpu
