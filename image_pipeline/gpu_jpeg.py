@@ -139,11 +139,12 @@ def decode_upright(
 def encoded_digest(data: bytes, size: tuple[int, int]) -> str:
     """BLAKE3 hex of a GPU-decoded picture: its encoded bytes under their own header.
 
-    The pixels never come to the host, so the bytes stand for them (the decoder is
-    deterministic). The header (``jpeg-gpu HxW``, the upright size) differs from every
-    pixel digest's (``rgb8 ...``, see :func:`.prepared.content_hash`), so the two never
-    meet: a GPU-decoded picture shares no cache entry or image prefix with the same
-    picture decoded on the host or encoded otherwise.
+    The pixels never come to the host, so the bytes stand for them (one decoder gives the
+    same pixels for the same bytes; the digest keys a process's own cache). The header
+    (``jpeg-gpu HxW``, the upright size) differs from every pixel digest's (``rgb8 ...``,
+    see :func:`.prepared.content_hash`), so the two never meet: a GPU-decoded picture
+    shares no cache entry or image prefix with the same picture decoded on the host or
+    encoded otherwise.
     """
     digest = blake3.blake3(f"jpeg-gpu {size[0]}x{size[1]}\n".encode("ascii"))
     digest.update(data)

@@ -99,9 +99,9 @@ def content_hash(
     against 1.03 ms for 800x600 pixels on a Xeon host).
 
     The shape is hashed with the pixels, so a different size never gives the same
-    digest, and the container the pixels came in plays no part: the same picture sent as
-    PNG or as JPEG re-encoded without loss shares cache entries and the image prefix.
-    JPEGs decoded on the GPU are hashed by their encoded bytes instead (their pixels
+    digest, and the container the pixels came in plays no part: the same pixels sent in
+    another container (PNG, BMP, ...) share cache entries and the image prefix. JPEGs
+    decoded on the GPU are hashed by their encoded bytes instead (their pixels
     stay on the device), so that sharing does not reach them. ``original_size``
     ``(height, width)`` marks a reduced-scale decode: its digest then differs from
     any full-size image's, since the same picture decoded at full size would give
