@@ -8,11 +8,14 @@ host CPU ms of the worker thread (decode, hash, and the resize on the CPU or its
 a GPU), device ms of upload + resize + crop (CUDA only, from events), and normalize ms.
 ``--device cuda`` makes the crops on the GPU as a CUDA server does (the default where CUDA
 exists); ``--normalize-device none`` skips normalization; ``--exif-orientation 6`` tags the
-JPEGs as phone portrait photos, which the decoder turns upright.
+JPEGs as phone portrait photos, which the decoder turns upright. ``--gpu-decode-min-pixels N``
+decodes JPEGs of at least N pixels on the GPU (nvJPEG through torchvision, as the server's
+``--image-gpu-decode-min-pixels``): the cpu ms column is then the host's whole share.
 
     python -m bench.image_bench
     python -m bench.image_bench --sizes 800x600 4000x3000 --formats jpeg --threads 1 4
     python -m bench.image_bench --device cuda --resize vips pillow --normalize-device cuda
+    python -m bench.image_bench --sizes 800x600 4000x3000 --gpu-decode-min-pixels 4000000
 
 Writes ``image_bench.json`` and ``image_bench.png`` (default bench/results/<device>/) and
 prints a table.
@@ -38,6 +41,8 @@ from tqdm import tqdm
 
 from bench.synth_images import parse_size, unique_images, with_orientation
 from image_pipeline import ImageLimits, ImagePreparer, ResizeMode, content_hash, decode
+from image_pipeline.decode import read_header
+from image_pipeline.gpu_jpeg import GpuDecoder, torchvision_decoder
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Generous limits: the benchmark measures the pipeline, not the server's input policy.
@@ -55,8 +60,13 @@ def run_cell(
     dtype: torch.dtype,
     resize: ResizeMode,
     device: str,
+    *,
+    gpu_decode_min_pixels: int = 0,
+    gpu_decoder: GpuDecoder | None = None,
 ) -> dict[str, Any]:
-    """``threads`` workers preparing ``images`` in turn; images/s and per-image medians."""
+    """``threads`` workers preparing ``images`` in turn; images/s and per-image medians.
+
+    ``gpu_decode_min_pixels``/``gpu_decoder`` as in :class:`ImagePreparer`."""
     lock = threading.Lock()
     prep_ms: list[float] = []
     cpu_ms: list[float] = []
@@ -69,7 +79,16 @@ def run_cell(
         with lock:
             gpu_ms.append(ms)
 
-    preparer = ImagePreparer(LIMITS, resize=resize, device=device, on_device_time=on_device_time)
+    preparer = ImagePreparer(
+        LIMITS,
+        resize=resize,
+        device=device,
+        gpu_decode_min_pixels=gpu_decode_min_pixels,
+        gpu_decoder=gpu_decoder,
+        on_device_time=on_device_time,
+    )
+    # The pictures of a cell share size and format: the first says which path they take.
+    on_gpu = preparer.decodes_on_gpu(read_header(images[0], LIMITS))
 
     def one(data: bytes) -> tuple[float, float, float, int]:
         c0 = time.thread_time()
@@ -101,9 +120,10 @@ def run_cell(
         return done
 
     # The host's share that stays on the CPU when crops are made on a GPU: header, decode,
-    # hash (one thread, back to back).
+    # hash (one thread, back to back). Not measured for GPU-decoded pictures: there cpu_ms
+    # is that share, decode call included.
     decode_cpu: list[float] = []
-    for data in images:
+    for data in images if not on_gpu else ():
         c0 = time.thread_time()
         decoded = decode(data, LIMITS, target=preparer._canvas_for)
         content_hash(decoded.pixels, (decoded.height, decoded.width))
@@ -125,7 +145,8 @@ def run_cell(
         "ms_per_image": statistics.median(total),
         "prepare_ms": statistics.median(prep_ms),
         "cpu_ms": statistics.median(cpu_ms),
-        "decode_cpu_ms": statistics.median(decode_cpu),
+        "decode_cpu_ms": statistics.median(decode_cpu) if decode_cpu else None,
+        "gpu_decode": on_gpu,
         "gpu_ms": statistics.median(gpu_ms) if gpu_ms else None,
         "normalize_ms": statistics.median(norm_ms) if norm_device is not None else None,
         "crops": statistics.median(crops),
@@ -206,24 +227,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="EXIF orientation tag of the JPEG pictures (6: a phone's portrait photo, turned "
         "on decoding)",
     )
+    ap.add_argument(
+        "--gpu-decode-min-pixels",
+        type=int,
+        default=0,
+        metavar="N",
+        help="decode JPEGs of at least N pixels on the GPU (nvJPEG through torchvision; "
+        "needs --device cuda); 0: off",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     norm = None if args.normalize_device == "none" else args.normalize_device
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    decoder: GpuDecoder | None = None
+    if args.gpu_decode_min_pixels < 0:
+        ap.error("--gpu-decode-min-pixels must be >= 0")
+    if args.gpu_decode_min_pixels > 0:
+        # Measuring the host path while asking for the GPU one would mislead: refuse.
+        if not args.device.startswith("cuda"):
+            ap.error("--gpu-decode-min-pixels needs --device cuda")
+        try:
+            decoder = torchvision_decoder(torch.device(args.device))
+        except RuntimeError as err:
+            ap.error(f"--gpu-decode-min-pixels: {err}")
     previous_threads = torch.get_num_threads()
     if norm == "cpu" or args.device == "cpu":
         # One intra-op thread per worker: otherwise torch's own pool oversubscribes the cores
         # and the thread-count axis stops meaning anything.
         torch.set_num_threads(1)
     try:
-        return _run(args, norm, dtype)
+        return _run(args, norm, dtype, decoder)
     finally:
         torch.set_num_threads(previous_threads)
 
 
-def _run(args: argparse.Namespace, norm: str | None, dtype: torch.dtype) -> int:
+def _run(
+    args: argparse.Namespace, norm: str | None, dtype: torch.dtype, decoder: GpuDecoder | None
+) -> int:
     """Generate the pictures, measure every cell, write and print the results."""
     name = device_label(norm)
     cores = os.cpu_count() or 1
@@ -249,6 +291,8 @@ def _run(args: argparse.Namespace, norm: str | None, dtype: torch.dtype) -> int:
                     dtype,
                     ResizeMode(mode),
                     args.device,
+                    gpu_decode_min_pixels=args.gpu_decode_min_pixels,
+                    gpu_decoder=decoder,
                 )
                 rows.append(
                     {"size": f"{w}x{h}", "format": fmt, "resize": mode, "bytes": mean_bytes} | cell
@@ -266,6 +310,7 @@ def _run(args: argparse.Namespace, norm: str | None, dtype: torch.dtype) -> int:
         "normalize_device": args.normalize_device,
         "dtype": args.dtype,
         "exif_orientation": args.exif_orientation,
+        "gpu_decode_min_pixels": args.gpu_decode_min_pixels,
         "torch_threads": torch.get_num_threads(),
         "rows": rows,
     }
@@ -275,18 +320,24 @@ def _run(args: argparse.Namespace, norm: str | None, dtype: torch.dtype) -> int:
         f"\nimage pipeline on {cpu_name} ({cores} cores), crops on {args.device}, normalize "
         f"on {args.normalize_device} {args.dtype}"
         + (f", JPEG EXIF orientation {args.exif_orientation}" if args.exif_orientation != 1 else "")
+        + (
+            f", JPEGs from {args.gpu_decode_min_pixels} pixels decoded on the GPU"
+            if args.gpu_decode_min_pixels
+            else ""
+        )
     )
     print(
-        f"{'size':>10} {'fmt':>5} {'resize':>6} {'KB':>7} {'crops':>5} {'thr':>4} "
+        f"{'size':>10} {'fmt':>5} {'dec':>4} {'resize':>6} {'KB':>7} {'crops':>5} {'thr':>4} "
         f"{'img/s':>8} {'ms/img':>8} {'prep ms':>8} {'cpu ms':>8} {'dec ms':>7} {'gpu ms':>8} "
         f"{'norm ms':>8}"
     )
     for r in rows:
         print(
-            f"{r['size']:>10} {r['format']:>5} {r['resize']:>6} {r['bytes'] / 1024:>7.0f} "
+            f"{r['size']:>10} {r['format']:>5} {'gpu' if r['gpu_decode'] else 'host':>4} "
+            f"{r['resize']:>6} {r['bytes'] / 1024:>7.0f} "
             f"{r['crops']:>5.0f} {r['threads']:>4} {r['images_per_s']:>8.1f} "
             f"{r['ms_per_image']:>8.2f} {r['prepare_ms']:>8.2f} {r['cpu_ms']:>8.2f} "
-            f"{r['decode_cpu_ms']:>7.2f} "
+            f"{_fmt(r['decode_cpu_ms'], '7.2f'):>7} "
             f"{_fmt(r['gpu_ms'], '8.3f'):>8} {_fmt(r['normalize_ms'], '8.2f'):>8}"
         )
     png = out / "image_bench.png"

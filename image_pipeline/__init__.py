@@ -14,6 +14,8 @@ Modules, in data-flow order:
 - ``decode``: header checks (format, size, ratio, EXIF orientation), then pixels;
   ``jpeg``: the simplejpeg path for JPEG; ``budget``: decoded bytes in flight.
 - ``prepared``: ``ImagePreparer``/``prepare_image``: pixels -> hash -> device -> crops.
+- ``gpu_jpeg``: optional nvJPEG decode of large JPEGs on the device (torchvision), for
+  the preparer; hashed by their encoded bytes.
 - ``crops``: global crop + overlap crops in torch, ``ResizeMode`` (vips | pillow).
 - ``resample_plan``, ``vips_plan``, ``pillow_plan``: the resizers as integer stages;
   ``resample``: runs them bit-exact as float32 matmuls on any device.

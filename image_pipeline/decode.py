@@ -53,10 +53,12 @@ from .limits import DEFAULT_LIMITS, ImageLimits
 __all__ = [
     "ACCEPTED_FORMATS",
     "DecodedImage",
+    "Header",
     "check_size",
     "decode",
     "decode_image",
     "exif_orientation",
+    "read_header",
     "sniff_format",
     "to_rgb",
     "upright_rgb",
@@ -261,8 +263,57 @@ def upright_rgb(image: Image.Image, orientation: int | None = None) -> Image.Ima
     return rgb if method is None else rgb.transpose(method)
 
 
-def _open(data: bytes, limits: ImageLimits) -> Image.Image:
-    """Open (header only) and check byte and size limits."""
+@dataclass(frozen=True, slots=True, eq=False)
+class Header:
+    """An image whose header passed every limit; no pixel decoded yet.
+
+    Both decoding paths start here (the host decoders of :func:`decode` and the GPU JPEG
+    path of the preparer), so each image meets the same checks before any decoding.
+
+    Attributes:
+        image: Pillow's lazily opened image (header read, pixels not loaded).
+        nbytes: encoded size.
+        orientation: EXIF orientation (1..8) of a JPEG, which keeps EXIF in a header
+            segment; 1 for other formats, whose orientation is read after loading.
+    """
+
+    image: Image.Image
+    nbytes: int
+    orientation: int
+
+    @property
+    def is_jpeg(self) -> bool:
+        """JPEG or MPO (the multi-picture JPEG variant cameras write)."""
+        return self.image.format in _JPEG_FORMATS
+
+    @property
+    def plain_jpeg(self) -> bool:
+        """A YCbCr or grey JPEG: what simplejpeg decodes (CMYK and others go to Pillow)."""
+        return self.is_jpeg and self.image.mode in ("RGB", "L")
+
+    @property
+    def stored_size(self) -> tuple[int, int]:
+        """``(height, width)`` as stored, before the orientation."""
+        return self.image.height, self.image.width
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """``(height, width)`` upright (the JPEG orientation applied)."""
+        return _oriented(self.image.height, self.image.width, self.orientation)
+
+    def decode_cost(self, scale: int = 1) -> int:
+        """Bytes a decode at ``1/scale`` reserves from the decode budget."""
+        width, height = self.image.size
+        per_pixel = _bytes_per_pixel(self.image, self.plain_jpeg)
+        return -(-width // scale) * -(-height // scale) * per_pixel
+
+
+def read_header(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> Header:
+    """Open (header only), check byte and size limits, read a JPEG's orientation.
+
+    Raises:
+        ImageError: for any problem with the data itself.
+    """
     if not isinstance(data, bytes | bytearray | memoryview):
         raise TypeError(f"data must be bytes-like, got {type(data).__name__}")
     size = memoryview(data).nbytes
@@ -291,7 +342,10 @@ def _open(data: bytes, limits: ImageLimits) -> Image.Image:
         raise ImageError(ImageErrorReason.CORRUPT, f"cannot read image header: {exc}") from exc
     # The header's size is all we have read so far: refuse bombs before decoding.
     check_size(image.width, image.height, limits, size)
-    return image
+    # JPEG keeps EXIF in a header segment: readable before decoding, which the
+    # reduced-scale decision and the GPU path need.
+    orientation = exif_orientation(image) if image.format in _JPEG_FORMATS else 1
+    return Header(image=image, nbytes=size, orientation=orientation)
 
 
 def _bytes_per_pixel(image: Image.Image, simple_jpeg: bool) -> int:
@@ -309,6 +363,7 @@ def decode(
     target: TargetFn | None = None,
     budget: DecodeBudget | None = None,
     alloc: Allocator | None = None,
+    header: Header | None = None,
 ) -> DecodedImage:
     """Decode untrusted bytes into oriented RGB pixels.
 
@@ -323,25 +378,26 @@ def decode(
             decode waits for its share (see :class:`DecodeBudget`).
         alloc: optional allocator of the upright pixels of the simplejpeg path (the
             decoder's output, or the oriented copy when an orientation applies).
+        header: ``read_header(data, limits)`` when the caller has it already.
 
     Raises:
         ImageError: for any problem with the data itself.
     """
-    image = _open(data, limits)
+    if header is None:
+        header = read_header(data, limits)
+    image = header.image
     stored_w, stored_h = image.size  # the header's size, before any reduced decode
-    is_jpeg = image.format in _JPEG_FORMATS
-    orientation = exif_orientation(image) if is_jpeg else 1
+    orientation = header.orientation
     scale = 1
-    if is_jpeg and target is not None:
-        # JPEG keeps EXIF in a header segment: readable before decoding, which the
-        # reduced-scale decision needs. The decoder works in stored orientation.
-        need_h, need_w = target(*_oriented(stored_h, stored_w, orientation))
+    if header.is_jpeg and target is not None:
+        # The decoder works in stored orientation: swap the need back.
+        need_h, need_w = target(*header.size)
         if orientation in _SWAPS_AXES:
             need_h, need_w = need_w, need_h
         scale = draft_scale(stored_w, stored_h, need_w, need_h)
     # YCbCr and grey JPEGs go to simplejpeg; CMYK and others to Pillow.
-    simple = is_jpeg and image.mode in ("RGB", "L")
-    cost = -(-stored_w // scale) * -(-stored_h // scale) * _bytes_per_pixel(image, simple)
+    simple = header.plain_jpeg
+    cost = header.decode_cost(scale)
     with budget.reserve(cost) if budget is not None else contextlib.nullcontext():
         # The array that ``alloc`` gives receives the final, upright pixels: the decoder's
         # output when nothing turns, else the oriented copy.
@@ -350,7 +406,7 @@ def decode(
         if pixels is not None:
             pixels = orient(pixels, orientation, alloc)
         else:
-            pixels, orientation = _decode_with_pillow(data, limits, image, is_jpeg, scale)
+            pixels, orientation = _decode_with_pillow(data, limits, image, header.is_jpeg, scale)
     full_h, full_w = _oriented(stored_h, stored_w, orientation)
     return DecodedImage(pixels=pixels, width=full_w, height=full_h)
 

@@ -5,10 +5,14 @@ device once (pinned memory and a side stream on CUDA) -> resize, crop there
 (:mod:`.crops`); the content hash of the pixels is computed on the host meanwhile. The
 crops stay on that device; normalization happens where the encoder runs
 (:meth:`PreparedImage.normalized`).
+
+Optionally, large JPEGs skip the host decode: the same header checks, then nvJPEG decodes
+on the device (:mod:`.gpu_jpeg`) and the content hash is one of the encoded bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Callable
@@ -21,9 +25,17 @@ from PIL import Image
 
 from .budget import DecodeBudget
 from .crops import ResizeMode, make_crops
-from .decode import DecodedImage, check_size, decode, upright_rgb
+from .decode import DecodedImage, Header, check_size, decode, read_header, upright_rgb
 from .errors import ImageError, ImageErrorReason
-from .limits import DEFAULT_LIMITS, ImageLimits
+from .gpu_jpeg import (
+    GpuDecodeError,
+    GpuDecoder,
+    decode_upright,
+    encoded_digest,
+    gpu_decodable,
+    torchvision_decoder,
+)
+from .limits import DEFAULT_LIMITS, ImageLimits, check_int
 from .normalize import normalize_crops
 from .resample import Resampler
 from .tiling import DEFAULT_TILING, Tiling, TilingSpec
@@ -49,11 +61,13 @@ class PreparedImage:
             shared through a cache. CUDA crops are complete when the image is returned.
         tiling: ``(h_t, w_t)``.
         content_hash: BLAKE3 hex of the pixels the crops were made from (see
-            :func:`content_hash`); usable as a cache key together with the tiling
-            spec and resize mode.
+            :func:`content_hash`), or of the encoded bytes of a JPEG decoded on the GPU
+            (see :func:`.gpu_jpeg.encoded_digest`); usable as a cache key together with
+            the tiling spec and resize mode.
         width, height: size of the upright original image.
         decoded_size: ``(height, width)`` of the pixels actually resized; smaller
-            than the original when a large JPEG was decoded at reduced scale.
+            than the original when a large JPEG was decoded at reduced scale (never
+            on the GPU path, which decodes at full size).
     """
 
     crops: torch.Tensor
@@ -85,7 +99,10 @@ def content_hash(
     against 1.03 ms for 800x600 pixels on a Xeon host).
 
     The shape is hashed with the pixels, so a different size never gives the same
-    digest, and the container the pixels came in plays no part. ``original_size``
+    digest, and the container the pixels came in plays no part: the same pixels sent in
+    another container (PNG, BMP, ...) share cache entries and the image prefix. JPEGs
+    decoded on the GPU are hashed by their encoded bytes instead (their pixels
+    stay on the device), so that sharing does not reach them. ``original_size``
     ``(height, width)`` marks a reduced-scale decode: its digest then differs from
     any full-size image's, since the same picture decoded at full size would give
     other pixels. ``image`` is a Pillow RGB image or uint8 ``[h, w, 3]`` array.
@@ -122,9 +139,15 @@ class ImagePreparer:
         device: where the crops are made and kept (``cpu``, ``cuda``, ``cuda:1``).
         reduced_decode: decode large JPEGs at 1/2, 1/4 or 1/8 scale when the result
             still covers the canvas; faster, but the pixels differ from a full decode.
+        gpu_decode_min_pixels: JPEGs of at least this many pixels (stored width x
+            height) are decoded on the device by ``gpu_decoder``, at full size; their
+            pixels differ slightly from the host decoders'. 0: off.
+        gpu_decoder: the device decoder (default: torchvision's nvJPEG on a CUDA device
+            where it works; none elsewhere, and every picture decodes on the host).
+            Anything it fails on goes to the host decoders, which decide as always.
         budget: shared bound on decoded bytes in flight, or None.
-        on_device_time: called with the device milliseconds of each image's upload,
-            resize and crop (CUDA only; for benchmarks).
+        on_device_time: called with the device milliseconds of each image's upload (or
+            GPU decode), resize and crop (CUDA only; for benchmarks).
     """
 
     def __init__(
@@ -135,14 +158,25 @@ class ImagePreparer:
         device: torch.device | str = "cpu",
         *,
         reduced_decode: bool = True,
+        gpu_decode_min_pixels: int = 0,
+        gpu_decoder: GpuDecoder | None = None,
         budget: DecodeBudget | None = None,
         on_device_time: Callable[[float], None] | None = None,
     ) -> None:
+        check_int("gpu_decode_min_pixels", gpu_decode_min_pixels, 0)
         self.limits = limits
         self.tiling = tiling
         self.resize = ResizeMode(resize)
         self.device = torch.device(device)
         self.reduced_decode = reduced_decode
+        self.gpu_decode_min_pixels = gpu_decode_min_pixels
+        if gpu_decoder is None and gpu_decode_min_pixels > 0 and self.device.type == "cuda":
+            # Unavailable (no torchvision, no nvJPEG): the host path as without the option.
+            # The server checks this itself at start, to say so instead.
+            with contextlib.suppress(RuntimeError):
+                gpu_decoder = torchvision_decoder(self.device)
+        # None: every picture is decoded on the host.
+        self.gpu_decoder = gpu_decoder if gpu_decode_min_pixels > 0 else None
         self.budget = budget
         self.on_device_time = on_device_time
         self.resampler = Resampler(self.device)
@@ -150,17 +184,37 @@ class ImagePreparer:
 
     def prepare(self, data: bytes) -> PreparedImage:
         """Decode untrusted bytes and cut the encoder crops (``ImageError`` on bad data)."""
+        header = read_header(data, self.limits)
+        decoder = self.gpu_decoder
+        if decoder is not None and self.decodes_on_gpu(header):
+            try:
+                return self._prepare_on_gpu(data, header, decoder)
+            except GpuDecodeError:
+                pass  # the host decoders accept or refuse it, exactly as without this path
         target = self._canvas_for if self.reduced_decode else None
         # On CUDA the JPEG decoder writes straight into pinned memory: no staging copy.
         alloc = _pinned if self.device.type == "cuda" else None
-        decoded = decode(data, self.limits, target=target, budget=self.budget, alloc=alloc)
+        decoded = decode(
+            data, self.limits, target=target, budget=self.budget, alloc=alloc, header=header
+        )
         return self.prepare_decoded(decoded)
+
+    def decodes_on_gpu(self, header: Header) -> bool:
+        """Whether a picture with this (checked) header is decoded by ``gpu_decoder``."""
+        if self.gpu_decoder is None or not gpu_decodable(header):
+            return False
+        height, width = header.stored_size
+        if height * width < self.gpu_decode_min_pixels:
+            return False
+        # More than the whole budget at full size: the host path, which may decode it at
+        # reduced scale within the budget, or refuses it as it always did.
+        return self.budget is None or header.decode_cost() <= self.budget.capacity
 
     def prepare_decoded(self, decoded: DecodedImage) -> PreparedImage:
         """Crop an already decoded image. The tiling follows the original size."""
         tiles = self.tiling.tiling_for(decoded.height, decoded.width)
         crops, digest = self._crops(
-            decoded.pixels,
+            self._upload(decoded.pixels),
             tiles,
             functools.partial(content_hash, decoded.pixels, (decoded.height, decoded.width)),
         )
@@ -178,23 +232,58 @@ class ImagePreparer:
         canvas_h, canvas_w = spec.canvas_size(spec.tiling_for(height, width))
         return max(canvas_h, spec.crop_size), max(canvas_w, spec.crop_size)
 
-    def _crops(
-        self, pixels: np.ndarray, tiles: Tiling, digest: Callable[[], str]
-    ) -> tuple[torch.Tensor, str]:
-        """The crops of ``pixels``, and ``digest()``: on CUDA computed while the device
-        works (it only reads the host pixels, which nothing writes meanwhile)."""
+    def _prepare_on_gpu(self, data: bytes, header: Header, decoder: GpuDecoder) -> PreparedImage:
+        """Decode on the device at full size, then crop there (``GpuDecodeError``: the
+        decoder failed, nothing is kept and the budget share is given back)."""
+        height, width = header.size
+        tiles = self.tiling.tiling_for(height, width)
+        # Held until the crops are done: the decoded pixels live on the device until then.
+        with self._reserve(header.decode_cost()):
+            crops, digest = self._crops(
+                functools.partial(decode_upright, decoder, data, self.device, header),
+                tiles,
+                functools.partial(encoded_digest, data, (height, width)),
+            )
+        return PreparedImage(
+            crops=crops,
+            tiling=tiles,
+            content_hash=digest,
+            width=width,
+            height=height,
+            decoded_size=(height, width),
+        )
+
+    def _reserve(self, nbytes: int) -> contextlib.AbstractContextManager[None]:
+        """A share of the decode budget for the ``with`` block (nothing without a budget)."""
+        if self.budget is None:
+            return contextlib.nullcontext()
+        return self.budget.reserve(nbytes)
+
+    def _upload(self, pixels: np.ndarray) -> Callable[[], torch.Tensor]:
+        """What gives host ``pixels`` on the device (called on the side stream on CUDA)."""
         host = torch.from_numpy(pixels)
         if self.device.type != "cuda":
-            key = digest()
-            return make_crops(host, tiles, self.tiling, self.resize, self.resampler), key
-        # One upload of the uint8 pixels: pinned, so the copy is a real async DMA; on this
-        # thread's own stream, so it overlaps the engine's work; finished before return,
-        # so the engine may use the crops on any stream.
+            return lambda: host
+        # One upload of the uint8 pixels: pinned, so the copy is a real async DMA.
         if host.is_pinned():
             pinned = host
         else:
             pinned = torch.empty(host.shape, dtype=torch.uint8, pin_memory=True)
             pinned.copy_(host)
+        return lambda: pinned.to(self.device, non_blocking=True)
+
+    def _crops(
+        self, source: Callable[[], torch.Tensor], tiles: Tiling, digest: Callable[[], str]
+    ) -> tuple[torch.Tensor, str]:
+        """The crops of the pixels ``source()`` gives on the device (an upload or a GPU
+        decode), and ``digest()``: on CUDA computed while the device works (it only reads
+        host data that nothing writes meanwhile)."""
+        if self.device.type != "cuda":
+            pixels = source()
+            key = digest()
+            return make_crops(pixels, tiles, self.tiling, self.resize, self.resampler), key
+        # On this thread's own stream, so it overlaps the engine's work; finished before
+        # return, so the engine may use the crops on any stream.
         stream = self._stream()
         timed = self.on_device_time is not None
         start = torch.cuda.Event(enable_timing=True) if timed else None
@@ -204,8 +293,8 @@ class ImagePreparer:
         with torch.cuda.stream(stream):
             if start is not None:
                 start.record(stream)
-            pixels_dev = pinned.to(self.device, non_blocking=True)
-            crops = make_crops(pixels_dev, tiles, self.tiling, self.resize, self.resampler)
+            pixels = source()
+            crops = make_crops(pixels, tiles, self.tiling, self.resize, self.resampler)
             done.record(stream)
         key = digest()  # the host hashes while the device uploads, resizes and crops
         done.synchronize()

@@ -11,10 +11,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from bench import arrival_itl, hf_baseline, host_tick, image_bench, load_gen
 from bench.synth_images import parse_size, unique_images, with_orientation
-from image_pipeline import decode, prepare_image
+from image_pipeline import ResizeMode, decode, prepare_image
 
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
@@ -315,6 +316,30 @@ def test_image_bench_tiny(tmp_path: Path) -> None:
         assert 0 < r["prepare_ms"] <= r["ms_per_image"] and r["normalize_ms"] >= 0
         assert r["cpu_ms"] > 0 and r["gpu_ms"] is None  # no device time on the CPU
         assert r["crops"] >= 1
+        assert r["gpu_decode"] is False and r["decode_cpu_ms"] > 0
+    assert data["gpu_decode_min_pixels"] == 0
+
+
+def test_image_bench_gpu_decode_option(capsys: pytest.CaptureFixture[str]) -> None:
+    calls: list[int] = []
+
+    def stand_in(data: bytes, device: torch.device) -> torch.Tensor:
+        calls.append(len(data))
+        return torch.from_numpy(decode(data).pixels).permute(2, 0, 1)
+
+    images = unique_images(96, 64, range(2), fmt="jpeg")
+    args = (images, 1, 0.0, 1, None, torch.float32, ResizeMode.VIPS, "cpu")
+    cell = image_bench.run_cell(*args, gpu_decode_min_pixels=96 * 64, gpu_decoder=stand_in)
+    assert cell["gpu_decode"] is True and cell["decode_cpu_ms"] is None and cell["cpu_ms"] > 0
+    assert len(calls) == cell["calls"] + 1  # the warm-up and every timed call
+    host = image_bench.run_cell(*args, gpu_decode_min_pixels=96 * 64 + 1, gpu_decoder=stand_in)
+    assert host["gpu_decode"] is False and host["decode_cpu_ms"] > 0
+    assert len(calls) == cell["calls"] + 1
+    # Asked for where it cannot run: refused, not measured on the host path.
+    with pytest.raises(SystemExit) as caught:
+        image_bench.main(["--gpu-decode-min-pixels", "1", "--device", "cpu"])
+    assert caught.value.code == 2
+    assert "--gpu-decode-min-pixels needs --device cuda" in capsys.readouterr().err
 
 
 def test_hf_baseline_tiny(tmp_path: Path) -> None:

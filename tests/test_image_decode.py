@@ -28,6 +28,7 @@ from image_pipeline import (
     prepare_image,
     to_rgb,
 )
+from image_pipeline.decode import read_header
 
 R = ImageErrorReason
 
@@ -572,6 +573,22 @@ def test_limits_defaults_and_frozen() -> None:
     assert ImageLimits(max_side=None).max_side is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         limits.max_bytes = 1  # type: ignore[misc]
+
+
+def test_read_header_checks_limits_and_reads_the_jpeg_orientation_before_decoding() -> None:
+    data = encode(noise_image(64, 48), "JPEG", exif=exif_with_orientation(6).tobytes())
+    header = read_header(data)
+    assert (header.orientation, header.stored_size, header.size) == (6, (48, 64), (64, 48))
+    assert header.is_jpeg and header.plain_jpeg and header.nbytes == len(data)
+    assert (header.decode_cost(), header.decode_cost(2)) == (64 * 48 * 3, 32 * 24 * 3)
+    np.testing.assert_array_equal(decode(data, header=header).pixels, decode(data).pixels)
+    # Other containers: the orientation comes with the pixels, Pillow's modes cost more.
+    png = read_header(encode(noise_image(64, 48), "PNG", exif=exif_with_orientation(6)))
+    assert png.orientation == 1 and not png.is_jpeg and png.decode_cost() == 64 * 48 * 8
+    assert decode(encode(noise_image(64, 48), "PNG", exif=exif_with_orientation(6))).width == 48
+    with pytest.raises(ImageError) as info:
+        read_header(data, ImageLimits(max_pixels=64 * 48 - 1))
+    assert info.value.reason is R.TOO_MANY_PIXELS
 
 
 def test_image_error_carries_reason_and_pickles() -> None:

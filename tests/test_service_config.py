@@ -130,3 +130,15 @@ def test_engine_and_interpreter_tuning_flags() -> None:
     assert load_config([], environ={"VLM_PREFILL_SM_CARVEOUT": "8"}).prefill_sm_carveout == 8
     with pytest.raises(ValueError, match="gil_switch_interval_ms"):
         ServerConfig(gil_switch_interval_ms=0.001)
+
+
+def test_gpu_decode_threshold_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert ServerConfig().image_gpu_decode_min_pixels == 0  # off by default
+    config = load_config([], environ={"VLM_IMAGE_GPU_DECODE_MIN_PIXELS": "4000000"})
+    assert config.image_gpu_decode_min_pixels == 4_000_000
+    flag = load_config(["--image-gpu-decode-min-pixels", "1000000"], environ={})
+    assert flag.image_gpu_decode_min_pixels == 1_000_000
+    with pytest.raises(SystemExit) as caught:
+        load_config(["--image-gpu-decode-min-pixels", "-1"], environ={})
+    assert caught.value.code == 2
+    assert "--image-gpu-decode-min-pixels must be >= 0" in capsys.readouterr().err

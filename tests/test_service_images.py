@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import io
+import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 from PIL import Image
 
 from image_pipeline import (
@@ -19,9 +21,11 @@ from image_pipeline import (
     prepare_image,
     sample_image_bytes,
 )
-from vlm_server.engine.api import EngineError, ErrorCode
+from vlm_server.engine.api import Engine, EngineError, ErrorCode
+from vlm_server.service import images
 from vlm_server.service.config import ServerConfig, load_config
 from vlm_server.service.images import ImageCache, ImageResolver, image_preparer
+from vlm_server.service.main import serve
 
 
 class CountingPreparer(ImagePreparer):
@@ -131,6 +135,62 @@ def test_server_config_builds_the_image_path() -> None:
     assert image_preparer(ServerConfig()).resize is ResizeMode.VIPS
     with pytest.raises(ValueError):
         ServerConfig(image_resize="bilinear")
+
+
+def _host_decoder(data: bytes, device: torch.device) -> torch.Tensor:
+    raise AssertionError("not called here")
+
+
+def test_gpu_decode_flag_reaches_the_preparer(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    asked: list[torch.device] = []
+
+    def decoder_for(device: torch.device) -> object:
+        asked.append(device)
+        return _host_decoder
+
+    monkeypatch.setattr(images, "torchvision_decoder", decoder_for)
+    on_cuda = image_preparer(
+        ServerConfig(image_device="cuda:1", image_gpu_decode_min_pixels=2_000_000)
+    )
+    assert asked == [torch.device("cuda:1")]
+    assert on_cuda.gpu_decoder is _host_decoder and on_cuda.gpu_decode_min_pixels == 2_000_000
+    # Off, or crops made on the CPU: no GPU decoder is looked for.
+    assert image_preparer(ServerConfig(image_device="cuda")).gpu_decoder is None
+    assert "image-gpu-decode" not in caplog.text
+    on_cpu = image_preparer(ServerConfig(image_device="cpu", image_gpu_decode_min_pixels=1))
+    assert on_cpu.gpu_decoder is None and len(asked) == 1
+    assert "--image-gpu-decode-min-pixels has no effect: images are cropped on cpu" in caplog.text
+
+
+def _unavailable(device: torch.device) -> object:
+    raise RuntimeError("torchvision cannot be imported (No module named 'torchvision')")
+
+
+def test_gpu_decode_without_torchvision_is_refused_naming_the_flag(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(images, "torchvision_decoder", _unavailable)
+    config = ServerConfig(image_device="cuda", image_gpu_decode_min_pixels=1_000_000)
+    with pytest.raises(ValueError, match=r"--image-gpu-decode-min-pixels 1000000: torchvision"):
+        image_preparer(config)
+
+
+def test_server_without_torchvision_for_gpu_decode_does_not_start(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(images, "torchvision_decoder", _unavailable)
+    config = ServerConfig(
+        image_device="cuda", image_gpu_decode_min_pixels=1, port=0, http_port=0, metrics_port=0
+    )
+
+    def no_engine() -> Engine:
+        raise AssertionError("the server must stop before loading a model")
+
+    with caplog.at_level(logging.ERROR):
+        assert asyncio.run(serve(config, no_engine)) == 1
+    assert "cannot start: --image-gpu-decode-min-pixels 1: torchvision" in caplog.text
 
 
 def test_concurrent_requests_with_the_same_new_bytes_share_one_decode() -> None:

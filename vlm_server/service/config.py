@@ -83,6 +83,7 @@ class ServerConfig:
     image_resize: str = "vips"
     image_device: str = "auto"
     image_reduced_decode: bool = True
+    image_gpu_decode_min_pixels: int = 0
     image_cache_bytes: int = 512 * MIB
     image_cache_client_bytes: int = 128 * MIB
     max_message_bytes: int = 32 * MIB
@@ -162,6 +163,11 @@ class ServerConfig:
             raise ValueError("malloc_mmap_threshold must be at most 32MiB (glibc's ceiling)")
         if self.max_image_pixels_per_byte < 0 or self.image_free_pixels < 0:
             raise ValueError("max_image_pixels_per_byte and image_free_pixels must be >= 0")
+        if self.image_gpu_decode_min_pixels < 0:
+            raise ValueError(
+                "--image-gpu-decode-min-pixels must be >= 0 (0 = off), "
+                f"got {self.image_gpu_decode_min_pixels}"
+            )
         if self.image_resize not in tuple(ResizeMode):
             raise ValueError(f"image_resize must be one of {', '.join(ResizeMode)}")
         if self.max_step_tokens <= self.max_batch_size:
@@ -310,6 +316,13 @@ OPTIONS: tuple[_Option, ...] = (
         parse_bool,
         "decode large JPEGs at 1/2, 1/4 or 1/8 scale when that still covers the crops "
         "(faster; pixels differ from a full decode)",
+    ),
+    _Option(
+        "image_gpu_decode_min_pixels",
+        int,
+        "JPEGs of at least this many pixels are decoded on the GPU (nvJPEG through "
+        "torchvision, needed then) when images are cropped on CUDA: much less host CPU, "
+        "pixels differ slightly from libjpeg-turbo's (0 = off)",
     ),
     _Option(
         "image_cache_bytes",

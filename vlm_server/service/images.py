@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import logging
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Protocol
@@ -13,8 +14,11 @@ import blake3
 import torch
 
 from image_pipeline import DecodeBudget, ImageError, ImageLimits, ImagePreparer, PreparedImage
+from image_pipeline.gpu_jpeg import GpuDecoder, torchvision_decoder
 from vlm_server.service.config import ServerConfig
 from vlm_server.service.errors import invalid
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -107,18 +111,40 @@ class _HasImage(Protocol):
 
 
 def image_preparer(config: ServerConfig) -> ImagePreparer:
-    """The server's image path: limits, resize mode, device, reduced decode, decode budget.
+    """The server's image path: limits, resize mode, device, reduced decode, GPU JPEG decode,
+    decode budget.
 
     ``image_device`` auto follows the model: ``--device``, else CUDA when present.
+
+    Raises:
+        ValueError: GPU JPEG decode is asked for on a CUDA image device where it does not
+            work (no torchvision, or one without nvJPEG): said at start, not found out later
+            from the host CPU.
     """
-    device = config.image_device
-    if device == "auto":
-        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(
+        config.image_device
+        if config.image_device != "auto"
+        else config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    min_pixels = config.image_gpu_decode_min_pixels
+    decoder: GpuDecoder | None = None
+    if min_pixels > 0 and device.type != "cuda":
+        log.warning("--image-gpu-decode-min-pixels has no effect: images are cropped on %s", device)
+    elif min_pixels > 0:
+        try:
+            decoder = torchvision_decoder(device)
+        except RuntimeError as err:
+            raise ValueError(
+                f"--image-gpu-decode-min-pixels {min_pixels}: {err}; install the torchvision "
+                "built for this torch, or set it to 0"
+            ) from err
     return ImagePreparer(
         config.image_limits,
         resize=config.image_resize,
         device=device,
         reduced_decode=config.image_reduced_decode,
+        gpu_decode_min_pixels=min_pixels,
+        gpu_decoder=decoder,
         budget=DecodeBudget(config.image_decode_budget),
     )
 
