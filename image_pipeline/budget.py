@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 from .errors import ImageError, ImageErrorReason
 
-__all__ = ["DecodeBudget"]
+__all__ = ["DecodeBudget", "reserve"]
 
 
 class DecodeBudget:
@@ -58,3 +58,8 @@ class DecodeBudget:
             with self._cond:
                 self.in_flight -= nbytes
                 self._cond.notify_all()
+
+
+def reserve(budget: DecodeBudget | None, nbytes: int) -> AbstractContextManager[None]:
+    """``budget.reserve(nbytes)``, or nothing to hold without a budget."""
+    return budget.reserve(nbytes) if budget is not None else nullcontext()

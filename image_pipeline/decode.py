@@ -24,7 +24,6 @@ off, so truncated files are refused, and ``MAX_IMAGE_PIXELS`` is left alone.
 
 from __future__ import annotations
 
-import contextlib
 import io
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ from PIL import (
     WebPImagePlugin,  # noqa: F401
 )
 
-from .budget import DecodeBudget
+from .budget import DecodeBudget, reserve
 from .errors import ImageError, ImageErrorReason
 from .jpeg import Allocator, draft_scale, orient, try_decode_jpeg
 from .limits import DEFAULT_LIMITS, ImageLimits
@@ -398,7 +397,7 @@ def decode(
     # YCbCr and grey JPEGs go to simplejpeg; CMYK and others to Pillow.
     simple = header.plain_jpeg
     cost = header.decode_cost(scale)
-    with budget.reserve(cost) if budget is not None else contextlib.nullcontext():
+    with reserve(budget, cost):
         # The array that ``alloc`` gives receives the final, upright pixels: the decoder's
         # output when nothing turns, else the oriented copy.
         into = alloc if orientation == 1 else None

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .budget import DecodeBudget
+from .budget import DecodeBudget, reserve
 from .crops import ResizeMode, make_crops
 from .decode import DecodedImage, Header, check_size, decode, read_header, upright_rgb
 from .errors import ImageError, ImageErrorReason
@@ -238,7 +238,7 @@ class ImagePreparer:
         height, width = header.size
         tiles = self.tiling.tiling_for(height, width)
         # Held until the crops are done: the decoded pixels live on the device until then.
-        with self._reserve(header.decode_cost()):
+        with reserve(self.budget, header.decode_cost()):
             crops, digest = self._crops(
                 functools.partial(decode_upright, decoder, data, self.device, header),
                 tiles,
@@ -252,12 +252,6 @@ class ImagePreparer:
             height=height,
             decoded_size=(height, width),
         )
-
-    def _reserve(self, nbytes: int) -> contextlib.AbstractContextManager[None]:
-        """A share of the decode budget for the ``with`` block (nothing without a budget)."""
-        if self.budget is None:
-            return contextlib.nullcontext()
-        return self.budget.reserve(nbytes)
 
     def _upload(self, pixels: np.ndarray) -> Callable[[], torch.Tensor]:
         """What gives host ``pixels`` on the device (called on the side stream on CUDA)."""

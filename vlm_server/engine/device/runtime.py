@@ -228,6 +228,11 @@ class ModelRuntime:
 
     # ---- setup ------------------------------------------------------------------------
 
+    @property
+    def _prefill_carveout(self) -> int:
+        """SMs the prefill path's matmuls leave free (a cuBLAS setting: CUDA only)."""
+        return self.cfg.prefill_sm_carveout if self.dev.is_cuda else 0
+
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device=self.torch_device)
 
@@ -607,7 +612,7 @@ class ModelRuntime:
     def _image_embedding(self, crops: torch.Tensor, tiling: tuple[int, int]) -> torch.Tensor:
         """uint8 crops of one image -> BOS + image embeddings [1, prefix_len, dim]."""
         m = self.model
-        with sm_carveout(self.cfg.prefill_sm_carveout if self.dev.is_cuda else 0):
+        with sm_carveout(self._prefill_carveout):
             x = normalize_crops(crops, self.dtype)
             return m.prefix_embeddings(m.vision.project(m.vision.encode(x), tiling))
 
@@ -631,7 +636,7 @@ class ModelRuntime:
         else:
             kv = PagedKV(self.k_pools, self.v_pools, pages, length, fresh_prefix=True)
         pos = self._prefix_pos[None].expand(k, length)
-        with sm_carveout(self.cfg.prefill_sm_carveout if self.dev.is_cuda else 0):
+        with sm_carveout(self._prefill_carveout):
             self.model.text(self.prefix_emb[:k], pos, kv)
 
     def _crops_on_device(self, crops: torch.Tensor) -> torch.Tensor:
