@@ -218,6 +218,9 @@ class SegmentOnlyEngine:
     def stats(self) -> EngineStats:
         return EngineStats()
 
+    def failure(self) -> str | None:
+        return None
+
     async def drain(self, timeout: float) -> None:
         return None
 

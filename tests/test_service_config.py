@@ -112,7 +112,7 @@ def test_security_and_limit_flags_read_the_environment() -> None:
 
 
 def test_constraint_flags_reach_the_engine_limits() -> None:
-    from vlm_server.service.main import constraint_limits
+    from vlm_server.service.engines import constraint_limits
 
     config = load_config(
         ["--max-choices", "3", "--max-regex-chars", "40", "--constraint-compile-seconds", "0.5"],

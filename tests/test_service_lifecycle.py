@@ -136,8 +136,12 @@ def _read_ports(proc: subprocess.Popen[str], lines: list[str]) -> tuple[int, int
     raise AssertionError("server exited before listening:\n" + "".join(lines))
 
 
+@pytest.mark.parametrize("engine_process", ["off", "on"])
 def test_sigterm_finishes_accepted_requests_then_exits_0(
-    tiny_dir: Path, generator: ReferenceGenerator, sample_image: PreparedImage
+    tiny_dir: Path,
+    generator: ReferenceGenerator,
+    sample_image: PreparedImage,
+    engine_process: str,
 ) -> None:
     env = {**os.environ, "VLM_GRACE_PERIOD": "60"}  # also checks the environment is read
     cmd = [
@@ -158,6 +162,8 @@ def test_sigterm_finishes_accepted_requests_then_exits_0(
         "0",
         "--http-port",
         "-1",
+        "--engine-process",
+        engine_process,
     ]
     proc = subprocess.Popen(
         cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=REPO_ROOT

@@ -55,6 +55,11 @@ class EngineError(Exception):
         self.message = message
         self.field = field
 
+    def __reduce__(self) -> tuple[type[EngineError], tuple[ErrorCode, str, str | None]]:
+        # Exceptions pickle as cls(*args); this one crosses to the server from an engine
+        # process with all three.
+        return (EngineError, (self.code, self.message, self.field))
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -192,6 +197,9 @@ class Engine(Protocol):
         """Admit a request without blocking the loop; raises EngineError when it cannot be taken."""
 
     def stats(self) -> EngineStats: ...
+
+    def failure(self) -> str | None:
+        """Why the engine can no longer serve (it failed or its process died), or None."""
 
     async def drain(self, timeout: float) -> None:
         """Refuse new requests (UNAVAILABLE) and wait until accepted ones finish."""

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 import torch
 
@@ -22,6 +23,7 @@ from decoding.grammars import (
     TextGrammar,
 )
 from vlm_server.engine.api import (
+    Emitted,
     EngineError,
     EngineInfo,
     EngineStats,
@@ -76,9 +78,13 @@ class _Stream:
             yield event  # type: ignore[misc]
 
     def cancel(self) -> None:
-        if self._seq.cancelled is None and not self._seq.finished:
-            self._seq.cancelled = ErrorCode.CANCELLED
-            self._engine._wake()
+        self._engine.cancel(self._seq)
+
+
+class Outbox(Protocol):
+    """Where the scheduler thread's events wait until it flushes them, once per tick."""
+
+    def flush(self) -> None: ...
 
 
 class EventOutbox:
@@ -159,7 +165,9 @@ class BatchedEngine:
             mc, loaded.tokenizer, self.cfg.mask_table_rows, self.cfg.constraint_limits
         )
         self.table = self.tasks.table
-        self.outbox = EventOutbox()  # before the scheduler, which flushes it
+        # Where the scheduler's events go. Replaceable before `start` (an engine process
+        # sends them down a pipe instead of onto an event loop).
+        self.outbox: Outbox = EventOutbox()
         self.runtime = ModelRuntime(model, self.cfg, self.table, observer=observer)
         self.scheduler = Scheduler(
             self.runtime,
@@ -167,7 +175,7 @@ class BatchedEngine:
             contract.eos_id,
             mc.image_prefix_len,
             observer=observer,
-            flush_events=self.outbox.flush,
+            flush_events=self._flush_events,
         )
         self._inbox: list[Sequence] = []
         self._cv = threading.Condition()
@@ -215,6 +223,9 @@ class BatchedEngine:
         stats.queue_depth += len(self._inbox)
         return stats
 
+    def failure(self) -> str | None:
+        return None if self._failure is None else f"the engine failed: {self._failure}"
+
     def idle(self) -> bool:
         """Every page free (cached image prefixes aside), every slot and row unused."""
         with self._cv:
@@ -238,7 +249,7 @@ class BatchedEngine:
         self._check_open()
         if request.choices or request.regex is not None:
             loop = asyncio.get_running_loop()
-            built = loop.run_in_executor(self._builders, self._build, request)
+            built = loop.run_in_executor(self._builders, self.build, request)
             try:
                 # Shielded: a caller that goes away mid-build must not leak the rows the
                 # build is about to take; they are given back when it completes.
@@ -247,14 +258,22 @@ class BatchedEngine:
                 built.add_done_callback(_release_abandoned)
                 raise
         else:
-            seq = self._build(request)
+            seq = self.build(request)
+        stream = _Stream(self, seq, asyncio.get_running_loop())
+        self.admit(seq, stream.push)
+        return stream
+
+    def admit(self, seq: Sequence, emit: Callable[[Emitted], None]) -> None:
+        """Queue a built sequence whose events go to ``emit`` (called on the scheduler
+        thread); raises EngineError when it cannot be taken, and then releases it.
+        Thread-safe."""
         try:
-            return self._enqueue(seq)
+            self._enqueue(seq, emit)
         except BaseException:
             seq.release_resources()  # refused: nothing in flight ever saw its rows
             raise
 
-    def _enqueue(self, seq: Sequence) -> _Stream:
+    def _enqueue(self, seq: Sequence, emit: Callable[[Emitted], None]) -> None:
         self._check_open()
         scheduler = self.scheduler
         total_pages = self.runtime.pages.n_pages - 1
@@ -266,8 +285,7 @@ class BatchedEngine:
                 f"{total_pages}; lower max_tokens / max_objects",
                 "max_tokens",
             )
-        stream = _Stream(self, seq, asyncio.get_running_loop())
-        seq.emit = stream.push
+        seq.emit = emit
         with self._cv:
             if len(self._inbox) + len(scheduler.waiting) >= self.cfg.max_queue:
                 raise EngineError(
@@ -276,7 +294,12 @@ class BatchedEngine:
                 )
             self._inbox.append(seq)
             self._cv.notify()
-        return stream
+
+    def cancel(self, seq: Sequence) -> None:
+        """Stop ``seq`` (a no-op once it ended); thread-safe."""
+        if seq.cancelled is None and not seq.finished:
+            seq.cancelled = ErrorCode.CANCELLED
+            self._wake()
 
     def _check_open(self) -> None:
         if self._draining or self._stopping:
@@ -284,8 +307,9 @@ class BatchedEngine:
         if self._failure is not None:
             raise EngineError(ErrorCode.UNAVAILABLE, f"the engine failed: {self._failure}")
 
-    def _build(self, req: GenerationRequest) -> Sequence:
-        """The request's sequence: prompt and grammar from the shared task definitions."""
+    def build(self, req: GenerationRequest) -> Sequence:
+        """The request's sequence: prompt and grammar from the shared task definitions.
+        Raises EngineError for a request the task definitions refuse."""
         built = self.tasks.build(req)
         seq = Sequence(
             request=req,
@@ -299,6 +323,9 @@ class BatchedEngine:
         return seq
 
     # ---- the scheduler thread ----------------------------------------------------------
+
+    def _flush_events(self) -> None:
+        self.outbox.flush()
 
     def _wake(self) -> None:
         with self._cv:

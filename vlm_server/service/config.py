@@ -61,6 +61,7 @@ class ServerConfig:
     dtype: str | None = None
     device: str | None = None
     engine: str = "batched"
+    engine_process: str = "auto"
     host: str = "0.0.0.0"
     port: int = 50051
     http_port: int = 2020
@@ -233,6 +234,13 @@ OPTIONS: tuple[_Option, ...] = (
         str,
         "batched (continuous batching) or reference (the same engine at batch 1, blocking)",
         ("batched", "reference"),
+    ),
+    _Option(
+        "engine_process",
+        str,
+        "run the engine in a process of its own, so that its scheduler never waits for the "
+        "GIL behind the gRPC and HTTP event loop (auto = on when the model runs on CUDA)",
+        ("auto", "on", "off"),
     ),
     _Option(
         "host",

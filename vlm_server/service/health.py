@@ -30,6 +30,12 @@ class HealthState:
     async def draining(self) -> None:
         await self.servicer.set(self.service_name, NOT_SERVING)
 
+    async def failed(self) -> None:
+        """The engine cannot serve any more: not ready, and not live either, so that the
+        process gets restarted."""
+        await self.servicer.set(self.service_name, NOT_SERVING)
+        await self.servicer.set("", NOT_SERVING)
+
     async def stopped(self) -> None:
         """Everything NOT_SERVING, for good."""
         await self.servicer.enter_graceful_shutdown()

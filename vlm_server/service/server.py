@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 EngineFactory = Callable[[], Engine]
 _FINAL_STOP_GRACE_S = 1.0
+FAILURE_POLL_S = 0.5  # how often health checks whether the engine can still serve
 
 
 class ListenError(OSError):
@@ -112,6 +113,7 @@ class VisionLanguageServer:
         self._trimmer = Trimmer(config.memory_trim_interval)
         self._server: grpc.aio.Server | None = None
         self._loading: asyncio.Task[None] | None = None
+        self._watching: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
         self._shutting_down = False
         self.port = 0
@@ -240,6 +242,7 @@ class VisionLanguageServer:
         info = engine.info
         self.core.engine = engine
         await self.health.ready()
+        self._watching = asyncio.create_task(self._watch_failure(engine))
         log.info(
             "ready",
             extra={
@@ -251,6 +254,15 @@ class VisionLanguageServer:
                 }
             },
         )
+
+    async def _watch_failure(self, engine: Engine) -> None:
+        """Health goes NOT_SERVING, liveness too, once the engine cannot serve any more (its
+        requests already fail with UNAVAILABLE): the orchestrator should restart us."""
+        while (reason := engine.failure()) is None:
+            await asyncio.sleep(FAILURE_POLL_S)
+        log.error("the engine cannot serve: %s", reason)
+        if not self._shutting_down:
+            await self.health.failed()
 
     async def wait_ready(self) -> None:
         """Return once the engine serves; raises what loading raised."""
@@ -288,6 +300,8 @@ class VisionLanguageServer:
             await self._server.stop(_FINAL_STOP_GRACE_S)
         if self._loading is not None and not self._loading.done():
             self._loading.cancel()
+        if self._watching is not None:
+            self._watching.cancel()
         if self.engine is not None and self.core.engine is not None:
             await self.engine.close()
         await self.metrics.unwatch_loop()

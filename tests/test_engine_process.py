@@ -1,0 +1,337 @@
+"""The engine in a process of its own (``--engine-process on``): the wire, the host that
+serves the pipe in the engine process, and a server whose engine runs in a child process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import signal
+import threading
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from image_pipeline import PreparedImage, sample_image_bytes
+from tests.support.service_harness import ServerThread, local_config, wait_for
+from vlm_server.api.v1 import vision_language_pb2 as pb
+from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
+from vlm_server.client import VisionLanguageClient, VlmError
+from vlm_server.engine.api import (
+    EngineError,
+    EngineStats,
+    ErrorCode,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    Task,
+    TextDelta,
+)
+from vlm_server.engine.process.client import ProcessEngine
+from vlm_server.engine.process.wire import (
+    Accepted,
+    Cancel,
+    Close,
+    Events,
+    Refused,
+    Sender,
+    Stats,
+    Submit,
+    dumps,
+    recv,
+)
+from vlm_server.engine.process.worker import EngineHost, PipeOutbox
+from vlm_server.reference import ReferenceGenerator, SamplingSettings
+from vlm_server.service import engines
+from vlm_server.service.engines import engine_factory, uses_engine_process
+from vlm_server.service.servicer import SERVICE_NAME
+
+KV_BUDGET = 16 << 20
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+# ---- the wire -----------------------------------------------------------------------------
+
+
+def test_engine_errors_cross_with_code_message_and_field() -> None:
+    err = pickle.loads(dumps(EngineError(ErrorCode.INVALID_ARGUMENT, "bad pattern", "regex")))
+    assert isinstance(err, EngineError)
+    assert (err.code, err.message, err.field) == (
+        ErrorCode.INVALID_ARGUMENT,
+        "bad pattern",
+        "regex",
+    )
+
+
+def test_a_request_with_cpu_crops_crosses_by_value(sample_image: PreparedImage) -> None:
+    request = GenerationRequest(Task.CAPTION, sample_image, request_id="r1", deadline=12.5)
+    got = pickle.loads(dumps(Submit(7, request)))
+    assert got.rid == 7 and got.request.request_id == "r1" and got.request.deadline == 12.5
+    assert torch.equal(got.request.image.crops, sample_image.crops)
+    assert got.request.image.content_hash == sample_image.content_hash
+
+
+def test_engine_process_is_on_for_cuda_models_only_when_auto(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert not uses_engine_process(local_config(device="cpu"))
+    assert uses_engine_process(local_config(device="cpu", engine_process="on"))
+    monkeypatch.setattr(engines, "resolve_device", lambda name: torch.device("cuda"))
+    assert uses_engine_process(local_config(engine_process="auto"))
+    assert not uses_engine_process(local_config(engine_process="off"))
+
+
+# ---- the host, with a stand-in engine ------------------------------------------------------
+
+
+class _Seq:
+    def __init__(self, request: GenerationRequest) -> None:
+        self.request = request
+        self.emit: Any = None
+        self.cancelled = False
+
+
+class _StandInEngine:
+    """Builds instantly, or waits on ``hold`` for requests with a regex; emits one delta
+    and a result on admission unless the question is "run"."""
+
+    def __init__(self) -> None:
+        self.hold = threading.Event()
+        self.hold.set()
+        self.building = threading.Event()
+        self.admitted: dict[str, _Seq] = {}
+        self.closed = False
+
+    def build(self, request: GenerationRequest) -> _Seq:
+        if request.question == "refuse":
+            raise EngineError(ErrorCode.INVALID_ARGUMENT, "no", "question")
+        if request.question == "crash":
+            raise RuntimeError("a bug")
+        if request.regex is not None:
+            self.building.set()
+            assert self.hold.wait(10)
+        return _Seq(request)
+
+    def admit(self, seq: _Seq, emit: Any) -> None:
+        seq.emit = emit
+        self.admitted[seq.request.request_id] = seq
+        if seq.request.question != "run":
+            emit(TextDelta("hi"))
+            emit(Finished(FinishReason.EOS, text="hi"))
+
+    def cancel(self, seq: _Seq) -> None:
+        seq.cancelled = True
+
+    def stats(self) -> EngineStats:
+        return EngineStats(active_sequences=len(self.admitted))
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def _pipe() -> tuple[Connection, Connection]:
+    read, write = os.pipe()
+    return Connection(read, writable=False), Connection(write, readable=False)
+
+
+@pytest.fixture
+def host() -> Iterator[tuple[_StandInEngine, PipeOutbox, Sender, Connection, threading.Thread]]:
+    engine = _StandInEngine()
+    commands_in, commands_out = _pipe()
+    events_in, events_out = _pipe()
+    sender = Sender(events_out)
+    outbox = PipeOutbox(sender)
+    served = EngineHost(engine, sender, outbox)  # type: ignore[arg-type]
+    thread = threading.Thread(target=served.serve, args=(commands_in,), daemon=True)
+    thread.start()
+    yield engine, outbox, Sender(commands_out), events_in, thread
+    engine.hold.set()
+    Sender(commands_out).send(Close())
+    thread.join(10)
+
+
+def _next(events: Connection, kind: type) -> Any:
+    """The next message of ``kind`` (the host also sends its stats every so often)."""
+    while True:
+        assert events.poll(10), f"no {kind.__name__} came"
+        message = recv(events)
+        if isinstance(message, kind):
+            return message
+        assert isinstance(message, Stats), message
+
+
+def _request(rid: str, question: str = "q", regex: str | None = None) -> GenerationRequest:
+    return GenerationRequest(Task.QUERY, None, request_id=rid, question=question, regex=regex)
+
+
+def test_host_accepts_refuses_and_sends_a_ticks_events_in_one_message(host: Any) -> None:
+    _, outbox, commands, events, _ = host
+    commands.send(Submit(1, _request("a")))
+    assert _next(events, Accepted).rid == 1
+    outbox.flush()  # what the scheduler does once per tick
+    assert _next(events, Events).items == [
+        (1, TextDelta("hi")),
+        (1, Finished(FinishReason.EOS, text="hi")),
+    ]
+    commands.send(Submit(2, _request("b", "refuse")))
+    refused = _next(events, Refused)
+    assert refused.rid == 2 and refused.error.field == "question"
+    commands.send(Submit(3, _request("c", "crash")))
+    refused = _next(events, Refused)
+    assert refused.error.code is ErrorCode.INTERNAL and "a bug" in refused.error.message
+    assert _next(events, Stats).stats.active_sequences == 1
+
+
+def test_host_cancels_a_request_cancelled_while_its_constraint_was_building(host: Any) -> None:
+    engine, _, commands, events, _ = host
+    engine.hold.clear()
+    commands.send(Submit(1, _request("slow", "run", regex="a+")))
+    assert engine.building.wait(10)
+    commands.send(Cancel(1))
+    commands.send(Submit(2, _request("fast", "run")))  # the pipe is not blocked meanwhile
+    assert _next(events, Accepted).rid == 2
+    engine.hold.set()
+    assert _next(events, Accepted).rid == 1
+    wait_for(lambda: engine.admitted["slow"].cancelled, what="the cancel to apply")
+    assert not engine.admitted["fast"].cancelled
+
+
+def test_host_cancels_running_requests_and_stops_on_close(host: Any) -> None:
+    engine, _, commands, events, thread = host
+    commands.send(Submit(1, _request("r", "run")))
+    assert _next(events, Accepted).rid == 1
+    commands.send(Cancel(1))
+    commands.send(Cancel(99))  # unknown or ended: ignored
+    wait_for(lambda: engine.admitted["r"].cancelled, what="the cancel to apply")
+    commands.send(Close())
+    thread.join(10)
+    assert not thread.is_alive() and engine.closed
+
+
+# ---- a server whose engine runs in a child process ----------------------------------------
+
+
+def _config(tiny_dir: Path, **overrides: Any) -> Any:
+    return local_config(
+        model=str(tiny_dir),
+        device="cpu",
+        dtype="fp32",
+        kv_budget=KV_BUDGET,
+        max_batch_size=4,
+        engine_process="on",
+        **overrides,
+    )
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir: Path) -> Iterator[ServerThread]:
+    config = _config(tiny_dir)
+    with ServerThread(config, engine_factory(config)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerThread) -> Iterator[VisionLanguageClient]:
+    with VisionLanguageClient(server.target, timeout=60) as c:
+        yield c
+
+
+def _engine(server: ServerThread) -> ProcessEngine:
+    assert server.server is not None
+    engine = server.server.core.engine
+    assert isinstance(engine, ProcessEngine)
+    return engine
+
+
+def test_streams_and_results_equal_the_reference(
+    client: VisionLanguageClient, generator: ReferenceGenerator, sample_image: PreparedImage
+) -> None:
+    events = list(client.caption_stream(sample_image_bytes(), temperature=0.0, max_tokens=24))
+    want = generator.caption(sample_image, "normal", SamplingSettings(0.0, max_tokens=24))
+    assert "".join(e.text for e in events[:-1]) == events[-1].text == want.text
+    boxes = client.detect(sample_image_bytes(), "house", max_objects=3)
+    want_boxes = generator.detect(sample_image, "house", max_objects=3)
+    assert [(b.x_min, b.y_min, b.x_max, b.y_max) for b in boxes.boxes] == [
+        (b.x_min, b.y_min, b.x_max, b.y_max) for b in want_boxes.boxes
+    ]
+    answer = client.query(sample_image_bytes(), "which?", choices=["red", "blue"])
+    assert answer.text in ("red", "blue")
+
+
+def test_refusals_from_the_engine_process_name_the_field(client: VisionLanguageClient) -> None:
+    with pytest.raises(VlmError) as caught:
+        client.query(None, "q", regex="(unclosed")
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.field == "regex"
+
+
+def test_a_cancelled_stream_frees_its_pages_in_the_engine_process(server: ServerThread) -> None:
+    engine = _engine(server)
+    with VisionLanguageClient(server.target, timeout=60) as c:
+        c.caption(sample_image_bytes(), max_tokens=2)  # the image prefix is cached from here
+    wait_for(lambda: engine.stats().active_sequences == 0, what="the engine to settle")
+    cached = wait_for(lambda: engine.stats().kv_pages_in_use, what="the stats to arrive")
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.VisionLanguageStub(channel)
+        request = pb.CaptionRequest(
+            image_bytes=sample_image_bytes(),
+            settings=pb.GenerationSettings(temperature=0, max_tokens=1000),
+        )
+        call = stub.Caption(request, timeout=60)
+        assert [next(call).WhichOneof("event") for _ in range(3)] == ["delta"] * 3
+        wait_for(lambda: engine.stats().kv_pages_in_use > cached, what="its pages in use")
+        call.cancel()
+        with pytest.raises(grpc.RpcError) as caught:
+            list(call)
+    assert caught.value.code() == grpc.StatusCode.CANCELLED
+    wait_for(
+        lambda: (s := engine.stats()).active_sequences == 0 and s.kv_pages_in_use == cached,
+        what="its pages to be freed",
+    )
+    assert not engine._streams  # nothing left waiting for events
+
+
+def test_a_dead_engine_process_fails_its_requests_and_health(tiny_dir: Path) -> None:
+    config = _config(tiny_dir)
+    with ServerThread(config, engine_factory(config)) as running:
+        engine = _engine(running)
+        with grpc.insecure_channel(running.target) as channel:
+            stub = pb_grpc.VisionLanguageStub(channel)
+            request = pb.CaptionRequest(
+                image_bytes=sample_image_bytes(),
+                settings=pb.GenerationSettings(temperature=0, max_tokens=1000),
+            )
+            call = stub.Caption(request, timeout=60)
+            assert next(call).WhichOneof("event") == "delta"
+            assert engine.pid is not None
+            os.kill(engine.pid, signal.SIGKILL)
+            with pytest.raises(grpc.RpcError) as caught:
+                list(call)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            with pytest.raises(grpc.RpcError) as caught:
+                list(stub.Caption(request, timeout=30))
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            health = health_pb2_grpc.HealthStub(channel)
+
+            def status(service: str) -> int:
+                return health.Check(health_pb2.HealthCheckRequest(service=service)).status
+
+            wait_for(lambda: status(SERVICE_NAME) == NOT_SERVING, what="readiness to go")
+            assert status("") == NOT_SERVING  # liveness too: restart the server
+
+
+def test_an_engine_process_that_cannot_load_fails_the_start(tmp_path: Path) -> None:
+    engine = engine_factory(_config(tmp_path / "missing"))()
+    assert isinstance(engine, ProcessEngine)
+
+    async def start() -> None:
+        await engine.start()
+
+    with pytest.raises(RuntimeError, match="failed to start"):
+        asyncio.run(start())

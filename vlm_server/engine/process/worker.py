@@ -1,0 +1,201 @@
+"""The engine process: a batched engine behind two pipes.
+
+Its main thread reads commands; submissions with a client constraint are built on a thread
+of their own (compiling one can take the constraint's whole time limit); the scheduler
+thread sends each tick's events up in one message. Nothing here serves a client: that is
+the server process's job, so the scheduler shares its interpreter with nothing busy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+
+from vlm_server.engine.api import EngineError, ErrorCode, Finished, GenerationRequest
+from vlm_server.engine.core.sequence import Sequence
+from vlm_server.engine.engine import BatchedEngine
+from vlm_server.engine.process.wire import (
+    Accepted,
+    Cancel,
+    Close,
+    Events,
+    Ready,
+    Refused,
+    Sender,
+    StartFailed,
+    Stats,
+    Submit,
+    recv,
+)
+
+log = logging.getLogger(__name__)
+
+# How often the engine's counters go up to the server (its metrics read the latest).
+STATS_INTERVAL_S = 0.25
+
+
+class PipeOutbox:
+    """Collects the scheduler thread's events and sends them up once per tick."""
+
+    def __init__(self, sender: Sender) -> None:
+        self._sender = sender
+        self._items: list[tuple[int, object]] = []
+
+    def emitter(self, rid: int, on_end: Callable[[int], None]) -> Callable[[object], None]:
+        """What a sequence's events go to; ``on_end`` hears of its final one."""
+
+        def emit(event: object) -> None:
+            self._items.append((rid, event))
+            if isinstance(event, Finished | EngineError):
+                on_end(rid)
+
+        return emit
+
+    def flush(self) -> None:
+        if not self._items:
+            return
+        batch, self._items = self._items, []
+        self._sender.send(Events(batch))  # type: ignore[arg-type]
+
+
+class EngineHost:
+    """Serves one engine's commands from a pipe until told to close (or the server is gone)."""
+
+    def __init__(self, engine: BatchedEngine, sender: Sender, outbox: PipeOutbox) -> None:
+        self.engine = engine
+        self.sender = sender
+        self.outbox = outbox
+        self._lock = threading.Lock()
+        # Requests being built or running; None while being built.
+        self._live: dict[int, Sequence | None] = {}
+        self._cancel_when_built: set[int] = set()
+        self._builder = ThreadPoolExecutor(1, thread_name_prefix="constraint-builder")
+
+    def serve(
+        self,
+        commands: Connection,
+        housekeeping: Callable[[], None] | None = None,
+        housekeeping_interval: float = 0.0,
+    ) -> None:
+        now = time.monotonic()
+        next_stats = now + STATS_INTERVAL_S
+        next_housekeeping = now + housekeeping_interval
+        while True:
+            if commands.poll(max(0.0, next_stats - time.monotonic())):
+                try:
+                    message = recv(commands)
+                except (EOFError, OSError):
+                    log.warning("the server is gone: stopping the engine")
+                    break
+                if isinstance(message, Close):
+                    break
+                self._handle(message)
+            now = time.monotonic()
+            if now >= next_stats:
+                self.sender.send(Stats(self.engine.stats()))
+                next_stats = now + STATS_INTERVAL_S
+            if housekeeping is not None and housekeeping_interval > 0 and now >= next_housekeeping:
+                housekeeping()
+                next_housekeeping = now + housekeeping_interval
+        self._builder.shutdown(wait=False, cancel_futures=True)
+        asyncio.run(self.engine.close())
+
+    def _handle(self, message: object) -> None:
+        if isinstance(message, Submit):
+            request = message.request
+            with self._lock:
+                self._live[message.rid] = None
+            if request.choices or request.regex is not None:
+                self._builder.submit(self._admit, message.rid, request)
+            else:
+                self._admit(message.rid, request)
+        elif isinstance(message, Cancel):
+            with self._lock:
+                if message.rid not in self._live:
+                    return  # ended already
+                seq = self._live[message.rid]
+                if seq is None:
+                    self._cancel_when_built.add(message.rid)
+                    return
+            self.engine.cancel(seq)
+        else:
+            log.error("unknown command %r", type(message).__name__)
+
+    def _admit(self, rid: int, request: GenerationRequest) -> None:
+        try:
+            seq = self.engine.build(request)
+            with self._lock:
+                self._live[rid] = seq
+                cancel = rid in self._cancel_when_built
+                self._cancel_when_built.discard(rid)
+            self.engine.admit(seq, self.outbox.emitter(rid, self._ended))
+        except EngineError as err:
+            self._refuse(rid, err)
+            return
+        except Exception as err:  # a bug in building: refuse this request, keep serving
+            log.exception("building request %d failed", rid)
+            self._refuse(rid, EngineError(ErrorCode.INTERNAL, f"building the request: {err}"))
+            return
+        self.sender.send(Accepted(rid))
+        if cancel:
+            self.engine.cancel(seq)
+
+    def _refuse(self, rid: int, err: EngineError) -> None:
+        with self._lock:
+            self._live.pop(rid, None)
+            self._cancel_when_built.discard(rid)
+        self.sender.send(Refused(rid, err))
+
+    def _ended(self, rid: int) -> None:
+        with self._lock:
+            self._live.pop(rid, None)
+
+
+def run_engine_process(
+    factory: Callable[[], BatchedEngine],
+    commands: Connection,
+    events: Connection,
+    setup: Callable[[], None] | None = None,
+    on_ready: Callable[[], None] | None = None,
+    housekeeping: Callable[[], None] | None = None,
+    housekeeping_interval: float = 0.0,
+) -> None:
+    """The engine process's entry point: ``setup`` (logging, allocator), build and start the
+    engine, say `Ready` (or `StartFailed`), then serve commands until `Close`."""
+    if setup is not None:
+        setup()
+    sender = Sender(events)
+    try:
+        engine = factory()
+        outbox = PipeOutbox(sender)
+        engine.outbox = outbox
+        asyncio.run(engine.start())
+    except BaseException as err:  # report, then exit: the server refuses to serve
+        log.exception("the engine failed to start")
+        sender.send(StartFailed(f"{type(err).__name__}: {err}"))
+        return
+    if on_ready is not None:
+        on_ready()
+    sender.send(Ready(engine.info))
+    EngineHost(engine, sender, outbox).serve(commands, housekeeping, housekeeping_interval)
+
+
+def main(argv: list[str]) -> int:
+    """``python -m vlm_server.engine.process.worker COMMANDS_FD EVENTS_FD``, with the pickled
+    ``(factory, setup, on_ready, housekeeping, housekeeping_interval)`` on stdin."""
+    factory, setup, on_ready, housekeeping, interval = pickle.load(sys.stdin.buffer)
+    commands = Connection(int(argv[0]), writable=False)
+    events = Connection(int(argv[1]), readable=False)
+    run_engine_process(factory, commands, events, setup, on_ready, housekeeping, interval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

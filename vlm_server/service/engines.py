@@ -1,0 +1,131 @@
+"""What builds the server's engine: the model loader, the engines by name (``--engine``), and
+whether the engine runs in this process or in one of its own (``--engine-process``).
+
+Everything here is importable by name, so that an engine process can be handed the same
+factory the server would call itself (a process started as ``python -m ...`` could not).
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import logging
+import sys
+from collections.abc import Callable
+
+import torch
+
+from decoding.limits import ConstraintLimits
+from vlm_server.default_model import default_model_dir
+from vlm_server.devices import resolve_device
+from vlm_server.engine.api import Engine
+from vlm_server.service.config import ServerConfig
+from vlm_server.service.logs import configure_logging
+from vlm_server.service.memory import freeze, limit_arenas, limit_mmap_threshold, trim
+from vlm_server.weights.loader import LoadedModel, load_model
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _loader(config: ServerConfig) -> Callable[[], LoadedModel]:
+    """A function that loads the configured model (with a progress bar for large files)."""
+    device = resolve_device(config.device)
+    dtype = (
+        DTYPES[config.dtype]
+        if config.dtype
+        else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    )
+
+    def load() -> LoadedModel:
+        if config.model is None:
+            log.warning(
+                "no --model given: serving the built-in random tiny model, which "
+                "answers with random words"
+            )
+        source = config.model or default_model_dir()
+        return load_model(
+            source,
+            preset_name=config.preset,
+            dtype=dtype,
+            device=device,
+            tokenizer_path=config.tokenizer,
+            progress=True,
+        )
+
+    return load
+
+
+def constraint_limits(config: ServerConfig) -> ConstraintLimits:
+    """The engine's bounds on client constraints, from the server's flags."""
+    return ConstraintLimits(
+        max_choices=config.max_choices,
+        max_choice_chars=config.max_choice_chars,
+        max_regex_chars=config.max_regex_chars,
+        max_dfa_states=config.max_constraint_states,
+        compile_seconds=config.constraint_compile_seconds,
+    )
+
+
+def batched_engine(config: ServerConfig, one_at_a_time: bool = False) -> Engine:
+    """Continuous batching; loads the model here (the server calls this off its loop).
+    ``one_at_a_time``: batch 1, blocking (depth 1), what ``--engine reference`` serves."""
+    from vlm_server.engine.config import EngineConfig
+    from vlm_server.engine.engine import BatchedEngine
+
+    cfg = EngineConfig(
+        max_batch=1 if one_at_a_time else config.max_batch_size,
+        max_step_tokens=config.max_step_tokens,
+        pipeline_depth=1 if one_at_a_time else config.pipeline_depth,
+        max_queue=config.queue_limit,
+        kv_budget_bytes=config.kv_budget or None,
+        prefill_sm_carveout=config.prefill_sm_carveout,
+        constraint_limits=constraint_limits(config),
+    )
+    return BatchedEngine(_loader(config)(), cfg, preset_name=config.preset)
+
+
+# Engine implementations by name (--engine); picklable, for an engine process.
+ENGINES: dict[str, Callable[[ServerConfig], Engine]] = {
+    "batched": batched_engine,
+    "reference": functools.partial(batched_engine, one_at_a_time=True),
+}
+
+
+def uses_engine_process(config: ServerConfig) -> bool:
+    """``--engine-process``, with auto resolved: on where the model runs on CUDA."""
+    if config.engine_process == "auto":
+        return resolve_device(config.device).type == "cuda"
+    return config.engine_process == "on"
+
+
+def configure_process(config: ServerConfig) -> None:
+    """Logging, allocator and GIL settings of a server or engine process."""
+    configure_logging(config.log_format, config.log_level)
+    # Before any thread allocates: arenas that exist stay.
+    limit_arenas(config.malloc_arena_max)
+    limit_mmap_threshold(config.malloc_mmap_threshold)
+    sys.setswitchinterval(config.gil_switch_interval_ms / 1000)
+
+
+def _collect_and_trim() -> None:
+    gc.collect()
+    trim()
+
+
+def engine_factory(config: ServerConfig) -> Callable[[], Engine]:
+    """What builds the configured engine: in this process, or in one of its own."""
+    build = functools.partial(ENGINES[config.engine], config)
+    if not uses_engine_process(config):
+        return build
+    from vlm_server.engine.process.client import ProcessEngine
+
+    return functools.partial(
+        ProcessEngine,
+        build,
+        setup=functools.partial(configure_process, config),
+        on_ready=freeze,
+        housekeeping=_collect_and_trim,
+        housekeeping_interval=config.memory_trim_interval,
+    )
