@@ -335,3 +335,23 @@ def test_an_engine_process_that_cannot_load_fails_the_start(tmp_path: Path) -> N
 
     with pytest.raises(RuntimeError, match="failed to start"):
         asyncio.run(start())
+
+
+@pytest.mark.gpu
+def test_cuda_crops_cross_as_ipc_handles_and_give_the_in_process_answers(tiny_dir: Path) -> None:
+    """Crops prepared on the GPU reach the engine process through CUDA IPC unchanged: its
+    greedy answers equal those of the same engine in the server's process."""
+    answers = {}
+    for mode in ("off", "on"):
+        config = _config(tiny_dir, device="cuda", engine_process=mode)
+        with (
+            ServerThread(config, engine_factory(config)) as running,
+            VisionLanguageClient(running.target, timeout=120) as c,
+        ):
+            if mode == "on":
+                assert isinstance(_engine(running), ProcessEngine)
+            answers[mode] = [
+                c.caption(sample_image_bytes(), temperature=0.0, max_tokens=16).text,
+                [(b.x_min, b.y_min) for b in c.detect(sample_image_bytes(), "house").boxes],
+            ]
+    assert answers["on"] == answers["off"]
