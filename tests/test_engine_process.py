@@ -218,15 +218,15 @@ def test_host_cancels_running_requests_and_stops_on_close(host: Any) -> None:
 
 
 def _config(tiny_dir: Path, **overrides: Any) -> Any:
-    return local_config(
-        model=str(tiny_dir),
-        device="cpu",
-        dtype="fp32",
-        kv_budget=KV_BUDGET,
-        max_batch_size=4,
-        engine_process="on",
-        **overrides,
-    )
+    values: dict[str, Any] = {
+        "model": str(tiny_dir),
+        "device": "cpu",
+        "dtype": "fp32",
+        "kv_budget": KV_BUDGET,
+        "max_batch_size": 4,
+        "engine_process": "on",
+    }
+    return local_config(**{**values, **overrides})
 
 
 @pytest.fixture(scope="module")
