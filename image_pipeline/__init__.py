@@ -38,6 +38,7 @@ from .errors import ImageError, ImageErrorReason
 from .limits import DEFAULT_LIMITS, ImageLimits
 from .normalize import normalize_crops
 from .prepared import (
+    HostImage,
     ImagePreparer,
     PreparedImage,
     content_hash,
@@ -54,6 +55,7 @@ __all__ = [
     "DEFAULT_TILING",
     "DecodeBudget",
     "DecodedImage",
+    "HostImage",
     "ImageError",
     "ImageErrorReason",
     "ImageLimits",

@@ -41,6 +41,7 @@ from .resample import Resampler
 from .tiling import DEFAULT_TILING, Tiling, TilingSpec
 
 __all__ = [
+    "HostImage",
     "ImagePreparer",
     "PreparedImage",
     "content_hash",
@@ -82,11 +83,41 @@ class PreparedImage:
         """``1 + h_t * w_t``."""
         return self.crops.shape[0]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes a cache holding it keeps alive."""
+        return self.crops.nbytes
+
     def normalized(
         self, dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None
     ) -> torch.Tensor:
         """Crops as ``[N, 3, H, W]`` in [-1, 1]; see :func:`normalize_crops`."""
         return normalize_crops(self.crops, dtype=dtype, device=device)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class HostImage:
+    """A decoded image whose crops are still to be made, by :meth:`ImagePreparer.crops_of`
+    on the device that runs the encoder (the engine's process, where the server's does
+    not touch the GPU). Same metadata as :class:`PreparedImage`.
+
+    Attributes:
+        pixels: uint8 ``[h, w, 3]`` upright pixels on the host; read-only.
+        num_crops: ``1 + h_t * w_t``.
+    """
+
+    pixels: np.ndarray
+    tiling: Tiling
+    content_hash: str
+    width: int
+    height: int
+    decoded_size: tuple[int, int]
+    num_crops: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a cache holding it keeps alive."""
+        return self.pixels.nbytes
 
 
 def content_hash(
@@ -198,6 +229,37 @@ class ImagePreparer:
             data, self.limits, target=target, budget=self.budget, alloc=alloc, header=header
         )
         return self.prepare_decoded(decoded)
+
+    def decode_host(
+        self, data: bytes, alloc: Callable[[tuple[int, int, int]], np.ndarray] | None = None
+    ) -> HostImage:
+        """Decode untrusted bytes on the host only (``ImageError`` on bad data): the header
+        checks, limits, budget and reduced-scale decode of :meth:`prepare`, no device work.
+        ``alloc`` gives the array a JPEG is decoded into (other formats are decoded where
+        their decoder puts them)."""
+        header = read_header(data, self.limits)
+        target = self._canvas_for if self.reduced_decode else None
+        decoded = decode(
+            data, self.limits, target=target, budget=self.budget, alloc=alloc, header=header
+        )
+        tiles = self.tiling.tiling_for(decoded.height, decoded.width)
+        return HostImage(
+            pixels=decoded.pixels,
+            tiling=tiles,
+            content_hash=content_hash(decoded.pixels, (decoded.height, decoded.width)),
+            width=decoded.width,
+            height=decoded.height,
+            decoded_size=decoded.decoded_size,
+            num_crops=self.tiling.num_crops(tiles),
+        )
+
+    def crops_of(self, image: HostImage) -> torch.Tensor:
+        """The crops of a host-decoded image on this preparer's device, queued on the current
+        stream without waiting for them (CUDA): the pixels go up through pinned memory,
+        which the caching host allocator keeps until the copy is done."""
+        return make_crops(
+            self._upload(image.pixels)(), image.tiling, self.tiling, self.resize, self.resampler
+        )
 
     def decodes_on_gpu(self, header: Header) -> bool:
         """Whether a picture with this (checked) header is decoded by ``gpu_decoder``."""

@@ -4,9 +4,10 @@ serves the pipe in the engine process, and a server whose engine runs in a child
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
-import pickle
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -34,6 +36,7 @@ from vlm_server.engine.api import (
     TextDelta,
 )
 from vlm_server.engine.process.client import ProcessEngine
+from vlm_server.engine.process.shared_pixels import share, shared_array, shared_fd
 from vlm_server.engine.process.wire import (
     Accepted,
     Cancel,
@@ -44,6 +47,7 @@ from vlm_server.engine.process.wire import (
     Stats,
     Submit,
     dumps,
+    loads,
     recv,
 )
 from vlm_server.engine.process.worker import EngineHost, PipeOutbox
@@ -60,7 +64,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def test_engine_errors_cross_with_code_message_and_field() -> None:
-    err = pickle.loads(dumps(EngineError(ErrorCode.INVALID_ARGUMENT, "bad pattern", "regex")))
+    err = loads(*dumps(EngineError(ErrorCode.INVALID_ARGUMENT, "bad pattern", "regex")))
     assert isinstance(err, EngineError)
     assert (err.code, err.message, err.field) == (
         ErrorCode.INVALID_ARGUMENT,
@@ -71,10 +75,40 @@ def test_engine_errors_cross_with_code_message_and_field() -> None:
 
 def test_a_request_with_cpu_crops_crosses_by_value(sample_image: PreparedImage) -> None:
     request = GenerationRequest(Task.CAPTION, sample_image, request_id="r1", deadline=12.5)
-    got = pickle.loads(dumps(Submit(7, request)))
+    data, fds = dumps(Submit(7, request))
+    assert fds == []
+    got = loads(data, fds)
     assert got.rid == 7 and got.request.request_id == "r1" and got.request.deadline == 12.5
     assert torch.equal(got.request.image.crops, sample_image.crops)
     assert got.request.image.content_hash == sample_image.content_hash
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_shared_pixels_cross_as_descriptors_and_leak_none() -> None:
+    pixels = shared_array((6, 5, 3))
+    pixels[...] = np.arange(90, dtype=np.uint8).reshape(6, 5, 3)
+    plain = np.full((2, 2, 3), 7, np.uint8)
+    commands_in, commands_out = _pipe()
+    here, there = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    before = _open_fds()
+    sender = Sender(commands_out, here)
+    for _ in range(3):
+        sender.send((pixels, plain, pixels[1:]))
+        got, got_plain, got_part = recv(commands_in, there)
+        assert np.array_equal(got, pixels) and not got.flags.writeable
+        assert np.array_equal(got_plain, plain) and np.array_equal(got_part, pixels[1:])
+        pixels[0, 0, 0] = 200  # one memory: the receiver sees the sender's writes
+        assert got[0, 0, 0] == 200
+        del got, got_plain, got_part
+    gc.collect()
+    assert _open_fds() == before
+    with pytest.raises(ValueError, match="cannot send"):
+        Sender(commands_out).send(pixels)  # a channel without a descriptor socket
+    assert shared_fd(share(plain)) is not None and share(pixels) is pixels
+    assert shared_fd(pixels[1:]) is None  # only whole arrays cross by descriptor
 
 
 def test_engine_process_is_on_for_cuda_models_only_when_auto(
@@ -85,6 +119,11 @@ def test_engine_process_is_on_for_cuda_models_only_when_auto(
     monkeypatch.setattr(engines, "resolve_device", lambda name: torch.device("cuda"))
     assert uses_engine_process(local_config(engine_process="auto"))
     assert not uses_engine_process(local_config(engine_process="off"))
+    # GPU-decoded pixels stay where they were decoded: auto keeps the engine in-process...
+    assert not uses_engine_process(local_config(image_gpu_decode_min_pixels=4_000_000))
+    # ...and asking for both is refused, naming both settings.
+    with pytest.raises(ValueError, match="image_gpu_decode_min_pixels needs engine_process"):
+        local_config(engine_process="on", image_gpu_decode_min_pixels=4_000_000)
 
 
 # ---- the host, with a stand-in engine ------------------------------------------------------

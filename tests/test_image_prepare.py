@@ -13,9 +13,11 @@ import torch
 from PIL import Image, ImageDraw
 
 from image_pipeline import (
+    HostImage,
     ImageError,
     ImageErrorReason,
     ImageLimits,
+    ImagePreparer,
     PreparedImage,
     TilingSpec,
     content_hash,
@@ -225,6 +227,41 @@ def test_concurrent_errors_stay_typed() -> None:
         ImageErrorReason.UNSUPPORTED_FORMAT,
         ImageErrorReason.CORRUPT,
     }
+
+
+@pytest.mark.parametrize("resize", ["vips", "pillow"])
+@pytest.mark.parametrize(("fmt", "size"), [("JPEG", (700, 500)), ("PNG", (300, 900))])
+def test_host_decode_then_crops_equal_prepare(resize: str, fmt: str, size: tuple[int, int]) -> None:
+    """The two halves an engine process splits the path into give what `prepare` gives."""
+    data = encode(drawing(*size), fmt)
+    preparer = ImagePreparer(resize=resize)
+    whole = preparer.prepare(data)
+    host = preparer.decode_host(data)
+    assert isinstance(host, HostImage)
+    for name in ("tiling", "content_hash", "width", "height", "decoded_size", "num_crops"):
+        assert getattr(host, name) == getattr(whole, name), name
+    assert host.nbytes == host.pixels.nbytes and whole.nbytes == whole.crops.nbytes
+    assert torch.equal(preparer.crops_of(host), whole.crops)
+    allocated = []
+
+    def alloc(shape: tuple[int, int, int]) -> np.ndarray:
+        allocated.append(np.zeros(shape, np.uint8))
+        return allocated[-1]
+
+    into = preparer.decode_host(data, alloc=alloc)
+    assert into.content_hash == whole.content_hash
+    # A JPEG is decoded into the given array; other formats where their decoder puts them.
+    assert [into.pixels is a for a in allocated] == ([True] if fmt == "JPEG" else [])
+
+
+def test_host_decode_refuses_what_prepare_refuses() -> None:
+    preparer = ImagePreparer(limits=ImageLimits(max_pixels=1000))
+    for data in (b"", b"garbage" * 9, sample_image_bytes()[:5000], sample_image_bytes()):
+        with pytest.raises(ImageError) as host_error:
+            preparer.decode_host(data)
+        with pytest.raises(ImageError) as whole_error:
+            preparer.prepare(data)
+        assert host_error.value.reason == whole_error.value.reason
 
 
 # ---------------------------------------------------------------- sample and CLI

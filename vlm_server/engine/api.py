@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # the API stays torch-free: the engine core imports it
-    from image_pipeline import PreparedImage
+    from image_pipeline import HostImage, PreparedImage
 
 
 class Task(enum.StrEnum):
@@ -66,7 +66,7 @@ class GenerationRequest:
     """One task on one image. Coordinates in results are normalized to [0, 1], origin top-left."""
 
     task: Task
-    image: PreparedImage | None
+    image: PreparedImage | HostImage | None  # a HostImage is cropped by the engine
     request_id: str = ""
     caption_length: str = "normal"  # caption: short | normal | long
     question: str = ""  # query

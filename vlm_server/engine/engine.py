@@ -22,6 +22,7 @@ from decoding.detokenize import StreamDetokenizer
 from decoding.grammars import (
     TextGrammar,
 )
+from image_pipeline import ImagePreparer
 from vlm_server.engine.api import (
     Emitted,
     EngineError,
@@ -138,7 +139,10 @@ class BatchedEngine:
         cfg: EngineConfig | None = None,
         preset_name: str | None = None,
         observer: Observer = NO_OBSERVER,
+        image_preparer: ImagePreparer | None = None,
     ) -> None:
+        """``image_preparer`` makes the crops of host-decoded images (`HostImage`) a request
+        brings (default: the reference's resize on the model's device)."""
         self.loaded = loaded
         self.cfg = cfg or EngineConfig()
         model = loaded.model
@@ -168,7 +172,9 @@ class BatchedEngine:
         # Where the scheduler's events go. Replaceable before `start` (an engine process
         # sends them down a pipe instead of onto an event loop).
         self.outbox: Outbox = EventOutbox()
-        self.runtime = ModelRuntime(model, self.cfg, self.table, observer=observer)
+        self.runtime = ModelRuntime(
+            model, self.cfg, self.table, observer=observer, image_preparer=image_preparer
+        )
         self.scheduler = Scheduler(
             self.runtime,
             self.cfg,

@@ -156,6 +156,11 @@ class ServerConfig:
         for name in nonnegative:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.engine_process == "on" and self.image_gpu_decode_min_pixels > 0:
+            raise ValueError(
+                "image_gpu_decode_min_pixels needs engine_process off or auto: pixels "
+                "decoded on the GPU stay in the process that decoded them"
+            )
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: give both or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:

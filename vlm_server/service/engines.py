@@ -73,6 +73,7 @@ def batched_engine(config: ServerConfig, one_at_a_time: bool = False) -> Engine:
     ``one_at_a_time``: batch 1, blocking (depth 1), what ``--engine reference`` serves."""
     from vlm_server.engine.config import EngineConfig
     from vlm_server.engine.engine import BatchedEngine
+    from vlm_server.service.images import crop_maker
 
     cfg = EngineConfig(
         max_batch=1 if one_at_a_time else config.max_batch_size,
@@ -83,7 +84,9 @@ def batched_engine(config: ServerConfig, one_at_a_time: bool = False) -> Engine:
         prefill_sm_carveout=config.prefill_sm_carveout,
         constraint_limits=constraint_limits(config),
     )
-    return BatchedEngine(_loader(config)(), cfg, preset_name=config.preset)
+    return BatchedEngine(
+        _loader(config)(), cfg, preset_name=config.preset, image_preparer=crop_maker(config)
+    )
 
 
 # Engine implementations by name (--engine); picklable, for an engine process.
@@ -96,7 +99,9 @@ ENGINES: dict[str, Callable[[ServerConfig], Engine]] = {
 def uses_engine_process(config: ServerConfig) -> bool:
     """``--engine-process``, with auto resolved: on where the model runs on CUDA."""
     if config.engine_process == "auto":
-        return resolve_device(config.device).type == "cuda"
+        # GPU-decoded pixels never leave the process that decoded them.
+        gpu_decode = config.image_gpu_decode_min_pixels > 0
+        return resolve_device(config.device).type == "cuda" and not gpu_decode
     return config.engine_process == "on"
 
 

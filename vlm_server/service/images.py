@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import functools
 import logging
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Protocol
@@ -13,17 +15,28 @@ from typing import Protocol
 import blake3
 import torch
 
-from image_pipeline import DecodeBudget, ImageError, ImageLimits, ImagePreparer, PreparedImage
+from image_pipeline import (
+    DecodeBudget,
+    HostImage,
+    ImageError,
+    ImageLimits,
+    ImagePreparer,
+    PreparedImage,
+)
 from image_pipeline.gpu_jpeg import GpuDecoder, torchvision_decoder
+from vlm_server.engine.process.shared_pixels import share, shared_array
 from vlm_server.service.config import ServerConfig
 from vlm_server.service.errors import invalid
 
 log = logging.getLogger(__name__)
 
+# A request's image: cropped already, or decoded for an engine process to crop.
+Image = PreparedImage | HostImage
+
 
 @dataclass
 class _Entry:
-    image: PreparedImage
+    image: Image
     owner: str | None  # who uploaded it; None: cached from an inline image_bytes request
 
 
@@ -55,14 +68,14 @@ class ImageCache:
         """Bytes of the images ``owner`` holds."""
         return self._held[owner]
 
-    def get(self, image_id: str) -> PreparedImage | None:
+    def get(self, image_id: str) -> Image | None:
         entry = self._items.get(image_id)
         if entry is None:
             return None
         self._items.move_to_end(image_id)
         return entry.image
 
-    def put(self, image: PreparedImage, owner: str | None = None) -> tuple[str, bool]:
+    def put(self, image: Image, owner: str | None = None) -> tuple[str, bool]:
         """Store ``image`` for ``owner``; returns (its id, whether an upload, a put with an
         owner, already held it). An owned image stays owned when put again without one."""
         key = image.content_hash
@@ -74,8 +87,8 @@ class ImageCache:
                 owner = old.owner
         entry = _Entry(image, owner)
         self._items[key] = entry
-        self._held[owner] += image.crops.nbytes
-        self.nbytes += image.crops.nbytes
+        self._held[owner] += image.nbytes
+        self.nbytes += image.nbytes
         self._evict_own(key, owner)
         while self.nbytes > self.capacity_bytes and len(self._items) > 1:
             _, evicted = self._items.popitem(last=False)
@@ -92,7 +105,7 @@ class ImageCache:
                 return
 
     def _release(self, entry: _Entry) -> None:
-        size = entry.image.crops.nbytes
+        size = entry.image.nbytes
         self.nbytes -= size
         self._held[entry.owner] -= size
         if not self._held[entry.owner]:
@@ -110,6 +123,37 @@ class _HasImage(Protocol):
     def WhichOneof(self, name: str) -> str | None: ...
 
 
+def image_device(config: ServerConfig) -> torch.device:
+    """Where crops are made: ``--image-device``, auto following the model (``--device``,
+    else CUDA when present)."""
+    return torch.device(
+        config.image_device
+        if config.image_device != "auto"
+        else config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    )
+
+
+def host_image_preparer(config: ServerConfig) -> ImagePreparer:
+    """The server's image path when the engine runs in its own process: header checks,
+    limits, budget and decode here, into shared memory; the crops are made by the engine
+    process (`crop_maker`), so this process never touches the GPU."""
+    return ImagePreparer(
+        config.image_limits,
+        resize=config.image_resize,
+        device="cpu",
+        reduced_decode=config.image_reduced_decode,
+        budget=DecodeBudget(config.image_decode_budget),
+    )
+
+
+def crop_maker(config: ServerConfig) -> ImagePreparer:
+    """What makes an engine's crops of host-decoded images: the server's resize mode, on
+    the image device."""
+    return ImagePreparer(
+        config.image_limits, resize=config.image_resize, device=image_device(config)
+    )
+
+
 def image_preparer(config: ServerConfig) -> ImagePreparer:
     """The server's image path: limits, resize mode, device, reduced decode, GPU JPEG decode,
     decode budget.
@@ -121,11 +165,7 @@ def image_preparer(config: ServerConfig) -> ImagePreparer:
             work (no torchvision, or one without nvJPEG): said at start, not found out later
             from the host CPU.
     """
-    device = torch.device(
-        config.image_device
-        if config.image_device != "auto"
-        else config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    )
+    device = image_device(config)
     min_pixels = config.image_gpu_decode_min_pixels
     decoder: GpuDecoder | None = None
     if min_pixels > 0 and device.type != "cuda":
@@ -150,7 +190,7 @@ def image_preparer(config: ServerConfig) -> ImagePreparer:
 
 
 class ImageResolver:
-    """Turns a request's ``image`` oneof into a `PreparedImage`."""
+    """Turns a request's ``image`` oneof into an `Image`."""
 
     # Digests of encoded bytes remembered (a few hundred bytes each).
     MAX_KNOWN_ENCODINGS = 4096
@@ -161,19 +201,25 @@ class ImageResolver:
         cache: ImageCache,
         executor: Executor,
         preparer: ImagePreparer | None = None,
+        host_only: bool = False,
     ) -> None:
         self.limits = limits
         self.cache = cache
         self._executor = executor
         self.preparer = preparer if preparer is not None else ImagePreparer(limits)
+        # host_only: images stop at decoded pixels in shared memory (`HostImage`), for an
+        # engine process to crop.
+        self._prepare: Callable[[bytes], Image] = (
+            self._decode_shared if host_only else self.preparer.prepare
+        )
         # BLAKE3 of encoded bytes -> content hash in `cache`: the same upload sent again
         # skips decoding and tiling (tens of milliseconds of CPU per 800x600 picture).
         self._by_encoding: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         # Digest -> the decode in progress for it (requests racing with the same bytes).
-        self._decoding: dict[bytes, asyncio.Future[PreparedImage]] = {}
+        self._decoding: dict[bytes, asyncio.Future[Image]] = {}
         self.encoding_hits = 0
 
-    async def decode(self, data: bytes, field: str = "image_bytes") -> PreparedImage:
+    async def decode(self, data: bytes, field: str = "image_bytes") -> Image:
         """Decode and tile in the thread pool; bad data -> INVALID_ARGUMENT naming ``field``.
 
         The digest of the encoded bytes comes first: bytes seen before (and still
@@ -197,7 +243,7 @@ class ImageResolver:
         # new bytes, and finishes (into the cache) even if they are all cancelled.
         pending = self._decoding.get(digest)
         if pending is None:
-            pending = loop.run_in_executor(self._executor, self.preparer.prepare, data)
+            pending = loop.run_in_executor(self._executor, self._prepare, data)
             self._decoding[digest] = pending
             pending.add_done_callback(functools.partial(self._decoded, digest))
         else:
@@ -207,7 +253,12 @@ class ImageResolver:
         except ImageError as err:
             raise invalid(field, f"{err.reason.value}: {err.message}") from None
 
-    def _decoded(self, digest: bytes, future: asyncio.Future[PreparedImage]) -> None:
+    def _decode_shared(self, data: bytes) -> HostImage:
+        image = self.preparer.decode_host(data, alloc=shared_array)
+        pixels = share(image.pixels)  # formats other than JPEG decode elsewhere: one copy
+        return image if pixels is image.pixels else dataclasses.replace(image, pixels=pixels)
+
+    def _decoded(self, digest: bytes, future: asyncio.Future[Image]) -> None:
         """Remember a finished decode (runs on the loop before its waiters resume)."""
         del self._decoding[digest]
         if future.cancelled() or future.exception() is not None:
@@ -219,7 +270,7 @@ class ImageResolver:
         while len(self._by_encoding) > self.MAX_KNOWN_ENCODINGS:
             self._by_encoding.popitem(last=False)
 
-    async def resolve(self, request: _HasImage) -> PreparedImage | None:
+    async def resolve(self, request: _HasImage) -> Image | None:
         """The request's image, or None when it sets neither image_bytes nor image_id."""
         which = request.WhichOneof("image")
         if which is None:

@@ -31,8 +31,14 @@ from vlm_server.http.server import Authorizer, HttpFrontDoor
 from vlm_server.service.auth import ApiKeys, AuthInterceptor, client_identity, read_keys_file
 from vlm_server.service.calls import Limits, ServiceCore
 from vlm_server.service.config import ServerConfig
+from vlm_server.service.engines import uses_engine_process
 from vlm_server.service.health import HealthState
-from vlm_server.service.images import ImageCache, ImageResolver, image_preparer
+from vlm_server.service.images import (
+    ImageCache,
+    ImageResolver,
+    host_image_preparer,
+    image_preparer,
+)
 from vlm_server.service.intake import IntakeInterceptor
 from vlm_server.service.memory import Trimmer
 from vlm_server.service.metrics import ServiceMetrics
@@ -92,7 +98,14 @@ class VisionLanguageServer:
             config.decode_threads, thread_name_prefix="image-decode"
         )
         cache = ImageCache(config.image_cache_bytes, owner_bytes=config.client_cache_bytes)
-        images = ImageResolver(config.image_limits, cache, self._executor, image_preparer(config))
+        in_process = not uses_engine_process(config)
+        images = ImageResolver(
+            config.image_limits,
+            cache,
+            self._executor,
+            image_preparer(config) if in_process else host_image_preparer(config),
+            host_only=not in_process,
+        )
         limits = Limits(
             max_message_bytes=config.max_message_bytes,
             max_image_bytes=config.max_image_bytes,

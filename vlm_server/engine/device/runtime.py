@@ -39,7 +39,7 @@ from decoding.batch_masks import apply_masks
 from decoding.mask_table import NO_MASK, MaskTable
 from decoding.region_values import coord_from_logits, size_from_logits
 from decoding.sampling import sample
-from image_pipeline import PreparedImage, normalize_crops
+from image_pipeline import HostImage, ImagePreparer, PreparedImage, normalize_crops
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.mixed_inputs import MixedLayout
 from vlm_server.engine.core.observer import NO_OBSERVER, Observer
@@ -90,7 +90,7 @@ class _PrefixJob:
     """A new image prefix of a prefill: BOS + image embeddings into the entry's pages (the
     pages travel in the step's inputs)."""
 
-    crops: torch.Tensor  # uint8 [N, H, W, 3], on the host or already on the device
+    image: PreparedImage | HostImage  # crops made already, or still to make here
     tiling: tuple[int, int]
 
 
@@ -150,9 +150,12 @@ class ModelRuntime:
         table: MaskTable,
         device: Device | None = None,
         observer: Observer = NO_OBSERVER,
+        image_preparer: ImagePreparer | None = None,
     ) -> None:
         self.model = model
         self.cfg = cfg
+        # Makes the crops of host-decoded images (`HostImage`), on the model's device.
+        self.image_preparer = image_preparer or ImagePreparer(device=model.device)
         self.torch_device = model.device
         self.dtype = model.dtype
         self.dev: Device = device or TorchDevice(model.device)
@@ -477,7 +480,7 @@ class ModelRuntime:
             partial(_copy_rows, slot.pages_dev, slot.pages_host, 0, k),
             lambda: ([slot.pages_host], [slot.pages_dev]),
         )
-        images = [_PrefixJob(image.crops, image.tiling) for _, image in jobs]
+        images = [_PrefixJob(image, image.tiling) for _, image in jobs]
         written = [p for pages, _ in jobs for p in pages]
         dev.kernel(
             dev.prefill_stream,
@@ -595,7 +598,7 @@ class ModelRuntime:
         tiling; tilings beyond the crop budget run eagerly), then the BOS + image forward of
         all of them at once, straight into their cache entries' pages."""
         for j, job in enumerate(jobs):
-            crops = self._crops_on_device(job.crops)
+            crops = self._crops_on_device(self._crops_of(job.image))
             if job.tiling in self.image_graphs:
                 self._image_inputs[crops.shape[0]].copy_(crops)
                 emb = self.image_graphs.replay(job.tiling)
@@ -638,6 +641,13 @@ class ModelRuntime:
         pos = self._prefix_pos[None].expand(k, length)
         with sm_carveout(self._prefill_carveout):
             self.model.text(self.prefix_emb[:k], pos, kv)
+
+    def _crops_of(self, image: PreparedImage | HostImage) -> torch.Tensor:
+        """The image's crops; a host-decoded image's are made here, queued on the current
+        (prefill) stream, so they cost this thread only the staging copy and the launches."""
+        if isinstance(image, HostImage):
+            return self.image_preparer.crops_of(image)
+        return image.crops
 
     def _crops_on_device(self, crops: torch.Tensor) -> torch.Tensor:
         """The image preparer may have made the crops on this device already; host crops go

@@ -14,6 +14,7 @@ import itertools
 import logging
 import os
 import pickle
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -132,6 +133,8 @@ class ProcessEngine:
         self._loop = loop
         commands_in, commands_out = os.pipe()
         events_in, events_out = os.pipe()
+        # Beside the commands: the descriptors of the shared pixels they carry.
+        fds_here, fds_there = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         spec = pickle.dumps(
             (
                 self._factory,
@@ -144,14 +147,22 @@ class ProcessEngine:
         # A fresh interpreter (CUDA does not survive a fork) that imports only the worker
         # module, whatever the server's own main module is.
         process = subprocess.Popen(
-            [sys.executable, "-m", WORKER_MODULE, str(commands_in), str(events_out)],
+            [
+                sys.executable,
+                "-m",
+                WORKER_MODULE,
+                str(commands_in),
+                str(fds_there.fileno()),
+                str(events_out),
+            ],
             stdin=subprocess.PIPE,
-            pass_fds=(commands_in, events_out),
+            pass_fds=(commands_in, fds_there.fileno(), events_out),
         )
         os.close(commands_in)
         os.close(events_out)
+        fds_there.close()
         self._process = process
-        self._sender = Sender(Connection(commands_out, readable=False))
+        self._sender = Sender(Connection(commands_out, readable=False), fds_here)
         self._events = Connection(events_in, writable=False)
         assert process.stdin is not None
         with process.stdin:

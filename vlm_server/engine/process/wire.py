@@ -5,23 +5,29 @@ Two one-way pipes: commands go down (`Submit`, `Cancel`, `Close`), replies and e
 engine process answers every `Submit` with exactly one `Accepted` or `Refused`, and a
 request's events may arrive before its `Accepted`.
 
-Crops on a CUDA device cross as CUDA IPC handles (torch's sharing: no copy, and the server
-keeps the memory until the engine process lets go of it); CPU tensors cross by value.
+Decoded pixels in shared memory (`shared_pixels`) cross as file descriptors, passed beside
+the message on a Unix socket; crops on a CUDA device cross as CUDA IPC handles (torch's
+sharing: no copy, and the server keeps the memory until the engine process lets go of it).
+Everything else crosses by value.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import pickle
+import socket
 import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+import numpy as np
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
 from vlm_server.engine.api import EngineError, EngineInfo, EngineStats, Event, GenerationRequest
+from vlm_server.engine.process.shared_pixels import attach, shared_fd
 
 
 @dataclass(frozen=True)
@@ -73,33 +79,86 @@ class Stats:
     stats: EngineStats
 
 
+MAX_FDS = 255  # descriptors one message may carry (its count travels in one byte)
+
+
 class _Pickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO, fds: list[int]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.fds = fds
+
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor) and obj.is_cuda:
             return reduce_tensor(obj)
+        if isinstance(obj, np.ndarray):
+            fd = shared_fd(obj)
+            if fd is not None:
+                self.fds.append(fd)
+                return (_received_array, (len(self.fds) - 1, obj.shape))
         return NotImplemented
 
 
-def dumps(message: object) -> bytes:
-    """``message`` as bytes; CUDA tensors in it become IPC handles."""
+_received = threading.local()
+
+
+def _received_array(index: int, shape: tuple[int, ...]) -> np.ndarray:
+    fds: list[int] = _received.fds
+    fd, fds[index] = fds[index], -1
+    return attach(fd, shape)
+
+
+def dumps(message: object) -> tuple[bytes, list[int]]:
+    """``message`` as bytes, and the descriptors of the shared arrays in it (to send beside
+    it); CUDA tensors in it become IPC handles."""
     buffer = io.BytesIO()
-    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
-    return buffer.getvalue()
+    fds: list[int] = []
+    _Pickler(buffer, fds).dump(message)
+    return buffer.getvalue(), fds
+
+
+def loads(data: bytes | memoryview, fds: list[int]) -> object:
+    """The message `dumps` made; ``fds`` are the descriptors that came with it (each is
+    owned by the array it becomes, or closed here)."""
+    _received.fds = list(fds)
+    try:
+        return pickle.loads(data)
+    finally:
+        for fd in _received.fds:
+            if fd >= 0:
+                os.close(fd)
+        _received.fds = []
 
 
 class Sender:
-    """Writes whole messages to a pipe from any thread (one at a time)."""
+    """Writes whole messages to a pipe from any thread (one at a time); ``fd_socket`` (a
+    Unix datagram-ordered socket) carries the descriptors of shared arrays."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, fd_socket: socket.socket | None = None) -> None:
         self.conn = conn
+        self.fd_socket = fd_socket
         self._lock = threading.Lock()
 
     def send(self, message: object) -> None:
-        data = dumps(message)
+        data, fds = dumps(message)
+        if len(fds) > MAX_FDS or (fds and self.fd_socket is None):
+            raise ValueError(f"cannot send {len(fds)} shared arrays on this channel")
         with self._lock:
-            self.conn.send_bytes(data)
+            if fds:
+                socket.send_fds(self.fd_socket, [b"\0"], fds)  # type: ignore[arg-type]
+            self.conn.send_bytes(bytes((len(fds),)) + data)
 
 
-def recv(conn: Connection) -> object:
+def recv(conn: Connection, fd_socket: socket.socket | None = None) -> object:
     """The next message (blocks); EOFError once the other side is gone."""
-    return pickle.loads(conn.recv_bytes())
+    raw = conn.recv_bytes()
+    count = raw[0]
+    fds: list[int] = []
+    if count:
+        if fd_socket is None:
+            raise OSError("a message came with descriptors on a channel without them")
+        _, fds, _, _ = socket.recv_fds(fd_socket, 1, count)
+        if len(fds) != count:
+            for fd in fds:
+                os.close(fd)
+            raise OSError(f"expected {count} descriptors, got {len(fds)}")
+    return loads(memoryview(raw)[1:], fds)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
+import socket
 import sys
 import threading
 import time
@@ -81,6 +82,7 @@ class EngineHost:
     def serve(
         self,
         commands: Connection,
+        fd_socket: socket.socket | None = None,
         housekeeping: Callable[[], None] | None = None,
         housekeeping_interval: float = 0.0,
     ) -> None:
@@ -90,7 +92,7 @@ class EngineHost:
         while True:
             if commands.poll(max(0.0, next_stats - time.monotonic())):
                 try:
-                    message = recv(commands)
+                    message = recv(commands, fd_socket)
                 except (EOFError, OSError):
                     log.warning("the server is gone: stopping the engine")
                     break
@@ -161,6 +163,7 @@ class EngineHost:
 def run_engine_process(
     factory: Callable[[], BatchedEngine],
     commands: Connection,
+    fd_socket: socket.socket | None,
     events: Connection,
     setup: Callable[[], None] | None = None,
     on_ready: Callable[[], None] | None = None,
@@ -184,16 +187,20 @@ def run_engine_process(
     if on_ready is not None:
         on_ready()
     sender.send(Ready(engine.info))
-    EngineHost(engine, sender, outbox).serve(commands, housekeeping, housekeeping_interval)
+    host = EngineHost(engine, sender, outbox)
+    host.serve(commands, fd_socket, housekeeping, housekeeping_interval)
 
 
 def main(argv: list[str]) -> int:
-    """``python -m vlm_server.engine.process.worker COMMANDS_FD EVENTS_FD``, with the pickled
-    ``(factory, setup, on_ready, housekeeping, housekeeping_interval)`` on stdin."""
+    """``python -m vlm_server.engine.process.worker COMMANDS_FD FD_SOCKET EVENTS_FD``, with the
+    pickled ``(factory, setup, on_ready, housekeeping, housekeeping_interval)`` on stdin."""
     factory, setup, on_ready, housekeeping, interval = pickle.load(sys.stdin.buffer)
     commands = Connection(int(argv[0]), writable=False)
-    events = Connection(int(argv[1]), readable=False)
-    run_engine_process(factory, commands, events, setup, on_ready, housekeeping, interval)
+    fd_socket = socket.socket(fileno=int(argv[1]))
+    events = Connection(int(argv[2]), readable=False)
+    run_engine_process(
+        factory, commands, fd_socket, events, setup, on_ready, housekeeping, interval
+    )
     return 0
 
 
