@@ -36,7 +36,14 @@ from vlm_server.engine.api import (
     TextDelta,
 )
 from vlm_server.engine.process.client import ProcessEngine
-from vlm_server.engine.process.shared_pixels import share, shared_array, shared_fd
+from vlm_server.engine.process.shared_pixels import (
+    PixelPool,
+    share,
+    shared_array,
+    shared_fd,
+    shared_map,
+    take_released,
+)
 from vlm_server.engine.process.wire import (
     Accepted,
     Cancel,
@@ -64,7 +71,9 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def test_engine_errors_cross_with_code_message_and_field() -> None:
-    err = loads(*dumps(EngineError(ErrorCode.INVALID_ARGUMENT, "bad pattern", "regex")))
+    data, shared = dumps(EngineError(ErrorCode.INVALID_ARGUMENT, "bad pattern", "regex"))
+    assert shared == []
+    err = loads(data, [])
     assert isinstance(err, EngineError)
     assert (err.code, err.message, err.field) == (
         ErrorCode.INVALID_ARGUMENT,
@@ -75,9 +84,9 @@ def test_engine_errors_cross_with_code_message_and_field() -> None:
 
 def test_a_request_with_cpu_crops_crosses_by_value(sample_image: PreparedImage) -> None:
     request = GenerationRequest(Task.CAPTION, sample_image, request_id="r1", deadline=12.5)
-    data, fds = dumps(Submit(7, request))
-    assert fds == []
-    got = loads(data, fds)
+    data, shared = dumps(Submit(7, request))
+    assert shared == []
+    got = loads(data, [])
     assert got.rid == 7 and got.request.request_id == "r1" and got.request.deadline == 12.5
     assert torch.equal(got.request.image.crops, sample_image.crops)
     assert got.request.image.content_hash == sample_image.content_hash
@@ -109,6 +118,51 @@ def test_shared_pixels_cross_as_descriptors_and_leak_none() -> None:
         Sender(commands_out).send(pixels)  # a channel without a descriptor socket
     assert shared_fd(share(plain)) is not None and share(pixels) is pixels
     assert shared_fd(pixels[1:]) is None  # only whole arrays cross by descriptor
+
+
+def test_pool_reuses_a_buffer_once_neither_side_holds_it() -> None:
+    pool = PixelPool(max_free_bytes=3 * 90)
+    first = pool.array((6, 5, 3))
+    first_id = shared_map(first).buffer_id  # type: ignore[union-attr]
+    pool.sent(first_id)  # the engine process maps it
+    del first
+    gc.collect()
+    second = pool.array((6, 5, 3))  # the engine still holds the first: a new buffer
+    assert shared_map(second).buffer_id != first_id and pool.reused == 0  # type: ignore[union-attr]
+    pool.released([first_id])
+    third = pool.array((6, 5, 3))
+    assert shared_map(third).buffer_id == first_id and pool.reused == 1  # type: ignore[union-attr]
+    other = pool.array((2, 5, 3))  # another size never takes it
+    assert shared_map(other).buffer_id not in (first_id,)  # type: ignore[union-attr]
+    kept = [pool.array((6, 5, 3)) for _ in range(5)]
+    del second, third, other, kept
+    gc.collect()
+    assert pool.stats()[1] <= 3 * 90  # free buffers beyond the bound are unmapped
+
+
+def test_received_buffers_are_reported_released_once_dropped() -> None:
+    pool = PixelPool()
+    pixels = pool.array((4, 4, 3))
+    pixels[...] = 9
+    buffer_id = shared_map(pixels).buffer_id  # type: ignore[union-attr]
+    commands_in, commands_out = _pipe()
+    here, there = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    take_released()
+    sender = Sender(commands_out, here)
+    sender.send(pixels)
+    sender.send(pixels)  # two messages: two mappings there
+    received = [recv(commands_in, there), recv(commands_in, there)]
+    assert [int(a.sum()) for a in received] == [9 * 48, 9 * 48]
+    del pixels
+    gc.collect()
+    assert pool.array((4, 4, 3)) is not None and pool.reused == 0  # still mapped there
+    del received
+    gc.collect()
+    released = take_released()
+    assert released == [buffer_id, buffer_id]
+    pool.released(released)
+    gc.collect()
+    assert shared_map(pool.array((4, 4, 3))).buffer_id == buffer_id  # type: ignore[union-attr]
 
 
 def test_engine_process_is_on_for_cuda_models_only_when_auto(

@@ -24,7 +24,7 @@ from image_pipeline import (
     PreparedImage,
 )
 from image_pipeline.gpu_jpeg import GpuDecoder, torchvision_decoder
-from vlm_server.engine.process.shared_pixels import share, shared_array
+from vlm_server.engine.process.shared_pixels import pixel_pool, share
 from vlm_server.service.config import ServerConfig
 from vlm_server.service.errors import invalid
 
@@ -254,8 +254,9 @@ class ImageResolver:
             raise invalid(field, f"{err.reason.value}: {err.message}") from None
 
     def _decode_shared(self, data: bytes) -> HostImage:
-        image = self.preparer.decode_host(data, alloc=shared_array)
-        pixels = share(image.pixels)  # formats other than JPEG decode elsewhere: one copy
+        pool = pixel_pool()
+        image = self.preparer.decode_host(data, alloc=pool.array)
+        pixels = share(image.pixels, pool)  # formats other than JPEG decode elsewhere: a copy
         return image if pixels is image.pixels else dataclasses.replace(image, pixels=pixels)
 
     def _decoded(self, digest: bytes, future: asyncio.Future[Image]) -> None:

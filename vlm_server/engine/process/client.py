@@ -30,6 +30,7 @@ from vlm_server.engine.api import (
     Finished,
     GenerationRequest,
 )
+from vlm_server.engine.process.shared_pixels import pixel_pool
 from vlm_server.engine.process.wire import (
     Accepted,
     Cancel,
@@ -291,6 +292,8 @@ class ProcessEngine:
                 admitted.set_exception(message.error)
         elif isinstance(message, Stats):
             self._stats = message.stats
+            if message.released:
+                pixel_pool().released(message.released)
         else:
             log.error("unexpected message from the engine process: %r", type(message).__name__)
 

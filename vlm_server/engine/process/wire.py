@@ -27,7 +27,7 @@ import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
 from vlm_server.engine.api import EngineError, EngineInfo, EngineStats, Event, GenerationRequest
-from vlm_server.engine.process.shared_pixels import attach, shared_fd
+from vlm_server.engine.process.shared_pixels import SharedMap, attach, shared_map
 
 
 @dataclass(frozen=True)
@@ -77,43 +77,45 @@ class Events:
 @dataclass(frozen=True)
 class Stats:
     stats: EngineStats
+    released: list[int]  # pooled pixel buffers the engine process let go of, one per mapping
 
 
 MAX_FDS = 255  # descriptors one message may carry (its count travels in one byte)
 
 
 class _Pickler(pickle.Pickler):
-    def __init__(self, file: io.BytesIO, fds: list[int]) -> None:
+    def __init__(self, file: io.BytesIO, shared: list[SharedMap]) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.fds = fds
+        self.shared = shared
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor) and obj.is_cuda:
             return reduce_tensor(obj)
         if isinstance(obj, np.ndarray):
-            fd = shared_fd(obj)
-            if fd is not None:
-                self.fds.append(fd)
-                return (_received_array, (len(self.fds) - 1, obj.shape))
+            mapping = shared_map(obj)
+            if mapping is not None:
+                self.shared.append(mapping)
+                pooled = mapping.buffer_id if mapping.pool is not None else 0
+                return (_received_array, (len(self.shared) - 1, obj.shape, pooled))
         return NotImplemented
 
 
 _received = threading.local()
 
 
-def _received_array(index: int, shape: tuple[int, ...]) -> np.ndarray:
+def _received_array(index: int, shape: tuple[int, ...], buffer_id: int) -> np.ndarray:
     fds: list[int] = _received.fds
     fd, fds[index] = fds[index], -1
-    return attach(fd, shape)
+    return attach(fd, shape, buffer_id)
 
 
-def dumps(message: object) -> tuple[bytes, list[int]]:
-    """``message`` as bytes, and the descriptors of the shared arrays in it (to send beside
-    it); CUDA tensors in it become IPC handles."""
+def dumps(message: object) -> tuple[bytes, list[SharedMap]]:
+    """``message`` as bytes, and the shared buffers in it (their descriptors go beside it);
+    CUDA tensors in it become IPC handles."""
     buffer = io.BytesIO()
-    fds: list[int] = []
-    _Pickler(buffer, fds).dump(message)
-    return buffer.getvalue(), fds
+    shared: list[SharedMap] = []
+    _Pickler(buffer, shared).dump(message)
+    return buffer.getvalue(), shared
 
 
 def loads(data: bytes | memoryview, fds: list[int]) -> object:
@@ -139,13 +141,22 @@ class Sender:
         self._lock = threading.Lock()
 
     def send(self, message: object) -> None:
-        data, fds = dumps(message)
-        if len(fds) > MAX_FDS or (fds and self.fd_socket is None):
-            raise ValueError(f"cannot send {len(fds)} shared arrays on this channel")
-        with self._lock:
-            if fds:
-                socket.send_fds(self.fd_socket, [b"\0"], fds)  # type: ignore[arg-type]
-            self.conn.send_bytes(bytes((len(fds),)) + data)
+        data, shared = dumps(message)
+        if len(shared) > MAX_FDS or (shared and self.fd_socket is None):
+            raise ValueError(f"cannot send {len(shared)} shared arrays on this channel")
+        pooled = [m for m in shared if m.pool is not None]
+        for mapping in pooled:  # counted before the other side can say it let go
+            mapping.pool.sent(mapping.buffer_id)  # type: ignore[union-attr]
+        try:
+            with self._lock:
+                if shared:
+                    fds = [m.fd for m in shared]
+                    socket.send_fds(self.fd_socket, [b"\0"], fds)  # type: ignore[arg-type]
+                self.conn.send_bytes(bytes((len(shared),)) + data)
+        except BaseException:
+            for mapping in pooled:
+                mapping.pool.released([mapping.buffer_id])  # type: ignore[union-attr]
+            raise
 
 
 def recv(conn: Connection, fd_socket: socket.socket | None = None) -> object:

@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 from vlm_server.engine.api import EngineError, ErrorCode, Finished, GenerationRequest
 from vlm_server.engine.core.sequence import Sequence
 from vlm_server.engine.engine import BatchedEngine
+from vlm_server.engine.process.shared_pixels import take_released
 from vlm_server.engine.process.wire import (
     Accepted,
     Cancel,
@@ -101,7 +102,7 @@ class EngineHost:
                 self._handle(message)
             now = time.monotonic()
             if now >= next_stats:
-                self.sender.send(Stats(self.engine.stats()))
+                self.sender.send(Stats(self.engine.stats(), take_released()))
                 next_stats = now + STATS_INTERVAL_S
             if housekeeping is not None and housekeeping_interval > 0 and now >= next_housekeeping:
                 housekeeping()
