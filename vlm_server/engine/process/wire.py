@@ -135,12 +135,22 @@ class Sender:
     """Writes whole messages to a pipe from any thread (one at a time); ``fd_socket`` (a
     Unix datagram-ordered socket) carries the descriptors of shared arrays."""
 
-    def __init__(self, conn: Connection, fd_socket: socket.socket | None = None) -> None:
+    def __init__(
+        self, conn: Connection, fd_socket: socket.socket | None = None, plain: bool = False
+    ) -> None:
         self.conn = conn
         self.fd_socket = fd_socket
+        # plain: the messages hold no tensors or shared arrays (the engine's replies and
+        # events), so the C pickler runs without a Python call per object.
+        self.plain = plain
         self._lock = threading.Lock()
 
     def send(self, message: object) -> None:
+        if self.plain:
+            data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+            with self._lock:
+                self.conn.send_bytes(b"\0" + data)
+            return
         data, shared = dumps(message)
         if len(shared) > MAX_FDS or (shared and self.fd_socket is None):
             raise ValueError(f"cannot send {len(shared)} shared arrays on this channel")
