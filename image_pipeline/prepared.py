@@ -261,19 +261,6 @@ class ImagePreparer:
             self._upload(image.pixels)(), image.tiling, self.tiling, self.resize, self.resampler
         )
 
-    def prepare_host(self, image: HostImage) -> PreparedImage:
-        """`crops_of` made complete: on this thread's side stream on CUDA, waited for, so the
-        crops may be used on any stream."""
-        crops, _ = self._crops(self._upload(image.pixels), image.tiling, lambda: image.content_hash)
-        return PreparedImage(
-            crops=crops,
-            tiling=image.tiling,
-            content_hash=image.content_hash,
-            width=image.width,
-            height=image.height,
-            decoded_size=image.decoded_size,
-        )
-
     def decodes_on_gpu(self, header: Header) -> bool:
         """Whether a picture with this (checked) header is decoded by ``gpu_decoder``."""
         if self.gpu_decoder is None or not gpu_decodable(header):

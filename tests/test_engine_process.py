@@ -12,7 +12,6 @@ import threading
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -21,7 +20,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from image_pipeline import HostImage, ImagePreparer, PreparedImage, sample_image_bytes
+from image_pipeline import PreparedImage, sample_image_bytes
 from tests.support.service_harness import ServerThread, local_config, wait_for
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
@@ -196,20 +195,13 @@ class _StandInEngine:
     and a result on admission unless the question is "run"."""
 
     def __init__(self) -> None:
-        self.runtime = SimpleNamespace(image_preparer=ImagePreparer())
-        self.cached: set[str] = set()
-        self.built: list[GenerationRequest] = []
         self.hold = threading.Event()
         self.hold.set()
         self.building = threading.Event()
         self.admitted: dict[str, _Seq] = {}
         self.closed = False
 
-    def has_prefix(self, content_hash: str) -> bool:
-        return content_hash in self.cached
-
     def build(self, request: GenerationRequest) -> _Seq:
-        self.built.append(request)
         if request.question == "refuse":
             raise EngineError(ErrorCode.INVALID_ARGUMENT, "no", "question")
         if request.question == "crash":
@@ -301,21 +293,6 @@ def test_host_cancels_a_request_cancelled_while_its_constraint_was_building(host
     assert _next(events, Accepted).rid == 1
     wait_for(lambda: engine.admitted["slow"].cancelled, what="the cancel to apply")
     assert not engine.admitted["fast"].cancelled
-
-
-def test_host_crops_new_images_before_admission_and_skips_cached_ones(host: Any) -> None:
-    engine, _, commands, events, _ = host
-    preparer = ImagePreparer()
-    image = preparer.decode_host(sample_image_bytes())
-    commands.send(Submit(1, GenerationRequest(Task.CAPTION, image, request_id="new")))
-    assert _next(events, Accepted).rid == 1
-    made = engine.built[-1].image
-    assert isinstance(made, PreparedImage)  # cropped here, off the scheduler thread
-    assert torch.equal(made.crops, preparer.prepare(sample_image_bytes()).crops)
-    engine.cached.add(image.content_hash)
-    commands.send(Submit(2, GenerationRequest(Task.CAPTION, image, request_id="cached")))
-    assert _next(events, Accepted).rid == 2
-    assert isinstance(engine.built[-1].image, HostImage)  # its prefix is cached: no crops
 
 
 def test_host_cancels_running_requests_and_stops_on_close(host: Any) -> None:

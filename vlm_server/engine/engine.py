@@ -229,10 +229,6 @@ class BatchedEngine:
         stats.queue_depth += len(self._inbox)
         return stats
 
-    def has_prefix(self, content_hash: str) -> bool:
-        """Whether the image prefix of this picture is cached (a racy read: a hint)."""
-        return self.scheduler.prefix_cache.peek(content_hash) is not None
-
     def failure(self) -> str | None:
         return None if self._failure is None else f"the engine failed: {self._failure}"
 

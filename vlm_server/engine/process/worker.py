@@ -9,7 +9,6 @@ the server process's job, so the scheduler shares its interpreter with nothing b
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import pickle
 import socket
@@ -20,7 +19,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 
-from image_pipeline import HostImage
 from vlm_server.engine.api import EngineError, ErrorCode, Finished, GenerationRequest
 from vlm_server.engine.core.sequence import Sequence
 from vlm_server.engine.engine import BatchedEngine
@@ -135,7 +133,6 @@ class EngineHost:
 
     def _admit(self, rid: int, request: GenerationRequest) -> None:
         try:
-            request = self._cropped(request)
             seq = self.engine.build(request)
             with self._lock:
                 self._live[rid] = seq
@@ -152,16 +149,6 @@ class EngineHost:
         self.sender.send(Accepted(rid))
         if cancel:
             self.engine.cancel(seq)
-
-    def _cropped(self, request: GenerationRequest) -> GenerationRequest:
-        """A new image's crops, made here rather than on the scheduler thread (whose ticks
-        pace every running stream); an image whose prefix is cached needs none."""
-        image = request.image
-        if not isinstance(image, HostImage) or self.engine.has_prefix(image.content_hash):
-            return request
-        return dataclasses.replace(
-            request, image=self.engine.runtime.image_preparer.prepare_host(image)
-        )
 
     def _refuse(self, rid: int, err: EngineError) -> None:
         with self._lock:
