@@ -32,6 +32,7 @@ LAYERS = {
     "vlm_server.engine.config": 3,
     "vlm_server.engine.device": 4,
     "vlm_server.engine.engine": 5,
+    "vlm_server.engine.process": 5,  # the engine in its own process, around engine.engine
     "vlm_server.reference": 5,
     "vlm_server.service": 6,  # the gRPC door and what both doors share (calls, validation)
     "vlm_server.http": 7,  # the HTTP door, built on the shared service pieces
