@@ -21,6 +21,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from image_pipeline import PreparedImage, sample_image_bytes
+from tests.http_support import data_url, post_json
 from tests.support.service_harness import ServerThread, local_config, wait_for
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
@@ -295,6 +296,13 @@ def test_host_cancels_a_request_cancelled_while_its_constraint_was_building(host
     assert not engine.admitted["fast"].cancelled
 
 
+def test_host_survives_an_unreadable_command(host: Any) -> None:
+    _, _, commands, events, thread = host
+    commands.conn.send_bytes(b"\0not a pickle")
+    commands.send(Submit(1, _request("after")))
+    assert _next(events, Accepted).rid == 1 and thread.is_alive()
+
+
 def test_host_cancels_running_requests_and_stops_on_close(host: Any) -> None:
     engine, _, commands, events, thread = host
     commands.send(Submit(1, _request("r", "run")))
@@ -324,7 +332,7 @@ def _config(tiny_dir: Path, **overrides: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def server(tiny_dir: Path) -> Iterator[ServerThread]:
-    config = _config(tiny_dir)
+    config = _config(tiny_dir, http_port=-1)
     with ServerThread(config, engine_factory(config)) as running:
         yield running
 
@@ -355,6 +363,20 @@ def test_streams_and_results_equal_the_reference(
     ]
     answer = client.query(sample_image_bytes(), "which?", choices=["red", "blue"])
     assert answer.text in ("red", "blue")
+
+
+def test_the_http_door_serves_through_the_engine_process(
+    server: ServerThread, generator: ReferenceGenerator, sample_image: PreparedImage
+) -> None:
+    body = {
+        "image_url": data_url(sample_image_bytes()),
+        "question": "what is it?",
+        "settings": {"temperature": 0, "max_tokens": 6},
+    }
+    status, answer = post_json(f"{server.http_url}/query", body)
+    assert status == 200
+    want = generator.query(sample_image, "what is it?", SamplingSettings(0.0, max_tokens=6))
+    assert answer["answer"] == want.text
 
 
 def test_refusals_from_the_engine_process_name_the_field(client: VisionLanguageClient) -> None:

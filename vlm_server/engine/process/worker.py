@@ -94,12 +94,21 @@ class EngineHost:
             if commands.poll(max(0.0, next_stats - time.monotonic())):
                 try:
                     message = recv(commands, fd_socket)
-                except (EOFError, OSError):
+                except (EOFError, ConnectionError):
                     log.warning("the server is gone: stopping the engine")
                     break
+                except Exception:  # one unreadable message: the others still get served
+                    log.exception("cannot read a command")
+                    continue
                 if isinstance(message, Close):
                     break
-                self._handle(message)
+                try:
+                    self._handle(message)
+                except Exception as err:  # a bug: refuse that request, keep serving
+                    log.exception("command %s failed", type(message).__name__)
+                    if isinstance(message, Submit):
+                        error = EngineError(ErrorCode.INTERNAL, f"admitting the request: {err}")
+                        self._refuse(message.rid, error)
             now = time.monotonic()
             if now >= next_stats:
                 self.sender.send(Stats(self.engine.stats(), take_released()))
