@@ -8,6 +8,7 @@ thread; events cross to the event loop with ``loop.call_soon_threadsafe``.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -118,7 +119,8 @@ class Segmentation:
 
 @dataclass(frozen=True)
 class TextDelta:
-    """Newly decoded text (never half a character) for caption and query."""
+    """Newly decoded text (never half a character) for caption and query: one token's, or
+    several tokens' when the reader fell behind (`stream_events`)."""
 
     text: str
 
@@ -135,6 +137,34 @@ class Finished:
 
 Event = TextDelta | Finished  # what a request's stream yields
 Emitted = TextDelta | Finished | EngineError  # what the scheduler delivers: an error ends it
+
+
+async def stream_events(queue: asyncio.Queue[Emitted]) -> AsyncIterator[Event]:
+    """A request's events as its reader takes them from ``queue``, up to its `Finished`;
+    raises the `EngineError` that ended it.
+
+    Text deltas that queued up while the reader was busy come out merged into one: a reader
+    that keeps up gets every delta as it was made, one that fell behind (a loop streaming
+    thousands of messages a second) gets fewer, longer messages instead of an ever longer
+    queue. Nothing is held back to merge."""
+    held: Emitted | None = None
+    while True:
+        event = held if held is not None else await queue.get()
+        held = None
+        if isinstance(event, TextDelta) and not queue.empty():
+            parts = [event.text]
+            while not queue.empty():
+                following = queue.get_nowait()
+                if not isinstance(following, TextDelta):
+                    held = following
+                    break
+                parts.append(following.text)
+            event = TextDelta("".join(parts))
+        if isinstance(event, EngineError):
+            raise event
+        yield event
+        if isinstance(event, Finished):
+            return
 
 
 class RequestStream(Protocol):

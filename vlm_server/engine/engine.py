@@ -30,8 +30,8 @@ from vlm_server.engine.api import (
     EngineStats,
     ErrorCode,
     Event,
-    Finished,
     GenerationRequest,
+    stream_events,
 )
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.observer import NO_OBSERVER, Observer
@@ -57,9 +57,8 @@ class _Stream:
     ) -> None:
         self._engine = engine
         self._seq = seq
-        self._queue: asyncio.Queue[object] = asyncio.Queue()
+        self._queue: asyncio.Queue[Emitted] = asyncio.Queue()
         self._loop = loop
-        self._done = False
 
     def push(self, event: object) -> None:
         """Called from the scheduler thread: held until the engine flushes its events."""
@@ -69,14 +68,8 @@ class _Stream:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[Event]:
-        while not self._done:
-            event = await self._queue.get()
-            if isinstance(event, EngineError):
-                self._done = True
-                raise event
-            if isinstance(event, Finished):
-                self._done = True
-            yield event  # type: ignore[misc]
+        async for event in stream_events(self._queue):
+            yield event
 
     def cancel(self) -> None:
         self._engine.cancel(self._seq)

@@ -29,6 +29,7 @@ from vlm_server.engine.api import (
     Event,
     Finished,
     GenerationRequest,
+    stream_events,
 )
 from vlm_server.engine.process.shared_pixels import pixel_pool
 from vlm_server.engine.process.wire import (
@@ -71,13 +72,8 @@ class _RemoteStream:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[Event]:
-        while True:
-            event = await self._queue.get()
-            if isinstance(event, EngineError):
-                raise event
+        async for event in stream_events(self._queue):
             yield event
-            if isinstance(event, Finished):
-                return
 
     def cancel(self) -> None:
         if not self.ended:
