@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -439,6 +440,25 @@ def test_a_dead_engine_process_fails_its_requests_and_health(tiny_dir: Path) -> 
 
             wait_for(lambda: status(SERVICE_NAME) == NOT_SERVING, what="readiness to go")
             assert status("") == NOT_SERVING  # liveness too: restart the server
+
+
+def _never_ready() -> None:
+    time.sleep(120)  # a model that takes longer to load than the server waits
+
+
+def test_stopping_while_the_engine_loads_ends_its_process() -> None:
+    engine = ProcessEngine(_never_ready)
+
+    async def start_then_stop() -> None:
+        starting = asyncio.ensure_future(engine.start())
+        await asyncio.sleep(1.0)
+        assert engine.pid is not None
+        starting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await starting
+
+    asyncio.run(start_then_stop())
+    assert engine._process is not None and engine._process.poll() is not None
 
 
 def test_an_engine_process_that_cannot_load_fails_the_start(tmp_path: Path) -> None:

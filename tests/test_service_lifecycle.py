@@ -166,7 +166,13 @@ def test_sigterm_finishes_accepted_requests_then_exits_0(
         engine_process,
     ]
     proc = subprocess.Popen(
-        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=REPO_ROOT
+        cmd,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
+        start_new_session=True,  # a group of its own, to signal as a service manager does
     )
     lines: list[str] = []
     try:
@@ -185,7 +191,9 @@ def test_sigterm_finishes_accepted_requests_then_exits_0(
             calls = [stub.Caption(request, timeout=120) for _ in range(n)]
             # Every request runs (a delta streamed), with about a hundred steps to go.
             firsts = [next(call) for call in calls]
-            proc.send_signal(signal.SIGTERM)
+            # To the whole group, as systemd or a terminal's Ctrl-C would: an engine process
+            # must keep running until the server has drained.
+            os.killpg(proc.pid, signal.SIGTERM)
             wait_for(lambda: _not_ready(target), what="the signal to take effect")
             with pytest.raises(grpc.RpcError) as caught:  # new work is refused
                 list(stub.Caption(request, timeout=30))

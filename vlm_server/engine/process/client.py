@@ -166,6 +166,10 @@ class ProcessEngine:
             process.stdin.write(spec)
         try:
             first = await loop.run_in_executor(None, recv, self._events)
+        except asyncio.CancelledError:  # the server stops while the engine loads
+            process.kill()
+            await asyncio.to_thread(process.wait)
+            raise
         except (EOFError, OSError):
             code = await loop.run_in_executor(None, process.wait)
             raise RuntimeError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
+import signal
 import socket
 import sys
 import threading
@@ -204,6 +205,11 @@ def run_engine_process(
 def main(argv: list[str]) -> int:
     """``python -m vlm_server.engine.process.worker COMMANDS_FD FD_SOCKET EVENTS_FD``, with the
     pickled ``(factory, setup, on_ready, housekeeping, housekeeping_interval)`` on stdin."""
+    # The server decides when this process ends (Close, or the end of its pipe): a signal
+    # sent to the whole group (Ctrl-C in a terminal, a service manager's SIGTERM) must not
+    # kill the engine under the requests the server is draining.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     factory, setup, on_ready, housekeeping, interval = pickle.load(sys.stdin.buffer)
     commands = Connection(int(argv[0]), writable=False)
     fd_socket = socket.socket(fileno=int(argv[1]))
