@@ -75,6 +75,7 @@ def test_cuda_engine_equals_reference_tiny(
         await engine.start()
         rt = engine.runtime
         assert rt.decode_graphs and rt.mixed_graphs and rt.prefix_graphs and rt.use_triton
+        assert rt.sample_graphs
         try:
             out = await asyncio.gather(*[_collect(engine, r) for r in batch])
             await _wait_idle(engine)

@@ -222,6 +222,13 @@ class ModelRuntime:
         self.mixed_graphs: GraphSet[tuple[int, int]] = GraphSet("mixed step")
         self.image_graphs: GraphSet[tuple[int, int]] = GraphSet("image")
         self.prefix_graphs: GraphSet[tuple[int, int]] = GraphSet("image prefix")
+        # Masks + sampling per (slot, batch bucket, constrained, regions, greedy).
+        self.sample_graphs: GraphSet[tuple[int, int, bool, bool, bool]] = GraphSet("sampling")
+        # Finalize input of a bucket's padding rows: the pad row, no mask, greedy.
+        self._fin_pad = np.zeros((rows + 1, N_FIN), np.int64)
+        self._fin_pad[:, F_ROW] = self.pad_row
+        self._fin_pad[:, F_PHASE] = RowPhase.TOKEN
+        self._fin_pad[:, F_TOP_P] = np.float64(1.0).view(np.int64)
         self._image_inputs: dict[int, torch.Tensor] = {}
         self.table = table
         self.table_dev = dev.buffer(
@@ -393,8 +400,9 @@ class ModelRuntime:
     @torch.inference_mode()
     def capture_graphs(self, progress: bool = True) -> None:
         """Capture the decode forward per (slot, batch bucket), the mixed step's token forward
-        per (slot, token bucket) and the BOS + image forward per (prefix slot, images in the
-        batch). CUDA only; the CPU keeps running the same forwards eagerly."""
+        per (slot, token bucket), masks + sampling per (slot, batch bucket, constrained,
+        regions, greedy) and the BOS + image forward per (prefix slot, images in the batch).
+        CUDA only; the CPU keeps running the same work eagerly."""
         if not self.dev.is_cuda:
             return
         max_blocks = self.block_dev.shape[1]
@@ -428,6 +436,25 @@ class ModelRuntime:
 
         keys = [(slot, t) for t in sorted(self.token_buckets, reverse=True) for slot in (0, 1)]
         self.mixed_graphs.capture(keys, prepare_mixed, run_mixed, stream, progress)
+
+        def prepare_sample(key: tuple[int, int, bool, bool, bool]) -> None:
+            slot, n = key[0], key[1]
+            self.slots[slot].fin_dev[:n].copy_(torch.from_numpy(self._fin_pad[:n]))
+
+        def run_sample(key: tuple[int, int, bool, bool, bool]) -> None:
+            slot, n, constrained, regions, greedy = key
+            self._sample(self.slots[slot], n, constrained, regions, greedy)
+
+        flags = (False, True)
+        keys = [
+            (slot, n, constrained, regions, greedy)
+            for n in sorted(self.buckets, reverse=True)
+            for slot in (0, 1)
+            for constrained in flags
+            for regions in flags
+            for greedy in flags
+        ]
+        self.sample_graphs.capture(keys, prepare_sample, run_sample, stream, progress)
 
         def run_prefix(key: tuple[int, int]) -> None:
             self._prefix_forward(key[0], key[1])
@@ -674,13 +701,17 @@ class ModelRuntime:
         ``greedy`` says every row is at temperature 0."""
         buf, dev = self.slots[slot], self.dev
         b = len(seqs)
+        # With sampling graphs, the batch is padded to its bucket with harmless rows.
+        n = self._bucket(b) if self.sample_graphs else b
         dev.host_write(buf.fin_host, fin)
+        if n > b:
+            dev.host_write(buf.fin_host, self._fin_pad[: n - b], start=b)
         if constrained:
             self._upload_table_rows()
         dev.copy(
             dev.copy_stream,
             f"h2d fin slot{slot}",
-            partial(_copy_rows, buf.fin_dev, buf.fin_host, 0, b),
+            partial(_copy_rows, buf.fin_dev, buf.fin_host, 0, n),
             lambda: ([buf.fin_host], [buf.fin_dev]),
         )
         dev.record(buf.mask_ready, dev.copy_stream)
@@ -696,7 +727,7 @@ class ModelRuntime:
         dev.kernel(
             dev.compute_stream,
             f"sample slot{slot}",
-            partial(self._sample, buf, b, constrained, regions, greedy),
+            partial(self._sample_step, slot, n, constrained, regions, greedy),
             access,
         )
         dev.record(buf.step_done, dev.compute_stream)
@@ -709,11 +740,24 @@ class ModelRuntime:
         )
         dev.record(buf.d2h_done, dev.copy_stream)
 
+    def _sample_step(
+        self, slot: int, n: int, constrained: bool, regions: bool, greedy: bool
+    ) -> None:
+        start = self._mark()
+        key = (slot, n, constrained, regions, greedy)
+        if key in self.sample_graphs:
+            self.sample_graphs.replay(key)
+        else:
+            self._sample(self.slots[slot], n, constrained, regions, greedy)
+        if start is not None:
+            self.observer.sample_timed(start, self._mark())
+
     def _sample(
         self, buf: SlotBuffers, b: int, constrained: bool, regions: bool, greedy: bool
     ) -> None:
+        """Masks and sampling of the slot's first ``b`` rows (static shapes, no host sync:
+        graph-capturable)."""
         m = self.model
-        start = self._mark()
         fin_dev = buf.fin_dev[:b]
         floats = fin_dev.view(torch.float64)
         h = buf.hidden[:b]
@@ -746,8 +790,6 @@ class ModelRuntime:
             )
             nxt = torch.where(is_token, nxt, region_emb)
         self.next_embed[fin_dev[:, F_ROW]] = nxt.to(self.dtype)
-        if start is not None:
-            self.observer.sample_timed(start, self._mark())
 
     def _mark(self) -> object | None:
         """A timing event on the current stream, only while an observer asks for them."""
