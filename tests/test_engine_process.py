@@ -387,6 +387,14 @@ def test_refusals_from_the_engine_process_name_the_field(client: VisionLanguageC
     assert caught.value.field == "regex"
 
 
+def _long_caption() -> pb.CaptionRequest:
+    """A caption that streams for many steps."""
+    return pb.CaptionRequest(
+        image_bytes=sample_image_bytes(),
+        settings=pb.GenerationSettings(temperature=0, max_tokens=1000),
+    )
+
+
 def test_a_cancelled_stream_frees_its_pages_in_the_engine_process(server: ServerThread) -> None:
     engine = _engine(server)
     with VisionLanguageClient(server.target, timeout=60) as c:
@@ -395,11 +403,7 @@ def test_a_cancelled_stream_frees_its_pages_in_the_engine_process(server: Server
     cached = wait_for(lambda: engine.stats().kv_pages_in_use, what="the stats to arrive")
     with grpc.insecure_channel(server.target) as channel:
         stub = pb_grpc.VisionLanguageStub(channel)
-        request = pb.CaptionRequest(
-            image_bytes=sample_image_bytes(),
-            settings=pb.GenerationSettings(temperature=0, max_tokens=1000),
-        )
-        call = stub.Caption(request, timeout=60)
+        call = stub.Caption(_long_caption(), timeout=60)
         assert [next(call).WhichOneof("event") for _ in range(3)] == ["delta"] * 3
         wait_for(lambda: engine.stats().kv_pages_in_use > cached, what="its pages in use")
         call.cancel()
@@ -419,10 +423,7 @@ def test_a_dead_engine_process_fails_its_requests_and_health(tiny_dir: Path) -> 
         engine = _engine(running)
         with grpc.insecure_channel(running.target) as channel:
             stub = pb_grpc.VisionLanguageStub(channel)
-            request = pb.CaptionRequest(
-                image_bytes=sample_image_bytes(),
-                settings=pb.GenerationSettings(temperature=0, max_tokens=1000),
-            )
+            request = _long_caption()
             call = stub.Caption(request, timeout=60)
             assert next(call).WhichOneof("event") == "delta"
             assert engine.pid is not None

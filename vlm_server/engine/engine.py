@@ -65,11 +65,7 @@ class _Stream:
         self._engine.outbox.push(self._loop, self._queue.put_nowait, event)
 
     def __aiter__(self) -> AsyncIterator[Event]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[Event]:
-        async for event in stream_events(self._queue):
-            yield event
+        return stream_events(self._queue)
 
     def cancel(self) -> None:
         self._engine.cancel(self._seq)

@@ -69,11 +69,7 @@ class _RemoteStream:
         self._queue.put_nowait(event)
 
     def __aiter__(self) -> AsyncIterator[Event]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[Event]:
-        async for event in stream_events(self._queue):
-            yield event
+        return stream_events(self._queue)
 
     def cancel(self) -> None:
         if not self.ended:
