@@ -474,9 +474,10 @@ def test_an_engine_process_that_cannot_load_fails_the_start(tmp_path: Path) -> N
 
 
 @pytest.mark.gpu
-def test_cuda_crops_cross_as_ipc_handles_and_give_the_in_process_answers(tiny_dir: Path) -> None:
-    """Crops prepared on the GPU reach the engine process through CUDA IPC unchanged: its
-    greedy answers equal those of the same engine in the server's process."""
+def test_the_engine_process_crops_on_the_gpu_and_answers_as_in_process(tiny_dir: Path) -> None:
+    """Host-decoded pixels through shared memory, cropped by the engine process on the GPU:
+    its greedy answers equal those of the same engine in the server's process, which crops
+    on the GPU itself."""
     answers = {}
     for mode in ("off", "on"):
         config = _config(tiny_dir, device="cuda", engine_process=mode)

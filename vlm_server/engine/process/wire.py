@@ -6,9 +6,8 @@ engine process answers every `Submit` with exactly one `Accepted` or `Refused`, 
 request's events may arrive before its `Accepted`.
 
 Decoded pixels in shared memory (`shared_pixels`) cross as file descriptors, passed beside
-the message on a Unix socket; crops on a CUDA device cross as CUDA IPC handles (torch's
-sharing: no copy, and the server keeps the memory until the engine process lets go of it).
-Everything else crosses by value.
+the message on a Unix socket. Everything else crosses by value (the server's images are
+decoded on the host and cropped by the engine process, so no device memory ever crosses).
 """
 
 from __future__ import annotations
@@ -23,8 +22,6 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
-import torch
-from torch.multiprocessing.reductions import reduce_tensor
 
 from vlm_server.engine.api import EngineError, EngineInfo, EngineStats, Event, GenerationRequest
 from vlm_server.engine.process.shared_pixels import SharedMap, attach, shared_map
@@ -89,8 +86,6 @@ class _Pickler(pickle.Pickler):
         self.shared = shared
 
     def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor) and obj.is_cuda:
-            return reduce_tensor(obj)
         if isinstance(obj, np.ndarray):
             mapping = shared_map(obj)
             if mapping is not None:
@@ -110,8 +105,7 @@ def _received_array(index: int, shape: tuple[int, ...], buffer_id: int) -> np.nd
 
 
 def dumps(message: object) -> tuple[bytes, list[SharedMap]]:
-    """``message`` as bytes, and the shared buffers in it (their descriptors go beside it);
-    CUDA tensors in it become IPC handles."""
+    """``message`` as bytes, and the shared buffers in it (their descriptors go beside it)."""
     buffer = io.BytesIO()
     shared: list[SharedMap] = []
     _Pickler(buffer, shared).dump(message)
