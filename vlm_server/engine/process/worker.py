@@ -65,6 +65,7 @@ class PipeOutbox:
         if not self._items:
             return
         batch, self._items = self._items, []
+        # Blocks only while the server is a whole pipe's worth of events behind: backpressure.
         self._sender.send(Events(batch))  # type: ignore[arg-type]
 
 
