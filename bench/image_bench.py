@@ -11,11 +11,15 @@ exists); ``--normalize-device none`` skips normalization; ``--exif-orientation 6
 JPEGs as phone portrait photos, which the decoder turns upright. ``--gpu-decode-min-pixels N``
 decodes JPEGs of at least N pixels on the GPU (nvJPEG through torchvision, as the server's
 ``--image-gpu-decode-min-pixels``): the cpu ms column is then the host's whole share.
+``--split`` measures the path with an engine process: cpu ms is the server's share (decode
+into a pooled shared buffer, hash), eng ms the engine's host share (staging copy, crop
+launches), gpu ms the crops on the device.
 
     python -m bench.image_bench
     python -m bench.image_bench --sizes 800x600 4000x3000 --formats jpeg --threads 1 4
     python -m bench.image_bench --device cuda --resize vips pillow --normalize-device cuda
     python -m bench.image_bench --sizes 800x600 4000x3000 --gpu-decode-min-pixels 4000000
+    python -m bench.image_bench --device cuda --sizes 800x600 --formats jpeg --split
 
 Writes ``image_bench.json`` and ``image_bench.png`` (default bench/results/<device>/) and
 prints a table.
@@ -40,9 +44,18 @@ import torch
 from tqdm import tqdm
 
 from bench.synth_images import parse_size, unique_images, with_orientation
-from image_pipeline import ImageLimits, ImagePreparer, ResizeMode, content_hash, decode
+from image_pipeline import (
+    HostImage,
+    ImageLimits,
+    ImagePreparer,
+    ResizeMode,
+    content_hash,
+    decode,
+    normalize_crops,
+)
 from image_pipeline.decode import read_header
 from image_pipeline.gpu_jpeg import GpuDecoder, torchvision_decoder
+from vlm_server.engine.process.shared_pixels import pixel_pool
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Generous limits: the benchmark measures the pipeline, not the server's input policy.
@@ -63,17 +76,24 @@ def run_cell(
     *,
     gpu_decode_min_pixels: int = 0,
     gpu_decoder: GpuDecoder | None = None,
+    split: bool = False,
 ) -> dict[str, Any]:
     """``threads`` workers preparing ``images`` in turn; images/s and per-image medians.
 
-    ``gpu_decode_min_pixels``/``gpu_decoder`` as in :class:`ImagePreparer`."""
+    ``gpu_decode_min_pixels``/``gpu_decoder`` as in :class:`ImagePreparer`. ``split``: the
+    path with an engine process: the server's share (header, decode into a pooled shared
+    buffer, hash: ``cpu_ms``), then the engine's (staging copy and crop launches:
+    ``engine_cpu_ms``; the device's work: ``gpu_ms``)."""
     lock = threading.Lock()
     prep_ms: list[float] = []
     cpu_ms: list[float] = []
     gpu_ms: list[float] = []
     norm_ms: list[float] = []
     crops: list[int] = []
+    engine_cpu_ms: list[float] = []
     sync = norm_device is not None and norm_device.startswith("cuda")
+    shared = pixel_pool()
+    on_cuda = torch.device(device).type == "cuda"
 
     def on_device_time(ms: float) -> None:
         with lock:
@@ -90,22 +110,45 @@ def run_cell(
     # The pictures of a cell share size and format: the first says which path they take.
     on_gpu = preparer.decodes_on_gpu(read_header(images[0], LIMITS))
 
+    def engine_share(host: HostImage) -> torch.Tensor:
+        """What the engine process does with a host-decoded image (CUDA: on a stream of this
+        thread, waited for and timed)."""
+        e0 = time.thread_time()
+        if not on_cuda:
+            made = preparer.crops_of(host)
+            with lock:
+                engine_cpu_ms.append((time.thread_time() - e0) * 1e3)
+            return made
+        start = torch.cuda.Event(enable_timing=True)
+        done = torch.cuda.Event(enable_timing=True, blocking=True)
+        with torch.cuda.stream(preparer._stream()):
+            start.record()
+            made = preparer.crops_of(host)
+            done.record()
+        e1 = time.thread_time()
+        done.synchronize()
+        with lock:
+            engine_cpu_ms.append((e1 - e0) * 1e3)
+            gpu_ms.append(start.elapsed_time(done))
+        return made
+
     def one(data: bytes) -> tuple[float, float, float, int]:
         c0 = time.thread_time()
         t0 = time.perf_counter()
-        prepared = preparer.prepare(data)
+        if split:
+            host = preparer.decode_host(data, alloc=shared.array)
+            c1 = time.thread_time()
+            made, n_crops = engine_share(host), host.num_crops
+        else:
+            prepared = preparer.prepare(data)
+            c1 = time.thread_time()
+            made, n_crops = prepared.crops, prepared.num_crops
         t1 = time.perf_counter()
-        c1 = time.thread_time()
         if norm_device is not None:
-            prepared.normalized(dtype=dtype, device=norm_device)
+            normalize_crops(made, dtype=dtype, device=norm_device)
             if sync:
                 torch.cuda.synchronize()
-        return (
-            (t1 - t0) * 1e3,
-            (c1 - c0) * 1e3,
-            (time.perf_counter() - t1) * 1e3,
-            (prepared.num_crops),
-        )
+        return ((t1 - t0) * 1e3, (c1 - c0) * 1e3, (time.perf_counter() - t1) * 1e3, n_crops)
 
     def worker(k: int, deadline: float) -> int:
         done = 0
@@ -133,6 +176,7 @@ def run_cell(
         list(pool.map(one, images[:threads]))  # warm-up: codecs, weights, allocator, kernels
         with lock:
             gpu_ms.clear()
+            engine_cpu_ms.clear()
         start = time.perf_counter()
         calls = sum(pool.map(worker, range(threads), [start + min_seconds] * threads))
         wall = time.perf_counter() - start
@@ -146,6 +190,8 @@ def run_cell(
         "prepare_ms": statistics.median(prep_ms),
         "cpu_ms": statistics.median(cpu_ms),
         "decode_cpu_ms": statistics.median(decode_cpu) if decode_cpu else None,
+        "split": split,
+        "engine_cpu_ms": statistics.median(engine_cpu_ms) if engine_cpu_ms else None,
         "gpu_decode": on_gpu,
         "gpu_ms": statistics.median(gpu_ms) if gpu_ms else None,
         "normalize_ms": statistics.median(norm_ms) if norm_device is not None else None,
@@ -235,6 +281,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="decode JPEGs of at least N pixels on the GPU (nvJPEG through torchvision; "
         "needs --device cuda); 0: off",
     )
+    ap.add_argument(
+        "--split",
+        action="store_true",
+        help="the path with an engine process: the server decodes into shared memory (cpu ms), "
+        "the engine makes the crops (eng ms of CPU, gpu ms)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     norm = None if args.normalize_device == "none" else args.normalize_device
@@ -244,6 +296,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     decoder: GpuDecoder | None = None
     if args.gpu_decode_min_pixels < 0:
         ap.error("--gpu-decode-min-pixels must be >= 0")
+    if args.split and args.gpu_decode_min_pixels > 0:
+        ap.error("--split and --gpu-decode-min-pixels exclude each other (as in the server)")
     if args.gpu_decode_min_pixels > 0:
         # Measuring the host path while asking for the GPU one would mislead: refuse.
         if not args.device.startswith("cuda"):
@@ -293,6 +347,7 @@ def _run(
                     args.device,
                     gpu_decode_min_pixels=args.gpu_decode_min_pixels,
                     gpu_decoder=decoder,
+                    split=args.split,
                 )
                 rows.append(
                     {"size": f"{w}x{h}", "format": fmt, "resize": mode, "bytes": mean_bytes} | cell
@@ -311,6 +366,7 @@ def _run(
         "dtype": args.dtype,
         "exif_orientation": args.exif_orientation,
         "gpu_decode_min_pixels": args.gpu_decode_min_pixels,
+        "split": args.split,
         "torch_threads": torch.get_num_threads(),
         "rows": rows,
     }
@@ -325,11 +381,12 @@ def _run(
             if args.gpu_decode_min_pixels
             else ""
         )
+        + (", split as with an engine process" if args.split else "")
     )
     print(
         f"{'size':>10} {'fmt':>5} {'dec':>4} {'resize':>6} {'KB':>7} {'crops':>5} {'thr':>4} "
-        f"{'img/s':>8} {'ms/img':>8} {'prep ms':>8} {'cpu ms':>8} {'dec ms':>7} {'gpu ms':>8} "
-        f"{'norm ms':>8}"
+        f"{'img/s':>8} {'ms/img':>8} {'prep ms':>8} {'cpu ms':>8} {'dec ms':>7} {'eng ms':>7} "
+        f"{'gpu ms':>8} {'norm ms':>8}"
     )
     for r in rows:
         print(
@@ -337,7 +394,7 @@ def _run(
             f"{r['resize']:>6} {r['bytes'] / 1024:>7.0f} "
             f"{r['crops']:>5.0f} {r['threads']:>4} {r['images_per_s']:>8.1f} "
             f"{r['ms_per_image']:>8.2f} {r['prepare_ms']:>8.2f} {r['cpu_ms']:>8.2f} "
-            f"{_fmt(r['decode_cpu_ms'], '7.2f'):>7} "
+            f"{_fmt(r['decode_cpu_ms'], '7.2f'):>7} {_fmt(r['engine_cpu_ms'], '7.2f'):>7} "
             f"{_fmt(r['gpu_ms'], '8.3f'):>8} {_fmt(r['normalize_ms'], '8.2f'):>8}"
         )
     png = out / "image_bench.png"

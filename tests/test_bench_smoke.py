@@ -317,7 +317,21 @@ def test_image_bench_tiny(tmp_path: Path) -> None:
         assert r["cpu_ms"] > 0 and r["gpu_ms"] is None  # no device time on the CPU
         assert r["crops"] >= 1
         assert r["gpu_decode"] is False and r["decode_cpu_ms"] > 0
+        assert r["split"] is False and r["engine_cpu_ms"] is None
     assert data["gpu_decode_min_pixels"] == 0
+
+
+def test_image_bench_split_path(capsys: pytest.CaptureFixture[str]) -> None:
+    """The engine-process path: the server's share and the engine's, timed apart."""
+    images = unique_images(96, 64, range(2), fmt="jpeg")
+    args = (images, 1, 0.0, 1, None, torch.float32, ResizeMode.VIPS, "cpu")
+    cell = image_bench.run_cell(*args, split=True)
+    assert cell["split"] is True and cell["cpu_ms"] > 0 and cell["engine_cpu_ms"] > 0
+    assert cell["crops"] >= 1 and cell["gpu_ms"] is None
+    with pytest.raises(SystemExit) as caught:
+        image_bench.main(["--split", "--gpu-decode-min-pixels", "1"])
+    assert caught.value.code == 2
+    assert "exclude each other" in capsys.readouterr().err
 
 
 def test_image_bench_gpu_decode_option(capsys: pytest.CaptureFixture[str]) -> None:
