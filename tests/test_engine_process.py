@@ -10,6 +10,7 @@ import signal
 import socket
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from image_pipeline import PreparedImage, sample_image_bytes
 from tests.http_support import data_url, post_json
@@ -378,6 +380,26 @@ def test_the_http_door_serves_through_the_engine_process(
     assert status == 200
     want = generator.query(sample_image, "what is it?", SamplingSettings(0.0, max_tokens=6))
     assert answer["answer"] == want.text
+
+
+def test_the_engine_process_reports_its_garbage_collections(server: ServerThread) -> None:
+    """The engine's own collections stall its scheduler: the server exports them apart."""
+
+    def engine_gen0() -> float:
+        with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+            text = response.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if (
+                    sample.name == "vlm_engine_gc_pause_seconds_count"
+                    and sample.labels.get("generation") == "0"
+                ):
+                    return sample.value
+        raise AssertionError("no vlm_engine_gc_pause_seconds in the metrics")
+
+    with VisionLanguageClient(server.target, timeout=60) as c:
+        c.caption(sample_image_bytes(), max_tokens=8)
+    wait_for(lambda: engine_gen0() > 0, what="the engine's collections to be reported")
 
 
 def test_refusals_from_the_engine_process_name_the_field(client: VisionLanguageClient) -> None:

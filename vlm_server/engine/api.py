@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # the API stays torch-free: the engine core imports it
     from image_pipeline import HostImage, PreparedImage
+    from vlm_server.gc_pauses import GcPauseTotals
 
 
 class Task(enum.StrEnum):
@@ -215,6 +216,9 @@ class EngineStats:
     # (values <= the bound; one more for everything above), and their sum.
     step_interval_counts: tuple[int, ...] = ()
     step_interval_sum_ms: float = 0.0
+    # Garbage-collection pauses of the engine's own process (None: it runs in the server's,
+    # whose pauses the server counts itself).
+    gc_pauses: GcPauseTotals | None = None
 
 
 class Engine(Protocol):

@@ -9,14 +9,11 @@ called there, not from the HTTP thread).
 from __future__ import annotations
 
 import asyncio
-import bisect
 import concurrent.futures
 import contextlib
-import gc
 import logging
 import math
 import threading
-import time
 from collections.abc import Callable, Iterator
 from wsgiref.simple_server import WSGIServer
 
@@ -37,6 +34,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from vlm_server.engine.api import STEP_INTERVAL_BOUNDS_MS, EngineStats
+from vlm_server.gc_pauses import GC_BUCKETS, GcPauseCounter, GcPauseTotals
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +56,6 @@ _LATENCY_BUCKETS = (
 )
 # Event-loop lag: from a timer's resolution up to a loop stalled for seconds.
 _LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-_GC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 LOOP_LAG_INTERVAL_S = 0.05
 _SCRAPE_TIMEOUT_S = 2.0
 _DT = ("door", "task")
@@ -136,52 +133,45 @@ class _EngineCollector(Collector):
             buckets=buckets,
             sum_value=stats.step_interval_sum_ms / 1e3,
         )
+        yield gc_pause_family(
+            "vlm_engine_gc_pause_seconds",
+            "Python garbage collection pauses in the engine's own process, by generation "
+            "(zero while the engine runs in the server's process: see vlm_gc_pause_seconds)",
+            stats.gc_pauses,
+        )
+
+
+def gc_pause_family(name: str, doc: str, totals: GcPauseTotals | None) -> Metric:
+    """A histogram by generation of garbage-collection pauses (zeros without totals)."""
+    family = HistogramMetricFamily(name, doc, labels=["generation"])
+    for generation in range(3):
+        counts = totals.counts[generation] if totals else (0,) * (len(GC_BUCKETS) + 1)
+        cumulative, buckets = 0, []
+        for bound, count in zip((*GC_BUCKETS, math.inf), counts, strict=True):
+            cumulative += count
+            buckets.append(("+Inf" if math.isinf(bound) else repr(bound), cumulative))
+        family.add_metric([str(generation)], buckets, totals.sums[generation] if totals else 0.0)
+    return family
 
 
 class GcPauses(Collector):
-    """``vlm_gc_pause_seconds``: Python garbage collections by generation. Every thread waits
-    while one runs, the scheduler thread's next launch included.
-
-    The collection callback only bumps counters: it runs inside whichever thread allocated,
-    possibly one holding a metrics lock, so it must take none."""
+    """``vlm_gc_pause_seconds``: this process's garbage collections by generation."""
 
     def __init__(self) -> None:
-        n = len(_GC_BUCKETS) + 1
-        self._counts = [[0] * n for _ in range(3)]
-        self._sums = [0.0] * 3
-        self._started = 0.0
+        self.counter = GcPauseCounter()
 
     def install(self) -> None:
-        if self._on_gc not in gc.callbacks:
-            gc.callbacks.append(self._on_gc)
+        self.counter.install()
 
     def uninstall(self) -> None:
-        with contextlib.suppress(ValueError):
-            gc.callbacks.remove(self._on_gc)
-
-    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-            return
-        generation = min(max(info.get("generation", 2), 0), 2)
-        pause = time.perf_counter() - self._started
-        self._counts[generation][bisect.bisect_left(_GC_BUCKETS, pause)] += 1
-        self._sums[generation] += pause
+        self.counter.uninstall()
 
     def collect(self) -> Iterator[Metric]:
-        family = HistogramMetricFamily(
+        yield gc_pause_family(
             "vlm_gc_pause_seconds",
             "Python garbage collection pauses, by generation (every thread waits)",
-            labels=["generation"],
+            self.counter.totals(),
         )
-        for generation in range(3):
-            cumulative, buckets = 0, []
-            counts = list(self._counts[generation])
-            for bound, count in zip((*_GC_BUCKETS, math.inf), counts, strict=True):
-                cumulative += count
-                buckets.append(("+Inf" if math.isinf(bound) else repr(bound), cumulative))
-            family.add_metric([str(generation)], buckets, self._sums[generation])
-        yield family
 
 
 class ServiceMetrics:

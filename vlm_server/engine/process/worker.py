@@ -9,6 +9,7 @@ the server process's job, so the scheduler shares its interpreter with nothing b
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import pickle
 import signal
@@ -20,7 +21,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 
-from vlm_server.engine.api import EngineError, ErrorCode, Finished, GenerationRequest
+from vlm_server.engine.api import (
+    EngineError,
+    EngineStats,
+    ErrorCode,
+    Finished,
+    GenerationRequest,
+)
 from vlm_server.engine.core.sequence import Sequence
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.engine.process.shared_pixels import take_released
@@ -37,6 +44,7 @@ from vlm_server.engine.process.wire import (
     Submit,
     recv,
 )
+from vlm_server.gc_pauses import GcPauseCounter
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +80,17 @@ class PipeOutbox:
 class EngineHost:
     """Serves one engine's commands from a pipe until told to close (or the server is gone)."""
 
-    def __init__(self, engine: BatchedEngine, sender: Sender, outbox: PipeOutbox) -> None:
+    def __init__(
+        self,
+        engine: BatchedEngine,
+        sender: Sender,
+        outbox: PipeOutbox,
+        gc_pauses: GcPauseCounter | None = None,
+    ) -> None:
         self.engine = engine
         self.sender = sender
         self.outbox = outbox
+        self.gc_pauses = gc_pauses
         self._lock = threading.Lock()
         # Requests being built or running; None while being built.
         self._live: dict[int, Sequence | None] = {}
@@ -113,13 +128,19 @@ class EngineHost:
                         self._refuse(message.rid, error)
             now = time.monotonic()
             if now >= next_stats:
-                self.sender.send(Stats(self.engine.stats(), take_released()))
+                self.sender.send(Stats(self._stats(), take_released()))
                 next_stats = now + STATS_INTERVAL_S
             if housekeeping is not None and housekeeping_interval > 0 and now >= next_housekeeping:
                 housekeeping()
                 next_housekeeping = now + housekeeping_interval
         self._builder.shutdown(wait=False, cancel_futures=True)
         asyncio.run(self.engine.close())
+
+    def _stats(self) -> EngineStats:
+        stats = self.engine.stats()
+        if self.gc_pauses is not None:
+            stats = dataclasses.replace(stats, gc_pauses=self.gc_pauses.totals())
+        return stats
 
     def _handle(self, message: object) -> None:
         if isinstance(message, Submit):
@@ -186,6 +207,8 @@ def run_engine_process(
     engine, say `Ready` (or `StartFailed`), then serve commands until `Close`."""
     if setup is not None:
         setup()
+    gc_pauses = GcPauseCounter()
+    gc_pauses.install()
     sender = Sender(events, plain=True)
     try:
         engine = factory()
@@ -199,7 +222,7 @@ def run_engine_process(
     if on_ready is not None:
         on_ready()
     sender.send(Ready(engine.info))
-    host = EngineHost(engine, sender, outbox)
+    host = EngineHost(engine, sender, outbox, gc_pauses)
     host.serve(commands, fd_socket, housekeeping, housekeeping_interval)
 
 
