@@ -144,6 +144,29 @@ def test_pool_reuses_a_buffer_once_neither_side_holds_it() -> None:
     assert pool.stats()[1] <= 3 * 90  # free buffers beyond the bound are unmapped
 
 
+def test_an_array_dying_while_the_pool_is_locked_does_not_deadlock() -> None:
+    """A collection can run inside any allocation, in a thread holding the pool's lock:
+    the array's death must not need that lock."""
+    pool = PixelPool()
+    cycle: list[object] = [pool.array((3, 3, 3))]
+    cycle.append(cycle)  # only a collection frees it
+    first_id = shared_map(cycle[0]).buffer_id  # type: ignore[arg-type, union-attr]
+    del cycle
+    died = threading.Event()
+
+    def die_under_the_lock() -> None:
+        with pool._lock:
+            gc.collect()  # the array above dies here
+            died.set()
+
+    worker = threading.Thread(target=die_under_the_lock, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert died.is_set(), "the array's death waited for the pool's lock"
+    reused = pool.array((3, 3, 3))
+    assert shared_map(reused).buffer_id == first_id  # type: ignore[union-attr]
+
+
 def test_received_buffers_are_reported_released_once_dropped() -> None:
     pool = PixelPool()
     pixels = pool.array((4, 4, 3))

@@ -66,6 +66,10 @@ class PixelPool:
     A buffer is busy while an array handed out by `array` is alive here, or while the
     engine process holds mappings of it: each send counts one (`sent`), each mapping the
     engine closes takes one back (`released`). Thread-safe.
+
+    An array's death is queued without a lock and applied by the pool's next call: it can
+    happen inside a garbage collection that any allocation starts, in a thread that may
+    hold the pool's lock at that moment.
     """
 
     def __init__(self, max_free_bytes: int = POOL_BYTES) -> None:
@@ -76,12 +80,14 @@ class PixelPool:
         self._free_bytes = 0
         self._alive: set[int] = set()
         self._outstanding: collections.Counter[int] = collections.Counter()
+        self._dead: collections.deque[int] = collections.deque()  # appended lock-free
         self.reused = 0
 
     def array(self, shape: tuple[int, ...]) -> np.ndarray:
         """A uint8 array of ``shape`` in a shared buffer (old contents: write all of it)."""
         size = math.prod(shape)
         with self._lock:
+            self._bury()
             mapping = self._take(size)
         if mapping is None:
             mapping = _new_map(size)
@@ -91,7 +97,7 @@ class PixelPool:
         base = np.frombuffer(mapping, np.uint8, size)
         with self._lock:
             self._alive.add(mapping.buffer_id)
-        weakref.finalize(base, self._dropped, mapping.buffer_id)
+        weakref.finalize(base, self._dead.append, mapping.buffer_id)
         return base.reshape(shape)
 
     def _take(self, size: int) -> SharedMap | None:
@@ -112,12 +118,15 @@ class PixelPool:
     def released(self, buffer_ids: list[int]) -> None:
         """The engine process closed one mapping of each of these buffers."""
         with self._lock:
+            self._bury()
             for buffer_id in buffer_ids:
                 self._outstanding[buffer_id] -= 1
                 self._maybe_free(buffer_id)
 
-    def _dropped(self, buffer_id: int) -> None:
-        with self._lock:
+    def _bury(self) -> None:
+        """Apply the deaths of arrays queued since the last call (under the lock)."""
+        while self._dead:
+            buffer_id = self._dead.popleft()
             self._alive.discard(buffer_id)
             self._maybe_free(buffer_id)
 
@@ -137,6 +146,7 @@ class PixelPool:
     def stats(self) -> tuple[int, int]:
         """(buffers held, free bytes)."""
         with self._lock:
+            self._bury()
             return len(self._maps), self._free_bytes
 
 
