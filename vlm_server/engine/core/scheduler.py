@@ -166,6 +166,10 @@ class Scheduler:
         self._poll_prefixes()
         pipe = self.pipe
         t0 = time.perf_counter()
+        if pipe.n_in_flight == 1 < pipe.depth and pipe.in_flight[0].state is SlotState.LAUNCHED:
+            # A lone step has nothing older to commit: sample it now, so the first decode
+            # rows of the prompts it ends launch behind it instead of after its commit.
+            self._finalize(pipe.in_flight[0])
         if pipe.n_in_flight and (pipe.n_in_flight >= pipe.depth or not self._launchable()):
             oldest = pipe.in_flight[0]
             if oldest.state is SlotState.LAUNCHED:  # depth 1: sample before committing

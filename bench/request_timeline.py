@@ -1,0 +1,232 @@
+"""Where one request's latency goes inside the engine, on the GPU: unique-image query
+requests sent one at a time (c=1) to an in-process engine that takes the server's
+engine-process image path (host decode here, crops made by the engine on its prefill stream).
+
+Per request, host stamps: the decode, the submit, the first token, the end; the engine's
+own queue / prefill / first-token times. For ``--profile`` requests (after the timed ones)
+a torch.profiler trace is read back: each stream's kernel time inside the request, the GPU's
+idle gaps (with the kernels either side) and what the scheduler thread did in the biggest
+of them.
+
+    python -m bench.request_timeline [--requests 40] [--profile 3] [--out DIR]
+
+Writes ``request_timeline.json`` (and the first profiled request's chrome trace) under
+``--out``, and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.synth_images import parse_size, unique_images
+from image_pipeline import ImagePreparer
+from vlm_server.config import preset
+from vlm_server.engine.api import Finished, GenerationRequest, Task
+from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.engine import BatchedEngine
+from vlm_server.weights.loader import random_model
+
+# A gap in the GPU's work shorter than this is launch jitter, not worth listing.
+GAP_US = 50.0
+
+
+@dataclass
+class Stamps:
+    decode_ms: float = 0.0
+    submit_ms: float = 0.0  # decode end -> submit returned
+    first_ms: float = 0.0  # submit returned -> first event
+    rest_ms: float = 0.0  # first event -> finished
+    total_ms: float = 0.0
+    engine: dict[str, float] = field(default_factory=dict)
+
+
+async def one_request(
+    engine: BatchedEngine, preparer: ImagePreparer, data: bytes, question: str
+) -> Stamps:
+    t0 = time.perf_counter()
+    image = preparer.decode_host(data)
+    t1 = time.perf_counter()
+    stream = await engine.submit(
+        GenerationRequest(Task.QUERY, image, question=question, max_tokens=3, temperature=0)
+    )
+    t2 = time.perf_counter()
+    first = None
+    done: Finished | None = None
+    async for event in stream:
+        if first is None:
+            first = time.perf_counter()
+        if isinstance(event, Finished):
+            done = event
+    t3 = time.perf_counter()
+    assert first is not None and done is not None
+    m = done.metrics
+    return Stamps(
+        (t1 - t0) * 1e3,
+        (t2 - t1) * 1e3,
+        (first - t2) * 1e3,
+        (t3 - first) * 1e3,
+        (t3 - t0) * 1e3,
+        {
+            "queue_wait_ms": m.queue_wait_ms,
+            "ttft_ms": m.time_to_first_token_ms,
+            "prefill_ms": m.prefill_ms,
+            "decode_ms": m.decode_ms,
+        },
+    )
+
+
+def gpu_view(trace: dict, window: tuple[float, float]) -> dict:
+    """Kernel time per stream, busy time and idle gaps of the GPU inside ``window`` (us)."""
+    lo, hi = window
+    kernels = sorted(
+        (e for e in trace["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy")),
+        key=lambda e: e["ts"],
+    )
+    kernels = [e for e in kernels if lo <= e["ts"] <= hi]
+    per_stream: dict[str, float] = {}
+    for e in kernels:
+        key = f"stream {e.get('args', {}).get('stream', '?')}"
+        per_stream[key] = per_stream.get(key, 0.0) + e["dur"]
+    gaps, busy, end, prev = [], 0.0, None, None
+    for e in kernels:
+        s, d = e["ts"], e["dur"]
+        if end is not None and s - end > GAP_US:
+            gaps.append(
+                {
+                    "at_us": round(end - lo, 1),
+                    "gap_us": round(s - end, 1),
+                    "after": prev["name"][:60] if prev else "",
+                    "before": e["name"][:60],
+                }
+            )
+        if end is None or s > end:
+            busy += d
+            end, prev = s + d, e
+        elif s + d > end:
+            busy += s + d - end
+            end, prev = s + d, e
+    cpu = [
+        e
+        for e in trace["traceEvents"]
+        if e.get("cat") == "cuda_runtime" and lo <= e.get("ts", 0) <= hi
+    ]
+    launches = {}
+    for e in cpu:
+        launches[e["name"]] = launches.get(e["name"], 0) + 1
+    first_k = kernels[0]["ts"] - lo if kernels else None
+    return {
+        "window_us": round(hi - lo, 1),
+        "first_kernel_at_us": round(first_k, 1) if first_k is not None else None,
+        "gpu_busy_us": round(busy, 1),
+        "kernel_us_per_stream": {k: round(v, 1) for k, v in per_stream.items()},
+        "gaps": sorted(gaps, key=lambda g: -g["gap_us"])[:12],
+        "gaps_total_us": round(sum(g["gap_us"] for g in gaps), 1),
+        "runtime_calls": dict(sorted(launches.items(), key=lambda kv: -kv[1])[:12]),
+    }
+
+
+def summary(rows: list[Stamps]) -> dict[str, float]:
+    def p50(xs: list[float]) -> float:
+        return round(statistics.median(xs), 3)
+
+    out = {
+        k: p50([getattr(r, k) for r in rows])
+        for k in ("decode_ms", "submit_ms", "first_ms", "rest_ms", "total_ms")
+    }
+    for k in rows[0].engine:
+        out[f"engine_{k}"] = p50([r.engine[k] for r in rows])
+    return out
+
+
+async def run(args: argparse.Namespace) -> dict:
+    w, h = parse_size(args.size)
+    n = args.warmup + args.requests + args.profile
+    pictures = unique_images(w, h, list(range(n)), seed=args.seed, threads=8)
+    print(f"building a random {args.preset} engine ...", flush=True)
+    cuda = args.device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    loaded = random_model(preset(args.preset), dtype=dtype, device=args.device)
+    cfg = EngineConfig(max_batch=args.max_batch)
+    engine = BatchedEngine(loaded, cfg, image_preparer=ImagePreparer(device=args.device))
+    await engine.start()
+    host = ImagePreparer(device="cpu")
+    q = "What is the title of this chart?"
+    for data in pictures[: args.warmup]:
+        await one_request(engine, host, data, q)
+    timed = pictures[args.warmup : args.warmup + args.requests]
+    rows = [await one_request(engine, host, data, q) for data in timed]
+    profiled = []
+    traces = []
+    for i, data in enumerate(pictures[args.warmup + args.requests :]):
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            stamps = await one_request(engine, host, data, q)
+        path = Path(args.out) / f"request_trace_{i}.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+        if i:
+            path.unlink()
+        # The window: from the first event the profiler saw to the last.
+        ts = [e["ts"] for e in trace["traceEvents"] if "ts" in e and e.get("ph") == "X"]
+        view = gpu_view(trace, (min(ts), max(ts)))
+        view["stamps"] = stamps.__dict__
+        profiled.append(view)
+        traces.append(path)
+    await engine.close()
+    return {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "preset": args.preset,
+        "size": args.size,
+        "requests": args.requests,
+        "timed_p50": summary(rows),
+        "timed": [r.__dict__ for r in rows],
+        "profiled": profiled,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="moondream2")
+    ap.add_argument("--size", default="800x600")
+    ap.add_argument("--requests", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--profile", type=int, default=3)
+    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--device", default="cuda", help="cpu: a check of this script only")
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    result = asyncio.run(run(args))
+    (Path(args.out) / "request_timeline.json").write_text(json.dumps(result, indent=1))
+    print("\nc=1, p50 over", args.requests, "requests (ms)")
+    for k, v in result["timed_p50"].items():
+        print(f"  {k:24s} {v:8.3f}")
+    for i, view in enumerate(result["profiled"]):
+        print(
+            f"\nprofiled request {i}: window {view['window_us'] / 1e3:.2f} ms, GPU busy "
+            f"{view['gpu_busy_us'] / 1e3:.2f} ms, first kernel at "
+            f"{(view['first_kernel_at_us'] or 0) / 1e3:.2f} ms, gaps "
+            f"{view['gaps_total_us'] / 1e3:.2f} ms"
+        )
+        for k, v in view["kernel_us_per_stream"].items():
+            print(f"  {k}: {v / 1e3:.2f} ms of kernels")
+        for g in view["gaps"][:8]:
+            print(
+                f"  gap {g['gap_us']:8.1f} us at {g['at_us'] / 1e3:6.2f} ms: "
+                f"{g['after']} -> {g['before']}"
+            )
+        print("  runtime calls:", view["runtime_calls"])
+
+
+if __name__ == "__main__":
+    main()
