@@ -176,6 +176,7 @@ def _drive(
     scheduler: type[Scheduler] = Scheduler,
     pipeline: type[PipelineState] | None = None,
     budget: int = SMALL_BUDGET,
+    n_requests: int = N_REQUESTS,
     **faults: object,
 ) -> Run:
     """Submit, cancel and tick by hand (no thread); between ticks the device runs a random
@@ -211,7 +212,7 @@ def _drive(
     )
     run = Run(depth, device, sched, watch)
     burst = BURSTS[seed % len(BURSTS)]
-    arrivals = {i: rng.randrange(40) for i in range(N_REQUESTS)}
+    arrivals = {i: rng.randrange(40) for i in range(n_requests)}
     cancels = {i: arrivals[i] + rng.randrange(12) for i in arrivals if _cancelled(i)}
     with torch.inference_mode():
         for tick in range(4000):
@@ -294,6 +295,41 @@ def test_the_production_runtime_keeps_the_pipeline_invariants(
     assert all(x is None for x in s.pipe.slots) and len(s.free_rows) == s.cfg.max_rows
     s.prefix_cache.clear()
     assert s.rt.pages.used_pages == 0 and device.queued == 0
+
+
+def _decode_behind_lone_prompt_end(trace: list[tuple[str, Step]]) -> bool:
+    """Whether a step launched into an empty pipeline ended a prompt, and that sequence's
+    first decode row launched before the step was committed."""
+    uncommitted: set[int] = set()
+    ending: dict[int, set[int]] = {}  # lone uncommitted step -> sequences whose prompt it ends
+    for what, step in trace:
+        if what == "commit":
+            uncommitted.discard(step.step_id)
+            ending.pop(step.step_id, None)
+        if what != "launch":
+            continue
+        plan = step.plan
+        n_decode = len(step.seqs) if plan is None else plan.n_decode
+        waiting = set().union(*ending.values()) if ending else set()
+        if any(id(seq) in waiting for seq in step.seqs[:n_decode]):
+            return True
+        if plan is not None and not uncommitted:
+            rows = range(n_decode, len(step.seqs))
+            ending[step.step_id] = {id(step.seqs[i]) for i in rows if plan.ends_prefill(i)}
+        uncommitted.add(step.step_id)
+    return False
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_lone_step_ending_a_prompt_is_sampled_before_the_next_launch(
+    region_model: LoadedModel, images: list[PreparedImage], seed: int
+) -> None:
+    """One request alone: its prompt's step has nothing older to commit, so it is sampled
+    at once and the first decode row launches behind it, not after its commit (a host round
+    trip per request at low load)."""
+    whole = EngineConfig().max_step_tokens
+    run = _drive(region_model, images, 2, seed, budget=whole, n_requests=1)
+    assert _decode_behind_lone_prompt_end(run.watch.trace)
 
 
 class _PendingWatch(Scheduler):
