@@ -35,7 +35,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,7 @@ from image_pipeline import (
     decode,
     normalize_crops,
 )
+from image_pipeline.crop_graphs import CropGraphs
 from image_pipeline.decode import read_header
 from image_pipeline.gpu_jpeg import GpuDecoder, torchvision_decoder
 from vlm_server.engine.process.shared_pixels import pixel_pool
@@ -77,13 +78,15 @@ def run_cell(
     gpu_decode_min_pixels: int = 0,
     gpu_decoder: GpuDecoder | None = None,
     split: bool = False,
+    crop_graphs: int = 0,
 ) -> dict[str, Any]:
     """``threads`` workers preparing ``images`` in turn; images/s and per-image medians.
 
     ``gpu_decode_min_pixels``/``gpu_decoder`` as in :class:`ImagePreparer`. ``split``: the
     path with an engine process: the server's share (header, decode into a pooled shared
     buffer, hash: ``cpu_ms``), then the engine's (staging copy and crop launches:
-    ``engine_cpu_ms``; the device's work: ``gpu_ms``)."""
+    ``engine_cpu_ms``; the device's work: ``gpu_ms``), with ``crop_graphs`` picture sizes
+    kept as CUDA graphs as the engine does (``--image-crop-graphs``)."""
     lock = threading.Lock()
     prep_ms: list[float] = []
     cpu_ms: list[float] = []
@@ -107,6 +110,16 @@ def run_cell(
         gpu_decoder=gpu_decoder,
         on_device_time=on_device_time,
     )
+    per_thread = threading.local()
+
+    def crop_maker() -> Callable[[HostImage], torch.Tensor]:
+        if not (on_cuda and crop_graphs):
+            return preparer.crops_of
+        graphs = getattr(per_thread, "graphs", None)
+        if graphs is None:
+            graphs = per_thread.graphs = CropGraphs(preparer, crop_graphs)
+        return graphs.crops
+
     # The pictures of a cell share size and format: the first says which path they take.
     on_gpu = preparer.decodes_on_gpu(read_header(images[0], LIMITS))
 
@@ -123,7 +136,7 @@ def run_cell(
         done = torch.cuda.Event(enable_timing=True, blocking=True)
         with torch.cuda.stream(preparer._stream()):
             start.record()
-            made = preparer.crops_of(host)
+            made = crop_maker()(host)
             done.record()
         e1 = time.thread_time()
         done.synchronize()
@@ -191,6 +204,7 @@ def run_cell(
         "cpu_ms": statistics.median(cpu_ms),
         "decode_cpu_ms": statistics.median(decode_cpu) if decode_cpu else None,
         "split": split,
+        "crop_graphs": crop_graphs if split and on_cuda else 0,
         "engine_cpu_ms": statistics.median(engine_cpu_ms) if engine_cpu_ms else None,
         "gpu_decode": on_gpu,
         "gpu_ms": statistics.median(gpu_ms) if gpu_ms else None,
@@ -282,6 +296,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "needs --device cuda); 0: off",
     )
     ap.add_argument(
+        "--crop-graphs",
+        type=int,
+        default=4,
+        metavar="N",
+        help="with --split on CUDA: picture sizes kept as crop graphs, as the engine does "
+        "(--image-crop-graphs); 0: eager crops",
+    )
+    ap.add_argument(
         "--split",
         action="store_true",
         help="the path with an engine process: the server decodes into shared memory (cpu ms), "
@@ -348,6 +370,7 @@ def _run(
                     gpu_decode_min_pixels=args.gpu_decode_min_pixels,
                     gpu_decoder=decoder,
                     split=args.split,
+                    crop_graphs=args.crop_graphs,
                 )
                 rows.append(
                     {"size": f"{w}x{h}", "format": fmt, "resize": mode, "bytes": mean_bytes} | cell
@@ -382,6 +405,11 @@ def _run(
             else ""
         )
         + (", split as with an engine process" if args.split else "")
+        + (
+            f" ({args.crop_graphs} crop graphs)"
+            if args.split and args.device.startswith("cuda")
+            else ""
+        )
     )
     print(
         f"{'size':>10} {'fmt':>5} {'dec':>4} {'resize':>6} {'KB':>7} {'crops':>5} {'thr':>4} "

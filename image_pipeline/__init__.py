@@ -16,7 +16,8 @@ Modules, in data-flow order:
 - ``prepared``: ``ImagePreparer``/``prepare_image``: pixels -> hash -> device -> crops.
 - ``gpu_jpeg``: optional nvJPEG decode of large JPEGs on the device (torchvision), for
   the preparer; hashed by their encoded bytes.
-- ``crops``: global crop + overlap crops in torch, ``ResizeMode`` (vips | pillow).
+- ``crops``: global crop + overlap crops in torch, ``ResizeMode`` (vips | pillow);
+  ``crop_graphs``: the crop path as a CUDA graph per picture size seen twice (an engine's).
 - ``resample_plan``, ``vips_plan``, ``pillow_plan``: the resizers as integer stages;
   ``resample``: runs them bit-exact as float32 matmuls on any device.
 - ``tiling``: crop geometry and the Pillow reference ``overlap_crop``;

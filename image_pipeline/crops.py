@@ -54,12 +54,14 @@ def make_crops(
     spec: TilingSpec,
     mode: ResizeMode,
     resampler: Resampler,
+    keep: list | None = None,
 ) -> torch.Tensor:
     """uint8 ``[H, W, 3]`` pixels -> uint8 ``[1 + h_t*w_t, crop, crop, 3]`` crops.
 
     Runs where ``resampler`` runs. Index 0 is the global crop (aspect ratio not kept),
     then the local crops in row-major order, cut from the canvas at a stride of
-    ``spec.window``.
+    ``spec.window``. ``keep`` collects the resize weights the work reads (see
+    :meth:`.Resampler.run`).
     """
     in_size = (pixels.shape[0], pixels.shape[1])
     size = spec.crop_size
@@ -68,8 +70,8 @@ def make_crops(
     out = torch.empty(
         (spec.num_crops(tiling), size, size, 3), dtype=torch.uint8, device=resampler.device
     )
-    out[0] = _fit(resampler.run(pixels, resize_plan(mode, in_size, (size, size))), size, size)
-    canvas = resampler.run(pixels, resize_plan(mode, in_size, (canvas_h, canvas_w)))
+    out[0] = _fit(resampler.run(pixels, resize_plan(mode, in_size, (size, size)), keep), size, size)
+    canvas = resampler.run(pixels, resize_plan(mode, in_size, (canvas_h, canvas_w)), keep)
     canvas = _fit(canvas, canvas_h, canvas_w).contiguous()
     # Windows (i, j) of the canvas as one strided view: [h_t, w_t, size, size, 3].
     row, col = canvas.stride(0), canvas.stride(1)

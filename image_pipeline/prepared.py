@@ -317,15 +317,10 @@ class ImagePreparer:
 
     def _upload(self, pixels: np.ndarray) -> Callable[[], torch.Tensor]:
         """What gives host ``pixels`` on the device (called on the side stream on CUDA)."""
-        host = torch.from_numpy(pixels)
         if self.device.type != "cuda":
+            host = torch.from_numpy(pixels)
             return lambda: host
-        # One upload of the uint8 pixels: pinned, so the copy is a real async DMA.
-        if host.is_pinned():
-            pinned = host
-        else:
-            pinned = torch.empty(host.shape, dtype=torch.uint8, pin_memory=True)
-            pinned.copy_(host)
+        pinned = pinned_copy(pixels)
         return lambda: pinned.to(self.device, non_blocking=True)
 
     def _crops(
@@ -363,6 +358,17 @@ class ImagePreparer:
         if stream is None:
             stream = self._local.stream = torch.cuda.Stream(self.device)
         return stream
+
+
+def pinned_copy(pixels: np.ndarray) -> torch.Tensor:
+    """``pixels`` in page-locked host memory (itself when it already is), so an upload from
+    it is a real async DMA; the caching host allocator keeps it until that copy is done."""
+    host = torch.from_numpy(pixels)
+    if host.is_pinned():
+        return host
+    pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+    pinned.copy_(host)
+    return pinned
 
 
 def _pinned(shape: tuple[int, int, int]) -> np.ndarray:

@@ -115,8 +115,10 @@ class Resampler:
         self._cached_bytes = 0
         self._lock = threading.Lock()
 
-    def run(self, pixels: torch.Tensor, plan: Plan) -> torch.Tensor:
-        """``pixels`` uint8 ``[H, W, C]`` -> uint8 ``[H', W', C]``."""
+    def run(self, pixels: torch.Tensor, plan: Plan, keep: list | None = None) -> torch.Tensor:
+        """``pixels`` uint8 ``[H, W, C]`` -> uint8 ``[H', W', C]``. ``keep`` collects the
+        prepared weights used: a CUDA graph captured here reads them at every replay, after
+        the cache may have evicted them."""
         if tuple(pixels.shape[:2]) != plan.in_size:
             raise ValueError(f"plan is for {plan.in_size}, pixels are {tuple(pixels.shape[:2])}")
         # Every stage works along dim 0, so each block is one 2-D matmul over whole rows
@@ -132,7 +134,7 @@ class Resampler:
             if isinstance(stage, BoxShrink):
                 x = self._box(x, stage).to(torch.uint8)
             else:
-                x = self._filter(x, stage, bound, tf32)
+                x = self._filter(x, stage, bound, tf32, keep)
                 bound = stage.out_bound(bound)
                 # Between stages the values are small integers: keep them in the
                 # narrowest exact type (less to transpose and to move).
@@ -152,8 +154,12 @@ class Resampler:
         sums = x.reshape(out_len, n, *x.shape[1:]).sum(1, dtype=torch.float64)
         return torch.floor((sums + n // 2) * stage.multiplier / (1 << 24)).to(torch.float32)
 
-    def _filter(self, x: torch.Tensor, stage: Filter, bound: int, tf32: bool) -> torch.Tensor:
+    def _filter(
+        self, x: torch.Tensor, stage: Filter, bound: int, tf32: bool, keep: list | None
+    ) -> torch.Tensor:
         prepared = self._prepare(stage, bound, tf32)
+        if keep is not None:
+            keep.append(prepared)
         rest = x.shape[1:]
         flat = x.reshape(x.shape[0], -1)
         if flat.dtype != torch.float32 and flat.numel() <= _CONVERT_WHOLE:
@@ -161,6 +167,8 @@ class Resampler:
         half = 1 << (stage.shift - 1)
         scale = 1.0 / (1 << stage.shift)
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if stream is not None and torch.cuda.is_current_stream_capturing():
+            stream = None  # a graph keeps its weights itself (``keep``)
         single = len(prepared.blocks[0].digits) == 1
         dtype = torch.float32 if single else torch.float64
         out = torch.empty((stage.out_len, flat.shape[1]), dtype=dtype, device=flat.device)

@@ -28,6 +28,12 @@ class EngineConfig:
     # graphs): the prefill stream runs beside decode steps, and cuBLAS's persistent GEMM
     # kernels otherwise hold every SM for their whole length, stalling the steps' kernels.
     prefill_sm_carveout: int = 0
+    # Batches of new image prefixes queued on the prefill stream at once. The scheduler
+    # blocks on step results; work queued ahead keeps the image path busy meanwhile.
+    prefill_batches: int = 2
+    # Picture sizes whose crops (of host-decoded images) run as a CUDA graph: a size seen
+    # twice is captured (image_pipeline/crop_graphs.py). 0: always eager.
+    crop_graph_sizes: int = 4
     # Caps and time budget of client constraints (choices / regex), see decoding/limits.py.
     constraint_limits: ConstraintLimits = field(default_factory=ConstraintLimits)
 
@@ -39,8 +45,10 @@ class EngineConfig:
                 "max_step_tokens must exceed max_batch: every step takes all its "
                 "decode rows and at least one prefill token"
             )
-        if self.prefill_sm_carveout < 0:
-            raise ValueError("prefill_sm_carveout must be >= 0")
+        if self.prefill_sm_carveout < 0 or self.crop_graph_sizes < 0:
+            raise ValueError("prefill_sm_carveout and crop_graph_sizes must be >= 0")
+        if self.prefill_batches < 1:
+            raise ValueError("prefill_batches must be >= 1")
         if self.page_size < 1:
             raise ValueError("page_size must be >= 1")
         if self.pipeline_depth not in (1, 2):

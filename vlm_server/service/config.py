@@ -103,6 +103,8 @@ class ServerConfig:
     decode_threads: int = 4
     gil_switch_interval_ms: float = 5.0
     prefill_sm_carveout: int = 0
+    prefill_batches: int = 2
+    image_crop_graphs: int = 4
     malloc_arena_max: int = 2
     malloc_mmap_threshold: int = MIB
     memory_trim_interval: float = 10.0
@@ -129,6 +131,7 @@ class ServerConfig:
             "max_constraint_states",
             "decode_threads",
             "image_decode_budget",
+            "prefill_batches",
         )
         for name in positive:
             if getattr(self, name) < 1:
@@ -147,6 +150,7 @@ class ServerConfig:
         nonnegative = (
             "kv_budget",
             "prefill_sm_carveout",
+            "image_crop_graphs",
             "grace_period",
             "max_image_side",
             "malloc_arena_max",
@@ -293,6 +297,18 @@ OPTIONS: tuple[_Option, ...] = (
         "SMs the image-prefix path's matrix products leave to the decode steps running beside "
         "it (CUDA; 0 = none): bounds how much a new image slows running streams, at the cost "
         "of a slower image path",
+    ),
+    _Option(
+        "prefill_batches",
+        int,
+        "batches of new images queued on the device's image path at once: more keeps it "
+        "busy while the scheduler waits on a step, at the cost of pages and rows held early",
+    ),
+    _Option(
+        "image_crop_graphs",
+        int,
+        "picture sizes whose crop path is kept as a CUDA graph (a size seen twice is "
+        "captured; 0 = off): one launch instead of dozens per picture",
     ),
     _Option("pipeline_depth", int, "steps in flight: 2 overlaps host work, 1 is blocking"),
     _Option("queue_limit", int, "requests waiting beyond this are refused (RESOURCE_EXHAUSTED)"),

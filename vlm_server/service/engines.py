@@ -82,6 +82,8 @@ def batched_engine(config: ServerConfig, one_at_a_time: bool = False) -> Engine:
         max_queue=config.queue_limit,
         kv_budget_bytes=config.kv_budget or None,
         prefill_sm_carveout=config.prefill_sm_carveout,
+        prefill_batches=config.prefill_batches,
+        crop_graph_sizes=config.image_crop_graphs,
         constraint_limits=constraint_limits(config),
     )
     return BatchedEngine(

@@ -40,6 +40,7 @@ from decoding.mask_table import NO_MASK, MaskTable
 from decoding.region_values import coord_from_logits, size_from_logits
 from decoding.sampling import sample
 from image_pipeline import HostImage, ImagePreparer, PreparedImage, normalize_crops
+from image_pipeline.crop_graphs import CropGraphs
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.mixed_inputs import MixedLayout
 from vlm_server.engine.core.observer import NO_OBSERVER, Observer
@@ -159,6 +160,14 @@ class ModelRuntime:
         self.torch_device = model.device
         self.dtype = model.dtype
         self.dev: Device = device or TorchDevice(model.device)
+        self.crop_graphs = (
+            CropGraphs(self.image_preparer, cfg.crop_graph_sizes)
+            if self.dev.is_cuda
+            and cfg.cuda_graphs
+            and cfg.crop_graph_sizes
+            and self.image_preparer.device.type == "cuda"
+            else None
+        )
         self.observer = observer
         dev, tc = self.dev, model.config.text
         self.contract = model.config.tokens
@@ -189,8 +198,8 @@ class ModelRuntime:
         self.mixed_layout = MixedLayout(rows=rows + 1, max_tails=cfg.max_batch)
         self._mixed_len = self.mixed_layout.size(cfg.max_step_tokens)
         self._mixed_scratch = np.zeros(self._mixed_len, np.int64)
-        # Image prefixes: batches of up to max_prefill_batch images, two batches in flight.
-        self.prefix_slots = 2
+        # Image prefixes: batches of up to max_prefill_batch images, prefill_batches in flight.
+        self.prefix_slots = cfg.prefill_batches
         prefix_pages = -(-prefix_len // cfg.page_size)
         self._prefix = [
             PrefixSlot(
@@ -673,6 +682,8 @@ class ModelRuntime:
         """The image's crops; a host-decoded image's are made here, queued on the current
         (prefill) stream, so they cost this thread only the staging copy and the launches."""
         if isinstance(image, HostImage):
+            if self.crop_graphs is not None:
+                return self.crop_graphs.crops(image)  # consumed below, before the next call
             return self.image_preparer.crops_of(image)
         return image.crops
 
