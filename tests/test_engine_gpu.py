@@ -195,11 +195,13 @@ def test_mixed_graph_matches_pytorch_varlen(text_model: LoadedModel, seed: int) 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_heads", [4, 2])
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("splits", [1, 2, 8])
 def test_tile_attention_matches_pytorch_varlen(
-    dtype: torch.dtype, kv_heads: int, seed: int
+    dtype: torch.dtype, kv_heads: int, seed: int, splits: int
 ) -> None:
     """The mixed step's Triton varlen kernel against the PyTorch path over random steps:
-    decode rows and prompt chunks of random lengths and positions, GQA or not, padding."""
+    decode rows and prompt chunks of random lengths and positions, GQA or not, padding
+    (zeros out), each tile's positions in one program or split over several."""
     import numpy as np
 
     from vlm_server.engine.core.mixed_inputs import MixedLayout
@@ -235,8 +237,9 @@ def test_tile_attention_matches_pytorch_varlen(
     tiles = dev[layout.tiles_at(n) :].view(-1, 2)
     q = torch.randn(n, heads, hd, device="cuda", generator=gen, dtype=dtype)
     got = paged_tile_attention(
-        q, kp, vp, table, batch[:, T_ROW], batch[:, T_POS], tiles, layout.tile_tokens
+        q, kp, vp, table, batch[:, T_ROW], batch[:, T_POS], tiles, layout.tile_tokens, 64, splits
     )
+    assert not got[t:].any()  # padding tokens
     want = ragged_paged_attention(
         q[:t].float(), kp.float(), vp.float(), table, batch[:t, T_ROW], batch[:t, T_POS], width
     )

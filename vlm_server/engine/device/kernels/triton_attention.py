@@ -98,7 +98,8 @@ if AVAILABLE:
         top = tl.max(m, axis=0)
         w = tl.where(m == -float("inf"), 0.0, tl.exp(m - top))
         total = tl.sum(w * l, axis=0)
-        out = tl.sum(w[:, None] * acc, axis=0) / total
+        # Nothing visible (a padding token of a mixed step): zeros, as without splits.
+        out = tl.where(total > 0.0, tl.sum(w[:, None] * acc, axis=0) / total, 0.0)
         tl.store(out_ptr + bh * HD + d, out.to(out_ptr.dtype.element_ty))
 
 
@@ -213,6 +214,9 @@ if AVAILABLE:
         k_ptr,
         v_ptr,
         out_ptr,
+        m_ptr,
+        l_ptr,
+        acc_ptr,
         table_ptr,
         rows_ptr,
         pos_ptr,
@@ -228,14 +232,18 @@ if AVAILABLE:
         HD: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
-        MAX_POS: tl.constexpr,  # positions a block-table row can hold
+        SPLITS: tl.constexpr,
+        SPLIT_MAX: tl.constexpr,  # positions one split can cover (static loop bound)
         PRECISION: tl.constexpr,  # of fp32 dots: "ieee" for fp32 models (no TF32 rounding)
     ):
         """Attention of one tile (up to BLOCK_M consecutive query tokens of one row) for one
         head: each query sees its row's positions up to its own (causal), read in place from
-        the pages; every key block is loaded once for the whole tile."""
+        the pages; every key block is loaded once for the whole tile. With SPLITS > 1 each
+        program covers one share of the positions and writes online-softmax partials for
+        `_combine_kernel` (few tiles alone would leave most of the GPU idle)."""
         tile = tl.program_id(0)
         h = tl.program_id(1)
+        sp = tl.program_id(2)
         kvh = h // kv_group
         first = tl.load(tiles_ptr + 2 * tile)
         count = tl.load(tiles_ptr + 2 * tile + 1)
@@ -245,6 +253,8 @@ if AVAILABLE:
         row = tl.load(rows_ptr + first * rows_stride, mask=count > 0, other=0)
         pos = tl.load(pos_ptr + tok * pos_stride, mask=valid_m, other=-1)
         hi = tl.max(pos, axis=0) + 1  # 0 for an empty tile: the loop below does nothing
+        chunk = tl.cdiv(tl.cdiv(hi, SPLITS), BLOCK_N) * BLOCK_N
+        lo = sp * chunk
         d = tl.arange(0, HD)
         q = tl.load(
             q_ptr + (tok[:, None] * n_heads + h) * HD + d[None, :], mask=valid_m[:, None], other=0.0
@@ -254,8 +264,9 @@ if AVAILABLE:
         acc = tl.zeros([BLOCK_M, HD], tl.float32)
         n = tl.arange(0, BLOCK_N)
         # A static loop with a scalar branch: the bound is read on the device (graph-safe).
-        for start in tl.range(0, MAX_POS, BLOCK_N):
-            if start < hi:
+        for i in tl.range(0, SPLIT_MAX, BLOCK_N):
+            start = lo + i
+            if (i < chunk) & (start < hi):
                 kpos = start + n
                 valid_n = kpos < hi
                 page = tl.load(table_ptr + row * table_stride + kpos // PAGE, mask=valid_n, other=0)
@@ -273,12 +284,18 @@ if AVAILABLE:
                 acc = acc * alpha[:, None] + pv
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 m_i = m_new
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(
-            out_ptr + (tok[:, None] * n_heads + h) * HD + d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=valid_m[:, None],
-        )
+        if SPLITS == 1:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(
+                out_ptr + (tok[:, None] * n_heads + h) * HD + d[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=valid_m[:, None],
+            )
+        else:
+            part = (tok * n_heads + h) * SPLITS + sp
+            tl.store(m_ptr + part, m_i, mask=valid_m)
+            tl.store(l_ptr + part, l_i, mask=valid_m)
+            tl.store(acc_ptr + part[:, None] * HD + d[None, :], acc, mask=valid_m[:, None])
 
 
 def paged_tile_attention(
@@ -291,22 +308,39 @@ def paged_tile_attention(
     tiles: torch.Tensor,
     block_m: int,
     block_n: int = 64,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """Varlen paged attention of a mixed step: q [T, H, hd] -> out [T, H, hd]. Token t belongs
     to block-table row ``rows[t]`` at ``positions[t]`` and sees that row's positions up to its
     own. ``tiles`` [n_tiles, 2] lists (first token, token count <= block_m) of runs of
-    consecutive tokens of one row; tiles with count 0 do nothing (padding). Shapes never
-    depend on host values, so the call can be graph-captured."""
+    consecutive tokens of one row; tiles with count 0 do nothing (padding). Small steps split
+    each tile's positions over ``splits`` programs (default: `tile_splits`) and merge them.
+    Shapes never depend on host values, so the call can be graph-captured."""
     if not AVAILABLE:
         raise RuntimeError("Triton is not installed")
-    _, n_heads, hd = q.shape
+    t, n_heads, hd = q.shape
     _, page, kvh, _ = k_pool.shape
-    out = torch.zeros_like(q)  # tokens in no tile (padding) read as zeros
-    _paged_tile_kernel[(tiles.shape[0], n_heads)](
+    splits = splits or tile_splits(t)
+    max_pos = block_table.shape[1] * page
+    per_split = -(-max_pos // splits)
+    split_max = -(-per_split // block_n) * block_n  # static loop bound of one split
+    if splits == 1:
+        out = torch.zeros_like(q)  # tokens in no tile (padding) read as zeros
+        m = l_sum = acc = out  # unused
+    else:
+        out = torch.empty_like(q)
+        # Tokens in no tile keep these: the merge gives them zeros.
+        m = torch.full((t, n_heads, splits), -float("inf"), dtype=torch.float32, device=q.device)
+        l_sum = torch.zeros_like(m)
+        acc = torch.zeros((t, n_heads, splits, hd), dtype=torch.float32, device=q.device)
+    _paged_tile_kernel[(tiles.shape[0], n_heads, splits)](
         q,
         k_pool,
         v_pool,
         out,
+        m,
+        l_sum,
+        acc,
         block_table,
         rows,
         positions,
@@ -322,10 +356,22 @@ def paged_tile_attention(
         HD=hd,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        MAX_POS=block_table.shape[1] * page,
+        SPLITS=splits,
+        SPLIT_MAX=split_max,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
+    if splits > 1:
+        _combine_kernel[(t * n_heads,)](m, l_sum, acc, out, SPLITS=splits, HD=hd)
     return out
+
+
+def tile_splits(n_tokens: int, target: int = 512) -> int:
+    """Splits of a mixed step's tiles over its positions, from its (static) token count: a
+    small step (one prompt beside a few decode rows) has few tiles, a large one enough."""
+    splits = 1
+    while splits < 8 and n_tokens * splits < target:
+        splits *= 2
+    return splits
 
 
 def split_count(batch: int, heads: int, target_programs: int = 4096) -> int:
