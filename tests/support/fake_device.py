@@ -189,7 +189,7 @@ class FakeDevice:
         self.streams[name] = FakeStream(self, name)
         return self.streams[name]
 
-    def event(self, name: str) -> FakeEvent:
+    def event(self, name: str, blocking: bool = False) -> FakeEvent:
         return FakeEvent(self, name)
 
     def buffer(

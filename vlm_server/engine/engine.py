@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -43,8 +44,41 @@ from vlm_server.weights.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
-# How long the scheduler thread sleeps when it waits for nothing but an image prefix.
+# How long the scheduler thread sleeps when it waits for nothing but an image prefix (on
+# CUDA a watcher thread wakes it when the prefix is done; this bounds a missed wake).
 PREFIX_POLL_S = 0.0005
+PREFIX_WATCHED_POLL_S = 0.02
+
+
+class _PrefixWatcher:
+    """A thread that sleeps on the oldest pending image prefix's event and wakes the
+    scheduler the moment it completes: a prefix ready while nothing else runs (one request
+    alone) is noticed at once, instead of at the next poll."""
+
+    def __init__(self, wait: Callable[[object], None], done: Callable[[], None]) -> None:
+        self._wait, self._done = wait, done
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._watched: object = None  # scheduler thread only
+        self._thread = threading.Thread(target=self._run, name="prefix-watcher", daemon=True)
+        self._thread.start()
+
+    def watch(self, key: object, handle: object) -> None:
+        """Wake the scheduler once ``handle`` completes (``key`` names the batch: a handle is
+        reused by later batches)."""
+        if key is not self._watched:
+            self._watched = key
+            self._queue.put(handle)
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while (handle := self._queue.get()) is not None:
+            try:
+                self._wait(handle)
+            finally:
+                self._done()
+
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -178,6 +212,12 @@ class BatchedEngine:
         self._stopping = False
         self._draining = False
         self._failure: BaseException | None = None
+        self._prefix_done = False  # set by the prefix watcher, under _cv
+        self._prefix_watcher = (
+            _PrefixWatcher(self.runtime.wait_prefix, self._on_prefix_done)
+            if self.runtime.dev.is_cuda
+            else None
+        )
         # One builder thread: constraint compilation holds the compiler's lock anyway.
         self._builders = ThreadPoolExecutor(1, thread_name_prefix="request-builder")
 
@@ -211,6 +251,8 @@ class BatchedEngine:
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
             self._thread = None
+        if self._prefix_watcher is not None:
+            self._prefix_watcher.close()
         self._builders.shutdown(wait=False, cancel_futures=True)
 
     def stats(self) -> EngineStats:
@@ -326,6 +368,11 @@ class BatchedEngine:
         with self._cv:
             self._cv.notify()
 
+    def _on_prefix_done(self) -> None:
+        with self._cv:
+            self._prefix_done = True
+            self._cv.notify()
+
     def _run(self) -> None:
         s = self.scheduler
         try:
@@ -344,11 +391,17 @@ class BatchedEngine:
                     s.waiting.extend(arrived)
                     s.tick()
                     if s.stalled_on_prefixes():
-                        # Only an image prefix is running: sleep briefly instead of spinning
-                        # (a new request wakes the loop at once).
+                        # Only an image prefix is running: sleep instead of spinning (a new
+                        # request, or the watcher once the prefix is done, wakes the loop).
+                        watcher = self._prefix_watcher
+                        if watcher is not None:
+                            oldest = s.pending_prefixes[0]
+                            watcher.watch(oldest, oldest.pending)
+                        nap = PREFIX_POLL_S if watcher is None else PREFIX_WATCHED_POLL_S
                         with self._cv:
-                            if not self._inbox and not self._stopping:
-                                self._cv.wait(timeout=PREFIX_POLL_S)
+                            if not self._inbox and not self._stopping and not self._prefix_done:
+                                self._cv.wait(timeout=nap)
+                            self._prefix_done = False
         except BaseException as err:  # a bug or a device failure: fail every request loudly
             log.exception("scheduler thread failed")
             self._failure = err

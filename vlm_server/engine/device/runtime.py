@@ -210,7 +210,8 @@ class ModelRuntime:
                     f"prefix{i}.pages_dev",
                     self._zeros((cfg.max_prefill_batch, prefix_pages), torch.int64),
                 ),
-                dev.event(f"prefix{i}.prefix_done"),
+                # Blocking: the engine's prefix watcher sleeps on it (see `wait_prefix`).
+                dev.event(f"prefix{i}.prefix_done", blocking=True),
             )
             for i in range(self.prefix_slots)
         ]
@@ -530,6 +531,11 @@ class ModelRuntime:
     def prefix_ready(self, handle: object) -> bool:
         """Whether a `launch_prefixes` batch completed: a non-blocking event query."""
         return handle.query()  # type: ignore[attr-defined]
+
+    def wait_prefix(self, handle: object) -> None:
+        """Block the calling thread (not the scheduler's) until a batch completed: it sleeps
+        on the blocking event instead of polling."""
+        handle.synchronize()  # type: ignore[attr-defined]
 
     @torch.inference_mode()
     def launch_mixed(self, slot: int, seqs: list[Sequence], plan: StepPlan) -> None:

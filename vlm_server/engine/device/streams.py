@@ -39,7 +39,9 @@ class Device(Protocol):
     # compute stream; they write only their own pages, which no step reads before they are done.
     prefill_stream: object
 
-    def event(self, name: str) -> Event: ...
+    def event(self, name: str, blocking: bool = False) -> Event:
+        """``blocking``: a host thread waiting for it sleeps instead of spinning."""
+        ...
 
     def host_buffer(
         self, name: str, shape: tuple[int, ...], dtype: torch.dtype, slot: int | None = None
@@ -111,8 +113,8 @@ class TorchDevice:
         else:
             self.compute_stream = self.copy_stream = self.prefill_stream = None
 
-    def event(self, name: str) -> torch.cuda.Event | CpuEvent:
-        return torch.cuda.Event() if self.is_cuda else CpuEvent()
+    def event(self, name: str, blocking: bool = False) -> torch.cuda.Event | CpuEvent:
+        return torch.cuda.Event(blocking=blocking) if self.is_cuda else CpuEvent()
 
     def host_buffer(
         self, name: str, shape: tuple[int, ...], dtype: torch.dtype, slot: int | None = None
