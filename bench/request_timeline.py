@@ -193,7 +193,7 @@ async def run(args: argparse.Namespace) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="moondream2")
     ap.add_argument("--size", default="800x600")
@@ -204,7 +204,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--device", default="cuda", help="cpu: a check of this script only")
     ap.add_argument("--out", default=".")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     result = asyncio.run(run(args))
     (Path(args.out) / "request_timeline.json").write_text(json.dumps(result, indent=1))
@@ -226,7 +226,8 @@ def main() -> None:
                 f"{g['after']} -> {g['before']}"
             )
         print("  runtime calls:", view["runtime_calls"])
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench import arrival_itl, hf_baseline, host_tick, image_bench, load_gen
+from bench import arrival_itl, hf_baseline, host_tick, image_bench, load_gen, request_timeline
 from bench.synth_images import parse_size, unique_images, with_orientation
 from image_pipeline import ResizeMode, decode, prepare_image
 
@@ -448,3 +448,36 @@ def test_host_tick_every_scenario_and_a_comparison(tmp_path: Path) -> None:
     assert host_tick.main([*args, *compare]) == 0
     rows = _strict_json(tmp_path / "host_tick_ab.json")["rows"]
     assert [r["rows"] for r in rows] == [1, 3] and all(r["ratio"] > 0 for r in rows)
+
+
+def test_request_timeline_gpu_view_sums_streams_and_finds_gaps() -> None:
+    def kernel(ts: float, dur: float, stream: int, name: str) -> dict[str, Any]:
+        return {"ph": "X", "cat": "kernel", "ts": ts, "dur": dur, "name": name,
+                "args": {"stream": stream}}  # fmt: skip
+
+    trace = {
+        "traceEvents": [
+            kernel(100, 50, 7, "a"),
+            kernel(120, 60, 9, "b"),  # overlaps a: busy counts the union
+            kernel(400, 10, 7, "c"),  # 220 us after b ends: a gap
+            kernel(420, 5, 7, "d"),  # 10 us: jitter, not a gap
+            {"ph": "X", "cat": "cuda_runtime", "ts": 90, "dur": 3, "name": "cudaGraphLaunch"},
+        ]
+    }
+    view = request_timeline.gpu_view(trace, (90.0, 500.0))
+    assert view["kernel_us_per_stream"] == {"stream 7": 65.0, "stream 9": 60.0}
+    assert view["gpu_busy_us"] == 80.0 + 10.0 + 5.0
+    assert [(g["gap_us"], g["after"], g["before"]) for g in view["gaps"]] == [(220.0, "b", "c")]
+    assert view["first_kernel_at_us"] == 10.0
+    assert view["runtime_calls"] == {"cudaGraphLaunch": 1}
+
+
+def test_request_timeline_tiny_on_the_cpu(tmp_path: Path) -> None:
+    args = ["--preset", "tiny", "--device", "cpu", "--size", "160x120", "--requests", "2"]
+    args += ["--warmup", "1", "--profile", "1", "--out", str(tmp_path)]
+    assert request_timeline.main(args) == 0
+    result = _strict_json(tmp_path / "request_timeline.json")
+    assert len(result["timed"]) == 2 and len(result["profiled"]) == 1
+    p50 = result["timed_p50"]
+    assert 0 < p50["decode_ms"] < p50["total_ms"]
+    assert p50["engine_ttft_ms"] <= p50["total_ms"]
