@@ -49,7 +49,9 @@ def test_greedy_decode_equals_full_recompute(
     """The cached step-by-step decode gives the argmax of a from-scratch forward each step."""
     m = generator.model
     r = generator.query(sample_image, "what is here?", GREEDY)
-    prompt = prompts.query_prompt(generator.contract, generator.tokenizer, "what is here?")
+    prompt = prompts.query_prompt(
+        generator.contract, lambda s: generator.tokenizer.encode(s).ids, "what is here?"
+    )
     crops = sample_image.normalized(m.dtype, m.device)
     prefix = m.prefix_embeddings(m.image_embeddings(crops, sample_image.tiling))
     ids = torch.tensor(prompt + r.token_ids)[None]
@@ -162,7 +164,7 @@ def test_gpt2_contract_tests_only_eos(tmp_path: Path, sample_image: PreparedImag
     logits = torch.zeros(1, 51200)
     logits[0, 42] = 1
     assert gen.boundary_token(logits) == 42  # anything but eos starts an object
-    prompt = prompts.detect_prompt(gen.contract, gen.tokenizer, "car")
+    prompt = prompts.detect_prompt(gen.contract, lambda s: gen.tokenizer.encode(s).ids, "car")
     assert prompt[:4] == [198, 198, 47504, 25] and prompt[-1] == 628
     r = _biased(gen, 42).point(sample_image, "car", max_objects=3)
     assert len(r.points) == 3
@@ -230,3 +232,22 @@ def test_reference_segment_and_constraints_parse(
         assert r.text in ("yes", "no", "maybe not") and r.finish_reason == "eos"
         r = generator.query(None, "digits", s, regex=r"[0-9]{2,4}")
         assert re.fullmatch(r"[0-9]{2,4}", r.text)
+
+
+def test_cached_encoder_gives_the_tokenizers_ids_and_encodes_each_text_once(
+    generator: ReferenceGenerator,
+) -> None:
+    tok = generator.tokenizer
+    calls: list[str] = []
+
+    class Counting:
+        def encode(self, text: str) -> object:
+            calls.append(text)
+            return tok.encode(text)
+
+    encode = prompts.CachedEncoder(Counting(), entries=2)  # type: ignore[arg-type]
+    for text in ["a dog", " what is here?", "a dog", "a dog"]:
+        assert encode(text) == tuple(tok.encode(text).ids)
+    assert calls == ["a dog", " what is here?"]
+    encode("x"), encode("y"), encode("a dog")  # two entries: the oldest went
+    assert calls[-1] == "a dog"

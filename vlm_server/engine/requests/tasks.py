@@ -75,6 +75,7 @@ class TaskCompiler:
         self.config = config
         self.contract = contract
         self.tokenizer = tokenizer
+        self.encode = prompts.CachedEncoder(tokenizer)
         self.table = MaskTable(config.text.vocab_size, max_rows=mask_rows)
         self.vocab = TokenVocab.from_tokenizer(tokenizer)
         suppressed = list(contract.decode_suppressed_ids)
@@ -114,7 +115,7 @@ class TaskCompiler:
         return built
 
     def _build(self, req: GenerationRequest, constraint: AutomatonRows | None) -> BuiltRequest:
-        c, tok, mc = self.contract, self.tokenizer, self.config
+        c, tok, mc = self.contract, self.encode, self.config
         try:
             if req.task is Task.CAPTION:
                 prompt = prompts.caption_prompt(c, req.caption_length)
