@@ -14,6 +14,10 @@ A tick is three named calls, in this order (commit-before-finalize):
    (core/step_plan.py): a mixed step; without prefill work, a decode-only step (the graphed
    path on CUDA). Decode rows read the inputs finalize wrote on the device.
 
+One exception to that order: a step launched into an empty pipeline has nothing older to
+commit, so it is finalized first, before deciding what to launch; the first decode rows of the
+prompts it ends then launch right behind it instead of after its commit.
+
 Before those, each tick polls (without blocking) the image prefixes admission started on the
 device's prefill stream: a prefix becomes ready once its batch's event completed, and only
 then do the prompt chunks of its requests (and of any request for the same image admitted

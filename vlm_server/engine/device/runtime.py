@@ -24,7 +24,8 @@ All stream, event, copy and pinned-buffer work goes through a `Device`
     copy    | h2d block rows, inputs | rec inputs_ready | h2d mask rows, fin | rec mask_ready |
     compute |   wait inputs_ready -> forward        wait mask_ready -> sample | rec step_done |
     copy    |   wait step_done -> d2h outputs | rec d2h_done       (host: wait d2h_done, read)
-    prefill | h2d prefix pages -> image paths -> BOS + image forward | rec prefix.done (polled)
+    prefill | h2d prefix pages -> crops -> image paths -> BOS + image forward | rec prefix.done
+            (polled by the scheduler; a watcher thread sleeps on it while nothing else runs)
 """
 
 from __future__ import annotations
