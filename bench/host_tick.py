@@ -88,7 +88,7 @@ class ScriptedDevice:
         self._rows: dict[int, int] = {}  # tensor id -> rows of its last host write
         self._token_for_row: dict[int, int] = {}
 
-    def event(self, name: str) -> CpuEvent:
+    def event(self, name: str, blocking: bool = False) -> CpuEvent:
         return CpuEvent()
 
     def host_buffer(
