@@ -33,6 +33,8 @@ def _metrics(m: dict[str, Any]) -> t.Metrics:
         input_tokens=m.get("input_tokens", 0),
         output_tokens=m.get("output_tokens", 0),
         cached_tokens=m.get("cached_tokens", 0),
+        intake_ms=m.get("intake_time_ms", 0.0),
+        prefix_wait_ms=m.get("prefix_wait_ms", 0.0),
     )
 
 

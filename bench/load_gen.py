@@ -322,6 +322,8 @@ def summarize(records: Sequence[Record], wall_s: float, slo_ms: float) -> dict[s
     row["server_queue_wait_p50_ms"] = percentile([m.queue_wait_ms for m in servers], 50)
     row["server_ttft_p50_ms"] = percentile([m.time_to_first_token_ms for m in servers], 50)
     row["server_prefill_p50_ms"] = percentile([m.prefill_ms for m in servers], 50)
+    row["server_intake_p50_ms"] = percentile([m.intake_ms for m in servers], 50)
+    row["server_prefix_wait_p50_ms"] = percentile([m.prefix_wait_ms for m in servers], 50)
     row["server_total_p50_ms"] = percentile([m.total_ms for m in servers], 50)
     row["cached_tokens_mean"] = (
         sum(m.cached_tokens for m in servers) / len(servers) if servers else float("nan")

@@ -133,6 +133,7 @@ def test_answers_carry_the_request_id_finish_reason_and_metrics(
     assert m["output_tokens"] == 6 and m["input_tokens"] > 0
     assert 0 < m["ttft_ms"] <= m["total_time_ms"] and m["prefill_time_ms"] > 0
     assert m["cached_tokens"] > 0  # the picture's prefix from the first request
+    assert m["prefix_wait_ms"] == 0 and 0 < m["intake_time_ms"] < m["total_time_ms"]
     # Streamed: chunk events with the request id, then one completion event with the rest.
     _, _, raw = post(f"{server.http_url}/query", {**body, "stream": True})
     streamed = events(raw)

@@ -118,6 +118,26 @@ def test_caption_streams_deltas_then_one_final_result(
     assert m.queue_wait_ms >= 0 and m.decode_ms > 0
 
 
+def test_metrics_split_the_servers_intake_and_the_image_prefix_wait(
+    stub: pb_grpc.VisionLanguageStub,
+) -> None:
+    """A new picture: the server's intake (checks, decode) and the wait for its image prefix
+    are reported; the same picture again reuses the prefix and waits for none."""
+    rng = Image.effect_noise((96, 72), 64).convert("RGB")
+    buf = io.BytesIO()
+    rng.save(buf, format="PNG")
+    request = pb.QueryRequest(
+        image_bytes=buf.getvalue(),
+        question="what is it?",
+        settings=pb.GenerationSettings(temperature=0, max_tokens=2),
+    )
+    first, again = (list(stub.Query(request, timeout=60))[-1].result.metrics for _ in range(2))
+    assert 0 < first.intake_ms < first.total_ms
+    assert first.prefix_wait_ms > 0 and first.cached_tokens == 0
+    assert again.prefix_wait_ms == 0 and again.cached_tokens > 0
+    assert 0 < again.intake_ms < again.total_ms
+
+
 @pytest.mark.parametrize("length", ["short", "long"])
 def test_caption_lengths_equal_the_reference(
     client: VisionLanguageClient,

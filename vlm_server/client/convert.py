@@ -72,6 +72,8 @@ def metrics(m: pb.RequestMetrics) -> t.Metrics:
         input_tokens=m.input_tokens,
         output_tokens=m.output_tokens,
         cached_tokens=m.cached_tokens,
+        intake_ms=m.intake_ms,
+        prefix_wait_ms=m.prefix_wait_ms,
     )
 
 

@@ -20,6 +20,8 @@ class Metrics:
     input_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0
+    intake_ms: float = 0.0  # on the server before the engine: checks, image decode
+    prefix_wait_ms: float = 0.0  # admitted until the image prefix was ready (0: cached)
 
 
 @dataclass(frozen=True)

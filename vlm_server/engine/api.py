@@ -88,6 +88,7 @@ class RequestMetrics:
     queue_wait_ms: float = 0.0
     time_to_first_token_ms: float = 0.0
     prefill_ms: float = 0.0
+    prefix_wait_ms: float = 0.0  # admitted until its image prefix was ready (0: cached)
     decode_ms: float = 0.0
     input_tokens: int = 0
     output_tokens: int = 0

@@ -195,7 +195,7 @@ async def set_image(message: Any, url: str | None, field: str = IMAGE_FIELD) -> 
         message.image_bytes = await data_url.decode(url, field)
 
 
-def metrics(done: Finished, total_ms: float) -> dict[str, Any]:
+def metrics(done: Finished, total_ms: float, intake_ms: float = 0.0) -> dict[str, Any]:
     m = done.metrics
     return {
         "input_tokens": m.input_tokens,
@@ -206,6 +206,8 @@ def metrics(done: Finished, total_ms: float) -> dict[str, Any]:
         "ttft_ms": round(m.time_to_first_token_ms, 3),
         "decode_time_ms": round(m.decode_ms, 3),
         "total_time_ms": round(total_ms, 3),
+        "intake_time_ms": round(intake_ms, 3),
+        "prefix_wait_ms": round(m.prefix_wait_ms, 3),
     }
 
 
@@ -222,7 +224,7 @@ def _tail(ex: Exchange, done: Finished) -> dict[str, Any]:
     return {
         "request_id": ex.request_id,
         "finish_reason": finish_reason(done),
-        "metrics": metrics(done, ex.active_call.elapsed_ms()),
+        "metrics": metrics(done, ex.active_call.elapsed_ms(), ex.active_call.intake_ms),
     }
 
 

@@ -155,6 +155,8 @@ class Call:
         self.first_token: float | None = None
         self.engine_metrics: RequestMetrics | None = None
         self.finish_reason = ""
+        # Spent here before the engine: the request's checks and its image (digest, decode).
+        self.intake_ms = 0.0
         # Received before a drain began = accepted: it may still submit to the engine.
         self.accepted = not core.draining
         self._submitting = False
@@ -193,7 +195,8 @@ class Call:
     async def build(self, message: Any) -> GenerationRequest:
         """Check a proto request message of this call's task and build the engine request."""
         max_context = self.engine().info.max_context
-        return await requests.build(
+        t0 = time.perf_counter()
+        built = await requests.build(
             Task(self.task),
             message,
             self.core.images,
@@ -203,6 +206,9 @@ class Call:
             max_object_chars=self.core.limits.max_object_chars,
             max_question_chars=self.core.limits.max_question_chars,
         )
+        self.intake_ms = (time.perf_counter() - t0) * 1e3
+        self.core.metrics.intake.labels(self.door, self.task).observe(self.intake_ms / 1e3)
+        return built
 
     async def submit(self, request: GenerationRequest) -> RequestStream:
         stream = await self.engine().submit(request)
@@ -286,7 +292,9 @@ class Call:
             m.queue_wait.labels(self.door, self.task).observe(em.queue_wait_ms / 1e3)
             m.output_tokens.labels(self.door, self.task).inc(em.output_tokens)
             fields.update(
+                intake_ms=self.intake_ms,
                 queue_ms=em.queue_wait_ms,
+                prefix_wait_ms=em.prefix_wait_ms,
                 prefill_ms=em.prefill_ms,
                 decode_ms=em.decode_ms,
                 input_tokens=em.input_tokens,

@@ -17,7 +17,8 @@ def finish_reason(reason: str) -> int:
     return FINISH_REASONS.get(reason, pb.FINISH_REASON_UNSPECIFIED)
 
 
-def metrics(m: RequestMetrics, total_ms: float) -> pb.RequestMetrics:
+def metrics(m: RequestMetrics, total_ms: float, intake_ms: float = 0.0) -> pb.RequestMetrics:
+    """The engine's times and counts, with the server's (``total_ms``, ``intake_ms``)."""
     return pb.RequestMetrics(
         queue_wait_ms=m.queue_wait_ms,
         time_to_first_token_ms=m.time_to_first_token_ms,
@@ -27,6 +28,8 @@ def metrics(m: RequestMetrics, total_ms: float) -> pb.RequestMetrics:
         input_tokens=m.input_tokens,
         output_tokens=m.output_tokens,
         cached_tokens=m.cached_tokens,
+        intake_ms=intake_ms,
+        prefix_wait_ms=m.prefix_wait_ms,
     )
 
 
@@ -40,33 +43,34 @@ def box(b: Box) -> pb.NormalizedBox:
     )
 
 
-def text_result(done: Finished, total_ms: float) -> pb.TextResult:
+def text_result(done: Finished, total_ms: float, intake_ms: float = 0.0) -> pb.TextResult:
     return pb.TextResult(
         text=done.text or "",
         finish_reason=finish_reason(done.finish_reason),
-        metrics=metrics(done.metrics, total_ms),
+        metrics=metrics(done.metrics, total_ms, intake_ms),
     )
 
 
-def point_response(done: Finished, total_ms: float) -> pb.PointResponse:
+def point_response(done: Finished, total_ms: float, intake_ms: float = 0.0) -> pb.PointResponse:
     return pb.PointResponse(
         points=[point(p) for p in done.points],
         finish_reason=finish_reason(done.finish_reason),
-        metrics=metrics(done.metrics, total_ms),
+        metrics=metrics(done.metrics, total_ms, intake_ms),
     )
 
 
-def detect_response(done: Finished, total_ms: float) -> pb.DetectResponse:
+def detect_response(done: Finished, total_ms: float, intake_ms: float = 0.0) -> pb.DetectResponse:
     return pb.DetectResponse(
         boxes=[box(b) for b in done.boxes],
         finish_reason=finish_reason(done.finish_reason),
-        metrics=metrics(done.metrics, total_ms),
+        metrics=metrics(done.metrics, total_ms, intake_ms),
     )
 
 
-def segment_response(done: Finished, total_ms: float) -> pb.SegmentResponse:
+def segment_response(done: Finished, total_ms: float, intake_ms: float = 0.0) -> pb.SegmentResponse:
     response = pb.SegmentResponse(
-        finish_reason=finish_reason(done.finish_reason), metrics=metrics(done.metrics, total_ms)
+        finish_reason=finish_reason(done.finish_reason),
+        metrics=metrics(done.metrics, total_ms, intake_ms),
     )
     seg: Segmentation | None = done.segmentation
     if seg is not None:

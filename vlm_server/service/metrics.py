@@ -204,6 +204,13 @@ class ServiceMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.intake = Histogram(
+            "vlm_request_intake_seconds",
+            "time from receiving a request to handing it to the engine: checks, image decode",
+            _DT,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.latency = Histogram(
             "vlm_request_duration_seconds",
             "time from receiving a request to its last message",

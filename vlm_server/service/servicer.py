@@ -150,7 +150,7 @@ class VisionLanguageServicer(pb_grpc.VisionLanguageServicer):
             if isinstance(event, TextDelta):
                 yield wrap(delta=pb.TextDelta(text=event.text))
             elif isinstance(event, Finished):
-                yield wrap(result=convert.text_result(event, call.elapsed_ms()))
+                yield wrap(result=convert.text_result(event, call.elapsed_ms(), call.intake_ms))
 
     # ---- RPCs -------------------------------------------------------------------------
 
@@ -175,12 +175,12 @@ class VisionLanguageServicer(pb_grpc.VisionLanguageServicer):
         task: Task,
         request: Any,
         context: grpc.aio.ServicerContext,
-        respond: Callable[[Any, float], Any],
+        respond: Callable[[Any, float, float], Any],
     ) -> Any:
         """Point, Detect and Segment: an object name, an image, one final answer."""
         async with self._call(task, context) as call:
             done = await call.final(await call.build(request))
-            return respond(done, call.elapsed_ms())
+            return respond(done, call.elapsed_ms(), call.intake_ms)
 
     async def Point(
         self, request: pb.PointRequest, context: grpc.aio.ServicerContext

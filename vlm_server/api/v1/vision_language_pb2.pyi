@@ -46,7 +46,7 @@ class GenerationSettings(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., max_objects: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class RequestMetrics(_message.Message):
-    __slots__ = ("queue_wait_ms", "time_to_first_token_ms", "prefill_ms", "decode_ms", "total_ms", "input_tokens", "output_tokens", "cached_tokens")
+    __slots__ = ("queue_wait_ms", "time_to_first_token_ms", "prefill_ms", "decode_ms", "total_ms", "input_tokens", "output_tokens", "cached_tokens", "intake_ms", "prefix_wait_ms")
     QUEUE_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,8 @@ class RequestMetrics(_message.Message):
     INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INTAKE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     queue_wait_ms: float
     time_to_first_token_ms: float
     prefill_ms: float
@@ -63,7 +65,9 @@ class RequestMetrics(_message.Message):
     input_tokens: int
     output_tokens: int
     cached_tokens: int
-    def __init__(self, queue_wait_ms: _Optional[float] = ..., time_to_first_token_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    intake_ms: float
+    prefix_wait_ms: float
+    def __init__(self, queue_wait_ms: _Optional[float] = ..., time_to_first_token_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., intake_ms: _Optional[float] = ..., prefix_wait_ms: _Optional[float] = ...) -> None: ...
 
 class NormalizedPoint(_message.Message):
     __slots__ = ("x_norm", "y_norm")

@@ -241,13 +241,19 @@ class Scheduler:
         """Mark the image prefixes the device finished as ready (a non-blocking query)."""
         if not self.pending_prefixes:
             return
-        still = []
+        still, ready = [], []
         for entry in self.pending_prefixes:
             if self.rt.prefix_ready(entry.pending):
                 entry.ready, entry.pending = True, None
+                ready.append(entry)
             else:
                 still.append(entry)
         self.pending_prefixes = still
+        if ready:
+            now = time.monotonic()
+            for s in self.running:
+                if s.state is _PREFILL and any(s.prefix is e for e in ready):
+                    s.metrics.prefix_wait_ms = (now - s.prefill_launched_at) * 1e3
 
     def _prefix_batches_in_flight(self) -> int:
         return len({id(e.pending) for e in self.pending_prefixes})
