@@ -15,7 +15,9 @@
 #   step     step_bench: decode period at 1 / 8 / 32 streams, blocking vs pipelined
 #   vision   profile_decode --vision: the tower per crop count, kernels, SDPA backends
 #   prefix   profile_decode --prefix: the BOS + image forward's kernels (this checkout only)
-#   image    image_bench: host CPU and GPU time per 800x600 and 12 MP JPEG (this checkout)
+#   image    image_bench: host CPU and GPU time per 800x600 and 12 MP JPEG, split as with an
+#            engine process (this checkout)
+#   timeline request_timeline: where a c=1 request's time goes (this checkout)
 #
 # Environment: PYTHON (default python3); VLM_BENCH_CKPT, the checkpoint folder (a random
 # moondream2-size one is written there when missing); SERVER_FLAGS, the flags of `vlm serve`
@@ -32,11 +34,11 @@ while getopts "o:b:" opt; do
     case $opt in
         o) OUT=$OPTARG ;;
         b) BASE=$(cd "$OPTARG" && pwd) || exit 1 ;;
-        *) sed -n '2,22p' "$0"; exit 2 ;;
+        *) sed -n '2,24p' "$0"; exit 2 ;;
     esac
 done
 shift $((OPTIND - 1))
-(($#)) || { sed -n '2,22p' "$0"; exit 2; }
+(($#)) || { sed -n '2,24p' "$0"; exit 2; }
 PRESET=moondream2 FLAGS="--device cuda --dtype bf16 --max-batch-size 64"
 if [[ ${AB_SMOKE:-0} == 1 ]]; then
     GPU=cpu-smoke PRESET=tiny FLAGS="--device cpu --dtype fp32 --max-batch-size 8"
@@ -116,7 +118,13 @@ for stage in "$@"; do
         image)
             in_tree "$REPO" 240 $PY -m bench.image_bench --device cuda \
                 --sizes 800x600 4000x3000 --formats jpeg --resize vips --threads 1 8 \
-                --normalize-device cuda --out "$OUT/image" 2>&1 | tail -8 ;;
+                --normalize-device cuda --out "$OUT/image" 2>&1 | tail -8
+            in_tree "$REPO" 240 $PY -m bench.image_bench --device cuda \
+                --sizes 800x600 4000x3000 --formats jpeg --threads 1 --split \
+                --out "$OUT/image_split" 2>&1 | tail -6 ;;
+        timeline)
+            in_tree "$REPO" 300 $PY -m bench.request_timeline --out "$OUT/timeline" 2>&1 \
+                | grep -v "it/s\]" | tail -40 ;;
         *) echo "ab_stages: unknown stage $stage" >&2; exit 2 ;;
     esac
 done
