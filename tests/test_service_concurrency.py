@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import io
 from collections.abc import Iterator
 from typing import Any
@@ -268,6 +269,27 @@ def test_cancel_mid_stream_frees_the_pages(
     wait_for(lambda: "cancel-me" in engine.outcomes, what="the engine to end the request")
     assert engine.outcomes["cancel-me"] == "CANCELLED"
     assert engine.cached_prefix_pages() > 0  # the image prefix stays cached for reuse
+    _settled(engine)
+
+
+def test_a_cancelled_request_is_freed_without_a_garbage_collection(
+    batched: ServerThread, batched_stub: pb_grpc.VisionLanguageStub
+) -> None:
+    """Nothing of a cancelled request (its sequence, image, stream) waits for the collector:
+    gRPC's call state is a reference cycle, so the server must not hold the request from it."""
+    engine = _batched(batched)
+    gc.collect()
+    gc.disable()
+    try:
+        call = batched_stub.Caption(_long_caption(), timeout=60, metadata=_rid("free-me"))
+        assert next(call).WhichOneof("event") == "delta"
+        call.cancel()
+        with pytest.raises(grpc.RpcError):
+            list(call)
+        wait_for(lambda: "free-me" in engine.outcomes, what="the engine to end the request")
+        wait_for(lambda: engine.ended["free-me"]() is None, what="the request to be freed")
+    finally:
+        gc.enable()
     _settled(engine)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import weakref
 from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import Any, TypeVar
@@ -149,7 +150,8 @@ class GatedBatchedEngine(BatchedEngine):
     Records, by request id: `prefilled` lists every request whose prefill was launched, in
     order, once per prompt chunk (a request absent from it never ran); `outcomes` maps each
     request the scheduler ended to its finish reason (eos, length, max_objects) or error code
-    (CANCELLED, DEADLINE_EXCEEDED). `largest_batch` is the most sequences decoded in one step.
+    (CANCELLED, DEADLINE_EXCEEDED), and `ended` to a weak reference to its sequence.
+    `largest_batch` is the most sequences decoded in one step.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -162,10 +164,12 @@ class GatedBatchedEngine(BatchedEngine):
         self.held_requests: tuple[str, ...] = ()
         self.prefilled: list[str] = []
         self.outcomes: dict[str, str] = {}
+        self.ended: dict[str, weakref.ref[Sequence]] = {}
         self.largest_batch = 0
 
     def _on_end(self, seq: Sequence, event: Finished | EngineError) -> None:
         rid = seq.request.request_id
+        self.ended[rid] = weakref.ref(seq)
         if isinstance(event, Finished):
             self.outcomes[rid] = event.finish_reason
         else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 from typing import Any
@@ -62,6 +63,12 @@ def server_version() -> str:
         return "unknown"
 
 
+def _cancel_if_alive(ref: weakref.ref[RequestStream]) -> None:
+    stream = ref()
+    if stream is not None:
+        stream.cancel()
+
+
 class _Call(Call):
     """A `Call` made by gRPC: trailing metadata, deadline from the context, status on error."""
 
@@ -87,8 +94,11 @@ class _Call(Call):
     async def submit(self, request: GenerationRequest) -> RequestStream:
         stream = await super().submit(request)
         # Frees the engine's request when the RPC ends for any reason (client cancel,
-        # deadline), without waiting for the handler's generator to be finalized.
-        self.context.add_done_callback(lambda _: stream.cancel())
+        # deadline), without waiting for the handler's generator to be finalized. Weakly:
+        # gRPC's call state sits in a reference cycle, and a strong reference would keep the
+        # request (its image, crops) alive until the next garbage collection.
+        ref = weakref.ref(stream)
+        self.context.add_done_callback(lambda _: _cancel_if_alive(ref))
         return stream
 
     async def __aexit__(
