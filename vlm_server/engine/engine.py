@@ -76,6 +76,8 @@ class _PrefixWatcher:
         while (handle := self._queue.get()) is not None:
             try:
                 self._wait(handle)
+            except Exception:  # a device error: the scheduler thread meets it too
+                log.exception("waiting for an image prefix failed")
             finally:
                 self._done()
 
