@@ -210,3 +210,37 @@ def test_random_interleavings_leave_nothing_behind(
         assert engine.runtime.pages.used_pages == 0
 
     asyncio.run(run())
+
+
+def test_prefix_watcher_wakes_once_per_batch_and_survives_a_failed_wait() -> None:
+    import threading
+
+    from vlm_server.engine.engine import _PrefixWatcher
+
+    woken = threading.Semaphore(0)
+    waited: list[str] = []
+
+    def wait(handle: object) -> None:
+        name, ready = handle  # type: ignore[misc]
+        waited.append(name)
+        if name == "bad":
+            raise RuntimeError("device error")
+        assert ready.wait(5)
+
+    watcher = _PrefixWatcher(wait, woken.release)
+    first, second = threading.Event(), threading.Event()
+    batch_a, batch_b, batch_c = object(), object(), object()
+    watcher.watch(batch_a, ("a", first))
+    watcher.watch(batch_a, ("a again", first))  # the same batch: no second wait
+    assert not woken.acquire(timeout=0.05)  # not before the batch is done
+    first.set()
+    assert woken.acquire(timeout=5)
+    watcher.watch(batch_b, ("bad", second))
+    assert woken.acquire(timeout=5)  # a failed wait still wakes the scheduler
+    second.set()
+    watcher.watch(batch_c, ("c", second))
+    assert woken.acquire(timeout=5)  # and the watcher goes on
+    assert waited == ["a", "bad", "c"]
+    watcher.close()
+    watcher._thread.join(5)
+    assert not watcher._thread.is_alive()
