@@ -536,7 +536,7 @@ class ModelRuntime:
     def wait_prefix(self, handle: object) -> None:
         """Block the calling thread (not the scheduler's) until a batch completed: it sleeps
         on the blocking event instead of polling."""
-        handle.synchronize()  # type: ignore[attr-defined]
+        handle.synchronize()  # type: ignore[attr-defined]  # watcher thread only, off the tick
 
     @torch.inference_mode()
     def launch_mixed(self, slot: int, seqs: list[Sequence], plan: StepPlan) -> None:
