@@ -84,14 +84,27 @@ def torchvision_decoder(device: torch.device) -> GpuDecoder:
     return decode
 
 
+# Component ids "R", "G", "B": without a JFIF or Adobe marker, libjpeg reads such a JPEG's
+# three channels as plain RGB, not YCbCr.
+_RGB_COMPONENT_IDS = [ord("R"), ord("G"), ord("B")]
+
+
 def gpu_decodable(header: Header) -> bool:
     """Whether the GPU path may take the picture: a YCbCr or grey JPEG (or MPO).
 
-    CMYK and other modes stay on the host. So do JPEGs whose Adobe marker says the three
-    channels are plain RGB (transform 0): nvJPEG reading them as YCbCr would give wrong
-    colours without an error to fall back on.
+    CMYK and other modes stay on the host. So do JPEGs whose three channels are plain RGB,
+    as libjpeg (the host decoders) tells: an Adobe marker with transform 0, or, with neither
+    a JFIF nor an Adobe marker, components named R, G and B. nvJPEG reading those as YCbCr
+    would give wrong colours without an error to fall back on.
     """
-    return header.plain_jpeg and header.image.info.get("adobe_transform") != 0
+    if not header.plain_jpeg:
+        return False
+    info = header.image.info
+    if info.get("adobe_transform") == 0:
+        return False
+    layers = getattr(header.image, "layer", None) or []
+    ids = [ord(c[0]) if isinstance(c[0], str) else c[0] for c in layers]
+    return not ("jfif" not in info and "adobe" not in info and ids == _RGB_COMPONENT_IDS)
 
 
 def orient_tensor(pixels: torch.Tensor, orientation: int) -> torch.Tensor:

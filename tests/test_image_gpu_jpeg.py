@@ -154,15 +154,38 @@ def test_other_formats_never_take_the_gpu_path(fmt: str, params: dict) -> None:
     assert decoder.calls == 0
 
 
-def test_cmyk_and_adobe_rgb_jpegs_stay_on_the_host() -> None:
+def _rgb_by_component_ids(jpeg: bytes) -> bytes:
+    """``jpeg`` without its JFIF segment and with components 1, 2, 3 renamed R, G, B (in the
+    frame and scan headers): libjpeg then reads the channels as plain RGB."""
+    assert jpeg[2:4] == b"\xff\xe0"  # JFIF APP0 right after SOI
+    data = bytearray(jpeg[:2] + jpeg[4 + int.from_bytes(jpeg[4:6], "big") :])
+    rename = {1: ord("R"), 2: ord("G"), 3: ord("B")}
+    i = 2
+    while i < len(data):
+        marker, length = data[i + 1], int.from_bytes(data[i + 2 : i + 4], "big")
+        if marker == 0xC0:  # SOF0: id, sampling, table per component from byte 10
+            for k in range(data[i + 9]):
+                data[i + 10 + 3 * k] = rename[data[i + 10 + 3 * k]]
+        elif marker == 0xDA:  # SOS: id, tables per component from byte 5; then the scan
+            for k in range(data[i + 4]):
+                data[i + 5 + 2 * k] = rename[data[i + 5 + 2 * k]]
+            break
+        i += 2 + length
+    return bytes(data)
+
+
+def test_cmyk_and_rgb_jpegs_stay_on_the_host() -> None:
     cmyk = encode(photo(96, 64).convert("CMYK"))
     # An Adobe APP14 segment with transform 0: three plain RGB channels, not YCbCr.
     plain = encode(photo(96, 64))
     app14 = b"Adobe" + b"\x00\x64" + b"\x00\x00" + b"\x00\x00" + b"\x00"
     adobe_rgb = plain[:2] + b"\xff\xee" + (len(app14) + 2).to_bytes(2, "big") + app14 + plain[2:]
     assert read_header(adobe_rgb).image.info.get("adobe_transform") == 0
+    # No marker, components named R, G, B: libjpeg reads plain RGB too (other colours).
+    named_rgb = _rgb_by_component_ids(plain)
+    assert decode(named_rgb).pixels.tolist() != decode(plain).pixels.tolist()
     assert gpu_decodable(read_header(plain))
-    for data in (cmyk, adobe_rgb):
+    for data in (cmyk, adobe_rgb, named_rgb):
         assert not gpu_decodable(read_header(data))
         decoder = HostDecoder()
         gpu, host = gpu_and_host(1, decoder)
