@@ -154,9 +154,16 @@ def main() -> None:
     side = rt.dev.prefill_stream
     for k in range(1, cfg.max_prefill_batch + 1):
         with torch.inference_mode():
-            graph = gpu_ms(lambda k=k: rt.prefix_graphs.replay((0, k)), side)
+            graph = gpu_ms(lambda k=k: rt.prefix_graphs.replay((0, k, 0)), side)
             eager = wall_ms(lambda k=k: rt._prefix_forward(0, k), side)
-        prefixes.append({"images": k, "graph_ms": graph, "eager_wall_ms": eager})
+            # The same forward with prompt tokens riding along (pad tokens: the same work).
+            riding = {
+                p: gpu_ms(lambda k=k, p=p: rt.prefix_graphs.replay((0, k, p)), side)
+                for p in rt.prompt_buckets
+            }
+        prefixes.append(
+            {"images": k, "graph_ms": graph, "eager_wall_ms": eager, "riding_graph_ms": riding}
+        )
     compiled = None
     result = {
         "device": torch.cuda.get_device_name(),
@@ -236,9 +243,13 @@ def report(result: dict, out: Path) -> None:
             f"{r['crops']:>5} {r['tower_ms']:>9.3f} {r['path_eager_wall_ms']:>11.3f} "
             f"{r['path_graph_ms']:>11.3f}"
         )
-    print(f"\n{'images':>6} {'graph ms':>9} {'eager ms':>9}")
+    riding = sorted({int(p) for r in result["image_prefix"] for p in r.get("riding_graph_ms", {})})
+    head = "".join(f" {f'+{p} tok':>9}" for p in riding)
+    print(f"\n{'images':>6} {'graph ms':>9} {'eager ms':>9}{head}")
     for r in result["image_prefix"]:
-        print(f"{r['images']:>6} {r['graph_ms']:>9.3f} {r['eager_wall_ms']:>9.3f}")
+        ride = r.get("riding_graph_ms", {})
+        cells = "".join(f" {ride.get(p, ride.get(str(p), 0.0)):>9.3f}" for p in riding)
+        print(f"{r['images']:>6} {r['graph_ms']:>9.3f} {r['eager_wall_ms']:>9.3f}{cells}")
     if result["vision_compile"]:
         print(f"\n{'crops':>5} {'compile s':>9} {'compiled':>9} {'eager':>9} {'max diff':>9}")
         for r in result["vision_compile"]["rows"]:

@@ -79,7 +79,9 @@ async def _collect(engine: BatchedEngine, req: GenerationRequest) -> tuple[list[
 
 # Step budgets the reference comparisons run under: the default (prompts whole) and "chunked":
 # the full decode batch plus three prompt tokens per step.
-BUDGETS = ["default", "chunked"]
+# default: the engine's defaults; chunked: a step budget that splits prompts, none riding
+# their image prefix; mixed: that budget, and prompts of up to 12 tokens ride their prefix.
+BUDGETS = ["default", "chunked", "mixed"]
 
 
 class _Plans(StepLog):
@@ -94,13 +96,16 @@ class _Plans(StepLog):
             self.plans.append(step.plan)
 
     def check(self, engine: BatchedEngine, budget: str) -> None:
-        """Under the chunked budget, prompts really were split and shared steps with decode
-        rows; under any budget, no step held more tokens than it."""
+        """Under the small budgets, prompts really were split and shared steps with decode
+        rows, and under the mixed one others rode their prefix (a held row: no token); under
+        any budget, no step held more tokens than it."""
         assert self.plans
         assert all(p.n_tokens <= engine.cfg.max_step_tokens for p in self.plans)
-        if budget == "chunked":
+        held = any(not c.length for p in self.plans for c in p.chunks)
+        if budget != "default":
             assert any(not c.final for p in self.plans for c in p.chunks)
             assert any(p.n_decode and any(c.length for c in p.chunks) for p in self.plans)
+            assert held == (budget == "mixed")
 
 
 def _engine(
@@ -111,8 +116,9 @@ def _engine(
     **kw: object,
 ) -> BatchedEngine:
     options: dict = {"max_batch": 8, "kv_budget_bytes": 32 << 20, **kw}
-    if budget == "chunked":
+    if budget != "default":
         options["max_step_tokens"] = options["max_batch"] + 3
+        options["prefix_prompt_tokens"] = 12 if budget == "mixed" else 0
     cfg = EngineConfig(pipeline_depth=depth, **options)
     return BatchedEngine(loaded, cfg, observer=observer)
 
@@ -749,7 +755,7 @@ def test_requests_for_one_new_image_share_one_prefix_computation(
         launch = engine.runtime.launch_prefixes
 
         def recording(jobs: list) -> object:
-            batches.append([image.content_hash for _, image in jobs])
+            batches.append([job.image.content_hash for job in jobs])
             return launch(jobs)
 
         engine.runtime.launch_prefixes = recording  # type: ignore[method-assign]

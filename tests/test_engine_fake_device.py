@@ -39,6 +39,7 @@ from vlm_server.engine.core import scheduler as scheduler_module
 from vlm_server.engine.core.observer import Observer
 from vlm_server.engine.core.pages import PageAllocator
 from vlm_server.engine.core.pipeline import LaunchKind, PipelineState, Step
+from vlm_server.engine.core.prefix_jobs import PrefixJob
 from vlm_server.engine.core.runtime_protocol import Runtime
 from vlm_server.engine.core.scheduler import Scheduler
 from vlm_server.engine.core.sequence import Sequence
@@ -102,6 +103,21 @@ class _Watch(Observer):
         self.trace: list[tuple[str, Step]] = []
         self.queued_at_commit: list[int] = []
         self.in_flight: dict[int, set[int]] = {}
+        # Pages each image-prefix batch writes (its prompts' too), with its event's marker.
+        self.prefix_writes: list[tuple[object, set[int]]] = []
+
+    def watch_prefixes(self, rt: ModelRuntime) -> None:
+        """Note the pages of every prefix batch the runtime launches."""
+        launch = rt.launch_prefixes
+
+        def launch_prefixes(jobs: list[PrefixJob]) -> object:
+            handle = launch(jobs)
+            pages = {p for job in jobs for p in job.pages}
+            pages |= {p for job in jobs if job.prompt is not None for p in job.prompt.pages}
+            self.prefix_writes.append((handle._marker, pages))  # type: ignore[attr-defined]
+            return handle
+
+        rt.launch_prefixes = launch_prefixes  # type: ignore[method-assign]
 
     def launched(self, step: Step) -> None:
         self.trace.append(("launch", step))
@@ -123,7 +139,9 @@ class _Watch(Observer):
 
     def check_free(self, pages: list[int], allocator: PageAllocator) -> None:
         freed = {p for p in pages if allocator.refcount[p] == 0}
-        busy = freed & set().union(*self.in_flight.values())
+        # A batch whose event was never recorded counts as done, as its event query says.
+        writing = [pages for marker, pages in self.prefix_writes if not getattr(marker, "done", 1)]
+        busy = freed & set().union(*self.in_flight.values(), *writing)
         if busy:
             raise DeviceViolation(
                 "I6", f"pages {sorted(busy)} freed while a step in flight still uses them"
@@ -206,6 +224,7 @@ def _drive(
     )
     checked.watch = watch
     rt.pages = checked
+    watch.watch_prefixes(rt)
     pipe = pipeline(depth) if pipeline is not None else None
     sched = scheduler(
         rt, cfg, loaded.config.tokens.eos_id, loaded.config.image_prefix_len, watch, pipe
@@ -233,6 +252,10 @@ def _drive(
                 assert 0 <= seq.inflight_refs <= 2
                 run.max_refs = max(run.max_refs, seq.inflight_refs)
             device.run(rng.randint(0, burst))
+            if not burst and sched.stalled_on_prefixes():
+                # A device that runs only during host waits: the engine's prefix watcher
+                # waits for the prefix that everything else waits on.
+                device.run(8)
             if tick >= max(arrivals.values()) and not sched.has_work():
                 break
         else:
@@ -358,7 +381,53 @@ def test_a_slow_prefill_stream_changes_no_answer(
     assert run.sched.rt.pages.used_pages == 0 and run.device.queued == 0
 
 
+class _CancelRiders(Scheduler):
+    """A client that cancels every request whose prompt rides its image prefix, at once."""
+
+    riders: list[str]
+
+    def _sweep_cancelled(self) -> None:
+        for seq in self.running:
+            if seq.rides_prefix and seq.cancelled is None:
+                self.riders.append(seq.request.request_id)
+                seq.cancelled = ErrorCode.CANCELLED
+        super()._sweep_cancelled()
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_prompt_cancelled_while_riding_its_prefix_waits_for_the_batch(
+    region_model: LoadedModel, images: list[PreparedImage], depth: int
+) -> None:
+    """Cancelled while its image prefix batch (which writes its pages) is on the device: it
+    ends cancelled, and its pages are freed only once the batch completed (the watcher's I6
+    check covers the prefill stream's writes)."""
+    _CancelRiders.riders = []
+    run = _drive(region_model, images, depth, 1, scheduler=_CancelRiders, lagging=["prefill"])
+    assert _CancelRiders.riders
+    for i, seq in run.seqs.items():
+        if seq.request.request_id in _CancelRiders.riders:
+            end = run.ends[i][-1]
+            assert isinstance(end, EngineError) and end.code is ErrorCode.CANCELLED
+    assert not run.sched.running and not run.sched.zombies
+    run.sched.prefix_cache.clear()
+    assert run.sched.rt.pages.used_pages == 0 and run.device.queued == 0
+
+
 # ---- each fault is caught ------------------------------------------------------------------
+
+
+class EagerRidingCancelScheduler(Scheduler):
+    """Fault: a prompt riding its image prefix, cancelled by its client right after admission,
+    lets go of its reference at once, so its pages are freed while the prefill stream may
+    still write them."""
+
+    def _sweep_cancelled(self) -> None:
+        for seq in self.running:
+            if seq.rides_prefix:
+                seq.cancelled = ErrorCode.CANCELLED
+                seq.rides_prefix = False
+                seq.drop_ref()
+        super()._sweep_cancelled()
 
 
 class EagerReleaseScheduler(Scheduler):
@@ -402,6 +471,7 @@ def test_the_runtime_issues_the_expected_waits_and_records(blocking: Run) -> Non
         ({"split_compute": True}, "I1"),
         ({"pipeline": EarlySlotReusePipeline}, "I5"),
         ({"scheduler": EagerReleaseScheduler}, "I6"),
+        ({"scheduler": EagerRidingCancelScheduler, "lagging": ["prefill"]}, "I6"),
     ],
 )
 def test_each_fault_is_caught(
@@ -518,9 +588,13 @@ _METHODS = [
 def test_protocol_is_what_the_scheduler_uses() -> None:
     src = inspect.getsource(scheduler_module)
     used = set(re.findall(r"self\.rt\.(\w+)", src)) | set(re.findall(r"runtime\.(\w+)", src))
-    assert used == {"pages", "prefix_slots", *_METHODS}
+    assert used == {"pages", "prefix_slots", "prefix_prompt_tokens", *_METHODS}
     assert inspect.signature(Scheduler).parameters["runtime"].annotation == "Runtime"
-    assert Runtime.__annotations__ == {"pages": "PageAllocator", "prefix_slots": "int"}
+    assert Runtime.__annotations__ == {
+        "pages": "PageAllocator",
+        "prefix_slots": "int",
+        "prefix_prompt_tokens": "int",
+    }
 
 
 def test_the_runtime_matches_the_protocol(tiny: LoadedModel) -> None:

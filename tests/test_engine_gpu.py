@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -323,4 +324,63 @@ def test_prefix_kv_matches_the_pytorch_prefix_path(dtype: torch.dtype) -> None:
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     for a, b in zip(k1 + v1, k2 + v2, strict=True):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefix_with_riding_prompts_matches_the_pytorch_path(dtype: torch.dtype) -> None:
+    """Prefixes and the prompts riding them as one token batch: the Triton path (rotary/KV
+    write kernels, paged tile attention for the prompts) gives the hidden states and pages of
+    the PyTorch path, for prompts over a page boundary, a prefix without a prompt, and pad
+    tokens."""
+    from vlm_server.engine.core.mixed_inputs import MixedLayout
+    from vlm_server.engine.device.kernels.paged_attention import PrefixPromptKV
+    from vlm_server.model.text import TextDecoder
+
+    cfg = preset("tiny").text
+    torch.manual_seed(0)
+    dec = TextDecoder(cfg)
+    for p in dec.parameters():
+        p.data.normal_(0, 0.05)
+    dec = dec.cuda().to(dtype)
+    dec.reset_rotary("cuda")
+    length, n_img, page, pad_job = 45, 3, 16, 4
+    prompts = [20, 0, 3]  # prompt tokens of each prefix: the second has none
+    width = -(-(length + max(prompts)) // page)
+    table = torch.zeros(pad_job + 1, width, dtype=torch.int64)
+    table[:n_img] = torch.arange(1, 1 + n_img * width).view(n_img, width)
+    table = table.cuda()
+    rows = [j for j, n in enumerate(prompts) for _ in range(n)]
+    pos = [length + i for n in prompts for i in range(n)]
+    n_pad = 5
+    tokens = np.zeros((len(rows), 3), np.int64)
+    tokens[:, 0], tokens[:, 1] = rows, pos
+    lay = MixedLayout(rows=pad_job + 1, max_tails=0)
+    p = len(rows) + n_pad
+    flat = lay.pack(np.zeros(lay.size(p), np.int64), tokens, np.zeros(0, np.int64), [], p, pad_job)
+    flat = torch.from_numpy(flat.copy()).cuda()
+    packed = flat[lay.tokens_at : lay.tiles_at(p)].view(p, 3)
+    tiles = flat[lay.tiles_at(p) : lay.size(p)].view(-1, 2)
+    t = n_img * length + p
+    x = torch.randn(1, t, cfg.dim, device="cuda", dtype=dtype)
+    positions = torch.cat([torch.arange(length, device="cuda").repeat(n_img), packed[:, 1]])
+    image_of_token = torch.arange(n_img, device="cuda").repeat_interleave(length)
+    rope = (dec.rope_cos, dec.rope_sin)
+    shape = (n_img * width + 2, page, cfg.n_kv_heads, cfg.head_dim)
+
+    def run(use_tiles: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        k = [torch.zeros(shape, device="cuda", dtype=dtype) for _ in range(cfg.n_layers)]
+        v = [torch.zeros(shape, device="cuda", dtype=dtype) for _ in range(cfg.n_layers)]
+        kv = PrefixPromptKV(
+            k, v, table, n_img, length, image_of_token, packed[:, 0], packed[:, 1], rope,
+            cfg.n_heads, tiles if use_tiles else None,
+        )  # fmt: skip
+        with torch.inference_mode():
+            h = dec(x, positions[None], kv)
+        return h[0, : n_img * length + len(rows)], [c[1:] for c in k + v]  # page 0: the sink
+
+    (want, want_pages), (got, got_pages) = run(False), run(True)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    for a, b in zip(got_pages, want_pages, strict=True):
         torch.testing.assert_close(a, b, atol=tol, rtol=tol)

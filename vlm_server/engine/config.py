@@ -31,6 +31,9 @@ class EngineConfig:
     # Batches of new image prefixes queued on the prefill stream at once. The scheduler
     # blocks on step results; work queued ahead keeps the image path busy meanwhile.
     prefill_batches: int = 2
+    # Prompt tokens that may ride one batch of new image prefixes (core/prefix_jobs.py): the
+    # first request for a new image then needs no prompt step. 0: prompts always run in steps.
+    prefix_prompt_tokens: int = 64
     # Picture sizes whose crops (of host-decoded images) run as a CUDA graph: a size seen
     # twice is captured (image_pipeline/crop_graphs.py). 0: always eager.
     crop_graph_sizes: int = 4
@@ -49,6 +52,8 @@ class EngineConfig:
             raise ValueError("prefill_sm_carveout and crop_graph_sizes must be >= 0")
         if self.prefill_batches < 1:
             raise ValueError("prefill_batches must be >= 1")
+        if self.prefix_prompt_tokens < 0:
+            raise ValueError("prefix_prompt_tokens must be >= 0")
         if self.page_size < 1:
             raise ValueError("page_size must be >= 1")
         if self.pipeline_depth not in (1, 2):

@@ -104,6 +104,7 @@ class ServerConfig:
     gil_switch_interval_ms: float = 5.0
     prefill_sm_carveout: int = 0
     prefill_batches: int = 2
+    prefix_prompt_tokens: int = 64
     image_crop_graphs: int = 4
     malloc_arena_max: int = 2
     malloc_mmap_threshold: int = MIB
@@ -150,6 +151,7 @@ class ServerConfig:
         nonnegative = (
             "kv_budget",
             "prefill_sm_carveout",
+            "prefix_prompt_tokens",
             "image_crop_graphs",
             "grace_period",
             "max_image_side",
@@ -303,6 +305,12 @@ OPTIONS: tuple[_Option, ...] = (
         int,
         "batches of new images queued on the device's image path at once: more keeps it "
         "busy while the scheduler waits on a step, at the cost of pages and rows held early",
+    ),
+    _Option(
+        "prefix_prompt_tokens",
+        int,
+        "prompt tokens that may ride a batch of new images' prefix forward (0 = none): the "
+        "first request for a new image then needs no prompt step of its own",
     ),
     _Option(
         "image_crop_graphs",

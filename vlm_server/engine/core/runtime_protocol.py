@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import numpy as np
 
-    from image_pipeline import PreparedImage
     from vlm_server.engine.core.pages import PageAllocator
+    from vlm_server.engine.core.prefix_jobs import PrefixJob
     from vlm_server.engine.core.sequence import Sequence
     from vlm_server.engine.core.step_plan import StepPlan
 
@@ -32,11 +32,14 @@ class Runtime(Protocol):
     pages: PageAllocator
     # Batches of image prefixes that may be in flight on the prefill stream at once.
     prefix_slots: int
+    # Prompt tokens that may ride one batch of new image prefixes (0: none).
+    prefix_prompt_tokens: int
 
-    def launch_prefixes(self, jobs: list[tuple[list[int], PreparedImage]]) -> object:
-        """Enqueue the image path and the BOS + image forward of each (pages, image) on the
-        prefill stream, into those pages; returns a handle for `prefix_ready`. The caller
-        keeps at most ``prefix_slots`` batches unfinished. No host wait."""
+    def launch_prefixes(self, jobs: list[PrefixJob]) -> object:
+        """Enqueue the image path and the BOS + image forward of each job on the prefill
+        stream, into its pages, with the prompts that ride along (core/prefix_jobs.py);
+        returns a handle for `prefix_ready`. The caller keeps at most ``prefix_slots`` batches
+        unfinished. No host wait."""
         ...
 
     def prefix_ready(self, handle: object) -> bool:
@@ -46,8 +49,8 @@ class Runtime(Protocol):
     def launch_mixed(self, slot: int, seqs: list[Sequence], plan: StepPlan) -> None:
         """Enqueue one mixed step into ``slot``: one forward over the decode rows and prompt
         chunks of ``plan`` (rows in ``seqs`` order, see core/step_plan.py; every image prefix
-        they read is ready); the last token's hidden state of each row lands in the slot for
-        finalize. No host wait."""
+        they read is ready); the last token's hidden state of each row (a held row's: the one
+        its prefix batch left) lands in the slot for finalize. No host wait."""
         ...
 
     def launch_decode(self, slot: int, seqs: list[Sequence]) -> None:

@@ -58,6 +58,7 @@ from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.observer import NO_OBSERVER, Observer
 from vlm_server.engine.core.pipeline import LaunchKind, PipelineState, SlotState, Step
 from vlm_server.engine.core.prefix_cache import PrefixCache, PrefixEntry
+from vlm_server.engine.core.prefix_jobs import PrefixJob, PrefixPrompt
 from vlm_server.engine.core.runtime_protocol import Runtime
 from vlm_server.engine.core.sequence import SeqState, Sequence
 from vlm_server.engine.core.step_layout import (
@@ -190,7 +191,10 @@ class Scheduler:
         self.flush_events()
 
     def _launchable(self) -> bool:
-        if any(s.wants_decode_step() or s.wants_prefill_chunk() for s in self.running):
+        if any(
+            s.wants_decode_step() or s.wants_prefill_chunk() or s.wants_held_sample()
+            for s in self.running
+        ):
             return True
         return bool(self.waiting) and self._can_admit(self.waiting[0])
 
@@ -201,9 +205,10 @@ class Scheduler:
         decode = [s for s in running if s.wants_decode_step()][: self.cfg.max_batch]
         # Admission order, the oldest prefill first; the state test spares most rows a call.
         prefilling = [s for s in running if s.state is _PREFILL and s.wants_prefill_chunk()]
+        # Prompts that ran with their image prefix: a row without tokens, outside the budget.
+        prefill = [s for s in running if s.state is _PREFILL and s.wants_held_sample()]
+        chunks = [Chunk.held(len(s.prompt)) for s in prefill]
         budget = StepBudget(self.cfg.max_step_tokens, len(decode))
-        prefill: list[Sequence] = []
-        chunks: list[Chunk] = []
         for s in prefilling:
             if not budget.can_take():
                 break
@@ -229,6 +234,7 @@ class Scheduler:
             s.add_ref()
         for s, chunk in zip(prefill, chunks, strict=True):
             s.prefill_launched += chunk.length
+            s.held = False
             s.add_ref()
         self.last_batch = len(decode)
 
@@ -254,6 +260,9 @@ class Scheduler:
             for s in self.running:
                 if s.state is _PREFILL and any(s.prefix is e for e in ready):
                     s.metrics.prefix_wait_ms = (now - s.prefill_launched_at) * 1e3
+                    if s.rides_prefix:  # the prefill stream no longer writes its pages
+                        s.rides_prefix = False
+                        s.drop_ref()
 
     def _prefix_batches_in_flight(self) -> int:
         return len({id(e.pending) for e in self.pending_prefixes})
@@ -280,6 +289,7 @@ class Scheduler:
         new_prefixes: list[tuple[PrefixEntry, Sequence]] = []
         pages, cache = self.rt.pages, self.prefix_cache
         n_admitted = 0
+        riding = 0  # prompt tokens riding this batch's new prefixes
         now = time.monotonic()
         while (
             self.waiting
@@ -317,6 +327,9 @@ class Scheduler:
                     entry.ready = False
                     new_prefixes.append((entry, seq))
                     seq.prefix_hit = False
+                    if riding + len(seq.prompt) <= self.rt.prefix_prompt_tokens:
+                        riding += len(seq.prompt)
+                        seq.rides_prefix = True
                 seq.metrics.cached_tokens = seq.prefix_len if seq.prefix_hit else 0
             else:
                 own = total
@@ -333,18 +346,32 @@ class Scheduler:
             seq.state = SeqState.PREFILL
             seq.prefill_launched_at = now
             seq.metrics.queue_wait_ms = (now - seq.submitted_at) * 1e3
+            if seq.rides_prefix:  # the prefix batch writes its pages: a reference until done
+                seq.prefill_launched = len(seq.prompt)
+                seq.held = True
+                seq.add_ref()
             if seq.request.deadline is not None:
                 self._next_deadline = min(self._next_deadline, seq.request.deadline)
             if seq.wants_prefill_chunk():  # no image, or its prefix is ready
                 admitted.append((seq, self._chunk(seq, budget.take(len(seq.prompt)))))
         if new_prefixes:
             handle = self.rt.launch_prefixes(
-                [(entry.pages, seq.request.image) for entry, seq in new_prefixes]
+                [
+                    PrefixJob(entry.pages, seq.request.image, self._riding_prompt(seq))
+                    for entry, seq in new_prefixes
+                ]
             )
             for entry, _ in new_prefixes:
                 entry.pending = handle
                 self.pending_prefixes.append(entry)
         return admitted
+
+    def _riding_prompt(self, seq: Sequence) -> PrefixPrompt | None:
+        if not seq.rides_prefix:
+            return None
+        assert seq.prefix is not None
+        pages = (seq.prefix.full_pages + seq.own_pages)[: self.rt.pages.pages_for(seq.prefill_len)]
+        return PrefixPrompt(seq.row, seq.prompt_ids, pages)
 
     # ---- finalize ---------------------------------------------------------------------
 

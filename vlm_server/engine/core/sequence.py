@@ -1,12 +1,15 @@
 """One request's host-side state in the engine (CUDA-free).
 
 Lifecycle: WAITING -> PREFILL (admitted: its prompt is launched chunk by chunk, over one or more
-mixed steps) -> RUNNING (the step holding its last prompt chunk sampled its first output)
--> FINISHED (result delivered; may still be a zombie in flight) -> RELEASED (pages and row
-returned once ``inflight_refs`` is 0).
+mixed steps, or with its image's new prefix, core/prefix_jobs.py) -> RUNNING (the step holding
+its last prompt chunk, or its held row, sampled its first output) -> FINISHED (result
+delivered; may still be a zombie in flight) -> RELEASED (pages and row returned once
+``inflight_refs`` is 0).
 
-Invariants: I4 0 <= inflight_refs <= 2; I6 pages are released only when the sequence is
-finished and inflight_refs is 0; a finished sequence's later commits append nothing.
+Invariants: I4 0 <= inflight_refs <= 2 (a prompt riding its image prefix holds one reference
+until the prefix batch completed: the prefill stream writes its pages); I6 pages are released
+only when the sequence is finished and inflight_refs is 0; a finished sequence's later commits
+append nothing.
 """
 
 from __future__ import annotations
@@ -65,6 +68,10 @@ class Sequence:
     inflight_refs: int = 0
     prefill_launched: int = 0  # prompt tokens whose chunk was launched so far
     decode_launched: int = 0  # decode steps launched so far
+    # The prompt runs with its image's new prefix (core/prefix_jobs.py): True while that batch
+    # is on the device (and holds a reference), `held` until a step sampled the first output.
+    rides_prefix: bool = False
+    held: bool = False
     cancelled: ErrorCode | None = None  # CANCELLED or DEADLINE_EXCEEDED once asked to stop
     text_parts: list[str] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
@@ -117,6 +124,16 @@ class Sequence:
             and self.cancelled is None
             and self.prefill_launched < len(self.prompt)
             and (self.prefix is None or self.prefix.ready)
+        )
+
+    def wants_held_sample(self) -> bool:
+        """Whether a prompt that ran with its image prefix (now ready) waits for the step that
+        samples its first output."""
+        return (
+            self.held
+            and not self.rides_prefix
+            and self.state is SeqState.PREFILL
+            and self.cancelled is None
         )
 
     def next_position(self) -> int:

@@ -21,7 +21,9 @@ lengthens a step.
                          written on the device by the previous finalize)
     last   [B]    int64: index in the token batch of each step row's last token (its
                          hidden state is what finalize samples from), -1 when the row has
-                         no token in this step
+                         no token in this step; ``HELD - row`` for a row whose prompt ran
+                         with its image prefix (core/prefix_jobs.py): it samples the hidden
+                         state held on the device at its block-table row
 
 Invariants (tests/test_step_plan.py checks them under hypothesis):
   B1 the tokens of a step (decode rows + chunks) never exceed the budget;
@@ -40,6 +42,7 @@ import numpy as np
 T_ROW, T_POS, T_ID = range(3)
 N_TOK = 3
 DEVICE_INPUT = -1  # token id of a decode row: its input embedding is already on the device
+HELD = -2  # ``last`` of a held row is HELD - its block-table row (see the module docstring)
 
 
 class StepBudget:
@@ -78,6 +81,12 @@ class Chunk:
     start: int
     length: int
     final: bool  # the prompt's last token is in it: the row samples its first output
+
+    @classmethod
+    def held(cls, prompt_len: int) -> Chunk:
+        """The row of a prompt that ran with its image prefix: no token, samples the first
+        output from the held hidden state."""
+        return cls(prompt_len, 0, True)
 
 
 @dataclass
@@ -139,10 +148,10 @@ def pack_tokens(
     at = d
     for i, chunk in enumerate(plan.chunks, start=d):
         n = chunk.length
-        if not n:
-            last[i] = -1  # a prefix-only row
-            continue
         seq = seqs[i]
+        if not n:
+            last[i] = HELD - seq.row if chunk.final else -1
+            continue
         end = at + n
         first = seq.prefix_len + chunk.start
         block = tokens[at:end]

@@ -46,6 +46,7 @@ from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.mixed_inputs import MixedLayout
 from vlm_server.engine.core.observer import NO_OBSERVER, Observer
 from vlm_server.engine.core.pages import PageAllocator
+from vlm_server.engine.core.prefix_jobs import PrefixJob, pack_prompts, tail_copies
 from vlm_server.engine.core.sequence import Sequence
 from vlm_server.engine.core.step_layout import (
     F_MASK,
@@ -59,9 +60,23 @@ from vlm_server.engine.core.step_layout import (
     N_OUT,
     RowPhase,
 )
-from vlm_server.engine.core.step_plan import N_TOK, T_ID, T_POS, T_ROW, StepPlan, pack_tokens
+from vlm_server.engine.core.step_plan import (
+    HELD,
+    N_TOK,
+    T_ID,
+    T_POS,
+    T_ROW,
+    StepPlan,
+    pack_tokens,
+)
 from vlm_server.engine.device.graphs import GraphSet, sm_carveout
-from vlm_server.engine.device.kernels.paged_attention import DecodeKV, PagedKV, PrefixKV, RaggedKV
+from vlm_server.engine.device.kernels.paged_attention import (
+    DecodeKV,
+    PagedKV,
+    PrefixKV,
+    PrefixPromptKV,
+    RaggedKV,
+)
 from vlm_server.engine.device.streams import CpuEvent, Device, Event, TorchDevice
 from vlm_server.model import MoondreamModel
 
@@ -87,21 +102,18 @@ class SlotBuffers:
     d2h_done: Event
 
 
-@dataclass(frozen=True)
-class _PrefixJob:
-    """A new image prefix of a prefill: BOS + image embeddings into the entry's pages (the
-    pages travel in the step's inputs)."""
-
-    image: PreparedImage | HostImage  # crops made already, or still to make here
-    tiling: tuple[int, int]
-
-
 @dataclass
 class PrefixSlot:
     """Buffers of one batch of image prefixes in flight on the prefill stream."""
 
-    pages_host: torch.Tensor  # [max_prefill_batch, pages per prefix] int64 (pinned)
+    # [max_prefill_batch + 1, pages of prefix + riding prompt] int64 (pinned): each job's
+    # pages (core/prefix_jobs.py); the last row stays on the sink page, for pad tokens.
+    pages_host: torch.Tensor
     pages_dev: torch.Tensor
+    # The riding prompts: each job's held row, then their tokens as core/mixed_inputs.py lays
+    # out a step's (the pad row is the sink row above).
+    prompt_host: torch.Tensor
+    prompt_dev: torch.Tensor
     done: Event
 
 
@@ -120,6 +132,16 @@ def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
         sizes.append(n)
         n = n * 3 // 2 if n & (n - 1) == 0 else n * 4 // 3
     return [*sizes, max_tokens]
+
+
+def prompt_buckets(max_tokens: int) -> list[int]:
+    """Riding-prompt token counts with a captured prefix graph: powers of two from 32, up to
+    and including ``max_tokens`` (none when 0)."""
+    sizes, n = [], 32
+    while n < max_tokens:
+        sizes.append(n)
+        n *= 2
+    return [*sizes, max_tokens] if max_tokens else []
 
 
 def image_tilings(max_crops: int) -> list[tuple[int, int]]:
@@ -199,23 +221,31 @@ class ModelRuntime:
         self.mixed_layout = MixedLayout(rows=rows + 1, max_tails=cfg.max_batch)
         self._mixed_len = self.mixed_layout.size(cfg.max_step_tokens)
         self._mixed_scratch = np.zeros(self._mixed_len, np.int64)
-        # Image prefixes: batches of up to max_prefill_batch images, prefill_batches in flight.
+        # Image prefixes: batches of up to max_prefill_batch images, prefill_batches in flight,
+        # with up to prefix_prompt_tokens of their first users' prompts (core/prefix_jobs.py).
         self.prefix_slots = cfg.prefill_batches
-        prefix_pages = -(-prefix_len // cfg.page_size)
+        self.prefix_prompt_tokens = cfg.prefix_prompt_tokens
+        self.prompt_buckets = prompt_buckets(cfg.prefix_prompt_tokens)
+        self._prefix_pages = -(-prefix_len // cfg.page_size)
+        jobs = cfg.max_prefill_batch
+        pages_shape = (jobs + 1, -(-(prefix_len + cfg.prefix_prompt_tokens) // cfg.page_size))
+        self.prompt_layout = MixedLayout(rows=jobs + 1, max_tails=jobs)
+        prompt_len = jobs + 1 + self.prompt_layout.size(cfg.prefix_prompt_tokens)
+        self._prompt_scratch = np.zeros(prompt_len, np.int64)
         self._prefix = [
             PrefixSlot(
-                dev.host_buffer(
-                    f"prefix{i}.pages_host", (cfg.max_prefill_batch, prefix_pages), torch.int64
-                ),
-                dev.buffer(
-                    f"prefix{i}.pages_dev",
-                    self._zeros((cfg.max_prefill_batch, prefix_pages), torch.int64),
-                ),
+                dev.host_buffer(f"prefix{i}.pages_host", pages_shape, torch.int64),
+                dev.buffer(f"prefix{i}.pages_dev", self._zeros(pages_shape, torch.int64)),
+                dev.host_buffer(f"prefix{i}.prompt_host", (prompt_len,), torch.int64),
+                dev.buffer(f"prefix{i}.prompt_dev", self._zeros((prompt_len,), torch.int64)),
                 # Blocking: the engine's prefix watcher sleeps on it (see `wait_prefix`).
                 dev.event(f"prefix{i}.prefix_done", blocking=True),
             )
             for i in range(self.prefix_slots)
         ]
+        # The hidden state of each riding prompt's last token, at its sequence's row: written
+        # on the prefill stream, sampled by the sequence's held row in a later step.
+        self.held = dev.buffer("held", self._zeros((rows + 1, tc.dim), self.dtype))
         self._next_prefix = 0
         # BOS + image embeddings of one batch (written and read on the prefill stream only).
         self.prefix_emb = self._zeros((cfg.max_prefill_batch, prefix_len, tc.dim), self.dtype)
@@ -232,7 +262,7 @@ class ModelRuntime:
         self.decode_graphs: GraphSet[tuple[int, int]] = GraphSet("decode")
         self.mixed_graphs: GraphSet[tuple[int, int]] = GraphSet("mixed step")
         self.image_graphs: GraphSet[tuple[int, int]] = GraphSet("image")
-        self.prefix_graphs: GraphSet[tuple[int, int]] = GraphSet("image prefix")
+        self.prefix_graphs: GraphSet[tuple[int, int, int]] = GraphSet("image prefix")
         # Masks + sampling per (slot, batch bucket, constrained, regions, greedy).
         self.sample_graphs: GraphSet[tuple[int, int, bool, bool, bool]] = GraphSet("sampling")
         # Finalize input of a bucket's padding rows: the pad row, no mask, greedy.
@@ -467,14 +497,35 @@ class ModelRuntime:
         ]
         self.sample_graphs.capture(keys, prepare_sample, run_sample, stream, progress)
 
-        def run_prefix(key: tuple[int, int]) -> None:
-            self._prefix_forward(key[0], key[1])
+        def prepare_prefix(key: tuple[int, int, int]) -> None:
+            i, _, p = key
+            if p:  # pad tokens only, held rows on the pad row
+                scratch, jobs = self._prompt_scratch, self.cfg.max_prefill_batch
+                scratch[: jobs + 1] = self.pad_row
+                self.prompt_layout.pack(
+                    scratch[jobs + 1 :],
+                    np.zeros((0, N_TOK), np.int64),
+                    np.zeros(0, np.int64),
+                    [],
+                    p,
+                    jobs,
+                )
+                n = jobs + 1 + self.prompt_layout.size(p)
+                self._prefix[i].prompt_dev[:n].copy_(torch.from_numpy(scratch[:n]))
+
+        def run_prefix(key: tuple[int, int, int]) -> None:
+            self._prefix_forward(*key)
 
         most, slots = self.cfg.max_prefill_batch, range(self.prefix_slots)
-        keys = [(i, k) for k in range(most, 0, -1) for i in slots]
+        keys = [
+            (i, k, p)
+            for p in [*sorted(self.prompt_buckets, reverse=True), 0]
+            for k in range(most, 0, -1)
+            for i in slots
+        ]
         # Pages of the sink only (a fresh pages buffer holds zeros): the warm-up writes there.
         self.prefix_graphs.capture(
-            keys, lambda key: None, run_prefix, self.dev.prefill_stream, progress
+            keys, prepare_prefix, run_prefix, self.dev.prefill_stream, progress
         )
 
     @torch.inference_mode()
@@ -499,11 +550,12 @@ class ModelRuntime:
         self.image_graphs.capture(tilings, prepare, run, self.dev.prefill_stream, progress)
 
     @torch.inference_mode()
-    def launch_prefixes(self, jobs: list[tuple[list[int], PreparedImage]]) -> object:
-        """Enqueue on the prefill stream, for each (pages, image): the image path, then the
-        BOS + image forward of the whole batch straight into those pages. Returns the event the
-        scheduler polls (`prefix_ready`); it keeps at most ``prefix_slots`` batches unfinished,
-        so this slot's pinned buffer is free again."""
+    def launch_prefixes(self, jobs: list[PrefixJob]) -> object:
+        """Enqueue on the prefill stream, for each job: the image path, then the BOS + image
+        forward of the whole batch straight into the jobs' pages, with the prompts that ride
+        along (core/prefix_jobs.py). Returns the event the scheduler polls (`prefix_ready`);
+        it keeps at most ``prefix_slots`` batches unfinished, so this slot's pinned buffers
+        are free again."""
         dev = self.dev
         i = self._next_prefix
         self._next_prefix = (i + 1) % self.prefix_slots
@@ -511,23 +563,64 @@ class ModelRuntime:
         k = len(jobs)
         if not 0 < k <= self.cfg.max_prefill_batch:
             raise ValueError(f"{k} image prefixes in one batch")
-        dev.host_write(slot.pages_host, np.array([pages for pages, _ in jobs], np.int64))
+        table = np.zeros((k, slot.pages_host.shape[1]), np.int64)
+        written: list[int] = []
+        for j, job in enumerate(jobs):
+            pages = job.prompt.pages if job.prompt is not None else job.pages
+            table[j, : len(pages)] = pages
+            written += job.pages + pages
+        dev.host_write(slot.pages_host, table)
         dev.copy(
             dev.prefill_stream,
             f"h2d prefix pages {i}",
             partial(_copy_rows, slot.pages_dev, slot.pages_host, 0, k),
             lambda: ([slot.pages_host], [slot.pages_dev]),
         )
-        images = [_PrefixJob(image, image.tiling) for _, image in jobs]
-        written = [p for pages, _ in jobs for p in pages]
+        p, n_tails, held_rows = self._send_prompts(i, jobs)
         dev.kernel(
             dev.prefill_stream,
             f"image prefixes {i}",
-            partial(self._image_prefixes, i, images),
-            lambda: ([slot.pages_dev], [(self.kv, written)]),
+            partial(self._image_prefixes, i, jobs, p, n_tails),
+            lambda: (
+                [slot.pages_dev, slot.prompt_dev],
+                [(self.kv, sorted(set(written))), (self.held, held_rows)],
+            ),
         )
         dev.record(slot.done, dev.prefill_stream)
         return slot.done
+
+    def _send_prompts(self, i: int, jobs: list[PrefixJob]) -> tuple[int, int, list[int]]:
+        """Upload the riding prompts of prefix slot ``i``'s jobs; returns their padded token
+        count (0: none), the number of tail copies and the held rows written."""
+        if all(job.prompt is None for job in jobs):
+            return 0, 0, []
+        slot, dev = self._prefix[i], self.dev
+        tokens, last = pack_prompts(jobs, self.model.config.image_prefix_len)
+        p = self._prompt_bucket(len(tokens))
+        has_tail = self.model.config.image_prefix_len % self.cfg.page_size != 0
+        tails = tail_copies(jobs, self._prefix_pages, has_tail)
+        pad_job = self.cfg.max_prefill_batch  # its pages row stays on the sink page
+        rows = [job.prompt.row if job.prompt is not None else self.pad_row for job in jobs]
+        scratch = self._prompt_scratch
+        scratch[: pad_job + 1] = self.pad_row
+        scratch[: len(rows)] = rows
+        lay = self.prompt_layout
+        lay.pack(scratch[pad_job + 1 :], tokens, last, tails, p, pad_job)
+        n = pad_job + 1 + lay.size(p)
+        dev.host_write(slot.prompt_host, scratch[:n])
+        dev.copy(
+            dev.prefill_stream,
+            f"h2d prefix prompts {i}",
+            partial(_copy_rows, slot.prompt_dev, slot.prompt_host, 0, n),
+            lambda: ([slot.prompt_host], [slot.prompt_dev]),
+        )
+        return p, len(tails), [r for r in rows if r != self.pad_row]
+
+    def _prompt_bucket(self, t: int) -> int:
+        for size in self.prompt_buckets:
+            if size >= t:
+                return size
+        raise ValueError(f"{t} riding prompt tokens exceed {self.cfg.prefix_prompt_tokens}")
 
     def prefix_ready(self, handle: object) -> bool:
         """Whether a `launch_prefixes` batch completed: a non-blocking event query."""
@@ -553,8 +646,10 @@ class ModelRuntime:
         t = len(tokens)
         if t > self.cfg.max_step_tokens:
             raise ValueError(f"{t} tokens exceed the step budget {self.cfg.max_step_tokens}")
-        n = self._token_bucket(t) if self.mixed_graphs else t
+        # A step of held rows only (prompts that ran with their prefix) runs no forward.
+        n = self._token_bucket(t) if self.mixed_graphs and t else t
         n_blocks = int(tokens[:, T_POS].max()) // self.cfg.page_size + 1 if t else 0
+        held_rows = [HELD - h for h in last.tolist() if h <= HELD]
         tails, prefix_pages = [], []
         for i, chunk in enumerate(plan.chunks, start=plan.n_decode):
             entry = seqs[i].prefix
@@ -575,6 +670,7 @@ class ModelRuntime:
                 (self.block_dev, rows),
                 (self.next_embed, decode_rows),
                 (self.kv, prefix_pages),
+                (self.held, held_rows),
             ]
             return reads, [buf.hidden]
 
@@ -593,7 +689,10 @@ class ModelRuntime:
             pairs = buf.mixed_dev[at : at + 2 * n_tails].view(n_tails, 2)
             # Every layer's keys and values of the tail pages, in one gather and one scatter.
             self.kv[:, :, pairs[:, 1]] = self.kv[:, :, pairs[:, 0]]
-        if (slot, n) in self.mixed_graphs:
+        if not n:
+            last = buf.mixed_dev[: self.mixed_layout.rows]
+            buf.hidden[: len(last)] = self.held[(HELD - last).clamp(min=0)]
+        elif (slot, n) in self.mixed_graphs:
             self.mixed_graphs.replay((slot, n))
         else:
             self._mixed_forward(buf, n, n_blocks)
@@ -633,27 +732,36 @@ class ModelRuntime:
         else:
             kv = RaggedKV(self.k_pools, self.v_pools, self.block_dev, rows, n_blocks)
             h = m.text(x[None], pos[None], kv)[0]
-        # Rows without a token here (-1) sample nothing: any row's state will do.
-        buf.hidden[: lay.rows] = h[last.clamp(min=0)]
+        # Rows without a token here (-1) sample nothing: any row's state will do. Held rows
+        # take what their prefix batch left.
+        held = self.held[(HELD - last).clamp(min=0)]
+        buf.hidden[: lay.rows] = torch.where((last <= HELD)[:, None], held, h[last.clamp(min=0)])
 
-    def _image_prefixes(self, i: int, jobs: list[_PrefixJob]) -> None:
+    def _image_prefixes(self, i: int, jobs: list[PrefixJob], p: int, n_tails: int) -> None:
         """BOS + image embeddings of each new image (one graph replay per image, captured per
         tiling; tilings beyond the crop budget run eagerly), then the BOS + image forward of
-        all of them at once, straight into their cache entries' pages."""
+        all of them at once (with ``p`` riding prompt tokens), straight into their pages."""
         for j, job in enumerate(jobs):
+            tiling = job.image.tiling
             crops = self._crops_on_device(self._crops_of(job.image))
-            if job.tiling in self.image_graphs:
+            if tiling in self.image_graphs:
                 self._image_inputs[crops.shape[0]].copy_(crops)
-                emb = self.image_graphs.replay(job.tiling)
+                emb = self.image_graphs.replay(tiling)
             else:
-                emb = self._image_embedding(crops, job.tiling)
+                emb = self._image_embedding(crops, tiling)
             # Copied out before the next replay overwrites the graph's output.
             self.prefix_emb[j].copy_(emb[0])  # type: ignore[index]
         k = len(jobs)
-        if (i, k) in self.prefix_graphs:
-            self.prefix_graphs.replay((i, k))
+        if (i, k, p) in self.prefix_graphs:
+            self.prefix_graphs.replay((i, k, p))
         else:
-            self._prefix_forward(i, k)
+            self._prefix_forward(i, k, p)
+        if n_tails:
+            # Each riding prompt's stand-in page holds its prefix's last positions: into the
+            # entry's own last page, every layer in one gather and one scatter.
+            at = self.cfg.max_prefill_batch + 1 + self.prompt_layout.tails_at
+            pairs = self._prefix[i].prompt_dev[at : at + 2 * n_tails].view(n_tails, 2)
+            self.kv[:, :, pairs[:, 1]] = self.kv[:, :, pairs[:, 0]]
 
     def _image_embedding(self, crops: torch.Tensor, tiling: tuple[int, int]) -> torch.Tensor:
         """uint8 crops of one image -> BOS + image embeddings [1, prefix_len, dim]."""
@@ -662,9 +770,13 @@ class ModelRuntime:
             x = normalize_crops(crops, self.dtype)
             return m.prefix_embeddings(m.vision.project(m.vision.encode(x), tiling))
 
-    def _prefix_forward(self, i: int, k: int) -> None:
+    def _prefix_forward(self, i: int, k: int, p: int = 0) -> None:
         """BOS + image of prefix slot ``i``'s ``k`` images (``prefix_emb[:k]``) into their
-        pages. A prefix sees only itself, both ways, so attention needs no mask."""
+        pages, with ``p`` (padded) riding prompt tokens. A prefix sees only itself, both ways,
+        so without prompts attention needs no mask."""
+        if p:
+            self._prefix_prompt_forward(i, k, p)
+            return
         pages = self._prefix[i].pages_dev[:k]
         length = self.prefix_emb.shape[1]
         text = self.model.text
@@ -684,6 +796,38 @@ class ModelRuntime:
         pos = self._prefix_pos[None].expand(k, length)
         with sm_carveout(self._prefill_carveout):
             self.model.text(self.prefix_emb[:k], pos, kv)
+
+    def _prefix_prompt_forward(self, i: int, k: int, p: int) -> None:
+        """The prefixes and their riding prompts as one token batch [1, k * length + p]; each
+        prompt's last hidden state is kept at its sequence's row of ``held``."""
+        slot, lay, text = self._prefix[i], self.prompt_layout, self.model.text
+        at = self.cfg.max_prefill_batch + 1  # the held rows come first
+        buf = slot.prompt_dev
+        held_rows, last = buf[:k], buf[at : at + k]
+        tokens = buf[at + lay.tokens_at : at + lay.tiles_at(p)].view(p, N_TOK)
+        tiles = buf[at + lay.tiles_at(p) : at + lay.size(p)].view(-1, 2)
+        rows, pos, ids = tokens[:, T_ROW], tokens[:, T_POS], tokens[:, T_ID]
+        length, dim = self.prefix_emb.shape[1:]
+        n = k * length
+        x = torch.cat([self.prefix_emb[:k].reshape(n, dim), text.embed(ids).to(self.dtype)])
+        positions = torch.cat([self._prefix_pos.repeat(k), pos])
+        kv = PrefixPromptKV(
+            self.k_pools,
+            self.v_pools,
+            slot.pages_dev,
+            k,
+            length,
+            self._prefix_image_of_token,
+            rows,
+            pos,
+            (text.rope_cos, text.rope_sin),
+            text.cfg.n_heads,
+            tiles if self.use_triton else None,
+            lay.tile_tokens,
+        )
+        with sm_carveout(self._prefill_carveout):
+            h = text(x[None], positions[None], kv)[0]
+        self.held[held_rows] = h[n + last.clamp(min=0)]
 
     def _crops_of(self, image: PreparedImage | HostImage) -> torch.Tensor:
         """The image's crops; a host-decoded image's are made here, queued on the current

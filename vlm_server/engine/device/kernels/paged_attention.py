@@ -137,6 +137,102 @@ class PrefixKV:
         raise NotImplementedError("PrefixKV runs through attend_packed only")
 
 
+class PrefixPromptKV:
+    """The `KVCache` of a BOS + image forward that carries prompts (core/prefix_jobs.py), over
+    [1, T] tokens: the first ``images * length`` are the prefixes, flattened (token t in
+    image ``image_of_token[t]``), the rest prompt tokens of prefix ``prompt_rows[t]`` at
+    ``prompt_pos[t]``; ``pages`` [rows, n] maps each prefix's (and its prompt's) positions to
+    pages. Every key and value is written first, then each prefix attends to itself both ways
+    and each prompt token causally over its prefix and its prompt so far.
+
+    On CUDA (``tiles`` given, see core/mixed_inputs.py) the Triton kernels do the writes and the
+    prompts' attention, reading the pages in place; elsewhere plain PyTorch."""
+
+    def __init__(
+        self,
+        k_pools: list[torch.Tensor],
+        v_pools: list[torch.Tensor],
+        pages: torch.Tensor,
+        images: int,
+        length: int,
+        image_of_token: torch.Tensor,
+        prompt_rows: torch.Tensor,
+        prompt_pos: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        n_heads: int,
+        tiles: torch.Tensor | None = None,
+        tile_tokens: int = 16,
+    ) -> None:
+        self.k_pools, self.v_pools = k_pools, v_pools
+        self.pages = pages
+        self.images, self.length = images, length
+        self.image_of_token = image_of_token[: images * length]
+        self.prompt_rows, self.prompt_pos = prompt_rows, prompt_pos
+        self.rope = rope
+        self.n_heads = n_heads
+        self.tiles = tiles
+        self.tile_tokens = tile_tokens
+        self.attend_packed = self._attend_packed if tiles is not None else None
+
+    def _prefix_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [P, H, hd], k and v [P, KVH, hd] of the flattened prefixes -> [P, H, hd]."""
+        n, length = self.images, self.length
+        q, k, v = (t.reshape(n, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return out.transpose(1, 2).reshape(n * length, q.shape[1], q.shape[3])
+
+    def _attend_packed(
+        self, layer: int, qkv: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        from vlm_server.engine.device.kernels.triton_attention import (
+            paged_tile_attention,
+            rope_and_store_kv,
+        )
+
+        kp, vp = self.k_pools[layer], self.v_pools[layer]
+        kvh, hd = kp.shape[2], kp.shape[3]
+        flat, pos = qkv[0], positions[0]
+        n = self.images * self.length
+        keys = torch.empty((n, kvh, hd), dtype=kp.dtype, device=qkv.device)
+        cos, sin = self.rope
+        q_pre = rope_and_store_kv(
+            flat[:n], cos, sin, pos[:n, None], self.pages, self.image_of_token, kp, vp,
+            self.n_heads, k_out=keys,
+        )  # fmt: skip
+        q_pro = rope_and_store_kv(
+            flat[n:], cos, sin, pos[n:, None], self.pages, self.prompt_rows, kp, vp, self.n_heads
+        )
+        v_pre = flat[:n, (self.n_heads + kvh) * hd :].view(n, kvh, hd).to(kp.dtype)
+        prompt = paged_tile_attention(
+            q_pro, kp, vp, self.pages, self.prompt_rows, self.prompt_pos, self.tiles,
+            self.tile_tokens,
+        )  # fmt: skip
+        out = torch.cat([self._prefix_attention(q_pre, keys, v_pre), prompt])
+        return out.transpose(0, 1)[None]
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        kp, vp = self.k_pools[layer], self.v_pools[layer]
+        ps = kp.shape[1]
+        pos = positions[0]
+        n = self.images * self.length
+        rows = torch.cat([self.image_of_token, self.prompt_rows])
+        pages = self.pages[rows, pos // ps].long()
+        q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))  # [T, heads, hd]
+        kp[pages, pos % ps] = k.to(kp.dtype)
+        vp[pages, pos % ps] = v.to(vp.dtype)
+        prompt = ragged_paged_attention(
+            q[n:], kp, vp, self.pages, self.prompt_rows, pos[n:], self.pages.shape[1]
+        )
+        prefix = self._prefix_attention(q[:n], k[:n].to(kp.dtype), v[:n].to(vp.dtype))
+        out = torch.cat([prefix.to(q.dtype), prompt.to(q.dtype)])
+        return out.transpose(0, 1)[None]
+
+
 class DecodeKV:
     """The `KVCache` of a decode step: one new position per row, rows read from the block
     table on the device. On CUDA two Triton kernels per layer do the work (rotary + KV write,
