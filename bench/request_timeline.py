@@ -12,6 +12,11 @@ of them.
 
 Writes ``request_timeline.json`` (and the first profiled request's chrome trace) under
 ``--out``, and prints the tables.
+
+With ``--concurrency N`` (N > 1) it answers where a saturated engine's GPU time goes
+instead: N clients send unique-image queries (decoded ahead, so the clients cost the engine
+nothing), and after ``--warmup-s`` a ``--window-ms`` profile gives each stream's busy time and
+idle gaps and the requests completed in it: GPU milliseconds per image, per stream.
 """
 
 from __future__ import annotations
@@ -134,6 +139,86 @@ def gpu_view(trace: dict, window: tuple[float, float]) -> dict:
     }
 
 
+def stream_view(trace: dict, window: tuple[float, float]) -> dict:
+    """Per stream inside ``window`` (us): kernel time, busy time (kernels merged) and the
+    idle gaps between its kernels, with the longest ones."""
+    lo, hi = window
+    by_stream: dict[str, list[dict]] = {}
+    for e in trace["traceEvents"]:
+        if e.get("cat") in ("kernel", "gpu_memcpy") and lo <= e["ts"] <= hi:
+            by_stream.setdefault(str(e.get("args", {}).get("stream", "?")), []).append(e)
+    out = {}
+    for name, events in by_stream.items():
+        events.sort(key=lambda e: e["ts"])
+        busy, end, gaps = 0.0, None, []
+        for e in events:
+            s, d = e["ts"], e["dur"]
+            if end is not None and s > end:
+                gaps.append((s - end, e["name"][:50]))
+            if end is None or s > end:
+                busy += d
+                end = s + d
+            elif s + d > end:
+                busy += s + d - end
+                end = s + d
+        out[name] = {
+            "kernels": len(events),
+            "kernel_us": round(sum(e["dur"] for e in events), 1),
+            "busy_us": round(busy, 1),
+            "idle_us": round(sum(g for g, _ in gaps), 1),
+            "longest_gaps": [(round(g, 1), k) for g, k in sorted(gaps, reverse=True)[:5]],
+        }
+    return out
+
+
+async def saturated(args: argparse.Namespace, engine: BatchedEngine, pictures: list) -> dict:
+    """N clients in a loop over unique decoded pictures; a profile of one window."""
+    q = "What is the title of this chart?"
+    stop, done, next_pic = False, [], iter(range(len(pictures)))
+
+    async def client() -> None:
+        while not stop:
+            i = next(next_pic, None)
+            if i is None:
+                return
+            stream = await engine.submit(
+                GenerationRequest(Task.QUERY, pictures[i], question=q, max_tokens=3, temperature=0)
+            )
+            async for _ in stream:
+                pass
+            done.append(time.perf_counter())
+
+    tasks = [asyncio.create_task(client()) for _ in range(args.concurrency)]
+    await asyncio.sleep(args.warmup_s)
+    cuda = args.device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        t0, n0 = time.perf_counter(), len(done)
+        await asyncio.sleep(args.window_ms / 1e3)
+        t1, n1 = time.perf_counter(), len(done)
+    stop = True
+    await asyncio.gather(*tasks)
+    path = Path(args.out) / "saturated_trace.json"
+    prof.export_chrome_trace(str(path))
+    trace = json.loads(path.read_text())
+    path.unlink()  # hundreds of MB: the tables keep what matters
+    ts = [e["ts"] for e in trace["traceEvents"] if e.get("cat") == "kernel"]
+    window = (min(ts), max(ts)) if ts else (0.0, 0.0)  # no kernels on the CPU
+    images = n1 - n0
+    streams = stream_view(trace, window)
+    return {
+        "concurrency": args.concurrency,
+        "window_ms": round((t1 - t0) * 1e3, 1),
+        "completed": images,
+        "req_per_s": round(images / (t1 - t0), 2),
+        "streams": streams,
+        "busy_ms_per_image": {
+            k: round(v["busy_us"] / 1e3 / max(images, 1), 3) for k, v in streams.items()
+        },
+        "gpu": gpu_view(trace, window),
+    }
+
+
 def summary(rows: list[Stamps]) -> dict[str, float]:
     def p50(xs: list[float]) -> float:
         return round(statistics.median(xs), 3)
@@ -150,6 +235,8 @@ def summary(rows: list[Stamps]) -> dict[str, float]:
 async def run(args: argparse.Namespace) -> dict:
     w, h = parse_size(args.size)
     n = args.warmup + args.requests + args.profile
+    if args.concurrency > 1:  # enough unique pictures for the warm-up and the window
+        n = int(80 * (args.warmup_s + args.window_ms / 1e3)) + 2 * args.concurrency
     pictures = unique_images(w, h, list(range(n)), seed=args.seed, threads=8)
     print(f"building a random {args.preset} engine ...", flush=True)
     cuda = args.device == "cuda"
@@ -159,6 +246,12 @@ async def run(args: argparse.Namespace) -> dict:
     engine = BatchedEngine(loaded, cfg, image_preparer=ImagePreparer(device=args.device))
     await engine.start()
     host = ImagePreparer(device="cpu")
+    if args.concurrency > 1:
+        decoded = [host.decode_host(data) for data in pictures]
+        result = await saturated(args, engine, decoded)
+        await engine.close()
+        name = torch.cuda.get_device_name() if cuda else "cpu"
+        return {"device": name, "size": args.size, "saturated": result}
     q = "What is the title of this chart?"
     for data in pictures[: args.warmup]:
         await one_request(engine, host, data, q)
@@ -204,9 +297,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--device", default="cuda", help="cpu: a check of this script only")
     ap.add_argument("--out", default=".")
+    ap.add_argument("--concurrency", type=int, default=1, help=">1: the saturated view")
+    ap.add_argument("--warmup-s", type=float, default=3.0)
+    ap.add_argument("--window-ms", type=float, default=500.0)
     args = ap.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     result = asyncio.run(run(args))
+    if "saturated" in result:
+        sat = result["saturated"]
+        (Path(args.out) / "saturated_timeline.json").write_text(json.dumps(result, indent=1))
+        print(
+            f"\nc={sat['concurrency']}: {sat['completed']} requests in {sat['window_ms']} ms "
+            f"({sat['req_per_s']} req/s); GPU busy {sat['gpu']['gpu_busy_us'] / 1e3:.1f} ms"
+        )
+        for name, v in sat["streams"].items():
+            print(
+                f"  stream {name}: {v['kernels']} kernels, busy {v['busy_us'] / 1e3:.1f} ms "
+                f"({sat['busy_ms_per_image'][name]:.2f} ms per request), idle between its "
+                f"kernels {v['idle_us'] / 1e3:.1f} ms; longest gaps {v['longest_gaps'][:3]}"
+            )
+        return 0
     (Path(args.out) / "request_timeline.json").write_text(json.dumps(result, indent=1))
     print("\nc=1, p50 over", args.requests, "requests (ms)")
     for k, v in result["timed_p50"].items():

@@ -481,3 +481,34 @@ def test_request_timeline_tiny_on_the_cpu(tmp_path: Path) -> None:
     p50 = result["timed_p50"]
     assert 0 < p50["decode_ms"] < p50["total_ms"]
     assert p50["engine_ttft_ms"] <= p50["total_ms"]
+
+
+def test_request_timeline_stream_view_merges_each_streams_kernels() -> None:
+    def kernel(ts: float, dur: float, stream: int, name: str) -> dict[str, Any]:
+        return {"ph": "X", "cat": "kernel", "ts": ts, "dur": dur, "name": name,
+                "args": {"stream": stream}}  # fmt: skip
+
+    trace = {
+        "traceEvents": [
+            kernel(100, 50, 7, "a"),
+            kernel(130, 40, 7, "b"),  # overlaps a on its own stream: busy is the union
+            kernel(300, 10, 7, "c"),  # 130 us idle on stream 7
+            kernel(120, 60, 9, "d"),
+            kernel(900, 5, 9, "late"),  # outside the window
+        ]
+    }
+    view = request_timeline.stream_view(trace, (100.0, 500.0))
+    assert view["7"]["kernels"] == 3 and view["7"]["kernel_us"] == 100.0
+    assert view["7"]["busy_us"] == 80.0 and view["7"]["idle_us"] == 130.0
+    assert view["7"]["longest_gaps"] == [(130.0, "c")]
+    assert view["9"] == {
+        "kernels": 1, "kernel_us": 60.0, "busy_us": 60.0, "idle_us": 0.0, "longest_gaps": []
+    }  # fmt: skip
+
+
+def test_request_timeline_saturated_tiny_on_the_cpu(tmp_path: Path) -> None:
+    args = ["--preset", "tiny", "--device", "cpu", "--size", "160x120", "--concurrency", "2"]
+    args += ["--warmup-s", "0.2", "--window-ms", "300", "--out", str(tmp_path)]
+    assert request_timeline.main(args) == 0
+    sat = _strict_json(tmp_path / "saturated_timeline.json")["saturated"]
+    assert sat["concurrency"] == 2 and sat["completed"] > 0 and sat["req_per_s"] > 0
