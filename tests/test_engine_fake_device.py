@@ -43,6 +43,7 @@ from vlm_server.engine.core.prefix_jobs import PrefixJob
 from vlm_server.engine.core.runtime_protocol import Runtime
 from vlm_server.engine.core.scheduler import Scheduler
 from vlm_server.engine.core.sequence import Sequence
+from vlm_server.engine.core.step_plan import Chunk, StepBudget
 from vlm_server.engine.device.runtime import ModelRuntime
 from vlm_server.engine.requests.tasks import TaskCompiler
 from vlm_server.weights.loader import LoadedModel
@@ -103,6 +104,7 @@ class _Watch(Observer):
         self.trace: list[tuple[str, Step]] = []
         self.queued_at_commit: list[int] = []
         self.in_flight: dict[int, set[int]] = {}
+        self.chained = 0
         # Pages each image-prefix batch writes (its prompts' too), with its event's marker.
         self.prefix_writes: list[tuple[object, set[int]]] = []
 
@@ -121,6 +123,9 @@ class _Watch(Observer):
 
     def launched(self, step: Step) -> None:
         self.trace.append(("launch", step))
+        if step.plan is not None:  # held rows launched before the host saw their prefix
+            rows = zip(step.seqs[step.plan.n_decode :], step.plan.chunks, strict=True)
+            self.chained += sum(not c.length and not s.prefix.ready for s, c in rows)
         pages: set[int] = set()
         for seq in step.seqs:
             pages.update(seq.own_pages)
@@ -195,6 +200,7 @@ def _drive(
     pipeline: type[PipelineState] | None = None,
     budget: int = SMALL_BUDGET,
     n_requests: int = N_REQUESTS,
+    riding: int = EngineConfig().prefix_prompt_tokens,
     **faults: object,
 ) -> Run:
     """Submit, cancel and tick by hand (no thread); between ticks the device runs a random
@@ -207,6 +213,7 @@ def _drive(
         pipeline_depth=depth,
         max_prefill_batch=3,
         max_step_tokens=budget,
+        prefix_prompt_tokens=riding,
         prefix_cache_entries=1,
         mask_table_rows=64,
         # Room for a few requests at a time: admission waits for pages to come back.
@@ -371,8 +378,11 @@ def test_a_slow_prefill_stream_changes_no_answer(
     region_model: LoadedModel, images: list[PreparedImage], depth: int, blocking: Run
 ) -> None:
     """Image prefixes that finish only when nothing else can run (their requests wait as
-    pending, requests for the same image join them): same answers, same invariants."""
-    run = _drive(region_model, images, depth, 1, scheduler=_PendingWatch, lagging=["prefill"])
+    pending, requests for the same image join them): same answers, same invariants. No
+    prompt rides its prefix here: a request alone would chain its held row behind it."""
+    run = _drive(
+        region_model, images, depth, 1, scheduler=_PendingWatch, lagging=["prefill"], riding=0
+    )
     assert run.answers() == blocking.answers()
     assert isinstance(run.sched, _PendingWatch) and run.sched.waited > 0  # they really waited
     assert run.device.kernel_streams == ["compute"]
@@ -386,12 +396,13 @@ class _CancelRiders(Scheduler):
 
     riders: list[str]
 
-    def _sweep_cancelled(self) -> None:
+    def _admit(self, budget: StepBudget) -> list[tuple[Sequence, Chunk]]:
+        admitted = super()._admit(budget)
         for seq in self.running:
             if seq.rides_prefix and seq.cancelled is None:
                 self.riders.append(seq.request.request_id)
                 seq.cancelled = ErrorCode.CANCELLED
-        super()._sweep_cancelled()
+        return admitted
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -447,11 +458,20 @@ def _sync_points(blocking: Run) -> tuple[list[str], list[str]]:
     return waits, records
 
 
+def test_held_rows_of_a_request_alone_chain_behind_its_prefix(blocking: Run) -> None:
+    """Prompts riding their image prefix while nothing else ran were sampled by a step
+    queued behind the prefix on the device (the answers are checked against other depths
+    and budgets above), and their prefix wait was still measured."""
+    assert blocking.watch.chained
+    riders = [s for s in blocking.seqs.values() if s.prefix is not None and not s.prefix_hit]
+    assert all(s.metrics.prefix_wait_ms > 0 for s in riders if not s.cancelled)
+
+
 def test_the_runtime_issues_the_expected_waits_and_records(blocking: Run) -> None:
     waits, records = _sync_points(blocking)
-    assert waits == ["inputs_ready", "mask_ready", "step_done"]
-    # prefix_done: no wait on it anywhere; the scheduler polls it before any step reads a
-    # new image prefix's pages.
+    # prefix_done: polled by the scheduler before any step reads a new image prefix's pages,
+    # waited for on the device only by held rows chained behind their prefixes.
+    assert waits == ["inputs_ready", "mask_ready", "prefix_done", "step_done"]
     assert records == ["d2h_done", "inputs_ready", "mask_ready", "prefix_done", "step_done"]
 
 
@@ -461,6 +481,8 @@ def test_the_runtime_issues_the_expected_waits_and_records(blocking: Run) -> Non
         ({"drop_waits": ["inputs_ready"]}, "order"),
         ({"drop_waits": ["mask_ready"]}, "order"),
         ({"drop_waits": ["step_done"]}, "I3"),
+        # A held row chained behind its prefix would read the held state before it is written.
+        ({"drop_waits": ["prefix_done"], "lagging": ["prefill"]}, "order"),
         ({"drop_records": ["inputs_ready"]}, "order"),
         ({"drop_records": ["mask_ready"]}, "order"),
         ({"drop_records": ["step_done"]}, "I3"),

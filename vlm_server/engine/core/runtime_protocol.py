@@ -46,11 +46,14 @@ class Runtime(Protocol):
         """Whether the device finished the batch of ``handle`` (a non-blocking query)."""
         ...
 
-    def launch_mixed(self, slot: int, seqs: list[Sequence], plan: StepPlan) -> None:
+    def launch_mixed(
+        self, slot: int, seqs: list[Sequence], plan: StepPlan, after: object | None = None
+    ) -> None:
         """Enqueue one mixed step into ``slot``: one forward over the decode rows and prompt
         chunks of ``plan`` (rows in ``seqs`` order, see core/step_plan.py; every image prefix
-        they read is ready); the last token's hidden state of each row (a held row's: the one
-        its prefix batch left) lands in the slot for finalize. No host wait."""
+        they read is ready, or its batch is ``after``, a `launch_prefixes` handle the step
+        waits for on the device); the last token's hidden state of each row (a held row's: the
+        one its prefix batch left) lands in the slot for finalize. No host wait."""
         ...
 
     def launch_decode(self, slot: int, seqs: list[Sequence]) -> None:

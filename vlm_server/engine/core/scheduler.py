@@ -190,7 +190,20 @@ class Scheduler:
         self.observer.tick(t1 - t0, t2 - t1, time.perf_counter() - t2)
         self.flush_events()
 
+    def _chainable(self) -> bool:
+        """Nothing runs but prompts riding image prefixes still on the device, and nothing
+        waits: sampling their first outputs can be queued behind those prefixes at once,
+        instead of after the host saw them finish (a request alone saves that round trip)."""
+        return (
+            not self.pipe.n_in_flight
+            and not self.waiting
+            and bool(self.running)
+            and all(s.rides_prefix and s.held and s.cancelled is None for s in self.running)
+        )
+
     def _launchable(self) -> bool:
+        if self._chainable():
+            return True
         if any(
             s.wants_decode_step() or s.wants_prefill_chunk() or s.wants_held_sample()
             for s in self.running
@@ -217,6 +230,16 @@ class Scheduler:
         for s, chunk in self._admit(budget):
             chunks.append(chunk)
             prefill.append(s)
+        after = None
+        if not decode and not prefill and self._chainable():
+            # Only prompts riding new prefixes: their held rows go now, behind the prefixes
+            # on the device; the step's commit stands for the batch their pages wait for.
+            prefill = list(running)
+            chunks = [Chunk.held(len(s.prompt)) for s in prefill]
+            after = self.pending_prefixes[-1].pending  # the prefill stream runs in order
+            for s in prefill:
+                s.rides_prefix = False
+                s.drop_ref()
         if not decode and not prefill:
             return
         seqs = decode + prefill
@@ -224,7 +247,7 @@ class Scheduler:
             plan = StepPlan(len(decode), chunks)
             step = self.pipe.launch(LaunchKind.MIXED, seqs, plan)
             self.observer.launched(step)
-            self.rt.launch_mixed(step.slot, seqs, plan)
+            self.rt.launch_mixed(step.slot, seqs, plan, after)
         else:
             step = self.pipe.launch(LaunchKind.DECODE, seqs)
             self.observer.launched(step)
@@ -258,11 +281,13 @@ class Scheduler:
         if ready:
             now = time.monotonic()
             for s in self.running:
-                if s.state is _PREFILL and any(s.prefix is e for e in ready):
+                if not any(s.prefix is e for e in ready):
+                    continue
+                if not s.metrics.prefix_wait_ms:  # a chained held row may have set it
                     s.metrics.prefix_wait_ms = (now - s.prefill_launched_at) * 1e3
-                    if s.rides_prefix:  # the prefill stream no longer writes its pages
-                        s.rides_prefix = False
-                        s.drop_ref()
+                if s.rides_prefix:  # the prefill stream no longer writes its pages
+                    s.rides_prefix = False
+                    s.drop_ref()
 
     def _prefix_batches_in_flight(self) -> int:
         return len({id(e.pending) for e in self.pending_prefixes})
@@ -440,6 +465,9 @@ class Scheduler:
             seq.drop_ref()
             if i >= chunk_rows and plan is not None and plan.ends_prefill(i):
                 seq.metrics.prefill_ms = (now - seq.prefill_launched_at) * 1e3
+                if seq.prefix is not None and not seq.prefix_hit and not seq.metrics.prefix_wait_ms:
+                    # Its held row ran behind its prefix on the device: done by now.
+                    seq.metrics.prefix_wait_ms = seq.metrics.prefill_ms
             if not seq.finished:
                 if seq.cancelled is not None:
                     self._fail(seq, seq.cancelled)

@@ -632,7 +632,9 @@ class ModelRuntime:
         handle.synchronize()  # type: ignore[attr-defined]  # watcher thread only, off the tick
 
     @torch.inference_mode()
-    def launch_mixed(self, slot: int, seqs: list[Sequence], plan: StepPlan) -> None:
+    def launch_mixed(
+        self, slot: int, seqs: list[Sequence], plan: StepPlan, after: object | None = None
+    ) -> None:
         """Enqueue one mixed step: the cached prefix tail pages copied into the sequences
         starting their prompt, then one forward over the ragged token batch (decode rows +
         prompt chunks, core/step_plan.py); each row's last token's hidden state lands in the
@@ -640,7 +642,9 @@ class ModelRuntime:
 
         Everything the device work needs from the host (the token layout, pages) is planned
         here, at launch: by the time the work runs, the sequences may have moved on. The inputs
-        go up in one copy from the slot's pinned buffer (core/mixed_inputs.py)."""
+        go up in one copy from the slot's pinned buffer (core/mixed_inputs.py). With ``after``
+        (a `launch_prefixes` handle) the step waits on the device for that batch: its held
+        rows may be sampled before the host saw the prefixes finish."""
         buf, dev = self.slots[slot], self.dev
         tokens, last = pack_tokens(seqs, plan)
         t = len(tokens)
@@ -660,6 +664,8 @@ class ModelRuntime:
                     tails.append((entry.tail_page, seqs[i].own_pages[0]))
         values = self.mixed_layout.pack(self._mixed_scratch, tokens, last, tails, n, self.pad_row)
         self._send_inputs(slot, buf.mixed_host, buf.mixed_dev, values)
+        if after is not None:  # held rows of a prefix batch still running: a device wait
+            dev.wait(dev.compute_stream, after)
 
         def access() -> tuple[list, list]:
             # Host numpy only, and only the fake device calls it: no device sync here.
