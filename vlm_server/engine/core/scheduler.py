@@ -21,7 +21,10 @@ prompts it ends then launch right behind it instead of after its commit.
 Before those, each tick polls (without blocking) the image prefixes admission started on the
 device's prefill stream: a prefix becomes ready once its batch's event completed, and only
 then do the prompt chunks of its requests (and of any request for the same image admitted
-meanwhile) join steps. At most ``runtime.prefix_slots`` batches are in flight.
+meanwhile) join steps. At most ``runtime.prefix_slots`` batches are in flight. A first
+user's short prompt rides its new prefix's forward instead (core/prefix_jobs.py) and needs
+only a held row once the prefix is ready; when nothing else runs, that row's step is launched
+at once, waiting for the prefix batch on the device rather than for the host to see it end.
 
 At depth 1 the same calls run as launch -> finalize -> commit, one step at a time (blocking).
 """

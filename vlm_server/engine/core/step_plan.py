@@ -13,7 +13,9 @@ stalls running streams by more than one step.
 An image prefix (BOS + image patches) is not part of any step: the scheduler starts it on
 the device's prefill stream when it admits the prefix's first user, and that user's prompt
 chunks join steps once the prefix is ready (core/prefix_cache.py), so a new image never
-lengthens a step.
+lengthens a step. A short prompt may instead ride its prefix's forward (core/prefix_jobs.py):
+its row in a step then holds no token (a zero-length final chunk, `Chunk.held`) and samples
+the hidden state that forward kept.
 
 `pack_tokens` turns a plan into the per-token layout the runtime uploads in one copy:
 
