@@ -191,6 +191,19 @@ def test_content_hash_helper() -> None:
         content_hash(image.convert("L"))
 
 
+def test_digest_is_the_same_on_one_thread_or_many() -> None:
+    """Pictures above the threading threshold are hashed on BLAKE3's thread pool: the same
+    digest as one thread gives (BLAKE3 is a tree), for sizes either side of it."""
+    import blake3
+
+    rng = np.random.default_rng(0)
+    for h, w in ((600, 800), (1200, 1500)):  # 1.4 MB (one thread) and 5.4 MB (the pool)
+        pixels = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        one = blake3.blake3(f"rgb8 {h}x{w}\n".encode(), max_threads=1)
+        one.update(pixels.tobytes())
+        assert content_hash(pixels) == one.hexdigest()
+
+
 # ---------------------------------------------------------------- thread safety
 
 
