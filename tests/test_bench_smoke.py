@@ -450,11 +450,13 @@ def test_host_tick_every_scenario_and_a_comparison(tmp_path: Path) -> None:
     assert [r["rows"] for r in rows] == [1, 3] and all(r["ratio"] > 0 for r in rows)
 
 
-def test_request_timeline_gpu_view_sums_streams_and_finds_gaps() -> None:
-    def kernel(ts: float, dur: float, stream: int, name: str) -> dict[str, Any]:
-        return {"ph": "X", "cat": "kernel", "ts": ts, "dur": dur, "name": name,
-                "args": {"stream": stream}}  # fmt: skip
+def kernel(ts: float, dur: float, stream: int, name: str) -> dict[str, Any]:
+    """A profiler trace's kernel event."""
+    return {"ph": "X", "cat": "kernel", "ts": ts, "dur": dur, "name": name,
+            "args": {"stream": stream}}  # fmt: skip
 
+
+def test_request_timeline_gpu_view_sums_streams_and_finds_gaps() -> None:
     trace = {
         "traceEvents": [
             kernel(100, 50, 7, "a"),
@@ -484,10 +486,6 @@ def test_request_timeline_tiny_on_the_cpu(tmp_path: Path) -> None:
 
 
 def test_request_timeline_stream_view_merges_each_streams_kernels() -> None:
-    def kernel(ts: float, dur: float, stream: int, name: str) -> dict[str, Any]:
-        return {"ph": "X", "cat": "kernel", "ts": ts, "dur": dur, "name": name,
-                "args": {"stream": stream}}  # fmt: skip
-
     trace = {
         "traceEvents": [
             kernel(100, 50, 7, "a"),

@@ -288,20 +288,27 @@ def test_fused_add_layernorm_matches_pytorch(dtype: torch.dtype, dim: int) -> No
             torch.testing.assert_close(out, norm(want), atol=tol, rtol=tol)
 
 
+def _random_decoder(dtype: torch.dtype) -> torch.nn.Module:
+    """The tiny preset's text decoder on CUDA with seeded random weights."""
+    from vlm_server.model.text import TextDecoder
+
+    torch.manual_seed(0)
+    dec = TextDecoder(preset("tiny").text)
+    for p in dec.parameters():
+        p.data.normal_(0, 0.05)
+    dec = dec.cuda().to(dtype)
+    dec.reset_rotary("cuda")
+    return dec
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefix_kv_matches_the_pytorch_prefix_path(dtype: torch.dtype) -> None:
     """The BOS + image forward through the Triton rotary/KV-write kernel (PrefixKV) gives the
     hidden states and the pages of the PyTorch path (PagedKV, fresh prefix)."""
     from vlm_server.engine.device.kernels.paged_attention import PagedKV, PrefixKV
-    from vlm_server.model.text import TextDecoder
 
     cfg = preset("tiny").text
-    torch.manual_seed(0)
-    dec = TextDecoder(cfg)
-    for p in dec.parameters():
-        p.data.normal_(0, 0.05)
-    dec = dec.cuda().to(dtype)
-    dec.reset_rotary("cuda")
+    dec = _random_decoder(dtype)
     length, n_img, page = 45, 3, 16
     ppe = -(-length // page)
     shape = (40, page, cfg.n_kv_heads, cfg.head_dim)
@@ -335,15 +342,9 @@ def test_prefix_with_riding_prompts_matches_the_pytorch_path(dtype: torch.dtype)
     tokens."""
     from vlm_server.engine.core.mixed_inputs import MixedLayout
     from vlm_server.engine.device.kernels.paged_attention import PrefixPromptKV
-    from vlm_server.model.text import TextDecoder
 
     cfg = preset("tiny").text
-    torch.manual_seed(0)
-    dec = TextDecoder(cfg)
-    for p in dec.parameters():
-        p.data.normal_(0, 0.05)
-    dec = dec.cuda().to(dtype)
-    dec.reset_rotary("cuda")
+    dec = _random_decoder(dtype)
     length, n_img, page, pad_job = 45, 3, 16, 4
     prompts = [20, 0, 3]  # prompt tokens of each prefix: the second has none
     width = -(-(length + max(prompts)) // page)
