@@ -653,7 +653,7 @@ class ModelRuntime:
         # A step of held rows only (prompts that ran with their prefix) runs no forward.
         n = self._token_bucket(t) if self.mixed_graphs and t else t
         n_blocks = int(tokens[:, T_POS].max()) // self.cfg.page_size + 1 if t else 0
-        held_rows = [HELD - h for h in last.tolist() if h <= HELD]
+        held_rows = [HELD - h for h in last.tolist() if h <= HELD]  # host numpy: no sync
         tails, prefix_pages = [], []
         for i, chunk in enumerate(plan.chunks, start=plan.n_decode):
             entry = seqs[i].prefix
