@@ -102,6 +102,18 @@ def test_the_model_list_names_the_served_model(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list()] == ["tiny"]
 
 
+def test_the_model_list_states_the_limits(client: openai.OpenAI) -> None:
+    """The served model's context and every limit a client can hit, by GetModelInfo's
+    names, with this door's body cap."""
+    (model,) = client.models.list()
+    extra = model.model_extra or {}
+    limits = extra["limits"]
+    assert extra["max_model_len"] == limits["max_tokens"] > 0
+    for name in ("max_image_bytes", "max_image_pixels", "max_question_chars", "max_queue"):
+        assert limits[name] > 0, name
+    assert limits["max_http_body_bytes"] > 0
+
+
 ERRORS: list[tuple[str, dict[str, Any], str]] = [
     ("negative temperature", {"temperature": -1}, "temperature"),
     ("top_p zero", {"top_p": 0}, "top_p"),

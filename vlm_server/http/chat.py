@@ -150,6 +150,13 @@ MODELS_RESPONSE: dict[str, Any] = {
                     "object": {"type": "string"},
                     "created": {"type": "integer"},
                     "owned_by": {"type": "string"},
+                    "max_model_len": {"type": "integer"},
+                    "limits": {
+                        "type": "object",
+                        "additionalProperties": {"type": "integer"},
+                        "description": "Every limit a client can hit (GetModelInfo's "
+                        "ServerLimits, and max_http_body_bytes)",
+                    },
                 },
             },
         },
@@ -284,6 +291,15 @@ def _usage(done: Finished) -> dict[str, int]:
 
 
 async def models(ex: Exchange) -> web.StreamResponse:
-    info = ex.active_call.engine().info
-    entry = {"id": info.model_name, "object": "model", "created": 0, "owned_by": OWNER}
+    call = ex.active_call
+    info = call.engine().info
+    entry = {
+        "id": info.model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": OWNER,
+        "max_model_len": info.max_context,  # prompt + output tokens, as other servers name it
+        # What a client can hit here: the gRPC API's ServerLimits, and this door's body cap.
+        "limits": {**call.core.limits.describe(info), "max_http_body_bytes": ex.max_body_bytes},
+    }
     return ex.respond({"object": "list", "data": [entry]})

@@ -23,6 +23,7 @@ from typing import Any
 from vlm_server.engine.api import (
     Engine,
     EngineError,
+    EngineInfo,
     ErrorCode,
     Finished,
     GenerationRequest,
@@ -67,6 +68,24 @@ class Limits:
     image_cache_bytes: int
     max_object_chars: int = validation.MAX_OBJECT_CHARS
     max_question_chars: int = validation.MAX_QUESTION_CHARS
+
+    def describe(self, info: EngineInfo) -> dict[str, int]:
+        """Every limit a client can hit, the server's and the engine's, by the names of the
+        API's ``ServerLimits``."""
+        return {
+            "max_message_bytes": self.max_message_bytes,
+            "max_image_bytes": self.max_image_bytes,
+            "max_image_pixels": self.max_image_pixels,
+            "max_image_side": self.max_image_side,
+            "max_tokens": info.max_context,
+            "max_queue": info.max_queue,
+            "image_cache_bytes": self.image_cache_bytes,
+            "max_object_chars": self.max_object_chars,
+            "max_question_chars": self.max_question_chars,
+            "max_choices": info.max_choices,
+            "max_choice_chars": info.max_choice_chars,
+            "max_regex_chars": info.max_regex_chars,
+        }
 
 
 Identify = Callable[[Any, str], str]  # (request metadata, peer) -> client identity
