@@ -15,8 +15,10 @@ and prompt chunks, graph-captured per token-count bucket with the batch padded b
 New image prefixes are not part of any step: `launch_prefixes` runs the image path (one graph
 per tiling) and the BOS + image forward (one graph per number of images) on the prefill
 stream, a low-priority stream beside the compute stream, so a new image overlaps the decode
-steps instead of lengthening one. Only the prefix's own pages are written there, and the
-scheduler launches no step that reads them before `prefix_ready` said the batch completed.
+steps instead of lengthening one. Only the prefix's own pages are written there (and those of
+the prompts riding the batch, core/prefix_jobs.py, with their last hidden states in ``held``),
+and the scheduler launches no step that reads them before `prefix_ready` said the batch
+completed, unless the step itself waits for the batch on the device (``after``).
 
 All stream, event, copy and pinned-buffer work goes through a `Device`
 (`TorchDevice` in production), so the same code runs on a fake device in the tests. Per step:
