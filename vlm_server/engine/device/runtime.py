@@ -699,7 +699,7 @@ class ModelRuntime:
             self.kv[:, :, pairs[:, 1]] = self.kv[:, :, pairs[:, 0]]
         if not n:
             last = buf.mixed_dev[: self.mixed_layout.rows]
-            buf.hidden[: len(last)] = self.held[(HELD - last).clamp(min=0)]
+            buf.hidden[: len(last)] = self._held_states(last)
         elif (slot, n) in self.mixed_graphs:
             self.mixed_graphs.replay((slot, n))
         else:
@@ -742,8 +742,13 @@ class ModelRuntime:
             h = m.text(x[None], pos[None], kv)[0]
         # Rows without a token here (-1) sample nothing: any row's state will do. Held rows
         # take what their prefix batch left.
-        held = self.held[(HELD - last).clamp(min=0)]
+        held = self._held_states(last)
         buf.hidden[: lay.rows] = torch.where((last <= HELD)[:, None], held, h[last.clamp(min=0)])
+
+    def _held_states(self, last: torch.Tensor) -> torch.Tensor:
+        """The kept hidden state of each step row's sequence (``last`` <= HELD; other rows get
+        row 0's, which they do not use)."""
+        return self.held[(HELD - last).clamp(min=0)]
 
     def _image_prefixes(self, i: int, jobs: list[PrefixJob], p: int, n_tails: int) -> None:
         """BOS + image embeddings of each new image (one graph replay per image, captured per
