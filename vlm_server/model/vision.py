@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_server.config import VisionConfig
+from vlm_server.model.fp8_vision import Fp8Tower
 from vlm_server.model.fused_norm import add_layernorm
 from vlm_server.model.layers import MLP, LayerNorm
 
@@ -55,6 +56,13 @@ class VisionEncoder(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.enc_n_layers))
         self.post_ln = LayerNorm(cfg.enc_dim)
         self.proj_mlp = MLP(2 * cfg.enc_dim, cfg.proj_inner_dim, cfg.proj_out_dim)
+        # Set by `use_fp8`: the tower's FP8 weights (not part of the checkpoint's state).
+        self.fp8: Fp8Tower | None = None
+
+    def use_fp8(self, enabled: bool = True) -> None:
+        """Run QKV, fc1 and fc2 as FP8 GEMMs from now on (model/fp8_vision.py), or not.
+        Quantizes the current weights: call it after loading them."""
+        self.fp8 = Fp8Tower(self) if enabled else None
 
     def patchify(self, crops: torch.Tensor) -> torch.Tensor:
         """[N, C, H, W] -> [N, grid*grid, C*p*p]; patch index py*grid+px, feature c*p*p+iy*p+ix."""
@@ -65,6 +73,8 @@ class VisionEncoder(nn.Module):
 
     def encode(self, crops: torch.Tensor) -> torch.Tensor:
         """Run the tower on a batch of crops (of one or many images)."""
+        if self.fp8 is not None:
+            return self.fp8.encode(self, crops)
         x = self.patch_emb(self.patchify(crops)) + self.pos_emb
         blocks = self.blocks
         h = blocks[0].ln1(x)

@@ -85,6 +85,7 @@ def batched_engine(config: ServerConfig, one_at_a_time: bool = False) -> Engine:
         prefill_batches=config.prefill_batches,
         prefix_prompt_tokens=config.prefix_prompt_tokens,
         crop_graph_sizes=config.image_crop_graphs,
+        vision_fp8=config.vision_fp8,
         constraint_limits=constraint_limits(config),
     )
     return BatchedEngine(

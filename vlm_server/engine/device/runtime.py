@@ -81,6 +81,7 @@ from vlm_server.engine.device.kernels.paged_attention import (
 )
 from vlm_server.engine.device.streams import CpuEvent, Device, Event, TorchDevice
 from vlm_server.model import MoondreamModel
+from vlm_server.model.fp8_vision import fp8_supported
 
 
 @dataclass
@@ -203,6 +204,13 @@ class ModelRuntime:
                     f"prefill_sm_carveout ({cfg.prefill_sm_carveout}) must leave the image "
                     f"path some of the device's {sms} SMs"
                 )
+        if cfg.vision_fp8:
+            if not fp8_supported(self.torch_device):
+                raise ValueError(
+                    "vision_fp8 needs a CUDA device with FP8 matrix units (compute capability "
+                    f"8.9 or newer); the model is on {self.torch_device}"
+                )
+            model.vision.use_fp8()
         budget = cfg.kv_budget_bytes or self._default_budget()
         n_pages = max(2, budget // kv_page_bytes(model, cfg.page_size))
         shape = (2, tc.n_layers, n_pages, cfg.page_size, tc.n_kv_heads, tc.head_dim)

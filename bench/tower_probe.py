@@ -1,0 +1,307 @@
+"""Where the vision tower's time goes, one GEMM shape and layout at a time (CUDA only).
+
+    python -m bench.tower_probe [--crops 9] [--json OUT.json]
+
+Times, at the tower's real shapes (M = crops x 729 patches, moondream2 widths, bf16), each
+linear layer as the tower runs it and in the alternatives a faster tower could use: no bias
+epilogue, the residual add inside the GEMM (``beta = 1``), the MLP's inner width padded to a
+multiple of 128, the row count padded, and cuBLAS against cuBLASLt. Then the attention and the
+fused add + LayerNorm alone. Each time is the median of CUDA-event-timed graph replays (ten
+calls a replay, so launches are out of the numbers), over inputs drawn at random.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from vlm_server.config import VisionConfig
+
+
+def replay_us(fn: Callable[[], object], calls: int = 10, reps: int = 30) -> float:
+    """Median time of one ``fn()`` call in microseconds, from graph replays of ``calls`` calls."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def _blas(name: str) -> None:
+    torch.backends.cuda.preferred_blas_library(name)
+
+
+def gemm_rows(m: int, vc: VisionConfig, dt: torch.dtype) -> list[dict]:
+    """Each of the block's four linears in its variants, at M = m rows."""
+    d, f = vc.enc_dim, vc.enc_ff_dim
+    fp = -(-f // 128) * 128
+    mp = -(-m // 128) * 128
+    dev = "cuda"
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=dev, dtype=dt) * 0.05
+
+    h, hp = rnd(m, d), rnd(mp, d)
+    w_qkv, b_qkv = rnd(3 * d, d), rnd(3 * d)
+    w_proj, b_proj = rnd(d, d), rnd(d)
+    w1, b1 = rnd(f, d), rnd(f)
+    w1p = torch.cat([w1, torch.zeros(fp - f, d, device=dev, dtype=dt)])
+    b1p = torch.cat([b1, torch.zeros(fp - f, device=dev, dtype=dt)])
+    w2, b2 = rnd(d, f), rnd(d)
+    w2p = torch.cat([w2, torch.zeros(d, fp - f, device=dev, dtype=dt)], dim=1).contiguous()
+    a_inner, a_innerp = rnd(m, f), rnd(m, fp)
+    resid = rnd(m, d)
+    flops = {
+        "qkv": 2 * m * d * 3 * d,
+        "proj": 2 * m * d * d,
+        "fc1": 2 * m * d * f,
+        "fc2": 2 * m * f * d,
+    }
+
+    variants: list[tuple[str, str, Callable[[], object]]] = [
+        ("qkv", "linear+bias", lambda: F.linear(h, w_qkv, b_qkv)),
+        ("qkv", "mm", lambda: torch.mm(h, w_qkv.t())),
+        ("qkv", "linear+bias rows padded", lambda: F.linear(hp, w_qkv, b_qkv)),
+        ("proj", "linear+bias", lambda: F.linear(h, w_proj, b_proj)),
+        ("proj", "mm", lambda: torch.mm(h, w_proj.t())),
+        ("proj", "addmm_ residual", lambda: resid.addmm_(h, w_proj.t())),
+        ("proj", "linear+bias rows padded", lambda: F.linear(hp, w_proj, b_proj)),
+        (
+            "fc1",
+            "addmm+gelu",
+            lambda: torch._addmm_activation(b1, h, w1.t(), use_gelu=True),
+        ),
+        ("fc1", "linear+bias", lambda: F.linear(h, w1, b1)),
+        ("fc1", "mm", lambda: torch.mm(h, w1.t())),
+        (
+            "fc1",
+            "addmm+gelu N padded",
+            lambda: torch._addmm_activation(b1p, h, w1p.t(), use_gelu=True),
+        ),
+        ("fc1", "linear+bias N padded", lambda: F.linear(h, w1p, b1p)),
+        ("fc2", "linear+bias", lambda: F.linear(a_inner, w2, b2)),
+        ("fc2", "mm", lambda: torch.mm(a_inner, w2.t())),
+        ("fc2", "addmm_ residual", lambda: resid.addmm_(a_inner, w2.t())),
+        ("fc2", "linear+bias K padded", lambda: F.linear(a_innerp, w2p, b2)),
+        ("fc2", "addmm_ residual K padded", lambda: resid.addmm_(a_innerp, w2p.t())),
+    ]
+    rows = []
+    for lib in ("cublaslt", "cublas"):
+        _blas(lib)
+        for gemm, name, fn in variants:
+            us = replay_us(fn)
+            scale = mp / m if "rows padded" in name else 1.0
+            rows.append(
+                {
+                    "gemm": gemm,
+                    "variant": name,
+                    "blas": lib,
+                    "us": us,
+                    "tflops": flops[gemm] * scale / us / 1e6,
+                }
+            )
+            print(
+                f"{gemm:>5} {name:<26} {lib:<9} {us:8.1f} us {rows[-1]['tflops']:6.0f} TF/s",
+                flush=True,
+            )
+    _blas("cublaslt")
+    return rows
+
+
+def fp8_rows(m: int, vc: VisionConfig, dt: torch.dtype) -> list[dict]:
+    """The block's linears as FP8 (e4m3) GEMMs with bf16 output: one scale per tensor, or
+    one per activation row and weight column; plain and fast accumulation."""
+    d, f = vc.enc_dim, vc.enc_ff_dim
+    fp = -(-f // 128) * 128
+    e4m3 = torch.float8_e4m3fn
+    shapes = {
+        "qkv": (d, 3 * d),
+        "proj": (d, d),
+        "fc1": (d, f),
+        "fc2": (f, d),
+        "fc2 K padded": (fp, d),
+    }
+    rows = []
+    for gemm, (k, n) in shapes.items():
+        a = (torch.randn(m, k, device="cuda") * 0.5).to(e4m3)
+        w = (torch.randn(n, k, device="cuda") * 0.5).to(e4m3)
+        bias = torch.randn(n, device="cuda", dtype=dt)
+        one = torch.ones((), device="cuda")
+        sa, sb = torch.ones(m, 1, device="cuda"), torch.ones(1, n, device="cuda")
+        flops = 2 * m * k * n
+        for scales, (x, y) in (("tensor", (one, one)), ("row", (sa, sb))):
+            for fast in (False, True):
+                for with_bias in (False, True):
+
+                    def fn(a=a, w=w, x=x, y=y, fast=fast, b=bias if with_bias else None) -> object:
+                        return torch._scaled_mm(
+                            a, w.t(), x, y, bias=b, out_dtype=dt, use_fast_accum=fast
+                        )
+
+                    try:
+                        us = replay_us(fn)
+                    except RuntimeError as err:
+                        print(f"fp8 {gemm} {scales}: {str(err).splitlines()[0][:90]}")
+                        continue
+                    name = f"fp8 {scales}{' fast' if fast else ''}{' bias' if with_bias else ''}"
+                    rows.append(
+                        {"gemm": gemm, "variant": name, "us": us, "tflops": flops / us / 1e6}
+                    )
+                    print(
+                        f"{gemm:>12} {name:<24} {us:8.1f} us {rows[-1]['tflops']:6.0f} TF/s",
+                        flush=True,
+                    )
+    return rows
+
+
+def attention_rows(crops: int, vc: VisionConfig, dt: torch.dtype) -> list[dict]:
+    """The tower's attention alone, from the QKV output's views as the tower runs it and
+    from contiguous tensors, per SDPA backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    t, d, nh = vc.n_patches, vc.enc_dim, vc.enc_n_heads
+    qkv = torch.randn(crops, t, 3 * d, device="cuda", dtype=dt)
+    q, k, v = (c.view(crops, t, nh, d // nh).transpose(1, 2) for c in qkv.chunk(3, dim=-1))
+    qc, kc, vc_ = (x.contiguous() for x in (q, k, v))
+    # q, k, v each its own [crops, t, heads, head_dim] tensor (three GEMMs' outputs)
+    qs, ks, vs = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+    rows = []
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+        for layout, args in (
+            ("qkv views", (q, k, v)),
+            ("contiguous", (qc, kc, vc_)),
+            ("bshd", (qs, ks, vs)),
+        ):
+            with sdpa_kernel([backend]):
+                try:
+                    us = replay_us(lambda a=args: F.scaled_dot_product_attention(*a))
+                except RuntimeError as err:
+                    print(f"attention {backend.name} {layout}: {str(err).splitlines()[0][:80]}")
+                    continue
+            rows.append({"backend": backend.name, "layout": layout, "us": us})
+            print(f"attention {backend.name:<16} {layout:<10} {us:8.1f} us", flush=True)
+    return rows
+
+
+def norm_rows(m: int, vc: VisionConfig, dt: torch.dtype) -> list[dict]:
+    """The fused add + LayerNorm as the tower runs it, and plain LayerNorm (one read, one
+    write) for the floor of a norm whose add happened in the GEMM."""
+    from vlm_server.model.fused_norm import add_layernorm
+    from vlm_server.model.layers import LayerNorm
+
+    d = vc.enc_dim
+    norm = LayerNorm(d).to("cuda", dt)
+    x, a = (torch.randn(m, d, device="cuda", dtype=dt) for _ in range(2))
+    from vlm_server.model.fp8_vision import gelu_fp8, layernorm_fp8
+
+    u = torch.randn(m, vc.enc_ff_dim, device="cuda", dtype=dt) * 3
+    inner = -(-vc.enc_ff_dim // 128) * 128
+    rows = [
+        {"variant": "add_layernorm", "us": replay_us(lambda: add_layernorm(x, a, None, norm))},
+        {"variant": "layer_norm", "us": replay_us(lambda: norm(x))},
+        {"variant": "add_layernorm_fp8", "us": replay_us(lambda: layernorm_fp8(x, a, norm))},
+        {"variant": "gelu_fp8", "us": replay_us(lambda: gelu_fp8(u, inner))},
+        {"variant": "gelu bf16 (torch)", "us": replay_us(lambda: F.gelu(u, approximate="tanh"))},
+    ]
+    for r in rows:
+        print(f"norm {r['variant']:<16} {r['us']:8.1f} us", flush=True)
+    return rows
+
+
+def tower_rows(crops: int, dt: torch.dtype, profile_dir: str | None) -> list[dict]:
+    """The whole tower (random weights), graph-replayed, bf16 and with FP8 GEMMs; the FP8
+    tower's deviation from the bf16 one; a kernel table of each when ``profile_dir``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from vlm_server.config import VisionConfig as VC
+    from vlm_server.model.vision import VisionEncoder
+
+    enc = VisionEncoder(VC()).to("cuda", dt).eval()
+    for p in enc.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    x = torch.randn(crops, 3, 378, 378, device="cuda", dtype=dt)
+    rows, outs = [], {}
+    for mode in ("bf16", "fp8"):
+        enc.use_fp8(mode == "fp8")
+        us = replay_us(lambda: enc.encode(x), calls=1, reps=20)
+        outs[mode] = enc.encode(x).float()
+        rows.append({"crops": crops, "mode": mode, "ms": us / 1e3})
+        print(f"tower {crops} crops {mode:<5} {us / 1e3:8.3f} ms", flush=True)
+        if profile_dir:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                enc.encode(x)
+                torch.cuda.synchronize()
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14)
+            with open(f"{profile_dir}/tower_{mode}_kernels.txt", "w") as f:
+                f.write(table)
+    a, b = outs["fp8"], outs["bf16"]
+    cos = F.cosine_similarity(a.flatten(0, 1), b.flatten(0, 1), dim=-1)
+    rows.append(
+        {
+            "fp8_vs_bf16_rel_err": float((a - b).norm() / b.norm()),
+            "fp8_vs_bf16_min_cos": float(cos.min()),
+        }
+    )
+    print(
+        f"fp8 tower vs bf16: rel err {rows[-1]['fp8_vs_bf16_rel_err']:.4f}, "
+        f"min cosine {rows[-1]['fp8_vs_bf16_min_cos']:.5f}"
+    )
+    enc.use_fp8(False)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--crops", type=int, default=9)
+    ap.add_argument("--skip-bf16", action="store_true", help="leave out the bf16 GEMM rows")
+    ap.add_argument("--tower-only", action="store_true", help="only the whole-tower rows")
+    ap.add_argument("--profile-dir", default=None, help="write kernel tables of the tower here")
+    ap.add_argument("--json", default=None, help="write every row here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("tower_probe needs a CUDA device")
+        return 1
+    torch.manual_seed(0)
+    vc, dt = VisionConfig(), torch.bfloat16
+    m = args.crops * vc.n_patches
+    out = {"device": torch.cuda.get_device_name(), "crops": args.crops, "rows": m}
+    with torch.inference_mode():
+        out["norms"] = norm_rows(m, vc, dt)
+        out["tower"] = tower_rows(args.crops, dt, args.profile_dir)
+        if args.tower_only:
+            return _dump(out, args.json)
+        if not args.skip_bf16:
+            out["gemms"] = gemm_rows(m, vc, dt)
+        out["attention"] = attention_rows(args.crops, vc, dt)
+        out["fp8"] = fp8_rows(m, vc, dt)
+    return _dump(out, args.json)
+
+
+def _dump(out: dict, path: str | None) -> int:
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,244 @@
+"""The FP8 vision tower (model/fp8_vision.py): quantization on the CPU, kernels and the
+moondream2-size tower on a GPU."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from image_pipeline import PreparedImage
+from tests.test_engine import (  # noqa: F401  (fixtures)
+    _collect,
+    _engine,
+    _text_requests,
+    _wait_idle,
+    images,
+)
+from vlm_server.config import VisionConfig
+from vlm_server.engine.config import EngineConfig
+from vlm_server.model.fp8_vision import (
+    FP8,
+    FP8_MAX,
+    Fp8Weight,
+    fp8_supported,
+    gelu_fp8,
+    layernorm_fp8,
+    quantize_rows,
+)
+from vlm_server.model.layers import LayerNorm
+from vlm_server.model.vision import VisionEncoder
+from vlm_server.reference import ReferenceGenerator, SamplingSettings
+from vlm_server.weights.loader import LoadedModel
+
+# e4m3: 3 mantissa bits, so a normal value rounds within 2^-4 of itself; below 2^-6 (times
+# the scale) values are subnormal, spaced 2^-9.
+_REL, _SUB = 2.0**-4, 2.0**-9
+
+
+def _within_e4m3(q: torch.Tensor, scale: torch.Tensor, y: torch.Tensor) -> None:
+    back = q.float() * scale
+    bound = _REL * y.abs() + _SUB * scale + 1e-12
+    assert bool(((back - y).abs() <= bound).all()), (back - y).abs().max()
+
+
+def _small_encoder(seed: int = 0) -> VisionEncoder:
+    torch.manual_seed(seed)
+    cfg = VisionConfig(
+        enc_dim=64,
+        enc_n_layers=3,
+        enc_n_heads=4,
+        enc_ff_dim=200,  # not a multiple of 128: fc2's inner width is padded
+        crop_size=56,
+        patch_size=14,
+        overlap_margin=1,
+        proj_inner_dim=64,
+        proj_out_dim=32,
+    )
+    enc = VisionEncoder(cfg).eval()
+    for p in enc.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    return enc
+
+
+def test_rows_quantize_within_one_e4m3_step_of_their_values() -> None:
+    y = torch.randn(37, 300) * torch.logspace(-3, 3, 37)[:, None]
+    y[5] = 0.0  # an all-zero row keeps a finite scale and stays zero
+    q, scale = quantize_rows(y, width=320)
+    assert q.dtype == FP8 and q.shape == (37, 320) and scale.shape == (37, 1)
+    assert bool(torch.isfinite(scale).all()) and bool((q[:, 300:].float() == 0).all())
+    assert bool((q[5].float() == 0).all())
+    # each row's largest value maps to the top of e4m3's range
+    top = q[:, :300].float().abs().amax(dim=1)
+    assert bool(((top == FP8_MAX) | (y.abs().amax(dim=1) == 0)).all())
+    _within_e4m3(q[:, :300], scale, y)
+
+
+def test_weights_quantize_per_output_channel_with_zero_padding() -> None:
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(200, 48)
+    lin.weight.data[3] *= 1000  # one loud channel must not swamp the others' precision
+    w = Fp8Weight.quantize(lin, in_padded=256)
+    assert w.weight.dtype == FP8 and w.weight.shape == (48, 256) and w.scale.shape == (1, 48)
+    assert bool((w.weight[:, 200:].float() == 0).all())
+    _within_e4m3(w.weight[:, :200], w.scale.t(), lin.weight.detach())
+    x = torch.randn(5, 200)
+    q, s = quantize_rows(x, width=256)
+    got = w(q, s, torch.float32)
+    want = lin(x).detach()
+    assert float((got - want).norm() / want.norm()) < 0.08
+
+
+def test_layernorm_and_gelu_quantizers_compute_the_norm_and_the_activation() -> None:
+    torch.manual_seed(2)
+    norm = LayerNorm(96)
+    torch.nn.init.normal_(norm.weight)
+    torch.nn.init.normal_(norm.bias)
+    x, a = torch.randn(11, 96), torch.randn(11, 96)
+    s, q, scale = layernorm_fp8(x, a, norm)
+    torch.testing.assert_close(s, x + a)
+    _within_e4m3(q, scale, norm(x + a))
+    s0, q0, scale0 = layernorm_fp8(x, None, norm)
+    assert s0 is x
+    _within_e4m3(q0, scale0, norm(x))
+    u = torch.randn(11, 200) * 4
+    g, g_scale = gelu_fp8(u, 256)
+    assert g.shape == (11, 256) and bool((g[:, 200:].float() == 0).all())
+    _within_e4m3(g[:, :200], g_scale, F.gelu(u, approximate="tanh"))
+
+
+def test_fp8_tower_stays_close_to_the_exact_one_and_can_be_switched_off() -> None:
+    enc = _small_encoder()
+    crops = torch.randn(3, 3, 56, 56)
+    with torch.inference_mode():
+        exact = enc.encode(crops)
+        enc.use_fp8()
+        assert enc.fp8 is not None and enc.fp8.inner_padded == 256
+        approx = enc.encode(crops)
+        enc.use_fp8(False)
+        again = enc.encode(crops)
+    err = float((approx - exact).norm() / exact.norm())
+    assert 0 < err < 0.03, err
+    torch.testing.assert_close(again, exact, rtol=0, atol=0)
+
+
+def test_fp8_tower_tracks_weight_changes_only_when_requantized() -> None:
+    enc = _small_encoder()
+    crops = torch.randn(2, 3, 56, 56)
+    with torch.inference_mode():
+        enc.use_fp8()
+        before = enc.encode(crops)
+        enc.blocks[0].mlp.fc1.weight.mul_(3)
+        assert torch.equal(enc.encode(crops), before)  # quantized copies, not views
+        enc.use_fp8()
+        assert not torch.equal(enc.encode(crops), before)
+
+
+def test_runtime_refuses_vision_fp8_without_fp8_units(tiny: LoadedModel) -> None:
+    from vlm_server.engine.engine import BatchedEngine
+
+    loaded = LoadedModel(copy.deepcopy(tiny.model), tiny.tokenizer, tiny.config, tiny.source)
+    assert not fp8_supported(loaded.model.device)
+    with pytest.raises(ValueError, match="vision_fp8 needs a CUDA device"):
+        BatchedEngine(loaded, EngineConfig(vision_fp8=True, kv_budget_bytes=8 << 20))
+
+
+def test_server_flag_reaches_the_engine_config() -> None:
+    from vlm_server.service.config import load_config
+
+    assert load_config([]).vision_fp8 is False
+    assert load_config(["--vision-fp8", "true"]).vision_fp8 is True
+    assert load_config([], environ={"VLM_VISION_FP8": "true"}).vision_fp8 is True
+
+
+# ---- GPU ---------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_triton_quantizers_equal_the_torch_ones() -> None:
+    g = torch.Generator(device="cuda").manual_seed(3)
+    norm = LayerNorm(1152).cuda()
+    norm.weight.data.normal_(generator=g)
+    norm.bias.data.normal_(generator=g)
+    x = torch.randn(6561, 1152, device="cuda", generator=g).bfloat16()
+    a = torch.randn(6561, 1152, device="cuda", generator=g).bfloat16()
+    norm = norm.bfloat16()
+    for addend in (a, None):
+        s, q, scale = layernorm_fp8(x, addend, norm)
+        s_cpu, q_cpu, scale_cpu = layernorm_fp8(
+            x.cpu(), None if addend is None else addend.cpu(), copy.deepcopy(norm).cpu()
+        )
+        torch.testing.assert_close(s.cpu(), s_cpu, rtol=0, atol=0)
+        torch.testing.assert_close(scale.cpu(), scale_cpu, rtol=1e-5, atol=0)
+        # the statistics' summation order differs: at most one e4m3 step apart
+        diff = (q.float().cpu() - q_cpu.float()).abs()
+        assert float((diff / q_cpu.float().abs().clamp_min(2**-6)).max()) <= 0.13
+    u = (torch.randn(6561, 4304, device="cuda", generator=g) * 3).bfloat16()
+    gq, gs = gelu_fp8(u, 4352)
+    gq_cpu, gs_cpu = gelu_fp8(u.cpu(), 4352)
+    torch.testing.assert_close(gs.cpu(), gs_cpu, rtol=1e-5, atol=0)
+    assert bool((gq[:, 4304:].float() == 0).all())
+    diff = (gq.float().cpu() - gq_cpu.float()).abs()
+    assert float((diff / gq_cpu.float().abs().clamp_min(2**-6)).max()) <= 0.13
+
+
+@pytest.mark.gpu
+def test_moondream2_size_fp8_tower_stays_close_and_graphs() -> None:
+    torch.manual_seed(4)
+    enc = VisionEncoder(VisionConfig()).cuda().bfloat16().eval()
+    for p in enc.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    crops = torch.randn(9, 3, 378, 378, device="cuda").bfloat16()
+    with torch.inference_mode():
+        exact = enc.encode(crops).float()
+        enc.use_fp8()
+        approx = enc.encode(crops).float()
+        err = float((approx - exact).norm() / exact.norm())
+        cos = F.cosine_similarity(approx.flatten(0, 1), exact.flatten(0, 1), dim=-1)
+        assert err < 0.05 and float(cos.min()) > 0.99, (err, float(cos.min()))
+        static = crops.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            enc.encode(static)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = enc.encode(static)
+        graph.replay()
+        torch.testing.assert_close(out.float(), approx, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("depth", [1, 2])
+def test_cuda_engine_with_fp8_tower_equals_the_reference_on_the_same_model(
+    tiny: LoadedModel,
+    images: list[PreparedImage],  # noqa: F811
+    depth: int,
+) -> None:
+    """The engine (graphs, batching) changes nothing the FP8 tower computes: its answers
+    equal the one-request reference run on the same FP8-enabled model."""
+    import asyncio
+
+    model = copy.deepcopy(tiny.model).cuda()
+    loaded = LoadedModel(model, tiny.tokenizer, tiny.config, tiny.source)
+    reqs = _text_requests(images)
+
+    async def run() -> list:
+        engine = _engine(loaded, depth, max_batch=4, vision_fp8=True)
+        await engine.start()
+        assert model.vision.fp8 is not None and engine.runtime.image_graphs
+        try:
+            out = await asyncio.gather(*[_collect(engine, r) for r in reqs])
+            await _wait_idle(engine)
+            return [fin for _, fin in out]
+        finally:
+            await engine.close()
+
+    finished = asyncio.run(run())
+    ref = ReferenceGenerator(model, tiny.tokenizer)
+    for req, fin in zip(reqs, finished, strict=True):
+        s = SamplingSettings(temperature=0, max_tokens=req.max_tokens)
+        assert fin.text == ref.caption(req.image, req.caption_length, s).text, req.request_id
