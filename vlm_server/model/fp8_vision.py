@@ -73,6 +73,10 @@ class Fp8Weight:
         """``dequant(q) @ dequant(weight).T + bias`` for rows ``q`` [M, in_padded] (e4m3) with
         per-row scales ``scale`` [M, 1]; computed in bf16, the one output row-wise scaled FP8
         GEMMs support, and cast to ``out_dtype``."""
+        if not q.is_cuda:  # row-wise scaled FP8 GEMMs are CUDA-only in some torch builds
+            w = self.weight.float() * self.scale.t()
+            out = torch.addmm(self.bias.float(), q.float() * scale, w.t()).to(torch.bfloat16)
+            return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
         out = torch._scaled_mm(
             q,
             self.weight.t(),
@@ -133,21 +137,32 @@ if triton is not None:
         tl.store(scale_ptr + row, amax / 448.0)
 
     @triton.jit
-    def _gelu_fp8_kernel(u_ptr, q_ptr, scale_ptr, width, width_out, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK)
-        u = tl.load(u_ptr + row.to(tl.int64) * width + cols, mask=cols < width, other=0.0)
-        u = u.to(tl.float32)
+    def _gelu(u):
         # GELU, tanh approximation: 0.5 (1 + tanh(z)) = sigmoid(2 z), with one fast division
         # (the IEEE one costs more than the memory traffic here); e^(-2z) = inf gives 0
         z = 0.7978845608028654 * (u + 0.044715 * u * u * u)
-        g = tl.fdiv(u, 1.0 + tl.exp(-2.0 * z), ieee_rounding=False)
-        amax = tl.maximum(tl.max(tl.abs(g), axis=0), 448e-12)
-        q = tl.minimum(tl.maximum(g * (448.0 / amax), -448.0), 448.0)
+        return tl.fdiv(u, 1.0 + tl.exp(-2.0 * z), ieee_rounding=False)
+
+    @triton.jit
+    def _gelu_fp8_kernel(u_ptr, q_ptr, scale_ptr, width, width_out, BLOCK: tl.constexpr):
+        # Two passes over the row in BLOCK-wide chunks (the second reads it back from cache):
+        # a whole 4304-wide row in one power-of-two block would leave half the lanes idle.
+        row = tl.program_id(0)
+        src = u_ptr + row.to(tl.int64) * width
+        dst = q_ptr + row.to(tl.int64) * width_out
+        cols = tl.arange(0, BLOCK)
+        amax = tl.zeros((BLOCK,), tl.float32)
+        for start in range(0, width, BLOCK):
+            u = tl.load(src + start + cols, mask=start + cols < width, other=0.0)
+            amax = tl.maximum(amax, tl.abs(_gelu(u.to(tl.float32))))
+        top = tl.maximum(tl.max(amax, axis=0), 448e-12)
+        inv = 448.0 / top
         # columns past ``width`` hold 0 (u = 0 there): the zero padding of fc2's inner width
-        out = row.to(tl.int64) * width_out + cols
-        tl.store(q_ptr + out, q.to(tl.float8e4nv), mask=cols < width_out)
-        tl.store(scale_ptr + row, amax / 448.0)
+        for start in range(0, width_out, BLOCK):
+            u = tl.load(src + start + cols, mask=start + cols < width, other=0.0)
+            q = tl.minimum(tl.maximum(_gelu(u.to(tl.float32)) * inv, -448.0), 448.0)
+            tl.store(dst + start + cols, q.to(tl.float8e4nv), mask=start + cols < width_out)
+        tl.store(scale_ptr + row, top / 448.0)
 
 
 def _on_triton(t: torch.Tensor) -> bool:
@@ -191,8 +206,7 @@ def gelu_fp8(u: torch.Tensor, width_out: int) -> tuple[torch.Tensor, torch.Tenso
         return quantize_rows(F.gelu(u.float(), approximate="tanh"), width_out)
     q = torch.empty((rows, width_out), dtype=FP8, device=u.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=u.device)
-    block = triton.next_power_of_2(width_out)
-    _gelu_fp8_kernel[(rows,)](u, q, scale, width, width_out, BLOCK=block, num_warps=8)
+    _gelu_fp8_kernel[(rows,)](u, q, scale, width, width_out, BLOCK=1024, num_warps=4)
     return q, scale
 
 
