@@ -219,11 +219,17 @@ def norm_rows(m: int, vc: VisionConfig, dt: torch.dtype) -> list[dict]:
         {"variant": "add_layernorm", "us": replay_us(lambda: add_layernorm(x, a, None, norm))},
         {"variant": "layer_norm", "us": replay_us(lambda: norm(x))},
         {"variant": "add_layernorm_fp8", "us": replay_us(lambda: layernorm_fp8(x, a, norm))},
-        {"variant": "gelu_fp8", "us": replay_us(lambda: gelu_fp8(u, inner))},
+        *(
+            {
+                "variant": f"gelu_fp8 chunk {c} warps {w}",
+                "us": replay_us(lambda c=c, w=w: gelu_fp8(u, inner, (c, w))),
+            }
+            for c, w in ((8192, 8), (8192, 16), (8192, 4), (2048, 8), (1024, 4), (512, 4))
+        ),
         {"variant": "gelu bf16 (torch)", "us": replay_us(lambda: F.gelu(u, approximate="tanh"))},
     ]
     for r in rows:
-        print(f"norm {r['variant']:<16} {r['us']:8.1f} us", flush=True)
+        print(f"norm {r['variant']:<28} {r['us']:8.1f} us", flush=True)
     return rows
 
 
