@@ -48,9 +48,17 @@ class CropGraphs:
         preparer: whose tiling, resize mode, resampler and device the crops follow (CUDA).
         sizes: graphs kept (least recently used go first); 0 captures none.
         max_pixels: largest source (height x width) captured.
+        capture_stream: where graphs are captured (default: a stream of its own); a graph
+            keeps the SM partition of the stream it was captured on.
     """
 
-    def __init__(self, preparer: ImagePreparer, sizes: int = 4, max_pixels: int = 2_100_000):
+    def __init__(
+        self,
+        preparer: ImagePreparer,
+        sizes: int = 4,
+        max_pixels: int = 2_100_000,
+        capture_stream: torch.cuda.Stream | None = None,
+    ):
         if preparer.device.type != "cuda":
             raise ValueError("crop graphs need a CUDA preparer")
         if sizes < 0 or max_pixels < 0:
@@ -62,7 +70,7 @@ class CropGraphs:
         self._seen: collections.OrderedDict[tuple, None] = collections.OrderedDict()
         # Evicted graphs whose last replay may still run: freed once it has.
         self._retired: list[_Graph] = []
-        self._capture_stream: torch.cuda.Stream | None = None
+        self._capture_stream: torch.cuda.Stream | None = capture_stream
         self.captures = 0
         self.replays = 0
 

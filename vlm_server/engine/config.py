@@ -28,6 +28,10 @@ class EngineConfig:
     # graphs): the prefill stream runs beside decode steps, and cuBLAS's persistent GEMM
     # kernels otherwise hold every SM for their whole length, stalling the steps' kernels.
     prefill_sm_carveout: int = 0
+    # SMs the prefill stream's kernels may use (a CUDA green context holds the stream; graphs
+    # captured on it keep the partition). Unlike the carveout it binds every kernel (Triton,
+    # cuDNN, cuBLAS), so the steps always find the other SMs free. 0: no partition.
+    prefill_sms: int = 0
     # Batches of new image prefixes queued on the prefill stream at once. The scheduler
     # blocks on step results; work queued ahead keeps the image path busy meanwhile.
     prefill_batches: int = 2
@@ -51,8 +55,8 @@ class EngineConfig:
                 "max_step_tokens must exceed max_batch: every step takes all its "
                 "decode rows and at least one prefill token"
             )
-        if self.prefill_sm_carveout < 0 or self.crop_graph_sizes < 0:
-            raise ValueError("prefill_sm_carveout and crop_graph_sizes must be >= 0")
+        if self.prefill_sm_carveout < 0 or self.crop_graph_sizes < 0 or self.prefill_sms < 0:
+            raise ValueError("prefill_sm_carveout, prefill_sms and crop_graph_sizes must be >= 0")
         if self.prefill_batches < 1:
             raise ValueError("prefill_batches must be >= 1")
         if self.prefix_prompt_tokens < 0:

@@ -103,6 +103,7 @@ class ServerConfig:
     decode_threads: int = 4
     gil_switch_interval_ms: float = 5.0
     prefill_sm_carveout: int = 0
+    prefill_sms: int = 0
     prefill_batches: int = 2
     prefix_prompt_tokens: int = 64
     image_crop_graphs: int = 4
@@ -152,6 +153,7 @@ class ServerConfig:
         nonnegative = (
             "kv_budget",
             "prefill_sm_carveout",
+            "prefill_sms",
             "prefix_prompt_tokens",
             "image_crop_graphs",
             "grace_period",
@@ -300,6 +302,13 @@ OPTIONS: tuple[_Option, ...] = (
         "SMs the image-prefix path's matrix products leave to the decode steps running beside "
         "it (CUDA; 0 = none): bounds how much a new image slows running streams, at the cost "
         "of a slower image path",
+    ),
+    _Option(
+        "prefill_sms",
+        int,
+        "SMs the whole image-prefix path may use (a CUDA green context; 0 = all): every kernel "
+        "of a new image stays off the other SMs, so running streams keep them; the image path "
+        "is slower (see the README)",
     ),
     _Option(
         "prefill_batches",

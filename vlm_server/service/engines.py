@@ -82,6 +82,7 @@ def batched_engine(config: ServerConfig, one_at_a_time: bool = False) -> Engine:
         max_queue=config.queue_limit,
         kv_budget_bytes=config.kv_budget or None,
         prefill_sm_carveout=config.prefill_sm_carveout,
+        prefill_sms=config.prefill_sms,
         prefill_batches=config.prefill_batches,
         prefix_prompt_tokens=config.prefix_prompt_tokens,
         crop_graph_sizes=config.image_crop_graphs,

@@ -185,9 +185,13 @@ class ModelRuntime:
         self.image_preparer = image_preparer or ImagePreparer(device=model.device)
         self.torch_device = model.device
         self.dtype = model.dtype
-        self.dev: Device = device or TorchDevice(model.device)
+        self.dev: Device = device or TorchDevice(model.device, cfg.prefill_sms)
         self.crop_graphs = (
-            CropGraphs(self.image_preparer, cfg.crop_graph_sizes)
+            CropGraphs(
+                self.image_preparer,
+                cfg.crop_graph_sizes,
+                capture_stream=getattr(self.dev, "prefill_capture_stream", None),
+            )
             if self.dev.is_cuda
             and cfg.cuda_graphs
             and cfg.crop_graph_sizes

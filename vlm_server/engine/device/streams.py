@@ -99,17 +99,54 @@ class CpuEvent:
         return True
 
 
-class TorchDevice:
-    """Compute, copy and prefill streams on CUDA; synchronous no-op streams on the CPU."""
+def partitioned_streams(device: torch.device, num_sms: int) -> tuple[object, list[object]]:
+    """Two streams whose kernels run on at most ``num_sms`` of ``device``'s SMs (a CUDA green
+    context; the driver may round the count to its SM granularity), and the context, which the
+    caller keeps: a collected context destroys its streams. Graphs keep the partition only when
+    captured on such a stream."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if not 0 < num_sms < sms:
+        raise ValueError(f"prefill_sms must be in 1..{sms - 1} on this device, got {num_sms}")
+    try:
+        from torch.cuda.green_contexts import GreenContext
 
-    def __init__(self, device: torch.device) -> None:
+        ctx = GreenContext.create(num_sms=num_sms, device_id=device.index or 0)
+    except (ImportError, RuntimeError, AttributeError) as err:
+        raise RuntimeError(
+            f"prefill_sms needs CUDA green contexts (this torch and driver: {err})"
+        ) from err
+    if hasattr(ctx, "Stream"):
+        return ctx, [ctx.Stream(), ctx.Stream()]
+    ctx.set_context()  # older torch: streams made while the green context is current
+    try:
+        return ctx, [torch.cuda.Stream(device), torch.cuda.Stream(device)]
+    finally:
+        ctx.pop_context()
+
+
+class TorchDevice:
+    """Compute, copy and prefill streams on CUDA; synchronous no-op streams on the CPU.
+
+    ``prefill_sms`` > 0 puts the prefill stream in a partition of that many SMs (see
+    `partitioned_streams`); ``prefill_capture_stream`` is then a second stream of the same
+    partition, for graphs captured while the prefill stream is busy (the crops')."""
+
+    def __init__(self, device: torch.device, prefill_sms: int = 0) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
+        self.prefill_capture_stream: object = None
+        self._partition: object = None
+        if prefill_sms and not self.is_cuda:
+            raise ValueError(f"prefill_sms needs a CUDA device; the model is on {device}")
         if self.is_cuda:
             # Lower numbers run first: decode steps get SMs ahead of a new image's prefix.
             self.compute_stream = torch.cuda.Stream(device, priority=-1)
             self.copy_stream = torch.cuda.Stream(device)
-            self.prefill_stream = torch.cuda.Stream(device, priority=0)
+            if prefill_sms:
+                self._partition, (prefill, capture) = partitioned_streams(device, prefill_sms)
+                self.prefill_stream, self.prefill_capture_stream = prefill, capture
+            else:
+                self.prefill_stream = torch.cuda.Stream(device, priority=0)
         else:
             self.compute_stream = self.copy_stream = self.prefill_stream = None
 

@@ -1,0 +1,96 @@
+"""The prefill stream in an SM partition (``prefill_sms``, a CUDA green context)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+import torch
+
+from image_pipeline import PreparedImage
+from tests.test_engine import (  # noqa: F401  (fixtures)
+    _collect,
+    _engine,
+    _text_requests,
+    _wait_idle,
+    images,
+)
+from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.device.streams import TorchDevice, partitioned_streams
+from vlm_server.engine.engine import BatchedEngine
+from vlm_server.reference import ReferenceGenerator, SamplingSettings
+from vlm_server.service.config import load_config
+from vlm_server.weights.loader import LoadedModel
+
+
+def test_prefill_sms_is_a_flag_and_is_checked() -> None:
+    assert load_config([]).prefill_sms == 0
+    assert load_config(["--prefill-sms", "96"]).prefill_sms == 96
+    assert load_config([], environ={"VLM_PREFILL_SMS": "64"}).prefill_sms == 64
+    with pytest.raises(SystemExit):
+        load_config(["--prefill-sms", "-1"], environ={})
+    with pytest.raises(ValueError, match="prefill_sms"):
+        EngineConfig(prefill_sms=-8)
+
+
+def test_a_partition_off_cuda_is_refused(tiny: LoadedModel) -> None:
+    with pytest.raises(ValueError, match="prefill_sms needs a CUDA device"):
+        TorchDevice(torch.device("cpu"), prefill_sms=8)
+    loaded = LoadedModel(copy.deepcopy(tiny.model), tiny.tokenizer, tiny.config, tiny.source)
+    with pytest.raises(ValueError, match="prefill_sms"):
+        BatchedEngine(loaded, EngineConfig(prefill_sms=8, kv_budget_bytes=8 << 20))
+    no_partition = TorchDevice(torch.device("cpu"))
+    assert no_partition.prefill_stream is None and no_partition.prefill_capture_stream is None
+
+
+# ---- GPU ---------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_partition_sizes_out_of_range_are_refused() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    for bad in (0, sms, sms + 8):
+        with pytest.raises(ValueError, match="prefill_sms must be in"):
+            partitioned_streams(device, bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("depth", [1, 2])
+def test_cuda_engine_with_a_prefill_partition_equals_the_reference(
+    text_model: LoadedModel,
+    images: list[PreparedImage],  # noqa: F811
+    depth: int,
+) -> None:
+    """The same kernels on fewer SMs: the answers are the reference's, and the image and prefix
+    graphs were captured on the partitioned stream."""
+    model = copy.deepcopy(text_model.model).cuda()
+    loaded = LoadedModel(model, text_model.tokenizer, text_model.config, text_model.source)
+    reqs = _text_requests(images)
+
+    async def run() -> list:
+        engine = _engine(loaded, depth, max_batch=4, prefill_sms=32)
+        await engine.start()
+        rt = engine.runtime
+        dev = rt.dev
+        assert isinstance(dev, TorchDevice) and dev.prefill_capture_stream is not None
+        assert rt.image_graphs and rt.prefix_graphs
+        try:
+            out = await asyncio.gather(*[_collect(engine, r) for r in reqs])
+            await _wait_idle(engine)
+            return [fin for _, fin in out]
+        finally:
+            await engine.close()
+
+    ref = ReferenceGenerator(model, text_model.tokenizer)
+    for req, fin in zip(reqs, asyncio.run(run()), strict=True):
+        s = SamplingSettings(
+            temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_tokens, seed=req.seed
+        )
+        want = (
+            ref.caption(req.image, req.caption_length, s)
+            if req.task.name == "CAPTION"
+            else ref.query(req.image, req.question, s)
+        )
+        assert fin.text == want.text, req.request_id
