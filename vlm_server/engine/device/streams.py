@@ -15,6 +15,7 @@ work in the hot path); the fake device calls it at issue time to version the buf
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
@@ -99,29 +100,45 @@ class CpuEvent:
         return True
 
 
+# (device index, SMs) -> (green context, its two streams), made once per process.
+_PARTITIONS: dict[tuple[int, int], tuple[object, list[object]]] = {}
+
+
 def partitioned_streams(device: torch.device, num_sms: int) -> tuple[object, list[object]]:
     """Two streams whose kernels run on at most ``num_sms`` of ``device``'s SMs (a CUDA green
-    context; the driver may round the count to its SM granularity), and the context, which the
-    caller keeps: a collected context destroys its streams. Graphs keep the partition only when
-    captured on such a stream."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    context; the driver may round the count to its SM granularity), and the context. Graphs
+    keep the partition only when captured on such a stream.
+
+    One context per (device, size) lives as long as the process and is shared by every engine
+    in it: destroying a green context destroys its streams, which the caching allocator and
+    captured graphs may still name, and torch's destructor aborts the process on any driver
+    error (at interpreter exit, say), so the context is never destroyed."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = torch.cuda.get_device_properties(index).multi_processor_count
     if not 0 < num_sms < sms:
         raise ValueError(f"prefill_sms must be in 1..{sms - 1} on this device, got {num_sms}")
+    key = (index, num_sms)
+    if key in _PARTITIONS:
+        return _PARTITIONS[key]
     try:
         from torch.cuda.green_contexts import GreenContext
 
-        ctx = GreenContext.create(num_sms=num_sms, device_id=device.index or 0)
+        ctx = GreenContext.create(num_sms=num_sms, device_id=index)
     except (ImportError, RuntimeError, AttributeError) as err:
         raise RuntimeError(
             f"prefill_sms needs CUDA green contexts (this torch and driver: {err})"
         ) from err
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(ctx))  # never freed, even at exit (above)
     if hasattr(ctx, "Stream"):
-        return ctx, [ctx.Stream(), ctx.Stream()]
-    ctx.set_context()  # older torch: streams made while the green context is current
-    try:
-        return ctx, [torch.cuda.Stream(device), torch.cuda.Stream(device)]
-    finally:
-        ctx.pop_context()
+        streams = [ctx.Stream(), ctx.Stream()]
+    else:
+        ctx.set_context()  # older torch: streams made while the green context is current
+        try:
+            streams = [torch.cuda.Stream(index), torch.cuda.Stream(index)]
+        finally:
+            ctx.pop_context()
+    _PARTITIONS[key] = (ctx, streams)
+    return ctx, streams
 
 
 class TorchDevice:
