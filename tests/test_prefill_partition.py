@@ -44,6 +44,53 @@ def test_a_partition_off_cuda_is_refused(tiny: LoadedModel) -> None:
     assert no_partition.prefill_stream is None and no_partition.prefill_capture_stream is None
 
 
+def test_one_partition_per_device_and_size_lives_as_long_as_the_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Engines share a partition; its context is never freed (a destroyed green context takes
+    its streams with it, and torch aborts the process when the destroy fails)."""
+    import sys
+    import types
+
+    from vlm_server.engine.device import streams
+
+    made: list[object] = []
+
+    class FakeContext:
+        @staticmethod
+        def create(num_sms: int, device_id: int) -> FakeContext:
+            ctx = FakeContext()
+            made.append((num_sms, device_id))
+            return ctx
+
+        def Stream(self) -> object:
+            return object()
+
+    module = types.ModuleType("torch.cuda.green_contexts")
+    module.GreenContext = FakeContext  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch.cuda.green_contexts", module)
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda _: types.SimpleNamespace(multi_processor_count=132),
+    )
+    monkeypatch.setattr(streams, "_PARTITIONS", {})
+    dev = torch.device("cuda", 0)
+    ctx, (a, b) = streams.partitioned_streams(dev, 96)
+    assert a is not b and made == [(96, 0)]
+    again, (a2, b2) = streams.partitioned_streams(dev, 96)
+    assert again is ctx and (a2, b2) == (a, b) and made == [(96, 0)]
+    refs = sys.getrefcount(ctx)
+    streams._PARTITIONS.clear()
+    del again
+    assert sys.getrefcount(ctx) == refs - 2  # the cache's and ours went; the leaked one stays
+    assert sys.getrefcount(ctx) > 2  # the local name, getrefcount's argument, and the leak
+    other, _ = streams.partitioned_streams(dev, 64)
+    assert other is not ctx and made == [(96, 0), (64, 0)]
+    with pytest.raises(ValueError, match=r"prefill_sms must be in 1\.\.131"):
+        streams.partitioned_streams(dev, 132)
+
+
 # ---- GPU ---------------------------------------------------------------------------------
 
 
