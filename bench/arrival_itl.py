@@ -26,7 +26,9 @@ where the server's Prometheus endpoint can be reached, its ``vlm_step_period_ms`
 engine step, commit to commit) and ``vlm_batch_size`` gauges are sampled every
 ``--scrape-every`` s as well. The figure of merit is phase B's gap p99 over phase A's gap
 p50, against the target 2.0. The client's own event-loop lag is sampled too (a lagging
-client inflates every gap it measures), and so is the server's ``vlm_step_interval_seconds``
+client inflates every gap it measures; ``--client-processes N`` spreads the streams over N
+processes, each with its own loop, so that one loop does not receive every delta), and so is
+the server's ``vlm_step_interval_seconds``
 histogram: the time between commits of steps with decode rows, i.e. the gaps the server gives
 every running stream, with no client scheduling in them. Its growth over each phase gives the
 same ratio from the server's side (``server_ratio_b_p99_over_a_p50``; histogram percentiles,
@@ -53,12 +55,14 @@ import contextlib
 import dataclasses
 import json
 import math
+import multiprocessing
 import signal
 import sys
 import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -172,6 +176,63 @@ async def caption_worker(
             await asyncio.sleep(0.05)  # an overloaded or failing server: no hot loop
 
 
+@dataclass
+class Shard:
+    """What one client process of ``--client-processes`` measured: its streams' gaps and
+    records, and its own event loop's lag."""
+
+    gaps: list[Gap]
+    streams: list[tuple[float, int, Record]]
+    loop_lag: list[tuple[float, float]]
+
+
+def run_shard(
+    target: str,
+    caption: Workload,
+    picture: bytes,
+    indices: list[int],
+    stagger: float,
+    window: tuple[float, float, float, float],
+    timeout: float,
+) -> Shard:
+    """Run caption streams ``indices`` in this (child) process on the parent's timeline.
+    ``window`` is (start, warm-up end, A end, B end) in perf_counter seconds, which on Linux
+    and macOS count from one system-wide clock, so every process reads the same time."""
+
+    async def run() -> Shard:
+        tl = Timeline(*window)
+        lag = asyncio.create_task(watch_loop(tl))
+        async with AsyncVisionLanguageClient(target, timeout=timeout) as client:
+            workers = [
+                asyncio.create_task(
+                    caption_worker(
+                        i,
+                        client,
+                        caption,
+                        picture,
+                        max(0.0, tl.start + i * stagger - time.perf_counter()),
+                        tl,
+                        timeout,
+                    )
+                )
+                for i in indices
+            ]
+            await asyncio.sleep(max(0.0, tl.b_end - time.perf_counter()))
+            tl.stopping = True
+            await asyncio.gather(*workers)
+        lag.cancel()
+        await asyncio.gather(lag, return_exceptions=True)
+        return Shard(tl.gaps, tl.streams, tl.loop_lag)
+
+    return asyncio.run(run())
+
+
+def _ready(seconds: float) -> bool:
+    """Keeps a pool worker busy a moment, so that every worker gets started."""
+    time.sleep(seconds)
+    return True
+
+
 async def sample_steps(url: str, every: float, tl: Timeline) -> None:
     """Sample the server's step-period and batch-size gauges, and its step-interval
     histogram, until cancelled."""
@@ -253,6 +314,46 @@ async def run_phases(
     # Pictures before the clock starts; stamps from 1 (0 is the captions' picture).
     warm_pictures = unique.take(args.warmup_arrivals, 1)
     pictures = unique.take(len(schedule), 1 + args.warmup_arrivals)
+    procs = min(args.client_processes, args.streams)
+    pool = (
+        ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn"))
+        if procs > 1
+        else None
+    )
+    try:
+        if pool is not None:  # the children import everything before the clock starts
+            list(pool.map(_ready, [0.2] * procs))
+        return await _phases(
+            target,
+            args,
+            metrics_url,
+            caption,
+            query,
+            picture,
+            schedule,
+            warm_pictures,
+            pictures,
+            pool,
+            procs,
+        )
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+
+
+async def _phases(
+    target: str,
+    args: argparse.Namespace,
+    metrics_url: str | None,
+    caption: Workload,
+    query: Workload,
+    picture: bytes,
+    schedule: list[float],
+    warm_pictures: list[bytes],
+    pictures: list[bytes],
+    pool: ProcessPoolExecutor | None,
+    procs: int,
+) -> tuple[Timeline, list[Record], float, int, dict[str, Any]]:
     async with AsyncVisionLanguageClient(target, timeout=args.timeout) as client:
         # Untimed: the captions' prefix enters the cache; the arrivals' path (vision tower,
         # long prefills) meets its kernels and allocator once.
@@ -289,12 +390,32 @@ async def run_phases(
         done_arrivals = [0]
         helpers.append(asyncio.create_task(progress(tl, args.quiet, done_arrivals)))
         stagger = args.warmup / 2 / args.streams
-        workers = [
-            asyncio.create_task(
-                caption_worker(i, client, caption, picture, i * stagger, tl, args.timeout)
-            )
-            for i in range(args.streams)
-        ]
+        shards: list[asyncio.Future[Shard]] = []
+        if pool is None:
+            workers = [
+                asyncio.create_task(
+                    caption_worker(i, client, caption, picture, i * stagger, tl, args.timeout)
+                )
+                for i in range(args.streams)
+            ]
+        else:  # the streams in child processes, dealt round-robin; their gaps come back
+            workers = []
+            loop = asyncio.get_running_loop()
+            window = (tl.start, tl.warmup_end, tl.a_end, tl.b_end)
+            shards = [
+                loop.run_in_executor(
+                    pool,
+                    run_shard,
+                    target,
+                    caption,
+                    picture,
+                    list(range(k, args.streams, procs)),
+                    stagger,
+                    window,
+                    args.timeout,
+                )
+                for k in range(procs)
+            ]
 
         class Counting(tqdm):  # open_loop's bar, silent: counts for the progress line
             def update(self, n: float | None = 1) -> bool | None:
@@ -315,11 +436,15 @@ async def run_phases(
             if not args.quiet:
                 tqdm.write("phases done: letting the running streams finish")
             await asyncio.gather(*workers)
+            for shard in await asyncio.gather(*shards):
+                tl.gaps.extend(shard.gaps)
+                tl.streams.extend(shard.streams)
+                tl.loop_lag.extend(shard.loop_lag)
         finally:
             tl.stopping = True
-            for task in [*helpers, *workers]:
+            for task in [*helpers, *workers, *shards]:
                 task.cancel()
-            await asyncio.gather(*helpers, *workers, return_exceptions=True)
+            await asyncio.gather(*helpers, *workers, *shards, return_exceptions=True)
     return tl, records, wall, peak, warm_info
 
 
@@ -562,6 +687,14 @@ def build_parser() -> argparse.ArgumentParser:
         "in a spawned server's log; with --target, http://HOST:9464/metrics)",
     )
     ap.add_argument("--streams", type=int, default=16, help="caption streams kept running")
+    ap.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="processes the caption streams are spread over (one Python event loop receiving "
+        "thousands of deltas a second lags, and its lag lands in every gap it measures); "
+        "the arrivals stay in this process",
+    )
     ap.add_argument("--rate", type=float, default=20.0, help="phase B arrivals (req/s)")
     ap.add_argument("--duration", type=float, default=10.0, help="seconds of each phase")
     ap.add_argument(
@@ -590,6 +723,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if server_args and not args.spawn:
         ap.error("server flags after -- need --spawn")
+    if args.client_processes < 1:
+        ap.error("--client-processes must be >= 1")
     if args.streams < 1 or args.rate <= 0 or args.duration <= 0 or args.warmup < 0:
         ap.error("--streams, --rate and --duration must be positive, --warmup not negative")
     try:

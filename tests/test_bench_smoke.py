@@ -205,10 +205,15 @@ def test_arrival_itl_counts_each_gap_in_the_phase_it_ends() -> None:
     assert arrival_itl.stream_deltas(load_gen.Record(False), 10.0) == []
 
 
-def test_arrival_itl_spawned_server(tiny_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("processes", [1, 2])
+def test_arrival_itl_spawned_server(tiny_dir: Path, tmp_path: Path, processes: int) -> None:
+    """In one client process and with the streams spread over two (gaps measured there, on
+    the same clock, come back and land in the phase they ended in)."""
     code = arrival_itl.main(
         [
             "--spawn",
+            "--client-processes",
+            str(processes),
             "--streams",
             "2",
             "--rate",
@@ -248,6 +253,7 @@ def test_arrival_itl_spawned_server(tiny_dir: Path, tmp_path: Path) -> None:
         assert r["itl_p99_ms"] <= r["itl_p99.9_ms"] <= r["itl_max_ms"]
         assert 1 <= r["output_tokens_min"] <= r["output_tokens_max"] <= 32  # max_tokens 32
         assert r["tokens_per_delta"] > 0
+        assert r["client_loop_lag_p99_ms"] >= 0  # every process's loop sampled its lag
         samples += r["server_step_samples"]
         # The server's own step intervals over the phase: steps counted, percentiles ordered.
         assert r["server_steps"] > 0
