@@ -1,6 +1,7 @@
 """Does pacing a new image's prefix work bound the decode steps' tail? (CUDA only)
 
-    python -m bench.prefix_pacing [--streams 16] [--rate 20] [--seconds 4] [--json OUT.json]
+    python -m bench.prefix_pacing [--streams 16] [--rate 20] [--seconds 4] [--slices 2 4 8 16]
+        [--green-sms 96 112] [--json OUT.json]
 
 An emulation at moondream2's shapes, outside the engine, to decide before building: a loop of
 decode-shaped steps (each layer's four products at M = streams rows, attention over 800
@@ -11,7 +12,9 @@ image's work is the real vision tower (9 crops, bf16) followed by a prefix-shape
 
 - ``whole``: an image's work is queued the moment it arrives (what the engine does today);
 - ``slices:K``: the work is cut into graphs of K layers each, and one slice is queued per
-  step, only when the previous slice has finished, so at most one slice runs beside a step.
+  step, only when the previous slice has finished, so at most one slice runs beside a step;
+- ``green:N:capture`` / ``green:N:replay``: the whole work on a stream of a CUDA green context
+  of N SMs, its graphs captured on that stream, or captured outside and only replayed there.
 
 Reported per mode: the step interval (between consecutive step ends, as the server's
 ``vlm_step_interval_seconds``) p50 / p99 and p99 over the no-arrival p50 (the target is 2),
