@@ -754,9 +754,9 @@ def test_requests_for_one_new_image_share_one_prefix_computation(
         engine = _engine(text_model, depth, max_batch=4)
         launch = engine.runtime.launch_prefixes
 
-        def recording(jobs: list) -> object:
+        def recording(jobs: list, partitioned: bool = False) -> object:
             batches.append([job.image.content_hash for job in jobs])
-            return launch(jobs)
+            return launch(jobs, partitioned)
 
         engine.runtime.launch_prefixes = recording  # type: ignore[method-assign]
         await engine.start()

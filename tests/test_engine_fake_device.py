@@ -107,13 +107,15 @@ class _Watch(Observer):
         self.chained = 0
         # Pages each image-prefix batch writes (its prompts' too), with its event's marker.
         self.prefix_writes: list[tuple[object, set[int]]] = []
+        self.partitioned: list[bool] = []  # each batch: whether the scheduler asked for it
 
     def watch_prefixes(self, rt: ModelRuntime) -> None:
         """Note the pages of every prefix batch the runtime launches."""
         launch = rt.launch_prefixes
 
-        def launch_prefixes(jobs: list[PrefixJob]) -> object:
-            handle = launch(jobs)
+        def launch_prefixes(jobs: list[PrefixJob], partitioned: bool = False) -> object:
+            handle = launch(jobs, partitioned)
+            self.partitioned.append(partitioned)
             pages = {p for job in jobs for p in job.pages}
             pages |= {p for job in jobs if job.prompt is not None for p in job.prompt.pages}
             self.prefix_writes.append((handle._marker, pages))  # type: ignore[attr-defined]
@@ -201,13 +203,17 @@ def _drive(
     budget: int = SMALL_BUDGET,
     n_requests: int = N_REQUESTS,
     riding: int = EngineConfig().prefix_prompt_tokens,
+    when_streaming: int = 0,
     **faults: object,
 ) -> Run:
     """Submit, cancel and tick by hand (no thread); between ticks the device runs a random
     number of operations, so launches overlap device work in many different ways."""
     rng = random.Random(1000 + seed)
-    device = FakeTorchDevice(seed, **faults)  # type: ignore[arg-type]
+    device = FakeTorchDevice(seed, prefill_lanes=when_streaming > 0, **faults)  # type: ignore[arg-type]
     cfg = EngineConfig(
+        # Two prefill lanes: a partition (its size matters only on CUDA) used while streaming.
+        prefill_sms=8 if when_streaming else 0,
+        prefill_sms_when_streaming=when_streaming,
         max_batch=4,
         page_size=PAGE,
         pipeline_depth=depth,
@@ -389,6 +395,77 @@ def test_a_slow_prefill_stream_changes_no_answer(
     assert not run.sched.pending_prefixes and not run.sched.running
     run.sched.prefix_cache.clear()
     assert run.sched.rt.pages.used_pages == 0 and run.device.queued == 0
+
+
+@pytest.fixture(scope="module")
+def many_images() -> list[PreparedImage]:
+    """Six pictures: with one cached prefix, most requests bring a new image batch."""
+    base = sample_image()
+    return [prepare_pil(base.resize((100 + 12 * k, 90 + 7 * k))) for k in range(6)]
+
+
+@pytest.fixture(scope="module")
+def one_lane(region_model: LoadedModel, many_images: list[PreparedImage]) -> Run:
+    return _drive(region_model, many_images, 1, 0)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("depth", [1, 2])
+def test_two_prefill_lanes_keep_the_invariants_and_the_answers(
+    region_model: LoadedModel,
+    many_images: list[PreparedImage],
+    depth: int,
+    seed: int,
+    one_lane: Run,
+) -> None:
+    """A partition used only while requests stream (``prefill_sms_when_streaming``): batches
+    of new images go to either prefill stream as the running requests' remaining tokens say,
+    and a batch on one lane waits for the other lane's last one (they share static buffers).
+    Odd seeds make the partitioned lane the slow one."""
+    lagging = ["prefill_part"] if seed % 2 else []
+    riding = 0 if lagging else EngineConfig().prefix_prompt_tokens
+    run = _drive(
+        region_model, many_images, depth, seed, when_streaming=3, lagging=lagging, riding=riding
+    )
+    assert run.answers() == one_lane.answers()
+    assert set(run.watch.partitioned) == {False, True}  # both lanes served batches
+    streams = {stream for stream, name in run.device.records_seen if name == "prefix_done"}
+    assert streams == {"prefill", "prefill_part"}
+    assert any(name == "lane_done" for _, name in run.device.waits_seen)  # lanes switched
+    assert run.device.kernel_streams == ["compute"]
+    assert not run.sched.zombies and not run.sched.running and not run.sched.waiting
+    run.sched.prefix_cache.clear()
+    assert run.sched.rt.pages.used_pages == 0 and run.device.queued == 0
+
+
+def test_a_lane_switch_without_its_wait_is_caught(
+    region_model: LoadedModel, many_images: list[PreparedImage]
+) -> None:
+    """Drop the wait for the other lane's last batch: with that lane slow, a batch overwrites
+    the shared prefix embeddings before the earlier batch on the other lane read them."""
+    with pytest.raises(DeviceViolation) as info:
+        for seed in SEEDS:
+            _drive(
+                region_model,
+                many_images,
+                2,
+                seed,
+                when_streaming=3,
+                riding=0,
+                drop_waits=["lane_done"],
+                lagging=["prefill_part"],
+            )
+    assert info.value.invariant == "order", info.value
+
+
+def test_the_policy_follows_the_running_requests_remaining_tokens(
+    region_model: LoadedModel, many_images: list[PreparedImage], one_lane: Run
+) -> None:
+    """Always partitioned without a threshold; with one, only while something streams."""
+    run = _drive(region_model, many_images, 2, 0, when_streaming=100)  # nothing that long
+    assert run.watch.partitioned and not any(run.watch.partitioned)
+    assert run.answers() == one_lane.answers()
+    assert one_lane.watch.partitioned and all(one_lane.watch.partitioned)  # one lane: always
 
 
 class _CancelRiders(Scheduler):

@@ -32,6 +32,14 @@ def test_prefill_sms_is_a_flag_and_is_checked() -> None:
         load_config(["--prefill-sms", "-1"], environ={})
     with pytest.raises(ValueError, match="prefill_sms"):
         EngineConfig(prefill_sms=-8)
+    config = load_config(["--prefill-sms", "96", "--prefill-sms-when-streaming", "16"])
+    assert config.prefill_sms_when_streaming == 16
+    with pytest.raises(ValueError, match="prefill_sms_when_streaming needs prefill_sms"):
+        EngineConfig(prefill_sms_when_streaming=16)
+    with pytest.raises(SystemExit):
+        load_config(["--prefill-sms-when-streaming", "16"], environ={})
+    with pytest.raises(ValueError, match="prefill_sms_when_streaming must be >= 0"):
+        EngineConfig(prefill_sms=96, prefill_sms_when_streaming=-1)
 
 
 def test_a_partition_off_cuda_is_refused(tiny: LoadedModel) -> None:
@@ -104,25 +112,29 @@ def test_partition_sizes_out_of_range_are_refused() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize(("depth", "when_streaming"), [(1, 0), (2, 0), (2, 4)])
 def test_cuda_engine_with_a_prefill_partition_equals_the_reference(
     text_model: LoadedModel,
     images: list[PreparedImage],  # noqa: F811
     depth: int,
+    when_streaming: int,
 ) -> None:
     """The same kernels on fewer SMs: the answers are the reference's, and the image and prefix
-    graphs were captured on the partitioned stream."""
+    graphs were captured on the partitioned stream (with ``when_streaming``, on both lanes)."""
     model = copy.deepcopy(text_model.model).cuda()
     loaded = LoadedModel(model, text_model.tokenizer, text_model.config, text_model.source)
     reqs = _text_requests(images)
 
     async def run() -> list:
-        engine = _engine(loaded, depth, max_batch=4, prefill_sms=32)
+        engine = _engine(
+            loaded, depth, max_batch=4, prefill_sms=32, prefill_sms_when_streaming=when_streaming
+        )
         await engine.start()
         rt = engine.runtime
         dev = rt.dev
         assert isinstance(dev, TorchDevice) and dev.prefill_capture_stream is not None
-        assert rt.image_graphs and rt.prefix_graphs
+        assert len(rt.lanes) == (2 if when_streaming else 1)
+        assert all(lane.image_graphs and lane.prefix_graphs for lane in rt.lanes)
         try:
             out = await asyncio.gather(*[_collect(engine, r) for r in reqs])
             await _wait_idle(engine)

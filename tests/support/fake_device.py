@@ -19,7 +19,7 @@ each row on its own. Any violation raises `DeviceViolation` naming the invariant
 Faults, for the tests that prove each wait matters: ``drop_waits`` / ``drop_records`` ignore
 the waits on / records of the named events (by name without the ``slotN.`` prefix),
 ``skip_host_wait`` makes `host_wait` return at once, ``split_compute`` runs every other kernel
-on a second compute stream.
+on a second compute stream. ``prefill_lanes`` adds the second prefill stream ("prefill_part").
 """
 
 from __future__ import annotations
@@ -296,7 +296,7 @@ class FakeDevice:
         self.executed += 1
 
     def _kernel_on(self, stream: FakeStream) -> None:
-        if stream.name == "prefill":  # image prefixes: ordered for steps by their event
+        if stream.name.startswith("prefill"):  # image prefixes: ordered by their events
             return
         if stream.name not in self.kernel_streams:
             self.kernel_streams.append(stream.name)
@@ -369,12 +369,15 @@ class FakeTorchDevice(FakeDevice):
         skip_host_wait: bool = False,
         split_compute: bool = False,
         lagging: Iterable[str] = (),
+        prefill_lanes: bool = False,
     ) -> None:
         super().__init__(seed)
         self.lagging = set(lagging)
         self.compute_stream = self.stream("compute")
         self.copy_stream = self.stream("copy")
         self.prefill_stream = self.stream("prefill")
+        # A second prefill lane, as a partition used only while requests stream makes.
+        self.partitioned_prefill_stream = self.stream("prefill_part") if prefill_lanes else None
         self._second_compute = self.stream("compute2") if split_compute else None
         self._kernels = 0
         self.drop_waits = set(drop_waits)

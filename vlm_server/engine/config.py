@@ -32,6 +32,11 @@ class EngineConfig:
     # captured on it keep the partition). Unlike the carveout it binds every kernel (Triton,
     # cuDNN, cuBLAS), so the steps always find the other SMs free. 0: no partition.
     prefill_sms: int = 0
+    # With prefill_sms: the partition serves a batch of new images only while some running
+    # request still has at least this many tokens to stream; otherwise the batch gets the
+    # whole GPU (its own graphs, captured on an unpartitioned stream). Streams keep their
+    # inter-token tail, bursts of short queries their throughput. 0: always partitioned.
+    prefill_sms_when_streaming: int = 0
     # Batches of new image prefixes queued on the prefill stream at once. The scheduler
     # blocks on step results; work queued ahead keeps the image path busy meanwhile.
     prefill_batches: int = 2
@@ -57,6 +62,10 @@ class EngineConfig:
             )
         if self.prefill_sm_carveout < 0 or self.crop_graph_sizes < 0 or self.prefill_sms < 0:
             raise ValueError("prefill_sm_carveout, prefill_sms and crop_graph_sizes must be >= 0")
+        if self.prefill_sms_when_streaming < 0:
+            raise ValueError("prefill_sms_when_streaming must be >= 0")
+        if self.prefill_sms_when_streaming and not self.prefill_sms:
+            raise ValueError("prefill_sms_when_streaming needs prefill_sms (the partition)")
         if self.prefill_batches < 1:
             raise ValueError("prefill_batches must be >= 1")
         if self.prefix_prompt_tokens < 0:

@@ -104,6 +104,7 @@ class ServerConfig:
     gil_switch_interval_ms: float = 5.0
     prefill_sm_carveout: int = 0
     prefill_sms: int = 0
+    prefill_sms_when_streaming: int = 0
     prefill_batches: int = 2
     prefix_prompt_tokens: int = 64
     image_crop_graphs: int = 4
@@ -139,6 +140,8 @@ class ServerConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefill_sms_when_streaming and not self.prefill_sms:
+            raise ValueError("prefill_sms_when_streaming needs prefill_sms (the partition)")
         if not self.constraint_compile_seconds > 0:
             raise ValueError("constraint_compile_seconds must be > 0")
         if not 0.01 <= self.gil_switch_interval_ms <= 100:
@@ -154,6 +157,7 @@ class ServerConfig:
             "kv_budget",
             "prefill_sm_carveout",
             "prefill_sms",
+            "prefill_sms_when_streaming",
             "prefix_prompt_tokens",
             "image_crop_graphs",
             "grace_period",
@@ -309,6 +313,13 @@ OPTIONS: tuple[_Option, ...] = (
         "SMs the whole image-prefix path may use (a CUDA green context; 0 = all): every kernel "
         "of a new image stays off the other SMs, so running streams keep them; the image path "
         "is slower (see the README)",
+    ),
+    _Option(
+        "prefill_sms_when_streaming",
+        int,
+        "with --prefill-sms: use the partition only while a running request still has at "
+        "least this many tokens to stream, else give new images the whole GPU (0 = always "
+        "partitioned)",
     ),
     _Option(
         "prefill_batches",

@@ -83,6 +83,7 @@ def batched_engine(config: ServerConfig, one_at_a_time: bool = False) -> Engine:
         kv_budget_bytes=config.kv_budget or None,
         prefill_sm_carveout=config.prefill_sm_carveout,
         prefill_sms=config.prefill_sms,
+        prefill_sms_when_streaming=config.prefill_sms_when_streaming,
         prefill_batches=config.prefill_batches,
         prefix_prompt_tokens=config.prefix_prompt_tokens,
         crop_graph_sizes=config.image_crop_graphs,

@@ -35,11 +35,12 @@ class Runtime(Protocol):
     # Prompt tokens that may ride one batch of new image prefixes (0: none).
     prefix_prompt_tokens: int
 
-    def launch_prefixes(self, jobs: list[PrefixJob]) -> object:
+    def launch_prefixes(self, jobs: list[PrefixJob], partitioned: bool = False) -> object:
         """Enqueue the image path and the BOS + image forward of each job on the prefill
         stream, into its pages, with the prompts that ride along (core/prefix_jobs.py);
         returns a handle for `prefix_ready`. The caller keeps at most ``prefix_slots`` batches
-        unfinished. No host wait."""
+        unfinished. ``partitioned``: in the SM partition, where the runtime has one beside
+        its unpartitioned prefill stream. No host wait."""
         ...
 
     def prefix_ready(self, handle: object) -> bool:

@@ -387,12 +387,25 @@ class Scheduler:
                 [
                     PrefixJob(entry.pages, seq.request.image, self._riding_prompt(seq))
                     for entry, seq in new_prefixes
-                ]
+                ],
+                partitioned=self._streaming(),
             )
             for entry, _ in new_prefixes:
                 entry.pending = handle
                 self.pending_prefixes.append(entry)
         return admitted
+
+    def _streaming(self) -> bool:
+        """Whether a running request still has ``prefill_sms_when_streaming`` tokens or more
+        to stream: new images then run in the SM partition, so they do not stretch its
+        inter-token gaps (no threshold: always)."""
+        least = self.cfg.prefill_sms_when_streaming
+        if not least:
+            return True
+        return any(
+            s.state is SeqState.RUNNING and s.max_decode - s.decode_launched >= least
+            for s in self.running
+        )
 
     def _riding_prompt(self, seq: Sequence) -> PrefixPrompt | None:
         if not seq.rides_prefix:

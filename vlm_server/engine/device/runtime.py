@@ -18,7 +18,10 @@ stream, a low-priority stream beside the compute stream, so a new image overlaps
 steps instead of lengthening one. Only the prefix's own pages are written there (and those of
 the prompts riding the batch, core/prefix_jobs.py, with their last hidden states in ``held``),
 and the scheduler launches no step that reads them before `prefix_ready` said the batch
-completed, unless the step itself waits for the batch on the device (``after``).
+completed, unless the step itself waits for the batch on the device (``after``). With an SM
+partition used only while requests stream (``prefill_sms_when_streaming``) there are two
+prefill lanes, each with its own graphs; a batch that changes lane waits for the other
+lane's last one (``prefill.lane_done``), as both read the same static buffers.
 
 All stream, event, copy and pinned-buffer work goes through a `Device`
 (`TorchDevice` in production), so the same code runs on a fake device in the tests. Per step:
@@ -120,6 +123,17 @@ class PrefixSlot:
     done: Event
 
 
+@dataclass
+class PrefillLane:
+    """A stream new images' prefixes run on, with the graphs captured on it (a graph keeps the
+    SM partition of the stream it was captured on, so each lane has its own)."""
+
+    stream: object
+    image_graphs: GraphSet[tuple[int, int]]
+    prefix_graphs: GraphSet[tuple[int, int, int]]
+    crop_graphs: CropGraphs | None
+
+
 def graph_buckets(max_batch: int) -> list[int]:
     """Batch sizes with a captured graph: 1, 2, 4, 8, then multiples of 8, up to max_batch."""
     sizes = [n for n in (1, 2, 4) if n < max_batch]
@@ -185,19 +199,12 @@ class ModelRuntime:
         self.image_preparer = image_preparer or ImagePreparer(device=model.device)
         self.torch_device = model.device
         self.dtype = model.dtype
-        self.dev: Device = device or TorchDevice(model.device, cfg.prefill_sms)
-        self.crop_graphs = (
-            CropGraphs(
-                self.image_preparer,
-                cfg.crop_graph_sizes,
-                capture_stream=getattr(self.dev, "prefill_capture_stream", None),
-            )
-            if self.dev.is_cuda
-            and cfg.cuda_graphs
-            and cfg.crop_graph_sizes
-            and self.image_preparer.device.type == "cuda"
-            else None
+        self.dev: Device = device or TorchDevice(
+            model.device, cfg.prefill_sms, both_lanes=cfg.prefill_sms_when_streaming > 0
         )
+        two_lanes = getattr(self.dev, "partitioned_prefill_stream", None) is not None
+        partition_capture = getattr(self.dev, "prefill_capture_stream", None)
+        self.crop_graphs = self._crop_graphs(None if two_lanes else partition_capture)
         self.observer = observer
         dev, tc = self.dev, model.config.text
         self.contract = model.config.tokens
@@ -262,7 +269,10 @@ class ModelRuntime:
         self.held = dev.buffer("held", self._zeros((rows + 1, tc.dim), self.dtype))
         self._next_prefix = 0
         # BOS + image embeddings of one batch (written and read on the prefill stream only).
-        self.prefix_emb = self._zeros((cfg.max_prefill_batch, prefix_len, tc.dim), self.dtype)
+        # Registered: both prefill lanes' batches write it (the fake device versions it).
+        self.prefix_emb = dev.buffer(
+            "prefix_emb", self._zeros((cfg.max_prefill_batch, prefix_len, tc.dim), self.dtype)
+        )
         self._prefix_pos = torch.arange(prefix_len, device=self.torch_device)
         # Which image of a prefix batch each flattened token belongs to (the Triton path).
         self._prefix_image_of_token = torch.arange(
@@ -277,6 +287,24 @@ class ModelRuntime:
         self.mixed_graphs: GraphSet[tuple[int, int]] = GraphSet("mixed step")
         self.image_graphs: GraphSet[tuple[int, int]] = GraphSet("image")
         self.prefix_graphs: GraphSet[tuple[int, int, int]] = GraphSet("image prefix")
+        # Where new images' prefixes run: the prefill stream, and with a partition used only
+        # while requests stream (cfg.prefill_sms_when_streaming) a second, partitioned lane
+        # with graphs of its own. Both lanes share the static buffers the graphs read
+        # (`prefix_emb`, `_image_inputs`), so a batch waits for the other lane's last one.
+        self.lanes = [
+            PrefillLane(dev.prefill_stream, self.image_graphs, self.prefix_graphs, self.crop_graphs)
+        ]
+        if two_lanes:
+            self.lanes.append(
+                PrefillLane(
+                    dev.partitioned_prefill_stream,
+                    GraphSet("image (partitioned)"),
+                    GraphSet("image prefix (partitioned)"),
+                    self._crop_graphs(partition_capture),
+                )
+            )
+        self._lane_done = dev.event("prefill.lane_done")
+        self._last_lane: int | None = None
         # Masks + sampling per (slot, batch bucket, constrained, regions, greedy).
         self.sample_graphs: GraphSet[tuple[int, int, bool, bool, bool]] = GraphSet("sampling")
         # Finalize input of a bucket's padding rows: the pad row, no mask, greedy.
@@ -292,6 +320,23 @@ class ModelRuntime:
         )
 
     # ---- setup ------------------------------------------------------------------------
+
+    def _crop_graphs(self, capture_stream: object) -> CropGraphs | None:
+        """Crop graphs of host-decoded images (CUDA preparer only), captured on
+        ``capture_stream`` (None: a stream of their own)."""
+        cfg = self.cfg
+        if not (
+            self.dev.is_cuda
+            and cfg.cuda_graphs
+            and cfg.crop_graph_sizes
+            and self.image_preparer.device.type == "cuda"
+        ):
+            return None
+        return CropGraphs(
+            self.image_preparer,
+            cfg.crop_graph_sizes,
+            capture_stream=capture_stream,  # type: ignore[arg-type]
+        )
 
     @property
     def _prefill_carveout(self) -> int:
@@ -538,9 +583,8 @@ class ModelRuntime:
             for i in slots
         ]
         # Pages of the sink only (a fresh pages buffer holds zeros): the warm-up writes there.
-        self.prefix_graphs.capture(
-            keys, prepare_prefix, run_prefix, self.dev.prefill_stream, progress
-        )
+        for lane in self.lanes:
+            lane.prefix_graphs.capture(keys, prepare_prefix, run_prefix, lane.stream, progress)
 
     @torch.inference_mode()
     def capture_vision_graphs(self, progress: bool = True) -> None:
@@ -561,16 +605,24 @@ class ModelRuntime:
             return self._image_embedding(crops, tiling)
 
         tilings = image_tilings(vc.max_crops)
-        self.image_graphs.capture(tilings, prepare, run, self.dev.prefill_stream, progress)
+        for lane in self.lanes:
+            lane.image_graphs.capture(tilings, prepare, run, lane.stream, progress)
 
     @torch.inference_mode()
-    def launch_prefixes(self, jobs: list[PrefixJob]) -> object:
-        """Enqueue on the prefill stream, for each job: the image path, then the BOS + image
+    def launch_prefixes(self, jobs: list[PrefixJob], partitioned: bool = False) -> object:
+        """Enqueue on a prefill lane, for each job: the image path, then the BOS + image
         forward of the whole batch straight into the jobs' pages, with the prompts that ride
         along (core/prefix_jobs.py). Returns the event the scheduler polls (`prefix_ready`);
         it keeps at most ``prefix_slots`` batches unfinished, so this slot's pinned buffers
-        are free again."""
+        are free again. ``partitioned``: the partitioned lane, where there is one."""
         dev = self.dev
+        n = 1 if partitioned and len(self.lanes) > 1 else 0
+        lane = self.lanes[n]
+        stream = lane.stream
+        if len(self.lanes) > 1:
+            if self._last_lane not in (None, n):  # the static buffers the other lane used
+                dev.wait(stream, self._lane_done)
+            self._last_lane = n
         i = self._next_prefix
         self._next_prefix = (i + 1) % self.prefix_slots
         slot = self._prefix[i]
@@ -585,25 +637,29 @@ class ModelRuntime:
             written += job.pages + pages
         dev.host_write(slot.pages_host, table)
         dev.copy(
-            dev.prefill_stream,
+            stream,
             f"h2d prefix pages {i}",
             partial(_copy_rows, slot.pages_dev, slot.pages_host, 0, k),
             lambda: ([slot.pages_host], [slot.pages_dev]),
         )
-        p, n_tails, held_rows = self._send_prompts(i, jobs)
+        p, n_tails, held_rows = self._send_prompts(i, jobs, stream)
         dev.kernel(
-            dev.prefill_stream,
+            stream,
             f"image prefixes {i}",
-            partial(self._image_prefixes, i, jobs, p, n_tails),
+            partial(self._image_prefixes, i, jobs, p, n_tails, lane),
             lambda: (
                 [slot.pages_dev, slot.prompt_dev],
-                [(self.kv, sorted(set(written))), (self.held, held_rows)],
+                [(self.kv, sorted(set(written))), (self.held, held_rows), self.prefix_emb],
             ),
         )
-        dev.record(slot.done, dev.prefill_stream)
+        dev.record(slot.done, stream)
+        if len(self.lanes) > 1:
+            dev.record(self._lane_done, stream)
         return slot.done
 
-    def _send_prompts(self, i: int, jobs: list[PrefixJob]) -> tuple[int, int, list[int]]:
+    def _send_prompts(
+        self, i: int, jobs: list[PrefixJob], stream: object
+    ) -> tuple[int, int, list[int]]:
         """Upload the riding prompts of prefix slot ``i``'s jobs; returns their padded token
         count (0: none), the number of tail copies and the held rows written."""
         if all(job.prompt is None for job in jobs):
@@ -623,7 +679,7 @@ class ModelRuntime:
         n = pad_job + 1 + lay.size(p)
         dev.host_write(slot.prompt_host, scratch[:n])
         dev.copy(
-            dev.prefill_stream,
+            stream,
             f"h2d prefix prompts {i}",
             partial(_copy_rows, slot.prompt_dev, slot.prompt_host, 0, n),
             lambda: ([slot.prompt_host], [slot.prompt_dev]),
@@ -762,23 +818,25 @@ class ModelRuntime:
         row 0's, which they do not use)."""
         return self.held[(HELD - last).clamp(min=0)]
 
-    def _image_prefixes(self, i: int, jobs: list[PrefixJob], p: int, n_tails: int) -> None:
+    def _image_prefixes(
+        self, i: int, jobs: list[PrefixJob], p: int, n_tails: int, lane: PrefillLane
+    ) -> None:
         """BOS + image embeddings of each new image (one graph replay per image, captured per
         tiling; tilings beyond the crop budget run eagerly), then the BOS + image forward of
         all of them at once (with ``p`` riding prompt tokens), straight into their pages."""
         for j, job in enumerate(jobs):
             tiling = job.image.tiling
-            crops = self._crops_on_device(self._crops_of(job.image))
-            if tiling in self.image_graphs:
+            crops = self._crops_on_device(self._crops_of(job.image, lane.crop_graphs))
+            if tiling in lane.image_graphs:
                 self._image_inputs[crops.shape[0]].copy_(crops)
-                emb = self.image_graphs.replay(tiling)
+                emb = lane.image_graphs.replay(tiling)
             else:
                 emb = self._image_embedding(crops, tiling)
             # Copied out before the next replay overwrites the graph's output.
             self.prefix_emb[j].copy_(emb[0])  # type: ignore[index]
         k = len(jobs)
-        if (i, k, p) in self.prefix_graphs:
-            self.prefix_graphs.replay((i, k, p))
+        if (i, k, p) in lane.prefix_graphs:
+            lane.prefix_graphs.replay((i, k, p))
         else:
             self._prefix_forward(i, k, p)
         if n_tails:
@@ -854,12 +912,15 @@ class ModelRuntime:
             h = text(x[None], positions[None], kv)[0]
         self.held[held_rows] = h[n + last.clamp(min=0)]
 
-    def _crops_of(self, image: PreparedImage | HostImage) -> torch.Tensor:
+    def _crops_of(
+        self, image: PreparedImage | HostImage, graphs: CropGraphs | None = None
+    ) -> torch.Tensor:
         """The image's crops; a host-decoded image's are made here, queued on the current
-        (prefill) stream, so they cost this thread only the staging copy and the launches."""
+        (prefill) stream, so they cost this thread only the staging copy and the launches.
+        ``graphs``: the crop graphs of the lane it runs on."""
         if isinstance(image, HostImage):
-            if self.crop_graphs is not None:
-                return self.crop_graphs.crops(image)  # consumed below, before the next call
+            if graphs is not None:
+                return graphs.crops(image)  # consumed below, before the next call
             return self.image_preparer.crops_of(image)
         return image.crops
 

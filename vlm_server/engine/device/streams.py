@@ -39,6 +39,8 @@ class Device(Protocol):
     # New image prefixes (image path, BOS + image forward), at a lower priority than the
     # compute stream; they write only their own pages, which no step reads before they are done.
     prefill_stream: object
+    # A second prefill lane in an SM partition, or None (runtime.py: PrefillLane).
+    partitioned_prefill_stream: object
 
     def event(self, name: str, blocking: bool = False) -> Event:
         """``blocking``: a host thread waiting for it sleeps instead of spinning."""
@@ -144,14 +146,18 @@ def partitioned_streams(device: torch.device, num_sms: int) -> tuple[object, lis
 class TorchDevice:
     """Compute, copy and prefill streams on CUDA; synchronous no-op streams on the CPU.
 
-    ``prefill_sms`` > 0 puts the prefill stream in a partition of that many SMs (see
-    `partitioned_streams`); ``prefill_capture_stream`` is then a second stream of the same
-    partition, for graphs captured while the prefill stream is busy (the crops')."""
+    ``prefill_sms`` > 0 makes a partition of that many SMs (see `partitioned_streams`): the
+    prefill stream itself, or with ``both_lanes`` a second one, ``partitioned_prefill_stream``,
+    beside an unpartitioned prefill stream. ``prefill_capture_stream`` is a second stream of
+    the partition, for graphs captured while the partitioned stream is busy (the crops')."""
 
-    def __init__(self, device: torch.device, prefill_sms: int = 0) -> None:
+    def __init__(
+        self, device: torch.device, prefill_sms: int = 0, both_lanes: bool = False
+    ) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
         self.prefill_capture_stream: object = None
+        self.partitioned_prefill_stream: object = None
         self._partition: object = None
         if prefill_sms and not self.is_cuda:
             raise ValueError(f"prefill_sms needs a CUDA device; the model is on {device}")
@@ -160,8 +166,13 @@ class TorchDevice:
             self.compute_stream = torch.cuda.Stream(device, priority=-1)
             self.copy_stream = torch.cuda.Stream(device)
             if prefill_sms:
-                self._partition, (prefill, capture) = partitioned_streams(device, prefill_sms)
-                self.prefill_stream, self.prefill_capture_stream = prefill, capture
+                self._partition, (part, capture) = partitioned_streams(device, prefill_sms)
+                self.prefill_capture_stream = capture
+                if both_lanes:
+                    self.prefill_stream = torch.cuda.Stream(device, priority=0)
+                    self.partitioned_prefill_stream = part
+                else:
+                    self.prefill_stream = part
             else:
                 self.prefill_stream = torch.cuda.Stream(device, priority=0)
         else:
