@@ -18,11 +18,14 @@
 #   image    image_bench: host CPU and GPU time per 800x600 and 12 MP JPEG, split as with an
 #            engine process (this checkout)
 #   timeline request_timeline: where a c=1 request's time goes (this checkout)
+#   sweep    itl and unique-image load (c=1, c=64) once per server flag set in SWEEP,
+#            "name|flags;name|flags" (this checkout; results tagged itl_NAME, load_NAME),
+#            e.g. SWEEP="fp8|--vision-fp8 true;fp8_g96|--vision-fp8 true --prefill-sms 96"
 #
 # Environment: PYTHON (default python3); VLM_BENCH_CKPT, the checkpoint folder (a random
 # moondream2-size one is written there when missing); SERVER_FLAGS, the flags of `vlm serve`
 # after --model (default: --device cuda --dtype bf16 --max-batch-size 64); AB_SMOKE=1 runs
-# the load and itl stages on the CPU with the tiny preset: a check of this script, not of
+# the load, itl and sweep stages on the CPU with the tiny preset: a check of this script, not of
 # the hardware.
 
 set -uo pipefail
@@ -34,11 +37,11 @@ while getopts "o:b:" opt; do
     case $opt in
         o) OUT=$OPTARG ;;
         b) BASE=$(cd "$OPTARG" && pwd) || exit 1 ;;
-        *) sed -n '2,24p' "$0"; exit 2 ;;
+        *) sed -n '2,29p' "$0"; exit 2 ;;
     esac
 done
 shift $((OPTIND - 1))
-(($#)) || { sed -n '2,24p' "$0"; exit 2; }
+(($#)) || { sed -n '2,29p' "$0"; exit 2; }
 PRESET=moondream2 FLAGS="--device cuda --dtype bf16 --max-batch-size 64"
 if [[ ${AB_SMOKE:-0} == 1 ]]; then
     GPU=cpu-smoke PRESET=tiny FLAGS="--device cpu --dtype fp32 --max-batch-size 8"
@@ -125,6 +128,20 @@ for stage in "$@"; do
         timeline)
             in_tree "$REPO" 300 $PY -m bench.request_timeline --out "$OUT/timeline" 2>&1 \
                 | grep -v "it/s\]" | tail -40 ;;
+        sweep)
+            IFS=';' read -r -a SETS <<< "${SWEEP:?the sweep stage needs SWEEP=\"name|flags;...\"}"
+            for set in "${SETS[@]}"; do
+                name=${set%%|*} EXTRA=()
+                read -r -a EXTRA <<< "${set#*|}"
+                echo "--- $name: ${EXTRA[*]}"
+                in_tree "$REPO" 180 $PY -m bench.arrival_itl --spawn --streams 16 --rate 20 \
+                    "${ITL_ARGS[@]}" --quiet --out "$OUT" --tag "itl_$name" \
+                    -- "${SRV[@]}" "${EXTRA[@]}" 2>&1 | grep -E "^arrivals:|^server side"
+                in_tree "$REPO" 240 $PY -m bench.load_gen --spawn \
+                    --scenario query3:800x600:unique:c1,c64 "${LOAD_ARGS[@]}" --quiet \
+                    --out "$OUT" --tag "load_$name" -- "${SRV[@]}" "${EXTRA[@]}" 2>&1 \
+                    | grep -A3 "^scenario"
+            done ;;
         *) echo "ab_stages: unknown stage $stage" >&2; exit 2 ;;
     esac
 done
