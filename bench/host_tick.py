@@ -78,6 +78,7 @@ class ScriptedDevice:
     compute_stream = None
     copy_stream = None
     prefill_stream = None
+    partitioned_prefill_stream = None
 
     def __init__(self, table: MaskTable, eos_id: int, coord_id: int) -> None:
         self.table = table
