@@ -16,7 +16,7 @@ import gc
 import re
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -307,6 +307,41 @@ async def _wait_idle(engine: BatchedEngine, timeout: float = 30.0) -> None:
     while not engine.idle():
         assert loop.time() < end, "engine did not become idle"
         await asyncio.sleep(0.005)
+
+
+def _finish_all(
+    loaded: LoadedModel,
+    reqs: list[GenerationRequest],
+    depth: int,
+    check: Callable[[BatchedEngine], None] | None = None,
+    **kw: object,
+) -> list[Finished]:
+    """Each request's `Finished`, in order, from one started engine (`_engine`'s options);
+    ``check`` looks at the engine once started, before any request."""
+
+    async def run() -> list[Finished]:
+        engine = _engine(loaded, depth, **kw)  # type: ignore[arg-type]
+        await engine.start()
+        try:
+            if check is not None:
+                check(engine)
+            out = await asyncio.gather(*[_collect(engine, r) for r in reqs])
+            await _wait_idle(engine)
+            return [fin for _, fin in out]
+        finally:
+            await engine.close()
+
+    return asyncio.run(run())
+
+
+def _reference_text(ref: ReferenceGenerator, req: GenerationRequest) -> str:
+    """The reference's answer to a caption or query request, with its sampling settings."""
+    s = SamplingSettings(
+        temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_tokens, seed=req.seed
+    )
+    if req.task is Task.CAPTION:
+        return ref.caption(req.image, req.caption_length, s).text
+    return ref.query(req.image, req.question, s).text
 
 
 def test_an_ended_request_is_freed_without_the_cycle_collector(

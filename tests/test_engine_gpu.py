@@ -3,8 +3,8 @@ PyTorch path, and the engine (graphs, Triton attention, streams) against the ref
 
 from __future__ import annotations
 
-import asyncio
 import copy
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -13,16 +13,16 @@ import torch
 from image_pipeline import PreparedImage
 from tests.test_engine import (  # noqa: F401  (fixtures)
     BUDGETS,
-    _collect,
-    _engine,
+    _finish_all,
+    _reference_text,
     _text_requests,
-    _wait_idle,
     images,
 )
 from vlm_server.config import preset
-from vlm_server.engine.api import GenerationRequest, Task
+from vlm_server.engine.api import Finished, GenerationRequest, Task
 from vlm_server.engine.device.kernels.paged_attention import paged_attention
-from vlm_server.reference import ReferenceGenerator, SamplingSettings
+from vlm_server.engine.engine import BatchedEngine
+from vlm_server.reference import ReferenceGenerator
 from vlm_server.weights.loader import LoadedModel, random_model
 
 pytestmark = pytest.mark.gpu
@@ -71,42 +71,32 @@ def test_cuda_engine_equals_reference_tiny(
         GenerationRequest(Task.POINT, images[1], object_name="dog", max_objects=4),
     ]
 
-    async def run(loaded: LoadedModel, batch: list[GenerationRequest]) -> list:
-        engine = _engine(loaded, depth, budget=budget, max_batch=4)
-        await engine.start()
+    def check(engine: BatchedEngine) -> None:
         rt = engine.runtime
         assert rt.decode_graphs and rt.mixed_graphs and rt.prefix_graphs and rt.use_triton
         assert rt.sample_graphs
-        try:
-            out = await asyncio.gather(*[_collect(engine, r) for r in batch])
-            await _wait_idle(engine)
-            return [fin for _, fin in out]
-        finally:
-            await engine.close()
+
+    def run(loaded: LoadedModel, batch: list[GenerationRequest]) -> list[Finished]:
+        return _finish_all(loaded, batch, depth, check, budget=budget, max_batch=4)
 
     ref = ReferenceGenerator(tm.model, tm.tokenizer)
-    for req, fin in zip(reqs, asyncio.run(run(tm, reqs)), strict=True):
-        s = SamplingSettings(
-            temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_tokens, seed=req.seed
-        )
-        want = (
-            ref.caption(req.image, req.caption_length, s)
-            if req.task is Task.CAPTION
-            else ref.query(req.image, req.question, s)
-        )
-        assert fin.text == want.text, req.request_id
+    for req, fin in zip(reqs, run(tm, reqs), strict=True):
+        assert fin.text == _reference_text(ref, req), req.request_id
     rref = ReferenceGenerator(rm.model, rm.tokenizer)
-    det, pts = asyncio.run(run(rm, regions))
+    det, pts = run(rm, regions)
     assert [vars(b) for b in det.boxes] == [vars(b) for b in rref.detect(images[0], "car", 5).boxes]
     assert [vars(p) for p in pts.points] == [
         vars(p) for p in rref.point(images[1], "dog", 4).points
     ]
 
 
-def test_moondream2_size_engine_equals_reference_fp32(
+def _moondream2_fp32_equals_reference(
     images: list[PreparedImage],  # noqa: F811
-) -> None:
-    """Full-size random weights in fp32 (ties are then vanishingly rare)."""
+    check: Callable[[BatchedEngine], None] | None = None,
+    **engine_options: object,
+) -> LoadedModel:
+    """A caption, a query and a detect through the engine on full-size random weights in
+    fp32 (ties are then vanishingly rare) equal the reference's; returns the model."""
     loaded = random_model(
         preset("moondream2"), seed=0, dtype=torch.float32, device="cuda", progress=False
     )
@@ -117,26 +107,21 @@ def test_moondream2_size_engine_equals_reference_fp32(
         ),
         GenerationRequest(Task.DETECT, images[2], object_name="car", max_objects=3),
     ]
-
-    async def run() -> list:
-        engine = _engine(loaded, 2, max_batch=4, kv_budget_bytes=2 << 30)
-        await engine.start()
-        try:
-            out = await asyncio.gather(*[_collect(engine, r) for r in reqs])
-            await _wait_idle(engine)
-            return [fin for _, fin in out]
-        finally:
-            await engine.close()
-
-    cap, qry, det = asyncio.run(run())
-    ref = ReferenceGenerator(loaded.model, loaded.tokenizer)
-    greedy = SamplingSettings(temperature=0, max_tokens=12)
-    assert cap.text == ref.caption(images[0], "normal", greedy).text
-    assert (
-        qry.text
-        == ref.query(images[1], "what is it?", SamplingSettings(temperature=0, max_tokens=9)).text
+    cap, qry, det = _finish_all(
+        loaded, reqs, 2, check, max_batch=4, kv_budget_bytes=2 << 30, **engine_options
     )
+    ref = ReferenceGenerator(loaded.model, loaded.tokenizer)
+    assert cap.text == _reference_text(ref, reqs[0])
+    assert qry.text == _reference_text(ref, reqs[1])
     assert [vars(b) for b in det.boxes] == [vars(b) for b in ref.detect(images[2], "car", 3).boxes]
+    return loaded
+
+
+def test_moondream2_size_engine_equals_reference_fp32(
+    images: list[PreparedImage],  # noqa: F811
+) -> None:
+    """Full-size random weights in fp32 (ties are then vanishingly rare)."""
+    _moondream2_fp32_equals_reference(images)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

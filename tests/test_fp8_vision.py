@@ -11,14 +11,13 @@ import torch.nn.functional as F
 
 from image_pipeline import PreparedImage
 from tests.test_engine import (  # noqa: F401  (fixtures)
-    _collect,
     _engine,
-    _wait_idle,
     images,
 )
-from vlm_server.config import VisionConfig, preset
-from vlm_server.engine.api import GenerationRequest, Task
+from tests.test_engine_gpu import _moondream2_fp32_equals_reference
+from vlm_server.config import VisionConfig
 from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.engine import BatchedEngine
 from vlm_server.model.fp8_vision import (
     FP8,
     FP8_MAX,
@@ -30,8 +29,7 @@ from vlm_server.model.fp8_vision import (
 )
 from vlm_server.model.layers import LayerNorm
 from vlm_server.model.vision import VisionEncoder
-from vlm_server.reference import ReferenceGenerator, SamplingSettings
-from vlm_server.weights.loader import LoadedModel, random_model
+from vlm_server.weights.loader import LoadedModel
 
 # e4m3: 3 mantissa bits, so a normal value rounds within 2^-4 of itself; below 2^-6 (times
 # the scale) values are subnormal, spaced 2^-9.
@@ -246,37 +244,11 @@ def test_cuda_engine_with_fp8_tower_equals_the_reference_on_the_same_model(
     the reference's on the same FP8-enabled model: moondream2-size random weights in fp32,
     where near-ties are vanishingly rare (the tiny fixtures are built around near-ties, which
     the engine's attention kernels may break differently once the image features move)."""
-    import asyncio
 
-    loaded = random_model(
-        preset("moondream2"), seed=0, dtype=torch.float32, device="cuda", progress=False
-    )
-    reqs = [
-        GenerationRequest(Task.CAPTION, images[0], temperature=0, max_tokens=12),
-        GenerationRequest(
-            Task.QUERY, images[1], question="what is it?", temperature=0, max_tokens=9
-        ),
-        GenerationRequest(Task.DETECT, images[2], object_name="car", max_objects=3),
-    ]
+    def check(engine: BatchedEngine) -> None:
+        assert engine.runtime.model.vision.fp8 is not None and engine.runtime.image_graphs
 
-    async def run() -> list:
-        engine = _engine(loaded, 2, max_batch=4, kv_budget_bytes=2 << 30, vision_fp8=True)
-        await engine.start()
-        assert loaded.model.vision.fp8 is not None and engine.runtime.image_graphs
-        try:
-            out = await asyncio.gather(*[_collect(engine, r) for r in reqs])
-            await _wait_idle(engine)
-            return [fin for _, fin in out]
-        finally:
-            await engine.close()
-
-    cap, qry, det = asyncio.run(run())
-    ref = ReferenceGenerator(loaded.model, loaded.tokenizer)
-    greedy = SamplingSettings(temperature=0, max_tokens=12)
-    assert cap.text == ref.caption(images[0], "normal", greedy).text
-    s = SamplingSettings(temperature=0, max_tokens=9)
-    assert qry.text == ref.query(images[1], "what is it?", s).text
-    assert [vars(b) for b in det.boxes] == [vars(b) for b in ref.detect(images[2], "car", 3).boxes]
+    loaded = _moondream2_fp32_equals_reference(images, check, vision_fp8=True)
     with torch.inference_mode():  # the reference above really ran the FP8 tower
         norm = images[0].normalized(torch.float32, "cuda")
         fp8 = loaded.model.image_embeddings(norm, images[0].tiling)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import copy
 
 import pytest
@@ -10,16 +9,15 @@ import torch
 
 from image_pipeline import PreparedImage
 from tests.test_engine import (  # noqa: F401  (fixtures)
-    _collect,
-    _engine,
+    _finish_all,
+    _reference_text,
     _text_requests,
-    _wait_idle,
     images,
 )
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.device.streams import TorchDevice, partitioned_streams
 from vlm_server.engine.engine import BatchedEngine
-from vlm_server.reference import ReferenceGenerator, SamplingSettings
+from vlm_server.reference import ReferenceGenerator
 from vlm_server.service.config import load_config
 from vlm_server.weights.loader import LoadedModel
 
@@ -125,31 +123,21 @@ def test_cuda_engine_with_a_prefill_partition_equals_the_reference(
     loaded = LoadedModel(model, text_model.tokenizer, text_model.config, text_model.source)
     reqs = _text_requests(images)
 
-    async def run() -> list:
-        engine = _engine(
-            loaded, depth, max_batch=4, prefill_sms=32, prefill_sms_when_streaming=when_streaming
-        )
-        await engine.start()
+    def check(engine: BatchedEngine) -> None:
         rt = engine.runtime
-        dev = rt.dev
-        assert isinstance(dev, TorchDevice) and dev.prefill_capture_stream is not None
+        assert isinstance(rt.dev, TorchDevice) and rt.dev.prefill_capture_stream is not None
         assert len(rt.lanes) == (2 if when_streaming else 1)
         assert all(lane.image_graphs and lane.prefix_graphs for lane in rt.lanes)
-        try:
-            out = await asyncio.gather(*[_collect(engine, r) for r in reqs])
-            await _wait_idle(engine)
-            return [fin for _, fin in out]
-        finally:
-            await engine.close()
 
+    finished = _finish_all(
+        loaded,
+        reqs,
+        depth,
+        check,
+        max_batch=4,
+        prefill_sms=32,
+        prefill_sms_when_streaming=when_streaming,
+    )
     ref = ReferenceGenerator(model, text_model.tokenizer)
-    for req, fin in zip(reqs, asyncio.run(run()), strict=True):
-        s = SamplingSettings(
-            temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_tokens, seed=req.seed
-        )
-        want = (
-            ref.caption(req.image, req.caption_length, s)
-            if req.task.name == "CAPTION"
-            else ref.query(req.image, req.question, s)
-        )
-        assert fin.text == want.text, req.request_id
+    for req, fin in zip(reqs, finished, strict=True):
+        assert fin.text == _reference_text(ref, req), req.request_id
