@@ -315,136 +315,105 @@ async def run_phases(
     warm_pictures = unique.take(args.warmup_arrivals, 1)
     pictures = unique.take(len(schedule), 1 + args.warmup_arrivals)
     procs = min(args.client_processes, args.streams)
-    pool = (
-        ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn"))
-        if procs > 1
-        else None
-    )
-    try:
-        if pool is not None:  # the children import everything before the clock starts
-            list(pool.map(_ready, [0.2] * procs))
-        return await _phases(
-            target,
-            args,
-            metrics_url,
-            caption,
-            query,
-            picture,
-            schedule,
-            warm_pictures,
-            pictures,
-            pool,
-            procs,
-        )
-    finally:
-        if pool is not None:
-            pool.shutdown(cancel_futures=True)
-
-
-async def _phases(
-    target: str,
-    args: argparse.Namespace,
-    metrics_url: str | None,
-    caption: Workload,
-    query: Workload,
-    picture: bytes,
-    schedule: list[float],
-    warm_pictures: list[bytes],
-    pictures: list[bytes],
-    pool: ProcessPoolExecutor | None,
-    procs: int,
-) -> tuple[Timeline, list[Record], float, int, dict[str, Any]]:
-    async with AsyncVisionLanguageClient(target, timeout=args.timeout) as client:
-        # Untimed: the captions' prefix enters the cache; the arrivals' path (vision tower,
-        # long prefills) meets its kernels and allocator once.
-        t0 = time.perf_counter()
-        warm = await asyncio.gather(
-            run_one(client, caption, picture, 0, time.perf_counter(), args.timeout),
-            *(
-                run_one(client, query, img, i, time.perf_counter(), args.timeout)
-                for i, img in enumerate(warm_pictures)
-            ),
-        )
-        warm_info = {
-            "seconds": time.perf_counter() - t0,
-            "ok": sum(r.ok for r in warm),
-            "requests": len(warm),
-            "errors": dict(Counter(r.error for r in warm if not r.ok)),
-        }
-        if not args.quiet:
-            print(
-                f"warm-up requests: {warm_info['ok']}/{warm_info['requests']} ok in "
-                f"{warm_info['seconds']:.1f} s",
-                flush=True,
+    with contextlib.ExitStack() as stack:
+        pool: ProcessPoolExecutor | None = None
+        if procs > 1:
+            context = multiprocessing.get_context("spawn")
+            pool = stack.enter_context(ProcessPoolExecutor(procs, mp_context=context))
+            list(pool.map(_ready, [0.2] * procs))  # children import all before the clock
+        async with AsyncVisionLanguageClient(target, timeout=args.timeout) as client:
+            # Untimed: the captions' prefix enters the cache; the arrivals' path (vision tower,
+            # long prefills) meets its kernels and allocator once.
+            t0 = time.perf_counter()
+            warm = await asyncio.gather(
+                run_one(client, caption, picture, 0, time.perf_counter(), args.timeout),
+                *(
+                    run_one(client, query, img, i, time.perf_counter(), args.timeout)
+                    for i, img in enumerate(warm_pictures)
+                ),
             )
-        start = time.perf_counter()
-        tl = Timeline(
-            start=start,
-            warmup_end=start + args.warmup,
-            a_end=start + args.warmup + args.duration,
-            b_end=start + args.warmup + 2 * args.duration,
-        )
-        helpers = [asyncio.create_task(watch_loop(tl))]
-        if metrics_url and args.scrape_every > 0:
-            helpers.append(asyncio.create_task(sample_steps(metrics_url, args.scrape_every, tl)))
-        done_arrivals = [0]
-        helpers.append(asyncio.create_task(progress(tl, args.quiet, done_arrivals)))
-        stagger = args.warmup / 2 / args.streams
-        shards: list[asyncio.Future[Shard]] = []
-        if pool is None:
-            workers = [
-                asyncio.create_task(
-                    caption_worker(i, client, caption, picture, i * stagger, tl, args.timeout)
-                )
-                for i in range(args.streams)
-            ]
-        else:  # the streams in child processes, dealt round-robin; their gaps come back
-            workers = []
-            loop = asyncio.get_running_loop()
-            window = (tl.start, tl.warmup_end, tl.a_end, tl.b_end)
-            shards = [
-                loop.run_in_executor(
-                    pool,
-                    run_shard,
-                    target,
-                    caption,
-                    picture,
-                    list(range(k, args.streams, procs)),
-                    stagger,
-                    window,
-                    args.timeout,
-                )
-                for k in range(procs)
-            ]
-
-        class Counting(tqdm):  # open_loop's bar, silent: counts for the progress line
-            def update(self, n: float | None = 1) -> bool | None:
-                done_arrivals[0] += int(n or 0)
-                return None
-
-        try:
-            await asyncio.sleep(max(0.0, tl.a_end - time.perf_counter()))
+            warm_info = {
+                "seconds": time.perf_counter() - t0,
+                "ok": sum(r.ok for r in warm),
+                "requests": len(warm),
+                "errors": dict(Counter(r.error for r in warm if not r.ok)),
+            }
             if not args.quiet:
-                tqdm.write(f"phase B: arrivals at {args.rate:g} req/s for {args.duration:g} s")
-            # open_loop starts its clock 10 ms after it is called.
-            tl.arrivals = [tl.a_end + 0.01 + offset for offset in schedule]
-            records, wall, peak = await open_loop(
-                client, query, pictures, schedule, args.timeout, Counting(disable=True)
+                print(
+                    f"warm-up requests: {warm_info['ok']}/{warm_info['requests']} ok in "
+                    f"{warm_info['seconds']:.1f} s",
+                    flush=True,
+                )
+            start = time.perf_counter()
+            tl = Timeline(
+                start=start,
+                warmup_end=start + args.warmup,
+                a_end=start + args.warmup + args.duration,
+                b_end=start + args.warmup + 2 * args.duration,
             )
-            await asyncio.sleep(max(0.0, tl.b_end - time.perf_counter()))
-            tl.stopping = True
-            if not args.quiet:
-                tqdm.write("phases done: letting the running streams finish")
-            await asyncio.gather(*workers)
-            for shard in await asyncio.gather(*shards):
-                tl.gaps.extend(shard.gaps)
-                tl.streams.extend(shard.streams)
-                tl.loop_lag.extend(shard.loop_lag)
-        finally:
-            tl.stopping = True
-            for task in [*helpers, *workers, *shards]:
-                task.cancel()
-            await asyncio.gather(*helpers, *workers, *shards, return_exceptions=True)
+            helpers = [asyncio.create_task(watch_loop(tl))]
+            if metrics_url and args.scrape_every > 0:
+                helpers.append(
+                    asyncio.create_task(sample_steps(metrics_url, args.scrape_every, tl))
+                )
+            done_arrivals = [0]
+            helpers.append(asyncio.create_task(progress(tl, args.quiet, done_arrivals)))
+            stagger = args.warmup / 2 / args.streams
+            shards: list[asyncio.Future[Shard]] = []
+            if pool is None:
+                workers = [
+                    asyncio.create_task(
+                        caption_worker(i, client, caption, picture, i * stagger, tl, args.timeout)
+                    )
+                    for i in range(args.streams)
+                ]
+            else:  # the streams in child processes, dealt round-robin; their gaps come back
+                workers = []
+                loop = asyncio.get_running_loop()
+                window = (tl.start, tl.warmup_end, tl.a_end, tl.b_end)
+                shards = [
+                    loop.run_in_executor(
+                        pool,
+                        run_shard,
+                        target,
+                        caption,
+                        picture,
+                        list(range(k, args.streams, procs)),
+                        stagger,
+                        window,
+                        args.timeout,
+                    )
+                    for k in range(procs)
+                ]
+
+            class Counting(tqdm):  # open_loop's bar, silent: counts for the progress line
+                def update(self, n: float | None = 1) -> bool | None:
+                    done_arrivals[0] += int(n or 0)
+                    return None
+
+            try:
+                await asyncio.sleep(max(0.0, tl.a_end - time.perf_counter()))
+                if not args.quiet:
+                    tqdm.write(f"phase B: arrivals at {args.rate:g} req/s for {args.duration:g} s")
+                # open_loop starts its clock 10 ms after it is called.
+                tl.arrivals = [tl.a_end + 0.01 + offset for offset in schedule]
+                records, wall, peak = await open_loop(
+                    client, query, pictures, schedule, args.timeout, Counting(disable=True)
+                )
+                await asyncio.sleep(max(0.0, tl.b_end - time.perf_counter()))
+                tl.stopping = True
+                if not args.quiet:
+                    tqdm.write("phases done: letting the running streams finish")
+                await asyncio.gather(*workers)
+                for shard in await asyncio.gather(*shards):
+                    tl.gaps.extend(shard.gaps)
+                    tl.streams.extend(shard.streams)
+                    tl.loop_lag.extend(shard.loop_lag)
+            finally:
+                tl.stopping = True
+                for task in [*helpers, *workers, *shards]:
+                    task.cancel()
+                await asyncio.gather(*helpers, *workers, *shards, return_exceptions=True)
     return tl, records, wall, peak, warm_info
 
 
