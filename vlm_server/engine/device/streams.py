@@ -158,7 +158,6 @@ class TorchDevice:
         self.is_cuda = device.type == "cuda"
         self.prefill_capture_stream: object = None
         self.partitioned_prefill_stream: object = None
-        self._partition: object = None
         if prefill_sms and not self.is_cuda:
             raise ValueError(f"prefill_sms needs a CUDA device; the model is on {device}")
         if self.is_cuda:
@@ -166,7 +165,7 @@ class TorchDevice:
             self.compute_stream = torch.cuda.Stream(device, priority=-1)
             self.copy_stream = torch.cuda.Stream(device)
             if prefill_sms:
-                self._partition, (part, capture) = partitioned_streams(device, prefill_sms)
+                _, (part, capture) = partitioned_streams(device, prefill_sms)  # lives on
                 self.prefill_capture_stream = capture
                 if both_lanes:
                     self.prefill_stream = torch.cuda.Stream(device, priority=0)
