@@ -24,7 +24,9 @@
 #
 # Environment: PYTHON (default python3); VLM_BENCH_CKPT, the checkpoint folder (a random
 # moondream2-size one is written there when missing); SERVER_FLAGS, the flags of `vlm serve`
-# after --model (default: --device cuda --dtype bf16 --max-batch-size 64); AB_SMOKE=1 runs
+# after --model (default: --device cuda --dtype bf16 --max-batch-size 64); ITL_CLIENT_PROCESSES,
+# how many client processes read the caption streams of the itl and sweep stages (default 1:
+# one client loop, whose own lag lands in the gaps it measures); AB_SMOKE=1 runs
 # the load, itl and sweep stages on the CPU with the tiny preset: a check of this script, not of
 # the hardware.
 
@@ -37,11 +39,11 @@ while getopts "o:b:" opt; do
     case $opt in
         o) OUT=$OPTARG ;;
         b) BASE=$(cd "$OPTARG" && pwd) || exit 1 ;;
-        *) sed -n '2,29p' "$0"; exit 2 ;;
+        *) sed -n '2,32p' "$0"; exit 2 ;;
     esac
 done
 shift $((OPTIND - 1))
-(($#)) || { sed -n '2,29p' "$0"; exit 2; }
+(($#)) || { sed -n '2,32p' "$0"; exit 2; }
 PRESET=moondream2 FLAGS="--device cuda --dtype bf16 --max-batch-size 64"
 if [[ ${AB_SMOKE:-0} == 1 ]]; then
     GPU=cpu-smoke PRESET=tiny FLAGS="--device cpu --dtype fp32 --max-batch-size 8"
@@ -56,14 +58,16 @@ mkdir -p "$OUT"
 CKPT=${VLM_BENCH_CKPT:-${TMPDIR:-/tmp}/vlm-bench-$PRESET}
 if [[ ! -f $CKPT/model.safetensors ]]; then
     echo "=== writing a random $PRESET checkpoint to $CKPT"
-    PYTHONPATH=$REPO $PY -m vlm_server.cli make-checkpoint "$CKPT" --preset "$PRESET" \
+    PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} $PY -m vlm_server.cli make-checkpoint "$CKPT" --preset "$PRESET" \
         > "$OUT/checkpoint.log" 2>&1 || { tail "$OUT/checkpoint.log"; exit 1; }
 fi
 read -r -a SRV <<< "--model $CKPT ${SERVER_FLAGS:-$FLAGS}"
 # A smoke run keeps every level short.
-LOAD_ARGS=(--requests 600 --duration 8 --warmup 8) ITL_ARGS=(--duration 10)
+LOAD_ARGS=(--requests 600 --duration 8 --warmup 8)
+ITL_ARGS=(--duration 10 --client-processes "${ITL_CLIENT_PROCESSES:-1}")
 if [[ ${AB_SMOKE:-0} == 1 ]]; then
-    LOAD_ARGS=(--requests 6 --duration 2 --warmup 0) ITL_ARGS=(--duration 2 --warmup 1)
+    LOAD_ARGS=(--requests 6 --duration 2 --warmup 0)
+    ITL_ARGS=(--duration 2 --warmup 1 --client-processes "${ITL_CLIENT_PROCESSES:-1}")
 fi
 
 trees() {  # the trees a comparing stage runs in, baseline first

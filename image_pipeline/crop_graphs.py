@@ -16,6 +16,7 @@ until the next call, which may overwrite it (the caller consumes it in stream or
 from __future__ import annotations
 
 import collections
+import gc
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -123,12 +124,18 @@ class CropGraphs:
             # Eager once on the capture stream first: prepares (and uploads) the resize
             # weights outside the capture, where a pageable copy would be refused.
             make_crops(fixed, image.tiling, p.tiling, p.resize, p.resampler)
+            # A collection in this thread mid-capture could destroy an unreachable graph or
+            # event, which CUDA refuses while capturing (serving time: no gc.collect first).
+            collector_was_on = gc.isenabled()
+            gc.disable()
             # Only this thread's calls are checked: other threads may use the device.
             graph.capture_begin(capture_error_mode="thread_local")
             try:
                 out = make_crops(fixed, image.tiling, p.tiling, p.resize, p.resampler, keep)
             finally:
                 graph.capture_end()
+                if collector_was_on:
+                    gc.enable()
         stream.wait_stream(side)
         entry = _Graph(graph, fixed, out, keep)
         self._graphs[key] = entry

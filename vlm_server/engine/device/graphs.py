@@ -8,6 +8,7 @@ first into one shared memory pool, so smaller graphs reuse the larger ones' memo
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator
@@ -18,6 +19,22 @@ import torch
 log = logging.getLogger(__name__)
 
 K = TypeVar("K", bound=Hashable)
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic collector paused inside: a collection during a capture may destroy an
+    unreachable graph or event of an earlier engine, a call CUDA refuses while a stream
+    captures (the capture is then lost). Garbage made before is collected first, once: a
+    full collection costs tens of milliseconds in a large process."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class GraphSet(Generic[K]):
@@ -54,15 +71,16 @@ class GraphSet(Generic[K]):
         torch.cuda.synchronize(device)  # start-up only: inputs were made on other streams
         before = torch.cuda.memory_reserved(device)
         started = time.perf_counter()
-        for key in tqdm(todo, desc=f"capturing {self.name} graphs", disable=not progress):
-            with torch.cuda.stream(stream):
-                prepare(key)
-                run(key)  # warm-up: kernels compiled and autotuned outside the capture
-            stream.synchronize()  # start-up only: capture needs a quiet stream
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                out = run(key)
-            self._graphs[key] = (graph, out)
+        with collector_paused():
+            for key in tqdm(todo, desc=f"capturing {self.name} graphs", disable=not progress):
+                with torch.cuda.stream(stream):
+                    prepare(key)
+                    run(key)  # warm-up: kernels compiled and autotuned outside the capture
+                stream.synchronize()  # start-up only: capture needs a quiet stream
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    out = run(key)
+                self._graphs[key] = (graph, out)
         torch.cuda.synchronize(device)  # start-up only
         self.pool_bytes = torch.cuda.memory_reserved(device) - before
         log.info(
