@@ -9,8 +9,9 @@ a GPU), device ms of upload + resize + crop (CUDA only, from events), and normal
 ``--device cuda`` makes the crops on the GPU as a CUDA server does (the default where CUDA
 exists); ``--normalize-device none`` skips normalization; ``--exif-orientation 6`` tags the
 JPEGs as phone portrait photos, which the decoder turns upright. ``--gpu-decode-min-pixels N``
-decodes JPEGs of at least N pixels on the GPU (nvJPEG through torchvision, as the server's
-``--image-gpu-decode-min-pixels``): the cpu ms column is then the host's whole share.
+decodes JPEGs of at least N pixels on the GPU (``--gpu-decoder``: the JPEG engines through
+nvImageCodec or nvJPEG through torchvision, as the server's ``--image-gpu-decode-min-pixels``
+and ``--image-gpu-decoder``): the cpu ms column is then the host's whole share.
 ``--split`` measures the path with an engine process: cpu ms is the server's share (decode
 into a pooled shared buffer, hash), eng ms the engine's host share (staging copy, crop
 launches), gpu ms the crops on the device.
@@ -19,6 +20,8 @@ launches), gpu ms the crops on the device.
     python -m bench.image_bench --sizes 800x600 4000x3000 --formats jpeg --threads 1 4
     python -m bench.image_bench --device cuda --resize vips pillow --normalize-device cuda
     python -m bench.image_bench --sizes 800x600 4000x3000 --gpu-decode-min-pixels 4000000
+    python -m bench.image_bench --sizes 800x600 4000x3000 --gpu-decode-min-pixels 1 \
+        --gpu-decoder nvimgcodec
     python -m bench.image_bench --device cuda --sizes 800x600 --formats jpeg --split
 
 Writes ``image_bench.json`` and ``image_bench.png`` (default bench/results/<device>/) and
@@ -55,7 +58,7 @@ from image_pipeline import (
 )
 from image_pipeline.crop_graphs import CropGraphs
 from image_pipeline.decode import read_header
-from image_pipeline.gpu_jpeg import GpuDecoder, torchvision_decoder
+from image_pipeline.gpu_jpeg import GPU_DECODERS, GpuDecoder, gpu_decoder
 from vlm_server.engine.process.shared_pixels import pixel_pool
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -292,8 +295,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=int,
         default=0,
         metavar="N",
-        help="decode JPEGs of at least N pixels on the GPU (nvJPEG through torchvision; "
-        "needs --device cuda); 0: off",
+        help="decode JPEGs of at least N pixels on the GPU (needs --device cuda); 0: off",
+    )
+    ap.add_argument(
+        "--gpu-decoder",
+        choices=GPU_DECODERS,
+        default="auto",
+        help="with --gpu-decode-min-pixels: nvimgcodec (the JPEG engines), torchvision "
+        "(nvJPEG on the SMs), auto (the first that works)",
     )
     ap.add_argument(
         "--crop-graphs",
@@ -325,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.device.startswith("cuda"):
             ap.error("--gpu-decode-min-pixels needs --device cuda")
         try:
-            decoder = torchvision_decoder(torch.device(args.device))
+            decoder = gpu_decoder(torch.device(args.device), args.gpu_decoder)
         except RuntimeError as err:
             ap.error(f"--gpu-decode-min-pixels: {err}")
     previous_threads = torch.get_num_threads()
@@ -389,6 +398,7 @@ def _run(
         "dtype": args.dtype,
         "exif_orientation": args.exif_orientation,
         "gpu_decode_min_pixels": args.gpu_decode_min_pixels,
+        "gpu_decoder": args.gpu_decoder if args.gpu_decode_min_pixels else None,
         "split": args.split,
         "torch_threads": torch.get_num_threads(),
         "rows": rows,
@@ -401,6 +411,7 @@ def _run(
         + (f", JPEG EXIF orientation {args.exif_orientation}" if args.exif_orientation != 1 else "")
         + (
             f", JPEGs from {args.gpu_decode_min_pixels} pixels decoded on the GPU"
+            f" ({args.gpu_decoder})"
             if args.gpu_decode_min_pixels
             else ""
         )

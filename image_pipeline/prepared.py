@@ -33,8 +33,8 @@ from .gpu_jpeg import (
     decode_upright,
     encoded_digest,
     gpu_decodable,
-    torchvision_decoder,
 )
+from .gpu_jpeg import gpu_decoder as default_gpu_decoder
 from .limits import DEFAULT_LIMITS, ImageLimits, check_int
 from .normalize import normalize_crops
 from .resample import Resampler
@@ -182,8 +182,8 @@ class ImagePreparer:
         gpu_decode_min_pixels: JPEGs of at least this many pixels (stored width x
             height) are decoded on the device by ``gpu_decoder``, at full size; their
             pixels differ slightly from the host decoders'. 0: off.
-        gpu_decoder: the device decoder (default: torchvision's nvJPEG on a CUDA device
-            where it works; none elsewhere, and every picture decodes on the host).
+        gpu_decoder: the device decoder (default: :func:`.gpu_jpeg.gpu_decoder`'s choice on a
+            CUDA device where one works; none elsewhere, and every picture decodes on the host).
             Anything it fails on goes to the host decoders, which decide as always.
         budget: shared bound on decoded bytes in flight, or None.
         on_device_time: called with the device milliseconds of each image's upload (or
@@ -214,7 +214,7 @@ class ImagePreparer:
             # Unavailable (no torchvision, no nvJPEG): the host path as without the option.
             # The server checks this itself at start, to say so instead.
             with contextlib.suppress(RuntimeError):
-                gpu_decoder = torchvision_decoder(self.device)
+                gpu_decoder = default_gpu_decoder(self.device)
         # None: every picture is decoded on the host.
         self.gpu_decoder = gpu_decoder if gpu_decode_min_pixels > 0 else None
         self.budget = budget

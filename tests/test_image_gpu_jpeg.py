@@ -29,6 +29,7 @@ from image_pipeline import (
     PreparedImage,
     content_hash,
     decode,
+    gpu_jpeg,
 )
 from image_pipeline.decode import read_header
 from image_pipeline.gpu_jpeg import (
@@ -36,6 +37,8 @@ from image_pipeline.gpu_jpeg import (
     decode_upright,
     encoded_digest,
     gpu_decodable,
+    gpu_decoder,
+    nvimgcodec_decoder,
     orient_tensor,
     torchvision_decoder,
 )
@@ -419,17 +422,47 @@ def test_torchvision_decoder_says_why_it_is_unavailable(monkeypatch: pytest.Monk
     # Importing them raises ImportError, whether or not they were imported before.
     monkeypatch.setitem(sys.modules, "torchvision", None)
     monkeypatch.setitem(sys.modules, "torchvision.io", None)
+    monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", None)
     with pytest.raises(RuntimeError, match="torchvision cannot be imported"):
         torchvision_decoder(torch.device("cuda"))
-    # The preparer itself quietly keeps the host path.
+    with pytest.raises(RuntimeError, match="nvImageCodec cannot be imported"):
+        nvimgcodec_decoder(torch.device("cuda"))
+    # auto says why neither works; the preparer itself quietly keeps the host path.
+    with pytest.raises(RuntimeError, match=r"nvImageCodec cannot .*; torchvision cannot"):
+        gpu_decoder(torch.device("cuda"))
     assert ImagePreparer(device="cuda", gpu_decode_min_pixels=1).gpu_decoder is None
 
 
-def _cuda_decoder() -> Callable[[bytes, torch.device], torch.Tensor]:
+def test_auto_takes_the_first_decoder_that_works(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(device: torch.device) -> object:
+        raise RuntimeError("no engines here")
+
+    def works(device: torch.device) -> object:
+        return HostDecoder()
+
+    monkeypatch.setattr(gpu_jpeg, "nvimgcodec_decoder", broken)
+    monkeypatch.setattr(gpu_jpeg, "torchvision_decoder", works)
+    assert isinstance(gpu_decoder(torch.device("cuda")), HostDecoder)
+    with pytest.raises(RuntimeError, match="no engines here"):
+        gpu_decoder(torch.device("cuda"), "nvimgcodec")
+    monkeypatch.setattr(gpu_jpeg, "nvimgcodec_decoder", works)
+    monkeypatch.setattr(gpu_jpeg, "torchvision_decoder", broken)
+    assert isinstance(gpu_decoder(torch.device("cuda"), "auto"), HostDecoder)
+    with pytest.raises(ValueError, match="must be one of auto, nvimgcodec, torchvision"):
+        gpu_decoder(torch.device("cuda"), "nvjpeg")
+
+
+def _cuda_decoder(kind: str = "torchvision") -> Callable[[bytes, torch.device], torch.Tensor]:
     try:
-        return torchvision_decoder(torch.device("cuda"))
+        return gpu_decoder(torch.device("cuda"), kind)
     except RuntimeError as err:
         pytest.skip(str(err))
+
+
+@pytest.fixture(params=["torchvision", "nvimgcodec"])
+def cuda_decoder(request: pytest.FixtureRequest) -> Callable[[bytes, torch.device], torch.Tensor]:
+    """Each GPU decoder that works here (the others skip)."""
+    return _cuda_decoder(request.param)
 
 
 def synthetic_photo(width: int, height: int) -> Image.Image:
@@ -445,11 +478,11 @@ def synthetic_photo(width: int, height: int) -> Image.Image:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("size", [(4000, 3000), (800, 600)], ids=["12MP", "800x600"])
-def test_nvjpeg_crops_are_close_to_the_host_paths(size: tuple[int, int]) -> None:
-    _cuda_decoder()  # skips where torchvision's nvJPEG decode does not work
+def test_nvjpeg_crops_are_close_to_the_host_paths(
+    size: tuple[int, int], cuda_decoder: Callable[[bytes, torch.device], torch.Tensor]
+) -> None:
     data = encode(synthetic_photo(*size), quality=90)
-    gpu = ImagePreparer(device="cuda", gpu_decode_min_pixels=1)  # the default decoder
-    assert gpu.gpu_decoder is not None
+    gpu = ImagePreparer(device="cuda", gpu_decode_min_pixels=1, gpu_decoder=cuda_decoder)
     host = ImagePreparer(device="cuda", reduced_decode=False)
     a, b = gpu.prepare(data), host.prepare(data)
     assert a.crops.is_cuda and a.content_hash == encoded_digest(data, (size[1], size[0]))
@@ -461,8 +494,10 @@ def test_nvjpeg_crops_are_close_to_the_host_paths(size: tuple[int, int]) -> None
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("orientation", range(1, 9))
-def test_nvjpeg_orientation_on_the_gpu(orientation: int) -> None:
-    decoder = _cuda_decoder()
+def test_nvjpeg_orientation_on_the_gpu(
+    orientation: int, cuda_decoder: Callable[[bytes, torch.device], torch.Tensor]
+) -> None:
+    decoder = cuda_decoder
     exif = Image.Exif()
     exif[0x0112] = orientation
     data = encode(synthetic_photo(320, 200), quality=90, exif=exif.tobytes())
@@ -497,8 +532,10 @@ def test_damaged_jpegs_get_the_host_paths_outcome() -> None:
 
 
 @pytest.mark.gpu
-def test_nvjpeg_refuses_what_the_host_path_refuses() -> None:
-    decoder = _cuda_decoder()
+def test_nvjpeg_refuses_what_the_host_path_refuses(
+    cuda_decoder: Callable[[bytes, torch.device], torch.Tensor],
+) -> None:
+    decoder = cuda_decoder
     data = encode(synthetic_photo(640, 480), quality=90)
     gpu = ImagePreparer(device="cuda", gpu_decode_min_pixels=1, gpu_decoder=decoder)
     host = ImagePreparer(device="cuda")
@@ -516,7 +553,7 @@ def test_nvjpeg_refuses_what_the_host_path_refuses() -> None:
 
 @pytest.mark.gpu
 def test_nvjpeg_grey_and_cmyk() -> None:
-    decoder = _cuda_decoder()
+    decoder = _cuda_decoder("torchvision")
     grey = encode(synthetic_photo(640, 480).convert("L"), quality=90)
     gpu = ImagePreparer(device="cuda", gpu_decode_min_pixels=1, gpu_decoder=decoder)
     host = ImagePreparer(device="cuda", reduced_decode=False)
@@ -525,3 +562,73 @@ def test_nvjpeg_grey_and_cmyk() -> None:
     assert (a.crops.int() - b.crops.int()).abs().float().mean() < 1.0
     cmyk = encode(synthetic_photo(640, 480).convert("CMYK"))
     assert torch.equal(gpu.prepare(cmyk).crops, host.prepare(cmyk).crops)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("size", "subsampling", "mode"),
+    [
+        ((4000, 3000), "4:2:0", "RGB"),
+        ((800, 600), "4:2:0", "RGB"),
+        ((801, 599), "4:2:2", "RGB"),
+        ((640, 480), "4:4:4", "RGB"),
+    ],
+)
+def test_hardware_decoder_is_within_one_of_libjpeg_turbo(
+    size: tuple[int, int], subsampling: str, mode: str
+) -> None:  # mode "L" went 163 off at 333x257: grey JPEGs stay on the host (test below)
+    """The JPEG engines' pixels against the host decoder's: at most 1 apart."""
+    decoder = _cuda_decoder("nvimgcodec")
+    data = encode(synthetic_photo(*size).convert(mode), quality=90, subsampling=subsampling)
+    got = decode_upright(decoder, data, torch.device("cuda"), read_header(data))
+    want = simplejpeg.decode_jpeg(data, colorspace="RGB")
+    assert tuple(got.shape) == want.shape
+    diff = np.abs(got.cpu().numpy().astype(int) - want.astype(int))
+    print(f"{size} {subsampling} {mode}: max {diff.max()}, mean {diff.mean():.5f}")
+    assert diff.max() <= 1 and diff.mean() < 0.01
+
+
+@pytest.mark.gpu
+def test_hardware_decoder_reuses_its_buffer_across_sizes_and_threads() -> None:
+    """Each thread's reused output buffer never leaks one picture into the next: a large, a
+    small and a large picture again, from four threads at once, equal one thread's pixels."""
+    decoder = _cuda_decoder("nvimgcodec")
+    sizes = ((1600, 1200), (320, 200), (1200, 1600))
+    pictures = [encode(synthetic_photo(w, h), quality=85) for w, h in sizes]
+    device = torch.device("cuda")
+    alone = [decoder(data, device).cpu() for data in pictures]
+
+    def run(_: int) -> list[torch.Tensor]:
+        with torch.cuda.stream(torch.cuda.Stream()):
+            out = [decoder(data, device) for data in pictures * 2]
+            torch.cuda.current_stream().synchronize()
+        return [t.cpu() for t in out]
+
+    with ThreadPoolExecutor(4) as pool:
+        for result in pool.map(run, range(4)):
+            for got, want in zip(result, alone * 2, strict=True):
+                assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_a_progressive_jpeg_the_engines_refuse_goes_to_the_host_path() -> None:
+    decoder = _cuda_decoder("nvimgcodec")
+    data = encode(synthetic_photo(640, 480), quality=90, progressive=True)
+    gpu = ImagePreparer(device="cuda", gpu_decode_min_pixels=1, gpu_decoder=decoder)
+    host = ImagePreparer(device="cuda", reduced_decode=False)
+    a, b = gpu.prepare(data), host.prepare(data)
+    # Either the engines took it (pixels within 1) or the host path did (the same crops).
+    assert (a.crops.int() - b.crops.int()).abs().float().mean() < 0.01
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("size", [(333, 257), (640, 480)])
+def test_grey_jpegs_skip_the_hardware_decoder(size: tuple[int, int]) -> None:
+    decoder = _cuda_decoder("nvimgcodec")
+    grey = encode(synthetic_photo(*size).convert("L"), quality=90)
+    with pytest.raises(GpuDecodeError, match="1-channel JPEGs stay on the host"):
+        decode_upright(decoder, grey, torch.device("cuda"), read_header(grey))
+    gpu = ImagePreparer(device="cuda", gpu_decode_min_pixels=1, gpu_decoder=decoder)
+    host = ImagePreparer(device="cuda", reduced_decode=False)
+    a, b = gpu.prepare(grey), host.prepare(grey)
+    assert a.content_hash == b.content_hash and torch.equal(a.crops, b.crops)

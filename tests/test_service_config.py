@@ -142,3 +142,16 @@ def test_gpu_decode_threshold_flag(capsys: pytest.CaptureFixture[str]) -> None:
         load_config(["--image-gpu-decode-min-pixels", "-1"], environ={})
     assert caught.value.code == 2
     assert "--image-gpu-decode-min-pixels must be >= 0" in capsys.readouterr().err
+
+
+def test_gpu_decoder_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert ServerConfig().image_gpu_decoder == "auto"
+    assert load_config(["--image-gpu-decoder", "nvimgcodec"]).image_gpu_decoder == "nvimgcodec"
+    env = {"VLM_IMAGE_GPU_DECODER": "torchvision"}
+    assert load_config([], environ=env).image_gpu_decoder == "torchvision"
+    with pytest.raises(SystemExit) as caught:
+        load_config(["--image-gpu-decoder", "nvjpeg"], environ={})
+    assert caught.value.code == 2
+    assert "--image-gpu-decoder" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="image_gpu_decoder must be one of auto, nvimgcodec"):
+        ServerConfig(image_gpu_decoder="nvjpeg")

@@ -144,17 +144,24 @@ def _host_decoder(data: bytes, device: torch.device) -> torch.Tensor:
 def test_gpu_decode_flag_reaches_the_preparer(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    asked: list[torch.device] = []
+    asked: list[tuple[torch.device, str]] = []
 
-    def decoder_for(device: torch.device) -> object:
-        asked.append(device)
+    def decoder_for(device: torch.device, kind: str) -> object:
+        asked.append((device, kind))
         return _host_decoder
 
-    monkeypatch.setattr(images, "torchvision_decoder", decoder_for)
+    monkeypatch.setattr(images, "gpu_decoder", decoder_for)
     on_cuda = image_preparer(
         ServerConfig(image_device="cuda:1", image_gpu_decode_min_pixels=2_000_000)
     )
-    assert asked == [torch.device("cuda:1")]
+    assert asked == [(torch.device("cuda:1"), "auto")]
+    image_preparer(
+        ServerConfig(
+            image_device="cuda", image_gpu_decode_min_pixels=1, image_gpu_decoder="nvimgcodec"
+        )
+    )
+    assert asked[1] == (torch.device("cuda"), "nvimgcodec")
+    del asked[1]
     assert on_cuda.gpu_decoder is _host_decoder and on_cuda.gpu_decode_min_pixels == 2_000_000
     # Off, or crops made on the CPU: no GPU decoder is looked for.
     assert image_preparer(ServerConfig(image_device="cuda")).gpu_decoder is None
@@ -164,23 +171,24 @@ def test_gpu_decode_flag_reaches_the_preparer(
     assert "--image-gpu-decode-min-pixels has no effect: images are cropped on cpu" in caplog.text
 
 
-def _unavailable(device: torch.device) -> object:
+def _unavailable(device: torch.device, kind: str) -> object:
     raise RuntimeError("torchvision cannot be imported (No module named 'torchvision')")
 
 
 def test_gpu_decode_without_torchvision_is_refused_naming_the_flag(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(images, "torchvision_decoder", _unavailable)
+    monkeypatch.setattr(images, "gpu_decoder", _unavailable)
     config = ServerConfig(image_device="cuda", image_gpu_decode_min_pixels=1_000_000)
-    with pytest.raises(ValueError, match=r"--image-gpu-decode-min-pixels 1000000: torchvision"):
+    said = r"--image-gpu-decode-min-pixels 1000000 with --image-gpu-decoder auto: torchvision"
+    with pytest.raises(ValueError, match=said):
         image_preparer(config)
 
 
 def test_server_without_torchvision_for_gpu_decode_does_not_start(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(images, "torchvision_decoder", _unavailable)
+    monkeypatch.setattr(images, "gpu_decoder", _unavailable)
     config = ServerConfig(
         image_device="cuda", image_gpu_decode_min_pixels=1, port=0, http_port=0, metrics_port=0
     )
@@ -190,7 +198,8 @@ def test_server_without_torchvision_for_gpu_decode_does_not_start(
 
     with caplog.at_level(logging.ERROR):
         assert asyncio.run(serve(config, no_engine)) == 1
-    assert "cannot start: --image-gpu-decode-min-pixels 1: torchvision" in caplog.text
+    said = "cannot start: --image-gpu-decode-min-pixels 1 with --image-gpu-decoder auto: torch"
+    assert said in caplog.text
 
 
 def test_concurrent_requests_with_the_same_new_bytes_share_one_decode() -> None:

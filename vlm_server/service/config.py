@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from image_pipeline import ImageLimits, ResizeMode
+from image_pipeline.gpu_jpeg import GPU_DECODERS
 
 MIB = 1 << 20
 ENV_PREFIX = "VLM_"
@@ -85,6 +86,7 @@ class ServerConfig:
     image_device: str = "auto"
     image_reduced_decode: bool = True
     image_gpu_decode_min_pixels: int = 0
+    image_gpu_decoder: str = "auto"
     image_cache_bytes: int = 512 * MIB
     image_cache_client_bytes: int = 128 * MIB
     max_message_bytes: int = 32 * MIB
@@ -187,6 +189,8 @@ class ServerConfig:
                 "--image-gpu-decode-min-pixels must be >= 0 (0 = off), "
                 f"got {self.image_gpu_decode_min_pixels}"
             )
+        if self.image_gpu_decoder not in GPU_DECODERS:
+            raise ValueError(f"image_gpu_decoder must be one of {', '.join(GPU_DECODERS)}")
         if self.image_resize not in tuple(ResizeMode):
             raise ValueError(f"image_resize must be one of {', '.join(ResizeMode)}")
         if self.max_step_tokens <= self.max_batch_size:
@@ -384,9 +388,17 @@ OPTIONS: tuple[_Option, ...] = (
     _Option(
         "image_gpu_decode_min_pixels",
         int,
-        "JPEGs of at least this many pixels are decoded on the GPU (nvJPEG through "
-        "torchvision, needed then) when images are cropped on CUDA: much less host CPU, "
-        "pixels differ slightly from libjpeg-turbo's (0 = off)",
+        "JPEGs of at least this many pixels are decoded on the GPU (--image-gpu-decoder) "
+        "when images are cropped on CUDA: much less host CPU, pixels differ slightly from "
+        "libjpeg-turbo's (0 = off)",
+    ),
+    _Option(
+        "image_gpu_decoder",
+        str,
+        "the GPU JPEG decoder: nvimgcodec (the chip's JPEG engines through nvImageCodec; "
+        "pixels within 1 of libjpeg-turbo's, no SM time), torchvision (nvJPEG on the SMs), "
+        "or auto (the first of those that works here)",
+        GPU_DECODERS,
     ),
     _Option(
         "image_cache_bytes",

@@ -23,7 +23,7 @@ from image_pipeline import (
     ImagePreparer,
     PreparedImage,
 )
-from image_pipeline.gpu_jpeg import GpuDecoder, torchvision_decoder
+from image_pipeline.gpu_jpeg import GpuDecoder, gpu_decoder
 from vlm_server.engine.process.shared_pixels import pixel_pool, share
 from vlm_server.service.config import ServerConfig
 from vlm_server.service.errors import invalid
@@ -161,9 +161,9 @@ def image_preparer(config: ServerConfig) -> ImagePreparer:
     ``image_device`` auto follows the model: ``--device``, else CUDA when present.
 
     Raises:
-        ValueError: GPU JPEG decode is asked for on a CUDA image device where it does not
-            work (no torchvision, or one without nvJPEG): said at start, not found out later
-            from the host CPU.
+        ValueError: GPU JPEG decode is asked for on a CUDA image device where the chosen
+            decoder does not work (nvImageCodec or torchvision missing, no JPEG engines, no
+            nvJPEG): said at start, not found out later from the host CPU.
     """
     device = image_device(config)
     min_pixels = config.image_gpu_decode_min_pixels
@@ -172,11 +172,12 @@ def image_preparer(config: ServerConfig) -> ImagePreparer:
         log.warning("--image-gpu-decode-min-pixels has no effect: images are cropped on %s", device)
     elif min_pixels > 0:
         try:
-            decoder = torchvision_decoder(device)
+            decoder = gpu_decoder(device, config.image_gpu_decoder)
         except RuntimeError as err:
             raise ValueError(
-                f"--image-gpu-decode-min-pixels {min_pixels}: {err}; install the torchvision "
-                "built for this torch, or set it to 0"
+                f"--image-gpu-decode-min-pixels {min_pixels} with --image-gpu-decoder "
+                f"{config.image_gpu_decoder}: {err}; install nvidia-nvimgcodec (the build for "
+                "this CUDA) or the torchvision built for this torch, or set it to 0"
             ) from err
     return ImagePreparer(
         config.image_limits,
