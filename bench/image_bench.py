@@ -5,7 +5,8 @@ Each cell runs ``threads`` workers of a ThreadPoolExecutor, each preparing gener
 back to back for at least ``--min-seconds`` (and ``--min-calls`` per worker), as the server's
 decode threads do. Reports images/s over the wall time and, per image (medians): wall ms,
 host CPU ms of the worker thread (decode, hash, and the resize on the CPU or its launches on
-a GPU), device ms of upload + resize + crop (CUDA only, from events), and normalize ms.
+a GPU), device ms of upload + resize + crop (CUDA only, from events; src ms: the part until
+the pixels are on the device, the upload or the GPU decode), and normalize ms.
 ``--device cuda`` makes the crops on the GPU as a CUDA server does (the default where CUDA
 exists); ``--normalize-device none`` skips normalization; ``--exif-orientation 6`` tags the
 JPEGs as phone portrait photos, which the decoder turns upright. ``--gpu-decode-min-pixels N``
@@ -101,9 +102,15 @@ def run_cell(
     shared = pixel_pool()
     on_cuda = torch.device(device).type == "cuda"
 
+    source_ms: list[float] = []
+
     def on_device_time(ms: float) -> None:
         with lock:
             gpu_ms.append(ms)
+
+    def on_source_time(ms: float) -> None:
+        with lock:
+            source_ms.append(ms)
 
     preparer = ImagePreparer(
         LIMITS,
@@ -112,6 +119,7 @@ def run_cell(
         gpu_decode_min_pixels=gpu_decode_min_pixels,
         gpu_decoder=gpu_decoder,
         on_device_time=on_device_time,
+        on_source_time=on_source_time,
     )
     per_thread = threading.local()
 
@@ -192,6 +200,7 @@ def run_cell(
         list(pool.map(one, images[:threads]))  # warm-up: codecs, weights, allocator, kernels
         with lock:
             gpu_ms.clear()
+            source_ms.clear()
             engine_cpu_ms.clear()
         start = time.perf_counter()
         calls = sum(pool.map(worker, range(threads), [start + min_seconds] * threads))
@@ -211,6 +220,8 @@ def run_cell(
         "engine_cpu_ms": statistics.median(engine_cpu_ms) if engine_cpu_ms else None,
         "gpu_decode": on_gpu,
         "gpu_ms": statistics.median(gpu_ms) if gpu_ms else None,
+        # Of gpu_ms, until the pixels are on the device: the upload, or the GPU decode.
+        "source_ms": statistics.median(source_ms) if source_ms else None,
         "normalize_ms": statistics.median(norm_ms) if norm_device is not None else None,
         "crops": statistics.median(crops),
     }
@@ -425,7 +436,7 @@ def _run(
     print(
         f"{'size':>10} {'fmt':>5} {'dec':>4} {'resize':>6} {'KB':>7} {'crops':>5} {'thr':>4} "
         f"{'img/s':>8} {'ms/img':>8} {'prep ms':>8} {'cpu ms':>8} {'dec ms':>7} {'eng ms':>7} "
-        f"{'gpu ms':>8} {'norm ms':>8}"
+        f"{'gpu ms':>8} {'src ms':>7} {'norm ms':>8}"
     )
     for r in rows:
         print(
@@ -434,7 +445,8 @@ def _run(
             f"{r['crops']:>5.0f} {r['threads']:>4} {r['images_per_s']:>8.1f} "
             f"{r['ms_per_image']:>8.2f} {r['prepare_ms']:>8.2f} {r['cpu_ms']:>8.2f} "
             f"{_fmt(r['decode_cpu_ms'], '7.2f'):>7} {_fmt(r['engine_cpu_ms'], '7.2f'):>7} "
-            f"{_fmt(r['gpu_ms'], '8.3f'):>8} {_fmt(r['normalize_ms'], '8.2f'):>8}"
+            f"{_fmt(r['gpu_ms'], '8.3f'):>8} {_fmt(r['source_ms'], '7.3f'):>7} "
+            f"{_fmt(r['normalize_ms'], '8.2f'):>8}"
         )
     png = out / "image_bench.png"
     wrote = plot(rows, png, f"image pipeline, {cpu_name}")

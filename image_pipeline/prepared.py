@@ -188,6 +188,9 @@ class ImagePreparer:
         budget: shared bound on decoded bytes in flight, or None.
         on_device_time: called with the device milliseconds of each image's upload (or
             GPU decode), resize and crop (CUDA only; for benchmarks).
+        on_source_time: called with the part of those until the pixels are on the device:
+            the upload, or the GPU decode (a hardware decoder's time is its JPEG engines',
+            not the SMs'), before the resize and crop (CUDA only; for benchmarks).
     """
 
     def __init__(
@@ -202,6 +205,7 @@ class ImagePreparer:
         gpu_decoder: GpuDecoder | None = None,
         budget: DecodeBudget | None = None,
         on_device_time: Callable[[float], None] | None = None,
+        on_source_time: Callable[[float], None] | None = None,
     ) -> None:
         check_int("gpu_decode_min_pixels", gpu_decode_min_pixels, 0)
         self.limits = limits
@@ -219,6 +223,7 @@ class ImagePreparer:
         self.gpu_decoder = gpu_decoder if gpu_decode_min_pixels > 0 else None
         self.budget = budget
         self.on_device_time = on_device_time
+        self.on_source_time = on_source_time
         self.resampler = Resampler(self.device)
         self._local = threading.local()
 
@@ -345,8 +350,9 @@ class ImagePreparer:
         # On this thread's own stream, so it overlaps the engine's work; finished before
         # return, so the engine may use the crops on any stream.
         stream = self._stream()
-        timed = self.on_device_time is not None
+        timed = self.on_device_time is not None or self.on_source_time is not None
         start = torch.cuda.Event(enable_timing=True) if timed else None
+        sourced = torch.cuda.Event(enable_timing=True) if timed else None
         # A blocking event: the decode thread sleeps until the crops are done instead of
         # spinning on a core.
         done = torch.cuda.Event(enable_timing=timed, blocking=True)
@@ -354,12 +360,17 @@ class ImagePreparer:
             if start is not None:
                 start.record(stream)
             pixels = source()
+            if sourced is not None:
+                sourced.record(stream)
             crops = make_crops(pixels, tiles, self.tiling, self.resize, self.resampler)
             done.record(stream)
         key = digest()  # the host hashes while the device uploads, resizes and crops
         done.synchronize()
-        if start is not None and self.on_device_time is not None:
-            self.on_device_time(start.elapsed_time(done))
+        if start is not None and sourced is not None:
+            if self.on_device_time is not None:
+                self.on_device_time(start.elapsed_time(done))
+            if self.on_source_time is not None:
+                self.on_source_time(start.elapsed_time(sourced))
         return crops, key
 
     def _stream(self) -> torch.cuda.Stream:

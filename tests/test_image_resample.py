@@ -177,13 +177,17 @@ def test_cuda_crops_equal_cpu_crops(mode: ResizeMode) -> None:
 @pytest.mark.gpu
 def test_cuda_preparer_gives_the_cpu_preparers_crops_on_the_gpu() -> None:
     device_times: list[float] = []
-    gpu = ImagePreparer(device="cuda", on_device_time=device_times.append)
+    source_times: list[float] = []
+    gpu = ImagePreparer(
+        device="cuda", on_device_time=device_times.append, on_source_time=source_times.append
+    )
     cpu = ImagePreparer(device="cpu")
     data = sample_image_bytes()
     a, b = gpu.prepare(data), cpu.prepare(data)
     assert a.crops.is_cuda and a.content_hash == b.content_hash and a.tiling == b.tiling
     np.testing.assert_array_equal(a.crops.cpu().numpy(), b.crops.numpy())
     assert len(device_times) == 1 and device_times[0] > 0
+    assert len(source_times) == 1 and 0 < source_times[0] < device_times[0]
     normalized = a.normalized(torch.bfloat16)
     assert normalized.is_cuda and torch.equal(normalized.cpu(), b.normalized(torch.bfloat16))
 
