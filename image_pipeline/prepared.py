@@ -225,6 +225,11 @@ class ImagePreparer:
         self.on_device_time = on_device_time
         self.on_source_time = on_source_time
         self.resampler = Resampler(self.device)
+        # GPU-decoded pictures: full size, and their resize is queued while the decoder
+        # works, so its large stages run in small blocks (see `Resampler._block_for`).
+        self._decoded_resampler = (
+            Resampler(self.device, large_block=256) if self.device.type == "cuda" else None
+        )
         self._local = threading.local()
 
     def prepare(self, data: bytes) -> PreparedImage:
@@ -319,6 +324,7 @@ class ImagePreparer:
                 functools.partial(decode_upright, decoder, data, self.device, header),
                 tiles,
                 functools.partial(encoded_digest, data, (height, width)),
+                self._decoded_resampler,
             )
         return PreparedImage(
             crops=crops,
@@ -338,15 +344,20 @@ class ImagePreparer:
         return lambda: pinned.to(self.device, non_blocking=True)
 
     def _crops(
-        self, source: Callable[[], torch.Tensor], tiles: Tiling, digest: Callable[[], str]
+        self,
+        source: Callable[[], torch.Tensor],
+        tiles: Tiling,
+        digest: Callable[[], str],
+        resampler: Resampler | None = None,
     ) -> tuple[torch.Tensor, str]:
         """The crops of the pixels ``source()`` gives on the device (an upload or a GPU
         decode), and ``digest()``: on CUDA computed while the device works (it only reads
-        host data that nothing writes meanwhile)."""
+        host data that nothing writes meanwhile). ``resampler``: other than the preparer's."""
+        resampler = resampler or self.resampler
         if self.device.type != "cuda":
             pixels = source()
             key = digest()
-            return make_crops(pixels, tiles, self.tiling, self.resize, self.resampler), key
+            return make_crops(pixels, tiles, self.tiling, self.resize, resampler), key
         # On this thread's own stream, so it overlaps the engine's work; finished before
         # return, so the engine may use the crops on any stream.
         stream = self._stream()
@@ -362,7 +373,7 @@ class ImagePreparer:
             pixels = source()
             if sourced is not None:
                 sourced.record(stream)
-            crops = make_crops(pixels, tiles, self.tiling, self.resize, self.resampler)
+            crops = make_crops(pixels, tiles, self.tiling, self.resize, resampler)
             done.record(stream)
         key = digest()  # the host hashes while the device uploads, resizes and crops
         done.synchronize()

@@ -200,3 +200,25 @@ def test_weight_cache_is_bounded_by_bytes() -> None:
         resampler.run(torch.from_numpy(pixels), vips_resize_plan((300, 400), (1.0, width / 400)))
     assert resampler._cached_bytes <= 200_000 or len(resampler._cache) == 1
     assert resampler._cached_bytes == sum(p.nbytes for _, p in resampler._cache.values())
+
+
+def test_large_stages_take_the_large_stage_block_size() -> None:
+    assert Resampler("cpu")._block_for(10**9) == 32  # no large_block: one size everywhere
+    r = Resampler("cpu", block=2048, large_block=256)
+    assert r._block_for(3_999_999) == 2048 and r._block_for(4_000_000) == 256
+    assert ImagePreparer(device="cpu")._decoded_resampler is None
+
+
+@pytest.mark.parametrize("plan_of", [vips_resize_plan, pillow_resize_plan], ids=["vips", "pillow"])
+def test_block_sizes_never_change_the_pixels(plan_of: object) -> None:
+    """Small blocks on the large stages (GPU-decoded pictures) give the same pixels as one
+    block per stage: each block multiplies only the span its band touches, exactly."""
+    pixels = torch.from_numpy(picture(1500, 1000))  # 4.5M values: a large stage
+    out = (644, 1176)
+    if plan_of is vips_resize_plan:
+        plan = vips_resize_plan((1500, 1000), (out[0] / 1500, out[1] / 1000))
+    else:
+        plan = pillow_resize_plan((1500, 1000), out)
+    whole = Resampler("cpu", block=4096).run(pixels, plan)
+    split = Resampler("cpu", block=4096, large_block=100).run(pixels, plan)
+    assert split.shape == whole.shape and torch.equal(split, whole)
