@@ -16,7 +16,8 @@
 #   vision   profile_decode --vision: the tower per crop count, kernels, SDPA backends
 #   prefix   profile_decode --prefix: the BOS + image forward's kernels (this checkout only)
 #   image    image_bench: host CPU and GPU time per 800x600 and 12 MP JPEG, split as with an
-#            engine process (this checkout)
+#            engine process, and decoded by the JPEG engines where nvImageCodec is installed
+#            (this checkout)
 #   timeline request_timeline: where a c=1 request's time goes (this checkout)
 #   sweep    itl and unique-image load (c=1, c=64) once per server flag set in SWEEP,
 #            "name|flags;name|flags" (this checkout; results tagged itl_NAME, load_NAME),
@@ -39,11 +40,11 @@ while getopts "o:b:" opt; do
     case $opt in
         o) OUT=$OPTARG ;;
         b) BASE=$(cd "$OPTARG" && pwd) || exit 1 ;;
-        *) sed -n '2,32p' "$0"; exit 2 ;;
+        *) sed -n '2,33p' "$0"; exit 2 ;;
     esac
 done
 shift $((OPTIND - 1))
-(($#)) || { sed -n '2,32p' "$0"; exit 2; }
+(($#)) || { sed -n '2,33p' "$0"; exit 2; }
 PRESET=moondream2 FLAGS="--device cuda --dtype bf16 --max-batch-size 64"
 if [[ ${AB_SMOKE:-0} == 1 ]]; then
     GPU=cpu-smoke PRESET=tiny FLAGS="--device cpu --dtype fp32 --max-batch-size 8"
@@ -128,7 +129,15 @@ for stage in "$@"; do
                 --normalize-device cuda --out "$OUT/image" 2>&1 | tail -8
             in_tree "$REPO" 240 $PY -m bench.image_bench --device cuda \
                 --sizes 800x600 4000x3000 --formats jpeg --threads 1 --split \
-                --out "$OUT/image_split" 2>&1 | tail -6 ;;
+                --out "$OUT/image_split" 2>&1 | tail -6
+            # The JPEG engines, where nvImageCodec is installed (src ms: their decode).
+            if PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} $PY -c "import nvidia.nvimgcodec" \
+                2>/dev/null; then
+                in_tree "$REPO" 240 $PY -m bench.image_bench --device cuda \
+                    --sizes 800x600 1920x1080 4000x3000 --formats jpeg --resize vips \
+                    --threads 1 8 --normalize-device cuda --gpu-decode-min-pixels 1 \
+                    --gpu-decoder nvimgcodec --out "$OUT/image_engines" 2>&1 | tail -9
+            fi ;;
         timeline)
             in_tree "$REPO" 300 $PY -m bench.request_timeline --out "$OUT/timeline" 2>&1 \
                 | grep -v "it/s\]" | tail -40 ;;
