@@ -427,6 +427,30 @@ def test_the_engine_process_reports_its_garbage_collections(server: ServerThread
     wait_for(lambda: engine_gen0() > 0, what="the engine's collections to be reported")
 
 
+def test_the_delay_of_the_engine_processs_events_is_exported(server: ServerThread) -> None:
+    """Each tick's events carry when they were sent; the server exports how long they took
+    to reach its streams."""
+
+    def delays() -> tuple[float, float]:
+        with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+            text = response.read().decode()
+        found = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.startswith("vlm_engine_events_delay_seconds_"):
+                    found[sample.name.rsplit("_", 1)[1]] = sample.value
+        return found.get("count", 0.0), found.get("sum", 0.0)
+
+    before, _ = delays()
+    with VisionLanguageClient(server.target, timeout=60) as c:
+        pieces = list(c.caption_stream(sample_image_bytes(), temperature=0.0, max_tokens=12))
+    wait_for(lambda: delays()[0] >= before + 1, what="the events' delays to be observed")
+    count, total = delays()
+    # At least one message per tick that carried a token; each well under a second.
+    assert count - before >= 1 and len(pieces) >= 2
+    assert 0.0 <= total / count < 1.0
+
+
 def test_refusals_from_the_engine_process_name_the_field(client: VisionLanguageClient) -> None:
     with pytest.raises(VlmError) as caught:
         client.query(None, "q", regex="(unclosed")

@@ -56,6 +56,8 @@ _LATENCY_BUCKETS = (
 )
 # Event-loop lag: from a timer's resolution up to a loop stalled for seconds.
 _LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# Engine events' delay: a fraction of a decode step (~2 ms) matters.
+_DELAY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1, 0.5, 2.5)
 LOOP_LAG_INTERVAL_S = 0.05
 _SCRAPE_TIMEOUT_S = 2.0
 _DT = ("door", "task")
@@ -233,6 +235,14 @@ class ServiceMetrics:
             f"how late the event loop wakes a task sleeping {LOOP_LAG_INTERVAL_S:g} s "
             "(callbacks that ran long, or the GIL held by other threads)",
             buckets=_LAG_BUCKETS,
+            registry=r,
+        )
+        self.events_delay = Histogram(
+            "vlm_engine_events_delay_seconds",
+            "time from the engine process sending a tick's events (tokens, results) to the "
+            "event loop handing them to their streams: the pipe, and the loop and GIL waits "
+            "every token crosses before it is sent (engine in its own process only)",
+            buckets=_DELAY_BUCKETS,
             registry=r,
         )
         self._lag_task: asyncio.Task[None] | None = None

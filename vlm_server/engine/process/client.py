@@ -17,6 +17,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -112,6 +113,7 @@ class ProcessEngine:
         self._failure: str | None = None
         self._closing = False
         self._draining = False
+        self._on_events_delay: Callable[[float], None] | None = None
 
     @property
     def pid(self) -> int | None:
@@ -206,6 +208,12 @@ class ProcessEngine:
         """The engine's counters as last reported (a few times a second)."""
         return self._stats
 
+    def watch_events_delay(self, observe: Callable[[float], None]) -> None:
+        """Call ``observe`` with the seconds from the engine process sending each tick's
+        events to this loop handing them to their streams: the pipe, and this process's
+        waits for its loop and the GIL, that every token crosses."""
+        self._on_events_delay = observe
+
     def failure(self) -> str | None:
         return None if self._closing else self._failure
 
@@ -269,6 +277,8 @@ class ProcessEngine:
 
     def _dispatch(self, message: object) -> None:
         if isinstance(message, Events):
+            if self._on_events_delay is not None and message.sent_at:
+                self._on_events_delay(max(0.0, time.monotonic() - message.sent_at))
             streams = self._streams
             for rid, event in message.items:
                 stream = streams.get(rid)

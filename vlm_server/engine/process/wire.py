@@ -66,9 +66,11 @@ class Refused:
 
 @dataclass(frozen=True)
 class Events:
-    """One scheduler tick's events, oldest first."""
+    """One scheduler tick's events, oldest first. ``sent_at``: ``time.monotonic()`` when the
+    engine process sent them (one clock for every process on Linux; 0: not stamped)."""
 
     items: list[tuple[int, Event | EngineError]]
+    sent_at: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ class PipeOutbox:
             return
         batch, self._items = self._items, []
         # Blocks only while the server is a whole pipe's worth of events behind: backpressure.
-        self._sender.send(Events(batch))  # type: ignore[arg-type]
+        self._sender.send(Events(batch, time.monotonic()))  # type: ignore[arg-type]
 
 
 class EngineHost:
