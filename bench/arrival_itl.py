@@ -125,6 +125,8 @@ class Timeline:
     loop_lag: list[tuple[float, float]] = field(default_factory=list)  # t, seconds late
     # The server's step-interval histogram (vlm_step_interval_seconds) as sampled: t, buckets.
     intervals: list[tuple[float, dict[float, float]]] = field(default_factory=list)
+    # The server's engine-events delay histogram (vlm_engine_events_delay_seconds), likewise.
+    delays: list[tuple[float, dict[float, float]]] = field(default_factory=list)
     arrivals: list[float] = field(default_factory=list)  # issue times (perf_counter)
     stopping: bool = False
 
@@ -242,6 +244,9 @@ async def sample_steps(url: str, every: float, tl: Timeline) -> None:
             buckets = await asyncio.to_thread(scrape_histogram, url, STEP_INTERVAL)
             if buckets:
                 tl.intervals.append((at, buckets))
+            delays = await asyncio.to_thread(scrape_histogram, url, EVENTS_DELAY)
+            if delays:
+                tl.delays.append((at, delays))
             values = await asyncio.to_thread(_scrape, url)
             if "vlm_step_period_ms" in values:
                 tl.step_samples.append(
@@ -429,17 +434,41 @@ def _pcts(values: Sequence[float], prefix: str, scale: float = 1e3) -> dict[str,
 
 
 STEP_INTERVAL = "vlm_step_interval_seconds"
+EVENTS_DELAY = "vlm_engine_events_delay_seconds"
+
+
+def _phase_growth(
+    samples: list[tuple[float, dict[float, float]]], tl: Timeline, phase: str
+) -> dict[float, float] | None:
+    """A sampled cumulative histogram's growth over a phase (between the samples at its start
+    and end), or None without two samples in it."""
+    lo, hi = (tl.warmup_end, tl.a_end) if phase == "A" else (tl.a_end, tl.b_end)
+    first = next((b for at, b in samples if at >= lo), None)
+    last = next((b for at, b in reversed(samples) if at <= hi), None)
+    if first is None or last is None or first is last:
+        return None
+    return {b: last[b] - first.get(b, 0.0) for b in last}
+
+
+def events_delays(tl: Timeline, phase: str) -> dict[str, Any]:
+    """How long the engine process's events took to reach the server's streams over a phase
+    (the delivery share of the clients' gaps; absent with the engine in the server's
+    process)."""
+    delta = _phase_growth(tl.delays, tl, phase)
+    if not delta or not delta[max(delta)]:
+        return {"events_delay_p50_ms": None, "events_delay_p99_ms": None}
+    return {
+        "events_delay_p50_ms": histogram_quantile(0.50, delta) * 1e3,
+        "events_delay_p99_ms": histogram_quantile(0.99, delta) * 1e3,
+    }
 
 
 def server_intervals(tl: Timeline, phase: str) -> dict[str, Any]:
     """The server's own inter-token gaps over a phase (the step-interval histogram's growth
     between the samples at its start and end): free of the client's scheduling noise."""
-    lo, hi = (tl.warmup_end, tl.a_end) if phase == "A" else (tl.a_end, tl.b_end)
-    first = next((b for at, b in tl.intervals if at >= lo), None)
-    last = next((b for at, b in reversed(tl.intervals) if at <= hi), None)
-    if first is None or last is None or first is last:
+    delta = _phase_growth(tl.intervals, tl, phase)
+    if delta is None:
         return {"server_steps": 0, "server_itl_p50_ms": None, "server_itl_p99_ms": None}
-    delta = {b: last[b] - first.get(b, 0.0) for b in last}
     return {
         "server_steps": int(delta[max(delta)]),
         "server_itl_p50_ms": histogram_quantile(0.50, delta) * 1e3,
@@ -463,6 +492,7 @@ def phase_summary(tl: Timeline, phase: str) -> dict[str, Any]:
     row: dict[str, Any] = {
         "phase": phase,
         **server_intervals(tl, phase),
+        **events_delays(tl, phase),
         "gaps": len(gaps),
         "streams_with_gaps": len({g.stream for g in tl.gaps if tl.phase(g.end) == phase}),
         **_pcts(gaps, "itl"),
@@ -584,6 +614,14 @@ def print_table(result: dict[str, Any], title: str) -> None:
         f"{_fmt(b_srv['server_itl_p99_ms'], '.2f')} ms; B p99 / A p50 = "
         f"{_fmt(v['server_ratio_b_p99_over_a_p50'], '.2f')}"
     )
+    if a_srv.get("events_delay_p99_ms") is not None:
+        print(
+            f"engine events to the server's streams: A p50 / p99 "
+            f"{_fmt(a_srv['events_delay_p50_ms'], '.2f')} / "
+            f"{_fmt(a_srv['events_delay_p99_ms'], '.2f')} ms, B p50 / p99 "
+            f"{_fmt(b_srv.get('events_delay_p50_ms'), '.2f')} / "
+            f"{_fmt(b_srv.get('events_delay_p99_ms'), '.2f')} ms"
+        )
 
 
 def plot(tl: Timeline, result: dict[str, Any], path: Path, title: str) -> bool:

@@ -208,7 +208,9 @@ def test_arrival_itl_counts_each_gap_in_the_phase_it_ends() -> None:
 @pytest.mark.parametrize("processes", [1, 2])
 def test_arrival_itl_spawned_server(tiny_dir: Path, tmp_path: Path, processes: int) -> None:
     """In one client process and with the streams spread over two (gaps measured there, on
-    the same clock, come back and land in the phase they ended in)."""
+    the same clock, come back and land in the phase they ended in); the two-process run's
+    server has its engine in a process of its own, whose events' delay is read too."""
+    engine_process = "on" if processes == 2 else "off"
     code = arrival_itl.main(
         [
             "--spawn",
@@ -238,6 +240,8 @@ def test_arrival_itl_spawned_server(tiny_dir: Path, tmp_path: Path, processes: i
             "cpu",
             "--dtype",
             "fp32",
+            "--engine-process",
+            engine_process,
         ]
     )
     assert code == 0
@@ -258,6 +262,10 @@ def test_arrival_itl_spawned_server(tiny_dir: Path, tmp_path: Path, processes: i
         # The server's own step intervals over the phase: steps counted, percentiles ordered.
         assert r["server_steps"] > 0
         assert 0 < r["server_itl_p50_ms"] <= r["server_itl_p90_ms"] <= r["server_itl_p99_ms"]
+        if engine_process == "on":  # the delivery share: engine process to the streams
+            assert 0 < r["events_delay_p50_ms"] <= r["events_delay_p99_ms"] < 1000
+        else:
+            assert r["events_delay_p50_ms"] is None and r["events_delay_p99_ms"] is None
         cdf = data["gap_cdf_ms"][phase]
         assert [q for q, _ in cdf] == sorted({q for q, _ in cdf})
         assert [ms for _, ms in cdf] == sorted(ms for _, ms in cdf)
