@@ -6,7 +6,9 @@ back to back for at least ``--min-seconds`` (and ``--min-calls`` per worker), as
 decode threads do. Reports images/s over the wall time and, per image (medians): wall ms,
 host CPU ms of the worker thread (decode, hash, and the resize on the CPU or its launches on
 a GPU), device ms of upload + resize + crop (CUDA only, from events; src ms: the part until
-the pixels are on the device, the upload or the GPU decode), and normalize ms.
+the pixels are on the device, the upload or the GPU decode; sm ms, one thread only: the time
+kernels ran on the SMs, from the profiler, without the gaps where the device waited for the
+host's launches or for the JPEG engines), and normalize ms.
 ``--device cuda`` makes the crops on the GPU as a CUDA server does (the default where CUDA
 exists); ``--normalize-device none`` skips normalization; ``--exif-orientation 6`` tags the
 JPEGs as phone portrait photos, which the decoder turns upright. ``--gpu-decode-min-pixels N``
@@ -83,6 +85,7 @@ def run_cell(
     gpu_decoder: GpuDecoder | None = None,
     split: bool = False,
     crop_graphs: int = 0,
+    sm_calls: int = 8,
 ) -> dict[str, Any]:
     """``threads`` workers preparing ``images`` in turn; images/s and per-image medians.
 
@@ -90,7 +93,8 @@ def run_cell(
     path with an engine process: the server's share (header, decode into a pooled shared
     buffer, hash: ``cpu_ms``), then the engine's (staging copy and crop launches:
     ``engine_cpu_ms``; the device's work: ``gpu_ms``), with ``crop_graphs`` picture sizes
-    kept as CUDA graphs as the engine does (``--image-crop-graphs``)."""
+    kept as CUDA graphs as the engine does (``--image-crop-graphs``). ``sm_calls``: images
+    prepared under the profiler afterwards, for ``sm_ms`` (one thread on CUDA; 0: not)."""
     lock = threading.Lock()
     prep_ms: list[float] = []
     cpu_ms: list[float] = []
@@ -156,23 +160,25 @@ def run_cell(
             gpu_ms.append(start.elapsed_time(done))
         return made
 
-    def one(data: bytes) -> tuple[float, float, float, int]:
+    def crops_of(data: bytes) -> tuple[torch.Tensor, int, float]:
+        """The crops, their count, and the thread's CPU ms for the host's share."""
         c0 = time.thread_time()
-        t0 = time.perf_counter()
         if split:
             host = preparer.decode_host(data, alloc=shared.array)
             c1 = time.thread_time()
-            made, n_crops = engine_share(host), host.num_crops
-        else:
-            prepared = preparer.prepare(data)
-            c1 = time.thread_time()
-            made, n_crops = prepared.crops, prepared.num_crops
+            return engine_share(host), host.num_crops, (c1 - c0) * 1e3
+        prepared = preparer.prepare(data)
+        return prepared.crops, prepared.num_crops, (time.thread_time() - c0) * 1e3
+
+    def one(data: bytes) -> tuple[float, float, float, int]:
+        t0 = time.perf_counter()
+        made, n_crops, c_ms = crops_of(data)
         t1 = time.perf_counter()
         if norm_device is not None:
             normalize_crops(made, dtype=dtype, device=norm_device)
             if sync:
                 torch.cuda.synchronize()
-        return ((t1 - t0) * 1e3, (c1 - c0) * 1e3, (time.perf_counter() - t1) * 1e3, n_crops)
+        return ((t1 - t0) * 1e3, c_ms, (time.perf_counter() - t1) * 1e3, n_crops)
 
     def worker(k: int, deadline: float) -> int:
         done = 0
@@ -205,6 +211,16 @@ def run_cell(
         start = time.perf_counter()
         calls = sum(pool.map(worker, range(threads), [start + min_seconds] * threads))
         wall = time.perf_counter() - start
+        sm_ms = None
+        if on_cuda and threads == 1 and sm_calls > 0:
+            # On the worker's thread (its stream, its crop graphs); these calls report device
+            # times too, which the medians below must not see.
+            with lock:
+                timed = list(gpu_ms), list(source_ms), list(engine_cpu_ms)
+            sm_ms = pool.submit(
+                kernel_ms, lambda k: crops_of(images[k % len(images)]), sm_calls
+            ).result()
+            gpu_ms[:], source_ms[:], engine_cpu_ms[:] = timed
     total = [p + n for p, n in zip(prep_ms, norm_ms, strict=True)]
     return {
         "threads": threads,
@@ -222,9 +238,42 @@ def run_cell(
         "gpu_ms": statistics.median(gpu_ms) if gpu_ms else None,
         # Of gpu_ms, until the pixels are on the device: the upload, or the GPU decode.
         "source_ms": statistics.median(source_ms) if source_ms else None,
+        # Of gpu_ms, the SMs' share: kernels only, per image (one thread).
+        "sm_ms": sm_ms,
         "normalize_ms": statistics.median(norm_ms) if norm_device is not None else None,
         "crops": statistics.median(crops),
     }
+
+
+def kernel_ms(work: Callable[[int], object], calls: int) -> float:
+    """Milliseconds per call that CUDA kernels ran, with ``work(k)`` called ``calls`` times
+    under the profiler: the union of the kernels' intervals (copies and the JPEG engines'
+    decode are not kernels), so launch gaps and waits do not count."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for k in range(calls):
+            work(k)
+        torch.cuda.synchronize()
+    spans = [
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+        and not e.name.startswith(("Memcpy", "Memset"))
+    ]
+    return busy_us(spans) / 1e3 / calls
+
+
+def busy_us(spans: Sequence[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals."""
+    total = 0.0
+    end = -math.inf
+    for s, e in sorted(spans):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
 
 
 def device_label(norm_device: str | None) -> str:
@@ -282,6 +331,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--images", type=int, default=8, help="distinct pictures per size/format")
     ap.add_argument("--min-seconds", type=float, default=1.0, help="per cell")
     ap.add_argument("--min-calls", type=int, default=2, help="per worker and cell")
+    ap.add_argument(
+        "--sm-calls",
+        type=int,
+        default=8,
+        metavar="N",
+        help="one-thread cells on CUDA: images prepared under the profiler for the sm ms "
+        "column (kernel time alone); 0: skip",
+    )
     ap.add_argument(
         "--normalize-device", default="cpu", help="cpu, cuda[:N] or none (skip normalization)"
     )
@@ -391,6 +448,7 @@ def _run(
                     gpu_decoder=decoder,
                     split=args.split,
                     crop_graphs=args.crop_graphs,
+                    sm_calls=args.sm_calls,
                 )
                 rows.append(
                     {"size": f"{w}x{h}", "format": fmt, "resize": mode, "bytes": mean_bytes} | cell
@@ -436,7 +494,7 @@ def _run(
     print(
         f"{'size':>10} {'fmt':>5} {'dec':>4} {'resize':>6} {'KB':>7} {'crops':>5} {'thr':>4} "
         f"{'img/s':>8} {'ms/img':>8} {'prep ms':>8} {'cpu ms':>8} {'dec ms':>7} {'eng ms':>7} "
-        f"{'gpu ms':>8} {'src ms':>7} {'norm ms':>8}"
+        f"{'gpu ms':>8} {'src ms':>7} {'sm ms':>7} {'norm ms':>8}"
     )
     for r in rows:
         print(
@@ -446,7 +504,7 @@ def _run(
             f"{r['ms_per_image']:>8.2f} {r['prepare_ms']:>8.2f} {r['cpu_ms']:>8.2f} "
             f"{_fmt(r['decode_cpu_ms'], '7.2f'):>7} {_fmt(r['engine_cpu_ms'], '7.2f'):>7} "
             f"{_fmt(r['gpu_ms'], '8.3f'):>8} {_fmt(r['source_ms'], '7.3f'):>7} "
-            f"{_fmt(r['normalize_ms'], '8.2f'):>8}"
+            f"{_fmt(r['sm_ms'], '7.3f'):>7} {_fmt(r['normalize_ms'], '8.2f'):>8}"
         )
     png = out / "image_bench.png"
     wrote = plot(rows, png, f"image pipeline, {cpu_name}")
