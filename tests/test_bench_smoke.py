@@ -328,11 +328,20 @@ def test_image_bench_tiny(tmp_path: Path) -> None:
     for r in data["rows"]:
         assert r["calls"] >= r["threads"] and r["images_per_s"] > 0
         assert 0 < r["prepare_ms"] <= r["ms_per_image"] and r["normalize_ms"] >= 0
-        assert r["cpu_ms"] > 0 and r["gpu_ms"] is None  # no device time on the CPU
+        assert r["cpu_ms"] > 0 and r["gpu_ms"] is None and r["sm_ms"] is None  # CPU only
         assert r["crops"] >= 1
         assert r["gpu_decode"] is False and r["decode_cpu_ms"] > 0
         assert r["split"] is False and r["engine_cpu_ms"] is None
     assert data["gpu_decode_min_pixels"] == 0
+
+
+def test_kernel_busy_time_is_the_union_of_intervals() -> None:
+    """sm ms counts overlapping kernels once and the gaps between them not at all."""
+    assert image_bench.busy_us([]) == 0
+    assert image_bench.busy_us([(0, 10)]) == 10
+    assert image_bench.busy_us([(20, 30), (0, 10)]) == 20  # a gap of 10 is not counted
+    assert image_bench.busy_us([(0, 10), (5, 15), (6, 8)]) == 15  # overlaps once
+    assert image_bench.busy_us([(0, 10), (10, 12)]) == 12
 
 
 def test_image_bench_split_path(capsys: pytest.CaptureFixture[str]) -> None:
