@@ -80,7 +80,9 @@ from bench.load_gen import (
     _terminate,
     add_run_args,
     device_name,
+    fetch_metrics,
     finite,
+    histogram_from_text,
     histogram_quantile,
     open_loop,
     percentile,
@@ -88,10 +90,9 @@ from bench.load_gen import (
     portable,
     portable_settings,
     run_one,
-    scrape_histogram,
     summarize,
 )
-from bench.soak import _metrics_port, _scrape
+from bench.soak import _metrics_port, unlabelled_values
 from bench.synth_images import parse_size
 from vlm_server.client import AsyncVisionLanguageClient
 
@@ -235,27 +236,41 @@ def _ready(seconds: float) -> bool:
     return True
 
 
+def read_metrics(url: str) -> tuple[dict | None, dict | None, dict[str, float]] | None:
+    """One scrape: the step-interval and events-delay histograms and the unlabelled values;
+    None when the endpoint cannot be read."""
+    text = fetch_metrics(url)
+    if text is None:
+        return None
+    return (
+        histogram_from_text(text, STEP_INTERVAL),
+        histogram_from_text(text, EVENTS_DELAY),
+        unlabelled_values(text),
+    )
+
+
 async def sample_steps(url: str, every: float, tl: Timeline) -> None:
-    """Sample the server's step-period and batch-size gauges, and its step-interval
-    histogram, until cancelled."""
+    """Sample the server's step-period and batch-size gauges, and its step-interval and
+    events-delay histograms, until cancelled: one scrape each time, since a scrape holds the
+    server's GIL for milliseconds, a stall every stream would then show."""
     while True:
         with contextlib.suppress(OSError, ValueError):
             at = time.perf_counter()
-            buckets = await asyncio.to_thread(scrape_histogram, url, STEP_INTERVAL)
-            if buckets:
-                tl.intervals.append((at, buckets))
-            delays = await asyncio.to_thread(scrape_histogram, url, EVENTS_DELAY)
-            if delays:
-                tl.delays.append((at, delays))
-            values = await asyncio.to_thread(_scrape, url)
-            if "vlm_step_period_ms" in values:
-                tl.step_samples.append(
-                    (
-                        time.perf_counter(),
-                        values["vlm_step_period_ms"],
-                        values.get("vlm_batch_size", math.nan),
+            read = await asyncio.to_thread(read_metrics, url)
+            if read is not None:
+                buckets, delays, values = read
+                if buckets:
+                    tl.intervals.append((at, buckets))
+                if delays:
+                    tl.delays.append((at, delays))
+                if "vlm_step_period_ms" in values:
+                    tl.step_samples.append(
+                        (
+                            time.perf_counter(),
+                            values["vlm_step_period_ms"],
+                            values.get("vlm_batch_size", math.nan),
+                        )
                     )
-                )
         await asyncio.sleep(every)
 
 
@@ -714,7 +729,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--caption-tokens", type=int, default=256, help="max_tokens of a caption")
     ap.add_argument("--query-tokens", type=int, default=3, help="max_tokens of an arrival")
     ap.add_argument(
-        "--scrape-every", type=float, default=0.1, help="seconds between metric samples (0: off)"
+        "--scrape-every",
+        type=float,
+        default=0.5,
+        help="seconds between metric samples (0: off); each scrape stalls the server's event "
+        "loop about 2 ms, so sampling often shows up in the gaps measured",
     )
     add_run_args(ap, "arrival_itl")
     return ap

@@ -341,18 +341,22 @@ def scrape_loop_lag(url: str | None) -> dict[float, float] | None:
     return scrape_histogram(url, LOOP_LAG)
 
 
-def scrape_histogram(url: str | None, name: str) -> dict[float, float] | None:
-    """Histogram ``name`` at ``url`` (Prometheus text) as {upper bound: cumulative count},
-    the +Inf bucket included; None when there is no URL or it cannot be read."""
+def fetch_metrics(url: str | None) -> str | None:
+    """The Prometheus text at ``url``; None when there is no URL or it cannot be read."""
     if not url:
         return None
-    from prometheus_client.parser import text_string_to_metric_families
-
     try:
         with urllib.request.urlopen(url, timeout=5) as response:
-            text = response.read().decode()
+            return response.read().decode()
     except OSError:
         return None
+
+
+def histogram_from_text(text: str, name: str) -> dict[float, float] | None:
+    """Histogram ``name`` in Prometheus ``text`` as {upper bound: cumulative count}, the +Inf
+    bucket included; None when it is not there."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     buckets = {
         float(s.labels["le"]): s.value
         for family in text_string_to_metric_families(text)
@@ -360,6 +364,13 @@ def scrape_histogram(url: str | None, name: str) -> dict[float, float] | None:
         if s.name == f"{name}_bucket"
     }
     return buckets or None
+
+
+def scrape_histogram(url: str | None, name: str) -> dict[float, float] | None:
+    """Histogram ``name`` at ``url`` (see `histogram_from_text`); None when there is no URL or
+    it cannot be read."""
+    text = fetch_metrics(url)
+    return None if text is None else histogram_from_text(text, name)
 
 
 def histogram_quantile(q: float, buckets: dict[float, float]) -> float:

@@ -269,10 +269,14 @@ def _rss_of_pid(pid: int) -> float | None:
 
 
 def _scrape(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return unlabelled_values(response.read().decode())
+
+
+def unlabelled_values(text: str) -> dict[str, float]:
+    """The samples without labels in Prometheus ``text``, by name."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
