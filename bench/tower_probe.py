@@ -1,13 +1,17 @@
 """Where the vision tower's time goes, one GEMM shape and layout at a time (CUDA only).
 
     python -m bench.tower_probe [--crops 9] [--json OUT.json]
+    python -m bench.tower_probe --tower-only --tower-crops 1 5 9 13 64 --json OUT.json
+
 
 Times, at the tower's real shapes (M = crops x 729 patches, moondream2 widths, bf16), each
 linear layer as the tower runs it and in the alternatives a faster tower could use: no bias
 epilogue, the residual add inside the GEMM (``beta = 1``), the MLP's inner width padded to a
 multiple of 128, the row count padded, and cuBLAS against cuBLASLt. Then the attention and the
 fused add + LayerNorm alone. Each time is the median of CUDA-event-timed graph replays (ten
-calls a replay, so launches are out of the numbers), over inputs drawn at random.
+calls a replay, so launches are out of the numbers), over inputs drawn at random. The whole
+tower, bf16 and FP8, is timed per crop count in ``--tower-crops`` (with crops per second), and
+plotted next to the JSON.
 """
 
 from __future__ import annotations
@@ -15,10 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from vlm_server.config import VisionConfig
 
@@ -233,9 +238,10 @@ def norm_rows(m: int, vc: VisionConfig, dt: torch.dtype) -> list[dict]:
     return rows
 
 
-def tower_rows(crops: int, dt: torch.dtype, profile_dir: str | None) -> list[dict]:
-    """The whole tower (random weights), graph-replayed, bf16 and with FP8 GEMMs; the FP8
-    tower's deviation from the bf16 one; a kernel table of each when ``profile_dir``."""
+def tower_rows(counts: Sequence[int], dt: torch.dtype, profile_dir: str | None) -> list[dict]:
+    """The whole tower (random weights), graph-replayed, bf16 and with FP8 GEMMs, per crop
+    count; the FP8 tower's deviation from the bf16 one (at the first count); a kernel table
+    of each mode at the first count when ``profile_dir``."""
     from torch.profiler import ProfilerActivity, profile
 
     from vlm_server.config import VisionConfig as VC
@@ -244,40 +250,88 @@ def tower_rows(crops: int, dt: torch.dtype, profile_dir: str | None) -> list[dic
     enc = VisionEncoder(VC()).to("cuda", dt).eval()
     for p in enc.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    x = torch.randn(crops, 3, 378, 378, device="cuda", dtype=dt)
     rows, outs = [], {}
-    for mode in ("bf16", "fp8"):
-        enc.use_fp8(mode == "fp8")
-        us = replay_us(lambda: enc.encode(x), calls=1, reps=20)
-        outs[mode] = enc.encode(x).float()
-        rows.append({"crops": crops, "mode": mode, "ms": us / 1e3})
-        print(f"tower {crops} crops {mode:<5} {us / 1e3:8.3f} ms", flush=True)
-        if profile_dir:
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                enc.encode(x)
-                torch.cuda.synchronize()
-            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14)
-            with open(f"{profile_dir}/tower_{mode}_kernels.txt", "w") as f:
-                f.write(table)
+    for crops in tqdm(counts, desc="tower", unit="count"):
+        x = torch.randn(crops, 3, 378, 378, device="cuda", dtype=dt)
+        for mode in ("bf16", "fp8"):
+            enc.use_fp8(mode == "fp8")
+            us = replay_us(lambda x=x: enc.encode(x), calls=1, reps=20)
+            rows.append(
+                {"crops": crops, "mode": mode, "ms": us / 1e3, "crops_per_s": crops / us * 1e6}
+            )
+            tqdm.write(f"tower {crops:3d} crops {mode:<5} {us / 1e3:8.3f} ms")
+            if crops == counts[0]:
+                outs[mode] = enc.encode(x).float()
+                if profile_dir:
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        enc.encode(x)
+                        torch.cuda.synchronize()
+                    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14)
+                    with open(f"{profile_dir}/tower_{mode}_kernels.txt", "w") as f:
+                        f.write(table)
+        del x
     a, b = outs["fp8"], outs["bf16"]
     cos = F.cosine_similarity(a.flatten(0, 1), b.flatten(0, 1), dim=-1)
-    rows.append(
-        {
-            "fp8_vs_bf16_rel_err": float((a - b).norm() / b.norm()),
-            "fp8_vs_bf16_min_cos": float(cos.min()),
-        }
-    )
+    deviation = {
+        "crops": counts[0],
+        "fp8_vs_bf16_rel_err": float((a - b).norm() / b.norm()),
+        "fp8_vs_bf16_min_cos": float(cos.min()),
+    }
+    print(f"\n{'crops':>5} {'bf16 ms':>9} {'fp8 ms':>9} {'bf16 crops/s':>13} {'fp8 crops/s':>12}")
+    by = {(r["crops"], r["mode"]): r for r in rows}
+    for c in counts:
+        bf, f8 = by[c, "bf16"], by[c, "fp8"]
+        print(
+            f"{c:>5} {bf['ms']:>9.3f} {f8['ms']:>9.3f} {bf['crops_per_s']:>13.0f} "
+            f"{f8['crops_per_s']:>12.0f}"
+        )
     print(
-        f"fp8 tower vs bf16: rel err {rows[-1]['fp8_vs_bf16_rel_err']:.4f}, "
-        f"min cosine {rows[-1]['fp8_vs_bf16_min_cos']:.5f}"
+        f"fp8 tower vs bf16 at {counts[0]} crops: rel err {deviation['fp8_vs_bf16_rel_err']:.4f}, "
+        f"min cosine {deviation['fp8_vs_bf16_min_cos']:.5f}"
     )
     enc.use_fp8(False)
-    return rows
+    return [*rows, deviation]
+
+
+def plot_towers(rows: list[dict], path: str, device: str) -> bool:
+    """Tower time and crops per second against crop count, per mode; False without
+    matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for mode in ("bf16", "fp8"):
+        mine = [r for r in rows if r.get("mode") == mode]
+        crops = [r["crops"] for r in mine]
+        left.plot(crops, [r["ms"] for r in mine], marker="o", label=mode)
+        right.plot(crops, [r["crops_per_s"] for r in mine], marker="o", label=mode)
+    left.set(xlabel="crops", ylabel="tower ms (graph replay)", title="vision tower time")
+    right.set(xlabel="crops", ylabel="crops / s", title="vision tower throughput")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"moondream2 vision tower, random weights, {device}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--crops", type=int, default=9)
+    ap.add_argument("--crops", type=int, default=9, help="crops of the per-kernel rows")
+    ap.add_argument(
+        "--tower-crops",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="crop counts of the whole-tower rows (default: --crops)",
+    )
     ap.add_argument("--skip-bf16", action="store_true", help="leave out the bf16 GEMM rows")
     ap.add_argument("--tower-only", action="store_true", help="only the whole-tower rows")
     ap.add_argument("--profile-dir", default=None, help="write kernel tables of the tower here")
@@ -292,7 +346,10 @@ def main() -> int:
     out = {"device": torch.cuda.get_device_name(), "crops": args.crops, "rows": m}
     with torch.inference_mode():
         out["norms"] = norm_rows(m, vc, dt)
-        out["tower"] = tower_rows(args.crops, dt, args.profile_dir)
+        counts = args.tower_crops or [args.crops]
+        if min(counts) < 1:
+            ap.error("--tower-crops must be >= 1")
+        out["tower"] = tower_rows(counts, dt, args.profile_dir)
         if args.tower_only:
             return _dump(out, args.json)
         if not args.skip_bf16:
@@ -306,6 +363,9 @@ def _dump(out: dict, path: str | None) -> int:
     if path:
         with open(path, "w") as f:
             json.dump(out, f, indent=1)
+        png = path.removesuffix(".json") + ".png"
+        if plot_towers(out["tower"], png, out["device"]):
+            print(f"wrote {path}, {png}")
     return 0
 
 
