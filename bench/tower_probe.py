@@ -279,7 +279,7 @@ def tower_rows(counts: Sequence[int], dt: torch.dtype, profile_dir: str | None) 
     }
     print(f"\n{'crops':>5} {'bf16 ms':>9} {'fp8 ms':>9} {'bf16 crops/s':>13} {'fp8 crops/s':>12}")
     by = {(r["crops"], r["mode"]): r for r in rows}
-    for c in counts:
+    for c in sorted(counts):
         bf, f8 = by[c, "bf16"], by[c, "fp8"]
         print(
             f"{c:>5} {bf['ms']:>9.3f} {f8['ms']:>9.3f} {bf['crops_per_s']:>13.0f} "
@@ -305,7 +305,7 @@ def plot_towers(rows: list[dict], path: str, device: str) -> bool:
         return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for mode in ("bf16", "fp8"):
-        mine = [r for r in rows if r.get("mode") == mode]
+        mine = sorted((r for r in rows if r.get("mode") == mode), key=lambda r: r["crops"])
         crops = [r["crops"] for r in mine]
         left.plot(crops, [r["ms"] for r in mine], marker="o", label=mode)
         right.plot(crops, [r["crops_per_s"] for r in mine], marker="o", label=mode)
