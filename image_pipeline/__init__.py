@@ -14,8 +14,10 @@ Modules, in data-flow order:
 - ``decode``: header checks (format, size, ratio, EXIF orientation), then pixels;
   ``jpeg``: the simplejpeg path for JPEG; ``budget``: decoded bytes in flight.
 - ``prepared``: ``ImagePreparer``/``prepare_image``: pixels -> hash -> device -> crops.
-- ``gpu_jpeg``: optional nvJPEG decode of large JPEGs on the device (torchvision), for
-  the preparer; hashed by their encoded bytes.
+- ``gpu_jpeg``: optional GPU decode of large JPEGs (the JPEG engines through nvImageCodec,
+  or nvJPEG through torchvision), for the preparer; hashed by their encoded bytes. A
+  server whose engine runs in its own process keeps such JPEGs encoded (``EncodedImage``)
+  and the engine's process decodes them.
 - ``crops``: global crop + overlap crops in torch, ``ResizeMode`` (vips | pillow);
   ``crop_graphs``: the crop path as a CUDA graph per picture size seen twice (an engine's).
 - ``resample_plan``, ``vips_plan``, ``pillow_plan``: the resizers as integer stages;
@@ -39,6 +41,7 @@ from .errors import ImageError, ImageErrorReason
 from .limits import DEFAULT_LIMITS, ImageLimits
 from .normalize import normalize_crops
 from .prepared import (
+    EncodedImage,
     HostImage,
     ImagePreparer,
     PreparedImage,
@@ -56,6 +59,7 @@ __all__ = [
     "DEFAULT_TILING",
     "DecodeBudget",
     "DecodedImage",
+    "EncodedImage",
     "HostImage",
     "ImageError",
     "ImageErrorReason",

@@ -13,6 +13,7 @@ on the device (:mod:`.gpu_jpeg`) and the content hash is one of the encoded byte
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 from collections.abc import Callable
@@ -124,6 +125,37 @@ class HostImage:
     def nbytes(self) -> int:
         """Bytes a cache holding it keeps alive."""
         return self.pixels.nbytes
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class EncodedImage:
+    """A JPEG whose header passed the checks, left encoded for the process that runs the
+    encoder to decode on its GPU (:meth:`ImagePreparer.prepare_encoded`): the server's
+    process then spends no decode, and the pixels are made where they are used. Same
+    metadata as :class:`PreparedImage`; keyed by its encoded bytes
+    (:func:`.gpu_jpeg.encoded_digest`), as a picture decoded on the GPU always is.
+
+    Attributes:
+        data: the encoded bytes.
+        num_crops: ``1 + h_t * w_t``.
+    """
+
+    data: bytes
+    tiling: Tiling
+    content_hash: str
+    width: int
+    height: int
+    num_crops: int
+
+    @property
+    def decoded_size(self) -> tuple[int, int]:
+        """``(height, width)``: a GPU decode is always at full size."""
+        return self.height, self.width
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a cache holding it keeps alive."""
+        return len(self.data)
 
 
 def content_hash(
@@ -282,14 +314,49 @@ class ImagePreparer:
 
     def decodes_on_gpu(self, header: Header) -> bool:
         """Whether a picture with this (checked) header is decoded by ``gpu_decoder``."""
-        if self.gpu_decoder is None or not gpu_decodable(header):
-            return False
-        height, width = header.stored_size
-        if height * width < self.gpu_decode_min_pixels:
-            return False
-        # More than the whole budget at full size: the host path, which may decode it at
-        # reduced scale within the budget, or refuses it as it always did.
-        return self.budget is None or header.decode_cost() <= self.budget.capacity
+        return self.gpu_decoder is not None and device_decodes(
+            header, self.gpu_decode_min_pixels, self.budget
+        )
+
+    def encoded(self, data: bytes, min_pixels: int) -> EncodedImage | None:
+        """For a process that leaves GPU decoding to the engine's: ``data`` checked (header,
+        limits, orientation) and kept encoded when it is a JPEG of at least ``min_pixels``
+        stored pixels that a GPU decoder may take; None for the host decoders
+        (``ImageError`` on bad data)."""
+        header = read_header(data, self.limits)
+        if min_pixels <= 0 or not device_decodes(header, min_pixels, self.budget):
+            return None
+        height, width = header.size
+        tiles = self.tiling.tiling_for(height, width)
+        return EncodedImage(
+            data=data,
+            tiling=tiles,
+            content_hash=encoded_digest(data, (height, width)),
+            width=width,
+            height=height,
+            num_crops=self.tiling.num_crops(tiles),
+        )
+
+    def prepare_encoded(self, image: EncodedImage) -> PreparedImage:
+        """The crops of a JPEG left encoded (:meth:`encoded`), on this preparer's device:
+        decoded by ``gpu_decoder``, else (none, or it fails on the picture) by the host
+        decoders (at reduced scale where the preparer allows it). Keyed as it came
+        (``ImageError`` on bad data)."""
+        header = read_header(image.data, self.limits)
+        if self.gpu_decoder is not None and gpu_decodable(header):
+            try:
+                prepared = self._prepare_on_gpu(image.data, header, self.gpu_decoder)
+            except GpuDecodeError:
+                pass  # the host decoders accept or refuse it, as for any picture
+            else:
+                return dataclasses.replace(prepared, content_hash=image.content_hash)
+        alloc = _pinned if self.device.type == "cuda" else None
+        target = self._canvas_for if self.reduced_decode else None
+        decoded = decode(
+            image.data, self.limits, target=target, budget=self.budget, alloc=alloc, header=header
+        )
+        prepared = self.prepare_decoded(decoded)
+        return dataclasses.replace(prepared, content_hash=image.content_hash)
 
     def prepare_decoded(self, decoded: DecodedImage) -> PreparedImage:
         """Crop an already decoded image. The tiling follows the original size."""
@@ -389,6 +456,19 @@ class ImagePreparer:
         if stream is None:
             stream = self._local.stream = torch.cuda.Stream(self.device)
         return stream
+
+
+def device_decodes(header: Header, min_pixels: int, budget: DecodeBudget | None) -> bool:
+    """Whether a picture with this (checked) header goes to a GPU decoder: a JPEG it may
+    take (:func:`.gpu_jpeg.gpu_decodable`) of at least ``min_pixels`` stored pixels, whose
+    full-size decode fits the whole ``budget`` (a larger one takes the host path, which may
+    decode it at reduced scale within the budget, or refuses it as it always did)."""
+    if min_pixels <= 0 or not gpu_decodable(header):
+        return False
+    height, width = header.stored_size
+    if height * width < min_pixels:
+        return False
+    return budget is None or header.decode_cost() <= budget.capacity
 
 
 def pinned_copy(pixels: np.ndarray) -> torch.Tensor:

@@ -4,6 +4,7 @@ serves the pipe in the engine process, and a server whose engine runs in a child
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import signal
@@ -202,11 +203,11 @@ def test_engine_process_is_on_for_cuda_models_only_when_auto(
     monkeypatch.setattr(engines, "resolve_device", lambda name: torch.device("cuda"))
     assert uses_engine_process(local_config(engine_process="auto"))
     assert not uses_engine_process(local_config(engine_process="off"))
-    # GPU-decoded pixels stay where they were decoded: auto keeps the engine in-process...
-    assert not uses_engine_process(local_config(image_gpu_decode_min_pixels=4_000_000))
-    # ...and asking for both is refused, naming both settings.
-    with pytest.raises(ValueError, match="image_gpu_decode_min_pixels needs engine_process"):
+    # GPU decode goes with an engine process: its process decodes the JPEGs left encoded.
+    assert uses_engine_process(local_config(image_gpu_decode_min_pixels=4_000_000))
+    assert uses_engine_process(
         local_config(engine_process="on", image_gpu_decode_min_pixels=4_000_000)
+    )
 
 
 # ---- the host, with a stand-in engine ------------------------------------------------------
@@ -264,7 +265,16 @@ def _pipe() -> tuple[Connection, Connection]:
 
 @pytest.fixture
 def host() -> Iterator[tuple[_StandInEngine, PipeOutbox, Sender, Connection, threading.Thread]]:
-    engine = _StandInEngine()
+    with served_host(_StandInEngine()) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def served_host(
+    engine: _StandInEngine,
+) -> Iterator[tuple[_StandInEngine, PipeOutbox, Sender, Connection, threading.Thread]]:
+    """An `EngineHost` serving ``engine`` on a thread: (engine, its outbox, the command
+    sender, the events pipe's reading end, the thread); closed on exit."""
     commands_in, commands_out = _pipe()
     events_in, events_out = _pipe()
     sender = Sender(events_out)

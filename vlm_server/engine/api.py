@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # the API stays torch-free: the engine core imports it
-    from image_pipeline import HostImage, PreparedImage
+    from image_pipeline import EncodedImage, HostImage, PreparedImage
     from vlm_server.gc_pauses import GcPauseTotals
 
 
@@ -68,7 +68,8 @@ class GenerationRequest:
     """One task on one image. Coordinates in results are normalized to [0, 1], origin top-left."""
 
     task: Task
-    image: PreparedImage | HostImage | None  # a HostImage is cropped by the engine
+    # A HostImage is cropped by the engine; an EncodedImage decoded by its process first.
+    image: PreparedImage | HostImage | EncodedImage | None
     request_id: str = ""
     caption_length: str = "normal"  # caption: short | normal | long
     question: str = ""  # query

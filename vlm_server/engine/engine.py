@@ -9,6 +9,7 @@ scheduler thread owns the model and the device.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -23,7 +24,7 @@ from decoding.detokenize import StreamDetokenizer
 from decoding.grammars import (
     TextGrammar,
 )
-from image_pipeline import ImagePreparer
+from image_pipeline import EncodedImage, ImageError, ImagePreparer
 from vlm_server.engine.api import (
     Emitted,
     EngineError,
@@ -345,6 +346,27 @@ class BatchedEngine:
             raise EngineError(ErrorCode.UNAVAILABLE, "the server is shutting down")
         if self._failure is not None:
             raise EngineError(ErrorCode.UNAVAILABLE, f"the engine failed: {self._failure}")
+
+    def decode_image(self, req: GenerationRequest) -> GenerationRequest:
+        """``req`` with a JPEG left encoded (`EncodedImage`) decoded and cropped on this
+        engine's image device, unless its image prefix is cached already (then nothing
+        reads its pixels). Blocks for the decode: an engine process calls it on a thread of
+        its own. Raises EngineError (INVALID_ARGUMENT, field ``image``) for data the
+        decoders refuse."""
+        image = req.image
+        if not isinstance(image, EncodedImage):
+            return req
+        # A racy read of the scheduler's cache (a dict lookup): if the entry goes before
+        # the request runs, the runtime decodes it then (`ModelRuntime._crops_of`).
+        if self.scheduler.prefix_cache.peek(image.content_hash) is not None:
+            return req
+        try:
+            prepared = self.runtime.image_preparer.prepare_encoded(image)
+        except ImageError as err:
+            raise EngineError(
+                ErrorCode.INVALID_ARGUMENT, f"{err.reason.value}: {err.message}", "image"
+            ) from None
+        return dataclasses.replace(req, image=prepared)
 
     def build(self, req: GenerationRequest) -> Sequence:
         """The request's sequence: prompt and grammar from the shared task definitions.

@@ -171,11 +171,6 @@ class ServerConfig:
         for name in nonnegative:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.engine_process == "on" and self.image_gpu_decode_min_pixels > 0:
-            raise ValueError(
-                "image_gpu_decode_min_pixels needs engine_process off or auto: pixels "
-                "decoded on the GPU stay in the process that decoded them"
-            )
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: give both or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:
@@ -389,8 +384,9 @@ OPTIONS: tuple[_Option, ...] = (
         "image_gpu_decode_min_pixels",
         int,
         "JPEGs of at least this many pixels are decoded on the GPU (--image-gpu-decoder) "
-        "when images are cropped on CUDA: much less host CPU, pixels differ slightly from "
-        "libjpeg-turbo's (0 = off)",
+        "when images are cropped on CUDA, by the engine's process when it has one (the "
+        "server then only checks their headers): much less host CPU, pixels differ "
+        "slightly from libjpeg-turbo's (0 = off)",
     ),
     _Option(
         "image_gpu_decoder",

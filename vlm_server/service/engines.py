@@ -105,9 +105,7 @@ ENGINES: dict[str, Callable[[ServerConfig], Engine]] = {
 def uses_engine_process(config: ServerConfig) -> bool:
     """``--engine-process``, with auto resolved: on where the model runs on CUDA."""
     if config.engine_process == "auto":
-        # GPU-decoded pixels never leave the process that decoded them.
-        gpu_decode = config.image_gpu_decode_min_pixels > 0
-        return resolve_device(config.device).type == "cuda" and not gpu_decode
+        return resolve_device(config.device).type == "cuda"
     return config.engine_process == "on"
 
 

@@ -17,6 +17,7 @@ import torch
 
 from image_pipeline import (
     DecodeBudget,
+    EncodedImage,
     HostImage,
     ImageError,
     ImageLimits,
@@ -30,8 +31,9 @@ from vlm_server.service.errors import invalid
 
 log = logging.getLogger(__name__)
 
-# A request's image: cropped already, or decoded for an engine process to crop.
-Image = PreparedImage | HostImage
+# A request's image: cropped already, decoded for an engine process to crop, or a JPEG left
+# encoded for an engine process to decode on its GPU.
+Image = PreparedImage | HostImage | EncodedImage
 
 
 @dataclass
@@ -146,9 +148,21 @@ def host_image_preparer(config: ServerConfig) -> ImagePreparer:
     )
 
 
+def engine_decode_min_pixels(config: ServerConfig) -> int:
+    """With an engine process: JPEGs of at least this many pixels are left encoded for it to
+    decode on its GPU (``--image-gpu-decode-min-pixels`` where crops are made on CUDA); 0:
+    the server decodes every picture."""
+    if image_device(config).type != "cuda":
+        return 0
+    return config.image_gpu_decode_min_pixels
+
+
 def crop_maker(config: ServerConfig) -> ImagePreparer:
-    """What makes an engine's crops of host-decoded images: the server's resize mode, on
-    the image device."""
+    """What makes an engine's crops of host-decoded images, and decodes the JPEGs left
+    encoded for it: the server's resize mode, on the image device, with the GPU decoder
+    of :func:`image_preparer` (ValueError at start where it does not work)."""
+    if engine_decode_min_pixels(config) > 0:
+        return image_preparer(config)
     return ImagePreparer(
         config.image_limits, resize=config.image_resize, device=image_device(config)
     )
@@ -203,13 +217,16 @@ class ImageResolver:
         executor: Executor,
         preparer: ImagePreparer | None = None,
         host_only: bool = False,
+        encoded_min_pixels: int = 0,
     ) -> None:
         self.limits = limits
         self.cache = cache
         self._executor = executor
         self.preparer = preparer if preparer is not None else ImagePreparer(limits)
         # host_only: images stop at decoded pixels in shared memory (`HostImage`), for an
-        # engine process to crop.
+        # engine process to crop, or, JPEGs of ``encoded_min_pixels`` or more, at their
+        # checked header (`EncodedImage`), for it to decode on its GPU.
+        self._encoded_min_pixels = encoded_min_pixels if host_only else 0
         self._prepare: Callable[[bytes], Image] = (
             self._decode_shared if host_only else self.preparer.prepare
         )
@@ -254,7 +271,11 @@ class ImageResolver:
         except ImageError as err:
             raise invalid(field, f"{err.reason.value}: {err.message}") from None
 
-    def _decode_shared(self, data: bytes) -> HostImage:
+    def _decode_shared(self, data: bytes) -> HostImage | EncodedImage:
+        if self._encoded_min_pixels > 0:
+            encoded = self.preparer.encoded(data, self._encoded_min_pixels)
+            if encoded is not None:
+                return encoded
         pool = pixel_pool()
         image = self.preparer.decode_host(data, alloc=pool.array)
         pixels = share(image.pixels, pool)  # formats other than JPEG decode elsewhere: a copy

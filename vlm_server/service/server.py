@@ -36,6 +36,7 @@ from vlm_server.service.health import HealthState
 from vlm_server.service.images import (
     ImageCache,
     ImageResolver,
+    engine_decode_min_pixels,
     host_image_preparer,
     image_preparer,
 )
@@ -105,6 +106,7 @@ class VisionLanguageServer:
             self._executor,
             image_preparer(config) if in_process else host_image_preparer(config),
             host_only=not in_process,
+            encoded_min_pixels=engine_decode_min_pixels(config),
         )
         limits = Limits(
             max_message_bytes=config.max_message_bytes,

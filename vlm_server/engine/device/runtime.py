@@ -45,7 +45,13 @@ from decoding.batch_masks import apply_masks
 from decoding.mask_table import NO_MASK, MaskTable
 from decoding.region_values import coord_from_logits, size_from_logits
 from decoding.sampling import sample
-from image_pipeline import HostImage, ImagePreparer, PreparedImage, normalize_crops
+from image_pipeline import (
+    EncodedImage,
+    HostImage,
+    ImagePreparer,
+    PreparedImage,
+    normalize_crops,
+)
 from image_pipeline.crop_graphs import CropGraphs
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.mixed_inputs import MixedLayout
@@ -913,11 +919,16 @@ class ModelRuntime:
         self.held[held_rows] = h[n + last.clamp(min=0)]
 
     def _crops_of(
-        self, image: PreparedImage | HostImage, graphs: CropGraphs | None = None
+        self, image: PreparedImage | HostImage | EncodedImage, graphs: CropGraphs | None = None
     ) -> torch.Tensor:
         """The image's crops; a host-decoded image's are made here, queued on the current
         (prefill) stream, so they cost this thread only the staging copy and the launches.
         ``graphs``: the crop graphs of the lane it runs on."""
+        if isinstance(image, EncodedImage):
+            # Rare: admitted encoded because its prefix was cached, which went before the
+            # request ran. Decoding here blocks this thread for the decode (the crops are
+            # complete when it returns).
+            return self.image_preparer.prepare_encoded(image).crops
         if isinstance(image, HostImage):
             if graphs is not None:
                 return graphs.crops(image)  # consumed below, before the next call

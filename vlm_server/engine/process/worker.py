@@ -1,9 +1,11 @@
 """The engine process: a batched engine behind two pipes.
 
 Its main thread reads commands; submissions with a client constraint are built on a thread
-of their own (compiling one can take the constraint's whole time limit); the scheduler
-thread sends each tick's events up in one message. Nothing here serves a client: that is
-the server process's job, so the scheduler shares its interpreter with nothing busy.
+of their own (compiling one can take the constraint's whole time limit), and JPEGs the
+server left encoded are decoded on threads of their own (a GPU decode blocks its caller for
+milliseconds); the scheduler thread sends each tick's events up in one message. Nothing
+here serves a client: that is the server process's job, so the scheduler shares its
+interpreter with nothing busy.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 
+from image_pipeline import EncodedImage
 from vlm_server.engine.api import (
     EngineError,
     EngineStats,
@@ -50,6 +53,11 @@ log = logging.getLogger(__name__)
 
 # How often the engine's counters go up to the server (its metrics read the latest).
 STATS_INTERVAL_S = 0.25
+
+# Threads decoding the JPEGs the server left encoded: two keep the JPEG engines busy while
+# one thread waits for its crops, and each holds a decode buffer as large as its largest
+# picture.
+IMAGE_DECODE_THREADS = 2
 
 
 class PipeOutbox:
@@ -96,6 +104,7 @@ class EngineHost:
         self._live: dict[int, Sequence | None] = {}
         self._cancel_when_built: set[int] = set()
         self._builder = ThreadPoolExecutor(1, thread_name_prefix="constraint-builder")
+        self._decoder = ThreadPoolExecutor(IMAGE_DECODE_THREADS, thread_name_prefix="jpeg-decode")
 
     def serve(
         self,
@@ -134,6 +143,7 @@ class EngineHost:
                 housekeeping()
                 next_housekeeping = now + housekeeping_interval
         self._builder.shutdown(wait=False, cancel_futures=True)
+        self._decoder.shutdown(wait=False, cancel_futures=True)
         asyncio.run(self.engine.close())
 
     def _stats(self) -> EngineStats:
@@ -147,7 +157,9 @@ class EngineHost:
             request = message.request
             with self._lock:
                 self._live[message.rid] = None
-            if request.choices or request.regex is not None:
+            if isinstance(request.image, EncodedImage):
+                self._decoder.submit(self._decode_then_admit, message.rid, request)
+            elif request.choices or request.regex is not None:
                 self._builder.submit(self._admit, message.rid, request)
             else:
                 self._admit(message.rid, request)
@@ -162,6 +174,23 @@ class EngineHost:
             self.engine.cancel(seq)
         else:
             log.error("unknown command %r", type(message).__name__)
+
+    def _decode_then_admit(self, rid: int, request: GenerationRequest) -> None:
+        """Decode the request's encoded JPEG (`BatchedEngine.decode_image`), then admit it;
+        a cancel meanwhile is honoured once it is built, as for a constraint."""
+        try:
+            request = self.engine.decode_image(request)
+        except EngineError as err:
+            self._refuse(rid, err)
+            return
+        except Exception as err:  # a bug in decoding: refuse this request, keep serving
+            log.exception("decoding the image of request %d failed", rid)
+            self._refuse(rid, EngineError(ErrorCode.INTERNAL, f"decoding the image: {err}"))
+            return
+        if request.choices or request.regex is not None:
+            self._builder.submit(self._admit, rid, request)
+        else:
+            self._admit(rid, request)
 
     def _admit(self, rid: int, request: GenerationRequest) -> None:
         try:

@@ -1,0 +1,337 @@
+"""JPEGs left encoded by the server for its engine's process to decode on the GPU.
+
+The server checks the header and keys the picture by its bytes (`EncodedImage`); the engine
+process decodes it on a thread of its own before admission, unless its image prefix is
+cached. On the CPU the GPU decoder is a stand-in decoding with simplejpeg, so every crop
+must equal the host path's; the tests marked ``gpu`` run the real decoders.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from image_pipeline import (
+    EncodedImage,
+    HostImage,
+    ImageError,
+    ImageErrorReason,
+    ImageLimits,
+    ImagePreparer,
+    PreparedImage,
+)
+from image_pipeline.gpu_jpeg import encoded_digest
+from tests.support.jpegs import HostDecoder, encode, oriented_jpeg, photo
+from tests.support.service_harness import ServerThread, wait_for
+from tests.test_engine_process import _config, _next, _request, _StandInEngine, served_host
+from vlm_server.client import VisionLanguageClient
+from vlm_server.engine.api import (
+    EngineError,
+    ErrorCode,
+    Finished,
+    GenerationRequest,
+    Task,
+    TextDelta,
+)
+from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.engine import BatchedEngine
+from vlm_server.engine.process.client import ProcessEngine
+from vlm_server.engine.process.wire import Accepted, Cancel, Refused, Submit
+from vlm_server.service.engines import engine_factory
+from vlm_server.service.images import ImageCache, ImageResolver
+from vlm_server.weights.loader import LoadedModel
+
+PHOTO = encode(photo(200, 150), quality=90)
+
+
+def _crops_equal(a: PreparedImage, b: PreparedImage) -> None:
+    assert (a.tiling, a.width, a.height, a.num_crops) == (b.tiling, b.width, b.height, b.num_crops)
+    assert torch.equal(a.crops, b.crops)
+
+
+# ---------------------------------------------------------------- the server's side
+
+
+def test_a_large_enough_jpeg_stays_encoded_with_the_gpu_paths_key() -> None:
+    host = ImagePreparer(reduced_decode=False)
+    encoded = host.encoded(PHOTO, 200 * 150)
+    assert isinstance(encoded, EncodedImage)
+    assert encoded.data is PHOTO and encoded.nbytes == len(PHOTO)
+    # The same metadata and key as the in-process GPU path gives.
+    on_gpu = ImagePreparer(gpu_decode_min_pixels=1, gpu_decoder=HostDecoder()).prepare(PHOTO)
+    assert encoded.content_hash == on_gpu.content_hash == encoded_digest(PHOTO, (150, 200))
+    assert (encoded.tiling, encoded.num_crops) == (on_gpu.tiling, on_gpu.num_crops)
+    assert (encoded.width, encoded.height, encoded.decoded_size) == (200, 150, (150, 200))
+
+
+def test_small_pictures_other_formats_and_zero_are_decoded_by_the_server() -> None:
+    host = ImagePreparer()
+    assert host.encoded(PHOTO, 200 * 150 + 1) is None
+    assert host.encoded(PHOTO, 0) is None
+    assert host.encoded(encode(photo(200, 150), fmt="PNG"), 1) is None
+    assert host.encoded(encode(photo(200, 150, mode="CMYK")), 1) is None  # the host's colours
+
+
+def test_an_oriented_jpeg_is_keyed_and_tiled_upright() -> None:
+    data = oriented_jpeg(6, 160, 90)  # a phone's portrait photo: stored 160 wide, shown 90
+    encoded = ImagePreparer().encoded(data, 1)
+    assert encoded is not None and (encoded.width, encoded.height) == (90, 160)
+    assert encoded.content_hash == encoded_digest(data, (160, 90))
+
+
+def test_the_header_checks_still_refuse_before_anything_is_kept() -> None:
+    small = ImageLimits(max_pixels=100 * 100)
+    with pytest.raises(ImageError) as err:
+        ImagePreparer(small).encoded(PHOTO, 1)
+    assert err.value.reason is ImageErrorReason.TOO_MANY_PIXELS
+    with pytest.raises(ImageError):
+        ImagePreparer().encoded(b"\xff\xd8\xff\xe0 not a JPEG", 1)
+
+
+def test_a_picture_larger_than_the_whole_budget_takes_the_host_path() -> None:
+    from image_pipeline import DecodeBudget
+
+    tight = ImagePreparer(budget=DecodeBudget(200 * 150 * 3 - 1))
+    assert tight.encoded(PHOTO, 1) is None
+    assert ImagePreparer(budget=DecodeBudget(200 * 150 * 3)).encoded(PHOTO, 1) is not None
+
+
+def test_the_resolver_keeps_large_jpegs_encoded_and_decodes_the_rest() -> None:
+    async def run() -> None:
+        with ThreadPoolExecutor(2) as pool:
+            resolver = ImageResolver(
+                ImageLimits(),
+                ImageCache(64 << 20),
+                pool,
+                ImagePreparer(device="cpu"),
+                host_only=True,
+                encoded_min_pixels=200 * 150,
+            )
+            large = await resolver.decode(PHOTO)
+            assert isinstance(large, EncodedImage)
+            assert await resolver.decode(PHOTO) is large  # the same bytes: no work at all
+            assert resolver.encoding_hits == 1
+            assert resolver.cache.get(large.content_hash) is large
+            small = await resolver.decode(encode(photo(120, 90), quality=90))
+            assert isinstance(small, HostImage)
+            png = await resolver.decode(encode(photo(200, 150), fmt="PNG"))
+            assert isinstance(png, HostImage)
+
+    asyncio.run(run())
+
+
+def test_only_a_resolver_for_an_engine_process_keeps_jpegs_encoded() -> None:
+    async def run() -> None:
+        with ThreadPoolExecutor(1) as pool:
+            resolver = ImageResolver(
+                ImageLimits(), ImageCache(64 << 20), pool, encoded_min_pixels=1
+            )
+            assert isinstance(await resolver.decode(PHOTO), PreparedImage)
+
+    asyncio.run(run())
+
+
+# ---------------------------------------------------------------- the engine's decode
+
+
+def test_prepare_encoded_with_the_gpu_decoder_equals_the_in_process_gpu_path() -> None:
+    encoded = ImagePreparer().encoded(PHOTO, 1)
+    assert encoded is not None
+    decoder = HostDecoder()
+    engine_side = ImagePreparer(gpu_decode_min_pixels=1, gpu_decoder=decoder)
+    prepared = engine_side.prepare_encoded(encoded)
+    assert decoder.calls == 1
+    assert prepared.content_hash == encoded.content_hash
+    _crops_equal(prepared, engine_side.prepare(PHOTO))
+
+
+@pytest.mark.parametrize("decoder", [None, HostDecoder(fail=True)], ids=["none", "failing"])
+def test_prepare_encoded_falls_back_to_the_host_decoders_keeping_the_key(
+    decoder: HostDecoder | None,
+) -> None:
+    encoded = ImagePreparer().encoded(PHOTO, 1)
+    assert encoded is not None
+    engine_side = ImagePreparer(
+        gpu_decode_min_pixels=1 if decoder else 0, gpu_decoder=decoder, reduced_decode=False
+    )
+    prepared = engine_side.prepare_encoded(encoded)
+    assert prepared.content_hash == encoded.content_hash  # as the server keyed it
+    _crops_equal(prepared, ImagePreparer(reduced_decode=False).prepare(PHOTO))
+    if decoder is not None:
+        assert decoder.calls == 1
+
+
+def test_prepare_encoded_refuses_a_body_the_header_did_not_show_broken() -> None:
+    encoded = ImagePreparer().encoded(PHOTO, 1)
+    assert encoded is not None
+    cut = dataclasses.replace(encoded, data=PHOTO[: len(PHOTO) // 3])
+    with pytest.raises(ImageError):
+        ImagePreparer().prepare_encoded(cut)
+
+
+# ---------------------------------------------------------------- a tiny engine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny: LoadedModel) -> Iterator[BatchedEngine]:
+    cfg = EngineConfig(max_batch=4, kv_budget_bytes=16 << 20)
+    built = BatchedEngine(tiny, cfg)
+    asyncio.run(built.start())
+    yield built
+    asyncio.run(built.close())
+
+
+async def _answer(engine: BatchedEngine, req: GenerationRequest) -> Finished:
+    async for event in await engine.submit(req):
+        if not isinstance(event, TextDelta):
+            assert isinstance(event, Finished), event
+            return event
+    raise AssertionError("no Finished")
+
+
+def _query(image: Any) -> GenerationRequest:
+    return GenerationRequest(Task.QUERY, image, question="what?", max_tokens=6, temperature=0)
+
+
+def test_the_engine_decodes_an_encoded_jpeg_and_answers_as_for_its_crops(
+    engine: BatchedEngine,
+) -> None:
+    encoded = ImagePreparer().encoded(PHOTO, 1)
+    assert encoded is not None
+    decoded = engine.decode_image(_query(encoded))
+    prepared = decoded.image
+    assert isinstance(prepared, PreparedImage)
+    assert prepared.content_hash == encoded.content_hash
+    # The tiny engine's preparer has no GPU decoder: the host decoders' crops.
+    _crops_equal(prepared, engine.runtime.image_preparer.prepare(PHOTO))
+    engine.scheduler.prefix_cache.clear()
+    first = asyncio.run(_answer(engine, decoded))
+    # Now its prefix is cached: the request goes on encoded, and nothing decodes it.
+    again = engine.decode_image(_query(encoded))
+    assert again.image is encoded
+    assert asyncio.run(_answer(engine, again)).text == first.text
+    # Its prefix gone before it runs: the runtime decodes it itself, with the same answer.
+    engine.scheduler.prefix_cache.clear()
+    assert asyncio.run(_answer(engine, again)).text == first.text
+
+
+def test_the_engine_refuses_a_broken_body_naming_the_image(engine: BatchedEngine) -> None:
+    encoded = ImagePreparer().encoded(PHOTO, 1)
+    assert encoded is not None
+    cut = dataclasses.replace(encoded, data=PHOTO[: len(PHOTO) // 3])
+    engine.scheduler.prefix_cache.clear()  # else its key's prefix, cached above, answers
+    with pytest.raises(EngineError) as err:
+        engine.decode_image(_query(cut))
+    assert err.value.code is ErrorCode.INVALID_ARGUMENT and err.value.field == "image"
+
+
+def test_requests_without_an_encoded_image_pass_unchanged(engine: BatchedEngine) -> None:
+    plain = _request("x")
+    assert engine.decode_image(plain) is plain
+
+
+# ---------------------------------------------------------------- the engine process's host
+
+
+class _DecodingEngine(_StandInEngine):
+    """The stand-in engine, decoding "encoded" images on whatever thread calls it: waits on
+    ``decoding`` (set by default), refuses data starting with b"bad"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decoding = threading.Event()
+        self.decoding.set()
+        self.started = threading.Event()
+        self.threads: list[str] = []
+
+    def decode_image(self, request: GenerationRequest) -> GenerationRequest:
+        image = request.image
+        if not isinstance(image, EncodedImage):
+            return request
+        self.threads.append(threading.current_thread().name)
+        self.started.set()
+        assert self.decoding.wait(10)
+        if image.data.startswith(b"bad"):
+            raise EngineError(ErrorCode.INVALID_ARGUMENT, "corrupt JPEG data", "image")
+        return dataclasses.replace(request, image=None)
+
+
+def _encoded(data: bytes = b"jpeg") -> EncodedImage:
+    return EncodedImage(data, (1, 1), "key", 10, 10, 2)
+
+
+@pytest.fixture
+def host() -> Iterator[tuple[_DecodingEngine, Any, Any, Any, Any]]:
+    with served_host(_DecodingEngine()) as served:
+        yield served  # type: ignore[misc]
+
+
+def test_the_host_decodes_off_its_command_thread_then_admits(host: Any) -> None:
+    engine, _, commands, events, _ = host
+    engine.decoding.clear()
+    commands.send(Submit(1, dataclasses.replace(_request("img", "run"), image=_encoded())))
+    assert engine.started.wait(10)
+    commands.send(Submit(2, _request("plain", "run")))  # not blocked by the decode
+    assert _next(events, Accepted).rid == 2
+    engine.decoding.set()
+    assert _next(events, Accepted).rid == 1
+    assert engine.admitted["img"].request.image is None  # what decode_image gave
+    assert engine.threads == [engine.threads[0]] and engine.threads[0].startswith("jpeg-decode")
+
+
+def test_the_host_refuses_what_the_decode_refuses(host: Any) -> None:
+    engine, _, commands, events, _ = host
+    commands.send(Submit(1, dataclasses.replace(_request("b"), image=_encoded(b"bad"))))
+    refused = _next(events, Refused)
+    assert refused.rid == 1 and refused.error.field == "image"
+    assert "b" not in engine.admitted
+
+
+def test_a_cancel_during_the_decode_applies_once_admitted(host: Any) -> None:
+    engine, _, commands, events, _ = host
+    engine.decoding.clear()
+    commands.send(Submit(1, dataclasses.replace(_request("slow", "run"), image=_encoded())))
+    assert engine.started.wait(10)
+    commands.send(Cancel(1))
+    engine.decoding.set()
+    assert _next(events, Accepted).rid == 1
+    wait_for(lambda: engine.admitted["slow"].cancelled, what="the cancel to apply")
+
+
+# ---------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.gpu
+def test_an_engine_process_decodes_on_the_gpu_and_answers_as_in_process(tiny_dir: Path) -> None:
+    """JPEGs left encoded by the server, decoded and cropped by the engine process on the
+    GPU, give the greedy answers of the same decoder in the server's process."""
+    data = encode(photo(640, 480, seed=3), quality=90)
+    answers = {}
+    for mode in ("off", "on"):
+        config = _config(
+            tiny_dir, device="cuda", engine_process=mode, image_gpu_decode_min_pixels=1
+        )
+        with (
+            ServerThread(config, engine_factory(config)) as running,
+            VisionLanguageClient(running.target, timeout=120) as c,
+        ):
+            assert running.server is not None
+            engine = running.server.core.engine
+            assert isinstance(engine, ProcessEngine) == (mode == "on")
+            uploaded = c.encode_image(data)
+            kept = running.server.core.images.cache.get(uploaded.image_id)
+            assert isinstance(kept, EncodedImage if mode == "on" else PreparedImage)
+            answers[mode] = [
+                c.caption(data, temperature=0.0, max_tokens=16).text,
+                [(b.x_min, b.y_min) for b in c.detect(data, "house").boxes],
+                c.query(uploaded, "what?", temperature=0.0, max_tokens=8).text,
+            ]
+    assert answers["on"] == answers["off"]
