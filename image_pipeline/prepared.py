@@ -136,11 +136,12 @@ class EncodedImage:
     (:func:`.gpu_jpeg.encoded_digest`), as a picture decoded on the GPU always is.
 
     Attributes:
-        data: the encoded bytes.
+        data: the encoded bytes, or a read-only uint8 array holding them (in shared memory,
+            on its way to an engine process).
         num_crops: ``1 + h_t * w_t``.
     """
 
-    data: bytes
+    data: bytes | np.ndarray
     tiling: Tiling
     content_hash: str
     width: int
@@ -342,10 +343,11 @@ class ImagePreparer:
         decoded by ``gpu_decoder``, else (none, or it fails on the picture) by the host
         decoders (at reduced scale where the preparer allows it). Keyed as it came
         (``ImageError`` on bad data)."""
-        header = read_header(image.data, self.limits)
+        data = image.data if isinstance(image.data, bytes) else image.data.tobytes()
+        header = read_header(data, self.limits)
         if self.gpu_decoder is not None and gpu_decodable(header):
             try:
-                prepared = self._prepare_on_gpu(image.data, header, self.gpu_decoder)
+                prepared = self._prepare_on_gpu(data, header, self.gpu_decoder)
             except GpuDecodeError:
                 pass  # the host decoders accept or refuse it, as for any picture
             else:
@@ -353,7 +355,7 @@ class ImagePreparer:
         alloc = _pinned if self.device.type == "cuda" else None
         target = self._canvas_for if self.reduced_decode else None
         decoded = decode(
-            image.data, self.limits, target=target, budget=self.budget, alloc=alloc, header=header
+            data, self.limits, target=target, budget=self.budget, alloc=alloc, header=header
         )
         prepared = self.prepare_decoded(decoded)
         return dataclasses.replace(prepared, content_hash=image.content_hash)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -44,7 +45,8 @@ from vlm_server.engine.api import (
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.engine.process.client import ProcessEngine
-from vlm_server.engine.process.wire import Accepted, Cancel, Refused, Submit
+from vlm_server.engine.process.shared_pixels import shared_map
+from vlm_server.engine.process.wire import Accepted, Cancel, Refused, Submit, dumps, loads
 from vlm_server.service.engines import engine_factory
 from vlm_server.service.images import ImageCache, ImageResolver
 from vlm_server.weights.loader import LoadedModel
@@ -117,6 +119,18 @@ def test_the_resolver_keeps_large_jpegs_encoded_and_decodes_the_rest() -> None:
             )
             large = await resolver.decode(PHOTO)
             assert isinstance(large, EncodedImage)
+            # Its bytes wait in shared memory, to cross to the engine process as a descriptor.
+            assert shared_map(large.data) is not None
+            assert bytes(large.data) == PHOTO and large.nbytes == len(PHOTO)
+            data, shared = dumps(Submit(1, _query(large)))
+            assert len(shared) == 1 and len(data) < 4096
+            crossed = loads(data, [os.dup(shared[0].fd)])
+            assert isinstance(crossed, Submit)
+            copy = crossed.request.image
+            assert isinstance(copy, EncodedImage) and bytes(copy.data) == PHOTO
+            # The engine's side decodes what crossed as it would the bytes themselves.
+            preparer = ImagePreparer(reduced_decode=False)
+            _crops_equal(preparer.prepare_encoded(copy), preparer.prepare(PHOTO))
             assert await resolver.decode(PHOTO) is large  # the same bytes: no work at all
             assert resolver.encoding_hits == 1
             assert resolver.cache.get(large.content_hash) is large

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import blake3
+import numpy as np
 import torch
 
 from image_pipeline import (
@@ -272,11 +273,14 @@ class ImageResolver:
             raise invalid(field, f"{err.reason.value}: {err.message}") from None
 
     def _decode_shared(self, data: bytes) -> HostImage | EncodedImage:
+        pool = pixel_pool()
         if self._encoded_min_pixels > 0:
             encoded = self.preparer.encoded(data, self._encoded_min_pixels)
             if encoded is not None:
-                return encoded
-        pool = pixel_pool()
+                # Through shared memory like pixels: megabytes written down the command
+                # pipe would hold the event loop until the engine process had read them.
+                shared = share(np.frombuffer(data, np.uint8), pool)
+                return dataclasses.replace(encoded, data=shared)
         image = self.preparer.decode_host(data, alloc=pool.array)
         pixels = share(image.pixels, pool)  # formats other than JPEG decode elsewhere: a copy
         return image if pixels is image.pixels else dataclasses.replace(image, pixels=pixels)

@@ -5,9 +5,11 @@ Two one-way pipes: commands go down (`Submit`, `Cancel`, `Close`), replies and e
 engine process answers every `Submit` with exactly one `Accepted` or `Refused`, and a
 request's events may arrive before its `Accepted`.
 
-Decoded pixels in shared memory (`shared_pixels`) cross as file descriptors, passed beside
-the message on a Unix socket. Everything else crosses by value (the server's images are
-decoded on the host and cropped by the engine process, so no device memory ever crosses).
+Decoded pixels in shared memory (`shared_pixels`), and the encoded bytes of JPEGs left for
+the engine process to decode on its GPU, cross as file descriptors, passed beside the
+message on a Unix socket. Everything else crosses by value (the server's images are decoded
+on the host, or not at all, and cropped by the engine process, so no device memory ever
+crosses).
 """
 
 from __future__ import annotations
