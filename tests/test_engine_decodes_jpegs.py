@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import torch
 
@@ -33,7 +34,7 @@ from image_pipeline.gpu_jpeg import encoded_digest
 from tests.support.jpegs import HostDecoder, encode, oriented_jpeg, photo
 from tests.support.service_harness import ServerThread, wait_for
 from tests.test_engine_process import _config, _next, _request, _StandInEngine, served_host
-from vlm_server.client import VisionLanguageClient
+from vlm_server.client import VisionLanguageClient, VlmError
 from vlm_server.engine.api import (
     EngineError,
     ErrorCode,
@@ -47,6 +48,7 @@ from vlm_server.engine.engine import BatchedEngine
 from vlm_server.engine.process.client import ProcessEngine
 from vlm_server.engine.process.shared_pixels import shared_map
 from vlm_server.engine.process.wire import Accepted, Cancel, Refused, Submit, dumps, loads
+from vlm_server.service import server as server_module
 from vlm_server.service.engines import engine_factory
 from vlm_server.service.images import ImageCache, ImageResolver
 from vlm_server.weights.loader import LoadedModel
@@ -245,6 +247,7 @@ def test_the_engine_refuses_a_broken_body_naming_the_image(engine: BatchedEngine
     with pytest.raises(EngineError) as err:
         engine.decode_image(_query(cut))
     assert err.value.code is ErrorCode.INVALID_ARGUMENT and err.value.field == "image"
+    assert err.value.message.startswith("image: corrupt")
 
 
 def test_requests_without_an_encoded_image_pass_unchanged(engine: BatchedEngine) -> None:
@@ -318,6 +321,42 @@ def test_a_cancel_during_the_decode_applies_once_admitted(host: Any) -> None:
     engine.decoding.set()
     assert _next(events, Accepted).rid == 1
     wait_for(lambda: engine.admitted["slow"].cancelled, what="the cancel to apply")
+
+
+# ---------------------------------------------------------------- a server, on the CPU
+
+
+def test_a_server_leaving_jpegs_encoded_answers_as_one_decoding_them(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server told to leave JPEGs encoded, as it does for an engine process decoding
+    on its GPU (here the engine process's preparer has no GPU decoder, so its host decoders
+    decode them): the answers are those of the server decoding them itself; a body broken
+    past a good header is refused with INVALID_ARGUMENT naming ``image``, and the server
+    serves on."""
+    data = encode(photo(200, 150, seed=5), quality=90)
+    answers = {}
+    for leave in (False, True):
+        if leave:
+            monkeypatch.setattr(server_module, "engine_decode_min_pixels", lambda config: 1)
+        config = _config(tiny_dir)
+        with (
+            ServerThread(config, engine_factory(config)) as running,
+            VisionLanguageClient(running.target, timeout=60) as c,
+        ):
+            assert running.server is not None
+            uploaded = c.encode_image(data)
+            kept = running.server.core.images.cache.get(uploaded.image_id)
+            assert isinstance(kept, EncodedImage if leave else HostImage)
+            answers[leave] = c.caption(data, temperature=0.0, max_tokens=12).text
+            if leave:
+                with pytest.raises(VlmError) as caught:
+                    c.caption(data[: len(data) // 2], temperature=0.0, max_tokens=4)
+                assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+                assert caught.value.field == "image"
+                assert caught.value.message.startswith("image: corrupt")
+                assert c.query(uploaded, "what?", temperature=0.0, max_tokens=4).text
+    assert answers[True] == answers[False]
 
 
 # ---------------------------------------------------------------- on a GPU

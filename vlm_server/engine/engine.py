@@ -363,8 +363,9 @@ class BatchedEngine:
         try:
             prepared = self.runtime.image_preparer.prepare_encoded(image)
         except ImageError as err:
+            # The server checked the header; what fails here is the body, first read now.
             raise EngineError(
-                ErrorCode.INVALID_ARGUMENT, f"{err.reason.value}: {err.message}", "image"
+                ErrorCode.INVALID_ARGUMENT, f"image: {err.reason.value}: {err.message}", "image"
             ) from None
         return dataclasses.replace(req, image=prepared)
 
