@@ -388,3 +388,19 @@ def test_an_engine_process_decodes_on_the_gpu_and_answers_as_in_process(tiny_dir
                 c.query(uploaded, "what?", temperature=0.0, max_tokens=8).text,
             ]
     assert answers["on"] == answers["off"]
+
+
+def test_decodes_past_the_bound_are_refused_as_a_full_queue() -> None:
+    with served_host(_DecodingEngine(), max_decoding=1) as (engine, _, commands, events, _):
+        assert isinstance(engine, _DecodingEngine)
+        engine.decoding.clear()
+        commands.send(Submit(1, dataclasses.replace(_request("a", "run"), image=_encoded())))
+        assert engine.started.wait(10)
+        commands.send(Submit(2, dataclasses.replace(_request("b", "run"), image=_encoded())))
+        refused = _next(events, Refused)
+        assert refused.rid == 2 and refused.error.code is ErrorCode.RESOURCE_EXHAUSTED
+        assert "decoded" in refused.error.message
+        engine.decoding.set()
+        assert _next(events, Accepted).rid == 1
+        commands.send(Submit(3, dataclasses.replace(_request("c", "run"), image=_encoded())))
+        assert _next(events, Accepted).rid == 3  # its place was given back

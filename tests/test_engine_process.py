@@ -271,15 +271,15 @@ def host() -> Iterator[tuple[_StandInEngine, PipeOutbox, Sender, Connection, thr
 
 @contextlib.contextmanager
 def served_host(
-    engine: _StandInEngine,
+    engine: _StandInEngine, **options: Any
 ) -> Iterator[tuple[_StandInEngine, PipeOutbox, Sender, Connection, threading.Thread]]:
-    """An `EngineHost` serving ``engine`` on a thread: (engine, its outbox, the command
-    sender, the events pipe's reading end, the thread); closed on exit."""
+    """An `EngineHost` (with ``options``) serving ``engine`` on a thread: (engine, its outbox,
+    the command sender, the events pipe's reading end, the thread); closed on exit."""
     commands_in, commands_out = _pipe()
     events_in, events_out = _pipe()
     sender = Sender(events_out)
     outbox = PipeOutbox(sender)
-    served = EngineHost(engine, sender, outbox)  # type: ignore[arg-type]
+    served = EngineHost(engine, sender, outbox, **options)  # type: ignore[arg-type]
     thread = threading.Thread(target=served.serve, args=(commands_in,), daemon=True)
     thread.start()
     yield engine, outbox, Sender(commands_out), events_in, thread

@@ -94,7 +94,11 @@ class EngineHost:
         sender: Sender,
         outbox: PipeOutbox,
         gc_pauses: GcPauseCounter | None = None,
+        max_decoding: int = 256,
     ) -> None:
+        """``max_decoding``: requests whose JPEG may wait for or be in a decode at once;
+        more are refused as a full queue is (the engine's queue counts them only once
+        decoded)."""
         self.engine = engine
         self.sender = sender
         self.outbox = outbox
@@ -105,6 +109,8 @@ class EngineHost:
         self._cancel_when_built: set[int] = set()
         self._builder = ThreadPoolExecutor(1, thread_name_prefix="constraint-builder")
         self._decoder = ThreadPoolExecutor(IMAGE_DECODE_THREADS, thread_name_prefix="jpeg-decode")
+        self.max_decoding = max_decoding
+        self._decoding = 0  # under _lock
 
     def serve(
         self,
@@ -158,6 +164,18 @@ class EngineHost:
             with self._lock:
                 self._live[message.rid] = None
             if isinstance(request.image, EncodedImage):
+                with self._lock:
+                    full = self._decoding >= self.max_decoding
+                    self._decoding += not full
+                if full:
+                    self._refuse(
+                        message.rid,
+                        EngineError(
+                            ErrorCode.RESOURCE_EXHAUSTED,
+                            f"the queue is full ({self.max_decoding} images waiting to be decoded)",
+                        ),
+                    )
+                    return
                 self._decoder.submit(self._decode_then_admit, message.rid, request)
             elif request.choices or request.regex is not None:
                 self._builder.submit(self._admit, message.rid, request)
@@ -187,6 +205,9 @@ class EngineHost:
             log.exception("decoding the image of request %d failed", rid)
             self._refuse(rid, EngineError(ErrorCode.INTERNAL, f"decoding the image: {err}"))
             return
+        finally:
+            with self._lock:
+                self._decoding -= 1
         if request.choices or request.regex is not None:
             self._builder.submit(self._admit, rid, request)
         else:
@@ -251,7 +272,7 @@ def run_engine_process(
     if on_ready is not None:
         on_ready()
     sender.send(Ready(engine.info))
-    host = EngineHost(engine, sender, outbox, gc_pauses)
+    host = EngineHost(engine, sender, outbox, gc_pauses, max_decoding=engine.cfg.max_queue)
     host.serve(commands, fd_socket, housekeeping, housekeeping_interval)
 
 
