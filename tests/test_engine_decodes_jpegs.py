@@ -20,6 +20,8 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from image_pipeline import (
     EncodedImage,
@@ -193,6 +195,42 @@ def test_prepare_encoded_refuses_a_body_the_header_did_not_show_broken() -> None
         ImagePreparer().prepare_encoded(cut)
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    cuts=st.lists(st.integers(0, len(PHOTO) - 1), max_size=4),
+    flips=st.lists(st.tuples(st.integers(0, len(PHOTO) - 1), st.integers(1, 255)), max_size=6),
+    stand_in=st.booleans(),
+)
+def test_damaged_jpegs_are_kept_or_refused_never_anything_else(
+    cuts: list[int], flips: list[tuple[int, int]], stand_in: bool
+) -> None:
+    """Bytes damaged anywhere: the server's check keeps or refuses them (ImageError only),
+    and what it kept the engine's side crops or refuses (ImageError only), with or
+    without a GPU decoder in front of the host decoders."""
+    data = bytearray(PHOTO)
+    for at, bits in flips:
+        data[at] ^= bits
+    for at in sorted(cuts, reverse=True):
+        del data[at:]
+    damaged = bytes(data)
+    try:
+        encoded = ImagePreparer().encoded(damaged, 1)
+    except ImageError:
+        return
+    if encoded is None:
+        return
+    engine_side = ImagePreparer(
+        gpu_decode_min_pixels=1 if stand_in else 0,
+        gpu_decoder=HostDecoder() if stand_in else None,
+    )
+    try:
+        prepared = engine_side.prepare_encoded(encoded)
+    except ImageError:
+        return
+    assert prepared.content_hash == encoded.content_hash
+    assert prepared.num_crops == encoded.num_crops and prepared.tiling == encoded.tiling
+
+
 # ---------------------------------------------------------------- a tiny engine
 
 
@@ -213,12 +251,19 @@ async def _answer(engine: BatchedEngine, req: GenerationRequest) -> Finished:
     raise AssertionError("no Finished")
 
 
+def _forget_prefixes(engine: BatchedEngine) -> None:
+    """Drop every cached image prefix, once no ended request still holds one."""
+    wait_for(engine.idle, what="the engine to be idle")
+    engine.scheduler.prefix_cache.clear()
+    assert len(engine.scheduler.prefix_cache) == 0
+
+
 def _query(image: Any) -> GenerationRequest:
     return GenerationRequest(Task.QUERY, image, question="what?", max_tokens=6, temperature=0)
 
 
 def test_the_engine_decodes_an_encoded_jpeg_and_answers_as_for_its_crops(
-    engine: BatchedEngine,
+    engine: BatchedEngine, caplog: pytest.LogCaptureFixture
 ) -> None:
     encoded = ImagePreparer().encoded(PHOTO, 1)
     assert encoded is not None
@@ -228,22 +273,26 @@ def test_the_engine_decodes_an_encoded_jpeg_and_answers_as_for_its_crops(
     assert prepared.content_hash == encoded.content_hash
     # The tiny engine's preparer has no GPU decoder: the host decoders' crops.
     _crops_equal(prepared, engine.runtime.image_preparer.prepare(PHOTO))
-    engine.scheduler.prefix_cache.clear()
+    _forget_prefixes(engine)
     first = asyncio.run(_answer(engine, decoded))
     # Now its prefix is cached: the request goes on encoded, and nothing decodes it.
     again = engine.decode_image(_query(encoded))
     assert again.image is encoded
     assert asyncio.run(_answer(engine, again)).text == first.text
-    # Its prefix gone before it runs: the runtime decodes it itself, with the same answer.
-    engine.scheduler.prefix_cache.clear()
-    assert asyncio.run(_answer(engine, again)).text == first.text
+    assert "scheduler thread" not in caplog.text
+    # Its prefix gone before it runs: the runtime decodes it itself, with the same answer,
+    # and says so (the steps waited meanwhile).
+    _forget_prefixes(engine)
+    with caplog.at_level("INFO", logger="vlm_server.engine.device.runtime"):
+        assert asyncio.run(_answer(engine, again)).text == first.text
+    assert "decoding an image on the scheduler thread" in caplog.text
 
 
 def test_the_engine_refuses_a_broken_body_naming_the_image(engine: BatchedEngine) -> None:
     encoded = ImagePreparer().encoded(PHOTO, 1)
     assert encoded is not None
     cut = dataclasses.replace(encoded, data=PHOTO[: len(PHOTO) // 3])
-    engine.scheduler.prefix_cache.clear()  # else its key's prefix, cached above, answers
+    _forget_prefixes(engine)  # else its key's prefix, cached above, answers
     with pytest.raises(EngineError) as err:
         engine.decode_image(_query(cut))
     assert err.value.code is ErrorCode.INVALID_ARGUMENT and err.value.field == "image"

@@ -35,6 +35,7 @@ All stream, event, copy and pinned-buffer work goes through a `Device`
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from functools import partial
 
@@ -91,6 +92,8 @@ from vlm_server.engine.device.kernels.paged_attention import (
 from vlm_server.engine.device.streams import CpuEvent, Device, Event, TorchDevice
 from vlm_server.model import MoondreamModel
 from vlm_server.model.fp8_vision import fp8_supported
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -927,7 +930,8 @@ class ModelRuntime:
         if isinstance(image, EncodedImage):
             # Rare: admitted encoded because its prefix was cached, which went before the
             # request ran. Decoding here blocks this thread for the decode (the crops are
-            # complete when it returns).
+            # complete when it returns): said, since the steps wait meanwhile.
+            log.info("decoding an image on the scheduler thread: its prefix left the cache")
             return self.image_preparer.prepare_encoded(image).crops
         if isinstance(image, HostImage):
             if graphs is not None:
