@@ -17,7 +17,10 @@ nvImageCodec or nvJPEG through torchvision, as the server's ``--image-gpu-decode
 and ``--image-gpu-decoder``): the cpu ms column is then the host's whole share.
 ``--split`` measures the path with an engine process: cpu ms is the server's share (decode
 into a pooled shared buffer, hash), eng ms the engine's host share (staging copy, crop
-launches), gpu ms the crops on the device.
+launches), gpu ms the crops on the device; with ``--gpu-decode-min-pixels`` the server's
+share is the header checks, the key and the copy of the encoded bytes into shared memory,
+and the engine's the GPU decode and crops (``--image-gpu-decode-min-pixels`` with an engine
+process).
 
     python -m bench.image_bench
     python -m bench.image_bench --sizes 800x600 4000x3000 --formats jpeg --threads 1 4
@@ -26,6 +29,8 @@ launches), gpu ms the crops on the device.
     python -m bench.image_bench --sizes 800x600 4000x3000 --gpu-decode-min-pixels 1 \
         --gpu-decoder nvimgcodec
     python -m bench.image_bench --device cuda --sizes 800x600 --formats jpeg --split
+    python -m bench.image_bench --device cuda --sizes 800x600 4000x3000 --formats jpeg --split \
+        --gpu-decode-min-pixels 1 --gpu-decoder nvimgcodec
 
 Writes ``image_bench.json`` and ``image_bench.png`` (default bench/results/<device>/) and
 prints a table.
@@ -34,6 +39,7 @@ prints a table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -46,11 +52,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 from bench.synth_images import parse_size, unique_images, with_orientation
 from image_pipeline import (
+    EncodedImage,
     HostImage,
     ImageLimits,
     ImagePreparer,
@@ -62,7 +70,7 @@ from image_pipeline import (
 from image_pipeline.crop_graphs import CropGraphs
 from image_pipeline.decode import read_header
 from image_pipeline.gpu_jpeg import GPU_DECODERS, GpuDecoder, gpu_decoder
-from vlm_server.engine.process.shared_pixels import pixel_pool
+from vlm_server.engine.process.shared_pixels import pixel_pool, share
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Generous limits: the benchmark measures the pipeline, not the server's input policy.
@@ -160,9 +168,25 @@ def run_cell(
             gpu_ms.append(start.elapsed_time(done))
         return made
 
+    def engine_decodes(encoded: EncodedImage) -> torch.Tensor:
+        """What the engine process does with a JPEG left encoded: decode and crop it (its
+        device work is timed inside, as for the whole path)."""
+        e0 = time.thread_time()
+        made = preparer.prepare_encoded(encoded).crops
+        with lock:
+            engine_cpu_ms.append((time.thread_time() - e0) * 1e3)
+        return made
+
     def crops_of(data: bytes) -> tuple[torch.Tensor, int, float]:
         """The crops, their count, and the thread's CPU ms for the host's share."""
         c0 = time.thread_time()
+        if split and on_gpu:
+            # The server's share: header checks, the key, the bytes into shared memory.
+            encoded = preparer.encoded(data, gpu_decode_min_pixels)
+            assert encoded is not None  # the cell's pictures all take the same path
+            held = dataclasses.replace(encoded, data=share(np.frombuffer(data, np.uint8), shared))
+            c1 = time.thread_time()
+            return engine_decodes(held), held.num_crops, (c1 - c0) * 1e3
         if split:
             host = preparer.decode_host(data, alloc=shared.array)
             c1 = time.thread_time()
@@ -395,8 +419,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     decoder: GpuDecoder | None = None
     if args.gpu_decode_min_pixels < 0:
         ap.error("--gpu-decode-min-pixels must be >= 0")
-    if args.split and args.gpu_decode_min_pixels > 0:
-        ap.error("--split and --gpu-decode-min-pixels exclude each other (as in the server)")
     if args.gpu_decode_min_pixels > 0:
         # Measuring the host path while asking for the GPU one would mislead: refuse.
         if not args.device.startswith("cuda"):
