@@ -49,7 +49,15 @@ from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.engine.process.client import ProcessEngine
 from vlm_server.engine.process.shared_pixels import shared_map
-from vlm_server.engine.process.wire import Accepted, Cancel, Refused, Submit, dumps, loads
+from vlm_server.engine.process.wire import (
+    Accepted,
+    Cancel,
+    Refused,
+    Stats,
+    Submit,
+    dumps,
+    loads,
+)
 from vlm_server.service import server as server_module
 from vlm_server.service.engines import engine_factory
 from vlm_server.service.images import ImageCache, ImageResolver
@@ -445,6 +453,8 @@ def test_decodes_past_the_bound_are_refused_as_a_full_queue() -> None:
         engine.decoding.clear()
         commands.send(Submit(1, dataclasses.replace(_request("a", "run"), image=_encoded())))
         assert engine.started.wait(10)
+        # The engine's stats count it (vlm_images_decoding), while no queue holds it yet.
+        wait_for(lambda: _next(events, Stats).stats.images_decoding == 1, what="the count")
         commands.send(Submit(2, dataclasses.replace(_request("b", "run"), image=_encoded())))
         refused = _next(events, Refused)
         assert refused.rid == 2 and refused.error.code is ErrorCode.RESOURCE_EXHAUSTED

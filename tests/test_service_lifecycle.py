@@ -267,6 +267,7 @@ def test_metrics_endpoint_counts_requests_and_reads_engine_gauges(server: Server
     for gauge in (
         "vlm_queue_depth",
         "vlm_active_sequences",
+        "vlm_images_decoding",
         "vlm_kv_pages_in_use",
         "vlm_batch_size",
         "vlm_step_period_ms",

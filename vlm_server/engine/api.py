@@ -221,6 +221,9 @@ class EngineStats:
     # Garbage-collection pauses of the engine's own process (None: it runs in the server's,
     # whose pauses the server counts itself).
     gc_pauses: GcPauseTotals | None = None
+    # Requests whose JPEG an engine process is decoding or will decode before admitting them
+    # (they are in no queue_depth yet).
+    images_decoding: int = 0
 
 
 class Engine(Protocol):

@@ -107,6 +107,10 @@ class _EngineCollector(Collector):
         gauges = {
             "vlm_queue_depth": ("requests waiting for the engine", stats.queue_depth),
             "vlm_active_sequences": ("sequences being decoded", stats.active_sequences),
+            "vlm_images_decoding": (
+                "requests whose JPEG the engine process decodes before admitting them",
+                stats.images_decoding,
+            ),
             "vlm_kv_pages_in_use": ("KV cache pages in use", stats.kv_pages_in_use),
             "vlm_kv_pages_total": ("KV cache pages in the pool", stats.kv_pages_total),
             "vlm_batch_size": ("rows in the last engine step", stats.last_batch_size),

@@ -153,7 +153,7 @@ class EngineHost:
         asyncio.run(self.engine.close())
 
     def _stats(self) -> EngineStats:
-        stats = self.engine.stats()
+        stats = dataclasses.replace(self.engine.stats(), images_decoding=self._decoding)
         if self.gc_pauses is not None:
             stats = dataclasses.replace(stats, gc_pauses=self.gc_pauses.totals())
         return stats
