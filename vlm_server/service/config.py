@@ -339,7 +339,12 @@ OPTIONS: tuple[_Option, ...] = (
         "captured; 0 = off): one launch instead of dozens per picture",
     ),
     _Option("pipeline_depth", int, "steps in flight: 2 overlaps host work, 1 is blocking"),
-    _Option("queue_limit", int, "requests waiting beyond this are refused (RESOURCE_EXHAUSTED)"),
+    _Option(
+        "queue_limit",
+        int,
+        "requests waiting beyond this are refused (RESOURCE_EXHAUSTED); with an engine "
+        "process, as many more may wait for their JPEG's GPU decode",
+    ),
     _Option("max_image_bytes", parse_size, "largest accepted encoded image"),
     _Option("max_image_pixels", int, "largest accepted width x height"),
     _Option("max_image_side", int, "largest accepted width or height (0 = no limit)"),
