@@ -244,8 +244,9 @@ def decode_upright(
     return orient_tensor(planes.permute(1, 2, 0), header.orientation)
 
 
-def encoded_digest(data: bytes, size: tuple[int, int]) -> str:
-    """BLAKE3 hex of a GPU-decoded picture: its encoded bytes under their own header.
+def encoded_digest(data: bytes, size: tuple[int, int], data_digest: bytes | None = None) -> str:
+    """BLAKE3 hex of a GPU-decoded picture: its own header, then the BLAKE3 of its encoded
+    bytes (``data_digest`` when the caller has it already: the bytes are hashed once).
 
     The pixels never come to the host, so the bytes stand for them (one decoder gives the
     same pixels for the same bytes; the digest keys a process's own cache). The header
@@ -254,6 +255,7 @@ def encoded_digest(data: bytes, size: tuple[int, int]) -> str:
     shares no cache entry or image prefix with the same picture decoded on the host or
     encoded otherwise.
     """
+    inner = data_digest if data_digest is not None else blake3.blake3(data).digest()
     digest = blake3.blake3(f"jpeg-gpu {size[0]}x{size[1]}\n".encode("ascii"))
-    digest.update(data)
+    digest.update(inner)
     return digest.hexdigest()

@@ -319,11 +319,13 @@ class ImagePreparer:
             header, self.gpu_decode_min_pixels, self.budget
         )
 
-    def encoded(self, data: bytes, min_pixels: int) -> EncodedImage | None:
+    def encoded(
+        self, data: bytes, min_pixels: int, data_digest: bytes | None = None
+    ) -> EncodedImage | None:
         """For a process that leaves GPU decoding to the engine's: ``data`` checked (header,
         limits, orientation) and kept encoded when it is a JPEG of at least ``min_pixels``
         stored pixels that a GPU decoder may take; None for the host decoders
-        (``ImageError`` on bad data)."""
+        (``ImageError`` on bad data). ``data_digest``: the BLAKE3 of ``data``, if known."""
         header = read_header(data, self.limits)
         if min_pixels <= 0 or not device_decodes(header, min_pixels, self.budget):
             return None
@@ -332,7 +334,7 @@ class ImagePreparer:
         return EncodedImage(
             data=data,
             tiling=tiles,
-            content_hash=encoded_digest(data, (height, width)),
+            content_hash=encoded_digest(data, (height, width), data_digest),
             width=width,
             height=height,
             num_crops=self.tiling.num_crops(tiles),

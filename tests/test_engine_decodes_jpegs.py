@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import blake3
 import grpc
 import pytest
 import torch
@@ -84,6 +85,17 @@ def test_a_large_enough_jpeg_stays_encoded_with_the_gpu_paths_key() -> None:
     assert encoded.content_hash == on_gpu.content_hash == encoded_digest(PHOTO, (150, 200))
     assert (encoded.tiling, encoded.num_crops) == (on_gpu.tiling, on_gpu.num_crops)
     assert (encoded.width, encoded.height, encoded.decoded_size) == (200, 150, (150, 200))
+
+
+def test_a_known_digest_of_the_bytes_gives_the_same_key() -> None:
+    """The server hashes the bytes once: its digest of them makes the same key."""
+    from image_pipeline.gpu_jpeg import encoded_digest as key
+
+    digest = blake3.blake3(PHOTO).digest()
+    assert key(PHOTO, (150, 200), digest) == key(PHOTO, (150, 200))
+    assert key(PHOTO, (150, 200)) != key(PHOTO, (200, 150))  # the size is in the key
+    encoded = ImagePreparer().encoded(PHOTO, 1, digest)
+    assert encoded is not None and encoded.content_hash == key(PHOTO, (150, 200))
 
 
 def test_small_pictures_other_formats_and_zero_are_decoded_by_the_server() -> None:

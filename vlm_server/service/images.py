@@ -228,8 +228,8 @@ class ImageResolver:
         # engine process to crop, or, JPEGs of ``encoded_min_pixels`` or more, at their
         # checked header (`EncodedImage`), for it to decode on its GPU.
         self._encoded_min_pixels = encoded_min_pixels if host_only else 0
-        self._prepare: Callable[[bytes], Image] = (
-            self._decode_shared if host_only else self.preparer.prepare
+        self._prepare: Callable[[bytes, bytes], Image] = (
+            self._decode_shared if host_only else self._prepare_here
         )
         # BLAKE3 of encoded bytes -> content hash in `cache`: the same upload sent again
         # skips decoding and tiling (tens of milliseconds of CPU per 800x600 picture).
@@ -262,7 +262,7 @@ class ImageResolver:
         # new bytes, and finishes (into the cache) even if they are all cancelled.
         pending = self._decoding.get(digest)
         if pending is None:
-            pending = loop.run_in_executor(self._executor, self._prepare, data)
+            pending = loop.run_in_executor(self._executor, self._prepare, data, digest)
             self._decoding[digest] = pending
             pending.add_done_callback(functools.partial(self._decoded, digest))
         else:
@@ -272,10 +272,14 @@ class ImageResolver:
         except ImageError as err:
             raise invalid(field, f"{err.reason.value}: {err.message}") from None
 
-    def _decode_shared(self, data: bytes) -> HostImage | EncodedImage:
+    def _prepare_here(self, data: bytes, digest: bytes) -> PreparedImage:
+        return self.preparer.prepare(data)
+
+    def _decode_shared(self, data: bytes, digest: bytes) -> HostImage | EncodedImage:
+        """``digest``: the BLAKE3 of ``data``, which an encoded image's key reuses."""
         pool = pixel_pool()
         if self._encoded_min_pixels > 0:
-            encoded = self.preparer.encoded(data, self._encoded_min_pixels)
+            encoded = self.preparer.encoded(data, self._encoded_min_pixels, digest)
             if encoded is not None:
                 # Through shared memory like pixels: megabytes written down the command
                 # pipe would hold the event loop until the engine process had read them.
