@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
+from typing import TypeVar
 
 from image_pipeline import EncodedImage
 from vlm_server.engine.api import (
@@ -50,6 +51,8 @@ from vlm_server.engine.process.wire import (
 from vlm_server.gc_pauses import GcPauseCounter
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 # How often the engine's counters go up to the server (its metrics read the latest).
 STATS_INTERVAL_S = 0.25
@@ -177,10 +180,8 @@ class EngineHost:
                     )
                     return
                 self._decoder.submit(self._decode_then_admit, message.rid, request)
-            elif request.choices or request.regex is not None:
-                self._builder.submit(self._admit, message.rid, request)
             else:
-                self._admit(message.rid, request)
+                self._route(message.rid, request)
         elif isinstance(message, Cancel):
             with self._lock:
                 if message.rid not in self._live:
@@ -197,40 +198,49 @@ class EngineHost:
         """Decode the request's encoded JPEG (`BatchedEngine.decode_image`), then admit it;
         a cancel meanwhile is honoured once it is built, as for a constraint."""
         try:
-            request = self.engine.decode_image(request)
-        except EngineError as err:
-            self._refuse(rid, err)
-            return
-        except Exception as err:  # a bug in decoding: refuse this request, keep serving
-            log.exception("decoding the image of request %d failed", rid)
-            self._refuse(rid, EngineError(ErrorCode.INTERNAL, f"decoding the image: {err}"))
-            return
+            decoded = self._guarded(rid, "decoding the image of", self.engine.decode_image, request)
         finally:
             with self._lock:
                 self._decoding -= 1
+        if decoded is not None:
+            self._route(rid, decoded)
+
+    def _route(self, rid: int, request: GenerationRequest) -> None:
+        """Admit ``request``: on the builder thread when it brings a constraint to compile."""
         if request.choices or request.regex is not None:
             self._builder.submit(self._admit, rid, request)
         else:
             self._admit(rid, request)
 
     def _admit(self, rid: int, request: GenerationRequest) -> None:
-        try:
-            seq = self.engine.build(request)
-            with self._lock:
-                self._live[rid] = seq
-                cancel = rid in self._cancel_when_built
-                self._cancel_when_built.discard(rid)
-            self.engine.admit(seq, self.outbox.emitter(rid, self._ended))
-        except EngineError as err:
-            self._refuse(rid, err)
+        seq = self._guarded(rid, "building", self._enqueue, rid, request)
+        if seq is None:
             return
-        except Exception as err:  # a bug in building: refuse this request, keep serving
-            log.exception("building request %d failed", rid)
-            self._refuse(rid, EngineError(ErrorCode.INTERNAL, f"building the request: {err}"))
-            return
+        with self._lock:
+            cancel = rid in self._cancel_when_built
+            self._cancel_when_built.discard(rid)
         self.sender.send(Accepted(rid))
         if cancel:
             self.engine.cancel(seq)
+
+    def _enqueue(self, rid: int, request: GenerationRequest) -> Sequence:
+        seq = self.engine.build(request)
+        with self._lock:
+            self._live[rid] = seq
+        self.engine.admit(seq, self.outbox.emitter(rid, self._ended))
+        return seq
+
+    def _guarded(self, rid: int, what: str, work: Callable[..., _T], *args: object) -> _T | None:
+        """``work(*args)``, or None once request ``rid`` is refused for the EngineError it
+        raised, or as INTERNAL for any other (a bug: refuse that request, keep serving)."""
+        try:
+            return work(*args)
+        except EngineError as err:
+            self._refuse(rid, err)
+        except Exception as err:
+            log.exception("%s request %d failed", what, rid)
+            self._refuse(rid, EngineError(ErrorCode.INTERNAL, f"{what} the request: {err}"))
+        return None
 
     def _refuse(self, rid: int, err: EngineError) -> None:
         with self._lock:
