@@ -13,7 +13,6 @@ on the device (:mod:`.gpu_jpeg`) and the content hash is one of the encoded byte
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import threading
 from collections.abc import Callable
@@ -349,26 +348,25 @@ class ImagePreparer:
         header = read_header(data, self.limits)
         if self.gpu_decoder is not None and gpu_decodable(header):
             try:
-                prepared = self._prepare_on_gpu(data, header, self.gpu_decoder)
+                return self._prepare_on_gpu(data, header, self.gpu_decoder, image.content_hash)
             except GpuDecodeError:
                 pass  # the host decoders accept or refuse it, as for any picture
-            else:
-                return dataclasses.replace(prepared, content_hash=image.content_hash)
         alloc = _pinned if self.device.type == "cuda" else None
         target = self._canvas_for if self.reduced_decode else None
         decoded = decode(
             data, self.limits, target=target, budget=self.budget, alloc=alloc, header=header
         )
-        prepared = self.prepare_decoded(decoded)
-        return dataclasses.replace(prepared, content_hash=image.content_hash)
+        return self.prepare_decoded(decoded, image.content_hash)
 
-    def prepare_decoded(self, decoded: DecodedImage) -> PreparedImage:
-        """Crop an already decoded image. The tiling follows the original size."""
+    def prepare_decoded(self, decoded: DecodedImage, key: str | None = None) -> PreparedImage:
+        """Crop an already decoded image. The tiling follows the original size. ``key``: its
+        content hash when it has one already (else its pixels are hashed)."""
         tiles = self.tiling.tiling_for(decoded.height, decoded.width)
+        size = (decoded.height, decoded.width)
         crops, digest = self._crops(
             self._upload(decoded.pixels),
             tiles,
-            functools.partial(content_hash, decoded.pixels, (decoded.height, decoded.width)),
+            functools.partial(content_hash, decoded.pixels, size) if key is None else lambda: key,
         )
         return PreparedImage(
             crops=crops,
@@ -384,17 +382,21 @@ class ImagePreparer:
         canvas_h, canvas_w = spec.canvas_size(spec.tiling_for(height, width))
         return max(canvas_h, spec.crop_size), max(canvas_w, spec.crop_size)
 
-    def _prepare_on_gpu(self, data: bytes, header: Header, decoder: GpuDecoder) -> PreparedImage:
+    def _prepare_on_gpu(
+        self, data: bytes, header: Header, decoder: GpuDecoder, key: str | None = None
+    ) -> PreparedImage:
         """Decode on the device at full size, then crop there (``GpuDecodeError``: the
-        decoder failed, nothing is kept and the budget share is given back)."""
+        decoder failed, nothing is kept and the budget share is given back). ``key``: its
+        content hash when it has one already (else its bytes are hashed)."""
         height, width = header.size
         tiles = self.tiling.tiling_for(height, width)
+        size = (height, width)
         # Held until the crops are done: the decoded pixels live on the device until then.
         with reserve(self.budget, header.decode_cost()):
             crops, digest = self._crops(
                 functools.partial(decode_upright, decoder, data, self.device, header),
                 tiles,
-                functools.partial(encoded_digest, data, (height, width)),
+                functools.partial(encoded_digest, data, size) if key is None else lambda: key,
                 self._decoded_resampler,
             )
         return PreparedImage(
