@@ -53,7 +53,6 @@ from decoding.detokenize import StreamDetokenizer
 from decoding.grammars import TextGrammar
 from decoding.mask_table import NO_MASK, MaskTable
 from image_pipeline import prepare_image, sample_image_bytes
-from vlm_server.config import preset
 from vlm_server.engine.api import GenerationRequest, Task
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.observer import Observer
@@ -63,7 +62,8 @@ from vlm_server.engine.core.step_layout import F_MASK, F_PHASE, RowPhase
 from vlm_server.engine.device.runtime import ModelRuntime
 from vlm_server.engine.device.streams import CpuEvent
 from vlm_server.engine.requests.tasks import TaskCompiler
-from vlm_server.weights.loader import LoadedModel, random_model
+from vlm_server.models.interface import LoadedModel
+from vlm_server.models.registry import preset, random_model
 
 SCENARIOS = ("text", "constrained", "region", "churn")
 EVENTS = ("list", "batched", "per-event")

@@ -28,11 +28,10 @@ import torch
 from tqdm import tqdm
 
 from decoding.mask_table import MaskTable
-from vlm_server.config import preset
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.step_plan import DEVICE_INPUT, N_TOK
 from vlm_server.engine.device.runtime import ModelRuntime
-from vlm_server.weights.loader import random_model
+from vlm_server.models.registry import preset, random_model
 
 DECODE_ROWS = 64
 CHUNK_ROWS = 64

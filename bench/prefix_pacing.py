@@ -35,9 +35,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from vlm_server.config import preset
-from vlm_server.model.fused_norm import add_layernorm
-from vlm_server.model.vision import VisionEncoder
+from vlm_server.models.common.fused_norm import add_layernorm
+from vlm_server.models.moondream2.vision import VisionEncoder
+from vlm_server.models.registry import preset
 
 
 def _graph(fn: Callable[[], None], stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:

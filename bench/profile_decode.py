@@ -13,11 +13,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from decoding.mask_table import MaskTable
-from vlm_server.config import preset
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.device.graphs import GraphSet
 from vlm_server.engine.device.runtime import ModelRuntime
-from vlm_server.weights.loader import random_model
+from vlm_server.models.registry import preset, random_model
 
 
 def main() -> None:

@@ -34,11 +34,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.synth_images import parse_size, unique_images
 from image_pipeline import ImagePreparer
-from vlm_server.config import preset
 from vlm_server.engine.api import Finished, GenerationRequest, Task
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
-from vlm_server.weights.loader import random_model
+from vlm_server.models.registry import preset, random_model
 
 # A gap in the GPU's work shorter than this is launch jitter, not worth listing.
 GAP_US = 50.0

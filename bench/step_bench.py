@@ -27,13 +27,13 @@ from pathlib import Path
 import torch
 
 from image_pipeline import prepare_image, sample_image_bytes
-from vlm_server.config import preset
 from vlm_server.engine.api import Finished, GenerationRequest, Task
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.observer import Observer
 from vlm_server.engine.core.pipeline import Step
 from vlm_server.engine.engine import BatchedEngine
-from vlm_server.weights.loader import LoadedModel, random_model
+from vlm_server.models.interface import LoadedModel
+from vlm_server.models.registry import preset, random_model
 
 
 class StepRecorder(Observer):

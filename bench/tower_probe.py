@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from vlm_server.config import VisionConfig
+from vlm_server.models.moondream2.config import VisionConfig
 
 
 def replay_us(fn: Callable[[], object], calls: int = 10, reps: int = 30) -> float:
@@ -210,13 +210,13 @@ def attention_rows(crops: int, vc: VisionConfig, dt: torch.dtype) -> list[dict]:
 def norm_rows(m: int, vc: VisionConfig, dt: torch.dtype) -> list[dict]:
     """The fused add + LayerNorm as the tower runs it, and plain LayerNorm (one read, one
     write) for the floor of a norm whose add happened in the GEMM."""
-    from vlm_server.model.fused_norm import add_layernorm
-    from vlm_server.model.layers import LayerNorm
+    from vlm_server.models.common.fused_norm import add_layernorm
+    from vlm_server.models.common.layers import LayerNorm
 
     d = vc.enc_dim
     norm = LayerNorm(d).to("cuda", dt)
     x, a = (torch.randn(m, d, device="cuda", dtype=dt) for _ in range(2))
-    from vlm_server.model.fp8_vision import gelu_fp8, layernorm_fp8
+    from vlm_server.models.moondream2.fp8_vision import gelu_fp8, layernorm_fp8
 
     u = torch.randn(m, vc.enc_ff_dim, device="cuda", dtype=dt) * 3
     inner = -(-vc.enc_ff_dim // 128) * 128
@@ -244,8 +244,8 @@ def tower_rows(counts: Sequence[int], dt: torch.dtype, profile_dir: str | None) 
     of each mode at the first count when ``profile_dir``."""
     from torch.profiler import ProfilerActivity, profile
 
-    from vlm_server.config import VisionConfig as VC
-    from vlm_server.model.vision import VisionEncoder
+    from vlm_server.models.moondream2.config import VisionConfig as VC
+    from vlm_server.models.moondream2.vision import VisionEncoder
 
     enc = VisionEncoder(VC()).to("cuda", dt).eval()
     for p in enc.parameters():

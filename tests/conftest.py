@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from image_pipeline import PreparedImage, prepare_image, sample_image_bytes
-from vlm_server.config import preset
+from vlm_server.models.interface import LoadedModel
+from vlm_server.models.registry import load_model, preset, write_checkpoint
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
-from vlm_server.weights.loader import LoadedModel, load_model
-from vlm_server.weights.writer import write_checkpoint
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -29,8 +29,8 @@ from vlm_server.engine.api import (
     Segmentation,
 )
 from vlm_server.engine.config import EngineConfig
+from vlm_server.models.interface import LoadedModel
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
-from vlm_server.weights.loader import LoadedModel
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,8 @@ import dataclasses
 import pytest
 import torch
 
-from vlm_server.config import PRESETS, ModelConfig, TextConfig, preset
-from vlm_server.model import MoondreamModel
+from vlm_server.models.moondream2.config import PRESETS, ModelConfig, TextConfig, preset
+from vlm_server.models.moondream2.model import MoondreamModel
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

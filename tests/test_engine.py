@@ -36,8 +36,8 @@ from vlm_server.engine.core.observer import NO_OBSERVER, Observer
 from vlm_server.engine.core.pipeline import Step
 from vlm_server.engine.core.step_plan import Chunk, StepPlan
 from vlm_server.engine.engine import BatchedEngine
+from vlm_server.models.interface import LoadedModel
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
-from vlm_server.weights.loader import LoadedModel
 
 
 @pytest.fixture(autouse=True, scope="module")

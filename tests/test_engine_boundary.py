@@ -17,8 +17,8 @@ from image_pipeline import PreparedImage, prepare_pil, sample_image
 from vlm_server.engine.api import Finished, GenerationRequest, Task
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
+from vlm_server.models.interface import LoadedModel
 from vlm_server.reference import ReferenceGenerator
-from vlm_server.weights.loader import LoadedModel
 
 THIRD = 42  # neither eos nor coord
 

@@ -18,8 +18,8 @@ from vlm_server.engine.api import EngineError, ErrorCode, Finished, GenerationRe
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.engine.requests.tasks import TaskCompiler
+from vlm_server.models.interface import LoadedModel
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
-from vlm_server.weights.loader import LoadedModel
 
 
 @pytest.fixture(autouse=True, scope="module")

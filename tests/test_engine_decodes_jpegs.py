@@ -59,10 +59,10 @@ from vlm_server.engine.process.wire import (
     dumps,
     loads,
 )
+from vlm_server.models.interface import LoadedModel
 from vlm_server.service import server as server_module
 from vlm_server.service.engines import engine_factory
 from vlm_server.service.images import ImageCache, ImageResolver
-from vlm_server.weights.loader import LoadedModel
 
 PHOTO = encode(photo(200, 150), quality=90)
 

@@ -46,7 +46,7 @@ from vlm_server.engine.core.sequence import Sequence
 from vlm_server.engine.core.step_plan import Chunk, StepBudget
 from vlm_server.engine.device.runtime import ModelRuntime
 from vlm_server.engine.requests.tasks import TaskCompiler
-from vlm_server.weights.loader import LoadedModel
+from vlm_server.models.interface import LoadedModel
 
 N_REQUESTS = 28
 PAGE = 16  # an image prefix (730 positions) is not a page multiple: prefixes have a tail page

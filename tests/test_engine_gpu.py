@@ -18,12 +18,12 @@ from tests.test_engine import (  # noqa: F401  (fixtures)
     _text_requests,
     images,
 )
-from vlm_server.config import preset
 from vlm_server.engine.api import Finished, GenerationRequest, Task
 from vlm_server.engine.device.kernels.paged_attention import paged_attention
 from vlm_server.engine.engine import BatchedEngine
+from vlm_server.models.interface import LoadedModel
+from vlm_server.models.registry import preset, random_model
 from vlm_server.reference import ReferenceGenerator
-from vlm_server.weights.loader import LoadedModel, random_model
 
 pytestmark = pytest.mark.gpu
 
@@ -238,7 +238,7 @@ def test_mlp_epilogue_gelu_is_the_tanh_gelu() -> None:
     GELU the model uses (the CPU's _addmm_activation would be the erf one)."""
     import torch.nn.functional as F
 
-    from vlm_server.model.layers import MLP, gelu_tanh
+    from vlm_server.models.common.layers import MLP, gelu_tanh
 
     torch.manual_seed(0)
     mlp = MLP(64, 256, 32).cuda()
@@ -255,8 +255,8 @@ def test_mlp_epilogue_gelu_is_the_tanh_gelu() -> None:
 @pytest.mark.parametrize("dim", [1152, 2048])
 def test_fused_add_layernorm_matches_pytorch(dtype: torch.dtype, dim: int) -> None:
     """The residual sum is exactly the unfused one; the norm matches PyTorch's to rounding."""
-    from vlm_server.model.fused_norm import add_layernorm
-    from vlm_server.model.layers import LayerNorm
+    from vlm_server.models.common.fused_norm import add_layernorm
+    from vlm_server.models.common.layers import LayerNorm
 
     torch.manual_seed(0)
     norm = LayerNorm(dim).cuda().to(dtype)
@@ -275,7 +275,7 @@ def test_fused_add_layernorm_matches_pytorch(dtype: torch.dtype, dim: int) -> No
 
 def _random_decoder(dtype: torch.dtype) -> torch.nn.Module:
     """The tiny preset's text decoder on CUDA with seeded random weights."""
-    from vlm_server.model.text import TextDecoder
+    from vlm_server.models.moondream2.text import TextDecoder
 
     torch.manual_seed(0)
     dec = TextDecoder(preset("tiny").text)

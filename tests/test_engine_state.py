@@ -19,7 +19,7 @@ from vlm_server.engine.core.pipeline import LaunchKind, PipelineError, PipelineS
 from vlm_server.engine.core.prefix_cache import PrefixCache
 from vlm_server.engine.core.step_plan import Chunk, StepPlan
 from vlm_server.engine.engine import BatchedEngine
-from vlm_server.weights.loader import LoadedModel
+from vlm_server.models.interface import LoadedModel
 
 
 def test_pipeline_depth_two_cycle() -> None:

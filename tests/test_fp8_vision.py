@@ -15,10 +15,12 @@ from tests.test_engine import (  # noqa: F401  (fixtures)
     images,
 )
 from tests.test_engine_gpu import _moondream2_fp32_equals_reference
-from vlm_server.config import VisionConfig
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
-from vlm_server.model.fp8_vision import (
+from vlm_server.models.common.layers import LayerNorm
+from vlm_server.models.interface import LoadedModel
+from vlm_server.models.moondream2.config import VisionConfig
+from vlm_server.models.moondream2.fp8_vision import (
     FP8,
     FP8_MAX,
     Fp8Weight,
@@ -27,9 +29,7 @@ from vlm_server.model.fp8_vision import (
     layernorm_fp8,
     quantize_rows,
 )
-from vlm_server.model.layers import LayerNorm
-from vlm_server.model.vision import VisionEncoder
-from vlm_server.weights.loader import LoadedModel
+from vlm_server.models.moondream2.vision import VisionEncoder
 
 # e4m3: 3 mantissa bits, so a normal value rounds within 2^-4 of itself; below 2^-6 (times
 # the scale) values are subnormal, spaced 2^-9.

@@ -21,8 +21,8 @@ from tests.support.service_harness import ServerThread, local_config, wait_for
 from vlm_server.client import VisionLanguageClient
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
+from vlm_server.models.interface import LoadedModel
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
-from vlm_server.weights.loader import LoadedModel
 
 MIB = 1 << 20
 DOORS = ("http", "grpc")

@@ -14,8 +14,8 @@ from tests.http_support import data_url
 from tests.support.service_harness import ServerThread, local_config
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
+from vlm_server.models.interface import LoadedModel
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
-from vlm_server.weights.loader import LoadedModel
 
 # A dev dependency: present in CI; skipped where only the GPU suite's packages are.
 openai = pytest.importorskip("openai")

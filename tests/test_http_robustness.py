@@ -25,7 +25,7 @@ from tests.support.service_harness import GatedBatchedEngine, ServerThread, loca
 from vlm_server.client import VisionLanguageClient, VlmError
 from vlm_server.engine.config import EngineConfig
 from vlm_server.http.routes import ROUTES
-from vlm_server.weights.loader import LoadedModel
+from vlm_server.models.interface import LoadedModel
 
 MIB = 1 << 20
 BODY_LIMIT = 256 << 10

@@ -6,11 +6,12 @@ import math
 
 import torch
 
-from vlm_server.config import preset
-from vlm_server.model.region import RegionModel
-from vlm_server.model.text import DenseKVCache, TextBlock
-from vlm_server.model.vision import VisionBlock, stitch_tiles
-from vlm_server.weights.loader import LoadedModel
+from vlm_server.models.interface import LoadedModel
+from vlm_server.models.moondream2.region import RegionModel
+from vlm_server.models.kv import DenseKVCache
+from vlm_server.models.moondream2.text import TextBlock
+from vlm_server.models.moondream2.vision import VisionBlock, stitch_tiles
+from vlm_server.models.registry import preset
 
 
 def _ln(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -62,7 +63,8 @@ def test_text_block_matches_float64_with_prefix_mask_and_partial_rotary(tiny: Lo
     x = torch.randn(1, t, cfg.dim, generator=torch.Generator().manual_seed(1))
     pos = torch.arange(t)[None]
     cos, sin = tiny.model.text.rope_cos[pos], tiny.model.text.rope_sin[pos]
-    cache = DenseKVCache(cfg, 1, torch.float32, "cpu", prefix_len=prefix)
+    kv = tiny.model.kv_shape
+    cache = DenseKVCache(kv, cfg.max_context, 1, torch.float32, "cpu", prefix_len=prefix)
     got = block(x, cos, sin, pos, cache, 0)
 
     xd = x.double()

@@ -17,9 +17,9 @@ from tests.test_engine import (  # noqa: F401  (fixtures)
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.device.streams import TorchDevice, partitioned_streams
 from vlm_server.engine.engine import BatchedEngine
+from vlm_server.models.interface import LoadedModel
 from vlm_server.reference import ReferenceGenerator
 from vlm_server.service.config import load_config
-from vlm_server.weights.loader import LoadedModel
 
 
 def test_prefill_sms_is_a_flag_and_is_checked() -> None:

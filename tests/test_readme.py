@@ -17,7 +17,7 @@ from tests.support.service_harness import ServerThread, local_config
 from vlm_server.client import VisionLanguageClient
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
-from vlm_server.weights.loader import LoadedModel
+from vlm_server.models.interface import LoadedModel
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

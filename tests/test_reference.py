@@ -12,12 +12,11 @@ import torch
 
 from image_pipeline import PreparedImage
 from vlm_server.cli import main as cli_main
-from vlm_server.config import preset
-from vlm_server.engine.requests import prompts
-from vlm_server.model.text import DenseKVCache
+from vlm_server.models import prompts
+from vlm_server.models.interface import LoadedModel
+from vlm_server.models.kv import DenseKVCache
+from vlm_server.models.registry import load_model, preset, write_checkpoint
 from vlm_server.reference import ContextOverflow, ReferenceGenerator, SamplingSettings
-from vlm_server.weights.loader import LoadedModel, load_model
-from vlm_server.weights.writer import write_checkpoint
 
 GREEDY = SamplingSettings(temperature=0.0, max_tokens=24)
 
@@ -57,7 +56,9 @@ def test_greedy_decode_equals_full_recompute(
     ids = torch.tensor(prompt + r.token_ids)[None]
     x = torch.cat([prefix, m.text.embed(ids)], 1)
     n = x.shape[1]
-    cache = DenseKVCache(generator.config.text, 1, m.dtype, m.device, prefix.shape[1])
+    cache = DenseKVCache(
+        m.kv_shape, m.config.text.max_context, 1, m.dtype, m.device, prefix.shape[1]
+    )
     logits = m.text.logits(m.text(x, torch.arange(n)[None], cache))[0]
     start = prefix.shape[1] + len(prompt) - 1
     want = []

@@ -34,8 +34,8 @@ from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
 from vlm_server.client import AsyncVisionLanguageClient, VisionLanguageClient, VlmError
 from vlm_server.client.types import Box, DetectResult, Point, PointResult, TextResult
 from vlm_server.engine.config import EngineConfig
+from vlm_server.models.interface import LoadedModel
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
-from vlm_server.weights.loader import LoadedModel
 
 CLIENTS = 64
 MIB = 1 << 20

@@ -35,9 +35,9 @@ from vlm_server.client import TextResult, VisionLanguageClient, VlmError
 from vlm_server.engine.api import Engine
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
+from vlm_server.models.interface import LoadedModel
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
 from vlm_server.service.servicer import SERVICE_NAME
-from vlm_server.weights.loader import LoadedModel
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -22,8 +22,8 @@ from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
 from vlm_server.client import EncodedImage, TextResult, VisionLanguageClient, VlmError
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
+from vlm_server.models.interface import LoadedModel
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
-from vlm_server.weights.loader import LoadedModel
 
 GREEDY = {"temperature": 0.0}
 MIB = 1 << 20

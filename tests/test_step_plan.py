@@ -28,7 +28,7 @@ from vlm_server.engine.core.step_plan import (
     pack_tokens,
 )
 from vlm_server.engine.device.kernels.paged_attention import ragged_paged_attention
-from vlm_server.model.text import allowed_mask
+from vlm_server.models.kv import allowed_mask
 
 
 @dataclass

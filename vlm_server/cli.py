@@ -13,13 +13,11 @@ from pathlib import Path
 import torch
 
 from image_pipeline import ImageError, prepare_image, sample_image_bytes
-from vlm_server.config import PRESETS
 from vlm_server.default_model import default_model_dir
 from vlm_server.devices import resolve_device
+from vlm_server.models.errors import CheckpointError
+from vlm_server.models.registry import load_model, preset, preset_names, write_checkpoint
 from vlm_server.reference import ContextOverflow, ReferenceGenerator, SamplingSettings
-from vlm_server.weights.errors import CheckpointError
-from vlm_server.weights.loader import load_model
-from vlm_server.weights.writer import write_checkpoint
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SAMPLE = "sample"
@@ -35,7 +33,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--preset",
         default=None,
-        choices=sorted(PRESETS),
+        choices=preset_names(),
         help="configuration when the checkpoint carries none (e.g. a HF snapshot)",
     )
     p.add_argument("--tokenizer", default=None, help="tokenizer.json to use instead")
@@ -73,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
 
     mk = sub.add_parser("make-checkpoint", help="write a seeded random checkpoint")
     mk.add_argument("out", type=Path)
-    mk.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    mk.add_argument("--preset", default="tiny", choices=preset_names())
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     mk.add_argument("--layout", default="native", choices=["native", "legacy"])
@@ -157,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             return _run(args)
         write_checkpoint(
-            PRESETS[args.preset](),
+            preset(args.preset),
             args.out,
             seed=args.seed,
             dtype=DTYPES[args.dtype],

@@ -11,10 +11,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from vlm_server.config import DEFAULT_PRESET, preset
-from vlm_server.weights.writer import WEIGHTS_FILE, write_checkpoint
+from vlm_server.models.registry import preset, write_checkpoint
 
+DEFAULT_PRESET = "tiny"
 DEFAULT_SEED = 0
+# Written last by every family's writer: its presence means the checkpoint is complete.
+_DONE = "config.json"
 
 
 def cache_root() -> Path:
@@ -26,7 +28,7 @@ def default_model_dir(preset_name: str = DEFAULT_PRESET, seed: int = DEFAULT_SEE
     """Directory of the default checkpoint, written on first use (safe against concurrent
     writers: each writes a private temporary directory and renames it into place)."""
     target = cache_root() / "models" / f"{preset_name}-seed{seed}"
-    if (target / WEIGHTS_FILE).exists():
+    if (target / _DONE).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
@@ -35,7 +37,7 @@ def default_model_dir(preset_name: str = DEFAULT_PRESET, seed: int = DEFAULT_SEE
         try:
             tmp.rename(target)
         except OSError:
-            if not (target / WEIGHTS_FILE).exists():
+            if not (target / _DONE).exists():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

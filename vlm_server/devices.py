@@ -29,3 +29,10 @@ def resolve_device(name: str | None) -> torch.device:
     if device.index is not None and device.index >= count:
         raise ValueError(f"device {name!r}: this machine has {count} GPU(s)")
     return device
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """Whether ``device`` has FP8 matrix units (CUDA compute capability 8.9 or newer)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)

@@ -23,7 +23,6 @@ from decoding.region_values import coord_from_logits, size_from_logits
 from decoding.sampling import sample
 from decoding.segment_output import SegmentResult
 from image_pipeline import PreparedImage
-from vlm_server.config import ModelConfig
 from vlm_server.engine.api import (
     Box,
     EngineError,
@@ -34,8 +33,8 @@ from vlm_server.engine.api import (
     Task,
 )
 from vlm_server.engine.requests.tasks import BuiltRequest, TaskCompiler
-from vlm_server.model import MoondreamModel
-from vlm_server.model.text import DenseKVCache
+from vlm_server.models.interface import DeviceModel, FamilyConfig
+from vlm_server.models.kv import DenseKVCache
 
 
 @dataclass(frozen=True)
@@ -84,10 +83,10 @@ OnToken = Callable[[int], bool | None]
 class ReferenceGenerator:
     """Runs one request at a time on a loaded model."""
 
-    def __init__(self, model: MoondreamModel, tokenizer: Tokenizer) -> None:
+    def __init__(self, model: DeviceModel, tokenizer: Tokenizer) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self.config: ModelConfig = model.config
+        self.config: FamilyConfig = model.config
         self.contract = model.config.tokens
         assert self.contract is not None
         self.tasks = TaskCompiler(model.config, tokenizer)
@@ -122,7 +121,7 @@ class ReferenceGenerator:
                 f"prompt ({prefix_len + len(prompt)} positions) plus output ({budget}) "
                 f"exceeds the context of {self.config.text.max_context}"
             )
-        cache = DenseKVCache(self.config.text, 1, m.dtype, dev, prefix_len)
+        cache = DenseKVCache(m.kv_shape, self.config.text.max_context, 1, m.dtype, dev, prefix_len)
         if image is not None:
             crops = image.normalized(m.dtype, dev)
             emb = m.prefix_embeddings(m.image_embeddings(crops, image.tiling))

@@ -41,7 +41,7 @@ from vlm_server.engine.core.scheduler import Scheduler
 from vlm_server.engine.core.sequence import Sequence
 from vlm_server.engine.device.runtime import ModelRuntime
 from vlm_server.engine.requests.tasks import TaskCompiler
-from vlm_server.weights.loader import LoadedModel
+from vlm_server.models.interface import LoadedModel
 
 log = logging.getLogger(__name__)
 

@@ -19,10 +19,11 @@ from decoding.limits import ConstraintLimits
 from vlm_server.default_model import default_model_dir
 from vlm_server.devices import resolve_device
 from vlm_server.engine.api import Engine
+from vlm_server.models.interface import LoadedModel
+from vlm_server.models.registry import load_model
 from vlm_server.service.config import ServerConfig
 from vlm_server.service.logs import configure_logging
 from vlm_server.service.memory import freeze, limit_arenas, limit_mmap_threshold, trim
-from vlm_server.weights.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
 

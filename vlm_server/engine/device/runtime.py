@@ -54,6 +54,7 @@ from image_pipeline import (
     normalize_crops,
 )
 from image_pipeline.crop_graphs import CropGraphs
+from vlm_server.devices import fp8_supported
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.mixed_inputs import MixedLayout
 from vlm_server.engine.core.observer import NO_OBSERVER, Observer
@@ -90,8 +91,7 @@ from vlm_server.engine.device.kernels.paged_attention import (
     RaggedKV,
 )
 from vlm_server.engine.device.streams import CpuEvent, Device, Event, TorchDevice
-from vlm_server.model import MoondreamModel
-from vlm_server.model.fp8_vision import fp8_supported
+from vlm_server.models.interface import DeviceModel
 
 log = logging.getLogger(__name__)
 
@@ -187,15 +187,14 @@ def triton_available() -> bool:
     return triton_attention.AVAILABLE
 
 
-def kv_page_bytes(model: MoondreamModel, page_size: int) -> int:
-    t = model.config.text
-    return 2 * t.n_layers * page_size * t.n_kv_heads * t.head_dim * model.dtype.itemsize
+def kv_page_bytes(model: DeviceModel, page_size: int) -> int:
+    return model.kv_shape.page_bytes(page_size, model.dtype.itemsize)
 
 
 class ModelRuntime:
     def __init__(
         self,
-        model: MoondreamModel,
+        model: DeviceModel,
         cfg: EngineConfig,
         table: MaskTable,
         device: Device | None = None,
@@ -233,7 +232,8 @@ class ModelRuntime:
             model.vision.use_fp8()
         budget = cfg.kv_budget_bytes or self._default_budget()
         n_pages = max(2, budget // kv_page_bytes(model, cfg.page_size))
-        shape = (2, tc.n_layers, n_pages, cfg.page_size, tc.n_kv_heads, tc.head_dim)
+        kv = model.kv_shape
+        shape = (2, kv.n_layers, n_pages, cfg.page_size, kv.n_kv_heads, kv.head_dim)
         # One tensor for every layer's keys and values: a page copy is one op for all layers.
         self.kv = dev.buffer("kv", self._zeros(shape, self.dtype))
         self.k_pools, self.v_pools = list(self.kv[0]), list(self.kv[1])
@@ -488,7 +488,7 @@ class ModelRuntime:
             rows,
             n_blocks,
             (text.rope_cos, text.rope_sin),
-            text.cfg.n_heads,
+            self.model.n_heads,
             self.use_triton,
         )
         x = self.next_embed[rows][:, None]
@@ -808,7 +808,7 @@ class ModelRuntime:
                 rows,
                 0,
                 rope,
-                text.cfg.n_heads,
+                self.model.n_heads,
                 True,
                 tiles=tiles,
                 tile_tokens=lay.tile_tokens,
@@ -881,7 +881,7 @@ class ModelRuntime:
                 self._prefix[i].pages_dev,
                 self._prefix_image_of_token,
                 rope,
-                text.cfg.n_heads,
+                self.model.n_heads,
             )
         else:
             kv = PagedKV(self.k_pools, self.v_pools, pages, length, fresh_prefix=True)
@@ -913,7 +913,7 @@ class ModelRuntime:
             rows,
             pos,
             (text.rope_cos, text.rope_sin),
-            text.cfg.n_heads,
+            self.model.n_heads,
             tiles if self.use_triton else None,
             lay.tile_tokens,
         )

@@ -25,9 +25,9 @@ from decoding.grammars import (
 from decoding.limits import CompileTimeout, ConstraintLimits
 from decoding.mask_table import NO_MASK, AutomatonRows, MaskTable, MaskTableFull
 from decoding.vocab import TokenVocab
-from vlm_server.config import ModelConfig
 from vlm_server.engine.api import EngineError, ErrorCode, GenerationRequest, Task
-from vlm_server.engine.requests import prompts
+from vlm_server.models import prompts
+from vlm_server.models.interface import FamilyConfig
 
 SEGMENT_MAX_POINTS = 64
 SEGMENT_MAX_PATH_TOKENS = 256
@@ -65,7 +65,7 @@ class TaskCompiler:
 
     def __init__(
         self,
-        config: ModelConfig,
+        config: FamilyConfig,
         tokenizer: Tokenizer,
         mask_rows: int = 1024,
         limits: ConstraintLimits | None = None,

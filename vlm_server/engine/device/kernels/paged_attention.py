@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vlm_server.model.text import allowed_mask
+from vlm_server.models.kv import allowed_mask
 
 
 def write_kv(

@@ -8,28 +8,28 @@ checked from the file header before any tensor is read, and every problem is rep
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from vlm_server.config import ModelConfig, preset
-from vlm_server.model import MoondreamModel
-from vlm_server.weights.errors import CheckpointError
-from vlm_server.weights.hub import resolve_source
-from vlm_server.weights.layout import (
+from vlm_server.models.checkpoint_io import CheckpointReader, check_shapes
+from vlm_server.models.errors import CheckpointError
+from vlm_server.models.hub import resolve_source
+from vlm_server.models.interface import LoadedModel
+from vlm_server.models.moondream2.config import ModelConfig, preset
+from vlm_server.models.moondream2.layout import (
     NATIVE_PREFIX,
     TRANSPOSED_NATIVE_KEYS,
     expected_shapes,
     is_native,
     legacy_to_native,
 )
-from vlm_server.weights.moondream_config import from_moondream_dict, is_moondream_format
-from vlm_server.weights.tokenizer_build import build_tokenizer
-from vlm_server.weights.writer import (
+from vlm_server.models.moondream2.model import MoondreamModel
+from vlm_server.models.moondream2.reference_config import from_moondream_dict, is_moondream_format
+from vlm_server.models.moondream2.tokenizer_build import build_tokenizer
+from vlm_server.models.moondream2.writer import (
     CONFIG_FILE,
     CONFIG_FORMAT,
     TOKENIZER_FILE,
@@ -38,15 +38,6 @@ from vlm_server.weights.writer import (
 )
 
 _PROGRESS_BYTES = 256 << 20  # show a progress bar for files larger than this
-_LIST_LIMIT = 12
-
-
-@dataclass
-class LoadedModel:
-    model: MoondreamModel
-    tokenizer: Tokenizer
-    config: ModelConfig
-    source: str
 
 
 def read_config(directory: Path, preset_name: str | None) -> ModelConfig:
@@ -94,70 +85,6 @@ def _weights_file(directory: Path) -> Path:
     )
 
 
-def _fmt(items: list[str]) -> str:
-    shown = ", ".join(items[:_LIST_LIMIT])
-    return shown + (f", ... ({len(items)} in all)" if len(items) > _LIST_LIMIT else "")
-
-
-def check_shapes(
-    found: dict[str, tuple[int, ...]],
-    unknown: list[str],
-    expected: dict[str, tuple[int, ...]],
-    source: str,
-) -> None:
-    """Raise one `CheckpointError` naming every missing, unexpected and mis-shaped tensor."""
-    missing = sorted(set(expected) - set(found))
-    unexpected = sorted(set(found) - set(expected)) + sorted(unknown)
-    misshaped = sorted(
-        f"{k} {list(found[k])} (expected {list(expected[k])})"
-        for k in set(found) & set(expected)
-        if found[k] != expected[k]
-    )
-    problems = []
-    if missing:
-        problems.append(f"missing {len(missing)}: {_fmt(missing)}")
-    if unexpected:
-        problems.append(f"unexpected {len(unexpected)}: {_fmt(unexpected)}")
-    if misshaped:
-        problems.append(f"wrong shape {len(misshaped)}: {_fmt(misshaped)}")
-    if problems:
-        raise CheckpointError(
-            f"checkpoint {source} does not match the model: " + "; ".join(problems)
-        )
-
-
-class _Reader:
-    """Uniform access to a safetensors or torch file: keys, shapes, then tensors one by one."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._pt: dict[str, torch.Tensor] | None = None
-        try:
-            if path.suffix == ".safetensors":
-                self._st = safe_open(str(path), framework="pt", device="cpu")
-                self.keys = list(self._st.keys())
-            else:
-                state = torch.load(str(path), map_location="cpu", weights_only=True)
-                if not isinstance(state, dict):
-                    raise CheckpointError(f"{path} does not hold a state dict")
-                self._pt = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-                self.keys = list(self._pt)
-        except CheckpointError:
-            raise
-        except Exception as err:
-            raise CheckpointError(f"cannot read {path}: {err}") from err
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        if self._pt is not None:
-            return tuple(self._pt[key].shape)
-        return tuple(self._st.get_slice(key).get_shape())
-
-    def tensor(self, key: str) -> torch.Tensor:
-        if self._pt is not None:
-            return self._pt[key]
-        return self._st.get_tensor(key)
-
-
 def _native_names(keys: list[str]) -> tuple[dict[str, str], list[str], bool]:
     """Map file keys to native names; return (native -> file key, unknown keys, legacy?)."""
     ignored = (".kv_cache.k_cache", ".kv_cache.v_cache")
@@ -183,7 +110,7 @@ def load_state(
     progress: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Read, rename, validate and convert a checkpoint's tensors for ``config``."""
-    reader = _Reader(path)
+    reader = CheckpointReader(path)
     names, unknown, legacy = _native_names(reader.keys)
     found = {}
     for name, key in names.items():

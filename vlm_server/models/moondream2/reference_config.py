@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from vlm_server.config import (
+from vlm_server.models.errors import CheckpointError
+from vlm_server.models.moondream2.config import (
     CONTRACT_2025_06,
     CONTRACT_GPT2_LINEAR,
     ModelConfig,
@@ -25,7 +26,6 @@ from vlm_server.config import (
     VisionConfig,
     preset,
 )
-from vlm_server.weights.errors import CheckpointError
 
 SECTIONS = ("text", "vision", "region", "tokenizer")
 

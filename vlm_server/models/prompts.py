@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 from tokenizers import Tokenizer
 
-from vlm_server.config import TokenContract
+from vlm_server.models.contract import TokenContract
 
 # What turns a client's text (a question, an object name) into token ids.
 Encode = Callable[[str], Sequence[int]]

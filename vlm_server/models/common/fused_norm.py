@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from vlm_server.model.layers import LN_EPS, LayerNorm
+from vlm_server.models.common.layers import LN_EPS, LayerNorm
 
 try:
     import triton

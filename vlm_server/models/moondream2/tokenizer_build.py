@@ -12,7 +12,7 @@ import random
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from decoding.vocab import byte_level_alphabet
-from vlm_server.config import GPT2_EOS, TINY_SPECIAL_TOKENS, ModelConfig
+from vlm_server.models.moondream2.config import GPT2_EOS, TINY_SPECIAL_TOKENS, ModelConfig
 
 # Enough everyday words that captions of random weights read as words, not byte soup.
 _WORDS = tuple(

@@ -15,14 +15,14 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from vlm_server.config import ModelConfig
-from vlm_server.weights.layout import (
+from vlm_server.models.moondream2.config import ModelConfig
+from vlm_server.models.moondream2.layout import (
     NATIVE_PREFIX,
     TRANSPOSED_NATIVE_KEYS,
     expected_shapes,
     native_to_legacy,
 )
-from vlm_server.weights.tokenizer_build import build_tokenizer
+from vlm_server.models.moondream2.tokenizer_build import build_tokenizer
 
 CONFIG_FORMAT = "moondream-serve/1"
 WEIGHTS_FILE = "model.safetensors"
@@ -95,6 +95,7 @@ def write_checkpoint(
     build_tokenizer(config, seed=seed).save(str(out / TOKENIZER_FILE))
     meta = {
         "format": CONFIG_FORMAT,
+        "family": "moondream2",
         "seed": seed,
         "random_weights": True,
         "model": config.to_dict(),

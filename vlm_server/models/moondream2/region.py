@@ -7,8 +7,8 @@ import math
 import torch
 from torch import nn
 
-from vlm_server.config import RegionConfig
-from vlm_server.model.layers import MLP
+from vlm_server.models.common.layers import MLP
+from vlm_server.models.moondream2.config import RegionConfig
 
 
 def fourier_features(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from vlm_server.model.fused_norm import add_layernorm
-from vlm_server.model.layers import LN_EPS, LayerNorm
+from vlm_server.models.common.fused_norm import add_layernorm
+from vlm_server.models.common.layers import LN_EPS, LayerNorm
 
 if TYPE_CHECKING:
-    from vlm_server.model.vision import VisionEncoder
+    from vlm_server.models.moondream2.vision import VisionEncoder
 
 try:
     import triton
@@ -38,13 +38,6 @@ except ImportError:  # the CPU path needs no Triton
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 _MIN_SCALE = 1e-12  # an all-zero row still gets a finite scale
-
-
-def fp8_supported(device: torch.device) -> bool:
-    """Whether ``device`` has FP8 matrix units (CUDA compute capability 8.9 or newer)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 @dataclass(frozen=True)

@@ -6,69 +6,15 @@ and `TextDecoder.logits` applies the final norm and the untied ``lm_head`` on to
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlm_server.config import TextConfig
-from vlm_server.model.fused_norm import add_layernorm
-from vlm_server.model.layers import MLP, LayerNorm
-from vlm_server.model.rotary import apply_rotary, rotary_tables
-
-
-class KVCache(Protocol):
-    """Storage for keys (after rotary) and values, one pair per layer."""
-
-    def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
-    ) -> torch.Tensor:
-        """Store k, v [B, kv_heads, T, hd] at ``positions`` [B, T]; return attention of q over
-        everything this sequence may see, [B, heads, T, hd]."""
-        ...
-
-
-def allowed_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, prefix_len: int) -> torch.Tensor:
-    """Boolean attention mask (True = attend): causal, except that positions inside the prefix
-    (BOS + image) see each other bidirectionally. q_pos [B, T], k_pos [K] -> [B, 1, T, K]."""
-    q = q_pos[:, None, :, None]
-    k = k_pos[None, None, None, :]
-    return (k <= q) | ((q < prefix_len) & (k < prefix_len))
-
-
-class DenseKVCache:
-    """Contiguous per-layer cache [B, kv_heads, max_context, hd]; the reference path uses it."""
-
-    def __init__(
-        self,
-        cfg: TextConfig,
-        batch: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        prefix_len: int,
-    ) -> None:
-        shape = (batch, cfg.n_kv_heads, cfg.max_context, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
-        self.prefix_len = prefix_len
-        self.max_context = cfg.max_context
-
-    def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
-    ) -> torch.Tensor:
-        b = torch.arange(q.shape[0], device=q.device)[:, None]
-        self.k[layer][b, :, positions] = k.transpose(1, 2)
-        self.v[layer][b, :, positions] = v.transpose(1, 2)
-        # Only the slots up to the furthest position can be visible: attend over that window.
-        length = int(positions.max()) + 1
-        k_all, v_all = self.k[layer][:, :, :length], self.v[layer][:, :, :length]
-        k_pos = torch.arange(length, device=q.device)
-        mask = allowed_mask(positions, k_pos, self.prefix_len)
-        rep = q.shape[1] // k_all.shape[1]
-        if rep > 1:
-            k_all, v_all = k_all.repeat_interleave(rep, 1), v_all.repeat_interleave(rep, 1)
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+from vlm_server.models.common.fused_norm import add_layernorm
+from vlm_server.models.common.layers import MLP, LayerNorm
+from vlm_server.models.common.rotary import apply_rotary, rotary_tables
+from vlm_server.models.kv import KVCache
+from vlm_server.models.moondream2.config import TextConfig
 
 
 class TextAttention(nn.Module):

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import torch
 
-from vlm_server.config import ModelConfig
+from vlm_server.models.moondream2.config import ModelConfig
 
 NATIVE_MARKER = "vision.blocks.0.attn.proj.bias"
 NATIVE_PREFIX = "model."
@@ -53,7 +53,7 @@ _IGNORED = re.compile(r"(^|\.)kv_cache\.(k|v)_cache$")
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Native key -> shape for a configuration, taken from the model itself (no allocation)."""
-    from vlm_server.model import MoondreamModel
+    from vlm_server.models.moondream2.model import MoondreamModel
 
     with torch.device("meta"):
         model = MoondreamModel(config)

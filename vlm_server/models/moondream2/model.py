@@ -1,14 +1,16 @@
-"""The whole model; parameter names equal the native checkpoint keys (without ``model.``)."""
+"""The whole Moondream 2 model (a `DeviceModel`); parameter names equal the native checkpoint
+keys (without ``model.``)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from vlm_server.config import ModelConfig
-from vlm_server.model.region import RegionModel
-from vlm_server.model.text import TextDecoder
-from vlm_server.model.vision import VisionEncoder
+from vlm_server.models.interface import KVShape
+from vlm_server.models.moondream2.config import ModelConfig
+from vlm_server.models.moondream2.region import RegionModel
+from vlm_server.models.moondream2.text import TextDecoder
+from vlm_server.models.moondream2.vision import VisionEncoder
 
 
 class MoondreamModel(nn.Module):
@@ -26,6 +28,15 @@ class MoondreamModel(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.text.wte.device
+
+    @property
+    def kv_shape(self) -> KVShape:
+        t = self.config.text
+        return KVShape(t.n_layers, t.n_kv_heads, t.head_dim)
+
+    @property
+    def n_heads(self) -> int:
+        return self.config.text.n_heads
 
     def image_embeddings(self, crops: torch.Tensor, tiling: tuple[int, int]) -> torch.Tensor:
         """Normalized crops of one image [1 + h*w, 3, S, S] -> embeddings [patches, dim]."""

@@ -1,0 +1,1 @@
+"""Building blocks the families share: LayerNorm and MLP, rotary tables, fused add + norm."""

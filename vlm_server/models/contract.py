@@ -1,0 +1,68 @@
+"""The tokenizer contract a model family speaks: special ids, prompt templates, value scales.
+
+Families describe their token era with these; the request builder (prompts, grammars) and the
+device code (region value decoding) read them and never hard-code an id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+SizeScale = Literal["log", "linear"]
+
+
+@dataclass(frozen=True)
+class PromptTemplates:
+    """Token-id templates for each task; the variable text is encoded between prefix and suffix."""
+
+    caption_short: tuple[int, ...]
+    caption_normal: tuple[int, ...]
+    caption_long: tuple[int, ...]
+    query_prefix: tuple[int, ...]
+    query_suffix: tuple[int, ...]
+    detect_prefix: tuple[int, ...]
+    detect_suffix: tuple[int, ...]
+    point_prefix: tuple[int, ...]
+    point_suffix: tuple[int, ...]
+    segment_prefix: tuple[int, ...] | None = None
+    segment_suffix: tuple[int, ...] | None = None
+    # GPT-2-era templates put a space before the question / object; the 2025-06 code does not
+    # for the question but does for the object.
+    question_leading_space: bool = False
+    object_leading_space: bool = True
+
+    def caption(self, length: str) -> tuple[int, ...]:
+        """The caption template for ``short``, ``normal`` or ``long``."""
+        try:
+            return {
+                "short": self.caption_short,
+                "normal": self.caption_normal,
+                "long": self.caption_long,
+            }[length]
+        except KeyError:
+            raise ValueError(
+                f"caption length must be short, normal or long, not {length!r}"
+            ) from None
+
+
+@dataclass(frozen=True)
+class TokenContract:
+    """Special ids, templates and value scales of one tokenizer era."""
+
+    name: str
+    bos_id: int
+    eos_id: int
+    templates: PromptTemplates
+    size_scale: SizeScale
+    # At a point/detect object boundary every era decides the reference's way: the token chosen
+    # over the whole vocabulary ends the answer if it is eos and otherwise starts an object.
+    coord_id: int | None = None
+    size_id: int | None = None
+    answer_id: int | None = None
+    # Ids set to -inf on text decode steps after the first (HEAD suppresses answer_id).
+    decode_suppressed_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.size_scale not in ("log", "linear"):
+            raise ValueError(f"size_scale must be 'log' or 'linear', not {self.size_scale!r}")

@@ -1,0 +1,152 @@
+"""What the engine needs from a model family, as protocols: the seam every family plugs into.
+
+The engine (runtime, scheduler, request builder) and the doors are typed against these and
+never import a family's modules. A family's loaded model is a `DeviceModel`: a text decoder
+that writes its keys and values through a `KVCache` (models/kv.py), a vision tower and
+projection, and region heads; its configuration is a `FamilyConfig`.
+
+Shapes: ``D`` the decoder width, ``H`` query heads, ``P`` image-prefix positions (BOS + one per
+patch of the global grid).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:  # the torch-free engine core imports this module
+    import torch
+    from tokenizers import Tokenizer
+
+    from vlm_server.models.contract import TokenContract
+    from vlm_server.models.kv import KVCache
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """Keys and values per position: what a KV page holds, per layer."""
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+
+    def page_bytes(self, page_size: int, itemsize: int) -> int:
+        """Bytes of one page (keys and values of every layer)."""
+        return 2 * self.n_layers * page_size * self.n_kv_heads * self.head_dim * itemsize
+
+
+class TextShape(Protocol):
+    """The decoder sizes the engine reads."""
+
+    vocab_size: int
+    max_context: int
+    dim: int  # D
+
+
+class CropShape(Protocol):
+    """The image path's geometry: the overlap-crop tiling reads it."""
+
+    crop_size: int
+    patch_size: int
+    overlap_margin: int
+    max_crops: int
+    in_channels: int
+
+
+class FamilyConfig(Protocol):
+    """A family's configuration as the engine sees it."""
+
+    name: str
+    text: TextShape
+    vision: CropShape
+    tokens: TokenContract | None
+
+    @property
+    def image_prefix_len(self) -> int:
+        """Positions of BOS + image (``P``)."""
+        ...
+
+
+class TextStack(Protocol):
+    """The decoder: embeddings in, hidden states out, keys and values through the cache."""
+
+    rope_cos: torch.Tensor  # [max_context, rotary_dim / 2] fp32, for fused rotary kernels
+    rope_sin: torch.Tensor
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [...] -> embeddings [..., D]."""
+        ...
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Embeddings [B, T, D] at positions [B, T] -> hidden states [B, T, D] (before the
+        final norm: the region heads read them)."""
+        ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states [..., D] -> fp32 logits [..., vocab]."""
+        ...
+
+
+class VisionStack(Protocol):
+    """The vision tower and its projection into the decoder's width."""
+
+    def encode(self, crops: torch.Tensor) -> torch.Tensor:
+        """Normalized crops [N, 3, S, S] -> patch features."""
+        ...
+
+    def project(self, features: torch.Tensor, tiling: tuple[int, int]) -> torch.Tensor:
+        """One image's crop features -> its embeddings [P - 1, D]."""
+        ...
+
+    def use_fp8(self, enabled: bool = True) -> None:
+        """Switch the tower's matrix products to FP8 (a family may refuse: ValueError)."""
+        ...
+
+
+class RegionHeads(Protocol):
+    """Coordinate and size heads: hidden state -> value logits, value -> input embedding."""
+
+    def encode_coord(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def encode_size(self, wh: torch.Tensor) -> torch.Tensor: ...
+
+    def decode_coord(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def decode_size(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+class DeviceModel(Protocol):
+    """A loaded model, as the runtime and the reference generation drive it."""
+
+    config: FamilyConfig
+    text: TextStack
+    vision: VisionStack
+    region: RegionHeads
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def kv_shape(self) -> KVShape: ...
+
+    @property
+    def n_heads(self) -> int:
+        """Query heads of the decoder's attention (fused attention kernels need it)."""
+        ...
+
+    def prefix_embeddings(self, image_emb: torch.Tensor) -> torch.Tensor:
+        """An image's embeddings [P - 1, D] -> BOS + image [1, P, D]."""
+        ...
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to serve: weights on their device, tokenizer, configuration."""
+
+    model: DeviceModel
+    tokenizer: Tokenizer
+    config: FamilyConfig
+    source: str

@@ -1,0 +1,75 @@
+"""Moondream 2 as a model family: its presets, checkpoints, loader and random weights."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlm_server.models.interface import FamilyConfig, LoadedModel
+from vlm_server.models.moondream2.config import PRESETS, ModelConfig
+from vlm_server.models.moondream2.loader import load_model, random_model
+from vlm_server.models.moondream2.reference_config import is_moondream_format
+from vlm_server.models.moondream2.writer import CONFIG_FORMAT, write_checkpoint
+
+
+class Moondream2Family:
+    """The registry's handle on Moondream 2 (every revision's token contract)."""
+
+    name = "moondream2"
+
+    @property
+    def presets(self) -> Mapping[str, Callable[[], FamilyConfig]]:
+        return PRESETS
+
+    def owns(self, config: FamilyConfig) -> bool:
+        return isinstance(config, ModelConfig)
+
+    def reads(self, meta: Mapping[str, Any]) -> bool:
+        if meta.get("format") == CONFIG_FORMAT:
+            return meta.get("family", self.name) == self.name
+        model_type = meta.get("model_type")
+        hub_snapshot = isinstance(model_type, str) and model_type.startswith("moondream")
+        return is_moondream_format(dict(meta)) or hub_snapshot
+
+    def load(
+        self,
+        path: Path,
+        *,
+        preset_name: str | None,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tokenizer_path: str | Path | None,
+        progress: bool,
+    ) -> LoadedModel:
+        return load_model(
+            path,
+            preset_name=preset_name,
+            dtype=dtype,
+            device=device,
+            tokenizer_path=tokenizer_path,
+            progress=progress,
+        )
+
+    def random_model(
+        self,
+        config: FamilyConfig,
+        *,
+        seed: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        progress: bool,
+    ) -> LoadedModel:
+        assert isinstance(config, ModelConfig)
+        return random_model(config, seed=seed, dtype=dtype, device=device, progress=progress)
+
+    def write_checkpoint(
+        self, config: FamilyConfig, out_dir: Path, *, seed: int, progress: bool, **options: Any
+    ) -> Path:
+        assert isinstance(config, ModelConfig)
+        return write_checkpoint(config, out_dir, seed=seed, progress=progress, **options)
+
+
+MOONDREAM2 = Moondream2Family()

@@ -1,0 +1,212 @@
+"""The registry of model families: which family a preset, a config or a checkpoint belongs to.
+
+A family (Moondream 2 today) registers one `ModelFamily`: its presets, how it recognises its
+own checkpoints, and how it loads, generates and writes them. The server, the command line,
+the benchmarks and the tests reach families through here; the engine never does (it is typed
+against `models/interface.py` only).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from vlm_server.models.errors import CheckpointError
+from vlm_server.models.hub import resolve_source
+from vlm_server.models.interface import FamilyConfig, LoadedModel
+
+CONFIG_FILE = "config.json"
+
+
+class ModelFamily(Protocol):
+    """One model family, as the registry drives it."""
+
+    name: str
+
+    @property
+    def presets(self) -> Mapping[str, Callable[[], FamilyConfig]]:
+        """Named configurations (dimensions, token contract) of this family."""
+        ...
+
+    def owns(self, config: FamilyConfig) -> bool:
+        """Whether ``config`` is one of this family's configurations."""
+        ...
+
+    def reads(self, meta: Mapping[str, Any]) -> bool:
+        """Whether a checkpoint's ``config.json`` (parsed) belongs to this family."""
+        ...
+
+    def load(
+        self,
+        path: Path,
+        *,
+        preset_name: str | None,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tokenizer_path: str | Path | None,
+        progress: bool,
+    ) -> LoadedModel:
+        """Load a local checkpoint (a directory or one weights file)."""
+        ...
+
+    def random_model(
+        self,
+        config: FamilyConfig,
+        *,
+        seed: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        progress: bool,
+    ) -> LoadedModel:
+        """What loading `write_checkpoint(config, seed=seed)` gives, built in memory."""
+        ...
+
+    def write_checkpoint(
+        self, config: FamilyConfig, out_dir: Path, *, seed: int, progress: bool, **options: Any
+    ) -> Path:
+        """Write a seeded random checkpoint in the family's real layout (``options``: the
+        family's own, e.g. dtype or layout)."""
+        ...
+
+
+_FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register(family: ModelFamily) -> None:
+    """Add a family (its preset names must not clash with another family's)."""
+    _builtin()
+    clash = {p for f in _FAMILIES.values() if f.name != family.name for p in f.presets}
+    clash &= set(family.presets)
+    if clash:
+        raise ValueError(f"family {family.name!r}: presets {sorted(clash)} are taken")
+    _FAMILIES[family.name] = family
+
+
+def unregister(name: str) -> None:
+    """Remove a family registered with `register` (tests)."""
+    _FAMILIES.pop(name, None)
+
+
+def families() -> list[ModelFamily]:
+    _builtin()
+    return list(_FAMILIES.values())
+
+
+def family(name: str) -> ModelFamily:
+    _builtin()
+    try:
+        return _FAMILIES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown model family {name!r}; choose one of {sorted(_FAMILIES)}"
+        ) from None
+
+
+def preset_names() -> list[str]:
+    """Every registered family's presets."""
+    return sorted(p for f in families() for p in f.presets)
+
+
+def family_for_preset(name: str) -> ModelFamily:
+    for fam in families():
+        if name in fam.presets:
+            return fam
+    raise ValueError(f"unknown preset {name!r}; choose one of {preset_names()}")
+
+
+def preset(name: str) -> FamilyConfig:
+    """The named preset configuration, whichever family defines it."""
+    return family_for_preset(name).presets[name]()
+
+
+def family_of(config: FamilyConfig) -> ModelFamily:
+    for fam in families():
+        if fam.owns(config):
+            return fam
+    raise ValueError(f"no registered model family owns the configuration {config.name!r}")
+
+
+def load_model(
+    source: str | Path,
+    *,
+    preset_name: str | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    tokenizer_path: str | Path | None = None,
+    progress: bool = True,
+) -> LoadedModel:
+    """Load a checkpoint: a directory, one weights file or a Hugging Face repo id. The family
+    is the preset's when one is named, else the one that reads the checkpoint's config.json."""
+    path = resolve_source(source)
+    fam = family_for_preset(preset_name) if preset_name else _family_of_checkpoint(path)
+    loaded = fam.load(
+        path,
+        preset_name=preset_name,
+        dtype=dtype,
+        device=device,
+        tokenizer_path=tokenizer_path,
+        progress=progress,
+    )
+    loaded.source = str(source)
+    return loaded
+
+
+def random_model(
+    config: FamilyConfig,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    progress: bool = True,
+) -> LoadedModel:
+    """A seeded random model of ``config``, in memory (benchmarks, GPU tests)."""
+    return family_of(config).random_model(
+        config, seed=seed, dtype=dtype, device=device, progress=progress
+    )
+
+
+def write_checkpoint(
+    config: FamilyConfig,
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    progress: bool = True,
+    **options: Any,
+) -> Path:
+    """Write a seeded random checkpoint of ``config`` in its family's layout."""
+    return family_of(config).write_checkpoint(
+        config, Path(out_dir), seed=seed, progress=progress, **options
+    )
+
+
+def _family_of_checkpoint(path: Path) -> ModelFamily:
+    directory = path if path.is_dir() else path.parent
+    config = directory / CONFIG_FILE
+    if not config.exists():
+        raise CheckpointError(
+            f"{directory} has no {CONFIG_FILE}; name a preset (one of {preset_names()})"
+        )
+    try:
+        meta = json.loads(config.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"cannot read {config}: {err}") from err
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{config} does not hold a JSON object")
+    for fam in families():
+        if fam.reads(meta):
+            return fam
+    raise CheckpointError(
+        f"no model family reads {config}; name a preset (one of {preset_names()})"
+    )
+
+
+def _builtin() -> None:
+    """Register the families that ship with the server, once."""
+    if "moondream2" not in _FAMILIES:
+        from vlm_server.models.moondream2.family import MOONDREAM2
+
+        _FAMILIES.setdefault(MOONDREAM2.name, MOONDREAM2)

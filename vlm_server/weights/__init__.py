@@ -1,1 +1,0 @@
-"""Checkpoint layouts, loading, writing and tokenizer construction."""
