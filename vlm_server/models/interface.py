@@ -137,6 +137,10 @@ class DeviceModel(Protocol):
         """Query heads of the decoder's attention (fused attention kernels need it)."""
         ...
 
+    def image_embeddings(self, crops: torch.Tensor, tiling: tuple[int, int]) -> torch.Tensor:
+        """One image's normalized crops [1 + h*w, 3, S, S] -> its embeddings [P - 1, D]."""
+        ...
+
     def prefix_embeddings(self, image_emb: torch.Tensor) -> torch.Tensor:
         """An image's embeddings [P - 1, D] -> BOS + image [1, P, D]."""
         ...

@@ -1,0 +1,133 @@
+"""The model-family seam: a second family (tests/support/toy_family.py, another decoder, vision
+path, region heads and checkpoint format) registers itself and is served by the unchanged
+engine and both doors, answering as the reference generation does on the same model."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import torch
+
+from image_pipeline import prepare_image, sample_image_bytes
+from tests.http_support import post_json
+from tests.support.service_harness import ServerThread, local_config
+from tests.support.toy_family import TOY, ToyConfig
+from vlm_server.client import VisionLanguageClient
+from vlm_server.models import registry
+from vlm_server.models.errors import CheckpointError
+from vlm_server.models.interface import LoadedModel
+from vlm_server.reference import ReferenceGenerator, SamplingSettings
+from vlm_server.service.engines import batched_engine
+
+GREEDY = SamplingSettings(temperature=0.0, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def toy_family() -> Iterator[None]:
+    registry.register(TOY)
+    yield
+    registry.unregister(TOY.name)
+
+
+@pytest.fixture(scope="module")
+def toy_dir(toy_family: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return registry.write_checkpoint(registry.preset("toy"), tmp_path_factory.mktemp("toy"))
+
+
+@pytest.fixture(scope="module")
+def toy(toy_dir: Path) -> LoadedModel:
+    return registry.load_model(toy_dir, dtype=torch.float32, progress=False)
+
+
+@pytest.fixture(scope="module")
+def toy_server(toy_dir: Path) -> Iterator[ServerThread]:
+    """What ``vlm serve --model <toy checkpoint>`` runs: the service loads it by its config."""
+    config = local_config(model=str(toy_dir), device="cpu", dtype="fp32", http_port=-1)
+    with ServerThread(config, lambda: batched_engine(config)) as running:
+        yield running
+
+
+def test_the_registry_resolves_presets_configs_and_checkpoints_to_their_family(
+    toy_family: None, toy_dir: Path, toy: LoadedModel
+) -> None:
+    assert {"toy", "tiny", "moondream2"} <= set(registry.preset_names())
+    assert registry.family_for_preset("toy") is TOY
+    assert registry.family_of(registry.preset("tiny")).name == "moondream2"
+    assert isinstance(toy.config, ToyConfig) and toy.source == str(toy_dir)
+    with pytest.raises(ValueError, match=r"presets \['toy'\] are taken"):
+        registry.register(_Clash())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"unknown preset 'nope'.*toy"):
+        registry.preset("nope")
+
+
+class _Clash:
+    name = "clash"
+    presets: ClassVar[dict[str, type]] = {"toy": ToyConfig}
+
+
+def test_a_checkpoint_no_family_reads_is_refused_naming_the_presets(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"format": "someone-else/9"}')
+    with pytest.raises(CheckpointError, match=r"no model family reads .*name a preset"):
+        registry.load_model(tmp_path)
+
+
+def test_a_second_family_serves_every_task_over_grpc_as_the_reference_answers(
+    toy: LoadedModel, toy_server: ServerThread
+) -> None:
+    ref = ReferenceGenerator(toy.model, toy.tokenizer)
+    image = prepare_image(sample_image_bytes())
+    with VisionLanguageClient(toy_server.target, timeout=60) as client:
+        greedy = {"temperature": 0.0, "max_tokens": 8}
+        got = client.caption(sample_image_bytes(), "normal", **greedy)
+        assert got.text == ref.caption(image, "normal", GREEDY).text
+        got = client.query(sample_image_bytes(), "what is here?", **greedy)
+        assert got.text == ref.query(image, "what is here?", GREEDY).text
+        events = list(client.query_stream(None, "tell me", **greedy))
+        assert "".join(e.text for e in events[:-1]) == ref.query(None, "tell me", GREEDY).text
+        points = client.point(sample_image_bytes(), "dog", max_objects=3)
+        want = ref.point(image, "dog", max_objects=3)
+        assert [(p.x, p.y) for p in points.points] == [(p.x, p.y) for p in want.points]
+        boxes = client.detect(sample_image_bytes(), "dog", max_objects=3)
+        want = ref.detect(image, "dog", max_objects=3)
+        assert [(b.x_min, b.y_min, b.x_max, b.y_max) for b in boxes.boxes] == [
+            (b.x_min, b.y_min, b.x_max, b.y_max) for b in want.boxes
+        ]
+
+
+def test_a_second_family_serves_moondreams_http_api_and_openai_chat(
+    toy: LoadedModel, toy_server: ServerThread
+) -> None:
+    ref = ReferenceGenerator(toy.model, toy.tokenizer)
+    image = prepare_image(sample_image_bytes())
+    url = "data:image/jpeg;base64," + base64.b64encode(sample_image_bytes()).decode()
+    settings = {"temperature": 0, "max_tokens": 8}
+    status, body = post_json(
+        f"{toy_server.http_url}/query",
+        {"image_url": url, "question": "what is here?", "settings": settings},
+    )
+    assert status == 200, body
+    assert body["answer"] == ref.query(image, "what is here?", GREEDY).text
+    status, body = post_json(
+        f"{toy_server.http_url}/detect",
+        {"image_url": url, "object": "dog", "settings": {"max_objects": 3}},
+    )
+    assert status == 200, body
+    want = ref.detect(image, "dog", max_objects=3)
+    assert [tuple(o.values()) for o in body["objects"]] == [
+        (b.x_min, b.y_min, b.x_max, b.y_max) for b in want.boxes
+    ]
+    status, body = post_json(
+        f"{toy_server.http_url}/chat/completions",
+        {
+            "model": "toy",
+            "messages": [{"role": "user", "content": "tell me"}],
+            "temperature": 0,
+            "max_tokens": 8,
+        },
+    )
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"] == ref.query(None, "tell me", GREEDY).text
