@@ -15,6 +15,7 @@ from tests.test_engine import (  # noqa: F401  (fixtures)
     images,
 )
 from tests.test_engine_gpu import _moondream2_fp32_equals_reference
+from vlm_server.devices import fp8_supported
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.common.layers import LayerNorm
@@ -24,7 +25,6 @@ from vlm_server.models.moondream2.fp8_vision import (
     FP8,
     FP8_MAX,
     Fp8Weight,
-    fp8_supported,
     gelu_fp8,
     layernorm_fp8,
     quantize_rows,
