@@ -12,6 +12,7 @@ output tokens are reported next to every figure):
     query3     Query, streamed, max_tokens 3 (a short direct answer)
     query30    Query, streamed, max_tokens 30 (a short reasoning answer)
     caption64  Caption, streamed, max_tokens 64
+    caption128 Caption, streamed, max_tokens 128 (decode throughput under load)
     point5     Point, max_objects 5 (unary)
     detect5    Detect, max_objects 5 (unary)
     segment    Segment, max_tokens --segment-tokens (unary)
@@ -111,6 +112,7 @@ def workloads(segment_tokens: int) -> dict[str, Workload]:
             question="Describe the main object in this image and explain your reasoning.",
         ),
         Workload("caption64", "caption", True, max_tokens=64),
+        Workload("caption128", "caption", True, max_tokens=128),
         Workload("point5", "point", False, max_objects=5),
         Workload("detect5", "detect", False, max_objects=5),
         Workload("segment", "segment", False, max_tokens=segment_tokens),
@@ -969,7 +971,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--workloads",
         nargs="+",
         default=["query3"],
-        help="query3 query30 caption64 point5 detect5 segment",
+        help="query3 query30 caption64 caption128 point5 detect5 segment",
     )
     ap.add_argument("--image-sizes", nargs="+", default=["800x600"], help="e.g. 4000x3000")
     ap.add_argument("--image-modes", nargs="+", default=["unique"], choices=["unique", "repeated"])

@@ -1,5 +1,6 @@
 """The production runtime and scheduler on a fake device (tests/support/fake_device.py) that
-checks the pipeline invariants I1-I7 of DESIGN.md under seeded random interleavings.
+checks the pipeline invariants I1-I7 of docs/architecture.md under seeded random
+interleavings.
 
 `ModelRuntime` runs the tiny model on CPU tensors, but every copy, kernel, event record and
 wait goes through the fake device, which executes them later, stream by stream, in a random

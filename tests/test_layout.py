@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ["vlm_server", "decoding", "image_pipeline"]
 
-# Higher layers may import lower ones, never the reverse (DESIGN.md, Layout).
+# Higher layers may import lower ones, never the reverse (docs/architecture.md, Layout).
 LAYERS = {
     "image_pipeline": 0,
     "decoding": 0,

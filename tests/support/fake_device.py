@@ -1,5 +1,5 @@
 """A fake device with the production device surface, to run the real runtime and scheduler
-and check the pipeline invariants of DESIGN.md.
+and check the pipeline invariants of docs/architecture.md.
 
 `FakeDevice` keeps what matters for ordering on a GPU: named streams, each a FIFO of
 operations; events whose `record` enqueues a marker (the event completes once the device has
@@ -38,9 +38,9 @@ from vlm_server.engine.device.streams import Access
 
 
 class DeviceViolation(AssertionError):
-    """An ordering bug caught by the fake device. ``invariant`` is the DESIGN.md invariant
-    (I1..I7) it breaks, "order" for a missing wait on any other buffer, or "data" for a
-    runtime call whose arguments contradict what was launched."""
+    """An ordering bug caught by the fake device. ``invariant`` is the invariant of
+    docs/architecture.md (I1..I7) it breaks, "order" for a missing wait on any other buffer, or
+    "data" for a runtime call whose arguments contradict what was launched."""
 
     def __init__(self, invariant: str, message: str) -> None:
         super().__init__(f"{invariant}: {message}")
