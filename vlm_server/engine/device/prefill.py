@@ -88,6 +88,7 @@ class Prefill:
         # Each job's held row, then its prompt tokens as the layout packs them.
         prompt_len = jobs + 1 + self.prompt_layout.size(cfg.prefix_prompt_tokens)
         self.prompt_scratch = np.zeros(prompt_len, np.int64)
+        # One set of buffers per batch that may be in flight, used in turn.
         self.slots = self._slots(cfg.prefill_batches, prefix_len, prompt_len)
         self.next_slot = 0
         # BOS + image embeddings of one batch (written and read on the prefill stream only).

@@ -34,6 +34,8 @@ All stream, event, copy and pinned-buffer work goes through a `Device`
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
@@ -52,7 +54,9 @@ from vlm_server.engine.device.model_entry import ModelEntryPoints
 from vlm_server.engine.device.prefill import Prefill
 from vlm_server.engine.device.sampler import Sampler
 from vlm_server.engine.device.streams import Device, TorchDevice
-from vlm_server.model import MoondreamModel
+
+if TYPE_CHECKING:
+    from vlm_server.model import MoondreamModel
 
 
 def kv_page_bytes(model: MoondreamModel, page_size: int) -> int:
