@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from decoding.mask_table import MaskTable
 from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.core.pages import PageAllocator
 from vlm_server.engine.core.step_plan import DEVICE_INPUT, N_TOK
 from vlm_server.engine.device.runtime import ModelRuntime
 from vlm_server.models.registry import preset, random_model
@@ -97,50 +98,57 @@ def main() -> None:
         max_batch=DECODE_ROWS, max_step_tokens=args.max_step_tokens, kv_budget_bytes=12 << 30
     )
     rt = ModelRuntime(loaded.model, cfg, MaskTable(loaded.config.text.vocab_size, 4))
+    mirror = rt.block_table
+    pages = PageAllocator(
+        rt.kv_pages, cfg.page_size, cfg.max_rows, mirror.shape[1], block_table=mirror
+    )
     prefix_len = loaded.config.image_prefix_len
     ps = cfg.page_size
-    shared = rt.pages.allocate(prefix_len // ps)
+    shared = pages.allocate(prefix_len // ps)
     own = -(-(max(args.context, prefix_len + args.max_step_tokens // CHUNK_ROWS) + 1) // ps)
     own -= len(shared)
     for row in range(DECODE_ROWS + CHUNK_ROWS):
-        rt.pages.assign(row, shared + rt.pages.allocate(own + 1))
-    rt.block_dev.copy_(rt.block_host)
+        pages.assign(row, shared + pages.allocate(own + 1))
+    rt.pool.block_dev.copy_(rt.pool.block_host)
     stream = rt.dev.compute_stream
+    steps, prefill = rt.steps, rt.prefill
     t0 = time.perf_counter()
     rt.capture_graphs(progress=True)
     capture_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     rt.capture_vision_graphs(progress=True)
     vision_capture_s = time.perf_counter() - t0
-    lay = rt.mixed_layout
-    buf = rt.slots[0]
-    steps = []
-    max_blocks = rt.block_dev.shape[1]
-    for n in tqdm(rt.token_buckets, desc="mixed steps"):
+    lay = rt.buffers.mixed_layout
+    buf = rt.buffers.slots[0]
+    mixed = []
+    max_blocks = rt.pool.block_dev.shape[1]
+    for n in tqdm(steps.token_buckets, desc="mixed steps"):
         tokens = step_tokens(n, args.context, prefix_len, cfg.max_rows)
         last = np.arange(min(n, DECODE_ROWS + CHUNK_ROWS), dtype=np.int64)
-        host = lay.pack(rt._mixed_scratch, tokens, last, [], n, rt.pad_row)
+        host = lay.pack(steps.mixed_scratch, tokens, last, [], n, rt.buffers.pad_row)
         buf.mixed_dev[: len(host)].copy_(torch.from_numpy(host))
         n_blocks = int(tokens[:, 1].max()) // ps + 1
         with torch.inference_mode():
-            graph = gpu_ms(lambda n=n: rt.mixed_graphs.replay((0, n)), stream)
-            eager = wall_ms(lambda n=n: rt._mixed_forward(buf, n, max_blocks), stream)
-            rt.use_triton = False
-            varlen = wall_ms(lambda n=n, b=n_blocks: rt._mixed_forward(buf, n, b), stream, 3)
-            rt.use_triton = True
-        steps.append({"tokens": n, "graph_ms": graph, "eager_ms": eager, "varlen_ms": varlen})
+            graph = gpu_ms(lambda n=n: steps.mixed_graphs.replay((0, n)), stream)
+            eager = wall_ms(lambda n=n: steps.mixed_forward(buf, n, max_blocks), stream)
+            rt.pool.use_triton = False
+            varlen = wall_ms(lambda n=n, b=n_blocks: steps.mixed_forward(buf, n, b), stream, 3)
+            rt.pool.use_triton = True
+        mixed.append({"tokens": n, "graph_ms": graph, "eager_ms": eager, "varlen_ms": varlen})
     images = []
     vc = loaded.config.vision
     for tiling in ((1, 1), (2, 2), (2, 4), (3, 4)):
         crops = 1 + tiling[0] * tiling[1]
         u8 = torch.randint(0, 256, (crops, vc.crop_size, vc.crop_size, 3), dtype=torch.uint8)
         u8 = u8.cuda()
-        x = torch.randn(crops, 3, vc.crop_size, vc.crop_size, device="cuda", dtype=rt.dtype)
+        x = torch.randn(crops, 3, vc.crop_size, vc.crop_size, device="cuda", dtype=rt.entry.dtype)
         with torch.inference_mode():
             tower = gpu_ms(lambda x=x: loaded.model.vision.encode(x), stream)
-            path_eager = wall_ms(lambda u=u8, t=tiling: rt._image_embedding(u, t), stream)
-            rt._image_inputs[crops].copy_(u8)
-            path_graph = gpu_ms(lambda t=tiling: rt.image_graphs.replay(t), rt.dev.prefill_stream)
+            path_eager = wall_ms(lambda u=u8, t=tiling: prefill.image_embedding(u, t), stream)
+            prefill.image_inputs[crops].copy_(u8)
+            path_graph = gpu_ms(
+                lambda t=tiling: prefill.image_graphs.replay(t), rt.dev.prefill_stream
+            )
         images.append(
             {
                 "crops": crops,
@@ -153,12 +161,12 @@ def main() -> None:
     side = rt.dev.prefill_stream
     for k in range(1, cfg.max_prefill_batch + 1):
         with torch.inference_mode():
-            graph = gpu_ms(lambda k=k: rt.prefix_graphs.replay((0, k, 0)), side)
-            eager = wall_ms(lambda k=k: rt._prefix_forward(0, k), side)
+            graph = gpu_ms(lambda k=k: prefill.prefix_graphs.replay((0, k, 0)), side)
+            eager = wall_ms(lambda k=k: prefill.prefix_forward(0, k), side)
             # The same forward with prompt tokens riding along (pad tokens: the same work).
             riding = {
-                p: gpu_ms(lambda k=k, p=p: rt.prefix_graphs.replay((0, k, p)), side)
-                for p in rt.prompt_buckets
+                p: gpu_ms(lambda k=k, p=p: prefill.prefix_graphs.replay((0, k, p)), side)
+                for p in prefill.prompt_buckets
             }
         prefixes.append(
             {"images": k, "graph_ms": graph, "eager_wall_ms": eager, "riding_graph_ms": riding}
@@ -168,23 +176,23 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "context": args.context,
         "graphs": {
-            "decode": len(rt.decode_graphs),
-            "mixed": len(rt.mixed_graphs),
-            "prefix": len(rt.prefix_graphs),
-            "image": len(rt.image_graphs),
+            "decode": len(steps.decode_graphs),
+            "mixed": len(steps.mixed_graphs),
+            "prefix": len(prefill.prefix_graphs),
+            "image": len(prefill.image_graphs),
             "text_capture_s": capture_s,
             "image_capture_s": vision_capture_s,
             "pool_mib": {
                 name: g.pool_bytes / 2**20
                 for name, g in (
-                    ("decode", rt.decode_graphs),
-                    ("mixed", rt.mixed_graphs),
-                    ("prefix", rt.prefix_graphs),
-                    ("image", rt.image_graphs),
+                    ("decode", steps.decode_graphs),
+                    ("mixed", steps.mixed_graphs),
+                    ("prefix", prefill.prefix_graphs),
+                    ("image", prefill.image_graphs),
                 )
             },
         },
-        "mixed_steps": steps,
+        "mixed_steps": mixed,
         "image_path": images,
         "image_prefix": prefixes,
         "vision_compile": compiled,

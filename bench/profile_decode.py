@@ -14,6 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from decoding.mask_table import MaskTable
 from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.core.pages import PageAllocator
 from vlm_server.engine.device.graphs import GraphSet
 from vlm_server.engine.device.runtime import ModelRuntime
 from vlm_server.models.registry import preset, random_model
@@ -44,44 +45,48 @@ def main() -> None:
     loaded = random_model(preset(args.preset), dtype=torch.bfloat16, device="cuda")
     cfg = EngineConfig(max_batch=max(args.batch), kv_budget_bytes=8 << 30)
     rt = ModelRuntime(loaded.model, cfg, MaskTable(loaded.config.text.vocab_size, 4))
+    mirror = rt.block_table
+    pages = PageAllocator(
+        rt.kv_pages, cfg.page_size, cfg.max_rows, mirror.shape[1], block_table=mirror
+    )
     ps = cfg.page_size
     pages_per_row = -(-args.context // ps) + 1
     for row in range(max(args.batch)):
-        rt.pages.assign(row, rt.pages.allocate(pages_per_row))
-    rt.block_dev.copy_(rt.block_host)
+        pages.assign(row, pages.allocate(pages_per_row))
+    rt.pool.block_dev.copy_(rt.pool.block_host)
     if args.sweep:
         sweep(rt, args)
         return
     if args.vision:
-        vision(rt)
+        vision(rt, loaded.config.vision)
         return
     if args.prefix:
         with torch.inference_mode():
             for _ in range(2):
-                rt._prefix_forward(0, 1)
+                rt.prefill.prefix_forward(0, 1)
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                rt._prefix_forward(0, 1)
+                rt.prefill.prefix_forward(0, 1)
                 torch.cuda.synchronize()
         print("\n=== BOS + image forward, one image: eager kernels ===")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top))
         return
     rt.capture_graphs(progress=False)
     for b in args.batch:
-        buf = rt.slots[0]
+        buf = rt.buffers.slots[0]
         buf.launch_dev[:b, 0] = torch.arange(b)
         buf.launch_dev[:b, 1] = args.context
         with torch.cuda.stream(rt.dev.compute_stream):
             for _ in range(3):
-                rt._decode_forward(buf, b, pages_per_row)
+                rt.steps.decode_forward(buf, b, pages_per_row)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             with torch.cuda.stream(rt.dev.compute_stream):
-                rt._decode_forward(buf, b, pages_per_row)
+                rt.steps.decode_forward(buf, b, pages_per_row)
             torch.cuda.synchronize()
         print(f"\n=== batch {b}, context {args.context}: eager forward kernels ===")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top))
-        if (0, b) in rt.decode_graphs:
+        if (0, b) in rt.steps.decode_graphs:
             print(f"graph replay, batch {b}: median {_replay_ms(rt, b):.3f} ms")
 
 
@@ -91,7 +96,7 @@ def _replay_ms(rt: ModelRuntime, b: int) -> float:
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record(rt.dev.compute_stream)
         with torch.cuda.stream(rt.dev.compute_stream):
-            rt.decode_graphs.replay((0, b))
+            rt.steps.decode_graphs.replay((0, b))
         e.record(rt.dev.compute_stream)
         e.synchronize()
         times.append(s.elapsed_time(e))
@@ -110,29 +115,30 @@ def _ms(fn: object, iters: int = 20) -> float:
     return statistics.median(times)
 
 
-def vision(rt: ModelRuntime) -> None:
+def vision(rt: ModelRuntime, vc: object) -> None:
     """The vision tower per crop count (eager), and the whole image path per tiling (uint8
-    crops to BOS + image embeddings) eager and graph-replayed."""
+    crops to BOS + image embeddings) eager and graph-replayed. ``vc``: the vision config."""
     rt.capture_vision_graphs(progress=False)
-    vc = rt.model.config.vision
+    entry, prefill = rt.entry, rt.prefill
+    size = vc.crop_size  # type: ignore[attr-defined]
     print(f"{'crops':>5} {'tower ms':>9} {'path eager':>11} {'path graph':>11}")
     for tiling in ((1, 1), (2, 2), (2, 4), (3, 4)):
         n = 1 + tiling[0] * tiling[1]
-        x = torch.randn(n, 3, vc.crop_size, vc.crop_size, device="cuda", dtype=rt.dtype)
-        u8 = torch.randint(0, 256, (n, vc.crop_size, vc.crop_size, 3), dtype=torch.uint8)
+        x = torch.randn(n, 3, size, size, device="cuda", dtype=entry.dtype)
+        u8 = torch.randint(0, 256, (n, size, size, 3), dtype=torch.uint8)
         u8 = u8.to("cuda")
         with torch.inference_mode():
-            tower = _ms(lambda x=x: rt.model.vision.encode(x))
-            eager = _ms(lambda u=u8, t=tiling: rt._image_embedding(u, t))
-            rt._image_inputs[n].copy_(u8)
-            graphed = _ms(lambda t=tiling: rt.image_graphs.replay(t))
+            tower = _ms(lambda x=x: entry.vision_encode(x))
+            eager = _ms(lambda u=u8, t=tiling: prefill.image_embedding(u, t))
+            prefill.image_inputs[n].copy_(u8)
+            graphed = _ms(lambda t=tiling: prefill.image_graphs.replay(t))
         print(f"{n:>5} {tower:>9.3f} {eager:>11.3f} {graphed:>11.3f}", flush=True)
-    x = torch.randn(9, 3, vc.crop_size, vc.crop_size, device="cuda", dtype=rt.dtype)
+    x = torch.randn(9, 3, size, size, device="cuda", dtype=entry.dtype)
     with torch.inference_mode():
-        rt.model.vision.encode(x)
+        entry.vision_encode(x)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            rt.model.vision.encode(x)
+            entry.vision_encode(x)
             torch.cuda.synchronize()
     print("\n=== vision tower, 9 crops: eager kernels ===")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
@@ -147,7 +153,7 @@ def attention_backends(rt: ModelRuntime, vc: object) -> None:
     heads = vc.enc_n_heads  # type: ignore[attr-defined]
     hd = vc.enc_dim // heads  # type: ignore[attr-defined]
     q, k, v = (
-        torch.randn(9, heads, vc.n_patches, hd, device="cuda", dtype=rt.dtype)  # type: ignore[attr-defined]
+        torch.randn(9, heads, vc.n_patches, hd, device="cuda", dtype=rt.entry.dtype)  # type: ignore[attr-defined]
         for _ in range(3)
     )
     print(f"\nattention [9, {heads}, {vc.n_patches}, {hd}]:")  # type: ignore[attr-defined]
@@ -182,10 +188,10 @@ def sweep(rt: ModelRuntime, args: argparse.Namespace) -> None:
                 return original(*a, block_n=_n, splits=splits)
 
             ta.paged_decode_attention = variant
-            rt.decode_graphs = GraphSet("decode")
+            rt.steps.decode_graphs = GraphSet("decode")
             rt.capture_graphs(progress=False)
             for b in args.batch:
-                buf = rt.slots[0]
+                buf = rt.buffers.slots[0]
                 buf.launch_dev[:b, 0] = torch.arange(b)
                 buf.launch_dev[:b, 1] = args.context
             times = [_replay_ms(rt, b) for b in args.batch]

@@ -150,7 +150,7 @@ def test_async_client_stream_stops_early_and_cancels(server: ServerThread) -> No
     wait_for(lambda: len(engine.outcomes) > ended, what="the cancel to reach the engine")
     assert list(engine.outcomes.values())[ended:] == ["CANCELLED"]
     wait_for(engine.idle, what="an idle engine")
-    assert engine.runtime.pages.used_pages == engine.cached_prefix_pages()
+    assert engine.scheduler.pages.used_pages == engine.cached_prefix_pages()
 
 
 def test_segment_json_from_the_batched_engine(

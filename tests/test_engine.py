@@ -128,10 +128,10 @@ def _assert_clean(engine: BatchedEngine) -> None:
     assert engine.idle()
     s = engine.scheduler
     cached = sum(len(e.pages) for e in s.prefix_cache._entries.values())
-    assert engine.runtime.pages.used_pages == cached
+    assert engine.scheduler.pages.used_pages == cached
     assert all(e.users == 0 for e in s.prefix_cache._entries.values())
     s.prefix_cache.clear()
-    assert engine.runtime.pages.used_pages == 0
+    assert engine.scheduler.pages.used_pages == 0
 
 
 def _text_requests(images: list[PreparedImage]) -> list[GenerationRequest]:

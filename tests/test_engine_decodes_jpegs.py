@@ -303,7 +303,7 @@ def test_the_engine_decodes_an_encoded_jpeg_and_answers_as_for_its_crops(
     # Its prefix gone before it runs: the runtime decodes it itself, with the same answer,
     # and says so (the steps waited meanwhile).
     _forget_prefixes(engine)
-    with caplog.at_level("INFO", logger="vlm_server.engine.device.runtime"):
+    with caplog.at_level("INFO", logger="vlm_server.engine.device.crops"):
         assert asyncio.run(_answer(engine, again)).text == first.text
     assert "decoding an image on the scheduler thread" in caplog.text
 

@@ -230,18 +230,23 @@ def _drive(
     watch = _Watch(device)
     rt = ModelRuntime(loaded.model, cfg, tasks.table, device=device, observer=watch)
     checked = _CheckedPages(
-        rt.pages.n_pages,
+        rt.kv_pages,
         cfg.page_size,
         cfg.max_rows,
-        rt.pages.block_table.shape[1],
-        block_table=rt.pages.block_table,
+        rt.block_table.shape[1],
+        block_table=rt.block_table,
     )
     checked.watch = watch
-    rt.pages = checked
     watch.watch_prefixes(rt)
     pipe = pipeline(depth) if pipeline is not None else None
     sched = scheduler(
-        rt, cfg, loaded.config.tokens.eos_id, loaded.config.image_prefix_len, watch, pipe
+        rt,
+        cfg,
+        loaded.config.tokens.eos_id,
+        loaded.config.image_prefix_len,
+        watch,
+        pipe,
+        pages=checked,
     )
     run = Run(depth, device, sched, watch)
     burst = BURSTS[seed % len(BURSTS)]
@@ -331,7 +336,7 @@ def test_the_production_runtime_keeps_the_pipeline_invariants(
     assert not s.zombies and not s.running and not s.waiting
     assert all(x is None for x in s.pipe.slots) and len(s.free_rows) == s.cfg.max_rows
     s.prefix_cache.clear()
-    assert s.rt.pages.used_pages == 0 and device.queued == 0
+    assert s.pages.used_pages == 0 and device.queued == 0
 
 
 def _decode_behind_lone_prompt_end(trace: list[tuple[str, Step]]) -> bool:
@@ -395,7 +400,7 @@ def test_a_slow_prefill_stream_changes_no_answer(
     assert run.device.kernel_streams == ["compute"]
     assert not run.sched.pending_prefixes and not run.sched.running
     run.sched.prefix_cache.clear()
-    assert run.sched.rt.pages.used_pages == 0 and run.device.queued == 0
+    assert run.sched.pages.used_pages == 0 and run.device.queued == 0
 
 
 @pytest.fixture(scope="module")
@@ -436,7 +441,7 @@ def test_two_prefill_lanes_keep_the_invariants_and_the_answers(
     assert run.device.kernel_streams == ["compute"]
     assert not run.sched.zombies and not run.sched.running and not run.sched.waiting
     run.sched.prefix_cache.clear()
-    assert run.sched.rt.pages.used_pages == 0 and run.device.queued == 0
+    assert run.sched.pages.used_pages == 0 and run.device.queued == 0
 
 
 def test_a_lane_switch_without_its_wait_is_caught(
@@ -499,7 +504,7 @@ def test_a_prompt_cancelled_while_riding_its_prefix_waits_for_the_batch(
             assert isinstance(end, EngineError) and end.code is ErrorCode.CANCELLED
     assert not run.sched.running and not run.sched.zombies
     run.sched.prefix_cache.clear()
-    assert run.sched.rt.pages.used_pages == 0 and run.device.queued == 0
+    assert run.sched.pages.used_pages == 0 and run.device.queued == 0
 
 
 # ---- each fault is caught ------------------------------------------------------------------
@@ -525,7 +530,7 @@ class EagerReleaseScheduler(Scheduler):
     def _finish(self, seq: Sequence) -> None:
         super()._finish(seq)
         if seq.inflight_refs and seq.own_pages:
-            self.rt.pages.release(seq.own_pages)
+            self.pages.release(seq.own_pages)
             seq.own_pages = []
 
 
@@ -681,17 +686,17 @@ _METHODS = [
     "launch_decode",
     "finalize",
     "read_outputs",
-    "release_row",
 ]
 
 
 def test_protocol_is_what_the_scheduler_uses() -> None:
     src = inspect.getsource(scheduler_module)
     used = set(re.findall(r"self\.rt\.(\w+)", src)) | set(re.findall(r"runtime\.(\w+)", src))
-    assert used == {"pages", "prefix_slots", "prefix_prompt_tokens", *_METHODS}
+    assert used == {"kv_pages", "block_table", "prefix_slots", "prefix_prompt_tokens", *_METHODS}
     assert inspect.signature(Scheduler).parameters["runtime"].annotation == "Runtime"
     assert Runtime.__annotations__ == {
-        "pages": "PageAllocator",
+        "kv_pages": "int",
+        "block_table": "np.ndarray",
         "prefix_slots": "int",
         "prefix_prompt_tokens": "int",
     }
@@ -706,4 +711,12 @@ def test_the_runtime_matches_the_protocol(tiny: LoadedModel) -> None:
     table = TaskCompiler(tiny.config, tiny.tokenizer, 64).table
     for device in (None, FakeTorchDevice()):
         rt = ModelRuntime(tiny.model, cfg, table, device=device)
-        assert isinstance(rt, Runtime) and isinstance(rt.pages, PageAllocator)
+        assert isinstance(rt, Runtime) and isinstance(rt.block_table, np.ndarray)
+        # What the scheduler's page allocator is built from.
+        PageAllocator(
+            rt.kv_pages,
+            cfg.page_size,
+            cfg.max_rows,
+            rt.block_table.shape[1],
+            block_table=rt.block_table,
+        )

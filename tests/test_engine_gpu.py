@@ -73,8 +73,8 @@ def test_cuda_engine_equals_reference_tiny(
 
     def check(engine: BatchedEngine) -> None:
         rt = engine.runtime
-        assert rt.decode_graphs and rt.mixed_graphs and rt.prefix_graphs and rt.use_triton
-        assert rt.sample_graphs
+        assert rt.steps.decode_graphs and rt.steps.mixed_graphs and rt.prefill.prefix_graphs
+        assert rt.pool.use_triton and rt.sampler.sample_graphs
 
     def run(loaded: LoadedModel, batch: list[GenerationRequest]) -> list[Finished]:
         return _finish_all(loaded, batch, depth, check, budget=budget, max_batch=4)
@@ -132,6 +132,7 @@ def test_mixed_graph_matches_pytorch_varlen(text_model: LoadedModel, seed: int) 
 
     from decoding.mask_table import MaskTable
     from vlm_server.engine.config import EngineConfig
+    from vlm_server.engine.core.pages import PageAllocator
     from vlm_server.engine.core.step_plan import DEVICE_INPUT
     from vlm_server.engine.device.runtime import ModelRuntime
 
@@ -139,13 +140,17 @@ def test_mixed_graph_matches_pytorch_varlen(text_model: LoadedModel, seed: int) 
     model = loaded.model.float()
     cfg = EngineConfig(max_batch=8, max_step_tokens=64, kv_budget_bytes=64 << 20)
     rt = ModelRuntime(model, cfg, MaskTable(loaded.config.text.vocab_size, 4))
+    mirror = rt.block_table
+    pages = PageAllocator(
+        rt.kv_pages, cfg.page_size, cfg.max_rows, mirror.shape[1], block_table=mirror
+    )
     rng = np.random.default_rng(seed)
     ps = cfg.page_size
     for row in range(cfg.max_rows):
-        rt.pages.assign(row, rt.pages.allocate(6))
-    rt.block_dev.copy_(rt.block_host)
-    rt.kv.normal_()
-    rt.next_embed.normal_()
+        pages.assign(row, pages.allocate(6))
+    rt.pool.block_dev.copy_(rt.pool.block_host)
+    rt.pool.kv.normal_()
+    rt.buffers.next_embed.normal_()
     rt.capture_graphs(progress=False)
     # Decode rows, then two prompt chunks of rows 8 and 9 (positions continue their context).
     d = int(rng.integers(1, 8))
@@ -156,26 +161,28 @@ def test_mixed_graph_matches_pytorch_varlen(text_model: LoadedModel, seed: int) 
     tokens = np.array([rows, pos, ids], np.int64).T.copy()
     last = np.array([*range(d), d + chunks[0][2] - 1, len(rows) - 1], np.int64)
     t = len(tokens)
-    n = rt._token_bucket(t)
+    steps, kv = rt.steps, rt.pool.kv
+    n = steps.token_bucket(t)
     assert n > t  # some padding in play
-    host = rt.mixed_layout.pack(rt._mixed_scratch, tokens, last, [], n, rt.pad_row)
-    buf = rt.slots[1]
+    lay, pad_row = rt.buffers.mixed_layout, rt.buffers.pad_row
+    host = lay.pack(steps.mixed_scratch, tokens, last, [], n, pad_row)
+    buf = rt.buffers.slots[1]
     buf.mixed_dev[: len(host)].copy_(torch.from_numpy(host))
-    kv_before = rt.kv.clone()
+    kv_before = kv.clone()
     stream = rt.dev.compute_stream
     with torch.inference_mode(), torch.cuda.stream(stream):
-        rt._mixed_step(1, 0, t, n, 6)
+        steps.mixed_step(1, 0, t, n, 6)
     stream.synchronize()
     got = buf.hidden[: len(last)].clone()
-    kv_graph = rt.kv.clone()
-    rt.kv.copy_(kv_before)
-    rt.use_triton = False
+    kv_graph = kv.clone()
+    kv.copy_(kv_before)
+    rt.pool.use_triton = False
     with torch.inference_mode(), torch.cuda.stream(stream):
-        rt._mixed_forward(buf, t, 6)
+        steps.mixed_forward(buf, t, 6)
     stream.synchronize()
     torch.testing.assert_close(got, buf.hidden[: len(last)], atol=2e-4, rtol=2e-4)
     # Same keys and values written, except into the sink page (pad tokens write there).
-    torch.testing.assert_close(kv_graph[:, :, 1:], rt.kv[:, :, 1:], atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(kv_graph[:, :, 1:], kv[:, :, 1:], atol=2e-4, rtol=2e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

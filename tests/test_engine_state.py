@@ -207,7 +207,7 @@ def test_random_interleavings_leave_nothing_behind(
         assert all(x is None for x in s.pipe.slots)
         assert len(s.free_rows) == engine.cfg.max_rows
         s.prefix_cache.clear()
-        assert engine.runtime.pages.used_pages == 0
+        assert engine.scheduler.pages.used_pages == 0
 
     asyncio.run(run())
 

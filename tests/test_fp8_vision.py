@@ -225,10 +225,10 @@ def test_engine_image_graphs_compute_what_the_reference_computes_with_fp8(
     exact_model = copy.deepcopy(tiny.model).cuda()  # never switched: the graphs hold its weights
     with torch.inference_mode():
         for image in images:
-            crops = rt._crops_on_device(rt._crops_of(image))
-            assert image.tiling in rt.image_graphs
-            rt._image_inputs[crops.shape[0]].copy_(crops)
-            got = rt.image_graphs.replay(image.tiling).clone()
+            crops = rt.crops.on_device(rt.crops.crops_of(image))
+            assert image.tiling in rt.prefill.image_graphs
+            rt.prefill.image_inputs[crops.shape[0]].copy_(crops)
+            got = rt.prefill.image_graphs.replay(image.tiling).clone()
             norm = image.normalized(model.dtype, model.device)
             want = model.prefix_embeddings(model.image_embeddings(norm, image.tiling))
             torch.testing.assert_close(got, want, rtol=0, atol=0)
@@ -246,7 +246,7 @@ def test_cuda_engine_with_fp8_tower_equals_the_reference_on_the_same_model(
     the engine's attention kernels may break differently once the image features move)."""
 
     def check(engine: BatchedEngine) -> None:
-        assert engine.runtime.model.vision.fp8 is not None and engine.runtime.image_graphs
+        assert engine.loaded.model.vision.fp8 is not None and engine.runtime.prefill.image_graphs
 
     loaded = _moondream2_fp32_equals_reference(images, check, vision_fp8=True)
     with torch.inference_mode():  # the reference above really ran the FP8 tower

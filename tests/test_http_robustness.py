@@ -51,7 +51,7 @@ def _engine(server: ServerThread) -> GatedBatchedEngine:
 def _settled(engine: GatedBatchedEngine) -> None:
     """Idle, and no KV page held but by cached image prefixes; dropping those frees all."""
     wait_for(engine.idle, what="an idle engine")
-    pages = engine.runtime.pages
+    pages = engine.scheduler.pages
     assert pages.used_pages == engine.cached_prefix_pages()
     engine.scheduler.prefix_cache.clear()  # idle: the scheduler thread is waiting
     assert pages.used_pages == 0

@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.mixed_inputs import MixedLayout
 from vlm_server.engine.core.step_plan import N_TOK, T_ID, T_POS, T_ROW
-from vlm_server.engine.device.graphs import sm_carveout
-from vlm_server.engine.device.runtime import image_tilings, token_buckets
+from vlm_server.engine.device.graphs import image_tilings, sm_carveout, token_buckets
 
 LAYOUT = MixedLayout(rows=9, max_tails=4)
 

@@ -126,8 +126,8 @@ def test_cuda_engine_with_a_prefill_partition_equals_the_reference(
     def check(engine: BatchedEngine) -> None:
         rt = engine.runtime
         assert isinstance(rt.dev, TorchDevice) and rt.dev.prefill_capture_stream is not None
-        assert len(rt.lanes) == (2 if when_streaming else 1)
-        assert all(lane.image_graphs and lane.prefix_graphs for lane in rt.lanes)
+        assert len(rt.prefill.lanes) == (2 if when_streaming else 1)
+        assert all(lane.image_graphs and lane.prefix_graphs for lane in rt.prefill.lanes)
 
     finished = _finish_all(
         loaded,

@@ -204,7 +204,7 @@ def _settled(engine: GatedBatchedEngine) -> None:
     """Wait until the engine is idle, then check that only cached image prefixes hold pages;
     dropping them frees the whole cache."""
     wait_for(engine.idle, what="an idle engine")
-    pages = engine.runtime.pages
+    pages = engine.scheduler.pages
     assert pages.used_pages == engine.cached_prefix_pages()
     engine.scheduler.prefix_cache.clear()  # idle: the scheduler thread is waiting
     assert pages.used_pages == 0

@@ -115,7 +115,7 @@ def test_readiness_is_off_while_loading_and_during_drain(tiny: LoadedModel, dept
             drained.result(60)
         if isinstance(engine, GatedBatchedEngine):
             wait_for(engine.idle, what="an idle engine")
-            assert engine.runtime.pages.used_pages == 0  # a text-only request: no prefix
+            assert engine.scheduler.pages.used_pages == 0  # a text-only request: no prefix
         final = events[-1]
         assert isinstance(final, TextResult) and final.finish_reason in ("eos", "length")
         assert "".join(e.text for e in events[:-1]) == final.text

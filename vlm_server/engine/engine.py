@@ -229,7 +229,7 @@ class BatchedEngine:
     async def start(self) -> None:
         """Capture CUDA graphs (on CUDA), then start the scheduler thread."""
         rt = self.runtime
-        if self.cfg.cuda_graphs and rt.dev.is_cuda and not rt.decode_graphs:
+        if self.cfg.cuda_graphs and rt.dev.is_cuda and not rt.steps.decode_graphs:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, self.runtime.capture_graphs)
             await loop.run_in_executor(None, self.runtime.capture_vision_graphs)
@@ -316,7 +316,7 @@ class BatchedEngine:
     def _enqueue(self, seq: Sequence, emit: Callable[[Emitted], None]) -> None:
         self._check_open()
         scheduler = self.scheduler
-        total_pages = self.runtime.pages.n_pages - 1
+        total_pages = scheduler.pages.n_pages - 1
         need = scheduler.worst_case_pages(seq)
         if need > total_pages:
             raise EngineError(
@@ -357,7 +357,7 @@ class BatchedEngine:
         if not isinstance(image, EncodedImage):
             return req
         # A racy read of the scheduler's cache (a dict lookup): if the entry goes before
-        # the request runs, the runtime decodes it then (`ModelRuntime._crops_of`).
+        # the request runs, the runtime decodes it then (`ImageCrops.crops_of`).
         if self.scheduler.prefix_cache.peek(image.content_hash) is not None:
             return req
         try:

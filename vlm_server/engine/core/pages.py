@@ -5,8 +5,9 @@ Invariants:
      at it, so stray writes land somewhere harmless.
   P2 a page is free exactly when its reference count is 0; shared pages (an image prefix used
      by several sequences) are counted once per holder.
-  P3 the block table is a host mirror; rows changed since the last upload are marked dirty and
-     the runtime copies them to the device in one transfer before the next forward.
+  P3 the block table is a host mirror (the runtime's pinned memory); rows changed since the
+     last upload are marked dirty, and the scheduler hands them to its next launch, which
+     copies them to the device in one transfer before the forward.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class PageAllocator:
         self.refcount[SINK_PAGE] = 1  # never freed
         self._free = list(range(n_pages - 1, 0, -1))  # pop() hands out low ids first
         shape = (max_rows, max_pages_per_row)
-        # The runtime passes a pinned buffer's numpy view so uploads need no staging copy.
+        # The scheduler passes the runtime's pinned mirror (a numpy view): the runtime
+        # uploads rows from it without a pageable copy.
         self.block_table = np.zeros(shape, np.int32) if block_table is None else block_table
         if self.block_table.shape != shape:
             raise ValueError(f"block table must be {shape}")

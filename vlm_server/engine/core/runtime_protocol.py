@@ -3,8 +3,8 @@
 `ModelRuntime` (the real model on CUDA or the CPU) and the fake device runtime used by the
 pipeline tests both satisfy it, so the scheduler runs unchanged on either.
 
-The contract every implementation keeps: `launch_mixed`, `launch_decode`, `finalize` and
-`release_row` only enqueue device work and return at once; none of them waits for the device.
+The contract every implementation keeps: `launch_mixed`, `launch_decode` and `finalize` only
+enqueue device work and return at once; none of them waits for the device.
 `read_outputs` is the one place the host waits, and only for the device-to-host copy of the one
 step it reads. Each slot's buffers and events are reused only after the scheduler committed the
 step that used them (see core/pipeline.py), so an implementation needs no further waits.
@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import numpy as np
 
-    from vlm_server.engine.core.pages import PageAllocator
     from vlm_server.engine.core.prefix_jobs import PrefixJob
     from vlm_server.engine.core.sequence import Sequence
     from vlm_server.engine.core.step_plan import StepPlan
@@ -27,9 +26,12 @@ if TYPE_CHECKING:
 class Runtime(Protocol):
     """The device side of the engine, seen from the scheduler."""
 
-    # The KV page allocator and host mirror of the block table; uploads of changed rows are
-    # enqueued by the next launch.
-    pages: PageAllocator
+    # Pages in the KV pool (the sink page included): the scheduler's page allocator hands
+    # them out (core/pages.py).
+    kv_pages: int
+    # The host mirror of the block table [rows, pages per row] (pinned memory) the allocator
+    # writes rows into; the rows it changed go to the next launch, which uploads them.
+    block_table: np.ndarray
     # Batches of image prefixes that may be in flight on the prefill stream at once.
     prefix_slots: int
     # Prompt tokens that may ride one batch of new image prefixes (0: none).
@@ -48,19 +50,26 @@ class Runtime(Protocol):
         ...
 
     def launch_mixed(
-        self, slot: int, seqs: list[Sequence], plan: StepPlan, after: object | None = None
+        self,
+        slot: int,
+        seqs: list[Sequence],
+        plan: StepPlan,
+        block_rows: list[int],
+        after: object | None = None,
     ) -> None:
         """Enqueue one mixed step into ``slot``: one forward over the decode rows and prompt
         chunks of ``plan`` (rows in ``seqs`` order, see core/step_plan.py; every image prefix
         they read is ready, or its batch is ``after``, a `launch_prefixes` handle the step
         waits for on the device); the last token's hidden state of each row (a held row's: the
-        one its prefix batch left) lands in the slot for finalize. No host wait."""
+        one its prefix batch left) lands in the slot for finalize. ``block_rows``: the
+        block-table rows changed since the last launch (ascending), uploaded before the
+        forward reads them. No host wait."""
         ...
 
-    def launch_decode(self, slot: int, seqs: list[Sequence]) -> None:
+    def launch_decode(self, slot: int, seqs: list[Sequence], block_rows: list[int]) -> None:
         """Enqueue one decode forward of ``seqs`` (row order = batch order) into ``slot``; it
         reads each sequence's next input where the previous finalize wrote it on the device.
-        No host wait."""
+        ``block_rows`` as for `launch_mixed`. No host wait."""
         ...
 
     def finalize(
@@ -80,9 +89,4 @@ class Runtime(Protocol):
     def read_outputs(self, slot: int, b: int) -> np.ndarray:
         """Wait for the device-to-host copy of the step in ``slot`` (the tick's single host
         wait) and return its first ``b`` output rows, valid until the slot is reused."""
-        ...
-
-    def release_row(self, row: int) -> None:
-        """Forget a released sequence's row (block-table row back to the sink page).
-        No host wait."""
         ...

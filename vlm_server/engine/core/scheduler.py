@@ -59,6 +59,7 @@ from vlm_server.engine.api import (
 )
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.observer import NO_OBSERVER, Observer
+from vlm_server.engine.core.pages import PageAllocator
 from vlm_server.engine.core.pipeline import LaunchKind, PipelineState, SlotState, Step
 from vlm_server.engine.core.prefix_cache import PrefixCache, PrefixEntry
 from vlm_server.engine.core.prefix_jobs import PrefixJob, PrefixPrompt
@@ -91,6 +92,7 @@ class Scheduler:
         observer: Observer = NO_OBSERVER,
         pipeline: PipelineState[Sequence] | None = None,
         flush_events: Callable[[], None] = lambda: None,
+        pages: PageAllocator | None = None,
     ) -> None:
         self.rt = runtime
         # Sends the events emitted so far on their way (the engine batches them per tick):
@@ -114,7 +116,15 @@ class Scheduler:
         # before finalize returns, and the slot's next finalize comes after its commit.
         self._fin = [np.zeros((cfg.max_rows, N_FIN), np.int64) for _ in self.pipe.slots]
         self._next_deadline = math.inf  # no running sequence's deadline is earlier
-        self.prefix_cache = PrefixCache(runtime.pages, image_prefix_len, cfg.prefix_cache_entries)
+        # The KV pages are the scheduler's: its allocator writes the block table into the
+        # runtime's pinned mirror, and each launch hands the runtime the rows it changed.
+        if pages is None:
+            mirror = runtime.block_table
+            pages = PageAllocator(
+                runtime.kv_pages, cfg.page_size, cfg.max_rows, mirror.shape[1], block_table=mirror
+            )
+        self.pages = pages
+        self.prefix_cache = PrefixCache(self.pages, image_prefix_len, cfg.prefix_cache_entries)
         # New image prefixes the device is still computing (on its prefill stream), oldest first.
         self.pending_prefixes: list[PrefixEntry] = []
         self.last_batch = 0
@@ -137,8 +147,8 @@ class Scheduler:
         return EngineStats(
             queue_depth=len(self.waiting),
             active_sequences=len(self.running),
-            kv_pages_in_use=self.rt.pages.used_pages,
-            kv_pages_total=self.rt.pages.n_pages - 1,
+            kv_pages_in_use=self.pages.used_pages,
+            kv_pages_total=self.pages.n_pages - 1,
             last_batch_size=self.last_batch,
             last_step_ms=self.last_step_ms,
             prefix_hits=self.prefix_cache.hits,
@@ -151,7 +161,7 @@ class Scheduler:
         """The most free pages admitting ``seq`` can take: its own pages (prompt + output
         budget, and a private copy of a partly filled prefix page) plus its whole image prefix,
         as if not cached. Admission refuses a request above the cache's size with it."""
-        total = self.rt.pages.pages_for(seq.total_positions)
+        total = self.pages.pages_for(seq.total_positions)
         if seq.prefix_len == 0:
             return total
         cache = self.prefix_cache
@@ -250,11 +260,11 @@ class Scheduler:
             plan = StepPlan(len(decode), chunks)
             step = self.pipe.launch(LaunchKind.MIXED, seqs, plan)
             self.observer.launched(step)
-            self.rt.launch_mixed(step.slot, seqs, plan, after)
+            self.rt.launch_mixed(step.slot, seqs, plan, self.pages.take_dirty(), after)
         else:
             step = self.pipe.launch(LaunchKind.DECODE, seqs)
             self.observer.launched(step)
-            self.rt.launch_decode(step.slot, seqs)
+            self.rt.launch_decode(step.slot, seqs, self.pages.take_dirty())
         for s in decode:
             s.decode_launched += 1
             s.add_ref()
@@ -299,7 +309,7 @@ class Scheduler:
         if not self.free_rows or len(self.running) >= self.cfg.max_batch:
             return False
         cache = self.prefix_cache
-        free = self.rt.pages.free_pages + cache.evictable_pages()
+        free = self.pages.free_pages + cache.evictable_pages()
         own_entry = cache.peek(seq.request.image.content_hash) if seq.prefix_len else None
         new_prefix = seq.prefix_len and own_entry is None
         if new_prefix and self._prefix_batches_in_flight() >= self.rt.prefix_slots:
@@ -315,7 +325,7 @@ class Scheduler:
         prefill stream as one batch; their users' chunks wait until they are ready."""
         admitted: list[tuple[Sequence, Chunk]] = []
         new_prefixes: list[tuple[PrefixEntry, Sequence]] = []
-        pages, cache = self.rt.pages, self.prefix_cache
+        pages, cache = self.pages, self.prefix_cache
         n_admitted = 0
         riding = 0  # prompt tokens riding this batch's new prefixes
         now = time.monotonic()
@@ -411,7 +421,7 @@ class Scheduler:
         if not seq.rides_prefix:
             return None
         assert seq.prefix is not None
-        pages = (seq.prefix.full_pages + seq.own_pages)[: self.rt.pages.pages_for(seq.prefill_len)]
+        pages = (seq.prefix.full_pages + seq.own_pages)[: self.pages.pages_for(seq.prefill_len)]
         return PrefixPrompt(seq.row, seq.prompt_ids, pages)
 
     # ---- finalize ---------------------------------------------------------------------
@@ -587,11 +597,11 @@ class Scheduler:
         if seq.inflight_refs:
             raise AssertionError("release of a sequence still referenced in flight")
         self.observer.released(seq)
-        self.rt.pages.release(seq.own_pages)
+        self.pages.release(seq.own_pages)
         seq.own_pages = []
         if seq.prefix is not None:
             self.prefix_cache.release(seq.prefix)
-        self.rt.release_row(seq.row)
+        self.pages.clear(seq.row)  # its block-table row back to the sink page
         # Mask rows only now: no in-flight step reads them, so the table may reuse them.
         seq.release_resources()
         self.free_rows.append(seq.row)

@@ -1,4 +1,5 @@
-"""One CUDA graph manager for every captured forward (decode buckets, vision crop counts).
+"""One CUDA graph manager for every captured forward (decode buckets, vision crop counts),
+and the bucket sizes the runtime's parts capture graphs for.
 
 Model-agnostic: the caller gives the keys, a ``prepare(key)`` that fills static inputs and a
 ``run(key)`` that enqueues the work and returns its output tensor. Keys are captured largest
@@ -19,6 +20,52 @@ import torch
 log = logging.getLogger(__name__)
 
 K = TypeVar("K", bound=Hashable)
+
+
+def graph_buckets(max_batch: int) -> list[int]:
+    """Batch sizes with a captured graph: 1, 2, 4, 8, then multiples of 8, up to max_batch."""
+    sizes = [n for n in (1, 2, 4) if n < max_batch]
+    sizes += list(range(8, max_batch, 8))
+    return [*sizes, max_batch]
+
+
+def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
+    """Token counts with a captured mixed-step graph: about 1.5x apart (16, 24, 32, 48, ...),
+    so padding wastes at most a third of a step, up to and including ``max_tokens``."""
+    sizes, n = [], smallest
+    while n < max_tokens:
+        sizes.append(n)
+        n = n * 3 // 2 if n & (n - 1) == 0 else n * 4 // 3
+    return [*sizes, max_tokens]
+
+
+def prompt_buckets(max_tokens: int) -> list[int]:
+    """Riding-prompt token counts with a captured prefix graph: powers of two from 32, up to
+    and including ``max_tokens`` (none when 0)."""
+    sizes, n = [], 32
+    while n < max_tokens:
+        sizes.append(n)
+        n *= 2
+    return [*sizes, max_tokens] if max_tokens else []
+
+
+def image_tilings(max_crops: int) -> list[tuple[int, int]]:
+    """Every (h, w) tiling of at most ``max_crops`` local crops, most crops first."""
+    tilings = [
+        (h, w)
+        for h in range(1, max_crops + 1)
+        for w in range(1, max_crops + 1)
+        if h * w <= max_crops
+    ]
+    return sorted(tilings, key=lambda hw: (-hw[0] * hw[1], hw))
+
+
+def bucket(sizes: list[int], n: int) -> int | None:
+    """The smallest of ``sizes`` (ascending) that holds ``n``; None when none does."""
+    for size in sizes:
+        if size >= n:
+            return size
+    return None
 
 
 @contextlib.contextmanager

@@ -17,10 +17,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from vlm_server.engine.core.observer import Observer
 
 Region = torch.Tensor | tuple[torch.Tensor, Sequence[int]]
 Access = Callable[[], tuple[Sequence[Region], Sequence[Region]]]
@@ -39,7 +42,7 @@ class Device(Protocol):
     # New image prefixes (image path, BOS + image forward), at a lower priority than the
     # compute stream; they write only their own pages, which no step reads before they are done.
     prefill_stream: object
-    # A second prefill lane in an SM partition, or None (runtime.py: PrefillLane).
+    # A second prefill lane in an SM partition, or None (prefill.py: PrefillLane).
     partitioned_prefill_stream: object
 
     def event(self, name: str, blocking: bool = False) -> Event:
@@ -100,6 +103,15 @@ class CpuEvent:
 
     def query(self) -> bool:
         return True
+
+
+def timing_mark(observer: Observer, dev: Device) -> object | None:
+    """A timing event on the current stream, only while an observer asks for them."""
+    if not observer.device_timing:
+        return None
+    event = torch.cuda.Event(enable_timing=True) if dev.is_cuda else CpuEvent()
+    event.record()
+    return event
 
 
 # (device index, SMs) -> (green context, its two streams), made once per process.

@@ -1,0 +1,167 @@
+"""The paged KV cache on the device: one tensor holding every layer's keys and values, the
+block table that maps each row's positions to pages, and the attention views the forwards
+read and write the pool through.
+
+The scheduler owns the pages (core/pages.py): its allocator writes block-table rows in place
+into this pool's pinned host mirror and hands the rows it changed to the next launch, which
+uploads them with one copy (`upload_rows`) ahead of the step's inputs. The pool is sized
+once, from the KV budget.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import torch
+
+from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.device.buffers import copy_rows, zeros
+from vlm_server.engine.device.kernels.paged_attention import (
+    DecodeKV,
+    PagedKV,
+    PrefixKV,
+    PrefixPromptKV,
+    RaggedKV,
+)
+from vlm_server.engine.device.model_entry import ModelEntryPoints
+from vlm_server.engine.device.streams import Device
+
+
+def triton_available() -> bool:
+    from vlm_server.engine.device.kernels import triton_attention
+
+    return triton_attention.AVAILABLE
+
+
+def default_budget(device: torch.device) -> int:
+    """KV bytes when the config names none: 40% of the free device memory (start-up only)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.4)
+    return 256 << 20
+
+
+class KVPool:
+    """Keys, values and block table of every row (and the pad row) of the engine."""
+
+    def __init__(self, dev: Device, entry: ModelEntryPoints, cfg: EngineConfig) -> None:
+        self.dev, self.entry = dev, entry
+        budget = cfg.kv_budget_bytes or default_budget(entry.device)
+        self.n_pages = max(2, budget // entry.kv_page_bytes(cfg.page_size))
+        shape = entry.kv_shape(self.n_pages, cfg.page_size)
+        # One tensor for every layer's keys and values: a page copy is one op for all layers.
+        self.kv = dev.buffer("kv", zeros(shape, entry.dtype, entry.device))
+        self.k_pools, self.v_pools = list(self.kv[0]), list(self.kv[1])
+        rows, max_pages = cfg.max_rows, -(-entry.max_context // cfg.page_size)
+        # One extra row pads graph buckets: its block-table row stays on the sink page.
+        self.block_host = dev.host_buffer("block_host", (rows + 1, max_pages), torch.int32)
+        self.block_dev = dev.buffer(
+            "block_dev", zeros((rows + 1, max_pages), torch.int32, entry.device)
+        )
+        # The scheduler's rows of the mirror, which its page allocator writes in place.
+        self.block_table: np.ndarray = self.block_host.numpy()[:rows]
+        # Attention in the Triton kernels (CUDA), else in PyTorch; one switch for every view.
+        self.use_triton = dev.is_cuda and triton_available()
+
+    def upload_rows(self, stage: torch.Tensor, rows: list[int]) -> None:
+        """Enqueue on the copy stream the block-table ``rows`` (ascending; none: nothing),
+        staged in ``stage``, a slot's pinned copy of the mirror: the mirror may change again
+        while this copy is queued, the slot's stage only after the commit that frees it."""
+        if not rows:
+            return
+        lo, hi = rows[0], rows[-1] + 1  # one copy covering every dirty row
+        self.dev.host_write(stage, self.block_host.numpy()[lo:hi], start=lo)
+        self.dev.copy(
+            self.dev.copy_stream,
+            "h2d block rows",
+            partial(copy_rows, self.block_dev, stage, lo, hi),
+            # Rows between dirty ones are rewritten with the values they hold: only the dirty
+            # rows change, and only they may be read by no step still queued.
+            lambda: ([stage], [(self.block_dev, rows)]),
+        )
+
+    def copy_pages(self, pairs: torch.Tensor) -> None:
+        """Page ``pairs[i, 0]`` into page ``pairs[i, 1]``, every layer's keys and values in
+        one gather and one scatter (``pairs`` on the device: no host sync)."""
+        self.kv[:, :, pairs[:, 1]] = self.kv[:, :, pairs[:, 0]]
+
+    # ---- attention views (a forward's `KVCache`) --------------------------------------
+
+    def decode_view(self, rows: torch.Tensor, n_blocks: int) -> DecodeKV:
+        """One new position per ``rows`` entry (block-table rows); PyTorch attends over the
+        first ``n_blocks`` pages, the Triton kernels up to each row's position."""
+        return DecodeKV(
+            self.k_pools,
+            self.v_pools,
+            self.block_dev,
+            rows,
+            n_blocks,
+            self.entry.rope,
+            self.entry.n_heads,
+            self.use_triton,
+        )
+
+    def token_view(self, rows: torch.Tensor, tiles: torch.Tensor, tile_tokens: int) -> DecodeKV:
+        """A mixed step's tokens on CUDA: each token a row of the rotary + KV-write kernel,
+        attention per tile of a row's consecutive tokens (core/mixed_inputs.py)."""
+        return DecodeKV(
+            self.k_pools,
+            self.v_pools,
+            self.block_dev,
+            rows,
+            0,
+            self.entry.rope,
+            self.entry.n_heads,
+            True,
+            tiles=tiles,
+            tile_tokens=tile_tokens,
+        )
+
+    def ragged_view(self, rows: torch.Tensor, n_blocks: int) -> RaggedKV:
+        """A mixed step's tokens in PyTorch (varlen attention over the first ``n_blocks``)."""
+        return RaggedKV(self.k_pools, self.v_pools, self.block_dev, rows, n_blocks)
+
+    def prefix_view(
+        self, pages: torch.Tensor, k: int, length: int, image_of_token: torch.Tensor
+    ) -> PrefixKV | PagedKV:
+        """The BOS + image forward of ``k`` prefixes of ``length`` positions straight into
+        their ``pages`` (a row per prefix); a prefix attends only to itself, both ways."""
+        if self.use_triton:
+            return PrefixKV(
+                self.k_pools,
+                self.v_pools,
+                pages,
+                image_of_token,
+                self.entry.rope,
+                self.entry.n_heads,
+            )
+        return PagedKV(self.k_pools, self.v_pools, pages[:k], length, fresh_prefix=True)
+
+    def prefix_prompt_view(
+        self,
+        pages: torch.Tensor,
+        k: int,
+        length: int,
+        image_of_token: torch.Tensor,
+        rows: torch.Tensor,
+        pos: torch.Tensor,
+        tiles: torch.Tensor,
+        tile_tokens: int,
+    ) -> PrefixPromptKV:
+        """``prefix_view`` with riding prompt tokens after the prefixes (``rows``, ``pos``:
+        each prompt token's row of ``pages`` and position; ``tiles``: the Triton path's)."""
+        return PrefixPromptKV(
+            self.k_pools,
+            self.v_pools,
+            pages,
+            k,
+            length,
+            image_of_token,
+            rows,
+            pos,
+            self.entry.rope,
+            self.entry.n_heads,
+            tiles if self.use_triton else None,
+            tile_tokens,
+        )

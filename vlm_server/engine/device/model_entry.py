@@ -1,0 +1,123 @@
+"""The model's entry points: every call the device runtime makes into the model, in one place.
+
+The runtime's parts never reach into the model object. They embed tokens, run the text
+decoder over the paged KV cache (whose attention kernels need its rotary tables and head
+count), take logits, turn an image's crops into its BOS + image prefix, encode and decode
+region values, size the KV cache and their buffers from the model's shapes, and switch the
+vision tower to FP8, all through `ModelEntryPoints`, over any family's `DeviceModel`
+(models/interface.py).
+
+Shapes are read once, at construction; weights and rotary tables are read from the model at
+every call, so a graph captures whatever the model holds then.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from decoding.region_values import coord_from_logits, size_from_logits
+from image_pipeline import normalize_crops
+from vlm_server.devices import fp8_supported
+
+if TYPE_CHECKING:
+    from vlm_server.models.interface import DeviceModel
+    from vlm_server.models.kv import KVCache
+
+
+class ModelEntryPoints:
+    """What the runtime calls on a model."""
+
+    def __init__(self, model: DeviceModel) -> None:
+        self._model = model
+        cfg = model.config
+        text, vision = cfg.text, cfg.vision
+        self.dtype: torch.dtype = model.dtype
+        self.device: torch.device = model.device
+        self.dim = text.dim  # hidden size: input embeddings and hidden states
+        self.n_heads = model.n_heads  # query heads, for the attention kernels
+        self.max_context = text.max_context  # positions a sequence may reach
+        self.image_prefix_len = cfg.image_prefix_len  # BOS + image positions
+        # One crop as the image path takes it: uint8 [crop_size, crop_size, channels].
+        self.crop_shape = (vision.crop_size, vision.crop_size, vision.in_channels)
+        self.max_crops = vision.max_crops  # local crops of the largest tiling
+        kv = model.kv_shape
+        self._kv_per_layer = (kv.n_kv_heads, kv.head_dim)  # per position, keys or values
+        self._n_layers = kv.n_layers
+        self._contract = cfg.tokens  # the size bins' scale
+
+    # ---- the KV cache's shape -------------------------------------------------------------
+
+    def kv_shape(self, n_pages: int, page_size: int) -> tuple[int, ...]:
+        """Every layer's keys and values of ``n_pages`` pages, as one tensor:
+        [2 (keys, values), layers, pages, page_size, kv heads, head dim]."""
+        return (2, self._n_layers, n_pages, page_size, *self._kv_per_layer)
+
+    def kv_page_bytes(self, page_size: int) -> int:
+        """Bytes of one page of every layer's keys and values."""
+        heads, head_dim = self._kv_per_layer
+        return 2 * self._n_layers * page_size * heads * head_dim * self.dtype.itemsize
+
+    # ---- text -----------------------------------------------------------------------------
+
+    @property
+    def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables (cos, sin) [max_context, rotary_dim / 2], fp32: the attention
+        kernels rotate queries and keys with them as they write the KV cache."""
+        text = self._model.text
+        return text.rope_cos, text.rope_sin
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids -> input embeddings [..., dim]."""
+        return self._model.text.embed(ids)
+
+    def text_forward(self, x: torch.Tensor, positions: torch.Tensor, kv: KVCache) -> torch.Tensor:
+        """The text decoder over input embeddings ``x`` [B, T, dim] at ``positions`` [B, T],
+        reading and writing keys and values through ``kv``: hidden [B, T, dim] (pre-norm)."""
+        return self._model.text(x, positions, kv)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Pre-norm hidden [..., dim] -> fp32 logits [..., vocab]."""
+        return self._model.text.logits(hidden)
+
+    # ---- images ---------------------------------------------------------------------------
+
+    def vision_encode(self, x: torch.Tensor) -> torch.Tensor:
+        """The vision tower alone: normalized crops [N, C, S, S] -> patch features."""
+        return self._model.vision.encode(x)
+
+    def image_prefix(self, crops: torch.Tensor, tiling: tuple[int, int]) -> torch.Tensor:
+        """uint8 crops of one image [1 + h*w, S, S, C] -> BOS + image embeddings
+        [1, image_prefix_len, dim]: normalize, vision tower, projection, BOS in front."""
+        m = self._model
+        x = normalize_crops(crops, self.dtype)
+        return m.prefix_embeddings(m.image_embeddings(x, tiling))
+
+    def use_fp8_vision(self) -> None:
+        """Switch the vision tower's matmuls to FP8 (before any graph captures it)."""
+        if not fp8_supported(self.device):
+            raise ValueError(
+                "vision_fp8 needs a CUDA device with FP8 matrix units (compute capability "
+                f"8.9 or newer); the model is on {self.device}"
+            )
+        self._model.vision.use_fp8()
+
+    # ---- regions --------------------------------------------------------------------------
+
+    def decode_coord(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Pre-norm hidden [B, dim] -> coordinate [B, 1] in [0, 1]."""
+        return coord_from_logits(self._model.region.decode_coord(hidden))
+
+    def decode_size(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Pre-norm hidden [B, dim] -> (width, height) [B, 2]."""
+        scale = self._contract.size_scale  # type: ignore[union-attr]
+        return size_from_logits(self._model.region.decode_size(hidden), scale)
+
+    def encode_coord(self, coord: torch.Tensor) -> torch.Tensor:
+        """Coordinate [B, 1] -> the next input embedding [B, dim]."""
+        return self._model.region.encode_coord(coord)
+
+    def encode_size(self, size: torch.Tensor) -> torch.Tensor:
+        """(width, height) [B, 2] -> the next input embedding [B, dim]."""
+        return self._model.region.encode_size(size)
