@@ -59,9 +59,9 @@ from vlm_server.engine.process.wire import (
     dumps,
     loads,
 )
-from vlm_server.service import server as server_module
-from vlm_server.service.engines import engine_factory
-from vlm_server.service.images import ImageCache, ImageResolver
+from vlm_server.frontend.images import ImageCache, ImageResolver
+from vlm_server.server import lifecycle as server_module
+from vlm_server.server.engines import engine_factory
 from vlm_server.weights.loader import LoadedModel
 
 PHOTO = encode(photo(200, 150), quality=90)

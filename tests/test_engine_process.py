@@ -64,9 +64,9 @@ from vlm_server.engine.process.wire import (
 )
 from vlm_server.engine.process.worker import EngineHost, PipeOutbox
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
-from vlm_server.service import engines
-from vlm_server.service.engines import engine_factory, uses_engine_process
-from vlm_server.service.servicer import SERVICE_NAME
+from vlm_server.rpc.servicer import SERVICE_NAME
+from vlm_server.server import engines
+from vlm_server.server.engines import engine_factory, uses_engine_process
 
 KV_BUDGET = 16 << 20
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -26,7 +26,7 @@ from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.client import VisionLanguageClient
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
-from vlm_server.service.servicer import SERVICE_NAME
+from vlm_server.rpc.servicer import SERVICE_NAME
 from vlm_server.weights.loader import LoadedModel
 
 _ON_DEMAND = os.environ.get("VLM_FUZZ_EXAMPLES")

@@ -17,8 +17,8 @@ from tests.test_engine import (  # noqa: F401  (fixtures)
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.device.streams import TorchDevice, partitioned_streams
 from vlm_server.engine.engine import BatchedEngine
+from vlm_server.options.table import load_config
 from vlm_server.reference import ReferenceGenerator
-from vlm_server.service.config import load_config
 from vlm_server.weights.loader import LoadedModel
 
 

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from vlm_server.service.config import OPTIONS, ServerConfig, build_parser, load_config, parse_size
-from vlm_server.service.logs import JsonFormatter, KeyValueFormatter
+from vlm_server.frontend.logs import JsonFormatter, KeyValueFormatter
+from vlm_server.options.table import OPTIONS, ServerConfig, build_parser, load_config, parse_size
 
 
 def test_defaults() -> None:
@@ -112,7 +112,7 @@ def test_security_and_limit_flags_read_the_environment() -> None:
 
 
 def test_constraint_flags_reach_the_engine_limits() -> None:
-    from vlm_server.service.engines import constraint_limits
+    from vlm_server.server.engines import constraint_limits
 
     config = load_config(
         ["--max-choices", "3", "--max-regex-chars", "40", "--constraint-compile-seconds", "0.5"],

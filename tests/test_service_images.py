@@ -22,10 +22,10 @@ from image_pipeline import (
     sample_image_bytes,
 )
 from vlm_server.engine.api import Engine, EngineError, ErrorCode
-from vlm_server.service import images
-from vlm_server.service.config import ServerConfig, load_config
-from vlm_server.service.images import ImageCache, ImageResolver, image_preparer
-from vlm_server.service.main import serve
+from vlm_server.frontend import images
+from vlm_server.frontend.images import ImageCache, ImageResolver, image_preparer
+from vlm_server.options.table import ServerConfig, load_config
+from vlm_server.server.main import serve
 
 
 class CountingPreparer(ImagePreparer):

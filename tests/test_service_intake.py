@@ -16,7 +16,7 @@ from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.client import VisionLanguageClient
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
-from vlm_server.service.intake import bad_utf8_field
+from vlm_server.rpc.intake import bad_utf8_field
 from vlm_server.weights.loader import LoadedModel
 
 BAD = b"\xff\xfe"

@@ -149,7 +149,7 @@ def _run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:  # every flag belongs to the server: vlm serve --help
-        from vlm_server.service.main import main as serve
+        from vlm_server.server.main import main as serve
 
         return serve(argv[1:], prog="vlm serve")
     args = _parser().parse_args(argv)

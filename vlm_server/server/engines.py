@@ -19,9 +19,9 @@ from decoding.limits import ConstraintLimits
 from vlm_server.default_model import default_model_dir
 from vlm_server.devices import resolve_device
 from vlm_server.engine.api import Engine
-from vlm_server.service.config import ServerConfig
-from vlm_server.service.logs import configure_logging
-from vlm_server.service.memory import freeze, limit_arenas, limit_mmap_threshold, trim
+from vlm_server.frontend.logs import configure_logging
+from vlm_server.options.table import ServerConfig
+from vlm_server.server.memory import freeze, limit_arenas, limit_mmap_threshold, trim
 from vlm_server.weights.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def batched_engine(config: ServerConfig, one_at_a_time: bool = False) -> Engine:
     ``one_at_a_time``: batch 1, blocking (depth 1), what ``--engine reference`` serves."""
     from vlm_server.engine.config import EngineConfig
     from vlm_server.engine.engine import BatchedEngine
-    from vlm_server.service.images import crop_maker
+    from vlm_server.frontend.images import crop_maker
 
     cfg = EngineConfig(
         max_batch=1 if one_at_a_time else config.max_batch_size,
