@@ -76,7 +76,7 @@ def test_constraint_errors_name_their_field(
 
 
 def test_compile_time_budget_is_resource_exhausted(tiny: LoadedModel) -> None:
-    limits = ConstraintLimits(compile_seconds=1e-9)
+    limits = ConstraintLimits(constraint_compile_seconds=1e-9)
     tasks = TaskCompiler(tiny.config, tiny.tokenizer, limits=limits)
     with pytest.raises(EngineError) as info:
         tasks.build(_query(regex=r"[a-z]{2,5}( [a-z]{2,5}){0,3}"))

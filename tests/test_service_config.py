@@ -119,7 +119,11 @@ def test_constraint_flags_reach_the_engine_limits() -> None:
         environ={},
     )
     limits = constraint_limits(config)
-    assert (limits.max_choices, limits.max_regex_chars, limits.compile_seconds) == (3, 40, 0.5)
+    assert (limits.max_choices, limits.max_regex_chars, limits.constraint_compile_seconds) == (
+        3,
+        40,
+        0.5,
+    )
     with pytest.raises(SystemExit):
         load_config(["--max-choices", "0"], environ={})
 

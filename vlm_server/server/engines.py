@@ -63,8 +63,8 @@ def constraint_limits(config: ServerConfig) -> ConstraintLimits:
         max_choices=config.max_choices,
         max_choice_chars=config.max_choice_chars,
         max_regex_chars=config.max_regex_chars,
-        max_dfa_states=config.max_constraint_states,
-        compile_seconds=config.constraint_compile_seconds,
+        max_constraint_states=config.max_constraint_states,
+        constraint_compile_seconds=config.constraint_compile_seconds,
     )
 
 
