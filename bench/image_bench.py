@@ -75,7 +75,10 @@ from vlm_server.engine.process.shared_pixels import pixel_pool, share
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Generous limits: the benchmark measures the pipeline, not the server's input policy.
 LIMITS = ImageLimits(
-    max_bytes=512 << 20, max_pixels=200_000_000, max_side=None, max_pixels_per_byte=None
+    max_image_bytes=512 << 20,
+    max_image_pixels=200_000_000,
+    max_image_side=None,
+    max_image_pixels_per_byte=None,
 )
 
 

@@ -114,7 +114,7 @@ def test_an_oriented_jpeg_is_keyed_and_tiled_upright() -> None:
 
 
 def test_the_header_checks_still_refuse_before_anything_is_kept() -> None:
-    small = ImageLimits(max_pixels=100 * 100)
+    small = ImageLimits(max_image_pixels=100 * 100)
     with pytest.raises(ImageError) as err:
         ImagePreparer(small).encoded(PHOTO, 1)
     assert err.value.reason is ImageErrorReason.TOO_MANY_PIXELS

@@ -15,7 +15,7 @@ def test_defaults() -> None:
     config = load_config([], environ={})
     assert config == ServerConfig()
     assert config.max_message_bytes == 32 << 20
-    assert config.image_limits.max_bytes == 32 << 20
+    assert config.image_limits.max_image_bytes == 32 << 20
     assert config.engine == "batched" and config.port == 50051
 
 

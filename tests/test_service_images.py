@@ -131,7 +131,7 @@ def test_server_config_builds_the_image_path() -> None:
     preparer = image_preparer(config)
     assert preparer.resize is ResizeMode.PILLOW and preparer.device.type == "cpu"
     assert not preparer.reduced_decode and preparer.budget.capacity == 64 << 20
-    assert preparer.limits.max_pixels_per_byte is None
+    assert preparer.limits.max_image_pixels_per_byte is None
     assert image_preparer(ServerConfig()).resize is ResizeMode.VIPS
     with pytest.raises(ValueError):
         ServerConfig(image_resize="bilinear")

@@ -196,11 +196,11 @@ class ServerConfig:
     @property
     def image_limits(self) -> ImageLimits:
         return ImageLimits(
-            max_bytes=self.max_image_bytes,
-            max_pixels=self.max_image_pixels,
-            max_side=self.max_image_side or None,
-            max_pixels_per_byte=self.max_image_pixels_per_byte or None,
-            free_pixels=self.image_free_pixels,
+            max_image_bytes=self.max_image_bytes,
+            max_image_pixels=self.max_image_pixels,
+            max_image_side=self.max_image_side or None,
+            max_image_pixels_per_byte=self.max_image_pixels_per_byte or None,
+            image_free_pixels=self.image_free_pixels,
         )
 
     @property
