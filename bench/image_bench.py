@@ -104,7 +104,7 @@ def run_cell(
     path with an engine process: the server's share (header, decode into a pooled shared
     buffer, hash: ``cpu_ms``), then the engine's (staging copy and crop launches:
     ``engine_cpu_ms``; the device's work: ``gpu_ms``), with ``crop_graphs`` picture sizes
-    kept as CUDA graphs as the engine does (``--image-crop-graphs``). ``sm_calls``: images
+    kept as CUDA graphs as the engine does (``--crop-graph-sizes``). ``sm_calls``: images
     prepared under the profiler afterwards, for ``sm_ms`` (one thread on CUDA; 0: not)."""
     lock = threading.Lock()
     prep_ms: list[float] = []
@@ -405,7 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=4,
         metavar="N",
         help="with --split on CUDA: picture sizes kept as crop graphs, as the engine does "
-        "(--image-crop-graphs); 0: eager crops",
+        "(--crop-graph-sizes); 0: eager crops",
     )
     ap.add_argument(
         "--split",

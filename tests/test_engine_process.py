@@ -361,7 +361,7 @@ def _config(tiny_dir: Path, **overrides: Any) -> Any:
         "model": str(tiny_dir),
         "device": "cpu",
         "dtype": "fp32",
-        "kv_budget": KV_BUDGET,
+        "kv_budget_bytes": KV_BUDGET,
         "max_batch_size": 4,
         "engine_process": "on",
     }

@@ -17,7 +17,7 @@ from tests.test_engine import (  # noqa: F401  (fixtures)
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.device.streams import TorchDevice, partitioned_streams
 from vlm_server.engine.engine import BatchedEngine
-from vlm_server.options.table import load_config
+from vlm_server.options.command_line import load_config
 from vlm_server.reference import ReferenceGenerator
 from vlm_server.weights.loader import LoadedModel
 

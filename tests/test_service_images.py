@@ -24,7 +24,8 @@ from image_pipeline import (
 from vlm_server.engine.api import Engine, EngineError, ErrorCode
 from vlm_server.frontend import images
 from vlm_server.frontend.images import ImageCache, ImageResolver, image_preparer
-from vlm_server.options.table import ServerConfig, load_config
+from vlm_server.options.command_line import load_config
+from vlm_server.options.table import ServerConfig
 from vlm_server.server.main import serve
 
 

@@ -11,7 +11,8 @@ import textwrap
 
 import pytest
 
-from vlm_server.options.table import ServerConfig, load_config
+from vlm_server.options.command_line import load_config
+from vlm_server.options.table import ServerConfig
 from vlm_server.server import memory
 
 pytestmark = pytest.mark.skipif(

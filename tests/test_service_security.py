@@ -24,7 +24,8 @@ from vlm_server.client import Security, VisionLanguageClient, VlmError
 from vlm_server.client.cli import main as client_main
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
-from vlm_server.options.table import ServerConfig, load_config
+from vlm_server.options.command_line import load_config
+from vlm_server.options.table import ServerConfig
 from vlm_server.rpc.auth import ApiKeys, bearer_token, client_identity, read_keys_file
 from vlm_server.server.lifecycle import ListenError, VisionLanguageServer, api_keys
 from vlm_server.weights.loader import LoadedModel

@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 from vlm_server.devices import resolve_device
 from vlm_server.engine.api import Engine
 from vlm_server.frontend.logs import configure_logging
-from vlm_server.options.table import ServerConfig, load_config
+from vlm_server.options.command_line import load_config
+from vlm_server.options.table import ServerConfig
 from vlm_server.server.engines import ENGINES, configure_process, engine_factory
 from vlm_server.server.lifecycle import VisionLanguageServer
 from vlm_server.server.memory import freeze
