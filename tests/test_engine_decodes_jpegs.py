@@ -256,7 +256,7 @@ def test_damaged_jpegs_are_kept_or_refused_never_anything_else(
 
 @pytest.fixture(scope="module")
 def engine(tiny: LoadedModel) -> Iterator[BatchedEngine]:
-    cfg = EngineConfig(max_batch=4, kv_budget_bytes=16 << 20)
+    cfg = EngineConfig(max_batch_size=4, kv_budget_bytes=16 << 20)
     built = BatchedEngine(tiny, cfg)
     asyncio.run(built.start())
     yield built

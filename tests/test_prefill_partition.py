@@ -134,7 +134,7 @@ def test_cuda_engine_with_a_prefill_partition_equals_the_reference(
         reqs,
         depth,
         check,
-        max_batch=4,
+        max_batch_size=4,
         prefill_sms=32,
         prefill_sms_when_streaming=when_streaming,
     )

@@ -35,7 +35,7 @@ KEYS = ("alpha-key", "beta-key")
 
 
 def _reference(tiny: LoadedModel) -> BatchedEngine:
-    return BatchedEngine(tiny, EngineConfig(max_batch=1, kv_budget_bytes=16 << 20))
+    return BatchedEngine(tiny, EngineConfig(max_batch_size=1, kv_budget_bytes=16 << 20))
 
 
 # ---- API keys -----------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from decoding.limits import ConstraintLimits
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_batch: int = 32  # running sequences per decode step
+    max_batch_size: int = 32  # running sequences per decode step
     page_size: int = 16  # KV positions per page
     kv_budget_bytes: int | None = None  # None: 256 MiB on the CPU, 40% of free memory on CUDA
     pipeline_depth: int = 2  # 1 = blocking, 2 = pipelined
@@ -54,7 +54,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         # Each message starts with the field's name: the server's flag of the same name.
-        for name in ("max_batch", "max_queue", "max_prefill_batch", "prefill_batches", "page_size"):
+        for name in (
+            "max_batch_size",
+            "max_queue",
+            "max_prefill_batch",
+            "prefill_batches",
+            "page_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         nonnegative = (
@@ -67,9 +73,9 @@ class EngineConfig:
         for name in nonnegative:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.max_step_tokens <= self.max_batch:
+        if self.max_step_tokens <= self.max_batch_size:
             raise ValueError(
-                "max_step_tokens must exceed max_batch: every step takes all its "
+                "max_step_tokens must exceed max_batch_size: every step takes all its "
                 "decode rows and at least one prefill token"
             )
         if self.prefill_sms_when_streaming and not self.prefill_sms:
@@ -82,4 +88,4 @@ class EngineConfig:
     @property
     def max_rows(self) -> int:
         """Sequence rows: running ones plus as many zombies still in flight."""
-        return 2 * self.max_batch
+        return 2 * self.max_batch_size

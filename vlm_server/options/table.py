@@ -209,7 +209,7 @@ class ServerConfig:
         choices=("auto", "on", "off"),
     )
     max_batch_size: int = option(
-        _ENGINE.max_batch, G.PERFORMANCE, "most sequences decoded together"
+        _ENGINE.max_batch_size, G.PERFORMANCE, "most sequences decoded together"
     )
     max_step_tokens: int = option(
         _ENGINE.max_step_tokens,
@@ -402,7 +402,7 @@ class ServerConfig:
     def engine_config(self) -> EngineConfig:
         """The batched engine's configuration (``--engine reference`` narrows it)."""
         return EngineConfig(
-            max_batch=self.max_batch_size,
+            max_batch_size=self.max_batch_size,
             max_step_tokens=self.max_step_tokens,
             pipeline_depth=self.pipeline_depth,
             max_queue=self.max_queue,

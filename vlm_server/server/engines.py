@@ -65,7 +65,7 @@ def batched_engine(config: ServerConfig, one_at_a_time: bool = False) -> Engine:
 
     cfg = config.engine_config
     if one_at_a_time:
-        cfg = dataclasses.replace(cfg, max_batch=1, pipeline_depth=1)
+        cfg = dataclasses.replace(cfg, max_batch_size=1, pipeline_depth=1)
     return BatchedEngine(
         _loader(config)(), cfg, preset_name=config.preset, image_preparer=crop_maker(config)
     )

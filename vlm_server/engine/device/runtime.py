@@ -248,7 +248,7 @@ class ModelRuntime:
         self.next_embed = dev.buffer("next_embed", self._zeros((rows + 1, tc.dim), self.dtype))
         prefix_len = model.config.image_prefix_len
         # Tail copies happen when a prompt's first chunk launches, at most one per step row.
-        self.mixed_layout = MixedLayout(rows=rows + 1, max_tails=cfg.max_batch)
+        self.mixed_layout = MixedLayout(rows=rows + 1, max_tails=cfg.max_batch_size)
         self._mixed_len = self.mixed_layout.size(cfg.max_step_tokens)
         self._mixed_scratch = np.zeros(self._mixed_len, np.int64)
         # Image prefixes: batches of up to max_prefill_batch images, prefill_batches in flight,
@@ -290,7 +290,7 @@ class ModelRuntime:
         self.slots = [self._slot_buffers(i, rows + 1, tc.dim) for i in range(2)]
         self._launch_rows = np.zeros((rows + 1, 2), np.int64)  # host scratch, one per runtime
         self.use_triton = dev.is_cuda and triton_available()
-        self.buckets = graph_buckets(cfg.max_batch)
+        self.buckets = graph_buckets(cfg.max_batch_size)
         self.token_buckets = token_buckets(cfg.max_step_tokens)
         self.decode_graphs: GraphSet[tuple[int, int]] = GraphSet("decode")
         self.mixed_graphs: GraphSet[tuple[int, int]] = GraphSet("mixed step")
