@@ -218,7 +218,9 @@ def run_case(
     loaded: LoadedModel, scenario: str, rows: int, ticks: int, image: object, events: str = "list"
 ) -> dict[str, float | int | str]:
     # ~120 pages of 16 KiB per row (tiny model, ~1900 positions); zeroed pools cost time.
-    cfg = EngineConfig(max_batch=rows, kv_budget_bytes=(16 + 3 * rows) << 20, cuda_graphs=False)
+    cfg = EngineConfig(
+        max_batch_size=rows, kv_budget_bytes=(16 + 3 * rows) << 20, cuda_graphs=False
+    )
     mc = loaded.config
     contract = mc.tokens
     assert contract is not None and contract.coord_id is not None

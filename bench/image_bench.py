@@ -75,7 +75,10 @@ from vlm_server.engine.process.shared_pixels import pixel_pool, share
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Generous limits: the benchmark measures the pipeline, not the server's input policy.
 LIMITS = ImageLimits(
-    max_bytes=512 << 20, max_pixels=200_000_000, max_side=None, max_pixels_per_byte=None
+    max_image_bytes=512 << 20,
+    max_image_pixels=200_000_000,
+    max_image_side=None,
+    max_image_pixels_per_byte=None,
 )
 
 
@@ -101,7 +104,7 @@ def run_cell(
     path with an engine process: the server's share (header, decode into a pooled shared
     buffer, hash: ``cpu_ms``), then the engine's (staging copy and crop launches:
     ``engine_cpu_ms``; the device's work: ``gpu_ms``), with ``crop_graphs`` picture sizes
-    kept as CUDA graphs as the engine does (``--image-crop-graphs``). ``sm_calls``: images
+    kept as CUDA graphs as the engine does (``--crop-graph-sizes``). ``sm_calls``: images
     prepared under the profiler afterwards, for ``sm_ms`` (one thread on CUDA; 0: not)."""
     lock = threading.Lock()
     prep_ms: list[float] = []
@@ -402,7 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=4,
         metavar="N",
         help="with --split on CUDA: picture sizes kept as crop graphs, as the engine does "
-        "(--image-crop-graphs); 0: eager crops",
+        "(--crop-graph-sizes); 0: eager crops",
     )
     ap.add_argument(
         "--split",

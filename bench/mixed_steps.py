@@ -95,7 +95,7 @@ def main() -> None:
     args = ap.parse_args()
     loaded = random_model(preset(args.preset), dtype=torch.bfloat16, device="cuda")
     cfg = EngineConfig(
-        max_batch=DECODE_ROWS, max_step_tokens=args.max_step_tokens, kv_budget_bytes=12 << 30
+        max_batch_size=DECODE_ROWS, max_step_tokens=args.max_step_tokens, kv_budget_bytes=12 << 30
     )
     rt = ModelRuntime(loaded.model, cfg, MaskTable(loaded.config.text.vocab_size, 4))
     mirror = rt.block_table

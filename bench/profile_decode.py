@@ -43,7 +43,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     loaded = random_model(preset(args.preset), dtype=torch.bfloat16, device="cuda")
-    cfg = EngineConfig(max_batch=max(args.batch), kv_budget_bytes=8 << 30)
+    cfg = EngineConfig(max_batch_size=max(args.batch), kv_budget_bytes=8 << 30)
     rt = ModelRuntime(loaded.model, cfg, MaskTable(loaded.config.text.vocab_size, 4))
     mirror = rt.block_table
     pages = PageAllocator(

@@ -241,7 +241,7 @@ async def run(args: argparse.Namespace) -> dict:
     cuda = args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     loaded = random_model(preset(args.preset), dtype=dtype, device=args.device)
-    cfg = EngineConfig(max_batch=args.max_batch)
+    cfg = EngineConfig(max_batch_size=args.max_batch)
     engine = BatchedEngine(loaded, cfg, image_preparer=ImagePreparer(device=args.device))
     await engine.start()
     host = ImagePreparer(device="cpu")

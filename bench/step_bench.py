@@ -102,7 +102,7 @@ async def run_case(
 ) -> dict:
     cfg = EngineConfig(
         pipeline_depth=depth,
-        max_batch=max(streams, 1),
+        max_batch_size=max(streams, 1),
         cuda_graphs=graphs,
         kv_budget_bytes=kv_bytes,
     )

@@ -102,7 +102,7 @@ class ConstraintCompiler:
         key: _Key = ("regex", pattern)
 
         def build(budget: CompileBudget) -> Dfa:
-            return regex_dfa(tree, lim.max_dfa_states, budget)
+            return regex_dfa(tree, lim.max_constraint_states, budget)
 
         return self._register(key, build, max_tokens)
 
@@ -180,7 +180,7 @@ class ConstraintCompiler:
     def _compile_uncached(self, build: Callable[[CompileBudget], Dfa]) -> CompiledMasks | _Refusal:
         # Refusals are cached too: a client repeating a costly constraint gets its answer
         # at once instead of another full budget of compile time.
-        budget = CompileBudget(self.limits.compile_seconds)
+        budget = CompileBudget(self.limits.constraint_compile_seconds)
         try:
             return compile_masks(
                 build(budget),

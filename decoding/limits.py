@@ -28,9 +28,9 @@ class ConstraintLimits:
     max_choice_chars: int = 1024  # characters in one choice
     max_choices_total_chars: int = 16_384  # characters over all choices
     max_regex_chars: int = 1024  # characters in a regex
-    max_dfa_states: int = 4096  # states of the determinized automaton
+    max_constraint_states: int = 4096  # states of the determinized automaton
     max_mask_rows: int = 512  # distinct mask rows one constraint may occupy in the table
-    compile_seconds: float = 2.0  # time budget of one compilation
+    constraint_compile_seconds: float = 2.0  # time budget of one compilation
     cache_entries: int = 256  # compiled constraints (and refusals) kept for reuse
     cache_bytes: int = 64 << 20  # and the memory they may take
 
@@ -40,13 +40,13 @@ class ConstraintLimits:
             "max_choice_chars",
             "max_choices_total_chars",
             "max_regex_chars",
-            "max_dfa_states",
+            "max_constraint_states",
             "max_mask_rows",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.compile_seconds <= 0:
-            raise ValueError("compile_seconds must be positive")
+        if self.constraint_compile_seconds <= 0:
+            raise ValueError("constraint_compile_seconds must be positive")
         if self.cache_entries < 0 or self.cache_bytes < 0:
             raise ValueError("cache_entries and cache_bytes must be >= 0")
 
@@ -64,7 +64,7 @@ class CompileBudget:
         if self._deadline is not None and self._clock() > self._deadline:
             raise CompileTimeout(
                 f"compiling the constraint took longer than its {self.seconds:g} s budget "
-                "(compile_seconds); simplify it or retry later"
+                "(constraint_compile_seconds); simplify it or retry later"
             )
 
 

@@ -434,7 +434,8 @@ def _determinize(nfa: _Nfa, entry: int, final: int, max_states: int, budget: Com
             if target is None:
                 if len(order) > max_states:
                     raise ConstraintTooLarge(
-                        f"regex too large (more than {max_states} automaton states, max_dfa_states)"
+                        f"regex too large (more than {max_states} automaton states, "
+                        "max_constraint_states)"
                     )
                 target = len(order)
                 index[target_set] = target

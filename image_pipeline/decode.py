@@ -139,34 +139,34 @@ def check_size(
 ) -> None:
     """Raise :class:`ImageError` if a (declared) image size breaks ``limits``.
 
-    With ``encoded_bytes``, also the ratio rule: pixels beyond ``limits.free_pixels``
-    need one encoded byte per ``limits.max_pixels_per_byte`` pixels.
+    With ``encoded_bytes``, also the ratio rule: pixels beyond ``limits.image_free_pixels``
+    need one encoded byte per ``limits.max_image_pixels_per_byte`` pixels.
     """
-    if width < limits.min_side or height < limits.min_side:
+    if width < limits.min_image_side or height < limits.min_image_side:
         raise ImageError(
             ImageErrorReason.TOO_SMALL,
-            f"image is {width}x{height}; each side must be at least {limits.min_side} px",
+            f"image is {width}x{height}; each side must be at least {limits.min_image_side} px",
         )
-    if width * height > limits.max_pixels:
+    if width * height > limits.max_image_pixels:
         raise ImageError(
             ImageErrorReason.TOO_MANY_PIXELS,
             f"image is {width}x{height} = {width * height} pixels; "
-            f"the limit is {limits.max_pixels}",
+            f"the limit is {limits.max_image_pixels}",
         )
-    if limits.max_side is not None and max(width, height) > limits.max_side:
+    if limits.max_image_side is not None and max(width, height) > limits.max_image_side:
         raise ImageError(
             ImageErrorReason.TOO_LARGE_SIDE,
-            f"image is {width}x{height}; each side must be at most {limits.max_side} px",
+            f"image is {width}x{height}; each side must be at most {limits.max_image_side} px",
         )
-    ratio = limits.max_pixels_per_byte
+    ratio = limits.max_image_pixels_per_byte
     if encoded_bytes is not None and ratio is not None:
-        allowed = limits.free_pixels + ratio * encoded_bytes
+        allowed = limits.image_free_pixels + ratio * encoded_bytes
         if width * height > allowed:
             raise ImageError(
                 ImageErrorReason.TOO_COMPRESSED,
                 f"image is {width}x{height} = {width * height} pixels from {encoded_bytes} "
-                f"bytes; beyond {limits.free_pixels} pixels each byte may carry at most "
-                f"{ratio} pixels (max_pixels_per_byte)",
+                f"bytes; beyond {limits.image_free_pixels} pixels each byte may carry at most "
+                f"{ratio} pixels (max_image_pixels_per_byte)",
             )
 
 
@@ -318,10 +318,10 @@ def read_header(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> Header:
     size = memoryview(data).nbytes
     if size == 0:
         raise ImageError(ImageErrorReason.EMPTY, "image data is empty")
-    if size > limits.max_bytes:
+    if size > limits.max_image_bytes:
         raise ImageError(
             ImageErrorReason.TOO_LARGE_BYTES,
-            f"image data is {size} bytes; the limit is {limits.max_bytes}",
+            f"image data is {size} bytes; the limit is {limits.max_image_bytes}",
         )
     try:
         image = Image.open(io.BytesIO(data), formats=list(ACCEPTED_FORMATS))

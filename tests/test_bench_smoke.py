@@ -431,7 +431,7 @@ def test_soak_against_a_running_server_counts_codes_and_samples_memory(
 
     pictures = soak.Pictures(96, 64)
     assert len({prepare_image(pictures.take()).content_hash for _ in range(12)}) == 12
-    config = EngineConfig(max_batch=8, kv_budget_bytes=16 << 20)
+    config = EngineConfig(max_batch_size=8, kv_budget_bytes=16 << 20)
     with ServerThread(local_config(), lambda: BatchedEngine(tiny, config)) as server:
         code = soak.main(
             [

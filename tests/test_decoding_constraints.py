@@ -75,7 +75,7 @@ class _Clock:
         ("choices", ["x" * 33], {"max_choice_chars": 32}),
         ("choices", ["abcd"] * 9, {"max_choices_total_chars": 32}),
         ("regex", "a" * 65, {"max_regex_chars": 64}),
-        ("regex", "(a|b)*a(a|b){12}", {"max_dfa_states": 4096}),
+        ("regex", "(a|b)*a(a|b){12}", {"max_constraint_states": 4096}),
         ("regex", "[a-z]{40}", {"max_mask_rows": 8}),
     ],
 )
@@ -157,7 +157,7 @@ def test_budget_is_polled_inside_every_long_loop(vocab: TokenVocab) -> None:
 
 
 def test_timeouts_are_cached_refusals(vocab: TokenVocab, compile_calls: list) -> None:
-    compiler = _compiler(vocab, compile_seconds=1e-9)
+    compiler = _compiler(vocab, constraint_compile_seconds=1e-9)
     for _ in range(2):
         with pytest.raises(CompileTimeout, match="budget"):
             compiler.regex(r"[a-z]{3}[0-9]{2}")

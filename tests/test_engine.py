@@ -115,9 +115,9 @@ def _engine(
     budget: str = "default",
     **kw: object,
 ) -> BatchedEngine:
-    options: dict = {"max_batch": 8, "kv_budget_bytes": 32 << 20, **kw}
+    options: dict = {"max_batch_size": 8, "kv_budget_bytes": 32 << 20, **kw}
     if budget != "default":
-        options["max_step_tokens"] = options["max_batch"] + 3
+        options["max_step_tokens"] = options["max_batch_size"] + 3
         options["prefix_prompt_tokens"] = 12 if budget == "mixed" else 0
     cfg = EngineConfig(pipeline_depth=depth, **options)
     return BatchedEngine(loaded, cfg, observer=observer)
@@ -186,7 +186,7 @@ def test_text_tasks_equal_the_reference(
     reqs = _text_requests(images)
 
     async def run() -> list[tuple[list[str], Finished]]:
-        engine = _engine(text_model, depth, plans, budget=budget, max_batch=4)
+        engine = _engine(text_model, depth, plans, budget=budget, max_batch_size=4)
         await engine.start()
         try:
             out = await asyncio.gather(*[_collect(engine, r) for r in reqs])
@@ -388,7 +388,7 @@ def test_deadline_while_queued_is_never_scheduled(
         engine = _engine(
             tiny,
             2,
-            max_batch=1,
+            max_batch_size=1,
             observer=StepLog(
                 lambda what, step: launched.extend(
                     s.request.request_id for s in step.seqs if what == "launch"
@@ -556,7 +556,7 @@ def test_many_concurrent_requests_under_page_pressure(
 
     async def run() -> list[Finished]:
         engine = _engine(
-            text_model, 2, max_batch=6, kv_budget_bytes=2 << 20, prefix_cache_entries=2
+            text_model, 2, max_batch_size=6, kv_budget_bytes=2 << 20, prefix_cache_entries=2
         )
         await engine.start()
         try:
@@ -587,7 +587,7 @@ def test_commit_before_finalize_order(
         engine = _engine(
             tiny,
             depth,
-            max_batch=4,
+            max_batch_size=4,
             observer=StepLog(
                 lambda what, step: log.append((what, step.step_id, tuple(id(s) for s in step.seqs)))
             ),
@@ -735,7 +735,7 @@ def test_a_stop_in_the_middle_of_a_chunked_prefill_frees_everything(
                     time.sleep(max(0.0, seq.request.deadline - time.monotonic()) + 0.01)
 
     async def run() -> None:
-        engine = _engine(tiny, depth, StepLog(on_step), budget="chunked", max_batch=4)
+        engine = _engine(tiny, depth, StepLog(on_step), budget="chunked", max_batch_size=4)
         await engine.start()
         try:
             other = GenerationRequest(
@@ -786,7 +786,7 @@ def test_requests_for_one_new_image_share_one_prefix_computation(
     batches: list[list[str]] = []
 
     async def run() -> list[tuple[list[str], Finished]]:
-        engine = _engine(text_model, depth, max_batch=4)
+        engine = _engine(text_model, depth, max_batch_size=4)
         launch = engine.runtime.launch_prefixes
 
         def recording(jobs: list, partitioned: bool = False) -> object:

@@ -88,7 +88,8 @@ def test_boundary_follows_the_reference_in_engine_and_reference(
 
     async def run() -> list[Finished]:
         engine = BatchedEngine(
-            third_model, EngineConfig(max_batch=8, kv_budget_bytes=32 << 20, pipeline_depth=depth)
+            third_model,
+            EngineConfig(max_batch_size=8, kv_budget_bytes=32 << 20, pipeline_depth=depth),
         )
         await engine.start()
         try:

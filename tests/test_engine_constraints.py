@@ -76,7 +76,7 @@ def test_constraint_errors_name_their_field(
 
 
 def test_compile_time_budget_is_resource_exhausted(tiny: LoadedModel) -> None:
-    limits = ConstraintLimits(compile_seconds=1e-9)
+    limits = ConstraintLimits(constraint_compile_seconds=1e-9)
     tasks = TaskCompiler(tiny.config, tiny.tokenizer, limits=limits)
     with pytest.raises(EngineError) as info:
         tasks.build(_query(regex=r"[a-z]{2,5}( [a-z]{2,5}){0,3}"))
@@ -106,7 +106,7 @@ def test_table_rows_are_reclaimed_across_many_distinct_constraints(
     rows (reclaimed ones rewritten and re-uploaded), answers always match, and segment, whose
     rows are reserved at start, keeps working."""
     cfg = EngineConfig(
-        max_batch=4,
+        max_batch_size=4,
         kv_budget_bytes=16 << 20,
         mask_table_rows=64,
         constraint_limits=ConstraintLimits(max_mask_rows=12),
@@ -160,7 +160,7 @@ def test_empty_string_language_answers_at_once(
     tiny: LoadedModel, generator: ReferenceGenerator, pattern: str
 ) -> None:
     async def run() -> Finished:
-        engine = BatchedEngine(tiny, EngineConfig(max_batch=2, kv_budget_bytes=16 << 20))
+        engine = BatchedEngine(tiny, EngineConfig(max_batch_size=2, kv_budget_bytes=16 << 20))
         await engine.start()
         try:
             req = _query(regex=pattern, max_tokens=500, deadline=time.monotonic() + 20)
@@ -188,7 +188,7 @@ def test_a_segment_budget_too_small_for_any_path_names_max_tokens(
 
 def test_a_caller_gone_mid_build_leaks_no_rows(tiny: LoadedModel) -> None:
     async def run() -> None:
-        engine = BatchedEngine(tiny, EngineConfig(max_batch=2, kv_budget_bytes=16 << 20))
+        engine = BatchedEngine(tiny, EngineConfig(max_batch_size=2, kv_budget_bytes=16 << 20))
         pinned = engine.table.live_rows
         try:
             for i in range(3):

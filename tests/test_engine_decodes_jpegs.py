@@ -59,10 +59,10 @@ from vlm_server.engine.process.wire import (
     dumps,
     loads,
 )
+from vlm_server.frontend.images import ImageCache, ImageResolver
 from vlm_server.models.interface import LoadedModel
-from vlm_server.service import server as server_module
-from vlm_server.service.engines import engine_factory
-from vlm_server.service.images import ImageCache, ImageResolver
+from vlm_server.server import lifecycle as server_module
+from vlm_server.server.engines import engine_factory
 
 PHOTO = encode(photo(200, 150), quality=90)
 
@@ -114,7 +114,7 @@ def test_an_oriented_jpeg_is_keyed_and_tiled_upright() -> None:
 
 
 def test_the_header_checks_still_refuse_before_anything_is_kept() -> None:
-    small = ImageLimits(max_pixels=100 * 100)
+    small = ImageLimits(max_image_pixels=100 * 100)
     with pytest.raises(ImageError) as err:
         ImagePreparer(small).encoded(PHOTO, 1)
     assert err.value.reason is ImageErrorReason.TOO_MANY_PIXELS
@@ -256,7 +256,7 @@ def test_damaged_jpegs_are_kept_or_refused_never_anything_else(
 
 @pytest.fixture(scope="module")
 def engine(tiny: LoadedModel) -> Iterator[BatchedEngine]:
-    cfg = EngineConfig(max_batch=4, kv_budget_bytes=16 << 20)
+    cfg = EngineConfig(max_batch_size=4, kv_budget_bytes=16 << 20)
     built = BatchedEngine(tiny, cfg)
     asyncio.run(built.start())
     yield built

@@ -215,7 +215,7 @@ def _drive(
         # Two prefill lanes: a partition (its size matters only on CUDA) used while streaming.
         prefill_sms=8 if when_streaming else 0,
         prefill_sms_when_streaming=when_streaming,
-        max_batch=4,
+        max_batch_size=4,
         page_size=PAGE,
         pipeline_depth=depth,
         max_prefill_batch=3,
@@ -707,7 +707,7 @@ def test_the_runtime_matches_the_protocol(tiny: LoadedModel) -> None:
         assert inspect.signature(getattr(ModelRuntime, name)) == inspect.signature(
             getattr(Runtime, name)
         ), name
-    cfg = EngineConfig(max_batch=2, kv_budget_bytes=1 << 20)
+    cfg = EngineConfig(max_batch_size=2, kv_budget_bytes=1 << 20)
     table = TaskCompiler(tiny.config, tiny.tokenizer, 64).table
     for device in (None, FakeTorchDevice()):
         rt = ModelRuntime(tiny.model, cfg, table, device=device)

@@ -77,7 +77,7 @@ def test_cuda_engine_equals_reference_tiny(
         assert rt.pool.use_triton and rt.sampler.sample_graphs
 
     def run(loaded: LoadedModel, batch: list[GenerationRequest]) -> list[Finished]:
-        return _finish_all(loaded, batch, depth, check, budget=budget, max_batch=4)
+        return _finish_all(loaded, batch, depth, check, budget=budget, max_batch_size=4)
 
     ref = ReferenceGenerator(tm.model, tm.tokenizer)
     for req, fin in zip(reqs, run(tm, reqs), strict=True):
@@ -108,7 +108,7 @@ def _moondream2_fp32_equals_reference(
         GenerationRequest(Task.DETECT, images[2], object_name="car", max_objects=3),
     ]
     cap, qry, det = _finish_all(
-        loaded, reqs, 2, check, max_batch=4, kv_budget_bytes=2 << 30, **engine_options
+        loaded, reqs, 2, check, max_batch_size=4, kv_budget_bytes=2 << 30, **engine_options
     )
     ref = ReferenceGenerator(loaded.model, loaded.tokenizer)
     assert cap.text == _reference_text(ref, reqs[0])
@@ -138,7 +138,7 @@ def test_mixed_graph_matches_pytorch_varlen(text_model: LoadedModel, seed: int) 
 
     loaded = _cuda(text_model)
     model = loaded.model.float()
-    cfg = EngineConfig(max_batch=8, max_step_tokens=64, kv_budget_bytes=64 << 20)
+    cfg = EngineConfig(max_batch_size=8, max_step_tokens=64, kv_budget_bytes=64 << 20)
     rt = ModelRuntime(model, cfg, MaskTable(loaded.config.text.vocab_size, 4))
     mirror = rt.block_table
     pages = PageAllocator(

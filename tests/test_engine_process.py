@@ -64,9 +64,9 @@ from vlm_server.engine.process.wire import (
 )
 from vlm_server.engine.process.worker import EngineHost, PipeOutbox
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
-from vlm_server.service import engines
-from vlm_server.service.engines import engine_factory, uses_engine_process
-from vlm_server.service.servicer import SERVICE_NAME
+from vlm_server.rpc.servicer import SERVICE_NAME
+from vlm_server.server import engines
+from vlm_server.server.engines import engine_factory, uses_engine_process
 
 KV_BUDGET = 16 << 20
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -361,7 +361,7 @@ def _config(tiny_dir: Path, **overrides: Any) -> Any:
         "model": str(tiny_dir),
         "device": "cpu",
         "dtype": "fp32",
-        "kv_budget": KV_BUDGET,
+        "kv_budget_bytes": KV_BUDGET,
         "max_batch_size": 4,
         "engine_process": "on",
     }

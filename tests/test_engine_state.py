@@ -160,7 +160,7 @@ def test_random_interleavings_leave_nothing_behind(
             tiny,
             EngineConfig(
                 pipeline_depth=depth,
-                max_batch=3,
+                max_batch_size=3,
                 max_step_tokens=budget,
                 kv_budget_bytes=3 << 20,
                 prefix_cache_entries=1,

@@ -144,7 +144,7 @@ def test_runtime_refuses_vision_fp8_without_fp8_units(tiny: LoadedModel) -> None
 
 
 def test_server_flag_reaches_the_engine_config() -> None:
-    from vlm_server.service.config import load_config
+    from vlm_server.options.command_line import load_config
 
     assert load_config([]).vision_fp8 is False
     assert load_config(["--vision-fp8", "true"]).vision_fp8 is True

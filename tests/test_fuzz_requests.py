@@ -27,7 +27,7 @@ from vlm_server.client import VisionLanguageClient
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.interface import LoadedModel
-from vlm_server.service.servicer import SERVICE_NAME
+from vlm_server.rpc.servicer import SERVICE_NAME
 
 _ON_DEMAND = os.environ.get("VLM_FUZZ_EXAMPLES")
 FUZZ = settings(
@@ -166,7 +166,7 @@ payloads = st.one_of(
 
 @pytest.fixture(scope="module")
 def server(tiny: LoadedModel) -> Iterator[ServerThread]:
-    config = EngineConfig(max_batch=8, max_queue=64, kv_budget_bytes=16 << 20)
+    config = EngineConfig(max_batch_size=8, max_queue=64, kv_budget_bytes=16 << 20)
     with ServerThread(local_config(), lambda: BatchedEngine(tiny, config)) as running:
         with VisionLanguageClient(running.target, timeout=60) as client:
             assert client.encode_image(VALID_IMAGES[0]).image_id == KNOWN_ID

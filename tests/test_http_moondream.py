@@ -30,7 +30,7 @@ DOORS = ("http", "grpc")
 
 @pytest.fixture(scope="module")
 def server(tiny: LoadedModel) -> Iterator[ServerThread]:
-    config = EngineConfig(max_batch=8, max_queue=100, kv_budget_bytes=16 * MIB)
+    config = EngineConfig(max_batch_size=8, max_queue=100, kv_budget_bytes=16 * MIB)
     factory = lambda: BatchedEngine(tiny, config)
     with ServerThread(local_config(http_port=-1), factory) as running:
         yield running
@@ -190,7 +190,7 @@ def test_metrics_are_labelled_by_door(server: ServerThread) -> None:
 
 
 def test_an_api_key_is_checked_when_the_server_wants_one(md: ModuleType, tiny: LoadedModel) -> None:
-    factory = lambda: BatchedEngine(tiny, EngineConfig(max_batch=1, kv_budget_bytes=4 * MIB))
+    factory = lambda: BatchedEngine(tiny, EngineConfig(max_batch_size=1, kv_budget_bytes=4 * MIB))
     config = local_config(http_port=-1)
     with ServerThread(config, factory, http_auth=lambda key: key == "s3cret") as running:
         settings = {"temperature": 0, "max_tokens": 2}

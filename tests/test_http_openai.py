@@ -26,7 +26,7 @@ IMG = data_url(sample_image_bytes())
 
 @pytest.fixture(scope="module")
 def server(tiny: LoadedModel) -> Iterator[ServerThread]:
-    config = EngineConfig(max_batch=8, max_queue=100, kv_budget_bytes=16 * MIB)
+    config = EngineConfig(max_batch_size=8, max_queue=100, kv_budget_bytes=16 * MIB)
     with ServerThread(local_config(http_port=-1), lambda: BatchedEngine(tiny, config)) as s:
         yield s
 

@@ -35,7 +35,7 @@ LONG = 900  # tokens of a text-only answer: seconds on the CPU, far beyond any w
 
 @pytest.fixture(scope="module")
 def server(tiny: LoadedModel) -> Iterator[ServerThread]:
-    config = EngineConfig(max_batch=8, max_queue=100, kv_budget_bytes=16 * MIB)
+    config = EngineConfig(max_batch_size=8, max_queue=100, kv_budget_bytes=16 * MIB)
     factory = lambda: GatedBatchedEngine(tiny, config)
     with ServerThread(local_config(http_port=-1, max_http_body_bytes=BODY_LIMIT), factory) as s:
         yield s
@@ -387,7 +387,7 @@ def _small_png() -> bytes:
 
 
 def test_a_full_queue_is_429_and_a_request_beyond_the_cache_413(tiny: LoadedModel) -> None:
-    config = EngineConfig(max_batch=1, max_queue=1, kv_budget_bytes=60 * PAGE_BYTES)
+    config = EngineConfig(max_batch_size=1, max_queue=1, kv_budget_bytes=60 * PAGE_BYTES)
     factory = lambda: GatedBatchedEngine(tiny, config)
     with ServerThread(local_config(http_port=-1), factory) as single:
         engine, url = _engine(single), single.http_url

@@ -387,8 +387,8 @@ def test_empty_input() -> None:
 
 def test_too_many_bytes() -> None:
     data = encode(noise_image(), "PNG")
-    assert reason_of(data, ImageLimits(max_bytes=len(data) - 1)) == R.TOO_LARGE_BYTES
-    assert decode_image(data, ImageLimits(max_bytes=len(data))).size == (64, 48)
+    assert reason_of(data, ImageLimits(max_image_bytes=len(data) - 1)) == R.TOO_LARGE_BYTES
+    assert decode_image(data, ImageLimits(max_image_bytes=len(data))).size == (64, 48)
 
 
 @pytest.mark.parametrize(
@@ -480,7 +480,7 @@ def test_pixel_limit_below_pillows_own_guard() -> None:
 
 def test_pillows_guard_still_maps_to_too_many_pixels() -> None:
     # Our limit allows it, Pillow's unchanged global guard does not.
-    limits = ImageLimits(max_pixels=10**12, max_side=None)
+    limits = ImageLimits(max_image_pixels=10**12, max_image_side=None)
     assert reason_of(png_with_declared_size(100_000, 100_000), limits) == R.TOO_MANY_PIXELS
 
 
@@ -492,8 +492,8 @@ def test_gif_with_huge_logical_screen() -> None:
 
 def test_custom_pixel_limit() -> None:
     data = encode(noise_image(100, 100), "PNG")
-    assert reason_of(data, ImageLimits(max_pixels=9_999)) == R.TOO_MANY_PIXELS
-    assert decode_image(data, ImageLimits(max_pixels=10_000)).size == (100, 100)
+    assert reason_of(data, ImageLimits(max_image_pixels=9_999)) == R.TOO_MANY_PIXELS
+    assert decode_image(data, ImageLimits(max_image_pixels=10_000)).size == (100, 100)
 
 
 def test_side_limits() -> None:
@@ -501,8 +501,10 @@ def test_side_limits() -> None:
     assert reason_of(tall) == R.TOO_LARGE_SIDE
     thin = encode(Image.new("RGB", (1, 5)), "PNG")
     assert decode_image(thin).size == (1, 5)
-    assert reason_of(thin, ImageLimits(min_side=2)) == R.TOO_SMALL
-    assert reason_of(encode(noise_image(), "PNG"), ImageLimits(max_side=63)) == R.TOO_LARGE_SIDE
+    assert reason_of(thin, ImageLimits(min_image_side=2)) == R.TOO_SMALL
+    assert (
+        reason_of(encode(noise_image(), "PNG"), ImageLimits(max_image_side=63)) == R.TOO_LARGE_SIDE
+    )
 
 
 def test_non_bytes_input_is_a_type_error() -> None:
@@ -550,15 +552,15 @@ def test_mutated_files_never_raise_anything_but_image_error(fmt: str, params: di
 @pytest.mark.parametrize(
     ("kwargs", "error"),
     [
-        ({"max_bytes": 0}, ValueError),
-        ({"max_pixels": -1}, ValueError),
-        ({"min_side": 0}, ValueError),
-        ({"max_side": 0}, ValueError),
-        ({"min_side": 10, "max_side": 5}, ValueError),
-        ({"min_side": 100, "max_pixels": 9_999}, ValueError),
-        ({"max_bytes": 1.5}, TypeError),
-        ({"max_pixels": True}, TypeError),
-        ({"max_side": "big"}, TypeError),
+        ({"max_image_bytes": 0}, ValueError),
+        ({"max_image_pixels": -1}, ValueError),
+        ({"min_image_side": 0}, ValueError),
+        ({"max_image_side": 0}, ValueError),
+        ({"min_image_side": 10, "max_image_side": 5}, ValueError),
+        ({"min_image_side": 100, "max_image_pixels": 9_999}, ValueError),
+        ({"max_image_bytes": 1.5}, TypeError),
+        ({"max_image_pixels": True}, TypeError),
+        ({"max_image_side": "big"}, TypeError),
     ],
 )
 def test_limits_validation(kwargs: dict, error: type[Exception]) -> None:
@@ -568,11 +570,11 @@ def test_limits_validation(kwargs: dict, error: type[Exception]) -> None:
 
 def test_limits_defaults_and_frozen() -> None:
     limits = ImageLimits()
-    assert limits.max_bytes == 32 * 1024 * 1024
-    assert limits.max_pixels == 50_000_000
-    assert ImageLimits(max_side=None).max_side is None
+    assert limits.max_image_bytes == 32 * 1024 * 1024
+    assert limits.max_image_pixels == 50_000_000
+    assert ImageLimits(max_image_side=None).max_image_side is None
     with pytest.raises(dataclasses.FrozenInstanceError):
-        limits.max_bytes = 1  # type: ignore[misc]
+        limits.max_image_bytes = 1  # type: ignore[misc]
 
 
 def test_read_header_checks_limits_and_reads_the_jpeg_orientation_before_decoding() -> None:
@@ -587,7 +589,7 @@ def test_read_header_checks_limits_and_reads_the_jpeg_orientation_before_decodin
     assert png.orientation == 1 and not png.is_jpeg and png.decode_cost() == 64 * 48 * 8
     assert decode(encode(noise_image(64, 48), "PNG", exif=exif_with_orientation(6))).width == 48
     with pytest.raises(ImageError) as info:
-        read_header(data, ImageLimits(max_pixels=64 * 48 - 1))
+        read_header(data, ImageLimits(max_image_pixels=64 * 48 - 1))
     assert info.value.reason is R.TOO_MANY_PIXELS
 
 

@@ -309,10 +309,10 @@ def test_fallback_gives_the_budget_back_first() -> None:
 def test_limits_are_checked_before_the_decoder_is_called() -> None:
     data = encode(photo(300, 200))
     cases = [
-        (ImageLimits(max_pixels=300 * 200 - 1), R.TOO_MANY_PIXELS),
-        (ImageLimits(max_side=299), R.TOO_LARGE_SIDE),
-        (ImageLimits(max_bytes=len(data) - 1), R.TOO_LARGE_BYTES),
-        (ImageLimits(free_pixels=0, max_pixels_per_byte=1), R.TOO_COMPRESSED),
+        (ImageLimits(max_image_pixels=300 * 200 - 1), R.TOO_MANY_PIXELS),
+        (ImageLimits(max_image_side=299), R.TOO_LARGE_SIDE),
+        (ImageLimits(max_image_bytes=len(data) - 1), R.TOO_LARGE_BYTES),
+        (ImageLimits(image_free_pixels=0, max_image_pixels_per_byte=1), R.TOO_COMPRESSED),
     ]
     for limits, reason in cases:
         decoder = HostDecoder()

@@ -192,7 +192,7 @@ def test_decompression_amplification_is_refused_before_decoding(
     with pytest.raises(ImageError) as info:
         decode(data)
     assert info.value.reason is R.TOO_COMPRESSED and not loads
-    assert "max_pixels_per_byte" in info.value.message
+    assert "max_image_pixels_per_byte" in info.value.message
 
 
 def test_ratio_rule_is_a_limit_that_can_be_turned_off() -> None:
@@ -200,23 +200,23 @@ def test_ratio_rule_is_a_limit_that_can_be_turned_off() -> None:
     with pytest.raises(ImageError) as info:
         decode(data)
     assert info.value.reason is R.TOO_COMPRESSED
-    decoded = decode(data, ImageLimits(max_pixels_per_byte=None))
+    decoded = decode(data, ImageLimits(max_image_pixels_per_byte=None))
     assert decoded.pixels.shape == (4500, 4500, 3)
 
 
 def test_small_flat_images_are_exempt_from_the_ratio_rule() -> None:
-    data = flat_png(1920, 1080)  # 2 MP screenshot of nothing: under free_pixels
+    data = flat_png(1920, 1080)  # 2 MP screenshot of nothing: under image_free_pixels
     assert decode(data).pixels.shape == (1080, 1920, 3)
     with pytest.raises(ImageError) as info:
-        decode(data, ImageLimits(free_pixels=0))
+        decode(data, ImageLimits(image_free_pixels=0))
     assert info.value.reason is R.TOO_COMPRESSED
 
 
 def test_ratio_limits_are_validated() -> None:
     with pytest.raises(ValueError):
-        ImageLimits(max_pixels_per_byte=0)
+        ImageLimits(max_image_pixels_per_byte=0)
     with pytest.raises(ValueError):
-        ImageLimits(free_pixels=-1)
+        ImageLimits(image_free_pixels=-1)
 
 
 # ---------------------------------------------------------------- decode budget

@@ -90,7 +90,7 @@ def test_custom_tiling_spec_and_limits() -> None:
     assert prepared.crops.shape[1:] == (224, 224, 3)
     assert prepared.tiling[0] * prepared.tiling[1] <= 4
     with pytest.raises(ImageError) as info:
-        prepare_image(encode(drawing(), "PNG"), ImageLimits(max_pixels=1000))
+        prepare_image(encode(drawing(), "PNG"), ImageLimits(max_image_pixels=1000))
     assert info.value.reason is ImageErrorReason.TOO_MANY_PIXELS
 
 
@@ -268,7 +268,7 @@ def test_host_decode_then_crops_equal_prepare(resize: str, fmt: str, size: tuple
 
 
 def test_host_decode_refuses_what_prepare_refuses() -> None:
-    preparer = ImagePreparer(limits=ImageLimits(max_pixels=1000))
+    preparer = ImagePreparer(limits=ImageLimits(max_image_pixels=1000))
     for data in (b"", b"garbage" * 9, sample_image_bytes()[:5000], sample_image_bytes()):
         with pytest.raises(ImageError) as host_error:
             preparer.decode_host(data)

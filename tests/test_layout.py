@@ -37,11 +37,12 @@ LAYERS = {
     "vlm_server.engine.engine": 5,
     "vlm_server.engine.process": 5,  # the engine in its own process, around engine.engine
     "vlm_server.reference": 5,
-    "vlm_server.service": 6,  # the gRPC door and what both doors share (calls, validation)
-    "vlm_server.http": 7,  # the HTTP door, built on the shared service pieces
-    "vlm_server.service.server": 8,  # the process: both doors, health, metrics, drain
-    "vlm_server.service.main": 8,
-    "vlm_server.cli": 9,
+    "vlm_server.options": 6,  # the option table: flags, environment, ServerConfig
+    "vlm_server.frontend": 7,  # the request path both doors share: calls, checks, images
+    "vlm_server.rpc": 8,  # the gRPC door
+    "vlm_server.http": 8,  # the HTTP door (neither door imports the other)
+    "vlm_server.server": 9,  # the process: both doors, health, metrics, memory, drain
+    "vlm_server.cli": 10,
 }
 
 

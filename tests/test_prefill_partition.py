@@ -18,8 +18,8 @@ from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.device.streams import TorchDevice, partitioned_streams
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.interface import LoadedModel
+from vlm_server.options.command_line import load_config
 from vlm_server.reference import ReferenceGenerator
-from vlm_server.service.config import load_config
 
 
 def test_prefill_sms_is_a_flag_and_is_checked() -> None:
@@ -134,7 +134,7 @@ def test_cuda_engine_with_a_prefill_partition_equals_the_reference(
         reqs,
         depth,
         check,
-        max_batch=4,
+        max_batch_size=4,
         prefill_sms=32,
         prefill_sms_when_streaming=when_streaming,
     )

@@ -34,7 +34,7 @@ def _python_example() -> str:
 def server(tiny: LoadedModel) -> Iterator[ServerThread]:
     with ServerThread(
         local_config(),
-        lambda: BatchedEngine(tiny, EngineConfig(max_batch=1, kv_budget_bytes=16 << 20)),
+        lambda: BatchedEngine(tiny, EngineConfig(max_batch_size=1, kv_budget_bytes=16 << 20)),
     ) as running:
         yield running
 

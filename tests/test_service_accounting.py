@@ -22,9 +22,9 @@ from tests.support.service_harness import GatedBatchedEngine, ServerThread, loca
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
 from vlm_server.engine.config import EngineConfig
+from vlm_server.frontend.logs import ACCESS_LOGGER
+from vlm_server.frontend.metrics import ServiceMetrics
 from vlm_server.models.interface import LoadedModel
-from vlm_server.service.logs import ACCESS_LOGGER
-from vlm_server.service.metrics import ServiceMetrics
 
 
 @pytest.fixture(scope="module")

@@ -5,16 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from vlm_server.api.v1 import vision_language_pb2 as pb
-from vlm_server.service import codegen
+from vlm_server.rpc import codegen
 
 
 def test_checked_in_generated_code_is_fresh(tmp_path: Path) -> None:
     codegen.generate(tmp_path)
     fresh = codegen.generated_files(tmp_path)
     checked_in = codegen.generated_files(codegen.API_DIR)
-    assert sorted(fresh) == sorted(checked_in), "run: python -m vlm_server.service.codegen"
+    assert sorted(fresh) == sorted(checked_in), "run: python -m vlm_server.rpc.codegen"
     stale = [name for name in fresh if fresh[name] != checked_in[name]]
-    assert not stale, f"stale generated files {stale}: run python -m vlm_server.service.codegen"
+    assert not stale, f"stale generated files {stale}: run python -m vlm_server.rpc.codegen"
 
 
 def test_codegen_check_mode_passes_on_the_checked_in_tree() -> None:

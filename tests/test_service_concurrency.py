@@ -158,7 +158,7 @@ async def _all(target: str, specs: list[dict[str, Any]]) -> list[Any]:
 
 @pytest.fixture(scope="module")
 def batched(tiny: LoadedModel) -> Iterator[ServerThread]:
-    config = EngineConfig(max_batch=16, max_queue=CLIENTS, kv_budget_bytes=16 * MIB)
+    config = EngineConfig(max_batch_size=16, max_queue=CLIENTS, kv_budget_bytes=16 * MIB)
     with ServerThread(local_config(), lambda: GatedBatchedEngine(tiny, config)) as running:
         yield running
 
@@ -172,7 +172,7 @@ def batched_stub(batched: ServerThread) -> Iterator[pb_grpc.VisionLanguageStub]:
 @pytest.fixture(scope="module")
 def single(tiny: LoadedModel) -> Iterator[ServerThread]:
     """One sequence at a time, one waiting, a small KV cache."""
-    config = EngineConfig(max_batch=1, max_queue=1, kv_budget_bytes=SINGLE_PAGES * PAGE_BYTES)
+    config = EngineConfig(max_batch_size=1, max_queue=1, kv_budget_bytes=SINGLE_PAGES * PAGE_BYTES)
     with ServerThread(local_config(), lambda: GatedBatchedEngine(tiny, config)) as running:
         yield running
 

@@ -7,15 +7,17 @@ import logging
 
 import pytest
 
-from vlm_server.service.config import OPTIONS, ServerConfig, build_parser, load_config, parse_size
-from vlm_server.service.logs import JsonFormatter, KeyValueFormatter
+from vlm_server.frontend.logs import JsonFormatter, KeyValueFormatter
+from vlm_server.options.command_line import build_parser, load_config
+from vlm_server.options.spec import parse_size
+from vlm_server.options.table import OPTIONS, ServerConfig
 
 
 def test_defaults() -> None:
     config = load_config([], environ={})
     assert config == ServerConfig()
     assert config.max_message_bytes == 32 << 20
-    assert config.image_limits.max_bytes == 32 << 20
+    assert config.image_limits.max_image_bytes == 32 << 20
     assert config.engine == "batched" and config.port == 50051
 
 
@@ -27,8 +29,8 @@ def test_environment_then_flags_take_precedence() -> None:
         "VLM_MODEL": "/models/md2",
         "VLM_DTYPE": "bf16",
     }
-    config = load_config(["--port", "7000", "--queue-limit", "5"], environ=env)
-    assert (config.port, config.max_batch_size, config.queue_limit) == (7000, 8, 5)
+    config = load_config(["--port", "7000", "--max-queue", "5"], environ=env)
+    assert (config.port, config.max_batch_size, config.max_queue) == (7000, 8, 5)
     assert config.max_message_bytes == 64 << 20
     assert (config.model, config.dtype) == ("/models/md2", "bf16")
 
@@ -52,7 +54,7 @@ def test_parse_size(text: str, value: int) -> None:
     [
         ([], {"VLM_PORT": "many"}),
         ([], {"VLM_DTYPE": "int4"}),
-        (["--queue-limit", "0"], {}),
+        (["--max-queue", "0"], {}),
         (["--max-batch-size", "8", "--max-step-tokens", "8"], {}),  # no room for a prefill
         (["--max-message-bytes", "lots"], {}),
         (["--log-format", "xml"], {}),
@@ -112,14 +114,16 @@ def test_security_and_limit_flags_read_the_environment() -> None:
 
 
 def test_constraint_flags_reach_the_engine_limits() -> None:
-    from vlm_server.service.engines import constraint_limits
-
     config = load_config(
         ["--max-choices", "3", "--max-regex-chars", "40", "--constraint-compile-seconds", "0.5"],
         environ={},
     )
-    limits = constraint_limits(config)
-    assert (limits.max_choices, limits.max_regex_chars, limits.compile_seconds) == (3, 40, 0.5)
+    limits = config.constraint_limits
+    assert (limits.max_choices, limits.max_regex_chars, limits.constraint_compile_seconds) == (
+        3,
+        40,
+        0.5,
+    )
     with pytest.raises(SystemExit):
         load_config(["--max-choices", "0"], environ={})
 

@@ -22,10 +22,11 @@ from image_pipeline import (
     sample_image_bytes,
 )
 from vlm_server.engine.api import Engine, EngineError, ErrorCode
-from vlm_server.service import images
-from vlm_server.service.config import ServerConfig, load_config
-from vlm_server.service.images import ImageCache, ImageResolver, image_preparer
-from vlm_server.service.main import serve
+from vlm_server.frontend import images
+from vlm_server.frontend.images import ImageCache, ImageResolver, image_preparer
+from vlm_server.options.command_line import load_config
+from vlm_server.options.table import ServerConfig
+from vlm_server.server.main import serve
 
 
 class CountingPreparer(ImagePreparer):
@@ -131,7 +132,7 @@ def test_server_config_builds_the_image_path() -> None:
     preparer = image_preparer(config)
     assert preparer.resize is ResizeMode.PILLOW and preparer.device.type == "cpu"
     assert not preparer.reduced_decode and preparer.budget.capacity == 64 << 20
-    assert preparer.limits.max_pixels_per_byte is None
+    assert preparer.limits.max_image_pixels_per_byte is None
     assert image_preparer(ServerConfig()).resize is ResizeMode.VIPS
     with pytest.raises(ValueError):
         ServerConfig(image_resize="bilinear")

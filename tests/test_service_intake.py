@@ -17,7 +17,7 @@ from vlm_server.client import VisionLanguageClient
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.interface import LoadedModel
-from vlm_server.service.intake import bad_utf8_field
+from vlm_server.rpc.intake import bad_utf8_field
 
 BAD = b"\xff\xfe"
 
@@ -47,7 +47,7 @@ STREAMING = {"Caption", "Query"}
 def server(tiny: LoadedModel) -> Iterator[ServerThread]:
     with ServerThread(
         local_config(),
-        lambda: BatchedEngine(tiny, EngineConfig(max_batch=1, kv_budget_bytes=16 << 20)),
+        lambda: BatchedEngine(tiny, EngineConfig(max_batch_size=1, kv_budget_bytes=16 << 20)),
     ) as running:
         yield running
 
@@ -126,7 +126,7 @@ def test_text_limits_are_the_server_flags(tiny: LoadedModel) -> None:
     config = local_config(max_question_chars=20, max_object_chars=8)
 
     def engine() -> BatchedEngine:
-        return BatchedEngine(tiny, EngineConfig(max_batch=1, kv_budget_bytes=16 << 20))
+        return BatchedEngine(tiny, EngineConfig(max_batch_size=1, kv_budget_bytes=16 << 20))
 
     with ServerThread(config, engine) as running, VisionLanguageClient(running.target) as client:
         assert client.query(None, "q" * 20, max_tokens=1, temperature=0).text is not None

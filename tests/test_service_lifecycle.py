@@ -37,7 +37,7 @@ from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.interface import LoadedModel
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
-from vlm_server.service.servicer import SERVICE_NAME
+from vlm_server.rpc.servicer import SERVICE_NAME
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -147,7 +147,7 @@ def test_sigterm_finishes_accepted_requests_then_exits_0(
     cmd = [
         sys.executable,
         "-m",
-        "vlm_server.service.main",
+        "vlm_server.server.main",
         "--model",
         str(tiny_dir),
         "--device",

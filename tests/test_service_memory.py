@@ -11,8 +11,9 @@ import textwrap
 
 import pytest
 
-from vlm_server.service import memory
-from vlm_server.service.config import ServerConfig, load_config
+from vlm_server.options.command_line import load_config
+from vlm_server.options.table import ServerConfig
+from vlm_server.server import memory
 
 pytestmark = pytest.mark.skipif(
     sys.platform != "linux" or memory._libc() is None, reason="needs glibc"
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.skipif(
 _PROGRAM = textwrap.dedent(
     """
     import ctypes, sys
-    from vlm_server.service import memory
+    from vlm_server.server import memory
     if sys.argv[1] != "0":
         assert memory.limit_mmap_threshold(int(sys.argv[1]))
     libc = ctypes.CDLL(ctypes.util.find_library("c"))

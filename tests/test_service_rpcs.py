@@ -35,14 +35,16 @@ SHAPES = {"single": (1, 1), "batched": (2, BATCH)}
 @pytest.fixture(scope="module")
 def single_server(tiny: LoadedModel) -> Iterator[ServerThread]:
     """One request at a time, blocking: what ``--engine reference`` serves."""
-    config = EngineConfig(max_batch=1, pipeline_depth=1, max_queue=100, kv_budget_bytes=16 * MIB)
+    config = EngineConfig(
+        max_batch_size=1, pipeline_depth=1, max_queue=100, kv_budget_bytes=16 * MIB
+    )
     with ServerThread(local_config(), lambda: BatchedEngine(tiny, config)) as running:
         yield running
 
 
 @pytest.fixture(scope="module")
 def batched_server(tiny: LoadedModel) -> Iterator[ServerThread]:
-    config = EngineConfig(max_batch=BATCH, max_queue=100, kv_budget_bytes=16 * MIB)
+    config = EngineConfig(max_batch_size=BATCH, max_queue=100, kv_budget_bytes=16 * MIB)
     with ServerThread(local_config(), lambda: BatchedEngine(tiny, config)) as running:
         yield running
 

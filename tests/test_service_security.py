@@ -25,16 +25,17 @@ from vlm_server.client.cli import main as client_main
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.interface import LoadedModel
-from vlm_server.service.auth import ApiKeys, bearer_token, client_identity, read_keys_file
-from vlm_server.service.config import ServerConfig, load_config
-from vlm_server.service.server import ListenError, VisionLanguageServer, api_keys
+from vlm_server.options.command_line import load_config
+from vlm_server.options.table import ServerConfig
+from vlm_server.rpc.auth import ApiKeys, bearer_token, client_identity, read_keys_file
+from vlm_server.server.lifecycle import ListenError, VisionLanguageServer, api_keys
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 KEYS = ("alpha-key", "beta-key")
 
 
 def _reference(tiny: LoadedModel) -> BatchedEngine:
-    return BatchedEngine(tiny, EngineConfig(max_batch=1, kv_budget_bytes=16 << 20))
+    return BatchedEngine(tiny, EngineConfig(max_batch_size=1, kv_budget_bytes=16 << 20))
 
 
 # ---- API keys -----------------------------------------------------------------------------

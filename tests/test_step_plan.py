@@ -82,8 +82,8 @@ def test_the_budget_keeps_its_invariants(budget: int, work: list[int], decode: l
 
 def test_the_budget_holds_every_decode_row_and_a_prefill_token() -> None:
     with pytest.raises(ValueError):
-        EngineConfig(max_batch=8, max_step_tokens=8)
-    assert EngineConfig(max_batch=8, max_step_tokens=9).max_step_tokens == 9
+        EngineConfig(max_batch_size=8, max_step_tokens=8)
+    assert EngineConfig(max_batch_size=8, max_step_tokens=9).max_step_tokens == 9
 
 
 def test_the_budget_refuses_what_does_not_fit() -> None:

@@ -17,33 +17,21 @@ from vlm_server.default_model import default_model_dir
 from vlm_server.devices import resolve_device
 from vlm_server.models.errors import CheckpointError
 from vlm_server.models.registry import load_model, preset, preset_names, write_checkpoint
+from vlm_server.options.command_line import add_options, config_from
+from vlm_server.options.spec import Option
+from vlm_server.options.table import OPTIONS, ServerConfig
 from vlm_server.reference import ContextOverflow, ReferenceGenerator, SamplingSettings
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SAMPLE = "sample"
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=None,
-        help="checkpoint directory, .safetensors file or Hugging Face repo id "
-        "(default: the built-in random tiny model)",
-    )
-    p.add_argument(
-        "--preset",
-        default=None,
-        choices=preset_names(),
-        help="configuration when the checkpoint carries none (e.g. a HF snapshot)",
-    )
-    p.add_argument("--tokenizer", default=None, help="tokenizer.json to use instead")
-    p.add_argument(
-        "--dtype",
-        default=None,
-        choices=sorted(DTYPES),
-        help="weights dtype (default bf16 on CUDA, fp32 on CPU)",
-    )
-    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if present)")
+# The options of the served model, as vlm serve takes them (one table: vlm_server.options).
+RUN_OPTIONS = ("model", "preset", "tokenizer", "dtype", "device")
+
+
+def _run_options() -> list[Option]:
+    return [opt for opt in OPTIONS if opt.name in RUN_OPTIONS]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--max-objects", type=int, default=50)
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--json", action="store_true", help="print the result as JSON")
-    _model_args(run)
+    add_options(run, _run_options(), environment=False)
 
     mk = sub.add_parser("make-checkpoint", help="write a seeded random checkpoint")
     mk.add_argument("out", type=Path)
@@ -78,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, config: ServerConfig) -> int:
     if args.task != "caption" and not args.text:
         print(
             f"vlm: {args.task} needs the {'question' if args.task == 'query' else 'object'}",
@@ -86,24 +74,28 @@ def _run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        device = resolve_device(args.device)
+        device = resolve_device(config.device)
     except ValueError as err:
         print(f"vlm: error: {err}", file=sys.stderr)
         return 2
     dtype = (
-        DTYPES[args.dtype]
-        if args.dtype
+        DTYPES[config.dtype]
+        if config.dtype
         else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     )
-    source = args.model or default_model_dir()
-    if args.model is None:
+    source = config.model or default_model_dir()
+    if config.model is None:
         print(
             "vlm: using the built-in random tiny model (random words; pass --model for real "
             "moondream2 weights)",
             file=sys.stderr,
         )
     loaded = load_model(
-        source, preset_name=args.preset, dtype=dtype, device=device, tokenizer_path=args.tokenizer
+        source,
+        preset_name=config.preset,
+        dtype=dtype,
+        device=device,
+        tokenizer_path=config.tokenizer,
     )
     data = sample_image_bytes() if args.image == SAMPLE else Path(args.image).read_bytes()
     image = prepare_image(data)
@@ -147,13 +139,16 @@ def _run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:  # every flag belongs to the server: vlm serve --help
-        from vlm_server.service.main import main as serve
+        from vlm_server.server.main import main as serve
 
         return serve(argv[1:], prog="vlm serve")
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    # Checked as vlm serve checks them; vlm run reads no VLM_* variables.
+    config = config_from(parser, args, {}, _run_options()) if args.command == "run" else None
     try:
-        if args.command == "run":
-            return _run(args)
+        if config is not None:
+            return _run(args, config)
         write_checkpoint(
             preset(args.preset),
             args.out,

@@ -22,8 +22,8 @@ from vlm_server.engine.core.pipeline import LaunchKind, Step
 from vlm_server.engine.core.sequence import Sequence
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.http.server import Authorizer
-from vlm_server.service.config import ServerConfig
-from vlm_server.service.server import EngineFactory, VisionLanguageServer
+from vlm_server.options.table import ServerConfig
+from vlm_server.server.lifecycle import EngineFactory, VisionLanguageServer
 
 T = TypeVar("T")
 

@@ -9,7 +9,7 @@ from decoding.limits import ConstraintLimits
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_batch: int = 32  # running sequences per decode step
+    max_batch_size: int = 32  # running sequences per decode step
     page_size: int = 16  # KV positions per page
     kv_budget_bytes: int | None = None  # None: 256 MiB on the CPU, 40% of free memory on CUDA
     pipeline_depth: int = 2  # 1 = blocking, 2 = pipelined
@@ -53,25 +53,33 @@ class EngineConfig:
     constraint_limits: ConstraintLimits = field(default_factory=ConstraintLimits)
 
     def __post_init__(self) -> None:
-        if self.max_batch < 1 or self.max_queue < 0 or self.max_prefill_batch < 1:
-            raise ValueError("max_batch and max_prefill_batch must be >= 1, max_queue >= 0")
-        if self.max_step_tokens <= self.max_batch:
+        # Each message starts with the field's name: the server's flag of the same name.
+        for name in (
+            "max_batch_size",
+            "max_queue",
+            "max_prefill_batch",
+            "prefill_batches",
+            "page_size",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        nonnegative = (
+            "prefill_sm_carveout",
+            "prefill_sms",
+            "prefill_sms_when_streaming",
+            "prefix_prompt_tokens",
+            "crop_graph_sizes",
+        )
+        for name in nonnegative:
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_step_tokens <= self.max_batch_size:
             raise ValueError(
-                "max_step_tokens must exceed max_batch: every step takes all its "
+                "max_step_tokens must exceed max_batch_size: every step takes all its "
                 "decode rows and at least one prefill token"
             )
-        if self.prefill_sm_carveout < 0 or self.crop_graph_sizes < 0 or self.prefill_sms < 0:
-            raise ValueError("prefill_sm_carveout, prefill_sms and crop_graph_sizes must be >= 0")
-        if self.prefill_sms_when_streaming < 0:
-            raise ValueError("prefill_sms_when_streaming must be >= 0")
         if self.prefill_sms_when_streaming and not self.prefill_sms:
             raise ValueError("prefill_sms_when_streaming needs prefill_sms (the partition)")
-        if self.prefill_batches < 1:
-            raise ValueError("prefill_batches must be >= 1")
-        if self.prefix_prompt_tokens < 0:
-            raise ValueError("prefix_prompt_tokens must be >= 0")
-        if self.page_size < 1:
-            raise ValueError("page_size must be >= 1")
         if self.pipeline_depth not in (1, 2):
             raise ValueError("pipeline_depth must be 1 (blocking) or 2 (pipelined)")
         if self.kv_budget_bytes is not None and self.kv_budget_bytes <= 0:
@@ -80,4 +88,4 @@ class EngineConfig:
     @property
     def max_rows(self) -> int:
         """Sequence rows: running ones plus as many zombies still in flight."""
-        return 2 * self.max_batch
+        return 2 * self.max_batch_size

@@ -183,7 +183,7 @@ class BatchedEngine:
             device=str(model.device),
             dtype=_DTYPE_NAMES.get(model.dtype, str(model.dtype)),
             pipeline_depth=self.cfg.pipeline_depth,
-            max_batch_size=self.cfg.max_batch,
+            max_batch_size=self.cfg.max_batch_size,
             max_context=mc.text.max_context,
             max_queue=self.cfg.max_queue,
             max_step_tokens=self.cfg.max_step_tokens,

@@ -17,8 +17,8 @@ from typing import Any
 from aiohttp import web
 
 from vlm_server.engine.api import ErrorCode
+from vlm_server.frontend.refusals import invalid
 from vlm_server.http.errors import HttpError
-from vlm_server.service.errors import invalid
 
 _CHUNK = 1 << 16
 BODY = "body"  # the field name of errors about the body as a whole

@@ -19,11 +19,11 @@ from aiohttp import web
 
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.engine.api import EngineError, Finished, TextDelta
+from vlm_server.frontend.refusals import invalid
 from vlm_server.http import errors
 from vlm_server.http.body import Field, check
 from vlm_server.http.exchange import Exchange
 from vlm_server.http.moondream import set_image, settings
-from vlm_server.service.errors import invalid
 
 FINISH_REASONS = {"eos": "stop", "length": "length"}
 OWNER = "moondream-serve"

@@ -7,7 +7,7 @@ import asyncio
 import base64
 import binascii
 
-from vlm_server.service.errors import invalid
+from vlm_server.frontend.refusals import invalid
 
 _DECODE_ON_LOOP_CHARS = 1 << 20  # larger payloads decode in a thread: the loop stays responsive
 _EXAMPLE = "data:image/jpeg;base64,/9j/..."

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from vlm_server.engine.api import EngineError, ErrorCode
-from vlm_server.service.errors import proto_field
+from vlm_server.frontend.refusals import proto_field
 
 STATUS: dict[ErrorCode, int] = {
     ErrorCode.INVALID_ARGUMENT: 400,

@@ -16,8 +16,8 @@ from typing import Any
 from aiohttp import web
 
 from vlm_server.engine.api import EngineError, ErrorCode
+from vlm_server.frontend.calls import Call
 from vlm_server.http import body, errors
-from vlm_server.service.calls import Call
 
 REQUEST_ID_HEADER = "X-Request-Id"
 ErrorStyle = Callable[[EngineError], dict[str, Any]]

@@ -18,10 +18,10 @@ from aiohttp import web
 
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.engine.api import Box, Finished, TextDelta
+from vlm_server.frontend.refusals import invalid
 from vlm_server.http import data_url
 from vlm_server.http.body import Field
 from vlm_server.http.exchange import Exchange
-from vlm_server.service.errors import invalid
 
 IMAGE_FIELD = "image_url"
 # The shared validation names proto fields; these are the JSON names clients sent.

@@ -20,11 +20,11 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from vlm_server.engine.api import EngineError, ErrorCode
+from vlm_server.frontend.calls import Call, Door, ServiceCore, request_id
+from vlm_server.frontend.refusals import invalid
 from vlm_server.http import errors, openapi
 from vlm_server.http.exchange import REQUEST_ID_HEADER, Exchange
 from vlm_server.http.routes import OPENAPI, ROUTES, Route
-from vlm_server.service.calls import Call, Door, ServiceCore, request_id
-from vlm_server.service.errors import invalid
 
 log = logging.getLogger(__name__)
 

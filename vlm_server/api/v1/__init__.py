@@ -1,1 +1,1 @@
-"""Generated from protos/vlm/v1 by vlm_server.service.codegen."""
+"""Generated from protos/vlm/v1 by vlm_server.rpc.codegen."""

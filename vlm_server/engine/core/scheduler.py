@@ -228,7 +228,7 @@ class Scheduler:
 
     def _launch(self) -> None:
         running = self.running
-        decode = [s for s in running if s.wants_decode_step()][: self.cfg.max_batch]
+        decode = [s for s in running if s.wants_decode_step()][: self.cfg.max_batch_size]
         # Admission order, the oldest prefill first; the state test spares most rows a call.
         prefilling = [s for s in running if s.state is _PREFILL and s.wants_prefill_chunk()]
         # Prompts that ran with their image prefix: a row without tokens, outside the budget.
@@ -306,7 +306,7 @@ class Scheduler:
         return len({id(e.pending) for e in self.pending_prefixes})
 
     def _can_admit(self, seq: Sequence) -> bool:
-        if not self.free_rows or len(self.running) >= self.cfg.max_batch:
+        if not self.free_rows or len(self.running) >= self.cfg.max_batch_size:
             return False
         cache = self.prefix_cache
         free = self.pages.free_pages + cache.evictable_pages()
@@ -333,7 +333,7 @@ class Scheduler:
             self.waiting
             and n_admitted < self.cfg.max_prefill_batch
             and self.free_rows
-            and len(self.running) < self.cfg.max_batch
+            and len(self.running) < self.cfg.max_batch_size
         ):
             seq = self.waiting[0]
             if not seq.prompt:

@@ -5,7 +5,7 @@ A mixed step is one forward over a ragged token batch. Its rows, in this order:
     decode rows (one token each, input read on the device) | prefill chunks (prompt tokens)
 
 `StepBudget` decides how many prompt tokens each prefill gets, first come first served: every
-decode row is always in (the budget is at least ``max_batch + 1``, see EngineConfig), then the
+decode row is always in (the budget is at least ``max_batch_size + 1``, see EngineConfig), then the
 oldest prefill takes what is left, then the next one, until the budget is spent. A prompt
 longer than what is left is split across steps (chunked prefill), so admitting a request never
 stalls running streams by more than one step.

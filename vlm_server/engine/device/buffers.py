@@ -72,7 +72,7 @@ class StepBuffers:
         """Every buffer, once: ``dim`` is the model's hidden size, ``block_shape`` the block
         table's (the pad row included)."""
         rows = cfg.max_rows + 1
-        layout = MixedLayout(rows=rows, max_tails=cfg.max_batch)
+        layout = MixedLayout(rows=rows, max_tails=cfg.max_batch_size)
         mixed_len = layout.size(cfg.max_step_tokens)
         return cls(
             slots=[

@@ -43,7 +43,7 @@ class StepForwards:
         self.observer = observer
         self.page_size = cfg.page_size
         self.max_step_tokens = cfg.max_step_tokens
-        self.buckets = graph_buckets(cfg.max_batch)
+        self.buckets = graph_buckets(cfg.max_batch_size)
         self.token_buckets = token_buckets(cfg.max_step_tokens)
         self.decode_graphs: GraphSet[tuple[int, int]] = GraphSet("decode")
         self.mixed_graphs: GraphSet[tuple[int, int]] = GraphSet("mixed step")

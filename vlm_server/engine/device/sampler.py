@@ -53,7 +53,7 @@ class Sampler:
         observer: Observer,
     ) -> None:
         self.dev, self.entry, self.buffers, self.observer = dev, entry, buffers, observer
-        self.buckets = graph_buckets(cfg.max_batch)
+        self.buckets = graph_buckets(cfg.max_batch_size)
         # Masks + sampling per (slot, batch bucket, constrained, regions, greedy).
         self.sample_graphs: GraphSet[tuple[int, int, bool, bool, bool]] = GraphSet("sampling")
         # Finalize input of a bucket's padding rows: the pad row, no mask, greedy.

@@ -16,13 +16,14 @@ from collections.abc import Callable, Sequence
 
 from vlm_server.devices import resolve_device
 from vlm_server.engine.api import Engine
-from vlm_server.service.config import ServerConfig, load_config
-from vlm_server.service.engines import ENGINES, configure_process, engine_factory
-from vlm_server.service.logs import configure_logging
-from vlm_server.service.memory import freeze
-from vlm_server.service.server import VisionLanguageServer
+from vlm_server.frontend.logs import configure_logging
+from vlm_server.options.command_line import load_config
+from vlm_server.options.table import ServerConfig
+from vlm_server.server.engines import ENGINES, configure_process, engine_factory
+from vlm_server.server.lifecycle import VisionLanguageServer
+from vlm_server.server.memory import freeze
 
-log = logging.getLogger("vlm_server.service.main")  # also when run with -m
+log = logging.getLogger("vlm_server.server.main")  # also when run with -m
 
 
 async def serve(config: ServerConfig, engine_factory: Callable[[], Engine]) -> int:

@@ -27,8 +27,8 @@ from image_pipeline import (
 )
 from image_pipeline.gpu_jpeg import GpuDecoder, gpu_decoder
 from vlm_server.engine.process.shared_pixels import pixel_pool, share
-from vlm_server.service.config import ServerConfig
-from vlm_server.service.errors import invalid
+from vlm_server.frontend.refusals import invalid
+from vlm_server.options.table import ServerConfig
 
 log = logging.getLogger(__name__)
 

@@ -1,24 +1,14 @@
-"""Engine errors -> gRPC status codes, and the field names clients see."""
+"""Refusals of a request, shared by both doors: EngineErrors that name the field at fault.
+
+Validation names proto fields (``settings.temperature``); engines name `GenerationRequest`
+fields (``temperature``). `proto_field` maps the latter to the former, which each door then
+reports in its own way (gRPC: status and trailing metadata, vlm_server/rpc/status.py; HTTP:
+vlm_server/http/errors.py).
+"""
 
 from __future__ import annotations
 
-import grpc
-
 from vlm_server.engine.api import EngineError, ErrorCode
-
-FIELD_METADATA_KEY = "vlm-field"
-REQUEST_ID_METADATA_KEY = "vlm-request-id"
-
-STATUS = {
-    ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
-    ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ErrorCode.OUT_OF_RANGE: grpc.StatusCode.OUT_OF_RANGE,
-    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    ErrorCode.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
-    ErrorCode.CANCELLED: grpc.StatusCode.CANCELLED,
-    ErrorCode.UNIMPLEMENTED: grpc.StatusCode.UNIMPLEMENTED,
-    ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
-}
 
 # Engines name fields after `GenerationRequest`; clients know the proto's names.
 _PROTO_FIELDS = {

@@ -3,7 +3,7 @@ of one request.
 
 `ServiceCore` holds the state the doors share; `Call` admits one request (refused while the
 model loads or the server drains), builds its engine request through the one shared validation
-(`requests.build`), runs it, and on exit records metrics and the access-log line. Turning an
+(`request_builder.build`), runs it, and on exit records metrics and the access-log line. Turning an
 error into a status is the door's job: `Call` lets every exception through.
 """
 
@@ -32,11 +32,11 @@ from vlm_server.engine.api import (
     Task,
     TextDelta,
 )
-from vlm_server.service import requests, validation
-from vlm_server.service.errors import unavailable
-from vlm_server.service.images import ImageResolver
-from vlm_server.service.logs import log_request
-from vlm_server.service.metrics import ServiceMetrics
+from vlm_server.frontend import request_builder, validation
+from vlm_server.frontend.images import ImageResolver
+from vlm_server.frontend.logs import log_request
+from vlm_server.frontend.metrics import ServiceMetrics
+from vlm_server.frontend.refusals import unavailable
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ class Call:
         """Check a proto request message of this call's task and build the engine request."""
         max_context = self.engine().info.max_context
         t0 = time.perf_counter()
-        built = await requests.build(
+        built = await request_builder.build(
             Task(self.task),
             message,
             self.core.images,

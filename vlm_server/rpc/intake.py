@@ -24,8 +24,8 @@ import grpc
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
-from vlm_server.service.auth import RejectHook
-from vlm_server.service.errors import FIELD_METADATA_KEY
+from vlm_server.rpc.auth import RejectHook
+from vlm_server.rpc.status import FIELD_METADATA_KEY
 
 UnstartedHook = Callable[[str], None]  # the method of a call that ended before its handler
 

@@ -3,7 +3,7 @@
 Engine-agnostic: it only uses the `Engine` protocol. Each RPC goes through `_Call`, the gRPC
 side of the shared `calls.Call` (admission, UNAVAILABLE while loading or draining, metrics,
 access log): it adds the request id to the trailing metadata and maps errors to status codes.
-Requests are checked and built by `requests.build`, which the HTTP door shares.
+Requests are checked and built by `request_builder.build`, which the HTTP door shares.
 """
 
 from __future__ import annotations
@@ -28,14 +28,10 @@ from vlm_server.engine.api import (
     Task,
     TextDelta,
 )
-from vlm_server.service import convert
-from vlm_server.service.calls import Call, Door, Limits, ServiceCore, request_id, status_code
-from vlm_server.service.errors import (
-    FIELD_METADATA_KEY,
-    REQUEST_ID_METADATA_KEY,
-    STATUS,
-    proto_field,
-)
+from vlm_server.frontend.calls import Call, Door, Limits, ServiceCore, request_id, status_code
+from vlm_server.frontend.refusals import proto_field
+from vlm_server.rpc import responses
+from vlm_server.rpc.status import FIELD_METADATA_KEY, REQUEST_ID_METADATA_KEY, STATUS
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +156,7 @@ class VisionLanguageServicer(pb_grpc.VisionLanguageServicer):
             if isinstance(event, TextDelta):
                 yield wrap(delta=pb.TextDelta(text=event.text))
             elif isinstance(event, Finished):
-                yield wrap(result=convert.text_result(event, call.elapsed_ms(), call.intake_ms))
+                yield wrap(result=responses.text_result(event, call.elapsed_ms(), call.intake_ms))
 
     # ---- RPCs -------------------------------------------------------------------------
 
@@ -195,17 +191,17 @@ class VisionLanguageServicer(pb_grpc.VisionLanguageServicer):
     async def Point(
         self, request: pb.PointRequest, context: grpc.aio.ServicerContext
     ) -> pb.PointResponse:
-        return await self._object_task(Task.POINT, request, context, convert.point_response)
+        return await self._object_task(Task.POINT, request, context, responses.point_response)
 
     async def Detect(
         self, request: pb.DetectRequest, context: grpc.aio.ServicerContext
     ) -> pb.DetectResponse:
-        return await self._object_task(Task.DETECT, request, context, convert.detect_response)
+        return await self._object_task(Task.DETECT, request, context, responses.detect_response)
 
     async def Segment(
         self, request: pb.SegmentRequest, context: grpc.aio.ServicerContext
     ) -> pb.SegmentResponse:
-        return await self._object_task(Task.SEGMENT, request, context, convert.segment_response)
+        return await self._object_task(Task.SEGMENT, request, context, responses.segment_response)
 
     async def EncodeImage(
         self, request: pb.EncodeImageRequest, context: grpc.aio.ServicerContext

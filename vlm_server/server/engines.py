@@ -7,6 +7,7 @@ factory the server would call itself (a process started as ``python -m ...`` cou
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import logging
@@ -15,15 +16,14 @@ from collections.abc import Callable
 
 import torch
 
-from decoding.limits import ConstraintLimits
 from vlm_server.default_model import default_model_dir
 from vlm_server.devices import resolve_device
 from vlm_server.engine.api import Engine
+from vlm_server.frontend.logs import configure_logging
 from vlm_server.models.interface import LoadedModel
 from vlm_server.models.registry import load_model
-from vlm_server.service.config import ServerConfig
-from vlm_server.service.logs import configure_logging
-from vlm_server.service.memory import freeze, limit_arenas, limit_mmap_threshold, trim
+from vlm_server.options.table import ServerConfig
+from vlm_server.server.memory import freeze, limit_arenas, limit_mmap_threshold, trim
 
 log = logging.getLogger(__name__)
 
@@ -58,39 +58,15 @@ def _loader(config: ServerConfig) -> Callable[[], LoadedModel]:
     return load
 
 
-def constraint_limits(config: ServerConfig) -> ConstraintLimits:
-    """The engine's bounds on client constraints, from the server's flags."""
-    return ConstraintLimits(
-        max_choices=config.max_choices,
-        max_choice_chars=config.max_choice_chars,
-        max_regex_chars=config.max_regex_chars,
-        max_dfa_states=config.max_constraint_states,
-        compile_seconds=config.constraint_compile_seconds,
-    )
-
-
 def batched_engine(config: ServerConfig, one_at_a_time: bool = False) -> Engine:
     """Continuous batching; loads the model here (the server calls this off its loop).
     ``one_at_a_time``: batch 1, blocking (depth 1), what ``--engine reference`` serves."""
-    from vlm_server.engine.config import EngineConfig
     from vlm_server.engine.engine import BatchedEngine
-    from vlm_server.service.images import crop_maker
+    from vlm_server.frontend.images import crop_maker
 
-    cfg = EngineConfig(
-        max_batch=1 if one_at_a_time else config.max_batch_size,
-        max_step_tokens=config.max_step_tokens,
-        pipeline_depth=1 if one_at_a_time else config.pipeline_depth,
-        max_queue=config.queue_limit,
-        kv_budget_bytes=config.kv_budget or None,
-        prefill_sm_carveout=config.prefill_sm_carveout,
-        prefill_sms=config.prefill_sms,
-        prefill_sms_when_streaming=config.prefill_sms_when_streaming,
-        prefill_batches=config.prefill_batches,
-        prefix_prompt_tokens=config.prefix_prompt_tokens,
-        crop_graph_sizes=config.image_crop_graphs,
-        vision_fp8=config.vision_fp8,
-        constraint_limits=constraint_limits(config),
-    )
+    cfg = config.engine_config
+    if one_at_a_time:
+        cfg = dataclasses.replace(cfg, max_batch_size=1, pipeline_depth=1)
     return BatchedEngine(
         _loader(config)(), cfg, preset_name=config.preset, image_preparer=crop_maker(config)
     )

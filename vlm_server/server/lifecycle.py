@@ -27,23 +27,23 @@ from grpc_reflection.v1alpha import reflection
 
 from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
 from vlm_server.engine.api import Engine, EngineStats
-from vlm_server.http.server import Authorizer, HttpFrontDoor
-from vlm_server.service.auth import ApiKeys, AuthInterceptor, client_identity, read_keys_file
-from vlm_server.service.calls import Limits, ServiceCore
-from vlm_server.service.config import ServerConfig
-from vlm_server.service.engines import uses_engine_process
-from vlm_server.service.health import HealthState
-from vlm_server.service.images import (
+from vlm_server.frontend.calls import Limits, ServiceCore
+from vlm_server.frontend.images import (
     ImageCache,
     ImageResolver,
     engine_decode_min_pixels,
     host_image_preparer,
     image_preparer,
 )
-from vlm_server.service.intake import IntakeInterceptor
-from vlm_server.service.memory import Trimmer
-from vlm_server.service.metrics import ServiceMetrics
-from vlm_server.service.servicer import SERVICE_NAME, VisionLanguageServicer, server_version
+from vlm_server.frontend.metrics import ServiceMetrics
+from vlm_server.http.server import Authorizer, HttpFrontDoor
+from vlm_server.options.table import ServerConfig
+from vlm_server.rpc.auth import ApiKeys, AuthInterceptor, client_identity, read_keys_file
+from vlm_server.rpc.health import HealthState
+from vlm_server.rpc.intake import IntakeInterceptor
+from vlm_server.rpc.servicer import SERVICE_NAME, VisionLanguageServicer, server_version
+from vlm_server.server.engines import uses_engine_process
+from vlm_server.server.memory import Trimmer
 
 log = logging.getLogger(__name__)
 

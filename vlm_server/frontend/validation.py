@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.engine.api import GenerationRequest, Task
-from vlm_server.service.errors import invalid
+from vlm_server.frontend.refusals import invalid
 
 _DEFAULTS = GenerationRequest(task=Task.CAPTION, image=None)
 

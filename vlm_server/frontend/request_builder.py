@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from vlm_server.engine.api import GenerationRequest, Task
-from vlm_server.service import validation
-from vlm_server.service.images import ImageResolver
+from vlm_server.frontend import validation
+from vlm_server.frontend.images import ImageResolver
 
 
 def _task_fields(

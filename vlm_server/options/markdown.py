@@ -1,0 +1,37 @@
+"""docs/configuration.md, rendered from the option table."""
+
+from __future__ import annotations
+
+from vlm_server.options.spec import Group
+from vlm_server.options.table import OPTIONS
+
+COMMAND = "python -m vlm_server.options --markdown > docs/configuration.md"
+
+_HEAD = f"""# Configuration
+
+Generated from the option table (`vlm_server/options/table.py`) by `{COMMAND}`;
+do not edit it by hand (a test fails when it is stale).
+
+Every option of `vlm-server` (and `vlm serve`) is a command-line flag and a `VLM_*` environment
+variable: `--max-batch-size 16` or `VLM_MAX_BATCH_SIZE=16`. A flag wins over the environment,
+the environment over the default. Sizes accept suffixes (`512KiB`, `32MiB`, `2G`). A bad value
+stops the server at start with an error naming the flag or variable.
+"""
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def render() -> str:
+    """The whole document."""
+    parts = [_HEAD]
+    for group in Group:
+        parts.append(f"\n## {group.title}\n\n{group.description}\n\n")
+        parts.append("| Flag | Environment variable | Default | Meaning |\n|---|---|---|---|\n")
+        for opt in OPTIONS:
+            if opt.group is group:
+                meaning = _cell(opt.help + opt.choices_text)
+                default = _cell(opt.shown_default)
+                parts.append(f"| `{opt.flag}` | `{opt.env}` | `{default}` | {meaning} |\n")
+    return "".join(parts)

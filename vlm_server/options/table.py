@@ -1,0 +1,460 @@
+"""The option table: every setting of the server process, with its flag, variable and help.
+
+Each field of `ServerConfig` is an option: ``--max-batch-size 16`` or ``VLM_MAX_BATCH_SIZE=16``
+sets ``max_batch_size``, and the component that uses it (EngineConfig, ImageLimits,
+ConstraintLimits) has a field of that same name. Precedence: flag, then environment variable,
+then default. Sizes accept suffixes (``32MiB``). Each value is checked once: by the component
+that owns it (built here, in `ServerConfig.__post_init__`), or here when the server itself uses
+it. docs/configuration.md is generated from this table (``python -m vlm_server.options
+--markdown``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from decoding.limits import ConstraintLimits
+from image_pipeline import DEFAULT_LIMITS, ImageLimits, ResizeMode
+from image_pipeline.gpu_jpeg import GPU_DECODERS
+from vlm_server.engine.config import EngineConfig
+from vlm_server.options.spec import Group, Option, option, options_of, parse_size
+
+MIB = 1 << 20
+
+# Defaults of the values other components own come from those components.
+_ENGINE = EngineConfig()
+_CONSTRAINTS = ConstraintLimits()
+
+G = Group
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything the server process needs; each field is an option (see the module's doc)."""
+
+    # --- model ------------------------------------------------------------------------------
+    model: str | None = option(
+        None,
+        G.MODEL,
+        "checkpoint directory, .safetensors file or Hugging Face repo id (default: the "
+        "built-in random tiny model)",
+    )
+    preset: str | None = option(
+        None, G.MODEL, "model configuration when the checkpoint carries none (e.g. moondream2)"
+    )
+    tokenizer: str | None = option(
+        None, G.MODEL, "tokenizer.json to use instead of the checkpoint's"
+    )
+    dtype: str | None = option(
+        None,
+        G.MODEL,
+        "weights dtype (default bf16 on CUDA, fp32 on CPU)",
+        choices=("bf16", "fp16", "fp32"),
+    )
+    device: str | None = option(None, G.MODEL, "cpu or cuda[:N] (default: cuda if present)")
+    engine: str = option(
+        "batched",
+        G.MODEL,
+        "batched (continuous batching) or reference (the same engine at batch 1, blocking)",
+        choices=("batched", "reference"),
+    )
+
+    # --- serving ----------------------------------------------------------------------------
+    host: str = option(
+        "0.0.0.0",
+        G.SERVING,
+        "address the gRPC and HTTP ports listen on: 0.0.0.0 is every IPv4 interface "
+        "(reachable from other machines: use TLS and API keys there), 127.0.0.1 this machine "
+        "only",
+    )
+    port: int = option(50051, G.SERVING, "gRPC port (0 = any free port); a port in use is an error")
+    http_port: int = option(
+        2020,
+        G.SERVING,
+        "HTTP port of the Moondream and OpenAI-compatible API (0 = off, -1 = any free port); "
+        "it listens on --host and takes the same API keys",
+    )
+    grace_period: float = option(
+        30.0, G.SERVING, "seconds to finish accepted requests after SIGTERM"
+    )
+
+    # --- limits -----------------------------------------------------------------------------
+    max_queue: int = option(
+        _ENGINE.max_queue,
+        G.LIMITS,
+        "requests waiting beyond this are refused (RESOURCE_EXHAUSTED); with an engine "
+        "process, as many more may wait for their JPEG's GPU decode",
+    )
+    max_message_bytes: int = option(
+        32 * MIB, G.LIMITS, "largest gRPC message, request or response", parse=parse_size
+    )
+    max_http_body_bytes: int = option(
+        32 * MIB, G.LIMITS, "largest HTTP request body (413 beyond)", parse=parse_size
+    )
+    max_image_bytes: int = option(
+        DEFAULT_LIMITS.max_image_bytes, G.LIMITS, "largest accepted encoded image", parse=parse_size
+    )
+    max_image_pixels: int = option(
+        DEFAULT_LIMITS.max_image_pixels, G.LIMITS, "largest accepted width x height"
+    )
+    max_image_side: int = option(
+        DEFAULT_LIMITS.max_image_side or 0,
+        G.LIMITS,
+        "largest accepted width or height (0 = no limit)",
+    )
+    max_image_pixels_per_byte: int = option(
+        DEFAULT_LIMITS.max_image_pixels_per_byte or 0,
+        G.LIMITS,
+        "images beyond --image-free-pixels need one encoded byte per this many pixels "
+        "(decompression-bomb sanity rule; 0 = off)",
+    )
+    image_free_pixels: int = option(
+        DEFAULT_LIMITS.image_free_pixels,
+        G.LIMITS,
+        "pixels exempt from --max-image-pixels-per-byte",
+    )
+    max_object_chars: int = option(
+        256, G.LIMITS, "longest object name (point, detect, segment; characters)"
+    )
+    max_question_chars: int = option(16_384, G.LIMITS, "longest question of a query (characters)")
+    max_choices: int = option(
+        _CONSTRAINTS.max_choices, G.LIMITS, "most choices of one constrained query"
+    )
+    max_choice_chars: int = option(
+        _CONSTRAINTS.max_choice_chars,
+        G.LIMITS,
+        "longest choice of a constrained query (characters)",
+    )
+    max_regex_chars: int = option(
+        _CONSTRAINTS.max_regex_chars,
+        G.LIMITS,
+        "longest regex of a constrained query (characters)",
+    )
+    max_constraint_states: int = option(
+        _CONSTRAINTS.max_constraint_states,
+        G.LIMITS,
+        "most automaton states a choices / regex constraint may compile to",
+    )
+    constraint_compile_seconds: float = option(
+        _CONSTRAINTS.constraint_compile_seconds,
+        G.LIMITS,
+        "time budget of compiling one choices / regex constraint (RESOURCE_EXHAUSTED beyond)",
+    )
+
+    # --- image path -------------------------------------------------------------------------
+    image_device: str = option(
+        "auto",
+        G.IMAGES,
+        "where images are resized and cropped: auto (the model's device), cpu, cuda[:N]",
+    )
+    image_resize: str = option(
+        "vips",
+        G.IMAGES,
+        "resizer the crops replicate bit for bit: vips (the moondream reference with pyvips) "
+        "or pillow (its Pillow fallback)",
+        choices=tuple(ResizeMode),
+    )
+    image_reduced_decode: bool = option(
+        True,
+        G.IMAGES,
+        "decode large JPEGs at 1/2, 1/4 or 1/8 scale when that still covers the crops "
+        "(faster; pixels differ from a full decode)",
+    )
+    image_decode_budget: int = option(
+        1024 * MIB,
+        G.IMAGES,
+        "decoded image bytes in flight across decode threads; larger decodes wait, an image "
+        "needing more than all of it is refused",
+        parse=parse_size,
+    )
+    decode_threads: int = option(4, G.IMAGES, "threads decoding images")
+    image_gpu_decode_min_pixels: int = option(
+        0,
+        G.IMAGES,
+        "JPEGs of at least this many pixels are decoded on the GPU (--image-gpu-decoder) when "
+        "images are cropped on CUDA, by the engine's process when it has one (the server then "
+        "only checks their headers): much less host CPU, pixels differ slightly from "
+        "libjpeg-turbo's (0 = off)",
+    )
+    image_gpu_decoder: str = option(
+        "auto",
+        G.IMAGES,
+        "the GPU JPEG decoder: nvimgcodec (the chip's JPEG engines through nvImageCodec; "
+        "pixels within 1 of libjpeg-turbo's, no SM time), torchvision (nvJPEG on the SMs), "
+        "or auto (the first of those that works here)",
+        choices=GPU_DECODERS,
+    )
+    image_cache_bytes: int = option(
+        512 * MIB,
+        G.IMAGES,
+        "memory for images uploaded with EncodeImage (least recently used go first)",
+        parse=parse_size,
+    )
+    image_cache_client_bytes: int = option(
+        128 * MIB,
+        G.IMAGES,
+        "share of the image cache one client (API key, else peer address) may hold; its own "
+        "oldest images go first, so no client can flush the others'",
+        parse=parse_size,
+    )
+
+    # --- performance ------------------------------------------------------------------------
+    engine_process: str = option(
+        "auto",
+        G.PERFORMANCE,
+        "run the engine in a process of its own, so that its scheduler never waits for the "
+        "GIL behind the gRPC and HTTP event loop (auto = on when the model runs on CUDA)",
+        choices=("auto", "on", "off"),
+    )
+    max_batch_size: int = option(
+        _ENGINE.max_batch_size, G.PERFORMANCE, "most sequences decoded together"
+    )
+    max_step_tokens: int = option(
+        _ENGINE.max_step_tokens,
+        G.PERFORMANCE,
+        "tokens of one forward: decode rows plus prompt chunks (longer prompts are prefilled "
+        "over several steps); above --max-batch-size. The default let five new images into a "
+        "step: 30.7 req/s of unique 800x600 queries at 64 clients on an H100, against 23.8 at "
+        "2048; lower it to bound inter-token stalls",
+    )
+    kv_budget_bytes: int = option(
+        0,
+        G.PERFORMANCE,
+        "KV cache memory (0 = the engine's default: 40% of free GPU memory on CUDA, 256 MiB "
+        "on the CPU)",
+        parse=parse_size,
+    )
+    vision_fp8: bool = option(
+        _ENGINE.vision_fp8,
+        G.PERFORMANCE,
+        "run the vision tower's QKV and MLP products in FP8 (CUDA, compute capability 8.9+): a "
+        "faster image path whose features differ from the bf16 tower's by a few percent",
+    )
+    prefill_sm_carveout: int = option(
+        _ENGINE.prefill_sm_carveout,
+        G.PERFORMANCE,
+        "SMs the image-prefix path's matrix products leave to the decode steps running beside "
+        "it (CUDA; 0 = none): bounds how much a new image slows running streams, at the cost "
+        "of a slower image path",
+    )
+    prefill_sms: int = option(
+        _ENGINE.prefill_sms,
+        G.PERFORMANCE,
+        "SMs the whole image-prefix path may use (a CUDA green context; 0 = all): every kernel "
+        "of a new image stays off the other SMs, so running streams keep them; the image path "
+        "is slower (see the README)",
+    )
+    prefill_sms_when_streaming: int = option(
+        _ENGINE.prefill_sms_when_streaming,
+        G.PERFORMANCE,
+        "with --prefill-sms: use the partition only while a running request still has at "
+        "least this many tokens to stream, else give new images the whole GPU (0 = always "
+        "partitioned)",
+    )
+
+    # --- security ---------------------------------------------------------------------------
+    tls_cert: str | None = option(None, G.SECURITY, "PEM certificate chain: serve gRPC over TLS")
+    tls_key: str | None = option(None, G.SECURITY, "PEM private key of --tls-cert")
+    tls_client_ca: str | None = option(
+        None,
+        G.SECURITY,
+        "PEM CA bundle: clients must present a certificate it signed (mutual TLS)",
+    )
+    api_keys: tuple[str, ...] = option(
+        (),
+        G.SECURITY,
+        "comma-separated API keys; calls must send 'authorization: Bearer KEY' (health stays "
+        "open). Prefer the environment variable or --api-keys-file: flags show in ps",
+    )
+    api_keys_file: str | None = option(
+        None, G.SECURITY, "file of API keys, one a line (# comments)"
+    )
+
+    # --- observability ----------------------------------------------------------------------
+    metrics_host: str = option(
+        "127.0.0.1",
+        G.OBSERVABILITY,
+        "address of the Prometheus endpoint (loopback: 0.0.0.0 lets other machines scrape)",
+    )
+    metrics_port: int = option(
+        9464, G.OBSERVABILITY, "Prometheus endpoint port (0 = any free port)"
+    )
+    log_format: str = option("kv", G.OBSERVABILITY, "log line format", choices=("kv", "json"))
+    log_level: str = option(
+        "info", G.OBSERVABILITY, "log level", choices=("debug", "info", "warning", "error")
+    )
+
+    # --- advanced ---------------------------------------------------------------------------
+    # Each help ends with what its default was measured to buy (bench/RESULTS.md).
+    pipeline_depth: int = option(
+        _ENGINE.pipeline_depth,
+        G.ADVANCED,
+        "decode steps in flight: 2 overlaps the host's work with the GPU's, 1 is blocking. "
+        "Measured (H100): 2 took a step from 1.96 to 1.73 ms for one stream, from 3.71 to "
+        "3.11 ms for 32",
+    )
+    prefill_batches: int = option(
+        _ENGINE.prefill_batches,
+        G.ADVANCED,
+        "batches of new images queued on the device's image path at once: more keeps it busy "
+        "while the scheduler waits on a step, at the cost of pages and rows held early. "
+        "Measured (H100): 2, 3 and 4 all gave 57.8-57.9 req/s of unique images at 64 clients, "
+        "so 2 holds the least for the same throughput",
+    )
+    prefix_prompt_tokens: int = option(
+        _ENGINE.prefix_prompt_tokens,
+        G.ADVANCED,
+        "prompt tokens that may ride a batch of new images' prefix forward (0 = none): the "
+        "first request for a new image then needs no prompt step of its own. Measured (H100): "
+        "about 1 ms off a new image's latency at one client",
+    )
+    crop_graph_sizes: int = option(
+        _ENGINE.crop_graph_sizes,
+        G.ADVANCED,
+        "picture sizes whose crop path is kept as a CUDA graph (a size seen twice is "
+        "captured; 0 = off): one launch instead of dozens per picture. Measured (H100): an "
+        "800x600 picture's crops from 2.5 to 0.4 ms of engine host time, 2.3 to 0.7 ms of GPU",
+    )
+    gil_switch_interval_ms: float = option(
+        5.0,
+        G.ADVANCED,
+        "how long a Python thread may hold the GIL while another waits for it "
+        "(sys.setswitchinterval): it bounds the stall a busy event loop adds to the "
+        "scheduler thread. Measured (H100) against 0.5: the same throughput, and 0.5 halved "
+        "the p99 of event delivery without new images but not with them, so the default "
+        "stays Python's own",
+    )
+    malloc_arena_max: int = option(
+        2,
+        G.ADVANCED,
+        "glibc malloc arenas (0 = glibc's default of 8 per core): fewer keeps the memory that "
+        "decode threads free reusable instead of stranded per thread. Measured (CPU, tiny "
+        "model, 150 s soak) with the three memory options at their defaults: 1.3 GiB peak and "
+        "0.87 GiB after idle, against 2.0 and 1.8 GiB with all three off",
+    )
+    malloc_mmap_threshold: int = option(
+        MIB,
+        G.ADVANCED,
+        "glibc malloc: blocks this large or larger are mapped apart and returned to the "
+        "system when freed (0 = glibc's default, which raises itself and then keeps freed "
+        "image buffers; at most 32MiB). Measured: see --malloc-arena-max",
+        parse=parse_size,
+    )
+    memory_trim_interval: float = option(
+        10.0,
+        G.ADVANCED,
+        "seconds between collecting the reference cycles ended requests leave and returning "
+        "free heap memory to the system (0 = never). Measured: see --malloc-arena-max",
+    )
+
+    def __post_init__(self) -> None:
+        for opt in OPTIONS:
+            value = getattr(self, opt.name)
+            if opt.choices and value is not None and value not in opt.choices:
+                raise ValueError(f"{opt.name} must be one of {', '.join(opt.choices)}")
+        self._check_server_values()
+        # The values other components use are checked by those components, once: building
+        # them here refuses a bad value before the server starts.
+        _ = self.engine_config, self.image_limits
+
+    def _check_server_values(self) -> None:
+        """Checks of the values the server process itself uses."""
+        _at_least(
+            self,
+            1,
+            "max_message_bytes",
+            "max_http_body_bytes",
+            "max_object_chars",
+            "max_question_chars",
+            "decode_threads",
+            "image_decode_budget",
+            "image_cache_bytes",
+            "image_cache_client_bytes",
+        )
+        _at_least(
+            self,
+            0,
+            "grace_period",
+            "image_gpu_decode_min_pixels",
+            "malloc_arena_max",
+            "malloc_mmap_threshold",
+            "memory_trim_interval",
+        )
+        for name in ("port", "metrics_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be in 0..65535 (0 = any free port)")
+        if not -1 <= self.http_port <= 65535:
+            raise ValueError("http_port must be in -1..65535 (0 = off, -1 = any free port)")
+        if not 0.01 <= self.gil_switch_interval_ms <= 100:
+            raise ValueError(
+                f"gil_switch_interval_ms must be in 0.01..100, got {self.gil_switch_interval_ms}"
+            )
+        if self.malloc_mmap_threshold > 32 * MIB:
+            raise ValueError("malloc_mmap_threshold must be at most 32MiB (glibc's ceiling)")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca needs tls_cert and tls_key (mutual TLS is TLS)")
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        """The batched engine's configuration (``--engine reference`` narrows it)."""
+        return EngineConfig(
+            max_batch_size=self.max_batch_size,
+            max_step_tokens=self.max_step_tokens,
+            pipeline_depth=self.pipeline_depth,
+            max_queue=self.max_queue,
+            kv_budget_bytes=self.kv_budget_bytes or None,
+            prefill_sm_carveout=self.prefill_sm_carveout,
+            prefill_sms=self.prefill_sms,
+            prefill_sms_when_streaming=self.prefill_sms_when_streaming,
+            prefill_batches=self.prefill_batches,
+            prefix_prompt_tokens=self.prefix_prompt_tokens,
+            crop_graph_sizes=self.crop_graph_sizes,
+            vision_fp8=self.vision_fp8,
+            constraint_limits=self.constraint_limits,
+        )
+
+    @property
+    def constraint_limits(self) -> ConstraintLimits:
+        """The engine's bounds on client constraints (choices / regex)."""
+        return ConstraintLimits(
+            max_choices=self.max_choices,
+            max_choice_chars=self.max_choice_chars,
+            max_regex_chars=self.max_regex_chars,
+            max_constraint_states=self.max_constraint_states,
+            constraint_compile_seconds=self.constraint_compile_seconds,
+        )
+
+    @property
+    def image_limits(self) -> ImageLimits:
+        """The checks of every uploaded image (0 turns the side and ratio rules off)."""
+        return ImageLimits(
+            max_image_bytes=self.max_image_bytes,
+            max_image_pixels=self.max_image_pixels,
+            max_image_side=self.max_image_side or None,
+            max_image_pixels_per_byte=self.max_image_pixels_per_byte or None,
+            image_free_pixels=self.image_free_pixels,
+        )
+
+    @property
+    def client_cache_bytes(self) -> int:
+        """The image-cache share of one client (never more than the whole cache)."""
+        return min(self.image_cache_client_bytes, self.image_cache_bytes)
+
+    def items(self) -> list[tuple[str, Any]]:
+        """(name, value) pairs in declaration order, for printing at start; keys redacted."""
+        pairs = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+        return [(n, f"<{len(v)} keys>" if n == "api_keys" else v) for n, v in pairs]
+
+
+def _at_least(config: ServerConfig, minimum: int, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+OPTIONS: tuple[Option, ...] = options_of(ServerConfig)
