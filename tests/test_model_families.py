@@ -21,7 +21,7 @@ from vlm_server.models import registry
 from vlm_server.models.errors import CheckpointError
 from vlm_server.models.interface import LoadedModel
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
-from vlm_server.service.engines import batched_engine
+from vlm_server.server.engines import batched_engine
 
 GREEDY = SamplingSettings(temperature=0.0, max_tokens=8)
 
