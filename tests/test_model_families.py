@@ -18,7 +18,7 @@ from tests.support.service_harness import ServerThread, local_config
 from tests.support.toy_family import TOY, ToyConfig
 from vlm_server.client import VisionLanguageClient
 from vlm_server.models import registry
-from vlm_server.models.errors import CheckpointError
+from vlm_server.models.checkpoint_io import CheckpointError
 from vlm_server.models.interface import LoadedModel
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
 from vlm_server.server.engines import batched_engine

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vlm_server.models.errors import CheckpointError
+from vlm_server.models.checkpoint_io import CheckpointError
 from vlm_server.models.interface import LoadedModel
 from vlm_server.models.moondream2.layout import expected_shapes, native_to_legacy
 from vlm_server.models.registry import load_model, preset, write_checkpoint
@@ -196,7 +196,7 @@ def test_hub_repo_id_resolves_offline_from_a_local_snapshot(tmp_path: Path, tiny
     (repo / "refs" / "main").write_text(commit)
     code = (
         "from vlm_server.models.moondream2.loader import load_model\n"
-        "from vlm_server.models.errors import CheckpointError\n"
+        "from vlm_server.models.checkpoint_io import CheckpointError\n"
         "m = load_model('someone/tiny-moondream', progress=False)\n"
         "print('loaded', m.config.name)\n"
         "try:\n"

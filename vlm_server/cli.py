@@ -15,7 +15,7 @@ import torch
 from image_pipeline import ImageError, prepare_image, sample_image_bytes
 from vlm_server.default_model import default_model_dir
 from vlm_server.devices import resolve_device
-from vlm_server.models.errors import CheckpointError
+from vlm_server.models.checkpoint_io import CheckpointError
 from vlm_server.models.registry import load_model, preset, preset_names, write_checkpoint
 from vlm_server.options.command_line import add_options, config_from
 from vlm_server.options.spec import Option

@@ -3,7 +3,7 @@
 Validation names proto fields (``settings.temperature``); engines name `GenerationRequest`
 fields (``temperature``). `proto_field` maps the latter to the former, which each door then
 reports in its own way (gRPC: status and trailing metadata, vlm_server/rpc/status.py; HTTP:
-vlm_server/http/errors.py).
+vlm_server/http/error_bodies.py).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from vlm_server.engine.api import ErrorCode
 from vlm_server.frontend.refusals import invalid
-from vlm_server.http.errors import HttpError
+from vlm_server.http.error_bodies import HttpError
 
 _CHUNK = 1 << 16
 BODY = "body"  # the field name of errors about the body as a whole

@@ -20,7 +20,7 @@ from aiohttp import web
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.engine.api import EngineError, Finished, TextDelta
 from vlm_server.frontend.refusals import invalid
-from vlm_server.http import errors
+from vlm_server.http import error_bodies
 from vlm_server.http.body import Field, check
 from vlm_server.http.exchange import Exchange
 from vlm_server.http.moondream import set_image, settings
@@ -166,8 +166,8 @@ MODELS_RESPONSE: dict[str, Any] = {
 
 def error_style(err: EngineError) -> dict[str, Any]:
     """The server's error object plus OpenAI's ``type`` and ``param``."""
-    kind = "invalid_request_error" if errors.status_of(err) < 500 else "server_error"
-    out = errors.body(err, {"type": kind})
+    kind = "invalid_request_error" if error_bodies.status_of(err) < 500 else "server_error"
+    out = error_bodies.body(err, {"type": kind})
     out["error"]["param"] = out["error"]["field"]
     return out
 

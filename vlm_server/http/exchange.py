@@ -17,7 +17,7 @@ from aiohttp import web
 
 from vlm_server.engine.api import EngineError, ErrorCode
 from vlm_server.frontend.calls import Call
-from vlm_server.http import body, errors
+from vlm_server.http import body, error_bodies
 
 REQUEST_ID_HEADER = "X-Request-Id"
 ErrorStyle = Callable[[EngineError], dict[str, Any]]
@@ -64,7 +64,7 @@ class Exchange:
         self.max_body_bytes = max_body_bytes
         # Proto field path -> the name this route's clients use (errors speak their language).
         self.names: dict[str, str] = {}
-        self.error_style: ErrorStyle = errors.body
+        self.error_style: ErrorStyle = error_bodies.body
         self.events: EventStream | None = None
 
     @property
@@ -106,7 +106,7 @@ class Exchange:
 
     async def fail(self, err: EngineError) -> web.StreamResponse:
         """Answer ``err``: a JSON error with its status, or an error event on a begun stream."""
-        named = errors.rename(err, self.names)
+        named = error_bodies.rename(err, self.names)
         if self.events is None:
             response = self.respond(self.error_body(named), named.status)
             if named.status in (429, 503):

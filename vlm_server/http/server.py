@@ -22,7 +22,7 @@ from aiohttp import web
 from vlm_server.engine.api import EngineError, ErrorCode
 from vlm_server.frontend.calls import Call, Door, ServiceCore, request_id
 from vlm_server.frontend.refusals import invalid
-from vlm_server.http import errors, openapi
+from vlm_server.http import error_bodies, openapi
 from vlm_server.http.exchange import REQUEST_ID_HEADER, Exchange
 from vlm_server.http.routes import OPENAPI, ROUTES, Route
 
@@ -110,12 +110,12 @@ class HttpFrontDoor:
             return
         key = _api_key(request)
         if key is None:
-            raise errors.unauthenticated(
+            raise error_bodies.unauthenticated(
                 f"an API key is required: send it in {openapi.AUTH_HEADER} or as "
                 "Authorization: Bearer"
             )
         if not self.authorize(key):
-            raise errors.unauthenticated("the API key is not valid")
+            raise error_bodies.unauthenticated("the API key is not valid")
 
     def _handler(self, route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def handle(request: web.Request) -> web.StreamResponse:
@@ -172,11 +172,11 @@ class HttpFrontDoor:
             rid = request_id(request.headers.get(REQUEST_ID_HEADER))
             ex = Exchange(request, None, rid, self.max_body_bytes)
             if exc.status == 404:
-                err: EngineError = errors.not_found(request.path)
+                err: EngineError = error_bodies.not_found(request.path)
             else:
                 name = exc.reason.upper().replace(" ", "_")  # e.g. METHOD_NOT_ALLOWED
                 code = ErrorCode.INVALID_ARGUMENT
-                err = errors.HttpError(exc.status, code, exc.reason, name=name)
+                err = error_bodies.HttpError(exc.status, code, exc.reason, name=name)
             response = await ex.fail(err)
             if exc.status == 405:
                 response.headers["Allow"] = exc.headers.get("Allow", "")

@@ -1,5 +1,6 @@
 """Reading checkpoint files, for every family: safetensors or torch files, keys and shapes
-first, tensors one by one; one error that names every mismatched tensor with its shapes."""
+first, tensors one by one; one error that names every mismatched tensor with its shapes.
+`CheckpointError` is the one error of finding, reading and matching a checkpoint."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from vlm_server.models.errors import CheckpointError
-
 _LIST_LIMIT = 12
+
+
+class CheckpointError(ValueError):
+    """A checkpoint could not be found, read, or matched to the model configuration."""
 
 
 def _fmt(items: list[str]) -> str:

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
-from vlm_server.models.errors import CheckpointError
+from vlm_server.models.checkpoint_io import CheckpointError
 from vlm_server.models.hub import resolve_source
 from vlm_server.models.interface import FamilyConfig, LoadedModel
 

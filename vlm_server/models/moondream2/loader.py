@@ -14,8 +14,7 @@ import torch
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from vlm_server.models.checkpoint_io import CheckpointReader, check_shapes
-from vlm_server.models.errors import CheckpointError
+from vlm_server.models.checkpoint_io import CheckpointError, CheckpointReader, check_shapes
 from vlm_server.models.hub import resolve_source
 from vlm_server.models.interface import LoadedModel
 from vlm_server.models.moondream2.config import ModelConfig, preset

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from vlm_server.models.errors import CheckpointError
+from vlm_server.models.checkpoint_io import CheckpointError
 from vlm_server.models.moondream2.config import (
     CONTRACT_2025_06,
     CONTRACT_GPT2_LINEAR,
