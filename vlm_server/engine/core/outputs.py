@@ -47,7 +47,10 @@ from vlm_server.engine.core.step_layout import O_COORD, O_HEIGHT, O_WIDTH, RowPh
 if TYPE_CHECKING:
     from vlm_server.engine.core.sequence import Sequence
 
-_TOKEN, _BOUNDARY, _COORD, _SIZE = RowPhase.TOKEN, RowPhase.BOUNDARY, RowPhase.COORD, RowPhase.SIZE
+# Plain ints: a step's phases come back as ints (finalize's column), compared fastest with ints.
+_TOKEN, _BOUNDARY, _COORD, _SIZE = map(
+    int, (RowPhase.TOKEN, RowPhase.BOUNDARY, RowPhase.COORD, RowPhase.SIZE)
+)
 _COORD_X = StepKind.COORD_X
 _STOP = GrammarEnd.STOP
 

@@ -469,16 +469,16 @@ class Scheduler:
         plan = step.plan
         self._count_interval(now, len(seqs) if plan is None else plan.n_decode)
         if plan is not None:
-            self._prefills_done(step, now)
-        # Deadlines of running requests are all at or after `_next_deadline` (admission and
-        # the sweep keep it so): before it, no row needs a look at its own.
+            self._prefills_done(seqs, plan, now)
+        # Running requests' deadlines are at or after `_next_deadline` (admission and the
+        # sweep keep it so): until it passed, no row needs a look at its own.
         late = now > self._next_deadline
         for seq, phase, token, row in zip(seqs, step.phases, tokens, values, strict=True):
             seq.drop_ref()
             if not seq.finished:
                 if seq.cancelled is not None:
                     self._fail(seq, seq.cancelled)
-                elif phase != _IDLE:
+                elif phase != _IDLE_INT:
                     delta = seq.output.commit(phase, token, row, now)
                     if delta is not None and seq.emit is not None:
                         seq.emit(delta)  # not a final event: nothing else to do (`_emit`)
@@ -494,28 +494,25 @@ class Scheduler:
                 self._release(seq)
 
     def _count_interval(self, now: float, decode_rows: int) -> None:
-        """Record the time since the previous commit (the step interval metrics)."""
-        if self._last_commit_at:
-            self.last_step_ms = (now - self._last_commit_at) * 1e3
-            if decode_rows:  # they waited this long since their previous token
-                ms = self.last_step_ms
+        """The step interval metrics: the time since the previous commit, which the step's
+        decode rows waited since their previous token."""
+        last, self._last_commit_at = self._last_commit_at, now
+        if last:
+            ms = self.last_step_ms = (now - last) * 1e3
+            if decode_rows:
                 self._interval_counts[bisect.bisect_left(STEP_INTERVAL_BOUNDS_MS, ms)] += 1
                 self._interval_sum_ms += ms
-        self._last_commit_at = now
 
-    def _prefills_done(self, step: Step[Sequence], now: float) -> None:
-        """The prefill metrics of the prompts whose last chunk ``step`` (a mixed one) ran."""
-        plan = step.plan
-        assert plan is not None
-        for i in range(plan.n_decode, len(step.seqs)):
-            if not plan.ends_prefill(i):
-                continue
-            seq = step.seqs[i]
-            m = seq.metrics
-            m.prefill_ms = (now - seq.prefill_launched_at) * 1e3
-            if seq.prefix is not None and not seq.prefix_hit and not m.prefix_wait_ms:
-                # Its held row ran behind its prefix on the device: done by now.
-                m.prefix_wait_ms = m.prefill_ms
+    @staticmethod
+    def _prefills_done(seqs: list[Sequence], plan: StepPlan, now: float) -> None:
+        """The prefill metrics of the prompts whose last chunk a mixed step ran."""
+        for i in range(plan.n_decode, len(seqs)):
+            if plan.ends_prefill(i):
+                seq, m = seqs[i], seqs[i].metrics
+                m.prefill_ms = (now - seq.prefill_launched_at) * 1e3
+                if seq.prefix is not None and not seq.prefix_hit and not m.prefix_wait_ms:
+                    # Its held row ran behind its prefix on the device: done by now.
+                    m.prefix_wait_ms = m.prefill_ms
 
     # ---- endings ----------------------------------------------------------------------
 
@@ -595,6 +592,7 @@ class Scheduler:
 
 
 _IDLE, _BOUNDARY = RowPhase.IDLE, RowPhase.BOUNDARY
+_IDLE_INT = int(_IDLE)  # a step's phases come back as ints, compared fastest with ints
 _PREFILL = SeqState.PREFILL
 _REGION_PHASE = np.isin(np.arange(len(RowPhase)), list(REGION_PHASES))  # by phase value
 assert F_PHASE == F_MASK + 1  # finalize writes both columns in one slice
