@@ -62,12 +62,12 @@ class Output:
     tokens it feeds back; its answer is the finish reason alone. Subclasses add what their
     grammar's answer is (text, objects, a segmentation)."""
 
-    __slots__ = ("count", "first_at", "grammar")
+    __slots__ = ("first_at", "grammar", "output_tokens")
 
     def __init__(self, grammar: Grammar) -> None:
         self.grammar = grammar
         self.first_at = 0.0  # when the first output committed (time.monotonic; 0: not yet)
-        self.count = 0  # output tokens, as the API counts them (subclasses may count others)
+        self.output_tokens = 0  # as the API counts them: tokens fed back (subclasses: others)
 
     def commit(
         self, phase: int, token: int, values: RowValues | None, now: float
@@ -79,7 +79,7 @@ class Output:
         g = self.grammar
         if phase == _TOKEN:
             g.advance_token(token)
-            self.count += 1
+            self.output_tokens += 1
         elif phase == _BOUNDARY:
             g.advance_token(token)
             if not self.first_at:
@@ -102,7 +102,7 @@ class Output:
         m.decode_ms = (now - first) * 1e3 if first else 0.0
         # The task's prompt tokens, as the API states: image positions and BOS not counted.
         m.input_tokens = len(seq.prompt) - (1 if seq.prefix_len == 0 else 0)
-        m.output_tokens = self.count
+        m.output_tokens = self.output_tokens
         stop = self.grammar.finish_reason is _STOP
         result = Finished(FinishReason.EOS if stop else FinishReason.LENGTH, metrics=m)
         return self.answer(result, seq.request), result
