@@ -44,7 +44,6 @@ import numpy as np
 from decoding.mask_table import NO_MASK
 from vlm_server.engine.api import (
     STEP_INTERVAL_BOUNDS_MS,
-    Emitted,
     EngineError,
     EngineStats,
     ErrorCode,
@@ -72,8 +71,6 @@ from vlm_server.engine.core.step_layout import (
     RowPhase,
 )
 from vlm_server.engine.core.step_plan import Chunk, StepBudget, StepPlan
-
-_FINAL_EVENTS = (Finished, EngineError)
 
 
 class Scheduler:
@@ -467,7 +464,12 @@ class Scheduler:
         self.pipe.complete(step)
         now = time.monotonic()
         plan = step.plan
-        self._count_interval(now, len(seqs) if plan is None else plan.n_decode)
+        if self._last_commit_at:
+            self.last_step_ms = ms = (now - self._last_commit_at) * 1e3
+            if plan is None or plan.n_decode:  # decode rows waited this long for their token
+                self._interval_counts[bisect.bisect_left(STEP_INTERVAL_BOUNDS_MS, ms)] += 1
+                self._interval_sum_ms += ms
+        self._last_commit_at = now
         if plan is not None:
             self._prefills_done(seqs, plan, now)
         # Running requests' deadlines are at or after `_next_deadline` (admission and the
@@ -481,7 +483,7 @@ class Scheduler:
                 elif phase != _IDLE_INT:
                     delta = seq.output.commit(phase, token, row, now)
                     if delta is not None and seq.emit is not None:
-                        seq.emit(delta)  # not a final event: nothing else to do (`_emit`)
+                        seq.emit(delta)
                     if seq.grammar.finished:
                         self._complete(seq, now)
                     elif late and (d := seq.request.deadline) is not None and now > d:
@@ -492,16 +494,6 @@ class Scheduler:
                     self._complete(seq, now)
             if seq.inflight_refs == 0 and seq.finished:
                 self._release(seq)
-
-    def _count_interval(self, now: float, decode_rows: int) -> None:
-        """The step interval metrics: the time since the previous commit, which the step's
-        decode rows waited since their previous token."""
-        last, self._last_commit_at = self._last_commit_at, now
-        if last:
-            ms = self.last_step_ms = (now - last) * 1e3
-            if decode_rows:
-                self._interval_counts[bisect.bisect_left(STEP_INTERVAL_BOUNDS_MS, ms)] += 1
-                self._interval_sum_ms += ms
 
     @staticmethod
     def _prefills_done(seqs: list[Sequence], plan: StepPlan, now: float) -> None:
@@ -519,14 +511,14 @@ class Scheduler:
     def _complete(self, seq: Sequence, now: float) -> None:
         """Deliver the answer of ``seq``, whose grammar finished (core/outputs.py builds it)."""
         tail, result = seq.output.finish(seq, now)
-        if tail is not None:
-            self._emit(seq, tail)
+        if tail is not None and seq.emit is not None:
+            seq.emit(tail)
         self._finish(seq)
-        self._emit(seq, result)
+        self._end(seq, result)
 
     def _fail(self, seq: Sequence, code: ErrorCode) -> None:
         self._finish(seq)
-        self._emit(seq, stopped(code))
+        self._end(seq, stopped(code))
 
     def _finish(self, seq: Sequence) -> None:
         seq.state = SeqState.FINISHED
@@ -562,7 +554,7 @@ class Scheduler:
                 self.waiting.remove(seq)
                 seq.state = SeqState.FINISHED
                 seq.release_resources()  # never admitted: no step ever read its rows
-                self._emit(seq, stopped(seq.cancelled, queued=True))
+                self._end(seq, stopped(seq.cancelled, queued=True))
         if now > self._next_deadline:  # some running deadline passed: check them all
             self._next_deadline = math.inf
             for seq in self.running:
@@ -580,13 +572,12 @@ class Scheduler:
                 self._fail(seq, seq.cancelled)  # type: ignore[arg-type]
                 self._release(seq)
 
-    def _emit(self, seq: Sequence, event: Emitted) -> None:
-        emit = seq.emit
-        if isinstance(event, _FINAL_EVENTS):
-            self.observer.ended(seq, event)
-            # The last event: drop the link to the request's stream, which links back to the
-            # sequence, so the pair (and its image) is freed without waiting for the cycle GC.
-            seq.emit = None
+    def _end(self, seq: Sequence, event: Finished | EngineError) -> None:
+        """Deliver the last event of ``seq``."""
+        self.observer.ended(seq, event)
+        # Drop the link to the request's stream, which links back to the sequence, so the
+        # pair (and its image) is freed without waiting for the cycle GC.
+        emit, seq.emit = seq.emit, None
         if emit is not None:
             emit(event)
 
