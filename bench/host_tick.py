@@ -65,6 +65,11 @@ from vlm_server.engine.requests.tasks import TaskCompiler
 from vlm_server.models.interface import LoadedModel
 from vlm_server.models.registry import preset, random_model
 
+try:
+    from vlm_server.engine.core.outputs import output_for
+except ImportError:  # an older tree (--baseline): a sequence held its detokenizer
+    output_for = None  # type: ignore[assignment]
+
 SCENARIOS = ("text", "constrained", "region", "churn")
 EVENTS = ("list", "batched", "per-event")
 WORD = 300  # a plain word of the tiny vocabulary
@@ -214,6 +219,42 @@ class LoopThread:
         self.loop.close()
 
 
+def _emitter(
+    events: str, sink: list[object]
+) -> tuple[Callable[[object], None], dict[str, object], LoopThread | None]:
+    """Where the scheduler's events go (``--events``): the emit function, the scheduler's
+    extra arguments, and the loop thread to close (None: appended to ``sink``)."""
+    if events == "list":
+        return sink.append, {}, None
+    loop_thread = LoopThread()
+    loop, put = loop_thread.loop, loop_thread.queue.put_nowait
+    if events == "per-event":
+
+        def emit(event: object) -> None:
+            loop.call_soon_threadsafe(put, event)
+
+        return emit, {}, loop_thread
+    from vlm_server.engine.engine import EventOutbox  # absent from older trees
+
+    outbox = EventOutbox()
+
+    def push(event: object) -> None:
+        outbox.push(loop, put, event)
+
+    return push, {"flush_events": outbox.flush}, loop_thread
+
+
+def _sequence(tasks: TaskCompiler, req: GenerationRequest) -> Sequence:
+    """``req``'s sequence, as the engine builds it."""
+    built = tasks.build(req)
+    seq = Sequence(req, built.prompt, built.grammar, built.prefix_len, on_release=built.release)
+    if output_for is not None:
+        seq.output = output_for(built.grammar, tasks.vocab)
+    elif isinstance(built.grammar, TextGrammar):
+        seq.detok = StreamDetokenizer(tasks.vocab)  # type: ignore[attr-defined]
+    return seq
+
+
 def run_case(
     loaded: LoadedModel, scenario: str, rows: int, ticks: int, image: object, events: str = "list"
 ) -> dict[str, float | int | str]:
@@ -229,25 +270,7 @@ def run_case(
     rt = ModelRuntime(loaded.model, cfg, tasks.table, device=device)  # type: ignore[arg-type]
     obs = TickTimes(device)
     sink: list[object] = []
-    emit = sink.append
-    extra = {}
-    loop_thread = LoopThread() if events != "list" else None
-    if loop_thread is not None:
-        loop, put = loop_thread.loop, loop_thread.queue.put_nowait
-        if events == "batched":
-            from vlm_server.engine.engine import EventOutbox  # absent from older trees
-
-            outbox = EventOutbox()
-            extra["flush_events"] = outbox.flush
-
-            def emit(event: object) -> None:
-                outbox.push(loop, put, event)
-
-        else:
-
-            def emit(event: object) -> None:
-                loop.call_soon_threadsafe(put, event)
-
+    emit, extra, loop_thread = _emitter(events, sink)
     if extra and "flush_events" not in inspect.signature(Scheduler).parameters:
         raise SystemExit("this tree's scheduler does not batch events: use --events list")
     sched = Scheduler(rt, cfg, contract.eos_id, mc.image_prefix_len, observer=obs, **extra)
@@ -257,10 +280,7 @@ def run_case(
         nonlocal made
         req = _request(scenario, made, image)
         made += 1
-        built = tasks.build(req)
-        seq = Sequence(req, built.prompt, built.grammar, built.prefix_len, on_release=built.release)
-        if isinstance(built.grammar, TextGrammar):
-            seq.detok = StreamDetokenizer(tasks.vocab)
+        seq = _sequence(tasks, req)
         seq.emit = emit
         sched.waiting.append(seq)
 
@@ -438,6 +458,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"({time.perf_counter() - t0:.1f} s)",
                 flush=True,
             )
+    _report(args, results)
+    return 0
+
+
+def _report(args: argparse.Namespace, results: list[dict]) -> None:
     name = platform.processor() or platform.machine() or "cpu"
     out = args.out or Path("bench/results") / "cpu_tiny"
     out.mkdir(parents=True, exist_ok=True)
@@ -483,7 +508,6 @@ def main(argv: list[str] | None = None) -> int:
         fig.savefig(out / f"{stem}.png", dpi=120, bbox_inches="tight")
     except ImportError:
         pass
-    return 0
 
 
 def _report_comparison(args: argparse.Namespace, results: list[dict]) -> int:

@@ -26,6 +26,11 @@ class GrammarEnd(enum.Enum):
     LENGTH = "length"  # a token, object or point budget closed the answer
 
 
+# Hot paths compare with module constants: looking up an enum member on its class costs
+# several times the comparison, and a grammar commits once per row of every step.
+_TOKEN, _DONE = StepKind.TOKEN, StepKind.DONE
+
+
 class GrammarError(ValueError):
     """A commit that the grammar's mask would never have allowed (an engine bug)."""
 
@@ -48,16 +53,16 @@ class GrammarBase:
     """Shared bookkeeping of every grammar: the next step kind and the finish state."""
 
     def __init__(self) -> None:
-        self.next_kind = StepKind.TOKEN
+        self.next_kind = _TOKEN
         self.finish_reason: GrammarEnd | None = None
 
     @property
     def finished(self) -> bool:
         """No further step is needed."""
-        return self.next_kind is StepKind.DONE
+        return self.next_kind is _DONE
 
     def _finish(self, reason: GrammarEnd) -> None:
-        self.next_kind = StepKind.DONE
+        self.next_kind = _DONE
         self.finish_reason = reason
 
     def _expect(self, kind: StepKind) -> None:

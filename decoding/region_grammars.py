@@ -22,6 +22,10 @@ from .mask_table import NO_MASK, AutomatonRows, MaskTable
 from .segment_output import SegmentResult, build_segment
 from .svg_path import PathLanguage
 
+# Module constants: see grammar_base.py.
+_TOKEN, _COORD_X = StepKind.TOKEN, StepKind.COORD_X
+_COORD_Y, _SIZE = StepKind.COORD_Y, StepKind.SIZE
+
 
 @dataclass(frozen=True)
 class RegionTokens:
@@ -83,26 +87,26 @@ class ObjectGrammar(GrammarBase):
 
     def advance_token(self, token_id: int) -> None:
         """Commit the boundary token: eos ends the answer, anything else starts an object."""
-        self._expect(StepKind.TOKEN)
+        self._expect(_TOKEN)
         if token_id == self._rows.tokens.eos_id:
             self._finish(GrammarEnd.STOP)
         else:
-            self.next_kind = StepKind.COORD_X
+            self.next_kind = _COORD_X
 
     def advance_value(self, value: object) -> None:
         """Commit a decoded coordinate (float) or size ((w, h))."""
         kind = self.next_kind
-        if kind is StepKind.COORD_X:
+        if kind is _COORD_X:
             self._x = coordinate_value(value)
-            self.next_kind = StepKind.COORD_Y
-        elif kind is StepKind.COORD_Y:
+            self.next_kind = _COORD_Y
+        elif kind is _COORD_Y:
             self._y = coordinate_value(value)
             if self._with_size:
-                self.next_kind = StepKind.SIZE
+                self.next_kind = _SIZE
             else:
                 self.objects.append((self._x, self._y))
                 self._boundary()
-        elif kind is StepKind.SIZE:
+        elif kind is _SIZE:
             w, h = size_value(value)
             x, y = self._x, self._y
             self.objects.append((x - w / 2, y - h / 2, x + w / 2, y + h / 2))
@@ -114,7 +118,7 @@ class ObjectGrammar(GrammarBase):
         if len(self.objects) >= self._max_objects:
             self._finish(GrammarEnd.LENGTH)
         else:
-            self.next_kind = StepKind.TOKEN
+            self.next_kind = _TOKEN
 
 
 def point_grammar(rows: RegionRows, max_objects: int = 50) -> ObjectGrammar:
@@ -157,7 +161,7 @@ class SegmentGrammar(GrammarBase):
     @property
     def mask_row(self) -> int:
         """Mask row of the next step (NO_MASK when it samples no token)."""
-        if self.next_kind is not StepKind.TOKEN:
+        if self.next_kind is not _TOKEN:
             return NO_MASK
         return self._walk.row() if self._in_path else self._rows.segment_start
 
@@ -186,14 +190,14 @@ class SegmentGrammar(GrammarBase):
 
     def advance_token(self, token_id: int) -> None:
         """Commit a sampled token (the box's boundary token, then path tokens)."""
-        self._expect(StepKind.TOKEN)
+        self._expect(_TOKEN)
         tokens = self._rows.tokens
         if not self._in_path:
             if token_id == tokens.eos_id or (
                 tokens.coord_id is not None and token_id != tokens.coord_id
             ):
                 raise GrammarError(f"token {token_id} is not allowed before the box")
-            self.next_kind = StepKind.COORD_X
+            self.next_kind = _COORD_X
             return
         walk = self._walk
         if token_id == tokens.eos_id:
@@ -212,16 +216,16 @@ class SegmentGrammar(GrammarBase):
     def advance_value(self, value: object) -> None:
         """Commit the box's center x, center y, then size (w, h)."""
         kind = self.next_kind
-        if kind is StepKind.COORD_X:
+        if kind is _COORD_X:
             self.center = (coordinate_value(value), 0.0)
-            self.next_kind = StepKind.COORD_Y
-        elif kind is StepKind.COORD_Y:
+            self.next_kind = _COORD_Y
+        elif kind is _COORD_Y:
             self.center = (self.center[0], coordinate_value(value))
-            self.next_kind = StepKind.SIZE
-        elif kind is StepKind.SIZE:
+            self.next_kind = _SIZE
+        elif kind is _SIZE:
             self.size = size_value(value)
             self._in_path = True
-            self.next_kind = StepKind.TOKEN
+            self.next_kind = _TOKEN
             self._check_end()
         else:
             raise GrammarError(f"expected a {kind.name} commit, got a value")

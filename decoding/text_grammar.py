@@ -5,6 +5,8 @@ from __future__ import annotations
 from .grammar_base import BudgetedWalk, GrammarBase, GrammarEnd, GrammarError, StepKind
 from .mask_table import NO_MASK, AutomatonRows
 
+_TOKEN = StepKind.TOKEN  # a module constant: see grammar_base.py
+
 
 class TextGrammar(GrammarBase):
     """Caption/query text: free (optionally with suppressed ids) or constrained by an automaton.
@@ -57,7 +59,7 @@ class TextGrammar(GrammarBase):
 
     def advance_token(self, token_id: int) -> None:
         """Commit a sampled token."""
-        self._expect(StepKind.TOKEN)
+        self._expect(_TOKEN)
         if token_id == self._eos_id:
             if self._walk is not None and not self._walk.automaton.accepting(self._walk.state):
                 raise GrammarError("eos before the constraint is satisfied")

@@ -25,7 +25,6 @@ import numpy as np
 import pytest
 import torch
 
-from decoding.detokenize import StreamDetokenizer
 from decoding.grammars import TextGrammar
 from image_pipeline import PreparedImage, prepare_pil, sample_image
 from tests.support.fake_device import (
@@ -38,6 +37,7 @@ from vlm_server.engine.api import EngineError, ErrorCode, Finished, GenerationRe
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core import scheduler as scheduler_module
 from vlm_server.engine.core.observer import Observer
+from vlm_server.engine.core.outputs import output_for
 from vlm_server.engine.core.pages import PageAllocator
 from vlm_server.engine.core.pipeline import LaunchKind, PipelineState, Step
 from vlm_server.engine.core.prefix_jobs import PrefixJob
@@ -257,8 +257,7 @@ def _drive(
             for i in (i for i, t in arrivals.items() if t == tick):
                 built = tasks.build(_request(i, images))
                 seq = Sequence(_request(i, images), built.prompt, built.grammar, built.prefix_len)
-                if isinstance(built.grammar, TextGrammar):
-                    seq.detok = StreamDetokenizer(tasks.vocab)
+                seq.output = output_for(built.grammar, tasks.vocab)
                 run.seqs[i], run.ends[i] = seq, []
                 seq.emit = run.ends[i].append
                 sched.waiting.append(seq)

@@ -20,10 +20,6 @@ from typing import Protocol
 
 import torch
 
-from decoding.detokenize import StreamDetokenizer
-from decoding.grammars import (
-    TextGrammar,
-)
 from image_pipeline import EncodedImage, ImageError, ImagePreparer
 from vlm_server.engine.api import (
     Emitted,
@@ -37,6 +33,7 @@ from vlm_server.engine.api import (
 )
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.observer import NO_OBSERVER, Observer
+from vlm_server.engine.core.outputs import output_for
 from vlm_server.engine.core.scheduler import Scheduler
 from vlm_server.engine.core.sequence import Sequence
 from vlm_server.engine.device.runtime import ModelRuntime
@@ -373,16 +370,14 @@ class BatchedEngine:
         """The request's sequence: prompt and grammar from the shared task definitions.
         Raises EngineError for a request the task definitions refuse."""
         built = self.tasks.build(req)
-        seq = Sequence(
+        return Sequence(
             request=req,
             prompt=built.prompt,
             grammar=built.grammar,
             prefix_len=built.prefix_len,
+            output=output_for(built.grammar, self.tasks.vocab),
             on_release=built.release,
         )
-        if isinstance(built.grammar, TextGrammar):
-            seq.detok = StreamDetokenizer(self.tasks.vocab)
-        return seq
 
     # ---- the scheduler thread ----------------------------------------------------------
 

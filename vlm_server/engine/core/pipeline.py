@@ -21,7 +21,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from vlm_server.engine.core.step_layout import RowPhase
 from vlm_server.engine.core.step_plan import StepPlan
 
 
@@ -62,8 +61,9 @@ class Step(Generic[S]):
     state: SlotState = SlotState.LAUNCHED
     # A mixed step's rows and chunks; None for a decode-only step.
     plan: StepPlan | None = None
-    # Per-row phase that finalize chose; commit reads it back.
-    phases: list[RowPhase] = field(default_factory=list)
+    # Per-row phase (a `RowPhase` value) that finalize chose; commit reads it back.
+    phases: list[int] = field(default_factory=list)
+    regions: bool = False  # some row decodes region values (finalize sets it, commit reads)
 
 
 class PipelineState(Generic[S]):

@@ -3,9 +3,10 @@
 A tick is three named calls, in this order (commit-before-finalize):
 
 1. `_commit` the oldest in-flight step, once the pipeline is full (or nothing else can be
-   launched): wait for its device-to-host copy (the tick's single host-device sync), advance
-   each sequence's grammar, stream text, deliver results of sequences that finished, release
-   the ones no in-flight step references any more (zombies wait for their last step).
+   launched): wait for its device-to-host copy (the tick's single host-device sync), hand
+   each row to its sequence's output (core/outputs.py: grammar, text, results) and deliver
+   the events it returns, release the sequences that finished and no in-flight step
+   references any more (zombies wait for their last step).
 2. `_finalize` the step in flight that has not been sampled: build each row's mask index and
    sampling parameters from the now-committed state, upload them on the copy stream, and
    enqueue mask + sample + region values + next-input embeddings on the compute stream.
@@ -36,29 +37,21 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from itertools import chain
+from itertools import chain, repeat
 
 import numpy as np
 
-from decoding.grammar_base import GrammarEnd
-from decoding.grammars import ObjectGrammar, SegmentGrammar, TextGrammar
 from decoding.mask_table import NO_MASK
-from decoding.segment_output import SegmentResult
 from vlm_server.engine.api import (
     STEP_INTERVAL_BOUNDS_MS,
-    Box,
-    Emitted,
     EngineError,
     EngineStats,
     ErrorCode,
     Finished,
-    FinishReason,
-    Point,
-    Segmentation,
-    TextDelta,
 )
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.observer import NO_OBSERVER, Observer
+from vlm_server.engine.core.outputs import stopped
 from vlm_server.engine.core.pages import PageAllocator
 from vlm_server.engine.core.pipeline import LaunchKind, PipelineState, SlotState, Step
 from vlm_server.engine.core.prefix_cache import PrefixCache, PrefixEntry
@@ -74,12 +67,11 @@ from vlm_server.engine.core.step_layout import (
     F_TEMP,
     F_TOP_P,
     N_FIN,
+    O_TOKEN,
     REGION_PHASES,
     RowPhase,
 )
 from vlm_server.engine.core.step_plan import Chunk, StepBudget, StepPlan
-
-_FINAL_EVENTS = (Finished, EngineError)
 
 
 class Scheduler:
@@ -456,12 +448,12 @@ class Scheduler:
         self._row_fin.take(cols[:, 0], axis=0, out=fin)
         fin[:, F_MASK : F_PHASE + 1] = cols[:, 1:3]
         fin[:, F_STEP] = cols[:, 3]
-        step.phases = [st[2] for st in states]
+        step.phases = cols[:, 2].tolist()
+        step.regions = bool(_REGION_PHASE[cols[:, 2]].any())
         constrained = bool((cols[:, 1] != NO_MASK).any())
-        regions = bool(_REGION_PHASE[cols[:, 2]].any())
         self.observer.finalized(step)
         greedy = not fin[:, F_TEMP].view(np.float64).max() > 0
-        self.rt.finalize(step.slot, seqs, fin, constrained, regions, greedy)
+        self.rt.finalize(step.slot, seqs, fin, constrained, step.regions, greedy)
         if plan is not None:
             for i in range(plan.n_decode, b):
                 s = seqs[i]
@@ -473,34 +465,38 @@ class Scheduler:
 
     def _commit(self, step: Step[Sequence]) -> None:
         self.observer.committed(step)
-        out = self.rt.read_outputs(step.slot, len(step.seqs))
-        values = out.tolist()  # host copy: the slot's buffer is handed back below
+        seqs = step.seqs
+        out = self.rt.read_outputs(step.slot, len(seqs))
+        # Host copies (the slot's buffer is handed back below): the sampled ids as ints in one
+        # array op, each row's values only when the step decoded region values.
+        tokens = out[:, O_TOKEN].astype(np.int64).tolist()
+        values = out.tolist() if step.regions else repeat(None, len(seqs))
         self.pipe.complete(step)
         now = time.monotonic()
         plan = step.plan
-        chunk_rows = len(step.seqs) if plan is None else plan.n_decode  # first chunk row
         if self._last_commit_at:
-            self.last_step_ms = (now - self._last_commit_at) * 1e3
-            if chunk_rows:  # its decode rows waited this long since their previous token
-                ms = self.last_step_ms
+            self.last_step_ms = ms = (now - self._last_commit_at) * 1e3
+            if plan is None or plan.n_decode:  # decode rows waited this long for their token
                 self._interval_counts[bisect.bisect_left(STEP_INTERVAL_BOUNDS_MS, ms)] += 1
                 self._interval_sum_ms += ms
         self._last_commit_at = now
-        idle = RowPhase.IDLE
-        for i, (seq, phase, row) in enumerate(zip(step.seqs, step.phases, values, strict=True)):
+        if plan is not None:
+            self._prefills_done(seqs, plan, now)
+        # Running requests' deadlines are at or after `_next_deadline` (admission and the
+        # sweep keep it so): until it passed, no row needs a look at its own.
+        late = now > self._next_deadline
+        for seq, phase, token, row in zip(seqs, step.phases, tokens, values, strict=True):
             seq.drop_ref()
-            if i >= chunk_rows and plan is not None and plan.ends_prefill(i):
-                seq.metrics.prefill_ms = (now - seq.prefill_launched_at) * 1e3
-                if seq.prefix is not None and not seq.prefix_hit and not seq.metrics.prefix_wait_ms:
-                    # Its held row ran behind its prefix on the device: done by now.
-                    seq.metrics.prefix_wait_ms = seq.metrics.prefill_ms
             if not seq.finished:
                 if seq.cancelled is not None:
                     self._fail(seq, seq.cancelled)
-                elif phase != idle:
-                    self._apply(seq, phase, row, now)
-                    deadline = seq.request.deadline
-                    if deadline is not None and now > deadline and not seq.finished:
+                elif phase != _IDLE_INT:
+                    delta = seq.output.commit(phase, token, row, now)
+                    if delta is not None and seq.emit is not None:
+                        seq.emit(delta)
+                    if seq.grammar.finished:
+                        self._complete(seq, now)
+                    elif late and (d := seq.request.deadline) is not None and now > d:
                         self._fail(seq, ErrorCode.DEADLINE_EXCEEDED)
                 elif seq.grammar.finished:
                     # Finished before its first step (e.g. a regex whose only answer is the
@@ -509,82 +505,30 @@ class Scheduler:
             if seq.inflight_refs == 0 and seq.finished:
                 self._release(seq)
 
-    def _apply(self, seq: Sequence, phase: int, row: list[float], now: float) -> None:
-        g = seq.grammar
-        token = int(row[0])
-        if phase == RowPhase.TOKEN:
-            if seq.is_text:
-                before = len(g.token_ids)  # type: ignore[attr-defined]
-                g.advance_token(token)
-                if len(g.token_ids) > before:  # type: ignore[attr-defined]
-                    if not seq.first_token_at:
-                        self._first_output(seq, now)
-                    seq.metrics.output_tokens += 1
-                    text = seq.detok.push(token) if seq.detok is not None else ""
-                    if text:
-                        seq.text_parts.append(text)
-                        self._emit(seq, TextDelta(text))
-            else:
-                g.advance_token(token)
-                if isinstance(g, SegmentGrammar):
-                    seq.metrics.output_tokens += 1
-        elif phase == RowPhase.BOUNDARY:
-            g.advance_token(token)
-            self._first_output(seq, now)
-            if g.next_kind.name == "COORD_X":
-                g.advance_value(row[1])
-        elif phase == RowPhase.COORD:
-            g.advance_value(row[1])
-        elif phase == RowPhase.SIZE:
-            g.advance_value((row[2], row[3]))
-        if g.finished:
-            self._complete(seq, now)
-
-    def _first_output(self, seq: Sequence, now: float) -> None:
-        if not seq.first_token_at:
-            seq.first_token_at = now
-            seq.metrics.time_to_first_token_ms = (now - seq.submitted_at) * 1e3
+    @staticmethod
+    def _prefills_done(seqs: list[Sequence], plan: StepPlan, now: float) -> None:
+        """The prefill metrics of the prompts whose last chunk a mixed step ran."""
+        for i in range(plan.n_decode, len(seqs)):
+            if plan.ends_prefill(i):
+                seq, m = seqs[i], seqs[i].metrics
+                m.prefill_ms = (now - seq.prefill_launched_at) * 1e3
+                if seq.prefix is not None and not seq.prefix_hit and not m.prefix_wait_ms:
+                    # Its held row ran behind its prefix on the device: done by now.
+                    m.prefix_wait_ms = m.prefill_ms
 
     # ---- endings ----------------------------------------------------------------------
 
     def _complete(self, seq: Sequence, now: float) -> None:
-        g = seq.grammar
-        m = seq.metrics
-        m.decode_ms = (now - seq.first_token_at) * 1e3 if seq.first_token_at else 0.0
-        # The task's prompt tokens, as the API states: image positions and BOS not counted.
-        m.input_tokens = len(seq.prompt) - (1 if seq.prefix_len == 0 else 0)
-        stop = g.finish_reason is GrammarEnd.STOP
-        reason = FinishReason.EOS if stop else FinishReason.LENGTH
-        result = Finished(finish_reason=reason, metrics=m)
-        if isinstance(g, TextGrammar):
-            if seq.detok is not None:
-                tail = seq.detok.flush()
-                if tail:
-                    seq.text_parts.append(tail)
-                    self._emit(seq, TextDelta(tail))
-            result.text = "".join(seq.text_parts)
-        elif isinstance(g, ObjectGrammar):
-            result.finish_reason = FinishReason.EOS if stop else FinishReason.MAX_OBJECTS
-            m.output_tokens = len(g.objects)
-            for obj in g.objects:
-                if len(obj) == 2:
-                    result.points.append(Point(*obj))
-                else:
-                    result.boxes.append(Box(*obj))
-        elif isinstance(g, SegmentGrammar):
-            img = seq.request.image
-            result.segmentation = _segmentation(g.result((img.width, img.height)))
+        """Deliver the answer of ``seq``, whose grammar finished (core/outputs.py builds it)."""
+        tail, result = seq.output.finish(seq, now)
+        if tail is not None and seq.emit is not None:
+            seq.emit(tail)
         self._finish(seq)
-        self._emit(seq, result)
+        self._end(seq, result)
 
     def _fail(self, seq: Sequence, code: ErrorCode) -> None:
-        message = (
-            "the request's deadline passed"
-            if code == ErrorCode.DEADLINE_EXCEEDED
-            else "the request was cancelled"
-        )
         self._finish(seq)
-        self._emit(seq, EngineError(code, message))
+        self._end(seq, stopped(code))
 
     def _finish(self, seq: Sequence) -> None:
         seq.state = SeqState.FINISHED
@@ -620,15 +564,7 @@ class Scheduler:
                 self.waiting.remove(seq)
                 seq.state = SeqState.FINISHED
                 seq.release_resources()  # never admitted: no step ever read its rows
-                self._emit(
-                    seq,
-                    EngineError(
-                        seq.cancelled,
-                        "the request's deadline passed while queued"
-                        if seq.cancelled == ErrorCode.DEADLINE_EXCEEDED
-                        else "the request was cancelled",
-                    ),
-                )
+                self._end(seq, stopped(seq.cancelled, queued=True))
         if now > self._next_deadline:  # some running deadline passed: check them all
             self._next_deadline = math.inf
             for seq in self.running:
@@ -646,18 +582,18 @@ class Scheduler:
                 self._fail(seq, seq.cancelled)  # type: ignore[arg-type]
                 self._release(seq)
 
-    def _emit(self, seq: Sequence, event: Emitted) -> None:
-        emit = seq.emit
-        if isinstance(event, _FINAL_EVENTS):
-            self.observer.ended(seq, event)
-            # The last event: drop the link to the request's stream, which links back to the
-            # sequence, so the pair (and its image) is freed without waiting for the cycle GC.
-            seq.emit = None
+    def _end(self, seq: Sequence, event: Finished | EngineError) -> None:
+        """Deliver the last event of ``seq``."""
+        self.observer.ended(seq, event)
+        # Drop the link to the request's stream, which links back to the sequence, so the
+        # pair (and its image) is freed without waiting for the cycle GC.
+        emit, seq.emit = seq.emit, None
         if emit is not None:
             emit(event)
 
 
 _IDLE, _BOUNDARY = RowPhase.IDLE, RowPhase.BOUNDARY
+_IDLE_INT = int(_IDLE)  # a step's phases come back as ints, compared fastest with ints
 _PREFILL = SeqState.PREFILL
 _REGION_PHASE = np.isin(np.arange(len(RowPhase)), list(REGION_PHASES))  # by phase value
 assert F_PHASE == F_MASK + 1  # finalize writes both columns in one slice
@@ -671,16 +607,3 @@ def _row_state(seq: Sequence, samples: bool) -> tuple[int, int, RowPhase, int]:
     # TOKEN and BOUNDARY sample a token: only they are masked.
     mask = g.mask_row if phase <= _BOUNDARY else NO_MASK
     return seq.row, mask, phase, len(g.token_ids) if seq.is_text else 0  # type: ignore[attr-defined]
-
-
-def _segmentation(seg: SegmentResult) -> Segmentation:
-    polygons = tuple(tuple(Point(x, y) for x, y in poly) for poly in seg.polygons)
-    h, w = seg.mask_size
-    return Segmentation(
-        box=Box(*seg.box),
-        svg_path=seg.path,
-        polygons=polygons,
-        mask_rle=tuple(seg.mask_counts),
-        mask_height=h,
-        mask_width=w,
-    )

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from decoding.detokenize import StreamDetokenizer
 from decoding.grammars import Grammar, StepKind, TextGrammar
 from vlm_server.engine.api import Emitted, ErrorCode, GenerationRequest, RequestMetrics
+from vlm_server.engine.core.outputs import Output, output_for
 from vlm_server.engine.core.prefix_cache import PrefixEntry
 from vlm_server.engine.core.step_layout import RowPhase
 
@@ -55,7 +55,9 @@ class Sequence:
     prompt: list[int]
     grammar: Grammar
     prefix_len: int  # 0 (text only, BOS in the prompt) or BOS + image patches
-    detok: StreamDetokenizer | None = None
+    # How its committed rows become its events (core/outputs.py). None: `output_for` its
+    # grammar, without a vocabulary (text then streams nothing).
+    output: Output = None  # type: ignore[assignment]
     emit: Callable[[Emitted], None] | None = None  # delivers events to the request's stream
     # Gives back what the request holds outside the engine (a constraint's mask-table rows);
     # called once, when no in-flight step can read them any more.
@@ -73,11 +75,9 @@ class Sequence:
     rides_prefix: bool = False
     held: bool = False
     cancelled: ErrorCode | None = None  # CANCELLED or DEADLINE_EXCEEDED once asked to stop
-    text_parts: list[str] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     submitted_at: float = field(default_factory=time.monotonic)
     prefill_launched_at: float = 0.0
-    first_token_at: float = 0.0
     # Fixed by the grammar at construction; read every step, so kept as plain attributes.
     is_text: bool = field(init=False)
     max_decode: int = field(init=False)  # the grammar's position budget
@@ -86,6 +86,8 @@ class Sequence:
     prompt_ids: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.output is None:
+            self.output = output_for(self.grammar)
         self.is_text = isinstance(self.grammar, TextGrammar)
         self.max_decode = self.grammar.max_positions
         self.prompt_ids = np.asarray(self.prompt, np.int64)

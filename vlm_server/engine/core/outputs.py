@@ -1,0 +1,222 @@
+"""A request's answer, assembled from its committed steps (CUDA-free).
+
+Every sequence carries an `Output`, made with it from its grammar (`output_for`). The
+scheduler's commit hands it each committed row: `commit` advances the grammar by the protocol
+of decoding/grammars.py (a token; a boundary token, then x decoded from the same hidden state;
+a coordinate; a size) and returns the text the row completed, if any. Once the grammar
+finished, `finish` returns the events that end the request: the text still held back, then
+`Finished` with the answer and the metrics of its outputs.
+
+The scheduler knows no task: it calls these two methods whatever the request asks. A model
+family whose grammars decode other regions, or interleave them with text, brings `Output`
+subclasses of its own (overriding `commit` and `answer`) and gives them to its sequences.
+
+Called for every row of every step on the scheduler thread, so the hot paths compare phases
+with module constants (an enum attribute lookup costs more than the rest of a comparison)
+and build no object but the `TextDelta` a stream needs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from decoding.detokenize import StreamDetokenizer
+from decoding.grammars import (
+    Grammar,
+    GrammarEnd,
+    ObjectGrammar,
+    SegmentGrammar,
+    StepKind,
+    TextGrammar,
+)
+from decoding.segment_output import SegmentResult
+from decoding.vocab import TokenVocab
+from vlm_server.engine.api import (
+    Box,
+    EngineError,
+    ErrorCode,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    Point,
+    Segmentation,
+    TextDelta,
+)
+from vlm_server.engine.core.step_layout import O_COORD, O_HEIGHT, O_WIDTH, RowPhase
+
+if TYPE_CHECKING:
+    from vlm_server.engine.core.sequence import Sequence
+
+# Plain ints: a step's phases come back as ints (finalize's column), compared fastest with ints.
+_TOKEN, _BOUNDARY, _COORD, _SIZE = map(
+    int, (RowPhase.TOKEN, RowPhase.BOUNDARY, RowPhase.COORD, RowPhase.SIZE)
+)
+_COORD_X = StepKind.COORD_X
+_STOP = GrammarEnd.STOP
+
+RowValues = list[float]  # one output row (step_layout.py's O_* columns), as the host read it
+
+
+class Output:
+    """One request's answer as its rows commit. This base advances the grammar and counts the
+    tokens it feeds back; its answer is the finish reason alone. Subclasses add what their
+    grammar's answer is (text, objects, a segmentation)."""
+
+    __slots__ = ("first_at", "grammar", "output_tokens")
+
+    def __init__(self, grammar: Grammar) -> None:
+        self.grammar = grammar
+        self.first_at = 0.0  # when the first output committed (time.monotonic; 0: not yet)
+        self.output_tokens = 0  # as the API counts them: tokens fed back (subclasses: others)
+
+    def commit(
+        self, phase: int, token: int, values: RowValues | None, now: float
+    ) -> TextDelta | None:
+        """Advance the grammar with one committed row: ``phase`` is what finalize chose for
+        it (not IDLE), ``token`` the sampled id, ``values`` the row's outputs (None when no
+        row of its step decoded region values). Returns the text the row completed, if any.
+        Commits at ``now``."""
+        g = self.grammar
+        if phase == _TOKEN:
+            g.advance_token(token)
+            self.output_tokens += 1
+        elif phase == _BOUNDARY:
+            g.advance_token(token)
+            if not self.first_at:
+                self.first_at = now
+            if g.next_kind is _COORD_X:  # not eos: the device decoded x at the boundary too
+                g.advance_value(values[O_COORD])  # type: ignore[index]
+        elif phase == _COORD:
+            g.advance_value(values[O_COORD])  # type: ignore[index]
+        elif phase == _SIZE:
+            g.advance_value((values[O_WIDTH], values[O_HEIGHT]))  # type: ignore[index]
+        return None
+
+    def finish(self, seq: Sequence, now: float) -> tuple[TextDelta | None, Finished]:
+        """The events that end ``seq`` (whose grammar finished) at ``now``: the text still
+        held back, if any, then its result. Fills the metrics its outputs decide."""
+        m = seq.metrics
+        first = self.first_at
+        if first:
+            m.time_to_first_token_ms = (first - seq.submitted_at) * 1e3
+        m.decode_ms = (now - first) * 1e3 if first else 0.0
+        # The task's prompt tokens, as the API states: image positions and BOS not counted.
+        m.input_tokens = len(seq.prompt) - (1 if seq.prefix_len == 0 else 0)
+        m.output_tokens = self.output_tokens
+        stop = self.grammar.finish_reason is _STOP
+        result = Finished(FinishReason.EOS if stop else FinishReason.LENGTH, metrics=m)
+        return self.answer(result, seq.request), result
+
+    def answer(self, result: Finished, request: GenerationRequest) -> TextDelta | None:
+        """Complete ``result`` (finish reason and metrics set) with the answer of the
+        finished grammar; returns the text still held back, if any."""
+        return None
+
+
+class TextOutput(Output):
+    """Caption and query text: streams each token's text as it commits (never half a
+    character, see decoding/detokenize.py), and the whole text at the end."""
+
+    __slots__ = ("_ids", "detok", "parts")
+    grammar: TextGrammar
+
+    def __init__(self, grammar: TextGrammar, vocab: TokenVocab | None) -> None:
+        super().__init__(grammar)
+        # Without a vocabulary (a sequence built by hand) the answer is token ids only.
+        self.detok = StreamDetokenizer(vocab) if vocab is not None else None
+        self.parts: list[str] = []  # the text streamed so far
+        self._ids = grammar.token_ids  # the grammar appends to this list, never replaces it
+
+    def commit(
+        self, phase: int, token: int, values: RowValues | None, now: float
+    ) -> TextDelta | None:
+        """A text row is always a TOKEN row (text tokens are fed back: no boundary)."""
+        ids = self._ids
+        n = len(ids)
+        self.grammar.advance_token(token)
+        if len(ids) == n:  # eos ends the text and adds none
+            return None
+        if not self.first_at:
+            self.first_at = now
+        detok = self.detok
+        text = detok.push(token) if detok is not None else ""
+        if not text:
+            return None
+        self.parts.append(text)
+        return TextDelta(text)
+
+    def answer(self, result: Finished, request: GenerationRequest) -> TextDelta | None:
+        result.metrics.output_tokens = len(self._ids)  # every token the text took
+        tail = self.detok.flush() if self.detok is not None else ""
+        if tail:
+            self.parts.append(tail)
+        result.text = "".join(self.parts)
+        return TextDelta(tail) if tail else None
+
+
+class ObjectOutput(Output):
+    """Point and detect: the objects the grammar committed, one per boundary and values."""
+
+    __slots__ = ()
+    grammar: ObjectGrammar
+
+    def answer(self, result: Finished, request: GenerationRequest) -> TextDelta | None:
+        objects = self.grammar.objects
+        if result.finish_reason is FinishReason.LENGTH:
+            result.finish_reason = FinishReason.MAX_OBJECTS  # the budget counts objects
+        result.metrics.output_tokens = len(objects)
+        for obj in objects:
+            if len(obj) == 2:
+                result.points.append(Point(*obj))
+            else:
+                result.boxes.append(Box(*obj))
+        return None
+
+
+class SegmentOutput(Output):
+    """Segment: the box and path the grammar committed, as a segmentation of the request's
+    image (its polygons and mask are computed here, once, at the end)."""
+
+    __slots__ = ()
+    grammar: SegmentGrammar
+
+    def answer(self, result: Finished, request: GenerationRequest) -> TextDelta | None:
+        image = request.image
+        assert image is not None  # the task needs one (requests/tasks.py refuses it without)
+        result.segmentation = segmentation(self.grammar.result((image.width, image.height)))
+        return None
+
+
+def output_for(grammar: Grammar, vocab: TokenVocab | None = None) -> Output:
+    """The `Output` of this project's grammars; ``vocab`` spells text (without it, text
+    requests stream nothing). Other grammars get the base, which only advances them."""
+    if isinstance(grammar, TextGrammar):
+        return TextOutput(grammar, vocab)
+    if isinstance(grammar, ObjectGrammar):
+        return ObjectOutput(grammar)
+    if isinstance(grammar, SegmentGrammar):
+        return SegmentOutput(grammar)
+    return Output(grammar)
+
+
+def stopped(code: ErrorCode, queued: bool = False) -> EngineError:
+    """The event that ends a request stopped before its answer: ``code`` is CANCELLED or
+    DEADLINE_EXCEEDED; ``queued`` when it never left the queue."""
+    if code == ErrorCode.DEADLINE_EXCEEDED:
+        where = " while queued" if queued else ""
+        return EngineError(code, f"the request's deadline passed{where}")
+    return EngineError(code, "the request was cancelled")
+
+
+def segmentation(seg: SegmentResult) -> Segmentation:
+    """The API's segmentation of a segment grammar's result."""
+    polygons = tuple(tuple(Point(x, y) for x, y in poly) for poly in seg.polygons)
+    h, w = seg.mask_size
+    return Segmentation(
+        box=Box(*seg.box),
+        svg_path=seg.path,
+        polygons=polygons,
+        mask_rle=tuple(seg.mask_counts),
+        mask_height=h,
+        mask_width=w,
+    )
