@@ -204,6 +204,10 @@ class ToyModel(nn.Module):
     def n_heads(self) -> int:
         return self.config.text.n_heads
 
+    @property
+    def fused_attention(self) -> bool:
+        return False  # its GQA layout is not the CUDA kernels' packed one: CPU only
+
     def image_embeddings(self, crops: torch.Tensor, tiling: tuple[int, int]) -> torch.Tensor:
         return self.vision.project(self.vision.encode(crops.to(self.dtype)), tiling)
 

@@ -137,6 +137,14 @@ class DeviceModel(Protocol):
         """Query heads of the decoder's attention (fused attention kernels need it)."""
         ...
 
+    @property
+    def fused_attention(self) -> bool:
+        """Whether the decoder hands the engine's caches its raw projection through
+        ``cache.attend_packed(layer, qkv, positions)`` when they offer it: queries, keys and
+        values packed in that order, rotary by `TextStack.rope_cos` / ``rope_sin`` (half-split,
+        over the first dims of each head). The CUDA kernels need it; the CPU path does not."""
+        ...
+
     def image_embeddings(self, crops: torch.Tensor, tiling: tuple[int, int]) -> torch.Tensor:
         """One image's normalized crops [1 + h*w, 3, S, S] -> its embeddings [P - 1, D]."""
         ...

@@ -63,6 +63,11 @@ class KVPool:
         self.block_table: np.ndarray = self.block_host.numpy()[:rows]
         # Attention in the Triton kernels (CUDA), else in PyTorch; one switch for every view.
         self.use_triton = dev.is_cuda and triton_available()
+        if self.use_triton and not entry.fused_attention:
+            raise ValueError(
+                "this model family's decoder has no fused attention path (attend_packed), "
+                "which the CUDA kernels need: serve it with --device cpu"
+            )
 
     def upload_rows(self, stage: torch.Tensor, rows: list[int]) -> None:
         """Enqueue on the copy stream the block-table ``rows`` (ascending; none: nothing),

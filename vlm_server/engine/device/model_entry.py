@@ -37,6 +37,7 @@ class ModelEntryPoints:
         self.device: torch.device = model.device
         self.dim = text.dim  # hidden size: input embeddings and hidden states
         self.n_heads = model.n_heads  # query heads, for the attention kernels
+        self.fused_attention = model.fused_attention  # calls attend_packed: the CUDA kernels
         self.max_context = text.max_context  # positions a sequence may reach
         self.image_prefix_len = cfg.image_prefix_len  # BOS + image positions
         # One crop as the image path takes it: uint8 [crop_size, crop_size, channels].

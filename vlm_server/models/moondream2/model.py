@@ -38,6 +38,10 @@ class MoondreamModel(nn.Module):
     def n_heads(self) -> int:
         return self.config.text.n_heads
 
+    @property
+    def fused_attention(self) -> bool:
+        return True
+
     def image_embeddings(self, crops: torch.Tensor, tiling: tuple[int, int]) -> torch.Tensor:
         """Normalized crops of one image [1 + h*w, 3, S, S] -> embeddings [patches, dim]."""
         return self.vision.project(self.vision.encode(crops.to(self.dtype)), tiling)
