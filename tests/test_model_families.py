@@ -131,3 +131,17 @@ def test_a_second_family_serves_moondreams_http_api_and_openai_chat(
     )
     assert status == 200, body
     assert body["choices"][0]["message"]["content"] == ref.query(None, "tell me", GREEDY).text
+
+
+@pytest.mark.gpu
+def test_a_family_without_fused_attention_is_refused_on_cuda_in_one_line(
+    toy_family: None,
+) -> None:
+    from vlm_server.engine.config import EngineConfig
+    from vlm_server.engine.engine import BatchedEngine
+
+    loaded = registry.random_model(
+        registry.preset("toy"), dtype=torch.bfloat16, device="cuda", progress=False
+    )
+    with pytest.raises(ValueError, match="no fused attention path"):
+        BatchedEngine(loaded, EngineConfig(kv_budget_bytes=16 << 20))
