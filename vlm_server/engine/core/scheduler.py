@@ -365,23 +365,8 @@ class Scheduler:
                 own = total
                 if not cache.evict_for(own):
                     break
-            self.waiting.popleft()
-            seq.prefix = entry
-            seq.own_pages = pages.allocate(own)
-            seq.row = self.free_rows.pop()
-            pages.assign(seq.row, (entry.full_pages if entry else []) + seq.own_pages)
-            self._set_row_constants(seq)
-            self.running.append(seq)
+            self._start(self.waiting.popleft(), entry, own, now)
             n_admitted += 1
-            seq.state = SeqState.PREFILL
-            seq.prefill_launched_at = now
-            seq.metrics.queue_wait_ms = (now - seq.submitted_at) * 1e3
-            if seq.rides_prefix:  # the prefix batch writes its pages: a reference until done
-                seq.prefill_launched = len(seq.prompt)
-                seq.held = True
-                seq.add_ref()
-            if seq.request.deadline is not None:
-                self._next_deadline = min(self._next_deadline, seq.request.deadline)
             if seq.wants_prefill_chunk():  # no image, or its prefix is ready
                 admitted.append((seq, self._chunk(seq, budget.take(len(seq.prompt)))))
         if new_prefixes:
@@ -396,6 +381,26 @@ class Scheduler:
                 entry.pending = handle
                 self.pending_prefixes.append(entry)
         return admitted
+
+    def _start(self, seq: Sequence, entry: PrefixEntry | None, own: int, now: float) -> None:
+        """Give an admitted sequence its ``own`` pages (after the prefix's), a row and its
+        row constants, and start its prefill."""
+        pages = self.pages
+        seq.prefix = entry
+        seq.own_pages = pages.allocate(own)
+        seq.row = self.free_rows.pop()
+        pages.assign(seq.row, (entry.full_pages if entry else []) + seq.own_pages)
+        self._set_row_constants(seq)
+        self.running.append(seq)
+        seq.state = SeqState.PREFILL
+        seq.prefill_launched_at = now
+        seq.metrics.queue_wait_ms = (now - seq.submitted_at) * 1e3
+        if seq.rides_prefix:  # the prefix batch writes its pages: a reference until done
+            seq.prefill_launched = len(seq.prompt)
+            seq.held = True
+            seq.add_ref()
+        if seq.request.deadline is not None:
+            self._next_deadline = min(self._next_deadline, seq.request.deadline)
 
     def _streaming(self) -> bool:
         """Whether a running request still has ``prefill_sms_when_streaming`` tokens or more
