@@ -23,7 +23,6 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
 from vlm_server.engine.api import Engine, EngineStats
@@ -43,6 +42,7 @@ from vlm_server.service.images import (
 from vlm_server.service.intake import IntakeInterceptor
 from vlm_server.service.memory import Trimmer
 from vlm_server.service.metrics import ServiceMetrics
+from vlm_server.service.reflection import enable_reflection
 from vlm_server.service.servicer import SERVICE_NAME, VisionLanguageServicer, server_version
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,9 @@ class VisionLanguageServer:
         self.http: HttpFrontDoor | None = None
         if config.http_port != 0:
             auth = http_auth if http_auth is not None else self.api_keys
-            self.http = HttpFrontDoor(self.core, config.max_http_body_bytes, auth, server_version())
+            self.http = HttpFrontDoor(
+                self.core, config.max_http_body_bytes, auth, server_version(), self.health
+            )
         self._trimmer = Trimmer(config.memory_trim_interval)
         self._server: grpc.aio.Server | None = None
         self._loading: asyncio.Task[None] | None = None
@@ -198,9 +200,7 @@ class VisionLanguageServer:
         )
         pb_grpc.add_VisionLanguageServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server
-        )
+        enable_reflection((SERVICE_NAME, "grpc.health.v1.Health"), server)
         self.port = self._bind(server)
         try:
             self.metrics_port = self._serve_metrics()
@@ -259,7 +259,7 @@ class VisionLanguageServer:
         await engine.start()
         info = engine.info
         self.core.engine = engine
-        await self.health.ready()
+        await self.health.serving()
         self._watching = asyncio.create_task(self._watch_failure(engine))
         log.info(
             "ready",
