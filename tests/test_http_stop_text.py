@@ -4,6 +4,8 @@ of a stop is ever sent."""
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,7 +31,7 @@ def test_what_is_sent_is_the_text_before_the_first_stop(
     text: str, cuts: list[int], stops: list[str]
 ) -> None:
     bounds = sorted({0, len(text), *(min(c, len(text)) for c in cuts)})
-    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
     sent, stopped = _run(pieces, tuple(stops))
     # Checked one character at a time: the first end of a stop, then its earliest start.
     want, found = text, False
