@@ -192,7 +192,11 @@ class BatchedEngine:
             max_regex_chars=self.cfg.constraint_limits.max_regex_chars,
         )
         self.tasks = TaskCompiler(
-            mc, loaded.tokenizer, self.cfg.mask_table_rows, self.cfg.constraint_limits
+            mc,
+            loaded.tokenizer,
+            self.cfg.mask_table_rows,
+            self.cfg.constraint_limits,
+            compile_in_child=True,
         )
         self.table = self.tasks.table
         # Where the scheduler's events go. Replaceable before `start` (an engine process
@@ -257,6 +261,7 @@ class BatchedEngine:
         if self._prefix_watcher is not None:
             self._prefix_watcher.close()
         self._builders.shutdown(wait=False, cancel_futures=True)
+        self.tasks.constraints.close()
 
     def stats(self) -> EngineStats:
         stats = self.scheduler.stats()  # plain counters: a racy read is fine for metrics
@@ -296,6 +301,7 @@ class BatchedEngine:
                 seq = await asyncio.shield(built)
             except asyncio.CancelledError:
                 built.add_done_callback(_release_abandoned)
+                self.tasks.constraints.cancel(request.choices, request.regex)
                 raise
         else:
             seq = self.build(request)

@@ -1,9 +1,10 @@
 """What happens to a call before its handler runs.
 
-1. Requests that are not valid protobuf answer INVALID_ARGUMENT naming the field, without a
-   traceback. grpc.aio parses a request before the handler runs; a parse error (corrupt wire
-   format, or invalid UTF-8 in a ``string`` field) would escape as UNKNOWN with the
-   exception's class in the message and an error-level traceback per request. The
+1. Requests that are not valid protobuf, or declare a string field far beyond its limit
+   (field_limits.py: refused before it is copied), answer INVALID_ARGUMENT naming the field,
+   without a traceback. grpc.aio parses a request before the handler runs; a parse error
+   (corrupt wire format, or invalid UTF-8 in a ``string`` field) would escape as UNKNOWN
+   with the exception's class in the message and an error-level traceback per request. The
    interceptor wraps every method's parser so a failure becomes a `Malformed` value, which
    the wrapped handler answers. `bad_utf8_field` walks the wire format to name the field.
 2. Calls that end before their handler starts are still counted. When a deadline passes
@@ -16,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ from google.protobuf.message import DecodeError, Message
 
 from vlm_server.service.auth import RejectHook
 from vlm_server.service.errors import FIELD_METADATA_KEY
+from vlm_server.service.field_limits import oversized_field
 
 UnstartedHook = Callable[[str], None]  # the method of a call that ended before its handler
 
@@ -39,9 +41,12 @@ class Malformed:
     type_name: str
     reason: str
     field: str | None = None
+    text: str = ""  # the whole message, when not the parser's
 
     @property
     def message(self) -> str:
+        if self.text:
+            return self.text
         where = f"{self.field}: " if self.field else ""
         return f"{where}not a valid {self.type_name} message ({self.reason})"
 
@@ -99,12 +104,19 @@ def _message_class(parse: Callable[[bytes], Any]) -> type[Message] | None:
     return owner if isinstance(owner, type) and issubclass(owner, Message) else None
 
 
-def guarded_parser(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
-    """``parse``, returning a `Malformed` instead of raising on bad input."""
+def guarded_parser(
+    parse: Callable[[bytes], Any], field_limits: Mapping[str, int] | None = None
+) -> Callable[[bytes], Any]:
+    """``parse``, returning a `Malformed` instead of raising on bad input, or on a string field
+    declared longer than ``field_limits`` allow (refused before it is copied)."""
     cls = _message_class(parse)
     type_name = cls.DESCRIPTOR.full_name if cls is not None else "request"
 
     def guarded(data: bytes) -> Any:
+        if field_limits and cls is not None:
+            big = oversized_field(data, cls.DESCRIPTOR, field_limits)
+            if big is not None:
+                return Malformed(type_name, "", big.field, big.message)
         try:
             return parse(data)
         except (DecodeError, ValueError, UnicodeDecodeError) as err:
@@ -123,7 +135,11 @@ async def _abort(bad: Malformed, context: grpc.aio.ServicerContext) -> None:
 
 
 def _guarded_handler(
-    handler: grpc.RpcMethodHandler, method: str, on_reject: RejectHook | None, started: list[bool]
+    handler: grpc.RpcMethodHandler,
+    method: str,
+    on_reject: RejectHook | None,
+    started: list[bool],
+    field_limits: Mapping[str, int] | None = None,
 ) -> grpc.RpcMethodHandler:
     def rejected(bad: Malformed) -> None:
         if on_reject is not None:
@@ -141,7 +157,7 @@ def _guarded_handler(
 
         return grpc.unary_unary_rpc_method_handler(
             unary_unary,
-            request_deserializer=guarded_parser(handler.request_deserializer),
+            request_deserializer=guarded_parser(handler.request_deserializer, field_limits),
             response_serializer=handler.response_serializer,
         )
     if handler.unary_stream is not None:
@@ -164,7 +180,7 @@ def _guarded_handler(
 
         return grpc.unary_stream_rpc_method_handler(
             unary_stream,
-            request_deserializer=guarded_parser(handler.request_deserializer),
+            request_deserializer=guarded_parser(handler.request_deserializer, field_limits),
             response_serializer=handler.response_serializer,
         )
     started[0] = True  # client streaming (reflection): parsed per message by its own handler
@@ -183,7 +199,9 @@ class IntakeInterceptor(grpc.aio.ServerInterceptor):
         on_reject: RejectHook | None = None,
         on_unstarted: UnstartedHook | None = None,
         watched: tuple[str, ...] = (),
+        field_limits: Mapping[str, int] | None = None,
     ) -> None:
+        self._field_limits = field_limits
         self._on_reject = on_reject
         self._on_unstarted = on_unstarted
         self._watched = tuple(f"/{name}/" for name in watched)
@@ -203,4 +221,6 @@ class IntakeInterceptor(grpc.aio.ServerInterceptor):
             if task is not None:
                 hook, method = self._on_unstarted, details.method
                 task.add_done_callback(lambda _: None if started[0] else hook(method))
-        return _guarded_handler(handler, details.method, self._on_reject, started)
+        return _guarded_handler(
+            handler, details.method, self._on_reject, started, self._field_limits
+        )

@@ -139,7 +139,16 @@ class VisionLanguageServer:
 
     def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         reject = self.servicer.record_rejected
-        intake = IntakeInterceptor(reject, self.servicer.record_unstarted, (SERVICE_NAME,))
+        cfg = self.config
+        limits = {
+            "question": cfg.max_question_chars,
+            "object": cfg.max_object_chars,
+            "regex": cfg.max_regex_chars,
+            "choices": cfg.max_choice_chars,
+        }
+        intake = IntakeInterceptor(
+            reject, self.servicer.record_unstarted, (SERVICE_NAME,), field_limits=limits
+        )
         chain: list[grpc.aio.ServerInterceptor] = [intake]
         if self.api_keys is not None:  # its refusals parse nothing
             chain.append(AuthInterceptor(self.api_keys, reject))
