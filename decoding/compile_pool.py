@@ -151,6 +151,11 @@ class CompilePool:
                 self._kill()
                 raise CompileTimeout("the constraint compiler stopped; retry") from None
 
+    def warm(self) -> None:
+        """Start the child now, so that the first compilation does not wait for it."""
+        with self._lock:
+            self._ensure()
+
     def cancel(self, key: Key) -> bool:
         """Stop compiling ``key`` if that is what the child is doing; True if it was."""
         with self._state:

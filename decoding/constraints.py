@@ -131,6 +131,11 @@ class ConstraintCompiler:
         if self.pool is not None:
             self.pool.cancel(("choices", tuple(choices)) if choices else ("regex", regex or ""))
 
+    def warm(self) -> None:
+        """Start the compiling child now (blocks for its start-up; a no-op in process)."""
+        if self.pool is not None:
+            self.pool.warm()
+
     def close(self) -> None:
         """Stop the compiling child, if any."""
         if self.pool is not None:

@@ -241,6 +241,11 @@ class BatchedEngine:
             self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
             self._thread.start()
 
+    def warm_constraints(self) -> None:
+        """Start the constraint compiler's child process in the background, so that the
+        first constrained request does not wait for it (servers call this once ready)."""
+        self._builders.submit(self.tasks.constraints.warm)
+
     async def drain(self, timeout: float) -> None:
         self._draining = True
         deadline = time.monotonic() + timeout

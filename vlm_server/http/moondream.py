@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from vlm_server.api.v1 import vision_language_pb2 as pb
-from vlm_server.engine.api import Box, Finished, TextDelta
+from vlm_server.engine.api import Box, EngineError, ErrorCode, Finished, TextDelta
 from vlm_server.http import data_url
 from vlm_server.http.body import Field
 from vlm_server.http.exchange import Exchange
@@ -201,6 +201,12 @@ def settings(values: dict[str, Any] | None) -> pb.GenerationSettings:
         try:
             setattr(out, name, value)
         except (ValueError, TypeError):  # an integer beyond the proto field's range
+            if name in ("max_tokens", "max_objects"):  # as any count beyond the model
+                raise EngineError(
+                    ErrorCode.OUT_OF_RANGE,
+                    f"settings.{name}: must be within the model's context, got {value}",
+                    f"settings.{name}",
+                ) from None
             raise invalid(f"settings.{name}", f"is out of range: {value}") from None
     return out
 

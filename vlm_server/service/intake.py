@@ -26,7 +26,8 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
 from vlm_server.service.auth import RejectHook
-from vlm_server.service.errors import FIELD_METADATA_KEY
+from vlm_server.service.calls import request_id
+from vlm_server.service.errors import FIELD_METADATA_KEY, REQUEST_ID_METADATA_KEY
 from vlm_server.service.field_limits import oversized_field
 
 UnstartedHook = Callable[[str], None]  # the method of a call that ended before its handler
@@ -130,7 +131,12 @@ def guarded_parser(
 
 
 async def _abort(bad: Malformed, context: grpc.aio.ServicerContext) -> None:
-    trailing = ((FIELD_METADATA_KEY, bad.field),) if bad.field else ()
+    # A request id like every other answer's: the client's when it sent a valid one.
+    sent = next((v for k, v in context.invocation_metadata() or () if k == "x-request-id"), None)
+    rid = request_id(sent if isinstance(sent, str) else None)
+    trailing: tuple[tuple[str, str], ...] = ((REQUEST_ID_METADATA_KEY, rid),)
+    if bad.field:
+        trailing += ((FIELD_METADATA_KEY, bad.field),)
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad.message, trailing_metadata=trailing)
 
 

@@ -47,6 +47,9 @@ async def serve(config: ServerConfig, engine_factory: Callable[[], Engine]) -> i
         return 1
     if ready.done():
         freeze()  # the model is loaded: later collections skip its objects
+        warm = getattr(server.engine, "warm_constraints", None)  # an in-process engine's
+        if warm is not None:
+            warm()
     await stopping
     log.info("signal received: draining")
     await server.shutdown()

@@ -111,9 +111,12 @@ class _Call(Call):
         if isinstance(exc, EngineError):
             trailing: tuple[tuple[str, str], ...] = ((REQUEST_ID_METADATA_KEY, self.request_id),)
             field = proto_field(exc.field)
+            message = exc.message
             if field:
                 trailing += ((FIELD_METADATA_KEY, field),)
-            await self.context.abort(STATUS[exc.code], exc.message, trailing_metadata=trailing)
+                if exc.field and exc.field != field and message.startswith(f"{exc.field}:"):
+                    message = field + message[len(exc.field) :]  # the name clients know
+            await self.context.abort(STATUS[exc.code], message, trailing_metadata=trailing)
         if status_code(exc) == "INTERNAL":
             await self.context.abort(
                 grpc.StatusCode.INTERNAL, f"internal error (request id {self.request_id})"

@@ -222,6 +222,7 @@ def _check_settings(req: GenerationRequest, max_context: int) -> None:
         # together exceed the context are.
         raise EngineError(
             ErrorCode.OUT_OF_RANGE,
-            f"max_tokens must be at most {max_context} (the model's context), got {req.max_tokens}",
+            f"max_tokens: must be at most {max_context} (the model's context), "
+            f"got {req.max_tokens}",
             "max_tokens",
         )
