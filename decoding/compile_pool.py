@@ -151,6 +151,11 @@ class CompilePool:
                 self._kill()
                 raise CompileTimeout("the constraint compiler stopped; retry") from None
 
+    @property
+    def compiling(self) -> Key | None:
+        """The constraint the child is compiling now, if any."""
+        return self._current
+
     def warm(self) -> None:
         """Start the child now, so that the first compilation does not wait for it."""
         with self._lock:

@@ -110,13 +110,13 @@ def _check_structure(skeleton: bytes, limits: JsonLimits) -> None:
     projected = text.translate(None, _NOT_STRUCTURE)
     outside = _STRINGS.sub(b'""', projected)
     codes = np.frombuffer(outside, np.uint8)
-    values = int(_VALUES[codes].sum(dtype=np.int64)) + 1
-    if values > limits.max_values:
-        raise invalid(BODY, f"holds {values} JSON values or more; at most {limits.max_values}")
     if codes.size:
         depth = int(np.cumsum(_DEPTH[codes], dtype=np.int64).max())
         if depth > limits.max_depth:
             raise invalid(BODY, f"is nested {depth} levels deep; at most {limits.max_depth} levels")
+    values = int(_VALUES[codes].sum(dtype=np.int64)) + 1
+    if values > limits.max_values:
+        raise invalid(BODY, f"holds {values} JSON values or more; at most {limits.max_values}")
 
 
 # ---- big plain strings ------------------------------------------------------------------
