@@ -141,11 +141,13 @@ class VisionLanguageServicer(pb_grpc.VisionLanguageServicer):
         """A call refused before its handler ran (bad protobuf, no API key)."""
         self._record_early(method, code.name, {"error": message})
 
-    def record_unstarted(self, method: str) -> None:
-        """A call that ended before its handler ran: gRPC ends a call whose deadline passes
-        (or whose client cancels) while its request is still arriving. It cannot say which
-        of the two, so the code is CANCELLED with ``stage=receiving`` in the log."""
-        self._record_early(method, "CANCELLED", {"stage": "receiving"})
+    def record_unstarted(
+        self, method: str, code: str = "CANCELLED", client_id: str | None = None
+    ) -> None:
+        """A call that ended before its request was read: its deadline passed while the
+        request was still arriving (DEADLINE_EXCEEDED), or its client went away (CANCELLED)."""
+        fields = {"stage": "receiving", "request_id": request_id(client_id)}
+        self._record_early(method, code, fields)
 
     def _record_early(self, method: str, code: str, fields: dict[str, Any]) -> None:
         service, _, name = method.lstrip("/").partition("/")
