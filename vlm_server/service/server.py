@@ -42,6 +42,7 @@ from vlm_server.service.images import (
 from vlm_server.service.intake import IntakeInterceptor
 from vlm_server.service.memory import Trimmer
 from vlm_server.service.metrics import ServiceMetrics
+from vlm_server.service.ports import port_in_use
 from vlm_server.service.reflection import enable_reflection
 from vlm_server.service.servicer import SERVICE_NAME, VisionLanguageServicer, server_version
 
@@ -157,6 +158,11 @@ class VisionLanguageServer:
     def _bind(self, server: grpc.aio.Server) -> int:
         address = f"{self.config.host}:{self.config.port}"
         credentials = tls_credentials(self.config)
+        if port_in_use(self.config.host, self.config.port):
+            raise ListenError(
+                f"cannot listen on {address}: port {self.config.port} is in use "
+                "(another server?); choose another with --port"
+            )
         try:
             if credentials is None:
                 port = server.add_insecure_port(address)
