@@ -14,6 +14,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 
+from vlm_server.chip_features import check_config
 from vlm_server.devices import resolve_device
 from vlm_server.engine.api import Engine
 from vlm_server.service.config import ServerConfig, load_config
@@ -66,6 +67,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "vlm-server") -> int:
         return 2
     try:
         resolve_device(config.device)
+        check_config(config)  # chip-gated flags: one line naming the flag (chip_features.py)
     except ValueError as err:
         log.error("%s", err)
         return 2
