@@ -86,7 +86,7 @@ def make_readable(
     eos_bias: float | None = None,
     eos_code: tuple[float, float, float, float] | None = None,
     eos_progress: float | None = None,
-    repeat_penalty: float = 1.5,
+    repeat_penalty: float = 0.8,
     word_scale: float = 0.35,
 ) -> Path:
     """Rewrite the checkpoint in ``out_dir`` (written by `write_checkpoint` for ``config``)
