@@ -125,3 +125,17 @@ def test_large_bodies_parse_to_the_same_values() -> None:
 def test_a_large_body_of_small_values_is_refused_by_its_skeleton() -> None:
     data = json.dumps({"q": ["é" * 10] * 300_000}, ensure_ascii=False).encode()
     assert "besides" in _refused(data, JsonLimits()).message
+
+
+def test_a_number_beyond_a_double_says_so() -> None:
+    """1e999 parses to infinity: the error says what is wrong with it, not "must be a JSON
+    number, got number"."""
+    from vlm_server.http.body import Field, check
+
+    value = parse(b'{"temperature": 1e999}')
+    with pytest.raises(EngineError) as caught:
+        check((Field("temperature", "number", ""),), value)
+    assert caught.value.field == "temperature"
+    assert caught.value.message == (
+        "temperature: must be a finite number, got one beyond the range of a double"
+    )

@@ -471,6 +471,18 @@ def test_decompression_bomb_is_refused_from_the_header() -> None:
     assert peak < 5_000_000  # nothing decoded: that is what made it fast
 
 
+def test_a_bomb_beyond_pillows_guard_is_refused_with_the_servers_limit() -> None:
+    """Pillow refuses first (beyond twice its MAX_IMAGE_PIXELS) with its own number; the
+    refusal states the limit the client can act on (--max-image-pixels), not Pillow's."""
+    data = png_with_declared_size(20_000, 20_000)
+    limits = ImageLimits(max_pixels=12_000_000)
+    with pytest.raises(ImageError) as info:
+        decode_image(data, limits)
+    assert info.value.reason is R.TOO_MANY_PIXELS
+    assert "12000000" in info.value.message and "178956970" not in info.value.message
+    assert "400000000 pixels" in info.value.message
+
+
 def test_pixel_limit_below_pillows_own_guard() -> None:
     # 64 MP: below Pillow's bomb guard, above our default 50 MP.
     data = png_with_declared_size(8000, 8000)
