@@ -37,6 +37,8 @@ from vlm_server.service.field_limits import oversized_field
 # (method, status code, client's request id) of a call that ended before its request was read.
 UnstartedHook = Callable[[str, str, str | None], None]
 _CLOCK_SLACK_S = 0.01  # the transport's timer and this clock need not agree to the ms
+_PARSE_APART_BYTES = 1 << 20
+_YIELD_S = 0.0005  # a timer: it queues behind what is due, unlike sleep(0)
 
 _MAX_DEPTH = 32  # deeper nesting than any of our messages has: stop looking
 
@@ -195,7 +197,12 @@ def _guarded_handler(
     before its message arrives: see `_read_one`."""
 
     async def read(context: grpc.aio.ServicerContext) -> Any:
-        request = await _read_one(context, method, on_unstarted, started)
+        data = await _read_one(context, method, on_unstarted, started)
+        if len(data) > _PARSE_APART_BYTES:
+            # Receiving a large message holds the loop for a while (gRPC copies it into one
+            # bytes object), and so does parsing it: not both in one turn of the loop.
+            await asyncio.sleep(_YIELD_S)
+        request = parser(data)
         if isinstance(request, Malformed):
             if on_reject is not None:
                 on_reject(method, grpc.StatusCode.INVALID_ARGUMENT, request.message)
@@ -211,7 +218,7 @@ def _guarded_handler(
 
         return grpc.stream_unary_rpc_method_handler(
             stream_unary,
-            request_deserializer=parser,
+            request_deserializer=None,  # raw bytes: `read` parses them
             response_serializer=handler.response_serializer,
         )
     if handler.unary_stream is not None:
@@ -230,7 +237,7 @@ def _guarded_handler(
 
         return grpc.stream_stream_rpc_method_handler(
             stream_stream,
-            request_deserializer=parser,
+            request_deserializer=None,  # raw bytes: `read` parses them
             response_serializer=handler.response_serializer,
         )
     started[0] = True  # client streaming (reflection): parsed per message by its own handler
