@@ -7,18 +7,24 @@ that `write_checkpoint` made, keeping every tensor's shape, the architecture and
 (vision tower, region heads, grammars, byte-level tokenizer), and changes only what an answer
 looks like:
 
-* Words. The tokenizer's merges spell `WORDS` (with and without a leading space), and the
-  lm_head bias holds every other ordinary token (bytes, word prefixes) far down, so free text
-  samples whole words. The byte tokens stay in the vocabulary: any input still encodes, and a
-  constraint or grammar that needs them (a regex, an SVG path) can still use them.
-* Lengths. Caption prompts differ in one token, ``<|short|>``, ``<|normal|>`` or ``<|long|>``.
-  One head of the first layer attends to that token from every later position (its key and
-  query live in the head's unrotated dimensions, so position does not matter), and copies a
-  one-hot code of it into three residual dimensions that nothing else writes; the eos row of
-  lm_head reads only those, so eos gets a fixed logit per caption length (and another for
-  prompts without one). Each step then ends the answer with a fixed chance, and lengths come
-  out geometric with means shaped like real captions: short about a dozen words, normal a few
-  dozen, long about a hundred.
+* Words. The tokenizer's merges spell `WORDS` (with a leading space), and the lm_head bias
+  holds every other token (bytes, word prefixes, the prompt's special tokens) far down, so free
+  text samples whole words. Word logits are flattened, so the default nucleus (top_p 0.3)
+  holds dozens of them, and each word reads its own embedding negatively, so it seldom follows
+  itself. Byte tokens stay in the vocabulary: any input encodes, and grammars and constraints
+  that need them (an SVG path, a regex) still use them.
+* Lengths, from two signals in residual dimensions nothing else writes (the first norm treats
+  them alike, so that one zero dimension recovers each raw value), both read by eos's row of
+  lm_head only. (1) The prompt's kind: caption prompts differ in one token (``<|short|>``,
+  ``<|normal|>``, ``<|long|>``), region prompts have ``<|detect|>`` or ``<|point|>``; head 0 of
+  the first layer attends to that token from every later position (key and query in the head's
+  unrotated dimensions: position does not matter) and copies a one-hot code of it. (2) The
+  answer's progress: head 1 attends evenly to the text positions (image ones keyed far down)
+  and averages a mark every word token carries, the share of words so far, which grows with
+  each word written. eos's logit rises with progress from an offset set by the kind, so
+  captions end at lengths shaped like real ones (median, at the default settings: short
+  about 15 tokens, normal about 35, long about 90), answers after a couple of dozen words, and
+  detect and point after a few objects.
 """
 
 from __future__ import annotations
