@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-# moondream2's text decoder (vlm_server.config preset "moondream2").
+# moondream2's text decoder (preset "moondream2").
 FULL_DIMS = {
     "hidden_size": 2048,
     "num_hidden_layers": 24,

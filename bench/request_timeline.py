@@ -194,6 +194,10 @@ async def saturated(args: argparse.Namespace, engine: BatchedEngine, pictures: l
     with profile(activities=activities) as prof:
         t0, n0 = time.perf_counter(), len(done)
         await asyncio.sleep(args.window_ms / 1e3)
+        # And until --window-requests completed in it: on a slow machine (a check on a busy
+        # CPU) a fixed window may see none.
+        while len(done) - n0 < args.window_requests and not all(t.done() for t in tasks):
+            await asyncio.sleep(0.01)
         t1, n1 = time.perf_counter(), len(done)
     stop = True
     await asyncio.gather(*tasks)
@@ -299,6 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=1, help=">1: the saturated view")
     ap.add_argument("--warmup-s", type=float, default=3.0)
     ap.add_argument("--window-ms", type=float, default=500.0)
+    ap.add_argument(
+        "--window-requests",
+        type=int,
+        default=0,
+        help="keep the window open until this many requests completed in it",
+    )
     args = ap.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     result = asyncio.run(run(args))

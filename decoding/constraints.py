@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .automaton import Dfa, choices_dfa
+from .compile_pool import CompileCancelled, CompileJob, CompilePool
 from .limits import UNLIMITED, CompileBudget, CompileTimeout, ConstraintLimits, ConstraintTooLarge
 from .mask_table import AutomatonRows, MaskTable
 from .regex_dfa import parse_regex, regex_dfa, shortest_match_bytes
@@ -40,7 +41,9 @@ class ConstraintCompiler:
     `blocked` ids are never allowed inside constrained text (e.g. ids a task suppresses).
     The default mask cache is memory only; pass `MaskCache()` to also keep compiled masks on
     disk (under the user cache directory) across restarts. Compiling is CPU work proportional
-    to the automaton size times the vocabulary: call it off the scheduler thread.
+    to the automaton size times the vocabulary: call it off the scheduler thread. With
+    ``in_child``, client constraints (choices, regex) compile in a child process
+    (compile_pool.py), so they never hold this process's GIL, and `cancel` can stop one.
     """
 
     vocab: TokenVocab
@@ -49,8 +52,20 @@ class ConstraintCompiler:
     cache: MaskCache = field(default_factory=lambda: MaskCache(use_disk=False))
     blocked: frozenset[int] = field(default_factory=frozenset)
     limits: ConstraintLimits = field(default_factory=ConstraintLimits)
+    in_child: bool = False
 
     def __post_init__(self) -> None:
+        self.pool: CompilePool | None = None
+        if self.in_child:
+            job = CompileJob(
+                self.vocab,
+                self.eos_id,
+                self.table.width,
+                frozenset(self.blocked),
+                self.limits.max_constraint_states,
+                min(self.limits.max_mask_rows, MAX_ROWS),
+            )
+            self.pool = CompilePool(job)
         pieces = [p for p in self.vocab.text_pieces() if p]
         self._longest_piece = max((len(p) for p in pieces), default=1)
         self._compiled: OrderedDict[_Key, CompiledMasks | _Refusal] = OrderedDict()
@@ -110,6 +125,22 @@ class ConstraintCompiler:
         """Give back the rows a `choices` / `regex` call took."""
         self.table.release(rows)
 
+    def cancel(self, choices: Sequence[str], regex: str | None) -> None:
+        """Stop compiling this constraint, if a child is doing so now (its requester went
+        away): the `choices` / `regex` call waiting for it raises CompileCancelled."""
+        if self.pool is not None:
+            self.pool.cancel(("choices", tuple(choices)) if choices else ("regex", regex or ""))
+
+    def warm(self) -> None:
+        """Start the compiling child now (blocks for its start-up; a no-op in process)."""
+        if self.pool is not None:
+            self.pool.warm()
+
+    def close(self) -> None:
+        """Stop the compiling child, if any."""
+        if self.pool is not None:
+            self.pool.close()
+
     # ---- built-in languages (pinned rows) ---------------------------------------------------
 
     def automaton(self, dfa: Dfa) -> AutomatonRows:
@@ -154,7 +185,7 @@ class ConstraintCompiler:
         with self._lock:
             hit = self._compiled.get(key)
             if hit is None:
-                hit = self._compile_uncached(build)
+                hit = self._compile_uncached(key, build)
                 self._remember(key, hit)
             else:
                 self._compiled.move_to_end(key)
@@ -177,11 +208,16 @@ class ConstraintCompiler:
             _, dropped = self._compiled.popitem(last=False)
             self._cached_bytes -= _nbytes(dropped)
 
-    def _compile_uncached(self, build: Callable[[CompileBudget], Dfa]) -> CompiledMasks | _Refusal:
+    def _compile_uncached(
+        self, key: _Key, build: Callable[[CompileBudget], Dfa]
+    ) -> CompiledMasks | _Refusal:
         # Refusals are cached too: a client repeating a costly constraint gets its answer
-        # at once instead of another full budget of compile time.
+        # at once instead of another full budget of compile time. A cancelled compilation
+        # (CompileCancelled) is neither.
         budget = CompileBudget(self.limits.constraint_compile_seconds)
         try:
+            if self.pool is not None:
+                return self.pool.compile(key, self.limits.constraint_compile_seconds)
             return compile_masks(
                 build(budget),
                 self.vocab,
@@ -206,6 +242,7 @@ def _nbytes(entry: CompiledMasks | _Refusal) -> int:
 __all__ = [
     "UNLIMITED",
     "BudgetTooSmall",
+    "CompileCancelled",
     "CompileTimeout",
     "ConstraintCompiler",
     "ConstraintLimits",

@@ -25,6 +25,7 @@ off, so truncated files are refused, and ``MAX_IMAGE_PIXELS`` is left alone.
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ from .budget import DecodeBudget, reserve
 from .errors import ImageError, ImageErrorReason
 from .jpeg import Allocator, draft_scale, orient, try_decode_jpeg
 from .limits import DEFAULT_LIMITS, ImageLimits
+from .sniff import check_structure
 
 __all__ = [
     "ACCEPTED_FORMATS",
@@ -132,6 +134,17 @@ def sniff_format(data: bytes) -> str | None:
         if head.startswith(magic):
             return name
     return None
+
+
+def _bomb(exc: Exception, limits: ImageLimits) -> ImageError:
+    """Pillow's own bomb guard fired (beyond twice its MAX_IMAGE_PIXELS): say it in terms of
+    this server's limit, not Pillow's."""
+    found = re.search(r"\((\d+) pixels\)", str(exc))
+    pixels = f"{int(found.group(1))} pixels" if found else "more pixels than Pillow opens"
+    return ImageError(
+        ImageErrorReason.TOO_MANY_PIXELS,
+        f"image has {pixels}; the limit is {limits.max_image_pixels}",
+    )
 
 
 def check_size(
@@ -323,10 +336,11 @@ def read_header(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> Header:
             ImageErrorReason.TOO_LARGE_BYTES,
             f"image data is {size} bytes; the limit is {limits.max_image_bytes}",
         )
+    check_structure(data)  # before Pillow's byte-by-byte header readers (sniff.py)
     try:
         image = Image.open(io.BytesIO(data), formats=list(ACCEPTED_FORMATS))
     except Image.DecompressionBombError as exc:
-        raise ImageError(ImageErrorReason.TOO_MANY_PIXELS, f"image is too large: {exc}") from exc
+        raise _bomb(exc, limits) from exc
     except UnidentifiedImageError as exc:
         kind = sniff_format(data)
         if kind is None:
@@ -429,7 +443,7 @@ def _decode_with_pillow(
     except ImageError:
         raise
     except Image.DecompressionBombError as exc:
-        raise ImageError(ImageErrorReason.TOO_MANY_PIXELS, f"image is too large: {exc}") from exc
+        raise _bomb(exc, limits) from exc
     except MemoryError as exc:
         raise ImageError(ImageErrorReason.CORRUPT, "decoding the image ran out of memory") from exc
     except Exception as exc:

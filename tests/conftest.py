@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,21 @@ from vlm_server.models.registry import load_model, preset, write_checkpoint
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--run-slow",
+        action="store_true",
+        help="also run the tests marked slow (minutes each on a CPU; skipped by default so "
+        "that the suite stays within a few minutes on two cores)",
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("--run-slow") and not os.environ.get("VLM_RUN_SLOW"):
+        slow = pytest.mark.skip(reason="slow: run with --run-slow (or VLM_RUN_SLOW=1)")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -515,7 +515,7 @@ def test_admission_errors(tiny: LoadedModel, images: list[PreparedImage]) -> Non
             ),
             (
                 dict(task=Task.CAPTION, image=images[0], max_tokens=100_000),
-                ErrorCode.INVALID_ARGUMENT,
+                ErrorCode.OUT_OF_RANGE,
                 "max_tokens",
             ),
             (dict(task=Task.CAPTION, image=None), ErrorCode.INVALID_ARGUMENT, "image"),
@@ -674,6 +674,9 @@ def test_constrained_and_segment_equal_the_reference(
     async def run() -> list[Finished]:
         engine = _engine(tiny, depth, plans, budget=budget)
         await engine.start()
+        # The compiling child up first, as a server has it: the requests then arrive
+        # together, as the plan checks want.
+        await asyncio.to_thread(engine.tasks.constraints.warm)
         try:
             out = await asyncio.gather(*[_collect(engine, r) for r in reqs])
             await _wait_idle(engine)

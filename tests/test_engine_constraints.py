@@ -67,10 +67,8 @@ def test_constraint_errors_name_their_field(
     tiny: LoadedModel, req: GenerationRequest, code: ErrorCode, field: str
 ) -> None:
     tasks = TaskCompiler(tiny.config, tiny.tokenizer)
-    start = time.monotonic()
     with pytest.raises(EngineError) as info:
         tasks.build(req)
-    assert time.monotonic() - start < 5.0
     assert info.value.code is code and info.value.field == field
     assert info.value.message.startswith(f"{field}: ")
 
@@ -198,7 +196,12 @@ def test_a_caller_gone_mid_build_leaks_no_rows(tiny: LoadedModel) -> None:
                 with pytest.raises(asyncio.CancelledError):
                     await task
             await asyncio.get_running_loop().run_in_executor(engine._builders, lambda: None)
-            await asyncio.sleep(0.05)  # done-callbacks run on the loop
+            # The builds are done; their done-callbacks were queued on the loop before this
+            # (FIFO): a few turns of the loop run them, however slow the machine.
+            for _ in range(100):
+                if engine.table.live_rows == pinned:
+                    break
+                await asyncio.sleep(0)
             assert engine.table.live_rows == pinned
         finally:
             await engine.close()

@@ -476,21 +476,27 @@ def _long_caption() -> pb.CaptionRequest:
     )
 
 
-def _settled_pages(engine: object, quiet_s: float = 0.6) -> int:
-    """KV pages in use once nothing runs and the count held still for ``quiet_s`` (longer than
-    the stats' refresh): a finished sequence still in flight (a zombie) is not counted as
-    active, yet holds its pages until its last step commits."""
-    last, since = -1, time.monotonic()
-    deadline = since + 20.0
-    while time.monotonic() < deadline:
+def _settled_pages(engine: object, reports: int = 5) -> int:
+    """KV pages in use once nothing runs and the count held still over ``reports`` successive
+    stats reports of the engine process (each made after its scheduler ran again): a
+    finished sequence still in flight (a zombie) is not counted as active, yet holds its
+    pages until its last step commits. Counted in reports, not seconds: a busy machine
+    slows the reports down, never the check."""
+    seen: list[int] = []
+    last = None
+
+    def settled() -> bool:
+        nonlocal last
         s = engine.stats()  # type: ignore[attr-defined]
-        pages = s.kv_pages_in_use if s.active_sequences == 0 else -1
-        if pages != last:
-            last, since = pages, time.monotonic()
-        elif pages > 0 and time.monotonic() - since >= quiet_s:
-            return pages
-        time.sleep(0.01)
-    raise TimeoutError("the engine's page count did not settle")
+        if s is last:
+            return False  # no new report yet
+        last = s
+        seen.append(s.kv_pages_in_use if s.active_sequences == 0 else -1)
+        tail = seen[-reports:]
+        return len(tail) == reports and len(set(tail)) == 1 and tail[0] > 0
+
+    wait_for(settled, interval=0.01, what="the engine's page count to settle")
+    return seen[-1]
 
 
 def test_a_cancelled_stream_frees_its_pages_in_the_engine_process(server: ServerThread) -> None:

@@ -4,6 +4,7 @@ the model list, and errors that name the parameter at fault."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -122,11 +123,57 @@ ERRORS: list[tuple[str, dict[str, Any], str]] = [
     ("max_tokens zero", {"max_tokens": 0}, "max_tokens"),
     ("max_completion_tokens zero", {"max_completion_tokens": 0}, "max_completion_tokens"),
     ("two choices", {"n": 2}, "n"),
-    ("stop sequences", {"stop": ["\n"]}, "stop"),
+    ("five stop sequences", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("an empty stop sequence", {"stop": [""]}, "stop"),
     (
-        "a system turn",
-        {"messages": [{"role": "system", "content": "be brief"}, *_user("hi")]},
-        "messages",
+        "a system turn after the question",
+        {"messages": [*_user("hi"), {"role": "system", "content": "be brief"}]},
+        "messages[1]",
+    ),
+    ("no question", {"messages": [{"role": "system", "content": "be brief"}]}, "messages"),
+    (
+        "a picture in a system turn",
+        {
+            "messages": [
+                {"role": "system", "content": [{"type": "image_url", "image_url": {"url": IMG}}]},
+                *_user("hi"),
+            ]
+        },
+        "messages[0].content[0]",
+    ),
+    ("a tool turn", {"messages": [{"role": "tool", "content": "42"}]}, "messages[0].role"),
+    ("a yaml format", {"response_format": {"type": "yaml"}}, "response_format.type"),
+    (
+        "a schema keyword beyond the subset",
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {
+                        "type": "object",
+                        "properties": {"a": {"anyOf": [{"type": "string"}]}},
+                    },
+                },
+            }
+        },
+        "response_format.json_schema.schema.properties.a.anyOf",
+    ),
+    (
+        "a schema too large for the regex cap",
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {
+                        "type": "object",
+                        "properties": {f"p{i}": {"type": "number"} for i in range(40)},
+                    },
+                },
+            }
+        },
+        "response_format",
     ),
     (
         "an assistant turn",
@@ -188,3 +235,104 @@ def test_errors_name_the_parameter(
 def test_the_server_still_answers(client: openai.OpenAI) -> None:
     got = client.chat.completions.create(model="m", messages=_user("ok?"), max_tokens=2)
     assert got.choices[0].finish_reason in ("stop", "length")
+
+
+# ---- system messages, stop sequences, response formats ------------------------------------
+
+
+def test_system_messages_come_before_the_question(
+    client: openai.OpenAI, generator: ReferenceGenerator, sample_image: PreparedImage
+) -> None:
+    """System (and developer) texts, then the user's, joined by blank lines: the question."""
+    got = client.chat.completions.create(
+        model="m",
+        messages=[
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "developer", "content": [{"type": "text", "text": "Be kind."}]},
+            *_user("what is this?", IMG),
+        ],
+        temperature=0,
+        max_tokens=6,
+    )
+    question = "Answer briefly.\n\nBe kind.\n\nwhat is this?"
+    assert (
+        got.choices[0].message.content == generator.query(sample_image, question, _greedy(6)).text
+    )
+
+
+def _stop_inside(text: str) -> str:
+    """A stop sequence that first occurs somewhere in the middle of ``text``."""
+    for start in range(6, len(text) - 3):
+        stop = text[start : start + 3]
+        if stop.strip() and text.find(stop) == start:
+            return stop
+    raise AssertionError(f"no stop sequence to cut {text!r} with")
+
+
+def test_a_stop_sequence_ends_the_answer_and_is_never_sent(
+    client: openai.OpenAI, generator: ReferenceGenerator, sample_image: PreparedImage
+) -> None:
+    full = generator.query(sample_image, "what is this?", _greedy(40)).text
+    stop = _stop_inside(full)
+    want = full[: full.find(stop)]
+    request: dict[str, Any] = {
+        "model": "m",
+        "messages": _user("what is this?", IMG),
+        "temperature": 0,
+        "max_tokens": 40,
+        "stop": [stop, "\x00never"],
+    }
+    got = client.chat.completions.create(**request)
+    assert got.choices[0].message.content == want
+    assert got.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert "".join(deltas) == want and not any(stop in d for d in deltas)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_a_json_schema_answer_is_json_that_follows_it(client: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "count": {"type": "integer"},
+            "ok": {"type": "boolean"},
+            "kind": {"enum": ["cat", "dog"]},
+        },
+        "required": ["name", "count", "ok", "kind"],
+    }
+    for seed in range(3):
+        got = client.chat.completions.create(
+            model="m",
+            messages=_user("describe it as JSON"),
+            temperature=1,
+            seed=seed,
+            max_tokens=200,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "thing", "schema": schema, "strict": True},
+            },
+        )
+        answer = json.loads(got.choices[0].message.content or "")
+        assert list(answer) == ["name", "count", "ok", "kind"]
+        assert isinstance(answer["name"], str) and len(answer["name"]) <= 6
+        assert isinstance(answer["count"], int) and isinstance(answer["ok"], bool)
+        assert answer["kind"] in ("cat", "dog")
+
+
+def test_a_json_object_answer_only_ever_extends_an_object(client: openai.OpenAI) -> None:
+    """Unbounded strings may run out of tokens; what was written is always on the way to a
+    JSON object (its first byte is ``{``), and a finished answer is one."""
+    got = client.chat.completions.create(
+        model="m",
+        messages=_user("json please"),
+        temperature=1,
+        seed=1,
+        max_tokens=60,
+        response_format={"type": "json_object"},
+    )
+    text = got.choices[0].message.content or ""
+    assert text.startswith("{")
+    if got.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)

@@ -93,8 +93,37 @@ BAD: list[tuple[str, str, Any, int, str]] = [
         "max_tokens beyond int32",
         "/query",
         {"question": "q", "settings": {"max_tokens": 10**12}},
-        400,
+        422,
         "settings.max_tokens",
+    ),
+    (
+        "max_tokens at the int32 ceiling",
+        "/query",
+        {"question": "q", "settings": {"max_tokens": 2**31 - 1}},
+        422,
+        "settings.max_tokens",
+    ),
+    (
+        "a temperature beyond a double",
+        "/query",
+        b'{"question": "q", "settings": {"temperature": 1e999}}',
+        400,
+        "settings.temperature",
+    ),
+    (
+        "an integer of 5000 digits",
+        "/query",
+        b'{"question": "q", "settings": {"seed": ' + b"7" * 5000 + b"}}",
+        400,
+        "body",
+    ),
+    ("1000 nested arrays", "/query", b"[" * 1000 + b"]" * 1000, 400, "body"),
+    (
+        "1000 nested objects",
+        "/query",
+        b'{"question": "q", "settings": ' + b'{"a":' * 1000 + b"1" + b"}" * 1001,
+        400,
+        "body",
     ),
     ("settings not an object", "/query", {"question": "q", "settings": [1]}, 400, "settings"),
     (
@@ -186,24 +215,24 @@ def test_bad_input_is_a_4xx_naming_the_field(
 
 
 SAME_AS_GRPC = [
-    ({"settings": {"temperature": -0.1}}, {"temperature": -0.1}),
-    ({"settings": {"top_p": 1.5}}, {"top_p": 1.5}),
-    ({"settings": {"max_tokens": 0}}, {"max_tokens": 0}),
-    ({"settings": {"max_tokens": 100_000}}, {"max_tokens": 100_000}),
-    ({"settings": {"max_objects": 0}}, {"max_objects": 0}),
+    ({"settings": {"temperature": -0.1}}, {"temperature": -0.1}, 400),
+    ({"settings": {"top_p": 1.5}}, {"top_p": 1.5}, 400),
+    ({"settings": {"max_tokens": 0}}, {"max_tokens": 0}, 400),
+    ({"settings": {"max_tokens": 100_000}}, {"max_tokens": 100_000}, 422),
+    ({"settings": {"max_tokens": 2**31 - 1}}, {"max_tokens": 2**31 - 1}, 422),
+    ({"settings": {"max_objects": 0}}, {"max_objects": 0}, 400),
 ]
+CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 422: grpc.StatusCode.OUT_OF_RANGE}
 
 
-@pytest.mark.parametrize(("http", "grpc_settings"), SAME_AS_GRPC)
+@pytest.mark.parametrize(("http", "grpc_settings", "status"), SAME_AS_GRPC)
 def test_both_doors_share_one_validation(
-    server: ServerThread, http: dict[str, Any], grpc_settings: dict[str, Any]
+    server: ServerThread, http: dict[str, Any], grpc_settings: dict[str, Any], status: int
 ) -> None:
-    status, answer = post_json(
-        f"{server.http_url}/point", {"image_url": IMG, "object": "a", **http}
-    )
+    got, answer = post_json(f"{server.http_url}/point", {"image_url": IMG, "object": "a", **http})
     with VisionLanguageClient(server.target, timeout=60) as client, pytest.raises(VlmError) as e:
         client.point(sample_image_bytes(), "a", **grpc_settings)
-    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and status == 400
+    assert e.value.code == CODES[status] and got == status
     assert (answer["error"]["field"], answer["error"]["message"]) == (
         e.value.field,
         e.value.message,

@@ -8,14 +8,12 @@ import io
 import pickle
 import random
 import struct
-import time
 import tracemalloc
 import zlib
-from collections.abc import Callable
 
 import numpy as np
 import pytest
-from PIL import Image, ImageDraw
+from PIL import GifImagePlugin, Image, ImageDraw
 
 from image_pipeline import (
     DEFAULT_TILING,
@@ -117,9 +115,19 @@ def test_animated_gif_with_many_frames_gives_first_frame_fast() -> None:
     for frame in frames:
         frame.putpalette([c for i in range(256) for c in (i, 255 - i, 7)])
     data = encode(frames[0], "GIF", save_all=True, append_images=frames[1:])
-    start = time.perf_counter()
-    decoded = decode_image(data)
-    assert time.perf_counter() - start < 0.5
+    # Fast because only the first frame is read: no frame beyond it is ever sought (work,
+    # not wall time, so a busy machine cannot fail it).
+    seen: list[int] = []
+    original = GifImagePlugin.GifImageFile._seek
+
+    def counting(self: GifImagePlugin.GifImageFile, frame: int, *args: object) -> None:
+        seen.append(frame)
+        original(self, frame, *args)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(GifImagePlugin.GifImageFile, "_seek", counting)
+        decoded = decode_image(data)
+    assert max(seen, default=0) == 0
     assert np.all(np.asarray(decoded) == (0, 255, 7))
 
 
@@ -455,15 +463,24 @@ def test_decompression_bomb_is_refused_from_the_header() -> None:
     # 100000 x 100000 RGB would need 30 GB. Refused without allocating it.
     data = png_with_declared_size(100_000, 100_000)
     tracemalloc.start()
-    start = time.perf_counter()
     try:
         assert reason_of(data) == R.TOO_MANY_PIXELS
-        elapsed = time.perf_counter() - start
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert peak < 5_000_000
-    assert elapsed < 0.5
+    assert peak < 5_000_000  # nothing decoded: that is what made it fast
+
+
+def test_a_bomb_beyond_pillows_guard_is_refused_with_the_servers_limit() -> None:
+    """Pillow refuses first (beyond twice its MAX_IMAGE_PIXELS) with its own number; the
+    refusal states the limit the client can act on (--max-image-pixels), not Pillow's."""
+    data = png_with_declared_size(20_000, 20_000)
+    limits = ImageLimits(max_image_pixels=12_000_000)
+    with pytest.raises(ImageError) as info:
+        decode_image(data, limits)
+    assert info.value.reason is R.TOO_MANY_PIXELS
+    assert "12000000" in info.value.message and "178956970" not in info.value.message
+    assert "400000000 pixels" in info.value.message
 
 
 def test_pixel_limit_below_pillows_own_guard() -> None:
@@ -628,15 +645,6 @@ def big_jpeg() -> bytes:
     return encode(photo_like(4000, 3000), "JPEG", quality=90)
 
 
-def best_of(n: int, fn: Callable[[], object]) -> float:
-    best = float("inf")
-    for _ in range(n):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def test_large_jpeg_is_decoded_at_reduced_scale(big_jpeg: bytes) -> None:
     reduced = prepare_image(big_jpeg)
     full = prepare_image(big_jpeg, reduced_decode=False)
@@ -649,9 +657,8 @@ def test_large_jpeg_is_decoded_at_reduced_scale(big_jpeg: bytes) -> None:
     assert diff.mean() < 1.5
     assert reduced.content_hash != full.content_hash
     assert prepare_image(big_jpeg).content_hash == reduced.content_hash
-    assert best_of(2, lambda: prepare_image(big_jpeg)) < best_of(
-        2, lambda: prepare_image(big_jpeg, reduced_decode=False)
-    )
+    # Faster because a quarter of the pixels are decoded (decoded_size above): work, not
+    # wall time, which a busy machine makes noise of.
 
 
 def test_reduced_scale_respects_exif_rotation() -> None:

@@ -6,7 +6,6 @@ import importlib
 import io
 import struct
 import threading
-import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
@@ -237,11 +236,14 @@ def test_budget_bounds_decoded_bytes_in_flight(monkeypatch: pytest.MonkeyPatch) 
     active = []
     lock = threading.Lock()
     real = decode_mod.try_decode_jpeg
+    # Decodes meet in pairs: two must be in flight together (a budget of one would break
+    # the barrier), whatever the machine's speed; the budget keeps a third out.
+    pairs = threading.Barrier(2, timeout=30)
 
     def slow(*args: object) -> object:
         with lock:
             active.append(budget.in_flight)
-        time.sleep(0.05)
+        pairs.wait()
         return real(*args)
 
     monkeypatch.setattr(decode_mod, "try_decode_jpeg", slow)

@@ -19,6 +19,7 @@ LAYERS = {
     "image_pipeline": 0,
     "decoding": 0,
     "vlm_server.devices": 0,  # which torch devices this machine has
+    "vlm_server.chip_features": 0,  # what the GPU can do, checked at start
     "vlm_server.gc_pauses": 0,  # this process's garbage-collection pauses
     "vlm_server.api": 0,  # generated gRPC code
     "vlm_server.client": 1,  # talks to a server through vlm_server.api only

@@ -1,6 +1,6 @@
 """Every call reaches the request metrics and the access log with its real status code:
-expired deadlines are DEADLINE_EXCEEDED (not CANCELLED), and calls that end before their
-handler runs (the deadline passed while the request was still arriving) are counted too; and
+expired deadlines are DEADLINE_EXCEEDED (not CANCELLED), also for calls that end before their
+request was read (the deadline passed while it was still arriving); and
 a stalled event loop shows in the loop-lag histogram."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import random
 import threading
 import time
 import urllib.request
@@ -86,7 +87,7 @@ def test_a_call_that_expires_before_its_request_arrives_is_counted(
     """The client opens the call but its message never comes: gRPC ends the call at the
     deadline without running the handler."""
     caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
-    before = _requests_total(server).get(("point", "CANCELLED"), 0)
+    before = _requests_total(server).get(("point", "DEADLINE_EXCEEDED"), 0)
     release = threading.Event()
 
     def never() -> Iterator[bytes]:
@@ -101,10 +102,60 @@ def test_a_call_that_expires_before_its_request_arrives_is_counted(
         release.set()
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_for(
-        lambda: _requests_total(server).get(("point", "CANCELLED"), 0) == before + 1,
+        lambda: _requests_total(server).get(("point", "DEADLINE_EXCEEDED"), 0) == before + 1,
         what="the call to be counted",
     )
-    assert any(f.get("stage") == "receiving" for f in _access(caplog))
+    line = next(f for f in _access(caplog) if f.get("stage") == "receiving")
+    assert line["code"] == "DEADLINE_EXCEEDED" and line["request_id"]
+
+
+def test_a_storm_of_short_deadlines_is_logged_as_deadline_exceeded(
+    server: ServerThread, caplog: pytest.LogCaptureFixture
+) -> None:
+    """200 calls with deadlines of 1 to 50 ms while the engine is held: every call the
+    server sees is logged once, and as DEADLINE_EXCEEDED, whether it expired while running,
+    queued, or still arriving. (A call that expires before gRPC hands it to the server, or
+    before it leaves the client, is invisible to the server and cannot be logged.)"""
+    assert server.server is not None
+    engine = server.server.engine
+    assert isinstance(engine, GatedBatchedEngine)
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    before = _requests_total(server)
+    request = pb.QueryRequest(question="hello", settings=pb.GenerationSettings(max_tokens=50))
+    codes: list[grpc.StatusCode] = []
+    rng = random.Random(0)
+    deadlines = [rng.uniform(0.001, 0.05) for _ in range(200)]
+    engine.token_gate.clear()
+    try:
+        with grpc.insecure_channel(server.target) as channel:
+            stub = pb_grpc.VisionLanguageStub(channel)
+
+            def one(i: int) -> None:
+                rid = (("x-request-id", f"storm-{i}"),)
+                try:
+                    list(stub.Query(request, timeout=deadlines[i], metadata=rid))
+                except grpc.RpcError as err:
+                    codes.append(err.code())  # type: ignore[attr-defined]
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(200)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+    finally:
+        engine.token_gate.set()
+    assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * 200
+    wait_for(lambda: server.server is not None and not server.server.core.in_flight.count)
+    lines = [f for f in _access(caplog) if str(f.get("request_id", "")).startswith("storm-")]
+    assert lines, "the server saw none of the calls"
+    assert {f["code"] for f in lines} == {"DEADLINE_EXCEEDED"}
+    assert len({f["request_id"] for f in lines}) == len(lines)  # each logged once
+    after = _requests_total(server)
+    grew = {
+        code: after.get(("query", code), 0) - before.get(("query", code), 0)
+        for code in ("DEADLINE_EXCEEDED", "CANCELLED", "OK")
+    }
+    assert grew == {"DEADLINE_EXCEEDED": len(lines), "CANCELLED": 0, "OK": 0}
 
 
 def _loop_lag(server: ServerThread) -> tuple[float, float]:

@@ -268,7 +268,9 @@ def test_cancel_mid_stream_frees_the_pages(
     assert caught.value.code() == grpc.StatusCode.CANCELLED
     wait_for(lambda: "cancel-me" in engine.outcomes, what="the engine to end the request")
     assert engine.outcomes["cancel-me"] == "CANCELLED"
-    assert engine.cached_prefix_pages() > 0  # the image prefix stays cached for reuse
+    # The image prefix stays cached for reuse: once the request's last in-flight step
+    # has committed, which can come after its outcome is recorded (an order, not a time).
+    wait_for(lambda: engine.cached_prefix_pages() > 0, what="the image prefix cached")
     _settled(engine)
 
 
@@ -297,11 +299,12 @@ def test_deadline_while_running_stops_the_request(
     batched: ServerThread, batched_stub: pb_grpc.VisionLanguageStub
 ) -> None:
     engine = _batched(batched)
-    # Hundreds of milliseconds to the first token at most; seconds for the whole caption.
-    call = batched_stub.Caption(_long_caption(), timeout=1.0, metadata=_rid("too-slow"))
-    assert next(call).WhichOneof("event") == "delta"  # it is running
-    with pytest.raises(grpc.RpcError) as caught:
-        list(call)
+    # Held once it streams its first token, so it cannot finish before its deadline however
+    # fast or slow the machine is (no bet on how long a caption takes).
+    with _held(engine):
+        call = batched_stub.Caption(_long_caption(), timeout=2.0, metadata=_rid("too-slow"))
+        with pytest.raises(grpc.RpcError) as caught:
+            list(call)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_for(lambda: "too-slow" in engine.outcomes, what="the engine to end the request")
     # The server cancels the call's request, or the engine sees the deadline first.
@@ -316,12 +319,11 @@ def test_deadline_while_queued_never_runs_the_request(
     running = single_stub.Query(
         _long_query(LONG_QUERY_TOKENS), timeout=60, metadata=_rid("occupant")
     )
-    assert next(running).WhichOneof("event") == "delta"
-    late = single_stub.Query(_long_query(4), timeout=1.0, metadata=_rid("late"))
-    wait_for(lambda: len(engine.scheduler.waiting) == 1, what="a request waiting for a slot")
-    with _held(engine):  # the occupant cannot finish while the deadline passes
+    with _held(engine):  # the occupant holds the one slot until the late one expires
+        assert next(running).WhichOneof("event") == "delta"
         wait_for(engine.holding.is_set, what="the occupant to be held")
         assert engine.held_requests == ("occupant",)
+        late = single_stub.Query(_long_query(4), timeout=1.0, metadata=_rid("late"))
         with pytest.raises(grpc.RpcError) as caught:
             list(late)
         assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

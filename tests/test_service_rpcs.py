@@ -361,7 +361,19 @@ IMAGE_ID_ERRORS: list[tuple[str, Callable[..., Any], grpc.StatusCode, str]] = [
     (
         "max_tokens beyond the model",
         lambda c, i: c.caption(i, max_tokens=100_000),
-        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.OUT_OF_RANGE,
+        "settings.max_tokens",
+    ),
+    (
+        "max_tokens at the int32 ceiling",
+        lambda c, i: c.caption(i, max_tokens=2**31 - 1),
+        grpc.StatusCode.OUT_OF_RANGE,
+        "settings.max_tokens",
+    ),
+    (
+        "max_tokens at the context",
+        lambda c, i: c.caption(i, max_tokens=2048),
+        grpc.StatusCode.OUT_OF_RANGE,
         "settings.max_tokens",
     ),
     (

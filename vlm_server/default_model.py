@@ -1,7 +1,8 @@
 """The built-in default model: a seeded random ``tiny`` checkpoint, written once to the cache.
 
-It needs no download and answers with random words; point the server at real moondream2
-weights (``--model``) for real answers.
+It needs no download and answers with random words (weights/readable.py: a word vocabulary,
+and captions whose length follows ``--length``); point the server at real moondream2 weights
+(``--model``) for real answers.
 """
 
 from __future__ import annotations
@@ -27,13 +28,15 @@ def cache_root() -> Path:
 def default_model_dir(preset_name: str = DEFAULT_PRESET, seed: int = DEFAULT_SEED) -> Path:
     """Directory of the default checkpoint, written on first use (safe against concurrent
     writers: each writes a private temporary directory and renames it into place)."""
-    target = cache_root() / "models" / f"{preset_name}-seed{seed}"
+    # "-words": the readable model; an older random one under the old name is left alone.
+    target = cache_root() / "models" / f"{preset_name}-seed{seed}-words"
     if (target / _DONE).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        write_checkpoint(preset(preset_name), tmp, seed=seed, progress=False)
+        config = preset(preset_name)
+        write_checkpoint(config, tmp, seed=seed, progress=False, readable=True)
         try:
             tmp.rename(target)
         except OSError:

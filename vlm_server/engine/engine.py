@@ -189,7 +189,11 @@ class BatchedEngine:
             max_regex_chars=self.cfg.constraint_limits.max_regex_chars,
         )
         self.tasks = TaskCompiler(
-            mc, loaded.tokenizer, self.cfg.mask_table_rows, self.cfg.constraint_limits
+            mc,
+            loaded.tokenizer,
+            self.cfg.mask_table_rows,
+            self.cfg.constraint_limits,
+            compile_in_child=True,
         )
         self.table = self.tasks.table
         # Where the scheduler's events go. Replaceable before `start` (an engine process
@@ -234,6 +238,11 @@ class BatchedEngine:
             self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
             self._thread.start()
 
+    def warm_constraints(self) -> None:
+        """Start the constraint compiler's child process in the background, so that the
+        first constrained request does not wait for it (servers call this once ready)."""
+        self._builders.submit(self.tasks.constraints.warm)
+
     async def drain(self, timeout: float) -> None:
         self._draining = True
         deadline = time.monotonic() + timeout
@@ -254,6 +263,7 @@ class BatchedEngine:
         if self._prefix_watcher is not None:
             self._prefix_watcher.close()
         self._builders.shutdown(wait=False, cancel_futures=True)
+        self.tasks.constraints.close()
 
     def stats(self) -> EngineStats:
         stats = self.scheduler.stats()  # plain counters: a racy read is fine for metrics
@@ -293,6 +303,7 @@ class BatchedEngine:
                 seq = await asyncio.shield(built)
             except asyncio.CancelledError:
                 built.add_done_callback(_release_abandoned)
+                self.tasks.constraints.cancel(request.choices, request.regex)
                 raise
         else:
             seq = self.build(request)

@@ -116,6 +116,7 @@ class ImageCache:
 
 
 _HASH_ON_LOOP_BYTES = 1 << 20
+_YIELD_S = 0.0005
 
 
 def _digest(data: bytes) -> bytes:
@@ -316,4 +317,8 @@ class ImageResolver:
                     "or evicted from the cache: call EncodeImage again)",
                 )
             return image
+        # Reading the field copies it (tens of milliseconds for tens of megabytes): not in
+        # the same turn of the loop as the message's receipt and parse, and behind whatever
+        # became ready meanwhile (a timer, unlike sleep(0), queues behind due callbacks).
+        await asyncio.sleep(_YIELD_S)
         return await self.decode(request.image_bytes)  # type: ignore[attr-defined]

@@ -8,7 +8,6 @@ Value ranges and limits are not checked here: the shared validation of the servi
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from aiohttp import web
 
 from vlm_server.engine.api import ErrorCode
 from vlm_server.frontend.refusals import invalid
+from vlm_server.http import json_body
 from vlm_server.http.error_bodies import HttpError
 
 _CHUNK = 1 << 16
@@ -73,16 +73,8 @@ async def read_json(request: web.BaseRequest, limit: int) -> Any:
             raise too_large(limit)
     if not data:
         raise invalid(BODY, "the request has no body; send a JSON object")
-    try:
-        return json.loads(data, parse_constant=_refuse_constant)
-    except UnicodeDecodeError:
-        raise invalid(BODY, "is not UTF-8 text") from None
-    except json.JSONDecodeError as err:
-        raise invalid(BODY, f"is not valid JSON ({err.msg} at line {err.lineno})") from None
-
-
-def _refuse_constant(name: str) -> Any:
-    raise json.JSONDecodeError(f"{name} is not a JSON number", name, 0)
+    # Bounded in depth, values and event-loop time (json_body.py).
+    return await json_body.parse_body(data)
 
 
 def _type_name(value: Any) -> str:
@@ -100,8 +92,9 @@ def _check_value(spec: Field, value: Any, path: str) -> None:
     ok = isinstance(value, _PYTHON_TYPES[spec.type])
     if spec.type in ("number", "integer") and isinstance(value, bool):
         ok = False  # JSON true is not 1
-    if spec.type == "number" and isinstance(value, float) and not math.isfinite(value):
-        ok = False
+    if ok and isinstance(value, float) and not math.isfinite(value):
+        # JSON has no infinity: the parser made one of a number beyond a double (1e999).
+        raise invalid(path, "must be a finite number, got one beyond the range of a double")
     if not ok:
         raise invalid(path, f"must be a JSON {spec.type}, got {_type_name(value)}")
     if spec.enum and value not in spec.enum:

@@ -1,29 +1,42 @@
 """The OpenAI-compatible endpoints: ``POST /v1/chat/completions`` (answered by the query task)
 and ``GET /v1/models``.
 
-The model answers one question about at most one picture, so a chat is exactly one user
-message: text parts (the question) and at most one ``image_url`` part holding a data URL.
-Anything the model cannot honour (system or earlier turns, tools, stop sequences, n > 1) is
-refused with a 400 naming the field rather than ignored. Streams are ``chat.completion.chunk``
-events ending with ``data: [DONE]``; errors carry OpenAI's ``type`` and ``param`` besides the
-server's ``code``, ``message`` and ``field``.
+The model answers one question about at most one picture. A chat maps onto Moondream's query
+prompt as follows: the texts of the ``system`` (or ``developer``) messages, which must come
+before the one ``user`` message, then the user's text parts, joined by blank lines, are the
+question; the user's ``image_url`` part (a data URL), at most one, is the picture. So
+``[system "Answer in one word.", user "What is this?"]`` asks the question
+``"Answer in one word.\n\nWhat is this?"``. Earlier turns (assistant, tool) are refused with a
+400 naming the message.
+
+``stop`` sequences end the answer where one first appears (never sent, not even in part: a
+possible beginning is held back); the engine request is cancelled there, so such an answer has
+no ``usage``. ``response_format`` (``json_object``, ``json_schema``) constrains the answer like
+a regex (chat_format.py). Anything else the model cannot honour (tools, n > 1, logprobs,
+penalties) is a 400 naming the field, not silently ignored. Streams are
+``chat.completion.chunk`` events ending with ``data: [DONE]``; errors carry OpenAI's ``type``
+and ``param`` besides the server's ``code``, ``message`` and ``field``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
 
 from vlm_server.api.v1 import vision_language_pb2 as pb
-from vlm_server.engine.api import EngineError, Finished, TextDelta
+from vlm_server.engine.api import EngineError, Finished, RequestStream, TextDelta
+from vlm_server.frontend.calls import Call
 from vlm_server.frontend.refusals import invalid
 from vlm_server.http import error_bodies
 from vlm_server.http.body import Field, check
-from vlm_server.http.exchange import Exchange
+from vlm_server.http.chat_format import STOP_SCHEMA, response_regex, stop_sequences
+from vlm_server.http.exchange import EventStream, Exchange
 from vlm_server.http.moondream import set_image, settings
+from vlm_server.http.stop_text import StopText
 
 FINISH_REASONS = {"eos": "stop", "length": "length"}
 OWNER = "moondream-serve"
@@ -32,7 +45,7 @@ _MESSAGE_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["role", "content"],
     "properties": {
-        "role": {"type": "string", "enum": ["user"]},
+        "role": {"type": "string", "enum": ["system", "developer", "user"]},
         "content": {
             "description": "The question, or content parts: text and at most one image_url "
             "(a base64 data URL).",
@@ -71,7 +84,7 @@ CHAT = (
     Field(
         "messages",
         "array",
-        "Exactly one user message.",
+        "System (or developer) messages, then exactly one user message.",
         required=True,
         items=Field("message", "any", "", schema=_MESSAGE_SCHEMA),
     ),
@@ -88,12 +101,17 @@ CHAT = (
         fields=(Field("include_usage", "boolean", "Send a last chunk with the usage."),),
     ),
     Field("user", "string", "An end-user id (logged nowhere)."),
+    Field("stop", "any", "Up to 4 sequences that end the answer.", schema=STOP_SCHEMA),
+    Field(
+        "response_format",
+        "any",
+        "text, json_object, or json_schema with a schema (a subset of JSON Schema).",
+        schema={"type": "object"},
+    ),
     _unsupported("n", "integer", "more than one choice", (None, 1)),
-    _unsupported("stop", "any", "stop sequences"),
     _unsupported("tools", "array", "tool calling", (None, [])),
     _unsupported("tool_choice", "any", "tool calling", (None, "none")),
     _unsupported("functions", "array", "function calling", (None, [])),
-    _unsupported("response_format", "object", "a response format", (None, {"type": "text"})),
     _unsupported("logprobs", "boolean", "log probabilities", (None, False)),
     _unsupported("top_logprobs", "integer", "log probabilities"),
     _unsupported("logit_bias", "object", "a logit bias", (None, {})),
@@ -172,46 +190,81 @@ def error_style(err: EngineError) -> dict[str, Any]:
     return out
 
 
-async def _question(ex: Exchange, messages: list[Any], message: pb.QueryRequest) -> None:
-    """Fill ``message`` from the chat's one user message; teach errors the JSON paths."""
-    if len(messages) != 1:
-        raise invalid(
-            "messages",
-            f"this model answers one question about at most one picture: send exactly one "
-            f"user message (no system or earlier turns), got {len(messages)} messages",
-        )
-    msg = check(_MESSAGE, messages[0], "messages[0]")
-    if msg["role"] != "user":
-        raise invalid("messages[0].role", f"must be user, got {str(msg['role'])[:20]!r}")
-    content = msg["content"]
-    ex.names["question"] = "messages[0].content"
+_ROLES = ("system", "developer", "user")
+
+
+def _text_of(content: Any, where: str) -> str:
+    """The text of a system message: a string or text parts."""
     if isinstance(content, str):
-        message.question = content
+        return content
+    if not isinstance(content, list):
+        raise invalid(where, "must be a string or an array of text parts")
+    texts = []
+    for i, raw in enumerate(content):
+        part = check(_PART, raw, f"{where}[{i}]")
+        if part["type"] != "text" or part.get("text") is None:
+            raise invalid(f"{where}[{i}]", "a system message holds text parts only")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+async def _question(ex: Exchange, messages: list[Any], message: pb.QueryRequest) -> None:
+    """Fill ``message`` from the chat's messages (see the module's docstring); teach errors
+    the JSON paths."""
+    system: list[str] = []
+    user: tuple[int, dict[str, Any]] | None = None
+    for i, raw in enumerate(messages):
+        msg = check(_MESSAGE, raw, f"messages[{i}]")
+        role = msg["role"]
+        if role not in _ROLES:
+            raise invalid(
+                f"messages[{i}].role",
+                f"must be system, developer or user, got {str(role)[:20]!r}: this model "
+                "answers one question, so earlier turns are not supported",
+            )
+        if user is not None:
+            raise invalid(
+                f"messages[{i}]",
+                "this model answers one question about at most one picture: send system "
+                "messages, then exactly one user message, last",
+            )
+        if role == "user":
+            user = (i, msg)
+        else:
+            system.append(_text_of(msg["content"], f"messages[{i}].content"))
+    if user is None:
+        raise invalid("messages", "needs a user message (the question)")
+    index, msg = user
+    where = f"messages[{index}]"
+    ex.names["question"] = f"{where}.content"
+    content = msg["content"]
+    if isinstance(content, str):
+        message.question = "\n\n".join([*system, content])
         return
     if not isinstance(content, list):
-        raise invalid("messages[0].content", "must be a string or an array of content parts")
+        raise invalid(f"{where}.content", "must be a string or an array of content parts")
     texts: list[str] = []
     image: str | None = None
     for i, raw in enumerate(content):
-        where = f"messages[0].content[{i}]"
+        part_at = f"{where}.content[{i}]"
         kind = raw.get("type") if isinstance(raw, dict) else None
         if kind not in ("text", "image_url"):  # the part's kind first: it decides the rest
-            raise invalid(f"{where}.type", f"must be text or image_url, got {str(kind)[:40]!r}")
-        part = check(_PART, raw, where)
+            raise invalid(f"{part_at}.type", f"must be text or image_url, got {str(kind)[:40]!r}")
+        part = check(_PART, raw, part_at)
         if part["type"] == "text":
             if part.get("text") is None:
-                raise invalid(f"{where}.text", "is required in a text part")
+                raise invalid(f"{part_at}.text", "is required in a text part")
             texts.append(part["text"])
         else:
             if part.get("image_url") is None:
-                raise invalid(f"{where}.image_url", "is required in an image_url part")
+                raise invalid(f"{part_at}.image_url", "is required in an image_url part")
             if image is not None:
-                raise invalid(f"{where}", "this model takes at most one picture per question")
-            image = f"{where}.image_url.url"
+                raise invalid(part_at, "this model takes at most one picture per question")
+            image = f"{part_at}.image_url.url"
             for name in ("image_bytes", "image", "image_id"):
                 ex.names[name] = image
             await set_image(message, part["image_url"]["url"], image)
-    message.question = "\n".join(texts)
+    message.question = "\n\n".join([*system, "\n".join(texts)])
 
 
 async def completions(ex: Exchange) -> web.StreamResponse:
@@ -241,43 +294,102 @@ async def completions(ex: Exchange) -> web.StreamResponse:
     )
     await _question(ex, body["messages"], message)
     call = ex.active_call
-    model = call.engine().info.model_name
+    info = call.engine().info
+    stops = stop_sequences(body.get("stop"))
+    pattern = response_regex(body.get("response_format"), info.max_regex_chars)
+    if pattern is not None:
+        message.regex = pattern
+        ex.names["regex"] = "response_format"
     submitted = await call.submit(await call.build(message))
-    head = {"id": f"chatcmpl-{ex.request_id}", "created": int(time.time()), "model": model}
+    head = {
+        "id": f"chatcmpl-{ex.request_id}",
+        "created": int(time.time()),
+        "model": info.model_name,
+    }
     if not body.get("stream"):
-        done = await call.result(submitted)
+        parts: list[str] = []
+        end = _End(None)
+        try:
+            async for text, last in _answer(call, submitted, stops):
+                parts.append(text)
+                end = last or end
+        finally:
+            submitted.cancel()
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": done.text or ""},
-            "finish_reason": FINISH_REASONS.get(done.finish_reason, done.finish_reason),
+            "message": {"role": "assistant", "content": "".join(parts)},
+            "finish_reason": _reason(end),
             "logprobs": None,
         }
-        return ex.respond(
-            {**head, "object": "chat.completion", "choices": [choice], "usage": _usage(done)}
-        )
+        answer = {**head, "object": "chat.completion", "choices": [choice]}
+        if end.finished is not None:  # a stop sequence's answer has no counts: see above
+            answer["usage"] = _usage(end.finished)
+        return ex.respond(answer)
     usage = bool((body.get("stream_options") or {}).get("include_usage"))
     try:
         events = await ex.stream()
-        chunk = {**head, "object": "chat.completion.chunk"}
-
-        def choice(delta: dict[str, Any], reason: str | None = None) -> dict[str, Any]:
-            return {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
-
-        await events.send({**chunk, "choices": [choice({"role": "assistant", "content": ""})]})
-        async with contextlib.aclosing(call.events(submitted)) as produced:
-            async for event in produced:
-                if isinstance(event, TextDelta):
-                    await events.send({**chunk, "choices": [choice({"content": event.text})]})
-                elif isinstance(event, Finished):
-                    reason = FINISH_REASONS.get(event.finish_reason, event.finish_reason)
-                    await events.send({**chunk, "choices": [choice({}, reason)]})
-                    if usage:
-                        await events.send({**chunk, "choices": [], "usage": _usage(event)})
+        await _stream(
+            events, {**head, "object": "chat.completion.chunk"}, call, submitted, stops, usage
+        )
     finally:
         submitted.cancel()
     await events.send("[DONE]")
     await events.close()
     return events.response
+
+
+class _End:
+    """How an answer ended: the engine's `Finished`, or None when a stop sequence did."""
+
+    def __init__(self, finished: Finished | None) -> None:
+        self.finished = finished
+
+
+async def _answer(
+    call: Call, submitted: RequestStream, stops: tuple[str, ...]
+) -> AsyncIterator[tuple[str, _End | None]]:
+    """(text to send, None) while the answer runs; its last item carries how it ended (after
+    a stop sequence the caller cancels the engine request, which is then still running)."""
+    stop = StopText(stops)
+    async with contextlib.aclosing(call.events(submitted)) as produced:
+        async for event in produced:
+            if isinstance(event, TextDelta):
+                text = stop.feed(event.text)
+                if stop.stopped:
+                    call.finish_reason = "stop"
+                    yield text, _End(None)
+                    return
+                if text:
+                    yield text, None
+            elif isinstance(event, Finished):
+                yield stop.flush(), _End(event)
+                return
+
+
+def _reason(end: _End) -> str:
+    done = end.finished
+    return "stop" if done is None else FINISH_REASONS.get(done.finish_reason, done.finish_reason)
+
+
+async def _stream(
+    events: EventStream,
+    chunk: dict[str, Any],
+    call: Call,
+    submitted: RequestStream,
+    stops: tuple[str, ...],
+    usage: bool,
+) -> None:
+    def choice(delta: dict[str, Any], reason: str | None = None) -> dict[str, Any]:
+        return {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+
+    await events.send({**chunk, "choices": [choice({"role": "assistant", "content": ""})]})
+    async for text, end in _answer(call, submitted, stops):
+        if text:
+            await events.send({**chunk, "choices": [choice({"content": text})]})
+        if end is not None:
+            await events.send({**chunk, "choices": [choice({}, _reason(end))]})
+            if usage and end.finished is not None:
+                await events.send({**chunk, "choices": [], "usage": _usage(end.finished)})
 
 
 def _usage(done: Finished) -> dict[str, int]:

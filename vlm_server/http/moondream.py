@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from vlm_server.api.v1 import vision_language_pb2 as pb
-from vlm_server.engine.api import Box, Finished, TextDelta
+from vlm_server.engine.api import Box, EngineError, ErrorCode, Finished, TextDelta
 from vlm_server.frontend.refusals import invalid
 from vlm_server.http import data_url
 from vlm_server.http.body import Field
@@ -33,6 +33,7 @@ CAPTION_LENGTHS = {
     "long": pb.CAPTION_LENGTH_LONG,
 }
 SETTING_NAMES = ("temperature", "top_p", "max_tokens", "max_objects", "seed")
+SETTING_ALIASES = {"maxTokens": "max_tokens", "topP": "top_p", "maxObjects": "max_objects"}
 
 # ---- request shapes ---------------------------------------------------------------------------
 
@@ -46,6 +47,11 @@ SETTINGS = Field(
         Field("max_tokens", "integer", "Most tokens to generate."),
         Field("max_objects", "integer", "Most points or boxes (point, detect)."),
         Field("seed", "integer", "Sampling seed (an extension of this server)."),
+        # The official npm client's spelling (it sends settings.maxTokens).
+        *(
+            Field(alias, "integer" if alias != "topP" else "number", f"Alias of {name}.")
+            for alias, name in SETTING_ALIASES.items()
+        ),
     ),
 )
 IMAGE = Field(
@@ -177,15 +183,30 @@ SEGMENT_RESPONSE["properties"]["bbox"] = REGION_SCHEMA
 
 
 def settings(values: dict[str, Any] | None) -> pb.GenerationSettings:
-    """The proto settings of a JSON ``settings`` object (types already checked)."""
+    """The proto settings of a JSON ``settings`` object (types already checked); a camelCase
+    alias stands for its name unless both are sent with different values."""
+    values = dict(values or {})
+    for alias, name in SETTING_ALIASES.items():
+        value = values.pop(alias, None)
+        if value is None:
+            continue
+        if values.get(name) not in (None, value):
+            raise invalid(f"settings.{alias}", f"differs from settings.{name}; send one of them")
+        values[name] = value
     out = pb.GenerationSettings()
     for name in SETTING_NAMES:
-        value = (values or {}).get(name)
+        value = values.get(name)
         if value is None:
             continue
         try:
             setattr(out, name, value)
         except (ValueError, TypeError):  # an integer beyond the proto field's range
+            if name in ("max_tokens", "max_objects"):  # as any count beyond the model
+                raise EngineError(
+                    ErrorCode.OUT_OF_RANGE,
+                    f"settings.{name}: must be within the model's context, got {value}",
+                    f"settings.{name}",
+                ) from None
             raise invalid(f"settings.{name}", f"is out of range: {value}") from None
     return out
 

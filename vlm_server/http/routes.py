@@ -9,7 +9,7 @@ from typing import Any
 from aiohttp import web
 
 from vlm_server.engine.api import Task
-from vlm_server.http import chat, moondream
+from vlm_server.http import chat, moondream, probes
 from vlm_server.http.body import Field
 from vlm_server.http.exchange import Exchange
 
@@ -106,6 +106,24 @@ ROUTES: tuple[Route, ...] = (
         "model_info",
         response=chat.MODELS_RESPONSE,
         tag="openai",
+    ),
+    Route(
+        "GET",
+        "/health",
+        probes.live,
+        "Liveness: 503 once the engine failed or the server stopped (no API key needed)",
+        None,
+        response=probes.PROBE_RESPONSE,
+        tag="meta",
+    ),
+    Route(
+        "GET",
+        "/ready",
+        probes.ready,
+        "Readiness: 200 only while the model is loaded and the server is not draining",
+        None,
+        response=probes.PROBE_RESPONSE,
+        tag="meta",
     ),
     Route(
         "GET",

@@ -19,23 +19,39 @@ class HealthState:
     def __init__(self, service_name: str) -> None:
         self.service_name = service_name
         self.servicer = health.aio.HealthServicer()
+        # What the HTTP door's /health and /ready report: loading, serving, draining,
+        # failed or stopped (liveness holds in the first three).
+        self.phase = "loading"
+
+    @property
+    def live(self) -> bool:
+        return self.phase in ("loading", "serving", "draining")
+
+    @property
+    def ready(self) -> bool:
+        return self.phase == "serving"
 
     async def loading(self) -> None:
+        self.phase = "loading"
         await self.servicer.set("", SERVING)
         await self.servicer.set(self.service_name, NOT_SERVING)
 
-    async def ready(self) -> None:
+    async def serving(self) -> None:
+        self.phase = "serving"
         await self.servicer.set(self.service_name, SERVING)
 
     async def draining(self) -> None:
+        self.phase = "draining"
         await self.servicer.set(self.service_name, NOT_SERVING)
 
     async def failed(self) -> None:
         """The engine cannot serve any more: not ready, and not live either, so that the
         process gets restarted."""
+        self.phase = "failed"
         await self.servicer.set(self.service_name, NOT_SERVING)
         await self.servicer.set("", NOT_SERVING)
 
     async def stopped(self) -> None:
         """Everything NOT_SERVING, for good."""
+        self.phase = "stopped"
         await self.servicer.enter_graceful_shutdown()

@@ -1,14 +1,18 @@
 """What happens to a call before its handler runs.
 
-1. Requests that are not valid protobuf answer INVALID_ARGUMENT naming the field, without a
-   traceback. grpc.aio parses a request before the handler runs; a parse error (corrupt wire
-   format, or invalid UTF-8 in a ``string`` field) would escape as UNKNOWN with the
-   exception's class in the message and an error-level traceback per request. The
+1. Requests that are not valid protobuf, or declare a string field far beyond its limit
+   (field_limits.py: refused before it is copied), answer INVALID_ARGUMENT naming the field,
+   without a traceback. grpc.aio parses a request before the handler runs; a parse error
+   (corrupt wire format, or invalid UTF-8 in a ``string`` field) would escape as UNKNOWN
+   with the exception's class in the message and an error-level traceback per request. The
    interceptor wraps every method's parser so a failure becomes a `Malformed` value, which
    the wrapped handler answers. `bad_utf8_field` walks the wire format to name the field.
-2. Calls that end before their handler starts are still counted. When a deadline passes
-   while the request is still arriving (a large image under load), gRPC ends the call
-   without ever running the handler, so the servicer's own bookkeeping never sees it.
+2. Calls that end before their request message is read are still counted, with the code the
+   clock gives them. When a deadline passes while the request is still arriving (a large image
+   under load), gRPC would end the call without ever running a unary handler, and could not
+   say whether the deadline or the client ended it; so every unary method is served as a
+   request-streaming one (the same on the wire), whose handler runs at once, notes the
+   deadline, then reads the one message.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,10 +29,16 @@ import grpc
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
+from vlm_server.frontend.calls import request_id
 from vlm_server.rpc.auth import RejectHook
-from vlm_server.rpc.status import FIELD_METADATA_KEY
+from vlm_server.rpc.field_limits import oversized_field
+from vlm_server.rpc.status import FIELD_METADATA_KEY, REQUEST_ID_METADATA_KEY
 
-UnstartedHook = Callable[[str], None]  # the method of a call that ended before its handler
+# (method, status code, client's request id) of a call that ended before its request was read.
+UnstartedHook = Callable[[str, str, str | None], None]
+_CLOCK_SLACK_S = 0.01  # the transport's timer and this clock need not agree to the ms
+_PARSE_APART_BYTES = 1 << 20
+_YIELD_S = 0.0005  # a timer: it queues behind what is due, unlike sleep(0)
 
 _MAX_DEPTH = 32  # deeper nesting than any of our messages has: stop looking
 
@@ -39,9 +50,12 @@ class Malformed:
     type_name: str
     reason: str
     field: str | None = None
+    text: str = ""  # the whole message, when not the parser's
 
     @property
     def message(self) -> str:
+        if self.text:
+            return self.text
         where = f"{self.field}: " if self.field else ""
         return f"{where}not a valid {self.type_name} message ({self.reason})"
 
@@ -99,12 +113,19 @@ def _message_class(parse: Callable[[bytes], Any]) -> type[Message] | None:
     return owner if isinstance(owner, type) and issubclass(owner, Message) else None
 
 
-def guarded_parser(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
-    """``parse``, returning a `Malformed` instead of raising on bad input."""
+def guarded_parser(
+    parse: Callable[[bytes], Any], field_limits: Mapping[str, int] | None = None
+) -> Callable[[bytes], Any]:
+    """``parse``, returning a `Malformed` instead of raising on bad input, or on a string field
+    declared longer than ``field_limits`` allow (refused before it is copied)."""
     cls = _message_class(parse)
     type_name = cls.DESCRIPTOR.full_name if cls is not None else "request"
 
     def guarded(data: bytes) -> Any:
+        if field_limits and cls is not None:
+            big = oversized_field(data, cls.DESCRIPTOR, field_limits)
+            if big is not None:
+                return Malformed(type_name, "", big.field, big.message)
         try:
             return parse(data)
         except (DecodeError, ValueError, UnicodeDecodeError) as err:
@@ -117,44 +138,96 @@ def guarded_parser(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     return guarded
 
 
+def _client_request_id(context: grpc.aio.ServicerContext) -> str | None:
+    sent = next((v for k, v in context.invocation_metadata() or () if k == "x-request-id"), None)
+    return sent if isinstance(sent, str) else None
+
+
 async def _abort(bad: Malformed, context: grpc.aio.ServicerContext) -> None:
-    trailing = ((FIELD_METADATA_KEY, bad.field),) if bad.field else ()
+    # A request id like every other answer's: the client's when it sent a valid one.
+    rid = request_id(_client_request_id(context))
+    trailing: tuple[tuple[str, str], ...] = ((REQUEST_ID_METADATA_KEY, rid),)
+    if bad.field:
+        trailing += ((FIELD_METADATA_KEY, bad.field),)
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad.message, trailing_metadata=trailing)
 
 
-def _guarded_handler(
-    handler: grpc.RpcMethodHandler, method: str, on_reject: RejectHook | None, started: list[bool]
-) -> grpc.RpcMethodHandler:
-    def rejected(bad: Malformed) -> None:
-        if on_reject is not None:
-            on_reject(method, grpc.StatusCode.INVALID_ARGUMENT, bad.message)
+async def _read_one(
+    context: grpc.aio.ServicerContext, method: str, hook: UnstartedHook | None, started: list[bool]
+) -> Any:
+    """The call's one request message, read by its handler: a call whose deadline passes
+    while its message is still arriving is then reported as what it is (the clock tells a
+    deadline from a client's cancel; gRPC tells neither to a handler not yet running)."""
+    # Read now: after a cancel the call's core object may be gone.
+    remaining = context.time_remaining()
+    deadline = None if remaining is None else time.monotonic() + remaining
+    rid = _client_request_id(context)
 
+    def ended() -> asyncio.CancelledError:
+        started[0] = True  # reported here
+        if hook is not None:
+            expired = deadline is not None and time.monotonic() >= deadline - _CLOCK_SLACK_S
+            hook(method, "DEADLINE_EXCEEDED" if expired else "CANCELLED", rid)
+        return asyncio.CancelledError()  # over: gRPC ends a cancelled handler quietly
+
+    try:
+        request = await context.read()  # EOF, not an error, once the call has ended
+        if request is grpc.aio.EOF:
+            # Ended, or a client that closed its side without a message: the abort then
+            # tells them apart (it fails on an ended call).
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carried no request")
+    except grpc.aio.AbortError:
+        started[0] = True
+        raise
+    except (asyncio.CancelledError, Exception) as err:
+        raise ended() from err
+    started[0] = True
+    return request
+
+
+def _guarded_handler(
+    handler: grpc.RpcMethodHandler,
+    method: str,
+    on_reject: RejectHook | None,
+    started: list[bool],
+    field_limits: Mapping[str, int] | None = None,
+    on_unstarted: UnstartedHook | None = None,
+) -> grpc.RpcMethodHandler:
+    """``handler`` served as a request-streaming one (the same on the wire), so that it runs
+    before its message arrives: see `_read_one`."""
+
+    async def read(context: grpc.aio.ServicerContext) -> Any:
+        data = await _read_one(context, method, on_unstarted, started)
+        if len(data) > _PARSE_APART_BYTES:
+            # Receiving a large message holds the loop for a while (gRPC copies it into one
+            # bytes object), and so does parsing it: not both in one turn of the loop.
+            await asyncio.sleep(_YIELD_S)
+        request = parser(data)
+        if isinstance(request, Malformed):
+            if on_reject is not None:
+                on_reject(method, grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            await _abort(request, context)
+        return request
+
+    parser = guarded_parser(handler.request_deserializer, field_limits)
     if handler.unary_unary is not None:
         inner_uu = handler.unary_unary
 
-        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            started[0] = True
-            if isinstance(request, Malformed):
-                rejected(request)
-                await _abort(request, context)
-            return await inner_uu(request, context)
+        async def stream_unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            return await inner_uu(await read(context), context)
 
-        return grpc.unary_unary_rpc_method_handler(
-            unary_unary,
-            request_deserializer=guarded_parser(handler.request_deserializer),
+        return grpc.stream_unary_rpc_method_handler(
+            stream_unary,
+            request_deserializer=None,  # raw bytes: `read` parses them
             response_serializer=handler.response_serializer,
         )
     if handler.unary_stream is not None:
         inner_us = handler.unary_stream
 
-        async def unary_stream(
-            request: Any, context: grpc.aio.ServicerContext
+        async def stream_stream(
+            requests: Any, context: grpc.aio.ServicerContext
         ) -> AsyncIterator[Any]:
-            started[0] = True
-            if isinstance(request, Malformed):
-                rejected(request)
-                await _abort(request, context)
-            messages = inner_us(request, context)
+            messages = inner_us(await read(context), context)
             if inspect.isawaitable(messages):  # a handler that writes with context.write
                 await messages
                 return
@@ -162,9 +235,9 @@ def _guarded_handler(
                 async for message in messages:
                     yield message
 
-        return grpc.unary_stream_rpc_method_handler(
-            unary_stream,
-            request_deserializer=guarded_parser(handler.request_deserializer),
+        return grpc.stream_stream_rpc_method_handler(
+            stream_stream,
+            request_deserializer=None,  # raw bytes: `read` parses them
             response_serializer=handler.response_serializer,
         )
     started[0] = True  # client streaming (reflection): parsed per message by its own handler
@@ -183,7 +256,9 @@ class IntakeInterceptor(grpc.aio.ServerInterceptor):
         on_reject: RejectHook | None = None,
         on_unstarted: UnstartedHook | None = None,
         watched: tuple[str, ...] = (),
+        field_limits: Mapping[str, int] | None = None,
     ) -> None:
+        self._field_limits = field_limits
         self._on_reject = on_reject
         self._on_unstarted = on_unstarted
         self._watched = tuple(f"/{name}/" for name in watched)
@@ -197,10 +272,16 @@ class IntakeInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or handler.request_streaming or handler.request_deserializer is None:
             return handler
         started = [False]
+        hook = None
         if self._on_unstarted is not None and details.method.startswith(self._watched):
-            # This runs in the call's own task, which ends however the call ends.
+            hook, method = self._on_unstarted, details.method
+            # This runs in the call's own task, which ends however the call ends: a call
+            # ended before its handler even ran has no clock to read (CANCELLED).
             task = asyncio.current_task()
             if task is not None:
-                hook, method = self._on_unstarted, details.method
-                task.add_done_callback(lambda _: None if started[0] else hook(method))
-        return _guarded_handler(handler, details.method, self._on_reject, started)
+                task.add_done_callback(
+                    lambda _: None if started[0] else hook(method, "CANCELLED", None)  # type: ignore[misc]
+                )
+        return _guarded_handler(
+            handler, details.method, self._on_reject, started, self._field_limits, hook
+        )

@@ -107,9 +107,12 @@ class _Call(Call):
         if isinstance(exc, EngineError):
             trailing: tuple[tuple[str, str], ...] = ((REQUEST_ID_METADATA_KEY, self.request_id),)
             field = proto_field(exc.field)
+            message = exc.message
             if field:
                 trailing += ((FIELD_METADATA_KEY, field),)
-            await self.context.abort(STATUS[exc.code], exc.message, trailing_metadata=trailing)
+                if exc.field and exc.field != field and message.startswith(f"{exc.field}:"):
+                    message = field + message[len(exc.field) :]  # the name clients know
+            await self.context.abort(STATUS[exc.code], message, trailing_metadata=trailing)
         if status_code(exc) == "INTERNAL":
             await self.context.abort(
                 grpc.StatusCode.INTERNAL, f"internal error (request id {self.request_id})"
@@ -134,11 +137,13 @@ class VisionLanguageServicer(pb_grpc.VisionLanguageServicer):
         """A call refused before its handler ran (bad protobuf, no API key)."""
         self._record_early(method, code.name, {"error": message})
 
-    def record_unstarted(self, method: str) -> None:
-        """A call that ended before its handler ran: gRPC ends a call whose deadline passes
-        (or whose client cancels) while its request is still arriving. It cannot say which
-        of the two, so the code is CANCELLED with ``stage=receiving`` in the log."""
-        self._record_early(method, "CANCELLED", {"stage": "receiving"})
+    def record_unstarted(
+        self, method: str, code: str = "CANCELLED", client_id: str | None = None
+    ) -> None:
+        """A call that ended before its request was read: its deadline passed while the
+        request was still arriving (DEADLINE_EXCEEDED), or its client went away (CANCELLED)."""
+        fields = {"stage": "receiving", "request_id": request_id(client_id)}
+        self._record_early(method, code, fields)
 
     def _record_early(self, method: str, code: str, fields: dict[str, Any]) -> None:
         service, _, name = method.lstrip("/").partition("/")

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
 from vlm_server.engine.api import Engine, EngineStats
@@ -41,9 +40,11 @@ from vlm_server.options.table import ServerConfig
 from vlm_server.rpc.auth import ApiKeys, AuthInterceptor, client_identity, read_keys_file
 from vlm_server.rpc.health import HealthState
 from vlm_server.rpc.intake import IntakeInterceptor
+from vlm_server.rpc.reflection import enable_reflection
 from vlm_server.rpc.servicer import SERVICE_NAME, VisionLanguageServicer, server_version
 from vlm_server.server.engines import uses_engine_process
 from vlm_server.server.memory import Trimmer
+from vlm_server.server.ports import port_in_use
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,9 @@ class VisionLanguageServer:
         self.http: HttpFrontDoor | None = None
         if config.http_port != 0:
             auth = http_auth if http_auth is not None else self.api_keys
-            self.http = HttpFrontDoor(self.core, config.max_http_body_bytes, auth, server_version())
+            self.http = HttpFrontDoor(
+                self.core, config.max_http_body_bytes, auth, server_version(), self.health
+            )
         self._trimmer = Trimmer(config.memory_trim_interval)
         self._server: grpc.aio.Server | None = None
         self._loading: asyncio.Task[None] | None = None
@@ -137,7 +140,16 @@ class VisionLanguageServer:
 
     def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         reject = self.servicer.record_rejected
-        intake = IntakeInterceptor(reject, self.servicer.record_unstarted, (SERVICE_NAME,))
+        cfg = self.config
+        limits = {
+            "question": cfg.max_question_chars,
+            "object": cfg.max_object_chars,
+            "regex": cfg.max_regex_chars,
+            "choices": cfg.max_choice_chars,
+        }
+        intake = IntakeInterceptor(
+            reject, self.servicer.record_unstarted, (SERVICE_NAME,), field_limits=limits
+        )
         chain: list[grpc.aio.ServerInterceptor] = [intake]
         if self.api_keys is not None:  # its refusals parse nothing
             chain.append(AuthInterceptor(self.api_keys, reject))
@@ -146,6 +158,11 @@ class VisionLanguageServer:
     def _bind(self, server: grpc.aio.Server) -> int:
         address = f"{self.config.host}:{self.config.port}"
         credentials = tls_credentials(self.config)
+        if port_in_use(self.config.host, self.config.port):
+            raise ListenError(
+                f"cannot listen on {address}: port {self.config.port} is in use "
+                "(another server?); choose another with --port"
+            )
         try:
             if credentials is None:
                 port = server.add_insecure_port(address)
@@ -198,9 +215,7 @@ class VisionLanguageServer:
         )
         pb_grpc.add_VisionLanguageServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server
-        )
+        enable_reflection((SERVICE_NAME, "grpc.health.v1.Health"), server)
         self.port = self._bind(server)
         try:
             self.metrics_port = self._serve_metrics()
@@ -259,7 +274,7 @@ class VisionLanguageServer:
         await engine.start()
         info = engine.info
         self.core.engine = engine
-        await self.health.ready()
+        await self.health.serving()
         self._watching = asyncio.create_task(self._watch_failure(engine))
         log.info(
             "ready",

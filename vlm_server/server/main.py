@@ -14,6 +14,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 
+from vlm_server.chip_features import check_config
 from vlm_server.devices import resolve_device
 from vlm_server.engine.api import Engine
 from vlm_server.frontend.logs import configure_logging
@@ -48,6 +49,9 @@ async def serve(config: ServerConfig, engine_factory: Callable[[], Engine]) -> i
         return 1
     if ready.done():
         freeze()  # the model is loaded: later collections skip its objects
+        warm = getattr(server.engine, "warm_constraints", None)  # an in-process engine's
+        if warm is not None:
+            warm()
     await stopping
     log.info("signal received: draining")
     await server.shutdown()
@@ -64,6 +68,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "vlm-server") -> int:
         return 2
     try:
         resolve_device(config.device)
+        check_config(config)  # chip-gated flags: one line naming the flag (chip_features.py)
     except ValueError as err:
         log.error("%s", err)
         return 2

@@ -282,6 +282,9 @@ def run_engine_process(
     if on_ready is not None:
         on_ready()
     sender.send(Ready(engine.info))
+    warm = getattr(engine, "warm_constraints", None)  # the constraint compiler's child
+    if warm is not None:
+        warm()
     host = EngineHost(engine, sender, outbox, gc_pauses, max_decoding=engine.cfg.max_queue)
     host.serve(commands, fd_socket, housekeeping, housekeeping_interval)
 

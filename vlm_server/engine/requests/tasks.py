@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
-from decoding.constraints import ConstraintCompiler
+from decoding.constraints import CompileCancelled, ConstraintCompiler
 from decoding.grammars import (
     Grammar,
     PathRows,
@@ -69,6 +69,7 @@ class TaskCompiler:
         tokenizer: Tokenizer,
         mask_rows: int = 1024,
         limits: ConstraintLimits | None = None,
+        compile_in_child: bool = False,
     ) -> None:
         contract = config.tokens
         assert contract is not None
@@ -86,6 +87,7 @@ class TaskCompiler:
             contract.eos_id,
             blocked=frozenset(suppressed),
             limits=limits or ConstraintLimits(),
+            in_child=compile_in_child,  # a server's: off its GIL (decoding/compile_pool.py)
         )
         self.region_rows = RegionRows.register(
             self.table, RegionTokens(contract.eos_id, contract.coord_id)
@@ -194,6 +196,8 @@ class TaskCompiler:
             return self.constraints.regex(req.regex or "", req.max_tokens)
         except CompileTimeout as err:
             raise EngineError(ErrorCode.RESOURCE_EXHAUSTED, f"{field}: {err}", field) from err
+        except CompileCancelled as err:
+            raise EngineError(ErrorCode.CANCELLED, f"{field}: {err}", field) from err
         except MaskTableFull as err:
             raise EngineError(
                 ErrorCode.RESOURCE_EXHAUSTED,
@@ -214,8 +218,11 @@ def _check_settings(req: GenerationRequest, max_context: int) -> None:
             "image",
         )
     if req.max_tokens > max_context:
+        # Well formed, but beyond this model: OUT_OF_RANGE, as a prompt plus a budget that
+        # together exceed the context are.
         raise EngineError(
-            ErrorCode.INVALID_ARGUMENT,
-            f"max_tokens must be at most {max_context} (the model's context), got {req.max_tokens}",
+            ErrorCode.OUT_OF_RANGE,
+            f"max_tokens: must be at most {max_context} (the model's context), "
+            f"got {req.max_tokens}",
             "max_tokens",
         )

@@ -11,6 +11,7 @@ import torch
 from vlm_server.models.interface import FamilyConfig, LoadedModel
 from vlm_server.models.moondream2.config import PRESETS, ModelConfig
 from vlm_server.models.moondream2.loader import load_model, random_model
+from vlm_server.models.moondream2.readable import make_readable
 from vlm_server.models.moondream2.reference_config import is_moondream_format
 from vlm_server.models.moondream2.writer import CONFIG_FORMAT, write_checkpoint
 
@@ -69,7 +70,12 @@ class Moondream2Family:
         self, config: FamilyConfig, out_dir: Path, *, seed: int, progress: bool, **options: Any
     ) -> Path:
         assert isinstance(config, ModelConfig)
-        return write_checkpoint(config, out_dir, seed=seed, progress=progress, **options)
+        # readable=True: answers in words and captions of real lengths (the built-in model).
+        readable = options.pop("readable", False)
+        out = write_checkpoint(config, out_dir, seed=seed, progress=progress, **options)
+        if readable:
+            make_readable(out, config, seed=seed)
+        return out
 
 
 MOONDREAM2 = Moondream2Family()

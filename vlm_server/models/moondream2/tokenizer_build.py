@@ -8,6 +8,7 @@ requested size. Special tokens sit at the ids the token contract names.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -42,8 +43,11 @@ def _specials_for(config: ModelConfig) -> dict[int, str]:
     return dict(enumerate(_CONTRACT_2025_06_SPECIALS))
 
 
-def build_tokenizer(config: ModelConfig, seed: int = 0) -> Tokenizer:
-    """A byte-level BPE tokenizer with exactly ``config.tokenizer_vocab_size`` entries."""
+def build_tokenizer(
+    config: ModelConfig, seed: int = 0, words: Sequence[str] = _WORDS, spaced_only: bool = False
+) -> Tokenizer:
+    """A byte-level BPE tokenizer with exactly ``config.tokenizer_vocab_size`` entries whose
+    merges spell ``words`` first (with a leading space, and without unless ``spaced_only``)."""
     size = config.tokenizer_vocab_size
     specials = _specials_for(config)
     byte_chars = list(byte_level_alphabet().values())
@@ -64,7 +68,7 @@ def build_tokenizer(config: ModelConfig, seed: int = 0) -> Tokenizer:
     space = byte_level_alphabet()[ord(" ")]
     # Spaced words first: BPE applies merges by rank, so "Ġ"+"r" must outrank "r"+"e" for
     # " red" to become one token.
-    for spelled in [space + w for w in _WORDS] + list(_WORDS):
+    for spelled in [space + w for w in words] + ([] if spaced_only else list(words)):
         # Left-to-right merges: "Ġ"+"c" -> "Ġc", "Ġc"+"a" -> "Ġca", ...
         for i in range(1, len(spelled)):
             add_merge(spelled[:i], spelled[i])

@@ -1,0 +1,191 @@
+"""Every Triton kernel of the project builds for every chip it may meet, not only for the one
+the tests run on: each is compiled ahead of time (``triton.compile`` with a `GPUTarget`; no
+launch, so no such chip is needed) for sm_80 (A100), sm_86 (A10, RTX 30), sm_89 (L4, L40,
+RTX 40), sm_90 (H100, H200), sm_100 (B200) and sm_120 (RTX 50, RTX PRO). A kernel that fails
+to build anywhere fails here, naming the kernel and the chip.
+
+The FP8 kernels of the vision tower use e4m3, which chips before sm_89 lack (Triton refuses
+the type there): they are built for sm_89 and later only, and ``--vision-fp8`` refuses older
+chips at start (that gate is tested on the CPU in test_chip_features.py). With Triton 3.6 on
+an H200 every kernel built for every target here. The argument types and constants below are those
+the launchers pass (bf16 model tensors, fp32 partials, int32 tables).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+pytestmark = pytest.mark.gpu
+
+TARGETS = (80, 86, 89, 90, 100, 120)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    module: str
+    name: str
+    signature: dict[str, str]  # argument -> Triton type, constexprs left out
+    constants: dict[str, Any]
+    min_arch: int = 80
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+_DECODE = {
+    "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
+    "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
+    "table_ptr": "*i32", "rows_ptr": "*i32", "lengths_ptr": "*i32",
+    "scale": "fp32", "table_stride": "i32", "rows_stride": "i32",
+    "n_heads": "i32", "kv_group": "i32",
+}  # fmt: skip
+_TILE = {
+    "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16",
+    "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
+    "table_ptr": "*i32", "rows_ptr": "*i32", "pos_ptr": "*i32", "tiles_ptr": "*i32",
+    "scale": "fp32", "table_stride": "i32", "rows_stride": "i32", "pos_stride": "i32",
+    "n_heads": "i32", "kv_group": "i32",
+}  # fmt: skip
+_ROPE = {
+    "qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i32",
+    "table_ptr": "*i32", "rows_ptr": "*i32", "q_out_ptr": "*bf16", "k_ptr": "*bf16",
+    "v_ptr": "*bf16", "k_out_ptr": "*bf16", "qkv_stride": "i32", "pos_stride": "i32",
+    "table_stride": "i32", "rows_stride": "i32", "n_heads": "i32",
+}  # fmt: skip
+_NORM = {
+    "x_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "w_ptr": "*bf16",
+    "bias_ptr": "*bf16", "sum_ptr": "*bf16", "out_ptr": "*bf16", "dim": "i32", "eps": "fp32",
+}  # fmt: skip
+_NORM_FP8 = {
+    "x_ptr": "*bf16", "a_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16",
+    "sum_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "dim": "i32", "eps": "fp32",
+}  # fmt: skip
+_GELU_FP8 = {
+    "u_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "width": "i32",
+    "width_out": "i32",
+}  # fmt: skip
+_ATTENTION = "vlm_server.engine.device.kernels.triton_attention"
+_SHAPE = {"PAGE": 16, "KVH": 32, "HD": 64}
+
+KERNELS = (
+    Kernel(
+        _ATTENTION,
+        "_paged_decode_kernel",
+        _DECODE,
+        {**_SHAPE, "BLOCK_N": 64, "SPLITS": 4, "SPLIT_MAX": 512},
+    ),
+    Kernel(
+        _ATTENTION,
+        "_combine_kernel",
+        {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16"},
+        {"SPLITS": 4, "HD": 64},
+    ),
+    Kernel(_ATTENTION, "_rope_store_kernel", _ROPE, {**_SHAPE, "HALF": 16, "STORE_K": True}),
+    Kernel(
+        _ATTENTION,
+        "_paged_tile_kernel",
+        _TILE,
+        {
+            **_SHAPE,
+            "BLOCK_M": 16,
+            "BLOCK_N": 64,
+            "SPLITS": 2,
+            "SPLIT_MAX": 1024,
+            "PRECISION": "tf32",
+        },
+    ),
+    Kernel(
+        "vlm_server.models.common.fused_norm",
+        "_add_layernorm_kernel",
+        _NORM,
+        {"HAS_B": True, "BLOCK": 2048},
+    ),
+    Kernel(
+        "vlm_server.models.moondream2.fp8_vision",
+        "_add_layernorm_fp8_kernel",
+        _NORM_FP8,
+        {"HAS_A": True, "BLOCK": 2048},
+        min_arch=89,
+    ),
+    Kernel(
+        "vlm_server.models.moondream2.fp8_vision",
+        "_gelu_fp8_kernel",
+        _GELU_FP8,
+        {"BLOCK": 4096, "CHUNK": 1024},
+        min_arch=89,
+    ),
+)
+
+
+def _jit_function(kernel: Kernel) -> Any:
+    # Imported, not skipped when missing: a kernel whose module moved must fail here until
+    # KERNELS follows it.
+    module = importlib.import_module(kernel.module)
+    fn = getattr(module, kernel.name, None)
+    assert fn is not None, f"{kernel.module}.{kernel.name} is gone: update KERNELS"
+    return fn
+
+
+def _source(fn: Any, kernel: Kernel) -> Any:
+    """The kernel as Triton's compiler takes it, whichever API this Triton has."""
+    from triton.compiler import ASTSource
+
+    names = list(fn.arg_names)
+    missing = set(names) - set(kernel.signature) - set(kernel.constants)
+    assert not missing, f"{kernel.name}: no type for {sorted(missing)}: update KERNELS"
+    if "constexprs" in inspect.signature(ASTSource).parameters:  # Triton >= 3.2
+        signature = {n: kernel.signature.get(n, "constexpr") for n in names}
+        constexprs = {(names.index(k),): v for k, v in kernel.constants.items()}
+        return ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    signature = {names.index(n): t for n, t in kernel.signature.items()}  # Triton 3.0, 3.1
+    constants = {names.index(k): v for k, v in kernel.constants.items()}
+    return ASTSource(fn=fn, signature=signature, constants=constants)
+
+
+def _is_kernel(value: Any, module: str) -> bool:
+    """A launched Triton kernel of ``module`` (it takes pointers; helpers such as _gelu do
+    not, and are built inside the kernels that call them)."""
+    if not isinstance(value, triton.runtime.JITFunction) or value.__module__ != module:
+        return False
+    return any(p.endswith("_ptr") for p in inspect.signature(value.fn).parameters)
+
+
+def test_every_triton_kernel_of_the_project_is_listed() -> None:
+    """A new kernel must join KERNELS, so that it is built for every chip too."""
+    import pkgutil
+
+    import vlm_server
+
+    listed = {(k.module, k.name) for k in KERNELS}
+    found = set()
+    for info in pkgutil.walk_packages(vlm_server.__path__, "vlm_server."):
+        if info.name.startswith("vlm_server.api"):
+            continue
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError:
+            continue
+        for name, value in vars(module).items():
+            if _is_kernel(value, info.name):
+                found.add((info.name, name))
+    assert found <= listed, f"kernels missing from KERNELS: {sorted(found - listed)}"
+
+
+@pytest.mark.parametrize("arch", TARGETS, ids=[f"sm_{a}" for a in TARGETS])
+@pytest.mark.parametrize("kernel", KERNELS, ids=[k.name for k in KERNELS])
+def test_the_kernel_builds_for_the_chip(kernel: Kernel, arch: int) -> None:
+    if arch < kernel.min_arch:
+        pytest.skip(f"{kernel.name} needs sm_{kernel.min_arch}+ (FP8), gated at start")
+    from triton.backends.compiler import GPUTarget
+
+    fn = _jit_function(kernel)
+    try:
+        compiled = triton.compile(_source(fn, kernel), target=GPUTarget("cuda", arch, 32))
+    except Exception as err:
+        pytest.fail(f"{kernel.name} does not build for sm_{arch}: {type(err).__name__}: {err}")
+    assert compiled.asm.get("cubin"), f"{kernel.name}: no cubin for sm_{arch}"

@@ -1,0 +1,122 @@
+"""Features that need a newer chip than some the server may run on, checked once at start.
+
+Each either refuses with one line that names its flag, the chip and what it needs, or falls
+back and says so, instead of failing later (a kernel that does not build, a driver error at the
+first request, a decode path that silently does nothing):
+
+* ``--vision-fp8``: FP8 matrix units, compute capability 8.9 or newer (L4, L40, H100, B200,
+  RTX 40 and later). Refused below.
+* ``--prefill-sms``: CUDA green contexts: compute capability 6.0 or newer, a torch that has
+  ``torch.cuda.green_contexts`` and a driver of CUDA 12.4 or newer. Refused without them.
+* ``--image-gpu-decoder``: the chip's JPEG decode engines through nvImageCodec (A100, A30,
+  H100, H200, B200 have them; most others do not). ``auto`` falls back to nvJPEG on the SMs;
+  ``nvimgcodec`` asked for by name is refused where it cannot work (image_pipeline.gpu_jpeg
+  probes it; the server says so at start in one line naming the flags).
+
+`Chip` is read from torch (`current_chip`); tests give one of their own.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+FP8_CAPABILITY = (8, 9)
+GREEN_CONTEXT_CAPABILITY = (6, 0)
+GREEN_CONTEXT_DRIVER = 12040  # CUDA 12.4, as cudaDriverGetVersion writes it
+
+
+class ChipFeatureError(ValueError):
+    """A flag asks for what this chip (or driver, or torch) lacks; the message is one line."""
+
+
+@dataclass(frozen=True)
+class Chip:
+    name: str
+    capability: tuple[int, int]
+    driver: int = 0  # cudaDriverGetVersion (12040 = 12.4); 0: unknown
+    green_contexts: bool = False  # torch.cuda.green_contexts is there
+
+    @property
+    def sm(self) -> str:
+        return f"sm_{self.capability[0]}{self.capability[1]}"
+
+
+def _green_contexts_in_torch() -> bool:
+    try:
+        module = importlib.import_module("torch.cuda.green_contexts")
+    except ImportError:
+        return False
+    return hasattr(module, "GreenContext")
+
+
+def _driver_version() -> int:
+    try:
+        return int(torch._C._cuda_getDriverVersion())  # type: ignore[attr-defined]
+    except Exception:  # no CUDA, or a torch without it: unknown
+        return 0
+
+
+def current_chip(device: str | None) -> Chip | None:
+    """The CUDA chip ``device`` (``cuda``, ``cuda:1``; None: the default) names; None on the
+    CPU or without CUDA."""
+    if device is not None and not device.startswith("cuda"):
+        return None
+    if not torch.cuda.is_available():
+        return None
+    index = torch.device(device or "cuda").index or 0
+    return Chip(
+        torch.cuda.get_device_name(index),
+        tuple(torch.cuda.get_device_capability(index)),  # type: ignore[arg-type]
+        _driver_version(),
+        _green_contexts_in_torch(),
+    )
+
+
+def check(
+    vision_fp8: bool,
+    prefill_sms: int,
+    chip: Chip | None,
+) -> None:
+    """Raise `ChipFeatureError` (one line, naming the flag) for a feature ``chip`` lacks;
+    ``chip`` None (no CUDA device) refuses every CUDA-only feature asked for."""
+    where = (
+        "this machine has no CUDA device"
+        if chip is None
+        else f"this GPU is {chip.name} ({chip.sm})"
+    )
+    if vision_fp8 and (chip is None or chip.capability < FP8_CAPABILITY):
+        raise ChipFeatureError(
+            "--vision-fp8 needs FP8 matrix units (compute capability 8.9 or newer: L4, L40, "
+            f"H100, B200 and later); {where}: drop the flag"
+        )
+    if prefill_sms > 0:
+        if chip is None or chip.capability < GREEN_CONTEXT_CAPABILITY:
+            lack = where
+        elif not chip.green_contexts:
+            lack = "this torch has no torch.cuda.green_contexts (torch 2.8 or newer has)"
+        elif 0 < chip.driver < GREEN_CONTEXT_DRIVER:
+            lack = f"the driver is CUDA {chip.driver // 1000}.{chip.driver % 1000 // 10}"
+        else:
+            return
+        raise ChipFeatureError(
+            "--prefill-sms needs CUDA green contexts (compute capability 6.0 or newer, a "
+            f"driver of CUDA 12.4 or newer); {lack}: set --prefill-sms 0"
+        )
+
+
+Probe = Callable[[], Chip | None]
+
+
+def check_config(config: object, probe: Probe | None = None) -> None:
+    """`check` for a server config (its ``device``, ``vision_fp8`` and ``prefill_sms``)."""
+    vision_fp8 = bool(getattr(config, "vision_fp8", False))
+    prefill_sms = int(getattr(config, "prefill_sms", 0))
+    if not vision_fp8 and prefill_sms <= 0:
+        return  # nothing to ask the device
+    device = getattr(config, "device", None)
+    chip = probe() if probe is not None else current_chip(device)
+    check(vision_fp8, prefill_sms, chip)
