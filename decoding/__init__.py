@@ -2,9 +2,11 @@
 
 Map:
   automaton, regex_dfa, utf8_ranges, svg_path   constraints as byte DFAs
+  json_schema                                    JSON Schema (a subset), any JSON object -> regex
   vocab, token_trie, token_masks                 DFA x vocabulary -> token mask rows (cached)
   mask_table, constraints, limits                reference-counted row registry; bounded,
                                                  cached request-time compiling
+  compile_pool                                   that compiling in a child process
   grammars (grammar_base, text_grammar, region_grammars)   per-request state and protocol
   batch_masks, sampling                          device side: per-row masks, counter-based sampling
   detokenize, segment_output                     streaming text; segment polygons and RLE masks
