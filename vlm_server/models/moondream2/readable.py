@@ -30,6 +30,7 @@ looks like:
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -85,6 +86,22 @@ def _word_ids(tokenizer_vocab: dict[str, int], space: str) -> set[int]:
     return {tokenizer_vocab[space + w] for w in WORDS if space + w in tokenizer_vocab}
 
 
+class _Tensors:
+    """A checkpoint's tensors by native name (with or without the ``model.`` prefix), read
+    as fp32 and written back in their own dtype."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.prefix = NATIVE_PREFIX if any(k.startswith(NATIVE_PREFIX) for k in tensors) else ""
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.tensors[self.prefix + key].float()
+
+    def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        old = self.tensors[self.prefix + key]
+        self.tensors[self.prefix + key] = value.to(old.dtype)
+
+
 def make_readable(
     out_dir: str | Path,
     config: ModelConfig,
@@ -98,11 +115,13 @@ def make_readable(
     """Rewrite the checkpoint in ``out_dir`` (written by `write_checkpoint` for ``config``)
     as described in the module docstring; returns ``out_dir``."""
     out = Path(out_dir)
-    eos_bias = EOS_BIAS if eos_bias is None else eos_bias
-    eos_code = EOS_CODE if eos_code is None else eos_code
-    eos_progress = EOS_PROGRESS if eos_progress is None else eos_progress
-    contract = config.tokens
-    assert contract is not None
+    eos = _EosHead(
+        EOS_BIAS if eos_bias is None else eos_bias,
+        EOS_CODE if eos_code is None else eos_code,
+        EOS_PROGRESS if eos_progress is None else eos_progress,
+        repeat_penalty,
+        word_scale,
+    )
     text = config.text
     if text.dim < 64 or text.head_dim < 16 or text.rotary_dim > _UNROTATED or text.n_heads < 2:
         raise ValueError(f"{config.name}: too small for the length head (needs the tiny shape)")
@@ -111,113 +130,124 @@ def make_readable(
     vocab = tokenizer.get_vocab()
     words = _word_ids(vocab, byte_level_alphabet()[ord(" ")])
     coded = [[vocab[name] for name in names] for names in _CODED]
-
     path = out / WEIGHTS_FILE
-    tensors = load_file(str(path))
-    prefix = NATIVE_PREFIX if any(k.startswith(NATIVE_PREFIX) for k in tensors) else ""
-
-    def t(key: str) -> torch.Tensor:
-        return tensors[prefix + key]
-
-    def put(key: str, value: torch.Tensor) -> None:
-        tensors[prefix + key] = value.to(t(key).dtype)
-
-    hd, heads, kv = text.head_dim, text.n_heads, text.n_kv_heads
-    signal = list(_SIGNAL)
+    ts = _Tensors(load_file(str(path)))
     with torch.no_grad():
-        wte = t("text.wte").float()
-        wte[:, signal] = 0.0
-        wte[sorted(words), _WORD_MARK] = 1.0
-        for j, tokens in enumerate(coded):
-            for token in tokens:
-                wte[token, _LENGTH_MARK] = 4.0
-                wte[token, _CODE[j]] = 4.0
-        put("text.wte", wte)
-        fc2_w, fc2_b = (
-            t("vision.proj_mlp.fc2.weight").float(),
-            t("vision.proj_mlp.fc2.bias").float(),
-        )
-        fc2_w[signal], fc2_b[signal] = 0.0, 0.0
-        fc2_b[_IMAGE_MARK] = 1.0  # every image position carries the image mark
-        put("vision.proj_mlp.fc2.weight", fc2_w)
-        put("vision.proj_mlp.fc2.bias", fc2_b)
-        for layer in range(text.n_layers):
-            for name in ("attn.proj", "mlp.fc2"):  # no block writes the signal dimensions...
-                w, b = (
-                    t(f"text.blocks.{layer}.{name}.weight").float(),
-                    t(f"text.blocks.{layer}.{name}.bias").float(),
-                )
-                w[signal], b[signal] = 0.0, 0.0
-                put(f"text.blocks.{layer}.{name}.weight", w)
-                put(f"text.blocks.{layer}.{name}.bias", b)
-        # ...and the first norm treats them alike, so that x[d] / std = LN[d] - LN[_ZERO].
-        for name, value in (("weight", 1.0), ("bias", 0.0)):
-            ln = t(f"text.blocks.0.ln.{name}").float()
-            ln[signal] = value
-            put(f"text.blocks.0.ln.{name}", ln)
-        qkv_w, qkv_b = (
-            t("text.blocks.0.attn.qkv.weight").float(),
-            t("text.blocks.0.attn.qkv.bias").float(),
-        )
-        proj = t("text.blocks.0.attn.proj.weight").float()
-
-        def rows(head: int) -> tuple[int, int, int]:
-            """First q, k and v rows of ``head`` (its kv head, heads == kv here)."""
-            return head * hd, (heads + head) * hd, (heads + kv + head) * hd
-
-        def read(row: int, dim: int, scale: float) -> None:  # scale * x[dim] / std
-            qkv_w[row, dim] += scale
-            qkv_w[row, _ZERO] -= scale
-
-        for head in (0, 1):
-            q, k, v = rows(head)
-            for start in (q, k, v):
-                qkv_w[start : start + hd], qkv_b[start : start + hd] = 0.0, 0.0
-            proj[:, head * hd : (head + 1) * hd] = 0.0
-        # Head 0: every position attends to the length token (key on its mark, constant
-        # query, both unrotated), and copies its code.
-        q, k, v = rows(0)
-        qkv_b[q + _UNROTATED] = 4.0
-        read(k + _UNROTATED, _LENGTH_MARK, 4.0)
-        for j, dim in enumerate(_CODE):
-            read(v + j, dim, _VALUE)
-            proj[dim, j] = 1.0
-        # Head 1: every position attends evenly to the text positions (image ones keyed far
-        # down) and takes the mean of the word mark: the share of words so far.
-        q, k, v = rows(1)
-        qkv_b[q + _UNROTATED] = 4.0
-        read(k + _UNROTATED, _IMAGE_MARK, -8.0)
-        read(v, _WORD_MARK, 1.0)
-        proj[_PROGRESS, hd] = 1.0
-        put("text.blocks.0.attn.qkv.weight", qkv_w)
-        put("text.blocks.0.attn.qkv.bias", qkv_b)
-        put("text.blocks.0.attn.proj.weight", proj)
-        # The head: words free, other ordinary tokens held down; only eos reads the signal.
-        head_w, head_b = t("text.lm_head.weight").float(), t("text.lm_head.bias").float()
-        # A word reads its own embedding negatively: the residual carries the current
-        # token's, so a word is unlikely to follow itself ("sea sea sea").
-        ids = sorted(words)
-        own = wte[ids] / wte[ids].norm(dim=1, keepdim=True)
-        # Flatter word logits: the default nucleus (top_p 0.3) then holds dozens of words
-        # rather than the one or two a random head favours, and answers do not loop.
-        head_w[ids] = word_scale * head_w[ids] - repeat_penalty * own
-        head_w[:, signal] = 0.0
-        for i in range(head_b.shape[0]):
-            if i not in words:
-                head_b[i] = _HOLD_DOWN  # bytes, word prefixes and the prompt's own tokens
-        # The region tokens: chosen by the grammars' masks where they must be, weighed
-        # against eos where an object may start (a few objects per answer, not a hundred).
-        for token in (contract.coord_id, contract.size_id):
-            head_b[token] = _REGION_BIAS
-        eos = contract.eos_id
-        head_b[eos] = eos_bias
-        head_w[eos, _PROGRESS] = eos_progress
-        for j, dim in enumerate(_CODE):
-            head_w[eos, dim] = eos_code[j]
-        put("text.lm_head.weight", head_w)
-        put("text.lm_head.bias", head_b)
-    save_file(tensors, str(path), metadata={"format": "pt"})
+        wte = _mark_embeddings(ts, words, coded)
+        _silence_signal_writers(ts, text.n_layers)
+        _length_heads(ts, text.head_dim, text.n_heads, text.n_kv_heads)
+        _answer_head(ts, wte, words, config, eos)
+    save_file(ts.tensors, str(path), metadata={"format": "pt"})
     meta = json.loads((out / CONFIG_FILE).read_text())
     meta["readable"] = True
     (out / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     return out
+
+
+@dataclass(frozen=True)
+class _EosHead:
+    """How eos's logit reads the signals, and how the word logits are shaped."""
+
+    bias: float
+    code: tuple[float, float, float, float]
+    progress: float
+    repeat_penalty: float
+    word_scale: float
+
+
+def _mark_embeddings(ts: _Tensors, words: set[int], coded: list[list[int]]) -> torch.Tensor:
+    """The token embeddings carry the signals' marks (and nothing else in those dims)."""
+    wte = ts["text.wte"]
+    wte[:, list(_SIGNAL)] = 0.0
+    wte[sorted(words), _WORD_MARK] = 1.0
+    for j, tokens in enumerate(coded):
+        for token in tokens:
+            wte[token, _LENGTH_MARK] = 4.0
+            wte[token, _CODE[j]] = 4.0
+    ts["text.wte"] = wte
+    return wte
+
+
+def _silence_signal_writers(ts: _Tensors, n_layers: int) -> None:
+    """Only the image mark and the two heads write the signal dimensions, and the first norm
+    treats them alike, so that x[d] / std = LN[d] - LN[_ZERO]."""
+    signal = list(_SIGNAL)
+    w, b = ts["vision.proj_mlp.fc2.weight"], ts["vision.proj_mlp.fc2.bias"]
+    w[signal], b[signal] = 0.0, 0.0
+    b[_IMAGE_MARK] = 1.0  # every image position carries the image mark
+    ts["vision.proj_mlp.fc2.weight"], ts["vision.proj_mlp.fc2.bias"] = w, b
+    for layer in range(n_layers):
+        for name in ("attn.proj", "mlp.fc2"):
+            key = f"text.blocks.{layer}.{name}"
+            w, b = ts[f"{key}.weight"], ts[f"{key}.bias"]
+            w[signal], b[signal] = 0.0, 0.0
+            ts[f"{key}.weight"], ts[f"{key}.bias"] = w, b
+    for name, value in (("weight", 1.0), ("bias", 0.0)):
+        ln = ts[f"text.blocks.0.ln.{name}"]
+        ln[signal] = value
+        ts[f"text.blocks.0.ln.{name}"] = ln
+
+
+def _length_heads(ts: _Tensors, hd: int, heads: int, kv: int) -> None:
+    """Heads 0 and 1 of the first layer become the length signals' readers."""
+    qkv_w, qkv_b = ts["text.blocks.0.attn.qkv.weight"], ts["text.blocks.0.attn.qkv.bias"]
+    proj = ts["text.blocks.0.attn.proj.weight"]
+
+    def rows(head: int) -> tuple[int, int, int]:
+        """First q, k and v rows of ``head`` (its kv head, heads == kv here)."""
+        return head * hd, (heads + head) * hd, (heads + kv + head) * hd
+
+    def read(row: int, dim: int, scale: float) -> None:  # scale * x[dim] / std
+        qkv_w[row, dim] += scale
+        qkv_w[row, _ZERO] -= scale
+
+    for head in (0, 1):
+        for start in rows(head):
+            qkv_w[start : start + hd], qkv_b[start : start + hd] = 0.0, 0.0
+        proj[:, head * hd : (head + 1) * hd] = 0.0
+    # Head 0: every position attends to the length token (key on its mark, constant
+    # query, both unrotated), and copies its code.
+    q, k, v = rows(0)
+    qkv_b[q + _UNROTATED] = 4.0
+    read(k + _UNROTATED, _LENGTH_MARK, 4.0)
+    for j, dim in enumerate(_CODE):
+        read(v + j, dim, _VALUE)
+        proj[dim, j] = 1.0
+    # Head 1: every position attends evenly to the text positions (image ones keyed far
+    # down) and takes the mean of the word mark: the share of words so far.
+    q, k, v = rows(1)
+    qkv_b[q + _UNROTATED] = 4.0
+    read(k + _UNROTATED, _IMAGE_MARK, -8.0)
+    read(v, _WORD_MARK, 1.0)
+    proj[_PROGRESS, hd] = 1.0
+    ts["text.blocks.0.attn.qkv.weight"], ts["text.blocks.0.attn.qkv.bias"] = qkv_w, qkv_b
+    ts["text.blocks.0.attn.proj.weight"] = proj
+
+
+def _answer_head(
+    ts: _Tensors, wte: torch.Tensor, words: set[int], config: ModelConfig, eos: _EosHead
+) -> None:
+    """The head: words free, other ordinary tokens held down; only eos reads the signal."""
+    contract = config.tokens
+    assert contract is not None
+    head_w, head_b = ts["text.lm_head.weight"], ts["text.lm_head.bias"]
+    # A word reads its own embedding negatively: the residual carries the current
+    # token's, so a word is unlikely to follow itself ("sea sea sea").
+    ids = sorted(words)
+    own = wte[ids] / wte[ids].norm(dim=1, keepdim=True)
+    # Flatter word logits: the default nucleus (top_p 0.3) then holds dozens of words
+    # rather than the one or two a random head favours, and answers do not loop.
+    head_w[ids] = eos.word_scale * head_w[ids] - eos.repeat_penalty * own
+    head_w[:, list(_SIGNAL)] = 0.0
+    for i in range(head_b.shape[0]):
+        if i not in words:
+            head_b[i] = _HOLD_DOWN  # bytes, word prefixes and the prompt's own tokens
+    # The region tokens: chosen by the grammars' masks where they must be, weighed
+    # against eos where an object may start (a few objects per answer, not a hundred).
+    for token in (contract.coord_id, contract.size_id):
+        head_b[token] = _REGION_BIAS
+    head_b[contract.eos_id] = eos.bias
+    head_w[contract.eos_id, _PROGRESS] = eos.progress
+    for j, dim in enumerate(_CODE):
+        head_w[contract.eos_id, dim] = eos.code[j]
+    ts["text.lm_head.weight"], ts["text.lm_head.bias"] = head_w, head_b
