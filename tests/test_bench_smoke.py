@@ -139,6 +139,7 @@ def test_load_gen_spawned_server(tiny_dir: Path, tmp_path: Path) -> None:
         assert (tmp_path / "load_gen_throughput.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # a second spawned server (test_load_gen_spawned_server stays): --run-slow
 def test_load_gen_compares_the_http_and_grpc_doors(tiny_dir: Path, tmp_path: Path) -> None:
     code = load_gen.main(
         [
@@ -205,6 +206,7 @@ def test_arrival_itl_counts_each_gap_in_the_phase_it_ends() -> None:
     assert arrival_itl.stream_deltas(load_gen.Record(False), 10.0) == []
 
 
+@pytest.mark.slow  # two spawned servers and client processes: run with --run-slow
 @pytest.mark.parametrize("processes", [1, 2])
 def test_arrival_itl_spawned_server(tiny_dir: Path, tmp_path: Path, processes: int) -> None:
     """In one client process and with the streams spread over two (gaps measured there, on
@@ -421,6 +423,7 @@ def test_hf_baseline_tiny(tmp_path: Path) -> None:
         assert batch["generated_tokens"] == 2 * 4 and batch["tokens_per_s"] > 0
 
 
+@pytest.mark.slow  # a timed soak: run with --run-slow
 def test_soak_against_a_running_server_counts_codes_and_samples_memory(
     tiny: Any, tmp_path: Path
 ) -> None:
@@ -465,6 +468,7 @@ def test_soak_against_a_running_server_counts_codes_and_samples_memory(
     assert (tmp_path / "soak_rss.png").exists() == HAVE_MATPLOTLIB
 
 
+@pytest.mark.slow  # every scenario, then two worker processes: run with --run-slow
 def test_host_tick_every_scenario_and_a_comparison(tmp_path: Path) -> None:
     args = ["--rows", "1", "3", "--ticks", "10", "--repeat", "1", "--out", str(tmp_path)]
     assert host_tick.main([*args, "--events", "batched"]) == 0

@@ -228,3 +228,24 @@ def test_garbage_collections_are_counted_by_generation_while_watched() -> None:
     ) > 0
     gc.collect()  # not watched any more: nothing recorded
     assert count(2) == full
+
+
+def test_a_client_that_hangs_up_after_its_answer_is_counted_ok(server: ServerThread) -> None:
+    """The gRPC clients cancel a stream once they have its result; whether that cancel beats
+    the handler's own end is a race, and either way the request succeeded."""
+    from vlm_server.client import VisionLanguageClient
+
+    before = _requests_total(server)
+    with VisionLanguageClient(server.target, timeout=60) as client:
+        for _ in range(10):
+            client.query(None, "hi", temperature=0, max_tokens=2)
+
+    def grown() -> dict[str, float]:
+        after = _requests_total(server)
+        return {
+            code: after.get(("query", code), 0) - before.get(("query", code), 0)
+            for code in ("OK", "CANCELLED")
+        }
+
+    wait_for(lambda: grown()["OK"] + grown()["CANCELLED"] >= 10, what="the calls counted")
+    assert grown() == {"OK": 10, "CANCELLED": 0}

@@ -179,6 +179,9 @@ class Call:
         # Received before a drain began = accepted: it may still submit to the engine.
         self.accepted = not core.draining
         self._submitting = False
+        # The whole answer was handed to the transport: a client that hangs up after reading
+        # it (the gRPC clients cancel their finished stream) ended nothing.
+        self.answered = False
 
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self.start) * 1e3
@@ -275,7 +278,9 @@ class Call:
     ) -> bool:
         self.submitted()
         code = status_code(exc)
-        if code == "CANCELLED" and self.expired():
+        if code == "CANCELLED" and self.answered:
+            code = "OK"
+        elif code == "CANCELLED" and self.expired():
             # A transport cancels the handler both when the client goes away and when the
             # deadline passes; only the clock tells them apart.
             code = "DEADLINE_EXCEEDED"

@@ -161,6 +161,7 @@ class VisionLanguageServicer(pb_grpc.VisionLanguageServicer):
             if isinstance(event, TextDelta):
                 yield wrap(delta=pb.TextDelta(text=event.text))
             elif isinstance(event, Finished):
+                call.answered = True  # the last message: the client may hang up once it has it
                 yield wrap(result=responses.text_result(event, call.elapsed_ms(), call.intake_ms))
 
     # ---- RPCs -------------------------------------------------------------------------
