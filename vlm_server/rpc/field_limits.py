@@ -31,7 +31,8 @@ class Oversized:
         return f"{self.field}: is {self.nbytes} bytes long; at most {self.limit} characters"
 
 
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
+def read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    """A protobuf varint at ``pos``: (value, the position after it); ValueError if cut."""
     value = shift = 0
     while True:
         if pos >= len(data) or shift > 63:
@@ -61,14 +62,14 @@ def oversized_field(
         for _ in range(MAX_FIELDS):
             if pos >= len(data):
                 return None
-            key, pos = _varint(data, pos)
+            key, pos = read_varint(data, pos)
             wire_type = key & 7
             if wire_type == 0:
-                _, pos = _varint(data, pos)
+                _, pos = read_varint(data, pos)
             elif wire_type in (1, 5):
                 pos += 8 if wire_type == 1 else 4
             elif wire_type == 2:
-                length, pos = _varint(data, pos)
+                length, pos = read_varint(data, pos)
                 known = numbers.get(key >> 3)
                 if known is not None and length > _UTF8_MAX * known[1]:
                     return Oversized(known[0], length, known[1])

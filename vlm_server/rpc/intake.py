@@ -31,7 +31,7 @@ from google.protobuf.message import DecodeError, Message
 
 from vlm_server.frontend.calls import request_id
 from vlm_server.rpc.auth import RejectHook
-from vlm_server.rpc.field_limits import oversized_field
+from vlm_server.rpc.field_limits import oversized_field, read_varint
 from vlm_server.rpc.status import FIELD_METADATA_KEY, REQUEST_ID_METADATA_KEY
 
 # (method, status code, client's request id) of a call that ended before its request was read.
@@ -60,36 +60,23 @@ class Malformed:
         return f"{where}not a valid {self.type_name} message ({self.reason})"
 
 
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(data) or shift > 63:
-            raise ValueError("truncated varint")
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
-
-
 def bad_utf8_field(data: bytes, descriptor: Descriptor, depth: int = 0) -> str | None:
     """The path (``settings.x``, ``choices``) of the first string field in ``data`` whose
     bytes are not UTF-8; None when there is none or the wire format breaks first."""
     pos = 0
     try:
         while pos < len(data):
-            key, pos = _varint(data, pos)
+            key, pos = read_varint(data, pos)
             number, wire_type = key >> 3, key & 7
             if wire_type == 0:
-                _, pos = _varint(data, pos)
+                _, pos = read_varint(data, pos)
                 continue
             if wire_type in (1, 5):
                 pos += 8 if wire_type == 1 else 4
                 continue
             if wire_type != 2:
                 return None  # groups or garbage: nothing of ours
-            length, pos = _varint(data, pos)
+            length, pos = read_varint(data, pos)
             chunk, pos = data[pos : pos + length], pos + length
             field = descriptor.fields_by_number.get(number)
             if field is None:
