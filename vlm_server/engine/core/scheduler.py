@@ -453,7 +453,7 @@ class Scheduler:
         self._row_fin.take(cols[:, 0], axis=0, out=fin)
         fin[:, F_MASK : F_PHASE + 1] = cols[:, 1:3]
         fin[:, F_STEP] = cols[:, 3]
-        step.phases = cols[:, 2].tolist()
+        step.phases = cols[:, 2].tolist()  # host numpy (this package has no torch): no sync
         step.regions = bool(_REGION_PHASE[cols[:, 2]].any())
         constrained = bool((cols[:, 1] != NO_MASK).any())
         self.observer.finalized(step)
@@ -474,6 +474,7 @@ class Scheduler:
         out = self.rt.read_outputs(step.slot, len(seqs))
         # Host copies (the slot's buffer is handed back below): the sampled ids as ints in one
         # array op, each row's values only when the step decoded region values.
+        # `out` is host memory read_outputs already waited for (the tick's one wait).
         tokens = out[:, O_TOKEN].astype(np.int64).tolist()
         values = out.tolist() if step.regions else repeat(None, len(seqs))
         self.pipe.complete(step)

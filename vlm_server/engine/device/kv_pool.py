@@ -76,6 +76,7 @@ class KVPool:
         if not rows:
             return
         lo, hi = rows[0], rows[-1] + 1  # one copy covering every dirty row
+        # A view of the pinned host mirror: no device sync.
         self.dev.host_write(stage, self.block_host.numpy()[lo:hi], start=lo)
         self.dev.copy(
             self.dev.copy_stream,
