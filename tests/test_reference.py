@@ -212,7 +212,7 @@ def test_cli_default_model_is_written_once(
     assert cli_main(["run", "caption", "sample", "--max-tokens", "3", "--device", "cpu"]) == 0
     assert "random" in capsys.readouterr().err
     written = list((tmp_path / "moondream-serve" / "models").iterdir())
-    assert [p.name for p in written] == ["tiny-seed0-words"]
+    assert [p.name for p in written] == ["tiny-seed0-words-v2"]
     assert cli_main(["make-checkpoint", str(tmp_path / "ck"), "--preset", "tiny"]) == 0
     assert (tmp_path / "ck" / "model.safetensors").exists()
 

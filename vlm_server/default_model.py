@@ -28,8 +28,9 @@ def cache_root() -> Path:
 def default_model_dir(preset_name: str = DEFAULT_PRESET, seed: int = DEFAULT_SEED) -> Path:
     """Directory of the default checkpoint, written on first use (safe against concurrent
     writers: each writes a private temporary directory and renames it into place)."""
-    # "-words": the readable model; an older random one under the old name is left alone.
-    target = cache_root() / "models" / f"{preset_name}-seed{seed}-words"
+    # "-words": the readable model; "-v2": its config names the reasoning markers. Older
+    # checkpoints under their old names are left alone.
+    target = cache_root() / "models" / f"{preset_name}-seed{seed}-words-v2"
     if (target / _DONE).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

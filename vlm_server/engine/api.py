@@ -82,6 +82,10 @@ class GenerationRequest:
     choices: tuple[str, ...] = ()  # query: answer must be exactly one of these
     regex: str | None = None  # query: answer must fully match this pattern
     deadline: float | None = None  # time.monotonic() value; None = no deadline
+    reasoning: bool = False  # query: grounded reasoning first, then the answer
+    # Points (x, y) and boxes (x_min, y_min, x_max, y_max), normalized, in the prompt.
+    spatial_refs: tuple[tuple[float, ...], ...] = ()
+    adapter: str | None = None  # finetune adapter id; None = the base model
 
 
 @dataclass
@@ -123,9 +127,28 @@ class Segmentation:
 @dataclass(frozen=True)
 class TextDelta:
     """Newly decoded text (never half a character) for caption and query: one token's, or
-    several tokens' when the reader fell behind (`stream_events`)."""
+    several tokens' when the reader fell behind (`stream_events`). ``reasoning``: part of a
+    query's reasoning, not of its answer."""
 
     text: str
+    reasoning: bool = False
+
+
+@dataclass(frozen=True)
+class GroundedSpan:
+    """Characters [start_idx, end_idx) of the reasoning text and the points grounding them."""
+
+    start_idx: int
+    end_idx: int
+    points: tuple[Point, ...]
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    """What a query with reasoning thought before it answered."""
+
+    text: str
+    grounding: tuple[GroundedSpan, ...] = ()
 
 
 @dataclass
@@ -136,6 +159,7 @@ class Finished:
     boxes: list[Box] = field(default_factory=list)
     segmentation: Segmentation | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    reasoning: Reasoning | None = None  # a query with reasoning
 
 
 Event = TextDelta | Finished  # what a request's stream yields
@@ -158,11 +182,12 @@ async def stream_events(queue: asyncio.Queue[Emitted]) -> AsyncIterator[Event]:
             parts = [event.text]
             while not queue.empty():
                 following = queue.get_nowait()
-                if not isinstance(following, TextDelta):
+                # Reasoning and answer text stay apart: a client tells them by the flag.
+                if not isinstance(following, TextDelta) or following.reasoning != event.reasoning:
                     held = following
                     break
                 parts.append(following.text)
-            event = TextDelta("".join(parts))
+            event = TextDelta("".join(parts), event.reasoning)
         if isinstance(event, EngineError):
             raise event
         yield event

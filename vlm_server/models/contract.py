@@ -27,6 +27,9 @@ class PromptTemplates:
     point_suffix: tuple[int, ...]
     segment_prefix: tuple[int, ...] | None = None
     segment_suffix: tuple[int, ...] | None = None
+    # After the question of a query with reasoning (the answer marker, then the thinking
+    # marker); None: the era cannot reason.
+    reasoning_suffix: tuple[int, ...] | None = None
     # GPT-2-era templates put a space before the question / object; the 2025-06 code does not
     # for the question but does for the object.
     question_leading_space: bool = False
@@ -62,6 +65,21 @@ class TokenContract:
     answer_id: int | None = None
     # Ids set to -inf on text decode steps after the first (HEAD suppresses answer_id).
     decode_suppressed_ids: tuple[int, ...] = ()
+    # Grounded reasoning: reasoning ends when answer_id is sampled; start_ground_points_id and
+    # end_ground_id open a new span of the reasoning text.
+    thinking_id: int | None = None
+    start_ground_points_id: int | None = None
+    end_ground_id: int | None = None
+
+    @property
+    def reasons(self) -> bool:
+        """Whether this era has grounded reasoning."""
+        return (
+            self.templates.reasoning_suffix is not None
+            and None
+            not in (self.answer_id, self.coord_id, self.size_id, self.start_ground_points_id)
+            and self.end_ground_id is not None
+        )
 
     def __post_init__(self) -> None:
         if self.size_scale not in ("log", "linear"):

@@ -32,18 +32,28 @@ FINISH_REASON_MAX_OBJECTS: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
 
 class GenerationSettings(_message.Message):
-    __slots__ = ("temperature", "top_p", "max_tokens", "max_objects", "seed")
+    __slots__ = ("temperature", "top_p", "max_tokens", "max_objects", "seed", "adapter")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_OBJECTS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     max_tokens: int
     max_objects: int
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., max_objects: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    adapter: str
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., max_objects: _Optional[int] = ..., seed: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
+
+class SpatialRef(_message.Message):
+    __slots__ = ("point", "box")
+    POINT_FIELD_NUMBER: _ClassVar[int]
+    BOX_FIELD_NUMBER: _ClassVar[int]
+    point: NormalizedPoint
+    box: NormalizedBox
+    def __init__(self, point: _Optional[_Union[NormalizedPoint, _Mapping]] = ..., box: _Optional[_Union[NormalizedBox, _Mapping]] = ...) -> None: ...
 
 class RequestMetrics(_message.Message):
     __slots__ = ("queue_wait_ms", "time_to_first_token_ms", "prefill_ms", "decode_ms", "total_ms", "input_tokens", "output_tokens", "cached_tokens", "intake_ms", "prefix_wait_ms")
@@ -102,20 +112,42 @@ class CaptionRequest(_message.Message):
     def __init__(self, image_bytes: _Optional[bytes] = ..., image_id: _Optional[str] = ..., length: _Optional[_Union[CaptionLength, str]] = ..., settings: _Optional[_Union[GenerationSettings, _Mapping]] = ...) -> None: ...
 
 class TextDelta(_message.Message):
-    __slots__ = ("text",)
+    __slots__ = ("text", "reasoning")
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
     text: str
-    def __init__(self, text: _Optional[str] = ...) -> None: ...
+    reasoning: bool
+    def __init__(self, text: _Optional[str] = ..., reasoning: _Optional[bool] = ...) -> None: ...
+
+class GroundedSpan(_message.Message):
+    __slots__ = ("start_idx", "end_idx", "points")
+    START_IDX_FIELD_NUMBER: _ClassVar[int]
+    END_IDX_FIELD_NUMBER: _ClassVar[int]
+    POINTS_FIELD_NUMBER: _ClassVar[int]
+    start_idx: int
+    end_idx: int
+    points: _containers.RepeatedCompositeFieldContainer[NormalizedPoint]
+    def __init__(self, start_idx: _Optional[int] = ..., end_idx: _Optional[int] = ..., points: _Optional[_Iterable[_Union[NormalizedPoint, _Mapping]]] = ...) -> None: ...
+
+class Reasoning(_message.Message):
+    __slots__ = ("text", "grounding")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    GROUNDING_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    grounding: _containers.RepeatedCompositeFieldContainer[GroundedSpan]
+    def __init__(self, text: _Optional[str] = ..., grounding: _Optional[_Iterable[_Union[GroundedSpan, _Mapping]]] = ...) -> None: ...
 
 class TextResult(_message.Message):
-    __slots__ = ("text", "finish_reason", "metrics")
+    __slots__ = ("text", "finish_reason", "metrics", "reasoning")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
     text: str
     finish_reason: FinishReason
     metrics: RequestMetrics
-    def __init__(self, text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., metrics: _Optional[_Union[RequestMetrics, _Mapping]] = ...) -> None: ...
+    reasoning: Reasoning
+    def __init__(self, text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., metrics: _Optional[_Union[RequestMetrics, _Mapping]] = ..., reasoning: _Optional[_Union[Reasoning, _Mapping]] = ...) -> None: ...
 
 class CaptionResponse(_message.Message):
     __slots__ = ("delta", "result")
@@ -126,20 +158,24 @@ class CaptionResponse(_message.Message):
     def __init__(self, delta: _Optional[_Union[TextDelta, _Mapping]] = ..., result: _Optional[_Union[TextResult, _Mapping]] = ...) -> None: ...
 
 class QueryRequest(_message.Message):
-    __slots__ = ("image_bytes", "image_id", "question", "choices", "regex", "settings")
+    __slots__ = ("image_bytes", "image_id", "question", "choices", "regex", "settings", "reasoning", "spatial_refs")
     IMAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     IMAGE_ID_FIELD_NUMBER: _ClassVar[int]
     QUESTION_FIELD_NUMBER: _ClassVar[int]
     CHOICES_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
+    SPATIAL_REFS_FIELD_NUMBER: _ClassVar[int]
     image_bytes: bytes
     image_id: str
     question: str
     choices: _containers.RepeatedScalarFieldContainer[str]
     regex: str
     settings: GenerationSettings
-    def __init__(self, image_bytes: _Optional[bytes] = ..., image_id: _Optional[str] = ..., question: _Optional[str] = ..., choices: _Optional[_Iterable[str]] = ..., regex: _Optional[str] = ..., settings: _Optional[_Union[GenerationSettings, _Mapping]] = ...) -> None: ...
+    reasoning: bool
+    spatial_refs: _containers.RepeatedCompositeFieldContainer[SpatialRef]
+    def __init__(self, image_bytes: _Optional[bytes] = ..., image_id: _Optional[str] = ..., question: _Optional[str] = ..., choices: _Optional[_Iterable[str]] = ..., regex: _Optional[str] = ..., settings: _Optional[_Union[GenerationSettings, _Mapping]] = ..., reasoning: _Optional[bool] = ..., spatial_refs: _Optional[_Iterable[_Union[SpatialRef, _Mapping]]] = ...) -> None: ...
 
 class QueryResponse(_message.Message):
     __slots__ = ("delta", "result")
@@ -150,16 +186,18 @@ class QueryResponse(_message.Message):
     def __init__(self, delta: _Optional[_Union[TextDelta, _Mapping]] = ..., result: _Optional[_Union[TextResult, _Mapping]] = ...) -> None: ...
 
 class PointRequest(_message.Message):
-    __slots__ = ("image_bytes", "image_id", "object", "settings")
+    __slots__ = ("image_bytes", "image_id", "object", "settings", "spatial_refs")
     IMAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     IMAGE_ID_FIELD_NUMBER: _ClassVar[int]
     OBJECT_FIELD_NUMBER: _ClassVar[int]
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    SPATIAL_REFS_FIELD_NUMBER: _ClassVar[int]
     image_bytes: bytes
     image_id: str
     object: str
     settings: GenerationSettings
-    def __init__(self, image_bytes: _Optional[bytes] = ..., image_id: _Optional[str] = ..., object: _Optional[str] = ..., settings: _Optional[_Union[GenerationSettings, _Mapping]] = ...) -> None: ...
+    spatial_refs: _containers.RepeatedCompositeFieldContainer[SpatialRef]
+    def __init__(self, image_bytes: _Optional[bytes] = ..., image_id: _Optional[str] = ..., object: _Optional[str] = ..., settings: _Optional[_Union[GenerationSettings, _Mapping]] = ..., spatial_refs: _Optional[_Iterable[_Union[SpatialRef, _Mapping]]] = ...) -> None: ...
 
 class PointResponse(_message.Message):
     __slots__ = ("points", "finish_reason", "metrics")
@@ -172,16 +210,18 @@ class PointResponse(_message.Message):
     def __init__(self, points: _Optional[_Iterable[_Union[NormalizedPoint, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., metrics: _Optional[_Union[RequestMetrics, _Mapping]] = ...) -> None: ...
 
 class DetectRequest(_message.Message):
-    __slots__ = ("image_bytes", "image_id", "object", "settings")
+    __slots__ = ("image_bytes", "image_id", "object", "settings", "spatial_refs")
     IMAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     IMAGE_ID_FIELD_NUMBER: _ClassVar[int]
     OBJECT_FIELD_NUMBER: _ClassVar[int]
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    SPATIAL_REFS_FIELD_NUMBER: _ClassVar[int]
     image_bytes: bytes
     image_id: str
     object: str
     settings: GenerationSettings
-    def __init__(self, image_bytes: _Optional[bytes] = ..., image_id: _Optional[str] = ..., object: _Optional[str] = ..., settings: _Optional[_Union[GenerationSettings, _Mapping]] = ...) -> None: ...
+    spatial_refs: _containers.RepeatedCompositeFieldContainer[SpatialRef]
+    def __init__(self, image_bytes: _Optional[bytes] = ..., image_id: _Optional[str] = ..., object: _Optional[str] = ..., settings: _Optional[_Union[GenerationSettings, _Mapping]] = ..., spatial_refs: _Optional[_Iterable[_Union[SpatialRef, _Mapping]]] = ...) -> None: ...
 
 class DetectResponse(_message.Message):
     __slots__ = ("boxes", "finish_reason", "metrics")
@@ -194,16 +234,18 @@ class DetectResponse(_message.Message):
     def __init__(self, boxes: _Optional[_Iterable[_Union[NormalizedBox, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., metrics: _Optional[_Union[RequestMetrics, _Mapping]] = ...) -> None: ...
 
 class SegmentRequest(_message.Message):
-    __slots__ = ("image_bytes", "image_id", "object", "settings")
+    __slots__ = ("image_bytes", "image_id", "object", "settings", "spatial_refs")
     IMAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     IMAGE_ID_FIELD_NUMBER: _ClassVar[int]
     OBJECT_FIELD_NUMBER: _ClassVar[int]
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    SPATIAL_REFS_FIELD_NUMBER: _ClassVar[int]
     image_bytes: bytes
     image_id: str
     object: str
     settings: GenerationSettings
-    def __init__(self, image_bytes: _Optional[bytes] = ..., image_id: _Optional[str] = ..., object: _Optional[str] = ..., settings: _Optional[_Union[GenerationSettings, _Mapping]] = ...) -> None: ...
+    spatial_refs: _containers.RepeatedCompositeFieldContainer[SpatialRef]
+    def __init__(self, image_bytes: _Optional[bytes] = ..., image_id: _Optional[str] = ..., object: _Optional[str] = ..., settings: _Optional[_Union[GenerationSettings, _Mapping]] = ..., spatial_refs: _Optional[_Iterable[_Union[SpatialRef, _Mapping]]] = ...) -> None: ...
 
 class Polygon(_message.Message):
     __slots__ = ("points",)
@@ -262,7 +304,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerLimits(_message.Message):
-    __slots__ = ("max_message_bytes", "max_image_bytes", "max_image_pixels", "max_image_side", "max_tokens", "max_queue", "image_cache_bytes", "max_object_chars", "max_question_chars", "max_choices", "max_choice_chars", "max_regex_chars")
+    __slots__ = ("max_message_bytes", "max_image_bytes", "max_image_pixels", "max_image_side", "max_tokens", "max_queue", "image_cache_bytes", "max_object_chars", "max_question_chars", "max_choices", "max_choice_chars", "max_regex_chars", "max_spatial_refs", "max_adapters", "max_adapter_rank")
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_IMAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_IMAGE_PIXELS_FIELD_NUMBER: _ClassVar[int]
@@ -275,6 +317,9 @@ class ServerLimits(_message.Message):
     MAX_CHOICES_FIELD_NUMBER: _ClassVar[int]
     MAX_CHOICE_CHARS_FIELD_NUMBER: _ClassVar[int]
     MAX_REGEX_CHARS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SPATIAL_REFS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ADAPTER_RANK_FIELD_NUMBER: _ClassVar[int]
     max_message_bytes: int
     max_image_bytes: int
     max_image_pixels: int
@@ -287,10 +332,23 @@ class ServerLimits(_message.Message):
     max_choices: int
     max_choice_chars: int
     max_regex_chars: int
-    def __init__(self, max_message_bytes: _Optional[int] = ..., max_image_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., max_image_side: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_queue: _Optional[int] = ..., image_cache_bytes: _Optional[int] = ..., max_object_chars: _Optional[int] = ..., max_question_chars: _Optional[int] = ..., max_choices: _Optional[int] = ..., max_choice_chars: _Optional[int] = ..., max_regex_chars: _Optional[int] = ...) -> None: ...
+    max_spatial_refs: int
+    max_adapters: int
+    max_adapter_rank: int
+    def __init__(self, max_message_bytes: _Optional[int] = ..., max_image_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., max_image_side: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_queue: _Optional[int] = ..., image_cache_bytes: _Optional[int] = ..., max_object_chars: _Optional[int] = ..., max_question_chars: _Optional[int] = ..., max_choices: _Optional[int] = ..., max_choice_chars: _Optional[int] = ..., max_regex_chars: _Optional[int] = ..., max_spatial_refs: _Optional[int] = ..., max_adapters: _Optional[int] = ..., max_adapter_rank: _Optional[int] = ...) -> None: ...
+
+class AdapterInfo(_message.Message):
+    __slots__ = ("id", "rank", "resident")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    rank: int
+    resident: bool
+    def __init__(self, id: _Optional[str] = ..., rank: _Optional[int] = ..., resident: _Optional[bool] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "preset", "token_contract", "device", "dtype", "max_context", "pipeline_depth", "max_batch_size", "limits", "server_version", "max_step_tokens")
+    __slots__ = ("model_name", "preset", "token_contract", "device", "dtype", "max_context", "pipeline_depth", "max_batch_size", "limits", "server_version", "max_step_tokens", "adapters")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     PRESET_FIELD_NUMBER: _ClassVar[int]
     TOKEN_CONTRACT_FIELD_NUMBER: _ClassVar[int]
@@ -302,6 +360,7 @@ class GetModelInfoResponse(_message.Message):
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     preset: str
     token_contract: str
@@ -313,4 +372,5 @@ class GetModelInfoResponse(_message.Message):
     limits: ServerLimits
     server_version: str
     max_step_tokens: int
-    def __init__(self, model_name: _Optional[str] = ..., preset: _Optional[str] = ..., token_contract: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_context: _Optional[int] = ..., pipeline_depth: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., server_version: _Optional[str] = ..., max_step_tokens: _Optional[int] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
+    def __init__(self, model_name: _Optional[str] = ..., preset: _Optional[str] = ..., token_contract: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_context: _Optional[int] = ..., pipeline_depth: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., server_version: _Optional[str] = ..., max_step_tokens: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ...) -> None: ...

@@ -206,6 +206,7 @@ CONTRACT_2025_06 = TokenContract(
         query_prefix=(1, 15381, 2),
         # The 2025-06 code appends the answer marker twice in non-reasoning mode.
         query_suffix=(3, 3),
+        reasoning_suffix=(3, 4),
         detect_prefix=(1, 7235, 476, 2),
         detect_suffix=(3,),
         point_prefix=(1, 2581, 2),
@@ -218,6 +219,9 @@ CONTRACT_2025_06 = TokenContract(
     size_id=6,
     answer_id=3,
     decode_suppressed_ids=(3,),
+    thinking_id=4,
+    start_ground_points_id=7,
+    end_ground_id=9,
 )
 
 # The tiny vocabulary's special tokens, in id order. The first ten mirror the 2025-06 layout.
@@ -259,6 +263,7 @@ CONTRACT_TINY = TokenContract(
         point_suffix=(3,),
         segment_prefix=(1, _TINY["<|segment|>"], 2),
         segment_suffix=(3,),
+        reasoning_suffix=(3, _TINY["<|thinking|>"]),
         question_leading_space=False,
         object_leading_space=True,
     ),
@@ -267,6 +272,9 @@ CONTRACT_TINY = TokenContract(
     size_id=6,
     answer_id=3,
     decode_suppressed_ids=(3,),
+    thinking_id=_TINY["<|thinking|>"],
+    start_ground_points_id=_TINY["<|start_ground_points|>"],
+    end_ground_id=_TINY["<|end_ground|>"],
 )
 
 # ---- presets ---------------------------------------------------------------------------

@@ -62,7 +62,9 @@ def _ids(value: object, where: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _templates(raw: object, base: PromptTemplates, double_query_suffix: bool) -> PromptTemplates:
+def _templates(
+    raw: object, base: PromptTemplates, double_query_suffix: bool, thinking_id: int | None
+) -> PromptTemplates:
     if raw is None:
         return base
     if not isinstance(raw, dict):
@@ -81,6 +83,8 @@ def _templates(raw: object, base: PromptTemplates, double_query_suffix: bool) ->
             fields[f"{task}_suffix"] = (
                 suffix * 2 if task == "query" and double_query_suffix else suffix
             )
+            if task == "query" and thinking_id is not None:
+                fields["reasoning_suffix"] = (*suffix, thinking_id)
     return dataclasses.replace(base, **fields)
 
 
@@ -127,12 +131,18 @@ def from_moondream_dict(data: dict[str, Any], preset_name: str | None = None) ->
         region_cfg = RegionConfig(**{k: v for k, v in region.items() if k != "group_size"})
         ids = {k: tok[k] for k in ("bos_id", "eos_id")}
         if starmie:
-            ids |= {k: tok[k] for k in ("coord_id", "size_id", "answer_id")}
+            ids |= {k: tok[k] for k in ("coord_id", "size_id", "answer_id", "thinking_id")}
+            ids |= {k: tok[k] for k in ("start_ground_points_id", "end_ground_id")}
             ids["decode_suppressed_ids"] = (tok["answer_id"],)
         tokens = dataclasses.replace(
             contract,
             name=f"{contract.name} (config.json)",
-            templates=_templates(tok["templates"], contract.templates, starmie),
+            templates=_templates(
+                tok["templates"],
+                contract.templates,
+                starmie,
+                tok["thinking_id"] if starmie else None,
+            ),
             **ids,
         )
         prefix = 1 + vision_cfg.n_patches
