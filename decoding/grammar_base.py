@@ -17,6 +17,9 @@ class StepKind(enum.IntEnum):
     COORD_Y = 2
     SIZE = 3
     DONE = 4
+    # Reasoning text: sample a token; the coordinate token also takes x decoded from the same
+    # hidden state (advance_token, then advance_value), and x's embedding is the next input.
+    REASON = 5
 
 
 class GrammarEnd(enum.Enum):

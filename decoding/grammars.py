@@ -3,7 +3,8 @@
 Protocol, per request and decode step (host side, after the step's results reached the host):
 
   before sampling step t (state committed through t-1):
-    kind = g.next_kind          TOKEN, COORD_Y or SIZE (COORD_X never: see below), DONE
+    kind = g.next_kind          TOKEN, REASON, COORD_Y or SIZE (COORD_X never: see below),
+                                DONE
     row  = g.mask_row           table row for a TOKEN step (NO_MASK: no constraint, and for
                                 every step that samples no token)
     g.feeds_token               whether the sampled token is the next input. False at an object
@@ -12,6 +13,9 @@ Protocol, per request and decode step (host side, after the step's results reach
   after step t (commit):
     TOKEN    g.advance_token(id); if g.next_kind is COORD_X, then g.advance_value(x) with the x
              decoded from step t's hidden state.
+    REASON   g.advance_token(id); if g.next_kind is COORD_X (the coordinate token), then
+             g.advance_value(x) with the x decoded from step t's hidden state
+             (decoding/reasoning_grammar.py).
     COORD_Y  g.advance_value(y)
     SIZE     g.advance_value((w, h))
   g.finished: no further step is needed (eos sampled, or the grammar or the budget allows
@@ -29,6 +33,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from .grammar_base import GrammarEnd, GrammarError, StepKind
+from .reasoning_grammar import ReasoningGrammar, ReasoningRows, ReasoningTokens
 from .region_grammars import (
     ObjectGrammar,
     PathRows,
@@ -46,6 +51,9 @@ __all__ = [
     "GrammarError",
     "ObjectGrammar",
     "PathRows",
+    "ReasoningGrammar",
+    "ReasoningRows",
+    "ReasoningTokens",
     "RegionRows",
     "RegionTokens",
     "SegmentGrammar",

@@ -32,9 +32,11 @@ from vlm_server.engine.api import (
     Point,
     Task,
 )
+from vlm_server.engine.requests.spatial import placeholders
 from vlm_server.engine.requests.tasks import BuiltRequest, TaskCompiler
 from vlm_server.models.interface import DeviceModel, FamilyConfig
 from vlm_server.models.kv import DenseKVCache
+from vlm_server.models.prompts import query_prompt
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,19 @@ class RegionResult:
     boxes: list[Box] = field(default_factory=list)
     finish_reason: FinishReason = FinishReason.EOS
     prompt_tokens: int = 0
+
+
+@dataclass
+class ReasoningResult:
+    """A query with grounded reasoning: the reasoning text, its grounded spans
+    ((start_idx, end_idx, points)), and the answer."""
+
+    reasoning: str
+    grounding: list[tuple[int, int, list[tuple[float, float]]]]
+    reasoning_ids: list[int]
+    answer: str
+    answer_ids: list[int]
+    finish_reason: FinishReason
 
 
 class ContextOverflow(ValueError):
@@ -112,7 +127,11 @@ class ReferenceGenerator:
         return self._prefill(image, prompt, budget)
 
     def _prefill(
-        self, image: PreparedImage | None, prompt: list[int], budget: int
+        self,
+        image: PreparedImage | None,
+        prompt: list[int],
+        budget: int,
+        refs: tuple[tuple[float, ...], ...] = (),
     ) -> tuple[DenseKVCache, torch.Tensor, int]:
         m, dev = self.model, self.model.device
         prefix_len = self.config.image_prefix_len if image is not None else 0
@@ -128,8 +147,44 @@ class ReferenceGenerator:
             m.text(emb, torch.arange(prefix_len, device=dev)[None], cache)
         ids = torch.tensor(prompt, device=dev)[None]
         pos = torch.arange(prefix_len, prefix_len + len(prompt), device=dev)[None]
-        hidden = m.text(m.text.embed(ids), pos, cache)
+        hidden = m.text(self._prompt_embeddings(ids, refs), pos, cache)
         return cache, hidden[:, -1], prefix_len + len(prompt)
+
+    def _prompt_embeddings(
+        self, ids: torch.Tensor, refs: tuple[tuple[float, ...], ...]
+    ) -> torch.Tensor:
+        """Token embeddings [1, T, D]; the spatial references' positions (ids past the
+        vocabulary) take their encodings as the reference computes them: every coordinate
+        (a box's centre) through the coordinate encoder, every box's (width, height) through
+        the size encoder, in the model's dtype, written over the positions in order."""
+        m, vocab = self.model, self.config.text.vocab_size
+        is_ref = ids >= vocab
+        emb = m.text.embed(ids.clamp(max=vocab - 1))
+        if not refs:
+            return emb
+        coords: list[float] = []
+        sizes: list[list[float]] = []
+        kinds: list[int] = []
+        for ref in refs:
+            if len(ref) == 2:
+                coords += [ref[0], ref[1]]
+                kinds += [0, 0]
+            else:
+                x0, y0, x1, y1 = ref
+                coords += [(x0 + x1) / 2, (y0 + y1) / 2]
+                sizes.append([x1 - x0, y1 - y0])
+                kinds += [0, 0, 1]
+        dev, dtype = emb.device, m.dtype
+        kind = torch.tensor(kinds, device=dev)
+        slots = torch.nonzero(is_ref[0]).flatten()
+        assert len(slots) == len(kinds), "placeholders and references disagree"
+        emb = emb.clone()
+        coord_emb = m.region.encode_coord(torch.tensor(coords, dtype=dtype, device=dev)[:, None])
+        emb[0, slots[kind == 0]] = coord_emb.to(emb.dtype)
+        if sizes:
+            size_emb = m.region.encode_size(torch.tensor(sizes, dtype=dtype, device=dev))
+            emb[0, slots[kind == 1]] = size_emb.to(emb.dtype)
+        return emb
 
     def _step(self, cache: DenseKVCache, emb: torch.Tensor, pos: int) -> torch.Tensor:
         """Feed one input embedding [1, D] at ``pos``; return the hidden state [1, D]."""
@@ -172,7 +227,9 @@ class ReferenceGenerator:
     ) -> tuple[FinishReason, list[int]]:
         g = built.grammar
         m, dev = self.model, self.model.device
-        cache, hidden, pos = self._prefill(req.image, built.prompt, g.max_positions)
+        cache, hidden, pos = self._prefill(
+            req.image, built.prompt, g.max_positions, req.spatial_refs
+        )
         text = isinstance(g, TextGrammar)
         temp = torch.tensor([req.temperature if text else 0.0], device=dev)
         top_p = torch.tensor([req.top_p if text else 1.0], device=dev)
@@ -275,6 +332,95 @@ class ReferenceGenerator:
                 regex=regex,
             ),
             on_token,
+        )
+
+    @torch.inference_mode()
+    def reasoning_query(
+        self,
+        image: PreparedImage | None,
+        question: str,
+        settings: SamplingSettings | None = None,
+        spatial_refs: tuple[tuple[float, ...], ...] = (),
+    ) -> ReasoningResult:
+        """A query with ``reasoning=True``, by the reference's loop (not the engine's
+        grammar): reasoning until the answer marker, eos and the size token suppressed after
+        the first token, the coordinate token grounded by the x decoded from the hidden state
+        that chose it; the marker fed, then the answer. ``max_tokens`` bounds reasoning and
+        answer together (the reference bounds each)."""
+        s = settings or SamplingSettings()
+        c, m = self.contract, self.model
+        assert c.answer_id is not None and c.coord_id is not None and c.size_id is not None
+        grounds = (c.start_ground_points_id, c.end_ground_id)
+        refs = placeholders(spatial_refs, self.config.text.vocab_size)
+        prompt = query_prompt(c, lambda t: self.tokenizer.encode(t).ids, question, refs, True)
+        if image is None:
+            prompt = [c.bos_id, *prompt]
+        cache, hidden, pos = self._prefill(image, prompt, s.max_tokens + 1, spatial_refs)
+        dev = m.device
+        temp = torch.tensor([s.temperature], device=dev)
+        top_p = torch.tensor([s.top_p], device=dev)
+        seed = torch.tensor([s.seed], device=dev, dtype=torch.int64)
+
+        def pick(logits: torch.Tensor, step: int) -> int:
+            at = torch.tensor([step], device=dev, dtype=torch.int64)
+            return int(sample(logits, temp, top_p, seed, at)[0])
+
+        chunks: list[list[int]] = [[]]
+        coords: list[list[float]] = [[]]
+        token, generated = pick(m.text.logits(hidden), 0), 0
+        while token != c.answer_id and generated < s.max_tokens:
+            if token in grounds:
+                chunks.append([])
+                coords.append([])
+            chunks[-1].append(token)
+            if token == c.coord_id:
+                x = coord_from_logits(m.region.decode_coord(hidden))
+                coords[-1].append(float(x))
+                emb = m.region.encode_coord(x)
+            else:
+                emb = m.text.embed(torch.tensor([token], device=dev))
+            hidden = self._step(cache, emb, pos)
+            pos += 1
+            logits = m.text.logits(hidden)
+            logits[:, c.eos_id] = float("-inf")
+            logits[:, c.size_id] = float("-inf")
+            generated += 1
+            token = pick(logits, generated)
+        texts = [self.tokenizer.decode(chunk) for chunk in chunks]
+        grounding, start = [], 0
+        for text, xs in zip(texts, coords, strict=True):
+            if len(xs) > 1:
+                points = [(xs[i], xs[i + 1]) for i in range(0, len(xs) - 1, 2)]
+                grounding.append((start, start + len(text), points))
+            start += len(text)
+        reasoning_ids = [t for chunk in chunks for t in chunk]
+        answer: list[int] = []
+        reason = FinishReason.LENGTH
+        if token == c.answer_id:  # else the budget ended the reasoning: no answer
+            emb = m.text.embed(torch.tensor([c.answer_id], device=dev))
+            hidden = self._step(cache, emb, pos)
+            pos += 1
+            step = generated + 1  # the engine's sampler counts the marker too
+            logits = m.text.logits(hidden)
+            while len(answer) < s.max_tokens - generated:
+                token = pick(logits, step + len(answer))
+                if token == c.eos_id:
+                    reason = FinishReason.EOS
+                    break
+                answer.append(token)
+                if len(answer) == s.max_tokens - generated:
+                    break
+                hidden = self._step(cache, m.text.embed(torch.tensor([token], device=dev)), pos)
+                pos += 1
+                logits = m.text.logits(hidden)
+                logits[:, list(c.decode_suppressed_ids)] = float("-inf")
+        return ReasoningResult(
+            "".join(texts),
+            grounding,
+            reasoning_ids,
+            self.tokenizer.decode(answer),
+            answer,
+            reason,
         )
 
     def _regions(

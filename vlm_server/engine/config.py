@@ -49,6 +49,9 @@ class EngineConfig:
     # The vision tower's QKV / fc1 / fc2 as FP8 GEMMs (model/fp8_vision.py): faster image
     # path, features within a few percent of the bf16 tower's. CUDA with FP8 units only.
     vision_fp8: bool = False
+    # Spatial references one request may carry: every sequence row reserves the embeddings
+    # of this many boxes (three positions each) on the device.
+    max_spatial_refs: int = 8
     # Caps and time budget of client constraints (choices / regex), see decoding/limits.py.
     constraint_limits: ConstraintLimits = field(default_factory=ConstraintLimits)
 
@@ -69,6 +72,7 @@ class EngineConfig:
             "prefill_sms_when_streaming",
             "prefix_prompt_tokens",
             "crop_graph_sizes",
+            "max_spatial_refs",
         )
         for name in nonnegative:
             if getattr(self, name) < 0:

@@ -388,6 +388,7 @@ class BatchedEngine:
             prefix_len=built.prefix_len,
             output=output_for(built.grammar, self.tasks.vocab),
             on_release=built.release,
+            ref_values=built.ref_values,
         )
 
     # ---- the scheduler thread ----------------------------------------------------------

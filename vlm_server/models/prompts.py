@@ -33,10 +33,24 @@ def caption_prompt(contract: TokenContract, length: str) -> list[int]:
     return list(contract.templates.caption(length))
 
 
-def query_prompt(contract: TokenContract, encode: Encode, question: str) -> list[int]:
+def query_prompt(
+    contract: TokenContract,
+    encode: Encode,
+    question: str,
+    refs: Sequence[int] = (),
+    reasoning: bool = False,
+) -> list[int]:
+    """Prefix, spatial-reference positions, the question, then the answer suffix (or, with
+    ``reasoning``, the reasoning suffix: the answer then comes after the reasoning)."""
     t = contract.templates
     text = (" " + question) if t.question_leading_space else question
-    return [*t.query_prefix, *encode(text), *t.query_suffix]
+    if reasoning:
+        if t.reasoning_suffix is None:
+            raise ValueError(f"token contract {contract.name!r} has no reasoning mode")
+        suffix = t.reasoning_suffix
+    else:
+        suffix = t.query_suffix
+    return [*t.query_prefix, *refs, *encode(text), *suffix]
 
 
 def _object_prompt(
@@ -45,23 +59,34 @@ def _object_prompt(
     leading_space: bool,
     encode: Encode,
     obj: str,
+    refs: Sequence[int],
 ) -> list[int]:
     text = (" " + obj) if leading_space else obj
-    return [*prefix, *encode(text), *suffix]
+    return [*prefix, *refs, *encode(text), *suffix]
 
 
-def detect_prompt(contract: TokenContract, encode: Encode, obj: str) -> list[int]:
+def detect_prompt(
+    contract: TokenContract, encode: Encode, obj: str, refs: Sequence[int] = ()
+) -> list[int]:
     t = contract.templates
-    return _object_prompt(t.detect_prefix, t.detect_suffix, t.object_leading_space, encode, obj)
+    return _object_prompt(
+        t.detect_prefix, t.detect_suffix, t.object_leading_space, encode, obj, refs
+    )
 
 
-def point_prompt(contract: TokenContract, encode: Encode, obj: str) -> list[int]:
+def point_prompt(
+    contract: TokenContract, encode: Encode, obj: str, refs: Sequence[int] = ()
+) -> list[int]:
     t = contract.templates
-    return _object_prompt(t.point_prefix, t.point_suffix, t.object_leading_space, encode, obj)
+    return _object_prompt(t.point_prefix, t.point_suffix, t.object_leading_space, encode, obj, refs)
 
 
-def segment_prompt(contract: TokenContract, encode: Encode, obj: str) -> list[int]:
+def segment_prompt(
+    contract: TokenContract, encode: Encode, obj: str, refs: Sequence[int] = ()
+) -> list[int]:
     t = contract.templates
     if t.segment_prefix is None or t.segment_suffix is None:
         raise ValueError(f"token contract {contract.name!r} defines no segment template")
-    return _object_prompt(t.segment_prefix, t.segment_suffix, t.object_leading_space, encode, obj)
+    return _object_prompt(
+        t.segment_prefix, t.segment_suffix, t.object_leading_space, encode, obj, refs
+    )

@@ -25,6 +25,7 @@ from decoding.grammars import (
     Grammar,
     GrammarEnd,
     ObjectGrammar,
+    ReasoningGrammar,
     SegmentGrammar,
     StepKind,
     TextGrammar,
@@ -38,7 +39,9 @@ from vlm_server.engine.api import (
     Finished,
     FinishReason,
     GenerationRequest,
+    GroundedSpan,
     Point,
+    Reasoning,
     Segmentation,
     TextDelta,
 )
@@ -48,8 +51,8 @@ if TYPE_CHECKING:
     from vlm_server.engine.core.sequence import Sequence
 
 # Plain ints: a step's phases come back as ints (finalize's column), compared fastest with ints.
-_TOKEN, _BOUNDARY, _COORD, _SIZE = map(
-    int, (RowPhase.TOKEN, RowPhase.BOUNDARY, RowPhase.COORD, RowPhase.SIZE)
+_TOKEN, _BOUNDARY, _REASON, _COORD, _SIZE = map(
+    int, (RowPhase.TOKEN, RowPhase.BOUNDARY, RowPhase.REASON, RowPhase.COORD, RowPhase.SIZE)
 )
 _COORD_X = StepKind.COORD_X
 _STOP = GrammarEnd.STOP
@@ -80,7 +83,7 @@ class Output:
         if phase == _TOKEN:
             g.advance_token(token)
             self.output_tokens += 1
-        elif phase == _BOUNDARY:
+        elif phase in (_BOUNDARY, _REASON):
             g.advance_token(token)
             if not self.first_at:
                 self.first_at = now
@@ -131,10 +134,14 @@ class TextOutput(Output):
         self, phase: int, token: int, values: RowValues | None, now: float
     ) -> TextDelta | None:
         """A text row is always a TOKEN row (text tokens are fed back: no boundary)."""
-        ids = self._ids
-        n = len(ids)
+        n = len(self._ids)
         self.grammar.advance_token(token)
-        if len(ids) == n:  # eos ends the text and adds none
+        return self.emitted(token, n, now)
+
+    def emitted(self, token: int, n: int, now: float) -> TextDelta | None:
+        """The text of ``token``, just committed to the grammar (which held ``n`` tokens
+        before it)."""
+        if len(self._ids) == n:  # eos ends the text and adds none
             return None
         if not self.first_at:
             self.first_at = now
@@ -187,11 +194,90 @@ class SegmentOutput(Output):
         return None
 
 
+class ReasoningOutput(Output):
+    """A query with grounded reasoning: reasoning deltas (marked) as the reasoning commits,
+    then answer deltas; the result carries the reasoning text, its grounded spans and the
+    answer. Each span's text is detokenized on its own, as the reference decodes its chunks, so
+    the offsets of the spans are the reference's."""
+
+    __slots__ = ("_answer", "_span_text", "_spans", "detok", "vocab")
+    grammar: ReasoningGrammar
+
+    def __init__(self, grammar: ReasoningGrammar, vocab: TokenVocab | None) -> None:
+        super().__init__(grammar)
+        self.vocab = vocab
+        self.detok = StreamDetokenizer(vocab) if vocab is not None else None
+        self._spans: list[str] = []  # text of each closed span
+        self._span_text: list[str] = []  # pieces of the open span
+        self._answer: TextOutput | None = None
+
+    def commit(
+        self, phase: int, token: int, values: RowValues | None, now: float
+    ) -> TextDelta | None:
+        g = self.grammar
+        if self._answer is not None:
+            n = len(self._answer.grammar.token_ids)
+            g.advance_token(token)  # the answer's grammar, through this one
+            return self._answer.emitted(token, n, now)
+        if not self.first_at:
+            self.first_at = now
+        spans = g.span_count
+        g.advance_token(token)
+        if g.next_kind is _COORD_X:  # the coordinate token: x decoded with it
+            g.advance_value(values[O_COORD])  # type: ignore[index]
+        if g.answer is not None:  # the answer marker: the reasoning is done
+            tail = self._close_span()
+            self._answer = TextOutput(g.answer, self.vocab)
+            return TextDelta(tail, reasoning=True) if tail else None
+        text = ""
+        if g.span_count > spans:  # this token opens a span
+            text = self._close_span()
+        if self.detok is not None:
+            piece = self.detok.push(token)
+            self._span_text.append(piece)
+            text += piece
+        return TextDelta(text, reasoning=True) if text else None
+
+    def _close_span(self) -> str:
+        tail = self.detok.flush() if self.detok is not None else ""
+        self._spans.append("".join(self._span_text) + tail)
+        self._span_text = []
+        if self.vocab is not None:
+            self.detok = StreamDetokenizer(self.vocab)
+        return tail
+
+    def answer(self, result: Finished, request: GenerationRequest) -> TextDelta | None:
+        g = self.grammar
+        tail = None
+        if self._answer is None:  # the budget ended the reasoning
+            text = self._close_span()
+            tail = TextDelta(text, reasoning=True) if text else None
+            result.text = ""
+        else:
+            tail = self._answer.answer(result, request)
+        texts = self._spans
+        grounding, start = [], 0
+        for text, span in zip(texts, g.spans(), strict=False):
+            coords = span.coords
+            if len(coords) > 1:
+                points = tuple(
+                    Point(coords[i], coords[i + 1]) for i in range(0, len(coords) - 1, 2)
+                )
+                grounding.append(GroundedSpan(start, start + len(text), points))
+            start += len(text)
+        result.reasoning = Reasoning("".join(texts), tuple(grounding))
+        answer_tokens = len(g.answer.token_ids) if g.answer is not None else 0
+        result.metrics.output_tokens = len(g.reasoning_ids) + answer_tokens
+        return tail
+
+
 def output_for(grammar: Grammar, vocab: TokenVocab | None = None) -> Output:
     """The `Output` of this project's grammars; ``vocab`` spells text (without it, text
     requests stream nothing). Other grammars get the base, which only advances them."""
     if isinstance(grammar, TextGrammar):
         return TextOutput(grammar, vocab)
+    if isinstance(grammar, ReasoningGrammar):
+        return ReasoningOutput(grammar, vocab)
     if isinstance(grammar, ObjectGrammar):
         return ObjectOutput(grammar)
     if isinstance(grammar, SegmentGrammar):

@@ -69,6 +69,7 @@ from vlm_server.engine.core.step_layout import (
     N_FIN,
     O_TOKEN,
     REGION_PHASES,
+    SAMPLING_PHASES,
     RowPhase,
 )
 from vlm_server.engine.core.step_plan import Chunk, StepBudget, StepPlan
@@ -357,7 +358,9 @@ class Scheduler:
                     entry.ready = False
                     new_prefixes.append((entry, seq))
                     seq.prefix_hit = False
-                    if riding + len(seq.prompt) <= self.rt.prefix_prompt_tokens:
+                    # Spatial references are encoded on the compute stream: no riding.
+                    fits = riding + len(seq.prompt) <= self.rt.prefix_prompt_tokens
+                    if fits and seq.ref_values is None:
                         riding += len(seq.prompt)
                         seq.rides_prefix = True
                 seq.metrics.cached_tokens = seq.prefix_len if seq.prefix_hit else 0
@@ -598,7 +601,7 @@ class Scheduler:
             emit(event)
 
 
-_IDLE, _BOUNDARY = RowPhase.IDLE, RowPhase.BOUNDARY
+_IDLE, _LAST_SAMPLING = RowPhase.IDLE, max(SAMPLING_PHASES)
 _IDLE_INT = int(_IDLE)  # a step's phases come back as ints, compared fastest with ints
 _PREFILL = SeqState.PREFILL
 _REGION_PHASE = np.isin(np.arange(len(RowPhase)), list(REGION_PHASES))  # by phase value
@@ -610,6 +613,6 @@ def _row_state(seq: Sequence, samples: bool) -> tuple[int, int, RowPhase, int]:
     from its committed state; ``samples`` is False for a chunk that does not end its prompt."""
     g = seq.grammar
     phase = seq.phase() if samples else _IDLE
-    # TOKEN and BOUNDARY sample a token: only they are masked.
-    mask = g.mask_row if phase <= _BOUNDARY else NO_MASK
+    # Only the phases that sample a token are masked.
+    mask = g.mask_row if phase <= _LAST_SAMPLING else NO_MASK
     return seq.row, mask, phase, len(g.token_ids) if seq.is_text else 0  # type: ignore[attr-defined]

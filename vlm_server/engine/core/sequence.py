@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from decoding.grammars import Grammar, StepKind, TextGrammar
+from decoding.grammars import Grammar, ReasoningGrammar, StepKind, TextGrammar
 from vlm_server.engine.api import Emitted, ErrorCode, GenerationRequest, RequestMetrics
 from vlm_server.engine.core.outputs import Output, output_for
 from vlm_server.engine.core.prefix_cache import PrefixEntry
@@ -40,13 +40,18 @@ class SeqState(enum.Enum):
 # scan pointers instead of calling a generated field-by-field __eq__ per element.
 _DONE = (SeqState.FINISHED, SeqState.RELEASED)
 _TOKEN_STEP, _COORD_Y_STEP, _SIZE_STEP = StepKind.TOKEN, StepKind.COORD_Y, StepKind.SIZE
-_TOKEN, _BOUNDARY, _COORD, _SIZE, _IDLE = (
+_REASON_STEP = StepKind.REASON
+_TOKEN, _BOUNDARY, _REASON, _COORD, _SIZE, _IDLE = (
     RowPhase.TOKEN,
     RowPhase.BOUNDARY,
+    RowPhase.REASON,
     RowPhase.COORD,
     RowPhase.SIZE,
     RowPhase.IDLE,
 )
+# Grammars whose sampled tokens are text (sampled at the request's temperature, counted by
+# their `token_ids` for the sampler's step counter).
+_TEXT_GRAMMARS = (TextGrammar, ReasoningGrammar)
 
 
 @dataclass(eq=False)
@@ -62,6 +67,8 @@ class Sequence:
     # Gives back what the request holds outside the engine (a constraint's mask-table rows);
     # called once, when no in-flight step can read them any more.
     on_release: Callable[[], None] | None = None
+    # What its prompt's spatial-reference placeholders encode (engine/requests/spatial.py).
+    ref_values: np.ndarray | None = None
     state: SeqState = SeqState.WAITING
     row: int = -1
     own_pages: list[int] = field(default_factory=list)
@@ -88,7 +95,7 @@ class Sequence:
     def __post_init__(self) -> None:
         if self.output is None:
             self.output = output_for(self.grammar)
-        self.is_text = isinstance(self.grammar, TextGrammar)
+        self.is_text = isinstance(self.grammar, _TEXT_GRAMMARS)
         self.max_decode = self.grammar.max_positions
         self.prompt_ids = np.asarray(self.prompt, np.int64)
         self.prompt_ids.flags.writeable = False
@@ -154,6 +161,8 @@ class Sequence:
             return _COORD
         if kind is _SIZE_STEP:
             return _SIZE
+        if kind is _REASON_STEP:
+            return _REASON
         return _IDLE
 
     def release_resources(self) -> None:

@@ -20,9 +20,14 @@ class RowPhase(enum.IntEnum):
 
     TOKEN = 0  # sample a token; it is the next input
     BOUNDARY = 1  # sample a token (eos or not) and decode x; next input is x's embedding
-    COORD = 2  # decode y; next input is its embedding
-    SIZE = 3  # decode (w, h); next input is its embedding
-    IDLE = 4  # zombie or finished row: outputs are ignored
+    # Sample a token and decode x; the next input is x's embedding if the token is the
+    # coordinate token, else the token's (grounded reasoning).
+    REASON = 2
+    COORD = 3  # decode y; next input is its embedding
+    SIZE = 4  # decode (w, h); next input is its embedding
+    IDLE = 5  # zombie or finished row: outputs are ignored
 
 
-REGION_PHASES = frozenset({RowPhase.BOUNDARY, RowPhase.COORD, RowPhase.SIZE})
+# Phases that sample a token (the lowest values: compared with <=).
+SAMPLING_PHASES = frozenset({RowPhase.TOKEN, RowPhase.BOUNDARY, RowPhase.REASON})
+REGION_PHASES = frozenset({RowPhase.BOUNDARY, RowPhase.REASON, RowPhase.COORD, RowPhase.SIZE})

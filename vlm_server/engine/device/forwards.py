@@ -24,6 +24,7 @@ from vlm_server.engine.device.buffers import SlotBuffers, StepBuffers, copy_rows
 from vlm_server.engine.device.graphs import GraphSet, bucket, graph_buckets, token_buckets
 from vlm_server.engine.device.kv_pool import KVPool
 from vlm_server.engine.device.model_entry import ModelEntryPoints
+from vlm_server.engine.device.spatial_refs import SpatialRefSlots
 from vlm_server.engine.device.streams import Device, timing_mark
 
 
@@ -38,9 +39,11 @@ class StepForwards:
         pool: KVPool,
         buffers: StepBuffers,
         observer: Observer,
+        refs: SpatialRefSlots,
     ) -> None:
         self.dev, self.entry, self.pool, self.buffers = dev, entry, pool, buffers
         self.observer = observer
+        self.refs = refs
         self.page_size = cfg.page_size
         self.max_step_tokens = cfg.max_step_tokens
         self.buckets = graph_buckets(cfg.max_batch_size)
@@ -134,9 +137,14 @@ class StepForwards:
         n = self.token_bucket(t) if self.mixed_graphs and t else t
         n_blocks = int(tokens[:, T_POS].max()) // self.page_size + 1 if t else 0
         held_rows = [HELD - h for h in last.tolist() if h <= HELD]  # host numpy: no sync
-        tails, prefix_pages = [], []
+        tails, prefix_pages, ref_rows = [], [], []
         for i, chunk in enumerate(plan.chunks, start=plan.n_decode):
-            prefix = seqs[i].prefix
+            seq = seqs[i]
+            if chunk.length and seq.ref_values is not None:
+                ref_rows.append(seq.row)
+                if chunk.start == 0:  # its references' embeddings, before its first forward
+                    self.refs.write(seq.row, seq.ref_values)
+            prefix = seq.prefix
             if chunk.start == 0 and prefix is not None:
                 prefix_pages += prefix.pages  # written on the prefill stream: read only if ready
                 if prefix.tail_page is not None:
@@ -159,6 +167,7 @@ class StepForwards:
                 (bufs.next_embed, decode_rows),
                 (pool.kv, prefix_pages),
                 (bufs.held, held_rows),
+                (self.refs.embeds, self.refs.rows_of(ref_rows)),
             ]
             return reads, [buf.hidden]
 
@@ -199,7 +208,9 @@ class StepForwards:
         rows, pos, ids = tokens[:, T_ROW], tokens[:, T_POS], tokens[:, T_ID]
         # Decode rows (id -1) take the input finalize left on the device.
         next_embed = self.buffers.next_embed
-        x = torch.where((ids < 0)[:, None], next_embed[rows], entry.embed(ids.clamp(min=0)))
+        x = torch.where(
+            (ids < 0)[:, None], next_embed[rows], self.refs.embed(rows, ids.clamp(min=0))
+        )
         x = x.to(entry.dtype)
         if self.pool.use_triton:
             tiles = buf.mixed_dev[lay.tiles_at(n) : lay.size(n)].view(-1, 2)

@@ -47,6 +47,10 @@ class ModelEntryPoints:
         self._kv_per_layer = (kv.n_kv_heads, kv.head_dim)  # per position, keys or values
         self._n_layers = kv.n_layers
         self._contract = cfg.tokens  # the size bins' scale
+        # The token that grounds reasoning with a coordinate (-1: the era has none).
+        coord_id = cfg.tokens.coord_id if cfg.tokens is not None else None
+        self.coord_id = -1 if coord_id is None else coord_id
+        self.vocab_size = text.vocab_size  # prompt ids past it are spatial-reference slots
 
     # ---- the KV cache's shape -------------------------------------------------------------
 

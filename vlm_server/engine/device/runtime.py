@@ -53,6 +53,7 @@ from vlm_server.engine.device.kv_pool import KVPool
 from vlm_server.engine.device.model_entry import ModelEntryPoints
 from vlm_server.engine.device.prefill import Prefill
 from vlm_server.engine.device.sampler import Sampler
+from vlm_server.engine.device.spatial_refs import SpatialRefSlots
 from vlm_server.engine.device.streams import Device, TorchDevice
 
 if TYPE_CHECKING:
@@ -93,7 +94,9 @@ class ModelRuntime:
         )
         self.crops = ImageCrops(self.image_preparer, dev, cfg, entry.device)
         self.prefill = Prefill(dev, entry, cfg, self.pool, self.buffers, self.crops)
-        self.steps = StepForwards(dev, entry, cfg, self.pool, self.buffers, observer)
+        # Every row's spatial-reference embeddings: three slots per reference (a box's).
+        refs = SpatialRefSlots(dev, entry, cfg.max_rows + 1, 3 * cfg.max_spatial_refs)
+        self.steps = StepForwards(dev, entry, cfg, self.pool, self.buffers, observer, refs)
         self.sampler = Sampler(dev, entry, cfg, self.buffers, table, observer)
         # What the scheduler's page allocator needs: the pool's size and the block table's
         # pinned host mirror (its rows; the pad row stays on the sink page).

@@ -190,7 +190,9 @@ class Sampler:
             out[:, 1:2] = coord
             out[:, 2:4] = size
             is_size = (phase == RowPhase.SIZE)[:, None]
-            is_token = (phase == RowPhase.TOKEN)[:, None]
+            # A reasoning row feeds its token back unless it is the coordinate token.
+            reasons = (phase == RowPhase.REASON) & (tokens != entry.coord_id)
+            is_token = ((phase == RowPhase.TOKEN) | reasons)[:, None]
             region_emb = torch.where(is_size, entry.encode_size(size), entry.encode_coord(coord))
             nxt = torch.where(is_token, nxt, region_emb)
         self.buffers.next_embed[fin_dev[:, F_ROW]] = nxt.to(entry.dtype)

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 from tokenizers import Tokenizer
 
 from decoding.constraints import CompileCancelled, ConstraintCompiler
 from decoding.grammars import (
     Grammar,
     PathRows,
+    ReasoningGrammar,
+    ReasoningRows,
+    ReasoningTokens,
     RegionRows,
     RegionTokens,
     SegmentGrammar,
@@ -26,6 +30,7 @@ from decoding.limits import CompileTimeout, ConstraintLimits
 from decoding.mask_table import NO_MASK, AutomatonRows, MaskTable, MaskTableFull
 from decoding.vocab import TokenVocab
 from vlm_server.engine.api import EngineError, ErrorCode, GenerationRequest, Task
+from vlm_server.engine.requests import spatial
 from vlm_server.models import prompts
 from vlm_server.models.interface import FamilyConfig
 
@@ -41,6 +46,8 @@ class BuiltRequest:
     # Mask-table rows of a choices / regex constraint, held until `release`.
     constraint: AutomatonRows | None = None
     table: MaskTable | None = None
+    # What the prompt's spatial-reference placeholders encode (requests/spatial.py).
+    ref_values: np.ndarray | None = None
 
     @property
     def total_positions(self) -> int:
@@ -94,6 +101,19 @@ class TaskCompiler:
         )
         # Compiled (and pinned) here, not on the first Segment request: once clients hold
         # the table's rows, segment could otherwise find no room.
+        self.reasoning_rows: ReasoningRows | None = None
+        if contract.reasons:
+            self.reasoning_rows = ReasoningRows.register(
+                self.table,
+                ReasoningTokens(
+                    contract.eos_id,
+                    contract.answer_id,  # type: ignore[arg-type]  # `reasons` checked them
+                    contract.coord_id,  # type: ignore[arg-type]
+                    contract.size_id,  # type: ignore[arg-type]
+                    contract.start_ground_points_id,  # type: ignore[arg-type]
+                    contract.end_ground_id,  # type: ignore[arg-type]
+                ),
+            )
         self.path_rows: PathRows | None = None
         self._no_path = ""
         try:
@@ -106,6 +126,7 @@ class TaskCompiler:
 
         The result may hold mask-table rows: call its `release` when the request is done."""
         _check_settings(req, self.config.text.max_context)
+        self._check_features(req)
         constraint = self._constraint(req) if req.task is Task.QUERY else None
         try:
             built = self._build(req, constraint)
@@ -118,6 +139,7 @@ class TaskCompiler:
 
     def _build(self, req: GenerationRequest, constraint: AutomatonRows | None) -> BuiltRequest:
         c, tok, mc = self.contract, self.encode, self.config
+        refs = spatial.placeholders(req.spatial_refs, mc.text.vocab_size)
         try:
             if req.task is Task.CAPTION:
                 prompt = prompts.caption_prompt(c, req.caption_length)
@@ -125,22 +147,16 @@ class TaskCompiler:
                     c.eos_id, req.max_tokens, row=self.suppress_row, first_row=NO_MASK
                 )
             elif req.task is Task.QUERY:
-                prompt = prompts.query_prompt(c, tok, req.question)
-                grammar = TextGrammar(
-                    c.eos_id,
-                    req.max_tokens,
-                    row=self.suppress_row,
-                    first_row=NO_MASK,
-                    constraint=constraint,
-                )
+                prompt = prompts.query_prompt(c, tok, req.question, refs, req.reasoning)
+                grammar = self._query_grammar(req, constraint)
             elif req.task in (Task.POINT, Task.DETECT):
                 point = req.task is Task.POINT
                 build = prompts.point_prompt if point else prompts.detect_prompt
-                prompt = build(c, tok, req.object_name)
+                prompt = build(c, tok, req.object_name, refs)
                 make = point_grammar if point else detect_grammar
                 grammar = make(self.region_rows, req.max_objects)
             else:
-                prompt = prompts.segment_prompt(c, tok, req.object_name)
+                prompt = prompts.segment_prompt(c, tok, req.object_name, refs)
                 if self.path_rows is None:
                     raise EngineError(ErrorCode.UNIMPLEMENTED, self._no_path, "task")
                 try:
@@ -168,6 +184,8 @@ class TaskCompiler:
             built = BuiltRequest([c.bos_id, *prompt], grammar, 0)
         else:
             built = BuiltRequest(prompt, grammar, mc.image_prefix_len)
+        if req.spatial_refs:
+            built.ref_values = spatial.ref_values(req.spatial_refs)
         if built.total_positions > mc.text.max_context:
             field = "max_objects" if req.task in (Task.POINT, Task.DETECT) else "max_tokens"
             raise EngineError(
@@ -178,6 +196,62 @@ class TaskCompiler:
                 field,
             )
         return built
+
+    def _query_grammar(
+        self, req: GenerationRequest, constraint: AutomatonRows | None
+    ) -> TextGrammar | ReasoningGrammar:
+        eos, suppress = self.contract.eos_id, self.suppress_row
+
+        def answer(max_tokens: int) -> TextGrammar:
+            return TextGrammar(
+                eos, max_tokens, row=suppress, first_row=NO_MASK, constraint=constraint
+            )
+
+        if not req.reasoning:
+            return answer(req.max_tokens)
+        assert self.reasoning_rows is not None  # `_check_features` refused it otherwise
+        reserve = constraint.dist(constraint.dfa.start) if constraint is not None else 0
+        try:
+            return ReasoningGrammar(self.reasoning_rows, req.max_tokens, answer, reserve)
+        except ValueError as err:
+            raise EngineError(
+                ErrorCode.INVALID_ARGUMENT, f"max_tokens: {err}", "max_tokens"
+            ) from err
+
+    def _check_features(self, req: GenerationRequest) -> None:
+        """Reasoning and spatial references: whether the task and the model have them."""
+        c = self.contract
+        if req.reasoning:
+            if req.task is not Task.QUERY:
+                raise EngineError(
+                    ErrorCode.INVALID_ARGUMENT, "reasoning: only a query reasons", "reasoning"
+                )
+            if self.reasoning_rows is None:
+                raise EngineError(
+                    ErrorCode.UNIMPLEMENTED,
+                    f"reasoning: token contract {c.name!r} has no reasoning mode",
+                    "reasoning",
+                )
+        if not req.spatial_refs:
+            return
+        if req.image is None:
+            raise EngineError(
+                ErrorCode.INVALID_ARGUMENT,
+                "spatial_refs: spatial references need an image",
+                "spatial_refs",
+            )
+        if req.task is Task.CAPTION:
+            raise EngineError(
+                ErrorCode.INVALID_ARGUMENT,
+                "spatial_refs: a caption takes no spatial references",
+                "spatial_refs",
+            )
+        if c.coord_id is None or c.size_id is None:
+            raise EngineError(
+                ErrorCode.UNIMPLEMENTED,
+                f"spatial_refs: token contract {c.name!r} takes no spatial references",
+                "spatial_refs",
+            )
 
     def _constraint(self, req: GenerationRequest) -> AutomatonRows | None:
         """The request's choices / regex rows (held: `BuiltRequest.release` gives them back);

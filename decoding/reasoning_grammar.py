@@ -1,0 +1,185 @@
+"""Grounded reasoning: a query thinks in text, grounding it with points, then answers.
+
+The protocol of the reference (moondream2's query with ``reasoning=True``):
+
+- The prompt ends with the answer marker and the thinking marker; reasoning tokens follow.
+- A reasoning token is fed back, except the coordinate token: its x is decoded from the same
+  hidden state that chose it, and x's embedding is the next input (StepKind.REASON).
+- After the first reasoning token, eos and the size token are never sampled.
+- The answer marker ends the reasoning and is fed back (the reference prefills it), then the
+  answer follows as free or constrained text (`TextGrammar`).
+- ``start_ground_points_id`` and ``end_ground_id`` each open a new span of the reasoning; the
+  coordinates of a span pair up into its grounding points.
+
+Budget: ``max_tokens`` counts reasoning and answer tokens together (the answer marker is not
+counted). Reasoning stops early enough for the answer's constraint to fit (``reserve``): at that
+point only the answer marker may be sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .grammar_base import GrammarBase, GrammarEnd, GrammarError, StepKind, coordinate_value
+from .mask_table import NO_MASK, MaskTable
+from .text_grammar import TextGrammar
+
+_TOKEN, _COORD_X, _REASON = StepKind.TOKEN, StepKind.COORD_X, StepKind.REASON
+
+
+@dataclass(frozen=True)
+class ReasoningTokens:
+    """The ids the reasoning protocol reads."""
+
+    eos_id: int
+    answer_id: int
+    coord_id: int
+    size_id: int
+    start_ground_points_id: int
+    end_ground_id: int
+
+
+@dataclass(frozen=True)
+class ReasoningRows:
+    """The pinned mask rows of reasoning, registered once per table."""
+
+    tokens: ReasoningTokens
+    thinking: int  # every step after the first: eos and the size token suppressed
+    to_answer: int  # the reasoning budget is spent: only the answer marker
+
+    @classmethod
+    def register(cls, table: MaskTable, tokens: ReasoningTokens) -> ReasoningRows:
+        return cls(
+            tokens,
+            table.allow_all_but([tokens.eos_id, tokens.size_id]),
+            table.allow_only([tokens.answer_id]),
+        )
+
+
+@dataclass(frozen=True)
+class ReasoningSpan:
+    """Reasoning tokens [start, end) of one span and the coordinates decoded inside it."""
+
+    start: int
+    end: int
+    coords: tuple[float, ...]
+
+
+class ReasoningGrammar(GrammarBase):
+    """Reasoning text with grounding coordinates, then the answer (made by ``answer`` with
+    the tokens left). ``token_ids`` holds every sampled token (reasoning, the answer marker,
+    the answer): the sampler's step counter."""
+
+    def __init__(
+        self,
+        rows: ReasoningRows,
+        max_tokens: int,
+        answer: Callable[[int], TextGrammar],
+        reserve: int = 0,
+    ) -> None:
+        super().__init__()
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if reserve > max_tokens:
+            raise ValueError(
+                f"max_tokens={max_tokens} is too small: the answer needs at least {reserve}"
+            )
+        self._rows = rows
+        self._max_tokens = max_tokens
+        self._limit = max_tokens - reserve  # reasoning tokens allowed
+        self._make_answer = answer
+        self.answer: TextGrammar | None = None
+        self.token_ids: list[int] = []
+        self.reasoning_ids: list[int] = []
+        self._span_starts: list[int] = [0]
+        self._coords: list[list[float]] = [[]]
+        self.next_kind = _REASON
+
+    # ---- what the engine reads ------------------------------------------------------------
+
+    @property
+    def reasoning(self) -> bool:
+        """Whether the grammar is still in the reasoning text."""
+        return self.answer is None
+
+    @property
+    def mask_row(self) -> int:
+        if self.answer is not None:
+            return self.answer.mask_row
+        if self.finished:
+            return NO_MASK
+        if len(self.reasoning_ids) >= self._limit:
+            return self._rows.to_answer
+        return self._rows.thinking if self.reasoning_ids else NO_MASK
+
+    @property
+    def feeds_token(self) -> bool:
+        """Tokens are fed back (the coordinate token's x is the REASON step's business)."""
+        return True
+
+    @property
+    def max_positions(self) -> int:
+        """Every counted token, plus the answer marker."""
+        return self._max_tokens + 1
+
+    @property
+    def span_count(self) -> int:
+        """Spans opened so far (one at the start)."""
+        return len(self._span_starts)
+
+    def spans(self) -> list[ReasoningSpan]:
+        """The reasoning's spans so far, in order (the last one still open)."""
+        ends = [*self._span_starts[1:], len(self.reasoning_ids)]
+        return [
+            ReasoningSpan(start, end, tuple(coords))
+            for start, end, coords in zip(self._span_starts, ends, self._coords, strict=True)
+        ]
+
+    # ---- commits ---------------------------------------------------------------------------
+
+    def advance_token(self, token_id: int) -> None:
+        if self.answer is not None:
+            self._expect(_TOKEN)
+            self.answer.advance_token(token_id)
+            self.token_ids.append(token_id)
+            self._follow_answer()
+            return
+        self._expect(_REASON)
+        t = self._rows.tokens
+        at_limit = len(self.reasoning_ids) >= self._limit
+        if at_limit and token_id != t.answer_id:
+            raise GrammarError(f"token {token_id} after the reasoning budget was spent")
+        if self.reasoning_ids and token_id in (t.eos_id, t.size_id):
+            raise GrammarError(f"token {token_id} is suppressed while reasoning")
+        self.token_ids.append(token_id)
+        if token_id == t.answer_id:
+            self.answer = self._make_answer(self._max_tokens - len(self.reasoning_ids))
+            self._follow_answer()
+            return
+        if token_id in (t.start_ground_points_id, t.end_ground_id):
+            self._span_starts.append(len(self.reasoning_ids))
+            self._coords.append([])
+        self.reasoning_ids.append(token_id)
+        if token_id == t.coord_id:
+            self.next_kind = _COORD_X
+            return
+        self._check_budget()
+
+    def advance_value(self, value: object) -> None:
+        """The x decoded with a coordinate token."""
+        self._expect(_COORD_X)
+        self._coords[-1].append(coordinate_value(value))
+        self.next_kind = _REASON
+        self._check_budget()
+
+    def _check_budget(self) -> None:
+        # No answer token left: the answer would be empty, so end here.
+        if len(self.reasoning_ids) >= self._max_tokens:
+            self._finish(GrammarEnd.LENGTH)
+
+    def _follow_answer(self) -> None:
+        answer = self.answer
+        assert answer is not None
+        self.next_kind = answer.next_kind
+        self.finish_reason = answer.finish_reason

@@ -1,0 +1,262 @@
+"""Grounded reasoning and spatial references through the batched engine, against the reference.
+
+The reasoning oracle is `ReferenceGenerator.reasoning_query`, the reference's own loop (not the
+engine's grammar); spatial references are encoded there as the reference does. The tiny model
+is biased so that reasoning grounds coordinates, opens spans and reaches the answer marker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+import torch
+
+from image_pipeline import PreparedImage, prepare_pil, sample_image
+from tests.test_engine import BUDGETS, _assert_clean, _engine, _Plans, _wait_idle
+from vlm_server.engine.api import (
+    EngineError,
+    ErrorCode,
+    Finished,
+    GenerationRequest,
+    Task,
+    TextDelta,
+)
+from vlm_server.models.interface import LoadedModel
+from vlm_server.reference import ReferenceGenerator, SamplingSettings
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def images() -> list[PreparedImage]:
+    base = sample_image()
+    return [prepare_pil(base), prepare_pil(base.rotate(90, expand=True))]
+
+
+@pytest.fixture(scope="module")
+def reasoning_model(tiny: LoadedModel) -> LoadedModel:
+    """The coordinate token, a span opener and the answer marker take the head rows of tokens
+    the seed-0 tiny model often picks (the marker exactly tied with one, so sampling decides),
+    and eos ties with a common answer token: reasoning grounds points and answers end."""
+    c = tiny.config.tokens
+    model = copy.deepcopy(tiny.model)
+    head = model.text.lm_head
+    with torch.no_grad():
+        for i, (tok, src, bias, scale) in enumerate(
+            [
+                (c.coord_id, 1020, 0.1, 0.3),
+                (c.start_ground_points_id, 475, 0.0, 0.3),
+                (c.end_ground_id, 720, 0.0, 0.3),
+                (c.answer_id, 331, 0.0, 0.0),
+            ]
+        ):
+            noise = torch.randn(
+                head.weight.shape[1], generator=torch.Generator().manual_seed(i + 1)
+            )
+            head.weight[tok] = head.weight[src] + scale * noise * head.weight[src].std()
+            head.bias[tok] = head.bias[src] + bias
+    return LoadedModel(model, tiny.tokenizer, tiny.config, tiny.source)
+
+
+async def _events(engine, req: GenerationRequest) -> tuple[list[TextDelta], Finished]:
+    deltas: list[TextDelta] = []
+    async for event in await engine.submit(req):
+        if isinstance(event, TextDelta):
+            deltas.append(event)
+        else:
+            return deltas, event
+    raise AssertionError("stream ended without Finished")
+
+
+def _run(loaded: LoadedModel, reqs, depth: int, budget: str = "default", plans=None):
+    async def run():
+        engine = (
+            _engine(loaded, depth, plans, budget=budget)
+            if plans
+            else _engine(loaded, depth, budget=budget)
+        )
+        await engine.start()
+        try:
+            out = await asyncio.gather(*[_events(engine, r) for r in reqs])
+            await _wait_idle(engine)
+            _assert_clean(engine)
+            if plans is not None:
+                plans.check(engine, budget)
+            return out
+        finally:
+            await engine.close()
+
+    return asyncio.run(run())
+
+
+# (image index, seed): sampled reasonings of the biased model that ground points and answer,
+# plus others that end in the budget or answer at once.
+REASONING_CASES = [(1, 4), (1, 23), (0, 2), (0, 1), (1, 0)]
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("depth", [1, 2])
+def test_reasoning_equals_the_reference(
+    reasoning_model: LoadedModel, images: list[PreparedImage], depth: int, budget: str
+) -> None:
+    ref = ReferenceGenerator(reasoning_model.model, reasoning_model.tokenizer)
+    settings = [
+        SamplingSettings(temperature=1.0, top_p=0.3, seed=s, max_tokens=40)
+        for _, s in REASONING_CASES
+    ]
+    reqs = [
+        GenerationRequest(
+            Task.QUERY,
+            images[i],
+            request_id=f"r{k}",
+            question="where",
+            reasoning=True,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=s.seed,
+            max_tokens=s.max_tokens,
+        )
+        for k, ((i, _), s) in enumerate(zip(REASONING_CASES, settings, strict=True))
+    ]
+    # A plain query and a caption ride along in the same batches.
+    reqs.append(
+        GenerationRequest(Task.QUERY, images[0], question="what", temperature=0, max_tokens=9)
+    )
+    plans = _Plans()
+    results = _run(reasoning_model, reqs, depth, budget, plans)
+    grounded = answered = 0
+    for req, s, (deltas, fin) in zip(reqs, settings, results, strict=False):
+        want = ref.reasoning_query(req.image, req.question, s)
+        assert fin.reasoning is not None
+        assert fin.reasoning.text == want.reasoning, req.request_id
+        got = [
+            (g.start_idx, g.end_idx, [(p.x, p.y) for p in g.points])
+            for g in fin.reasoning.grounding
+        ]
+        assert got == want.grounding, req.request_id
+        assert fin.text == want.answer, req.request_id
+        assert fin.finish_reason == want.finish_reason, req.request_id
+        assert fin.metrics.output_tokens == len(want.reasoning_ids) + len(want.answer_ids)
+        # Reasoning deltas come first, and each kind concatenates to its text.
+        flags = [d.reasoning for d in deltas]
+        assert flags == sorted(flags, reverse=True)
+        assert "".join(d.text for d in deltas if d.reasoning) == want.reasoning
+        assert "".join(d.text for d in deltas if not d.reasoning) == want.answer
+        grounded += any(len(g[2]) for g in want.grounding)
+        answered += bool(want.answer_ids)
+    assert grounded and answered  # the cases exercise grounding and answers
+    assert results[-1][1].reasoning is None
+
+
+def test_reasoning_budget_and_refusals(
+    reasoning_model: LoadedModel, images: list[PreparedImage], tiny: LoadedModel
+) -> None:
+    ref = ReferenceGenerator(reasoning_model.model, reasoning_model.tokenizer)
+    # A budget that ends inside the reasoning: no answer, finish "length".
+    s = SamplingSettings(temperature=0, max_tokens=5)
+    want = ref.reasoning_query(images[0], "where", s)
+    assert want.finish_reason == "length" and not want.answer_ids
+    req = GenerationRequest(
+        Task.QUERY, images[0], question="where", reasoning=True, temperature=0, max_tokens=5
+    )
+    [(_, fin)] = _run(reasoning_model, [req], 2)
+    assert fin.reasoning is not None and fin.reasoning.text == want.reasoning
+    assert fin.text == "" and fin.finish_reason == "length"
+
+    async def refused(req: GenerationRequest) -> EngineError:
+        engine = _engine(tiny, 2)
+        await engine.start()
+        try:
+            with pytest.raises(EngineError) as info:
+                async for _ in await engine.submit(req):
+                    pass
+            return info.value
+        finally:
+            await engine.close()
+
+    err = asyncio.run(refused(GenerationRequest(Task.CAPTION, images[0], reasoning=True)))
+    assert err.code is ErrorCode.INVALID_ARGUMENT and err.field == "reasoning"
+    err = asyncio.run(
+        refused(GenerationRequest(Task.QUERY, None, question="q", spatial_refs=((0.5, 0.5),)))
+    )
+    assert err.code is ErrorCode.INVALID_ARGUMENT and err.field == "spatial_refs"
+
+
+REFS = ((0.25, 0.75), (0.1, 0.2, 0.6, 0.9))
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("depth", [1, 2])
+def test_spatial_refs_equal_the_reference(
+    tiny: LoadedModel, images: list[PreparedImage], depth: int, budget: str
+) -> None:
+    """A point and a box on query, point and detect; the same image without references and
+    with others in the same batches (the references belong to the prompt, not the prefix)."""
+    img = images[0]
+
+    def query(rid: str, refs: tuple) -> GenerationRequest:
+        return GenerationRequest(
+            Task.QUERY,
+            img,
+            request_id=rid,
+            question="what is here",
+            temperature=0,
+            max_tokens=12,
+            spatial_refs=refs,
+        )
+
+    def region(task: Task, rid: str, refs: tuple) -> GenerationRequest:
+        return GenerationRequest(
+            task, img, request_id=rid, object_name="car", max_objects=4, spatial_refs=refs
+        )
+
+    queries = [query("q-refs", REFS), query("q-none", ()), query("q-box", REFS[1:])]
+    regions = [
+        region(Task.POINT, "p-refs", REFS),
+        region(Task.POINT, "p-none", ()),
+        region(Task.DETECT, "d-refs", REFS[1:]),
+        region(Task.DETECT, "d-none", ()),
+    ]
+    answers: dict[str, object] = {}
+    ref = ReferenceGenerator(tiny.model, tiny.tokenizer)
+    reqs = queries + regions
+    for req, (_, fin) in zip(reqs, _run(tiny, reqs, depth, budget), strict=True):
+        built, reason, out = ref.run(req)
+        if req.task is Task.QUERY:
+            got: object = fin.text
+            assert got == ref.tokenizer.decode(out), req.request_id
+        else:
+            got = [tuple(vars(o).values()) for o in (fin.points or fin.boxes)]
+            assert got == [tuple(o) for o in built.grammar.objects], req.request_id
+        assert fin.finish_reason == reason, req.request_id
+        answers[req.request_id] = got
+    # The references change the answers (else this test could not see them dropped; the
+    # tiny model's region answers barely read the prompt, its text answers do).
+    assert answers["q-none"] not in (answers["q-refs"], answers["q-box"])
+
+
+def test_reasoning_with_spatial_refs(
+    reasoning_model: LoadedModel, images: list[PreparedImage]
+) -> None:
+    ref = ReferenceGenerator(reasoning_model.model, reasoning_model.tokenizer)
+    s = SamplingSettings(temperature=0, max_tokens=20)
+    want = ref.reasoning_query(images[1], "where", s, spatial_refs=REFS)
+    req = GenerationRequest(
+        Task.QUERY,
+        images[1],
+        question="where",
+        reasoning=True,
+        temperature=0,
+        max_tokens=20,
+        spatial_refs=REFS,
+    )
+    [(_, fin)] = _run(reasoning_model, [req], 2)
+    assert fin.reasoning.text == want.reasoning and fin.text == want.answer
