@@ -92,3 +92,28 @@ def region_model(tiny: LoadedModel) -> LoadedModel:
         # Tuned on the seed-0 tiny model: some answers end at once, others hit the cap.
         head.bias[c.eos_id] = head.bias[c.coord_id] - 1.49
     return LoadedModel(model, tiny.tokenizer, tiny.config, tiny.source)
+
+
+@pytest.fixture(scope="session")
+def reasoning_model(tiny: LoadedModel) -> LoadedModel:
+    """The coordinate token, a span opener and the answer marker take the head rows of tokens
+    the seed-0 tiny model often picks (the marker exactly tied with one, so sampling decides):
+    sampled reasonings ground points, open spans and reach the answer."""
+    c = tiny.config.tokens
+    model = copy.deepcopy(tiny.model)
+    head = model.text.lm_head
+    with torch.no_grad():
+        for i, (tok, src, bias, scale) in enumerate(
+            [
+                (c.coord_id, 1020, 0.1, 0.3),
+                (c.start_ground_points_id, 475, 0.0, 0.3),
+                (c.end_ground_id, 720, 0.0, 0.3),
+                (c.answer_id, 331, 0.0, 0.0),
+            ]
+        ):
+            noise = torch.randn(
+                head.weight.shape[1], generator=torch.Generator().manual_seed(i + 1)
+            )
+            head.weight[tok] = head.weight[src] + scale * noise * head.weight[src].std()
+            head.bias[tok] = head.bias[src] + bias
+    return LoadedModel(model, tiny.tokenizer, tiny.config, tiny.source)

@@ -8,7 +8,6 @@ is biased so that reasoning grounds coordinates, opens spans and reaches the ans
 from __future__ import annotations
 
 import asyncio
-import copy
 
 import pytest
 import torch
@@ -39,31 +38,6 @@ def _one_thread():
 def images() -> list[PreparedImage]:
     base = sample_image()
     return [prepare_pil(base), prepare_pil(base.rotate(90, expand=True))]
-
-
-@pytest.fixture(scope="module")
-def reasoning_model(tiny: LoadedModel) -> LoadedModel:
-    """The coordinate token, a span opener and the answer marker take the head rows of tokens
-    the seed-0 tiny model often picks (the marker exactly tied with one, so sampling decides),
-    and eos ties with a common answer token: reasoning grounds points and answers end."""
-    c = tiny.config.tokens
-    model = copy.deepcopy(tiny.model)
-    head = model.text.lm_head
-    with torch.no_grad():
-        for i, (tok, src, bias, scale) in enumerate(
-            [
-                (c.coord_id, 1020, 0.1, 0.3),
-                (c.start_ground_points_id, 475, 0.0, 0.3),
-                (c.end_ground_id, 720, 0.0, 0.3),
-                (c.answer_id, 331, 0.0, 0.0),
-            ]
-        ):
-            noise = torch.randn(
-                head.weight.shape[1], generator=torch.Generator().manual_seed(i + 1)
-            )
-            head.weight[tok] = head.weight[src] + scale * noise * head.weight[src].std()
-            head.bias[tok] = head.bias[src] + bias
-    return LoadedModel(model, tiny.tokenizer, tiny.config, tiny.source)
 
 
 async def _events(engine, req: GenerationRequest) -> tuple[list[TextDelta], Finished]:

@@ -218,6 +218,7 @@ class EngineInfo:
     max_choices: int = 0
     max_choice_chars: int = 0
     max_regex_chars: int = 0
+    max_spatial_refs: int = 0  # spatial references of one request
 
 
 # Buckets (ms) of EngineStats.step_interval_counts: a decode period (~1.5-5 ms) finely, a stall

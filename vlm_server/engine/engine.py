@@ -187,6 +187,7 @@ class BatchedEngine:
             max_choices=self.cfg.constraint_limits.max_choices,
             max_choice_chars=self.cfg.constraint_limits.max_choice_chars,
             max_regex_chars=self.cfg.constraint_limits.max_regex_chars,
+            max_spatial_refs=self.cfg.max_spatial_refs,
         )
         self.tasks = TaskCompiler(
             mc,
@@ -194,6 +195,7 @@ class BatchedEngine:
             self.cfg.mask_table_rows,
             self.cfg.constraint_limits,
             compile_in_child=True,
+            max_spatial_refs=self.cfg.max_spatial_refs,
         )
         self.table = self.tasks.table
         # Where the scheduler's events go. Replaceable before `start` (an engine process

@@ -85,6 +85,7 @@ class Limits:
             "max_choices": info.max_choices,
             "max_choice_chars": info.max_choice_chars,
             "max_regex_chars": info.max_regex_chars,
+            "max_spatial_refs": info.max_spatial_refs,
         }
 
 
@@ -227,6 +228,7 @@ class Call:
             max_tokens_limit=max_context,
             max_object_chars=self.core.limits.max_object_chars,
             max_question_chars=self.core.limits.max_question_chars,
+            max_spatial_refs=self.engine().info.max_spatial_refs,
         )
         self.intake_ms = (time.perf_counter() - t0) * 1e3
         self.core.metrics.intake.labels(self.door, self.task).observe(self.intake_ms / 1e3)

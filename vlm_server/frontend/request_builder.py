@@ -15,17 +15,23 @@ from vlm_server.frontend.images import ImageResolver
 
 
 def _task_fields(
-    task: Task, message: Any, max_object_chars: int, max_question_chars: int
+    task: Task, message: Any, max_object_chars: int, max_question_chars: int, max_refs: int
 ) -> dict[str, Any]:
     if task is Task.CAPTION:
         return {"caption_length": validation.caption_length(message.length)}
+    refs = validation.spatial_refs(list(message.spatial_refs), max_refs)
     if task is Task.QUERY:
         return {
             "question": validation.question(message.question, max_question_chars),
             "choices": validation.choices(list(message.choices)),
             "regex": message.regex if message.HasField("regex") else None,
+            "reasoning": message.reasoning,
+            "spatial_refs": refs,
         }
-    return {"object_name": validation.object_name(message.object, max_object_chars)}
+    return {
+        "object_name": validation.object_name(message.object, max_object_chars),
+        "spatial_refs": refs,
+    }
 
 
 async def build(
@@ -38,13 +44,14 @@ async def build(
     max_tokens_limit: int,
     max_object_chars: int = validation.MAX_OBJECT_CHARS,
     max_question_chars: int = validation.MAX_QUESTION_CHARS,
+    max_spatial_refs: int = 0,
 ) -> GenerationRequest:
     """Check ``message`` (the task's proto request) and build the engine request.
 
     Cheap checks first (task fields, then settings); decoding the image, the expensive one,
     comes last. Whether the task needs an image is the request compiler's check (it defines
     the tasks): a request without one is refused there, naming ``image``."""
-    fields = _task_fields(task, message, max_object_chars, max_question_chars)
+    fields = _task_fields(task, message, max_object_chars, max_question_chars, max_spatial_refs)
     s = validation.settings(message.settings, max_tokens_limit)
     image = await images.resolve(message)
     return GenerationRequest(

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from vlm_server.api.v1 import vision_language_pb2 as pb
-from vlm_server.engine.api import GenerationRequest, Task
+from vlm_server.engine.api import EngineError, ErrorCode, GenerationRequest, Task
 from vlm_server.frontend.refusals import invalid
 
 _DEFAULTS = GenerationRequest(task=Task.CAPTION, image=None)
@@ -82,6 +82,43 @@ def question(text: str, max_chars: int = MAX_QUESTION_CHARS) -> str:
     if len(text) > max_chars:
         raise invalid("question", f"is {len(text)} characters long; at most {max_chars}")
     return text
+
+
+def spatial_refs(refs: list[pb.SpatialRef], max_refs: int) -> tuple[tuple[float, ...], ...]:
+    """Points (x, y) and boxes (x_min, y_min, x_max, y_max), each normalized to [0, 1],
+    boxes ordered; ``max_refs`` of them at most (0: the engine's own bound decides)."""
+    if max_refs and len(refs) > max_refs:
+        raise invalid("spatial_refs", f"{len(refs)} references; at most {max_refs}")
+    out: list[tuple[float, ...]] = []
+    for i, ref in enumerate(refs):
+        kind = ref.WhichOneof("ref")
+        where = f"spatial_refs[{i}]"
+        if kind == "point":
+            values: tuple[float, ...] = (ref.point.x_norm, ref.point.y_norm)
+        elif kind == "box":
+            b = ref.box
+            values = (b.x_min_norm, b.y_min_norm, b.x_max_norm, b.y_max_norm)
+        else:
+            raise EngineError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"spatial_refs: {where} is neither a point nor a box",
+                "spatial_refs",
+            )
+        if not all(math.isfinite(v) and 0.0 <= v <= 1.0 for v in values):
+            raise EngineError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"spatial_refs: {where} must be normalized to [0, 1], got {list(values)}",
+                "spatial_refs",
+            )
+        if kind == "box" and (values[0] > values[2] or values[1] > values[3]):
+            raise EngineError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"spatial_refs: {where} must be ordered (x_min <= x_max, y_min <= y_max), "
+                f"got {list(values)}",
+                "spatial_refs",
+            )
+        out.append(values)
+    return tuple(out)
 
 
 def choices(values: list[str]) -> tuple[str, ...]:

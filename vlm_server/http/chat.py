@@ -12,7 +12,10 @@ question; the user's ``image_url`` part (a data URL), at most one, is the pictur
 ``stop`` sequences end the answer where one first appears (never sent, not even in part: a
 possible beginning is held back); the engine request is cancelled there, so such an answer has
 no ``usage``. ``response_format`` (``json_object``, ``json_schema``) constrains the answer like
-a regex (chat_format.py). Anything else the model cannot honour (tools, n > 1, logprobs,
+a regex (chat_format.py). ``reasoning: true`` (the moondream client's) or a
+``reasoning_effort`` other than none / minimal asks for grounded reasoning: its text comes as
+``reasoning_content`` (deltas first when streamed), stop sequences apply to the answer only.
+Anything else the model cannot honour (tools, n > 1, logprobs,
 penalties) is a 400 naming the field, not silently ignored. Streams are
 ``chat.completion.chunk`` events ending with ``data: [DONE]``; errors carry OpenAI's ``type``
 and ``param`` besides the server's ``code``, ``message`` and ``field``.
@@ -39,6 +42,8 @@ from vlm_server.http.moondream import set_image, settings
 from vlm_server.http.stop_text import StopText
 
 FINISH_REASONS = {"eos": "stop", "length": "length"}
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+_NO_EFFORT = ("none", "minimal")
 OWNER = "moondream-serve"
 
 _MESSAGE_SCHEMA: dict[str, Any] = {
@@ -117,8 +122,18 @@ CHAT = (
     _unsupported("logit_bias", "object", "a logit bias", (None, {})),
     _unsupported("presence_penalty", "number", "a presence penalty", (None, 0)),
     _unsupported("frequency_penalty", "number", "a frequency penalty", (None, 0)),
-    _unsupported("reasoning_effort", "string", "reasoning"),
-    _unsupported("reasoning", "any", "reasoning", (None, False)),
+    Field(
+        "reasoning",
+        "boolean",
+        "Think before answering (grounded reasoning, as the moondream client asks); the "
+        "message carries it as reasoning_content.",
+    ),
+    Field(
+        "reasoning_effort",
+        "string",
+        "Any effort but none or minimal turns reasoning on (the model has one effort).",
+        enum=REASONING_EFFORTS,
+    ),
 )
 
 _PART = (
@@ -267,6 +282,15 @@ async def _question(ex: Exchange, messages: list[Any], message: pb.QueryRequest)
     message.question = "\n\n".join([*system, "\n".join(texts)])
 
 
+def _reasons(body: dict[str, Any]) -> bool:
+    """Whether the request asks for reasoning (``reasoning`` or ``reasoning_effort``)."""
+    effort = body.get("reasoning_effort")
+    asked = body.get("reasoning")
+    if asked is not None and effort is not None and bool(asked) != (effort not in _NO_EFFORT):
+        raise invalid("reasoning_effort", "contradicts reasoning; send one of them")
+    return bool(asked) or (effort is not None and effort not in _NO_EFFORT)
+
+
 async def completions(ex: Exchange) -> web.StreamResponse:
     ex.error_style = error_style
     ex.names = {
@@ -290,7 +314,8 @@ async def completions(ex: Exchange) -> web.StreamResponse:
                 "max_tokens": limit,
                 "seed": body.get("seed"),
             }
-        )
+        ),
+        reasoning=_reasons(body),
     )
     await _question(ex, body["messages"], message)
     call = ex.active_call
@@ -308,16 +333,20 @@ async def completions(ex: Exchange) -> web.StreamResponse:
     }
     if not body.get("stream"):
         parts: list[str] = []
+        thought: list[str] = []
         end = _End(None)
         try:
-            async for text, last in _answer(call, submitted, stops):
-                parts.append(text)
+            async for text, last, reasoning in _answer(call, submitted, stops):
+                (thought if reasoning else parts).append(text)
                 end = last or end
         finally:
             submitted.cancel()
+        reply = {"role": "assistant", "content": "".join(parts)}
+        if message.reasoning:
+            reply["reasoning_content"] = "".join(thought)
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": "".join(parts)},
+            "message": reply,
             "finish_reason": _reason(end),
             "logprobs": None,
         }
@@ -347,22 +376,26 @@ class _End:
 
 async def _answer(
     call: Call, submitted: RequestStream, stops: tuple[str, ...]
-) -> AsyncIterator[tuple[str, _End | None]]:
-    """(text to send, None) while the answer runs; its last item carries how it ended (after
-    a stop sequence the caller cancels the engine request, which is then still running)."""
+) -> AsyncIterator[tuple[str, _End | None, bool]]:
+    """(text to send, None, is reasoning) while the answer runs; its last item carries how
+    it ended (after a stop sequence the caller cancels the engine request, which is then
+    still running). Stop sequences apply to the answer, not to the reasoning."""
     stop = StopText(stops)
     async with contextlib.aclosing(call.events(submitted)) as produced:
         async for event in produced:
             if isinstance(event, TextDelta):
+                if event.reasoning:
+                    yield event.text, None, True
+                    continue
                 text = stop.feed(event.text)
                 if stop.stopped:
                     call.finish_reason = "stop"
-                    yield text, _End(None)
+                    yield text, _End(None), False
                     return
                 if text:
-                    yield text, None
+                    yield text, None, False
             elif isinstance(event, Finished):
-                yield stop.flush(), _End(event)
+                yield stop.flush(), _End(event), False
                 return
 
 
@@ -383,9 +416,10 @@ async def _stream(
         return {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
 
     await events.send({**chunk, "choices": [choice({"role": "assistant", "content": ""})]})
-    async for text, end in _answer(call, submitted, stops):
+    async for text, end, reasoning in _answer(call, submitted, stops):
         if text:
-            await events.send({**chunk, "choices": [choice({"content": text})]})
+            key = "reasoning_content" if reasoning else "content"
+            await events.send({**chunk, "choices": [choice({key: text})]})
         if end is not None:
             await events.send({**chunk, "choices": [choice({}, _reason(end))]})
             if usage and end.finished is not None:

@@ -4,7 +4,8 @@ wire-compatible with the official ``moondream`` clients.
 Each handler checks the JSON's shape (`body.check`), translates it into the task's proto request
 and hands that to the shared validation (`Call.build`), exactly as the gRPC door does. Streams
 are server-sent events the official clients parse: ``{"chunk": ..., "completed": false}`` per
-piece of text, then ``{"chunk": "", "completed": true, ...}``; segment streams ``bbox``,
+piece of text (``reasoning_chunk`` instead for a query's reasoning, which those clients skip),
+then ``{"chunk": "", "completed": true, ...}`` (with ``reasoning``); segment streams ``bbox``,
 ``path_delta`` and ``final`` events (all sent when the outline is done: the engine does not
 stream outlines). Answers carry ``request_id``, ``finish_reason`` and timing ``metrics``.
 """
@@ -70,9 +71,9 @@ VARIANT = Field(
 SPATIAL_REFS = Field(
     "spatial_refs",
     "array",
-    "Points or boxes the question refers to.",
+    "Points [x, y] and boxes [x_min, y_min, x_max, y_max] the request refers to, normalized "
+    "to [0, 1].",
     items=Field("ref", "array", "[x, y] or [x1, y1, x2, y2]", items=Field("v", "number", "")),
-    unsupported="this model takes no spatial references",
 )
 
 
@@ -105,8 +106,7 @@ QUERY = (
     Field(
         "reasoning",
         "boolean",
-        "Think before answering.",
-        unsupported="this model has no reasoning mode",
+        "Think before answering (grounded reasoning); the answer then carries `reasoning`.",
     ),
     SPATIAL_REFS,
     Field(
@@ -123,7 +123,7 @@ QUERY = (
     *COMMON,
 )
 POINT = (IMAGE, _object("point at"), _stream("point", False), SPATIAL_REFS, *COMMON)
-DETECT = (IMAGE, _object("find"), _stream("detect", False), *COMMON)
+DETECT = (IMAGE, _object("find"), _stream("detect", False), SPATIAL_REFS, *COMMON)
 SEGMENT = (IMAGE, _object("outline"), _stream("outline", True), SPATIAL_REFS, *COMMON)
 
 # ---- response shapes (OpenAPI) ----------------------------------------------------------------
@@ -172,6 +172,25 @@ def answer_schema(key: str, schema: dict[str, Any]) -> dict[str, Any]:
 
 CAPTION_RESPONSE = answer_schema("caption", {"type": "string"})
 QUERY_RESPONSE = answer_schema("answer", {"type": "string"})
+QUERY_RESPONSE["properties"]["reasoning"] = {
+    "type": "object",
+    "description": "With `reasoning`: what the model thought, and the points it grounded "
+    "spans of that text on ([start_idx, end_idx) character offsets).",
+    "properties": {
+        "text": {"type": "string"},
+        "grounding": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "start_idx": {"type": "integer"},
+                    "end_idx": {"type": "integer"},
+                    "points": {"type": "array", "items": {"type": "array", "items": _NUMBER}},
+                },
+            },
+        },
+    },
+}
 POINT_RESPONSE = answer_schema("points", {"type": "array", "items": POINT_SCHEMA})
 DETECT_RESPONSE = answer_schema("objects", {"type": "array", "items": REGION_SCHEMA})
 SEGMENT_RESPONSE = answer_schema(
@@ -209,6 +228,44 @@ def settings(values: dict[str, Any] | None) -> pb.GenerationSettings:
                 ) from None
             raise invalid(f"settings.{name}", f"is out of range: {value}") from None
     return out
+
+
+def spatial_refs(message: Any, refs: list[list[float]] | None) -> None:
+    """Add the JSON references (types already checked) to a proto request; their values
+    are the shared validation's to check."""
+    for i, ref in enumerate(refs or ()):
+        if len(ref) == 2:
+            point = pb.NormalizedPoint(x_norm=ref[0], y_norm=ref[1])
+            message.spatial_refs.add().point.CopyFrom(point)
+        elif len(ref) == 4:
+            box = pb.NormalizedBox(
+                x_min_norm=ref[0], y_min_norm=ref[1], x_max_norm=ref[2], y_max_norm=ref[3]
+            )
+            message.spatial_refs.add().box.CopyFrom(box)
+        else:
+            raise invalid(
+                "spatial_refs",
+                f"spatial_refs[{i}] must be a point [x, y] or a box [x_min, y_min, x_max, "
+                f"y_max], got {len(ref)} numbers",
+            )
+
+
+def reasoning(done: Finished) -> dict[str, Any] | None:
+    """The reference's shape of a query's reasoning (None without it)."""
+    r = done.reasoning
+    if r is None:
+        return None
+    return {
+        "text": r.text,
+        "grounding": [
+            {
+                "start_idx": g.start_idx,
+                "end_idx": g.end_idx,
+                "points": [[p.x, p.y] for p in g.points],
+            }
+            for g in r.grounding
+        ],
+    }
 
 
 async def set_image(message: Any, url: str | None, field: str = IMAGE_FIELD) -> None:
@@ -258,16 +315,23 @@ async def _text(ex: Exchange, message: Any, key: str, stream: bool) -> web.Strea
     submitted = await call.submit(await call.build(message))
     if not stream:
         done = await call.result(submitted)
-        return ex.respond({key: done.text or "", **_tail(ex, done)})
+        thought = reasoning(done)
+        extra = {"reasoning": thought} if thought is not None else {}
+        return ex.respond({key: done.text or "", **extra, **_tail(ex, done)})
     try:
         events = await ex.stream()
         async with contextlib.aclosing(call.events(submitted)) as produced:
             async for event in produced:
                 if isinstance(event, TextDelta):
-                    chunk = {"chunk": event.text, "completed": False}
+                    # Reasoning goes apart: the official clients stream `chunk` as the answer.
+                    key_of = "reasoning_chunk" if event.reasoning else "chunk"
+                    chunk = {key_of: event.text, "completed": False}
                     await events.send({**chunk, "request_id": ex.request_id})
                 else:
-                    await events.send({"chunk": "", "completed": True, **_tail(ex, event)})
+                    thought = reasoning(event)
+                    extra = {"reasoning": thought} if thought is not None else {}
+                    end = {"chunk": "", "completed": True, **extra}
+                    await events.send({**end, **_tail(ex, event)})
     finally:
         submitted.cancel()  # a no-op once finished; frees the request on any early exit
     await events.close()
@@ -292,7 +356,9 @@ async def query(ex: Exchange) -> web.StreamResponse:
         question=body["question"],
         choices=body.get("choices") or (),
         settings=settings(body.get("settings")),
+        reasoning=bool(body.get("reasoning")),
     )
+    spatial_refs(message, body.get("spatial_refs"))
     if body.get("regex") is not None:
         message.regex = body["regex"]
     await set_image(message, body.get("image_url"))
@@ -303,6 +369,7 @@ async def point(ex: Exchange) -> web.StreamResponse:
     ex.names = dict(NAMES)
     body = await ex.json(POINT)
     message = pb.PointRequest(object=body["object"], settings=settings(body.get("settings")))
+    spatial_refs(message, body.get("spatial_refs"))
     await set_image(message, body["image_url"])
     call = ex.active_call
     done = await call.final(await call.build(message))
@@ -314,6 +381,7 @@ async def detect(ex: Exchange) -> web.StreamResponse:
     ex.names = dict(NAMES)
     body = await ex.json(DETECT)
     message = pb.DetectRequest(object=body["object"], settings=settings(body.get("settings")))
+    spatial_refs(message, body.get("spatial_refs"))
     await set_image(message, body["image_url"])
     call = ex.active_call
     done = await call.final(await call.build(message))
@@ -324,6 +392,7 @@ async def segment(ex: Exchange) -> web.StreamResponse:
     ex.names = dict(NAMES)
     body = await ex.json(SEGMENT)
     message = pb.SegmentRequest(object=body["object"], settings=settings(body.get("settings")))
+    spatial_refs(message, body.get("spatial_refs"))
     await set_image(message, body["image_url"])
     call = ex.active_call
     submitted = await call.submit(await call.build(message))

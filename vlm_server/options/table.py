@@ -119,6 +119,12 @@ class ServerConfig:
         256, G.LIMITS, "longest object name (point, detect, segment; characters)"
     )
     max_question_chars: int = option(16_384, G.LIMITS, "longest question of a query (characters)")
+    max_spatial_refs: int = option(
+        _ENGINE.max_spatial_refs,
+        G.LIMITS,
+        "most spatial references (points, boxes) of one request; each sequence row reserves "
+        "device memory for three embeddings per reference",
+    )
     max_choices: int = option(
         _CONSTRAINTS.max_choices, G.LIMITS, "most choices of one constrained query"
     )
@@ -414,6 +420,7 @@ class ServerConfig:
             prefix_prompt_tokens=self.prefix_prompt_tokens,
             crop_graph_sizes=self.crop_graph_sizes,
             vision_fp8=self.vision_fp8,
+            max_spatial_refs=self.max_spatial_refs,
             constraint_limits=self.constraint_limits,
         )
 

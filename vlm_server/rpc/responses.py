@@ -44,11 +44,20 @@ def box(b: Box) -> pb.NormalizedBox:
 
 
 def text_result(done: Finished, total_ms: float, intake_ms: float = 0.0) -> pb.TextResult:
-    return pb.TextResult(
+    result = pb.TextResult(
         text=done.text or "",
         finish_reason=finish_reason(done.finish_reason),
         metrics=metrics(done.metrics, total_ms, intake_ms),
     )
+    if done.reasoning is not None:
+        result.reasoning.text = done.reasoning.text
+        for span in done.reasoning.grounding:
+            result.reasoning.grounding.add(
+                start_idx=span.start_idx,
+                end_idx=span.end_idx,
+                points=[point(p) for p in span.points],
+            )
+    return result
 
 
 def point_response(done: Finished, total_ms: float, intake_ms: float = 0.0) -> pb.PointResponse:

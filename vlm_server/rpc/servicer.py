@@ -159,7 +159,7 @@ class VisionLanguageServicer(pb_grpc.VisionLanguageServicer):
         """Run a text request: a message per delta, then the final one."""
         async for event in call.events(await call.submit(request)):
             if isinstance(event, TextDelta):
-                yield wrap(delta=pb.TextDelta(text=event.text))
+                yield wrap(delta=pb.TextDelta(text=event.text, reasoning=event.reasoning))
             elif isinstance(event, Finished):
                 call.answered = True  # the last message: the client may hang up once it has it
                 yield wrap(result=responses.text_result(event, call.elapsed_ms(), call.intake_ms))

@@ -77,11 +77,13 @@ class TaskCompiler:
         mask_rows: int = 1024,
         limits: ConstraintLimits | None = None,
         compile_in_child: bool = False,
+        max_spatial_refs: int = 8,
     ) -> None:
         contract = config.tokens
         assert contract is not None
         self.config = config
         self.contract = contract
+        self.max_spatial_refs = max_spatial_refs
         self.tokenizer = tokenizer
         self.encode = prompts.CachedEncoder(tokenizer)
         self.table = MaskTable(config.text.vocab_size, max_rows=mask_rows)
@@ -250,6 +252,13 @@ class TaskCompiler:
             raise EngineError(
                 ErrorCode.UNIMPLEMENTED,
                 f"spatial_refs: token contract {c.name!r} takes no spatial references",
+                "spatial_refs",
+            )
+        if len(req.spatial_refs) > self.max_spatial_refs:
+            raise EngineError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"spatial_refs: {len(req.spatial_refs)} references; at most "
+                f"{self.max_spatial_refs} (the server's --max-spatial-refs)",
                 "spatial_refs",
             )
 

@@ -1,0 +1,227 @@
+"""Grounded reasoning and spatial references through both doors (tiny model, batched engine):
+the official ``moondream`` client's ``reasoning=True`` and ``spatial_refs``, gRPC's reasoning
+deltas and result, the OpenAI door's ``reasoning_content``, and refusals naming the field."""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import grpc
+import pytest
+from PIL import Image
+
+from image_pipeline import PreparedImage, prepare_image, sample_image_bytes
+from tests.http_support import data_url, events, moondream_client, post, post_json
+from tests.support.service_harness import ServerThread, local_config
+from vlm_server.api.v1 import vision_language_pb2 as pb
+from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
+from vlm_server.engine.api import GenerationRequest, Task
+from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.engine import BatchedEngine
+from vlm_server.models.interface import LoadedModel
+from vlm_server.reference import ReferenceGenerator, SamplingSettings
+
+MIB = 1 << 20
+SAMPLED = {"temperature": 1.0, "top_p": 0.3, "seed": 4, "max_tokens": 40}
+
+
+@pytest.fixture(scope="module")
+def server(reasoning_model: LoadedModel) -> Iterator[ServerThread]:
+    config = EngineConfig(max_batch_size=8, max_queue=100, kv_budget_bytes=16 * MIB)
+    factory = lambda: BatchedEngine(reasoning_model, config)
+    with ServerThread(local_config(http_port=-1), factory) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def ref(reasoning_model: LoadedModel) -> ReferenceGenerator:
+    return ReferenceGenerator(reasoning_model.model, reasoning_model.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def md(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
+    cache = getattr(pytestconfig, "cache", None)
+    where = cache.mkdir("clients") if cache is not None else tmp_path_factory.mktemp("clients")
+    return moondream_client(where)
+
+
+@pytest.fixture(scope="module")
+def sent(md: ModuleType, server: ServerThread) -> tuple[Any, Any, PreparedImage]:
+    """The official client, the sample picture as it sends it, and as the server prepares it."""
+    model = md.vl(endpoint=server.http_url)
+    encoded = model.encode_image(Image.open(io.BytesIO(sample_image_bytes())))
+    payload = encoded.image_url.split(",", 1)[1]
+    return model, encoded, prepare_image(base64.b64decode(payload))
+
+
+def _settings(values: dict[str, Any]) -> SamplingSettings:
+    return SamplingSettings(**values)
+
+
+def _grounding(want: Any) -> list[dict[str, Any]]:
+    return [
+        {"start_idx": a, "end_idx": b, "points": [list(p) for p in points]}
+        for a, b, points in want.grounding
+    ]
+
+
+def test_official_client_reasoning_equals_the_reference(
+    sent: tuple[Any, Any, PreparedImage], ref: ReferenceGenerator
+) -> None:
+    model, image, prepared = sent
+    want = ref.reasoning_query(prepared, "where", _settings(SAMPLED))
+    got = model.query(image, "where", reasoning=True, settings=SAMPLED)
+    assert got["answer"] == want.answer
+    assert got["reasoning"] == {"text": want.reasoning, "grounding": _grounding(want)}
+    # Streamed, the client reads only the answer's chunks; reasoning chunks come apart.
+    streamed = model.query(image, "where", reasoning=True, stream=True, settings=SAMPLED)
+    assert "".join(streamed["answer"]) == want.answer
+
+
+def test_official_client_spatial_refs_equal_the_reference(
+    sent: tuple[Any, Any, PreparedImage], ref: ReferenceGenerator
+) -> None:
+    model, image, prepared = sent
+    refs = [[0.25, 0.75], [0.1, 0.2, 0.6, 0.9]]
+    as_tuples = tuple(tuple(r) for r in refs)
+    greedy = {"temperature": 0, "max_tokens": 8}
+    got = model.query(image, "what is here", spatial_refs=refs, settings=greedy)["answer"]
+    req = GenerationRequest(
+        Task.QUERY,
+        prepared,
+        question="what is here",
+        temperature=0,
+        max_tokens=8,
+        spatial_refs=as_tuples,
+    )
+    _, _, out = ref.run(req)
+    assert got == ref.tokenizer.decode(out)
+    points = model.point(image, "car", spatial_refs=refs, settings={"max_objects": 3})["points"]
+    req = GenerationRequest(
+        Task.POINT, prepared, object_name="car", max_objects=3, spatial_refs=as_tuples
+    )
+    built, _, _ = ref.run(req)
+    assert points == [{"x": x, "y": y} for x, y in built.grammar.objects]
+
+
+def test_http_stream_marks_reasoning_chunks(
+    server: ServerThread, sent: tuple[Any, Any, PreparedImage], ref: ReferenceGenerator
+) -> None:
+    _, image, prepared = sent
+    want = ref.reasoning_query(prepared, "where", _settings(SAMPLED))
+    body = {
+        "image_url": image.image_url,
+        "question": "where",
+        "reasoning": True,
+        "stream": True,
+        "settings": SAMPLED,
+    }
+    status, _, raw = post(f"{server.http_url}/query", body)
+    assert status == 200
+    got = events(raw)
+    thought = "".join(e.get("reasoning_chunk", "") for e in got)
+    answer = "".join(e.get("chunk", "") for e in got)
+    assert thought == want.reasoning and answer == want.answer
+    assert got[-1]["completed"] and got[-1]["reasoning"]["text"] == want.reasoning
+    # Every reasoning chunk comes before the first answer chunk.
+    kinds = [
+        "r" if "reasoning_chunk" in e else "a"
+        for e in got
+        if e.get("chunk") or "reasoning_chunk" in e
+    ]
+    assert kinds == sorted(kinds, reverse=True)
+
+
+@pytest.mark.parametrize(
+    ("refs", "words"),
+    [
+        ([[1.5, 0.2]], "normalized"),
+        ([[0.5, 0.5, 0.2]], "a point [x, y] or a box"),
+        ([[0.6, 0.2, 0.1, 0.9]], "ordered"),
+        ([[0.5, 0.5]] * 9, "at most 8"),
+    ],
+)
+def test_bad_spatial_refs_are_refused_naming_the_field(
+    server: ServerThread, refs: list[list[float]], words: str
+) -> None:
+    body = {"image_url": data_url(sample_image_bytes()), "question": "q", "spatial_refs": refs}
+    status, answer = post_json(f"{server.http_url}/query", body)
+    assert status == 400
+    error = answer["error"]
+    assert error["field"] == "spatial_refs" and words in error["message"]
+
+
+def test_grpc_query_streams_reasoning_then_the_answer(
+    server: ServerThread, ref: ReferenceGenerator
+) -> None:
+    prepared = prepare_image(sample_image_bytes())
+    want = ref.reasoning_query(prepared, "where", _settings(SAMPLED))
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.VisionLanguageStub(channel)
+        request = pb.QueryRequest(
+            image_bytes=sample_image_bytes(),
+            question="where",
+            reasoning=True,
+            settings=pb.GenerationSettings(**SAMPLED),
+        )
+        messages = list(stub.Query(request))
+        deltas = [m.delta for m in messages if m.HasField("delta")]
+        result = messages[-1].result
+        assert "".join(d.text for d in deltas if d.reasoning) == want.reasoning
+        assert "".join(d.text for d in deltas if not d.reasoning) == want.answer
+        flags = [d.reasoning for d in deltas]
+        assert flags == sorted(flags, reverse=True)
+        assert result.text == want.answer and result.reasoning.text == want.reasoning
+        got = [
+            (g.start_idx, g.end_idx, [(p.x_norm, p.y_norm) for p in g.points])
+            for g in result.reasoning.grounding
+        ]
+        assert got == want.grounding
+        bad = pb.DetectRequest(
+            image_bytes=sample_image_bytes(),
+            object="car",
+            spatial_refs=[pb.SpatialRef()],
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Detect(bad)
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert dict(info.value.trailing_metadata())["vlm-field"] == "spatial_refs"
+        info_response = stub.GetModelInfo(pb.GetModelInfoRequest())
+        assert info_response.limits.max_spatial_refs == 8
+
+
+def test_openai_door_returns_reasoning_content(
+    server: ServerThread, ref: ReferenceGenerator
+) -> None:
+    prepared = prepare_image(sample_image_bytes())
+    want = ref.reasoning_query(prepared, "where", _settings(SAMPLED))
+    content = [
+        {"type": "text", "text": "where"},
+        {"type": "image_url", "image_url": {"url": data_url(sample_image_bytes())}},
+    ]
+    body = {
+        "model": "any",
+        "messages": [{"role": "user", "content": content}],
+        "reasoning": True,
+        "temperature": 1.0,
+        "top_p": 0.3,
+        "seed": 4,
+        "max_tokens": 40,
+    }
+    status, answer = post_json(f"{server.http_url}/chat/completions", body)
+    assert status == 200
+    message = answer["choices"][0]["message"]
+    assert message["reasoning_content"] == want.reasoning and message["content"] == want.answer
+    body = {**body, "reasoning": None, "reasoning_effort": "high", "stream": True}
+    status, _, raw = post(f"{server.http_url}/chat/completions", body)
+    deltas = [e["choices"][0]["delta"] for e in events(raw)[:-1] if e["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == want.reasoning
+    assert "".join(d.get("content", "") for d in deltas) == want.answer
+    status, answer = post_json(
+        f"{server.http_url}/chat/completions", {**body, "reasoning": False, "stream": False}
+    )
+    assert status == 400 and answer["error"]["param"] == "reasoning_effort"
