@@ -75,13 +75,17 @@ def images() -> list[PreparedImage]:
 
 
 def _request(i: int, images: list[PreparedImage]) -> GenerationRequest:
-    """Request i: a query without image, a caption, a point and a detect, in turn."""
+    """Request i: a query without image (every other one reasoning), a caption, a point and
+    a detect, in turn; some points and detects carry spatial references."""
     kind = i % 4
     image = images[i % len(images)] if kind else None
     task = [Task.QUERY, Task.CAPTION, Task.POINT, Task.DETECT][kind]
+    refs = ((0.2, 0.3), (0.1, 0.1, 0.5, 0.6)) if kind >= 2 and i % 3 == 0 else ()
     return GenerationRequest(
         task,
         image,
+        reasoning=kind == 0 and i % 8 == 0,
+        spatial_refs=refs,
         request_id=f"r{i}",
         question=f"what is {i}?",
         object_name="dog" if i % 3 else "cat",
@@ -256,7 +260,13 @@ def _drive(
         for tick in range(4000):
             for i in (i for i, t in arrivals.items() if t == tick):
                 built = tasks.build(_request(i, images))
-                seq = Sequence(_request(i, images), built.prompt, built.grammar, built.prefix_len)
+                seq = Sequence(
+                    _request(i, images),
+                    built.prompt,
+                    built.grammar,
+                    built.prefix_len,
+                    ref_values=built.ref_values,
+                )
                 seq.output = output_for(built.grammar, tasks.vocab)
                 run.seqs[i], run.ends[i] = seq, []
                 seq.emit = run.ends[i].append
