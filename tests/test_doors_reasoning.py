@@ -19,6 +19,7 @@ from tests.http_support import data_url, events, moondream_client, post, post_js
 from tests.support.service_harness import ServerThread, local_config
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
+from vlm_server.client import VisionLanguageClient
 from vlm_server.engine.api import GenerationRequest, Task
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
@@ -225,3 +226,37 @@ def test_openai_door_returns_reasoning_content(
         f"{server.http_url}/chat/completions", {**body, "reasoning": False, "stream": False}
     )
     assert status == 400 and answer["error"]["param"] == "reasoning_effort"
+
+
+def test_the_project_client_speaks_reasoning_and_spatial_refs(
+    server: ServerThread, ref: ReferenceGenerator
+) -> None:
+    prepared = prepare_image(sample_image_bytes())
+    want = ref.reasoning_query(prepared, "where", _settings(SAMPLED))
+    with VisionLanguageClient(server.target) as client:
+        events_seen = list(
+            client.query_stream(sample_image_bytes(), "where", reasoning=True, **SAMPLED)
+        )
+        result = events_seen[-1]
+        assert result.reasoning is not None and result.reasoning.text == want.reasoning
+        assert result.text == want.answer
+        thought = "".join(e.text for e in events_seen[:-1] if e.reasoning)
+        assert thought == want.reasoning
+        spans = [
+            (g.start_idx, g.end_idx, [(p.x, p.y) for p in g.points])
+            for g in result.reasoning.grounding
+        ]
+        assert spans == want.grounding
+        refs = [[0.25, 0.75], [0.1, 0.2, 0.6, 0.9]]
+        got = client.point(sample_image_bytes(), "car", spatial_refs=refs, max_objects=3)
+        req = GenerationRequest(
+            Task.POINT,
+            prepared,
+            object_name="car",
+            max_objects=3,
+            spatial_refs=tuple(tuple(r) for r in refs),
+        )
+        built, _, _ = ref.run(req)
+        assert [(p.x, p.y) for p in got.points] == list(built.grammar.objects)
+        with pytest.raises(ValueError):
+            client.point(sample_image_bytes(), "car", spatial_refs=[[0.1, 0.2, 0.3]])

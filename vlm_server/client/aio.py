@@ -113,12 +113,14 @@ class AsyncVisionLanguageClient:
         *,
         choices: list[str] | None = None,
         regex: str | None = None,
+        reasoning: bool = False,
+        spatial_refs: convert.SpatialRefs | None = None,
         timeout: float | None = None,
         **settings: Unpack[Settings],
     ) -> AsyncIterator[t.TextDelta | t.TextResult]:
         """Like `query`, streamed."""
         request = convert.query_request(
-            image, question, choices, regex, convert.settings(**settings)
+            image, question, choices, regex, convert.settings(**settings), reasoning, spatial_refs
         )
         return self._stream(self._stub.Query, request, timeout)
 
@@ -129,13 +131,22 @@ class AsyncVisionLanguageClient:
         *,
         choices: list[str] | None = None,
         regex: str | None = None,
+        reasoning: bool = False,
+        spatial_refs: convert.SpatialRefs | None = None,
         timeout: float | None = None,
         **settings: Unpack[Settings],
     ) -> t.TextResult:
         """Answer ``question`` about ``image`` (None: text only), optionally constrained."""
         return await self._collect(
             self.query_stream(
-                image, question, choices=choices, regex=regex, timeout=timeout, **settings
+                image,
+                question,
+                choices=choices,
+                regex=regex,
+                reasoning=reasoning,
+                spatial_refs=spatial_refs,
+                timeout=timeout,
+                **settings,
             )
         )
 
@@ -144,11 +155,14 @@ class AsyncVisionLanguageClient:
         image: ImageInput,
         obj: str,
         *,
+        spatial_refs: convert.SpatialRefs | None = None,
         timeout: float | None = None,
         **settings: Unpack[Settings],
     ) -> t.PointResult:
         """Points at each ``obj`` in ``image``."""
-        request = convert.object_request(pb.PointRequest, image, obj, convert.settings(**settings))
+        request = convert.object_request(
+            pb.PointRequest, image, obj, convert.settings(**settings), spatial_refs
+        )
         return convert.point_result(await self._unary(self._stub.Point, request, timeout))
 
     async def detect(
@@ -156,11 +170,14 @@ class AsyncVisionLanguageClient:
         image: ImageInput,
         obj: str,
         *,
+        spatial_refs: convert.SpatialRefs | None = None,
         timeout: float | None = None,
         **settings: Unpack[Settings],
     ) -> t.DetectResult:
         """Boxes around each ``obj`` in ``image``."""
-        request = convert.object_request(pb.DetectRequest, image, obj, convert.settings(**settings))
+        request = convert.object_request(
+            pb.DetectRequest, image, obj, convert.settings(**settings), spatial_refs
+        )
         return convert.detect_result(await self._unary(self._stub.Detect, request, timeout))
 
     async def segment(
@@ -168,12 +185,13 @@ class AsyncVisionLanguageClient:
         image: ImageInput,
         obj: str,
         *,
+        spatial_refs: convert.SpatialRefs | None = None,
         timeout: float | None = None,
         **settings: Unpack[Settings],
     ) -> t.SegmentResult:
         """Outline of ``obj``: box, SVG path, polygons and RLE mask."""
         request = convert.object_request(
-            pb.SegmentRequest, image, obj, convert.settings(**settings)
+            pb.SegmentRequest, image, obj, convert.settings(**settings), spatial_refs
         )
         return convert.segment_result(await self._unary(self._stub.Segment, request, timeout))
 

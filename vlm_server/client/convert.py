@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypedDict, Unpack
 
@@ -91,9 +92,34 @@ def box(b: pb.NormalizedBox) -> t.Box:
 
 def text_event(message: pb.CaptionResponse | pb.QueryResponse) -> t.TextDelta | t.TextResult:
     if message.WhichOneof("event") == "delta":
-        return t.TextDelta(message.delta.text)
+        return t.TextDelta(message.delta.text, message.delta.reasoning)
     r = message.result
-    return t.TextResult(r.text, finish_reason(r.finish_reason), metrics(r.metrics))
+    thought = None
+    if r.HasField("reasoning"):
+        spans = [
+            t.GroundedSpan(g.start_idx, g.end_idx, [point(p) for p in g.points])
+            for g in r.reasoning.grounding
+        ]
+        thought = t.Reasoning(r.reasoning.text, spans)
+    return t.TextResult(r.text, finish_reason(r.finish_reason), metrics(r.metrics), thought)
+
+
+SpatialRefs = Sequence[Sequence[float]]  # points [x, y] and boxes [x_min, y_min, x_max, y_max]
+
+
+def spatial_refs(refs: SpatialRefs | None) -> list[pb.SpatialRef]:
+    """The proto references of points and boxes (other lengths: ValueError)."""
+    out = []
+    for ref in refs or ():
+        if len(ref) == 2:
+            out.append(pb.SpatialRef(point=pb.NormalizedPoint(x_norm=ref[0], y_norm=ref[1])))
+        elif len(ref) == 4:
+            x0, y0, x1, y1 = ref
+            box = pb.NormalizedBox(x_min_norm=x0, y_min_norm=y0, x_max_norm=x1, y_max_norm=y1)
+            out.append(pb.SpatialRef(box=box))
+        else:
+            raise ValueError(f"a spatial reference is [x, y] or a box of 4 numbers, got {ref}")
+    return out
 
 
 def point_result(r: pb.PointResponse) -> t.PointResult:
@@ -174,13 +200,27 @@ def query_request(
     choices: list[str] | None,
     regex: str | None,
     gen: pb.GenerationSettings,
+    reasoning: bool = False,
+    refs: SpatialRefs | None = None,
 ) -> pb.QueryRequest:
     extra = {} if regex is None else {"regex": regex}
     return pb.QueryRequest(
-        question=question, choices=list(choices or ()), settings=gen, **extra, **image_fields(image)
+        question=question,
+        choices=list(choices or ()),
+        settings=gen,
+        reasoning=reasoning,
+        spatial_refs=spatial_refs(refs),
+        **extra,
+        **image_fields(image),
     )
 
 
-def object_request(kind: type[Any], image: ImageInput, obj: str, gen: pb.GenerationSettings) -> Any:
+def object_request(
+    kind: type[Any],
+    image: ImageInput,
+    obj: str,
+    gen: pb.GenerationSettings,
+    refs: SpatialRefs | None = None,
+) -> Any:
     """A Point, Detect or Segment request (they share one shape)."""
-    return kind(object=obj, settings=gen, **image_fields(image))
+    return kind(object=obj, settings=gen, spatial_refs=spatial_refs(refs), **image_fields(image))

@@ -129,12 +129,14 @@ class VisionLanguageClient:
         *,
         choices: list[str] | None = None,
         regex: str | None = None,
+        reasoning: bool = False,
+        spatial_refs: convert.SpatialRefs | None = None,
         timeout: float | None = None,
         **settings: Unpack[Settings],
     ) -> Iterator[t.TextDelta | t.TextResult]:
         """Like `query`, streamed."""
         request = convert.query_request(
-            image, question, choices, regex, convert.settings(**settings)
+            image, question, choices, regex, convert.settings(**settings), reasoning, spatial_refs
         )
         return self._stream(self._stub.Query, request, timeout)
 
@@ -145,13 +147,22 @@ class VisionLanguageClient:
         *,
         choices: list[str] | None = None,
         regex: str | None = None,
+        reasoning: bool = False,
+        spatial_refs: convert.SpatialRefs | None = None,
         timeout: float | None = None,
         **settings: Unpack[Settings],
     ) -> t.TextResult:
         """Answer ``question`` about ``image`` (None: text only), optionally constrained."""
         return self._collect(
             self.query_stream(
-                image, question, choices=choices, regex=regex, timeout=timeout, **settings
+                image,
+                question,
+                choices=choices,
+                regex=regex,
+                reasoning=reasoning,
+                spatial_refs=spatial_refs,
+                timeout=timeout,
+                **settings,
             )
         )
 
@@ -160,11 +171,14 @@ class VisionLanguageClient:
         image: ImageInput,
         obj: str,
         *,
+        spatial_refs: convert.SpatialRefs | None = None,
         timeout: float | None = None,
         **settings: Unpack[Settings],
     ) -> t.PointResult:
         """Points at each ``obj`` in ``image`` (``max_objects`` caps the count)."""
-        request = convert.object_request(pb.PointRequest, image, obj, convert.settings(**settings))
+        request = convert.object_request(
+            pb.PointRequest, image, obj, convert.settings(**settings), spatial_refs
+        )
         return convert.point_result(self._unary(self._stub.Point, request, timeout))
 
     def detect(
@@ -172,11 +186,14 @@ class VisionLanguageClient:
         image: ImageInput,
         obj: str,
         *,
+        spatial_refs: convert.SpatialRefs | None = None,
         timeout: float | None = None,
         **settings: Unpack[Settings],
     ) -> t.DetectResult:
         """Boxes around each ``obj`` in ``image``."""
-        request = convert.object_request(pb.DetectRequest, image, obj, convert.settings(**settings))
+        request = convert.object_request(
+            pb.DetectRequest, image, obj, convert.settings(**settings), spatial_refs
+        )
         return convert.detect_result(self._unary(self._stub.Detect, request, timeout))
 
     def segment(
@@ -184,12 +201,13 @@ class VisionLanguageClient:
         image: ImageInput,
         obj: str,
         *,
+        spatial_refs: convert.SpatialRefs | None = None,
         timeout: float | None = None,
         **settings: Unpack[Settings],
     ) -> t.SegmentResult:
         """Outline of ``obj``: box, SVG path, polygons and RLE mask."""
         request = convert.object_request(
-            pb.SegmentRequest, image, obj, convert.settings(**settings)
+            pb.SegmentRequest, image, obj, convert.settings(**settings), spatial_refs
         )
         return convert.segment_result(self._unary(self._stub.Segment, request, timeout))
 

@@ -40,9 +40,26 @@ class Box:
 
 @dataclass(frozen=True)
 class TextDelta:
-    """A piece of streamed text; all pieces together make the final text."""
+    """A piece of streamed text; all pieces together make the final text. ``reasoning``:
+    a piece of a query's reasoning (those all come first), not of its answer."""
 
     text: str
+    reasoning: bool = False
+
+
+@dataclass(frozen=True)
+class GroundedSpan:
+    """Characters [start_idx, end_idx) of the reasoning and the points grounding them."""
+
+    start_idx: int
+    end_idx: int
+    points: list[Point]
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    text: str
+    grounding: list[GroundedSpan] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -50,6 +67,7 @@ class TextResult:
     text: str
     finish_reason: str  # eos | length | cancelled
     metrics: Metrics = field(default_factory=Metrics)
+    reasoning: Reasoning | None = None  # a query with reasoning=True
 
 
 @dataclass(frozen=True)
