@@ -141,8 +141,10 @@ class ReasoningGrammar(GrammarBase):
     def advance_token(self, token_id: int) -> None:
         if self.answer is not None:
             self._expect(_TOKEN)
+            n = len(self.answer.token_ids)
             self.answer.advance_token(token_id)
-            self.token_ids.append(token_id)
+            if len(self.answer.token_ids) > n:  # not eos
+                self.token_ids.append(token_id)
             self._follow_answer()
             return
         self._expect(_REASON)

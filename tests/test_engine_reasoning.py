@@ -234,3 +234,23 @@ def test_reasoning_with_spatial_refs(
     )
     [(_, fin)] = _run(reasoning_model, [req], 2)
     assert fin.reasoning.text == want.reasoning and fin.text == want.answer
+
+
+def test_reasoning_leaves_room_for_a_constrained_answer(
+    reasoning_model: LoadedModel, images: list[PreparedImage]
+) -> None:
+    """With choices, reasoning stops where the shortest choice still fits the budget; the
+    answer is then one of them."""
+    req = GenerationRequest(
+        Task.QUERY,
+        images[0],
+        question="where",
+        reasoning=True,
+        temperature=0,
+        max_tokens=6,
+        choices=("left side", "right"),
+    )
+    [(deltas, fin)] = _run(reasoning_model, [req], 2)
+    assert fin.text in ("left side", "right")
+    assert fin.reasoning is not None and fin.metrics.output_tokens <= 6
+    assert [d.reasoning for d in deltas] == sorted((d.reasoning for d in deltas), reverse=True)
