@@ -120,6 +120,9 @@ class HttpLoadClient:
                 if event.get("completed"):
                     yield t.TextResult("".join(text), _finish(event), _metrics(event["metrics"]))
                     return
+                if "reasoning_chunk" in event:
+                    yield t.TextDelta(event["reasoning_chunk"], reasoning=True)
+                    continue
                 text.append(event["chunk"])
                 yield t.TextDelta(event["chunk"])
 
@@ -130,9 +133,19 @@ class HttpLoadClient:
         return body
 
     def query_stream(
-        self, image: bytes | None, question: str, timeout: float | None = None, **settings: Any
+        self,
+        image: bytes | None,
+        question: str,
+        timeout: float | None = None,
+        reasoning: bool = False,
+        regex: str | None = None,
+        **settings: Any,
     ) -> AsyncIterator[t.TextDelta | t.TextResult]:
         body = {**self._body(image, settings), "question": question}
+        if reasoning:
+            body["reasoning"] = True
+        if regex is not None:
+            body["regex"] = regex
         return self._text_stream("/query", body, timeout)
 
     def caption_stream(

@@ -11,6 +11,8 @@ output tokens are reported next to every figure):
 
     query3     Query, streamed, max_tokens 3 (a short direct answer)
     query30    Query, streamed, max_tokens 30 (a short reasoning answer)
+    reason64   Query with grounded reasoning, streamed: 64 reasoning tokens, then a 3-token
+               answer (a regex of three digits reserves its tokens in max_tokens 67)
     caption64  Caption, streamed, max_tokens 64
     caption128 Caption, streamed, max_tokens 128 (decode throughput under load)
     point5     Point, max_objects 5 (unary)
@@ -98,6 +100,8 @@ class Workload:
     max_tokens: int | None = None
     max_objects: int | None = None
     question: str = ""
+    reasoning: bool = False
+    regex: str | None = None
 
 
 def workloads(segment_tokens: int) -> dict[str, Workload]:
@@ -110,6 +114,15 @@ def workloads(segment_tokens: int) -> dict[str, Workload]:
             True,
             max_tokens=30,
             question="Describe the main object in this image and explain your reasoning.",
+        ),
+        Workload(
+            "reason64",
+            "query",
+            True,
+            max_tokens=67,
+            question="How many objects are in this image?",
+            reasoning=True,
+            regex="[0-9] [0-9] [0-9]",
         ),
         Workload("caption64", "caption", True, max_tokens=64),
         Workload("caption128", "caption", True, max_tokens=128),
@@ -211,7 +224,12 @@ async def run_one(
     try:
         if wl.streamed:
             if wl.rpc == "query":
-                events = client.query_stream(image, wl.question, timeout=timeout, **settings)
+                extra: dict[str, Any] = {"reasoning": True} if wl.reasoning else {}
+                if wl.regex is not None:
+                    extra["regex"] = wl.regex
+                events = client.query_stream(
+                    image, wl.question, timeout=timeout, **extra, **settings
+                )
             else:
                 events = client.caption_stream(image, "normal", timeout=timeout, **settings)
             first: float | None = None

@@ -37,6 +37,7 @@ Row = dict[str, Any]
 # Name (after the model prefix) -> unit and bound, in the order targets.json lists them.
 TARGETS: dict[str, tuple[str, str | None]] = {
     "query3.unique.c1.p50_ms": ("ms", "<= 30"),
+    "reasoning.c1.p50_ms": ("ms", None),
     "query3.unique.c64.req_s": ("req/s", ">= 60"),
     "query3.repeated.c64.req_s": ("req/s", ">= 500"),
     "caption128.unique.c32.tok_s": ("tok/s", None),
@@ -54,6 +55,7 @@ TARGETS: dict[str, tuple[str, str | None]] = {
 # load_gen rows: (scenario, concurrency, key) -> row name.
 LOAD_ROWS: dict[tuple[str, int, str], str] = {
     ("query3/800x600/unique", 1, "e2e_p50_ms"): "query3.unique.c1.p50_ms",
+    ("reason64/800x600/unique", 1, "e2e_p50_ms"): "reasoning.c1.p50_ms",
     ("query3/800x600/unique", 64, "req_per_s"): "query3.unique.c64.req_s",
     ("query3/800x600/repeated", 64, "req_per_s"): "query3.repeated.c64.req_s",
     ("caption128/800x600/unique", 32, "tokens_per_s"): "caption128.unique.c32.tok_s",

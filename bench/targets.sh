@@ -12,7 +12,8 @@
 #   step        python -m bench.step_bench --streams 1 32: the pipelined decode period
 #   image       python -m bench.image_bench: host CPU and SM time of an 800x600 and a 12 MP
 #               JPEG, one thread
-#   load        python -m bench.load_gen --spawn: query3 on unique pictures at c=1 and c=64, on
+#   load        python -m bench.load_gen --spawn: query3 on unique pictures at c=1 and c=64,
+#               reason64 (a grounded-reasoning query) on unique pictures at c=1, query3 on
 #               one repeated picture at c=64, caption128 on unique pictures at c=32
 #   arrivals    python -m bench.arrival_itl --spawn: the server's step gaps with 16 captions
 #               streaming, then with 20 new pictures a second as well
@@ -213,12 +214,13 @@ if wanted load; then
         printf '%s\t%s\t%s\n' load "skipped (no checkpoint)" 0 >> "$RAW/steps.tsv"
     elif [[ $SMOKE == 1 ]]; then
         run_step load "$(step_limit 120 60)" $PY -m bench.load_gen --spawn \
-            --scenario query3:800x600:unique:c1 --scenario caption128:800x600:unique:c1 \
-            --requests 3 --duration 3 --warmup 1 --quiet --out "$RAW/load" -- "${SERVER[@]}"
+            --scenario query3:800x600:unique:c1 --scenario reason64:800x600:unique:c1 \
+            --scenario caption128:800x600:unique:c1 --requests 3 --duration 3 --warmup 1 --quiet --out "$RAW/load" -- "${SERVER[@]}"
     else
         # Most important first: a level past the time budget is skipped.
         run_step load "$(step_limit 220 120)" $PY -m bench.load_gen --spawn \
-            --scenario query3:800x600:unique:c1,c64 --scenario query3:800x600:repeated:c64 \
+            --scenario query3:800x600:unique:c1,c64 --scenario reason64:800x600:unique:c1 \
+            --scenario query3:800x600:repeated:c64 \
             --scenario caption128:800x600:unique:c32 --requests 600 --duration 8 --warmup 8 \
             --time-budget 120 --quiet --out "$RAW/load" -- "${SERVER[@]}"
     fi
