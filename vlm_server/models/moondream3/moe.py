@@ -1,0 +1,104 @@
+"""The mixture-of-experts MLP (plain PyTorch): router, top-k selection, experts, combine.
+
+Router: a linear layer with bias over the normed hidden state; each token takes the ``top_k``
+experts of the highest raw logits and weights them by a softmax over those ``top_k`` logits
+only (fp32, then the activation dtype): no softmax over all experts, no renormalisation, no
+shared expert, no capacity limit. Expert e (no biases): ``z = W1[e] x``; with ``a, b`` its
+first and second halves, ``y = W2[e] (gelu_erf(a) * (b + 1))``. The output is the weighted
+sum of the chosen experts' outputs, in selection order.
+
+Two ways to run the experts, equal up to rounding: ``loop`` gathers each expert's tokens and
+runs exactly the products needed (it reads expert loads on the host); ``dense`` runs every
+expert on every token and keeps the chosen results (no host read, fixed shapes: what a CUDA
+graph can capture). CUDA uses ``dense`` until the fused kernels exist; the CPU ``loop``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlm_server.models.moondream3.config import MoeConfig
+
+ExpertMethod = Literal["loop", "dense"]
+
+
+class ExpertBank(nn.Module):
+    """Stacked expert matrices ``weight`` [E, out, in] (rows = output features)."""
+
+    def __init__(self, n_experts: int, out_dim: int, in_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(n_experts, out_dim, in_dim))
+
+
+def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [N, E] -> (weights [N, k] in the logits' dtype, expert ids [N, k]):
+    the top-k raw logits, softmaxed among themselves in fp32."""
+    top, ids = logits.topk(top_k, dim=-1)
+    return torch.softmax(top.float(), dim=-1).to(logits.dtype), ids
+
+
+def expert_activation(z: torch.Tensor) -> torch.Tensor:
+    """fc1 output [..., 2I] -> gelu_erf(first half) * (second half + 1) [..., I]."""
+    a, b = z.chunk(2, dim=-1)
+    return F.gelu(a) * (b + 1)
+
+
+def experts_loop(
+    x: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """x [N, D], ids [N, k] -> each chosen expert's output [N, k, D], expert by expert."""
+    n, k = ids.shape
+    flat = ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
+    rows = x[order // k]
+    out = x.new_empty(n * k, w2.shape[1])
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            part = slice(start, start + count)
+            out[order[part]] = F.linear(expert_activation(F.linear(rows[part], w1[e])), w2[e])
+            start += count
+    return out.view(n, k, -1)
+
+
+def experts_dense(
+    x: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """x [N, D], ids [N, k] -> each chosen expert's output [N, k, D], every expert run on
+    every token (fixed shapes, no host read)."""
+    z = torch.einsum("nd,eod->neo", x, w1)
+    y = torch.einsum("nei,edi->ned", expert_activation(z), w2)
+    return y.gather(1, ids[..., None].expand(-1, -1, y.shape[-1]))
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Expert outputs [N, k, D] and routing weights [N, k] -> [N, D], summed in slot order."""
+    out = y[:, 0] * weights[:, :1]
+    for j in range(1, y.shape[1]):
+        out = out + y[:, j] * weights[:, j : j + 1]
+    return out
+
+
+class MoeMLP(nn.Module):
+    """router [E, D] + bias, fc1 [E, 2I, D], fc2 [E, D, I]: the checkpoint's names."""
+
+    def __init__(self, dim: int, moe: MoeConfig) -> None:
+        super().__init__()
+        self.top_k = moe.top_k
+        self.router = nn.Linear(dim, moe.n_experts)
+        self.fc1 = ExpertBank(moe.n_experts, 2 * moe.expert_dim, dim)
+        self.fc2 = ExpertBank(moe.n_experts, dim, moe.expert_dim)
+        self.method: ExpertMethod | None = None  # None: dense on CUDA, loop elsewhere
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = h.reshape(-1, h.shape[-1])
+        weights, ids = route(self.router(x), self.top_k)
+        method = self.method or ("dense" if x.is_cuda else "loop")
+        run = experts_dense if method == "dense" else experts_loop
+        y = run(x, ids, self.fc1.weight, self.fc2.weight)
+        return combine(y, weights).view(h.shape)
