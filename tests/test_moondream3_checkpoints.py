@@ -146,3 +146,15 @@ def test_full_size_layouts_have_the_specified_counts() -> None:
         assert shapes["text.blocks.3.mlp.fc1.weight"] == (8192, 2048)
         assert all(k.startswith(("vision.", "text.", "region.")) for k in shapes)
     assert HF_PREFIX == "model."
+
+
+def test_the_command_line_writes_both_layouts(tmp_path: Path) -> None:
+    from vlm_server.cli import main as cli_main
+
+    for layout in ("native", "legacy"):
+        out = tmp_path / layout
+        assert (
+            cli_main(["make-checkpoint", str(out), "--preset", "md3-tiny", "--layout", layout]) == 0
+        )
+        assert (out / (INDEX_FILE if layout == "native" else WEIGHTS_FILE)).exists()
+        assert type(registry.load_model(out, progress=False).model).__name__ == "Moondream3Model"

@@ -26,6 +26,9 @@ def _is_hub_config(meta: Mapping[str, Any]) -> bool:
     return isinstance(text, Mapping) and "moe" in text
 
 
+_LAYOUT_ALIASES = {"native": "hf", "legacy": "md3"}
+
+
 class Moondream3Family:
     """The registry's handle on Moondream 3 (3-preview, 3.1 and the tiny test model)."""
 
@@ -73,8 +76,12 @@ class Moondream3Family:
         self, config: FamilyConfig, out_dir: Path, *, seed: int, progress: bool, **options: Any
     ) -> Path:
         """``options``: ``layout`` ("hf" or "md3"), ``dtype``, ``shards``, ``fuse_tau``,
-        ``file_format`` ("safetensors" or "pt"); see writer.py."""
+        ``file_format`` ("safetensors" or "pt"); see writer.py. The command line's layout
+        names mean the same here: ``native`` is the HF layout (the model's own names),
+        ``legacy`` the md3 one (the training layout's names)."""
         assert isinstance(config, ModelConfig)
+        layout = options.pop("layout", "hf")
+        options["layout"] = _LAYOUT_ALIASES.get(layout, layout)
         return write_checkpoint(config, out_dir, seed=seed, progress=progress, **options)
 
 
