@@ -158,3 +158,19 @@ def test_the_command_line_writes_both_layouts(tmp_path: Path) -> None:
         )
         assert (out / (INDEX_FILE if layout == "native" else WEIGHTS_FILE)).exists()
         assert type(registry.load_model(out, progress=False).model).__name__ == "Moondream3Model"
+
+
+def test_fp8_experts_stay_fp8_where_the_fused_kernels_read_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vlm_server.models.moondream3 import loader
+
+    out = registry.write_checkpoint(_tiny(), tmp_path, layout="md3")
+    plain = registry.load_model(out, dtype=torch.float32, progress=False).model
+    monkeypatch.setattr(loader, "fused_fp8", lambda device: True)
+    kept = registry.load_model(out, dtype=torch.float32, progress=False).model
+    bank = kept.text.blocks[2].mlp.fc1
+    assert bank.weight.dtype == torch.float8_e4m3fn and bank.scale is not None
+    assert torch.equal(bank.values(torch.float32), plain.text.blocks[2].mlp.fc1.weight)
+    x = torch.randn(1, 5, 64)
+    assert torch.equal(kept.text.blocks[3].mlp(x), plain.text.blocks[3].mlp(x))

@@ -256,3 +256,41 @@ def test_hf_choices_and_context_are_one_call() -> None:
     assert config.text.max_context == 4096 and config.choices.tau_gelu == "erf"
     assert registry.preset("moondream3.1").text.max_context == 32768  # type: ignore[attr-defined]
     assert ModelConfig.from_dict(config.to_dict()) == config
+
+
+# ---- the fused path's grouping and FP8 experts ---------------------------------------------
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_align_groups_pairs_by_expert_in_whole_blocks(block_m: int) -> None:
+    from vlm_server.models.moondream3.moe_triton import align
+
+    gen = torch.Generator().manual_seed(block_m)
+    ids = torch.randint(0, 8, (37, 3), generator=gen)
+    ids[:20] = torch.tensor([1, 4, 6])  # uneven loads; some experts get nothing
+    pair_ids, block_expert, used = align(ids, 8, block_m)
+    flat = ids.reshape(-1)
+    n_pairs = flat.numel()
+    rows = pair_ids[: int(used)]
+    assert sorted(r for r in rows.tolist() if r < n_pairs) == list(range(n_pairs))
+    assert (pair_ids[int(used) :] == n_pairs).all()
+    for b in range(int(used) // block_m):
+        block = rows[b * block_m : (b + 1) * block_m]
+        real = block[block < n_pairs].long()
+        assert len(real) and (flat[real] == block_expert[b]).all()
+    counts = torch.bincount(flat, minlength=8)
+    assert int(used) == int(((counts + block_m - 1) // block_m * block_m).sum())
+
+
+def test_fp8_experts_run_dequantized_on_the_plain_paths() -> None:
+    moe = _moe(seed=4)
+    x = torch.randn(9, 16)
+    moe.fc1.use_fp8()
+    moe.fc2.use_fp8()
+    assert moe.fc1.weight.dtype == torch.float8_e4m3fn and moe.fc1.scale.shape == (6, 16)
+    w1, w2 = moe.fc1.values(torch.float32), moe.fc2.values(torch.float32)
+    weights, ids = route(moe.router(x), moe.top_k)
+    want = combine(experts_loop(x, ids, w1, w2), weights)
+    for method in ("loop", "dense"):
+        moe.method = method  # type: ignore[assignment]
+        assert torch.allclose(moe(x), want, atol=1e-5)

@@ -5,7 +5,8 @@ Sources: a directory (sharded safetensors with ``model.safetensors.index.json``,
 weights file. The layout is told by the keys (`layout.is_md3_layout`). Every tensor's shape is
 checked from the file headers before any is read, and one `CheckpointError` names every
 missing, unexpected and mis-shaped tensor. FP8 experts are dequantized (``q * s``) into the
-model's dtype as they are read.
+model's dtype as they are read, except where the fused kernels can read them as they are (a
+CUDA device with FP8 units, and Triton): there they stay FP8 with their scales.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from vlm_server.devices import fp8_supported
 from vlm_server.models.checkpoint_io import CheckpointError, CheckpointReader, check_shapes
 from vlm_server.models.interface import LoadedModel
-from vlm_server.models.moondream3 import fp8_experts
+from vlm_server.models.moondream3 import fp8_experts, moe_triton
 from vlm_server.models.moondream3.config import ModelConfig, preset
 from vlm_server.models.moondream3.layout import (
     FUSED_TAU,
@@ -144,7 +146,16 @@ class _Plan:
                 want[scale_key(layer, up)] = shape[:2]
         return want
 
-    def read(self, name: str, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    def read(
+        self,
+        name: str,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        keep_fp8: bool,
+        fp8: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """One native tensor in ``dtype`` on ``device``; an FP8 expert matrix stays FP8 when
+        ``keep_fp8`` (its scales go into ``fp8``, under the same name)."""
         parts = name.split(".")
         fused = self.fused.get(int(parts[2])) if name.endswith(("tau.wq", "tau.wv")) else None
         if fused is not None:
@@ -161,26 +172,51 @@ class _Plan:
         if self.md3 and len(value.shape) == 3 and ".mlp.fc" in name:
             skey = scale_key(int(parts[2]), parts[4] == "fc1")
             scale = self.where[skey].tensor(skey).to(device)
+            if keep_fp8 and value.dtype == fp8_experts.FP8:
+                fp8[name] = scale.float()
+                return value.contiguous()
             return fp8_experts.dequantize(value, scale, dtype).contiguous()
         return value.to(dtype).contiguous()
 
 
+def fused_fp8(device: torch.device | str) -> bool:
+    """Whether expert weights are best kept in FP8 on ``device``: FP8 units and Triton."""
+    dev = torch.device(device)
+    return fp8_supported(dev) and moe_triton.triton is not None
+
+
 def load_state(
-    files: list[Path], config: ModelConfig, dtype: torch.dtype, device: torch.device | str
-) -> dict[str, torch.Tensor]:
-    """Read, rename, validate and convert a checkpoint's tensors for ``config``."""
+    files: list[Path],
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    keep_fp8: bool = False,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Read, rename, validate and convert a checkpoint's tensors for ``config``: (native name
+    -> tensor, expert matrix kept in FP8 -> its row scales)."""
     plan = _Plan([CheckpointReader(f) for f in files], config)
     source = str(files[0].parent if len(files) > 1 else files[0])
     check_shapes(plan.found, plan.unknown, plan.expected(), source)
-    return {name: plan.read(name, dtype, device) for name in expected_shapes(config)}
+    fp8: dict[str, torch.Tensor] = {}
+    state = {n: plan.read(n, dtype, device, keep_fp8, fp8) for n in expected_shapes(config)}
+    return state, fp8
 
 
 def build_model(
-    config: ModelConfig, state: dict[str, torch.Tensor], device: torch.device | str
+    config: ModelConfig,
+    state: dict[str, torch.Tensor],
+    device: torch.device | str,
+    fp8: dict[str, torch.Tensor] | None = None,
 ) -> Moondream3Model:
     with torch.device("meta"):
         model = Moondream3Model(config)
-    model.load_state_dict(state, strict=True, assign=True)
+    plain = {k: v for k, v in state.items() if k not in (fp8 or {})}
+    model.load_state_dict(plain, strict=False, assign=True)
+    for name, scale in (fp8 or {}).items():
+        model.get_submodule(name.removesuffix(".weight")).set_fp8(state[name], scale)
+    missing = [k for k, v in model.state_dict().items() if v.is_meta]
+    if missing:
+        raise CheckpointError(f"tensors not loaded: {missing[:8]}")
     model.text.reset_rotary(device)
     return model.eval().requires_grad_(False)
 
@@ -206,8 +242,8 @@ def load_model(
         tokenizer = Tokenizer.from_file(str(tok_path))
     except Exception as err:
         raise CheckpointError(f"cannot read tokenizer {tok_path}: {err}") from err
-    state = load_state(weight_files(path), config, dtype, device)
-    return LoadedModel(build_model(config, state, device), tokenizer, config, str(path))
+    state, fp8 = load_state(weight_files(path), config, dtype, device, fused_fp8(device))
+    return LoadedModel(build_model(config, state, device, fp8), tokenizer, config, str(path))
 
 
 def random_model(

@@ -7,10 +7,13 @@ shared expert, no capacity limit. Expert e (no biases): ``z = W1[e] x``; with ``
 first and second halves, ``y = W2[e] (gelu_erf(a) * (b + 1))``. The output is the weighted
 sum of the chosen experts' outputs, in selection order.
 
-Two ways to run the experts, equal up to rounding: ``loop`` gathers each expert's tokens and
-runs exactly the products needed (it reads expert loads on the host); ``dense`` runs every
-expert on every token and keeps the chosen results (no host read, fixed shapes: what a CUDA
-graph can capture). CUDA uses ``dense`` until the fused kernels exist; the CPU ``loop``.
+Three ways to run the experts, equal up to rounding: ``fused`` (CUDA with Triton,
+moe_triton.py) groups the step's (token, expert) pairs by expert and runs grouped matmuls with
+the activation fused in; ``loop`` gathers each expert's tokens and runs exactly the products
+needed (it reads expert loads on the host: the CPU's way); ``dense`` runs every expert on every
+token and keeps the chosen results (fixed shapes, no host read: the CUDA fallback without
+Triton). Expert weights may be held in FP8 with per-row scales (`ExpertBank.set_fp8`): the
+fused kernels read them as they are, the other paths dequantize first.
 """
 
 from __future__ import annotations
@@ -21,17 +24,40 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlm_server.models.moondream3 import fp8_experts, moe_triton
 from vlm_server.models.moondream3.config import MoeConfig
 
-ExpertMethod = Literal["loop", "dense"]
+ExpertMethod = Literal["fused", "loop", "dense"]
 
 
 class ExpertBank(nn.Module):
-    """Stacked expert matrices ``weight`` [E, out, in] (rows = output features)."""
+    """Stacked expert matrices ``weight`` [E, out, in] (rows = output features); in FP8 with
+    ``scale`` [E, out] (fp32, per expert and row) after `set_fp8`."""
+
+    scale: torch.Tensor | None
 
     def __init__(self, n_experts: int, out_dim: int, in_dim: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(n_experts, out_dim, in_dim))
+        self.register_buffer("scale", None, persistent=False)
+
+    def set_fp8(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+        """Hold FP8 values ``q`` and their row scales instead of the current weights."""
+        if q.shape != self.weight.shape or scale.shape != q.shape[:2]:
+            raise ValueError(f"FP8 experts {list(q.shape)} do not match {list(self.weight.shape)}")
+        self.weight = nn.Parameter(q.to(fp8_experts.FP8), requires_grad=False)
+        self.scale = scale.float()
+
+    def use_fp8(self) -> None:
+        """Quantize the current weights to FP8 (per-row absmax scales)."""
+        if self.scale is None:
+            self.set_fp8(*fp8_experts.quantize(self.weight.data))
+
+    def values(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weights in ``dtype`` (dequantized when held in FP8)."""
+        if self.scale is None:
+            return self.weight
+        return fp8_experts.dequantize(self.weight, self.scale, dtype)
 
 
 def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,12 +119,19 @@ class MoeMLP(nn.Module):
         self.router = nn.Linear(dim, moe.n_experts)
         self.fc1 = ExpertBank(moe.n_experts, 2 * moe.expert_dim, dim)
         self.fc2 = ExpertBank(moe.n_experts, dim, moe.expert_dim)
-        self.method: ExpertMethod | None = None  # None: dense on CUDA, loop elsewhere
+        # None: fused on CUDA with Triton, dense on CUDA without, loop elsewhere.
+        self.method: ExpertMethod | None = None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         x = h.reshape(-1, h.shape[-1])
         weights, ids = route(self.router(x), self.top_k)
-        method = self.method or ("dense" if x.is_cuda else "loop")
-        run = experts_dense if method == "dense" else experts_loop
-        y = run(x, ids, self.fc1.weight, self.fc2.weight)
+        method = self.method or (
+            "fused" if moe_triton.available(x) else "dense" if x.is_cuda else "loop"
+        )
+        if method == "fused":
+            w1, w2 = self.fc1, self.fc2
+            y = moe_triton.experts_fused(x, ids, w1.weight, w2.weight, w1.scale, w2.scale)
+        else:
+            run = experts_dense if method == "dense" else experts_loop
+            y = run(x, ids, self.fc1.values(x.dtype), self.fc2.values(x.dtype))
         return combine(y, weights).view(h.shape)
