@@ -174,3 +174,21 @@ def test_fp8_experts_stay_fp8_where_the_fused_kernels_read_them(
     assert torch.equal(bank.values(torch.float32), plain.text.blocks[2].mlp.fc1.weight)
     x = torch.randn(1, 5, 64)
     assert torch.equal(kept.text.blocks[3].mlp(x), plain.text.blocks[3].mlp(x))
+
+
+def test_a_hub_snapshot_is_read_as_moondream3_and_loaded_with_its_preset(tmp_path: Path) -> None:
+    import json
+
+    from vlm_server.models.moondream3.family import MOONDREAM3
+
+    out = registry.write_checkpoint(_tiny(), tmp_path, layout="hf")
+    hub = {"model_type": "moondream3", "config": {"text": {"moe": {"n_experts": 64}}}}
+    (out / "config.json").write_text(json.dumps(hub))
+    assert MOONDREAM3.reads(hub) and MOONDREAM3.reads({"text": {"moe": {}}})
+    assert not MOONDREAM3.reads({"format": "moondream-serve/1", "family": "moondream2"})
+    assert not MOONDREAM3.reads({"model_type": "moondream1"})
+    loaded = registry.load_model(out, preset_name="md3-tiny", progress=False)
+    assert loaded.config.name == "md3-tiny"
+    # Without a preset the full-size preview is assumed, and the tiny weights do not fit it.
+    with pytest.raises(CheckpointError, match=r"missing \d+: .*attn.tau.alpha"):
+        registry.load_model(out, progress=False)

@@ -204,6 +204,8 @@ def experts_fused(
     n, k = ids.shape
     n_experts, two_width, dim = w1.shape
     width = two_width // 2
+    if not (w1.is_contiguous() and w2.is_contiguous()):
+        raise ValueError("the fused expert kernels need contiguous expert weights")
     x = x.contiguous()
     block_m = block_rows(n * k, n_experts)
     pair_ids, block_expert, used = align(ids, n_experts, block_m)
