@@ -50,18 +50,19 @@ def align(
     flat = ids.reshape(-1)
     n_pairs = flat.numel()
     dev = flat.device
-    counts = torch.zeros(n_experts, dtype=torch.int64, device=dev)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    # One-hot counts and ranks rather than a sort or bincount: plain scatters and a cumsum,
+    # which never read a value back to the host (a graph may capture them).
+    onehot = torch.zeros((n_pairs, n_experts), dtype=torch.int32, device=dev)
+    onehot.scatter_(1, flat[:, None], 1)
+    rank = onehot.cumsum(0, dtype=torch.int32).gather(1, flat[:, None])[:, 0] - 1
+    counts = onehot.sum(0, dtype=torch.int64)
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
     starts = ends - padded
-    order = flat.argsort(stable=True)
-    sorted_e = flat[order]
-    first = counts.cumsum(0) - counts  # each expert's first index in `order`
-    pos = starts[sorted_e] + torch.arange(n_pairs, device=dev) - first[sorted_e]
+    pos = starts[flat] + rank  # pairs keep their order within an expert's group
     n_blocks = -(-(n_pairs + n_experts * (block_m - 1)) // block_m)
     pair_ids = torch.full((n_blocks * block_m,), n_pairs, dtype=torch.int32, device=dev)
-    pair_ids[pos] = order.to(torch.int32)
+    pair_ids[pos] = torch.arange(n_pairs, dtype=torch.int32, device=dev)
     block_starts = torch.arange(n_blocks, device=dev) * block_m
     block_expert = torch.searchsorted(ends, block_starts, right=True).clamp_(max=n_experts - 1)
     return pair_ids, block_expert.to(torch.int32), ends[-1:].to(torch.int32)
