@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vlm_server.devices import fp8_supported
 from vlm_server.models.interface import KVShape
 from vlm_server.models.moondream2.vision import VisionEncoder
 from vlm_server.models.moondream3.config import ModelConfig
@@ -48,7 +49,13 @@ class Moondream3Model(nn.Module):
 
     def use_fp8_experts(self) -> None:
         """Hold every expert matrix in FP8 with per-row scales (quantizing bf16 weights):
-        half the memory; the fused kernels read them as they are."""
+        half the memory; the fused kernels read them as they are. Call it before any graph
+        captures the decoder. On CUDA it needs FP8 units (the kernels widen FP8 tiles)."""
+        if self.device.type == "cuda" and not fp8_supported(self.device):
+            raise ValueError(
+                "FP8 experts on CUDA need FP8 units (compute capability 8.9 or newer); "
+                f"the model is on {self.device}"
+            )
         for block in self.text.blocks:
             if isinstance(block.mlp, MoeMLP):
                 block.mlp.fc1.use_fp8()
