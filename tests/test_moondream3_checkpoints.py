@@ -1,6 +1,6 @@
 """Moondream 3 checkpoints: both layouts load to the same model, FP8 experts dequantize
 exactly, every mismatch is named with its shapes, and the full-size layouts have the counts
-the specification gives (built on the meta device: no memory)."""
+docs/moondream3.md gives (built on the meta device: no memory)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Moondream 3's decoder against its specification's invariants: top-k routing and the expert
-formula, uneven expert loads, tau scaling, the image prefix seen both ways, region heads and
-the disputed-point choices."""
+"""Moondream 3's decoder against the invariants its formulas imply (docs/moondream3.md):
+top-k routing and the expert formula, uneven expert loads, tau scaling, the image prefix seen
+both ways, region heads and the disputed-point choices."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def _moe(seed: int = 0, n_experts: int = 6, top_k: int = 3) -> MoeMLP:
 
 
 def _naive_moe(moe: MoeMLP, x: torch.Tensor) -> torch.Tensor:
-    """The specification's formula, one token and one chosen expert at a time."""
+    """The formula of docs/moondream3.md, one token and one chosen expert at a time."""
     out = torch.zeros_like(x)
     for n in range(x.shape[0]):
         logits = moe.router(x[n])
