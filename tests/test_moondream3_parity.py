@@ -1,7 +1,8 @@
 """Parity: Moondream 3's decoder equals an independent, Hugging Face-shaped reading of the
 model's formulas (docs/moondream3.md), written here over the raw state dict: the whole
-sequence at once with an explicit prefix mask, rotary pairs written back interleaved (as the Hugging Face
-code does), tau from the projection's GELU and the position, a token-by-token expert loop.
+sequence at once with an explicit prefix mask, rotary pairs written back interleaved (as the
+Hugging Face code does), tau from the projection's GELU and the position, a token-by-token
+expert loop.
 Under `HF_CHOICES` (erf GELU, bf16 tau positions, no region norm, bins / 1024) it is the
 Hugging Face code's behaviour; under the defaults the author's engine's."""
 
