@@ -8,12 +8,13 @@ COORD_BINS = 1024
 SIZE_BINS = 1024
 
 
-def coord_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Coordinate logits [..., 1024] -> value in [0, 1023/1024], shape [..., 1].
+def coord_from_logits(logits: torch.Tensor, divisor: int = COORD_BINS) -> torch.Tensor:
+    """Coordinate logits [..., 1024] -> value bin / divisor, shape [..., 1].
 
-    The bin is divided by 1024 (not 1023), matching Moondream's inference code.
+    Moondream 2's inference code divides by 1024 (values in [0, 1023/1024]); Moondream 3's own
+    engine by 1023 (the token contract's ``coord_divisor`` says which).
     """
-    return (logits.argmax(dim=-1, keepdim=True).to(torch.float32)) / COORD_BINS
+    return (logits.argmax(dim=-1, keepdim=True).to(torch.float32)) / divisor
 
 
 def size_from_logits(logits: torch.Tensor, scale: str) -> torch.Tensor:

@@ -234,6 +234,7 @@ class ReferenceGenerator:
         temp = torch.tensor([req.temperature if text else 0.0], device=dev)
         top_p = torch.tensor([req.top_p if text else 1.0], device=dev)
         seed = torch.tensor([req.seed], device=dev, dtype=torch.int64)
+        div = self.contract.coord_divisor
         out: list[int] = []
         while not g.finished:
             kind = g.next_kind
@@ -253,11 +254,11 @@ class ReferenceGenerator:
                 if feeds:
                     emb = m.text.embed(torch.tensor([token], device=dev))
                 else:  # object boundary: x comes from the same hidden state
-                    x = coord_from_logits(m.region.decode_coord(hidden))
+                    x = coord_from_logits(m.region.decode_coord(hidden), div)
                     g.advance_value(float(x))
                     emb = m.region.encode_coord(x)
             elif kind is StepKind.COORD_Y:
-                y = coord_from_logits(m.region.decode_coord(hidden))
+                y = coord_from_logits(m.region.decode_coord(hidden), div)
                 g.advance_value(float(y))
                 emb = m.region.encode_coord(y)
             elif kind is StepKind.SIZE:

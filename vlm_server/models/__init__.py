@@ -9,4 +9,5 @@
 - ``registry``: the families; presets, checkpoints and random models resolved to their family.
 - ``common``: building blocks families share (norms, MLP, rotary).
 - ``moondream2``: the Moondream 2 family.
+- ``moondream3``: the Moondream 3 family (mixture-of-experts decoder, Moondream 2's vision).
 """

@@ -65,6 +65,9 @@ class TokenContract:
     answer_id: int | None = None
     # Ids set to -inf on text decode steps after the first (HEAD suppresses answer_id).
     decode_suppressed_ids: tuple[int, ...] = ()
+    # A coordinate bin b decodes to b / coord_divisor: 1024 in Moondream 2's code, 1023 in
+    # Moondream 3's own engine (bin 1023 -> exactly 1.0).
+    coord_divisor: int = 1024
     # Grounded reasoning: reasoning ends when answer_id is sampled; start_ground_points_id and
     # end_ground_id open a new span of the reasoning text.
     thinking_id: int | None = None
@@ -84,3 +87,5 @@ class TokenContract:
     def __post_init__(self) -> None:
         if self.size_scale not in ("log", "linear"):
             raise ValueError(f"size_scale must be 'log' or 'linear', not {self.size_scale!r}")
+        if self.coord_divisor not in (1023, 1024):
+            raise ValueError(f"coord_divisor must be 1023 or 1024, not {self.coord_divisor!r}")

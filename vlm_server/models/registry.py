@@ -1,6 +1,6 @@
 """The registry of model families: which family a preset, a config or a checkpoint belongs to.
 
-A family (Moondream 2 today) registers one `ModelFamily`: its presets, how it recognises its
+A family (Moondream 2, Moondream 3) registers one `ModelFamily`: its presets, how it recognises its
 own checkpoints, and how it loads, generates and writes them. The server, the command line,
 the benchmarks and the tests reach families through here; the engine never does (it is typed
 against `models/interface.py` only).
@@ -205,8 +205,11 @@ def _family_of_checkpoint(path: Path) -> ModelFamily:
 
 
 def _builtin() -> None:
-    """Register the families that ship with the server, once."""
+    """Register the families that ship with the server, once. Moondream 3 comes first: its
+    checkpoints' config.json can look like Moondream 2's, never the other way round."""
     if "moondream2" not in _FAMILIES:
         from vlm_server.models.moondream2.family import MOONDREAM2
+        from vlm_server.models.moondream3.family import MOONDREAM3
 
+        _FAMILIES.setdefault(MOONDREAM3.name, MOONDREAM3)
         _FAMILIES.setdefault(MOONDREAM2.name, MOONDREAM2)

@@ -112,7 +112,8 @@ class ModelEntryPoints:
 
     def decode_coord(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden [B, dim] -> coordinate [B, 1] in [0, 1]."""
-        return coord_from_logits(self._model.region.decode_coord(hidden))
+        divisor = self._contract.coord_divisor  # type: ignore[union-attr]
+        return coord_from_logits(self._model.region.decode_coord(hidden), divisor)
 
     def decode_size(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden [B, dim] -> (width, height) [B, 2]."""

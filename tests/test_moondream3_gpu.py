@@ -1,0 +1,178 @@
+"""Moondream 3 on a CUDA device (skipped elsewhere): the engine's fused attention kernels,
+graphs and streams serve the tau-scaled decoder and its expert layers as the reference does."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from image_pipeline import PreparedImage
+from tests.test_engine import (  # noqa: F401  (fixtures)
+    BUDGETS,
+    _finish_all,
+    _reference_text,
+    _text_requests,
+    images,
+)
+from vlm_server.engine.api import GenerationRequest, Task
+from vlm_server.engine.engine import BatchedEngine
+from vlm_server.models.registry import preset, random_model
+from vlm_server.reference import ReferenceGenerator
+
+pytestmark = pytest.mark.gpu
+
+
+def _check(engine: BatchedEngine) -> None:
+    rt = engine.runtime
+    assert rt.steps.decode_graphs and rt.steps.mixed_graphs and rt.prefill.prefix_graphs
+    assert rt.pool.use_triton
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_cuda_engine_equals_reference_md3_tiny(
+    images: list[PreparedImage],  # noqa: F811
+    budget: str,
+) -> None:
+    loaded = random_model(
+        preset("md3-tiny"), seed=1, dtype=torch.float32, device="cuda", progress=False
+    )
+    reqs = [
+        *_text_requests(images),
+        GenerationRequest(Task.DETECT, images[0], object_name="car", max_objects=5),
+        GenerationRequest(Task.POINT, images[1], object_name="dog", max_objects=4),
+    ]
+    done = _finish_all(loaded, reqs, 2, _check, budget=budget, max_batch_size=4)
+    ref = ReferenceGenerator(loaded.model, loaded.tokenizer)
+    for req, fin in zip(reqs[:-2], done[:-2], strict=True):
+        assert fin.text == _reference_text(ref, req), req.request_id
+    det, pts = done[-2:]
+    assert [vars(b) for b in det.boxes] == [vars(b) for b in ref.detect(images[0], "car", 5).boxes]
+    assert [vars(p) for p in pts.points] == [vars(p) for p in ref.point(images[1], "dog", 4).points]
+
+
+def test_moondream3_size_layers_engine_equals_reference_fp32(
+    images: list[PreparedImage],  # noqa: F811
+) -> None:
+    """Full-size shapes (64 experts of 1024, top-8, the real vision tower) with 6 decoder
+    layers, 2 of them expert layers, in fp32 (ties are then vanishingly rare)."""
+    full = preset("moondream3.1")
+    config = dataclasses.replace(full, text=dataclasses.replace(full.text, n_layers=6))
+    loaded = random_model(config, seed=0, dtype=torch.float32, device="cuda", progress=False)
+    reqs = [
+        GenerationRequest(Task.CAPTION, images[0], temperature=0, max_tokens=12),
+        GenerationRequest(
+            Task.QUERY, images[1], question="what is it?", temperature=0, max_tokens=9
+        ),
+        GenerationRequest(Task.DETECT, images[2], object_name="car", max_objects=3),
+    ]
+    cap, qry, det = _finish_all(loaded, reqs, 2, _check, max_batch_size=4, kv_budget_bytes=1 << 30)
+    ref = ReferenceGenerator(loaded.model, loaded.tokenizer)
+    assert cap.text == _reference_text(ref, reqs[0])
+    assert qry.text == _reference_text(ref, reqs[1])
+    assert [vars(b) for b in det.boxes] == [vars(b) for b in ref.detect(images[2], "car", 3).boxes]
+
+
+# ---- the fused expert kernels ---------------------------------------------------------------
+
+DEVICE = "cuda"
+SHAPES = [  # tokens, top_k, experts, dim, expert width
+    (1, 8, 64, 2048, 1024),
+    (7, 3, 8, 64, 32),
+    (64, 8, 64, 2048, 1024),
+    (300, 2, 16, 96, 48),
+    (801, 8, 64, 256, 128),
+]
+
+
+def _case(
+    n: int, k: int, e: int, d: int, i: int, dtype: torch.dtype, uneven: bool, seed: int
+) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)])
+    if uneven and n > 4:  # most tokens on the same experts, the rest spread
+        ids[: n * 3 // 4] = torch.arange(k)
+    w1 = torch.randn(e, 2 * i, d, generator=gen) / d**0.5
+    w1[:, i:] *= 0.25
+    w2 = torch.randn(e, d, i, generator=gen) / i**0.5
+    return tuple(
+        t.to(DEVICE, dtype if t.is_floating_point() else t.dtype) for t in (x, ids, w1, w2)
+    )
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("uneven", [False, True])
+def test_fused_experts_equal_the_plain_path(
+    shape: tuple[int, ...], dtype: torch.dtype, uneven: bool
+) -> None:
+    from vlm_server.models.moondream3.moe import experts_loop
+    from vlm_server.models.moondream3.moe_triton import experts_fused
+
+    x, ids, w1, w2 = _case(*shape, dtype, uneven, seed=sum(shape))
+    got = experts_fused(x, ids, w1, w2).float()
+    want = experts_loop(x.float(), ids, w1.float(), w2.float())
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_fp8_experts_equal_the_dequantized_plain_path(
+    shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
+    from vlm_server.models.moondream3 import fp8_experts
+    from vlm_server.models.moondream3.moe import experts_loop
+    from vlm_server.models.moondream3.moe_triton import experts_fused
+
+    x, ids, w1, w2 = _case(*shape, torch.float32, True, seed=7)
+    (q1, s1), (q2, s2) = fp8_experts.quantize(w1), fp8_experts.quantize(w2)
+    got = experts_fused(x.to(dtype), ids, q1, q2, s1, s2).float()
+    d1 = fp8_experts.dequantize(q1, s1, torch.float32)
+    d2 = fp8_experts.dequantize(q2, s2, torch.float32)
+    want = experts_loop(x.to(dtype).float(), ids, d1, d2)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_fused_experts_replay_in_a_cuda_graph_with_new_routing() -> None:
+    from vlm_server.models.moondream3.moe_triton import experts_fused
+
+    x, ids, w1, w2 = _case(16, 8, 64, 256, 128, torch.bfloat16, False, seed=3)
+    static_x, static_ids = x.clone(), ids.clone()
+    experts_fused(static_x, static_ids, w1, w2)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = experts_fused(static_x, static_ids, w1, w2)
+    x2, ids2, _, _ = _case(16, 8, 64, 256, 128, torch.bfloat16, True, seed=4)
+    static_x.copy_(x2)
+    static_ids.copy_(ids2)
+    graph.replay()
+    torch.testing.assert_close(out, experts_fused(x2, ids2, w1, w2), atol=0, rtol=0)
+
+
+def test_md3_layout_on_an_fp8_gpu_keeps_fp8_experts_and_serves_as_the_reference(
+    tmp_path: object,
+    images: list[PreparedImage],  # noqa: F811
+) -> None:
+    from pathlib import Path
+
+    from vlm_server.devices import fp8_supported
+    from vlm_server.models.registry import load_model, write_checkpoint
+
+    out = write_checkpoint(preset("md3-tiny"), Path(str(tmp_path)), layout="md3", progress=False)
+    loaded = load_model(out, dtype=torch.bfloat16, device="cuda", progress=False)
+    bank = loaded.model.text.blocks[2].mlp.fc1  # type: ignore[attr-defined]
+    fp8 = fp8_supported(torch.device("cuda"))
+    assert (bank.weight.dtype == torch.float8_e4m3fn) is fp8
+    reqs = [
+        GenerationRequest(Task.CAPTION, images[0], temperature=0, max_tokens=12),
+        GenerationRequest(Task.DETECT, images[1], object_name="car", max_objects=3),
+    ]
+    cap, det = _finish_all(loaded, reqs, 2, _check, max_batch_size=4)
+    ref = ReferenceGenerator(loaded.model, loaded.tokenizer)
+    assert cap.text == _reference_text(ref, reqs[0])
+    assert [vars(b) for b in det.boxes] == [vars(b) for b in ref.detect(images[1], "car", 3).boxes]

@@ -1,0 +1,88 @@
+"""Moondream 3 as a model family: its presets, checkpoints (both layouts), loader and random
+weights."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlm_server.models.interface import FamilyConfig, LoadedModel
+from vlm_server.models.moondream3.config import PRESETS, ModelConfig
+from vlm_server.models.moondream3.loader import load_model, random_model
+from vlm_server.models.moondream3.writer import CONFIG_FORMAT, FAMILY, write_checkpoint
+
+
+def _is_hub_config(meta: Mapping[str, Any]) -> bool:
+    """A Moondream 3 snapshot's own config.json: its model type, or an expert section in a
+    nested or top-level ``text`` config (the structure is not established: both are seen)."""
+    model_type = str(meta.get("model_type", ""))
+    if model_type.startswith("moondream3"):
+        return True
+    inner = meta.get("config", meta)
+    text = inner.get("text") if isinstance(inner, Mapping) else None
+    return isinstance(text, Mapping) and "moe" in text
+
+
+_LAYOUT_ALIASES = {"native": "hf", "legacy": "md3"}
+
+
+class Moondream3Family:
+    """The registry's handle on Moondream 3 (3-preview, 3.1 and the tiny test model)."""
+
+    name = FAMILY
+
+    @property
+    def presets(self) -> Mapping[str, Callable[[], FamilyConfig]]:
+        return PRESETS
+
+    def owns(self, config: FamilyConfig) -> bool:
+        return isinstance(config, ModelConfig)
+
+    def reads(self, meta: Mapping[str, Any]) -> bool:
+        if meta.get("format") == CONFIG_FORMAT:
+            return meta.get("family") == self.name
+        return _is_hub_config(meta)
+
+    def load(
+        self,
+        path: Path,
+        *,
+        preset_name: str | None,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tokenizer_path: str | Path | None,
+        progress: bool,
+    ) -> LoadedModel:
+        return load_model(
+            path, preset_name=preset_name, dtype=dtype, device=device, tokenizer_path=tokenizer_path
+        )
+
+    def random_model(
+        self,
+        config: FamilyConfig,
+        *,
+        seed: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        progress: bool,
+    ) -> LoadedModel:
+        assert isinstance(config, ModelConfig)
+        return random_model(config, seed=seed, dtype=dtype, device=device)
+
+    def write_checkpoint(
+        self, config: FamilyConfig, out_dir: Path, *, seed: int, progress: bool, **options: Any
+    ) -> Path:
+        """``options``: ``layout`` ("hf" or "md3"), ``dtype``, ``shards``, ``fuse_tau``,
+        ``file_format`` ("safetensors" or "pt"); see writer.py. The command line's layout
+        names mean the same here: ``native`` is the HF layout (the model's own names),
+        ``legacy`` the md3 one (the training layout's names)."""
+        assert isinstance(config, ModelConfig)
+        layout = options.pop("layout", "hf")
+        options["layout"] = _LAYOUT_ALIASES.get(layout, layout)
+        return write_checkpoint(config, out_dir, seed=seed, progress=progress, **options)
+
+
+MOONDREAM3 = Moondream3Family()

@@ -1,0 +1,267 @@
+"""Load a Moondream 3 checkpoint in either layout into a `Moondream3Model`.
+
+Sources: a directory (sharded safetensors with ``model.safetensors.index.json``, one
+``model.safetensors``, or ``model_fp8.pt``; ``tokenizer.json``; ``config.json``), or one
+weights file. The layout is told by the keys (`layout.is_md3_layout`). Every tensor's shape is
+checked from the file headers before any is read, and one `CheckpointError` names every
+missing, unexpected and mis-shaped tensor. FP8 experts are dequantized (``q * s``) into the
+model's dtype as they are read, except where the fused kernels can read them as they are (a
+CUDA device with FP8 units, and Triton): there they stay FP8 with their scales.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from vlm_server.devices import fp8_supported
+from vlm_server.models.checkpoint_io import CheckpointError, CheckpointReader, check_shapes
+from vlm_server.models.interface import LoadedModel
+from vlm_server.models.moondream3 import fp8_experts, moe_triton
+from vlm_server.models.moondream3.config import ModelConfig, preset
+from vlm_server.models.moondream3.layout import (
+    FUSED_TAU,
+    HF_PREFIX,
+    KV_SCALE,
+    MOE_SCALE,
+    TRANSPOSED,
+    expected_shapes,
+    is_md3_layout,
+    md3_to_native,
+    scale_key,
+)
+from vlm_server.models.moondream3.model import Moondream3Model
+from vlm_server.models.moondream3.writer import (
+    CONFIG_FILE,
+    CONFIG_FORMAT,
+    FAMILY,
+    INDEX_FILE,
+    PT_FILE,
+    TOKENIZER_FILE,
+    WEIGHTS_FILE,
+    random_state,
+    tokenizer_for,
+)
+
+DEFAULT_PRESET = "moondream3-preview"
+
+
+def read_config(directory: Path, preset_name: str | None) -> ModelConfig:
+    """The project's own config.json, else the named preset (a Hugging Face snapshot's
+    config.json is not trusted: its structure is not established, and the preset is)."""
+    path = directory / CONFIG_FILE
+    if path.exists():
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise CheckpointError(f"cannot read {path}: {err}") from err
+        if isinstance(data, dict) and data.get("format") == CONFIG_FORMAT:
+            if data.get("family") != FAMILY:
+                raise CheckpointError(f"{path} is not a Moondream 3 checkpoint")
+            config = ModelConfig.from_dict(data["model"])
+            if preset_name is not None and preset(preset_name).text != config.text:
+                raise CheckpointError(
+                    f"{path} describes model {config.name!r}, whose decoder differs from the "
+                    f"requested preset {preset_name!r}"
+                )
+            return config
+    return preset(preset_name or DEFAULT_PRESET)
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The weights files of a checkpoint directory (or the one file given)."""
+    if path.is_file():
+        return [path]
+    index = path / INDEX_FILE
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise CheckpointError(f"cannot read {index}: {err}") from err
+        return [path / name for name in sorted(set(weight_map.values()))]
+    for name in (WEIGHTS_FILE, PT_FILE, "model.pt"):
+        if (path / name).exists():
+            return [path / name]
+    found = sorted(path.glob("*.safetensors"))
+    if len(found) == 1:
+        return found
+    raise CheckpointError(
+        f"{path} holds no {INDEX_FILE}, {WEIGHTS_FILE} or {PT_FILE}"
+        + (f" (and several .safetensors: {[f.name for f in found]})" if found else "")
+    )
+
+
+class _Plan:
+    """Where each native tensor comes from, and the shapes found, before reading any."""
+
+    def __init__(self, readers: list[CheckpointReader], config: ModelConfig) -> None:
+        self.config = config
+        self.where: dict[str, CheckpointReader] = {k: r for r in readers for k in r.keys}
+        keys = set(self.where)
+        self.md3 = is_md3_layout(keys)
+        self.names: dict[str, str] = {}  # native -> file key
+        self.fused: dict[int, str] = {}  # layer -> fused tau key
+        self.unknown: list[str] = []
+        self.found: dict[str, tuple[int, ...]] = {}
+        for key in sorted(keys):
+            self._place(key)
+
+    def _place(self, key: str) -> None:
+        shape = self.where[key].shape(key)
+        if not self.md3:
+            name = key.removeprefix(HF_PREFIX)
+            self.names[name], self.found[name] = key, shape
+            return
+        if KV_SCALE.fullmatch(key):
+            return  # FP8 KV-cache scales: the cache here keeps the activation dtype
+        if m := FUSED_TAU.fullmatch(key):
+            self.fused[int(m[1])] = key
+            self.found[key] = shape
+            return
+        if MOE_SCALE.fullmatch(key):
+            self.found[key] = shape
+            return
+        name = md3_to_native(key)
+        if name is None:
+            self.unknown.append(key)
+            return
+        self.names[name] = key
+        self.found[name] = shape[::-1] if name in TRANSPOSED else shape
+
+    def expected(self) -> dict[str, tuple[int, ...]]:
+        want = expected_shapes(self.config)
+        if not self.md3:
+            return want
+        t = self.config.text
+        for layer, key in self.fused.items():  # one [q heads + kv heads, qkv] matrix
+            want.pop(f"text.blocks.{layer}.attn.tau.wq", None)
+            want.pop(f"text.blocks.{layer}.attn.tau.wv", None)
+            want[key] = (t.n_heads + t.n_kv_heads, t.qkv_dim)
+        for name, shape in list(want.items()):  # every expert matrix has its row scales
+            if len(shape) == 3 and ".mlp.fc" in name:
+                layer, up = int(name.split(".")[2]), name.endswith("fc1.weight")
+                want[scale_key(layer, up)] = shape[:2]
+        return want
+
+    def read(
+        self,
+        name: str,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        keep_fp8: bool,
+        fp8: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """One native tensor in ``dtype`` on ``device``; an FP8 expert matrix stays FP8 when
+        ``keep_fp8`` (its scales go into ``fp8``, under the same name)."""
+        parts = name.split(".")
+        fused = self.fused.get(int(parts[2])) if name.endswith(("tau.wq", "tau.wv")) else None
+        if fused is not None:
+            key = fused
+            both = self.where[key].tensor(key)
+            n_q = self.config.text.n_heads
+            value = both[:n_q] if name.endswith("wq") else both[n_q:]
+        else:
+            key = self.names[name]
+            value = self.where[key].tensor(key)
+        if name in TRANSPOSED and self.md3:
+            value = value.T
+        value = value.to(device)
+        if self.md3 and len(value.shape) == 3 and ".mlp.fc" in name:
+            skey = scale_key(int(parts[2]), parts[4] == "fc1")
+            scale = self.where[skey].tensor(skey).to(device)
+            if keep_fp8 and value.dtype == fp8_experts.FP8:
+                fp8[name] = scale.float()
+                return value.contiguous()
+            return fp8_experts.dequantize(value, scale, dtype).contiguous()
+        return value.to(dtype).contiguous()
+
+
+def fused_fp8(device: torch.device | str) -> bool:
+    """Whether expert weights are best kept in FP8 on ``device``: FP8 units and Triton."""
+    dev = torch.device(device)
+    return fp8_supported(dev) and moe_triton.triton is not None
+
+
+def load_state(
+    files: list[Path],
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    keep_fp8: bool = False,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Read, rename, validate and convert a checkpoint's tensors for ``config``: (native name
+    -> tensor, expert matrix kept in FP8 -> its row scales)."""
+    plan = _Plan([CheckpointReader(f) for f in files], config)
+    source = str(files[0].parent if len(files) > 1 else files[0])
+    check_shapes(plan.found, plan.unknown, plan.expected(), source)
+    fp8: dict[str, torch.Tensor] = {}
+    state = {n: plan.read(n, dtype, device, keep_fp8, fp8) for n in expected_shapes(config)}
+    return state, fp8
+
+
+def build_model(
+    config: ModelConfig,
+    state: dict[str, torch.Tensor],
+    device: torch.device | str,
+    fp8: dict[str, torch.Tensor] | None = None,
+) -> Moondream3Model:
+    with torch.device("meta"):
+        model = Moondream3Model(config)
+    plain = {k: v for k, v in state.items() if k not in (fp8 or {})}
+    model.load_state_dict(plain, strict=False, assign=True)
+    for name, scale in (fp8 or {}).items():
+        model.get_submodule(name.removesuffix(".weight")).set_fp8(state[name], scale)
+    missing = [k for k, v in model.state_dict().items() if v.is_meta]
+    if missing:
+        raise CheckpointError(f"tensors not loaded: {missing[:8]}")
+    model.text.reset_rotary(device)
+    return model.eval().requires_grad_(False)
+
+
+def load_model(
+    path: Path,
+    *,
+    preset_name: str | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    tokenizer_path: str | Path | None = None,
+) -> LoadedModel:
+    """Load weights, tokenizer and configuration from a local directory or weights file."""
+    directory = path if path.is_dir() else path.parent
+    config = read_config(directory, preset_name)
+    tok_path = Path(tokenizer_path) if tokenizer_path else directory / TOKENIZER_FILE
+    if not tok_path.exists():
+        raise CheckpointError(
+            f"no tokenizer: {tok_path} does not exist (Moondream 3 uses the separate "
+            "moondream/starmie-v1 tokenizer; pass its tokenizer.json)"
+        )
+    try:
+        tokenizer = Tokenizer.from_file(str(tok_path))
+    except Exception as err:
+        raise CheckpointError(f"cannot read tokenizer {tok_path}: {err}") from err
+    state, fp8 = load_state(weight_files(path), config, dtype, device, fused_fp8(device))
+    return LoadedModel(build_model(config, state, device, fp8), tokenizer, config, str(path))
+
+
+def random_model(
+    config: ModelConfig,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+) -> LoadedModel:
+    """Exactly what loading the Hugging Face layout of `write_checkpoint(config, seed=seed)`
+    gives (bf16 values), built in memory."""
+    state = {
+        k: v.to(device=device, dtype=dtype)
+        for k, v in random_state(config, seed, torch.bfloat16).items()
+    }
+    return LoadedModel(
+        build_model(config, state, device),
+        tokenizer_for(config, seed),
+        config,
+        f"random:{config.name}:{seed}",
+    )

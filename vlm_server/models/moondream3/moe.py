@@ -1,0 +1,137 @@
+"""The mixture-of-experts MLP (plain PyTorch): router, top-k selection, experts, combine.
+
+Router: a linear layer with bias over the normed hidden state; each token takes the ``top_k``
+experts of the highest raw logits and weights them by a softmax over those ``top_k`` logits
+only (fp32, then the activation dtype): no softmax over all experts, no renormalisation, no
+shared expert, no capacity limit. Expert e (no biases): ``z = W1[e] x``; with ``a, b`` its
+first and second halves, ``y = W2[e] (gelu_erf(a) * (b + 1))``. The output is the weighted
+sum of the chosen experts' outputs, in selection order.
+
+Three ways to run the experts, equal up to rounding: ``fused`` (CUDA with Triton,
+moe_triton.py) groups the step's (token, expert) pairs by expert and runs grouped matmuls with
+the activation fused in; ``loop`` gathers each expert's tokens and runs exactly the products
+needed (it reads expert loads on the host: the CPU's way); ``dense`` runs every expert on every
+token and keeps the chosen results (fixed shapes, no host read: the CUDA fallback without
+Triton). Expert weights may be held in FP8 with per-row scales (`ExpertBank.set_fp8`): the
+fused kernels read them as they are, the other paths dequantize first.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlm_server.models.moondream3 import fp8_experts, moe_triton
+from vlm_server.models.moondream3.config import MoeConfig
+
+ExpertMethod = Literal["fused", "loop", "dense"]
+
+
+class ExpertBank(nn.Module):
+    """Stacked expert matrices ``weight`` [E, out, in] (rows = output features); in FP8 with
+    ``scale`` [E, out] (fp32, per expert and row) after `set_fp8`."""
+
+    scale: torch.Tensor | None
+
+    def __init__(self, n_experts: int, out_dim: int, in_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(n_experts, out_dim, in_dim))
+        self.register_buffer("scale", None, persistent=False)
+
+    def set_fp8(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+        """Hold FP8 values ``q`` and their row scales instead of the current weights."""
+        if q.shape != self.weight.shape or scale.shape != q.shape[:2]:
+            raise ValueError(f"FP8 experts {list(q.shape)} do not match {list(self.weight.shape)}")
+        self.weight = nn.Parameter(q.to(fp8_experts.FP8), requires_grad=False)
+        self.scale = scale.float()
+
+    def use_fp8(self) -> None:
+        """Quantize the current weights to FP8 (per-row absmax scales)."""
+        if self.scale is None:
+            self.set_fp8(*fp8_experts.quantize(self.weight.data))
+
+    def values(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weights in ``dtype`` (dequantized when held in FP8)."""
+        if self.scale is None:
+            return self.weight
+        return fp8_experts.dequantize(self.weight, self.scale, dtype)
+
+
+def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [N, E] -> (weights [N, k] in the logits' dtype, expert ids [N, k]):
+    the top-k raw logits, softmaxed among themselves in fp32."""
+    top, ids = logits.topk(top_k, dim=-1)
+    return torch.softmax(top.float(), dim=-1).to(logits.dtype), ids
+
+
+def expert_activation(z: torch.Tensor) -> torch.Tensor:
+    """fc1 output [..., 2I] -> gelu_erf(first half) * (second half + 1) [..., I]."""
+    a, b = z.chunk(2, dim=-1)
+    return F.gelu(a) * (b + 1)
+
+
+def experts_loop(
+    x: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """x [N, D], ids [N, k] -> each chosen expert's output [N, k, D], expert by expert."""
+    n, k = ids.shape
+    flat = ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
+    rows = x[order // k]
+    out = x.new_empty(n * k, w2.shape[1])
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            part = slice(start, start + count)
+            out[order[part]] = F.linear(expert_activation(F.linear(rows[part], w1[e])), w2[e])
+            start += count
+    return out.view(n, k, -1)
+
+
+def experts_dense(
+    x: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """x [N, D], ids [N, k] -> each chosen expert's output [N, k, D], every expert run on
+    every token (fixed shapes, no host read)."""
+    z = torch.einsum("nd,eod->neo", x, w1)
+    y = torch.einsum("nei,edi->ned", expert_activation(z), w2)
+    return y.gather(1, ids[..., None].expand(-1, -1, y.shape[-1]))
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Expert outputs [N, k, D] and routing weights [N, k] -> [N, D], summed in slot order."""
+    out = y[:, 0] * weights[:, :1]
+    for j in range(1, y.shape[1]):
+        out = out + y[:, j] * weights[:, j : j + 1]
+    return out
+
+
+class MoeMLP(nn.Module):
+    """router [E, D] + bias, fc1 [E, 2I, D], fc2 [E, D, I]: the checkpoint's names."""
+
+    def __init__(self, dim: int, moe: MoeConfig) -> None:
+        super().__init__()
+        self.top_k = moe.top_k
+        self.router = nn.Linear(dim, moe.n_experts)
+        self.fc1 = ExpertBank(moe.n_experts, 2 * moe.expert_dim, dim)
+        self.fc2 = ExpertBank(moe.n_experts, dim, moe.expert_dim)
+        # None: fused on CUDA with Triton, dense on CUDA without, loop elsewhere.
+        self.method: ExpertMethod | None = None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = h.reshape(-1, h.shape[-1])
+        weights, ids = route(self.router(x), self.top_k)
+        method = self.method or (
+            "fused" if moe_triton.available(x) else "dense" if x.is_cuda else "loop"
+        )
+        if method == "fused":
+            w1, w2 = self.fc1, self.fc2
+            y = moe_triton.experts_fused(x, ids, w1.weight, w2.weight, w1.scale, w2.scale)
+        else:
+            run = experts_dense if method == "dense" else experts_loop
+            y = run(x, ids, self.fc1.values(x.dtype), self.fc2.values(x.dtype))
+        return combine(y, weights).view(h.shape)

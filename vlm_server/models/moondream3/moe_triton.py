@@ -1,0 +1,229 @@
+"""Fused expert layers in Triton: the step's (token, expert) pairs grouped by expert, one
+grouped matmul for fc1 with the expert activation in its epilogue, one for fc2.
+
+1. `align` (PyTorch, fixed shapes, no host read: CUDA graphs capture it) sorts the pairs by
+   expert and pads each expert's group to a multiple of ``block_m`` rows, so every row block
+   belongs to one expert. The buffer is sized for the worst case (every expert's group one row
+   short of a block); blocks past the used length exit at once.
+2. `_up_kernel`: per row block and tile of the expert width, both halves of fc1 over the
+   block's tokens, accumulated in fp32; writes ``gelu_erf(a) * (b + 1)``.
+3. `_down_kernel`: fc2 over those rows; writes each pair's output row, unweighted.
+4. The routing weights are applied by `moe.combine`, in slot order, as on the plain paths.
+
+Expert weights may be FP8 (float8_e4m3fn) with fp32 scales per expert and output row: the
+kernels load FP8 tiles, widen them to the activations' dtype for the matmul, and scale the
+fp32 accumulator per output column (weights stored in 8 bits, matmuls in 16).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU path needs no Triton
+    triton = None
+    tl = None
+
+BLOCK_N = 64
+BLOCK_K = 64
+
+
+def available(x: torch.Tensor) -> bool:
+    """Whether the fused path can run on ``x`` (CUDA and Triton)."""
+    return triton is not None and x.is_cuda
+
+
+def block_rows(n_pairs: int, n_experts: int) -> int:
+    """Rows per block: small when experts see few tokens each (decode), larger for prefill."""
+    per_expert = n_pairs / n_experts
+    return 16 if per_expert <= 16 else (32 if per_expert <= 64 else 64)
+
+
+def align(
+    ids: torch.Tensor, n_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert ids [N, k] -> (pair index per sorted row [blocks * block_m], with N * k marking a
+    padding row; expert of each row block [blocks]; rows in use [1]), all int32 on ids'
+    device."""
+    flat = ids.reshape(-1)
+    n_pairs = flat.numel()
+    dev = flat.device
+    # One-hot counts and ranks rather than a sort or bincount: plain scatters and a cumsum,
+    # which never read a value back to the host (a graph may capture them).
+    onehot = torch.zeros((n_pairs, n_experts), dtype=torch.int32, device=dev)
+    onehot.scatter_(1, flat[:, None], 1)
+    rank = onehot.cumsum(0, dtype=torch.int32).gather(1, flat[:, None])[:, 0] - 1
+    counts = onehot.sum(0, dtype=torch.int64)
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    starts = ends - padded
+    pos = starts[flat] + rank  # pairs keep their order within an expert's group
+    n_blocks = -(-(n_pairs + n_experts * (block_m - 1)) // block_m)
+    pair_ids = torch.full((n_blocks * block_m,), n_pairs, dtype=torch.int32, device=dev)
+    pair_ids[pos] = torch.arange(n_pairs, dtype=torch.int32, device=dev)
+    block_starts = torch.arange(n_blocks, device=dev) * block_m
+    block_expert = torch.searchsorted(ends, block_starts, right=True).clamp_(max=n_experts - 1)
+    return pair_ids, block_expert.to(torch.int32), ends[-1:].to(torch.int32)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _up_kernel(
+        x_ptr,
+        w_ptr,
+        s_ptr,
+        h_ptr,
+        pair_ptr,
+        block_expert_ptr,
+        used_ptr,
+        n_pairs,
+        top_k,
+        dim,
+        width,
+        HAS_SCALE: tl.constexpr,
+        IEEE: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        if pid_m * BM >= tl.load(used_ptr):
+            return
+        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        rows = pid_m * BM + tl.arange(0, BM)
+        pair = tl.load(pair_ptr + rows)
+        valid = pair < n_pairs
+        tok = tl.where(valid, pair // top_k, 0).to(tl.int64)
+        cols = pid_n * BN + tl.arange(0, BN)
+        col_ok = cols < width
+        w_base = w_ptr + e * (2 * width) * dim
+        acc_a = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_b = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, dim, BK):
+            ks = k0 + tl.arange(0, BK)
+            k_ok = ks < dim
+            x = tl.load(
+                x_ptr + tok[:, None] * dim + ks[None, :],
+                mask=valid[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            w_mask = k_ok[:, None] & col_ok[None, :]
+            wa = tl.load(w_base + cols[None, :] * dim + ks[:, None], mask=w_mask, other=0.0)
+            wb = tl.load(
+                w_base + (width + cols[None, :]) * dim + ks[:, None], mask=w_mask, other=0.0
+            )
+            wa = wa.to(x.dtype)
+            wb = wb.to(x.dtype)
+            if IEEE:
+                acc_a += tl.dot(x, wa, input_precision="ieee")
+                acc_b += tl.dot(x, wb, input_precision="ieee")
+            else:
+                acc_a += tl.dot(x, wa)
+                acc_b += tl.dot(x, wb)
+        if HAS_SCALE:
+            s_base = s_ptr + e * (2 * width)
+            acc_a *= tl.load(s_base + cols, mask=col_ok, other=0.0)[None, :]
+            acc_b *= tl.load(s_base + width + cols, mask=col_ok, other=0.0)[None, :]
+        gelu = 0.5 * acc_a * (1.0 + tl.math.erf(acc_a * 0.7071067811865476))
+        h = gelu * (acc_b + 1.0)
+        tl.store(
+            h_ptr + rows[:, None].to(tl.int64) * width + cols[None, :],
+            h.to(h_ptr.dtype.element_ty),
+            mask=valid[:, None] & col_ok[None, :],
+        )
+
+    @triton.jit
+    def _down_kernel(
+        h_ptr,
+        w_ptr,
+        s_ptr,
+        y_ptr,
+        pair_ptr,
+        block_expert_ptr,
+        used_ptr,
+        n_pairs,
+        dim,
+        width,
+        HAS_SCALE: tl.constexpr,
+        IEEE: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        if pid_m * BM >= tl.load(used_ptr):
+            return
+        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        rows = pid_m * BM + tl.arange(0, BM)
+        pair = tl.load(pair_ptr + rows)
+        valid = pair < n_pairs
+        cols = pid_n * BN + tl.arange(0, BN)
+        col_ok = cols < dim
+        w_base = w_ptr + e * dim * width
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, width, BK):
+            ks = k0 + tl.arange(0, BK)
+            k_ok = ks < width
+            h = tl.load(
+                h_ptr + rows[:, None].to(tl.int64) * width + ks[None, :],
+                mask=valid[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            w = tl.load(
+                w_base + cols[None, :] * width + ks[:, None],
+                mask=k_ok[:, None] & col_ok[None, :],
+                other=0.0,
+            )
+            w = w.to(h.dtype)
+            if IEEE:
+                acc += tl.dot(h, w, input_precision="ieee")
+            else:
+                acc += tl.dot(h, w)
+        if HAS_SCALE:
+            acc *= tl.load(s_ptr + e * dim + cols, mask=col_ok, other=0.0)[None, :]
+        out = y_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * dim + cols[None, :]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+
+
+def experts_fused(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    s1: torch.Tensor | None = None,
+    s2: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [N, D], ids [N, k], w1 [E, 2I, D], w2 [E, D, I] (FP8 with row scales s1 [E, 2I],
+    s2 [E, D], or the activations' dtype) -> each chosen expert's output [N, k, D]."""
+    if triton is None:
+        raise RuntimeError("the fused expert kernels need Triton")
+    n, k = ids.shape
+    n_experts, two_width, dim = w1.shape
+    width = two_width // 2
+    if not (w1.is_contiguous() and w2.is_contiguous()):
+        raise ValueError("the fused expert kernels need contiguous expert weights")
+    x = x.contiguous()
+    block_m = block_rows(n * k, n_experts)
+    pair_ids, block_expert, used = align(ids, n_experts, block_m)
+    n_blocks = block_expert.shape[0]
+    hidden = torch.empty((n_blocks * block_m, width), dtype=x.dtype, device=x.device)
+    y = torch.empty((n * k, dim), dtype=x.dtype, device=x.device)
+    has_scale = s1 is not None
+    ieee = x.dtype == torch.float32
+    dummy = used  # any pointer: the scales are not read without HAS_SCALE
+    _up_kernel[(n_blocks, triton.cdiv(width, BLOCK_N))](
+        x, w1, s1 if has_scale else dummy, hidden, pair_ids, block_expert, used,
+        n * k, k, dim, width,
+        HAS_SCALE=has_scale, IEEE=ieee, BM=block_m, BN=BLOCK_N, BK=BLOCK_K,
+    )  # fmt: skip
+    _down_kernel[(n_blocks, triton.cdiv(dim, BLOCK_N))](
+        hidden, w2, s2 if has_scale else dummy, y, pair_ids, block_expert, used,
+        n * k, dim, width,
+        HAS_SCALE=has_scale, IEEE=ieee, BM=block_m, BN=BLOCK_N, BK=BLOCK_K,
+    )  # fmt: skip
+    return y.view(n, k, dim)

@@ -1,0 +1,59 @@
+"""Tau scaling: per-head factors on queries and values from the projection and the position.
+
+For each head j at absolute position p, with g = GELU(qkv) over the whole fused projection:
+``tau_q[j] = tanh(wq[j] . g) + sigmoid(alpha[j] * ln(p + 1)) + 1/2`` (values alike with wv).
+Keys are not scaled, so a cache holds keys after rotary and values after tau; the position term
+depends on the absolute position only, so a cached image prefix stays valid.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlm_server.models.moondream3.config import TauGelu, TauPositions, TextConfig
+
+
+class Tau(nn.Module):
+    """wq [H, qkv_dim], wv [KVH, qkv_dim] (no bias) and alpha [H]: checkpoint names."""
+
+    def __init__(self, cfg: TextConfig, gelu: TauGelu, positions: TauPositions) -> None:
+        super().__init__()
+        self.wq = nn.Parameter(torch.zeros(cfg.n_heads, cfg.qkv_dim))
+        self.wv = nn.Parameter(torch.zeros(cfg.n_kv_heads, cfg.qkv_dim))
+        self.alpha = nn.Parameter(torch.zeros(cfg.n_heads))
+        self.approximate = "tanh" if gelu == "tanh" else "none"
+        self.bf16_positions = positions == "bf16"
+
+    def position_term(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``sigmoid(alpha * ln(p + 1)) + 1/2`` at positions [B, T] -> [B, T, H] in ``dtype``
+        (exactly 1 at p = 0)."""
+        if self.bf16_positions:
+            # The Hugging Face code casts positions to the activations' dtype first: above
+            # 256 they round (729 and 730 both become 728), and the rest runs in bf16 too.
+            p = positions.to(torch.bfloat16)
+            s = torch.sigmoid(self.alpha.to(torch.bfloat16) * (p + 1).log()[..., None])
+            return (1 + (s - 0.5)).to(dtype)
+        lp = torch.log1p(positions.to(torch.float32))[..., None]
+        return (torch.sigmoid(self.alpha.float() * lp) + 0.5).to(dtype)
+
+    def forward(self, qkv: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Fused projection [B, T, qkv_dim] at positions [B, T] -> (tau_q [B, T, H],
+        tau_v [B, T, KVH])."""
+        g = F.gelu(qkv, approximate=self.approximate)
+        pos = self.position_term(positions, qkv.dtype)
+        tq = torch.tanh(F.linear(g, self.wq)) + pos
+        tv = torch.tanh(F.linear(g, self.wv)) + pos[..., : self.wv.shape[0]]
+        return tq, tv
+
+    def scale(self, qkv: torch.Tensor, positions: torch.Tensor, n_heads: int) -> torch.Tensor:
+        """The fused projection with its query and value heads scaled (keys untouched),
+        still packed Q | K | V: what the cache's fused rotary + attention kernels take."""
+        tq, tv = self(qkv, positions)
+        b, t, width = qkv.shape
+        hd = width // (n_heads + 2 * tv.shape[-1])
+        q, k, v = qkv.split([n_heads * hd, tv.shape[-1] * hd, tv.shape[-1] * hd], dim=-1)
+        q = (q.view(b, t, n_heads, hd) * tq[..., None]).view(b, t, -1)
+        v = (v.view(b, t, -1, hd) * tv[..., None]).view(b, t, -1)
+        return torch.cat([q, k, v], dim=-1)

@@ -1,0 +1,113 @@
+"""Moondream 3's text decoder: parallel blocks, tau-scaled attention, dense then expert MLPs.
+
+Like Moondream 2's decoder it returns the raw residual stream (before ``post_ln``) and
+`TextDecoder.logits` applies the final norm and the untied head (with bias). Attention is
+Moondream 2's (multi-head, half-split partial rotary, scale 1/sqrt(head_dim), the prefix seen
+both ways) on a tau-scaled projection, so the engine's fused rotary + attention kernels take it
+as they take Moondream 2's: only the rotary tables (theta 1.5e6) differ, and those are ours.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlm_server.models.common.fused_norm import add_layernorm
+from vlm_server.models.common.layers import MLP, LayerNorm
+from vlm_server.models.common.rotary import apply_rotary, rotary_tables
+from vlm_server.models.kv import KVCache
+from vlm_server.models.moondream3.config import Choices, TextConfig
+from vlm_server.models.moondream3.moe import MoeMLP
+from vlm_server.models.moondream3.tau import Tau
+
+
+class TextAttention(nn.Module):
+    def __init__(self, cfg: TextConfig, choices: Choices) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.qkv = nn.Linear(cfg.dim, cfg.qkv_dim)
+        self.proj = nn.Linear(cfg.dim, cfg.dim)
+        self.tau = Tau(cfg, choices.tau_gelu, choices.tau_positions)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        layer: int,
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        qkv = self.tau.scale(self.qkv(x), positions, cfg.n_heads)
+        # A cache may fuse rotary, the KV write and attention over the packed projection;
+        # tau scales whole heads, so scaling before rotary equals scaling after.
+        packed = getattr(cache, "attend_packed", None)
+        if packed is not None:
+            out = packed(layer, qkv, positions)
+        else:
+            b, t, _ = x.shape
+            hd = cfg.head_dim
+            q, k, v = qkv.split(
+                [cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd], dim=-1
+            )
+            q = q.view(b, t, cfg.n_heads, hd).transpose(1, 2)
+            k = k.view(b, t, cfg.n_kv_heads, hd).transpose(1, 2)
+            v = v.view(b, t, cfg.n_kv_heads, hd).transpose(1, 2)
+            c, s = cos[:, None], sin[:, None]  # broadcast over heads
+            out = cache.attend(layer, apply_rotary(q, c, s), apply_rotary(k, c, s), v, positions)
+        b, _, t, _ = out.shape
+        return self.proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class TextBlock(nn.Module):
+    """x + attn(LN(x)) + mlp(LN(x)): one shared LayerNorm; a dense or an expert MLP."""
+
+    def __init__(self, cfg: TextConfig, choices: Choices, layer: int) -> None:
+        super().__init__()
+        self.ln = LayerNorm(cfg.dim)
+        self.attn = TextAttention(cfg, choices)
+        self.mlp: nn.Module = (
+            MoeMLP(cfg.dim, cfg.moe) if cfg.is_moe(layer) else MLP(cfg.dim, cfg.ff_dim)
+        )
+
+
+class TextDecoder(nn.Module):
+    def __init__(self, cfg: TextConfig, choices: Choices) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.dim))
+        self.blocks = nn.ModuleList(TextBlock(cfg, choices, i) for i in range(cfg.n_layers))
+        self.post_ln = LayerNorm(cfg.dim)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size)
+        self.reset_rotary(None)
+
+    def reset_rotary(self, device: torch.device | str | None) -> None:
+        """(Re)build the fp32 rotary tables, e.g. after loading onto a device from meta."""
+        cos, sin = rotary_tables(
+            self.cfg.rotary_dim, self.cfg.max_context, self.cfg.rope_theta, device=device
+        )
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.wte)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Input embeddings x [B, T, D] at positions [B, T] -> hidden [B, T, D] before post_ln."""
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        blocks = self.blocks
+        h = blocks[0].ln(x)
+        # Each block's forward, with its residual adds fused into the next block's norm.
+        for i, block in enumerate(blocks):
+            a, m = block.attn(h, cos, sin, positions, cache, i), block.mlp(h)
+            if i + 1 < len(blocks):
+                x, h = add_layernorm(x, a, m, blocks[i + 1].ln)
+            else:
+                x = x + a + m
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and untied head; computed in fp32 for stable sampling."""
+        return self.lm_head(self.post_ln(hidden)).float()
