@@ -5,7 +5,8 @@ The protocol of the reference (moondream2's query with ``reasoning=True``):
 - The prompt ends with the answer marker and the thinking marker; reasoning tokens follow.
 - A reasoning token is fed back, except the coordinate token: its x is decoded from the same
   hidden state that chose it, and x's embedding is the next input (StepKind.REASON).
-- After the first reasoning token, eos and the size token are never sampled.
+- After the first reasoning token, the contract's suppressed ids are never sampled (Moondream
+  2: eos and the size token; Moondream 3: none).
 - The answer marker ends the reasoning and is fed back (the reference prefills it), then the
   answer follows as free or constrained text (`TextGrammar`).
 - ``start_ground_points_id`` and ``end_ground_id`` each open a new span of the reasoning; the
@@ -38,6 +39,8 @@ class ReasoningTokens:
     size_id: int
     start_ground_points_id: int
     end_ground_id: int
+    # Masked out of every reasoning step after the first (Moondream 2: eos and the size token).
+    suppressed: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -45,14 +48,15 @@ class ReasoningRows:
     """The pinned mask rows of reasoning, registered once per table."""
 
     tokens: ReasoningTokens
-    thinking: int  # every step after the first: eos and the size token suppressed
+    thinking: int  # every step after the first: the suppressed ids masked out
     to_answer: int  # the reasoning budget is spent: only the answer marker
 
     @classmethod
     def register(cls, table: MaskTable, tokens: ReasoningTokens) -> ReasoningRows:
+        suppressed = list(tokens.suppressed)
         return cls(
             tokens,
-            table.allow_all_but([tokens.eos_id, tokens.size_id]),
+            table.allow_all_but(suppressed) if suppressed else NO_MASK,
             table.allow_only([tokens.answer_id]),
         )
 
@@ -152,7 +156,7 @@ class ReasoningGrammar(GrammarBase):
         at_limit = len(self.reasoning_ids) >= self._limit
         if at_limit and token_id != t.answer_id:
             raise GrammarError(f"token {token_id} after the reasoning budget was spent")
-        if self.reasoning_ids and token_id in (t.eos_id, t.size_id):
+        if self.reasoning_ids and token_id in t.suppressed:
             raise GrammarError(f"token {token_id} is suppressed while reasoning")
         self.token_ids.append(token_id)
         if token_id == t.answer_id:

@@ -17,7 +17,13 @@ from decoding.grammars import (
 from decoding.mask_table import NO_MASK, MaskTable
 
 T = ReasoningTokens(
-    eos_id=0, answer_id=3, coord_id=5, size_id=6, start_ground_points_id=7, end_ground_id=9
+    eos_id=0,
+    answer_id=3,
+    coord_id=5,
+    size_id=6,
+    start_ground_points_id=7,
+    end_ground_id=9,
+    suppressed=(0, 6),
 )
 VOCAB = 40
 

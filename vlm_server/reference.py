@@ -344,9 +344,10 @@ class ReferenceGenerator:
         spatial_refs: tuple[tuple[float, ...], ...] = (),
     ) -> ReasoningResult:
         """A query with ``reasoning=True``, by the reference's loop (not the engine's
-        grammar): reasoning until the answer marker, eos and the size token suppressed after
-        the first token, the coordinate token grounded by the x decoded from the hidden state
-        that chose it; the marker fed, then the answer. ``max_tokens`` bounds reasoning and
+        grammar): reasoning until the answer marker, the contract's suppressed ids (Moondream
+        2: eos and the size token) masked after the first token, the coordinate token grounded
+        by the x decoded from the hidden state that chose it; the marker fed, then the
+        answer. ``max_tokens`` bounds reasoning and
         answer together (the reference bounds each)."""
         s = settings or SamplingSettings()
         c, m = self.contract, self.model
@@ -375,7 +376,7 @@ class ReferenceGenerator:
                 coords.append([])
             chunks[-1].append(token)
             if token == c.coord_id:
-                x = coord_from_logits(m.region.decode_coord(hidden))
+                x = coord_from_logits(m.region.decode_coord(hidden), c.coord_divisor)
                 coords[-1].append(float(x))
                 emb = m.region.encode_coord(x)
             else:
@@ -383,8 +384,7 @@ class ReferenceGenerator:
             hidden = self._step(cache, emb, pos)
             pos += 1
             logits = m.text.logits(hidden)
-            logits[:, c.eos_id] = float("-inf")
-            logits[:, c.size_id] = float("-inf")
+            logits[:, list(c.reasoning_suppressed)] = float("-inf")
             generated += 1
             token = pick(logits, generated)
         texts = [self.tokenizer.decode(chunk) for chunk in chunks]

@@ -73,6 +73,16 @@ class TokenContract:
     thinking_id: int | None = None
     start_ground_points_id: int | None = None
     end_ground_id: int | None = None
+    # Ids set to -inf on reasoning steps after the first; None: eos and the size token, as
+    # Moondream 2's reference does (Moondream 3 suppresses none).
+    reasoning_suppressed_ids: tuple[int, ...] | None = None
+
+    @property
+    def reasoning_suppressed(self) -> tuple[int, ...]:
+        """The ids masked out of reasoning steps after the first."""
+        if self.reasoning_suppressed_ids is not None:
+            return self.reasoning_suppressed_ids
+        return tuple(i for i in (self.eos_id, self.size_id) if i is not None)
 
     @property
     def reasons(self) -> bool:

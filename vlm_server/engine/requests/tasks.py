@@ -114,6 +114,7 @@ class TaskCompiler:
                     contract.size_id,  # type: ignore[arg-type]
                     contract.start_ground_points_id,  # type: ignore[arg-type]
                     contract.end_ground_id,  # type: ignore[arg-type]
+                    contract.reasoning_suppressed,
                 ),
             )
         self.path_rows: PathRows | None = None

@@ -232,6 +232,7 @@ CONTRACT_MD3 = TokenContract(
     thinking_id=4,
     start_ground_points_id=7,
     end_ground_id=9,
+    reasoning_suppressed_ids=(),  # Moondream 3 suppresses nothing while reasoning
 )
 
 # The tiny test vocabulary's ids (Moondream 2's tiny contract) under Moondream 3's rules.
