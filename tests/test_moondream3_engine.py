@@ -44,3 +44,44 @@ def test_engine_equals_reference_on_moondream3_tiny(
     det, pts = done[-2:]
     assert [vars(b) for b in det.boxes] == [vars(b) for b in ref.detect(images[0], "car", 4).boxes]
     assert [vars(p) for p in pts.points] == [vars(p) for p in ref.point(images[1], "dog", 4).points]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_reasoning_and_spatial_refs_on_moondream3_tiny(
+    md3_tiny: LoadedModel,
+    images: list[PreparedImage],  # noqa: F811
+    depth: int,
+) -> None:
+    """Moondream 3's reasoning rules (nothing suppressed, coordinates over 1023) and spatial
+    references, against the reference's loop."""
+    from vlm_server.reference import SamplingSettings
+
+    refs = ((0.3, 0.6), (0.1, 0.2, 0.7, 0.8))
+    settings = [SamplingSettings(temperature=1.0, top_p=0.9, seed=s, max_tokens=24) for s in (0, 1)]
+    reqs = [
+        GenerationRequest(
+            Task.QUERY,
+            images[i],
+            question="where",
+            reasoning=True,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=s.seed,
+            max_tokens=s.max_tokens,
+            spatial_refs=refs if i else (),
+        )
+        for i, s in enumerate(settings)
+    ]
+    reqs.append(
+        GenerationRequest(
+            Task.POINT, images[0], object_name="car", max_objects=3, spatial_refs=refs
+        )
+    )
+    done = _finish_all(md3_tiny, reqs, depth, max_batch_size=4)
+    ref = ReferenceGenerator(md3_tiny.model, md3_tiny.tokenizer)
+    for req, s, fin in zip(reqs, settings, done, strict=False):
+        want = ref.reasoning_query(req.image, req.question, s, req.spatial_refs)
+        assert fin.reasoning is not None and fin.reasoning.text == want.reasoning
+        assert fin.text == want.answer and fin.finish_reason == want.finish_reason
+    built, _, _ = ref.run(reqs[-1])
+    assert [tuple(vars(p).values()) for p in done[-1].points] == list(built.grammar.objects)
