@@ -1,5 +1,5 @@
-"""Command line: ``vlm serve`` (the gRPC server), ``vlm cluster`` (on Ray Serve), ``vlm run TASK IMAGE ...`` on the reference
-path, ``vlm make-checkpoint``."""
+"""Command line: ``vlm serve`` (the gRPC server), ``vlm cluster`` (replicas on Ray Serve),
+``vlm run TASK IMAGE ...`` on the reference path, ``vlm make-checkpoint``."""
 
 from __future__ import annotations
 

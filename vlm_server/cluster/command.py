@@ -10,6 +10,7 @@ replicas, lets their requests finish, then each replica drains and stops its ser
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -35,7 +36,8 @@ def parse(argv: Sequence[str] | None, environ: dict[str, str] | None = None):
     parser.add_argument(
         "--print-config",
         action="store_true",
-        help="print the Serve config file (JSON, which is YAML: serve run / serve deploy take it) and exit",
+        help="print the Serve config file (JSON, which is YAML: serve run and serve deploy "
+        "take it) and exit",
     )
     args = parser.parse_args(argv)
     server = config_from(parser, args, environ)
@@ -85,10 +87,8 @@ def _stop() -> None:
     from vlm_server.cluster.directory import NAMESPACE, directory_name
 
     serve.delete(APP_NAME)  # graceful: Ray drains, then each replica drains its server
-    try:
+    with contextlib.suppress(ValueError):
         ray.kill(ray.get_actor(directory_name(APP_NAME), namespace=NAMESPACE))
-    except ValueError:
-        pass
     serve.shutdown()
     ray.shutdown()
 
