@@ -6,7 +6,14 @@ own point and takes the first replica whose load stays within ``load_factor`` ti
 Zadimoghaddam). With every replica at the bound, it falls back to the less loaded of two
 random replicas: power of two choices. So a hot key spills to the next replica on its walk
 (which then holds its prefix too) instead of queueing behind itself, and no replica's load
-exceeds the bound while another has room. Pure: loads are given by the caller.
+exceeds the bound while another has room.
+
+The guard against power of two choices: the replica the walk found is taken only while its
+load is within ``(load_factor - 1) x mean`` of what two choices would have picked; otherwise
+two choices' pick is taken. Under light load that slack is 0 (an idle replica beats a warm
+busy one: the prefix costs less than the queue), under heavy load it is a fraction of the
+mean (a warm replica with a few more requests beats a cold one). Pure: loads are given by
+the caller.
 """
 
 from __future__ import annotations
@@ -14,9 +21,12 @@ from __future__ import annotations
 import bisect
 import math
 import random
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import blake3
+
+N = TypeVar("N")
 
 VNODES = 64  # points per replica: spreads keys within a few percent of even for 2-16 replicas
 
@@ -56,7 +66,7 @@ def load_bound(loads: Sequence[int], load_factor: float) -> int:
     return max(1, math.ceil(load_factor * total / max(1, len(loads))))
 
 
-def two_choices(names: Sequence[Hashable], load: Callable[[Hashable], int], rng: random.Random):
+def two_choices(names: Sequence[N], load: Callable[[N], int], rng: random.Random) -> N:
     """The less loaded of two distinct random names (the only one when there is one)."""
     if len(names) == 1:
         return names[0]
@@ -73,14 +83,20 @@ def choose(
 ) -> tuple[str, bool]:
     """The replica for ``key`` and whether it is the key's home (the first on its walk).
 
-    ``key`` None (no affinity): power of two choices."""
+    ``key`` None (no affinity): power of two choices. Draws the two choices whatever the
+    key, so that the guard compares against the pick two choices would make."""
     names = ring.names
     if not names:
         raise ValueError("no replicas")
     if key is None:
         return two_choices(names, load, rng), False
-    bound = load_bound([load(n) for n in names], load_factor)
+    loads = [load(n) for n in names]
+    bound = load_bound(loads, load_factor)
+    slack = int((load_factor - 1.0) * sum(loads) / len(loads))
+    fallback = two_choices(names, load, rng)
     for i, name in enumerate(ring.walk(key)):
         if load(name) + 1 <= bound:
-            return name, i == 0
-    return two_choices(names, load, rng), False
+            if load(name) <= load(fallback) + slack:
+                return name, i == 0
+            break
+    return fallback, fallback == ring.walk(key)[0]
