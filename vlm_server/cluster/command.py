@@ -109,11 +109,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     _start(cluster, server)
+    from vlm_server.cluster.app import APP_NAME
+    from vlm_server.cluster.directory import metrics_endpoints
+    from vlm_server.cluster.metrics import serve_aggregate
+
+    metrics = serve_aggregate(
+        server.metrics_host, server.metrics_port, lambda: metrics_endpoints(APP_NAME)
+    )
     log.info(
         "cluster serving",
-        extra={"fields": {"replicas": cluster.replicas, "grpc_port": server.port}},
+        extra={
+            "fields": {
+                "replicas": cluster.replicas,
+                "grpc_port": server.port,
+                "http_port": server.http_port,
+                "metrics_port": metrics.server_address[1],
+            }
+        },
     )
     stop.wait()
     log.info("signal received: draining")
+    metrics.shutdown()
     _stop()
     return 0

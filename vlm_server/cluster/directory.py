@@ -44,3 +44,9 @@ def directory(app_name: str) -> Any:
         lifetime="detached",
         get_if_exists=True,
     ).remote()
+
+
+def metrics_endpoints(app_name: str) -> dict[str, str]:
+    """Replica -> its metrics ``host:port`` (needs a connected Ray driver)."""
+    entries = ray.get(directory(app_name).replicas.remote())
+    return {name: info["metrics"] for name, info in entries.items()}
