@@ -9,10 +9,10 @@ random replicas: power of two choices. So a hot key spills to the next replica o
 exceeds the bound while another has room.
 
 The guard against power of two choices: the replica the walk found is taken only while its
-load is within ``(load_factor - 1) x mean`` of what two choices would have picked; otherwise
-two choices' pick is taken. Under light load that slack is 0 (an idle replica beats a warm
-busy one: the prefix costs less than the queue), under heavy load it is a fraction of the
-mean (a warm replica with a few more requests beats a cold one). Pure: loads are given by
+load is within ``(load_factor - 1) x mean`` (at least `MIN_SLACK`) of what two choices would
+have picked; otherwise two choices' pick is taken. Under light load the slack is one request,
+under heavy load a fraction of the mean: a warm replica with a few more requests beats a cold
+one, a warm one with many more does not. Pure: loads are given by
 the caller.
 """
 
@@ -29,6 +29,10 @@ import blake3
 N = TypeVar("N")
 
 VNODES = 64  # points per replica: spreads keys within a few percent of even for 2-16 replicas
+# A warm replica holding one request more than the pick of two choices still wins: in a
+# continuous batch one more row costs little, an image prefix costs a vision-tower pass. It
+# also absorbs load figures that lag a request behind (a stream that just ended).
+MIN_SLACK = 1
 
 
 def _point(text: str) -> int:
@@ -92,7 +96,7 @@ def choose(
         return two_choices(names, load, rng), False
     loads = [load(n) for n in names]
     bound = load_bound(loads, load_factor)
-    slack = int((load_factor - 1.0) * sum(loads) / len(loads))
+    slack = max(MIN_SLACK, int((load_factor - 1.0) * sum(loads) / len(loads)))
     fallback = two_choices(names, load, rng)
     for i, name in enumerate(ring.walk(key)):
         if load(name) + 1 <= bound:
