@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 # Metadata Ray's proxy adds for itself; everything else (API keys) goes on to the server.
 _RAY_METADATA = {"application", "request_id", "multiplexed_model_id", "session_id"}
+_LOST = "the replica serving this stream stopped; retry (another replica takes it)"
 
 
 def replica_config(values: dict[str, Any]) -> ServerConfig:
@@ -80,6 +81,20 @@ def _refuse(err: grpc.aio.AioRpcError, grpc_context: Any) -> Exception:
     return RuntimeError(f"{err.code().name}: {err.details()}")
 
 
+def _mark_stream(grpc_context: Any, final: bool) -> None:
+    """The status a stream ends with should this replica die before its next message.
+
+    Ray's proxy applies the status each message carries, and reports a replica lost mid-call
+    as INTERNAL only when none was set: until the final message, UNAVAILABLE (what a single
+    server says when its engine dies: retry elsewhere), then OK."""
+    if final:
+        grpc_context.set_code(grpc.StatusCode.OK)
+        grpc_context.set_details("")
+    elif not grpc_context.code():
+        grpc_context.set_code(grpc.StatusCode.UNAVAILABLE)
+        grpc_context.set_details(_LOST)
+
+
 class VisionLanguageReplica:
     """A Ray Serve deployment class: one replica per GPU (``num_gpus: 1``)."""
 
@@ -118,6 +133,8 @@ class VisionLanguageReplica:
         call = getattr(self._stub, method)(_untag(request), metadata=_metadata(grpc_context))
         try:
             async for message in call:
+                if grpc_context is not None:
+                    _mark_stream(grpc_context, final=message.WhichOneof("event") == "result")
                 yield message
         except grpc.aio.AioRpcError as err:
             raise _refuse(err, grpc_context) from None
