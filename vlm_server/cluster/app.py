@@ -118,6 +118,8 @@ def serve_config(cluster: ClusterConfig, server: ServerConfig) -> dict[str, Any]
         for f in dataclasses.fields(cluster)
         if f.name != "ray_address" and getattr(cluster, f.name) != f.default
     }
+    # Resolved here: the application is built on the head node, which may have no GPU.
+    cluster_values["gpus_per_replica"] = gpus_per_replica(cluster)
     return {
         "proxy_location": "EveryNode",
         "http_options": {"host": server.host, "port": server.http_port},
