@@ -37,6 +37,7 @@ from vlm_server.options.cluster import ClusterConfig
 from vlm_server.options.table import ServerConfig
 
 HANG_GUARD_S = 120.0  # only a broken run waits this long
+BODY_LIMIT = 2 << 20
 LONG_TOKENS = 700  # a stream of seconds on the tiny model (within its context)
 
 
@@ -73,7 +74,13 @@ def cluster(tiny_dir: Path) -> Iterator[Cluster]:
             http_options={"host": "127.0.0.1", "port": http_port},
             grpc_options={"port": grpc_port, "grpc_servicer_functions": [SERVICER]},
         )
-        server = ServerConfig(model=str(tiny_dir), device="cpu", dtype="fp32", grace_period=60)
+        server = ServerConfig(
+            model=str(tiny_dir),
+            device="cpu",
+            dtype="fp32",
+            grace_period=60,
+            max_http_body_bytes=BODY_LIMIT,
+        )
         replicas = ClusterConfig(replicas=2, gpus_per_replica=0, cpus_per_replica=0.5)
         serve.run(application(replicas, server), name=APP_NAME, route_prefix="/")
         yield Cluster(grpc_port, http_port)
@@ -129,7 +136,9 @@ def test_every_http_route_through_the_http_proxy(cluster: Cluster) -> None:
     status, _, raw = post(f"{url}/v1/chat/completions", chat)
     assert status == 200 and events(raw)[-1] == "[DONE]"
     status, body = post_json(f"{url}/v1/query", {"question": 7})
-    assert status == 400, body
+    assert status == 400 and body["error"]["field"] == "question", body
+    status, body = post_json(f"{url}/v1/query", {"question": "x" * BODY_LIMIT})
+    assert status == 413 and body["error"]["code"] == "RESOURCE_EXHAUSTED", body
     for path in ("/v1/models", "/openapi.json", "/health", "/ready"):
         with urllib.request.urlopen(url + path, timeout=60) as r:
             assert r.status == 200, path

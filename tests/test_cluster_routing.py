@@ -137,3 +137,11 @@ def test_affinity_never_does_worse_than_two_choices_on_skewed_traffic(name: str)
     assert affinity["mean_latency"] <= p2c["mean_latency"], (affinity, p2c)
     assert affinity["p99_latency"] <= p2c["p99_latency"], (affinity, p2c)
     assert affinity["repeat_hit_rate"] >= max(0.8, p2c["repeat_hit_rate"]), (affinity, p2c)
+
+
+def test_a_large_pictures_key_reads_its_ends_and_length() -> None:
+    big = bytes(3 << 20)
+    assert bytes_key(big) == bytes_key(bytearray(big))
+    assert bytes_key(big) != bytes_key(big + b"\x00")
+    assert bytes_key(big) != bytes_key(b"\x01" + big[1:])
+    assert bytes_key(big) != bytes_key(big[:-1] + b"\x01")

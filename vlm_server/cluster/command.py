@@ -70,6 +70,9 @@ def _start(cluster: ClusterConfig, server: ServerConfig) -> None:
 
     from vlm_server.cluster.app import APP_NAME, SERVICER, application
 
+    # Ray's gRPC proxy buffers whole messages (2 GiB by default): no more than a replica takes.
+    # Read by the proxies this process starts; on a Ray cluster, set it on every node.
+    os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(server.max_message_bytes))
     ray.init(address=cluster.ray_address, namespace="serve", log_to_driver=True)
     serve.start(
         proxy_location="EveryNode",

@@ -116,7 +116,7 @@ class VisionLanguageReplica:
             ],
         )
         self._stub = pb_grpc.VisionLanguageStub(self._channel)
-        self._http = HttpForwarder(self.server.http_port)
+        self._http = HttpForwarder(self.server.http_port, config.max_http_body_bytes)
         self.name = _replica_name()
         await _register(app_name, self.name, self.server.metrics_port, config.metrics_host)
 
