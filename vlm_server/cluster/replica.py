@@ -118,7 +118,7 @@ class VisionLanguageReplica:
         self._stub = pb_grpc.VisionLanguageStub(self._channel)
         self._http = HttpForwarder(self.server.http_port, config.max_http_body_bytes)
         self.name = _replica_name()
-        await _register(app_name, self.name, self.server.metrics_port, config.metrics_host)
+        await _register(app_name, self.name, self.server, config.metrics_host)
 
     # --- gRPC, through Ray Serve's gRPC proxy -------------------------------------------------
 
@@ -197,8 +197,11 @@ def _replica_name() -> str:
         return socket.gethostname()
 
 
-async def _register(app_name: str, name: str, metrics_port: int, metrics_host: str) -> None:
-    """Tell the application's directory where this replica's metrics are."""
+async def _register(
+    app_name: str, name: str, server: VisionLanguageServer, metrics_host: str
+) -> None:
+    """Tell the application's directory where this replica's metrics (and, for debugging on
+    its node, its loopback doors) are."""
     import ray
 
     from vlm_server.cluster.directory import directory
@@ -206,5 +209,10 @@ async def _register(app_name: str, name: str, metrics_port: int, metrics_host: s
     if not ray.is_initialized():
         return
     host = ray.util.get_node_ip_address() if metrics_host != "127.0.0.1" else "127.0.0.1"
-    info = {"metrics": f"{host}:{metrics_port}", "node": ray.get_runtime_context().get_node_id()}
+    info = {
+        "metrics": f"{host}:{server.metrics_port}",
+        "grpc": f"127.0.0.1:{server.port}",
+        "http": f"127.0.0.1:{server.http_port}",
+        "node": ray.get_runtime_context().get_node_id(),
+    }
     await asyncio.wrap_future(directory(app_name).register.remote(name, info).future())
