@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 pytest.importorskip("ray.serve", reason="the cluster extra (ray[serve]) is not installed")
 
@@ -105,6 +106,10 @@ def test_every_rpc_through_the_grpc_proxy(cluster: Cluster) -> None:
         assert client.point(encoded, "ball", max_objects=2).finish_reason
         assert client.detect(encoded, "ball", max_objects=2).finish_reason
         assert client.segment(encoded, "ball").finish_reason
+        with grpc.insecure_channel(cluster.target) as channel:
+            asked = health_pb2.HealthCheckRequest(service="vlm.v1.VisionLanguage")
+            answer = health_pb2_grpc.HealthStub(channel).Check(asked, timeout=HANG_GUARD_S)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
         # The server's own errors come through with their code and field.
         with pytest.raises(VlmError) as err:
             client.detect(b"not a picture", "ball")

@@ -32,9 +32,14 @@ def register() -> None:
 
 
 def add_servicer(servicer: Any, server: Any) -> None:
-    """What Ray Serve's gRPC proxy calls to learn the service (``grpc_servicer_functions``)."""
+    """What Ray Serve's gRPC proxy calls to learn the services (``grpc_servicer_functions``):
+    the API, and ``grpc.health.v1.Health/Check`` (answered by a replica, for load balancers
+    that speak gRPC health)."""
+    from grpc_health.v1 import health_pb2_grpc
+
     register()
     vision_language_pb2_grpc.add_VisionLanguageServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
 
 
 register()

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -116,6 +117,7 @@ class VisionLanguageReplica:
             ],
         )
         self._stub = pb_grpc.VisionLanguageStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
         self._http = HttpForwarder(self.server.http_port, config.max_http_body_bytes)
         self.name = _replica_name()
         await _register(app_name, self.name, self.server, config.metrics_host)
@@ -165,6 +167,14 @@ class VisionLanguageReplica:
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, grpc_context: Any = None):
         return await self._unary("GetModelInfo", request, grpc_context)
+
+    async def Check(self, request: health_pb2.HealthCheckRequest, grpc_context: Any = None):
+        """gRPC health: this replica's server's answer (``""`` liveness, the service name
+        readiness), so a replica that drains says NOT_SERVING."""
+        try:
+            return await self._health.Check(request, timeout=5)
+        except grpc.aio.AioRpcError as err:
+            raise _refuse(err, grpc_context) from None
 
     # --- HTTP, through Ray Serve's HTTP proxy -------------------------------------------------
 
