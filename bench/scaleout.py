@@ -25,7 +25,9 @@ Results merge into ``<out>/scaleout.json`` by replica count, so ``--replicas 1``
         -- --model md2 --preset moondream2 --tokenizer starmie/tokenizer.json --dtype bf16
 
 Needs the cluster extra (ray[serve]) and N GPUs. Writes scaleout.json, scaleout.png and prints
-a table; each cluster's log goes to ``<out>/scaleout_r<N>.log``.
+a table under ``--out`` (default bench/results/<GPU>/scaleout/); each server's log goes to
+``<out>/scaleout_<run>.log``. ``--targets`` defaults to bench/results/<GPU>/targets.json on a
+GPU machine. Smaller runs: ``--requests``, ``--c1-requests``, ``--concurrency``.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ QUERY3 = Workload("query3", "query", True, max_tokens=3, question="What is in th
 SIZE = (800, 600)
 QUESTIONS = 4  # per picture in the affinity scenario
 BLOCK = 32  # pictures whose questions interleave
+REPO_ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 1800.0  # model loading and graph capture on every replica
 
 
@@ -249,6 +252,14 @@ def plot(data: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _results_folder() -> Path:
+    """bench/results/<GPU> of this machine's first GPU (``cpu`` without one)."""
+    import torch
+
+    name = tg.gpu_folder(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else "cpu"
+    return REPO_ROOT / "bench" / "results" / name
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     server_args = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -259,11 +270,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=128)
     ap.add_argument("--requests", type=int, default=2048, help="per c128 level")
     ap.add_argument("--c1-requests", type=int, default=200)
-    ap.add_argument("--out", type=Path, default=Path("bench/results/scaleout"))
-    ap.add_argument("--targets", type=Path, default=None, help="targets.json to merge into")
+    ap.add_argument("--out", type=Path, default=None, help="default: bench/results/<GPU>/scaleout")
+    ap.add_argument(
+        "--targets",
+        type=Path,
+        default=None,
+        help="targets.json to merge into (default on a GPU: bench/results/<GPU>/targets.json)",
+    )
     ap.add_argument("--commit", default=None)
     ap.add_argument("--prefix", default="md2")
     args = ap.parse_args(argv)
+    folder = _results_folder()
+    if args.out is None:
+        args.out = folder / "scaleout"
+    if args.targets is None and folder.name != "cpu":
+        args.targets = folder / "targets.json"
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "scaleout.json"
     data = json.loads(path.read_text()) if path.exists() else {}
