@@ -34,6 +34,7 @@ from vlm_server.devices import resolve_device
 from vlm_server.options.table import ServerConfig
 from vlm_server.server.engines import configure_process, engine_factory
 from vlm_server.server.lifecycle import VisionLanguageServer
+from vlm_server.server.memory import freeze
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,11 @@ class VisionLanguageReplica:
         self.server = VisionLanguageServer(config, engine_factory(config))
         await self.server.start()
         await self.server.wait_ready()
+        # As vlm serve does once the model is loaded (server/main.py).
+        freeze()  # later collections skip the model's objects
+        warm = getattr(self.server.engine, "warm_constraints", None)  # an in-process engine's
+        if warm is not None:
+            warm()
         limit = config.max_message_bytes
         self._channel = grpc.aio.insecure_channel(
             f"127.0.0.1:{self.server.port}",
