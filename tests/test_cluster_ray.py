@@ -31,6 +31,7 @@ from ray import serve
 from image_pipeline import sample_image_bytes
 from tests.http_support import data_url, events, post, post_json
 from vlm_server.client import TextDelta, TextResult, VisionLanguageClient
+from vlm_server.client.security import Security
 from vlm_server.client.types import VlmError
 from vlm_server.cluster.app import APP_NAME, SERVICER, application
 from vlm_server.cluster.directory import metrics_endpoints
@@ -40,6 +41,8 @@ from vlm_server.options.table import ServerConfig
 
 HANG_GUARD_S = 120.0  # only a broken run waits this long
 BODY_LIMIT = 2 << 20
+KEY = "cluster-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 LONG_TOKENS = 700  # a stream of seconds on the tiny model (within its context)
 
 
@@ -60,8 +63,10 @@ class Cluster:
         self.target = f"127.0.0.1:{grpc_port}"
         self.url = f"http://127.0.0.1:{http_port}"
 
-    def client(self) -> VisionLanguageClient:
-        return VisionLanguageClient(self.target, timeout=HANG_GUARD_S)
+    def client(self, key: str | None = KEY) -> VisionLanguageClient:
+        return VisionLanguageClient(
+            self.target, timeout=HANG_GUARD_S, security=Security(api_key=key)
+        )
 
     def metrics(self) -> dict[str, str]:
         return scrape_all(metrics_endpoints(APP_NAME))
@@ -82,6 +87,7 @@ def cluster(tiny_dir: Path) -> Iterator[Cluster]:
             dtype="fp32",
             grace_period=60,
             max_http_body_bytes=BODY_LIMIT,
+            api_keys=(KEY,),  # checked by each replica's server, as by one server alone
         )
         replicas = ClusterConfig(replicas=2, gpus_per_replica=0, cpus_per_replica=0.5)
         serve.run(application(replicas, server), name=APP_NAME, route_prefix="/")
@@ -111,7 +117,10 @@ def test_every_rpc_through_the_grpc_proxy(cluster: Cluster) -> None:
             asked = health_pb2.HealthCheckRequest(service="vlm.v1.VisionLanguage")
             answer = health_pb2_grpc.HealthStub(channel).Check(asked, timeout=HANG_GUARD_S)
             assert answer.status == health_pb2.HealthCheckResponse.SERVING
-        # The server's own errors come through with their code and field.
+        # The server's own errors come through with their code and field; so do its keys.
+        with cluster.client(key=None) as stranger, pytest.raises(VlmError) as err:
+            stranger.model_info()
+        assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
         with pytest.raises(VlmError) as err:
             client.detect(b"not a picture", "ball")
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -120,18 +129,25 @@ def test_every_rpc_through_the_grpc_proxy(cluster: Cluster) -> None:
 def test_every_http_route_through_the_http_proxy(cluster: Cluster) -> None:
     url, picture = cluster.url, data_url(sample_image_bytes())
     few = {"max_tokens": 6}
-    status, body = post_json(f"{url}/v1/caption", {"image_url": picture, "settings": few})
+    status, body = post_json(f"{url}/v1/caption", {"image_url": picture}, headers={})
+    assert status == 401, body
+    status, body = post_json(
+        f"{url}/v1/caption", {"image_url": picture, "settings": few}, headers=AUTH
+    )
     assert status == 200 and "caption" in body
     status, _, raw = post(
         f"{url}/v1/query",
         {"image_url": picture, "question": "hi", "stream": True, "settings": few},
+        headers=AUTH,
     )
     sse = events(raw)
     assert status == 200 and sse[-1]["completed"] is True
     for task in ("point", "detect"):
-        status, body = post_json(f"{url}/v1/{task}", {"image_url": picture, "object": "ball"})
+        body = {"image_url": picture, "object": "ball"}
+        status, body = post_json(f"{url}/v1/{task}", body, headers=AUTH)
         assert status == 200, body
-    status, body = post_json(f"{url}/v1/segment", {"image_url": picture, "object": "ball"})
+    body = {"image_url": picture, "object": "ball"}
+    status, body = post_json(f"{url}/v1/segment", body, headers=AUTH)
     assert status == 200 and "path" in body
     chat = {
         "model": "moondream",
@@ -139,14 +155,15 @@ def test_every_http_route_through_the_http_proxy(cluster: Cluster) -> None:
         "stream": True,
         "messages": [{"role": "user", "content": "hello"}],
     }
-    status, _, raw = post(f"{url}/v1/chat/completions", chat)
+    status, _, raw = post(f"{url}/v1/chat/completions", chat, headers=AUTH)
     assert status == 200 and events(raw)[-1] == "[DONE]"
-    status, body = post_json(f"{url}/v1/query", {"question": 7})
+    status, body = post_json(f"{url}/v1/query", {"question": 7}, headers=AUTH)
     assert status == 400 and body["error"]["field"] == "question", body
-    status, body = post_json(f"{url}/v1/query", {"question": "x" * BODY_LIMIT})
+    status, body = post_json(f"{url}/v1/query", {"question": "x" * BODY_LIMIT}, headers=AUTH)
     assert status == 413 and body["error"]["code"] == "RESOURCE_EXHAUSTED", body
     for path in ("/v1/models", "/openapi.json", "/health", "/ready"):
-        with urllib.request.urlopen(url + path, timeout=60) as r:
+        request = urllib.request.Request(url + path, headers=AUTH)
+        with urllib.request.urlopen(request, timeout=60) as r:
             assert r.status == 200, path
             if path == "/v1/models":
                 assert json.loads(r.read())["data"]

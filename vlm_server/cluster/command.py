@@ -25,6 +25,7 @@ from vlm_server.options.command_line import add_options, build_parser, config_fr
 from vlm_server.options.table import ServerConfig
 
 log = logging.getLogger("vlm_server.cluster")
+_LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 def parse(argv: Sequence[str] | None, environ: dict[str, str] | None = None):
@@ -108,6 +109,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         json.dump(serve_config(cluster, server), sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
+    if not (server.api_keys or server.api_keys_file) and server.host not in _LOOPBACK:
+        log.warning(
+            "no API keys: anyone who can reach %s:%d may call (see --api-keys-file)",
+            server.host,
+            server.port,
+        )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
