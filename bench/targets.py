@@ -13,6 +13,7 @@ run updates only its own rows; the others stay as they were):
     image_bench.json   python -m bench.image_bench        host CPU and SM time per picture
     tower.json         python -m bench.tower_probe --json  vision tower, bf16 and FP8
     arrival_itl.json   python -m bench.arrival_itl        step gaps while new images arrive
+    scaleout.json      python -m bench.scaleout           replicas on Ray Serve (vlm cluster)
 
 A row is ``{"name", "value", "unit", "target", "met", "commit", "flags"}``: ``target`` is a
 bound as text ("<= 30", ">= 60") or null where none is stated; ``met`` says whether the value
@@ -50,6 +51,10 @@ TARGETS: dict[str, tuple[str, str | None]] = {
     "image.4000x3000.gpu_sm_ms": ("ms", "<= 3"),
     "tower.crops9.bf16_ms": ("ms", "<= 11"),
     "tower.crops9.fp8_ms": ("ms", "<= 11"),
+    "scaleout.query3.unique.c128.speedup_2gpu": ("x", ">= 1.9"),
+    "scaleout.query3.affinity.hit_rate": ("", ">= 0.9"),
+    "scaleout.query3.affinity.speedup_2gpu": ("x", ">= 1.9"),
+    "scaleout.query3.unique.c1.p50_ratio": ("x", "<= 1.10"),
 }
 
 # load_gen rows: (scenario, concurrency, key) -> row name.
@@ -199,12 +204,20 @@ def arrival_rows(d: dict[str, Any], prefix: str, commit: str | None) -> list[Row
     return [make_row(prefix, name, value, commit, server_flags(d.get("server_args") or []))]
 
 
+def scaleout_rows(d: dict[str, Any], prefix: str, commit: str | None) -> list[Row]:
+    """Replicas on Ray Serve: 2-GPU speedups, affinity hit rate, the cluster's c1 p50 ratio."""
+    from bench.scaleout import rows  # it imports this module
+
+    return rows(d, prefix, commit)
+
+
 SOURCES = {
     "step_bench.json": step_rows,
     "load_gen.json": load_rows,
     "image_bench.json": image_rows,
     "tower.json": tower_rows,
     "arrival_itl.json": arrival_rows,
+    "scaleout.json": scaleout_rows,
 }
 
 

@@ -44,6 +44,7 @@ LAYERS = {
     "vlm_server.rpc": 8,  # the gRPC door
     "vlm_server.http": 8,  # the HTTP door (neither door imports the other)
     "vlm_server.server": 9,  # the process: both doors, health, metrics, memory, drain
+    "vlm_server.cluster": 10,  # replicas of the server on Ray Serve, and their router
     "vlm_server.cli": 10,
 }
 

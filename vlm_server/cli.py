@@ -1,5 +1,5 @@
-"""Command line: ``vlm serve`` (the gRPC server), ``vlm run TASK IMAGE ...`` on the reference
-path, ``vlm make-checkpoint``."""
+"""Command line: ``vlm serve`` (the gRPC server), ``vlm cluster`` (replicas on Ray Serve),
+``vlm run TASK IMAGE ...`` on the reference path, ``vlm make-checkpoint``."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vlm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="start the gRPC server (vlm serve --help for its flags)")
+    sub.add_parser("cluster", help="serve on Ray Serve, one replica per GPU (vlm cluster --help)")
 
     run = sub.add_parser("run", help="run one task on one image (reference path)")
     run.add_argument("task", choices=["caption", "query", "point", "detect"])
@@ -142,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         from vlm_server.server.main import main as serve
 
         return serve(argv[1:], prog="vlm serve")
+    if argv[:1] == ["cluster"]:  # needs the ray extra: pip install -e '.[cluster]'
+        from vlm_server.cluster.command import main as cluster
+
+        return cluster(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     # Checked as vlm serve checks them; vlm run reads no VLM_* variables.

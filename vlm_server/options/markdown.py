@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from vlm_server.options.spec import Group
+from vlm_server.options.cluster import CLUSTER_OPTIONS
+from vlm_server.options.spec import Group, Option
 from vlm_server.options.table import OPTIONS
 
 COMMAND = "python -m vlm_server.options --markdown > docs/configuration.md"
@@ -23,15 +24,32 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+_CLUSTER = """
+## Cluster
+
+`vlm cluster` (Ray Serve, [deployment.md](deployment.md#many-gpus-and-hosts-ray-serve)) takes
+every option above, for each replica (its ports are the cluster's: `--port` and `--http-port`
+are Ray Serve's gRPC and HTTP proxies), and these:
+
+"""
+
+_TABLE_HEAD = "| Flag | Environment variable | Default | Meaning |\n|---|---|---|---|\n"
+
+
+def _rows(options: tuple[Option, ...] | list[Option]) -> str:
+    rows = []
+    for opt in options:
+        meaning = _cell(opt.help + opt.choices_text)
+        default = _cell(opt.shown_default)
+        rows.append(f"| `{opt.flag}` | `{opt.env}` | `{default}` | {meaning} |\n")
+    return "".join(rows)
+
+
 def render() -> str:
     """The whole document."""
     parts = [_HEAD]
     for group in Group:
         parts.append(f"\n## {group.title}\n\n{group.description}\n\n")
-        parts.append("| Flag | Environment variable | Default | Meaning |\n|---|---|---|---|\n")
-        for opt in OPTIONS:
-            if opt.group is group:
-                meaning = _cell(opt.help + opt.choices_text)
-                default = _cell(opt.shown_default)
-                parts.append(f"| `{opt.flag}` | `{opt.env}` | `{default}` | {meaning} |\n")
+        parts.append(_TABLE_HEAD + _rows([opt for opt in OPTIONS if opt.group is group]))
+    parts.append(_CLUSTER + _TABLE_HEAD + _rows(CLUSTER_OPTIONS))
     return "".join(parts)

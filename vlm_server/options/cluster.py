@@ -1,0 +1,59 @@
+"""The options of ``vlm cluster`` beyond the server's own: how many replicas, where Ray is,
+what each replica holds, and how requests are routed to them. Same conventions as the server's
+table (``--replicas 2`` or ``VLM_REPLICAS=2``); docs/configuration.md lists them too."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vlm_server.options.spec import Group, option, options_of
+
+G = Group
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Settings of the Ray Serve application (``vlm cluster``); each field is an option."""
+
+    replicas: int = option(1, G.SERVING, "replicas (one engine each; one per GPU)")
+    max_replicas: int = option(
+        0,
+        G.SERVING,
+        "autoscale between --replicas and this many on queued requests (0 = a fixed number)",
+    )
+    ray_address: str | None = option(
+        None,
+        G.SERVING,
+        "Ray cluster to join (auto: the one this machine is part of; default: start one here)",
+    )
+    gpus_per_replica: float = option(
+        -1.0, G.PERFORMANCE, "GPUs each replica reserves (-1: 1 where CUDA is present, else 0)"
+    )
+    cpus_per_replica: float = option(1.0, G.PERFORMANCE, "CPUs each replica reserves")
+    max_ongoing_requests: int = option(
+        512,
+        G.PERFORMANCE,
+        "requests a replica takes at once; more wait in Ray's proxy (the engine's own queue "
+        "applies behind it)",
+    )
+    affinity_load_factor: float = option(
+        1.25,
+        G.PERFORMANCE,
+        "a request goes to its image's replica unless that replica holds more than this times "
+        "the mean load; then to the next on the ring (>= 1; 1: balance first)",
+    )
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError("replicas must be >= 1")
+        if self.max_replicas and self.max_replicas < self.replicas:
+            raise ValueError("max_replicas must be 0 or >= replicas")
+        if self.max_ongoing_requests < 1:
+            raise ValueError("max_ongoing_requests must be >= 1")
+        if self.affinity_load_factor < 1.0:
+            raise ValueError("affinity_load_factor must be >= 1")
+        if self.cpus_per_replica < 0:
+            raise ValueError("cpus_per_replica must be >= 0")
+
+
+CLUSTER_OPTIONS = options_of(ClusterConfig)
