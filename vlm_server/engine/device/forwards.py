@@ -20,6 +20,7 @@ from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.observer import Observer
 from vlm_server.engine.core.sequence import Sequence
 from vlm_server.engine.core.step_plan import HELD, N_TOK, T_ID, T_POS, T_ROW, StepPlan, pack_tokens
+from vlm_server.engine.device.adapter_rows import AdapterRows
 from vlm_server.engine.device.buffers import SlotBuffers, StepBuffers, copy_rows
 from vlm_server.engine.device.graphs import GraphSet, bucket, graph_buckets, token_buckets
 from vlm_server.engine.device.kv_pool import KVPool
@@ -38,8 +39,10 @@ class StepForwards:
         pool: KVPool,
         buffers: StepBuffers,
         observer: Observer,
+        adapters: AdapterRows | None = None,
     ) -> None:
         self.dev, self.entry, self.pool, self.buffers = dev, entry, pool, buffers
+        self.adapters = adapters  # each row's adapter slot; None: adapters are off
         self.observer = observer
         self.page_size = cfg.page_size
         self.max_step_tokens = cfg.max_step_tokens
@@ -93,7 +96,8 @@ class StepForwards:
         rows, pos = buf.launch_dev[:n, 0], buf.launch_dev[:n, 1:2]
         kv = self.pool.decode_view(rows, n_blocks)
         x = self.buffers.next_embed[rows][:, None]
-        buf.hidden[:n] = self.entry.text_forward(x, pos, kv)[:, -1]
+        lora = self.adapters.for_rows(rows) if self.adapters else None
+        buf.hidden[:n] = self.entry.text_forward(x, pos, kv, lora)[:, -1]
 
     def bucket(self, b: int) -> int:
         """The batch bucket of ``b`` rows (also the sampling graphs')."""
@@ -144,6 +148,8 @@ class StepForwards:
                     tails.append((prefix.tail_page, seqs[i].own_pages[0]))
         lay, pad_row = self.buffers.mixed_layout, self.buffers.pad_row
         values = lay.pack(self.mixed_scratch, tokens, last, tails, n, pad_row)
+        if self.adapters:  # a new sequence's first step: its row's adapter goes up first
+            self.adapters.sync_rows(slot, seqs)
         self._send_inputs(slot, buf.mixed_host, buf.mixed_dev, values, block_rows)
         if after is not None:  # held rows of a prefix batch still running: a device wait
             dev.wait(dev.compute_stream, after)
@@ -201,13 +207,14 @@ class StepForwards:
         next_embed = self.buffers.next_embed
         x = torch.where((ids < 0)[:, None], next_embed[rows], entry.embed(ids.clamp(min=0)))
         x = x.to(entry.dtype)
+        lora = self.adapters.for_rows(rows) if self.adapters else None
         if self.pool.use_triton:
             tiles = buf.mixed_dev[lay.tiles_at(n) : lay.size(n)].view(-1, 2)
             kv = self.pool.token_view(rows, tiles, lay.tile_tokens)
-            h = entry.text_forward(x[:, None], pos[:, None], kv)[:, 0]
+            h = entry.text_forward(x[:, None], pos[:, None], kv, lora)[:, 0]
         else:
             kv = self.pool.ragged_view(rows, n_blocks)
-            h = entry.text_forward(x[None], pos[None], kv)[0]
+            h = entry.text_forward(x[None], pos[None], kv, lora)[0]
         # Rows without a token here (-1) sample nothing: any row's state will do. Held rows
         # take what their prefix batch left.
         held = self._held_states(last)
