@@ -239,6 +239,10 @@ class BatchedEngine:
         # Finetune adapters (engine/adapters.py), when the config and the family take them.
         bank = self.runtime.adapter_bank
         self.adapters = AdapterManager(self.cfg, bank) if bank is not None else None
+        if bank is not None:
+            self.info = dataclasses.replace(
+                self.info, max_adapters=bank.n_slots, max_adapter_rank=bank.max_rank
+            )
         # Requests naming an adapter are built here: a load (file, download, a wait for a
         # slot) blocks one of these threads, not the event loop nor other requests.
         self.adapter_threads = ThreadPoolExecutor(
@@ -289,6 +293,8 @@ class BatchedEngine:
     def stats(self) -> EngineStats:
         stats = self.scheduler.stats()  # plain counters: a racy read is fine for metrics
         stats.queue_depth += len(self._inbox)
+        if self.adapters is not None:
+            stats.adapters = tuple(self.adapters.loaded())
         return stats
 
     def failure(self) -> str | None:

@@ -85,6 +85,8 @@ class Limits:
             "max_choices": info.max_choices,
             "max_choice_chars": info.max_choice_chars,
             "max_regex_chars": info.max_regex_chars,
+            "max_adapters": info.max_adapters,
+            "max_adapter_rank": info.max_adapter_rank,
         }
 
 
