@@ -22,7 +22,8 @@ from vlm_server.engine.api import (
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.interface import LoadedModel
-from vlm_server.models.lora import files
+from vlm_server.models.lora import bank, files
+from vlm_server.models.lora.bank import exact_lora
 from vlm_server.models.lora.writer import write_random
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
 
@@ -128,17 +129,38 @@ def test_an_adapter_request_equals_the_reference(
     assert want != base  # the adapter changes the answer
 
 
+# default: prompts ride their image's prefix batch; chunked: prompts split over mixed steps
+# beside decode rows, none riding.
+BUDGETS = {"default": {}, "chunked": {"max_step_tokens": 11, "prefix_prompt_tokens": 0}}
+
+
+@pytest.mark.parametrize("budget", list(BUDGETS))
 @pytest.mark.parametrize("depth", [1, 2])
 def test_a_mixed_batch_equals_each_request_alone(
-    tiny: LoadedModel, adapter_dir: Path, images: list[PreparedImage], depth: int
+    tiny: LoadedModel,
+    adapter_dir: Path,
+    images: list[PreparedImage],
+    depth: int,
+    budget: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Rows without an adapter, with alpha, beta and delta share forwards (decode steps,
+    mixed steps, prefix batches); each answer is the reference's for its adapter alone."""
+    seen: list[set[int]] = []
+
+    def watched(x, a, b, index, ranks):  # type: ignore[no-untyped-def]
+        seen.append(set(index.tolist()))
+        return exact_lora(x, a, b, index, ranks)
+
+    monkeypatch.setattr(bank, "exact_lora", watched)
     names = [None, "alpha", "beta", None, "beta", "alpha", "delta@12"]
     reqs = _requests(images, names)
-    *texts, engine = _run(tiny, adapter_dir, reqs, pipeline_depth=depth)
+    *texts, engine = _run(tiny, adapter_dir, reqs, pipeline_depth=depth, **BUDGETS[budget])
     refs = {n: _reference(tiny, adapter_dir, n) for n in set(names)}
     for req, text in zip(reqs, texts, strict=True):
         assert text == _want(refs[req.adapter], req), (req.request_id, req.adapter)
     assert engine.adapters.slots.pins == [0] * engine.cfg.max_adapters
+    assert max(len(slots) for slots in seen) >= 3  # none, and two adapters, in one forward
 
 
 def test_image_prefixes_are_keyed_by_image_and_adapter(
