@@ -13,6 +13,7 @@ run updates only its own rows; the others stay as they were):
     image_bench.json   python -m bench.image_bench        host CPU and SM time per picture
     tower.json         python -m bench.tower_probe --json  vision tower, bf16 and FP8
     arrival_itl.json   python -m bench.arrival_itl        step gaps while new images arrive
+    lora_bench.json    python -m bench.lora_bench         finetune adapters: period, load gaps
 
 A row is ``{"name", "value", "unit", "target", "met", "commit", "flags"}``: ``target`` is a
 bound as text ("<= 30", ">= 60") or null where none is stated; ``met`` says whether the value
@@ -49,6 +50,11 @@ TARGETS: dict[str, tuple[str, str | None]] = {
     "image.4000x3000.gpu_sm_ms": ("ms", "<= 3"),
     "tower.crops9.bf16_ms": ("ms", "<= 11"),
     "tower.crops9.fp8_ms": ("ms", "<= 11"),
+    # Finetune adapters: the decode period of 32 captions over 8 rank-32 adapters over that
+    # of a server without adapters; the step-gap p99 while new adapters load over the p50
+    # before (16 captions streaming). No bound stated yet.
+    "lora8.period_ratio.s32": ("x", None),
+    "lora.load_gap_ratio": ("x", None),
 }
 
 # load_gen rows: (scenario, concurrency, key) -> row name.
@@ -197,12 +203,25 @@ def arrival_rows(d: dict[str, Any], prefix: str, commit: str | None) -> list[Row
     return [make_row(prefix, name, value, commit, server_flags(d.get("server_args") or []))]
 
 
+def lora_rows(d: dict[str, Any], prefix: str, commit: str | None) -> list[Row]:
+    """Finetune adapters: the period ratio (at the stream and adapter counts run) and the
+    load gap ratio."""
+    settings = d.get("settings") or {}
+    if settings.get("rank") != 32:  # the rows stand for rank-32 adapters
+        return []
+    name = f"lora{settings.get('adapters')}.period_ratio.s{settings.get('streams')}"
+    rows = [make_row(prefix, name, d.get("period_ratio"), commit, "")]
+    gap = (d.get("load_gap") or {}).get("ratio")
+    return [*rows, make_row(prefix, "lora.load_gap_ratio", gap, commit, "")]
+
+
 SOURCES = {
     "step_bench.json": step_rows,
     "load_gen.json": load_rows,
     "image_bench.json": image_rows,
     "tower.json": tower_rows,
     "arrival_itl.json": arrival_rows,
+    "lora_bench.json": lora_rows,
 }
 
 

@@ -18,7 +18,11 @@ _TRAINING = {
 
 
 def random_state(
-    targets: LoraTargets, rank: int, seed: int = 0, scale: float = 0.05
+    targets: LoraTargets,
+    rank: int,
+    seed: int = 0,
+    scale: float = 0.05,
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, torch.Tensor]:
     """A random adapter of ``rank`` on every target, under the training code's key names."""
     g = torch.Generator().manual_seed(seed)
@@ -26,16 +30,22 @@ def random_state(
     for layer in range(targets.n_layers):
         for target, (n_in, n_out) in targets.targets.items():
             key = f"text_model.transformer.h.{layer}.{_TRAINING[target]}.parametrizations.weight.0"
-            out[f"{key}.A"] = torch.randn(rank, n_in, generator=g) * scale
-            out[f"{key}.B"] = torch.randn(n_out, rank, generator=g) * scale
+            out[f"{key}.A"] = (torch.randn(rank, n_in, generator=g) * scale).to(dtype)
+            out[f"{key}.B"] = (torch.randn(n_out, rank, generator=g) * scale).to(dtype)
     return out
 
 
 def write_random(
-    folder: Path, name: str, targets: LoraTargets, rank: int, seed: int = 0, scale: float = 0.05
+    folder: Path,
+    name: str,
+    targets: LoraTargets,
+    rank: int,
+    seed: int = 0,
+    scale: float = 0.05,
+    dtype: torch.dtype = torch.float32,
 ) -> Path:
     """``<folder>/<name>/final.pt``, where the reference caches a downloaded finetune."""
     path = Path(folder) / name / "final.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(random_state(targets, rank, seed, scale), path)
+    torch.save(random_state(targets, rank, seed, scale, dtype), path)
     return path
