@@ -20,6 +20,8 @@ changed, which go up in one copy ahead of the step's inputs.
     prefill.py      image prefixes on the prefill lanes (image path, BOS + image forward,
                     riding prompts, their graphs); crops.py makes an image's crops
     sampler.py      finalize: masks, sampling, region values, next inputs, outputs to host
+    adapter_rows.py each row's (and prefix job's) adapter slot, and the stacked adapter
+                    weights the forwards read (only with adapters on)
     graphs.py       graph sets and the buckets they are captured for
 
 All stream, event, copy and pinned-buffer work goes through a `Device`
