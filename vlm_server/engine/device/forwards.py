@@ -69,11 +69,15 @@ class StepForwards:
         n_blocks = int(host[:b, 1].max()) // self.page_size + 1
         self._send_inputs(slot, buf.launch_host, buf.launch_dev, host[:n], block_rows)
         block_dev, next_embed = self.pool.block_dev, self.buffers.next_embed
+        adapters = self.adapters
 
         def access() -> tuple[list, list]:
             # Host numpy only, and only the fake device calls it: no device sync here.
             rows = host[:b, 0].tolist()
-            return [buf.launch_dev, (block_dev, rows), (next_embed, rows)], [buf.hidden]
+            reads = [buf.launch_dev, (block_dev, rows), (next_embed, rows)]
+            if adapters is not None:
+                reads.append((adapters.row_slot, rows))
+            return reads, [buf.hidden]
 
         dev.kernel(
             dev.compute_stream,
@@ -166,6 +170,8 @@ class StepForwards:
                 (pool.kv, prefix_pages),
                 (bufs.held, held_rows),
             ]
+            if self.adapters is not None:
+                reads.append((self.adapters.row_slot, rows))
             return reads, [buf.hidden]
 
         dev.kernel(

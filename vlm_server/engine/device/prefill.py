@@ -199,7 +199,7 @@ class Prefill:
             f"image prefixes {i}",
             partial(self._image_prefixes, i, jobs, p, n_tails, lane),
             lambda: (
-                [slot.pages_dev, slot.prompt_dev],
+                [slot.pages_dev, slot.prompt_dev, *self._adapter_reads(i)],
                 [(kv, sorted(set(written))), (held, held_rows), self.prefix_emb],
             ),
         )
@@ -207,6 +207,9 @@ class Prefill:
         if len(self.lanes) > 1:
             dev.record(self.lane_done, stream)
         return slot.done
+
+    def _adapter_reads(self, i: int) -> list[torch.Tensor]:
+        return [self.adapters.job_dev[i]] if self.adapters is not None else []
 
     def _send_prompts(
         self, i: int, jobs: list[PrefixJob], stream: object
