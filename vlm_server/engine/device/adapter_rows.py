@@ -25,10 +25,16 @@ from vlm_server.models.lora.bank import LoraBank, LoraBatch
 
 class AdapterRows:
     def __init__(
-        self, dev: Device, bank: LoraBank, rows: int, prefix_slots: int, max_jobs: int
+        self,
+        dev: Device,
+        bank: LoraBank,
+        rows: int,
+        prefix_slots: int,
+        max_jobs: int,
+        prefix_len: int,
     ) -> None:
-        """``rows``: the scheduler's rows plus the pad row."""
-        self.dev, self.bank = dev, bank
+        """``rows``: the scheduler's rows plus the pad row; ``prefix_len``: BOS + image."""
+        self.dev, self.bank, self.prefix_len = dev, bank, prefix_len
         device = bank.device
         self.row_slot = dev.buffer(
             "adapter.row_slot", torch.full((rows,), -1, dtype=torch.int32, device=device)
@@ -99,4 +105,6 @@ class AdapterRows:
         index = jobs[image_of_token]
         if prompt_jobs is not None:
             index = torch.cat([index, jobs[prompt_jobs]])
-        return LoraBatch(self.bank, index)
+        # Each image's tokens are one run of its job's slot: batched products on CUDA.
+        k = image_of_token.shape[0] // self.prefix_len
+        return LoraBatch(self.bank, index, (jobs[:k], self.prefix_len))

@@ -110,7 +110,12 @@ class ModelRuntime:
         self.adapter_bank = adapter_bank(entry, cfg)
         self.adapters = (
             AdapterRows(
-                dev, self.adapter_bank, cfg.max_rows + 1, cfg.prefill_batches, cfg.max_prefill_batch
+                dev,
+                self.adapter_bank,
+                cfg.max_rows + 1,
+                cfg.prefill_batches,
+                cfg.max_prefill_batch,
+                entry.image_prefix_len,
             )
             if self.adapter_bank is not None
             else None

@@ -75,10 +75,18 @@ class LoraBank:
 
 class LoraBatch:
     """The bank and each token's slot (``index`` [T] int32, in the forward's token order;
-    -1: none) for one forward."""
+    -1: none) for one forward. ``segments`` (slots [k], length): the first ``k * length``
+    tokens are ``k`` runs of ``length`` tokens, run ``j`` all with slot ``slots[j]`` (a batch
+    of image prefixes): on CUDA those run as two batched matrix products over each run's
+    gathered weights instead of per token."""
 
-    def __init__(self, bank: LoraBank, index: torch.Tensor) -> None:
-        self.bank, self.index = bank, index
+    def __init__(
+        self,
+        bank: LoraBank,
+        index: torch.Tensor,
+        segments: tuple[torch.Tensor, int] | None = None,
+    ) -> None:
+        self.bank, self.index, self.segments = bank, index, segments
 
     def delta(self, layer: int, target: str, x: torch.Tensor) -> torch.Tensor | None:
         bank = self.bank
@@ -86,16 +94,42 @@ class LoraBatch:
             return None
         flat = x.reshape(-1, x.shape[-1])
         a, b = bank.a[target][:, layer], bank.b[target][:, layer]
-        if flat.is_cuda:
-            from vlm_server.models.common import lora_kernel
-
-            if lora_kernel.AVAILABLE:
-                y = lora_kernel.grouped_lora(flat, a, b, self.index)
-            else:
-                y = masked_lora(flat, a, b, self.index)
-        else:
+        if not flat.is_cuda:
             y = exact_lora(flat, a, b, self.index, bank.ranks)
+        elif self.segments is not None:
+            slots, length = self.segments
+            n = slots.shape[0] * length
+            head = segmented_lora(flat[:n], a, b, slots, length)
+            tail = per_token(flat[n:], a, b, self.index[n:]) if flat.shape[0] > n else None
+            y = head if tail is None else torch.cat([head, tail])
+        else:
+            y = per_token(flat, a, b, self.index)
         return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def per_token(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, index: torch.Tensor
+) -> torch.Tensor:
+    """The grouped Triton kernel where Triton is, else the masked PyTorch products."""
+    from vlm_server.models.common import lora_kernel
+
+    if lora_kernel.AVAILABLE:
+        return lora_kernel.grouped_lora(x, a, b, index)
+    return masked_lora(x, a, b, index)
+
+
+def segmented_lora(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, length: int
+) -> torch.Tensor:
+    """``x`` [k * length, in] in ``k`` runs, run ``j`` with slot ``slots[j]`` (-1: none):
+    each run's weights gathered (small: [r, in] and [out, r]), then two batched products.
+    No host sync (capturable)."""
+    k = slots.shape[0]
+    pick = slots.clamp(min=0).long()
+    v = torch.bmm(x.view(k, length, -1), a[pick].transpose(1, 2))
+    y = torch.bmm(v, b[pick].transpose(1, 2))
+    y = y * (slots >= 0).to(y.dtype)[:, None, None]
+    return y.view(k * length, -1)
 
 
 def exact_lora(
