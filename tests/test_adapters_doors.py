@@ -9,6 +9,7 @@ import base64
 import http.server
 import io
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -24,6 +25,7 @@ from tests.http_support import data_url, moondream_client, post_json
 from tests.support.service_harness import ServerThread, local_config
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
+from vlm_server.client import VisionLanguageClient, VlmError
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.interface import LoadedModel
@@ -31,6 +33,7 @@ from vlm_server.models.lora import files
 from vlm_server.models.lora.store import AdapterStore
 from vlm_server.models.lora.writer import random_state, write_random
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
+from vlm_server.server.engines import engine_factory
 
 MIB = 1 << 20
 RANK = 4
@@ -221,3 +224,42 @@ def test_safetensors_and_plain_pt_layouts_read_alike(tiny: LoadedModel, tmp_path
     for w in loaded[1:]:
         for la, lb in zip(loaded[0].pairs, w.pairs, strict=True):
             assert all(torch.equal(la[t][i], lb[t][i]) for t in la for i in (0, 1))
+
+
+def test_adapters_through_the_engine_process(
+    tiny: LoadedModel, tiny_dir: Path, folder: Path, sample_image: PreparedImage
+) -> None:
+    """The server's flags reach an engine in its own process: the adapter is loaded there
+    (on its adapter threads), listed by GetModelInfo, and its errors cross with their field."""
+    config = local_config(
+        model=str(tiny_dir),
+        device="cpu",
+        dtype="fp32",
+        kv_budget_bytes=16 * MIB,
+        max_batch_size=4,
+        engine_process="on",
+        adapters_dir=str(folder),
+        max_adapter_rank=RANK,
+        max_adapters=2,
+    )
+    want = _reference(tiny, folder / "local" / "final.pt", "local")
+    with (
+        ServerThread(config, engine_factory(config)) as server,
+        VisionLanguageClient(server.target, timeout=60) as client,
+    ):
+        got = client.caption(sample_image_bytes(), temperature=0, max_tokens=8, adapter="local")
+        assert got.text == want.caption(sample_image, "normal", GREEDY).text
+        with pytest.raises(VlmError) as err:
+            client.caption(sample_image_bytes(), max_tokens=4, adapter="missing")
+        assert err.value.field == "settings.adapter"
+        assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT
+        with grpc.insecure_channel(server.target) as channel:
+            stub = pb_grpc.VisionLanguageStub(channel)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # the engine process reports a few times a second
+                info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+                if info.adapters:
+                    break
+                time.sleep(0.1)
+            assert [(a.id, a.rank) for a in info.adapters] == [("local", RANK)]
+            assert info.limits.max_adapters == 2
