@@ -39,6 +39,7 @@ MIB = 1 << 20
 RANK = 4
 KEY = "secret-key"
 GREEDY = SamplingSettings(temperature=0.0, max_tokens=8)
+SLOW_S = 2.0  # how long the stand-in endpoint takes to answer for a "slow..." finetune
 
 
 class _Variants(http.server.BaseHTTPRequestHandler):
@@ -50,6 +51,8 @@ class _Variants(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         self.seen.append((self.path, self.headers.get("X-Moondream-Auth")))
         name = self.path.removeprefix("/v1/variants/").removesuffix("/download")
+        if name.startswith("slow"):
+            time.sleep(SLOW_S)
         if self.headers.get("X-Moondream-Auth") != KEY:
             self.send_error(401)
         elif name not in self.blobs:
@@ -69,7 +72,11 @@ class _Variants(http.server.BaseHTTPRequestHandler):
 def endpoint(tiny: LoadedModel) -> Iterator[str]:
     buf = io.BytesIO()
     torch.save(random_state(tiny.model.text.lora_targets, RANK, seed=3, scale=0.3), buf)
-    _Variants.blobs = {"ft1@100": buf.getvalue(), "junk@1": b"not a checkpoint"}
+    _Variants.blobs = {
+        "ft1@100": buf.getvalue(),
+        "slow@7": buf.getvalue(),
+        "junk@1": b"not a checkpoint",
+    }
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Variants)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
@@ -263,3 +270,29 @@ def test_adapters_through_the_engine_process(
                 time.sleep(0.1)
             assert [(a.id, a.rank) for a in info.adapters] == [("local", RANK)]
             assert info.limits.max_adapters == 2
+
+
+def test_a_slow_download_delays_only_its_own_requests(server: ServerThread) -> None:
+    """Two requests for a finetune being downloaded share one download; a request for the
+    base model meanwhile is answered at once."""
+    url = f"{server.http_url}/caption"
+    image = data_url(sample_image_bytes())
+    slow_body = {"image_url": image, "model": "md/slow@7", "settings": {"max_tokens": 2}}
+    done: dict[str, float] = {}
+
+    def call(key: str, body: dict) -> None:
+        status, _ = post_json(url, body)
+        assert status == 200
+        done[key] = time.monotonic()
+
+    started = time.monotonic()
+    slow = [threading.Thread(target=call, args=(f"slow{i}", slow_body)) for i in range(2)]
+    for t in slow:
+        t.start()
+    time.sleep(0.3)  # both are waiting on the download now
+    call("base", {"image_url": image, "settings": {"max_tokens": 2}})
+    for t in slow:
+        t.join(30)
+    assert done["base"] - started < SLOW_S
+    assert min(done["slow0"], done["slow1"]) - started >= SLOW_S
+    assert [p for p, _ in _Variants.seen].count("/v1/variants/slow@7/download") == 1

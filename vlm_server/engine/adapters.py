@@ -79,8 +79,9 @@ class AdapterManager:
                 if other is None:
                     done = self._loading[name] = threading.Event()
                     break
-            # Another request loads it: wait for that, then pin it.
-            if not other.wait(max(0.0, deadline - time.monotonic())):
+            # Another request loads it (a download may take its whole time bound): wait for
+            # that, then pin it, or load it again if that load failed.
+            if not other.wait(self.store.timeout_s + self.wait_s):
                 raise self._exhausted(name)
         try:
             return self._load(name, deadline)
