@@ -5,6 +5,7 @@ eviction under pressure, and errors naming the field."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -193,13 +194,15 @@ def test_more_adapters_than_slots_evict_the_least_recently_used(
     assert slots.evictions >= 2 and slots.pins == [0, 0]
 
 
+@pytest.mark.parametrize("bound", ["adapter_wait_s", "deadline"])
 def test_a_request_that_waits_too_long_for_a_slot_is_refused(
-    tiny: LoadedModel, adapter_dir: Path, images: list[PreparedImage]
+    tiny: LoadedModel, adapter_dir: Path, images: list[PreparedImage], bound: str
 ) -> None:
+    """One slot, pinned by a long request: a request for another adapter waits, then is
+    refused: RESOURCE_EXHAUSTED past adapter_wait_s, DEADLINE_EXCEEDED past its deadline."""
     long = GenerationRequest(
         Task.CAPTION, images[0], temperature=0, max_tokens=200, adapter="alpha"
     )
-    late = GenerationRequest(Task.CAPTION, images[0], temperature=0, max_tokens=4, adapter="beta")
 
     async def run() -> BaseException | str:
         cfg = EngineConfig(
@@ -208,12 +211,16 @@ def test_a_request_that_waits_too_long_for_a_slot_is_refused(
             adapters_dir=str(adapter_dir),
             max_adapter_rank=RANK,
             max_adapters=1,
-            adapter_wait_s=0.05,
+            adapter_wait_s=0.05 if bound == "adapter_wait_s" else 30,
         )
         engine = BatchedEngine(tiny, cfg)
         await engine.start()
         try:
             stream = await engine.submit(long)
+            deadline = time.monotonic() + 0.05 if bound == "deadline" else None
+            late = GenerationRequest(
+                Task.CAPTION, images[0], max_tokens=4, adapter="beta", deadline=deadline
+            )
             try:
                 return await _text(engine, late)
             except EngineError as err:
@@ -223,10 +230,14 @@ def test_a_request_that_waits_too_long_for_a_slot_is_refused(
         finally:
             await engine.close()
 
+    started = time.monotonic()
     err = asyncio.run(run())
-    assert isinstance(err, EngineError)
-    assert err.code is ErrorCode.RESOURCE_EXHAUSTED and err.field == "adapter"
-    assert "max_adapters" in err.message
+    assert isinstance(err, EngineError) and err.field == "adapter"
+    assert time.monotonic() - started < 20
+    if bound == "deadline":
+        assert err.code is ErrorCode.DEADLINE_EXCEEDED
+    else:
+        assert err.code is ErrorCode.RESOURCE_EXHAUSTED and "max_adapters" in err.message
 
 
 @pytest.mark.parametrize(

@@ -66,10 +66,12 @@ class AdapterManager:
         with self._cv:
             return [(n, self.ranks.get(n, 0)) for n, _ in reversed(self.slots.resident())]
 
-    def acquire(self, name: str) -> int:
+    def acquire(self, name: str, until: float | None = None) -> int:
         """Pin a slot holding adapter ``name``, loading it first if needed; returns the slot.
-        Blocks; raises EngineError naming the adapter field."""
-        deadline = time.monotonic() + self.wait_s
+        Blocks, for a slot at most ``adapter_wait_s`` and never past ``until`` (the request's
+        deadline, ``time.monotonic()``); raises EngineError naming the adapter field."""
+        bound = time.monotonic() + self.wait_s
+        deadline = bound if until is None else min(bound, until)
         while True:
             with self._cv:
                 slot = self.slots.pin(name)
@@ -81,10 +83,12 @@ class AdapterManager:
                     break
             # Another request loads it (a download may take its whole time bound): wait for
             # that, then pin it, or load it again if that load failed.
-            if not other.wait(self.store.timeout_s + self.wait_s):
-                raise self._exhausted(name)
+            limit = bound + self.store.timeout_s
+            limit = limit if until is None else min(limit, until)
+            if not other.wait(max(0.0, limit - time.monotonic())):
+                raise self._timeout(name, until)
         try:
-            return self._load(name, deadline)
+            return self._load(name, deadline, until)
         finally:
             with self._cv:
                 self._loading.pop(name, None)
@@ -97,7 +101,7 @@ class AdapterManager:
             self.slots.unpin(slot)
             self._cv.notify_all()
 
-    def _load(self, name: str, deadline: float) -> int:
+    def _load(self, name: str, deadline: float, until: float | None) -> int:
         try:
             path = self.store.path(name)
             weights = files.load(path, self.bank.targets, self.max_rank, name)
@@ -109,7 +113,7 @@ class AdapterManager:
             while (slot := self.slots.claim()) is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise self._exhausted(name)
+                    raise self._timeout(name, until)
                 self._cv.wait(left)
         try:
             self._write(slot, staged, weights.rank)
@@ -134,6 +138,16 @@ class AdapterManager:
             done = torch.cuda.Event()
             done.record(self._stream)
         done.synchronize()
+
+    def _timeout(self, name: str, until: float | None) -> EngineError:
+        """The request's deadline passed (DEADLINE_EXCEEDED), else the wait bound."""
+        if until is not None and time.monotonic() >= until:
+            return EngineError(
+                ErrorCode.DEADLINE_EXCEEDED,
+                f"{FIELD}: the deadline passed while adapter {name!r} was being loaded",
+                FIELD,
+            )
+        return self._exhausted(name)
 
     def _exhausted(self, name: str) -> EngineError:
         return EngineError(

@@ -422,7 +422,7 @@ class BatchedEngine:
         release, slot = built.release, -1
         if req.adapter and self.adapters is not None:
             try:
-                slot = self.adapters.acquire(req.adapter)
+                slot = self.adapters.acquire(req.adapter, req.deadline)
             except BaseException:
                 built.release()
                 raise
