@@ -18,7 +18,7 @@ from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.interface import LoadedModel
 from vlm_server.models.lora import files
-from vlm_server.models.lora.bank import masked_lora
+from vlm_server.models.lora.bank import masked_lora, segmented_lora
 from vlm_server.models.lora.writer import write_random
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
 
@@ -59,6 +59,19 @@ def test_grouped_lora_kernel_matches_torch(dtype: torch.dtype, seed: int) -> Non
     want = _per_token(x, a, b, idx)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    # Added into a layer's output in place: rows without an adapter keep theirs exactly.
+    base = torch.randn(t, n, generator=g).to("cuda", dtype)
+    out = grouped_lora(x, a, b, idx, out=base.clone())
+    torch.testing.assert_close(out.float(), base.float() + want, atol=tol, rtol=tol)
+    assert torch.equal(out[idx < 0], base[idx < 0])
+    # The image prefixes' form: runs of one slot each, as batched products.
+    runs = torch.tensor([1, -1, 0], dtype=torch.int32, device="cuda") % slots
+    runs[1] = -1
+    xs = torch.randn(3 * 7, k, generator=g).to("cuda", dtype)
+    seg = segmented_lora(xs, a, b, runs, 7).float()
+    torch.testing.assert_close(
+        seg, _per_token(xs, a, b, runs.repeat_interleave(7)), atol=tol, rtol=tol
+    )
     torch.testing.assert_close(masked_lora(x, a, b, idx).float(), want, atol=tol, rtol=tol)
 
 

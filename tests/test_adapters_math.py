@@ -34,7 +34,7 @@ def test_the_batched_forms_equal_the_reference_per_token() -> None:
         a, b = bank.a[target][:, 1], bank.b[target][:, 1]
         want = torch.stack(
             [
-                SingleLora(adapters[s]).delta(1, target, x[t])
+                SingleLora(adapters[s]).add(1, target, x[t], torch.zeros(b.shape[1]))
                 if s >= 0
                 else torch.zeros(b.shape[1])
                 for t, s in enumerate(index.tolist())

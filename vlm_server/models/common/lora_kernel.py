@@ -68,6 +68,7 @@ if triton is not None:
         R: tl.constexpr,
         BLOCK_R: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        ADD: tl.constexpr,
     ):
         t = tl.program_id(0)
         nb = tl.program_id(1)
@@ -84,14 +85,22 @@ if triton is not None:
             other=0.0,
         )
         y = tl.sum(b.to(tl.float32) * v[None, :], axis=1)
-        tl.store(y_ptr + t.to(tl.int64) * N + ns, y.to(y_ptr.dtype.element_ty), mask=nmask)
+        at = y_ptr + t.to(tl.int64) * N + ns
+        if ADD:  # into the layer's output: rows without an adapter keep theirs exactly
+            y += tl.load(at, mask=nmask, other=0.0).to(tl.float32)
+        tl.store(at, y.to(y_ptr.dtype.element_ty), mask=nmask)
 
 
 def grouped_lora(
-    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, index: torch.Tensor
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    index: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x`` [T, K]; ``a`` [S, R, K] and ``b`` [S, N, R] (one layer's slice of the stacked
-    weights: the last dim contiguous); ``index`` [T] int32 slots (-1: none) -> [T, N]."""
+    weights: the last dim contiguous); ``index`` [T] int32 slots (-1: none) -> the delta
+    [T, N], or with ``out`` (contiguous [T, N]) ``out`` plus the delta, in place."""
     t, k = x.shape
     _, r, _ = a.shape
     n = b.shape[1]
@@ -99,7 +108,12 @@ def grouped_lora(
     x = x.contiguous()
     block_r = max(16, triton.next_power_of_2(r))
     v = torch.empty(t, block_r, dtype=torch.float32, device=x.device)
-    y = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    add = out is not None
+    if out is not None:
+        assert out.shape == (t, n) and out.is_contiguous(), "adds into a contiguous [T, N]"
+        y = out
+    else:
+        y = torch.empty(t, n, dtype=x.dtype, device=x.device)
     if t == 0:
         return y
     _shrink_kernel[(t,)](
@@ -109,6 +123,6 @@ def grouped_lora(
     block_n = 64
     _expand_kernel[(t, triton.cdiv(n, block_n))](
         v, b, index, y, n, b.stride(0), b.stride(1),
-        R=r, BLOCK_R=block_r, BLOCK_N=block_n,
+        R=r, BLOCK_R=block_r, BLOCK_N=block_n, ADD=add,
     )  # fmt: skip
     return y

@@ -12,6 +12,8 @@ per slot, which needs no host sync and so stays capturable.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from vlm_server.models.lora.spec import AdapterWeights, LoraTargets
@@ -88,10 +90,10 @@ class LoraBatch:
     ) -> None:
         self.bank, self.index, self.segments = bank, index, segments
 
-    def delta(self, layer: int, target: str, x: torch.Tensor) -> torch.Tensor | None:
+    def add(self, layer: int, target: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         bank = self.bank
         if target not in bank.a:
-            return None
+            return out
         flat = x.reshape(-1, x.shape[-1])
         a, b = bank.a[target][:, layer], bank.b[target][:, layer]
         if not flat.is_cuda:
@@ -102,19 +104,30 @@ class LoraBatch:
             head = segmented_lora(flat[:n], a, b, slots, length)
             tail = per_token(flat[n:], a, b, self.index[n:]) if flat.shape[0] > n else None
             y = head if tail is None else torch.cat([head, tail])
+        elif out.is_contiguous() and (kernel := _grouped_kernel()) is not None:
+            # The kernel adds into the layer's output: no delta tensor, no separate add.
+            kernel.grouped_lora(flat, a, b, self.index, out=out.view(-1, out.shape[-1]))
+            return out
         else:
-            y = per_token(flat, a, b, self.index)
-        return y.view(*x.shape[:-1], y.shape[-1])
+            y = masked_lora(flat, a, b, self.index)
+        return out + y.view(out.shape)
+
+
+def _grouped_kernel() -> ModuleType | None:
+    """The Triton kernels' module, or None without Triton."""
+    from vlm_server.models.common import lora_kernel
+
+    return lora_kernel if lora_kernel.AVAILABLE else None
 
 
 def per_token(
     x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, index: torch.Tensor
 ) -> torch.Tensor:
-    """The grouped Triton kernel where Triton is, else the masked PyTorch products."""
-    from vlm_server.models.common import lora_kernel
-
-    if lora_kernel.AVAILABLE:
-        return lora_kernel.grouped_lora(x, a, b, index)
+    """The delta alone: the grouped Triton kernel where Triton is, else the masked PyTorch
+    products."""
+    kernel = _grouped_kernel()
+    if kernel is not None:
+        return kernel.grouped_lora(x, a, b, index)
     return masked_lora(x, a, b, index)
 
 

@@ -2,12 +2,12 @@
 for them.
 
 A family declares its targets (`LoraTargets`: layers, and per target name the input and
-output widths of the linear layer it adds to). Its decoder calls ``lora.delta(layer, target,
-x)`` and adds the result, if any, to that layer's output. Moondream's rule (the reference's
-``moondream/torch/text.py``): per layer ``qkv += (h @ A^T) @ B^T``, ``fc1 += ...`` before the
-GELU, ``fc2 += (gelu @ A^T) @ B^T``, and ``proj += (h @ A^T) @ B^T`` where ``h`` is the
-layer-normed block input, not the attention output the base ``proj`` reads. No alpha or rank
-scaling.
+output widths of the linear layer it adds to). Its decoder calls ``lora.add(layer, target,
+x, out)``, which returns that layer's output ``out`` with the delta added. Moondream's rule
+(the reference's ``moondream/torch/text.py``): per layer ``qkv += (h @ A^T) @ B^T``, ``fc1
++= ...`` before the GELU, ``fc2 += (gelu @ A^T) @ B^T``, and ``proj += (h @ A^T) @ B^T``
+where ``h`` is the layer-normed block input, not the attention output the base ``proj``
+reads. No alpha or rank scaling.
 """
 
 from __future__ import annotations
@@ -50,10 +50,11 @@ class AdapterWeights:
 
 
 class LoraDelta(Protocol):
-    """What a decoder asks: the delta of ``target`` in ``layer`` for its input ``x`` [..., in]
-    (tokens in the order the forward holds them), or None when nothing is added."""
+    """What a decoder asks: ``out`` [..., out], the output of ``target`` in ``layer``, plus
+    the adapter's delta for that layer's input ``x`` [..., in] (tokens in the order the
+    forward holds them). ``out`` may be updated in place."""
 
-    def delta(self, layer: int, target: str, x: torch.Tensor) -> torch.Tensor | None: ...
+    def add(self, layer: int, target: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor: ...
 
 
 class SingleLora:
@@ -64,8 +65,13 @@ class SingleLora:
         self.weights = weights
 
     def delta(self, layer: int, target: str, x: torch.Tensor) -> torch.Tensor | None:
+        """The delta alone (None: the adapter leaves the target out)."""
         pair = self.weights.pairs[layer].get(target)
         if pair is None:
             return None
         a, b = pair
         return F.linear(F.linear(x, a), b)
+
+    def add(self, layer: int, target: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        d = self.delta(layer, target, x)
+        return out if d is None else out + d

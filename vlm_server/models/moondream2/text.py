@@ -57,8 +57,8 @@ class TextAttention(nn.Module):
         lora: LoraDelta | None = None,
     ) -> torch.Tensor:
         qkv = self.qkv(x)
-        if lora is not None and (d := lora.delta(layer, "qkv", x)) is not None:
-            qkv = qkv + d
+        if lora is not None:
+            qkv = lora.add(layer, "qkv", x, qkv)
         # A cache may fuse rotary, the KV write and attention over the raw projection.
         packed = getattr(cache, "attend_packed", None)
         if packed is not None:
@@ -70,8 +70,8 @@ class TextAttention(nn.Module):
         y = self.proj(out.transpose(1, 2).reshape(b, t, -1))
         # The reference adds proj's delta of the block's normed input x, not of the attention
         # output proj reads (moondream/torch/text.py): matched exactly.
-        if lora is not None and (d := lora.delta(layer, "proj", x)) is not None:
-            y = y + d
+        if lora is not None:
+            y = lora.add(layer, "proj", x, y)
         return y
 
 
@@ -163,11 +163,5 @@ class TextDecoder(nn.Module):
 def _lora_mlp(mlp: MLP, x: torch.Tensor, lora: LoraDelta, layer: int) -> torch.Tensor:
     """The MLP with adapter deltas: fc1's before the GELU (so not the fused fc1 + GELU GEMM),
     fc2's of the GELU's output."""
-    h = mlp.fc1(x)
-    if (d := lora.delta(layer, "fc1", x)) is not None:
-        h = h + d
-    h = F.gelu(h, approximate="tanh")
-    y = mlp.fc2(h)
-    if (d := lora.delta(layer, "fc2", h)) is not None:
-        y = y + d
-    return y
+    h = F.gelu(lora.add(layer, "fc1", x, mlp.fc1(x)), approximate="tanh")
+    return lora.add(layer, "fc2", h, mlp.fc2(h))
