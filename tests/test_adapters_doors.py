@@ -296,3 +296,14 @@ def test_a_slow_download_delays_only_its_own_requests(server: ServerThread) -> N
     assert done["base"] - started < SLOW_S
     assert min(done["slow0"], done["slow1"]) - started >= SLOW_S
     assert [p for p, _ in _Variants.seen].count("/v1/variants/slow@7/download") == 1
+
+
+def test_a_slot_wait_past_its_bound_is_429_not_413() -> None:
+    """Every slot busy is transient (retry), unlike a request that can never fit."""
+    from vlm_server.engine.api import EngineError, ErrorCode
+    from vlm_server.http.error_bodies import status_of
+
+    busy = EngineError(ErrorCode.RESOURCE_EXHAUSTED, "adapter: no slot", "adapter")
+    assert status_of(busy) == 429
+    never = EngineError(ErrorCode.RESOURCE_EXHAUSTED, "max_tokens: too many", "max_tokens")
+    assert status_of(never) == 413
