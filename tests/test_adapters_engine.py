@@ -5,6 +5,7 @@ eviction under pressure, and errors naming the field."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from image_pipeline import PreparedImage, prepare_pil, sample_image
+from image_pipeline import (
+    PreparedImage,
+    prepare_image,
+    prepare_pil,
+    sample_image,
+    sample_image_bytes,
+)
 from vlm_server.engine.api import (
     EngineError,
     ErrorCode,
@@ -279,3 +286,27 @@ def test_a_server_without_adapters_refuses_one(
     err, engine = _run(tiny, Path("."), [req], adapters_dir=None)
     assert isinstance(err, EngineError) and err.field == "adapter"
     assert engine.runtime.adapters is None
+
+
+def test_vlm_run_answers_with_an_adapter_file(
+    tiny: LoadedModel,
+    tiny_dir: Path,
+    adapter_dir: Path,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    from vlm_server.cli import main as cli_main
+
+    base = ["--model", str(tiny_dir), "--device", "cpu", "--temperature", "0", "--json"]
+    path = adapter_dir / "alpha" / "final.pt"
+    assert (
+        cli_main(["run", "caption", "sample", "--max-tokens", "8", *base, "--adapter", str(path)])
+        == 0
+    )
+    got = json.loads(capsys.readouterr().out)["text"]
+    want = _reference(tiny, adapter_dir, "alpha").caption(
+        prepare_image(sample_image_bytes()), "normal", SamplingSettings(0, max_tokens=8)
+    )
+    assert got == want.text
+    bad = adapter_dir / "nowhere.pt"
+    assert cli_main(["run", "caption", "sample", *base, "--adapter", str(bad)]) == 2
+    assert "cannot read" in capsys.readouterr().err
