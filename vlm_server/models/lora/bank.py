@@ -5,9 +5,11 @@ layers, max_rank, in], B [slots, layers, out, max_rank]; a lower rank is zero-pa
 adds exact zeros), so a captured graph reads whatever adapters the slots hold when it replays.
 `LoraBatch` is what a batched forward passes its decoder: the bank and one slot per token (-1:
 no adapter). On CUDA the delta is the grouped Triton kernel (models/common/lora_kernel.py:
-shrink, then expand, per token); elsewhere PyTorch: exact per-slot products on the CPU (the
-reference's arithmetic on each adapter's own rank), and on CUDA without Triton a masked product
-per slot, which needs no host sync and so stays capturable.
+shrink, then expand, per token, added into the layer's output), and a batch of image prefixes
+(runs of hundreds of tokens with one slot each) two batched products over each run's gathered
+weights; elsewhere PyTorch: exact per-slot products on the CPU (the reference's arithmetic on
+each adapter's own rank), and on CUDA without Triton a masked product per slot, which needs no
+host sync and so stays capturable.
 """
 
 from __future__ import annotations
