@@ -310,3 +310,30 @@ def test_vlm_run_answers_with_an_adapter_file(
     bad = adapter_dir / "nowhere.pt"
     assert cli_main(["run", "caption", "sample", *base, "--adapter", str(bad)]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_steps_without_adapter_rows_run_no_lora(
+    tiny: LoadedModel,
+    adapter_dir: Path,
+    images: list[PreparedImage],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With adapters on, base-model requests alone run the plain forwards (on CUDA: the graphs
+    captured without LoRA); a request with an adapter brings the deltas back."""
+    from vlm_server.engine.device.adapter_rows import AdapterRows
+
+    calls: list[int] = []
+    for_rows = AdapterRows.for_rows
+
+    def counted(self: AdapterRows, rows: torch.Tensor) -> object:
+        calls.append(len(rows))
+        return for_rows(self, rows)
+
+    monkeypatch.setattr(AdapterRows, "for_rows", counted)
+    base = _requests(images, [None, None])
+    *texts, _ = _run(tiny, adapter_dir, base)
+    plain = _reference(tiny, adapter_dir, None)
+    assert texts == [_want(plain, r) for r in base]
+    assert not calls
+    *_, _ = _run(tiny, adapter_dir, _requests(images, [None, "alpha"]))
+    assert calls

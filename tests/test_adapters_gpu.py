@@ -119,7 +119,8 @@ def test_cuda_engine_with_adapters_equals_the_reference(tiny: LoadedModel, tmp_p
         engine = BatchedEngine(loaded, cfg)
         await engine.start()
         try:
-            assert engine.runtime.steps.decode_graphs
+            steps = engine.runtime.steps
+            assert steps.decode_graphs and steps.lora_decode_graphs and steps.lora_mixed_graphs
 
             async def one(req: GenerationRequest) -> str:
                 async for event in await engine.submit(req):

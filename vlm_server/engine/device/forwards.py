@@ -50,6 +50,10 @@ class StepForwards:
         self.token_buckets = token_buckets(cfg.max_step_tokens)
         self.decode_graphs: GraphSet[tuple[int, int]] = GraphSet("decode")
         self.mixed_graphs: GraphSet[tuple[int, int]] = GraphSet("mixed step")
+        # With adapters on, the same forwards with the adapters' deltas: a step runs them
+        # only when one of its rows uses an adapter, so the others pay nothing for LoRA.
+        self.lora_decode_graphs: GraphSet[tuple[int, int]] = GraphSet("decode (adapters)")
+        self.lora_mixed_graphs: GraphSet[tuple[int, int]] = GraphSet("mixed step (adapters)")
         # Host scratch the inputs are packed in before they go to a slot's pinned buffer.
         self.launch_rows = np.zeros((buffers.pad_row + 1, 2), np.int64)
         self.mixed_scratch = np.zeros(buffers.mixed_layout.size(cfg.max_step_tokens), np.int64)
@@ -82,26 +86,32 @@ class StepForwards:
         dev.kernel(
             dev.compute_stream,
             f"decode slot{slot}",
-            partial(self._decode_step, slot, n, n_blocks),
+            partial(self._decode_step, slot, n, n_blocks, self.uses_lora(seqs)),
             access,
         )
 
-    def _decode_step(self, slot: int, n: int, n_blocks: int) -> None:
+    def _decode_step(self, slot: int, n: int, n_blocks: int, lora: bool) -> None:
         start = timing_mark(self.observer, self.dev)
-        if (slot, n) in self.decode_graphs:
-            self.decode_graphs.replay((slot, n))
+        graphs = self.lora_decode_graphs if lora else self.decode_graphs
+        if (slot, n) in graphs:
+            graphs.replay((slot, n))
         else:
-            self.decode_forward(self.buffers.slots[slot], n, n_blocks)
+            self.decode_forward(self.buffers.slots[slot], n, n_blocks, lora)
         if start is not None:
             self.observer.forward_timed("decode", start, timing_mark(self.observer, self.dev))
 
-    def decode_forward(self, buf: SlotBuffers, n: int, n_blocks: int) -> None:
-        """The decode forward of the slot's first ``n`` rows (graph-capturable)."""
+    def decode_forward(self, buf: SlotBuffers, n: int, n_blocks: int, lora: bool = True) -> None:
+        """The decode forward of the slot's first ``n`` rows (graph-capturable); ``lora``:
+        with the rows' adapters (when adapters are on)."""
         rows, pos = buf.launch_dev[:n, 0], buf.launch_dev[:n, 1:2]
         kv = self.pool.decode_view(rows, n_blocks)
         x = self.buffers.next_embed[rows][:, None]
-        lora = self.adapters.for_rows(rows) if self.adapters else None
-        buf.hidden[:n] = self.entry.text_forward(x, pos, kv, lora)[:, -1]
+        deltas = self.adapters.for_rows(rows) if self.adapters and lora else None
+        buf.hidden[:n] = self.entry.text_forward(x, pos, kv, deltas)[:, -1]
+
+    def uses_lora(self, seqs: list[Sequence]) -> bool:
+        """Whether a step of ``seqs`` needs the adapters' deltas: a row uses an adapter."""
+        return self.adapters is not None and any(s.adapter_slot >= 0 for s in seqs)
 
     def bucket(self, b: int) -> int:
         """The batch bucket of ``b`` rows (also the sampling graphs')."""
@@ -177,11 +187,13 @@ class StepForwards:
         dev.kernel(
             dev.compute_stream,
             f"mixed slot{slot}",
-            partial(self.mixed_step, slot, len(tails), t, n, n_blocks),
+            partial(self.mixed_step, slot, len(tails), t, n, n_blocks, self.uses_lora(seqs)),
             access,
         )
 
-    def mixed_step(self, slot: int, n_tails: int, t: int, n: int, n_blocks: int) -> None:
+    def mixed_step(
+        self, slot: int, n_tails: int, t: int, n: int, n_blocks: int, lora: bool = True
+    ) -> None:
         """The device work of a launched mixed step (``t`` tokens padded to ``n``)."""
         buf, lay = self.buffers.slots[slot], self.buffers.mixed_layout
         start = timing_mark(self.observer, self.dev)
@@ -192,14 +204,14 @@ class StepForwards:
         if not n:
             last = buf.mixed_dev[: lay.rows]
             buf.hidden[: len(last)] = self._held_states(last)
-        elif (slot, n) in self.mixed_graphs:
-            self.mixed_graphs.replay((slot, n))
+        elif (slot, n) in (graphs := self.lora_mixed_graphs if lora else self.mixed_graphs):
+            graphs.replay((slot, n))
         else:
-            self.mixed_forward(buf, n, n_blocks)
+            self.mixed_forward(buf, n, n_blocks, lora)
         if start is not None:
             self.observer.forward_timed("mixed", start, timing_mark(self.observer, self.dev))
 
-    def mixed_forward(self, buf: SlotBuffers, n: int, n_blocks: int) -> None:
+    def mixed_forward(self, buf: SlotBuffers, n: int, n_blocks: int, lora: bool = True) -> None:
         """The token forward of a mixed step over the slot's ``n`` (padded) tokens. On CUDA
         every token is a row of the rotary + KV-write kernel, and attention runs per tile of a
         row's consecutive tokens over its pages up to each token's position (causal: every
@@ -213,14 +225,14 @@ class StepForwards:
         next_embed = self.buffers.next_embed
         x = torch.where((ids < 0)[:, None], next_embed[rows], entry.embed(ids.clamp(min=0)))
         x = x.to(entry.dtype)
-        lora = self.adapters.for_rows(rows) if self.adapters else None
+        deltas = self.adapters.for_rows(rows) if self.adapters and lora else None
         if self.pool.use_triton:
             tiles = buf.mixed_dev[lay.tiles_at(n) : lay.size(n)].view(-1, 2)
             kv = self.pool.token_view(rows, tiles, lay.tile_tokens)
-            h = entry.text_forward(x[:, None], pos[:, None], kv, lora)[:, 0]
+            h = entry.text_forward(x[:, None], pos[:, None], kv, deltas)[:, 0]
         else:
             kv = self.pool.ragged_view(rows, n_blocks)
-            h = entry.text_forward(x[None], pos[None], kv, lora)[0]
+            h = entry.text_forward(x[None], pos[None], kv, deltas)[0]
         # Rows without a token here (-1) sample nothing: any row's state will do. Held rows
         # take what their prefix batch left.
         held = self._held_states(last)
@@ -268,11 +280,14 @@ class StepForwards:
             slots[slot].launch_dev[:n, 0] = pad_row
             slots[slot].launch_dev[:n, 1] = 0
 
-        def run_decode(key: tuple[int, int]) -> None:
-            self.decode_forward(slots[key[0]], key[1], max_blocks)
+        def run_decode(key: tuple[int, int], lora: bool = False) -> None:
+            self.decode_forward(slots[key[0]], key[1], max_blocks, lora)
 
         keys = [(slot, n) for n in sorted(self.buckets, reverse=True) for slot in (0, 1)]
         self.decode_graphs.capture(keys, prepare_decode, run_decode, stream, progress)
+        if self.adapters is not None:
+            run = partial(run_decode, lora=True)
+            self.lora_decode_graphs.capture(keys, prepare_decode, run, stream, progress)
 
         def prepare_mixed(key: tuple[int, int]) -> None:
             slot, t = key
@@ -281,8 +296,11 @@ class StepForwards:
             host = lay.pack(self.mixed_scratch, none, np.zeros(0, np.int64), [], t, pad_row)
             slots[slot].mixed_dev[: len(host)].copy_(torch.from_numpy(host))
 
-        def run_mixed(key: tuple[int, int]) -> None:
-            self.mixed_forward(slots[key[0]], key[1], max_blocks)
+        def run_mixed(key: tuple[int, int], lora: bool = False) -> None:
+            self.mixed_forward(slots[key[0]], key[1], max_blocks, lora)
 
         keys = [(slot, t) for t in sorted(self.token_buckets, reverse=True) for slot in (0, 1)]
         self.mixed_graphs.capture(keys, prepare_mixed, run_mixed, stream, progress)
+        if self.adapters is not None:
+            run = partial(run_mixed, lora=True)
+            self.lora_mixed_graphs.capture(keys, prepare_mixed, run, stream, progress)
