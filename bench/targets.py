@@ -14,6 +14,7 @@ run updates only its own rows; the others stay as they were):
     tower.json         python -m bench.tower_probe --json  vision tower, bf16 and FP8
     arrival_itl.json   python -m bench.arrival_itl        step gaps while new images arrive
     scaleout.json      python -m bench.scaleout           replicas on Ray Serve (vlm cluster)
+    lora_bench.json    python -m bench.lora_bench         finetune adapters: period, load gaps
 
 A row is ``{"name", "value", "unit", "target", "met", "commit", "flags"}``: ``target`` is a
 bound as text ("<= 30", ">= 60") or null where none is stated; ``met`` says whether the value
@@ -55,6 +56,11 @@ TARGETS: dict[str, tuple[str, str | None]] = {
     "scaleout.query3.affinity.hit_rate": ("", ">= 0.9"),
     "scaleout.query3.affinity.speedup_2gpu": ("x", ">= 1.9"),
     "scaleout.query3.unique.c1.p50_ratio": ("x", "<= 1.10"),
+    # Finetune adapters: the decode period of 32 captions over 8 rank-32 adapters over that
+    # of a server without adapters; the step-gap p99 while new adapters load over the p50
+    # before (16 captions streaming).
+    "lora8.period_ratio.s32": ("x", "<= 1.15"),
+    "lora.load_gap_ratio": ("x", "<= 1.1"),
 }
 
 # load_gen rows: (scenario, concurrency, key) -> row name.
@@ -211,6 +217,18 @@ def scaleout_rows(d: dict[str, Any], prefix: str, commit: str | None) -> list[Ro
     return rows(d, prefix, commit)
 
 
+def lora_rows(d: dict[str, Any], prefix: str, commit: str | None) -> list[Row]:
+    """Finetune adapters: the period ratio (at the stream and adapter counts run) and the
+    load gap ratio."""
+    settings = d.get("settings") or {}
+    if settings.get("rank") != 32:  # the rows stand for rank-32 adapters
+        return []
+    name = f"lora{settings.get('adapters')}.period_ratio.s{settings.get('streams')}"
+    rows = [make_row(prefix, name, d.get("period_ratio"), commit, "")]
+    gap = (d.get("load_gap") or {}).get("ratio")
+    return [*rows, make_row(prefix, "lora.load_gap_ratio", gap, commit, "")]
+
+
 SOURCES = {
     "step_bench.json": step_rows,
     "load_gen.json": load_rows,
@@ -218,6 +236,7 @@ SOURCES = {
     "tower.json": tower_rows,
     "arrival_itl.json": arrival_rows,
     "scaleout.json": scaleout_rows,
+    "lora_bench.json": lora_rows,
 }
 
 

@@ -17,6 +17,8 @@
 #               one repeated picture at c=64, caption128 on unique pictures at c=32
 #   arrivals    python -m bench.arrival_itl --spawn: the server's step gaps with 16 captions
 #               streaming, then with 20 new pictures a second as well
+#   lora        (only when named) python -m bench.lora_bench: the decode period of 32 captions
+#               over 8 rank-32 finetune adapters against none, and step gaps while adapters load
 # After each step its rows are merged into targets.json (python -m bench.targets collect), so a
 # partial or interrupted run updates only the rows it measured. A table of the file comes last.
 #
@@ -49,10 +51,11 @@ START=$(date +%s)
 DEADLINE=$((START + BUDGET))
 
 ALL_STEPS=(tower step image load arrivals)
+OPTIONAL_STEPS=(lora)  # run only when named
 STEPS=("$@")
 ((${#STEPS[@]})) || STEPS=("${ALL_STEPS[@]}")
 for s in "${STEPS[@]}"; do
-    [[ " ${ALL_STEPS[*]} " == *" $s "* ]] || { echo "targets: unknown step $s (choose from: ${ALL_STEPS[*]})" >&2; exit 2; }
+    [[ " ${ALL_STEPS[*]} ${OPTIONAL_STEPS[*]} " == *" $s "* ]] || { echo "targets: unknown step $s (choose from: ${ALL_STEPS[*]} ${OPTIONAL_STEPS[*]})" >&2; exit 2; }
 done
 wanted() { [[ " ${STEPS[*]} " == *" $1 "* ]]; }
 
@@ -237,6 +240,17 @@ if wanted arrivals; then
         run_step arrivals "$(step_limit 150 0)" $PY -m bench.arrival_itl --spawn --streams 16 \
             --rate 20 --duration 10 --client-processes 4 --quiet --out "$RAW/arrivals" \
             -- "${SERVER[@]}"
+    fi
+fi
+
+if wanted lora; then
+    if [[ $SMOKE == 1 ]]; then
+        run_step lora "$(step_limit 120 0)" $PY -m bench.lora_bench --preset tiny --dtype fp32 \
+            --streams 4 --tokens 12 --adapters 3 --load-streams 2 --load-tokens 200 --loads 2 \
+            --warmup 0.3 --kv-gib 0.05 --out "$RAW/lora"
+    else
+        run_step lora "$(step_limit 300 0)" $PY -m bench.lora_bench --preset moondream2 \
+            --streams 32 --adapters 8 --rank 32 --out "$RAW/lora"
     fi
 fi
 

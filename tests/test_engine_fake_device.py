@@ -15,6 +15,7 @@ commit, zombie pages freed early and a second compute stream must each be caught
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import random
 import re
@@ -33,6 +34,7 @@ from tests.support.fake_device import (
     FakeDevice,
     FakeTorchDevice,
 )
+from vlm_server.engine.adapters import qualify_image
 from vlm_server.engine.api import EngineError, ErrorCode, Finished, GenerationRequest, Task
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core import scheduler as scheduler_module
@@ -209,6 +211,7 @@ def _drive(
     n_requests: int = N_REQUESTS,
     riding: int = EngineConfig().prefix_prompt_tokens,
     when_streaming: int = 0,
+    adapters: int = 0,
     **faults: object,
 ) -> Run:
     """Submit, cancel and tick by hand (no thread); between ticks the device runs a random
@@ -229,10 +232,16 @@ def _drive(
         mask_table_rows=64,
         # Room for a few requests at a time: admission waits for pages to come back.
         kv_budget_bytes=_kv_bytes(loaded, pages=150),
+        # Adapters (tests/test_adapters_engine.py): request i uses slot i % (adapters + 1) - 1.
+        adapters_dir="." if adapters else None,
+        max_adapters=max(adapters, 1),
+        max_adapter_rank=4,
     )
     tasks = TaskCompiler(loaded.config, loaded.tokenizer, cfg.mask_table_rows)
     watch = _Watch(device)
     rt = ModelRuntime(loaded.model, cfg, tasks.table, device=device, observer=watch)
+    if adapters:
+        _fill_adapter_slots(rt)
     checked = _CheckedPages(
         rt.kv_pages,
         cfg.page_size,
@@ -259,15 +268,15 @@ def _drive(
     with torch.inference_mode():
         for tick in range(4000):
             for i in (i for i, t in arrivals.items() if t == tick):
-                built = tasks.build(_request(i, images))
+                req, slot = _request(i, images), i % (adapters + 1) - 1 if adapters else -1
+                if slot >= 0:  # its image prefix is the adapter's own (engine/adapters.py)
+                    req = qualify_image(dataclasses.replace(req, adapter=f"s{slot}"))
+                built = tasks.build(req)
                 seq = Sequence(
-                    _request(i, images),
-                    built.prompt,
-                    built.grammar,
-                    built.prefix_len,
-                    ref_values=built.ref_values,
+                    req, built.prompt, built.grammar, built.prefix_len, ref_values=built.ref_values
                 )
                 seq.output = output_for(built.grammar, tasks.vocab)
+                seq.adapter_slot = slot
                 run.seqs[i], run.ends[i] = seq, []
                 seq.emit = run.ends[i].append
                 sched.waiting.append(seq)
@@ -290,6 +299,19 @@ def _drive(
             raise AssertionError("the workload did not finish")
         device.drain()
     return run
+
+
+def _fill_adapter_slots(rt: ModelRuntime) -> None:
+    """Seeded random adapters in every slot of the runtime's bank (as a load leaves them)."""
+    from vlm_server.models.lora.files import rename, validate
+    from vlm_server.models.lora.writer import random_state
+
+    bank = rt.adapter_bank
+    assert bank is not None
+    for slot in range(bank.n_slots):
+        state = random_state(bank.targets, 4 - slot % 2, seed=slot, scale=0.3)
+        weights = validate({rename(k): v for k, v in state.items()}, bank.targets, 4, "x")
+        bank.write(slot, bank.staging(weights), weights.rank)
 
 
 def _kv_bytes(loaded: LoadedModel, pages: int) -> int:

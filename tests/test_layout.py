@@ -37,6 +37,7 @@ LAYERS = {
     "vlm_server.engine.config": 3,
     "vlm_server.engine.device": 4,
     "vlm_server.engine.engine": 5,
+    "vlm_server.engine.adapters": 5,  # adapter files, downloads and slots, around the runtime
     "vlm_server.engine.process": 5,  # the engine in its own process, around engine.engine
     "vlm_server.reference": 5,
     "vlm_server.options": 6,  # the option table: flags, environment, ServerConfig

@@ -16,6 +16,7 @@ from image_pipeline import ImageError, prepare_image, sample_image_bytes
 from vlm_server.default_model import default_model_dir
 from vlm_server.devices import resolve_device
 from vlm_server.models.checkpoint_io import CheckpointError
+from vlm_server.models.lora import files as lora_files
 from vlm_server.models.registry import load_model, preset, preset_names, write_checkpoint
 from vlm_server.options.command_line import add_options, config_from
 from vlm_server.options.spec import Option
@@ -56,6 +57,13 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--max-objects", type=int, default=50)
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--json", action="store_true", help="print the result as JSON")
+    run.add_argument(
+        "--adapter",
+        type=Path,
+        default=None,
+        help="a finetune adapter file to answer with (.pt as the moondream reference saves "
+        "it, or .safetensors)",
+    )
     add_options(run, _run_options(), environment=False)
 
     mk = sub.add_parser("make-checkpoint", help="write a seeded random checkpoint")
@@ -100,7 +108,19 @@ def _run(args: argparse.Namespace, config: ServerConfig) -> int:
     )
     data = sample_image_bytes() if args.image == SAMPLE else Path(args.image).read_bytes()
     image = prepare_image(data)
-    gen = ReferenceGenerator(loaded.model, loaded.tokenizer)
+    adapter = None
+    if args.adapter is not None:
+        targets = getattr(loaded.model.text, "lora_targets", None)
+        if targets is None:
+            print("vlm: error: this model family takes no adapters", file=sys.stderr)
+            return 2
+        name = args.adapter.parent.name if args.adapter.name == "final.pt" else args.adapter.stem
+        try:  # no rank limit here: nothing is allocated per slot
+            adapter = lora_files.load(args.adapter, targets, 1 << 16, name)
+        except lora_files.AdapterError as err:
+            print(f"vlm: error: {err}", file=sys.stderr)
+            return 2
+    gen = ReferenceGenerator(loaded.model, loaded.tokenizer, adapter)
     start = time.perf_counter()
     if args.task in ("caption", "query"):
         settings = SamplingSettings(

@@ -36,6 +36,7 @@ from vlm_server.engine.requests.spatial import placeholders
 from vlm_server.engine.requests.tasks import BuiltRequest, TaskCompiler
 from vlm_server.models.interface import DeviceModel, FamilyConfig
 from vlm_server.models.kv import DenseKVCache
+from vlm_server.models.lora.spec import AdapterWeights, SingleLora
 from vlm_server.models.prompts import query_prompt
 
 
@@ -98,8 +99,13 @@ OnToken = Callable[[int], bool | None]
 class ReferenceGenerator:
     """Runs one request at a time on a loaded model."""
 
-    def __init__(self, model: DeviceModel, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self, model: DeviceModel, tokenizer: Tokenizer, adapter: AdapterWeights | None = None
+    ) -> None:
+        """``adapter``: a finetune adapter every request answers with (the reference's
+        arithmetic, models/lora/spec.py), in the image prefix too."""
         self.model = model
+        self.lora = None if adapter is None else SingleLora(adapter.to(model.dtype, model.device))
         self.tokenizer = tokenizer
         self.config: FamilyConfig = model.config
         self.contract = model.config.tokens
@@ -144,10 +150,10 @@ class ReferenceGenerator:
         if image is not None:
             crops = image.normalized(m.dtype, dev)
             emb = m.prefix_embeddings(m.image_embeddings(crops, image.tiling))
-            m.text(emb, torch.arange(prefix_len, device=dev)[None], cache)
+            self._decoder(emb, torch.arange(prefix_len, device=dev)[None], cache)
         ids = torch.tensor(prompt, device=dev)[None]
         pos = torch.arange(prefix_len, prefix_len + len(prompt), device=dev)[None]
-        hidden = m.text(self._prompt_embeddings(ids, refs), pos, cache)
+        hidden = self._decoder(self._prompt_embeddings(ids, refs), pos, cache)
         return cache, hidden[:, -1], prefix_len + len(prompt)
 
     def _prompt_embeddings(
@@ -189,7 +195,12 @@ class ReferenceGenerator:
     def _step(self, cache: DenseKVCache, emb: torch.Tensor, pos: int) -> torch.Tensor:
         """Feed one input embedding [1, D] at ``pos``; return the hidden state [1, D]."""
         p = torch.tensor([[pos]], device=emb.device)
-        return self.model.text(emb[:, None], p, cache)[:, -1]
+        return self._decoder(emb[:, None], p, cache)[:, -1]
+
+    def _decoder(self, x: torch.Tensor, pos: torch.Tensor, cache: DenseKVCache) -> torch.Tensor:
+        if self.lora is None:
+            return self.model.text(x, pos, cache)
+        return self.model.text(x, pos, cache, self.lora)  # type: ignore[call-arg]
 
     def _masked(self, logits: torch.Tensor, row: int) -> torch.Tensor:
         if row == NO_MASK:

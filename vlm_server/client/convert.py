@@ -49,6 +49,7 @@ class Settings(TypedDict, total=False):
     max_tokens: int  # caption, query
     max_objects: int  # point, detect
     seed: int
+    adapter: str  # a finetune adapter (LoRA) by id; unset: the base model
 
 
 def settings(**values: Unpack[Settings]) -> pb.GenerationSettings:

@@ -219,6 +219,9 @@ class EngineInfo:
     max_choice_chars: int = 0
     max_regex_chars: int = 0
     max_spatial_refs: int = 0  # spatial references of one request
+    # Finetune adapters: slots on the device and the largest rank (0: adapters are off).
+    max_adapters: int = 0
+    max_adapter_rank: int = 0
 
 
 # Buckets (ms) of EngineStats.step_interval_counts: a decode period (~1.5-5 ms) finely, a stall
@@ -250,6 +253,8 @@ class EngineStats:
     # Requests whose JPEG an engine process is decoding or will decode before admitting them
     # (they are in no queue_depth yet).
     images_decoding: int = 0
+    # (id, rank) of the finetune adapters resident on the device, most recently used first.
+    adapters: tuple[tuple[str, int], ...] = ()
 
 
 class Engine(Protocol):

@@ -54,6 +54,16 @@ class EngineConfig:
     max_spatial_refs: int = 8
     # Caps and time budget of client constraints (choices / regex), see decoding/limits.py.
     constraint_limits: ConstraintLimits = field(default_factory=ConstraintLimits)
+    # Finetune adapters (LoRA, models/lora/): a folder of adapter files and/or an endpoint
+    # to download them from. Neither: requests naming an adapter are refused.
+    adapters_dir: str | None = None
+    adapter_endpoint: str | None = None
+    adapter_api_key: str | None = None  # None: the MOONDREAM_API_KEY environment variable
+    max_adapters: int = 8  # adapters resident on the device at once (slots)
+    max_adapter_rank: int = 32  # every slot's rank: its memory, and the LoRA kernels' width
+    adapter_wait_s: float = 30.0  # a request waits this long for a slot, then is refused
+    adapter_download_bytes: int = 1 << 30
+    adapter_download_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         # Each message starts with the field's name: the server's flag of the same name.
@@ -63,6 +73,9 @@ class EngineConfig:
             "max_prefill_batch",
             "prefill_batches",
             "page_size",
+            "max_adapters",
+            "max_adapter_rank",
+            "adapter_download_bytes",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -88,6 +101,14 @@ class EngineConfig:
             raise ValueError("pipeline_depth must be 1 (blocking) or 2 (pipelined)")
         if self.kv_budget_bytes is not None and self.kv_budget_bytes <= 0:
             raise ValueError("kv_budget_bytes must be positive")
+        for name in ("adapter_wait_s", "adapter_download_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def adapters_enabled(self) -> bool:
+        """Whether requests may name an adapter (a folder or an endpoint is configured)."""
+        return bool(self.adapters_dir or self.adapter_endpoint)
 
     @property
     def max_rows(self) -> int:

@@ -16,11 +16,13 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Protocol
 
 import torch
 
 from image_pipeline import EncodedImage, ImageError, ImagePreparer
+from vlm_server.engine.adapters import AdapterManager, qualify_image
 from vlm_server.engine.api import (
     Emitted,
     EngineError,
@@ -46,6 +48,8 @@ log = logging.getLogger(__name__)
 # CUDA a watcher thread wakes it when the prefix is done; this bounds a missed wake).
 PREFIX_POLL_S = 0.0005
 PREFIX_WATCHED_POLL_S = 0.02
+# Requests whose adapter is being loaded (or waits for a slot) at once; more wait their turn.
+ADAPTER_THREADS = 16
 
 
 class _PrefixWatcher:
@@ -148,6 +152,14 @@ def _deliver(batch: list[tuple[object, Callable[[object], None], object]]) -> No
         put(event)
 
 
+def _release_both(first: Callable[[], None], unpin: Callable[[int], None], slot: int) -> None:
+    """A request's constraint rows, then its adapter slot's pin."""
+    try:
+        first()
+    finally:
+        unpin(slot)
+
+
 def _release_abandoned(built: asyncio.Future[Sequence]) -> None:
     if not built.cancelled() and built.exception() is None:
         built.result().release_resources()
@@ -226,6 +238,18 @@ class BatchedEngine:
         )
         # One builder thread: constraint compilation holds the compiler's lock anyway.
         self._builders = ThreadPoolExecutor(1, thread_name_prefix="request-builder")
+        # Finetune adapters (engine/adapters.py), when the config and the family take them.
+        bank = self.runtime.adapter_bank
+        self.adapters = AdapterManager(self.cfg, bank) if bank is not None else None
+        if bank is not None:
+            self.info = dataclasses.replace(
+                self.info, max_adapters=bank.n_slots, max_adapter_rank=bank.max_rank
+            )
+        # Requests naming an adapter are built here: a load (file, download, a wait for a
+        # slot) blocks one of these threads, not the event loop nor other requests.
+        self.adapter_threads = ThreadPoolExecutor(
+            ADAPTER_THREADS, thread_name_prefix="adapter-load"
+        )
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -265,11 +289,14 @@ class BatchedEngine:
         if self._prefix_watcher is not None:
             self._prefix_watcher.close()
         self._builders.shutdown(wait=False, cancel_futures=True)
+        self.adapter_threads.shutdown(wait=False, cancel_futures=True)
         self.tasks.constraints.close()
 
     def stats(self) -> EngineStats:
         stats = self.scheduler.stats()  # plain counters: a racy read is fine for metrics
         stats.queue_depth += len(self._inbox)
+        if self.adapters is not None:
+            stats.adapters = tuple(self.adapters.loaded())
         return stats
 
     def failure(self) -> str | None:
@@ -296,9 +323,10 @@ class BatchedEngine:
         vocabulary, so that work runs on the builder pool, never on the event loop.
         """
         self._check_open()
-        if request.choices or request.regex is not None:
+        if request.choices or request.regex is not None or request.adapter:
             loop = asyncio.get_running_loop()
-            built = loop.run_in_executor(self._builders, self.build, request)
+            pool = self.adapter_threads if request.adapter else self._builders
+            built = loop.run_in_executor(pool, self.build, request)
             try:
                 # Shielded: a caller that goes away mid-build must not leak the rows the
                 # build is about to take; they are given back when it completes.
@@ -363,6 +391,7 @@ class BatchedEngine:
         reads its pixels). Blocks for the decode: an engine process calls it on a thread of
         its own. Raises EngineError (INVALID_ARGUMENT, field ``image``) for data the
         decoders refuse."""
+        req = qualify_image(req)  # an adapter's prefixes are cached apart
         image = req.image
         if not isinstance(image, EncodedImage):
             return req
@@ -381,17 +410,36 @@ class BatchedEngine:
 
     def build(self, req: GenerationRequest) -> Sequence:
         """The request's sequence: prompt and grammar from the shared task definitions.
-        Raises EngineError for a request the task definitions refuse."""
+        Raises EngineError for a request the task definitions refuse. A request naming an
+        adapter blocks until the adapter holds a slot (`AdapterManager.acquire`)."""
+        if req.adapter and self.adapters is None:
+            raise EngineError(
+                ErrorCode.INVALID_ARGUMENT,
+                "adapter: this server serves no adapters (it needs --adapters-dir or "
+                "--adapter-endpoint, and a model family with adapter targets)",
+                "adapter",
+            )
+        req = qualify_image(req)
         built = self.tasks.build(req)
-        return Sequence(
+        release, slot = built.release, -1
+        if req.adapter and self.adapters is not None:
+            try:
+                slot = self.adapters.acquire(req.adapter, req.deadline)
+            except BaseException:
+                built.release()
+                raise
+            release = partial(_release_both, built.release, self.adapters.release, slot)
+        seq = Sequence(
             request=req,
             prompt=built.prompt,
             grammar=built.grammar,
             prefix_len=built.prefix_len,
             output=output_for(built.grammar, self.tasks.vocab),
-            on_release=built.release,
+            on_release=release,
             ref_values=built.ref_values,
         )
+        seq.adapter_slot = slot
+        return seq
 
     # ---- the scheduler thread ----------------------------------------------------------
 

@@ -86,6 +86,8 @@ class Limits:
             "max_choice_chars": info.max_choice_chars,
             "max_regex_chars": info.max_regex_chars,
             "max_spatial_refs": info.max_spatial_refs,
+            "max_adapters": info.max_adapters,
+            "max_adapter_rank": info.max_adapter_rank,
         }
 
 

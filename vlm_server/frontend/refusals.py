@@ -17,6 +17,7 @@ _PROTO_FIELDS = {
     "max_tokens": "settings.max_tokens",
     "max_objects": "settings.max_objects",
     "seed": "settings.seed",
+    "adapter": "settings.adapter",
     "object_name": "object",
     "caption_length": "length",
 }

@@ -63,6 +63,7 @@ async def build(
         max_tokens=s.max_tokens,
         max_objects=s.max_objects,
         seed=s.seed,
+        adapter=s.adapter,
         deadline=deadline,
         **fields,
     )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.engine.api import EngineError, ErrorCode, GenerationRequest, Task
 from vlm_server.frontend.refusals import invalid
+from vlm_server.models.lora.files import AdapterError, check_id
 
 _DEFAULTS = GenerationRequest(task=Task.CAPTION, image=None)
 
@@ -36,6 +37,7 @@ class Settings:
     max_tokens: int
     max_objects: int
     seed: int
+    adapter: str | None = None
 
 
 def settings(msg: pb.GenerationSettings, max_tokens_limit: int) -> Settings:
@@ -57,7 +59,13 @@ def settings(msg: pb.GenerationSettings, max_tokens_limit: int) -> Settings:
         raise invalid("settings.max_tokens", f"must be >= 1, got {max_tokens}")
     if max_objects < 1:
         raise invalid("settings.max_objects", f"must be >= 1, got {max_objects}")
-    return Settings(temperature, top_p, max_tokens, max_objects, seed)
+    adapter = msg.adapter if msg.HasField("adapter") and msg.adapter else None
+    if adapter is not None:
+        try:
+            check_id(adapter)
+        except AdapterError as err:
+            raise invalid("settings.adapter", str(err)) from None
+    return Settings(temperature, top_p, max_tokens, max_objects, seed, adapter)
 
 
 def caption_length(value: int) -> str:

@@ -34,7 +34,7 @@ from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.engine.api import EngineError, Finished, RequestStream, TextDelta
 from vlm_server.frontend.calls import Call
 from vlm_server.frontend.refusals import invalid
-from vlm_server.http import error_bodies
+from vlm_server.http import adapter_names, error_bodies
 from vlm_server.http.body import Field, check
 from vlm_server.http.chat_format import STOP_SCHEMA, response_regex, stop_sequences
 from vlm_server.http.exchange import EventStream, Exchange
@@ -85,7 +85,12 @@ def _unsupported(name: str, kind: str, what: str, ok: tuple[Any, ...] = (None,))
 
 
 CHAT = (
-    Field("model", "string", "Any name: the server's one model answers (see /v1/models)."),
+    Field(
+        "model",
+        "string",
+        "Any name answers with the server's model (see /v1/models); <base>/<id>@<step> with "
+        "that finetune adapter.",
+    ),
     Field(
         "messages",
         "array",
@@ -317,6 +322,7 @@ async def completions(ex: Exchange) -> web.StreamResponse:
         ),
         reasoning=_reasons(body),
     )
+    adapter_names.apply(ex, body, message.settings)  # model: "<base>/<id>@<step>"
     await _question(ex, body["messages"], message)
     call = ex.active_call
     info = call.engine().info
@@ -448,4 +454,9 @@ async def models(ex: Exchange) -> web.StreamResponse:
         # What a client can hit here: the gRPC API's ServerLimits, and this door's body cap.
         "limits": {**call.core.limits.describe(info), "max_http_body_bytes": ex.max_body_bytes},
     }
-    return ex.respond({"object": "list", "data": [entry]})
+    # Resident finetune adapters, by the model names that select them.
+    adapters = [
+        {**entry, "id": f"{info.model_name}/{name}", "parent": info.model_name, "rank": rank}
+        for name, rank in call.engine().stats().adapters
+    ]
+    return ex.respond({"object": "list", "data": [entry, *adapters]})

@@ -52,10 +52,14 @@ def not_found(path: str) -> HttpError:
     return HttpError(404, ErrorCode.UNIMPLEMENTED, message, name="NOT_FOUND")
 
 
+# Fields whose RESOURCE_EXHAUSTED passes: no adapter slot came free in time (429, retry).
+_TRANSIENT = {"adapter", "settings.adapter"}
+
+
 def status_of(err: EngineError) -> int:
     if isinstance(err, HttpError):
         return err.status
-    if err.code is ErrorCode.RESOURCE_EXHAUSTED and err.field:
+    if err.code is ErrorCode.RESOURCE_EXHAUSTED and err.field and err.field not in _TRANSIENT:
         return 413  # this request can never fit (e.g. beyond the KV cache); retrying won't help
     return STATUS.get(err.code, 500)
 

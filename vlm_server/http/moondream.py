@@ -20,7 +20,7 @@ from aiohttp import web
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.engine.api import Box, EngineError, ErrorCode, Finished, TextDelta
 from vlm_server.frontend.refusals import invalid
-from vlm_server.http import data_url
+from vlm_server.http import adapter_names, data_url
 from vlm_server.http.body import Field
 from vlm_server.http.exchange import Exchange
 
@@ -48,6 +48,8 @@ SETTINGS = Field(
         Field("max_tokens", "integer", "Most tokens to generate."),
         Field("max_objects", "integer", "Most points or boxes (point, detect)."),
         Field("seed", "integer", "Sampling seed (an extension of this server)."),
+        Field("adapter", "string", "A finetune adapter to answer with (see model)."),
+        Field("variant", "string", "A finetune adapter to answer with (see model)."),
         # The official npm client's spelling (it sends settings.maxTokens).
         *(
             Field(alias, "integer" if alias != "topP" else "number", f"Alias of {name}.")
@@ -61,13 +63,13 @@ IMAGE = Field(
     "The picture as a base64 data URL (data:image/jpeg;base64,...); remote URLs are refused.",
     required=True,
 )
-MODEL = Field("model", "string", "Accepted for compatibility; the server's one model answers.")
-VARIANT = Field(
-    "variant",
+MODEL = Field(
+    "model",
     "string",
-    "A finetuned variant.",
-    unsupported="this server serves one model and has no variants",
+    "Any name answers with the server's model; <base>/<finetune_id>@<step> (as the official "
+    "clients send a finetune) answers with that adapter.",
 )
+VARIANT = Field("variant", "string", "A finetune adapter to answer with (see model).")
 SPATIAL_REFS = Field(
     "spatial_refs",
     "array",
@@ -345,6 +347,7 @@ async def caption(ex: Exchange) -> web.StreamResponse:
         length=CAPTION_LENGTHS[body.get("length") or "normal"],
         settings=settings(body.get("settings")),
     )
+    adapter_names.apply(ex, body, message.settings)
     await set_image(message, body["image_url"])
     return await _text(ex, message, "caption", bool(body.get("stream")))
 
@@ -361,6 +364,7 @@ async def query(ex: Exchange) -> web.StreamResponse:
     spatial_refs(message, body.get("spatial_refs"))
     if body.get("regex") is not None:
         message.regex = body["regex"]
+    adapter_names.apply(ex, body, message.settings)
     await set_image(message, body.get("image_url"))
     return await _text(ex, message, "answer", bool(body.get("stream")))
 
@@ -370,6 +374,7 @@ async def point(ex: Exchange) -> web.StreamResponse:
     body = await ex.json(POINT)
     message = pb.PointRequest(object=body["object"], settings=settings(body.get("settings")))
     spatial_refs(message, body.get("spatial_refs"))
+    adapter_names.apply(ex, body, message.settings)
     await set_image(message, body["image_url"])
     call = ex.active_call
     done = await call.final(await call.build(message))
@@ -382,6 +387,7 @@ async def detect(ex: Exchange) -> web.StreamResponse:
     body = await ex.json(DETECT)
     message = pb.DetectRequest(object=body["object"], settings=settings(body.get("settings")))
     spatial_refs(message, body.get("spatial_refs"))
+    adapter_names.apply(ex, body, message.settings)
     await set_image(message, body["image_url"])
     call = ex.active_call
     done = await call.final(await call.build(message))
@@ -393,6 +399,7 @@ async def segment(ex: Exchange) -> web.StreamResponse:
     body = await ex.json(SEGMENT)
     message = pb.SegmentRequest(object=body["object"], settings=settings(body.get("settings")))
     spatial_refs(message, body.get("spatial_refs"))
+    adapter_names.apply(ex, body, message.settings)
     await set_image(message, body["image_url"])
     call = ex.active_call
     submitted = await call.submit(await call.build(message))

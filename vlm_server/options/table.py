@@ -284,6 +284,49 @@ class ServerConfig:
         G.OBSERVABILITY,
         "address of the Prometheus endpoint (loopback: 0.0.0.0 lets other machines scrape)",
     )
+    adapters_dir: str | None = option(
+        None,
+        G.MODEL,
+        "folder of finetune adapters (LoRA) requests may name: <id>/final.pt or <id>.pt (the "
+        "moondream reference's format), <id>.safetensors or <id>/adapter.safetensors; "
+        "downloads are saved here too",
+    )
+    adapter_endpoint: str | None = option(
+        None,
+        G.MODEL,
+        "base URL adapters missing from --adapters-dir are downloaded from "
+        "(<url>/v1/variants/<id>/download, as the moondream reference does); unset: none are",
+    )
+    adapter_api_key: str | None = option(
+        None,
+        G.SECURITY,
+        "key sent to --adapter-endpoint as X-Moondream-Auth (default: $MOONDREAM_API_KEY)",
+    )
+    max_adapters: int = option(
+        _ENGINE.max_adapters,
+        G.LIMITS,
+        "adapters resident on the device at once; a request whose adapter needs a slot while "
+        "running requests use every one waits (--adapter-wait-s)",
+    )
+    max_adapter_rank: int = option(
+        _ENGINE.max_adapter_rank,
+        G.LIMITS,
+        "largest LoRA rank an adapter may have (each slot is allocated at this rank)",
+    )
+    adapter_wait_s: float = option(
+        _ENGINE.adapter_wait_s,
+        G.LIMITS,
+        "seconds a request may wait for an adapter slot (RESOURCE_EXHAUSTED beyond)",
+    )
+    adapter_download_bytes: int = option(
+        _ENGINE.adapter_download_bytes,
+        G.LIMITS,
+        "largest adapter file a download may bring",
+        parse=parse_size,
+    )
+    adapter_download_timeout_s: float = option(
+        _ENGINE.adapter_download_timeout_s, G.LIMITS, "seconds one adapter download may take"
+    )
     metrics_port: int = option(
         9464, G.OBSERVABILITY, "Prometheus endpoint port (0 = any free port)"
     )
@@ -422,6 +465,14 @@ class ServerConfig:
             vision_fp8=self.vision_fp8,
             max_spatial_refs=self.max_spatial_refs,
             constraint_limits=self.constraint_limits,
+            adapters_dir=self.adapters_dir,
+            adapter_endpoint=self.adapter_endpoint,
+            adapter_api_key=self.adapter_api_key,
+            max_adapters=self.max_adapters,
+            max_adapter_rank=self.max_adapter_rank,
+            adapter_wait_s=self.adapter_wait_s,
+            adapter_download_bytes=self.adapter_download_bytes,
+            adapter_download_timeout_s=self.adapter_download_timeout_s,
         )
 
     @property
@@ -454,6 +505,7 @@ class ServerConfig:
     def items(self) -> list[tuple[str, Any]]:
         """(name, value) pairs in declaration order, for printing at start; keys redacted."""
         pairs = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+        pairs = [(n, "<set>" if n == "adapter_api_key" and v else v) for n, v in pairs]
         return [(n, f"<{len(v)} keys>" if n == "api_keys" else v) for n, v in pairs]
 
 

@@ -248,4 +248,8 @@ class VisionLanguageServicer(pb_grpc.VisionLanguageServicer):
                 server_version=server_version(),
                 max_step_tokens=info.max_step_tokens,
                 limits=pb.ServerLimits(**lim.describe(info)),
+                adapters=[
+                    pb.AdapterInfo(id=name, rank=rank, resident=True)
+                    for name, rank in engine.stats().adapters
+                ],
             )

@@ -53,6 +53,7 @@ class PrefixJob:
     pages: list[int]
     image: PreparedImage | HostImage
     prompt: PrefixPrompt | None = None
+    adapter_slot: int = -1  # the device slot of its request's adapter (-1: none)
 
 
 def pack_prompts(jobs: list[PrefixJob], prefix_len: int) -> tuple[np.ndarray, np.ndarray]:

@@ -375,8 +375,8 @@ class Scheduler:
         if new_prefixes:
             handle = self.rt.launch_prefixes(
                 [
-                    PrefixJob(entry.pages, seq.request.image, self._riding_prompt(seq))
-                    for entry, seq in new_prefixes
+                    PrefixJob(e.pages, s.request.image, self._riding_prompt(s), s.adapter_slot)
+                    for e, s in new_prefixes
                 ],
                 partitioned=self._streaming(),
             )

@@ -71,6 +71,7 @@ class Sequence:
     ref_values: np.ndarray | None = None
     state: SeqState = SeqState.WAITING
     row: int = -1
+    adapter_slot: int = -1  # the device slot of its adapter, pinned for it (-1: none)
     own_pages: list[int] = field(default_factory=list)
     prefix: PrefixEntry | None = None
     prefix_hit: bool = False

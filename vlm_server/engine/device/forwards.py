@@ -20,6 +20,7 @@ from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.observer import Observer
 from vlm_server.engine.core.sequence import Sequence
 from vlm_server.engine.core.step_plan import HELD, N_TOK, T_ID, T_POS, T_ROW, StepPlan, pack_tokens
+from vlm_server.engine.device.adapter_rows import AdapterRows
 from vlm_server.engine.device.buffers import SlotBuffers, StepBuffers, copy_rows
 from vlm_server.engine.device.graphs import GraphSet, bucket, graph_buckets, token_buckets
 from vlm_server.engine.device.kv_pool import KVPool
@@ -40,8 +41,10 @@ class StepForwards:
         buffers: StepBuffers,
         observer: Observer,
         refs: SpatialRefSlots,
+        adapters: AdapterRows | None = None,
     ) -> None:
         self.dev, self.entry, self.pool, self.buffers = dev, entry, pool, buffers
+        self.adapters = adapters  # each row's adapter slot; None: adapters are off
         self.observer = observer
         self.refs = refs
         self.page_size = cfg.page_size
@@ -50,6 +53,10 @@ class StepForwards:
         self.token_buckets = token_buckets(cfg.max_step_tokens)
         self.decode_graphs: GraphSet[tuple[int, int]] = GraphSet("decode")
         self.mixed_graphs: GraphSet[tuple[int, int]] = GraphSet("mixed step")
+        # With adapters on, the same forwards with the adapters' deltas: a step runs them
+        # only when one of its rows uses an adapter, so the others pay nothing for LoRA.
+        self.lora_decode_graphs: GraphSet[tuple[int, int]] = GraphSet("decode (adapters)")
+        self.lora_mixed_graphs: GraphSet[tuple[int, int]] = GraphSet("mixed step (adapters)")
         # Host scratch the inputs are packed in before they go to a slot's pinned buffer.
         self.launch_rows = np.zeros((buffers.pad_row + 1, 2), np.int64)
         self.mixed_scratch = np.zeros(buffers.mixed_layout.size(cfg.max_step_tokens), np.int64)
@@ -69,34 +76,45 @@ class StepForwards:
         n_blocks = int(host[:b, 1].max()) // self.page_size + 1
         self._send_inputs(slot, buf.launch_host, buf.launch_dev, host[:n], block_rows)
         block_dev, next_embed = self.pool.block_dev, self.buffers.next_embed
+        adapters = self.adapters
 
         def access() -> tuple[list, list]:
             # Host numpy only, and only the fake device calls it: no device sync here.
             rows = host[:b, 0].tolist()
-            return [buf.launch_dev, (block_dev, rows), (next_embed, rows)], [buf.hidden]
+            reads = [buf.launch_dev, (block_dev, rows), (next_embed, rows)]
+            if adapters is not None:
+                reads.append((adapters.row_slot, rows))
+            return reads, [buf.hidden]
 
         dev.kernel(
             dev.compute_stream,
             f"decode slot{slot}",
-            partial(self._decode_step, slot, n, n_blocks),
+            partial(self._decode_step, slot, n, n_blocks, self.uses_lora(seqs)),
             access,
         )
 
-    def _decode_step(self, slot: int, n: int, n_blocks: int) -> None:
+    def _decode_step(self, slot: int, n: int, n_blocks: int, lora: bool) -> None:
         start = timing_mark(self.observer, self.dev)
-        if (slot, n) in self.decode_graphs:
-            self.decode_graphs.replay((slot, n))
+        graphs = self.lora_decode_graphs if lora else self.decode_graphs
+        if (slot, n) in graphs:
+            graphs.replay((slot, n))
         else:
-            self.decode_forward(self.buffers.slots[slot], n, n_blocks)
+            self.decode_forward(self.buffers.slots[slot], n, n_blocks, lora)
         if start is not None:
             self.observer.forward_timed("decode", start, timing_mark(self.observer, self.dev))
 
-    def decode_forward(self, buf: SlotBuffers, n: int, n_blocks: int) -> None:
-        """The decode forward of the slot's first ``n`` rows (graph-capturable)."""
+    def decode_forward(self, buf: SlotBuffers, n: int, n_blocks: int, lora: bool = True) -> None:
+        """The decode forward of the slot's first ``n`` rows (graph-capturable); ``lora``:
+        with the rows' adapters (when adapters are on)."""
         rows, pos = buf.launch_dev[:n, 0], buf.launch_dev[:n, 1:2]
         kv = self.pool.decode_view(rows, n_blocks)
         x = self.buffers.next_embed[rows][:, None]
-        buf.hidden[:n] = self.entry.text_forward(x, pos, kv)[:, -1]
+        deltas = self.adapters.for_rows(rows) if self.adapters and lora else None
+        buf.hidden[:n] = self.entry.text_forward(x, pos, kv, deltas)[:, -1]
+
+    def uses_lora(self, seqs: list[Sequence]) -> bool:
+        """Whether a step of ``seqs`` needs the adapters' deltas: a row uses an adapter."""
+        return self.adapters is not None and any(s.adapter_slot >= 0 for s in seqs)
 
     def bucket(self, b: int) -> int:
         """The batch bucket of ``b`` rows (also the sampling graphs')."""
@@ -152,6 +170,8 @@ class StepForwards:
                     tails.append((prefix.tail_page, seqs[i].own_pages[0]))
         lay, pad_row = self.buffers.mixed_layout, self.buffers.pad_row
         values = lay.pack(self.mixed_scratch, tokens, last, tails, n, pad_row)
+        if self.adapters:  # a new sequence's first step: its row's adapter goes up first
+            self.adapters.sync_rows(slot, seqs)
         self._send_inputs(slot, buf.mixed_host, buf.mixed_dev, values, block_rows)
         if after is not None:  # held rows of a prefix batch still running: a device wait
             dev.wait(dev.compute_stream, after)
@@ -169,16 +189,20 @@ class StepForwards:
                 (bufs.held, held_rows),
                 (self.refs.embeds, self.refs.rows_of(ref_rows)),
             ]
+            if self.adapters is not None:
+                reads.append((self.adapters.row_slot, rows))
             return reads, [buf.hidden]
 
         dev.kernel(
             dev.compute_stream,
             f"mixed slot{slot}",
-            partial(self.mixed_step, slot, len(tails), t, n, n_blocks),
+            partial(self.mixed_step, slot, len(tails), t, n, n_blocks, self.uses_lora(seqs)),
             access,
         )
 
-    def mixed_step(self, slot: int, n_tails: int, t: int, n: int, n_blocks: int) -> None:
+    def mixed_step(
+        self, slot: int, n_tails: int, t: int, n: int, n_blocks: int, lora: bool = True
+    ) -> None:
         """The device work of a launched mixed step (``t`` tokens padded to ``n``)."""
         buf, lay = self.buffers.slots[slot], self.buffers.mixed_layout
         start = timing_mark(self.observer, self.dev)
@@ -189,14 +213,14 @@ class StepForwards:
         if not n:
             last = buf.mixed_dev[: lay.rows]
             buf.hidden[: len(last)] = self._held_states(last)
-        elif (slot, n) in self.mixed_graphs:
-            self.mixed_graphs.replay((slot, n))
+        elif (slot, n) in (graphs := self.lora_mixed_graphs if lora else self.mixed_graphs):
+            graphs.replay((slot, n))
         else:
-            self.mixed_forward(buf, n, n_blocks)
+            self.mixed_forward(buf, n, n_blocks, lora)
         if start is not None:
             self.observer.forward_timed("mixed", start, timing_mark(self.observer, self.dev))
 
-    def mixed_forward(self, buf: SlotBuffers, n: int, n_blocks: int) -> None:
+    def mixed_forward(self, buf: SlotBuffers, n: int, n_blocks: int, lora: bool = True) -> None:
         """The token forward of a mixed step over the slot's ``n`` (padded) tokens. On CUDA
         every token is a row of the rotary + KV-write kernel, and attention runs per tile of a
         row's consecutive tokens over its pages up to each token's position (causal: every
@@ -212,13 +236,14 @@ class StepForwards:
             (ids < 0)[:, None], next_embed[rows], self.refs.embed(rows, ids.clamp(min=0))
         )
         x = x.to(entry.dtype)
+        deltas = self.adapters.for_rows(rows) if self.adapters and lora else None
         if self.pool.use_triton:
             tiles = buf.mixed_dev[lay.tiles_at(n) : lay.size(n)].view(-1, 2)
             kv = self.pool.token_view(rows, tiles, lay.tile_tokens)
-            h = entry.text_forward(x[:, None], pos[:, None], kv)[:, 0]
+            h = entry.text_forward(x[:, None], pos[:, None], kv, deltas)[:, 0]
         else:
             kv = self.pool.ragged_view(rows, n_blocks)
-            h = entry.text_forward(x[None], pos[None], kv)[0]
+            h = entry.text_forward(x[None], pos[None], kv, deltas)[0]
         # Rows without a token here (-1) sample nothing: any row's state will do. Held rows
         # take what their prefix batch left.
         held = self._held_states(last)
@@ -266,11 +291,14 @@ class StepForwards:
             slots[slot].launch_dev[:n, 0] = pad_row
             slots[slot].launch_dev[:n, 1] = 0
 
-        def run_decode(key: tuple[int, int]) -> None:
-            self.decode_forward(slots[key[0]], key[1], max_blocks)
+        def run_decode(key: tuple[int, int], lora: bool = False) -> None:
+            self.decode_forward(slots[key[0]], key[1], max_blocks, lora)
 
         keys = [(slot, n) for n in sorted(self.buckets, reverse=True) for slot in (0, 1)]
         self.decode_graphs.capture(keys, prepare_decode, run_decode, stream, progress)
+        if self.adapters is not None:
+            run = partial(run_decode, lora=True)
+            self.lora_decode_graphs.capture(keys, prepare_decode, run, stream, progress)
 
         def prepare_mixed(key: tuple[int, int]) -> None:
             slot, t = key
@@ -279,8 +307,11 @@ class StepForwards:
             host = lay.pack(self.mixed_scratch, none, np.zeros(0, np.int64), [], t, pad_row)
             slots[slot].mixed_dev[: len(host)].copy_(torch.from_numpy(host))
 
-        def run_mixed(key: tuple[int, int]) -> None:
-            self.mixed_forward(slots[key[0]], key[1], max_blocks)
+        def run_mixed(key: tuple[int, int], lora: bool = False) -> None:
+            self.mixed_forward(slots[key[0]], key[1], max_blocks, lora)
 
         keys = [(slot, t) for t in sorted(self.token_buckets, reverse=True) for slot in (0, 1)]
         self.mixed_graphs.capture(keys, prepare_mixed, run_mixed, stream, progress)
+        if self.adapters is not None:
+            run = partial(run_mixed, lora=True)
+            self.lora_mixed_graphs.capture(keys, prepare_mixed, run, stream, progress)

@@ -24,6 +24,8 @@ from vlm_server.devices import fp8_supported
 if TYPE_CHECKING:
     from vlm_server.models.interface import DeviceModel
     from vlm_server.models.kv import KVCache
+    from vlm_server.models.lora.bank import LoraBatch
+    from vlm_server.models.lora.spec import LoraTargets
 
 
 class ModelEntryPoints:
@@ -77,10 +79,24 @@ class ModelEntryPoints:
         """Token ids -> input embeddings [..., dim]."""
         return self._model.text.embed(ids)
 
-    def text_forward(self, x: torch.Tensor, positions: torch.Tensor, kv: KVCache) -> torch.Tensor:
+    def text_forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv: KVCache,
+        lora: LoraBatch | None = None,
+    ) -> torch.Tensor:
         """The text decoder over input embeddings ``x`` [B, T, dim] at ``positions`` [B, T],
-        reading and writing keys and values through ``kv``: hidden [B, T, dim] (pre-norm)."""
-        return self._model.text(x, positions, kv)
+        reading and writing keys and values through ``kv``: hidden [B, T, dim] (pre-norm).
+        ``lora``: each token's adapter (only for a family with `lora_targets`)."""
+        if lora is None:
+            return self._model.text(x, positions, kv)
+        return self._model.text(x, positions, kv, lora)  # type: ignore[call-arg]
+
+    @property
+    def lora_targets(self) -> LoraTargets | None:
+        """The decoder's adapter targets, or None: the family takes no adapters."""
+        return getattr(self._model.text, "lora_targets", None)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden [..., dim] -> fp32 logits [..., vocab]."""

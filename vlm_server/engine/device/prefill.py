@@ -25,6 +25,7 @@ from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.mixed_inputs import MixedLayout
 from vlm_server.engine.core.prefix_jobs import PrefixJob, pack_prompts, tail_copies
 from vlm_server.engine.core.step_plan import N_TOK, T_ID, T_POS, T_ROW
+from vlm_server.engine.device.adapter_rows import AdapterRows
 from vlm_server.engine.device.buffers import StepBuffers, copy_rows, zeros
 from vlm_server.engine.device.crops import ImageCrops
 from vlm_server.engine.device.graphs import (
@@ -77,8 +78,10 @@ class Prefill:
         pool: KVPool,
         buffers: StepBuffers,
         crops: ImageCrops,
+        adapters: AdapterRows | None = None,
     ) -> None:
         self.dev, self.entry, self.pool, self.buffers, self.crops = dev, entry, pool, buffers, crops
+        self.adapters = adapters  # the jobs' adapter slots; None: adapters are off
         self.max_jobs, self.page_size = cfg.max_prefill_batch, cfg.page_size
         self.prompt_tokens = cfg.prefix_prompt_tokens
         self.prompt_buckets = prompt_buckets(cfg.prefix_prompt_tokens)
@@ -188,13 +191,15 @@ class Prefill:
             lambda: ([slot.pages_host], [slot.pages_dev]),
         )
         p, n_tails, held_rows = self._send_prompts(i, jobs, stream)
+        if self.adapters:
+            self.adapters.send_jobs(i, [job.adapter_slot for job in jobs], stream)
         kv, held = self.pool.kv, self.buffers.held
         dev.kernel(
             stream,
             f"image prefixes {i}",
             partial(self._image_prefixes, i, jobs, p, n_tails, lane),
             lambda: (
-                [slot.pages_dev, slot.prompt_dev],
+                [slot.pages_dev, slot.prompt_dev, *self._adapter_reads(i)],
                 [(kv, sorted(set(written))), (held, held_rows), self.prefix_emb],
             ),
         )
@@ -202,6 +207,9 @@ class Prefill:
         if len(self.lanes) > 1:
             dev.record(self.lane_done, stream)
         return slot.done
+
+    def _adapter_reads(self, i: int) -> list[torch.Tensor]:
+        return [self.adapters.job_dev[i]] if self.adapters is not None else []
 
     def _send_prompts(
         self, i: int, jobs: list[PrefixJob], stream: object
@@ -284,8 +292,13 @@ class Prefill:
         length = self.prefix_emb.shape[1]
         kv = self.pool.prefix_view(self.slots[i].pages_dev, k, length, self.image_of_token)
         pos = self.prefix_pos[None].expand(k, length)
+        lora = (
+            self.adapters.for_prefix(i, self.image_of_token[: k * length])
+            if self.adapters
+            else None
+        )
         with sm_carveout(self.carveout):
-            self.entry.text_forward(self.prefix_emb[:k], pos, kv)
+            self.entry.text_forward(self.prefix_emb[:k], pos, kv, lora)
 
     def _prefix_prompt_forward(self, i: int, k: int, p: int) -> None:
         """The prefixes and their riding prompts as one token batch [1, k * length + p]; each
@@ -304,8 +317,9 @@ class Prefill:
         kv = self.pool.prefix_prompt_view(
             slot.pages_dev, k, length, self.image_of_token, rows, pos, tiles, lay.tile_tokens
         )
+        lora = self.adapters.for_prefix(i, self.image_of_token[:n], rows) if self.adapters else None
         with sm_carveout(self.carveout):
-            h = entry.text_forward(x[None], positions[None], kv)[0]
+            h = entry.text_forward(x[None], positions[None], kv, lora)[0]
         self.buffers.held[held_rows] = h[n + last.clamp(min=0)]
 
     # ---- graphs -----------------------------------------------------------------------

@@ -20,6 +20,8 @@ changed, which go up in one copy ahead of the step's inputs.
     prefill.py      image prefixes on the prefill lanes (image path, BOS + image forward,
                     riding prompts, their graphs); crops.py makes an image's crops
     sampler.py      finalize: masks, sampling, region values, next inputs, outputs to host
+    adapter_rows.py each row's (and prefix job's) adapter slot, and the stacked adapter
+                    weights the forwards read (only with adapters on)
     graphs.py       graph sets and the buckets they are captured for
 
 All stream, event, copy and pinned-buffer work goes through a `Device`
@@ -46,6 +48,7 @@ from vlm_server.engine.core.observer import NO_OBSERVER, Observer
 from vlm_server.engine.core.prefix_jobs import PrefixJob
 from vlm_server.engine.core.sequence import Sequence
 from vlm_server.engine.core.step_plan import StepPlan
+from vlm_server.engine.device.adapter_rows import AdapterRows
 from vlm_server.engine.device.buffers import StepBuffers
 from vlm_server.engine.device.crops import ImageCrops
 from vlm_server.engine.device.forwards import StepForwards
@@ -55,9 +58,19 @@ from vlm_server.engine.device.prefill import Prefill
 from vlm_server.engine.device.sampler import Sampler
 from vlm_server.engine.device.spatial_refs import SpatialRefSlots
 from vlm_server.engine.device.streams import Device, TorchDevice
+from vlm_server.models.lora.bank import LoraBank
 
 if TYPE_CHECKING:
     from vlm_server.models.interface import DeviceModel
+
+
+def adapter_bank(entry: ModelEntryPoints, cfg: EngineConfig) -> LoraBank | None:
+    """The stacked adapter weights, when the config takes adapters and the family has
+    targets; None otherwise."""
+    targets = entry.lora_targets
+    if not cfg.adapters_enabled or targets is None:
+        return None
+    return LoraBank(targets, cfg.max_adapters, cfg.max_adapter_rank, entry.dtype, entry.device)
 
 
 def kv_page_bytes(model: DeviceModel, page_size: int) -> int:
@@ -93,10 +106,27 @@ class ModelRuntime:
             dev, cfg, entry.dim, entry.dtype, entry.device, tuple(self.pool.block_host.shape)
         )
         self.crops = ImageCrops(self.image_preparer, dev, cfg, entry.device)
-        self.prefill = Prefill(dev, entry, cfg, self.pool, self.buffers, self.crops)
+        # Resident finetune adapters (models/lora/bank.py) and each row's slot: only when
+        # the server takes adapters and the family declares targets.
+        self.adapter_bank = adapter_bank(entry, cfg)
+        self.adapters = (
+            AdapterRows(
+                dev,
+                self.adapter_bank,
+                cfg.max_rows + 1,
+                cfg.prefill_batches,
+                cfg.max_prefill_batch,
+                entry.image_prefix_len,
+            )
+            if self.adapter_bank is not None
+            else None
+        )
+        self.prefill = Prefill(dev, entry, cfg, self.pool, self.buffers, self.crops, self.adapters)
         # Every row's spatial-reference embeddings: three slots per reference (a box's).
         refs = SpatialRefSlots(dev, entry, cfg.max_rows + 1, 3 * cfg.max_spatial_refs)
-        self.steps = StepForwards(dev, entry, cfg, self.pool, self.buffers, observer, refs)
+        self.steps = StepForwards(
+            dev, entry, cfg, self.pool, self.buffers, observer, refs, self.adapters
+        )
         self.sampler = Sampler(dev, entry, cfg, self.buffers, table, observer)
         # What the scheduler's page allocator needs: the pool's size and the block table's
         # pinned host mirror (its rows; the pad row stays on the sink page).

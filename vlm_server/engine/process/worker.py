@@ -207,7 +207,9 @@ class EngineHost:
 
     def _route(self, rid: int, request: GenerationRequest) -> None:
         """Admit ``request``: on the builder thread when it brings a constraint to compile."""
-        if request.choices or request.regex is not None:
+        if request.adapter:  # may load or wait for a slot: on the engine's adapter threads
+            self.engine.adapter_threads.submit(self._admit, rid, request)
+        elif request.choices or request.regex is not None:
             self._builder.submit(self._admit, rid, request)
         else:
             self._admit(rid, request)

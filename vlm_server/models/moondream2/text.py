@@ -14,6 +14,7 @@ from vlm_server.models.common.fused_norm import add_layernorm
 from vlm_server.models.common.layers import MLP, LayerNorm
 from vlm_server.models.common.rotary import apply_rotary, rotary_tables
 from vlm_server.models.kv import KVCache
+from vlm_server.models.lora.spec import LoraDelta, LoraTargets
 from vlm_server.models.moondream2.config import TextConfig
 
 
@@ -29,12 +30,16 @@ class TextAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> q [B, H, T, hd], k and v [B, KVH, T, hd]; rotary applied to q and k."""
-        b, t, _ = x.shape
+        return self.split_qkv(self.qkv(x), cos, sin)
+
+    def split_qkv(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The packed projection [B, T, (H + 2 KVH) hd] -> q, k, v as `project_qkv` returns."""
+        b, t, _ = qkv.shape
         cfg = self.cfg
         hd = cfg.head_dim
-        q, k, v = self.qkv(x).split(
-            [cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd], dim=-1
-        )
+        q, k, v = qkv.split([cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd], dim=-1)
         q = q.view(b, t, cfg.n_heads, hd).transpose(1, 2)
         k = k.view(b, t, cfg.n_kv_heads, hd).transpose(1, 2)
         v = v.view(b, t, cfg.n_kv_heads, hd).transpose(1, 2)
@@ -49,16 +54,25 @@ class TextAttention(nn.Module):
         positions: torch.Tensor,
         cache: KVCache,
         layer: int,
+        lora: LoraDelta | None = None,
     ) -> torch.Tensor:
+        qkv = self.qkv(x)
+        if lora is not None:
+            qkv = lora.add(layer, "qkv", x, qkv)
         # A cache may fuse rotary, the KV write and attention over the raw projection.
         packed = getattr(cache, "attend_packed", None)
         if packed is not None:
-            out = packed(layer, self.qkv(x), positions)
+            out = packed(layer, qkv, positions)
         else:
-            q, k, v = self.project_qkv(x, cos, sin)
+            q, k, v = self.split_qkv(qkv, cos, sin)
             out = cache.attend(layer, q, k, v, positions)
         b, _, t, _ = out.shape
-        return self.proj(out.transpose(1, 2).reshape(b, t, -1))
+        y = self.proj(out.transpose(1, 2).reshape(b, t, -1))
+        # The reference adds proj's delta of the block's normed input x, not of the attention
+        # output proj reads (moondream/torch/text.py): matched exactly.
+        if lora is not None:
+            y = lora.add(layer, "proj", x, y)
+        return y
 
 
 class TextBlock(nn.Module):
@@ -104,14 +118,37 @@ class TextDecoder(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.wte)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Input embeddings x [B, T, D] at positions [B, T] -> hidden [B, T, D] before post_ln."""
+    @property
+    def lora_targets(self) -> LoraTargets:
+        """The linear layers an adapter adds to (models/lora/spec.py), with their widths."""
+        cfg = self.cfg
+        qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+        return LoraTargets(
+            cfg.n_layers,
+            {
+                "qkv": (cfg.dim, qkv),
+                "proj": (cfg.dim, cfg.dim),
+                "fc1": (cfg.dim, cfg.ff_dim),
+                "fc2": (cfg.ff_dim, cfg.dim),
+            },
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        lora: LoraDelta | None = None,
+    ) -> torch.Tensor:
+        """Input embeddings x [B, T, D] at positions [B, T] -> hidden [B, T, D] before post_ln;
+        ``lora``: adapter deltas (models/lora/spec.py) for these tokens."""
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         blocks = self.blocks
         h = blocks[0].ln(x)
         # Each block's forward, with its residual adds fused into the next block's norm.
         for i, block in enumerate(blocks):
-            a, m = block.attn(h, cos, sin, positions, cache, i), block.mlp(h)
+            a = block.attn(h, cos, sin, positions, cache, i, lora)
+            m = block.mlp(h) if lora is None else _lora_mlp(block.mlp, h, lora, i)
             if i + 1 < len(blocks):
                 x, h = add_layernorm(x, a, m, blocks[i + 1].ln)
             else:
@@ -121,3 +158,10 @@ class TextDecoder(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and untied head; computed in fp32 for stable sampling."""
         return self.lm_head(self.post_ln(hidden)).float()
+
+
+def _lora_mlp(mlp: MLP, x: torch.Tensor, lora: LoraDelta, layer: int) -> torch.Tensor:
+    """The MLP with adapter deltas: fc1's before the GELU (so not the fused fc1 + GELU GEMM),
+    fc2's of the GELU's output."""
+    h = F.gelu(lora.add(layer, "fc1", x, mlp.fc1(x)), approximate="tanh")
+    return lora.add(layer, "fc2", h, mlp.fc2(h))

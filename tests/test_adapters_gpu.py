@@ -1,0 +1,143 @@
+"""GPU checks of finetune adapters (run on a CUDA machine; skipped elsewhere): the grouped
+Triton LoRA kernel against the PyTorch path over random shapes and uneven adapter
+assignment, under graph capture, and the CUDA engine (graphs, the side-stream slot copy)
+against the reference."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from image_pipeline import PreparedImage, prepare_pil, sample_image
+from vlm_server.engine.api import Finished, GenerationRequest, Task
+from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.engine import BatchedEngine
+from vlm_server.models.interface import LoadedModel
+from vlm_server.models.lora import files
+from vlm_server.models.lora.bank import masked_lora, segmented_lora
+from vlm_server.models.lora.writer import write_random
+from vlm_server.reference import ReferenceGenerator, SamplingSettings
+
+pytestmark = pytest.mark.gpu
+
+
+def _per_token(x, a, b, index):  # type: ignore[no-untyped-def]
+    """The plain definition, token by token, in fp32."""
+    out = torch.zeros(x.shape[0], b.shape[1], device=x.device)
+    for t, s in enumerate(index.tolist()):
+        if s >= 0:
+            out[t] = (x[t].float() @ a[s].float().T) @ b[s].float().T
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(6))
+def test_grouped_lora_kernel_matches_torch(dtype: torch.dtype, seed: int) -> None:
+    from vlm_server.models.common.lora_kernel import grouped_lora
+
+    g = torch.Generator().manual_seed(seed)
+
+    def pick(options: list[int]) -> int:
+        return options[int(torch.randint(len(options), (1,), generator=g))]
+
+    t, k, n = pick([1, 5, 64, 333]), pick([64, 200, 2048]), pick([96, 2048, 6144, 8192])
+    slots, layers, r = pick([1, 3, 8]), 2, pick([4, 16, 32])
+    # Stacked like the bank: [slots, layers, r, k] and [slots, layers, n, r]; one layer's view.
+    a_all = (torch.randn(slots, layers, r, k, generator=g) * 0.1).to("cuda", dtype)
+    b_all = (torch.randn(slots, layers, n, r, generator=g) * 0.1).to("cuda", dtype)
+    a, b = a_all[:, 1], b_all[:, 1]
+    # Uneven: most tokens on slot 0, a few on others, some on none (-1).
+    weights = torch.tensor([0.2] + [0.6] + [0.2 / max(1, slots - 1)] * (slots - 1))
+    index = torch.multinomial(weights, t, replacement=True, generator=g).to(torch.int32) - 1
+    x = torch.randn(t, k, generator=g).to("cuda", dtype)
+    idx = index.cuda()
+    got = grouped_lora(x, a, b, idx).float()
+    want = _per_token(x, a, b, idx)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    # Added into a layer's output in place: rows without an adapter keep theirs exactly.
+    base = torch.randn(t, n, generator=g).to("cuda", dtype)
+    out = grouped_lora(x, a, b, idx, out=base.clone())
+    torch.testing.assert_close(out.float(), base.float() + want, atol=tol, rtol=tol)
+    assert torch.equal(out[idx < 0], base[idx < 0])
+    # The image prefixes' form: runs of one slot each, as batched products.
+    runs = torch.tensor([1, -1, 0], dtype=torch.int32, device="cuda") % slots
+    runs[1] = -1
+    xs = torch.randn(3 * 7, k, generator=g).to("cuda", dtype)
+    seg = segmented_lora(xs, a, b, runs, 7).float()
+    torch.testing.assert_close(
+        seg, _per_token(xs, a, b, runs.repeat_interleave(7)), atol=tol, rtol=tol
+    )
+    torch.testing.assert_close(masked_lora(x, a, b, idx).float(), want, atol=tol, rtol=tol)
+
+
+def test_grouped_lora_kernel_replays_in_a_graph_with_new_slots_and_weights() -> None:
+    from vlm_server.models.common.lora_kernel import grouped_lora
+
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(4, 16, 256, generator=g).cuda() * 0.1
+    b = torch.randn(4, 512, 16, generator=g).cuda() * 0.1
+    x = torch.randn(32, 256, generator=g).cuda()
+    idx = torch.full((32,), -1, dtype=torch.int32, device="cuda")
+    grouped_lora(x, a, b, idx)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = grouped_lora(x, a, b, idx)
+    idx.copy_(torch.randint(-1, 4, (32,), generator=g).to(torch.int32))
+    a[2].copy_(torch.randn(16, 256, generator=g) * 0.1)  # a slot refilled after capture
+    graph.replay()
+    torch.testing.assert_close(y, _per_token(x, a, b, idx), atol=1e-4, rtol=1e-4)
+
+
+def test_cuda_engine_with_adapters_equals_the_reference(tiny: LoadedModel, tmp_path: Path) -> None:
+    """fp32 on CUDA: graphs (decode, mixed, prefix) carry the adapter index; a mixed batch
+    of no adapter and two adapters answers as the reference does for each alone."""
+    model = copy.deepcopy(tiny.model).cuda()
+    loaded = LoadedModel(model, tiny.tokenizer, tiny.config, tiny.source)
+    targets = model.text.lora_targets
+    for i, name in enumerate(["a", "b"]):
+        write_random(tmp_path, name, targets, rank=8, seed=i, scale=0.3)
+    base = sample_image()
+    images: list[PreparedImage] = [
+        prepare_pil(base),
+        prepare_pil(base.rotate(90, expand=True)),
+    ]
+    names = [None, "a", "b", "a", None, "b"]
+    reqs = [
+        GenerationRequest(Task.CAPTION, images[i % 2], temperature=0, max_tokens=16, adapter=name)
+        for i, name in enumerate(names)
+    ]
+    cfg = EngineConfig(
+        max_batch_size=8, kv_budget_bytes=64 << 20, adapters_dir=str(tmp_path), max_adapter_rank=8
+    )
+
+    async def run() -> list[str]:
+        engine = BatchedEngine(loaded, cfg)
+        await engine.start()
+        try:
+            steps = engine.runtime.steps
+            assert steps.decode_graphs and steps.lora_decode_graphs and steps.lora_mixed_graphs
+
+            async def one(req: GenerationRequest) -> str:
+                async for event in await engine.submit(req):
+                    if isinstance(event, Finished):
+                        return event.text
+                raise AssertionError("no result")
+
+            return await asyncio.gather(*[one(r) for r in reqs])
+        finally:
+            await engine.close()
+
+    texts = asyncio.run(run())
+    settings = SamplingSettings(temperature=0, max_tokens=16)
+    for req, text in zip(reqs, texts, strict=True):
+        weights = None
+        if req.adapter:
+            path = files.find(tmp_path, req.adapter)
+            weights = files.load(path, targets, 8, req.adapter)
+        ref = ReferenceGenerator(model, tiny.tokenizer, weights)
+        assert text == ref.caption(req.image, "normal", settings).text, req.adapter
