@@ -337,3 +337,37 @@ def test_steps_without_adapter_rows_run_no_lora(
     assert not calls
     *_, _ = _run(tiny, adapter_dir, _requests(images, [None, "alpha"]))
     assert calls
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_reasoning_and_spatial_refs_with_adapters(
+    tiny: LoadedModel, adapter_dir: Path, images: list[PreparedImage], depth: int
+) -> None:
+    """The three features together: reasoning queries and queries with spatial references,
+    each with an adapter or none, in one batch; each equals the reference with its adapter."""
+    refs = ((0.25, 0.75), (0.1, 0.2, 0.6, 0.9))
+    names = ["alpha", None, "beta", "alpha"]
+    reqs = [
+        GenerationRequest(
+            Task.QUERY,
+            images[i % 2],
+            request_id=f"x{i}",
+            question="what is here",
+            temperature=0,
+            max_tokens=10,
+            adapter=name,
+            reasoning=i < 2,
+            spatial_refs=refs if i % 2 else (),
+        )
+        for i, name in enumerate(names)
+    ]
+    *texts, _ = _run(tiny, adapter_dir, reqs, pipeline_depth=depth)
+    for req, text in zip(reqs, texts, strict=True):
+        ref = _reference(tiny, adapter_dir, req.adapter)
+        s = SamplingSettings(temperature=0, max_tokens=req.max_tokens)
+        if req.reasoning:
+            want = ref.reasoning_query(req.image, req.question, s, req.spatial_refs).answer
+        else:
+            _, _, out = ref.run(req)
+            want = ref.tokenizer.decode(out)
+        assert text == want, req.request_id
