@@ -69,10 +69,47 @@ _GELU_FP8 = {
     "u_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "width": "i32",
     "width_out": "i32",
 }  # fmt: skip
+_LORA = "vlm_server.models.common.lora_kernel"
+_SHRINK = {
+    "x_ptr": "*bf16", "a_ptr": "*bf16", "idx_ptr": "*i32", "v_ptr": "*fp32", "K": "i32",
+    "stride_xt": "i32", "stride_as": "i32", "stride_ar": "i32",
+}  # fmt: skip
+_EXPAND = {
+    "v_ptr": "*fp32", "b_ptr": "*bf16", "idx_ptr": "*i32", "y_ptr": "*bf16", "N": "i32",
+    "stride_bs": "i32", "stride_bn": "i32",
+}  # fmt: skip
+_MOE = "vlm_server.models.moondream3.moe_triton"
+_MOE_ARGS = {
+    "w_ptr": "*bf16", "s_ptr": "*fp32", "pair_ptr": "*i32", "block_expert_ptr": "*i32",
+    "used_ptr": "*i32", "n_pairs": "i32", "dim": "i32", "width": "i32",
+}  # fmt: skip
+_MOE_FP8 = {**_MOE_ARGS, "w_ptr": "*fp8e4nv"}
+_MOE_BLOCKS = {"IEEE": False, "BM": 16, "BN": 64, "BK": 64}
 _ATTENTION = "vlm_server.engine.device.kernels.triton_attention"
 _SHAPE = {"PAGE": 16, "KVH": 32, "HD": 64}
 
 KERNELS = (
+    Kernel(_LORA, "_shrink_kernel", _SHRINK, {"R": 32, "BLOCK_R": 32, "BLOCK_K": 128}),
+    Kernel(_LORA, "_expand_kernel", _EXPAND, {"R": 32, "BLOCK_R": 32, "BLOCK_N": 64, "ADD": True}),
+    Kernel(
+        _MOE,
+        "_up_kernel",
+        {**_MOE_ARGS, "x_ptr": "*bf16", "h_ptr": "*bf16", "top_k": "i32"},
+        {"HAS_SCALE": False, **_MOE_BLOCKS},
+    ),
+    Kernel(
+        _MOE,
+        "_down_kernel",
+        {**_MOE_ARGS, "h_ptr": "*bf16", "y_ptr": "*bf16"},
+        {"HAS_SCALE": False, **_MOE_BLOCKS},
+    ),
+    Kernel(
+        _MOE,
+        "_up_kernel",
+        {**_MOE_FP8, "x_ptr": "*bf16", "h_ptr": "*bf16", "top_k": "i32"},
+        {"HAS_SCALE": True, **_MOE_BLOCKS},
+        min_arch=89,
+    ),
     Kernel(
         _ATTENTION,
         "_paged_decode_kernel",
