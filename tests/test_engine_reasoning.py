@@ -63,7 +63,7 @@ def _run(loaded: LoadedModel, reqs, depth: int, budget: str = "default", plans=N
             await _wait_idle(engine)
             _assert_clean(engine)
             if plans is not None:
-                plans.check(engine, budget)
+                plans.check(engine, budget, splits=False)
             return out
         finally:
             await engine.close()

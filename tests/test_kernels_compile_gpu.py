@@ -89,8 +89,13 @@ _ATTENTION = "vlm_server.engine.device.kernels.triton_attention"
 _SHAPE = {"PAGE": 16, "KVH": 32, "HD": 64}
 
 KERNELS = (
-    Kernel(_LORA, "_shrink_kernel", _SHRINK, {"R": 32, "BLOCK_R": 32, "BLOCK_K": 128}),
-    Kernel(_LORA, "_expand_kernel", _EXPAND, {"R": 32, "BLOCK_R": 32, "BLOCK_N": 64, "ADD": True}),
+    Kernel(_LORA, "_shrink_kernel", _SHRINK, {"R": 32, "BLOCK_R": 32, "BLOCK_K": 256, "SPLITS": 8}),
+    Kernel(
+        _LORA,
+        "_expand_kernel",
+        _EXPAND,
+        {"R": 32, "BLOCK_R": 32, "BLOCK_N": 64, "ADD": True, "SPLITS": 8},
+    ),
     Kernel(
         _MOE,
         "_up_kernel",

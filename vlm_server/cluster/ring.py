@@ -84,11 +84,14 @@ def choose(
     load: Callable[[str], int],
     load_factor: float,
     rng: random.Random,
+    placed: str | None = None,
 ) -> tuple[str, bool]:
-    """The replica for ``key`` and whether it is the key's home (the first on its walk).
+    """The replica for ``key`` and whether it is the key's home (the first it prefers).
 
-    ``key`` None (no affinity): power of two choices. Draws the two choices whatever the
-    key, so that the guard compares against the pick two choices would make."""
+    ``placed``: the replica that served ``key`` last, which holds its prefix: it comes before
+    the ring's walk (a key the guard once sent away stays where its prefix went). ``key``
+    None (no affinity): power of two choices. Draws the two choices whatever the key, so
+    that the guard compares against the pick two choices would make."""
     names = ring.names
     if not names:
         raise ValueError("no replicas")
@@ -98,9 +101,12 @@ def choose(
     bound = load_bound(loads, load_factor)
     slack = max(MIN_SLACK, int((load_factor - 1.0) * sum(loads) / len(loads)))
     fallback = two_choices(names, load, rng)
-    for i, name in enumerate(ring.walk(key)):
+    order = ring.walk(key)
+    if placed in names:
+        order = [placed, *(n for n in order if n != placed)]
+    for i, name in enumerate(order):
         if load(name) + 1 <= bound:
             if load(name) <= load(fallback) + slack:
                 return name, i == 0
             break
-    return fallback, fallback == ring.walk(key)[0]
+    return fallback, fallback == order[0]

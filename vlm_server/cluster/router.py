@@ -3,7 +3,9 @@
 Ray calls `choose_replicas` for each request until a replica takes it; the ranks returned are
 tried in order, each by Ray's own queue-length check (a full replica is skipped). The first
 rank is the replica `ring.choose` picks; the second the other replicas, so a request is never
-stuck behind a full home. Loads are Ray's cached queue lengths (every router's requests), or
+stuck behind a full home. The router remembers which replica served each key last (it holds
+the prefix) and prefers it to the ring's home: a key the load guard once sent away keeps
+hitting where its prefix went. Loads are Ray's cached queue lengths (every router's requests), or
 this router's own count of requests in flight where the cache has none.
 
 Requests arrive from Ray's gRPC proxy as a pickled envelope around the request message; the
@@ -15,6 +17,7 @@ from __future__ import annotations
 import logging
 import pickle
 import random
+from collections import OrderedDict
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -27,6 +30,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_LOAD_FACTOR = 1.25
 _MAX_TRACKED = 1 << 16  # bounds the per-request maps whatever Ray reports
+# Keys whose last replica is remembered: far more images than any replica's prefix cache.
+_MAX_PLACED = 1 << 17
 
 
 def request_message(args: list[Any]) -> Any | None:
@@ -65,6 +70,8 @@ class ImageAffinityRouter(RequestRouter):
         self._keys: dict[str, str | None] = {}  # internal request id -> key, until routed
         self._own: dict[str, int] = {}  # replica -> this router's requests in flight
         self._where: dict[str, str] = {}  # internal request id -> replica
+        # key -> the replica that served it last (holds its prefix), least recent first
+        self._placed: OrderedDict[str, str] = OrderedDict()
         self.routed = 0
         self.home_hits = 0
 
@@ -98,7 +105,8 @@ class ImageAffinityRouter(RequestRouter):
             if set(by_name) != set(self._ring.names):
                 self._ring = HashRing(list(by_name))
             key = self._key(pending_request)
-            name, _ = choose(self._ring, key, self._load, self.load_factor, self._rng)
+            placed = self._placed.get(key) if key is not None else None
+            name, _ = choose(self._ring, key, self._load, self.load_factor, self._rng, placed)
         except Exception:  # never strand a request: Ray picks among all of them instead
             log.exception("affinity routing failed; routing by load")
             return [list(candidate_replicas)]
@@ -114,8 +122,14 @@ class ImageAffinityRouter(RequestRouter):
         self._where[rid] = name
         self._own[name] = self._own.get(name, 0) + 1
         self.routed += 1
-        if key is not None and self._ring.walk(key)[:1] == [name]:
-            self.home_hits += 1
+        if key is None:
+            return
+        preferred = self._placed.get(key) or next(iter(self._ring.walk(key)), None)
+        self.home_hits += preferred == name
+        self._placed[key] = name
+        self._placed.move_to_end(key)
+        if len(self._placed) > _MAX_PLACED:
+            self._placed.popitem(last=False)
 
     def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
         name = self._where.pop(internal_request_id, None)

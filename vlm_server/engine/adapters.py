@@ -12,6 +12,7 @@ adapters' (`qualify_image`): LoRA changes the prefix's keys and values too.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import time
 from pathlib import Path
@@ -38,6 +39,37 @@ def qualify_image(req: GenerationRequest) -> GenerationRequest:
         return req
     key = f"{image.content_hash}{_KEY_MARK}{req.adapter}"
     return dataclasses.replace(req, image=dataclasses.replace(image, content_hash=key))
+
+
+class _ShortGilSwitch:
+    """While any adapter loads, a Python thread yields the GIL after 0.5 ms instead of the
+    interpreter's interval (5 ms by default): reading, checking and staging an adapter is
+    a few hundred milliseconds of Python on a loader thread, and the scheduler thread would
+    otherwise wait up to the whole interval for each tick (measured: the step gaps' p99 three
+    times their median while an adapter loaded). Reference counted across loads."""
+
+    INTERVAL_S = 0.0005
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._saved = 0.0
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._users == 0:
+                self._saved = sys.getswitchinterval()
+                sys.setswitchinterval(min(self._saved, self.INTERVAL_S))
+            self._users += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                sys.setswitchinterval(self._saved)
+
+
+_SHORT_GIL_SWITCH = _ShortGilSwitch()
 
 
 class AdapterManager:
@@ -88,7 +120,8 @@ class AdapterManager:
             if not other.wait(max(0.0, limit - time.monotonic())):
                 raise self._timeout(name, until)
         try:
-            return self._load(name, deadline, until)
+            with _SHORT_GIL_SWITCH:
+                return self._load(name, deadline, until)
         finally:
             with self._cv:
                 self._loading.pop(name, None)
@@ -108,7 +141,6 @@ class AdapterManager:
         except AdapterError as err:
             code = ErrorCode.UNAVAILABLE if err.retryable else ErrorCode.INVALID_ARGUMENT
             raise EngineError(code, f"{FIELD}: {err}", FIELD) from None
-        staged = self.bank.staging(weights)  # pinned host copy, before a slot is taken
         with self._cv:
             while (slot := self.slots.claim()) is None:
                 left = deadline - time.monotonic()
@@ -116,7 +148,9 @@ class AdapterManager:
                     raise self._timeout(name, until)
                 self._cv.wait(left)
         try:
-            self._write(slot, staged, weights.rank)
+            # The bank's one staging buffer: free again once the copy from it completed.
+            with self.bank.stage_lock:
+                self._write(slot, self.bank.staging(weights), weights.rank)
         except BaseException:
             with self._cv:
                 self.slots.abandon(slot)

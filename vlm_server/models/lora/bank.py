@@ -14,6 +14,7 @@ host sync and so stays capturable.
 
 from __future__ import annotations
 
+import threading
 from types import ModuleType
 
 import torch
@@ -44,19 +45,34 @@ class LoraBank:
             for t, (_, n_out) in targets.targets.items()
         }
         self.ranks = [0] * n_slots  # host copy: the CPU path slices each slot to its rank
+        # One slot's worth of host memory (pinned on CUDA), made on the first load and
+        # reused: pinning tens of megabytes per load stalled the running steps. Whoever
+        # stages holds `stage_lock` until the copy from it completed.
+        self.stage_lock = threading.Lock()
+        self._stage: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(x.nbytes for x in (*self.a.values(), *self.b.values()))
 
     def staging(self, weights: AdapterWeights) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """One slot's worth of ``weights``, padded to the bank's layout, on the host (pinned
-        on CUDA, so the copy up is asynchronous)."""
+        """One slot's worth of ``weights``, padded to the bank's layout, in the bank's one
+        host staging buffer (pinned on CUDA, so the copy up is asynchronous). The caller holds
+        `stage_lock` from here until the copy from it completed."""
         L, R, pin = self.targets.n_layers, self.max_rank, self.device.type == "cuda"
+        if self._stage is None:
+            self._stage = {
+                t: (
+                    torch.empty(L, R, n_in, dtype=self.dtype, pin_memory=pin),
+                    torch.empty(L, n_out, R, dtype=self.dtype, pin_memory=pin),
+                )
+                for t, (n_in, n_out) in self.targets.targets.items()
+            }
         out = {}
-        for t, (n_in, n_out) in self.targets.targets.items():
-            a = torch.zeros(L, R, n_in, dtype=self.dtype, pin_memory=pin)
-            b = torch.zeros(L, n_out, R, dtype=self.dtype, pin_memory=pin)
+        for t in self.targets.targets:
+            a, b = self._stage[t]
+            a.zero_()
+            b.zero_()
             for layer, pairs in enumerate(weights.pairs):
                 if t in pairs:
                     wa, wb = pairs[t]
