@@ -45,11 +45,18 @@ class LoraBank:
             for t, (_, n_out) in targets.targets.items()
         }
         self.ranks = [0] * n_slots  # host copy: the CPU path slices each slot to its rank
-        # One slot's worth of host memory (pinned on CUDA), made on the first load and
-        # reused: pinning tens of megabytes per load stalled the running steps. Whoever
-        # stages holds `stage_lock` until the copy from it completed.
+        # One slot's worth of host memory (pinned on CUDA), made here, at start, and reused:
+        # pinning tens of megabytes per load stalled the running steps (the driver's page
+        # locking). Whoever stages holds `stage_lock` until the copy from it completed.
         self.stage_lock = threading.Lock()
-        self._stage: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+        pin = self.device.type == "cuda"
+        self._stage = {
+            t: (
+                torch.empty(L, max_rank, n_in, dtype=dtype, pin_memory=pin),
+                torch.empty(L, n_out, max_rank, dtype=dtype, pin_memory=pin),
+            )
+            for t, (n_in, n_out) in targets.targets.items()
+        }
 
     @property
     def nbytes(self) -> int:
@@ -59,15 +66,6 @@ class LoraBank:
         """One slot's worth of ``weights``, padded to the bank's layout, in the bank's one
         host staging buffer (pinned on CUDA, so the copy up is asynchronous). The caller holds
         `stage_lock` from here until the copy from it completed."""
-        L, R, pin = self.targets.n_layers, self.max_rank, self.device.type == "cuda"
-        if self._stage is None:
-            self._stage = {
-                t: (
-                    torch.empty(L, R, n_in, dtype=self.dtype, pin_memory=pin),
-                    torch.empty(L, n_out, R, dtype=self.dtype, pin_memory=pin),
-                )
-                for t, (n_in, n_out) in self.targets.targets.items()
-            }
         out = {}
         for t in self.targets.targets:
             a, b = self._stage[t]
