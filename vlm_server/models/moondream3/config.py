@@ -9,6 +9,7 @@ Presets:
   the two releases share architecture, templates and tokenizer: only their weights differ.
 * ``md3-tiny`` - the same structure at toy size (two dense layers, two expert layers of eight
   small experts, top-3) over the project's small test vocabulary: CPU tests.
+* ``moondream3`` and ``moondream3-tiny`` - short names of ``moondream3.1`` and ``md3-tiny``.
 
 Where public implementations disagree (docs/moondream3.md), `Choices` holds the decision;
 the defaults follow the model author's engine, and a parity test against another
@@ -289,6 +290,9 @@ PRESETS: dict[str, Any] = {
     "moondream3-preview": lambda: _full("moondream3-preview"),
     "moondream3.1": lambda: _full("moondream3.1"),
     "md3-tiny": _tiny,
+    # Short names: the current release, and the tiny one.
+    "moondream3": lambda: _full("moondream3.1"),
+    "moondream3-tiny": _tiny,
 }
 
 
