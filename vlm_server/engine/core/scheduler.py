@@ -69,7 +69,6 @@ from vlm_server.engine.core.step_layout import (
     N_FIN,
     O_TOKEN,
     REGION_PHASES,
-    SAMPLING_PHASES,
     RowPhase,
 )
 from vlm_server.engine.core.step_plan import Chunk, StepBudget, StepPlan
@@ -447,9 +446,9 @@ class Scheduler:
         # One Python pass for what changes every step; a chunk that does not end its prompt
         # samples nothing: its row idles.
         if plan is None:
-            states = [_row_state(s, True) for s in seqs]
+            states = [s.row_state(True) for s in seqs]
         else:
-            states = [_row_state(s, plan.samples(i)) for i, s in enumerate(seqs)]
+            states = [s.row_state(plan.samples(i)) for i, s in enumerate(seqs)]
         # row | mask | phase | step per step row: mask and phase are adjacent in fin too
         cols = np.fromiter(chain.from_iterable(states), np.int64, 4 * b).reshape(b, 4)
         fin = self._fin[step.slot][:b]
@@ -601,18 +600,8 @@ class Scheduler:
             emit(event)
 
 
-_IDLE, _LAST_SAMPLING = RowPhase.IDLE, max(SAMPLING_PHASES)
+_IDLE = RowPhase.IDLE
 _IDLE_INT = int(_IDLE)  # a step's phases come back as ints, compared fastest with ints
 _PREFILL = SeqState.PREFILL
 _REGION_PHASE = np.isin(np.arange(len(RowPhase)), list(REGION_PHASES))  # by phase value
 assert F_PHASE == F_MASK + 1  # finalize writes both columns in one slice
-
-
-def _row_state(seq: Sequence, samples: bool) -> tuple[int, int, RowPhase, int]:
-    """(row, mask row, phase, sampled-token count) of ``seq`` for the step being finalized,
-    from its committed state; ``samples`` is False for a chunk that does not end its prompt."""
-    g = seq.grammar
-    phase = seq.phase() if samples else _IDLE
-    # Only the phases that sample a token are masked.
-    mask = g.mask_row if phase <= _LAST_SAMPLING else NO_MASK
-    return seq.row, mask, phase, len(g.token_ids) if seq.is_text else 0  # type: ignore[attr-defined]

@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from decoding.grammars import Grammar, ReasoningGrammar, StepKind, TextGrammar
+from decoding.mask_table import NO_MASK
 from vlm_server.engine.api import Emitted, ErrorCode, GenerationRequest, RequestMetrics
 from vlm_server.engine.core.outputs import Output, output_for
 from vlm_server.engine.core.prefix_cache import PrefixEntry
-from vlm_server.engine.core.step_layout import RowPhase
+from vlm_server.engine.core.step_layout import SAMPLING_PHASES, RowPhase
 
 
 class SeqState(enum.Enum):
@@ -49,6 +50,7 @@ _TOKEN, _BOUNDARY, _REASON, _COORD, _SIZE, _IDLE = (
     RowPhase.SIZE,
     RowPhase.IDLE,
 )
+_LAST_SAMPLING = max(SAMPLING_PHASES)  # the sampling phases are the lowest values
 # Grammars whose sampled tokens are text (sampled at the request's temperature, counted by
 # their `token_ids` for the sampler's step counter).
 _TEXT_GRAMMARS = (TextGrammar, ReasoningGrammar)
@@ -165,6 +167,15 @@ class Sequence:
         if kind is _REASON_STEP:
             return _REASON
         return _IDLE
+
+    def row_state(self, samples: bool) -> tuple[int, int, RowPhase, int]:
+        """(row, mask row, phase, sampled-token count) for the step being finalized, from
+        the committed state; ``samples`` is False for a chunk that does not end its prompt."""
+        g = self.grammar
+        phase = self.phase() if samples else _IDLE
+        # Only the phases that sample a token are masked.
+        mask = g.mask_row if phase <= _LAST_SAMPLING else NO_MASK
+        return self.row, mask, phase, len(g.token_ids) if self.is_text else 0  # type: ignore[attr-defined]
 
     def release_resources(self) -> None:
         """Run `on_release` once (idempotent)."""
