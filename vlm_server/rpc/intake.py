@@ -29,14 +29,13 @@ import grpc
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
-from vlm_server.frontend.calls import request_id
+from vlm_server.frontend.calls import deadline_passed, request_id
 from vlm_server.rpc.auth import RejectHook
 from vlm_server.rpc.field_limits import oversized_field, read_varint
 from vlm_server.rpc.status import FIELD_METADATA_KEY, REQUEST_ID_METADATA_KEY
 
 # (method, status code, client's request id) of a call that ended before its request was read.
 UnstartedHook = Callable[[str, str, str | None], None]
-_CLOCK_SLACK_S = 0.01  # the transport's timer and this clock need not agree to the ms
 _PARSE_APART_BYTES = 1 << 20
 _YIELD_S = 0.0005  # a timer: it queues behind what is due, unlike sleep(0)
 
@@ -153,7 +152,7 @@ async def _read_one(
     def ended() -> asyncio.CancelledError:
         started[0] = True  # reported here
         if hook is not None:
-            expired = deadline is not None and time.monotonic() >= deadline - _CLOCK_SLACK_S
+            expired = deadline_passed(deadline, remaining)
             hook(method, "DEADLINE_EXCEEDED" if expired else "CANCELLED", rid)
         return asyncio.CancelledError()  # over: gRPC ends a cancelled handler quietly
 
