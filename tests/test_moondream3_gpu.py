@@ -160,13 +160,13 @@ def test_md3_layout_on_an_fp8_gpu_keeps_fp8_experts_and_serves_as_the_reference(
 ) -> None:
     from pathlib import Path
 
-    from vlm_server.devices import fp8_supported
+    from vlm_server.models.moondream3.fp8_experts import fp8_experts_supported
     from vlm_server.models.registry import load_model, write_checkpoint
 
     out = write_checkpoint(preset("md3-tiny"), Path(str(tmp_path)), layout="md3", progress=False)
     loaded = load_model(out, dtype=torch.bfloat16, device="cuda", progress=False)
     bank = loaded.model.text.blocks[2].mlp.fc1  # type: ignore[attr-defined]
-    fp8 = fp8_supported(torch.device("cuda"))
+    fp8 = fp8_experts_supported(torch.device("cuda"))
     assert (bank.weight.dtype == torch.float8_e4m3fn) is fp8
     reqs = [
         GenerationRequest(Task.CAPTION, images[0], temperature=0, max_tokens=12),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from vlm_server.devices import fp8_supported
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
@@ -22,3 +24,15 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """q [E, N, K] and row scales [E, N] -> q * s in fp32, then ``dtype``."""
     return (q.float() * scale.float()[..., None]).to(dtype)
+
+
+# The fused kernels widen FP8 tiles through a conversion only Hopper and newer assemble
+# (ptxas refuses it for sm_89): Ada's FP8 units go unused and its experts load as bf16.
+FP8_EXPERTS_CAPABILITY = (9, 0)
+
+
+def fp8_experts_supported(device: torch.device) -> bool:
+    """Whether the fused expert kernels take FP8 weights on ``device``."""
+    if not fp8_supported(device):
+        return False
+    return torch.cuda.get_device_capability(device) >= FP8_EXPERTS_CAPABILITY

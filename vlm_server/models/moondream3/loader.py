@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from vlm_server.devices import fp8_supported
 from vlm_server.models.checkpoint_io import CheckpointError, CheckpointReader, check_shapes
 from vlm_server.models.interface import LoadedModel
 from vlm_server.models.moondream3 import fp8_experts, moe_triton
@@ -180,9 +179,10 @@ class _Plan:
 
 
 def fused_fp8(device: torch.device | str) -> bool:
-    """Whether expert weights are best kept in FP8 on ``device``: FP8 units and Triton."""
+    """Whether expert weights are best kept in FP8 on ``device``: the kernels take them
+    there, and Triton is present."""
     dev = torch.device(device)
-    return fp8_supported(dev) and moe_triton.triton is not None
+    return fp8_experts.fp8_experts_supported(dev) and moe_triton.triton is not None
 
 
 def load_state(

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vlm_server.devices import fp8_supported
 from vlm_server.models.interface import KVShape
 from vlm_server.models.moondream2.vision import VisionEncoder
 from vlm_server.models.moondream3.config import ModelConfig
+from vlm_server.models.moondream3.fp8_experts import fp8_experts_supported
 from vlm_server.models.moondream3.moe import MoeMLP
 from vlm_server.models.moondream3.region import RegionModel
 from vlm_server.models.moondream3.text import TextDecoder
@@ -51,10 +51,10 @@ class Moondream3Model(nn.Module):
         """Hold every expert matrix in FP8 with per-row scales (quantizing bf16 weights):
         half the memory; the fused kernels read them as they are. Call it before any graph
         captures the decoder. On CUDA it needs FP8 units (the kernels widen FP8 tiles)."""
-        if self.device.type == "cuda" and not fp8_supported(self.device):
+        if self.device.type == "cuda" and not fp8_experts_supported(self.device):
             raise ValueError(
-                "FP8 experts on CUDA need FP8 units (compute capability 8.9 or newer); "
-                f"the model is on {self.device}"
+                "FP8 experts on CUDA need compute capability 9.0 or newer (the fused "
+                f"kernels' FP8 widening); the model is on {self.device}"
             )
         for block in self.text.blocks:
             if isinstance(block.mlp, MoeMLP):
