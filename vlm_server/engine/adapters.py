@@ -171,7 +171,7 @@ class AdapterManager:
             self.bank.write(slot, staged, rank)
             done = torch.cuda.Event()
             done.record(self._stream)
-        done.synchronize()
+        done.synchronize()  # the loader thread's wait, never the scheduler tick's
 
     def _timeout(self, name: str, until: float | None) -> EngineError:
         """The request's deadline passed (DEADLINE_EXCEEDED), else the wait bound."""

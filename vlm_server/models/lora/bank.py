@@ -167,6 +167,7 @@ def exact_lora(
     """Per slot present, its tokens' ``(x @ A^T) @ B^T`` on the slot's own rank, as the
     reference computes it (reads the index on the host)."""
     y = x.new_zeros(x.shape[0], b.shape[1])
+    # CPU only (`LoraBatch.add` takes it for CPU tensors): no device to wait for.
     for slot in index.unique().tolist():
         if slot < 0:
             continue

@@ -80,6 +80,7 @@ def experts_loop(
     n, k = ids.shape
     flat = ids.reshape(-1)
     order = flat.argsort(stable=True)
+    # CPU only (CUDA takes the fused or dense path): reading the loads here syncs nothing.
     counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
     rows = x[order // k]
     out = x.new_empty(n * k, w2.shape[1])
