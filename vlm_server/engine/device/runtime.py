@@ -100,6 +100,7 @@ class ModelRuntime:
         self._check_carveout()
         if cfg.vision_fp8:
             entry.use_fp8_vision()
+        self.fused_decode = entry.use_fused_decode(cfg.fused_decode)
         dev = self.dev
         self.pool = KVPool(dev, entry, cfg)
         self.buffers = StepBuffers.allocate(
