@@ -118,12 +118,14 @@ def main() -> None:
         layer = _Layers(d, w_in, b_in, w_out, b_out, b_proj, xs, att, hid)
         row = {"rows": m, "cublas_ms": _graph_ms(layer.cublas), "fused_ms": _graph_ms(layer.fused)}
         if args.sweep:
-            block_ns = [8, 16, 32, 64] if m == 1 else [16, 32, 64]
-            block_ks = [128, 256, 512] if m == 1 else [64, 128, 256]
             best: dict[str, tuple[float, SkinnyConfig]] = {}
             for which, (n, k) in {"in": (3 * d + ff, d), "out": (d, d + ff)}.items():
-                for bn, bk, wp, st in itertools.product(block_ns, block_ks, [4, 8], [3, 4]):
-                    cfg = SkinnyConfig(bn, bk, wp, st)
+                if which == "in":
+                    space = itertools.product([32, 64, 128], [64, 128, 256], [4, 8], [3, 4], [1])
+                else:
+                    space = itertools.product([16, 32, 64], [128, 256], [4, 8], [4], [1, 2, 4, 8])
+                for bn, bk, wp, st, sk in space:
+                    cfg = SkinnyConfig(bn, bk, wp, st, sk)
                     layer.c_in = layer.c_out = cfg
                     layer.which = which
                     try:

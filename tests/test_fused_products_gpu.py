@@ -15,9 +15,19 @@ from vlm_server.models.interface import LoadedModel
 pytestmark = pytest.mark.gpu
 
 
+CONFIGS = [
+    None,
+    skinny_gemm.SkinnyConfig(64, 128, 4, 4, 1),
+    skinny_gemm.SkinnyConfig(32, 64, 8, 3, 8),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["default", "whole-k", "split-8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 33, 64])
-def test_skinny_linear_matches_pytorch(dtype: torch.dtype, rows: int) -> None:
+def test_skinny_linear_matches_pytorch(
+    dtype: torch.dtype, rows: int, config: skinny_gemm.SkinnyConfig | None
+) -> None:
     g = torch.Generator(device="cuda").manual_seed(rows)
     for n, k1, k2, gelu_from, res in [
         (200, 96, 0, None, False),
@@ -30,7 +40,9 @@ def test_skinny_linear_matches_pytorch(dtype: torch.dtype, rows: int) -> None:
         w = (torch.randn(n, k1 + k2, device="cuda", generator=g) / (k1 + k2) ** 0.5).to(dtype)
         b = torch.randn(n, device="cuda", generator=g).to(dtype)
         r = torch.randn(rows, n, device="cuda", generator=g).to(dtype) if res else None
-        got = skinny_gemm.skinny_linear(x1, w, b, x2=x2, residual=r, gelu_from=gelu_from)
+        got = skinny_gemm.skinny_linear(
+            x1, w, b, x2=x2, residual=r, gelu_from=gelu_from, config=config
+        )
         x = x1 if x2 is None else torch.cat([x1, x2], 1)
         want = x.double() @ w.double().t() + b.double()
         if gelu_from is not None:
@@ -59,13 +71,14 @@ def test_fused_decode_forward_matches_the_four_products(tiny: LoadedModel, rows:
     model = copy.deepcopy(tiny.model).cuda()
     text = model.text
     cfg = text.cfg
-    pages, page = 64, 16
+    page = 16
+    pages = rows * 4 + 1  # every row its own pages: no two rows write one slot
     g = torch.Generator(device="cuda").manual_seed(rows)
     kvh, hd = cfg.n_kv_heads, cfg.head_dim
     shape = (pages, page, kvh, hd)
     k0 = [torch.randn(shape, device="cuda", generator=g) for _ in range(cfg.n_layers)]
     v0 = [torch.randn(shape, device="cuda", generator=g) for _ in range(cfg.n_layers)]
-    table = torch.arange(rows * 4, device="cuda", dtype=torch.int32).view(rows, 4) % pages
+    table = torch.arange(1, rows * 4 + 1, device="cuda", dtype=torch.int32).view(rows, 4)
     row_ids = torch.arange(rows, device="cuda", dtype=torch.int32)
     positions = torch.randint(0, 4 * page, (rows, 1), device="cuda", generator=g)
     x = torch.randn(rows, 1, cfg.dim, device="cuda", generator=g)

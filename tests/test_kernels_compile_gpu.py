@@ -88,11 +88,15 @@ _MOE_BLOCKS = {"IEEE": False, "BM": 16, "BN": 64, "BK": 64}
 _SKINNY = "vlm_server.models.common.skinny_gemm"
 _SKINNY_ARGS = {
     "x1_ptr": "*bf16", "x2_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "r_ptr": "*bf16",
-    "y_ptr": "*bf16", "M": "i32", "N": "i32", "K1": "i32", "K2": "i32", "stride_x1": "i32",
-    "stride_x2": "i32", "stride_w": "i32", "stride_r": "i32", "stride_y": "i32",
-    "gelu_from": "i32",
+    "y_ptr": "*bf16", "part_ptr": "*fp32", "M": "i32", "N": "i32", "K1": "i32", "K2": "i32",
+    "k_per_split": "i32", "stride_x1": "i32", "stride_x2": "i32", "stride_w": "i32",
+    "stride_r": "i32", "stride_y": "i32", "gelu_from": "i32",
 }  # fmt: skip
-_SKINNY_FLAGS = {"HAS_X2": True, "HAS_BIAS": True, "HAS_RES": True, "HAS_GELU": True}
+_SPLIT_SUM = {
+    "part_ptr": "*fp32", "b_ptr": "*bf16", "r_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32",
+    "N": "i32", "stride_r": "i32", "stride_y": "i32", "gelu_from": "i32",
+}  # fmt: skip
+_SKINNY_FLAGS = {"HAS_BIAS": True, "HAS_RES": True, "HAS_GELU": True}
 _ATTENTION = "vlm_server.engine.device.kernels.triton_attention"
 _SHAPE = {"PAGE": 16, "KVH": 32, "HD": 64}
 
@@ -101,13 +105,33 @@ KERNELS = (
         _SKINNY,
         "_skinny_kernel",
         _SKINNY_ARGS,
-        {**_SKINNY_FLAGS, "IEEE": False, "BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 256},
+        {
+            **_SKINNY_FLAGS,
+            "IEEE": False,
+            "SPLIT": True,
+            "BLOCK_M": 16,
+            "BLOCK_N": 32,
+            "BLOCK_K": 128,
+        },
     ),
     Kernel(
         _SKINNY,
         "_skinny_kernel",
         _SKINNY_ARGS,
-        {**_SKINNY_FLAGS, "IEEE": False, "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128},
+        {
+            **_SKINNY_FLAGS,
+            "IEEE": False,
+            "SPLIT": False,
+            "BLOCK_M": 32,
+            "BLOCK_N": 64,
+            "BLOCK_K": 128,
+        },
+    ),
+    Kernel(
+        _SKINNY,
+        "_split_sum_kernel",
+        _SPLIT_SUM,
+        {**_SKINNY_FLAGS, "SPLITS": 4, "BLOCK_M": 16, "BLOCK_N": 128},
     ),
     Kernel(_LORA, "_shrink_kernel", _SHRINK, {"R": 32, "BLOCK_R": 32, "BLOCK_K": 256, "SPLITS": 8}),
     Kernel(

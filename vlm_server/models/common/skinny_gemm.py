@@ -32,19 +32,22 @@ MAX_ROWS = 64  # above this cuBLAS's tiled kernels win; callers fall back to the
 
 @dataclass(frozen=True)
 class SkinnyConfig:
-    """Launch shape: columns per program, the K step, warps and pipeline stages."""
+    """Launch shape: columns per program, the K step, warps, pipeline stages, and the number
+    of programs sharing one block of columns (each sums a slice of K; a second kernel adds
+    the slices in a fixed order and applies the epilogue)."""
 
     block_n: int
     block_k: int
     warps: int = 4
-    stages: int = 3
+    stages: int = 4
+    split_k: int = 1
 
 
 def default_config(rows: int, n: int, k: int) -> SkinnyConfig:
     """The launch shape chosen by measurement (bench/gemv_probe.py) for these sizes."""
-    if rows == 1:
-        return SkinnyConfig(block_n=16 if n <= 4096 else 32, block_k=256, warps=4, stages=4)
-    return SkinnyConfig(block_n=32 if n <= 4096 else 64, block_k=128, warps=4, stages=4)
+    if n <= 4096:  # few columns: split K so every SM streams its share of the weight
+        return SkinnyConfig(block_n=32, block_k=128, warps=4, stages=4, split_k=4)
+    return SkinnyConfig(block_n=64, block_k=128, warps=4, stages=4)
 
 
 if triton is not None:
@@ -57,93 +60,9 @@ if triton is not None:
         return 0.5 * v * (1.0 + t)
 
     @triton.jit
-    def _skinny_kernel(
-        x1_ptr,
-        x2_ptr,
-        w_ptr,
-        b_ptr,
-        r_ptr,
-        y_ptr,
-        M,
-        N,
-        K1,
-        K2,
-        stride_x1,
-        stride_x2,
-        stride_w,
-        stride_r,
-        stride_y,
-        gelu_from,
-        HAS_X2: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        HAS_RES: tl.constexpr,
-        HAS_GELU: tl.constexpr,
-        IEEE: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        ns = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = ns < N
-        w_rows = w_ptr + ns.to(tl.int64)[:, None] * stride_w
-        if BLOCK_M == 1:
-            acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            for k0 in range(0, K1, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                kmask = ks < K1
-                x = tl.load(x1_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
-                w = tl.load(w_rows + ks[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-                acc2 += w.to(tl.float32) * x[None, :]
-            if HAS_X2:
-                for k0 in range(0, K2, BLOCK_K):
-                    ks = k0 + tl.arange(0, BLOCK_K)
-                    kmask = ks < K2
-                    x = tl.load(x2_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
-                    w = tl.load(
-                        w_rows + (K1 + ks)[None, :],
-                        mask=nmask[:, None] & kmask[None, :],
-                        other=0.0,
-                    )
-                    acc2 += w.to(tl.float32) * x[None, :]
-            acc = tl.sum(acc2, axis=1)[None, :]
-            ms = tl.arange(0, 1)
-        else:
-            ms = tl.arange(0, BLOCK_M)
-            mmask = ms < M
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, K1, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                kmask = ks < K1
-                x = tl.load(
-                    x1_ptr + ms.to(tl.int64)[:, None] * stride_x1 + ks[None, :],
-                    mask=mmask[:, None] & kmask[None, :],
-                    other=0.0,
-                )
-                w = tl.load(w_rows + ks[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-                if IEEE:
-                    acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-                else:
-                    acc += tl.dot(x, tl.trans(w))
-            if HAS_X2:
-                for k0 in range(0, K2, BLOCK_K):
-                    ks = k0 + tl.arange(0, BLOCK_K)
-                    kmask = ks < K2
-                    x = tl.load(
-                        x2_ptr + ms.to(tl.int64)[:, None] * stride_x2 + ks[None, :],
-                        mask=mmask[:, None] & kmask[None, :],
-                        other=0.0,
-                    )
-                    w = tl.load(
-                        w_rows + (K1 + ks)[None, :],
-                        mask=nmask[:, None] & kmask[None, :],
-                        other=0.0,
-                    )
-                    if IEEE:
-                        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-                    else:
-                        acc += tl.dot(x, tl.trans(w))
-        out_mask = (ms < M)[:, None] & nmask[None, :]
+    def _epilogue(acc, ns, nmask, out_mask, ms, b_ptr, r_ptr, y_ptr, stride_r, stride_y,
+                  gelu_from, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                  HAS_GELU: tl.constexpr):  # fmt: skip
         if HAS_BIAS:
             acc += tl.load(b_ptr + ns, mask=nmask, other=0.0).to(tl.float32)[None, :]
         if HAS_GELU:
@@ -160,6 +79,100 @@ if triton is not None:
             acc.to(y_ptr.dtype.element_ty),
             mask=out_mask,
         )
+
+    @triton.jit
+    def _skinny_kernel(
+        x1_ptr,
+        x2_ptr,
+        w_ptr,
+        b_ptr,
+        r_ptr,
+        y_ptr,
+        part_ptr,
+        M,
+        N,
+        K1,
+        K2,
+        k_per_split,
+        stride_x1,
+        stride_x2,
+        stride_w,
+        stride_r,
+        stride_y,
+        gelu_from,
+        HAS_BIAS: tl.constexpr,
+        HAS_RES: tl.constexpr,
+        HAS_GELU: tl.constexpr,
+        IEEE: tl.constexpr,
+        SPLIT: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        ns = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = ns < N
+        ms = tl.arange(0, BLOCK_M)
+        mmask = ms < M
+        w_rows = w_ptr + ns.to(tl.int64)[:, None] * stride_w
+        x1_rows = x1_ptr + ms.to(tl.int64)[:, None] * stride_x1
+        x2_rows = x2_ptr + ms.to(tl.int64)[:, None] * stride_x2 - K1
+        k_total = K1 + K2
+        k_start = split * k_per_split
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            kmask = ks < k_total
+            # The input row is [x1 | x2]: each K block takes its columns from either side.
+            x = tl.load(x1_rows + ks[None, :], mask=mmask[:, None] & (ks < K1)[None, :], other=0.0)
+            x += tl.load(
+                x2_rows + ks[None, :],
+                mask=mmask[:, None] & ((ks >= K1) & kmask)[None, :],
+                other=0.0,
+            )
+            w = tl.load(w_rows + ks[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            if IEEE:
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w))
+        out_mask = mmask[:, None] & nmask[None, :]
+        if SPLIT:
+            offs = (split * M + ms.to(tl.int64))[:, None] * N + ns[None, :]
+            tl.store(part_ptr + offs, acc, mask=out_mask)
+        else:
+            _epilogue(acc, ns, nmask, out_mask, ms, b_ptr, r_ptr, y_ptr, stride_r, stride_y,
+                      gelu_from, HAS_BIAS, HAS_RES, HAS_GELU)  # fmt: skip
+
+    @triton.jit
+    def _split_sum_kernel(
+        part_ptr,
+        b_ptr,
+        r_ptr,
+        y_ptr,
+        M,
+        N,
+        stride_r,
+        stride_y,
+        gelu_from,
+        SPLITS: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        HAS_RES: tl.constexpr,
+        HAS_GELU: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        # The slices of K summed in split order: deterministic, unlike atomics.
+        ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        nmask = ns < N
+        out_mask = (ms < M)[:, None] & nmask[None, :]
+        offs = ms.to(tl.int64)[:, None] * N + ns[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in tl.static_range(SPLITS):
+            acc += tl.load(part_ptr + s * M * N + offs, mask=out_mask, other=0.0)
+        _epilogue(acc, ns, nmask, out_mask, ms, b_ptr, r_ptr, y_ptr, stride_r, stride_y,
+                  gelu_from, HAS_BIAS, HAS_RES, HAS_GELU)  # fmt: skip
 
 
 def supported(x: torch.Tensor) -> bool:
@@ -207,33 +220,28 @@ def skinny_linear(
     y = torch.empty(m, n, device=a.device, dtype=a.dtype)
     res = residual.reshape(-1, n) if residual is not None else y
     cfg = config or default_config(m, n, k1 + k2)
-    block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
-    _skinny_kernel[(triton.cdiv(n, cfg.block_n),)](
-        a,
-        b2,
-        weight,
-        bias if bias is not None else weight,
-        res,
-        y,
-        m,
-        n,
-        k1,
-        k2,
-        a.stride(0),
-        b2.stride(0),
-        weight.stride(0),
-        res.stride(0),
-        y.stride(0),
-        gelu_from if gelu_from is not None else n,
-        HAS_X2=x2 is not None,
-        HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None,
-        HAS_GELU=gelu_from is not None,
-        IEEE=a.dtype == torch.float32,
-        BLOCK_M=block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        num_warps=cfg.warps,
-        num_stages=cfg.stages,
-    )
+    block_m = max(16, triton.next_power_of_2(m))
+    split = max(1, cfg.split_k)
+    # Each split's slice of K is a whole number of K blocks.
+    k_per_split = triton.cdiv(triton.cdiv(k1 + k2, split), cfg.block_k) * cfg.block_k
+    part = torch.empty(split, m, n, device=a.device, dtype=torch.float32) if split > 1 else y
+    flags = {
+        "HAS_BIAS": bias is not None,
+        "HAS_RES": residual is not None,
+        "HAS_GELU": gelu_from is not None,
+    }
+    gelu = gelu_from if gelu_from is not None else n
+    b = bias if bias is not None else weight
+    _skinny_kernel[(triton.cdiv(n, cfg.block_n), split)](
+        a, b2, weight, b, res, y, part, m, n, k1, k2, k_per_split,
+        a.stride(0), b2.stride(0), weight.stride(0), res.stride(0), y.stride(0), gelu,
+        IEEE=a.dtype == torch.float32, SPLIT=split > 1, BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.warps,
+        num_stages=cfg.stages, **flags,
+    )  # fmt: skip
+    if split > 1:
+        _split_sum_kernel[(triton.cdiv(n, 128), triton.cdiv(m, 16))](
+            part, b, res, y, m, n, res.stride(0), y.stride(0), gelu,
+            SPLITS=split, BLOCK_M=16, BLOCK_N=128, **flags,
+        )  # fmt: skip
     return y.view(*lead, n)
