@@ -15,6 +15,7 @@ deterministic. fp32 inputs multiply in IEEE fp32 (no TF32), so fp32 parity check
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,9 @@ except ImportError:  # the CPU path needs no Triton
     tl = None
 
 AVAILABLE = triton is not None
-MAX_ROWS = 64  # above this cuBLAS's tiled kernels win; callers fall back to them
+# Above this cuBLAS's tiled kernels are as fast (bench/gemv_probe.py); callers fall back to
+# them. (fp32 blocks of 64 rows also gave wrong sums on an H100 under Triton 3.6.)
+MAX_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -43,11 +46,29 @@ class SkinnyConfig:
     split_k: int = 1
 
 
-def default_config(rows: int, n: int, k: int) -> SkinnyConfig:
-    """The launch shape chosen by measurement (bench/gemv_probe.py) for these sizes."""
+def default_config(rows: int, n: int, k: int, itemsize: int = 2) -> SkinnyConfig:
+    """The launch shape chosen by measurement (bench/gemv_probe.py, an H200, moondream2's
+    products at 1 and 32 rows) for these sizes; fp32 tiles are halved along K."""
+    shrink = 2 if itemsize > 2 else 1
     if n <= 4096:  # few columns: split K so every SM streams its share of the weight
-        return SkinnyConfig(block_n=32, block_k=128, warps=4, stages=4, split_k=4)
-    return SkinnyConfig(block_n=64, block_k=128, warps=4, stages=4)
+        return SkinnyConfig(block_n=64, block_k=256 // shrink, warps=4, stages=4, split_k=4)
+    return SkinnyConfig(block_n=128, block_k=128 // shrink, warps=4, stages=4)
+
+
+@functools.cache
+def _shared_memory(device: int) -> int:
+    """Shared memory one block may use on ``device`` (bytes)."""
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
+
+
+def _stages(cfg: SkinnyConfig, block_m: int, itemsize: int, device: torch.device) -> int:
+    """The config's pipeline depth, less where a stage's tiles would not fit the chip's shared
+    memory (consumer and Ada chips have under half of Hopper's)."""
+    if device.type != "cuda":
+        return cfg.stages
+    per_stage = (cfg.block_n + block_m) * cfg.block_k * itemsize
+    return max(1, min(cfg.stages, _shared_memory(device.index or 0) // per_stage - 1))
 
 
 if triton is not None:
@@ -60,23 +81,24 @@ if triton is not None:
         return 0.5 * v * (1.0 + t)
 
     @triton.jit
-    def _epilogue(acc, ns, nmask, out_mask, ms, b_ptr, r_ptr, y_ptr, stride_r, stride_y,
+    def _epilogue(acc, ns, nmask, out_mask, ms, bias, res, out, stride_r, stride_y,
                   gelu_from, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                   HAS_GELU: tl.constexpr):  # fmt: skip
+        # Pointers named without "_ptr": a helper inlined into the kernels, not launched.
         if HAS_BIAS:
-            acc += tl.load(b_ptr + ns, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(bias + ns, mask=nmask, other=0.0).to(tl.float32)[None, :]
         if HAS_GELU:
             acc = tl.where((ns >= gelu_from)[None, :], _gelu_tanh(acc), acc)
         if HAS_RES:
             # Rounded to the activation dtype first: the unfused code adds a rounded branch.
-            acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+            acc = acc.to(out.dtype.element_ty).to(tl.float32)
             r = tl.load(
-                r_ptr + ms.to(tl.int64)[:, None] * stride_r + ns[None, :], mask=out_mask, other=0.0
+                res + ms.to(tl.int64)[:, None] * stride_r + ns[None, :], mask=out_mask, other=0.0
             )
             acc += r.to(tl.float32)
         tl.store(
-            y_ptr + ms.to(tl.int64)[:, None] * stride_y + ns[None, :],
-            acc.to(y_ptr.dtype.element_ty),
+            out + ms.to(tl.int64)[:, None] * stride_y + ns[None, :],
+            acc.to(out.dtype.element_ty),
             mask=out_mask,
         )
 
@@ -219,7 +241,7 @@ def skinny_linear(
         raise ValueError(f"weight {tuple(weight.shape)} does not take inputs of {k1} + {k2}")
     y = torch.empty(m, n, device=a.device, dtype=a.dtype)
     res = residual.reshape(-1, n) if residual is not None else y
-    cfg = config or default_config(m, n, k1 + k2)
+    cfg = config or default_config(m, n, k1 + k2, a.element_size())
     block_m = max(16, triton.next_power_of_2(m))
     split = max(1, cfg.split_k)
     # Each split's slice of K is a whole number of K blocks.
@@ -237,7 +259,7 @@ def skinny_linear(
         a.stride(0), b2.stride(0), weight.stride(0), res.stride(0), y.stride(0), gelu,
         IEEE=a.dtype == torch.float32, SPLIT=split > 1, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.warps,
-        num_stages=cfg.stages, **flags,
+        num_stages=_stages(cfg, block_m, a.element_size(), a.device), **flags,
     )  # fmt: skip
     if split > 1:
         _split_sum_kernel[(triton.cdiv(n, 128), triton.cdiv(m, 16))](
