@@ -187,6 +187,23 @@ KERNELS = (
     ),
     Kernel(
         "vlm_server.models.common.fused_norm",
+        "_add_partials_layernorm_kernel",
+        {
+            "x_ptr": "*bf16",
+            "part_ptr": "*fp32",
+            "bias_ptr": "*bf16",
+            "w_ptr": "*bf16",
+            "nb_ptr": "*bf16",
+            "sum_ptr": "*bf16",
+            "out_ptr": "*bf16",
+            "rows": "i32",
+            "dim": "i32",
+            "eps": "fp32",
+        },
+        {"SPLITS": 4, "BLOCK": 2048},
+    ),
+    Kernel(
+        "vlm_server.models.common.fused_norm",
         "_add_layernorm_kernel",
         _NORM,
         {"HAS_B": True, "BLOCK": 2048},

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from vlm_server.models.common import skinny_gemm
+from vlm_server.models.common.fused_norm import add_layernorm, add_partials_layernorm
+from vlm_server.models.common.layers import LayerNorm
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,16 @@ class BlockProducts:
     def branch(self, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """proj(attn) + fc2(hidden), biases included: the block's whole residual update."""
         return skinny_gemm.skinny_linear(attn, self.w_out, self.b_out, x2=hidden)
+
+    def add_branch_and_norm(
+        self, x: torch.Tensor, attn: torch.Tensor, hidden: torch.Tensor, norm: LayerNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + branch, norm(x + branch)): where the product splits K, its split sums are
+        finished inside the norm's kernel (one launch less per block)."""
+        parts = skinny_gemm.skinny_linear(attn, self.w_out, self.b_out, x2=hidden, partials=True)
+        if parts.dim() == 3:
+            return add_partials_layernorm(x, parts, self.b_out, norm)
+        return add_layernorm(x, parts.view_as(x), None, norm)
 
 
 def stack_block(qkv: nn.Linear, fc1: nn.Linear, proj: nn.Linear, fc2: nn.Linear) -> BlockProducts:

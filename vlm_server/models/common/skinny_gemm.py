@@ -217,11 +217,14 @@ def skinny_linear(
     residual: torch.Tensor | None = None,
     gelu_from: int | None = None,
     config: SkinnyConfig | None = None,
+    partials: bool = False,
 ) -> torch.Tensor:
     """``[x1 | x2] @ weight^T + bias``, GELU on columns >= ``gelu_from``, plus ``residual``.
 
     x1 [..., K1] (x2 [..., K2]: the weight's remaining input columns); weight [N, K1 + K2]
-    with unit column stride; returns [..., N] in x1's dtype.
+    with unit column stride; returns [..., N] in x1's dtype. ``partials``: where the launch
+    shape splits K, return the split sums [splits, rows, N] (fp32, the bias not added) for a
+    consumer that finishes them itself; elsewhere the finished product, as without it.
     """
     lead = x1.shape[:-1]
     k1 = x1.shape[-1]
@@ -261,6 +264,10 @@ def skinny_linear(
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.warps,
         num_stages=_stages(cfg, block_m, a.element_size(), a.device), **flags,
     )  # fmt: skip
+    if split > 1 and partials:
+        if residual is not None or gelu_from is not None:
+            raise ValueError("split sums carry no epilogue but the bias, added by their consumer")
+        return part
     if split > 1:
         _split_sum_kernel[(triton.cdiv(n, 128), triton.cdiv(m, 16))](
             part, b, res, y, m, n, res.stride(0), y.stride(0), gelu,

@@ -192,11 +192,11 @@ class TextDecoder(nn.Module):
             qkv, hidden = prod.qkv_and_hidden(h)
             out = attend(i, qkv, positions)
             b, _, t, _ = out.shape
-            branch = prod.branch(out.transpose(1, 2).reshape(b, t, -1), hidden)
+            attn = out.transpose(1, 2).reshape(b, t, -1)
             if i + 1 < len(blocks):
-                x, h = add_layernorm(x, branch, None, blocks[i + 1].ln)
+                x, h = prod.add_branch_and_norm(x, attn, hidden, blocks[i + 1].ln)
             else:
-                x = x + branch
+                x = x + prod.branch(attn, hidden)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
