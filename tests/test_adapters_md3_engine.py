@@ -237,3 +237,92 @@ def test_bad_finetunes_are_refused_naming_the_field(
     assert isinstance(err, EngineError), err
     assert err.code is ErrorCode.INVALID_ARGUMENT and err.field == "adapter"
     assert words in err.message
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_reasoning_and_spatial_refs_with_finetunes(
+    md3_tiny: LoadedModel, adapter_dir: Path, images: list[PreparedImage], depth: int
+) -> None:
+    """Reasoning queries and queries with spatial references, each with a finetune or none,
+    in one batch; each equals the reference with its adapter."""
+    refs = ((0.25, 0.75), (0.1, 0.2, 0.6, 0.9))
+    names = ["ft-a@10", None, "ft-b@20", "ft-a@10"]
+    reqs = [
+        GenerationRequest(
+            Task.QUERY,
+            images[i % 2],
+            request_id=f"x{i}",
+            question="what is here",
+            temperature=0,
+            max_tokens=10,
+            adapter=name,
+            reasoning=i < 2,
+            spatial_refs=refs if i % 2 else (),
+        )
+        for i, name in enumerate(names)
+    ]
+    *texts, _ = _run(md3_tiny, adapter_dir, reqs, pipeline_depth=depth)
+    targets = md3_tiny.model.text.lora_targets
+    for req, text in zip(reqs, texts, strict=True):
+        weights = None
+        if req.adapter is not None:
+            path = files.find(adapter_dir, req.adapter)
+            assert path is not None
+            weights = formats.load(path, targets, RANK, req.adapter)
+        ref = ReferenceGenerator(md3_tiny.model, md3_tiny.tokenizer, weights)
+        s = SamplingSettings(temperature=0, max_tokens=req.max_tokens)
+        if req.reasoning:
+            want = ref.reasoning_query(req.image, req.question, s, req.spatial_refs).answer
+        else:
+            _, _, out = ref.run(req)
+            want = ref.tokenizer.decode(out)
+        assert text == want, req.request_id
+
+
+def test_the_adapter_benchmark_runs_finetunes(tmp_path: Path) -> None:
+    """bench/lora_bench.py on the tiny expert model writes Moondream 3 finetunes and measures."""
+    import json
+
+    from bench import lora_bench
+
+    lora_bench.main(
+        [
+            "--preset", "md3-tiny", "--dtype", "fp32", "--streams", "3", "--tokens", "10",
+            "--adapters", "2", "--rank", "6", "--load-streams", "2", "--load-tokens", "100",
+            "--loads", "1", "--warmup", "0.3", "--kv-gib", "0.05", "--out", str(tmp_path),
+        ]
+    )  # fmt: skip
+    d = json.loads((tmp_path / "lora_bench.json").read_text())
+    assert d["preset"] == "md3-tiny" and set(d["period"]) == {"off", "none", "lora"}
+    assert all(c["period_ms"] > 0 for c in d["period"].values())
+
+
+def test_vlm_run_answers_with_a_finetune_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """``vlm run --adapter`` reads a Moondream 3 checkpoint in the cloud's format."""
+    import json
+
+    from image_pipeline import prepare_image, sample_image_bytes
+    from vlm_server.cli import main as cli_main
+    from vlm_server.models.registry import load_model, write_checkpoint
+
+    model_dir = write_checkpoint(preset("md3-tiny"), tmp_path / "md3", seed=2, progress=False)
+    loaded = load_model(model_dir, dtype=torch.float32, progress=False)
+    targets = loaded.model.text.lora_targets
+    path = write_random_finetune(tmp_path, "ft@3", targets, rank=RANK, seed=5, scale=0.4)
+    base = ["--model", str(model_dir), "--device", "cpu", "--temperature", "0", "--json"]
+    args = ["run", "caption", "sample", "--max-tokens", "8", *base, "--adapter", str(path)]
+    assert cli_main(args) == 0
+    got = json.loads(capsys.readouterr().out)["text"]
+    weights = formats.load(path, targets, RANK, "ft@3")
+    image = prepare_image(sample_image_bytes())
+    settings = SamplingSettings(0, max_tokens=8)
+    assert (
+        got
+        == ReferenceGenerator(loaded.model, loaded.tokenizer, weights)
+        .caption(image, "normal", settings)
+        .text
+    )
+    plain = ReferenceGenerator(loaded.model, loaded.tokenizer).caption(image, "normal", settings)
+    assert got != plain.text
