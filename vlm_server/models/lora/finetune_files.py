@@ -93,9 +93,9 @@ def _rank(found: dict[tuple[str, int, str, str], tuple[str, torch.Tensor]], top_
     """The adapter's rank: a dense ``up_a``'s rows, else an expert ``up_a``'s times ``top_k``
     (0: no ``up_a`` to read it from)."""
     for kind in ("dense", "moe"):
-        for slot in sorted(found):
-            t = found[slot][1]
-            if slot[0] == kind and slot[2:] == ("up", "a") and t.dim() >= 2:
+        for where in sorted(found):
+            t = found[where][1]
+            if where[0] == kind and where[2:] == ("up", "a") and t.dim() >= 2:
                 return t.shape[0] if kind == "dense" else t.shape[1] * top_k
     return 0
 
@@ -138,9 +138,9 @@ def validate(
         rank = r if is_dense else per_expert
         want = (*lead, rank, n_in) if half == "a" else (*lead, n_out, rank)
         if tuple(t.shape) != want:
-            dims = "[E, " if not is_dense else "["
-            rank_name = "r" if is_dense else f"r/{ex.top_k}"
-            form = f"{dims}{rank_name}, in]" if half == "a" else f"{dims}out, {rank_name}]"
+            lead_name, rank_name = ("", "r") if is_dense else ("E, ", f"r/{ex.top_k}")
+            a_form, b_form = f"[{lead_name}{rank_name}, in]", f"[{lead_name}out, {rank_name}]"
+            form = a_form if half == "a" else b_form
             raise AdapterError(
                 f"adapter {name!r}: tensor {key!r} has shape {tuple(t.shape)}; the model and "
                 f"the adapter's rank {r} need {want} ({form})"
