@@ -81,7 +81,7 @@ _EXPAND = {
 _MOE = "vlm_server.models.moondream3.moe_triton"
 _MOE_ARGS = {
     "w_ptr": "*bf16", "s_ptr": "*fp32", "pair_ptr": "*i32", "block_expert_ptr": "*i32",
-    "used_ptr": "*i32", "n_pairs": "i32", "dim": "i32", "width": "i32",
+    "used_ptr": "*i32", "d_ptr": "*bf16", "n_pairs": "i32", "dim": "i32", "width": "i32",
 }  # fmt: skip
 _MOE_FP8 = {**_MOE_ARGS, "w_ptr": "*fp8e4nv"}
 _MOE_BLOCKS = {"IEEE": False, "BM": 16, "BN": 64, "BK": 64}
@@ -140,24 +140,30 @@ KERNELS = (
         _EXPAND,
         {"R": 32, "BLOCK_R": 32, "BLOCK_N": 64, "ADD": True, "SPLITS": 8},
     ),
-    Kernel(
-        _MOE,
-        "_up_kernel",
-        {**_MOE_ARGS, "x_ptr": "*bf16", "h_ptr": "*bf16", "top_k": "i32"},
-        {"HAS_SCALE": False, **_MOE_BLOCKS},
-    ),
-    Kernel(
-        _MOE,
-        "_down_kernel",
-        {**_MOE_ARGS, "h_ptr": "*bf16", "y_ptr": "*bf16"},
-        {"HAS_SCALE": False, **_MOE_BLOCKS},
-    ),
-    Kernel(
-        _MOE,
-        "_up_kernel",
-        {**_MOE_FP8, "x_ptr": "*bf16", "h_ptr": "*bf16", "top_k": "i32"},
-        {"HAS_SCALE": True, **_MOE_BLOCKS},
-        min_arch=90,  # the FP8 widening assembles on Hopper and newer (moondream3 loader)
+    *(
+        kernel
+        for delta in (False, True)  # a finetune adapter's deltas in the epilogues
+        for kernel in (
+            Kernel(
+                _MOE,
+                "_up_kernel",
+                {**_MOE_ARGS, "x_ptr": "*bf16", "h_ptr": "*bf16", "top_k": "i32"},
+                {"HAS_SCALE": False, "HAS_DELTA": delta, **_MOE_BLOCKS},
+            ),
+            Kernel(
+                _MOE,
+                "_down_kernel",
+                {**_MOE_ARGS, "h_ptr": "*bf16", "y_ptr": "*bf16"},
+                {"HAS_SCALE": False, "HAS_DELTA": delta, **_MOE_BLOCKS},
+            ),
+            Kernel(
+                _MOE,
+                "_up_kernel",
+                {**_MOE_FP8, "x_ptr": "*bf16", "h_ptr": "*bf16", "top_k": "i32"},
+                {"HAS_SCALE": True, "HAS_DELTA": delta, **_MOE_BLOCKS},
+                min_arch=90,  # the FP8 widening assembles on Hopper and newer (moondream3 loader)
+            ),
+        )
     ),
     Kernel(
         _ATTENTION,

@@ -22,7 +22,7 @@ import torch
 from vlm_server.engine.api import EngineError, ErrorCode, GenerationRequest
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.adapter_slots import AdapterSlots
-from vlm_server.models.lora import files
+from vlm_server.models.lora import formats
 from vlm_server.models.lora.bank import LoraBank
 from vlm_server.models.lora.files import AdapterError
 from vlm_server.models.lora.store import AdapterStore
@@ -85,6 +85,7 @@ class AdapterManager:
             cfg.adapter_api_key,
             cfg.adapter_download_bytes,
             cfg.adapter_download_timeout_s,
+            scheme=bank.targets.format,  # the family's downloads
         )
         self.slots = AdapterSlots(bank.n_slots)
         self.ranks: dict[str, int] = {}
@@ -137,7 +138,7 @@ class AdapterManager:
     def _load(self, name: str, deadline: float, until: float | None) -> int:
         try:
             path = self.store.path(name)
-            weights = files.load(path, self.bank.targets, self.max_rank, name)
+            weights = formats.load(path, self.bank.targets, self.max_rank, name)
         except AdapterError as err:
             code = ErrorCode.UNAVAILABLE if err.retryable else ErrorCode.INVALID_ARGUMENT
             raise EngineError(code, f"{FIELD}: {err}", FIELD) from None

@@ -294,14 +294,16 @@ class ServerConfig:
         None,
         G.MODEL,
         "folder of finetune adapters (LoRA) requests may name: <id>/final.pt or <id>.pt (the "
-        "moondream reference's format), <id>.safetensors or <id>/adapter.safetensors; "
-        "downloads are saved here too",
+        "moondream reference's format; Moondream 3: the cloud finetunes' checkpoints), "
+        "<id>.safetensors or <id>/adapter.safetensors; downloads are saved here too",
     )
     adapter_endpoint: str | None = option(
         None,
         G.MODEL,
         "base URL adapters missing from --adapters-dir are downloaded from "
-        "(<url>/v1/variants/<id>/download, as the moondream reference does); unset: none are",
+        "(<url>/v1/variants/<id>/download, as the moondream reference does; Moondream 3: "
+        "<url>/v1/tuning/finetunes/<id>/checkpoints/<step>/download, then its presigned URL); "
+        "unset: none are",
     )
     adapter_api_key: str | None = option(
         None,

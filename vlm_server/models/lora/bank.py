@@ -90,6 +90,18 @@ class LoraBank:
             self.b[t][slot].copy_(b, non_blocking=True)
         self.ranks[slot] = rank
 
+    def expert_delta(
+        self,
+        index: torch.Tensor,
+        layer: int,
+        target: str,
+        x: torch.Tensor,
+        experts: torch.Tensor,
+        tokens: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Expert layers' deltas: none here (models/lora/experts.py holds them)."""
+        return None
+
 
 class LoraBatch:
     """The bank and each token's slot (``index`` [T] int32, in the forward's token order;
@@ -127,6 +139,17 @@ class LoraBatch:
         else:
             y = masked_lora(flat, a, b, self.index)
         return out + y.view(out.shape)
+
+    def expert_delta(
+        self,
+        layer: int,
+        target: str,
+        x: torch.Tensor,
+        experts: torch.Tensor,
+        tokens: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Rows of (token, expert) pairs of an expert layer (models/lora/spec.py)."""
+        return self.bank.expert_delta(self.index, layer, target, x, experts, tokens)
 
 
 def _grouped_kernel() -> ModuleType | None:
