@@ -33,7 +33,7 @@ from vlm_server.engine.core.observer import Observer
 from vlm_server.engine.core.pipeline import Step
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.interface import LoadedModel
-from vlm_server.models.registry import preset, random_model
+from vlm_server.models.registry import load_model, preset, random_model
 
 
 class StepRecorder(Observer):
@@ -166,9 +166,39 @@ async def run_case(
     return row
 
 
+def _add_floors(loaded: LoadedModel, rows: list[dict], tokens: int) -> None:
+    """Each row's bandwidth floor (bench/decode_floor.py) beside its period: the bytes of the
+    decoder's weights, the experts its rows route to and the KV they attend to (an image
+    prefix, the prompt and half the answer per row), at the measured copy bandwidth."""
+    from bench.decode_floor import copy_bandwidth, step_bytes
+    from vlm_server.engine.device.model_entry import ModelEntryPoints
+
+    bw = copy_bandwidth()
+    moe = getattr(loaded.config.text, "moe", None)
+    per_position = ModelEntryPoints(loaded.model).kv_page_bytes(1)
+    context = loaded.config.image_prefix_len + 16 + tokens // 2
+    for r in rows:
+        nbytes = step_bytes(
+            loaded.model.text,
+            r["streams"],
+            context,
+            per_position,
+            moe.n_experts if moe else 0,
+            moe.top_k if moe else 0,
+        )
+        r["floor_ms"] = nbytes / bw * 1e3
+        r["copy_tb_s"] = bw / 1e12
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="moondream2")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="time this checkpoint (e.g. Moondream 3 with FP8 experts) instead of random "
+        "weights of --preset",
+    )
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--depths", type=int, nargs="+", default=[1, 2])
@@ -194,7 +224,10 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    loaded = random_model(preset(args.preset), seed=0, dtype=dtype, device=device)
+    if args.model:
+        loaded = load_model(args.model, dtype=dtype, device=device)
+    else:
+        loaded = random_model(preset(args.preset), seed=0, dtype=dtype, device=device)
     if args.task == "detect":
         coord = loaded.config.tokens.coord_id  # type: ignore[union-attr]
         if coord is not None:
@@ -237,7 +270,8 @@ def main() -> None:
     )
     head = (
         f"{'streams':>7} {'depth':>5} {'fused':>5} {'fwd ms':>7} {'samp ms':>7} {'period':>7} "
-        f"{'idle':>6} {'commit':>7} {'final':>6} {'launch':>6} {'tok/s':>8} {'speedup':>8}"
+        f"{'idle':>6} {'commit':>7} {'final':>6} {'launch':>6} {'tok/s':>8} {'speedup':>8} "
+        f"{'floor':>6}"
     )
     print(f"\n{name}, {args.preset} {args.dtype}, {args.tokens} tokens per stream")
     print(head)
@@ -249,7 +283,7 @@ def main() -> None:
             f"{r['sampling_ms']:>7.3f} {r['period_ms']:>7.3f} {r['gpu_idle_ms']:>6.3f} "
             f"{r['host_commit_ms']:>7.3f} {r['host_finalize_ms']:>6.3f} "
             f"{r['host_launch_ms']:>6.3f} {r['tokens_per_s']:>8.1f} "
-            f"{'' if sp is None else f'{sp:+.1%}':>8}"
+            f"{'' if sp is None else f'{sp:+.1%}':>8} {r.get('floor_ms', float('nan')):>6.3f}"
         )
     try:
         import matplotlib

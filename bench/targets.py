@@ -38,19 +38,25 @@ Row = dict[str, Any]
 
 # Name (after the model prefix) -> unit and bound, in the order targets.json lists them.
 TARGETS: dict[str, tuple[str, str | None]] = {
-    "query3.unique.c1.p50_ms": ("ms", "<= 30"),
+    "query3.unique.c1.p50_ms": ("ms", "<= 25"),
     "reasoning.c1.p50_ms": ("ms", None),
-    "query3.unique.c64.req_s": ("req/s", ">= 60"),
+    "query3.unique.c64.req_s": ("req/s", ">= 65"),
     "query3.repeated.c64.req_s": ("req/s", ">= 500"),
     "caption128.unique.c32.tok_s": ("tok/s", None),
+    "segment.unique.c1.p50_ms": ("ms", None),
+    "segment.unique.c16.req_s": ("req/s", None),
+    "query3.unique.c64.req_s_24gb": ("req/s", None),
     "arrivals.s16.r20.step_gap_ratio": ("x", "<= 2"),
-    "decode.period_ms.s1": ("ms", "<= 1.91"),
-    "decode.period_ms.s32": ("ms", "<= 3.29"),
+    "decode.period_ms.s1": ("ms", "<= 1.30"),
+    "decode.period_ms.s32": ("ms", "<= 2.90"),
+    # The bandwidth floor of those steps (bench/decode_floor.py), reported beside them.
+    "decode.floor_ms.s1": ("ms", None),
+    "decode.floor_ms.s32": ("ms", None),
     "image.800x600.host_cpu_ms": ("ms", "<= 3"),
     "image.800x600.gpu_sm_ms": ("ms", "<= 1"),
     "image.4000x3000.host_cpu_ms": ("ms", "<= 45"),
     "image.4000x3000.gpu_sm_ms": ("ms", "<= 3"),
-    "tower.crops9.bf16_ms": ("ms", "<= 11"),
+    "tower.crops9.bf16_ms": ("ms", "<= 10.5"),
     "tower.crops9.fp8_ms": ("ms", "<= 11"),
     "scaleout.query3.unique.c128.speedup_2gpu": ("x", ">= 1.9"),
     "scaleout.query3.affinity.hit_rate": ("", ">= 0.9"),
@@ -63,6 +69,17 @@ TARGETS: dict[str, tuple[str, str | None]] = {
     "lora.load_gap_ratio": ("x", "<= 1.1"),
 }
 
+# Bounds of one model family where they differ from TARGETS' (Moondream 3: a 9B mixture of
+# experts, about 2B parameters active per token).
+FAMILY_BOUNDS: dict[str, dict[str, str | None]] = {
+    "md3": {
+        "query3.unique.c1.p50_ms": "<= 40",
+        "query3.unique.c64.req_s": ">= 60",
+        "decode.period_ms.s1": None,
+        "decode.period_ms.s32": None,
+    },
+}
+
 # load_gen rows: (scenario, concurrency, key) -> row name.
 LOAD_ROWS: dict[tuple[str, int, str], str] = {
     ("query3/800x600/unique", 1, "e2e_p50_ms"): "query3.unique.c1.p50_ms",
@@ -70,6 +87,8 @@ LOAD_ROWS: dict[tuple[str, int, str], str] = {
     ("query3/800x600/unique", 64, "req_per_s"): "query3.unique.c64.req_s",
     ("query3/800x600/repeated", 64, "req_per_s"): "query3.repeated.c64.req_s",
     ("caption128/800x600/unique", 32, "tokens_per_s"): "caption128.unique.c32.tok_s",
+    ("segment/800x600/unique", 1, "e2e_p50_ms"): "segment.unique.c1.p50_ms",
+    ("segment/800x600/unique", 16, "req_per_s"): "segment.unique.c16.req_s",
 }
 
 # image_bench rows (one thread, JPEG, libvips resize): (size, key) -> row name.
@@ -95,8 +114,10 @@ def met(value: float | None, target: str | None) -> bool | None:
 
 
 def make_row(prefix: str, name: str, value: float | None, commit: str | None, flags: str) -> Row:
-    """A row of ``prefix.name``; unit and bound from TARGETS (no bound for unknown names)."""
+    """A row of ``prefix.name``; unit and bound from TARGETS (no bound for unknown names),
+    the bound as FAMILY_BOUNDS overrides it for the prefix."""
     unit, target = TARGETS.get(name, ("", None))
+    target = FAMILY_BOUNDS.get(prefix, {}).get(name, target)
     if isinstance(value, float):
         value = round(value, 4) if math.isfinite(value) else None
     return {
@@ -133,11 +154,15 @@ def server_flags(server_args: Sequence[str]) -> str:
 def step_rows(d: dict[str, Any], prefix: str, commit: str | None) -> list[Row]:
     """The pipelined decode period per stream count (the deepest pipeline measured)."""
     rows = d.get("rows") or []
+    # Of an A/B run (step_bench --fused-decode true false), the default setting's rows.
+    rows = [r for r in rows if r.get("fused_decode", True)] or rows
     out: list[Row] = []
     for streams in sorted({r["streams"] for r in rows}):
         mine = [r for r in rows if r["streams"] == streams]
         r = max(mine, key=lambda r: r["depth"])
         out.append(make_row(prefix, f"decode.period_ms.s{streams}", r["period_ms"], commit, ""))
+        if r.get("floor_ms") is not None:
+            out.append(make_row(prefix, f"decode.floor_ms.s{streams}", r["floor_ms"], commit, ""))
     return out
 
 
@@ -240,9 +265,11 @@ SOURCES = {
 }
 
 
-def collect(raw: Path, prefix: str, commit: str | None) -> list[Row]:
+def collect(raw: Path, prefix: str, commit: str | None, suffix: str = "") -> list[Row]:
     """The rows TARGETS names from every tool output in ``raw`` (missing or unreadable files
-    give none; figures no target row names, such as other crop counts, are left out)."""
+    give none; figures no target row names, such as other crop counts, are left out).
+    ``suffix`` marks a run under other conditions (``_24gb``: a 24 GB memory cap): it is
+    appended to each figure's name, and only names TARGETS lists so are kept."""
     rows: list[Row] = []
     for filename, build in SOURCES.items():
         path = raw / filename
@@ -251,9 +278,14 @@ def collect(raw: Path, prefix: str, commit: str | None) -> list[Row]:
         except (OSError, ValueError):
             continue
         try:
-            rows += [
-                r for r in build(data, prefix, commit) if r["name"].split(".", 1)[1] in TARGETS
-            ]
+            built = build(data, prefix, commit)
+            if suffix:
+                built = [
+                    make_row(prefix, r["name"].split(".", 1)[1] + suffix, r["value"], commit,
+                             r["flags"])
+                    for r in built
+                ]  # fmt: skip
+            rows += [r for r in built if r["name"].split(".", 1)[1] in TARGETS]
         except (KeyError, TypeError, ValueError) as err:
             print(f"targets: cannot read {path} ({type(err).__name__}: {err})", file=sys.stderr)
     return rows
@@ -333,6 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("--targets", type=Path, required=True, help="targets.json to update")
     c.add_argument("--commit", default=None, help="the tree measured")
     c.add_argument("--prefix", default="md2", help="model prefix of the row names")
+    c.add_argument("--suffix", default="", help="appended to every figure's name (e.g. _24gb)")
     s = sub.add_parser("show", help="print a targets file as a table")
     s.add_argument("targets", type=Path)
     g = sub.add_parser("gpu-folder", help="the results folder name of a device name")
@@ -344,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "show":
         print(table(load(args.targets)))
         return 0
-    new = collect(args.raw, args.prefix, args.commit)
+    new = collect(args.raw, args.prefix, args.commit, args.suffix)
     rows = merge(load(args.targets), new)
     write(args.targets, rows)
     print(f"{len(new)} row(s) from {args.raw} merged into {args.targets}")

@@ -37,7 +37,7 @@ def _load_gen() -> dict[str, Any]:
     return {
         "server_args": SERVE,
         "rows": [
-            row("query3/800x600/unique", 1, e2e_p50_ms=29.0, req_per_s=34.0),
+            row("query3/800x600/unique", 1, e2e_p50_ms=24.0, req_per_s=34.0),
             row("query3/800x600/unique", 64, e2e_p50_ms=990.0, req_per_s=58.5),
             row("query3/800x600/unique", 64, door="http", req_per_s=99.0),  # not the gRPC row
             row("query3/800x600/repeated", 64, req_per_s=758.9),
@@ -75,26 +75,41 @@ def test_load_rows_name_unit_bound_and_flags() -> None:
         assert set(r) == KEYS and r["commit"] == "abc1234"
         assert r["flags"] == "--device cuda --dtype bf16 --vision-fp8 true"  # no --model
     c1 = rows["md2.query3.unique.c1.p50_ms"]
-    assert (c1["value"], c1["unit"], c1["target"], c1["met"]) == (29.0, "ms", "<= 30", True)
+    assert (c1["value"], c1["unit"], c1["target"], c1["met"]) == (24.0, "ms", "<= 25", True)
     c64 = rows["md2.query3.unique.c64.req_s"]
-    assert (c64["value"], c64["unit"], c64["target"], c64["met"]) == (58.5, "req/s", ">= 60", False)
+    assert (c64["value"], c64["unit"], c64["target"], c64["met"]) == (58.5, "req/s", ">= 65", False)
     assert rows["md2.query3.repeated.c64.req_s"]["met"] is True
     caption = rows["md2.caption128.unique.c32.tok_s"]
     assert (caption["value"], caption["target"], caption["met"]) == (4100.0, None, None)
+
+
+def test_a_family_bound_overrides_the_default_and_a_suffix_names_other_conditions(
+    tmp_path: Path,
+) -> None:
+    md3 = targets.make_row("md3", "query3.unique.c1.p50_ms", 38.0, "abc", "")
+    assert (md3["target"], md3["met"]) == ("<= 40", True)
+    assert targets.make_row("md2", "query3.unique.c1.p50_ms", 38.0, "abc", "")["met"] is False
+    assert targets.make_row("md3", "decode.period_ms.s1", 9.0, "abc", "")["target"] is None
+    (tmp_path / "load_gen.json").write_text(json.dumps(_load_gen()))
+    rows = _by_name(targets.collect(tmp_path, "md3", "abc", "_24gb"))
+    assert set(rows) == {"md3.query3.unique.c64.req_s_24gb"}
+    assert rows["md3.query3.unique.c64.req_s_24gb"]["value"] == 58.5
 
 
 def test_step_image_tower_and_arrival_rows() -> None:
     step = {
         "rows": [
             {"streams": 1, "depth": 1, "period_ms": 1.95},
-            {"streams": 1, "depth": 2, "period_ms": 1.73},
+            {"streams": 1, "depth": 2, "period_ms": 1.25, "floor_ms": 0.8},
             {"streams": 32, "depth": 2, "period_ms": 3.4},
         ]
     }
     rows = _by_name(targets.step_rows(step, "md2", "c"))
-    assert rows["md2.decode.period_ms.s1"]["value"] == 1.73  # pipelined, not blocking
+    assert rows["md2.decode.period_ms.s1"]["value"] == 1.25  # pipelined, not blocking
+    assert rows["md2.decode.floor_ms.s1"]["value"] == 0.8
+    assert "md2.decode.floor_ms.s32" not in rows
     assert rows["md2.decode.period_ms.s1"]["met"] is True
-    assert rows["md2.decode.period_ms.s32"]["met"] is False  # bound 3.29
+    assert rows["md2.decode.period_ms.s32"]["met"] is False  # bound 2.90
     assert rows["md2.decode.period_ms.s1"]["flags"] == ""
 
     def cell(size: str, cpu: float, sm: float | None, **more: Any) -> dict[str, Any]:
@@ -161,7 +176,7 @@ def test_merge_replaces_by_name_and_keeps_the_rest(tmp_path: Path) -> None:
         targets.make_row("md2", "query3.unique.c1.p50_ms", 30.1, "old", "--vision-fp8 true"),
         targets.make_row("md2", "something.else", 1.0, "old", ""),
     ]
-    new = [targets.make_row("md2", "query3.unique.c1.p50_ms", 28.0, "new", "")]
+    new = [targets.make_row("md2", "query3.unique.c1.p50_ms", 24.0, "new", "")]
     merged = targets.merge(old, new)
     assert [r["name"] for r in merged] == [
         "md2.query3.unique.c1.p50_ms",  # in TARGETS order, unknown names last
@@ -173,7 +188,7 @@ def test_merge_replaces_by_name_and_keeps_the_rest(tmp_path: Path) -> None:
         by["md2.query3.unique.c1.p50_ms"]["value"],
         by["md2.query3.unique.c1.p50_ms"]["met"],
     ) == (
-        28.0,
+        24.0,
         True,
     )
     assert by["md2.tower.crops9.fp8_ms"]["commit"] == "old"
