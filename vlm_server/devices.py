@@ -36,3 +36,17 @@ def fp8_supported(device: torch.device) -> bool:
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def cap_memory(device: torch.device, limit: int) -> None:
+    """Cap what PyTorch's allocator may hold on ``device`` at ``limit`` bytes (--gpu-memory);
+    the CUDA context and library workspaces come on top. Refuses a cap above the device's
+    memory, naming the flag; nothing to cap off CUDA."""
+    if device.type != "cuda":
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    if limit > total:
+        raise ValueError(
+            f"gpu_memory_bytes: {limit} bytes is more than the {total} bytes of {device}"
+        )
+    torch.cuda.set_per_process_memory_fraction(limit / total, device)

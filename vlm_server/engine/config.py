@@ -12,6 +12,8 @@ class EngineConfig:
     max_batch_size: int = 32  # running sequences per decode step
     page_size: int = 16  # KV positions per page
     kv_budget_bytes: int | None = None  # None: 256 MiB on the CPU, 40% of free memory on CUDA
+    # The GPU memory the engine process may allocate (None: all); see devices.cap_memory.
+    gpu_memory_bytes: int | None = None
     pipeline_depth: int = 2  # 1 = blocking, 2 = pipelined
     max_queue: int = 256  # waiting requests before RESOURCE_EXHAUSTED
     max_prefill_batch: int = 8  # requests admitted (first prefill chunk) in one step

@@ -232,6 +232,14 @@ class ServerConfig:
         "on the CPU)",
         parse=parse_size,
     )
+    gpu_memory_bytes: int = option(
+        0,
+        G.PERFORMANCE,
+        "GPU memory the engine may allocate (0 = all of it): PyTorch's allocator is capped "
+        "there (e.g. 24GiB to run as on a 24 GB card, or to share a GPU), and the default KV "
+        "budget is 40% of what is free under the cap after loading",
+        parse=parse_size,
+    )
     vision_fp8: bool = option(
         _ENGINE.vision_fp8,
         G.PERFORMANCE,
@@ -464,6 +472,7 @@ class ServerConfig:
             pipeline_depth=self.pipeline_depth,
             max_queue=self.max_queue,
             kv_budget_bytes=self.kv_budget_bytes or None,
+            gpu_memory_bytes=self.gpu_memory_bytes or None,
             prefill_sm_carveout=self.prefill_sm_carveout,
             prefill_sms=self.prefill_sms,
             prefill_sms_when_streaming=self.prefill_sms_when_streaming,

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from vlm_server.default_model import default_model_dir
-from vlm_server.devices import resolve_device
+from vlm_server.devices import cap_memory, resolve_device
 from vlm_server.engine.api import Engine
 from vlm_server.frontend.logs import configure_logging
 from vlm_server.models.interface import LoadedModel
@@ -46,6 +46,8 @@ def _loader(config: ServerConfig) -> Callable[[], LoadedModel]:
                 "answers with random words"
             )
         source = config.model or default_model_dir()
+        if config.gpu_memory_bytes:
+            cap_memory(device, config.gpu_memory_bytes)
         return load_model(
             source,
             preset_name=config.preset,

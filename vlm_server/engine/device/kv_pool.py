@@ -34,11 +34,14 @@ def triton_available() -> bool:
     return triton_attention.AVAILABLE
 
 
-def default_budget(device: torch.device) -> int:
-    """KV bytes when the config names none: 40% of the free device memory (start-up only)."""
+def default_budget(device: torch.device, cap: int | None = None) -> int:
+    """KV bytes when the config names none: 40% of the free device memory (start-up only),
+    under ``cap`` (the engine's memory cap) when one is set."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.4)
+        if cap:
+            free = min(free, cap - torch.cuda.memory_reserved(device))
+        return max(0, int(free * 0.4))
     return 256 << 20
 
 
@@ -47,7 +50,7 @@ class KVPool:
 
     def __init__(self, dev: Device, entry: ModelEntryPoints, cfg: EngineConfig) -> None:
         self.dev, self.entry = dev, entry
-        budget = cfg.kv_budget_bytes or default_budget(entry.device)
+        budget = cfg.kv_budget_bytes or default_budget(entry.device, cfg.gpu_memory_bytes)
         self.n_pages = max(2, budget // entry.kv_page_bytes(cfg.page_size))
         shape = entry.kv_shape(self.n_pages, cfg.page_size)
         # One tensor for every layer's keys and values: a page copy is one op for all layers.
