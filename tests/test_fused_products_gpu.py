@@ -96,6 +96,8 @@ def test_fused_decode_forward_matches_the_four_products(tiny: LoadedModel, rows:
         return text(x, positions, cache)
 
     plain = run()
+    plain_logits = text.logits(plain)
     assert text.use_fused_products(True)
     fused = run()
     torch.testing.assert_close(fused, plain, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(text.logits(plain), plain_logits, atol=1e-4, rtol=1e-4)

@@ -201,7 +201,13 @@ class TextDecoder(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and untied head; computed in fp32 for stable sampling."""
-        return self.lm_head(self.post_ln(hidden)).float()
+        normed = self.post_ln(hidden)
+        if self._stacked is not None and fused_products.usable(normed):
+            # Few rows: the head's 100 MB read as one skinny product (rounded to the model's
+            # dtype as the cuBLAS product is, then widened).
+            head = self.lm_head
+            return fused_products.skinny_gemm.skinny_linear(normed, head.weight, head.bias).float()
+        return self.lm_head(normed).float()
 
 
 def _lora_mlp(mlp: MLP, x: torch.Tensor, lora: LoraDelta, layer: int) -> torch.Tensor:
