@@ -23,6 +23,8 @@ from .mask_table import AutomatonRows, MaskTable
 from .regex_dfa import parse_regex, regex_dfa, shortest_match_bytes
 from .region_grammars import PathRows
 from .svg_path import DEFAULT_GRID, PathLanguage
+from .svg_segment_grammar import SvgTokenRows
+from .svg_token_dfa import kind_vocab, path_dfa
 from .token_masks import MAX_ROWS, CompiledMasks, MaskCache, compile_masks
 from .vocab import TokenVocab
 
@@ -143,12 +145,14 @@ class ConstraintCompiler:
 
     # ---- built-in languages (pinned rows) ---------------------------------------------------
 
-    def automaton(self, dfa: Dfa) -> AutomatonRows:
-        """Register any byte DFA for good (built-in languages; no limits apply)."""
+    def automaton(self, dfa: Dfa, vocab: TokenVocab | None = None) -> AutomatonRows:
+        """Register any byte DFA for good (built-in languages; no limits apply), over this
+        vocabulary's pieces or a stand-in ``vocab`` of the same ids."""
+        vocab = vocab or self.vocab
         compiled = compile_masks(
-            dfa, self.vocab, self.eos_id, self.table.width, self.blocked, self.cache
+            dfa, vocab, self.eos_id, self.table.width, self.blocked, self.cache
         )
-        rows = self.table.register(compiled, self.vocab.text_pieces())
+        rows = self.table.register(compiled, vocab.text_pieces())
         self.table.pin(rows)
         return rows
 
@@ -157,6 +161,11 @@ class ConstraintCompiler:
         pieces: Sequence[bytes | None] = self.vocab.text_pieces()
         language = PathLanguage.for_vocab(grid, pieces)
         return PathRows(language, self.automaton(language.dfa))
+
+    def svg_token_path(self, items: Sequence[str | None]) -> SvgTokenRows:
+        """Rows for Moondream 3's segment path (svg_tokens.py), pinned; ``items`` is each id's
+        item (`svg_tokens.token_items`), seen as a vocabulary of item kinds."""
+        return SvgTokenRows(self.automaton(path_dfa(), kind_vocab(items)), tuple(items))
 
     # ---- internals --------------------------------------------------------------------------
 

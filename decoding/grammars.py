@@ -43,6 +43,7 @@ from .region_grammars import (
     detect_grammar,
     point_grammar,
 )
+from .svg_segment_grammar import SvgTokenRows, SvgTokenSegmentGrammar
 from .text_grammar import TextGrammar
 
 __all__ = [
@@ -58,6 +59,8 @@ __all__ = [
     "RegionTokens",
     "SegmentGrammar",
     "StepKind",
+    "SvgTokenRows",
+    "SvgTokenSegmentGrammar",
     "TextGrammar",
     "detect_grammar",
     "point_grammar",

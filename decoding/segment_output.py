@@ -29,6 +29,12 @@ class SegmentResult:
     polygons: list[list[Point]]
     mask_size: tuple[int, int]  # (height, width), as COCO's "size"
     mask_counts: list[int]  # uncompressed COCO RLE counts
+    # Moondream 3 (svg_geometry.py): the path in the box's own frame, as Moondream's API
+    # answers it, the same as its stream sends it (joined, `box_path`), and the decoded
+    # coordinate pairs (the box's centre).
+    box_path: str | None = None
+    chunks: tuple[str, ...] = ()
+    points: tuple[Point, ...] = ()
 
     def rle(self) -> dict:
         """COCO-style compressed RLE: {"size": [h, w], "counts": str}."""

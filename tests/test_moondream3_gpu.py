@@ -52,6 +52,34 @@ def test_cuda_engine_equals_reference_md3_tiny(
     assert [vars(p) for p in pts.points] == [vars(p) for p in ref.point(images[1], "dog", 4).points]
 
 
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_cuda_engine_segments_as_the_reference_md3_tiny(
+    images: list[PreparedImage],  # noqa: F811
+    budget: str,
+) -> None:
+    """Moondream 3's segment (box, per-token path under its grammar's masks) on the device."""
+    loaded = random_model(
+        preset("md3-tiny"), seed=0, dtype=torch.float32, device="cuda", progress=False
+    )
+    refs = ((0.5, 0.5, 0.9, 0.95),)
+    reqs = [
+        GenerationRequest(Task.SEGMENT, images[2], object_name="car", max_tokens=40),
+        GenerationRequest(Task.SEGMENT, images[1], object_name="dog", max_tokens=30),
+        GenerationRequest(
+            Task.SEGMENT, images[1], object_name="dog", max_tokens=30, spatial_refs=refs
+        ),
+    ]
+    done = _finish_all(loaded, reqs, 2, _check, budget=budget, max_batch_size=4)
+    ref = ReferenceGenerator(loaded.model, loaded.tokenizer)
+    for req, fin in zip(reqs, done, strict=True):
+        want, reason = ref.segment(req.image, req.object_name, req.max_tokens, req.spatial_refs)
+        got = fin.segmentation
+        assert got is not None and fin.finish_reason == reason
+        assert (got.box.x_min, got.box.y_min, got.box.x_max, got.box.y_max) == want.box
+        assert (got.box_path, got.svg_path) == (want.box_path, want.path)
+        assert tuple(got.mask_rle) == tuple(want.mask_counts)
+
+
 def test_moondream3_size_layers_engine_equals_reference_fp32(
     images: list[PreparedImage],  # noqa: F811
 ) -> None:

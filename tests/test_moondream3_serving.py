@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from image_pipeline import prepare_image, sample_image_bytes
-from tests.http_support import post_json
+from tests.http_support import events, post, post_json
 from tests.support.service_harness import ServerThread, local_config
+from tests.test_moondream3_segment import whole_chunks
 from vlm_server.client import VisionLanguageClient
 from vlm_server.client.types import VlmError
 from vlm_server.models import registry
@@ -76,11 +77,16 @@ def test_moondream3_serves_every_task_over_grpc_as_the_reference_answers(
         assert [(b.x_min, b.y_min, b.x_max, b.y_max) for b in boxes.boxes] == [
             (b.x_min, b.y_min, b.x_max, b.y_max) for b in want.boxes
         ]
-        # Moondream 3's segment path (a 960-unit box, per-token SVG text) is not the segment
-        # grammar's language: refused until it is (docs/moondream3.md).
-        with pytest.raises(VlmError) as err:
-            client.segment(sample_image_bytes(), "dog", max_tokens=32)
-        assert err.value.code is grpc.StatusCode.UNIMPLEMENTED
+        got = client.segment(sample_image_bytes(), "dog", max_tokens=32)
+        want, reason = ref.segment(image, "dog", 32)
+        assert (got.box.x_min, got.box.y_min, got.box.x_max, got.box.y_max) == want.box
+        assert (got.svg_path, got.finish_reason) == (want.path, reason)
+        assert got.mask.counts == list(want.mask_counts)
+        assert [[(p.x, p.y) for p in poly] for poly in got.polygons] == want.polygons
+        assert got.metrics.output_tokens > 3
+        with pytest.raises(VlmError) as err:  # no complete path fits two tokens
+            client.segment(sample_image_bytes(), "dog", max_tokens=2)
+        assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_moondream3_serves_the_http_api(md3: LoadedModel, md3_server: ServerThread) -> None:
@@ -101,3 +107,41 @@ def test_moondream3_serves_the_http_api(md3: LoadedModel, md3_server: ServerThre
     assert status == 200, body
     want = ref.point(image, "dog", max_objects=3)
     assert [(p["x"], p["y"]) for p in body["points"]] == [(p.x, p.y) for p in want.points]
+
+
+def test_moondream3_segments_over_http_as_moondreams_api_answers(
+    md3: LoadedModel, md3_server: ServerThread
+) -> None:
+    """The box-relative path and the box, whole or streamed as it decodes: the box when the
+    path begins, then its commands, then the final event; spatial references as for point."""
+    ref = ReferenceGenerator(md3.model, md3.tokenizer)
+    image = prepare_image(sample_image_bytes())
+    url = "data:image/jpeg;base64," + base64.b64encode(sample_image_bytes()).decode()
+    boxes = []
+    for spatial in ([], [[0.5, 0.5, 0.9, 0.95]]):
+        want, reason = ref.segment(image, "dog", 40, tuple(tuple(r) for r in spatial))
+        boxes.append(want.box)
+        bbox = dict(zip(("x_min", "y_min", "x_max", "y_max"), want.box, strict=True))
+        body = {"image_url": url, "object": "dog", "settings": {"max_tokens": 40}}
+        if spatial:
+            body["spatial_refs"] = spatial
+        status, answer = post_json(f"{md3_server.http_url}/segment", body)
+        assert status == 200, answer
+        assert (answer["path"], answer["bbox"]) == (want.box_path, bbox)
+        assert answer["finish_reason"] == ("stop" if reason == "eos" else reason)
+        status, _, raw = post(f"{md3_server.http_url}/segment", {**body, "stream": True})
+        assert status == 200
+        sent = events(raw)
+        assert sent[0] == {"type": "bbox", "bbox": bbox, "request_id": sent[-1]["request_id"]}
+        deltas = [e["chunk"] for e in sent[1:-1]]
+        assert all(e["type"] == "path_delta" and not e["completed"] for e in sent[1:-1])
+        assert "".join(deltas) == want.box_path and len(deltas) > 1
+        assert whole_chunks(deltas, want.chunks)
+        final = sent[-1]
+        assert (final["type"], final["path"], final["bbox"], final["completed"]) == (
+            "final",
+            want.box_path,
+            bbox,
+            True,
+        )
+    assert boxes[0] != boxes[1]  # the reference counts: the answers tell it apart

@@ -7,10 +7,12 @@ import asyncio
 import pytest
 
 from vlm_server.engine.api import (
+    Box,
     EngineError,
     ErrorCode,
     Finished,
     FinishReason,
+    PathDelta,
     TextDelta,
     stream_events,
 )
@@ -75,3 +77,13 @@ def test_the_text_is_the_same_either_way(between: bool) -> None:
     pushed = [TextDelta(c) for c in "hello, world"] + [DONE]
     got = _collect(pushed, between)
     assert "".join(e.text for e in got if isinstance(e, TextDelta)) == "hello, world"
+
+
+def test_path_deltas_merge_like_text_keeping_the_box() -> None:
+    box = Box(0.1, 0.2, 0.3, 0.4)
+    pushed = [PathDelta("", box), PathDelta("M 0 0"), PathDelta(" L 1 1"), DONE]
+    assert _collect(pushed, between=True) == pushed
+    assert _collect(pushed, between=False) == [PathDelta("M 0 0 L 1 1", box), DONE]
+    # Text and path deltas never merge into each other.
+    mixed = [TextDelta("a"), PathDelta("M 0 0"), TextDelta("b"), DONE]
+    assert _collect(mixed, between=False) == mixed

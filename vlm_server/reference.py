@@ -17,11 +17,19 @@ import torch
 from tokenizers import Tokenizer
 
 from decoding.grammar_base import GrammarEnd
-from decoding.grammars import ObjectGrammar, SegmentGrammar, StepKind, TextGrammar
+from decoding.grammars import (
+    ObjectGrammar,
+    SegmentGrammar,
+    StepKind,
+    SvgTokenSegmentGrammar,
+    TextGrammar,
+)
 from decoding.mask_table import NO_MASK
 from decoding.region_values import coord_from_logits, size_from_logits
 from decoding.sampling import sample
 from decoding.segment_output import SegmentResult
+from decoding.svg_geometry import build_box_segment
+from decoding.svg_tokens import decode_items, parse_items
 from image_pipeline import PreparedImage
 from vlm_server.engine.api import (
     Box,
@@ -459,12 +467,28 @@ class ReferenceGenerator:
         return self._regions(Task.DETECT, image, obj, max_objects)
 
     def segment(
-        self, image: PreparedImage, obj: str, max_tokens: int = 256
+        self,
+        image: PreparedImage,
+        obj: str,
+        max_tokens: int = 256,
+        spatial_refs: tuple[tuple[float, ...], ...] = (),
     ) -> tuple[SegmentResult, FinishReason]:
-        """Box, normalized SVG path, polygons and RLE mask at the image's size."""
+        """Box, normalized SVG path, polygons and RLE mask at the image's size (Moondream 3:
+        also the box-relative path, its stream chunks and the box's centre)."""
         built, reason, _ = self.run(
-            GenerationRequest(Task.SEGMENT, image, object_name=obj, max_tokens=max_tokens)
+            GenerationRequest(
+                Task.SEGMENT,
+                image,
+                object_name=obj,
+                max_tokens=max_tokens,
+                spatial_refs=spatial_refs,
+            )
         )
-        g = built.grammar
+        g, size = built.grammar, (image.width, image.height)
+        if isinstance(g, SvgTokenSegmentGrammar):
+            # The path read back from its token ids the model author's way (each id decoded
+            # on its own), not from the grammar's parse as it committed.
+            groups = parse_items(decode_items(self.tokenizer, g.path_ids))
+            return build_box_segment(g.center, g.size, groups, size), reason
         assert isinstance(g, SegmentGrammar)
-        return g.result((image.width, image.height)), reason
+        return g.result(size), reason

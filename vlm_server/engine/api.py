@@ -122,6 +122,9 @@ class Segmentation:
     mask_rle: tuple[int, ...]  # COCO-style counts, column-major, at (mask_height, mask_width)
     mask_height: int
     mask_width: int
+    # The path in the box's own frame (0 to 1 across the box), as Moondream's API answers it
+    # and `PathDelta` streams it; None where the model writes its path in image coordinates.
+    box_path: str | None = None
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,17 @@ class TextDelta:
 
     text: str
     reasoning: bool = False
+
+
+@dataclass(frozen=True)
+class PathDelta:
+    """A segment outline as it decodes (Moondream 3): ``box`` once, when the path begins, then
+    the path's text in the box's frame (`Segmentation.box_path`), one completed command (or
+    group of its arguments) at a time, each after the first starting with its joining space;
+    several when the reader fell behind (`stream_events`)."""
+
+    chunk: str = ""
+    box: Box | None = None
 
 
 @dataclass(frozen=True)
@@ -162,18 +176,19 @@ class Finished:
     reasoning: Reasoning | None = None  # a query with reasoning
 
 
-Event = TextDelta | Finished  # what a request's stream yields
-Emitted = TextDelta | Finished | EngineError  # what the scheduler delivers: an error ends it
+Delta = TextDelta | PathDelta  # what a request streams before its result
+Event = TextDelta | PathDelta | Finished  # what a request's stream yields
+Emitted = TextDelta | PathDelta | Finished | EngineError  # the scheduler's: an error ends it
 
 
 async def stream_events(queue: asyncio.Queue[Emitted]) -> AsyncIterator[Event]:
     """A request's events as its reader takes them from ``queue``, up to its `Finished`;
     raises the `EngineError` that ended it.
 
-    Text deltas that queued up while the reader was busy come out merged into one: a reader
-    that keeps up gets every delta as it was made, one that fell behind (a loop streaming
-    thousands of messages a second) gets fewer, longer messages instead of an ever longer
-    queue. Nothing is held back to merge."""
+    Text (or path) deltas that queued up while the reader was busy come out merged into one:
+    a reader that keeps up gets every delta as it was made, one that fell behind (a loop
+    streaming thousands of messages a second) gets fewer, longer messages instead of an ever
+    longer queue. Nothing is held back to merge."""
     held: Emitted | None = None
     while True:
         event = held if held is not None else await queue.get()
@@ -188,6 +203,16 @@ async def stream_events(queue: asyncio.Queue[Emitted]) -> AsyncIterator[Event]:
                     break
                 parts.append(following.text)
             event = TextDelta("".join(parts), event.reasoning)
+        elif isinstance(event, PathDelta) and not queue.empty():
+            parts, box = [event.chunk], event.box
+            while not queue.empty():
+                following = queue.get_nowait()
+                if not isinstance(following, PathDelta):
+                    held = following
+                    break
+                parts.append(following.chunk)
+                box = box or following.box
+            event = PathDelta("".join(parts), box)
         if isinstance(event, EngineError):
             raise event
         yield event

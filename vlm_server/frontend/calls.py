@@ -21,6 +21,7 @@ from types import TracebackType
 from typing import Any
 
 from vlm_server.engine.api import (
+    Delta,
     Engine,
     EngineError,
     EngineInfo,
@@ -30,7 +31,6 @@ from vlm_server.engine.api import (
     RequestMetrics,
     RequestStream,
     Task,
-    TextDelta,
 )
 from vlm_server.frontend import request_builder, validation
 from vlm_server.frontend.images import ImageResolver
@@ -273,8 +273,9 @@ class Call:
             stream.cancel()  # frees the request if this handler is cancelled; else a no-op
         raise EngineError(ErrorCode.INTERNAL, "the engine ended the request without a result")
 
-    async def events(self, stream: RequestStream) -> AsyncIterator[TextDelta | Finished]:
-        """The events of a submitted text request: its deltas, then its `Finished` (the last).
+    async def events(self, stream: RequestStream) -> AsyncIterator[Delta | Finished]:
+        """The events of a submitted request: its deltas (text, or a segment's outline), then
+        its `Finished` (the last).
 
         Submit first, then start answering: errors at admission (queue full, beyond the
         context) then still reach the client as a status, not as an event of a begun stream."""

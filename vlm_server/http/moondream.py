@@ -6,8 +6,9 @@ and hands that to the shared validation (`Call.build`), exactly as the gRPC door
 are server-sent events the official clients parse: ``{"chunk": ..., "completed": false}`` per
 piece of text (``reasoning_chunk`` instead for a query's reasoning, which those clients skip),
 then ``{"chunk": "", "completed": true, ...}`` (with ``reasoning``); segment streams ``bbox``,
-``path_delta`` and ``final`` events (all sent when the outline is done: the engine does not
-stream outlines). Answers carry ``request_id``, ``finish_reason`` and timing ``metrics``.
+``path_delta`` and ``final`` events: as the outline decodes where the model streams it
+(Moondream 3: the box when its path begins, then one chunk per command), else all when it is
+done. Answers carry ``request_id``, ``finish_reason`` and timing ``metrics``.
 """
 
 from __future__ import annotations
@@ -18,11 +19,19 @@ from typing import Any
 from aiohttp import web
 
 from vlm_server.api.v1 import vision_language_pb2 as pb
-from vlm_server.engine.api import Box, EngineError, ErrorCode, Finished, TextDelta
+from vlm_server.engine.api import (
+    Box,
+    EngineError,
+    ErrorCode,
+    Finished,
+    PathDelta,
+    Segmentation,
+    TextDelta,
+)
 from vlm_server.frontend.refusals import invalid
 from vlm_server.http import adapter_names, data_url
 from vlm_server.http.body import Field
-from vlm_server.http.exchange import Exchange
+from vlm_server.http.exchange import EventStream, Exchange
 
 IMAGE_FIELD = "image_url"
 # The shared validation names proto fields; these are the JSON names clients sent.
@@ -196,7 +205,12 @@ QUERY_RESPONSE["properties"]["reasoning"] = {
 POINT_RESPONSE = answer_schema("points", {"type": "array", "items": POINT_SCHEMA})
 DETECT_RESPONSE = answer_schema("objects", {"type": "array", "items": REGION_SCHEMA})
 SEGMENT_RESPONSE = answer_schema(
-    "path", {"type": "string", "description": "SVG path data, normalized coordinates"}
+    "path",
+    {
+        "type": "string",
+        "description": "SVG path data, normalized to bbox (0 to 1 across it: Moondream 3, as "
+        "Moondream's API answers) or to the image (Moondream 2)",
+    },
 )
 SEGMENT_RESPONSE["properties"]["bbox"] = REGION_SCHEMA
 
@@ -403,25 +417,56 @@ async def segment(ex: Exchange) -> web.StreamResponse:
     await set_image(message, body["image_url"])
     call = ex.active_call
     submitted = await call.submit(await call.build(message))
-    try:
-        events = await ex.stream() if body.get("stream") else None
-        done = await call.result(submitted)
-    finally:
-        submitted.cancel()
-    seg = done.segmentation
-    path = seg.svg_path if seg is not None else ""
-    bbox = region(seg.box) if seg is not None else None
-    if events is None:
-        answer: dict[str, Any] = {"path": path, **_tail(ex, done)}
-        if bbox is not None:
-            answer["bbox"] = bbox
+    if not body.get("stream"):
+        done = await call.result(submitted)  # frees the request on any early exit
+        seg = done.segmentation
+        answer: dict[str, Any] = {"path": outline(seg), **_tail(ex, done)}
+        if seg is not None:
+            answer["bbox"] = region(seg.box)
         return ex.respond(answer)
-    if bbox is not None:
+    try:
+        events = await ex.stream()
+        boxed = streamed = False
+        async with contextlib.aclosing(call.events(submitted)) as produced:
+            async for event in produced:
+                if isinstance(event, PathDelta):
+                    if event.box is not None and not boxed:
+                        bbox = region(event.box)
+                        await events.send(
+                            {"type": "bbox", "bbox": bbox, "request_id": ex.request_id}
+                        )
+                        boxed = True
+                    if event.chunk:
+                        await events.send(
+                            {"type": "path_delta", "chunk": event.chunk, "completed": False}
+                        )
+                        streamed = True
+                elif isinstance(event, Finished):
+                    await _segment_end(ex, events, event, boxed, streamed)
+    finally:
+        submitted.cancel()  # a no-op once finished; frees the request on any early exit
+    await events.close()
+    return events.response
+
+
+def outline(seg: Segmentation | None) -> str:
+    """The path Moondream's API answers: box-relative where the model writes it so."""
+    if seg is None:
+        return ""
+    return seg.box_path if seg.box_path is not None else seg.svg_path
+
+
+async def _segment_end(
+    ex: Exchange, events: EventStream, done: Finished, boxed: bool, streamed: bool
+) -> None:
+    """The final event, after what a model that does not stream its outline left unsent."""
+    seg = done.segmentation
+    path = outline(seg)
+    bbox = region(seg.box) if seg is not None else None
+    if bbox is not None and not boxed:
         await events.send({"type": "bbox", "bbox": bbox, "request_id": ex.request_id})
-    if path:
+    if path and not streamed:
         await events.send({"type": "path_delta", "chunk": path, "completed": False})
     await events.send(
         {"type": "final", "path": path, "bbox": bbox, "completed": True, **_tail(ex, done)}
     )
-    await events.close()
-    return events.response

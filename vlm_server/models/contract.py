@@ -10,6 +10,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 SizeScale = Literal["log", "linear"]
+# The language of a segment answer's path: "grid", byte-level SVG text on a 100-unit grid
+# (decoding/svg_path.py); "svg_tokens", one SVG item per token in a 960-unit box (Moondream 3,
+# decoding/svg_tokens.py).
+SegmentLanguage = Literal["grid", "svg_tokens"]
 
 
 @dataclass(frozen=True)
@@ -31,9 +35,11 @@ class PromptTemplates:
     # marker); None: the era cannot reason.
     reasoning_suffix: tuple[int, ...] | None = None
     # GPT-2-era templates put a space before the question / object; the 2025-06 code does not
-    # for the question but does for the object.
+    # for the question but does for the object (point, detect). Segment says on its own:
+    # Moondream 3 puts none before its object.
     question_leading_space: bool = False
     object_leading_space: bool = True
+    segment_object_leading_space: bool = True
 
     def caption(self, length: str) -> tuple[int, ...]:
         """The caption template for ``short``, ``normal`` or ``long``."""
@@ -76,6 +82,8 @@ class TokenContract:
     # Ids set to -inf on reasoning steps after the first; None: eos and the size token, as
     # Moondream 2's reference does (Moondream 3 suppresses none).
     reasoning_suppressed_ids: tuple[int, ...] | None = None
+    # How a segment answer writes its path (see SegmentLanguage).
+    segment_language: SegmentLanguage = "grid"
 
     @property
     def reasoning_suppressed(self) -> tuple[int, ...]:
@@ -99,3 +107,7 @@ class TokenContract:
             raise ValueError(f"size_scale must be 'log' or 'linear', not {self.size_scale!r}")
         if self.coord_divisor not in (1023, 1024):
             raise ValueError(f"coord_divisor must be 1023 or 1024, not {self.coord_divisor!r}")
+        if self.segment_language not in ("grid", "svg_tokens"):
+            raise ValueError(
+                f"segment_language must be 'grid' or 'svg_tokens', not {self.segment_language!r}"
+            )

@@ -88,5 +88,5 @@ def segment_prompt(
     if t.segment_prefix is None or t.segment_suffix is None:
         raise ValueError(f"token contract {contract.name!r} defines no segment template")
     return _object_prompt(
-        t.segment_prefix, t.segment_suffix, t.object_leading_space, encode, obj, refs
+        t.segment_prefix, t.segment_suffix, t.segment_object_leading_space, encode, obj, refs
     )

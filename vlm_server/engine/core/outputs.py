@@ -3,9 +3,10 @@
 Every sequence carries an `Output`, made with it from its grammar (`output_for`). The
 scheduler's commit hands it each committed row: `commit` advances the grammar by the protocol
 of decoding/grammars.py (a token; a boundary token, then x decoded from the same hidden state;
-a coordinate; a size) and returns the text the row completed, if any. Once the grammar
-finished, `finish` returns the events that end the request: the text still held back, then
-`Finished` with the answer and the metrics of its outputs.
+a coordinate; a size) and returns what the row completed to stream (text, or a segment path's
+box and commands), if any. Once the grammar finished, `finish` returns the events that end the
+request: the text still held back, then `Finished` with the answer and the metrics of its
+outputs.
 
 The scheduler knows no task: it calls these two methods whatever the request asks. A model
 family whose grammars decode other regions, or interleave them with text, brings `Output`
@@ -13,7 +14,7 @@ subclasses of its own (overriding `commit` and `answer`) and gives them to its s
 
 Called for every row of every step on the scheduler thread, so the hot paths compare phases
 with module constants (an enum attribute lookup costs more than the rest of a comparison)
-and build no object but the `TextDelta` a stream needs.
+and build no object but the delta a stream needs.
 """
 
 from __future__ import annotations
@@ -28,18 +29,21 @@ from decoding.grammars import (
     ReasoningGrammar,
     SegmentGrammar,
     StepKind,
+    SvgTokenSegmentGrammar,
     TextGrammar,
 )
 from decoding.segment_output import SegmentResult
 from decoding.vocab import TokenVocab
 from vlm_server.engine.api import (
     Box,
+    Delta,
     EngineError,
     ErrorCode,
     Finished,
     FinishReason,
     GenerationRequest,
     GroundedSpan,
+    PathDelta,
     Point,
     Reasoning,
     Segmentation,
@@ -72,13 +76,11 @@ class Output:
         self.first_at = 0.0  # when the first output committed (time.monotonic; 0: not yet)
         self.output_tokens = 0  # as the API counts them: tokens fed back (subclasses: others)
 
-    def commit(
-        self, phase: int, token: int, values: RowValues | None, now: float
-    ) -> TextDelta | None:
+    def commit(self, phase: int, token: int, values: RowValues | None, now: float) -> Delta | None:
         """Advance the grammar with one committed row: ``phase`` is what finalize chose for
         it (not IDLE), ``token`` the sampled id, ``values`` the row's outputs (None when no
-        row of its step decoded region values). Returns the text the row completed, if any.
-        Commits at ``now``."""
+        row of its step decoded region values). Returns what the row completed to stream
+        (text, a segment path's box or command), if any. Commits at ``now``."""
         g = self.grammar
         if phase == _TOKEN:
             g.advance_token(token)
@@ -194,6 +196,34 @@ class SegmentOutput(Output):
         return None
 
 
+class SvgSegmentOutput(Output):
+    """Moondream 3's segment: streams the box when the path begins, then each group of the
+    path the grammar completes (box-relative text); the segmentation at the end."""
+
+    __slots__ = ()
+    grammar: SvgTokenSegmentGrammar
+
+    def commit(self, phase: int, token: int, values: RowValues | None, now: float) -> Delta | None:
+        """Box rows as the base commits them; a path token (or eos) as a TOKEN row."""
+        if phase != _TOKEN:
+            return super().commit(phase, token, values, now)
+        g = self.grammar
+        started, n = bool(g.path_ids), len(g.chunks)
+        g.advance_token(token)
+        chunk = g.chunks[-1] if len(g.chunks) > n else ""  # a token completes one group at most
+        box = Box(*g.box) if not started and g.path_ids else None
+        return PathDelta(chunk, box) if chunk or box is not None else None
+
+    def answer(self, result: Finished, request: GenerationRequest) -> TextDelta | None:
+        image = request.image
+        assert image is not None  # the task needs one (requests/tasks.py refuses it without)
+        seg = self.grammar.result((image.width, image.height))
+        result.segmentation = segmentation(seg)
+        result.points = [Point(x, y) for x, y in seg.points]
+        result.metrics.output_tokens = len(self.grammar.path_ids)  # the path's tokens
+        return None
+
+
 class ReasoningOutput(Output):
     """A query with grounded reasoning: reasoning deltas (marked) as the reasoning commits,
     then answer deltas; the result carries the reasoning text, its grounded spans and the
@@ -282,6 +312,8 @@ def output_for(grammar: Grammar, vocab: TokenVocab | None = None) -> Output:
         return ObjectOutput(grammar)
     if isinstance(grammar, SegmentGrammar):
         return SegmentOutput(grammar)
+    if isinstance(grammar, SvgTokenSegmentGrammar):
+        return SvgSegmentOutput(grammar)
     return Output(grammar)
 
 
@@ -305,4 +337,5 @@ def segmentation(seg: SegmentResult) -> Segmentation:
         mask_rle=tuple(seg.mask_counts),
         mask_height=h,
         mask_width=w,
+        box_path=seg.box_path,
     )

@@ -22,12 +22,15 @@ from decoding.grammars import (
     RegionRows,
     RegionTokens,
     SegmentGrammar,
+    SvgTokenRows,
+    SvgTokenSegmentGrammar,
     TextGrammar,
     detect_grammar,
     point_grammar,
 )
 from decoding.limits import CompileTimeout, ConstraintLimits
 from decoding.mask_table import NO_MASK, AutomatonRows, MaskTable, MaskTableFull
+from decoding.svg_tokens import token_items
 from decoding.vocab import TokenVocab
 from vlm_server.engine.api import EngineError, ErrorCode, GenerationRequest, Task
 from vlm_server.engine.requests import spatial
@@ -117,10 +120,16 @@ class TaskCompiler:
                     contract.reasoning_suppressed,
                 ),
             )
+        # The segment path's language, as the contract names it: one of these is set.
         self.path_rows: PathRows | None = None
+        self.svg_rows: SvgTokenRows | None = None
         self._no_path = ""
         try:
-            self.path_rows = self.constraints.segment_path()
+            if contract.segment_language == "svg_tokens":
+                items = token_items(tokenizer, self.vocab.special_ids)
+                self.svg_rows = self.constraints.svg_token_path(items)
+            else:
+                self.path_rows = self.constraints.segment_path()
         except ValueError as err:  # a vocabulary that cannot spell SVG paths
             self._no_path = f"this tokenizer cannot write segment paths: {err}"
 
@@ -160,19 +169,7 @@ class TaskCompiler:
                 grammar = make(self.region_rows, req.max_objects)
             else:
                 prompt = prompts.segment_prompt(c, tok, req.object_name, refs)
-                if self.path_rows is None:
-                    raise EngineError(ErrorCode.UNIMPLEMENTED, self._no_path, "task")
-                try:
-                    grammar = SegmentGrammar(
-                        self.region_rows,
-                        self.path_rows,
-                        SEGMENT_MAX_POINTS,
-                        min(req.max_tokens, SEGMENT_MAX_PATH_TOKENS),
-                    )
-                except ValueError as err:  # no closed path fits the token budget
-                    raise EngineError(
-                        ErrorCode.INVALID_ARGUMENT, f"max_tokens: {err}", "max_tokens"
-                    ) from err
+                grammar = self._segment_grammar(req)
         except EngineError:
             raise
         except ValueError as err:
@@ -199,6 +196,27 @@ class TaskCompiler:
                 field,
             )
         return built
+
+    def _segment_grammar(self, req: GenerationRequest) -> Grammar:
+        """The box and path of a segment request, in the contract's path language; the
+        path's tokens are bounded by ``max_tokens`` (Moondream 2's grid path also by
+        SEGMENT_MAX_PATH_TOKENS and SEGMENT_MAX_POINTS)."""
+        if self.path_rows is None and self.svg_rows is None:
+            raise EngineError(ErrorCode.UNIMPLEMENTED, self._no_path, "task")
+        try:
+            if self.svg_rows is not None:
+                return SvgTokenSegmentGrammar(self.region_rows, self.svg_rows, req.max_tokens)
+            assert self.path_rows is not None
+            return SegmentGrammar(
+                self.region_rows,
+                self.path_rows,
+                SEGMENT_MAX_POINTS,
+                min(req.max_tokens, SEGMENT_MAX_PATH_TOKENS),
+            )
+        except ValueError as err:  # no complete path fits the token budget
+            raise EngineError(
+                ErrorCode.INVALID_ARGUMENT, f"max_tokens: {err}", "max_tokens"
+            ) from err
 
     def _query_grammar(
         self, req: GenerationRequest, constraint: AutomatonRows | None

@@ -203,7 +203,8 @@ def with_choices(
 
 # Templates of the author's engine: a single answer marker (3) closes every prompt; a query
 # with reasoning ends on the thinking marker (4) instead. Caption lengths: 12492 short,
-# 6382 normal, 4059 long; 32708 "describe", 15381 "query", 7235 476 detect, 2581 point.
+# 6382 normal, 4059 long; 32708 "describe", 15381 "query", 7235 476 detect, 2581 point,
+# 17374 segment (its object without a leading space; its path one SVG item per token).
 CONTRACT_MD3 = TokenContract(
     name="moondream3",
     bos_id=0,
@@ -219,10 +220,11 @@ CONTRACT_MD3 = TokenContract(
         detect_suffix=(3,),
         point_prefix=(1, 2581, 2),
         point_suffix=(3,),
-        # Segment (1, 17374, 2 + object + 3) decodes a 960-unit path the existing segment
-        # grammar does not speak: not offered yet (docs/moondream3.md).
+        segment_prefix=(1, 17374, 2),
+        segment_suffix=(3,),
         question_leading_space=False,
         object_leading_space=True,
+        segment_object_leading_space=False,
     ),
     size_scale="log",
     coord_id=5,
@@ -234,6 +236,7 @@ CONTRACT_MD3 = TokenContract(
     start_ground_points_id=7,
     end_ground_id=9,
     reasoning_suppressed_ids=(),  # Moondream 3 suppresses nothing while reasoning
+    segment_language="svg_tokens",
 )
 
 # The tiny test vocabulary's ids (Moondream 2's tiny contract) under Moondream 3's rules.
@@ -244,11 +247,11 @@ CONTRACT_MD3_TINY = dataclasses.replace(
         CONTRACT_TINY.templates,
         query_suffix=(3,),
         reasoning_suffix=(CONTRACT_TINY.thinking_id,),
-        segment_prefix=None,
-        segment_suffix=None,
+        segment_object_leading_space=False,
     ),
     decode_suppressed_ids=(),
     coord_divisor=1023,
+    segment_language="svg_tokens",
 )
 
 # ---- presets ---------------------------------------------------------------------------
