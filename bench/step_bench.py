@@ -251,6 +251,8 @@ def main() -> None:
             )
             rows.append(row)
             print(json.dumps(row), flush=True)
+    if device == "cuda":
+        _add_floors(loaded, rows, args.tokens)
     by = {
         (r["streams"], r["depth"]): r for r in rows if r["fused_decode"] == rows[0]["fused_decode"]
     }
@@ -273,7 +275,8 @@ def main() -> None:
         f"{'idle':>6} {'commit':>7} {'final':>6} {'launch':>6} {'tok/s':>8} {'speedup':>8} "
         f"{'floor':>6}"
     )
-    print(f"\n{name}, {args.preset} {args.dtype}, {args.tokens} tokens per stream")
+    model_name = args.model or args.preset
+    print(f"\n{name}, {model_name} {args.dtype}, {args.tokens} tokens per stream")
     print(head)
     for r in rows:
         sp = r.get("observed_speedup")

@@ -72,7 +72,7 @@ async def _collect(engine: BatchedEngine, req: GenerationRequest) -> tuple[list[
     async for event in await engine.submit(req):
         if isinstance(event, TextDelta):
             parts.append(event.text)
-        else:
+        elif isinstance(event, Finished):
             return parts, event
     raise AssertionError("stream ended without Finished")
 

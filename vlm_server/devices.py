@@ -44,9 +44,10 @@ def cap_memory(device: torch.device, limit: int) -> None:
     memory, naming the flag; nothing to cap off CUDA."""
     if device.type != "cuda":
         return
-    total = torch.cuda.get_device_properties(device).total_memory
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
     if limit > total:
         raise ValueError(
             f"gpu_memory_bytes: {limit} bytes is more than the {total} bytes of {device}"
         )
-    torch.cuda.set_per_process_memory_fraction(limit / total, device)
+    torch.cuda.set_per_process_memory_fraction(limit / total, index)
