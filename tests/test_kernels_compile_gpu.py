@@ -71,13 +71,18 @@ _GELU_FP8 = {
 }  # fmt: skip
 _LORA = "vlm_server.models.common.lora_kernel"
 _SHRINK = {
-    "x_ptr": "*bf16", "a_ptr": "*bf16", "idx_ptr": "*i32", "v_ptr": "*fp32", "K": "i32",
-    "stride_xt": "i32", "stride_as": "i32", "stride_ar": "i32",
+    "x_ptr": "*bf16", "a_ptr": "*bf16", "idx_ptr": "*i32", "v_ptr": "*fp32", "T": "i32",
+    "K": "i32", "stride_xt": "i32", "stride_as": "i32", "stride_ar": "i32",
 }  # fmt: skip
 _EXPAND = {
-    "v_ptr": "*fp32", "b_ptr": "*bf16", "idx_ptr": "*i32", "y_ptr": "*bf16", "N": "i32",
-    "stride_bs": "i32", "stride_bn": "i32",
+    "v1_ptr": "*fp32", "b1_ptr": "*bf16", "y1_ptr": "*bf16", "v2_ptr": "*fp32",
+    "b2_ptr": "*bf16", "y2_ptr": "*bf16", "idx_ptr": "*i32", "T": "i32", "n_slots": "i32",
+    "N1": "i32", "N2": "i32", "NB1": "i32", "col1": "i32", "col2": "i32", "splits1": "i32",
+    "splits2": "i32", "stride_v1": "i32", "stride_v1s": "i32", "stride_v2": "i32",
+    "stride_v2s": "i32", "stride_b1s": "i32", "stride_b1n": "i32", "stride_b2s": "i32",
+    "stride_b2n": "i32", "stride_y1": "i32", "stride_y2": "i32",
 }  # fmt: skip
+_LORA_BLOCKS = {"BLOCK_T": 32, "PRECISION": "tf32"}
 _MOE = "vlm_server.models.moondream3.moe_triton"
 _MOE_ARGS = {
     "w_ptr": "*bf16", "s_ptr": "*fp32", "pair_ptr": "*i32", "block_expert_ptr": "*i32",
@@ -89,12 +94,30 @@ _ATTENTION = "vlm_server.engine.device.kernels.triton_attention"
 _SHAPE = {"PAGE": 16, "KVH": 32, "HD": 64}
 
 KERNELS = (
-    Kernel(_LORA, "_shrink_kernel", _SHRINK, {"R": 32, "BLOCK_R": 32, "BLOCK_K": 256, "SPLITS": 8}),
+    # The stacked shrink of three rank-32 targets (qkv, proj, fc1), and fc2's over K = 8192.
+    Kernel(
+        _LORA,
+        "_shrink_kernel",
+        _SHRINK,
+        {**_LORA_BLOCKS, "R": 96, "BLOCK_R": 128, "BLOCK_K": 64, "ITERS": 2, "SPLITS": 16},
+    ),
+    Kernel(
+        _LORA,
+        "_shrink_kernel",
+        _SHRINK,
+        {**_LORA_BLOCKS, "R": 32, "BLOCK_R": 32, "BLOCK_K": 128, "ITERS": 4, "SPLITS": 16},
+    ),
     Kernel(
         _LORA,
         "_expand_kernel",
         _EXPAND,
-        {"R": 32, "BLOCK_R": 32, "BLOCK_N": 64, "ADD": True, "SPLITS": 8},
+        {**_LORA_BLOCKS, "R": 32, "BLOCK_R": 32, "BLOCK_N": 128, "SPLITS": 16, "GELU": True},
+    ),
+    Kernel(
+        _LORA,
+        "_expand_kernel",
+        _EXPAND,
+        {**_LORA_BLOCKS, "R": 32, "BLOCK_R": 32, "BLOCK_N": 128, "SPLITS": 16, "GELU": False},
     ),
     Kernel(
         _MOE,

@@ -12,20 +12,33 @@ reads. No alpha or rank scaling.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+
+from vlm_server.models.common.layers import gelu_tanh
 
 
 @dataclass(frozen=True)
 class LoraTargets:
     """The linear layers of a decoder an adapter may add to: ``targets[name] = (in, out)``
-    widths, for each of ``n_layers`` layers."""
+    widths, for each of ``n_layers`` layers. ``shared``: groups of targets whose deltas the
+    decoder computes from one input tensor (their A's are stacked, so that one shrink serves
+    a group: models/lora/layout.py)."""
 
     n_layers: int
     targets: dict[str, tuple[int, int]]
+    shared: tuple[tuple[str, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        seen = [t for group in self.shared for t in group]
+        assert len(seen) == len(set(seen)) <= len(self.targets), "a target in one group at most"
+        for group in self.shared:
+            widths = {self.targets[t][0] for t in group}
+            assert len(widths) == 1, f"{group}: a shared input has one width"
 
 
 @dataclass
@@ -52,12 +65,49 @@ class AdapterWeights:
 class LoraDelta(Protocol):
     """What a decoder asks: ``out`` [..., out], the output of ``target`` in ``layer``, plus
     the adapter's delta for that layer's input ``x`` [..., in] (tokens in the order the
-    forward holds them). ``out`` may be updated in place."""
+    forward holds them). ``out`` may be updated in place.
+
+    `shrink` and `expand` split the same deltas in two so that an implementation can batch
+    them: ``shrink(layer, x, targets)`` takes what ``targets``' deltas need of their shared
+    input ``x``; ``expand(layer, [(shrunk, target, out), ...])`` returns each ``out`` plus
+    its target's delta of the input ``shrunk`` was taken from (``gelu_last``: the last one
+    then through GELU, tanh approximation)."""
 
     def add(self, layer: int, target: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor: ...
 
+    def shrink(self, layer: int, x: torch.Tensor, targets: tuple[str, ...]) -> object: ...
 
-class SingleLora:
+    def expand(
+        self,
+        layer: int,
+        outs: Sequence[tuple[Any, str, torch.Tensor]],
+        gelu_last: bool = False,
+    ) -> list[torch.Tensor]: ...
+
+
+class DeltaByTarget:
+    """`shrink` and `expand` through ``add``, target by target: each output gets its own
+    delta in the order ``outs`` lists them (the reference's arithmetic)."""
+
+    def add(self, layer: int, target: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def shrink(self, layer: int, x: torch.Tensor, targets: tuple[str, ...]) -> object:
+        return x
+
+    def expand(
+        self,
+        layer: int,
+        outs: Sequence[tuple[Any, str, torch.Tensor]],
+        gelu_last: bool = False,
+    ) -> list[torch.Tensor]:
+        ys = [self.add(layer, target, x, out) for x, target, out in outs]
+        if gelu_last:
+            ys[-1] = gelu_tanh(ys[-1])
+        return ys
+
+
+class SingleLora(DeltaByTarget):
     """One adapter for every token, computed as the reference does (two ``F.linear``): the
     reference generation uses it."""
 

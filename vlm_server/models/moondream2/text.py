@@ -54,11 +54,20 @@ class TextAttention(nn.Module):
         positions: torch.Tensor,
         cache: KVCache,
         layer: int,
-        lora: LoraDelta | None = None,
     ) -> torch.Tensor:
-        qkv = self.qkv(x)
-        if lora is not None:
-            qkv = lora.add(layer, "qkv", x, qkv)
+        return self.proj(self.attend(self.qkv(x), cos, sin, positions, cache, layer))
+
+    def attend(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        layer: int,
+    ) -> torch.Tensor:
+        """The packed projection [B, T, (H + 2 KVH) hd] -> attention output [B, T, H hd]
+        (proj's input), keys and values written to ``cache``."""
         # A cache may fuse rotary, the KV write and attention over the raw projection.
         packed = getattr(cache, "attend_packed", None)
         if packed is not None:
@@ -67,12 +76,7 @@ class TextAttention(nn.Module):
             q, k, v = self.split_qkv(qkv, cos, sin)
             out = cache.attend(layer, q, k, v, positions)
         b, _, t, _ = out.shape
-        y = self.proj(out.transpose(1, 2).reshape(b, t, -1))
-        # The reference adds proj's delta of the block's normed input x, not of the attention
-        # output proj reads (moondream/torch/text.py): matched exactly.
-        if lora is not None:
-            y = lora.add(layer, "proj", x, y)
-        return y
+        return out.transpose(1, 2).reshape(b, t, -1)
 
 
 class TextBlock(nn.Module):
@@ -131,6 +135,7 @@ class TextDecoder(nn.Module):
                 "fc1": (cfg.dim, cfg.ff_dim),
                 "fc2": (cfg.ff_dim, cfg.dim),
             },
+            shared=(("qkv", "proj", "fc1"),),  # all three read the block's normed input
         )
 
     def forward(
@@ -147,8 +152,10 @@ class TextDecoder(nn.Module):
         h = blocks[0].ln(x)
         # Each block's forward, with its residual adds fused into the next block's norm.
         for i, block in enumerate(blocks):
-            a = block.attn(h, cos, sin, positions, cache, i, lora)
-            m = block.mlp(h) if lora is None else _lora_mlp(block.mlp, h, lora, i)
+            if lora is None:
+                a, m = block.attn(h, cos, sin, positions, cache, i), block.mlp(h)
+            else:
+                a, m = _lora_block(block, h, cos, sin, positions, cache, i, lora)
             if i + 1 < len(blocks):
                 x, h = add_layernorm(x, a, m, blocks[i + 1].ln)
             else:
@@ -160,8 +167,27 @@ class TextDecoder(nn.Module):
         return self.lm_head(self.post_ln(hidden)).float()
 
 
-def _lora_mlp(mlp: MLP, x: torch.Tensor, lora: LoraDelta, layer: int) -> torch.Tensor:
-    """The MLP with adapter deltas: fc1's before the GELU (so not the fused fc1 + GELU GEMM),
-    fc2's of the GELU's output."""
-    h = F.gelu(lora.add(layer, "fc1", x, mlp.fc1(x)), approximate="tanh")
-    return lora.add(layer, "fc2", h, mlp.fc2(h))
+def _lora_block(
+    block: TextBlock,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    cache: KVCache,
+    layer: int,
+    lora: LoraDelta,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block's attention and MLP outputs with adapter deltas, each added to its own
+    layer's output as the reference does. qkv's, proj's and fc1's deltas all read the normed
+    input ``h`` (proj's too: the reference's rule, not the attention output proj reads), so
+    one shrink serves the three; fc1 runs before attention so that its delta and qkv's are
+    added in one expand (which also applies the GELU: not the fused fc1 + GELU GEMM, the
+    delta comes first), and proj's beside fc2's in another."""
+    attn, mlp = block.attn, block.mlp
+    qkv, fc1 = attn.qkv(h), mlp.fc1(h)
+    shared = lora.shrink(layer, h, ("qkv", "proj", "fc1"))
+    qkv, g = lora.expand(layer, [(shared, "qkv", qkv), (shared, "fc1", fc1)], gelu_last=True)
+    a, m = attn.proj(attn.attend(qkv, cos, sin, positions, cache, layer)), mlp.fc2(g)
+    hidden = lora.shrink(layer, g, ("fc2",))
+    a, m = lora.expand(layer, [(shared, "proj", a), (hidden, "fc2", m)])
+    return a, m

@@ -1,0 +1,208 @@
+"""The grouped LoRA kernels' arithmetic on the CPU, through Triton's interpreter (where Triton
+is installed; the GPU runs the same kernels compiled in test_adapters_gpu.py): the stacked
+shrink of several targets, the two-output expand with its GELU, and the decoder's fused path
+against the reference's per-target arithmetic. Random shapes, uneven slots, rows without an
+adapter. fp32 and fp16 (the interpreter's bf16 products are not NumPy's to compute)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from types import ModuleType
+
+import pytest
+import torch
+
+from vlm_server.models.interface import LoadedModel
+from vlm_server.models.kv import DenseKVCache
+from vlm_server.models.lora import files
+from vlm_server.models.lora.bank import LoraBank, LoraBatch
+from vlm_server.models.lora.spec import LoraTargets, SingleLora
+from vlm_server.models.lora.writer import random_state
+
+
+@pytest.fixture(scope="module")
+def kernels() -> Iterator[ModuleType]:
+    """A copy of models/common/lora_kernel.py whose kernels run in Triton's interpreter (the
+    module the server imports keeps its compiled kernels)."""
+    pytest.importorskip("triton")
+    from vlm_server.models.common import lora_kernel
+
+    name = "lora_kernel_interpreted"
+    spec = importlib.util.spec_from_file_location(name, lora_kernel.__file__)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the body runs
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")  # read when `triton.jit` wraps each kernel
+        spec.loader.exec_module(module)
+    assert module.AVAILABLE
+    yield module
+    del sys.modules[name]
+
+
+def _per_token_v(x: torch.Tensor, a: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x @ A[slot]^T`` token by token, in fp64 (zeros for tokens without an adapter)."""
+    out = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float64)
+    for t, s in enumerate(index.tolist()):
+        if s >= 0:
+            out[t] = x[t].double() @ a[s].double().T
+    return out
+
+
+def _uneven(g: torch.Generator, t: int, slots: int) -> torch.Tensor:
+    """Most tokens on slot 0, a few on the others, some on none (-1)."""
+    weights = torch.tensor([0.2, 0.6] + [0.2 / max(1, slots - 1)] * (slots - 1))
+    return torch.multinomial(weights, t, replacement=True, generator=g).to(torch.int32) - 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_stacked_shrink_equals_each_tokens_products(kernels: ModuleType, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    t, k = [(1, 40), (37, 300), (70, 129), (16, 1100)][seed]
+    slots, r = [1, 3, 4, 2][seed], [4, 8, 5, 16][seed]
+    layers = 2
+    stacked = torch.randn(slots, layers, 3 * r, k, generator=g) * 0.1  # three targets' A's
+    a = stacked[:, 1]  # one layer's view, as the bank hands it
+    x = torch.randn(t, k, generator=g)
+    index = _uneven(g, t, slots)
+    partials = kernels.shrink(x, a, index)
+    got = partials.parts.sum(1)[:, : 3 * r].double()
+    used = index >= 0
+    want = _per_token_v(x, a, index)
+    torch.testing.assert_close(got[used], want[used], atol=1e-4, rtol=1e-4)
+    assert partials.splits >= min(2, k // 128)  # a long K is spread over programs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("seed", range(3))
+def test_the_two_output_expand_adds_in_place_and_applies_gelu(
+    kernels: ModuleType, dtype: torch.dtype, seed: int
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    t, k, slots, r = [(5, 48, 2, 4), (33, 200, 5, 8), (80, 64, 3, 16)][seed]
+    n1, n2 = [(40, 300), (130, 17), (64, 64)][seed]
+    a = (torch.randn(slots, 2 * r, k, generator=g) * 0.2).to(dtype)
+    b1 = (torch.randn(slots, n1, r, generator=g) * 0.2).to(dtype)
+    b2 = (torch.randn(slots, n2, r, generator=g) * 0.2).to(dtype)
+    x = torch.randn(t, k, generator=g).to(dtype)
+    index = _uneven(g, t, slots)
+    base1, base2 = torch.randn(t, n1, generator=g).to(dtype), torch.randn(t, n2).to(dtype)
+    y1, y2 = base1.clone(), base2.clone()
+    parts = kernels.shrink(x, a, index)
+    kernels.expand(
+        index, kernels.Target(parts, 0, b1, y1), kernels.Target(parts, r, b2, y2), gelu=True
+    )
+    # The reference's order: v rounded to the weights' dtype, out + delta rounded once.
+    v = _per_token_v(x, a, index).to(dtype).double()
+    d1 = torch.zeros(t, n1, dtype=torch.float64)
+    d2 = torch.zeros(t, n2, dtype=torch.float64)
+    for i, s in enumerate(index.tolist()):
+        if s >= 0:
+            d1[i] = v[i, :r] @ b1[s].double().T
+            d2[i] = v[i, r:] @ b2[s].double().T
+    want1 = (base1.double() + d1).to(dtype)
+    want2 = torch.nn.functional.gelu((base2.double() + d2).to(dtype).float(), approximate="tanh")
+    tol = 1e-4 if dtype == torch.float32 else 4e-3
+    torch.testing.assert_close(y1.float(), want1.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(y2.float(), want2.to(dtype).float(), atol=tol, rtol=tol)
+    none = index < 0
+    assert torch.equal(y1[none], base1[none])  # no adapter: untouched, bit for bit
+    # ... but the GELU reaches every row of its output
+    plain = torch.nn.functional.gelu(base2[none].float(), approximate="tanh").to(dtype)
+    torch.testing.assert_close(y2[none].float(), plain.float(), atol=tol, rtol=tol)
+
+
+def test_a_tokens_result_does_not_depend_on_the_rest_of_the_batch(kernels: ModuleType) -> None:
+    """The other tokens' inputs and slots change; each kept token's delta stays bit for bit
+    (every output written by one program, sums in a fixed order: no atomics)."""
+    g = torch.Generator().manual_seed(7)
+    t, k, n, slots, r = 24, 300, 96, 4, 8
+    a = torch.randn(slots, r, k, generator=g) * 0.1
+    b = torch.randn(slots, n, r, generator=g) * 0.1
+    x = torch.randn(t, k, generator=g)
+    index = _uneven(g, t, slots)
+    first = kernels.grouped_lora(x, a, b, index)
+    assert torch.equal(first, kernels.grouped_lora(x, a, b, index))
+    keep = torch.arange(t) % 3 == 0
+    x2 = torch.where(keep[:, None], x, torch.randn(t, k, generator=g))
+    index2 = torch.where(keep, index, torch.randint(-1, slots, (t,), generator=g).int())
+    second = kernels.grouped_lora(x2, a, b, index2)
+    assert torch.equal(first[keep], second[keep])
+
+
+TARGETS = LoraTargets(
+    3,
+    {"qkv": (32, 96), "proj": (32, 32), "fc1": (32, 128), "fc2": (128, 32)},
+    shared=(("qkv", "proj", "fc1"),),
+)
+
+
+def _bank(ranks: list[int], max_rank: int) -> tuple[LoraBank, list[files.AdapterWeights]]:
+    bank = LoraBank(TARGETS, len(ranks), max_rank, torch.float32, "cpu")
+    adapters = []
+    for slot, rank in enumerate(ranks):
+        state = {files.rename(k): v for k, v in random_state(TARGETS, rank, seed=slot).items()}
+        w = files.validate(state, TARGETS, max_rank, f"w{slot}")
+        bank.write(slot, bank.staging(w), w.rank)
+        adapters.append(w)
+    return bank, adapters
+
+
+def test_the_fused_block_path_equals_each_targets_own_delta(kernels: ModuleType) -> None:
+    """The decoder's calls (one shrink of qkv, proj and fc1; qkv and fc1 expanded in one
+    launch with the GELU; proj beside fc2) against the same calls target by target."""
+    bank, _ = _bank([8, 3, 5], 8)
+    g = torch.Generator().manual_seed(3)
+    index = torch.tensor([2, -1, 0, 0, 1, -1, 2], dtype=torch.int32)
+    h = torch.randn(1, 7, 32, generator=g)
+    outs = {t: torch.randn(1, 7, n, generator=g) for t, (_, n) in TARGETS.targets.items()}
+    results = []
+    for batch in (LoraBatch(bank, index), LoraBatch(bank, index, kernels=kernels)):
+        o = {t: v.clone() for t, v in outs.items()}
+        given = [o["qkv"], o["fc1"], o["proj"], o["fc2"]]
+        shared = batch.shrink(1, h, ("qkv", "proj", "fc1"))
+        qkv, act = batch.expand(1, [(shared, "qkv", o["qkv"]), (shared, "fc1", o["fc1"])], True)
+        hidden = batch.shrink(1, act, ("fc2",))
+        proj, fc2 = batch.expand(1, [(shared, "proj", o["proj"]), (hidden, "fc2", o["fc2"])])
+        results.append((qkv, act, proj, fc2))
+    exact, fused = results
+    for want, got in zip(exact, fused, strict=True):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    # The kernel path wrote the layers' outputs in place (no delta tensors, no adds).
+    assert all(y is x for y, x in zip(fused, given, strict=True))
+
+
+def test_the_decoder_with_the_kernels_equals_the_reference_per_row(
+    tiny: LoadedModel, kernels: ModuleType
+) -> None:
+    """The tiny model's decoder over a batch of rows with two adapters and none, through the
+    interpreted kernels, against the reference (`SingleLora`) row by row."""
+    model = tiny.model
+    text = model.text
+    targets = text.lora_targets
+    bank = LoraBank(targets, 2, 4, torch.float32, "cpu")
+    adapters = []
+    for slot, rank in enumerate([4, 2]):
+        state = {files.rename(k): v for k, v in random_state(targets, rank, 20 + slot).items()}
+        w = files.validate(state, targets, 4, f"a{slot}")
+        bank.write(slot, bank.staging(w), w.rank)
+        adapters.append(w)
+    rows = [1, -1, 0, 1]
+    b, t, cfg = len(rows), 3, tiny.config.text
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(b, t, cfg.dim, generator=g)
+    pos = torch.arange(t).repeat(b, 1)
+
+    def cache(batch: int) -> DenseKVCache:
+        return DenseKVCache(model.kv_shape, 16, batch, torch.float32, "cpu", prefix_len=0)
+
+    index = torch.tensor(rows, dtype=torch.int32).repeat_interleave(t)
+    with torch.no_grad():
+        got = text(x, pos, cache(b), LoraBatch(bank, index, kernels=kernels))
+        for i, slot in enumerate(rows):
+            lora = SingleLora(adapters[slot]) if slot >= 0 else None
+            args = (x[i : i + 1], pos[i : i + 1], cache(1))
+            want = text(*args) if lora is None else text(*args, lora)
+            torch.testing.assert_close(got[i : i + 1], want, atol=1e-4, rtol=1e-4)
