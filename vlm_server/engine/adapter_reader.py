@@ -47,6 +47,9 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 def serve(sock_fd: int, buf_fd: int) -> None:
     """The child's entry point: read each adapter it is sent into the shared buffer, until
     the pipe closes. Answers ``"ready"`` once imported."""
+    # One thread and a lower priority: the server's threads win any contention for cores.
+    torch.set_num_threads(1)
+    os.nice(10)
     conn = Connection(sock_fd)
     conn.send("ready")
     size, view = 0, None
@@ -261,6 +264,22 @@ class AdapterReader:
             child.kill()
             raise AdapterError("the adapter reader did not start; retry", retryable=True)
         return child
+
+    def warm(self) -> None:
+        """Start a child now (if none is), so that the first read does not wait for its
+        imports; a failure here only leaves that to the first read."""
+        with self._cv:
+            if self._count or self._closed:
+                return
+            self._count += 1
+        try:
+            child = self._spawn()
+        except Exception:  # the first read will try again, and report what fails
+            with self._cv:
+                self._count -= 1
+                self._cv.notify()
+            return
+        self._give_back(child)
 
     def close(self) -> None:
         """Stop every idle child; busy ones stop when their read is released."""

@@ -92,6 +92,8 @@ class AdapterManager:
             cfg.adapter_download_timeout_s,
         )
         self.reader = reader if reader is not None else shared_reader()
+        # The first load should not wait for a child's start-up (torch's import).
+        threading.Thread(target=self.reader.warm, name="adapter-reader-warm", daemon=True).start()
         self.slots = AdapterSlots(bank.n_slots)
         self.ranks: dict[str, int] = {}
         self._cv = threading.Condition()

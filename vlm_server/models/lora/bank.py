@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     from vlm_server.models.common.lora_kernel import Partials
 
 
+WRITE_CHUNK_BYTES = 2 << 20  # a slot goes up in pieces of this size (~0.1 ms each over PCIe)
+
+
 class LoraBank:
     """``n_slots`` adapters of rank up to ``max_rank``, on ``device`` in ``dtype``."""
 
@@ -81,7 +84,12 @@ class LoraBank:
         """Copy staged weights into ``slot`` on the current stream (asynchronous from pinned
         memory: the caller records and waits for an event before any forward reads it). The
         caller guarantees no queued forward reads the slot (it is pinned by no row)."""
-        self.flat[slot].copy_(staged, non_blocking=True)
+        row = self.flat[slot]
+        # In pieces on CUDA: a step's own uploads, on another stream, can go between them
+        # instead of queueing behind tens of megabytes on the copy engine.
+        step = WRITE_CHUNK_BYTES // row.element_size() if row.is_cuda else row.numel()
+        for at in range(0, row.numel(), step):
+            row[at : at + step].copy_(staged[at : at + step], non_blocking=True)
         self.ranks[slot] = rank
 
 
