@@ -2,18 +2,22 @@
 is installed; the GPU runs the same kernels compiled in test_adapters_gpu.py): the stacked
 shrink of several targets, the two-output expand with its GELU, and the decoder's fused path
 against the reference's per-target arithmetic. Random shapes, uneven slots, rows without an
-adapter. fp32 and fp16 (the interpreter's bf16 products are not NumPy's to compute)."""
+adapter. fp32 and fp16 (the interpreter's bf16 products are not NumPy's to compute). The
+fused path's glue in `LoraBatch` also runs against the kernels' contract written in PyTorch,
+so that it is checked where Triton is not installed."""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
 from collections.abc import Iterator
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
 
+from vlm_server.models.common.layers import gelu_tanh
+from vlm_server.models.common.lora_kernel import Partials, Target
 from vlm_server.models.interface import LoadedModel
 from vlm_server.models.kv import DenseKVCache
 from vlm_server.models.lora import files
@@ -40,6 +44,42 @@ def kernels() -> Iterator[ModuleType]:
     assert module.AVAILABLE
     yield module
     del sys.modules[name]
+
+
+def _torch_shrink(x: torch.Tensor, a: torch.Tensor, index: torch.Tensor) -> Partials:
+    parts = torch.zeros(x.shape[0], 1, a.shape[1])
+    for t, s in enumerate(index.tolist()):
+        if s >= 0:
+            parts[t, 0] = x[t].float() @ a[s].float().T
+    return Partials(parts)
+
+
+def _torch_expand(
+    index: torch.Tensor, first: Target, second: Target | None = None, gelu: bool = False
+) -> None:
+    for j, target in enumerate((first, second)):
+        if target is None:
+            continue
+        out, r = target.out, target.b.shape[2]
+        for t, s in enumerate(index.tolist()):
+            y = out[t].float()
+            if s >= 0:
+                v = target.partials.parts[t].sum(0)[target.col : target.col + r]
+                y = y + v.to(target.b.dtype).float() @ target.b[s].float().T
+            y = y.to(out.dtype)
+            out[t] = gelu_tanh(y.float()).to(out.dtype) if gelu and j == 1 else y
+
+
+# The kernels' contract token by token in PyTorch: `LoraBatch`'s fused glue (groups, columns,
+# pairs of outputs, where the GELU goes) is checked with it where Triton is not installed.
+TORCH_KERNELS = SimpleNamespace(shrink=_torch_shrink, expand=_torch_expand, Target=Target)
+
+
+@pytest.fixture(params=["torch", "interpreted"])
+def any_kernels(request: pytest.FixtureRequest) -> object:
+    if request.param == "torch":
+        return TORCH_KERNELS
+    return request.getfixturevalue("kernels")
 
 
 def _per_token_v(x: torch.Tensor, a: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -150,7 +190,7 @@ def _bank(ranks: list[int], max_rank: int) -> tuple[LoraBank, list[files.Adapter
     return bank, adapters
 
 
-def test_the_fused_block_path_equals_each_targets_own_delta(kernels: ModuleType) -> None:
+def test_the_fused_block_path_equals_each_targets_own_delta(any_kernels: ModuleType) -> None:
     """The decoder's calls (one shrink of qkv, proj and fc1; qkv and fc1 expanded in one
     launch with the GELU; proj beside fc2) against the same calls target by target."""
     bank, _ = _bank([8, 3, 5], 8)
@@ -159,7 +199,7 @@ def test_the_fused_block_path_equals_each_targets_own_delta(kernels: ModuleType)
     h = torch.randn(1, 7, 32, generator=g)
     outs = {t: torch.randn(1, 7, n, generator=g) for t, (_, n) in TARGETS.targets.items()}
     results = []
-    for batch in (LoraBatch(bank, index), LoraBatch(bank, index, kernels=kernels)):
+    for batch in (LoraBatch(bank, index), LoraBatch(bank, index, kernels=any_kernels)):
         o = {t: v.clone() for t, v in outs.items()}
         given = [o["qkv"], o["fc1"], o["proj"], o["fc2"]]
         shared = batch.shrink(1, h, ("qkv", "proj", "fc1"))
@@ -174,8 +214,29 @@ def test_the_fused_block_path_equals_each_targets_own_delta(kernels: ModuleType)
     assert all(y is x for y, x in zip(fused, given, strict=True))
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_expands_of_one_or_three_outputs_pair_up_with_the_gelu_last(
+    any_kernels: ModuleType, n: int
+) -> None:
+    """An odd number of outputs: the one left over launches alone, the GELU's output second
+    in the last launch; a lone output gets its GELU after its launch."""
+    bank, _ = _bank([4, 2], 4)
+    g = torch.Generator().manual_seed(n)
+    index = torch.tensor([1, 0, -1, 1, 0], dtype=torch.int32)
+    h = torch.randn(5, 32, generator=g)
+    names = ["proj", "qkv", "fc1"][-n:]
+    outs = {t: torch.randn(5, TARGETS.targets[t][1], generator=g) for t in names}
+    results = []
+    for batch in (LoraBatch(bank, index), LoraBatch(bank, index, kernels=any_kernels)):
+        shared = batch.shrink(2, h, ("qkv", "proj", "fc1"))
+        pairs = [(shared, t, outs[t].clone()) for t in names]
+        results.append(batch.expand(2, pairs, gelu_last=True))
+    for want, got in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
 def test_the_decoder_with_the_kernels_equals_the_reference_per_row(
-    tiny: LoadedModel, kernels: ModuleType
+    tiny: LoadedModel, any_kernels: ModuleType
 ) -> None:
     """The tiny model's decoder over a batch of rows with two adapters and none, through the
     interpreted kernels, against the reference (`SingleLora`) row by row."""
@@ -200,7 +261,7 @@ def test_the_decoder_with_the_kernels_equals_the_reference_per_row(
 
     index = torch.tensor(rows, dtype=torch.int32).repeat_interleave(t)
     with torch.no_grad():
-        got = text(x, pos, cache(b), LoraBatch(bank, index, kernels=kernels))
+        got = text(x, pos, cache(b), LoraBatch(bank, index, kernels=any_kernels))
         for i, slot in enumerate(rows):
             lora = SingleLora(adapters[slot]) if slot >= 0 else None
             args = (x[i : i + 1], pos[i : i + 1], cache(1))

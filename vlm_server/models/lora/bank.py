@@ -48,7 +48,8 @@ class LoraBank:
         self.targets, self.n_slots, self.max_rank = targets, n_slots, max_rank
         self.dtype, self.device = dtype, torch.device(device)
         self.layout = SlotLayout(targets, max_rank)
-        # Slot i's weights are row i, laid out as `SlotLayout` says: a load is one copy.
+        # Slot i's weights are row i, laid out as `SlotLayout` says: a load is one contiguous
+        # copy.
         self.flat = torch.zeros(n_slots, self.layout.numel, dtype=dtype, device=device)
         # Views: per shared-input group the stacked A [slots, layers, k * r, in] (one shrink
         # for the group), per target A [slots, layers, r, in] and B [slots, layers, out, r].
