@@ -212,6 +212,7 @@ class Target:
 
 
 SPLITS_MAX = 16  # K split over up to this many programs per (slot, block of tokens)
+SPLIT_PROGRAMS = 64  # splits per slot over all blocks of tokens, beyond which fewer splits
 STAGE_BYTES = 64 << 10  # the shrink's operand tiles, all pipeline stages (fits sm_86/89)
 STAGES = 2
 
@@ -235,13 +236,15 @@ def shrink(x: torch.Tensor, a: torch.Tensor, index: torch.Tensor) -> Partials:
     block_t, block_r = _block_t(t), max(16, triton.next_power_of_2(r))
     per_k = (block_r + block_t) * x.element_size() * STAGES
     block_k = max(32, min(128, triton.next_power_of_2(STAGE_BYTES // per_k + 1) // 2))
-    n_k = triton.cdiv(k, block_k)
-    splits = min(SPLITS_MAX, n_k)
+    n_k, t_blocks = triton.cdiv(k, block_k), triton.cdiv(t, block_t)
+    # Many blocks of tokens are parallel enough by themselves: fewer splits keep the partial
+    # products of a long prefill chunk small.
+    splits = min(SPLITS_MAX, n_k, max(1, SPLIT_PROGRAMS // t_blocks))
     iters = triton.cdiv(n_k, splits)
     splits = triton.cdiv(n_k, iters)  # no split left without a block of K
     parts = torch.empty(t, splits, block_r, dtype=torch.float32, device=x.device)
     if t:
-        grid = (a.shape[0], triton.cdiv(t, block_t), splits)
+        grid = (a.shape[0], t_blocks, splits)
         _shrink_kernel[grid](
             x, a, index, parts, t, k, x.stride(0), a.stride(0), a.stride(1),
             R=r, BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=block_k, ITERS=iters,
