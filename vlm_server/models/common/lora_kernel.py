@@ -178,7 +178,8 @@ if triton is not None:
                     other=0.0,
                 )
                 y += tl.dot(v.to(b.dtype), b, input_precision=PRECISION)
-            y = y.to(y_ptr.dtype.element_ty)  # out + delta, rounded once, as the reference
+            # out + delta rounded once (the reference rounds the delta first: last bits).
+            y = y.to(y_ptr.dtype.element_ty)
             if act:
                 y = _gelu(y.to(tl.float32)).to(y_ptr.dtype.element_ty)
             tl.store(at, y, mask=keep)
@@ -194,10 +195,6 @@ class Partials:
     @property
     def splits(self) -> int:
         return self.parts.shape[1]
-
-    @property
-    def block_r(self) -> int:
-        return self.parts.shape[2]
 
 
 @dataclass(frozen=True)
