@@ -1,8 +1,9 @@
 """Finetune adapters: what they cost a decode step, and whether loading one stalls streams.
 
 Runs the real engine (scheduler thread, pipeline, graphs) in-process on a seeded random
-checkpoint of the chosen preset, with seeded random rank-``--rank`` adapters in the
-reference's file format written to a temporary folder:
+checkpoint of the chosen preset, with seeded random rank-``--rank`` adapters in the family's
+file format (the reference's; Moondream 3: the cloud finetunes', rank divisible by the experts
+per token) written to a temporary folder:
 
   period     ``--streams`` caption streams (temperature 0, ``--tokens`` each, one cached
              picture), decode period (median wall time between full-batch decode commits),
@@ -43,7 +44,7 @@ from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.device.model_entry import ModelEntryPoints
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.interface import LoadedModel
-from vlm_server.models.lora.writer import write_random
+from vlm_server.models.lora.writer import write_random, write_random_finetune
 from vlm_server.models.registry import preset, random_model
 
 
@@ -194,8 +195,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{args.preset}: the family takes no adapters")
     with tempfile.TemporaryDirectory(prefix="lora-bench-") as folder:
         names = [f"a{i}" for i in range(args.adapters)]
+        write = write_random_finetune if targets.format == "finetune" else write_random
         for i, name in enumerate([*names, *(f"new{j}" for j in range(args.loads))]):
-            write_random(Path(folder), name, targets, args.rank, seed=i, dtype=torch.bfloat16)
+            write(Path(folder), name, targets, args.rank, seed=i, dtype=torch.bfloat16)
         cases = {
             "off": asyncio.run(period_case(loaded, args, None, [None])),
             "none": asyncio.run(period_case(loaded, args, folder, [None])),

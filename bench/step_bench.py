@@ -99,8 +99,10 @@ async def run_case(
     graphs: bool,
     kv_bytes: int | None,
     task: str = "caption",
+    fused_decode: bool = True,
 ) -> dict:
     cfg = EngineConfig(
+        fused_decode=fused_decode,
         pipeline_depth=depth,
         max_batch_size=max(streams, 1),
         cuda_graphs=graphs,
@@ -146,6 +148,7 @@ async def run_case(
         "graphs": graphs,
         "tokens": tokens,
         "task": task,
+        "fused_decode": rt.fused_decode,
         "forward_ms": _median(_elapsed(fwd)),
         "sampling_ms": _median(_elapsed(fin)),
         "period_ms": _median(full) * 1e3,
@@ -179,6 +182,13 @@ def main() -> None:
         help="detect: constrained boundary masks and region values every step; "
         "the random model is biased so every stream runs to max_objects",
     )
+    ap.add_argument(
+        "--fused-decode",
+        nargs="+",
+        default=["true"],
+        choices=["true", "false"],
+        help="run every case with each setting of --fused-decode (true false: A/B, alternated)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -193,13 +203,24 @@ def main() -> None:
     kv = int(args.kv_gib * (1 << 30)) if args.kv_gib else None
     rows = []
     for streams in args.streams:
-        for depth in args.depths:
+        for depth, fused in itertools.product(args.depths, args.fused_decode):
             row = asyncio.run(
-                run_case(loaded, streams, args.tokens, depth, not args.no_graphs, kv, args.task)
+                run_case(
+                    loaded,
+                    streams,
+                    args.tokens,
+                    depth,
+                    not args.no_graphs,
+                    kv,
+                    args.task,
+                    fused == "true",
+                )
             )
             rows.append(row)
             print(json.dumps(row), flush=True)
-    by = {(r["streams"], r["depth"]): r for r in rows}
+    by = {
+        (r["streams"], r["depth"]): r for r in rows if r["fused_decode"] == rows[0]["fused_decode"]
+    }
     for streams in args.streams:
         if (streams, 1) in by and (streams, 2) in by:
             b, p = by[(streams, 1)], by[(streams, 2)]
@@ -215,7 +236,7 @@ def main() -> None:
         )
     )
     head = (
-        f"{'streams':>7} {'depth':>5} {'fwd ms':>7} {'samp ms':>7} {'period':>7} "
+        f"{'streams':>7} {'depth':>5} {'fused':>5} {'fwd ms':>7} {'samp ms':>7} {'period':>7} "
         f"{'idle':>6} {'commit':>7} {'final':>6} {'launch':>6} {'tok/s':>8} {'speedup':>8}"
     )
     print(f"\n{name}, {args.preset} {args.dtype}, {args.tokens} tokens per stream")
@@ -223,7 +244,8 @@ def main() -> None:
     for r in rows:
         sp = r.get("observed_speedup")
         print(
-            f"{r['streams']:>7} {r['depth']:>5} {r['forward_ms']:>7.3f} "
+            f"{r['streams']:>7} {r['depth']:>5} {r['fused_decode']!s:>5} "
+            f"{r['forward_ms']:>7.3f} "
             f"{r['sampling_ms']:>7.3f} {r['period_ms']:>7.3f} {r['gpu_idle_ms']:>6.3f} "
             f"{r['host_commit_ms']:>7.3f} {r['host_finalize_ms']:>6.3f} "
             f"{r['host_launch_ms']:>6.3f} {r['tokens_per_s']:>8.1f} "

@@ -133,8 +133,14 @@ def test_the_stacked_shrink_and_two_output_expand_match_torch(
 
 
 def test_a_tokens_delta_does_not_depend_on_the_batch() -> None:
-    """Other tokens' inputs and slots change; the kept tokens' deltas stay bit for bit."""
-    from vlm_server.models.common.lora_kernel import grouped_lora
+    """Other tokens' inputs and slots change; the kept tokens' deltas stay bit for bit (both
+    forms of the kernels)."""
+    from vlm_server.models.common import lora_kernel as lk
+
+    def grouped(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, idx: torch.Tensor) -> object:
+        y = torch.zeros(x.shape[0], b.shape[1], dtype=x.dtype, device=x.device)
+        lk.expand(idx, lk.Target(lk.shrink(x, a, idx), 0, b, y))
+        return y
 
     g = torch.Generator().manual_seed(5)
     t, k, n, slots, r = 64, 8192, 2048, 8, 32
@@ -142,12 +148,13 @@ def test_a_tokens_delta_does_not_depend_on_the_batch() -> None:
     b = (torch.randn(slots, n, r, generator=g) * 0.05).to("cuda", torch.bfloat16)
     x = torch.randn(t, k, generator=g).to("cuda", torch.bfloat16)
     index = (torch.randint(0, slots + 1, (t,), generator=g).to(torch.int32) - 1).cuda()
-    first = grouped_lora(x, a, b, index)
     keep = (torch.arange(t) % 3 == 0).cuda()
     x2 = torch.where(keep[:, None], x, torch.randn_like(x))
     other = (torch.randint(0, slots + 1, (t,), generator=g).to(torch.int32) - 1).cuda()
-    second = grouped_lora(x2, a, b, torch.where(keep, index, other))
-    assert torch.equal(first[keep], second[keep])
+    for form in (lk.grouped_lora, grouped):
+        first = form(x, a, b, index)
+        second = form(x2, a, b, torch.where(keep, index, other))
+        assert torch.equal(first[keep], second[keep])
 
 
 def test_the_fused_block_path_replays_in_a_graph() -> None:

@@ -71,10 +71,18 @@ _GELU_FP8 = {
 }  # fmt: skip
 _LORA = "vlm_server.models.common.lora_kernel"
 _SHRINK = {
+    "x_ptr": "*bf16", "a_ptr": "*bf16", "idx_ptr": "*i32", "v_ptr": "*fp32", "K": "i32",
+    "stride_xt": "i32", "stride_as": "i32", "stride_ar": "i32",
+}  # fmt: skip
+_EXPAND = {
+    "v_ptr": "*fp32", "b_ptr": "*bf16", "idx_ptr": "*i32", "y_ptr": "*bf16", "N": "i32",
+    "stride_bs": "i32", "stride_bn": "i32",
+}  # fmt: skip
+_GROUP_SHRINK = {
     "x_ptr": "*bf16", "a_ptr": "*bf16", "idx_ptr": "*i32", "v_ptr": "*fp32", "T": "i32",
     "K": "i32", "stride_xt": "i32", "stride_as": "i32", "stride_ar": "i32",
 }  # fmt: skip
-_EXPAND = {
+_GROUP_EXPAND = {
     "v1_ptr": "*fp32", "b1_ptr": "*bf16", "y1_ptr": "*bf16", "v2_ptr": "*fp32",
     "b2_ptr": "*bf16", "y2_ptr": "*bf16", "idx_ptr": "*i32", "T": "i32", "n_slots": "i32",
     "N1": "i32", "N2": "i32", "NB1": "i32", "col1": "i32", "col2": "i32", "splits1": "i32",
@@ -82,61 +90,116 @@ _EXPAND = {
     "stride_v2s": "i32", "stride_b1s": "i32", "stride_b1n": "i32", "stride_b2s": "i32",
     "stride_b2n": "i32", "stride_y1": "i32", "stride_y2": "i32",
 }  # fmt: skip
-_LORA_BLOCKS = {"BLOCK_T": 32, "PRECISION": "tf32"}
+_GROUP_BLOCKS = {"BLOCK_T": 32, "PRECISION": "tf32"}
 _MOE = "vlm_server.models.moondream3.moe_triton"
 _MOE_ARGS = {
     "w_ptr": "*bf16", "s_ptr": "*fp32", "pair_ptr": "*i32", "block_expert_ptr": "*i32",
-    "used_ptr": "*i32", "n_pairs": "i32", "dim": "i32", "width": "i32",
+    "used_ptr": "*i32", "d_ptr": "*bf16", "n_pairs": "i32", "dim": "i32", "width": "i32",
 }  # fmt: skip
 _MOE_FP8 = {**_MOE_ARGS, "w_ptr": "*fp8e4nv"}
 _MOE_BLOCKS = {"IEEE": False, "BM": 16, "BN": 64, "BK": 64}
+_SKINNY = "vlm_server.models.common.skinny_gemm"
+_SKINNY_ARGS = {
+    "x1_ptr": "*bf16", "x2_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "r_ptr": "*bf16",
+    "y_ptr": "*bf16", "part_ptr": "*fp32", "M": "i32", "N": "i32", "K1": "i32", "K2": "i32",
+    "k_per_split": "i32", "stride_x1": "i32", "stride_x2": "i32", "stride_w": "i32",
+    "stride_r": "i32", "stride_y": "i32", "gelu_from": "i32",
+}  # fmt: skip
+_SPLIT_SUM = {
+    "part_ptr": "*fp32", "b_ptr": "*bf16", "r_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32",
+    "N": "i32", "stride_r": "i32", "stride_y": "i32", "gelu_from": "i32",
+}  # fmt: skip
+_SKINNY_FLAGS = {"HAS_BIAS": True, "HAS_RES": True, "HAS_GELU": True}
 _ATTENTION = "vlm_server.engine.device.kernels.triton_attention"
 _SHAPE = {"PAGE": 16, "KVH": 32, "HD": 64}
 
 KERNELS = (
-    # The stacked shrink of three rank-32 targets (qkv, proj, fc1), and fc2's over K = 8192.
     Kernel(
-        _LORA,
-        "_shrink_kernel",
-        _SHRINK,
-        {**_LORA_BLOCKS, "R": 96, "BLOCK_R": 128, "BLOCK_K": 64, "ITERS": 2, "SPLITS": 16},
+        _SKINNY,
+        "_skinny_kernel",
+        _SKINNY_ARGS,
+        {
+            **_SKINNY_FLAGS,
+            "IEEE": False,
+            "SPLIT": True,
+            "BLOCK_M": 16,
+            "BLOCK_N": 32,
+            "BLOCK_K": 128,
+        },
     ),
     Kernel(
-        _LORA,
-        "_shrink_kernel",
-        _SHRINK,
-        {**_LORA_BLOCKS, "R": 32, "BLOCK_R": 32, "BLOCK_K": 128, "ITERS": 4, "SPLITS": 16},
+        _SKINNY,
+        "_skinny_kernel",
+        _SKINNY_ARGS,
+        {
+            **_SKINNY_FLAGS,
+            "IEEE": False,
+            "SPLIT": False,
+            "BLOCK_M": 32,
+            "BLOCK_N": 64,
+            "BLOCK_K": 128,
+        },
     ),
+    Kernel(
+        _SKINNY,
+        "_split_sum_kernel",
+        _SPLIT_SUM,
+        {**_SKINNY_FLAGS, "SPLITS": 4, "BLOCK_M": 16, "BLOCK_N": 128},
+    ),
+    Kernel(_LORA, "_shrink_kernel", _SHRINK, {"R": 32, "BLOCK_R": 32, "BLOCK_K": 256, "SPLITS": 8}),
     Kernel(
         _LORA,
         "_expand_kernel",
         _EXPAND,
-        {**_LORA_BLOCKS, "R": 32, "BLOCK_R": 32, "BLOCK_N": 128, "SPLITS": 16, "GELU": True},
+        {"R": 32, "BLOCK_R": 32, "BLOCK_N": 64, "ADD": True, "SPLITS": 8},
+    ),
+    # The grouped form: the stacked shrink of three rank-32 targets (qkv, proj, fc1) and fc2's
+    # over K = 8192; the two-output expand with and without the GELU.
+    Kernel(
+        _LORA,
+        "_group_shrink_kernel",
+        _GROUP_SHRINK,
+        {**_GROUP_BLOCKS, "R": 96, "BLOCK_R": 128, "BLOCK_K": 64, "ITERS": 2, "SPLITS": 16},
     ),
     Kernel(
         _LORA,
-        "_expand_kernel",
-        _EXPAND,
-        {**_LORA_BLOCKS, "R": 32, "BLOCK_R": 32, "BLOCK_N": 128, "SPLITS": 16, "GELU": False},
+        "_group_shrink_kernel",
+        _GROUP_SHRINK,
+        {**_GROUP_BLOCKS, "R": 32, "BLOCK_R": 32, "BLOCK_K": 128, "ITERS": 4, "SPLITS": 16},
     ),
-    Kernel(
-        _MOE,
-        "_up_kernel",
-        {**_MOE_ARGS, "x_ptr": "*bf16", "h_ptr": "*bf16", "top_k": "i32"},
-        {"HAS_SCALE": False, **_MOE_BLOCKS},
+    *(
+        Kernel(
+            _LORA,
+            "_group_expand_kernel",
+            _GROUP_EXPAND,
+            {**_GROUP_BLOCKS, "R": 32, "BLOCK_R": 32, "BLOCK_N": 128, "SPLITS": 16, "GELU": gelu},
+        )
+        for gelu in (True, False)
     ),
-    Kernel(
-        _MOE,
-        "_down_kernel",
-        {**_MOE_ARGS, "h_ptr": "*bf16", "y_ptr": "*bf16"},
-        {"HAS_SCALE": False, **_MOE_BLOCKS},
-    ),
-    Kernel(
-        _MOE,
-        "_up_kernel",
-        {**_MOE_FP8, "x_ptr": "*bf16", "h_ptr": "*bf16", "top_k": "i32"},
-        {"HAS_SCALE": True, **_MOE_BLOCKS},
-        min_arch=90,  # the FP8 widening assembles on Hopper and newer (moondream3 loader)
+    *(
+        kernel
+        for delta in (False, True)  # a finetune adapter's deltas in the epilogues
+        for kernel in (
+            Kernel(
+                _MOE,
+                "_up_kernel",
+                {**_MOE_ARGS, "x_ptr": "*bf16", "h_ptr": "*bf16", "top_k": "i32"},
+                {"HAS_SCALE": False, "HAS_DELTA": delta, **_MOE_BLOCKS},
+            ),
+            Kernel(
+                _MOE,
+                "_down_kernel",
+                {**_MOE_ARGS, "h_ptr": "*bf16", "y_ptr": "*bf16"},
+                {"HAS_SCALE": False, "HAS_DELTA": delta, **_MOE_BLOCKS},
+            ),
+            Kernel(
+                _MOE,
+                "_up_kernel",
+                {**_MOE_FP8, "x_ptr": "*bf16", "h_ptr": "*bf16", "top_k": "i32"},
+                {"HAS_SCALE": True, "HAS_DELTA": delta, **_MOE_BLOCKS},
+                min_arch=90,  # the FP8 widening assembles on Hopper and newer (moondream3 loader)
+            ),
+        )
     ),
     Kernel(
         _ATTENTION,
@@ -163,6 +226,23 @@ KERNELS = (
             "SPLIT_MAX": 1024,
             "PRECISION": "tf32",
         },
+    ),
+    Kernel(
+        "vlm_server.models.common.fused_norm",
+        "_add_partials_layernorm_kernel",
+        {
+            "x_ptr": "*bf16",
+            "part_ptr": "*fp32",
+            "bias_ptr": "*bf16",
+            "w_ptr": "*bf16",
+            "nb_ptr": "*bf16",
+            "sum_ptr": "*bf16",
+            "out_ptr": "*bf16",
+            "rows": "i32",
+            "dim": "i32",
+            "eps": "fp32",
+        },
+        {"SPLITS": 4, "BLOCK": 2048},
     ),
     Kernel(
         "vlm_server.models.common.fused_norm",

@@ -17,6 +17,7 @@ from vlm_server.default_model import default_model_dir
 from vlm_server.devices import resolve_device
 from vlm_server.models.checkpoint_io import CheckpointError
 from vlm_server.models.lora import files as lora_files
+from vlm_server.models.lora import formats as lora_formats
 from vlm_server.models.registry import load_model, preset, preset_names, write_checkpoint
 from vlm_server.options.command_line import add_options, config_from
 from vlm_server.options.spec import Option
@@ -116,7 +117,7 @@ def _run(args: argparse.Namespace, config: ServerConfig) -> int:
             return 2
         name = args.adapter.parent.name if args.adapter.name == "final.pt" else args.adapter.stem
         try:  # no rank limit here: nothing is allocated per slot
-            adapter = lora_files.load(args.adapter, targets, 1 << 16, name)
+            adapter = lora_formats.load(args.adapter, targets, 1 << 16, name)
         except lora_files.AdapterError as err:
             print(f"vlm: error: {err}", file=sys.stderr)
             return 2

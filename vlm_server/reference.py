@@ -103,7 +103,8 @@ class ReferenceGenerator:
         self, model: DeviceModel, tokenizer: Tokenizer, adapter: AdapterWeights | None = None
     ) -> None:
         """``adapter``: a finetune adapter every request answers with (the reference's
-        arithmetic, models/lora/spec.py), in the image prefix too."""
+        arithmetic, models/lora/spec.py `SingleLora`; an expert layer's deltas row by row,
+        each (token, expert) pair on its own), in the image prefix too."""
         self.model = model
         self.lora = None if adapter is None else SingleLora(adapter.to(model.dtype, model.device))
         self.tokenizer = tokenizer

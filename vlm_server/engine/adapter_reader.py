@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from vlm_server.models.lora import files
+from vlm_server.models.lora import formats
 from vlm_server.models.lora.files import AdapterError
 from vlm_server.models.lora.layout import SlotLayout
 
@@ -72,9 +72,9 @@ def serve(sock_fd: int, buf_fd: int) -> None:
 
 
 def read_into(path: Path, name: str, layout: SlotLayout, flat: torch.Tensor) -> int:
-    """Read, rename and check ``path`` (files.py), pack it into ``flat`` [numel]; its rank.
-    What a child runs; tests call it in process too."""
-    weights = files.validate(files.read_tensors(path, name), layout.targets, layout.max_rank, name)
+    """Read, rename and check ``path`` in its family's format (models/lora/formats.py), pack
+    it into ``flat`` [numel]; its rank. What a child runs; tests call it in process too."""
+    weights = formats.load(path, layout.targets, layout.max_rank, name)
     layout.pack(weights, flat)
     return weights.rank
 

@@ -26,12 +26,17 @@ from vlm_server.engine.adapter_reader import AdapterReader, shared_reader
 from vlm_server.engine.api import EngineError, ErrorCode, GenerationRequest
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.adapter_slots import AdapterSlots
+from vlm_server.models.lora import formats
 from vlm_server.models.lora.bank import LoraBank
 from vlm_server.models.lora.files import AdapterError
 from vlm_server.models.lora.store import AdapterStore
 
 FIELD = "adapter"  # the doors name it as their request spells it (settings.adapter, model)
 _KEY_MARK = "|adapter="
+
+
+def _nothing() -> None:
+    pass
 
 
 def qualify_image(req: GenerationRequest) -> GenerationRequest:
@@ -90,10 +95,15 @@ class AdapterManager:
             cfg.adapter_api_key,
             cfg.adapter_download_bytes,
             cfg.adapter_download_timeout_s,
+            scheme=bank.targets.format,  # the family's downloads
         )
         self.reader = reader if reader is not None else shared_reader()
-        # The first load should not wait for a child's start-up (torch's import).
-        threading.Thread(target=self.reader.warm, name="adapter-reader-warm", daemon=True).start()
+        # Where the slot layout holds all of an adapter (no expert layers), a child reads it.
+        self._in_child = bank.targets.experts is None
+        if self._in_child:  # the first load should not wait for a child's imports
+            warm = threading.Thread(target=self.reader.warm, name="adapter-reader-warm")
+            warm.daemon = True
+            warm.start()
         self.slots = AdapterSlots(bank.n_slots)
         self.ranks: dict[str, int] = {}
         self._cv = threading.Condition()
@@ -146,36 +156,42 @@ class AdapterManager:
         bank = self.bank
         try:
             path = self.store.path(name)
-            # Parsed and checked in a child process (engine/adapter_reader.py): no GIL here.
-            read = self.reader.read(path, name, bank.layout, bank.dtype, until)
+            if self._in_child:
+                # Parsed and checked in a child process (adapter_reader.py): no GIL here.
+                read = self.reader.read(path, name, bank.layout, bank.dtype, until)
+                rank, packed, release = read.rank, read.packed, read.release
+            else:  # expert layers: their pairs are not in the layout the reader packs
+                weights = formats.load(path, bank.targets, self.max_rank, name)
+                rank, packed, release = weights.rank, None, _nothing
         except AdapterError as err:
             code = ErrorCode.UNAVAILABLE if err.retryable else ErrorCode.INVALID_ARGUMENT
             raise EngineError(code, f"{FIELD}: {err}", FIELD) from None
         except TimeoutError:
             raise self._timeout(name, until) from None
         try:
-            packed = read.packed
             with self._cv:
                 slot = self.slots.claim()
             if slot is None:
-                # Waiting for a slot may take a while: free the reader for other loads.
-                packed = packed.clone()  # one copy, the GIL released
-                read.release()
+                if packed is not None:
+                    # Waiting for a slot may take a while: free the reader for other loads.
+                    packed = packed.clone()  # one copy, the GIL released
+                    release()
                 slot = self._claim(name, deadline, until)
             try:
                 # The bank's one staging buffer: free again once the copy from it completed.
                 with bank.stage_lock:
-                    self._write(slot, bank.staging_from(packed), read.rank)
+                    staged = bank.staging(weights) if packed is None else bank.staging_from(packed)
+                    self._write(slot, staged, rank)
             except BaseException:
                 with self._cv:
                     self.slots.abandon(slot)
                     self._cv.notify_all()
                 raise
         finally:
-            read.release()
+            release()
         with self._cv:
             self.slots.filled(slot, name)
-            self.ranks[name] = read.rank
+            self.ranks[name] = rank
         return slot
 
     def _claim(self, name: str, deadline: float, until: float | None) -> int:
@@ -188,7 +204,7 @@ class AdapterManager:
                 self._cv.wait(left)
         return slot
 
-    def _write(self, slot: int, staged: torch.Tensor, rank: int) -> None:
+    def _write(self, slot: int, staged: object, rank: int) -> None:
         if self._stream is None:
             self.bank.write(slot, staged, rank)
             return

@@ -49,6 +49,9 @@ class EngineConfig:
     # The vision tower's QKV / fc1 / fc2 as FP8 GEMMs (model/fp8_vision.py): faster image
     # path, features within a few percent of the bf16 tower's. CUDA with FP8 units only.
     vision_fp8: bool = False
+    # Decode steps (few rows) run each decoder block's four matrix products as two fused
+    # skinny products (models/common/fused_products.py), where the family offers them (CUDA).
+    fused_decode: bool = True
     # Spatial references one request may carry: every sequence row reserves the embeddings
     # of this many boxes (three positions each) on the device.
     max_spatial_refs: int = 8

@@ -238,6 +238,12 @@ class ServerConfig:
         "run the vision tower's QKV and MLP products in FP8 (CUDA, compute capability 8.9+): a "
         "faster image path whose features differ from the bf16 tower's by a few percent",
     )
+    fused_decode: bool = option(
+        _ENGINE.fused_decode,
+        G.PERFORMANCE,
+        "run each decoder block's four matrix products as two fused Triton products in steps "
+        "of few rows (CUDA; false: cuBLAS, four products)",
+    )
     prefill_sm_carveout: int = option(
         _ENGINE.prefill_sm_carveout,
         G.PERFORMANCE,
@@ -288,14 +294,16 @@ class ServerConfig:
         None,
         G.MODEL,
         "folder of finetune adapters (LoRA) requests may name: <id>/final.pt or <id>.pt (the "
-        "moondream reference's format), <id>.safetensors or <id>/adapter.safetensors; "
-        "downloads are saved here too",
+        "moondream reference's format; Moondream 3: the cloud finetunes' checkpoints), "
+        "<id>.safetensors or <id>/adapter.safetensors; downloads are saved here too",
     )
     adapter_endpoint: str | None = option(
         None,
         G.MODEL,
         "base URL adapters missing from --adapters-dir are downloaded from "
-        "(<url>/v1/variants/<id>/download, as the moondream reference does); unset: none are",
+        "(<url>/v1/variants/<id>/download, as the moondream reference does; Moondream 3: "
+        "<url>/v1/tuning/finetunes/<id>/checkpoints/<step>/download, then its presigned URL); "
+        "unset: none are",
     )
     adapter_api_key: str | None = option(
         None,
@@ -463,6 +471,7 @@ class ServerConfig:
             prefix_prompt_tokens=self.prefix_prompt_tokens,
             crop_graph_sizes=self.crop_graph_sizes,
             vision_fp8=self.vision_fp8,
+            fused_decode=self.fused_decode,
             max_spatial_refs=self.max_spatial_refs,
             constraint_limits=self.constraint_limits,
             adapters_dir=self.adapters_dir,

@@ -115,6 +115,12 @@ class ModelEntryPoints:
         x = normalize_crops(crops, self.dtype)
         return m.prefix_embeddings(m.image_embeddings(x, tiling))
 
+    def use_fused_decode(self, enabled: bool) -> bool:
+        """Switch the decoder's few-row forwards to fused products where the family has them
+        (before any graph captures them); returns whether they are on."""
+        switch = getattr(self._model.text, "use_fused_products", None)
+        return bool(switch(enabled)) if switch is not None else False
+
     def use_fp8_vision(self) -> None:
         """Switch the vision tower's matmuls to FP8 (before any graph captures it)."""
         if not fp8_supported(self.device):

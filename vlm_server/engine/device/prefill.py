@@ -64,6 +64,9 @@ class PrefillLane:
     image_graphs: GraphSet[tuple[int, int]]
     prefix_graphs: GraphSet[tuple[int, int, int]]
     crop_graphs: CropGraphs | None
+    # With adapters on, the same forwards with the jobs' adapter deltas: a batch runs them
+    # only when one of its jobs uses an adapter, so the others pay nothing for LoRA.
+    lora_prefix_graphs: GraphSet[tuple[int, int, int]]
 
 
 class Prefill:
@@ -142,6 +145,7 @@ class Prefill:
                 GraphSet("image"),
                 GraphSet("image prefix"),
                 self.crops.graphs(None if two_lanes else partition_capture),
+                GraphSet("image prefix (adapters)"),
             )
         ]
         if two_lanes:
@@ -151,6 +155,7 @@ class Prefill:
                     GraphSet("image (partitioned)"),
                     GraphSet("image prefix (partitioned)"),
                     self.crops.graphs(partition_capture),
+                    GraphSet("image prefix (partitioned, adapters)"),
                 )
             )
         return lanes
@@ -193,11 +198,12 @@ class Prefill:
         p, n_tails, held_rows = self._send_prompts(i, jobs, stream)
         if self.adapters:
             self.adapters.send_jobs(i, [job.adapter_slot for job in jobs], stream)
+        lora = self.adapters is not None and any(job.adapter_slot >= 0 for job in jobs)
         kv, held = self.pool.kv, self.buffers.held
         dev.kernel(
             stream,
             f"image prefixes {i}",
-            partial(self._image_prefixes, i, jobs, p, n_tails, lane),
+            partial(self._image_prefixes, i, jobs, p, n_tails, lane, lora),
             lambda: (
                 [slot.pages_dev, slot.prompt_dev, *self._adapter_reads(i)],
                 [(kv, sorted(set(written))), (held, held_rows), self.prefix_emb],
@@ -250,11 +256,18 @@ class Prefill:
     # ---- device work (on the lane's stream) -------------------------------------------
 
     def _image_prefixes(
-        self, i: int, jobs: list[PrefixJob], p: int, n_tails: int, lane: PrefillLane
+        self,
+        i: int,
+        jobs: list[PrefixJob],
+        p: int,
+        n_tails: int,
+        lane: PrefillLane,
+        lora: bool = True,
     ) -> None:
         """BOS + image embeddings of each new image (one graph replay per image, captured per
         tiling; tilings beyond the crop budget run eagerly), then the BOS + image forward of
-        all of them at once (with ``p`` riding prompt tokens), straight into their pages."""
+        all of them at once (with ``p`` riding prompt tokens), straight into their pages;
+        ``lora``: with the jobs' adapters (a job uses one)."""
         for j, job in enumerate(jobs):
             tiling = job.image.tiling
             crops = self.crops.on_device(self.crops.crops_of(job.image, lane.crop_graphs))
@@ -266,10 +279,11 @@ class Prefill:
             # Copied out before the next replay overwrites the graph's output.
             self.prefix_emb[j].copy_(emb[0])  # type: ignore[index]
         k = len(jobs)
-        if (i, k, p) in lane.prefix_graphs:
-            lane.prefix_graphs.replay((i, k, p))
+        graphs = lane.lora_prefix_graphs if lora else lane.prefix_graphs
+        if (i, k, p) in graphs:
+            graphs.replay((i, k, p))
         else:
-            self.prefix_forward(i, k, p)
+            self.prefix_forward(i, k, p, lora)
         if n_tails:
             # Each riding prompt's stand-in page holds its prefix's last positions: into the
             # entry's own last page, every layer in one gather and one scatter.
@@ -282,25 +296,26 @@ class Prefill:
         with sm_carveout(self.carveout):
             return self.entry.image_prefix(crops, tiling)
 
-    def prefix_forward(self, i: int, k: int, p: int = 0) -> None:
+    def prefix_forward(self, i: int, k: int, p: int = 0, lora: bool = True) -> None:
         """BOS + image of prefix slot ``i``'s ``k`` images (``prefix_emb[:k]``) into their
         pages, with ``p`` (padded) riding prompt tokens. A prefix sees only itself, both ways,
-        so without prompts attention needs no mask."""
+        so without prompts attention needs no mask. ``lora``: with the jobs' adapters (when
+        adapters are on)."""
         if p:
-            self._prefix_prompt_forward(i, k, p)
+            self._prefix_prompt_forward(i, k, p, lora)
             return
         length = self.prefix_emb.shape[1]
         kv = self.pool.prefix_view(self.slots[i].pages_dev, k, length, self.image_of_token)
         pos = self.prefix_pos[None].expand(k, length)
-        lora = (
+        deltas = (
             self.adapters.for_prefix(i, self.image_of_token[: k * length])
-            if self.adapters
+            if self.adapters and lora
             else None
         )
         with sm_carveout(self.carveout):
-            self.entry.text_forward(self.prefix_emb[:k], pos, kv, lora)
+            self.entry.text_forward(self.prefix_emb[:k], pos, kv, deltas)
 
-    def _prefix_prompt_forward(self, i: int, k: int, p: int) -> None:
+    def _prefix_prompt_forward(self, i: int, k: int, p: int, lora: bool) -> None:
         """The prefixes and their riding prompts as one token batch [1, k * length + p]; each
         prompt's last hidden state is kept at its sequence's row of ``held``."""
         slot, lay, entry = self.slots[i], self.prompt_layout, self.entry
@@ -317,9 +332,10 @@ class Prefill:
         kv = self.pool.prefix_prompt_view(
             slot.pages_dev, k, length, self.image_of_token, rows, pos, tiles, lay.tile_tokens
         )
-        lora = self.adapters.for_prefix(i, self.image_of_token[:n], rows) if self.adapters else None
+        adapters = self.adapters if lora else None
+        deltas = adapters.for_prefix(i, self.image_of_token[:n], rows) if adapters else None
         with sm_carveout(self.carveout):
-            h = entry.text_forward(x[None], positions[None], kv, lora)[0]
+            h = entry.text_forward(x[None], positions[None], kv, deltas)[0]
         self.buffers.held[held_rows] = h[n + last.clamp(min=0)]
 
     # ---- graphs -----------------------------------------------------------------------
@@ -341,8 +357,8 @@ class Prefill:
                 n = jobs + 1 + self.prompt_layout.size(p)
                 self.slots[i].prompt_dev[:n].copy_(torch.from_numpy(scratch[:n]))
 
-        def run(key: tuple[int, int, int]) -> None:
-            self.prefix_forward(*key)
+        def run(key: tuple[int, int, int], lora: bool = False) -> None:
+            self.prefix_forward(*key, lora)
 
         keys = [
             (i, k, p)
@@ -353,6 +369,9 @@ class Prefill:
         # Pages of the sink only (a fresh pages buffer holds zeros): the warm-up writes there.
         for lane in self.lanes:
             lane.prefix_graphs.capture(keys, prepare, run, lane.stream, progress)
+            if self.adapters is not None:
+                run_lora = partial(run, lora=True)
+                lane.lora_prefix_graphs.capture(keys, prepare, run_lora, lane.stream, progress)
 
     def capture_images(self, progress: bool) -> None:
         """Capture the image path (normalize, vision tower, projection, BOS) once per tiling

@@ -58,6 +58,7 @@ from vlm_server.engine.device.prefill import Prefill
 from vlm_server.engine.device.sampler import Sampler
 from vlm_server.engine.device.spatial_refs import SpatialRefSlots
 from vlm_server.engine.device.streams import Device, TorchDevice
+from vlm_server.models.lora import formats
 from vlm_server.models.lora.bank import LoraBank
 
 if TYPE_CHECKING:
@@ -70,7 +71,9 @@ def adapter_bank(entry: ModelEntryPoints, cfg: EngineConfig) -> LoraBank | None:
     targets = entry.lora_targets
     if not cfg.adapters_enabled or targets is None:
         return None
-    return LoraBank(targets, cfg.max_adapters, cfg.max_adapter_rank, entry.dtype, entry.device)
+    return formats.new_bank(
+        targets, cfg.max_adapters, cfg.max_adapter_rank, entry.dtype, entry.device
+    )
 
 
 def kv_page_bytes(model: DeviceModel, page_size: int) -> int:
@@ -100,6 +103,7 @@ class ModelRuntime:
         self._check_carveout()
         if cfg.vision_fp8:
             entry.use_fp8_vision()
+        self.fused_decode = entry.use_fused_decode(cfg.fused_decode)
         dev = self.dev
         self.pool = KVPool(dev, entry, cfg)
         self.buffers = StepBuffers.allocate(

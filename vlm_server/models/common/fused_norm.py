@@ -59,6 +59,71 @@ if triton is not None:
         tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _add_partials_layernorm_kernel(
+        x_ptr,
+        part_ptr,
+        bias_ptr,
+        w_ptr,
+        nb_ptr,
+        sum_ptr,
+        out_ptr,
+        rows,
+        dim,
+        eps,
+        SPLITS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < dim
+        offs = row.to(tl.int64) * dim + cols
+        # The branch: split sums in split order plus the bias, rounded as a branch output is.
+        br = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        for sp in tl.static_range(SPLITS):
+            br += tl.load(part_ptr + sp * rows * dim + offs, mask=mask, other=0.0)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        s = x + br.to(x_ptr.dtype.element_ty)
+        tl.store(sum_ptr + offs, s, mask=mask)
+        v = s.to(tl.float32)
+        mean = tl.sum(v, axis=0) / dim
+        centred = tl.where(mask, v - mean, 0.0)
+        var = tl.sum(centred * centred, axis=0) / dim
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(nb_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = centred * tl.rsqrt(var + eps) * w + b
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_partials_layernorm(
+    x: torch.Tensor, parts: torch.Tensor, bias: torch.Tensor, norm: LayerNorm
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + (sum(parts) + bias)`` (the branch rounded to x's dtype) and ``norm(s)``:
+    the split sums of a skinny product (models/common/skinny_gemm.py, [splits, rows, dim]
+    fp32) finished inside the norm's kernel. CUDA with Triton only."""
+    dim = x.shape[-1]
+    x = x.contiguous()
+    rows = x.numel() // dim
+    s, out = torch.empty_like(x), torch.empty_like(x)
+    _add_partials_layernorm_kernel[(rows,)](
+        x,
+        parts,
+        bias,
+        norm.weight,
+        norm.bias,
+        s,
+        out,
+        rows,
+        dim,
+        LN_EPS,
+        SPLITS=parts.shape[0],
+        BLOCK=triton.next_power_of_2(dim),
+    )
+    return s, out
+
+
 def add_layernorm(
     x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, norm: LayerNorm
 ) -> tuple[torch.Tensor, torch.Tensor]:

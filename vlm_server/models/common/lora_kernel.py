@@ -1,21 +1,25 @@
 """Grouped LoRA for a batch whose tokens use different adapters (Triton, CUDA).
 
-Each token carries a slot of the stacked adapter weights (-1: none). `shrink` computes ``v = x
-@ A[slot]^T`` and `expand` adds ``v @ B[slot]^T`` into a layer's output, in place. Programs
-are per (slot, block of tokens, block of K or of N): a program works only when its block holds
-a token of its slot, masks the rest (masked loads fetch nothing), and reads each weight tile
-once for all of that slot's tokens in the block, on the tensor cores. Every output element is
-written by exactly one program (its token's slot's) and every sum runs in a fixed order:
-deterministic without atomics, and each token's result independent of the rest of the batch.
+Each token carries a slot of the stacked adapter weights (-1: none); ``v = x @ A[slot]^T``
+(shrink), then ``v @ B[slot]^T`` (expand) added to a layer's output. Two forms:
 
-* `shrink` splits K over programs (fc2's K is 8192: one program walking all of it was the
-  step's bottleneck) and writes fp32 partial products per split; A may stack several targets'
-  ranks (targets sharing an input: one launch for all of them).
-* `expand` sums a token's partials in split order, rounds ``v`` to the weights' dtype (as the
-  reference's ``F.linear`` does), and adds ``v @ B^T`` into up to two outputs in one launch
-  (each its own partials, columns of them, B and output), rounding ``out + delta`` once. With
-  ``gelu`` the second output then goes through GELU, its rows without an adapter too (one
-  extra program per block for them), so that the decoder needs no separate activation pass.
+* per slot (`shrink`, `expand`: the decoder's adapter path). Programs are per (slot, block of
+  tokens, block of K or of N): a program works only when its block holds a token of its slot,
+  masks the rest (masked loads fetch nothing), and reads each weight tile once for all of that
+  slot's tokens in the block, on the tensor cores. Every output element is written by exactly
+  one program (its token's slot's) and every sum runs in a fixed order: deterministic without
+  atomics, each token's result independent of the rest of the batch. `shrink` splits K over
+  programs and writes fp32 partial products per split; A may stack several targets' ranks
+  (targets sharing an input: one launch for all). `expand` sums a token's partials in split
+  order, rounds ``v`` to the weights' dtype (as the reference's ``F.linear`` does) and adds
+  ``v @ B^T`` in place into up to two outputs in one launch (each its own partials, columns
+  of them, B and output); with ``gelu`` the second output then goes through GELU, its rows
+  without an adapter too (one more program per block for them), so the decoder needs no
+  separate activation pass.
+* per token (`grouped_lora`: single targets, image prefixes' riding prompts, and Moondream 3's
+  (token, expert) rows over thousands of stacked pairs, too many for a program per pair): one
+  program per (token, block of K), then per (token, block of N), as partial products summed
+  in a fixed order.
 
 Both read the slots on the device and launch grids that depend only on the shapes, so a CUDA
 graph captures them; the weights are read from the bank's fixed-address buffers at replay.
@@ -46,6 +50,78 @@ if triton is not None:
         z = 0.7978845608028654 * (u + 0.044715 * u * u * u)
         return u / (1.0 + tl.exp(tl.minimum(-2.0 * z, 80.0)))
 
+    # The per-token form (`grouped_lora`).
+    @triton.jit
+    def _shrink_kernel(
+        x_ptr,
+        a_ptr,
+        idx_ptr,
+        v_ptr,
+        K,
+        stride_xt,
+        stride_as,
+        stride_ar,
+        R: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SPLITS: tl.constexpr,
+    ):
+        # One program per (token, block of K): the partial products land apart and the
+        # expand sums them in a fixed order (deterministic, unlike atomics).
+        t = tl.program_id(0)
+        kb = tl.program_id(1)
+        slot = tl.load(idx_ptr + t)
+        valid = slot >= 0
+        safe = tl.maximum(slot, 0).to(tl.int64)
+        rs = tl.arange(0, BLOCK_R)
+        ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        kmask = (ks < K) & valid
+        x = tl.load(x_ptr + t.to(tl.int64) * stride_xt + ks, mask=kmask, other=0.0)
+        a = tl.load(
+            a_ptr + safe * stride_as + rs[:, None] * stride_ar + ks[None, :],
+            mask=(rs[:, None] < R) & kmask[None, :],
+            other=0.0,
+        )
+        part = tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        tl.store(v_ptr + (t.to(tl.int64) * SPLITS + kb) * BLOCK_R + rs, part)
+
+    @triton.jit
+    def _expand_kernel(
+        v_ptr,
+        b_ptr,
+        idx_ptr,
+        y_ptr,
+        N,
+        stride_bs,
+        stride_bn,
+        R: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        ADD: tl.constexpr,
+        SPLITS: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        nb = tl.program_id(1)
+        slot = tl.load(idx_ptr + t)
+        valid = slot >= 0
+        safe = tl.maximum(slot, 0).to(tl.int64)
+        rs = tl.arange(0, BLOCK_R)
+        ns = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = ns < N
+        splits = tl.arange(0, SPLITS)
+        parts = tl.load(v_ptr + (t.to(tl.int64) * SPLITS + splits[:, None]) * BLOCK_R + rs[None, :])
+        v = tl.sum(parts, axis=0)
+        b = tl.load(
+            b_ptr + safe * stride_bs + ns[:, None] * stride_bn + rs[None, :],
+            mask=nmask[:, None] & (rs[None, :] < R) & valid,
+            other=0.0,
+        )
+        y = tl.sum(b.to(tl.float32) * v[None, :], axis=1)
+        at = y_ptr + t.to(tl.int64) * N + ns
+        if ADD:  # into the layer's output: rows without an adapter keep theirs exactly
+            y += tl.load(at, mask=nmask, other=0.0).to(tl.float32)
+        tl.store(at, y.to(y_ptr.dtype.element_ty), mask=nmask)
+
     # Only core builtins and this module's helpers below (no `tl.max`, `tl.zeros`: the
     # standard library's are jitted where Triton was imported, so the CPU tests' interpreted
     # copy of this module could not call them).
@@ -59,7 +135,7 @@ if triton is not None:
         return tl.reduce(mask.to(tl.int32), 0, _larger) > 0
 
     @triton.jit
-    def _shrink_kernel(
+    def _group_shrink_kernel(
         x_ptr,
         a_ptr,
         idx_ptr,
@@ -106,7 +182,7 @@ if triton is not None:
             tl.store(at, acc, mask=mine[:, None])
 
     @triton.jit
-    def _expand_kernel(
+    def _group_expand_kernel(
         v1_ptr,
         b1_ptr,
         y1_ptr,
@@ -242,7 +318,7 @@ def shrink(x: torch.Tensor, a: torch.Tensor, index: torch.Tensor) -> Partials:
     parts = torch.empty(t, splits, block_r, dtype=torch.float32, device=x.device)
     if t:
         grid = (a.shape[0], t_blocks, splits)
-        _shrink_kernel[grid](
+        _group_shrink_kernel[grid](
             x, a, index, parts, t, k, x.stride(0), a.stride(0), a.stride(1),
             R=r, BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=block_k, ITERS=iters,
             SPLITS=splits, PRECISION=_precision(a.dtype), num_stages=STAGES,
@@ -273,7 +349,7 @@ def expand(
     assert second is None or second.b.shape[0] == n_slots
     grid = (n_slots + int(gelu), triton.cdiv(t, block_t), nb1 + nb2)
     p1, p2 = first.partials, two.partials
-    _expand_kernel[grid](
+    _group_expand_kernel[grid](
         p1.parts, first.b, one, p2.parts, two.b, two.out, index,
         t, n_slots, one.shape[1], two.out.shape[1], nb1, first.col, two.col,
         p1.splits, p2.splits, p1.parts.stride(0), p1.parts.stride(1),
@@ -286,6 +362,9 @@ def expand(
     )  # fmt: skip
 
 
+BLOCK_K = 256  # the shrink's K per program: K / BLOCK_K programs per token run in parallel
+
+
 def grouped_lora(
     x: torch.Tensor,
     a: torch.Tensor,
@@ -293,11 +372,33 @@ def grouped_lora(
     index: torch.Tensor,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One target: ``x`` [T, K]; ``a`` [S, R, K] and ``b`` [S, N, R] (one layer's slice of
-    the stacked weights: the last dim contiguous); ``index`` [T] int32 slots (-1: none) ->
-    the delta [T, N], or with ``out`` ([T, N], rows contiguous) ``out`` plus the delta, in
-    place."""
-    t = x.shape[0]
-    y = out if out is not None else torch.zeros(t, b.shape[1], dtype=x.dtype, device=x.device)
-    expand(index, Target(shrink(x, a, index), 0, b, y))
+    """``x`` [T, K]; ``a`` [S, R, K] and ``b`` [S, N, R] (one layer's slice of the stacked
+    weights: the last dim contiguous); ``index`` [T] int32 slots (-1: none) -> the delta
+    [T, N], or with ``out`` (contiguous [T, N]) ``out`` plus the delta, in place."""
+    t, k = x.shape
+    _, r, _ = a.shape
+    n = b.shape[1]
+    assert a.stride(2) == 1 and b.stride(2) == 1, "the stacked weights' last dim is contiguous"
+    x = x.contiguous()
+    block_r = max(16, triton.next_power_of_2(r))
+    splits = triton.next_power_of_2(triton.cdiv(k, BLOCK_K))  # padding splits store zeros
+    # Every split is written (padding ones with zeros): no memset needed.
+    v = torch.empty(t, splits, block_r, dtype=torch.float32, device=x.device)
+    add = out is not None
+    if out is not None:
+        assert out.shape == (t, n) and out.is_contiguous(), "adds into a contiguous [T, N]"
+        y = out
+    else:
+        y = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    if t == 0:
+        return y
+    _shrink_kernel[(t, splits)](
+        x, a, index, v, k, x.stride(0), a.stride(0), a.stride(1),
+        R=r, BLOCK_R=block_r, BLOCK_K=BLOCK_K, SPLITS=splits,
+    )  # fmt: skip
+    block_n = 64
+    _expand_kernel[(t, triton.cdiv(n, block_n))](
+        v, b, index, y, n, b.stride(0), b.stride(1),
+        R=r, BLOCK_R=block_r, BLOCK_N=block_n, ADD=add, SPLITS=splits,
+    )  # fmt: skip
     return y

@@ -88,10 +88,22 @@ class LoraBank:
         row = self.flat[slot]
         # In pieces on CUDA: a step's own uploads, on another stream, can go between them
         # instead of queueing behind tens of megabytes on the copy engine.
-        step = WRITE_CHUNK_BYTES // row.element_size() if row.is_cuda else row.numel()
+        step = WRITE_CHUNK_BYTES // row.element_size() if row.is_cuda else max(1, row.numel())
         for at in range(0, row.numel(), step):
             row[at : at + step].copy_(staged[at : at + step], non_blocking=True)
         self.ranks[slot] = rank
+
+    def expert_delta(
+        self,
+        index: torch.Tensor,
+        layer: int,
+        target: str,
+        x: torch.Tensor,
+        experts: torch.Tensor,
+        tokens: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Expert layers' deltas: none here (models/lora/experts.py holds them)."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -192,6 +204,17 @@ class LoraBatch(DeltaByTarget):
         if gelu_last and not gelu:
             ys[-1] = gelu_tanh(ys[-1])
         return ys
+
+    def expert_delta(
+        self,
+        layer: int,
+        target: str,
+        x: torch.Tensor,
+        experts: torch.Tensor,
+        tokens: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Rows of (token, expert) pairs of an expert layer (models/lora/spec.py)."""
+        return self.bank.expert_delta(self.index, layer, target, x, experts, tokens)
 
 
 def _grouped_kernel() -> ModuleType | None:

@@ -6,10 +6,13 @@ and `TextDecoder.logits` applies the final norm and the untied ``lm_head`` on to
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlm_server.models.common import fused_products
 from vlm_server.models.common.fused_norm import add_layernorm
 from vlm_server.models.common.layers import MLP, LayerNorm
 from vlm_server.models.common.rotary import apply_rotary, rotary_tables
@@ -110,6 +113,20 @@ class TextDecoder(nn.Module):
         self.post_ln = LayerNorm(cfg.dim)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size)
         self.reset_rotary(None)
+        self._stacked: list[fused_products.BlockProducts] | None = None
+
+    def use_fused_products(self, enabled: bool = True) -> bool:
+        """Serve few-row forwards (decode steps) with two fused products per block instead of
+        four (models/common/fused_products.py); returns whether they are on (CUDA only)."""
+        if not enabled or not fused_products.skinny_gemm.AVAILABLE or not self.wte.is_cuda:
+            self._stacked = None
+            return False
+        if self._stacked is None:
+            self._stacked = [
+                fused_products.stack_block(b.attn.qkv, b.mlp.fc1, b.attn.proj, b.mlp.fc2)
+                for b in self.blocks
+            ]
+        return True
 
     def reset_rotary(self, device: torch.device | str | None) -> None:
         """(Re)build the fp32 rotary tables, e.g. after loading onto a device from meta."""
@@ -147,8 +164,16 @@ class TextDecoder(nn.Module):
     ) -> torch.Tensor:
         """Input embeddings x [B, T, D] at positions [B, T] -> hidden [B, T, D] before post_ln;
         ``lora``: adapter deltas (models/lora/spec.py) for these tokens."""
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         blocks = self.blocks
+        packed = getattr(cache, "attend_packed", None)
+        if (
+            self._stacked is not None
+            and lora is None
+            and packed is not None
+            and fused_products.usable(x)
+        ):
+            return self._fused_forward(x, positions, packed)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         h = blocks[0].ln(x)
         # Each block's forward, with its residual adds fused into the next block's norm.
         for i, block in enumerate(blocks):
@@ -160,6 +185,25 @@ class TextDecoder(nn.Module):
                 x, h = add_layernorm(x, a, m, blocks[i + 1].ln)
             else:
                 x = x + a + m
+        return x
+
+    def _fused_forward(
+        self, x: torch.Tensor, positions: torch.Tensor, attend: Callable[..., torch.Tensor]
+    ) -> torch.Tensor:
+        """`forward` for few rows: per block one product for QKV and the hidden layer, the
+        fused attention, one product for the branch, the residual add fused into the norm."""
+        blocks, stacked = self.blocks, self._stacked
+        assert stacked is not None
+        h = blocks[0].ln(x)
+        for i, prod in enumerate(stacked):
+            qkv, hidden = prod.qkv_and_hidden(h)
+            out = attend(i, qkv, positions)
+            b, _, t, _ = out.shape
+            attn = out.transpose(1, 2).reshape(b, t, -1)
+            if i + 1 < len(blocks):
+                x, h = prod.add_branch_and_norm(x, attn, hidden, blocks[i + 1].ln)
+            else:
+                x = x + prod.branch(attn, hidden)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

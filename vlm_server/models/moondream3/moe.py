@@ -14,6 +14,11 @@ needed (it reads expert loads on the host: the CPU's way); ``dense`` runs every 
 token and keeps the chosen results (fixed shapes, no host read: the CUDA fallback without
 Triton). Expert weights may be held in FP8 with per-row scales (`ExpertBank.set_fp8`): the
 fused kernels read them as they are, the other paths dequantize first.
+
+With a finetune adapter (an `ExpertDelta`, models/lora/spec.py) each (token, chosen expert)
+pair gets its expert's low-rank deltas: fc1's added before the activation, fc2's to the
+expert's output, before the routing weight. Each path has its form: the fused kernels add them
+in their epilogues, ``loop`` and ``dense`` in PyTorch (``dense`` with fixed shapes still).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from torch import nn
 
 from vlm_server.models.moondream3 import fp8_experts, moe_triton
 from vlm_server.models.moondream3.config import MoeConfig
+from vlm_server.models.moondream3.moe_triton import ExpertDelta
 
 ExpertMethod = Literal["fused", "loop", "dense"]
 
@@ -103,6 +109,57 @@ def experts_dense(
     return y.gather(1, ids[..., None].expand(-1, -1, y.shape[-1]))
 
 
+def _plus(x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+    return x if delta is None else x + delta
+
+
+def experts_loop_lora(
+    x: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, delta: ExpertDelta
+) -> torch.Tensor:
+    """`experts_loop` with an adapter's deltas, over the rows sorted by expert (the same
+    products, so rows without an adapter equal `experts_loop`'s)."""
+    n, k = ids.shape
+    flat = ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    # CPU only, as experts_loop: reading the loads here syncs nothing.
+    counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
+    spans, start = [], 0
+    for e, count in enumerate(counts):
+        if count:
+            spans.append((e, slice(start, start + count)))
+            start += count
+    if not spans:
+        return x.new_zeros(n, k, w2.shape[1])
+    tokens = order // k
+    rows, experts = x[tokens], flat[order]
+    z = torch.cat([F.linear(rows[part], w1[e]) for e, part in spans])
+    h = expert_activation(_plus(z, delta("fc1", rows, experts, tokens)))
+    y = torch.cat([F.linear(h[part], w2[e]) for e, part in spans])
+    y = _plus(y, delta("fc2", h, experts, tokens))
+    out = torch.empty_like(y)
+    out[order] = y
+    return out.view(n, k, -1)
+
+
+def experts_dense_lora(
+    x: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, delta: ExpertDelta
+) -> torch.Tensor:
+    """`experts_dense` with an adapter's deltas (fixed shapes, no host read): fc1's added to
+    each token's chosen experts before the activation, fc2's to their outputs."""
+    n, k = ids.shape
+    flat = ids.reshape(-1)
+    tokens = torch.arange(n * k, device=x.device) // k
+    z = torch.einsum("nd,eod->neo", x, w1)
+    up = delta("fc1", x[tokens], flat, tokens)
+    if up is not None:  # a token's k experts are distinct: each chosen row gets its delta once
+        z = z.scatter_add(1, ids[..., None].expand(-1, -1, z.shape[-1]), up.view(n, k, -1))
+    h = expert_activation(z)
+    y = torch.einsum("nei,edi->ned", h, w2).gather(1, ids[..., None].expand(-1, -1, w2.shape[1]))
+    chosen = h.gather(1, ids[..., None].expand(-1, -1, h.shape[-1])).reshape(n * k, -1)
+    down = delta("fc2", chosen, flat, tokens)
+    return y if down is None else y + down.view(n, k, -1)
+
+
 def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Expert outputs [N, k, D] and routing weights [N, k] -> [N, D], summed in slot order."""
     out = y[:, 0] * weights[:, :1]
@@ -123,7 +180,8 @@ class MoeMLP(nn.Module):
         # None: fused on CUDA with Triton, dense on CUDA without, loop elsewhere.
         self.method: ExpertMethod | None = None
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, delta: ExpertDelta | None = None) -> torch.Tensor:
+        """``delta``: an adapter's deltas for this layer's (token, expert) rows, if any."""
         x = h.reshape(-1, h.shape[-1])
         weights, ids = route(self.router(x), self.top_k)
         method = self.method or (
@@ -131,8 +189,11 @@ class MoeMLP(nn.Module):
         )
         if method == "fused":
             w1, w2 = self.fc1, self.fc2
-            y = moe_triton.experts_fused(x, ids, w1.weight, w2.weight, w1.scale, w2.scale)
-        else:
+            y = moe_triton.experts_fused(x, ids, w1.weight, w2.weight, w1.scale, w2.scale, delta)
+        elif delta is None:
             run = experts_dense if method == "dense" else experts_loop
             y = run(x, ids, self.fc1.values(x.dtype), self.fc2.values(x.dtype))
+        else:
+            run_lora = experts_dense_lora if method == "dense" else experts_loop_lora
+            y = run_lora(x, ids, self.fc1.values(x.dtype), self.fc2.values(x.dtype), delta)
         return combine(y, weights).view(h.shape)

@@ -13,9 +13,17 @@ grouped matmul for fc1 with the expert activation in its epilogue, one for fc2.
 Expert weights may be FP8 (float8_e4m3fn) with fp32 scales per expert and output row: the
 kernels load FP8 tiles, widen them to the activations' dtype for the matmul, and scale the
 fp32 accumulator per output column (weights stored in 8 bits, matmuls in 16).
+
+With a finetune adapter (``delta``) each pair's low-rank deltas are computed first, in pair
+order (fc1's from the token's input; fc2's from the pair's row of the up kernel's output,
+gathered back into pair order), and each kernel adds its delta to the fp32 accumulator after
+the scales: fc1's before the activation, fc2's before the routing weight. Without an adapter
+the kernels compile without that load (``HAS_DELTA`` is a compile-time switch).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -28,6 +36,11 @@ except ImportError:  # the CPU path needs no Triton
 
 BLOCK_N = 64
 BLOCK_K = 64
+
+# An adapter's deltas for rows of (token, expert) pairs (models/lora/spec.py `expert_delta`):
+# (target "fc1" or "fc2", the rows' inputs [R, in], their experts [R], their tokens [R], -1:
+# padding) -> [R, out], or None where the adapter leaves the target out.
+ExpertDelta = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]
 
 
 def available(x: torch.Tensor) -> bool:
@@ -79,11 +92,13 @@ if triton is not None:
         pair_ptr,
         block_expert_ptr,
         used_ptr,
+        d_ptr,
         n_pairs,
         top_k,
         dim,
         width,
         HAS_SCALE: tl.constexpr,
+        HAS_DELTA: tl.constexpr,
         IEEE: tl.constexpr,
         BM: tl.constexpr,
         BN: tl.constexpr,
@@ -128,6 +143,11 @@ if triton is not None:
             s_base = s_ptr + e * (2 * width)
             acc_a *= tl.load(s_base + cols, mask=col_ok, other=0.0)[None, :]
             acc_b *= tl.load(s_base + width + cols, mask=col_ok, other=0.0)[None, :]
+        if HAS_DELTA:  # the adapter's fc1 delta of each row's pair [pairs, 2 x width]
+            d_rows = d_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * (2 * width)
+            d_mask = valid[:, None] & col_ok[None, :]
+            acc_a += tl.load(d_rows + cols[None, :], mask=d_mask, other=0.0).to(tl.float32)
+            acc_b += tl.load(d_rows + width + cols[None, :], mask=d_mask, other=0.0).to(tl.float32)
         gelu = 0.5 * acc_a * (1.0 + tl.math.erf(acc_a * 0.7071067811865476))
         h = gelu * (acc_b + 1.0)
         tl.store(
@@ -145,10 +165,12 @@ if triton is not None:
         pair_ptr,
         block_expert_ptr,
         used_ptr,
+        d_ptr,
         n_pairs,
         dim,
         width,
         HAS_SCALE: tl.constexpr,
+        HAS_DELTA: tl.constexpr,
         IEEE: tl.constexpr,
         BM: tl.constexpr,
         BN: tl.constexpr,
@@ -186,6 +208,10 @@ if triton is not None:
                 acc += tl.dot(h, w)
         if HAS_SCALE:
             acc *= tl.load(s_ptr + e * dim + cols, mask=col_ok, other=0.0)[None, :]
+        if HAS_DELTA:  # the adapter's fc2 delta of each row's pair [pairs, dim]
+            d_rows = d_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * dim
+            d_mask = valid[:, None] & col_ok[None, :]
+            acc += tl.load(d_rows + cols[None, :], mask=d_mask, other=0.0).to(tl.float32)
         out = y_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * dim + cols[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
 
@@ -197,9 +223,11 @@ def experts_fused(
     w2: torch.Tensor,
     s1: torch.Tensor | None = None,
     s2: torch.Tensor | None = None,
+    delta: ExpertDelta | None = None,
 ) -> torch.Tensor:
     """x [N, D], ids [N, k], w1 [E, 2I, D], w2 [E, D, I] (FP8 with row scales s1 [E, 2I],
-    s2 [E, D], or the activations' dtype) -> each chosen expert's output [N, k, D]."""
+    s2 [E, D], or the activations' dtype) -> each chosen expert's output [N, k, D];
+    ``delta``: an adapter's deltas of the (token, expert) pairs, added in the kernels."""
     if triton is None:
         raise RuntimeError("the fused expert kernels need Triton")
     n, k = ids.shape
@@ -215,15 +243,37 @@ def experts_fused(
     y = torch.empty((n * k, dim), dtype=x.dtype, device=x.device)
     has_scale = s1 is not None
     ieee = x.dtype == torch.float32
-    dummy = used  # any pointer: the scales are not read without HAS_SCALE
+    dummy = used  # any pointer: the scales (deltas) are not read without HAS_SCALE (HAS_DELTA)
+    flat = ids.reshape(-1)
+    tokens = torch.arange(n * k, device=x.device) // k  # pair p is token p // k's
+    up = None if delta is None else _pair_delta(delta("fc1", x[tokens], flat, tokens), x)
     _up_kernel[(n_blocks, triton.cdiv(width, BLOCK_N))](
         x, w1, s1 if has_scale else dummy, hidden, pair_ids, block_expert, used,
-        n * k, k, dim, width,
-        HAS_SCALE=has_scale, IEEE=ieee, BM=block_m, BN=BLOCK_N, BK=BLOCK_K,
+        dummy if up is None else up, n * k, k, dim, width,
+        HAS_SCALE=has_scale, HAS_DELTA=up is not None, IEEE=ieee,
+        BM=block_m, BN=BLOCK_N, BK=BLOCK_K,
     )  # fmt: skip
+    down = None
+    if delta is not None:
+        h = hidden[_row_of_pair(pair_ids, n * k)]  # each pair's activation, in pair order
+        down = _pair_delta(delta("fc2", h, flat, tokens), x)
     _down_kernel[(n_blocks, triton.cdiv(dim, BLOCK_N))](
         hidden, w2, s2 if has_scale else dummy, y, pair_ids, block_expert, used,
-        n * k, dim, width,
-        HAS_SCALE=has_scale, IEEE=ieee, BM=block_m, BN=BLOCK_N, BK=BLOCK_K,
+        dummy if down is None else down, n * k, dim, width,
+        HAS_SCALE=has_scale, HAS_DELTA=down is not None, IEEE=ieee,
+        BM=block_m, BN=BLOCK_N, BK=BLOCK_K,
     )  # fmt: skip
     return y.view(n, k, dim)
+
+
+def _pair_delta(d: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    """A delta as the kernels read it: contiguous, in the activations' dtype."""
+    return None if d is None else d.to(x.dtype).contiguous()
+
+
+def _row_of_pair(pair_ids: torch.Tensor, n_pairs: int) -> torch.Tensor:
+    """The inverse of `align`'s pair index: each pair's sorted row [n_pairs] (a scatter, no
+    host read; the padding rows all land in one spare entry, dropped)."""
+    inv = torch.empty(n_pairs + 1, dtype=torch.int64, device=pair_ids.device)
+    rows = torch.arange(pair_ids.shape[0], device=pair_ids.device)
+    return inv.scatter_(0, pair_ids.long(), rows)[:n_pairs]

@@ -5,18 +5,24 @@ Like Moondream 2's decoder it returns the raw residual stream (before ``post_ln`
 Moondream 2's (multi-head, half-split partial rotary, scale 1/sqrt(head_dim), the prefix seen
 both ways) on a tau-scaled projection, so the engine's fused rotary + attention kernels take it
 as they take Moondream 2's: only the rotary tables (theta 1.5e6) differ, and those are ours.
+
+Finetune adapters (models/lora/) cover the MLPs only: the dense layers' fc1 and fc2, and every
+expert's in the expert layers (`lora_targets`); the cloud finetunes' checkpoint format.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from vlm_server.models.common.fused_norm import add_layernorm
-from vlm_server.models.common.layers import MLP, LayerNorm
+from vlm_server.models.common.layers import MLP, LayerNorm, gelu_tanh
 from vlm_server.models.common.rotary import apply_rotary, rotary_tables
 from vlm_server.models.kv import KVCache
+from vlm_server.models.lora.spec import ExpertTargets, LoraDelta, LoraTargets
 from vlm_server.models.moondream3.config import Choices, TextConfig
 from vlm_server.models.moondream3.moe import MoeMLP
 from vlm_server.models.moondream3.tau import Tau
@@ -94,14 +100,38 @@ class TextDecoder(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.wte)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Input embeddings x [B, T, D] at positions [B, T] -> hidden [B, T, D] before post_ln."""
+    @property
+    def lora_targets(self) -> LoraTargets:
+        """What an adapter adds to (models/lora/spec.py): the dense layers' MLP, and each
+        expert's of the expert layers (adapter layer j is decoder layer start_layer + j)."""
+        cfg, moe = self.cfg, self.cfg.moe
+        start = moe.start_layer
+        experts = ExpertTargets(
+            first_layer=start,
+            n_layers=cfg.n_layers - start,
+            n_experts=moe.n_experts,
+            top_k=moe.top_k,
+            targets={"fc1": (cfg.dim, 2 * moe.expert_dim), "fc2": (moe.expert_dim, cfg.dim)},
+        )
+        dense = {"fc1": (cfg.dim, cfg.ff_dim), "fc2": (cfg.ff_dim, cfg.dim)}
+        return LoraTargets(start, dense, experts, format="finetune")
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        lora: LoraDelta | None = None,
+    ) -> torch.Tensor:
+        """Input embeddings x [B, T, D] at positions [B, T] -> hidden [B, T, D] before post_ln;
+        ``lora``: adapter deltas (models/lora/spec.py) for these tokens."""
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         blocks = self.blocks
         h = blocks[0].ln(x)
         # Each block's forward, with its residual adds fused into the next block's norm.
         for i, block in enumerate(blocks):
-            a, m = block.attn(h, cos, sin, positions, cache, i), block.mlp(h)
+            a = block.attn(h, cos, sin, positions, cache, i)
+            m = block.mlp(h) if lora is None else self._lora_mlp(block.mlp, h, lora, i)
             if i + 1 < len(blocks):
                 x, h = add_layernorm(x, a, m, blocks[i + 1].ln)
             else:
@@ -111,3 +141,14 @@ class TextDecoder(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and untied head; computed in fp32 for stable sampling."""
         return self.lm_head(self.post_ln(hidden)).float()
+
+    def _lora_mlp(self, mlp: nn.Module, x: torch.Tensor, lora: LoraDelta, i: int) -> torch.Tensor:
+        """Block ``i``'s MLP with the adapter's deltas: an expert layer's per (token, expert)
+        pair; a dense layer's fc1 delta before the GELU (so not the fused fc1 + GELU GEMM),
+        fc2's of the GELU's output."""
+        start = self.cfg.moe.start_layer
+        if isinstance(mlp, MoeMLP):
+            return mlp(x, partial(lora.expert_delta, i - start))
+        assert isinstance(mlp, MLP)
+        h = gelu_tanh(lora.add(i, "fc1", x, mlp.fc1(x)))
+        return lora.add(i, "fc2", h, mlp.fc2(h))

@@ -266,6 +266,9 @@ class DecodeKV:
         self.tile_tokens = tile_tokens
         # The decoder takes the fused path when this attribute is not None.
         self.attend_packed = self._attend_packed if use_triton else None
+        # Each row's attended length, computed by the first layer for all: one small kernel
+        # per forward instead of one per layer.
+        self._lengths: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _attend_packed(
         self, layer: int, qkv: torch.Tensor, positions: torch.Tensor
@@ -300,9 +303,9 @@ class DecodeKV:
                 self.tile_tokens,
             )
         else:
-            out = paged_decode_attention(
-                q, kp, vp, self.block_table, self.rows, positions[:, 0] + 1
-            )
+            if self._lengths is None or self._lengths[0] is not positions:
+                self._lengths = (positions, positions[:, 0] + 1)
+            out = paged_decode_attention(q, kp, vp, self.block_table, self.rows, self._lengths[1])
         return out[:, :, None]
 
     def attend(

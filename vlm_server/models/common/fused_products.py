@@ -1,0 +1,73 @@
+"""A parallel block's four matrix products as two, over weights laid side by side.
+
+In a parallel block (``x + attn(LN(x)) + mlp(LN(x))``) the QKV projection and fc1 read the
+same normed input, and the output projection and fc2 both add to the residual stream. With
+``[W_qkv; W_fc1]`` stacked by rows and ``[W_proj | W_fc2]`` by columns, one skinny product
+gives QKV and the GELU'd hidden layer, and one gives the whole branch (models/common/
+skinny_gemm.py). The modules keep their weights as views into the stacked tensors, so the
+model's memory does not grow and every other path (prompt chunks, the reference, adapters)
+reads the same numbers through cuBLAS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vlm_server.models.common import skinny_gemm
+from vlm_server.models.common.fused_norm import add_layernorm, add_partials_layernorm
+from vlm_server.models.common.layers import LayerNorm
+
+
+@dataclass(frozen=True)
+class BlockProducts:
+    """One block's stacked weights: ``w_in`` [qkv + ff, D], ``w_out`` [D, D + ff]."""
+
+    w_in: torch.Tensor
+    b_in: torch.Tensor
+    n_qkv: int
+    w_out: torch.Tensor
+    b_out: torch.Tensor
+
+    def qkv_and_hidden(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normed input [..., D] -> (qkv [..., qkv], gelu(fc1) [..., ff]), views of one
+        product."""
+        both = skinny_gemm.skinny_linear(h, self.w_in, self.b_in, gelu_from=self.n_qkv)
+        return both[..., : self.n_qkv], both[..., self.n_qkv :]
+
+    def branch(self, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """proj(attn) + fc2(hidden), biases included: the block's whole residual update."""
+        return skinny_gemm.skinny_linear(attn, self.w_out, self.b_out, x2=hidden)
+
+    def add_branch_and_norm(
+        self, x: torch.Tensor, attn: torch.Tensor, hidden: torch.Tensor, norm: LayerNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + branch, norm(x + branch)): where the product splits K, its split sums are
+        finished inside the norm's kernel (one launch less per block)."""
+        parts = skinny_gemm.skinny_linear(attn, self.w_out, self.b_out, x2=hidden, partials=True)
+        if parts.dim() == 3:
+            return add_partials_layernorm(x, parts, self.b_out, norm)
+        return add_layernorm(x, parts.view_as(x), None, norm)
+
+
+def stack_block(qkv: nn.Linear, fc1: nn.Linear, proj: nn.Linear, fc2: nn.Linear) -> BlockProducts:
+    """Stack one block's weights and re-point the four modules at views of the stacks."""
+    n_qkv = qkv.weight.shape[0]
+    dim = proj.weight.shape[1]
+    with torch.no_grad():
+        w_in = torch.cat([qkv.weight, fc1.weight], dim=0)
+        b_in = torch.cat([qkv.bias, fc1.bias], dim=0)
+        w_out = torch.cat([proj.weight, fc2.weight], dim=1)
+        # The two biases as one, summed in fp32 and rounded once.
+        b_out = (proj.bias.float() + fc2.bias.float()).to(proj.bias.dtype)
+        qkv.weight.data, fc1.weight.data = w_in[:n_qkv], w_in[n_qkv:]
+        qkv.bias.data, fc1.bias.data = b_in[:n_qkv], b_in[n_qkv:]
+        proj.weight.data, fc2.weight.data = w_out[:, :dim], w_out[:, dim:]
+    return BlockProducts(w_in, b_in, n_qkv, w_out, b_out)
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether the stacked products serve activations like ``x`` (few rows, on CUDA)."""
+    return skinny_gemm.supported(x)

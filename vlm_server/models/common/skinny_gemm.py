@@ -1,0 +1,276 @@
+"""Matrix products for few rows (decode steps), with their epilogues fused (Triton, CUDA).
+
+A decode step multiplies a handful of rows by each weight matrix: the product is bound by
+reading the weights once, and at one row cuBLAS's kernels and the launches between them leave
+a third of the memory bandwidth unused. One program here owns a block of output columns for
+every row, streams its slice of the weight through once, and finishes in its epilogue what
+separate kernels did before: the bias, the tanh GELU on the columns from ``gelu_from`` on (so
+the attention's QKV and the MLP's fc1 are one product over the same normed input), and the
+residual add (so the attention's output projection and fc2 are one product over the two
+inputs laid side by side, added to the residual stream).
+
+Rows and columns are independent programs, sums run in a fixed order: the result is
+deterministic. fp32 inputs multiply in IEEE fp32 (no TF32), so fp32 parity checks hold.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU path needs no Triton
+    triton = None
+    tl = None
+
+AVAILABLE = triton is not None
+# Above this cuBLAS's tiled kernels are as fast (bench/gemv_probe.py); callers fall back to
+# them. (fp32 blocks of 64 rows also gave wrong sums on an H100 under Triton 3.6.)
+MAX_ROWS = 32
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """Launch shape: columns per program, the K step, warps, pipeline stages, and the number
+    of programs sharing one block of columns (each sums a slice of K; a second kernel adds
+    the slices in a fixed order and applies the epilogue)."""
+
+    block_n: int
+    block_k: int
+    warps: int = 4
+    stages: int = 4
+    split_k: int = 1
+
+
+def default_config(rows: int, n: int, k: int, itemsize: int = 2) -> SkinnyConfig:
+    """The launch shape chosen by measurement (bench/gemv_probe.py, an H200, moondream2's
+    products at 1 and 32 rows) for these sizes; fp32 tiles are halved along K."""
+    shrink = 2 if itemsize > 2 else 1
+    if n <= 4096:  # few columns: split K so every SM streams its share of the weight
+        return SkinnyConfig(block_n=64, block_k=256 // shrink, warps=4, stages=4, split_k=4)
+    return SkinnyConfig(block_n=128, block_k=128 // shrink, warps=4, stages=4)
+
+
+@functools.cache
+def _shared_memory(device: int) -> int:
+    """Shared memory one block may use on ``device`` (bytes)."""
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
+
+
+def _stages(cfg: SkinnyConfig, block_m: int, itemsize: int, device: torch.device) -> int:
+    """The config's pipeline depth, less where a stage's tiles would not fit the chip's shared
+    memory (consumer and Ada chips have under half of Hopper's)."""
+    if device.type != "cuda":
+        return cfg.stages
+    per_stage = (cfg.block_n + block_m) * cfg.block_k * itemsize
+    return max(1, min(cfg.stages, _shared_memory(device.index or 0) // per_stage - 1))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gelu_tanh(v):
+        # 0.5 v (1 + tanh(sqrt(2/pi) (v + 0.044715 v^3))), tanh via exp for fp32 precision.
+        u = 0.7978845608028654 * (v + 0.044715 * v * v * v)
+        t = 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
+        return 0.5 * v * (1.0 + t)
+
+    @triton.jit
+    def _epilogue(acc, ns, nmask, out_mask, ms, bias, res, out, stride_r, stride_y,
+                  gelu_from, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                  HAS_GELU: tl.constexpr):  # fmt: skip
+        # Pointers named without "_ptr": a helper inlined into the kernels, not launched.
+        if HAS_BIAS:
+            acc += tl.load(bias + ns, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        if HAS_GELU:
+            acc = tl.where((ns >= gelu_from)[None, :], _gelu_tanh(acc), acc)
+        if HAS_RES:
+            # Rounded to the activation dtype first: the unfused code adds a rounded branch.
+            acc = acc.to(out.dtype.element_ty).to(tl.float32)
+            r = tl.load(
+                res + ms.to(tl.int64)[:, None] * stride_r + ns[None, :], mask=out_mask, other=0.0
+            )
+            acc += r.to(tl.float32)
+        tl.store(
+            out + ms.to(tl.int64)[:, None] * stride_y + ns[None, :],
+            acc.to(out.dtype.element_ty),
+            mask=out_mask,
+        )
+
+    @triton.jit
+    def _skinny_kernel(
+        x1_ptr,
+        x2_ptr,
+        w_ptr,
+        b_ptr,
+        r_ptr,
+        y_ptr,
+        part_ptr,
+        M,
+        N,
+        K1,
+        K2,
+        k_per_split,
+        stride_x1,
+        stride_x2,
+        stride_w,
+        stride_r,
+        stride_y,
+        gelu_from,
+        HAS_BIAS: tl.constexpr,
+        HAS_RES: tl.constexpr,
+        HAS_GELU: tl.constexpr,
+        IEEE: tl.constexpr,
+        SPLIT: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        ns = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = ns < N
+        ms = tl.arange(0, BLOCK_M)
+        mmask = ms < M
+        w_rows = w_ptr + ns.to(tl.int64)[:, None] * stride_w
+        x1_rows = x1_ptr + ms.to(tl.int64)[:, None] * stride_x1
+        x2_rows = x2_ptr + ms.to(tl.int64)[:, None] * stride_x2 - K1
+        k_total = K1 + K2
+        k_start = split * k_per_split
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            kmask = ks < k_total
+            # The input row is [x1 | x2]: each K block takes its columns from either side.
+            x = tl.load(x1_rows + ks[None, :], mask=mmask[:, None] & (ks < K1)[None, :], other=0.0)
+            x += tl.load(
+                x2_rows + ks[None, :],
+                mask=mmask[:, None] & ((ks >= K1) & kmask)[None, :],
+                other=0.0,
+            )
+            w = tl.load(w_rows + ks[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            if IEEE:
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w))
+        out_mask = mmask[:, None] & nmask[None, :]
+        if SPLIT:
+            offs = (split * M + ms.to(tl.int64))[:, None] * N + ns[None, :]
+            tl.store(part_ptr + offs, acc, mask=out_mask)
+        else:
+            _epilogue(acc, ns, nmask, out_mask, ms, b_ptr, r_ptr, y_ptr, stride_r, stride_y,
+                      gelu_from, HAS_BIAS, HAS_RES, HAS_GELU)  # fmt: skip
+
+    @triton.jit
+    def _split_sum_kernel(
+        part_ptr,
+        b_ptr,
+        r_ptr,
+        y_ptr,
+        M,
+        N,
+        stride_r,
+        stride_y,
+        gelu_from,
+        SPLITS: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        HAS_RES: tl.constexpr,
+        HAS_GELU: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        # The slices of K summed in split order: deterministic, unlike atomics.
+        ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        nmask = ns < N
+        out_mask = (ms < M)[:, None] & nmask[None, :]
+        offs = ms.to(tl.int64)[:, None] * N + ns[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in tl.static_range(SPLITS):
+            acc += tl.load(part_ptr + s * M * N + offs, mask=out_mask, other=0.0)
+        _epilogue(acc, ns, nmask, out_mask, ms, b_ptr, r_ptr, y_ptr, stride_r, stride_y,
+                  gelu_from, HAS_BIAS, HAS_RES, HAS_GELU)  # fmt: skip
+
+
+def supported(x: torch.Tensor) -> bool:
+    """Whether `skinny_linear` runs for activations like ``x`` (else use the plain ops)."""
+    rows = x.numel() // x.shape[-1] if x.numel() else 0
+    return (
+        AVAILABLE
+        and x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and 0 < rows <= MAX_ROWS
+    )
+
+
+def skinny_linear(
+    x1: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    x2: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    gelu_from: int | None = None,
+    config: SkinnyConfig | None = None,
+    partials: bool = False,
+) -> torch.Tensor:
+    """``[x1 | x2] @ weight^T + bias``, GELU on columns >= ``gelu_from``, plus ``residual``.
+
+    x1 [..., K1] (x2 [..., K2]: the weight's remaining input columns); weight [N, K1 + K2]
+    with unit column stride; returns [..., N] in x1's dtype. ``partials``: where the launch
+    shape splits K, return the split sums [splits, rows, N] (fp32, the bias not added) for a
+    consumer that finishes them itself; elsewhere the finished product, as without it.
+    """
+    lead = x1.shape[:-1]
+    k1 = x1.shape[-1]
+    a = x1.reshape(-1, k1)
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    m = a.shape[0]
+    k2 = 0
+    b2 = a
+    if x2 is not None:
+        k2 = x2.shape[-1]
+        b2 = x2.reshape(-1, k2)
+        if b2.stride(-1) != 1:
+            b2 = b2.contiguous()
+    n = weight.shape[0]
+    if weight.shape[1] != k1 + k2 or weight.stride(1) != 1:
+        raise ValueError(f"weight {tuple(weight.shape)} does not take inputs of {k1} + {k2}")
+    y = torch.empty(m, n, device=a.device, dtype=a.dtype)
+    res = residual.reshape(-1, n) if residual is not None else y
+    cfg = config or default_config(m, n, k1 + k2, a.element_size())
+    block_m = max(16, triton.next_power_of_2(m))
+    split = max(1, cfg.split_k)
+    # Each split's slice of K is a whole number of K blocks.
+    k_per_split = triton.cdiv(triton.cdiv(k1 + k2, split), cfg.block_k) * cfg.block_k
+    part = torch.empty(split, m, n, device=a.device, dtype=torch.float32) if split > 1 else y
+    flags = {
+        "HAS_BIAS": bias is not None,
+        "HAS_RES": residual is not None,
+        "HAS_GELU": gelu_from is not None,
+    }
+    gelu = gelu_from if gelu_from is not None else n
+    b = bias if bias is not None else weight
+    _skinny_kernel[(triton.cdiv(n, cfg.block_n), split)](
+        a, b2, weight, b, res, y, part, m, n, k1, k2, k_per_split,
+        a.stride(0), b2.stride(0), weight.stride(0), res.stride(0), y.stride(0), gelu,
+        IEEE=a.dtype == torch.float32, SPLIT=split > 1, BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.warps,
+        num_stages=_stages(cfg, block_m, a.element_size(), a.device), **flags,
+    )  # fmt: skip
+    if split > 1 and partials:
+        if residual is not None or gelu_from is not None:
+            raise ValueError("split sums carry no epilogue but the bias, added by their consumer")
+        return part
+    if split > 1:
+        _split_sum_kernel[(triton.cdiv(n, 128), triton.cdiv(m, 16))](
+            part, b, res, y, m, n, res.stride(0), y.stride(0), gelu,
+            SPLITS=split, BLOCK_M=16, BLOCK_N=128, **flags,
+        )  # fmt: skip
+    return y.view(*lead, n)
