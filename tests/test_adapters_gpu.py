@@ -211,6 +211,50 @@ def test_the_fused_block_path_replays_in_a_graph() -> None:
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_the_fused_decode_forward_with_adapters_matches_the_four_products(
+    tiny: LoadedModel, rows: int
+) -> None:
+    """Decode rows with two adapters and none through the stacked products (deltas added into
+    the QKV + fc1 product and into the branch's split sums) against the four-product forward
+    with the same adapters (fp32: the two agree to rounding)."""
+    from vlm_server.engine.device.kernels.paged_attention import DecodeKV
+    from vlm_server.models.lora.bank import LoraBank, LoraBatch
+    from vlm_server.models.lora.writer import random_state
+
+    model = copy.deepcopy(tiny.model).cuda()
+    text = model.text
+    cfg, targets = text.cfg, text.lora_targets
+    bank = LoraBank(targets, 2, 8, torch.float32, "cuda")
+    for slot in range(2):
+        state = {files.rename(k): v for k, v in random_state(targets, 8, slot, 0.3).items()}
+        w = files.validate(state, targets, 8, "x")
+        bank.write(slot, bank.staging(w), w.rank)
+        torch.cuda.synchronize()  # the staging buffer is refilled next
+    page = 16
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    shape = (rows * 4 + 1, page, cfg.n_kv_heads, cfg.head_dim)
+    k0 = [torch.randn(shape, device="cuda", generator=g) for _ in range(cfg.n_layers)]
+    v0 = [torch.randn(shape, device="cuda", generator=g) for _ in range(cfg.n_layers)]
+    table = torch.arange(1, rows * 4 + 1, device="cuda", dtype=torch.int32).view(rows, 4)
+    row_ids = torch.arange(rows, device="cuda", dtype=torch.int32)
+    positions = torch.randint(0, 4 * page, (rows, 1), device="cuda", generator=g)
+    x = torch.randn(rows, 1, cfg.dim, device="cuda", generator=g)
+    index = (torch.arange(rows, device="cuda") % 3 - 1).to(torch.int32)  # -1, 0, 1, ...
+
+    def run() -> torch.Tensor:
+        ks, vs = [k.clone() for k in k0], [v.clone() for v in v0]
+        rope = (text.rope_cos, text.rope_sin)
+        cache = DecodeKV(ks, vs, table, row_ids, 4, rope, cfg.n_heads, True)
+        return text(x, positions, cache, LoraBatch(bank, index))
+
+    with torch.no_grad():
+        plain = run()
+        assert text.use_fused_products(True)
+        fused = run()
+    torch.testing.assert_close(fused, plain, atol=1e-4, rtol=1e-4)
+
+
 def test_cuda_engine_with_adapters_equals_the_reference(tiny: LoadedModel, tmp_path: Path) -> None:
     """fp32 on CUDA: graphs (decode, mixed, prefix) carry the adapter index; a mixed batch
     of no adapter and two adapters answers as the reference does for each alone."""

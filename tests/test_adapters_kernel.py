@@ -54,18 +54,28 @@ def _torch_shrink(x: torch.Tensor, a: torch.Tensor, index: torch.Tensor) -> Part
     return Partials(parts)
 
 
+def _torch_delta(target: Target, t: int, s: int) -> torch.Tensor:
+    r = target.b.shape[2]
+    v = target.partials.parts[t].sum(0)[target.col : target.col + r]
+    return v.to(target.b.dtype).float() @ target.b[s].float().T
+
+
 def _torch_expand(
-    index: torch.Tensor, first: Target, second: Target | None = None, gelu: bool = False
+    index: torch.Tensor,
+    first: Target,
+    second: Target | None = None,
+    gelu: bool = False,
+    same_out: bool = False,
 ) -> None:
-    for j, target in enumerate((first, second)):
-        if target is None:
+    targets = [(first, second)] if same_out else [(first,), (second,)]
+    for j, terms in enumerate(targets):
+        if terms[0] is None:
             continue
-        out, r = target.out, target.b.shape[2]
+        out = terms[0].out
         for t, s in enumerate(index.tolist()):
             y = out[t].float()
             if s >= 0:
-                v = target.partials.parts[t].sum(0)[target.col : target.col + r]
-                y = y + v.to(target.b.dtype).float() @ target.b[s].float().T
+                y = y + sum(_torch_delta(term, t, s) for term in terms if term is not None)
             y = y.to(out.dtype)
             out[t] = gelu_tanh(y.float()).to(out.dtype) if gelu and j == 1 else y
 
@@ -154,6 +164,36 @@ def test_the_two_output_expand_adds_in_place_and_applies_gelu(
     torch.testing.assert_close(y2[none].float(), plain.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_two_deltas_summed_into_one_output(kernels: ModuleType, dtype: torch.dtype) -> None:
+    """proj's (from the stacked shrink) and fc2's (from its own) into one branch, summed
+    before one rounding; fp32 split sums take them unrounded."""
+    g = torch.Generator().manual_seed(11)
+    t, d, f, slots, r = 21, 64, 256, 3, 8
+    a_in = (torch.randn(slots, 3 * r, d, generator=g) * 0.2).to(dtype)
+    a_fc2 = (torch.randn(slots, r, f, generator=g) * 0.2).to(dtype)
+    b_proj = (torch.randn(slots, d, r, generator=g) * 0.2).to(dtype)
+    b_fc2 = (torch.randn(slots, d, r, generator=g) * 0.2).to(dtype)
+    h, hidden = torch.randn(t, d, generator=g).to(dtype), torch.randn(t, f, generator=g).to(dtype)
+    index = _uneven(g, t, slots)
+    v_proj = _per_token_v(h, a_in, index)[:, r : 2 * r].to(dtype).double()
+    v_fc2 = _per_token_v(hidden, a_fc2, index).to(dtype).double()
+    delta = torch.zeros(t, d, dtype=torch.float64)
+    for i, s in enumerate(index.tolist()):
+        if s >= 0:
+            delta[i] = v_proj[i] @ b_proj[s].double().T + v_fc2[i] @ b_fc2[s].double().T
+    for out_dtype in (dtype, torch.float32):
+        base = torch.randn(t, d, generator=g).to(out_dtype)
+        out = base.clone()
+        proj = kernels.Target(kernels.shrink(h, a_in, index), r, b_proj, out)
+        fc2 = kernels.Target(kernels.shrink(hidden, a_fc2, index), 0, b_fc2, out)
+        kernels.expand(index, proj, fc2, same_out=True)
+        want = (base.double() + delta).to(out_dtype)
+        tol = 1e-4 if out_dtype == torch.float32 and dtype == torch.float32 else 4e-3
+        torch.testing.assert_close(out.double(), want.double(), atol=tol, rtol=tol)
+        assert torch.equal(out[index < 0], base[index < 0])
+
+
 def test_a_tokens_result_does_not_depend_on_the_rest_of_the_batch(kernels: ModuleType) -> None:
     """The other tokens' inputs and slots change; each kept token's delta stays bit for bit
     (every output written by one program, sums in a fixed order: no atomics)."""
@@ -197,7 +237,8 @@ def _bank(ranks: list[int], max_rank: int) -> tuple[LoraBank, list[files.Adapter
 
 def test_the_fused_block_path_equals_each_targets_own_delta(any_kernels: ModuleType) -> None:
     """The decoder's calls (one shrink of qkv, proj and fc1; qkv and fc1 expanded in one
-    launch with the GELU; proj beside fc2) against the same calls target by target."""
+    launch with the GELU; proj beside fc2, or both into their sum) against the same calls
+    target by target."""
     bank, _ = _bank([8, 3, 5], 8)
     g = torch.Generator().manual_seed(3)
     index = torch.tensor([2, -1, 0, 0, 1, -1, 2], dtype=torch.int32)
@@ -206,12 +247,15 @@ def test_the_fused_block_path_equals_each_targets_own_delta(any_kernels: ModuleT
     results = []
     for batch in (LoraBatch(bank, index), LoraBatch(bank, index, kernels=any_kernels)):
         o = {t: v.clone() for t, v in outs.items()}
-        given = [o["qkv"], o["fc1"], o["proj"], o["fc2"]]
+        o["branch"] = outs["proj"] + outs["fc2"]
+        given = [o["qkv"], o["fc1"], o["proj"], o["fc2"], o["branch"]]
         shared = batch.shrink(1, h, ("qkv", "proj", "fc1"))
         qkv, act = batch.expand(1, [(shared, "qkv", o["qkv"]), (shared, "fc1", o["fc1"])], True)
         hidden = batch.shrink(1, act, ("fc2",))
         proj, fc2 = batch.expand(1, [(shared, "proj", o["proj"]), (hidden, "fc2", o["fc2"])])
-        results.append((qkv, act, proj, fc2))
+        # As the fused-products forward adds them: both into the branch (proj + fc2).
+        branch = batch.expand_sum(1, [(shared, "proj"), (hidden, "fc2")], o["branch"])
+        results.append((qkv, act, proj, fc2, branch))
     exact, fused = results
     for want, got in zip(exact, fused, strict=True):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)

@@ -154,7 +154,8 @@ KERNELS = (
         {"R": 32, "BLOCK_R": 32, "BLOCK_N": 64, "ADD": True, "SPLITS": 8},
     ),
     # The grouped form: the stacked shrink of three rank-32 targets (qkv, proj, fc1) and fc2's
-    # over K = 8192; the two-output expand with and without the GELU.
+    # over K = 8192; the two-output expand with and without the GELU, and two deltas summed
+    # into one output (here bf16; the fused decode adds into fp32 split sums too).
     Kernel(
         _LORA,
         "_group_shrink_kernel",
@@ -172,9 +173,13 @@ KERNELS = (
             _LORA,
             "_group_expand_kernel",
             _GROUP_EXPAND,
-            {**_GROUP_BLOCKS, "R": 32, "BLOCK_R": 32, "BLOCK_N": 128, "SPLITS": 16, "GELU": gelu},
+            {
+                **_GROUP_BLOCKS,
+                **{"R": 32, "BLOCK_R": 32, "BLOCK_N": 128, "SPLITS": 16},
+                **{"GELU": gelu, "SUM": total},
+            },
         )
-        for gelu in (True, False)
+        for gelu, total in ((True, False), (False, False), (False, True))
     ),
     *(
         kernel

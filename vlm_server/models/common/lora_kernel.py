@@ -13,9 +13,10 @@ Each token carries a slot of the stacked adapter weights (-1: none); ``v = x @ A
   (targets sharing an input: one launch for all). `expand` sums a token's partials in split
   order, rounds ``v`` to the weights' dtype (as the reference's ``F.linear`` does) and adds
   ``v @ B^T`` in place into up to two outputs in one launch (each its own partials, columns
-  of them, B and output); with ``gelu`` the second output then goes through GELU, its rows
-  without an adapter too (one more program per block for them), so the decoder needs no
-  separate activation pass.
+  of them, B and output), or both into one output (proj's and fc2's, whose outputs are summed
+  anyway); with ``gelu`` the second output then goes through GELU, its rows without an adapter
+  too (one more program per block for them), so the decoder needs no separate activation
+  pass.
 * per token (`grouped_lora`: single targets, image prefixes' riding prompts, and Moondream 3's
   (token, expert) rows over thousands of stacked pairs, too many for a program per pair): one
   program per (token, block of K), then per (token, block of N), as partial products summed
@@ -135,6 +136,27 @@ if triton is not None:
         return tl.reduce(mask.to(tl.int32), 0, _larger) > 0
 
     @triton.jit
+    def _lowrank(
+        parts,
+        stride_s,
+        splits,
+        b_tile,
+        vmask,
+        bmask,
+        BLOCK_T: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        SPLITS: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """``v @ B^T`` for a tile: ``parts`` points at the rows' partial products (split 0),
+        ``b_tile`` at B^T's [BLOCK_R, BLOCK_N] tile."""
+        v = tl.full((BLOCK_T, BLOCK_R), 0.0, tl.float32)
+        for s in range(SPLITS):  # the splits in order: the same sum every time
+            v += tl.load(parts + s * stride_s, mask=vmask & (s < splits), other=0.0)
+        b = tl.load(b_tile, mask=bmask, other=0.0)
+        return tl.dot(v.to(b.dtype), b, input_precision=PRECISION)
+
+    @triton.jit
     def _group_shrink_kernel(
         x_ptr,
         a_ptr,
@@ -215,10 +237,12 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         SPLITS: tl.constexpr,
         GELU: tl.constexpr,
+        SUM: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
         # Axis 2 runs over output 1's blocks of N, then output 2's. Slot ``n_slots`` (present
         # with GELU only) stands for the rows without an adapter: GELU alone, on output 2.
+        # SUM: both deltas go into output 1 (axis 2 covers output 1 only).
         slot = tl.program_id(0)
         ts = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
         nb = tl.program_id(2)
@@ -243,17 +267,20 @@ if triton is not None:
             y = tl.load(at, mask=keep, other=0.0).to(tl.float32)
             if slot < n_slots:
                 rs = tl.arange(0, BLOCK_R)
-                parts = v_ptr + rows[:, None] * stride_v + col + rs[None, :]
                 vmask = mine[:, None] & (rs < R)[None, :]
-                v = tl.full((BLOCK_T, BLOCK_R), 0.0, tl.float32)
-                for s in range(SPLITS):  # the splits in order: the same sum every time
-                    v += tl.load(parts + s * stride_vs, mask=vmask & (s < splits), other=0.0)
-                b = tl.load(
-                    b_ptr + slot.to(tl.int64) * stride_bs + ns[None, :] * stride_bn + rs[:, None],
-                    mask=(rs < R)[:, None] & (ns < n)[None, :],
-                    other=0.0,
-                )
-                y += tl.dot(v.to(b.dtype), b, input_precision=PRECISION)
+                bmask = (rs < R)[:, None] & (ns < n)[None, :]
+                at_b = slot.to(tl.int64) * stride_bs + ns[None, :] * stride_bn + rs[:, None]
+                y += _lowrank(
+                    v_ptr + rows[:, None] * stride_v + col + rs[None, :], stride_vs, splits,
+                    b_ptr + at_b, vmask, bmask, BLOCK_T, BLOCK_R, SPLITS, PRECISION,
+                )  # fmt: skip
+                if SUM:
+                    at_b = slot.to(tl.int64) * stride_b2s + ns[None, :] * stride_b2n + rs[:, None]
+                    y += _lowrank(
+                        v2_ptr + rows[:, None] * stride_v2 + col2 + rs[None, :], stride_v2s,
+                        splits2, b2_ptr + at_b, vmask, bmask, BLOCK_T, BLOCK_R, SPLITS,
+                        PRECISION,
+                    )  # fmt: skip
             # out + delta rounded once (the reference rounds the delta first: last bits).
             y = y.to(y_ptr.dtype.element_ty)
             if act:
@@ -327,11 +354,19 @@ def shrink(x: torch.Tensor, a: torch.Tensor, index: torch.Tensor) -> Partials:
 
 
 def expand(
-    index: torch.Tensor, first: Target, second: Target | None = None, gelu: bool = False
+    index: torch.Tensor,
+    first: Target,
+    second: Target | None = None,
+    gelu: bool = False,
+    same_out: bool = False,
 ) -> None:
     """Add each target's delta into its ``out`` in place (one launch); ``gelu``: ``second``'s
-    output then goes through GELU (tanh), every row of it."""
-    assert second is not None or not gelu, "GELU applies to the second output"
+    output then goes through GELU (tanh), every row of it; ``same_out``: both deltas go into
+    ``first.out`` (``second.out`` is the same tensor), summed before one rounding."""
+    assert second is not None or not (gelu or same_out), "GELU and sums take a second target"
+    assert not (gelu and same_out), "a GELU on a summed output is not wanted anywhere"
+    if same_out:
+        assert second is not None and second.out.data_ptr() == first.out.data_ptr()
     one = first.out
     two = second if second is not None else first
     t, r = one.shape[0], first.b.shape[2]
@@ -344,7 +379,7 @@ def expand(
     block_t, block_r = _block_t(t), max(16, triton.next_power_of_2(r))
     block_n = 128 if block_t <= 32 else 64
     nb1 = triton.cdiv(one.shape[1], block_n)
-    nb2 = triton.cdiv(two.out.shape[1], block_n) if second is not None else 0
+    nb2 = triton.cdiv(two.out.shape[1], block_n) if second is not None and not same_out else 0
     n_slots = first.b.shape[0]
     assert second is None or second.b.shape[0] == n_slots
     grid = (n_slots + int(gelu), triton.cdiv(t, block_t), nb1 + nb2)
@@ -357,7 +392,7 @@ def expand(
         first.b.stride(0), first.b.stride(1), two.b.stride(0), two.b.stride(1),
         one.stride(0), two.out.stride(0),
         R=r, BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_N=block_n,
-        SPLITS=max(p1.splits, p2.splits), GELU=gelu,
+        SPLITS=max(p1.splits, p2.splits), GELU=gelu, SUM=same_out,
         PRECISION=_precision(first.b.dtype),
     )  # fmt: skip
 

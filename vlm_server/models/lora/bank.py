@@ -158,6 +158,12 @@ class LoraBatch(DeltaByTarget):
             y = masked_lora(flat, a, b, self.index)
         return out + y.view(out.shape)
 
+    @property
+    def fused(self) -> bool:
+        """Whether `shrink`, `expand` and `expand_sum` run the grouped kernels in place (CUDA
+        with Triton, not a batch of image prefixes)."""
+        return self.kernels is not None and self.segments is None
+
     def shrink(self, layer: int, x: torch.Tensor, targets: tuple[str, ...]) -> Shrunk:
         """On the kernel path, one launch per shared-input group of ``targets``: the partial
         products of ``x`` with every slot's stacked A of the group."""
@@ -179,21 +185,18 @@ class LoraBatch(DeltaByTarget):
         fused into the launch of the last); elsewhere target by target."""
         kernels, bank = self.kernels, self.bank
         fused = kernels is not None and all(
-            isinstance(s, Shrunk) and (s.parts or t not in bank.a) and o.is_contiguous()
+            isinstance(s, Shrunk) and (s.parts or t not in bank.a) and _rows(o) is not None
             for s, t, o in outs
         )
         if not fused:
             xs = [(s.x if isinstance(s, Shrunk) else s, t, o) for s, t, o in outs]
             return super().expand(layer, xs, gelu_last)
         assert kernels is not None
-        r = bank.max_rank
-        jobs = []
-        for shrunk, target, out in outs:
-            if target in bank.a:
-                group, i = bank.group_of[target]
-                b = bank.b[target][:, layer]
-                flat = out.view(-1, out.shape[-1])
-                jobs.append(kernels.Target(shrunk.parts[group], i * r, b, flat))
+        jobs = [
+            self._target(kernels, layer, shrunk, target, _rows(out))
+            for shrunk, target, out in outs
+            if target in bank.a
+        ]
         gelu = gelu_last and outs[-1][1] in bank.a and len(jobs) >= 2
         if gelu and len(jobs) % 2:  # the GELU's output launches second: pair it with the one before
             kernels.expand(self.index, jobs.pop(0))
@@ -205,6 +208,37 @@ class LoraBatch(DeltaByTarget):
             ys[-1] = gelu_tanh(ys[-1])
         return ys
 
+    def expand_sum(
+        self, layer: int, terms: Sequence[tuple[Any, str]], out: torch.Tensor
+    ) -> torch.Tensor:
+        """On the kernel path, the deltas added into ``out`` in place, two per launch (their
+        sum rounded once); elsewhere target by target."""
+        kernels, bank = self.kernels, self.bank
+        terms = [(s, t) for s, t in terms if t in bank.a]
+        flat = _rows(out)
+        fused = (
+            kernels is not None
+            and flat is not None
+            and all(isinstance(s, Shrunk) and s.parts for s, _ in terms)
+        )
+        if not fused:
+            xs = [(s.x if isinstance(s, Shrunk) else s, t) for s, t in terms]
+            return super().expand_sum(layer, xs, out)
+        assert kernels is not None and flat is not None
+        jobs = [self._target(kernels, layer, s, t, flat) for s, t in terms]
+        for i in range(0, len(jobs), 2):
+            pair = jobs[i : i + 2]
+            kernels.expand(self.index, *pair, same_out=len(pair) == 2)
+        return out
+
+    def _target(
+        self, kernels: ModuleType, layer: int, shrunk: Shrunk, target: str, out: torch.Tensor
+    ) -> Any:
+        """The kernels' view of one output: ``target``'s columns of its group's partials."""
+        group, i = self.bank.group_of[target]
+        b = self.bank.b[target][:, layer]
+        return kernels.Target(shrunk.parts[group], i * self.bank.max_rank, b, out)
+
     def expert_delta(
         self,
         layer: int,
@@ -215,6 +249,17 @@ class LoraBatch(DeltaByTarget):
     ) -> torch.Tensor | None:
         """Rows of (token, expert) pairs of an expert layer (models/lora/spec.py)."""
         return self.bank.expert_delta(self.index, layer, target, x, experts, tokens)
+
+
+def _rows(out: torch.Tensor) -> torch.Tensor | None:
+    """``out`` [..., N] as rows [T, N] of unit column stride without a copy (a column slice of
+    a wider product too), or None."""
+    if out.stride(-1) != 1:
+        return None
+    try:
+        return out.view(-1, out.shape[-1])
+    except RuntimeError:
+        return None
 
 
 def _grouped_kernel() -> ModuleType | None:

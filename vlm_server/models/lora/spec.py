@@ -109,7 +109,8 @@ class LoraDelta(Protocol):
     them: ``shrink(layer, x, targets)`` takes what ``targets``' deltas need of their shared
     input ``x``; ``expand(layer, [(shrunk, target, out), ...])`` returns each ``out`` plus
     its target's delta of the input ``shrunk`` was taken from (``gelu_last``: the last one
-    then through GELU, tanh approximation)."""
+    then through GELU, tanh approximation); ``expand_sum(layer, [(shrunk, target), ...],
+    out)`` adds several targets' deltas into one output."""
 
     def add(self, layer: int, target: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor: ...
 
@@ -136,6 +137,10 @@ class LoraDelta(Protocol):
         gelu_last: bool = False,
     ) -> list[torch.Tensor]: ...
 
+    def expand_sum(
+        self, layer: int, terms: Sequence[tuple[Any, str]], out: torch.Tensor
+    ) -> torch.Tensor: ...
+
 
 class DeltaByTarget:
     """`shrink` and `expand` through ``add``, target by target: each output gets its own
@@ -157,6 +162,16 @@ class DeltaByTarget:
         if gelu_last:
             ys[-1] = gelu_tanh(ys[-1])
         return ys
+
+    def expand_sum(
+        self, layer: int, terms: Sequence[tuple[Any, str]], out: torch.Tensor
+    ) -> torch.Tensor:
+        """``out`` plus every ``(shrunk, target)`` term's delta: targets whose outputs the
+        decoder sums anyway (a parallel block's proj and fc2, when one product gives their
+        sum)."""
+        for x, target in terms:
+            out = self.add(layer, target, x, out)
+        return out
 
 
 class SingleLora(DeltaByTarget):

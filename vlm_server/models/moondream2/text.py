@@ -168,11 +168,11 @@ class TextDecoder(nn.Module):
         packed = getattr(cache, "attend_packed", None)
         if (
             self._stacked is not None
-            and lora is None
+            and (lora is None or getattr(lora, "fused", False))
             and packed is not None
             and fused_products.usable(x)
         ):
-            return self._fused_forward(x, positions, packed)
+            return self._fused_forward(x, positions, packed, lora)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         h = blocks[0].ln(x)
         # Each block's forward, with its residual adds fused into the next block's norm.
@@ -188,22 +188,44 @@ class TextDecoder(nn.Module):
         return x
 
     def _fused_forward(
-        self, x: torch.Tensor, positions: torch.Tensor, attend: Callable[..., torch.Tensor]
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Callable[..., torch.Tensor],
+        lora: LoraDelta | None = None,
     ) -> torch.Tensor:
         """`forward` for few rows: per block one product for QKV and the hidden layer, the
-        fused attention, one product for the branch, the residual add fused into the norm."""
+        fused attention, one product for the branch, the residual add fused into the norm.
+        ``lora`` (one whose deltas run in place: `LoraBatch.fused`): qkv's and fc1's deltas
+        added into the first product (fc1's GELU applied with them), proj's and fc2's into
+        the branch (its first split sum where the product splits K)."""
         blocks, stacked = self.blocks, self._stacked
         assert stacked is not None
         h = blocks[0].ln(x)
         for i, prod in enumerate(stacked):
-            qkv, hidden = prod.qkv_and_hidden(h)
+            if lora is None:
+                qkv, hidden = prod.qkv_and_hidden(h)
+            else:
+                qkv, fc1 = prod.qkv_and_fc1(h)
+                shared = lora.shrink(i, h, ("qkv", "proj", "fc1"))
+                qkv, hidden = lora.expand(i, [(shared, "qkv", qkv), (shared, "fc1", fc1)], True)
             out = attend(i, qkv, positions)
             b, _, t, _ = out.shape
             attn = out.transpose(1, 2).reshape(b, t, -1)
-            if i + 1 < len(blocks):
-                x, h = prod.add_branch_and_norm(x, attn, hidden, blocks[i + 1].ln)
+            last = i + 1 == len(blocks)
+            if lora is None:
+                if last:
+                    x = x + prod.branch(attn, hidden)
+                else:
+                    x, h = prod.add_branch_and_norm(x, attn, hidden, blocks[i + 1].ln)
+                continue
+            terms = [(shared, "proj"), (lora.shrink(i, hidden, ("fc2",)), "fc2")]
+            if last:
+                x = x + lora.expand_sum(i, terms, prod.branch(attn, hidden))
             else:
-                x = x + prod.branch(attn, hidden)
+                parts = prod.branch_parts(attn, hidden)
+                lora.expand_sum(i, terms, parts[0] if parts.dim() == 3 else parts)
+                x, h = prod.add_parts_and_norm(x, parts, blocks[i + 1].ln)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
