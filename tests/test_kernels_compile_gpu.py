@@ -78,6 +78,19 @@ _EXPAND = {
     "v_ptr": "*fp32", "b_ptr": "*bf16", "idx_ptr": "*i32", "y_ptr": "*bf16", "N": "i32",
     "stride_bs": "i32", "stride_bn": "i32",
 }  # fmt: skip
+_GROUP_SHRINK = {
+    "x_ptr": "*bf16", "a_ptr": "*bf16", "idx_ptr": "*i32", "v_ptr": "*fp32", "T": "i32",
+    "K": "i32", "stride_xt": "i32", "stride_as": "i32", "stride_ar": "i32",
+}  # fmt: skip
+_GROUP_EXPAND = {
+    "v1_ptr": "*fp32", "b1_ptr": "*bf16", "y1_ptr": "*bf16", "v2_ptr": "*fp32",
+    "b2_ptr": "*bf16", "y2_ptr": "*bf16", "idx_ptr": "*i32", "T": "i32", "n_slots": "i32",
+    "N1": "i32", "N2": "i32", "NB1": "i32", "col1": "i32", "col2": "i32", "splits1": "i32",
+    "splits2": "i32", "stride_v1": "i32", "stride_v1s": "i32", "stride_v2": "i32",
+    "stride_v2s": "i32", "stride_b1s": "i32", "stride_b1n": "i32", "stride_b2s": "i32",
+    "stride_b2n": "i32", "stride_y1": "i32", "stride_y2": "i32",
+}  # fmt: skip
+_GROUP_BLOCKS = {"BLOCK_T": 32, "PRECISION": "tf32"}
 _MOE = "vlm_server.models.moondream3.moe_triton"
 _MOE_ARGS = {
     "w_ptr": "*bf16", "s_ptr": "*fp32", "pair_ptr": "*i32", "block_expert_ptr": "*i32",
@@ -139,6 +152,34 @@ KERNELS = (
         "_expand_kernel",
         _EXPAND,
         {"R": 32, "BLOCK_R": 32, "BLOCK_N": 64, "ADD": True, "SPLITS": 8},
+    ),
+    # The grouped form: the stacked shrink of three rank-32 targets (qkv, proj, fc1) and fc2's
+    # over K = 8192; the two-output expand with and without the GELU, and two deltas summed
+    # into one output (here bf16; the fused decode adds into fp32 split sums too).
+    Kernel(
+        _LORA,
+        "_group_shrink_kernel",
+        _GROUP_SHRINK,
+        {**_GROUP_BLOCKS, "R": 96, "BLOCK_R": 128, "BLOCK_K": 64, "ITERS": 2, "SPLITS": 16},
+    ),
+    Kernel(
+        _LORA,
+        "_group_shrink_kernel",
+        _GROUP_SHRINK,
+        {**_GROUP_BLOCKS, "R": 32, "BLOCK_R": 32, "BLOCK_K": 128, "ITERS": 4, "SPLITS": 16},
+    ),
+    *(
+        Kernel(
+            _LORA,
+            "_group_expand_kernel",
+            _GROUP_EXPAND,
+            {
+                **_GROUP_BLOCKS,
+                **{"R": 32, "BLOCK_R": 32, "BLOCK_N": 128, "SPLITS": 16},
+                **{"GELU": gelu, "SUM": total},
+            },
+        )
+        for gelu, total in ((True, False), (False, False), (False, True))
     ),
     *(
         kernel

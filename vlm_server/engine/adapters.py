@@ -2,8 +2,11 @@
 resident in one of the device's adapter slots, and pin that slot for each request using it.
 
 `AdapterManager.acquire` blocks (disk, network, the wait for a free slot, the copy up), so it
-runs on threads of its own: never the event loop, never the scheduler thread. The copy into a
-slot runs on a side stream from pinned memory, beside the steps; a slot is written only
+runs on threads of its own: never the event loop, never the scheduler thread. The file is
+read, checked and packed into the bank's slot layout by a child process (adapter_reader.py),
+so that a load holds this process's GIL for next to nothing; this thread then copies the
+packed slot into the pinned staging buffer (one tensor copy, the GIL released) and up into
+the slot on a side stream, beside the steps. A slot is written only
 while no row uses it (core/adapter_slots.py), and handed to a request only after its copy
 completed. An adapter's image prefixes are cached apart from the base model's and other
 adapters' (`qualify_image`): LoRA changes the prefix's keys and values too.
@@ -19,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from vlm_server.engine.adapter_reader import AdapterReader, shared_reader
 from vlm_server.engine.api import EngineError, ErrorCode, GenerationRequest
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.adapter_slots import AdapterSlots
@@ -29,6 +33,10 @@ from vlm_server.models.lora.store import AdapterStore
 
 FIELD = "adapter"  # the doors name it as their request spells it (settings.adapter, model)
 _KEY_MARK = "|adapter="
+
+
+def _nothing() -> None:
+    pass
 
 
 def qualify_image(req: GenerationRequest) -> GenerationRequest:
@@ -43,10 +51,10 @@ def qualify_image(req: GenerationRequest) -> GenerationRequest:
 
 class _ShortGilSwitch:
     """While any adapter loads, a Python thread yields the GIL after 0.5 ms instead of the
-    interpreter's interval (5 ms by default): reading, checking and staging an adapter is
-    a few hundred milliseconds of Python on a loader thread, and the scheduler thread would
-    otherwise wait up to the whole interval for each tick (measured: the step gaps' p99 three
-    times their median while an adapter loaded). Reference counted across loads."""
+    interpreter's interval (5 ms by default): what Python a load still runs here (a download's
+    loop, the reader's replies) never keeps the scheduler thread waiting a whole interval for
+    a tick (measured when the file was read here too: the step gaps' p99 three times their
+    median while an adapter loaded). Reference counted across loads."""
 
     INTERVAL_S = 0.0005
 
@@ -75,7 +83,9 @@ _SHORT_GIL_SWITCH = _ShortGilSwitch()
 class AdapterManager:
     """Resident adapters in ``bank``'s slots, least recently used reused first."""
 
-    def __init__(self, cfg: EngineConfig, bank: LoraBank) -> None:
+    def __init__(
+        self, cfg: EngineConfig, bank: LoraBank, reader: AdapterReader | None = None
+    ) -> None:
         self.bank = bank
         self.max_rank = cfg.max_adapter_rank
         self.wait_s = cfg.adapter_wait_s
@@ -87,6 +97,13 @@ class AdapterManager:
             cfg.adapter_download_timeout_s,
             scheme=bank.targets.format,  # the family's downloads
         )
+        self.reader = reader if reader is not None else shared_reader()
+        # Where the slot layout holds all of an adapter (no expert layers), a child reads it.
+        self._in_child = bank.targets.experts is None
+        if self._in_child:  # the first load should not wait for a child's imports
+            warm = threading.Thread(target=self.reader.warm, name="adapter-reader-warm")
+            warm.daemon = True
+            warm.start()
         self.slots = AdapterSlots(bank.n_slots)
         self.ranks: dict[str, int] = {}
         self._cv = threading.Condition()
@@ -136,33 +153,58 @@ class AdapterManager:
             self._cv.notify_all()
 
     def _load(self, name: str, deadline: float, until: float | None) -> int:
+        bank = self.bank
         try:
             path = self.store.path(name)
-            weights = formats.load(path, self.bank.targets, self.max_rank, name)
+            if self._in_child:
+                # Parsed and checked in a child process (adapter_reader.py): no GIL here.
+                read = self.reader.read(path, name, bank.layout, bank.dtype, until)
+                rank, packed, release = read.rank, read.packed, read.release
+            else:  # expert layers: their pairs are not in the layout the reader packs
+                weights = formats.load(path, bank.targets, self.max_rank, name)
+                rank, packed, release = weights.rank, None, _nothing
         except AdapterError as err:
             code = ErrorCode.UNAVAILABLE if err.retryable else ErrorCode.INVALID_ARGUMENT
             raise EngineError(code, f"{FIELD}: {err}", FIELD) from None
+        except TimeoutError:
+            raise self._timeout(name, until) from None
+        try:
+            with self._cv:
+                slot = self.slots.claim()
+            if slot is None:
+                if packed is not None:
+                    # Waiting for a slot may take a while: free the reader for other loads.
+                    packed = packed.clone()  # one copy, the GIL released
+                    release()
+                slot = self._claim(name, deadline, until)
+            try:
+                # The bank's one staging buffer: free again once the copy from it completed.
+                with bank.stage_lock:
+                    staged = bank.staging(weights) if packed is None else bank.staging_from(packed)
+                    self._write(slot, staged, rank)
+            except BaseException:
+                with self._cv:
+                    self.slots.abandon(slot)
+                    self._cv.notify_all()
+                raise
+        finally:
+            release()
+        with self._cv:
+            self.slots.filled(slot, name)
+            self.ranks[name] = rank
+        return slot
+
+    def _claim(self, name: str, deadline: float, until: float | None) -> int:
+        """A free slot, waiting for one until ``deadline``."""
         with self._cv:
             while (slot := self.slots.claim()) is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise self._timeout(name, until)
                 self._cv.wait(left)
-        try:
-            # The bank's one staging buffer: free again once the copy from it completed.
-            with self.bank.stage_lock:
-                self._write(slot, self.bank.staging(weights), weights.rank)
-        except BaseException:
-            with self._cv:
-                self.slots.abandon(slot)
-                self._cv.notify_all()
-            raise
-        with self._cv:
-            self.slots.filled(slot, name)
-            self.ranks[name] = weights.rank
         return slot
 
-    def _write(self, slot: int, staged: dict, rank: int) -> None:
+    def _write(self, slot: int, staged: object, rank: int) -> None:
         if self._stream is None:
             self.bank.write(slot, staged, rank)
             return

@@ -37,6 +37,12 @@ class BlockProducts:
         both = skinny_gemm.skinny_linear(h, self.w_in, self.b_in, gelu_from=self.n_qkv)
         return both[..., : self.n_qkv], both[..., self.n_qkv :]
 
+    def qkv_and_fc1(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`qkv_and_hidden` without the GELU (an adapter's fc1 delta goes in before it): views
+        (column slices) of one product."""
+        both = skinny_gemm.skinny_linear(h, self.w_in, self.b_in)
+        return both[..., : self.n_qkv], both[..., self.n_qkv :]
+
     def branch(self, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """proj(attn) + fc2(hidden), biases included: the block's whole residual update."""
         return skinny_gemm.skinny_linear(attn, self.w_out, self.b_out, x2=hidden)
@@ -46,7 +52,18 @@ class BlockProducts:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + branch, norm(x + branch)): where the product splits K, its split sums are
         finished inside the norm's kernel (one launch less per block)."""
-        parts = skinny_gemm.skinny_linear(attn, self.w_out, self.b_out, x2=hidden, partials=True)
+        return self.add_parts_and_norm(x, self.branch_parts(attn, hidden), norm)
+
+    def branch_parts(self, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The branch's split sums [splits, rows, D] (fp32, no bias) where the product splits
+        K, else the finished branch [rows, D]; for `add_parts_and_norm`. Either may take more
+        terms first (an adapter's deltas: into split 0, or into the finished branch)."""
+        return skinny_gemm.skinny_linear(attn, self.w_out, self.b_out, x2=hidden, partials=True)
+
+    def add_parts_and_norm(
+        self, x: torch.Tensor, parts: torch.Tensor, norm: LayerNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + branch, norm(x + branch)) from `branch_parts`."""
         if parts.dim() == 3:
             return add_partials_layernorm(x, parts, self.b_out, norm)
         return add_layernorm(x, parts.view_as(x), None, norm)

@@ -1,16 +1,34 @@
 """Grouped LoRA for a batch whose tokens use different adapters (Triton, CUDA).
 
-Punica / S-LoRA style, per token: each token carries a slot of the stacked adapter weights
-(-1: none). ``shrink`` computes ``v = x @ A[slot]^T`` ([T, R], fp32) as partial products over
-blocks of K, one program each (a single program per token walking all of K was the step's
-bottleneck: fc2's K is 8192), ``expand`` sums them in a fixed order and computes ``y = v @
-B[slot]^T`` in the activation dtype. Both read the slot index on the device and launch a grid
-that depends only on the shapes, so a CUDA graph captures them; the weights are read from the
-fixed-address stacked buffers at replay. Rank is the bank's largest (lower ranks are
-zero-padded there).
+Each token carries a slot of the stacked adapter weights (-1: none); ``v = x @ A[slot]^T``
+(shrink), then ``v @ B[slot]^T`` (expand) added to a layer's output. Two forms:
+
+* per slot (`shrink`, `expand`: the decoder's adapter path). Programs are per (slot, block of
+  tokens, block of K or of N): a program works only when its block holds a token of its slot,
+  masks the rest (masked loads fetch nothing), and reads each weight tile once for all of that
+  slot's tokens in the block, on the tensor cores. Every output element is written by exactly
+  one program (its token's slot's) and every sum runs in a fixed order: deterministic without
+  atomics, each token's result independent of the rest of the batch. `shrink` splits K over
+  programs and writes fp32 partial products per split; A may stack several targets' ranks
+  (targets sharing an input: one launch for all). `expand` sums a token's partials in split
+  order, rounds ``v`` to the weights' dtype (as the reference's ``F.linear`` does) and adds
+  ``v @ B^T`` in place into up to two outputs in one launch (each its own partials, columns
+  of them, B and output), or both into one output (proj's and fc2's, whose outputs are summed
+  anyway); with ``gelu`` the second output then goes through GELU, its rows without an adapter
+  too (one more program per block for them), so the decoder needs no separate activation
+  pass.
+* per token (`grouped_lora`: single targets, image prefixes' riding prompts, and Moondream 3's
+  (token, expert) rows over thousands of stacked pairs, too many for a program per pair): one
+  program per (token, block of K), then per (token, block of N), as partial products summed
+  in a fixed order.
+
+Both read the slots on the device and launch grids that depend only on the shapes, so a CUDA
+graph captures them; the weights are read from the bank's fixed-address buffers at replay.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +44,14 @@ AVAILABLE = triton is not None
 
 if triton is not None:
 
+    @triton.jit
+    def _gelu(u):
+        # GELU, tanh approximation, as 0.5 (1 + tanh(z)) = sigmoid(2 z); the clamp keeps e^(-2z)
+        # finite (u / e^80 is 0 to fp32 for any activation)
+        z = 0.7978845608028654 * (u + 0.044715 * u * u * u)
+        return u / (1.0 + tl.exp(tl.minimum(-2.0 * z, 80.0)))
+
+    # The per-token form (`grouped_lora`).
     @triton.jit
     def _shrink_kernel(
         x_ptr,
@@ -96,6 +122,279 @@ if triton is not None:
         if ADD:  # into the layer's output: rows without an adapter keep theirs exactly
             y += tl.load(at, mask=nmask, other=0.0).to(tl.float32)
         tl.store(at, y.to(y_ptr.dtype.element_ty), mask=nmask)
+
+    # Only core builtins and this module's helpers below (no `tl.max`, `tl.zeros`: the
+    # standard library's are jitted where Triton was imported, so the CPU tests' interpreted
+    # copy of this module could not call them).
+    @triton.jit
+    def _larger(a, b):
+        return tl.maximum(a, b)
+
+    @triton.jit
+    def _any(mask):
+        """Whether any lane of the 1-d ``mask`` is set (a scalar)."""
+        return tl.reduce(mask.to(tl.int32), 0, _larger) > 0
+
+    @triton.jit
+    def _lowrank(
+        parts,
+        stride_s,
+        splits,
+        b_tile,
+        vmask,
+        bmask,
+        BLOCK_T: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        SPLITS: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """``v @ B^T`` for a tile: ``parts`` points at the rows' partial products (split 0),
+        ``b_tile`` at B^T's [BLOCK_R, BLOCK_N] tile."""
+        v = tl.full((BLOCK_T, BLOCK_R), 0.0, tl.float32)
+        for s in range(SPLITS):  # the splits in order: the same sum every time
+            v += tl.load(parts + s * stride_s, mask=vmask & (s < splits), other=0.0)
+        b = tl.load(b_tile, mask=bmask, other=0.0)
+        return tl.dot(v.to(b.dtype), b, input_precision=PRECISION)
+
+    @triton.jit
+    def _group_shrink_kernel(
+        x_ptr,
+        a_ptr,
+        idx_ptr,
+        v_ptr,
+        T,
+        K,
+        stride_xt,
+        stride_as,
+        stride_ar,
+        R: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        ITERS: tl.constexpr,
+        SPLITS: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        slot = tl.program_id(0)
+        ts = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        split = tl.program_id(2)
+        mine = tl.load(idx_ptr + ts, mask=ts < T, other=-1) == slot
+        if _any(mine):
+            rows = ts.to(tl.int64)
+            rs = tl.arange(0, BLOCK_R)
+            a_slot = a_ptr + slot.to(tl.int64) * stride_as
+            acc = tl.full((BLOCK_T, BLOCK_R), 0.0, tl.float32)
+            for i in range(ITERS):
+                ks = (split * ITERS + i) * BLOCK_K + tl.arange(0, BLOCK_K)
+                kmask = ks < K
+                x = tl.load(
+                    x_ptr + rows[:, None] * stride_xt + ks[None, :],
+                    mask=mine[:, None] & kmask[None, :],
+                    other=0.0,
+                )
+                a = tl.load(
+                    a_slot + rs[:, None] * stride_ar + ks[None, :],
+                    mask=(rs[:, None] < R) & kmask[None, :],
+                    other=0.0,
+                )
+                acc = tl.dot(x, tl.trans(a), acc, input_precision=PRECISION)
+            # Rows of other slots are theirs to write; rows without an adapter nobody's (the
+            # expand never reads them).
+            at = v_ptr + (rows[:, None] * SPLITS + split) * BLOCK_R + rs[None, :]
+            tl.store(at, acc, mask=mine[:, None])
+
+    @triton.jit
+    def _group_expand_kernel(
+        v1_ptr,
+        b1_ptr,
+        y1_ptr,
+        v2_ptr,
+        b2_ptr,
+        y2_ptr,
+        idx_ptr,
+        T,
+        n_slots,
+        N1,
+        N2,
+        NB1,
+        col1,
+        col2,
+        splits1,
+        splits2,
+        stride_v1,
+        stride_v1s,
+        stride_v2,
+        stride_v2s,
+        stride_b1s,
+        stride_b1n,
+        stride_b2s,
+        stride_b2n,
+        stride_y1,
+        stride_y2,
+        R: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SPLITS: tl.constexpr,
+        GELU: tl.constexpr,
+        SUM: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        # Axis 2 runs over output 1's blocks of N, then output 2's. Slot ``n_slots`` (present
+        # with GELU only) stands for the rows without an adapter: GELU alone, on output 2.
+        # SUM: both deltas go into output 1 (axis 2 covers output 1 only).
+        slot = tl.program_id(0)
+        ts = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        nb = tl.program_id(2)
+        act = nb >= NB1 if GELU else nb < 0  # GELU on this program's output
+        if nb < NB1:
+            v_ptr, b_ptr, y_ptr, n, col, splits = v1_ptr, b1_ptr, y1_ptr, N1, col1, splits1
+            stride_v, stride_vs, stride_y = stride_v1, stride_v1s, stride_y1
+            stride_bs, stride_bn = stride_b1s, stride_b1n
+        else:
+            v_ptr, b_ptr, y_ptr, n, col, splits = v2_ptr, b2_ptr, y2_ptr, N2, col2, splits2
+            stride_v, stride_vs, stride_y = stride_v2, stride_v2s, stride_y2
+            stride_bs, stride_bn = stride_b2s, stride_b2n
+            nb -= NB1
+        idx = tl.load(idx_ptr + ts, mask=ts < T, other=-2)  # -2: past the tokens, nobody's
+        plain = slot == n_slots
+        mine = tl.where(plain, (idx == -1) & act, idx == slot)
+        if _any(mine):
+            rows = ts.to(tl.int64)
+            ns = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+            keep = mine[:, None] & (ns < n)[None, :]
+            at = y_ptr + rows[:, None] * stride_y + ns[None, :]
+            y = tl.load(at, mask=keep, other=0.0).to(tl.float32)
+            if slot < n_slots:
+                rs = tl.arange(0, BLOCK_R)
+                vmask = mine[:, None] & (rs < R)[None, :]
+                bmask = (rs < R)[:, None] & (ns < n)[None, :]
+                at_b = slot.to(tl.int64) * stride_bs + ns[None, :] * stride_bn + rs[:, None]
+                y += _lowrank(
+                    v_ptr + rows[:, None] * stride_v + col + rs[None, :], stride_vs, splits,
+                    b_ptr + at_b, vmask, bmask, BLOCK_T, BLOCK_R, SPLITS, PRECISION,
+                )  # fmt: skip
+                if SUM:
+                    at_b = slot.to(tl.int64) * stride_b2s + ns[None, :] * stride_b2n + rs[:, None]
+                    y += _lowrank(
+                        v2_ptr + rows[:, None] * stride_v2 + col2 + rs[None, :], stride_v2s,
+                        splits2, b2_ptr + at_b, vmask, bmask, BLOCK_T, BLOCK_R, SPLITS,
+                        PRECISION,
+                    )  # fmt: skip
+            # out + delta rounded once (the reference rounds the delta first: last bits).
+            y = y.to(y_ptr.dtype.element_ty)
+            if act:
+                y = _gelu(y.to(tl.float32)).to(y_ptr.dtype.element_ty)
+            tl.store(at, y, mask=keep)
+
+
+@dataclass(frozen=True)
+class Partials:
+    """`shrink`'s result: ``parts`` [T, splits, block_r] fp32 partial products of ``x @
+    A^T`` (rows of tokens without an adapter left unwritten)."""
+
+    parts: torch.Tensor
+
+    @property
+    def splits(self) -> int:
+        return self.parts.shape[1]
+
+
+@dataclass(frozen=True)
+class Target:
+    """One output of `expand`: ``out`` [T, N] (rows contiguous) plus ``v @ b[slot]^T``, where
+    ``v`` is columns ``col : col + rank`` of ``partials`` and ``b`` [S, N, rank]."""
+
+    partials: Partials
+    col: int
+    b: torch.Tensor
+    out: torch.Tensor
+
+
+SPLITS_MAX = 16  # K split over up to this many programs per (slot, block of tokens)
+SPLIT_PROGRAMS = 64  # splits per slot over all blocks of tokens, beyond which fewer splits
+STAGE_BYTES = 64 << 10  # the shrink's operand tiles, all pipeline stages (fits sm_86/89)
+STAGES = 2
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 weights (tests, fp32 serving) keep full fp32 products; TF32 would drop bits.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _block_t(t: int) -> int:
+    return min(64, max(16, triton.next_power_of_2(t)))
+
+
+def shrink(x: torch.Tensor, a: torch.Tensor, index: torch.Tensor) -> Partials:
+    """``x`` [T, K]; ``a`` [S, R, K] (one layer of the stacked A's, last dim contiguous; R may
+    stack several targets' ranks); ``index`` [T] int32 slots (-1: none)."""
+    t, k = x.shape
+    r = a.shape[1]
+    assert a.stride(2) == 1 and a.dtype == x.dtype, "A in the activation dtype, K contiguous"
+    x = x if x.stride(1) == 1 else x.contiguous()
+    block_t, block_r = _block_t(t), max(16, triton.next_power_of_2(r))
+    per_k = (block_r + block_t) * x.element_size() * STAGES
+    block_k = max(32, min(128, triton.next_power_of_2(STAGE_BYTES // per_k + 1) // 2))
+    n_k, t_blocks = triton.cdiv(k, block_k), triton.cdiv(t, block_t)
+    # Many blocks of tokens are parallel enough by themselves: fewer splits keep the partial
+    # products of a long prefill chunk small.
+    splits = min(SPLITS_MAX, n_k, max(1, SPLIT_PROGRAMS // t_blocks))
+    iters = triton.cdiv(n_k, splits)
+    splits = triton.cdiv(n_k, iters)  # no split left without a block of K
+    parts = torch.empty(t, splits, block_r, dtype=torch.float32, device=x.device)
+    if t:
+        grid = (a.shape[0], t_blocks, splits)
+        _group_shrink_kernel[grid](
+            x, a, index, parts, t, k, x.stride(0), a.stride(0), a.stride(1),
+            R=r, BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=block_k, ITERS=iters,
+            SPLITS=splits, PRECISION=_precision(a.dtype), num_stages=STAGES,
+        )  # fmt: skip
+    return Partials(parts)
+
+
+def expand(
+    index: torch.Tensor,
+    first: Target,
+    second: Target | None = None,
+    gelu: bool = False,
+    same_out: bool = False,
+) -> None:
+    """Add each target's delta into its ``out`` in place (one launch); ``gelu``: ``second``'s
+    output then goes through GELU (tanh), every row of it; ``same_out``: both deltas go into
+    ``first.out`` (``second.out`` is the same tensor), summed before one rounding."""
+    assert second is not None or not (gelu or same_out), "GELU and sums take a second target"
+    assert not (gelu and same_out), "a GELU on a summed output is not wanted anywhere"
+    if same_out:
+        assert second is not None and second.out.data_ptr() == first.out.data_ptr()
+    one = first.out
+    two = second if second is not None else first
+    t, r = one.shape[0], first.b.shape[2]
+    assert two.b.shape[2] == r and two.out.shape[0] == t, "one rank, one batch"
+    for target in (first, two):
+        assert target.b.stride(2) == 1 and target.out.stride(1) == 1, "contiguous last dims"
+        assert target.partials.parts.shape[0] == t
+    if t == 0:
+        return
+    block_t, block_r = _block_t(t), max(16, triton.next_power_of_2(r))
+    block_n = 128 if block_t <= 32 else 64
+    nb1 = triton.cdiv(one.shape[1], block_n)
+    nb2 = triton.cdiv(two.out.shape[1], block_n) if second is not None and not same_out else 0
+    n_slots = first.b.shape[0]
+    assert second is None or second.b.shape[0] == n_slots
+    grid = (n_slots + int(gelu), triton.cdiv(t, block_t), nb1 + nb2)
+    p1, p2 = first.partials, two.partials
+    _group_expand_kernel[grid](
+        p1.parts, first.b, one, p2.parts, two.b, two.out, index,
+        t, n_slots, one.shape[1], two.out.shape[1], nb1, first.col, two.col,
+        p1.splits, p2.splits, p1.parts.stride(0), p1.parts.stride(1),
+        p2.parts.stride(0), p2.parts.stride(1),
+        first.b.stride(0), first.b.stride(1), two.b.stride(0), two.b.stride(1),
+        one.stride(0), two.out.stride(0),
+        R=r, BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_N=block_n,
+        SPLITS=max(p1.splits, p2.splits), GELU=gelu, SUM=same_out,
+        PRECISION=_precision(first.b.dtype),
+    )  # fmt: skip
 
 
 BLOCK_K = 256  # the shrink's K per program: K / BLOCK_K programs per token run in parallel

@@ -1,25 +1,37 @@
 """Resident adapters on the device, stacked, and the batched delta over a per-token slot index.
 
-`LoraBank` holds, per target, every slot's weights in one fixed-address buffer (A [slots,
-layers, max_rank, in], B [slots, layers, out, max_rank]; a lower rank is zero-padded, which
-adds exact zeros), so a captured graph reads whatever adapters the slots hold when it replays.
-`LoraBatch` is what a batched forward passes its decoder: the bank and one slot per token (-1:
-no adapter). On CUDA the delta is the grouped Triton kernel (models/common/lora_kernel.py:
-shrink, then expand, per token, added into the layer's output), and a batch of image prefixes
-(runs of hundreds of tokens with one slot each) two batched products over each run's gathered
-weights; elsewhere PyTorch: exact per-slot products on the CPU (the reference's arithmetic on
-each adapter's own rank), and on CUDA without Triton a masked product per slot, which needs no
-host sync and so stays capturable.
+`LoraBank` holds every slot's weights in one fixed-address buffer, a row per slot laid out as
+models/lora/layout.py says (per shared-input group the A's stacked along the rank, per target
+B; a lower rank is zero-padded, which adds exact zeros), so a captured graph reads whatever
+adapters the slots hold when it replays, and a load is one copy into a row. `LoraBatch` is
+what a batched forward passes its decoder: the bank and one slot per token (-1: no adapter).
+On CUDA the deltas are the grouped Triton kernels (models/common/lora_kernel.py): `shrink`
+once per shared-input group, `expand` added into the layers' outputs in place, two per
+launch; a batch of image prefixes (runs of hundreds of tokens with one slot each) runs two
+batched products over each run's gathered weights; elsewhere PyTorch: exact per-slot products
+on the CPU (the reference's arithmetic on each adapter's own rank), and on CUDA without Triton
+a masked product per slot, which needs no host sync and so stays capturable.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vlm_server.models.lora.spec import AdapterWeights, LoraTargets
+from vlm_server.models.common.layers import gelu_tanh
+from vlm_server.models.lora.layout import Group, SlotLayout
+from vlm_server.models.lora.spec import AdapterWeights, DeltaByTarget, LoraTargets
+
+if TYPE_CHECKING:
+    from vlm_server.models.common.lora_kernel import Partials
+
+
+WRITE_CHUNK_BYTES = 2 << 20  # a slot goes up in pieces of this size (~0.1 ms each over PCIe)
 
 
 class LoraBank:
@@ -35,59 +47,50 @@ class LoraBank:
     ) -> None:
         self.targets, self.n_slots, self.max_rank = targets, n_slots, max_rank
         self.dtype, self.device = dtype, torch.device(device)
-        L = targets.n_layers
-        self.a = {
-            t: torch.zeros(n_slots, L, max_rank, n_in, dtype=dtype, device=device)
-            for t, (n_in, _) in targets.targets.items()
-        }
-        self.b = {
-            t: torch.zeros(n_slots, L, n_out, max_rank, dtype=dtype, device=device)
-            for t, (_, n_out) in targets.targets.items()
-        }
+        self.layout = SlotLayout(targets, max_rank)
+        # Slot i's weights are row i, laid out as `SlotLayout` says: a load is one contiguous
+        # copy.
+        self.flat = torch.zeros(n_slots, self.layout.numel, dtype=dtype, device=device)
+        # Views: per shared-input group the stacked A [slots, layers, k * r, in] (one shrink
+        # for the group), per target A [slots, layers, r, in] and B [slots, layers, out, r].
+        self.a_groups, self.b = self.layout.views(self.flat)
+        self.a = self.layout.target_a(self.a_groups)
+        self.group_of = {t: (g, i) for g in self.a_groups for i, t in enumerate(g)}
         self.ranks = [0] * n_slots  # host copy: the CPU path slices each slot to its rank
         # One slot's worth of host memory (pinned on CUDA), made here, at start, and reused:
         # pinning tens of megabytes per load stalled the running steps (the driver's page
         # locking). Whoever stages holds `stage_lock` until the copy from it completed.
         self.stage_lock = threading.Lock()
         pin = self.device.type == "cuda"
-        self._stage = {
-            t: (
-                torch.empty(L, max_rank, n_in, dtype=dtype, pin_memory=pin),
-                torch.empty(L, n_out, max_rank, dtype=dtype, pin_memory=pin),
-            )
-            for t, (n_in, n_out) in targets.targets.items()
-        }
+        self._stage = torch.empty(self.layout.numel, dtype=dtype, pin_memory=pin)
 
     @property
     def nbytes(self) -> int:
-        return sum(x.nbytes for x in (*self.a.values(), *self.b.values()))
+        return self.flat.nbytes
 
-    def staging(self, weights: AdapterWeights) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def staging(self, weights: AdapterWeights) -> torch.Tensor:
         """One slot's worth of ``weights``, padded to the bank's layout, in the bank's one
         host staging buffer (pinned on CUDA, so the copy up is asynchronous). The caller holds
         `stage_lock` from here until the copy from it completed."""
-        out = {}
-        for t in self.targets.targets:
-            a, b = self._stage[t]
-            a.zero_()
-            b.zero_()
-            for layer, pairs in enumerate(weights.pairs):
-                if t in pairs:
-                    wa, wb = pairs[t]
-                    a[layer, : wa.shape[0]] = wa
-                    b[layer, :, : wb.shape[1]] = wb
-            out[t] = (a, b)
-        return out
+        self.layout.pack(weights, self._stage)
+        return self._stage
 
-    def write(
-        self, slot: int, staged: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int
-    ) -> None:
+    def staging_from(self, packed: torch.Tensor) -> torch.Tensor:
+        """`staging` of a slot already packed in the bank's layout and dtype (``packed``
+        [numel], e.g. the adapter reader's shared buffer): one copy, which releases the GIL."""
+        self._stage.copy_(packed)
+        return self._stage
+
+    def write(self, slot: int, staged: torch.Tensor, rank: int) -> None:
         """Copy staged weights into ``slot`` on the current stream (asynchronous from pinned
         memory: the caller records and waits for an event before any forward reads it). The
         caller guarantees no queued forward reads the slot (it is pinned by no row)."""
-        for t, (a, b) in staged.items():
-            self.a[t][slot].copy_(a, non_blocking=True)
-            self.b[t][slot].copy_(b, non_blocking=True)
+        row = self.flat[slot]
+        # In pieces on CUDA: a step's own uploads, on another stream, can go between them
+        # instead of queueing behind tens of megabytes on the copy engine.
+        step = WRITE_CHUNK_BYTES // row.element_size() if row.is_cuda else max(1, row.numel())
+        for at in range(0, row.numel(), step):
+            row[at : at + step].copy_(staged[at : at + step], non_blocking=True)
         self.ranks[slot] = rank
 
     def expert_delta(
@@ -103,20 +106,32 @@ class LoraBank:
         return None
 
 
-class LoraBatch:
+@dataclass(frozen=True)
+class Shrunk:
+    """`LoraBatch.shrink`'s result: the input, and on the kernel path each shrunk group's
+    partial products (empty: the deltas are computed target by target from ``x``)."""
+
+    x: torch.Tensor
+    parts: dict[Group, Partials]
+
+
+class LoraBatch(DeltaByTarget):
     """The bank and each token's slot (``index`` [T] int32, in the forward's token order;
     -1: none) for one forward. ``segments`` (slots [k], length): the first ``k * length``
     tokens are ``k`` runs of ``length`` tokens, run ``j`` all with slot ``slots[j]`` (a batch
     of image prefixes): on CUDA those run as two batched matrix products over each run's
-    gathered weights instead of per token."""
+    gathered weights instead of per token. ``kernels``: the grouped kernels' module (default:
+    models/common/lora_kernel.py for a CUDA index, where Triton is; tests pass one to run)."""
 
     def __init__(
         self,
         bank: LoraBank,
         index: torch.Tensor,
         segments: tuple[torch.Tensor, int] | None = None,
+        kernels: ModuleType | None = None,
     ) -> None:
         self.bank, self.index, self.segments = bank, index, segments
+        self.kernels = kernels or (_grouped_kernel() if index.is_cuda else None)
 
     def add(self, layer: int, target: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         bank = self.bank
@@ -124,21 +139,105 @@ class LoraBatch:
             return out
         flat = x.reshape(-1, x.shape[-1])
         a, b = bank.a[target][:, layer], bank.b[target][:, layer]
-        if not flat.is_cuda:
+        kernels = self.kernels
+        if kernels is None and not flat.is_cuda:
             y = exact_lora(flat, a, b, self.index, bank.ranks)
         elif self.segments is not None:
             slots, length = self.segments
             n = slots.shape[0] * length
             head = segmented_lora(flat[:n], a, b, slots, length)
-            tail = per_token(flat[n:], a, b, self.index[n:]) if flat.shape[0] > n else None
-            y = head if tail is None else torch.cat([head, tail])
-        elif out.is_contiguous() and (kernel := _grouped_kernel()) is not None:
+            tail = flat[n:]
+            if tail.shape[0]:
+                head = torch.cat([head, per_token(tail, a, b, self.index[n:], kernels)])
+            y = head
+        elif kernels is not None and out.is_contiguous():
             # The kernel adds into the layer's output: no delta tensor, no separate add.
-            kernel.grouped_lora(flat, a, b, self.index, out=out.view(-1, out.shape[-1]))
+            kernels.grouped_lora(flat, a, b, self.index, out=out.view(-1, out.shape[-1]))
             return out
         else:
             y = masked_lora(flat, a, b, self.index)
         return out + y.view(out.shape)
+
+    @property
+    def fused(self) -> bool:
+        """Whether `shrink`, `expand` and `expand_sum` run the grouped kernels in place (CUDA
+        with Triton, not a batch of image prefixes)."""
+        return self.kernels is not None and self.segments is None
+
+    def shrink(self, layer: int, x: torch.Tensor, targets: tuple[str, ...]) -> Shrunk:
+        """On the kernel path, one launch per shared-input group of ``targets``: the partial
+        products of ``x`` with every slot's stacked A of the group."""
+        kernels = self.kernels
+        if kernels is None or self.segments is not None:
+            return Shrunk(x, {})
+        flat = x.reshape(-1, x.shape[-1])
+        groups = dict.fromkeys(self.bank.group_of[t][0] for t in targets if t in self.bank.a)
+        a = self.bank.a_groups
+        return Shrunk(x, {g: kernels.shrink(flat, a[g][:, layer], self.index) for g in groups})
+
+    def expand(
+        self,
+        layer: int,
+        outs: Sequence[tuple[Any, str, torch.Tensor]],
+        gelu_last: bool = False,
+    ) -> list[torch.Tensor]:
+        """On the kernel path, the deltas added in place, two outputs per launch (the GELU
+        fused into the launch of the last); elsewhere target by target."""
+        kernels, bank = self.kernels, self.bank
+        fused = kernels is not None and all(
+            isinstance(s, Shrunk) and (s.parts or t not in bank.a) and _rows(o) is not None
+            for s, t, o in outs
+        )
+        if not fused:
+            xs = [(s.x if isinstance(s, Shrunk) else s, t, o) for s, t, o in outs]
+            return super().expand(layer, xs, gelu_last)
+        assert kernels is not None
+        jobs = [
+            self._target(kernels, layer, shrunk, target, _rows(out))
+            for shrunk, target, out in outs
+            if target in bank.a
+        ]
+        gelu = gelu_last and outs[-1][1] in bank.a and len(jobs) >= 2
+        if gelu and len(jobs) % 2:  # the GELU's output launches second: pair it with the one before
+            kernels.expand(self.index, jobs.pop(0))
+        for i in range(0, len(jobs), 2):
+            pair = jobs[i : i + 2]
+            kernels.expand(self.index, *pair, gelu=gelu and i + 2 == len(jobs))
+        ys = [out for _, _, out in outs]
+        if gelu_last and not gelu:
+            ys[-1] = gelu_tanh(ys[-1])
+        return ys
+
+    def expand_sum(
+        self, layer: int, terms: Sequence[tuple[Any, str]], out: torch.Tensor
+    ) -> torch.Tensor:
+        """On the kernel path, the deltas added into ``out`` in place, two per launch (their
+        sum rounded once); elsewhere target by target."""
+        kernels, bank = self.kernels, self.bank
+        terms = [(s, t) for s, t in terms if t in bank.a]
+        flat = _rows(out)
+        fused = (
+            kernels is not None
+            and flat is not None
+            and all(isinstance(s, Shrunk) and s.parts for s, _ in terms)
+        )
+        if not fused:
+            xs = [(s.x if isinstance(s, Shrunk) else s, t) for s, t in terms]
+            return super().expand_sum(layer, xs, out)
+        assert kernels is not None and flat is not None
+        jobs = [self._target(kernels, layer, s, t, flat) for s, t in terms]
+        for i in range(0, len(jobs), 2):
+            pair = jobs[i : i + 2]
+            kernels.expand(self.index, *pair, same_out=len(pair) == 2)
+        return out
+
+    def _target(
+        self, kernels: ModuleType, layer: int, shrunk: Shrunk, target: str, out: torch.Tensor
+    ) -> Any:
+        """The kernels' view of one output: ``target``'s columns of its group's partials."""
+        group, i = self.bank.group_of[target]
+        b = self.bank.b[target][:, layer]
+        return kernels.Target(shrunk.parts[group], i * self.bank.max_rank, b, out)
 
     def expert_delta(
         self,
@@ -152,6 +251,17 @@ class LoraBatch:
         return self.bank.expert_delta(self.index, layer, target, x, experts, tokens)
 
 
+def _rows(out: torch.Tensor) -> torch.Tensor | None:
+    """``out`` [..., N] as rows [T, N] of unit column stride without a copy (a column slice of
+    a wider product too), or None."""
+    if out.stride(-1) != 1:
+        return None
+    try:
+        return out.view(-1, out.shape[-1])
+    except RuntimeError:
+        return None
+
+
 def _grouped_kernel() -> ModuleType | None:
     """The Triton kernels' module, or None without Triton."""
     from vlm_server.models.common import lora_kernel
@@ -160,13 +270,16 @@ def _grouped_kernel() -> ModuleType | None:
 
 
 def per_token(
-    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, index: torch.Tensor
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    index: torch.Tensor,
+    kernels: ModuleType | None,
 ) -> torch.Tensor:
-    """The delta alone: the grouped Triton kernel where Triton is, else the masked PyTorch
+    """The delta alone: the grouped Triton kernels where given, else the masked PyTorch
     products."""
-    kernel = _grouped_kernel()
-    if kernel is not None:
-        return kernel.grouped_lora(x, a, b, index)
+    if kernels is not None:
+        return kernels.grouped_lora(x, a, b, index)
     return masked_lora(x, a, b, index)
 
 

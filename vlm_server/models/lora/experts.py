@@ -21,6 +21,8 @@ from vlm_server.models.lora.bank import LoraBank, exact_lora
 from vlm_server.models.lora.spec import AdapterWeights, ExpertTargets, LoraTargets
 
 EXPERTS = "experts."  # staged expert targets are keyed apart from the dense ones
+DENSE = "dense"  # the dense layers' staged slot (`LoraBank.staging`)
+ExpertStaged = dict[str, "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
 
 
 class ExpertLoraBank(LoraBank):
@@ -68,10 +70,10 @@ class ExpertLoraBank(LoraBank):
         experts = sum(x.nbytes for x in (*self.ea.values(), *self.eb.values()))
         return super().nbytes + experts
 
-    def staging(self, weights: AdapterWeights) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def staging(self, weights: AdapterWeights) -> ExpertStaged:  # type: ignore[override]
         """The dense layers' staging (`LoraBank.staging`) and the expert layers', keyed
         ``experts.<target>``; the caller holds `stage_lock` until the copy completed."""
-        out = super().staging(weights)
+        out: ExpertStaged = {DENSE: super().staging(weights)}
         for t in self.expert_targets.targets:
             a, b = self._expert_stage[t]
             a.zero_()
@@ -84,12 +86,12 @@ class ExpertLoraBank(LoraBank):
             out[EXPERTS + t] = (a, b)
         return out
 
-    def write(
-        self, slot: int, staged: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int
-    ) -> None:
+    def write(self, slot: int, staged: ExpertStaged, rank: int) -> None:  # type: ignore[override]
         """`LoraBank.write` of the dense layers, then each expert layer's slice of ``slot``
         (contiguous [E, r, in] and [E, out, r]: plain asynchronous copies from pinned memory)."""
-        super().write(slot, {t: ab for t, ab in staged.items() if t in self.a}, rank)
+        dense = staged[DENSE]
+        assert isinstance(dense, torch.Tensor)
+        super().write(slot, dense, rank)
         for t in self.expert_targets.targets:
             a, b = staged[EXPERTS + t]
             for layer in range(a.shape[0]):

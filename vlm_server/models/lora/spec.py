@@ -18,11 +18,14 @@ the activation, fc2's after), before the routing weight scales it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
+
+from vlm_server.models.common.layers import gelu_tanh
 
 # How a family's adapters are stored and fetched: "variant" (Moondream 2: the reference's
 # renamed training keys; ``/v1/variants/<id>/download``) or "finetune" (Moondream 3: the cloud
@@ -49,12 +52,22 @@ class LoraTargets:
     """The linear layers of a decoder an adapter may add to: ``targets[name] = (in, out)``
     widths, for each of ``n_layers`` layers (the first ones: a family with expert layers
     counts its dense layers here); ``experts``: its expert layers, if any; ``format``: how its
-    adapters are stored and fetched."""
+    adapters are stored and fetched; ``shared``: groups of targets whose deltas the decoder
+    computes from one input tensor (their A's are stacked, so that one shrink serves a group:
+    models/lora/layout.py)."""
 
     n_layers: int
     targets: dict[str, tuple[int, int]]
     experts: ExpertTargets | None = None
     format: AdapterFormat = "variant"
+    shared: tuple[tuple[str, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        seen = [t for group in self.shared for t in group]
+        assert len(seen) == len(set(seen)) <= len(self.targets), "a target in one group at most"
+        for group in self.shared:
+            widths = {self.targets[t][0] for t in group}
+            assert len(widths) == 1, f"{group}: a shared input has one width"
 
 
 Pairs = list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
@@ -90,7 +103,14 @@ class AdapterWeights:
 class LoraDelta(Protocol):
     """What a decoder asks: ``out`` [..., out], the output of ``target`` in ``layer``, plus
     the adapter's delta for that layer's input ``x`` [..., in] (tokens in the order the
-    forward holds them). ``out`` may be updated in place."""
+    forward holds them). ``out`` may be updated in place.
+
+    `shrink` and `expand` split the same deltas in two so that an implementation can batch
+    them: ``shrink(layer, x, targets)`` takes what ``targets``' deltas need of their shared
+    input ``x``; ``expand(layer, [(shrunk, target, out), ...])`` returns each ``out`` plus
+    its target's delta of the input ``shrunk`` was taken from (``gelu_last``: the last one
+    then through GELU, tanh approximation); ``expand_sum(layer, [(shrunk, target), ...],
+    out)`` adds several targets' deltas into one output."""
 
     def add(self, layer: int, target: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor: ...
 
@@ -108,8 +128,53 @@ class LoraDelta(Protocol):
         None: no delta for ``target`` (the adapter leaves it out)."""
         ...
 
+    def shrink(self, layer: int, x: torch.Tensor, targets: tuple[str, ...]) -> object: ...
 
-class SingleLora:
+    def expand(
+        self,
+        layer: int,
+        outs: Sequence[tuple[Any, str, torch.Tensor]],
+        gelu_last: bool = False,
+    ) -> list[torch.Tensor]: ...
+
+    def expand_sum(
+        self, layer: int, terms: Sequence[tuple[Any, str]], out: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+class DeltaByTarget:
+    """`shrink` and `expand` through ``add``, target by target: each output gets its own
+    delta in the order ``outs`` lists them (the reference's arithmetic)."""
+
+    def add(self, layer: int, target: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def shrink(self, layer: int, x: torch.Tensor, targets: tuple[str, ...]) -> object:
+        return x
+
+    def expand(
+        self,
+        layer: int,
+        outs: Sequence[tuple[Any, str, torch.Tensor]],
+        gelu_last: bool = False,
+    ) -> list[torch.Tensor]:
+        ys = [self.add(layer, target, x, out) for x, target, out in outs]
+        if gelu_last:
+            ys[-1] = gelu_tanh(ys[-1])
+        return ys
+
+    def expand_sum(
+        self, layer: int, terms: Sequence[tuple[Any, str]], out: torch.Tensor
+    ) -> torch.Tensor:
+        """``out`` plus every ``(shrunk, target)`` term's delta: targets whose outputs the
+        decoder sums anyway (a parallel block's proj and fc2, when one product gives their
+        sum)."""
+        for x, target in terms:
+            out = self.add(layer, target, x, out)
+        return out
+
+
+class SingleLora(DeltaByTarget):
     """One adapter for every token, computed as the reference does (two ``F.linear``): the
     reference generation uses it."""
 

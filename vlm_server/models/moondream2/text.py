@@ -57,11 +57,20 @@ class TextAttention(nn.Module):
         positions: torch.Tensor,
         cache: KVCache,
         layer: int,
-        lora: LoraDelta | None = None,
     ) -> torch.Tensor:
-        qkv = self.qkv(x)
-        if lora is not None:
-            qkv = lora.add(layer, "qkv", x, qkv)
+        return self.proj(self.attend(self.qkv(x), cos, sin, positions, cache, layer))
+
+    def attend(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        layer: int,
+    ) -> torch.Tensor:
+        """The packed projection [B, T, (H + 2 KVH) hd] -> attention output [B, T, H hd]
+        (proj's input), keys and values written to ``cache``."""
         # A cache may fuse rotary, the KV write and attention over the raw projection.
         packed = getattr(cache, "attend_packed", None)
         if packed is not None:
@@ -70,12 +79,7 @@ class TextAttention(nn.Module):
             q, k, v = self.split_qkv(qkv, cos, sin)
             out = cache.attend(layer, q, k, v, positions)
         b, _, t, _ = out.shape
-        y = self.proj(out.transpose(1, 2).reshape(b, t, -1))
-        # The reference adds proj's delta of the block's normed input x, not of the attention
-        # output proj reads (moondream/torch/text.py): matched exactly.
-        if lora is not None:
-            y = lora.add(layer, "proj", x, y)
-        return y
+        return out.transpose(1, 2).reshape(b, t, -1)
 
 
 class TextBlock(nn.Module):
@@ -148,6 +152,7 @@ class TextDecoder(nn.Module):
                 "fc1": (cfg.dim, cfg.ff_dim),
                 "fc2": (cfg.ff_dim, cfg.dim),
             },
+            shared=(("qkv", "proj", "fc1"),),  # all three read the block's normed input
         )
 
     def forward(
@@ -163,17 +168,19 @@ class TextDecoder(nn.Module):
         packed = getattr(cache, "attend_packed", None)
         if (
             self._stacked is not None
-            and lora is None
+            and (lora is None or getattr(lora, "fused", False))
             and packed is not None
             and fused_products.usable(x)
         ):
-            return self._fused_forward(x, positions, packed)
+            return self._fused_forward(x, positions, packed, lora)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         h = blocks[0].ln(x)
         # Each block's forward, with its residual adds fused into the next block's norm.
         for i, block in enumerate(blocks):
-            a = block.attn(h, cos, sin, positions, cache, i, lora)
-            m = block.mlp(h) if lora is None else _lora_mlp(block.mlp, h, lora, i)
+            if lora is None:
+                a, m = block.attn(h, cos, sin, positions, cache, i), block.mlp(h)
+            else:
+                a, m = _lora_block(block, h, cos, sin, positions, cache, i, lora)
             if i + 1 < len(blocks):
                 x, h = add_layernorm(x, a, m, blocks[i + 1].ln)
             else:
@@ -181,22 +188,44 @@ class TextDecoder(nn.Module):
         return x
 
     def _fused_forward(
-        self, x: torch.Tensor, positions: torch.Tensor, attend: Callable[..., torch.Tensor]
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Callable[..., torch.Tensor],
+        lora: LoraDelta | None = None,
     ) -> torch.Tensor:
         """`forward` for few rows: per block one product for QKV and the hidden layer, the
-        fused attention, one product for the branch, the residual add fused into the norm."""
+        fused attention, one product for the branch, the residual add fused into the norm.
+        ``lora`` (one whose deltas run in place: `LoraBatch.fused`): qkv's and fc1's deltas
+        added into the first product (fc1's GELU applied with them), proj's and fc2's into
+        the branch (its first split sum where the product splits K)."""
         blocks, stacked = self.blocks, self._stacked
         assert stacked is not None
         h = blocks[0].ln(x)
         for i, prod in enumerate(stacked):
-            qkv, hidden = prod.qkv_and_hidden(h)
+            if lora is None:
+                qkv, hidden = prod.qkv_and_hidden(h)
+            else:
+                qkv, fc1 = prod.qkv_and_fc1(h)
+                shared = lora.shrink(i, h, ("qkv", "proj", "fc1"))
+                qkv, hidden = lora.expand(i, [(shared, "qkv", qkv), (shared, "fc1", fc1)], True)
             out = attend(i, qkv, positions)
             b, _, t, _ = out.shape
             attn = out.transpose(1, 2).reshape(b, t, -1)
-            if i + 1 < len(blocks):
-                x, h = prod.add_branch_and_norm(x, attn, hidden, blocks[i + 1].ln)
+            last = i + 1 == len(blocks)
+            if lora is None:
+                if last:
+                    x = x + prod.branch(attn, hidden)
+                else:
+                    x, h = prod.add_branch_and_norm(x, attn, hidden, blocks[i + 1].ln)
+                continue
+            terms = [(shared, "proj"), (lora.shrink(i, hidden, ("fc2",)), "fc2")]
+            if last:
+                x = x + lora.expand_sum(i, terms, prod.branch(attn, hidden))
             else:
-                x = x + prod.branch(attn, hidden)
+                parts = prod.branch_parts(attn, hidden)
+                lora.expand_sum(i, terms, parts[0] if parts.dim() == 3 else parts)
+                x, h = prod.add_parts_and_norm(x, parts, blocks[i + 1].ln)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -210,8 +239,27 @@ class TextDecoder(nn.Module):
         return self.lm_head(normed).float()
 
 
-def _lora_mlp(mlp: MLP, x: torch.Tensor, lora: LoraDelta, layer: int) -> torch.Tensor:
-    """The MLP with adapter deltas: fc1's before the GELU (so not the fused fc1 + GELU GEMM),
-    fc2's of the GELU's output."""
-    h = F.gelu(lora.add(layer, "fc1", x, mlp.fc1(x)), approximate="tanh")
-    return lora.add(layer, "fc2", h, mlp.fc2(h))
+def _lora_block(
+    block: TextBlock,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    cache: KVCache,
+    layer: int,
+    lora: LoraDelta,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block's attention and MLP outputs with adapter deltas, each added to its own
+    layer's output as the reference does. qkv's, proj's and fc1's deltas all read the normed
+    input ``h`` (proj's too: the reference's rule, not the attention output proj reads), so
+    one shrink serves the three; fc1 runs before attention so that its delta and qkv's are
+    added in one expand (which also applies the GELU: not the fused fc1 + GELU GEMM, the
+    delta comes first), and proj's beside fc2's in another."""
+    attn, mlp = block.attn, block.mlp
+    qkv, fc1 = attn.qkv(h), mlp.fc1(h)
+    shared = lora.shrink(layer, h, ("qkv", "proj", "fc1"))
+    qkv, g = lora.expand(layer, [(shared, "qkv", qkv), (shared, "fc1", fc1)], gelu_last=True)
+    a, m = attn.proj(attn.attend(qkv, cos, sin, positions, cache, layer)), mlp.fc2(g)
+    hidden = lora.shrink(layer, g, ("fc2",))
+    a, m = lora.expand(layer, [(shared, "proj", a), (hidden, "fc2", m)])
+    return a, m
