@@ -26,6 +26,19 @@ except ImportError:  # the CPU path needs no Triton
 if triton is not None:
 
     @triton.jit
+    def _normalize(s, cols, mask, offs, dim, eps, weight, bias, out):
+        # One row's LayerNorm of the sum s, statistics in fp32 (pointers named without
+        # "_ptr": a helper inlined into the kernels, not launched).
+        v = s.to(tl.float32)
+        mean = tl.sum(v, axis=0) / dim
+        centred = tl.where(mask, v - mean, 0.0)
+        var = tl.sum(centred * centred, axis=0) / dim
+        w = tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(bias + cols, mask=mask, other=0.0).to(tl.float32)
+        y = centred * tl.rsqrt(var + eps) * w + b
+        tl.store(out + offs, y.to(out.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _add_layernorm_kernel(
         x_ptr,
         a_ptr,
@@ -49,14 +62,7 @@ if triton is not None:
         if HAS_B:
             s = s + tl.load(b_ptr + offs, mask=mask, other=0.0)
         tl.store(sum_ptr + offs, s, mask=mask)
-        v = s.to(tl.float32)
-        mean = tl.sum(v, axis=0) / dim
-        centred = tl.where(mask, v - mean, 0.0)
-        var = tl.sum(centred * centred, axis=0) / dim
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = centred * tl.rsqrt(var + eps) * w + b
-        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        _normalize(s, cols, mask, offs, dim, eps, w_ptr, bias_ptr, out_ptr)
 
 
 if triton is not None:
@@ -87,14 +93,7 @@ if triton is not None:
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
         s = x + br.to(x_ptr.dtype.element_ty)
         tl.store(sum_ptr + offs, s, mask=mask)
-        v = s.to(tl.float32)
-        mean = tl.sum(v, axis=0) / dim
-        centred = tl.where(mask, v - mean, 0.0)
-        var = tl.sum(centred * centred, axis=0) / dim
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(nb_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = centred * tl.rsqrt(var + eps) * w + b
-        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        _normalize(s, cols, mask, offs, dim, eps, w_ptr, nb_ptr, out_ptr)
 
 
 def add_partials_layernorm(
