@@ -18,16 +18,18 @@ import os
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from vlm_server.models.lora import files
 from vlm_server.models.lora.files import AdapterError
 from vlm_server.models.lora.spec import AdapterFormat
 
 API_KEY_ENV = "MOONDREAM_API_KEY"  # the reference reads the key from here too
+KEY_HEADER = "X-Moondream-Auth"
 CHUNK = 1 << 20
 MAX_ANSWER_BYTES = 1 << 16  # the finetune endpoint's JSON answer (a URL)
 
@@ -69,7 +71,7 @@ class AdapterStore:
         base = str(self.endpoint).rstrip("/")
         keyed = {"User-Agent": "vlm-server"}
         if self.api_key:
-            keyed["X-Moondream-Auth"] = self.api_key
+            keyed[KEY_HEADER] = self.api_key
         deadline = time.monotonic() + self.timeout_s
         if self.scheme == "finetune":
             finetune, at, step = name.partition("@")
@@ -120,7 +122,7 @@ class AdapterStore:
         try:
             request = urllib.request.Request(url, headers=headers)
             timeout = max(0.1, deadline - time.monotonic())
-            with urllib.request.urlopen(request, timeout=timeout) as response:
+            with _OPENER.open(request, timeout=timeout) as response:
                 size = 0
                 while chunk := response.read(CHUNK):
                     size += len(chunk)
@@ -141,6 +143,34 @@ class AdapterStore:
             ) from None
         except (OSError, ValueError) as err:  # refused, timed out, reset, bad URL
             raise AdapterError(f"adapter {name!r}: the download failed: {err}", True) from None
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urllib.parse.urlsplit(url)
+    default = {"http": 80, "https": 443}.get(parts.scheme)
+    return parts.scheme, (parts.hostname or "").lower(), parts.port or default
+
+
+class _KeyStaysHome(urllib.request.HTTPRedirectHandler):
+    """Follows redirects, but sends the key only to the origin it was given for: urllib's
+    own handler copies every header to wherever a redirect points."""
+
+    def redirect_request(
+        self,
+        req: urllib.request.Request,
+        fp: Any,
+        code: int,
+        msg: str,
+        headers: Any,
+        newurl: str,
+    ) -> urllib.request.Request | None:
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and _origin(newurl) != _origin(req.full_url):
+            new.remove_header(KEY_HEADER.capitalize())  # urllib stores names capitalized
+        return new
+
+
+_OPENER = urllib.request.build_opener(_KeyStaysHome())
 
 
 class _Memory:
