@@ -43,7 +43,8 @@ class StepRecorder(Observer):
         self.forwards: list[tuple[str, object, object]] = []
         self.samples: list[tuple[object, object]] = []
         self.commits: list[tuple[float, str, int]] = []
-        self.host: list[tuple[float, float, float]] = []
+        self.host: list[tuple[float, float, float, float]] = []
+        self._wait = 0.0  # the commit's wait for results within the current tick
 
     def forward_timed(self, kind: str, start: object, end: object) -> None:
         self.forwards.append((kind, start, end))
@@ -55,9 +56,13 @@ class StepRecorder(Observer):
         if self.device_timing:
             self.commits.append((time.perf_counter(), step.kind.value, len(step.seqs)))
 
+    def waited(self, seconds: float) -> None:
+        self._wait += seconds
+
     def tick(self, commit_s: float, finalize_s: float, launch_s: float) -> None:
         if self.device_timing:
-            self.host.append((commit_s, finalize_s, launch_s))
+            self.host.append((commit_s, finalize_s, launch_s, self._wait))
+        self._wait = 0.0
 
 
 def _median(xs: list[float]) -> float:
@@ -100,6 +105,7 @@ async def run_case(
     kv_bytes: int | None,
     task: str = "caption",
     fused_decode: bool = True,
+    observer: StepRecorder | None = None,
 ) -> dict:
     cfg = EngineConfig(
         fused_decode=fused_decode,
@@ -108,7 +114,7 @@ async def run_case(
         cuda_graphs=graphs,
         kv_budget_bytes=kv_bytes,
     )
-    rec = StepRecorder()
+    rec = observer or StepRecorder()
     engine = BatchedEngine(loaded, cfg, observer=rec)
     await engine.start()
     rt = engine.runtime
@@ -157,6 +163,10 @@ async def run_case(
         "host_commit_ms": _median([h[0] for h in host]) * 1e3,
         "host_finalize_ms": _median([h[1] for h in host]) * 1e3,
         "host_launch_ms": _median([h[2] for h in host]) * 1e3,
+        # The tick's own work: its three parts less the commit's wait for the step's results
+        # (what must stay under the forward for the GPU never to wait on the host).
+        "host_wait_ms": _median([h[3] for h in host]) * 1e3,
+        "host_busy_ms": _median([h[0] + h[1] + h[2] - h[3] for h in host]) * 1e3,
         "output_tokens": out_tokens,
     }
     row["gpu_idle_ms"] = row["period_ms"] - row["forward_ms"] - row["sampling_ms"]
@@ -273,7 +283,7 @@ def main() -> None:
     head = (
         f"{'streams':>7} {'depth':>5} {'fused':>5} {'fwd ms':>7} {'samp ms':>7} {'period':>7} "
         f"{'idle':>6} {'commit':>7} {'final':>6} {'launch':>6} {'tok/s':>8} {'speedup':>8} "
-        f"{'floor':>6}"
+        f"{'floor':>6} {'busy':>6}"
     )
     model_name = args.model or args.preset
     print(f"\n{name}, {model_name} {args.dtype}, {args.tokens} tokens per stream")
@@ -286,7 +296,8 @@ def main() -> None:
             f"{r['sampling_ms']:>7.3f} {r['period_ms']:>7.3f} {r['gpu_idle_ms']:>6.3f} "
             f"{r['host_commit_ms']:>7.3f} {r['host_finalize_ms']:>6.3f} "
             f"{r['host_launch_ms']:>6.3f} {r['tokens_per_s']:>8.1f} "
-            f"{'' if sp is None else f'{sp:+.1%}':>8} {r.get('floor_ms', float('nan')):>6.3f}"
+            f"{'' if sp is None else f'{sp:+.1%}':>8} {r.get('floor_ms', float('nan')):>6.3f} "
+            f"{r['host_busy_ms']:>6.3f}"
         )
     try:
         import matplotlib

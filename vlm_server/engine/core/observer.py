@@ -35,6 +35,10 @@ class Observer:
     def released(self, seq: Sequence) -> None:
         """``seq``'s pages and row are about to be returned (no step in flight holds it)."""
 
+    def waited(self, seconds: float) -> None:
+        """The host blocked ``seconds`` on a step's results, inside the commit that `tick`
+        then reports (so the tick's own work is its parts less this)."""
+
     def tick(self, commit_s: float, finalize_s: float, launch_s: float) -> None:
         """Host seconds spent in each part of one scheduler tick."""
 

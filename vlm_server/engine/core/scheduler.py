@@ -473,7 +473,9 @@ class Scheduler:
     def _commit(self, step: Step[Sequence]) -> None:
         self.observer.committed(step)
         seqs = step.seqs
+        t = time.perf_counter()
         out = self.rt.read_outputs(step.slot, len(seqs))
+        self.observer.waited(time.perf_counter() - t)
         # Host copies (the slot's buffer is handed back below): the sampled ids as ints in one
         # array op, each row's values only when the step decoded region values.
         # `out` is host memory read_outputs already waited for (the tick's one wait).
