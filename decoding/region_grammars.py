@@ -139,41 +139,94 @@ class PathRows:
     automaton: AutomatonRows
 
 
-class SegmentGrammar(GrammarBase):
-    """Segment: one box (boundary token, x, y, size; eos not allowed before it), then an SVG
-    path in text tokens (see svg_path.py) closed validly within `max_tokens` and `max_points`,
-    then eos."""
+class BoxThenPathGrammar(GrammarBase):
+    """What every segment language shares: a box (boundary token, x, y, size; eos not
+    allowed before it), then path tokens under a budgeted walk, then eos. Subclasses commit
+    path tokens (`_path_token`) and say when the walk has ended (`_check_end`)."""
 
-    def __init__(
-        self, rows: RegionRows, path: PathRows, max_points: int = 64, max_tokens: int = 512
-    ) -> None:
+    def __init__(self, rows: RegionRows, walk: BudgetedWalk, max_tokens: int) -> None:
         super().__init__()
         self._rows = rows
-        self._path = path
-        self._points = max_points
-        self._walk = BudgetedWalk(path.automaton, path.language.start(max_points), max_tokens)
+        self._walk = walk
         self._max_tokens = max_tokens
-        self._in_path = False
+        self.in_path = False
         self.center = (0.0, 0.0)
         self.size = (0.0, 0.0)
-        self.path_bytes = bytearray()
 
     @property
     def mask_row(self) -> int:
         """Mask row of the next step (NO_MASK when it samples no token)."""
         if self.next_kind is not _TOKEN:
             return NO_MASK
-        return self._walk.row() if self._in_path else self._rows.segment_start
+        return self._walk.row() if self.in_path else self._rows.segment_start
 
     @property
     def feeds_token(self) -> bool:
         """The box's boundary token is not fed back; path tokens are."""
-        return self._in_path
+        return self.in_path
 
     @property
     def max_positions(self) -> int:
         """Upper bound on positions this request feeds after its prompt."""
         return 3 + self._max_tokens
+
+    def advance_token(self, token_id: int) -> None:
+        """Commit a sampled token (the box's boundary token, then path tokens)."""
+        self._expect(_TOKEN)
+        tokens = self._rows.tokens
+        if not self.in_path:
+            if token_id == tokens.eos_id or (
+                tokens.coord_id is not None and token_id != tokens.coord_id
+            ):
+                raise GrammarError(f"token {token_id} is not allowed before the box")
+            self.next_kind = _COORD_X
+            return
+        walk = self._walk
+        if token_id == tokens.eos_id:
+            if not walk.automaton.accepting(walk.state):
+                raise GrammarError("eos before the path is closed")
+            self._finish(GrammarEnd.STOP)
+            return
+        walk.step(token_id)
+        self._path_token(token_id)
+        self._check_end()
+
+    def advance_value(self, value: object) -> None:
+        """Commit the box's center x, center y, then size (w, h)."""
+        kind = self.next_kind
+        if kind is _COORD_X:
+            self.center = (coordinate_value(value), 0.0)
+            self.next_kind = _COORD_Y
+        elif kind is _COORD_Y:
+            self.center = (self.center[0], coordinate_value(value))
+            self.next_kind = _SIZE
+        elif kind is _SIZE:
+            self.size = size_value(value)
+            self.in_path = True
+            self.next_kind = _TOKEN
+            self._check_end()
+        else:
+            raise GrammarError(f"expected a {kind.name} commit, got a value")
+
+    def _path_token(self, token_id: int) -> None:
+        raise NotImplementedError
+
+    def _check_end(self) -> None:
+        raise NotImplementedError
+
+
+class SegmentGrammar(BoxThenPathGrammar):
+    """Segment: one box, then an SVG path in text tokens (see svg_path.py) closed validly
+    within `max_tokens` and `max_points`, then eos."""
+
+    def __init__(
+        self, rows: RegionRows, path: PathRows, max_points: int = 64, max_tokens: int = 512
+    ) -> None:
+        walk = BudgetedWalk(path.automaton, path.language.start(max_points), max_tokens)
+        super().__init__(rows, walk, max_tokens)
+        self._path = path
+        self._points = max_points
+        self.path_bytes = bytearray()
 
     @property
     def path_text(self) -> str:
@@ -188,47 +241,13 @@ class SegmentGrammar(GrammarBase):
         grid = self._path.language.grid
         return build_segment(self.center, self.size, self.path_text, image_size, grid)
 
-    def advance_token(self, token_id: int) -> None:
-        """Commit a sampled token (the box's boundary token, then path tokens)."""
-        self._expect(_TOKEN)
-        tokens = self._rows.tokens
-        if not self._in_path:
-            if token_id == tokens.eos_id or (
-                tokens.coord_id is not None and token_id != tokens.coord_id
-            ):
-                raise GrammarError(f"token {token_id} is not allowed before the box")
-            self.next_kind = _COORD_X
-            return
+    def _path_token(self, token_id: int) -> None:
         walk = self._walk
-        if token_id == tokens.eos_id:
-            if not walk.automaton.accepting(walk.state):
-                raise GrammarError("eos before the path is closed")
-            self._finish(GrammarEnd.STOP)
-            return
-        walk.step(token_id)
         piece = walk.automaton.piece(token_id)
         self.path_bytes += piece
         language = self._path.language
         self._points -= language.points_spent(piece)
         walk.state = language.with_count(walk.state, self._points)
-        self._check_end()
-
-    def advance_value(self, value: object) -> None:
-        """Commit the box's center x, center y, then size (w, h)."""
-        kind = self.next_kind
-        if kind is _COORD_X:
-            self.center = (coordinate_value(value), 0.0)
-            self.next_kind = _COORD_Y
-        elif kind is _COORD_Y:
-            self.center = (self.center[0], coordinate_value(value))
-            self.next_kind = _SIZE
-        elif kind is _SIZE:
-            self.size = size_value(value)
-            self._in_path = True
-            self.next_kind = _TOKEN
-            self._check_end()
-        else:
-            raise GrammarError(f"expected a {kind.name} commit, got a value")
 
     def _check_end(self) -> None:
         if self._walk.only_eos():

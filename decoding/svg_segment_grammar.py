@@ -18,21 +18,14 @@ from dataclasses import dataclass
 
 from .grammar_base import (
     BudgetedWalk,
-    GrammarBase,
     GrammarEnd,
     GrammarError,
-    StepKind,
-    coordinate_value,
-    size_value,
 )
-from .mask_table import NO_MASK, AutomatonRows
-from .region_grammars import RegionRows
+from .mask_table import AutomatonRows
+from .region_grammars import BoxThenPathGrammar, RegionRows
 from .segment_output import SegmentResult
 from .svg_geometry import Box, build_box_segment, clamped_box
 from .svg_tokens import PathParser
-
-_TOKEN, _COORD_X = StepKind.TOKEN, StepKind.COORD_X
-_COORD_Y, _SIZE = StepKind.COORD_Y, StepKind.SIZE
 
 
 @dataclass(frozen=True)
@@ -44,38 +37,16 @@ class SvgTokenRows:
     items: tuple[str | None, ...]
 
 
-class SvgTokenSegmentGrammar(GrammarBase):
+class SvgTokenSegmentGrammar(BoxThenPathGrammar):
     """Segment in Moondream 3's language: box, then path tokens, then eos."""
 
     def __init__(self, rows: RegionRows, path: SvgTokenRows, max_tokens: int) -> None:
-        super().__init__()
-        self._rows = rows
+        walk = BudgetedWalk(path.automaton, path.automaton.dfa.start, max_tokens)
+        super().__init__(rows, walk, max_tokens)
         self._items = path.items
-        self._walk = BudgetedWalk(path.automaton, path.automaton.dfa.start, max_tokens)
-        self._max_tokens = max_tokens
-        self.in_path = False
-        self.center = (0.0, 0.0)
-        self.size = (0.0, 0.0)
         self.path_ids: list[int] = []  # the path's tokens, as committed
         self.parser = PathParser()
         self.chunks: list[str] = []
-
-    @property
-    def mask_row(self) -> int:
-        """Mask row of the next step (NO_MASK when it samples no token)."""
-        if self.next_kind is not _TOKEN:
-            return NO_MASK
-        return self._walk.row() if self.in_path else self._rows.segment_start
-
-    @property
-    def feeds_token(self) -> bool:
-        """The box's boundary token is not fed back; path tokens are."""
-        return self.in_path
-
-    @property
-    def max_positions(self) -> int:
-        """Upper bound on positions this request feeds after its prompt."""
-        return 3 + self._max_tokens
 
     @property
     def box(self) -> Box:
@@ -89,24 +60,7 @@ class SvgTokenSegmentGrammar(GrammarBase):
             raise GrammarError("segment result asked for before the grammar finished")
         return build_box_segment(self.center, self.size, self.parser.groups, image_size)
 
-    def advance_token(self, token_id: int) -> None:
-        """Commit a sampled token (the box's boundary token, then path tokens)."""
-        self._expect(_TOKEN)
-        tokens = self._rows.tokens
-        if not self.in_path:
-            if token_id == tokens.eos_id or (
-                tokens.coord_id is not None and token_id != tokens.coord_id
-            ):
-                raise GrammarError(f"token {token_id} is not allowed before the box")
-            self.next_kind = _COORD_X
-            return
-        walk = self._walk
-        if token_id == tokens.eos_id:
-            if not walk.automaton.accepting(walk.state):
-                raise GrammarError("eos before the path may end")
-            self._finish(GrammarEnd.STOP)
-            return
-        walk.step(token_id)
+    def _path_token(self, token_id: int) -> None:
         self.path_ids.append(token_id)
         item = self._items[token_id]
         try:
@@ -115,24 +69,6 @@ class SvgTokenSegmentGrammar(GrammarBase):
             raise GrammarError(str(err)) from None
         if group is not None:
             self.chunks.append((" " if self.chunks else "") + group.text())
-        self._check_end()
-
-    def advance_value(self, value: object) -> None:
-        """Commit the box's center x, center y, then size (w, h)."""
-        kind = self.next_kind
-        if kind is _COORD_X:
-            self.center = (coordinate_value(value), 0.0)
-            self.next_kind = _COORD_Y
-        elif kind is _COORD_Y:
-            self.center = (self.center[0], coordinate_value(value))
-            self.next_kind = _SIZE
-        elif kind is _SIZE:
-            self.size = size_value(value)
-            self.in_path = True
-            self.next_kind = _TOKEN
-            self._check_end()
-        else:
-            raise GrammarError(f"expected a {kind.name} commit, got a value")
 
     def _check_end(self) -> None:
         if self._walk.only_eos():

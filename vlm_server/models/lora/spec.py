@@ -208,6 +208,8 @@ class SingleLora(DeltaByTarget):
             return None
         a, b = pair
         y = x.new_zeros(x.shape[0], b.shape[1])
+        # The reference generation's path (one adapter, plain loops): its host reads never
+        # run in the scheduler tick.
         for row, (e, t) in enumerate(zip(experts.tolist(), tokens.tolist(), strict=True)):
             if t >= 0:
                 y[row] = b[e] @ (a[e] @ x[row])
