@@ -32,13 +32,23 @@ def test_flags_and_variables_set_cluster_and_server_options() -> None:
         parse(["--replicas", "0"], {})
     with pytest.raises(ValueError, match="max_replicas"):
         ClusterConfig(replicas=4, max_replicas=2)
+    with pytest.raises(ValueError, match="ingress"):
+        ClusterConfig(ingress="nginx")
+    assert app.door_host(ClusterConfig()) == "auto"
+    assert app.door_host(ClusterConfig(ingress="ray")) == "127.0.0.1"
+    assert app.door_host(ClusterConfig(replica_host="10.0.0.7")) == "10.0.0.7"
 
 
 def test_the_printed_config_builds_the_same_application(capsys: pytest.CaptureFixture) -> None:
     assert main(["--replicas", "2", "--max-batch-size", "8", "--print-config"]) == 0
     config = json.loads(capsys.readouterr().out)
-    assert config["grpc_options"]["grpc_servicer_functions"] == [app.SERVICER]
+    assert config["proxy_location"] == "Disabled"  # the gateway (vlm gateway) is the door
     args = config["applications"][0]["args"]
+    assert args["cluster"].get("ingress", "gateway") == "gateway"
+    assert main(["--ingress", "ray", "--print-config"]) == 0
+    proxied = json.loads(capsys.readouterr().out)
+    assert proxied["grpc_options"]["grpc_servicer_functions"] == [app.SERVICER]
+    assert proxied["applications"][0]["args"]["cluster"]["ingress"] == "ray"
     assert args["cluster"]["replicas"] == 2 and args["server"] == {"max_batch_size": 8}
     assert "port" not in args["server"]  # the proxies' ports are not a replica's
     bound = app.build(args)

@@ -1,13 +1,15 @@
-"""The cluster on a local Ray instance: two CPU replicas of the tiny model behind Ray Serve's
-gRPC and HTTP proxies, shared by the module's tests (starting it is most of their time).
+"""The cluster on a local Ray instance: two CPU replicas of the tiny model behind both kinds of
+doors at once, the gateway (``--ingress gateway``, the default) and Ray Serve's gRPC and HTTP
+proxies (``--ingress ray``), shared by the module's tests (starting it is most of their time).
 
-Every RPC and HTTP route through the proxies; image affinity read from the replicas' own
+Every RPC and HTTP route through each door; image affinity read from the replicas' own
 metrics; a replica killed while it streams; drain. Assertions follow order and progress
 (a stream has begun, a replica was replaced), never wall-clock windows; the timeouts below
 only keep a broken run from hanging."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import socket
@@ -34,7 +36,8 @@ from vlm_server.client import TextDelta, TextResult, VisionLanguageClient
 from vlm_server.client.security import Security
 from vlm_server.client.types import VlmError
 from vlm_server.cluster.app import APP_NAME, SERVICER, application
-from vlm_server.cluster.directory import metrics_endpoints
+from vlm_server.cluster.directory import directory, metrics_endpoints
+from vlm_server.cluster.gateway import Gateway
 from vlm_server.cluster.metrics import scrape_all, value
 from vlm_server.options.cluster import ClusterConfig
 from vlm_server.options.table import ServerConfig
@@ -58,14 +61,45 @@ def _picture(seed: int) -> bytes:
     return out.getvalue()
 
 
-class Cluster:
-    def __init__(self, grpc_port: int, http_port: int) -> None:
+class Door:
+    """One way in: a gRPC target and an HTTP base URL."""
+
+    def __init__(self, name: str, grpc_port: int, http_port: int) -> None:
+        self.name = name
         self.target = f"127.0.0.1:{grpc_port}"
         self.url = f"http://127.0.0.1:{http_port}"
 
     def client(self, key: str | None = KEY) -> VisionLanguageClient:
         return VisionLanguageClient(
             self.target, timeout=HANG_GUARD_S, security=Security(api_key=key)
+        )
+
+
+class GatewayThread:
+    """The gateway as ``vlm cluster`` runs it, on an event loop of its own thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        entry = directory(APP_NAME)
+
+        async def entries() -> dict[str, Any]:
+            return await entry.replicas.remote()
+
+        self.gateway = Gateway(entries, 1.25, 64 << 20, BODY_LIMIT, refresh_s=0.25)
+        self.call(self.gateway.start("127.0.0.1", 0, -1))
+        self.call(self.gateway.wait_ready(2))
+
+    def call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(HANG_GUARD_S)
+
+
+class Cluster:
+    def __init__(self, grpc_port: int, http_port: int, gateway: GatewayThread) -> None:
+        self.gateway = gateway
+        self.doors = (
+            Door("gateway", gateway.gateway.port, gateway.gateway.http_port),
+            Door("ray", grpc_port, http_port),
         )
 
     def metrics(self) -> dict[str, str]:
@@ -89,17 +123,23 @@ def cluster(tiny_dir: Path) -> Iterator[Cluster]:
             max_http_body_bytes=BODY_LIMIT,
             api_keys=(KEY,),  # checked by each replica's server, as by one server alone
         )
-        replicas = ClusterConfig(replicas=2, gpus_per_replica=0, cpus_per_replica=0.5)
+        replicas = ClusterConfig(
+            replicas=2, gpus_per_replica=0, cpus_per_replica=0.5, replica_host="127.0.0.1"
+        )
         serve.run(application(replicas, server), name=APP_NAME, route_prefix="/")
-        yield Cluster(grpc_port, http_port)
+        gateway = GatewayThread()
+        yield Cluster(grpc_port, http_port, gateway)
+        gateway.call(gateway.gateway.stop(5))
     finally:
         serve.shutdown()
         ray.shutdown()
 
 
-def test_every_rpc_through_the_grpc_proxy(cluster: Cluster) -> None:
+@pytest.mark.parametrize("door", [0, 1], ids=["gateway", "ray"])
+def test_every_rpc_through_the_door(cluster: Cluster, door: int) -> None:
     image = sample_image_bytes()
-    with cluster.client() as client:
+    way_in = cluster.doors[door]
+    with way_in.client() as client:
         info = client.model_info()
         assert info.max_batch_size > 0
         stream = list(client.caption_stream(image, "short", max_tokens=8))
@@ -113,12 +153,12 @@ def test_every_rpc_through_the_grpc_proxy(cluster: Cluster) -> None:
         assert client.point(encoded, "ball", max_objects=2).finish_reason
         assert client.detect(encoded, "ball", max_objects=2).finish_reason
         assert client.segment(encoded, "ball").finish_reason
-        with grpc.insecure_channel(cluster.target) as channel:
+        with grpc.insecure_channel(way_in.target) as channel:
             asked = health_pb2.HealthCheckRequest(service="vlm.v1.VisionLanguage")
             answer = health_pb2_grpc.HealthStub(channel).Check(asked, timeout=HANG_GUARD_S)
             assert answer.status == health_pb2.HealthCheckResponse.SERVING
         # The server's own errors come through with their code and field; so do its keys.
-        with cluster.client(key=None) as stranger, pytest.raises(VlmError) as err:
+        with way_in.client(key=None) as stranger, pytest.raises(VlmError) as err:
             stranger.model_info()
         assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
         with pytest.raises(VlmError) as err:
@@ -126,8 +166,9 @@ def test_every_rpc_through_the_grpc_proxy(cluster: Cluster) -> None:
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_every_http_route_through_the_http_proxy(cluster: Cluster) -> None:
-    url, picture = cluster.url, data_url(sample_image_bytes())
+@pytest.mark.parametrize("door", [0, 1], ids=["gateway", "ray"])
+def test_every_http_route_through_the_door(cluster: Cluster, door: int) -> None:
+    url, picture = cluster.doors[door].url, data_url(sample_image_bytes())
     few = {"max_tokens": 6}
     status, body = post_json(f"{url}/v1/caption", {"image_url": picture}, headers={})
     assert status == 401, body
@@ -176,10 +217,11 @@ def _received(cluster: Cluster) -> dict[str, float]:
     }
 
 
-def test_the_same_image_lands_on_the_same_replica(cluster: Cluster) -> None:
-    with cluster.client() as client:
+@pytest.mark.parametrize("door", [0, 1], ids=["gateway", "ray"])
+def test_the_same_image_lands_on_the_same_replica(cluster: Cluster, door: int) -> None:
+    with cluster.doors[door].client() as client:
         for seed in range(3):  # one image at a time: nothing else loads the replicas
-            image = _picture(100 + seed)
+            image = _picture(100 + 10 * door + seed)
             before = _received(cluster)
             for _ in range(4):
                 client.query(image, "what colour?", max_tokens=2)
@@ -210,7 +252,7 @@ def test_a_replica_killed_mid_load(cluster: Cluster) -> None:
     outcomes: list[Any] = [None] * streams
 
     def run(i: int) -> None:
-        with cluster.client() as client:
+        with cluster.doors[i % 2].client() as client:
             it = client.caption_stream(_picture(200 + i), "long", max_tokens=LONG_TOKENS)
             try:
                 first = next(it)
@@ -240,10 +282,12 @@ def test_a_replica_killed_mid_load(cluster: Cluster) -> None:
     assert len(failed) + len(done) == streams, outcomes
     assert 1 <= len(failed) <= busy[victim], outcomes
     assert {f.code for f in failed} == {grpc.StatusCode.UNAVAILABLE}, failed
-    # New requests go to the replica that lives, then Ray brings a new one up.
-    with cluster.client() as client:
-        for seed in range(4):
-            assert client.query(_picture(300 + seed), "ok?", max_tokens=2).finish_reason
+    # New requests go to the replica that lives (through either door, whichever replica
+    # their picture's home was), then Ray brings a new one up.
+    for way_in in cluster.doors:
+        with way_in.client() as client:
+            for seed in range(4):
+                assert client.query(_picture(300 + seed), "ok?", max_tokens=2).finish_reason
     _until(lambda: len(set(cluster.metrics()) - {victim}) >= 2, "a new replica registers")
     _until(
         lambda: (
@@ -266,23 +310,28 @@ def _until(condition: Callable[[], bool], what: str) -> None:
 
 
 def test_drain_finishes_accepted_streams_then_stops(cluster: Cluster) -> None:
-    """Last: deleting the application is how ``vlm cluster`` drains on SIGTERM."""
-    first = threading.Event()
+    """Last: as ``vlm cluster`` drains on SIGTERM: the gateway drains, then deleting the
+    application drains Ray's proxies and every replica."""
+    first = threading.Barrier(len(cluster.doors) + 1, timeout=HANG_GUARD_S)
     outcome: list[Any] = []
 
-    def run() -> None:
-        with cluster.client() as client:
+    def run(way_in: Door) -> None:
+        with way_in.client() as client:
             it = client.caption_stream(_picture(400), "long", max_tokens=300)
             events_ = [next(it)]
-            first.set()
+            first.wait()
             events_.extend(it)
             outcome.append(events_[-1])
 
-    streaming = threading.Thread(target=run)
-    streaming.start()
-    assert first.wait(HANG_GUARD_S)
+    streams = [threading.Thread(target=run, args=(d,)) for d in cluster.doors]
+    for t in streams:
+        t.start()
+    first.wait()
+    cluster.gateway.call(cluster.gateway.gateway.stop(HANG_GUARD_S))
     serve.delete(APP_NAME)  # returns once every replica drained and stopped
-    streaming.join(HANG_GUARD_S)
-    assert isinstance(outcome[0], TextResult), outcome
-    with cluster.client() as client, pytest.raises(VlmError):
-        client.model_info()
+    for t in streams:
+        t.join(HANG_GUARD_S)
+    assert len(outcome) == 2 and all(isinstance(o, TextResult) for o in outcome), outcome
+    for way_in in cluster.doors:
+        with way_in.client() as client, pytest.raises(VlmError):
+            client.model_info()

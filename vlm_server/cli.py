@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="start the gRPC server (vlm serve --help for its flags)")
     sub.add_parser("cluster", help="serve on Ray Serve, one replica per GPU (vlm cluster --help)")
+    sub.add_parser(
+        "gateway", help="the cluster's doors for a deployed Serve application (vlm gateway --help)"
+    )
 
     run = sub.add_parser("run", help="run one task on one image (reference path)")
     run.add_argument("task", choices=["caption", "query", "point", "detect"])
@@ -168,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         from vlm_server.cluster.command import main as cluster
 
         return cluster(argv[1:])
+    if argv[:1] == ["gateway"]:
+        from vlm_server.cluster.command import gateway_main
+
+        return gateway_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     # Checked as vlm serve checks them; vlm run reads no VLM_* variables.

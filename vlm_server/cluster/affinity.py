@@ -23,19 +23,24 @@ _KEY_HEX = 16  # 64 bits of the digest: plenty to spread keys, short in an id
 
 # Keys only route (the server digests every picture itself), so a large picture's key reads
 # its length, head and tail: constant time in the proxy's event loop whatever the size.
-_WHOLE_BYTES = 1 << 20
-_SAMPLE_BYTES = 256 << 10
+WHOLE_BYTES = 1 << 20
+SAMPLE_BYTES = 256 << 10
+
+
+def sampled_key(size: int, head: bytes | memoryview, tail: bytes | memoryview) -> str:
+    """The key of a large picture from its length and its first and last sample bytes."""
+    h = blake3.blake3(size.to_bytes(8, "big"))
+    h.update(head)
+    h.update(tail)
+    return h.hexdigest()[:_KEY_HEX]
 
 
 def bytes_key(data: bytes) -> str:
     """The affinity key of an encoded image."""
-    if len(data) <= _WHOLE_BYTES:
+    if len(data) <= WHOLE_BYTES:
         return blake3.blake3(data).hexdigest()[:_KEY_HEX]
     view = memoryview(data)
-    h = blake3.blake3(len(data).to_bytes(8, "big"))
-    h.update(view[:_SAMPLE_BYTES])
-    h.update(view[-_SAMPLE_BYTES:])
-    return h.hexdigest()[:_KEY_HEX]
+    return sampled_key(len(data), view[:SAMPLE_BYTES], view[-SAMPLE_BYTES:])
 
 
 def tag_image_id(image_id: str, data: bytes) -> str:

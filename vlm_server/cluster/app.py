@@ -89,11 +89,19 @@ def deployment_options(cluster: ClusterConfig, server: ServerConfig) -> dict[str
     return options
 
 
+def door_host(cluster: ClusterConfig) -> str:
+    """Where replicas' own doors listen: reachable from the gateway's node, or loopback when
+    only Ray's proxies (on the replica's own actor) call them."""
+    if cluster.replica_host != "auto":
+        return cluster.replica_host
+    return "auto" if cluster.ingress == "gateway" else "127.0.0.1"
+
+
 def application(cluster: ClusterConfig, server: ServerConfig, app_name: str = APP_NAME) -> Any:
     """The bound application."""
     deployment = serve.deployment(VisionLanguageReplica, name=DEPLOYMENT)
     deployment = deployment.options(**deployment_options(cluster, server))
-    return deployment.bind(server_values(server), app_name)
+    return deployment.bind(server_values(server), app_name, door_host(cluster))
 
 
 def build(args: dict[str, Any]) -> Any:
@@ -120,10 +128,15 @@ def serve_config(cluster: ClusterConfig, server: ServerConfig) -> dict[str, Any]
     }
     # Resolved here: the application is built on the head node, which may have no GPU.
     cluster_values["gpus_per_replica"] = gpus_per_replica(cluster)
+    doors: dict[str, Any] = {"proxy_location": "Disabled"}  # the gateway: vlm gateway
+    if cluster.ingress == "ray":
+        doors = {
+            "proxy_location": "EveryNode",
+            "http_options": {"host": server.host, "port": server.http_port},
+            "grpc_options": {"port": server.port, "grpc_servicer_functions": [SERVICER]},
+        }
     return {
-        "proxy_location": "EveryNode",
-        "http_options": {"host": server.host, "port": server.http_port},
-        "grpc_options": {"port": server.port, "grpc_servicer_functions": [SERVICER]},
+        **doors,
         "applications": [
             {
                 "name": APP_NAME,

@@ -1,15 +1,18 @@
-"""``vlm cluster``: the server on Ray Serve, one replica per GPU, until SIGTERM or SIGINT.
+"""``vlm cluster``: the server on Ray Serve, one replica per GPU, until SIGTERM or SIGINT;
+``vlm gateway``: the doors alone, for an application deployed from a Serve config file.
 
-Starts Ray here (or joins ``--ray-address``), starts Ray Serve's proxies on the server's ports
-(gRPC ``--port``, HTTP ``--http-port``, on ``--host``), deploys the application and waits for
-every replica to load. On the signal it deletes the application: Ray stops routing to the
-replicas, lets their requests finish, then each replica drains and stops its server.
+``vlm cluster`` starts Ray here (or joins ``--ray-address``), deploys the application and waits
+for every replica to load, then serves the doors on the server's ports (gRPC ``--port``, HTTP
+``--http-port``, on ``--host``): the gateway (``--ingress gateway``, in this process) or Ray
+Serve's proxies (``--ingress ray``). On the signal the doors drain (accepted requests finish),
+then it deletes the application: each replica drains and stops its server.
 ``--print-config`` writes the same application as a Serve config file instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import logging
@@ -28,10 +31,12 @@ log = logging.getLogger("vlm_server.cluster")
 _LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
-def parse(argv: Sequence[str] | None, environ: dict[str, str] | None = None):
+def parse(
+    argv: Sequence[str] | None, environ: dict[str, str] | None = None, prog: str = "vlm cluster"
+):
     """(cluster options, server options, print_config) of the command line and ``VLM_*``."""
     environ = dict(os.environ) if environ is None else environ
-    parser = build_parser("vlm cluster")
+    parser = build_parser(prog)
     section = parser.add_argument_group("Cluster", "Replicas on Ray Serve.")
     add_options(section, CLUSTER_OPTIONS)
     parser.add_argument(
@@ -75,11 +80,14 @@ def _start(cluster: ClusterConfig, server: ServerConfig) -> None:
     # Read by the proxies this process starts; on a Ray cluster, set it on every node.
     os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(server.max_message_bytes))
     ray.init(address=cluster.ray_address, namespace="serve", log_to_driver=True)
-    serve.start(
-        proxy_location="EveryNode",
-        http_options={"host": server.host, "port": server.http_port},
-        grpc_options={"port": server.port, "grpc_servicer_functions": [SERVICER]},
-    )
+    if cluster.ingress == "ray":
+        serve.start(
+            proxy_location="EveryNode",
+            http_options={"host": server.host, "port": server.http_port},
+            grpc_options={"port": server.port, "grpc_servicer_functions": [SERVICER]},
+        )
+    else:
+        serve.start(proxy_location="Disabled")
     serve.run(application(cluster, server), name=APP_NAME, route_prefix="/")
 
 
@@ -100,8 +108,8 @@ def _stop() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     cluster, server, print_config = parse(argv)
     configure_logging(server.log_format, server.log_level)
-    if server.http_port <= 0:
-        log.error("vlm cluster needs an HTTP port (--http-port > 0) for Ray Serve's proxy")
+    if server.http_port <= 0 and cluster.ingress == "ray":
+        log.error("--ingress ray needs an HTTP port (--http-port > 0) for Ray Serve's proxy")
         return 2
     if print_config:
         from vlm_server.cluster.app import serve_config
@@ -119,6 +127,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     _start(cluster, server)
+    if cluster.ingress == "gateway":
+        asyncio.run(_gateway(cluster, server, stop))
+    else:
+        _proxies(cluster, server, stop)
+    _stop()
+    return 0
+
+
+def _proxies(cluster: ClusterConfig, server: ServerConfig, stop: threading.Event) -> None:
+    """Ray Serve's proxies serve the doors; this process serves the aggregated metrics."""
     from vlm_server.cluster.app import APP_NAME
     from vlm_server.cluster.directory import metrics_endpoints
     from vlm_server.cluster.metrics import serve_aggregate
@@ -126,19 +144,69 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics = serve_aggregate(
         server.metrics_host, server.metrics_port, lambda: metrics_endpoints(APP_NAME)
     )
+    _serving(cluster, server, server.port, server.http_port, metrics.server_address[1])
+    stop.wait()
+    log.info("signal received: draining")
+    metrics.shutdown()
+
+
+async def _gateway(cluster: ClusterConfig, server: ServerConfig, stop: threading.Event) -> None:
+    """The gateway's doors and the aggregated metrics until ``stop``; then drain them."""
+    from vlm_server.cluster.app import APP_NAME
+    from vlm_server.cluster.directory import directory, metrics_endpoints
+    from vlm_server.cluster.gateway import Gateway
+    from vlm_server.cluster.metrics import serve_aggregate
+
+    entry = directory(APP_NAME)
+
+    async def entries() -> dict:
+        return await entry.replicas.remote()
+
+    gateway = Gateway(
+        entries, cluster.affinity_load_factor, server.max_message_bytes, server.max_http_body_bytes
+    )
+    await gateway.start(server.host, server.port, server.http_port)
+    metrics = serve_aggregate(
+        server.metrics_host,
+        server.metrics_port,
+        lambda: metrics_endpoints(APP_NAME),
+        gateway.metrics_text,
+    )
+    _serving(cluster, server, gateway.port, gateway.http_port, metrics.server_address[1])
+    await asyncio.to_thread(stop.wait)
+    log.info("signal received: draining")
+    await gateway.stop(server.grace_period)
+    metrics.shutdown()
+
+
+def _serving(
+    cluster: ClusterConfig, server: ServerConfig, port: int, http_port: int, metrics_port: int
+) -> None:
     log.info(
         "cluster serving",
         extra={
             "fields": {
                 "replicas": cluster.replicas,
-                "grpc_port": server.port,
-                "http_port": server.http_port,
-                "metrics_port": metrics.server_address[1],
+                "ingress": cluster.ingress,
+                "grpc_port": port,
+                "http_port": http_port,
+                "metrics_port": metrics_port,
             }
         },
     )
-    stop.wait()
-    log.info("signal received: draining")
-    metrics.shutdown()
-    _stop()
+
+
+def gateway_main(argv: Sequence[str] | None = None) -> int:
+    """``vlm gateway``: the doors of an application already deployed on the Ray cluster
+    (``serve run`` / ``serve deploy`` of ``vlm cluster --print-config``)."""
+    cluster, server, _ = parse(argv, prog="vlm gateway")
+    configure_logging(server.log_format, server.log_level)
+    import ray
+
+    ray.init(address=cluster.ray_address or "auto", namespace="serve", log_to_driver=False)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    asyncio.run(_gateway(cluster, server, stop))
+    ray.shutdown()
     return 0

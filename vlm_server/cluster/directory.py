@@ -1,17 +1,21 @@
 """Where each replica's own endpoints are: a small named Ray actor replicas report to.
 
-Readers (``vlm cluster``'s aggregated metrics, the tests, the benchmark) reach each replica's
-Prometheus endpoint through it; an entry of a replica that died stays until it is replaced,
-so readers skip endpoints that do not answer.
+Readers (the gateway, ``vlm cluster``'s aggregated metrics, the tests, the benchmark) find each
+replica's doors and Prometheus endpoint through it. Replicas register again every
+`HEARTBEAT_S`; an entry not renewed for `EXPIRY_S` (its replica died) is dropped, and until
+then readers skip endpoints that do not answer.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import ray
 
 NAMESPACE = "vlm"
+HEARTBEAT_S = 5.0
+EXPIRY_S = 3 * HEARTBEAT_S
 
 
 def directory_name(app_name: str) -> str:
@@ -24,14 +28,20 @@ class ReplicaDirectory:
 
     def __init__(self) -> None:
         self._replicas: dict[str, dict[str, Any]] = {}
+        self._seen: dict[str, float] = {}
 
     def register(self, name: str, info: dict[str, Any]) -> None:
         self._replicas[name] = info
+        self._seen[name] = time.monotonic()
 
     def unregister(self, name: str) -> None:
         self._replicas.pop(name, None)
+        self._seen.pop(name, None)
 
     def replicas(self) -> dict[str, dict[str, Any]]:
+        stale = time.monotonic() - EXPIRY_S
+        for name in [n for n, seen in self._seen.items() if seen < stale]:
+            self.unregister(name)
         return dict(self._replicas)
 
 

@@ -33,10 +33,10 @@ _DROP = {
 
 
 class HttpForwarder:
-    """Requests to ``http://127.0.0.1:<port>``, over one pooled session."""
+    """Requests to ``http://<host>:<port>``, over one pooled session."""
 
-    def __init__(self, port: int, max_body_bytes: int) -> None:
-        self._base = f"http://127.0.0.1:{port}"
+    def __init__(self, host: str, port: int, max_body_bytes: int) -> None:
+        self._base = f"http://{host}:{port}"
         self._limit = max_body_bytes
         # No total timeout: a long caption streams for as long as it takes; the door's own
         # limits bound a request.

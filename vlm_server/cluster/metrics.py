@@ -75,16 +75,23 @@ def aggregate(texts: dict[str, str]) -> str:
     return "".join(lines)
 
 
-def serve_aggregate(host: str, port: int, endpoints: Callable[[], dict[str, str]]) -> Any:
-    """An HTTP server answering ``/metrics`` with `aggregate` of every replica; returns it
-    (``server_address[1]`` is the bound port; ``shutdown()`` stops it)."""
+def serve_aggregate(
+    host: str,
+    port: int,
+    endpoints: Callable[[], dict[str, str]],
+    extra: Callable[[], str] | None = None,
+) -> Any:
+    """An HTTP server answering ``/metrics`` with `aggregate` of every replica, then
+    ``extra()`` (the gateway's own lines); returns it (``server_address[1]`` is the bound
+    port; ``shutdown()`` stops it)."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             if self.path.split("?")[0] != "/metrics":
                 self.send_error(404)
                 return
-            body = aggregate(scrape_all(endpoints())).encode()
+            text = aggregate(scrape_all(endpoints()))
+            body = (text + (extra() if extra is not None else "")).encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.send_header("Content-Length", str(len(body)))

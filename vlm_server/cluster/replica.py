@@ -1,10 +1,11 @@
-"""One replica: the whole server (engine, request path, both doors) on loopback, behind Ray.
+"""One replica: the whole server (engine, request path, both doors), run by Ray Serve.
 
-Ray Serve's gRPC proxy calls the methods named as the API's RPCs with the request message,
-its HTTP proxy calls ``__call__``; both pass the request on to this replica's own server on
-127.0.0.1, which answers exactly as a single server does (validation, limits, errors, API
-keys, streaming). The price is one loopback hop per request, measured by the benchmark's
-``scaleout.query3.unique.c1.p50_ratio``.
+Its own doors listen on ``door_host`` (any free ports) and are listed in the directory, where
+the cluster's gateway finds them and routes requests straight to them (``--ingress gateway``).
+With Ray Serve's proxies instead (``--ingress ray``), the gRPC proxy calls the methods named as
+the API's RPCs with the request message and the HTTP proxy calls ``__call__``; both pass the
+request on to the same doors. Either way the replica's server answers exactly as a single
+server does (validation, limits, errors, API keys, streaming).
 
 Lifecycle: Ray marks the replica running once the model is loaded (the constructor waits for
 it); `check_health` fails once the engine cannot serve, so Ray replaces the replica; on a
@@ -43,11 +44,28 @@ _RAY_METADATA = {"application", "request_id", "multiplexed_model_id", "session_i
 _LOST = "the replica serving this stream stopped; retry (another replica takes it)"
 
 
-def replica_config(values: dict[str, Any]) -> ServerConfig:
-    """The replica's server config: the cluster's options, its doors on loopback, any port."""
+def door_addresses(door_host: str) -> tuple[str, str]:
+    """(the address the replica's doors listen on, the address others reach them at)."""
+    if door_host == "auto":
+        import ray
+
+        door_host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+    if door_host in ("0.0.0.0", "::", ""):
+        import ray
+
+        return door_host or "0.0.0.0", ray.util.get_node_ip_address()
+    return door_host, door_host
+
+
+def _local(address: str) -> str:
+    return "127.0.0.1" if address in ("0.0.0.0", "::", "") else address
+
+
+def replica_config(values: dict[str, Any], host: str = "127.0.0.1") -> ServerConfig:
+    """The replica's server config: the cluster's options, its doors on ``host``, any port."""
     values = {
         **values,
-        "host": "127.0.0.1",
+        "host": host,
         "port": 0,
         "http_port": -1,
         "metrics_port": 0,
@@ -100,8 +118,11 @@ def _mark_stream(grpc_context: Any, final: bool) -> None:
 class VisionLanguageReplica:
     """A Ray Serve deployment class: one replica per GPU (``num_gpus: 1``)."""
 
-    async def __init__(self, config_values: dict[str, Any], app_name: str = "vlm") -> None:
-        config = replica_config(config_values)
+    async def __init__(
+        self, config_values: dict[str, Any], app_name: str = "vlm", door_host: str = "127.0.0.1"
+    ) -> None:
+        listen, advertised = door_addresses(door_host)
+        config = replica_config(config_values, listen)
         resolve_device(config.device)
         check_config(config)
         configure_process(config)
@@ -115,8 +136,9 @@ class VisionLanguageReplica:
         if warm is not None:
             warm()
         limit = config.max_message_bytes
+        local = _local(listen)
         self._channel = grpc.aio.insecure_channel(
-            f"127.0.0.1:{self.server.port}",
+            f"{local}:{self.server.port}",
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
@@ -124,9 +146,12 @@ class VisionLanguageReplica:
         )
         self._stub = pb_grpc.VisionLanguageStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._http = HttpForwarder(self.server.http_port, config.max_http_body_bytes)
+        self._http = HttpForwarder(local, self.server.http_port, config.max_http_body_bytes)
         self.name = _replica_name()
-        await _register(app_name, self.name, self.server, config.metrics_host)
+        self._app_name = app_name
+        self._heartbeat = await _register(
+            app_name, self.name, self.server, config.metrics_host, advertised
+        )
 
     # --- gRPC, through Ray Serve's gRPC proxy -------------------------------------------------
 
@@ -199,6 +224,8 @@ class VisionLanguageReplica:
             raise RuntimeError(f"the engine cannot serve: {reason}")
 
     async def __del__(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         await self.server.shutdown()
         await self._http.close()
         await self._channel.close()
@@ -214,21 +241,35 @@ def _replica_name() -> str:
 
 
 async def _register(
-    app_name: str, name: str, server: VisionLanguageServer, metrics_host: str
-) -> None:
-    """Tell the application's directory where this replica's metrics (and, for debugging on
-    its node, its loopback doors) are."""
+    app_name: str, name: str, server: VisionLanguageServer, metrics_host: str, advertised: str
+) -> asyncio.Task[None] | None:
+    """Tell the application's directory where this replica's doors and metrics are, then keep
+    telling it (the heartbeat that keeps the entry from expiring)."""
     import ray
 
-    from vlm_server.cluster.directory import directory
+    from vlm_server.cluster.directory import HEARTBEAT_S, directory
 
     if not ray.is_initialized():
-        return
+        return None
     host = ray.util.get_node_ip_address() if metrics_host != "127.0.0.1" else "127.0.0.1"
     info = {
         "metrics": f"{host}:{server.metrics_port}",
-        "grpc": f"127.0.0.1:{server.port}",
-        "http": f"127.0.0.1:{server.http_port}",
+        "grpc": f"{advertised}:{server.port}",
+        "http": f"{advertised}:{server.http_port}",
         "node": ray.get_runtime_context().get_node_id(),
     }
-    await asyncio.wrap_future(directory(app_name).register.remote(name, info).future())
+    entry = directory(app_name)
+
+    async def register() -> None:
+        await asyncio.wrap_future(entry.register.remote(name, info).future())
+
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            try:
+                await register()
+            except Exception:  # the directory is being restarted: the next beat tells it
+                log.warning("replica directory unreachable", exc_info=True)
+
+    await register()
+    return asyncio.create_task(beat(), name="directory-heartbeat")

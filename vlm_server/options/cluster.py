@@ -21,6 +21,19 @@ class ClusterConfig:
         G.SERVING,
         "autoscale between --replicas and this many on queued requests (0 = a fixed number)",
     )
+    ingress: str = option(
+        "gateway",
+        G.SERVING,
+        "the doors clients call: gateway (this process routes each request straight to a "
+        "replica's own doors) or ray (Ray Serve's gRPC and HTTP proxies on every node)",
+        choices=("gateway", "ray"),
+    )
+    replica_host: str = option(
+        "auto",
+        G.SERVING,
+        "address each replica's own doors listen on (auto: the node's address with the "
+        "gateway, which must reach them from its node; 127.0.0.1 with Ray's proxies)",
+    )
     ray_address: str | None = option(
         None,
         G.SERVING,
@@ -33,8 +46,8 @@ class ClusterConfig:
     max_ongoing_requests: int = option(
         512,
         G.PERFORMANCE,
-        "requests a replica takes at once; more wait in Ray's proxy (the engine's own queue "
-        "applies behind it)",
+        "requests a replica takes at once through Ray Serve's proxies; more wait there (the "
+        "engine's own queue applies behind it)",
     )
     affinity_load_factor: float = option(
         1.25,
@@ -52,6 +65,8 @@ class ClusterConfig:
             raise ValueError("max_ongoing_requests must be >= 1")
         if self.affinity_load_factor < 1.0:
             raise ValueError("affinity_load_factor must be >= 1")
+        if self.ingress not in ("gateway", "ray"):
+            raise ValueError("ingress must be gateway or ray")
         if self.cpus_per_replica < 0:
             raise ValueError("cpus_per_replica must be >= 0")
 

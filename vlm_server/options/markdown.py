@@ -29,7 +29,8 @@ _CLUSTER = """
 
 `vlm cluster` (Ray Serve, [deployment.md](deployment.md#many-gpus-and-hosts-ray-serve)) takes
 every option above, for each replica (its ports are the cluster's: `--port` and `--http-port`
-are Ray Serve's gRPC and HTTP proxies), and these:
+are the gateway's doors, or Ray Serve's gRPC and HTTP proxies with `--ingress ray`), and these;
+`vlm gateway` takes the same:
 
 """
 
