@@ -1,5 +1,5 @@
 """The cluster's gateway without Ray: its routing bookkeeping, the HTTP affinity keys, and both
-doors in front of stand-in replicas (tests/fake_replica.py, each its own process, so a test
+doors in front of stand-in replicas (bench/stand_in_replica.py, each its own process, so a test
 can kill one as a replica dies). Assertions follow order and outcome, never wall-clock
 windows; timeouts only keep a broken run from hanging."""
 
@@ -194,7 +194,7 @@ class Fake:
         self.name = name
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.fake_replica", name],
+            [sys.executable, "-m", "bench.stand_in_replica", name],
             stdout=subprocess.PIPE,
             cwd=REPO,
             env=env,
@@ -368,5 +368,47 @@ def test_drain_finishes_accepted_calls_then_refuses(fakes) -> None:
                 await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
             await channel.close()
+
+    run(body())
+
+
+def test_workers_share_the_ports_and_agree_on_every_images_replica(fakes) -> None:
+    from vlm_server.cluster.gateway_workers import GatewayWorkers, WorkerSettings
+
+    async def body() -> None:
+        async def entries() -> dict[str, Any]:
+            return {f.name: f.entry for f in fakes.values()}
+
+        settings = WorkerSettings("127.0.0.1", 0, -1, 1.25, 4 << 20, 1 << 20, refresh_s=0.1)
+        workers = GatewayWorkers(entries, settings, 2)
+        await workers.start()
+        try:
+            target = f"127.0.0.1:{workers.port}"
+            homes: dict[bytes, set[str]] = {}
+            answered = 0
+            for attempt in range(60):  # a new connection each: the kernel picks a worker
+                async with grpc.aio.insecure_channel(target) as channel:
+                    stub = pb_grpc.VisionLanguageStub(channel)
+                    picture = _pictures(4)[attempt % 4]
+                    try:
+                        answer = await _query(stub, image_bytes=picture, question="q")
+                    except grpc.aio.AioRpcError as err:  # a worker yet to see a replica serve
+                        assert err.code() == grpc.StatusCode.UNAVAILABLE
+                        await asyncio.sleep(0.1)
+                        continue
+                    homes.setdefault(picture, set()).add(answer[-1].result.text.split("|")[0])
+                    answered += 1
+            assert homes and all(len(names) == 1 for names in homes.values()), homes
+            async with (
+                aiohttp.ClientSession() as http,
+                http.get(f"http://127.0.0.1:{workers.http_port}/v1/models") as r,
+            ):
+                assert r.status == 200
+            assert answered > 30
+            while f"vlm_gateway_home_hits_total {answered}\n" not in workers.metrics_text():
+                await asyncio.sleep(0.1)  # the workers' counts arrive every refresh
+            assert all(c["home_hits"] for c in workers._counts)  # both took connections
+        finally:
+            await workers.stop(5)
 
     run(body())

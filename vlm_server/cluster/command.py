@@ -151,31 +151,44 @@ def _proxies(cluster: ClusterConfig, server: ServerConfig, stop: threading.Event
 
 
 async def _gateway(cluster: ClusterConfig, server: ServerConfig, stop: threading.Event) -> None:
-    """The gateway's doors and the aggregated metrics until ``stop``; then drain them."""
+    """The gateway's workers and the aggregated metrics until ``stop``; then drain them."""
     from vlm_server.cluster.app import APP_NAME
     from vlm_server.cluster.directory import directory, metrics_endpoints
-    from vlm_server.cluster.gateway import Gateway
+    from vlm_server.cluster.gateway_workers import GatewayWorkers, WorkerSettings
     from vlm_server.cluster.metrics import serve_aggregate
+    from vlm_server.options.cluster import gateway_workers
+    from vlm_server.server.ports import port_in_use
 
+    for flag, port in (("--port", server.port), ("--http-port", server.http_port)):
+        if port > 0 and port_in_use(server.host, port):
+            raise SystemExit(f"cannot listen on {server.host}:{port}: in use ({flag})")
     entry = directory(APP_NAME)
 
     async def entries() -> dict:
         return await entry.replicas.remote()
 
-    gateway = Gateway(
-        entries, cluster.affinity_load_factor, server.max_message_bytes, server.max_http_body_bytes
+    settings = WorkerSettings(
+        server.host,
+        server.port,
+        server.http_port,
+        cluster.affinity_load_factor,
+        server.max_message_bytes,
+        server.max_http_body_bytes,
+        log_format=server.log_format,
+        log_level=server.log_level,
     )
-    await gateway.start(server.host, server.port, server.http_port)
+    workers = GatewayWorkers(entries, settings, gateway_workers(cluster, os.cpu_count()))
+    await workers.start()
     metrics = serve_aggregate(
         server.metrics_host,
         server.metrics_port,
         lambda: metrics_endpoints(APP_NAME),
-        gateway.metrics_text,
+        workers.metrics_text,
     )
-    _serving(cluster, server, gateway.port, gateway.http_port, metrics.server_address[1])
+    _serving(cluster, server, workers.port, workers.http_port, metrics.server_address[1])
     await asyncio.to_thread(stop.wait)
     log.info("signal received: draining")
-    await gateway.stop(server.grace_period)
+    await workers.stop(server.grace_period)
     metrics.shutdown()
 
 

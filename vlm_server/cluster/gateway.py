@@ -61,13 +61,15 @@ class Gateway:
         self.port = 0
         self.http_port = 0
 
-    async def start(self, host: str, port: int, http_port: int) -> None:
-        """Listen (``http_port`` 0: no HTTP door) and start following the replicas."""
+    async def start(self, host: str, port: int, http_port: int, reuse_port: bool = False) -> None:
+        """Listen (``http_port`` 0: no HTTP door, -1: any port) and start following the
+        replicas. ``reuse_port``: the ports are shared with the other gateway workers (the
+        kernel spreads connections over them); otherwise a port in use is an error."""
         server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", self._limit),
                 ("grpc.max_send_message_length", self._limit),
-                ("grpc.so_reuseport", 0),  # a port in use is an error, not a shared port
+                ("grpc.so_reuseport", int(reuse_port)),
             ]
         )
         server.add_generic_rpc_handlers((self.grpc.handler(),))
@@ -81,7 +83,7 @@ class Gateway:
         await server.start()
         self._server = server
         if http_port:
-            self.http_port = await self.http.start(host, max(http_port, 0))
+            self.http_port = await self.http.start(host, max(http_port, 0), reuse_port)
         self._watch = asyncio.create_task(self._follow(), name="gateway-replicas")
 
     async def wait_ready(self, replicas: int = 1) -> None:
@@ -146,22 +148,34 @@ class Gateway:
 
     # --- metrics --------------------------------------------------------------------------------
 
+    def counts(self) -> dict[str, Any]:
+        """The routing counts `routing_metrics` reports (summed over workers)."""
+        return {
+            "routed": {r.name: r.routed for r in self.replicas.members()},
+            "home_hits": self.replicas.home_hits,
+            "serving": len(self.replicas.serving()),
+        }
+
     def metrics_text(self) -> str:
-        """Prometheus lines of the gateway's routing (joined to the aggregated metrics)."""
-        lines = [
-            "# HELP vlm_gateway_routed_total Requests the gateway routed, by replica.",
-            "# TYPE vlm_gateway_routed_total counter",
-        ]
-        lines += [
-            f'vlm_gateway_routed_total{{replica="{r.name}"}} {r.routed}'
-            for r in self.replicas.members()
-        ]
-        lines += [
-            "# HELP vlm_gateway_home_hits_total Requests with an image that went to its replica.",
-            "# TYPE vlm_gateway_home_hits_total counter",
-            f"vlm_gateway_home_hits_total {self.replicas.home_hits}",
-            "# HELP vlm_gateway_replicas_serving Replicas the gateway routes to.",
-            "# TYPE vlm_gateway_replicas_serving gauge",
-            f"vlm_gateway_replicas_serving {len(self.replicas.serving())}",
-        ]
-        return "\n".join(lines) + "\n"
+        return routing_metrics([self.counts()])
+
+
+def routing_metrics(counts: list[dict[str, Any]]) -> str:
+    """Prometheus lines of the gateway's routing, summed over its workers' `Gateway.counts`
+    (joined to the replicas' aggregated metrics)."""
+    routed: dict[str, int] = {}
+    for c in counts:
+        for name, n in c["routed"].items():
+            routed[name] = routed.get(name, 0) + n
+    lines = [
+        "# HELP vlm_gateway_routed_total Requests the gateway routed, by replica.",
+        "# TYPE vlm_gateway_routed_total counter",
+        *(f'vlm_gateway_routed_total{{replica="{n}"}} {v}' for n, v in sorted(routed.items())),
+        "# HELP vlm_gateway_home_hits_total Requests with an image that went to its replica.",
+        "# TYPE vlm_gateway_home_hits_total counter",
+        f"vlm_gateway_home_hits_total {sum(c['home_hits'] for c in counts)}",
+        "# HELP vlm_gateway_replicas_serving Replicas the gateway routes to.",
+        "# TYPE vlm_gateway_replicas_serving gauge",
+        f"vlm_gateway_replicas_serving {max((c['serving'] for c in counts), default=0)}",
+    ]
+    return "\n".join(lines) + "\n"

@@ -56,7 +56,7 @@ class HttpGateway:
         self._runner: web.AppRunner | None = None
         self.port = 0
 
-    async def start(self, host: str, port: int) -> int:
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> int:
         # No total timeout: a long caption streams as long as it takes; the replica's door
         # bounds each request.
         self._session = aiohttp.ClientSession(
@@ -65,7 +65,7 @@ class HttpGateway:
         )
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
+        site = web.TCPSite(self._runner, host, port, reuse_port=reuse_port or None)
         await site.start()
         addresses = self._runner.addresses
         self.port = int(addresses[0][1]) if addresses else port

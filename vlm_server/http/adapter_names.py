@@ -9,11 +9,13 @@ base model. Errors about the adapter name the JSON field the client used.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.frontend.refusals import invalid
-from vlm_server.http.exchange import Exchange
+
+if TYPE_CHECKING:  # the cluster's gateway reads names without the request path's imports
+    from vlm_server.http.exchange import Exchange
 
 PROTO_FIELD = "settings.adapter"
 

@@ -28,6 +28,12 @@ class ClusterConfig:
         "replica's own doors) or ray (Ray Serve's gRPC and HTTP proxies on every node)",
         choices=("gateway", "ray"),
     )
+    gateway_workers: int = option(
+        0,
+        G.PERFORMANCE,
+        "processes serving the gateway's ports together (0 = one per 8 CPUs, 1 to 4); each "
+        "routes with the same hash ring, so a picture's replica does not depend on the worker",
+    )
     replica_host: str = option(
         "auto",
         G.SERVING,
@@ -65,10 +71,19 @@ class ClusterConfig:
             raise ValueError("max_ongoing_requests must be >= 1")
         if self.affinity_load_factor < 1.0:
             raise ValueError("affinity_load_factor must be >= 1")
+        if self.gateway_workers < 0:
+            raise ValueError("gateway_workers must be >= 0")
         if self.ingress not in ("gateway", "ray"):
             raise ValueError("ingress must be gateway or ray")
         if self.cpus_per_replica < 0:
             raise ValueError("cpus_per_replica must be >= 0")
+
+
+def gateway_workers(cluster: ClusterConfig, cpus: int | None) -> int:
+    """The worker count ``--gateway-workers`` asks for (0: from the machine's CPUs)."""
+    if cluster.gateway_workers:
+        return cluster.gateway_workers
+    return max(1, min(4, (cpus or 1) // 8))
 
 
 CLUSTER_OPTIONS = options_of(ClusterConfig)

@@ -1,7 +1,7 @@
-"""A stand-in for a replica's doors, for the gateway's tests: the API over gRPC and HTTP in
-its own process (so a test can kill it as a replica dies), no model.
+"""A stand-in for a replica's doors, for the gateway's tests and benchmark: the API over gRPC
+and HTTP in its own process (so a test can kill it as a replica dies), no model.
 
-``python -m tests.fake_replica NAME`` prints one JSON line with its ``grpc`` and ``http``
+``python -m bench.stand_in_replica NAME`` prints one JSON line with its ``grpc`` and ``http``
 addresses, then serves until killed. Answers say which replica gave them and what arrived:
 a Query's result text is ``NAME|<image>|<authorization>``; the question ``hang`` streams one
 delta and then waits forever, ``slow`` waits half a second before its result, ``fail`` ends
