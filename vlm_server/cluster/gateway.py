@@ -99,7 +99,9 @@ class Gateway:
         stops = [self.http.stop(grace)]
         if self._server is not None:
             stops.append(self._server.stop(grace))
-        await asyncio.gather(*stops, return_exceptions=True)
+        for failed in await asyncio.gather(*stops, return_exceptions=True):
+            if isinstance(failed, BaseException):
+                log.error("a door did not stop cleanly", exc_info=failed)
         await self.grpc.close()
         await self.health.enter_graceful_shutdown()
 

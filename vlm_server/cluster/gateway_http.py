@@ -10,6 +10,7 @@ and the request goes to another; no replica at all is 503 in the door's error sh
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import aiohttp
@@ -54,6 +55,10 @@ class HttpGateway:
         self.app = web.Application(client_max_size=max_body_bytes)
         self.app.router.add_route("*", "/{tail:.*}", self._forward)
         self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._active = 0  # requests being answered: a drain waits for them
+        self._idle = asyncio.Event()
+        self._idle.set()
         self.port = 0
 
     async def start(self, host: str, port: int, reuse_port: bool = False) -> int:
@@ -63,21 +68,31 @@ class HttpGateway:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
             auto_decompress=False,
         )
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        # Handler cancellation: a client that goes away cancels its upstream request at once.
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, reuse_port=reuse_port or None)
         await site.start()
+        self._site = site
         addresses = self._runner.addresses
         self.port = int(addresses[0][1]) if addresses else port
         return self.port
 
     async def stop(self, grace: float) -> None:
         """Stop taking connections; requests in flight get ``grace`` seconds to finish."""
-        if self._runner is not None:
-            self._runner.shutdown_timeout = grace  # type: ignore[attr-defined]
-            await self._runner.cleanup()
-        if self._session is not None:
-            await self._session.close()
+        try:
+            if self._site is not None:
+                await self._site.stop()  # the listener: no new connections
+                self._site = None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), grace)
+            if self._runner is not None:
+                await self._runner.cleanup()
+                self._runner = None
+        finally:
+            if self._session is not None:
+                await self._session.close()
+                self._session = None
 
     async def _body(self, request: web.Request) -> bytes | None:
         """The body, or None once it is larger than the limit."""
@@ -91,6 +106,16 @@ class HttpGateway:
         return bytes(data)
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
+        self._active += 1
+        self._idle.clear()
+        try:
+            return await self._route(request)
+        finally:
+            self._active -= 1
+            if not self._active:
+                self._idle.set()
+
+    async def _route(self, request: web.Request) -> web.StreamResponse:
         data = await self._body(request)
         if data is None:
             return _error(too_large(self._limit))
