@@ -1,8 +1,9 @@
 """Scale-out on Ray Serve: one replica per GPU, image-affinity routing (vlm cluster).
 
 For each ``--replicas`` count it starts ``vlm cluster --replicas N`` (the flags after ``--``
-go to every replica), waits until all N replicas serve, and measures through Ray Serve's gRPC
-proxy, Query streamed with max_tokens 3 (query3) on 800x600 JPEGs:
+go to every replica), waits until all N replicas serve, and measures through the cluster's
+gateway (with ``--ray-ingress``, also the most replicas behind Ray Serve's proxies, run
+``rayN``), Query streamed with max_tokens 3 (query3) on 800x600 JPEGs:
 
     unique.c1        one client, a new picture every request: p50 end to end
     unique.c128      128 clients, a new picture every request: req/s
@@ -103,11 +104,15 @@ class Spawned:
 
 
 def _replicas_serving(metrics_url: str) -> int:
+    """Replicas the doors route to: the gateway's count, or (Ray's proxies) those reporting."""
     try:
         with urllib.request.urlopen(metrics_url, timeout=5) as r:
             text = r.read().decode()
     except OSError:
         return 0
+    for line in text.splitlines():
+        if line.startswith("vlm_gateway_replicas_serving "):
+            return int(float(line.split()[1]))
     names = {
         line.split('replica="', 1)[1].split('"', 1)[0]
         for line in text.splitlines()
@@ -173,6 +178,9 @@ async def run(args: argparse.Namespace, server_args: list[str]) -> dict[str, Any
     runs: list[tuple[str, list[str], int]] = [
         (f"r{n}", ["cluster", "--replicas", str(n)], n) for n in args.replicas
     ]
+    if args.ray_ingress:  # the same replicas behind Ray Serve's proxies, for comparison
+        n = max(args.replicas)
+        runs.append((f"ray{n}", ["cluster", "--replicas", str(n), "--ingress", "ray"], n))
     if args.alone:
         runs.append(("alone", ["serve"], 1))
     for i, (name, command, replicas) in enumerate(runs):
@@ -190,6 +198,7 @@ async def run(args: argparse.Namespace, server_args: list[str]) -> dict[str, Any
             print(f"{name}: measuring", file=sys.stderr)
             results[name] = {
                 "replicas": replicas,
+                "ingress": "ray" if "ray" in command else "gateway",
                 "command": cmd,
                 "scenarios": await measure(target, args, 1 + i * 100_000, name == "alone"),
             }
@@ -217,7 +226,11 @@ def rows(data: dict[str, Any], prefix: str, commit: str | None) -> list[tg.Row]:
     hits = get("r2", "affinity.c128", "hit_rate")
     if hits is not None:
         out.append(tg.make_row(prefix, "scaleout.query3.affinity.hit_rate", hits, commit, flags))
-    most = max((k for k in runs if k.startswith("r")), key=lambda k: int(k[1:]), default=None)
+    most = max(
+        (k for k in runs if k[:1] == "r" and k[1:].isdigit()),
+        key=lambda k: int(k[1:]),
+        default=None,
+    )
     alone = get("alone", "unique.c1", "e2e_p50_ms")
     cluster = get(most, "unique.c1", "e2e_p50_ms") if most else None
     if alone and cluster:
@@ -235,14 +248,14 @@ def plot(data: dict[str, Any], path: Path) -> None:
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
         return
-    runs = {k: v for k, v in (data.get("runs") or {}).items() if k.startswith("r")}
+    runs = {k: v for k, v in (data.get("runs") or {}).items() if k != "alone"}
     scenarios = ("unique.c128", "affinity.c128")
     fig, ax = plt.subplots(figsize=(6, 3.6))
     width = 0.8 / max(1, len(runs))
     for i, (_, run) in enumerate(sorted(runs.items())):
         values = [(run["scenarios"].get(s) or {}).get("req_per_s") or 0 for s in scenarios]
         xs = [j + i * width for j in range(len(scenarios))]
-        ax.bar(xs, values, width, label=f"{run['replicas']} replica(s)")
+        ax.bar(xs, values, width, label=f"{run['replicas']} replica(s), {run.get('ingress')}")
     ax.set_xticks([j + width * (len(runs) - 1) / 2 for j in range(len(scenarios))], scenarios)
     ax.set_ylabel("req/s (query3, 800x600)")
     ax.set_title("vlm cluster: scale-out")
@@ -267,6 +280,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.scaleout", description=__doc__)
     ap.add_argument("--replicas", type=int, nargs="+", default=[1, 2], metavar="N")
     ap.add_argument("--alone", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument(
+        "--ray-ingress",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="also the most replicas behind Ray Serve's proxies (--ingress ray)",
+    )
     ap.add_argument("--concurrency", type=int, default=128)
     ap.add_argument("--requests", type=int, default=2048, help="per c128 level")
     ap.add_argument("--c1-requests", type=int, default=200)

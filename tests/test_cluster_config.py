@@ -3,6 +3,7 @@ the router's reading of the gRPC proxy's request envelope."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import pickle
 
@@ -13,7 +14,7 @@ pytest.importorskip("ray.serve", reason="the cluster extra (ray[serve]) is not i
 from ray.serve._private.common import gRPCRequest  # the envelope the proxy pickles
 
 from vlm_server.api.v1 import vision_language_pb2 as pb
-from vlm_server.cluster import app
+from vlm_server.cluster import app, autoscaling
 from vlm_server.cluster.affinity import bytes_key
 from vlm_server.cluster.command import main, parse
 from vlm_server.cluster.router import request_message
@@ -65,6 +66,27 @@ def test_deployment_options_fixed_or_autoscaled() -> None:
     assert fixed["graceful_shutdown_timeout_s"] > server.grace_period
     scaled = app.deployment_options(ClusterConfig(replicas=1, max_replicas=4), server)
     assert scaled["autoscaling_config"]["max_replicas"] == 4 and "num_replicas" not in scaled
+    assert scaled["autoscaling_config"]["policy"]["policy_function"] == autoscaling.POLICY
+
+
+def test_autoscaling_follows_the_replicas_own_in_flight_counts() -> None:
+    from types import SimpleNamespace
+
+    def ctx(running: int, held: list[float], target: float = 4.0) -> SimpleNamespace:
+        config = SimpleNamespace(get_target_ongoing_requests=lambda: target)
+        metrics = {autoscaling.METRIC: {f"r{i}": v for i, v in enumerate(held)}}
+        return SimpleNamespace(
+            current_num_replicas=running,
+            target_num_replicas=running,
+            aggregated_metrics=metrics,
+            config=config,
+        )
+
+    assert autoscaling.in_flight_policy(ctx(2, [8.0, 8.0]))[0] == 4.0  # 16 held, 4 each
+    assert autoscaling.in_flight_policy(ctx(2, [0.0, 1.0]))[0] == 0.25  # Ray bounds it
+    assert autoscaling.in_flight_policy(ctx(0, []))[0] == 0
+    module, name = autoscaling.POLICY.split(":")
+    assert getattr(importlib.import_module(module), name) is autoscaling.in_flight_policy
 
 
 def test_the_router_reads_the_grpc_proxys_envelope() -> None:

@@ -14,6 +14,7 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from vlm_server.cluster.autoscaling import POLICY as AUTOSCALING_POLICY
 from vlm_server.cluster.replica import VisionLanguageReplica
 from vlm_server.options.cluster import CLUSTER_OPTIONS, ClusterConfig
 from vlm_server.options.spec import Option
@@ -83,6 +84,7 @@ def deployment_options(cluster: ClusterConfig, server: ServerConfig) -> dict[str
             "min_replicas": cluster.replicas,
             "max_replicas": cluster.max_replicas,
             "target_ongoing_requests": max(1, cluster.max_ongoing_requests // 4),
+            "policy": {"policy_function": AUTOSCALING_POLICY},
         }
     else:
         options["num_replicas"] = cluster.replicas

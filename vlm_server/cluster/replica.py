@@ -217,6 +217,12 @@ class VisionLanguageReplica:
     def replica_name(self) -> str:
         return self.name
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """The requests this replica's server holds (cluster/autoscaling.py's policy)."""
+        from vlm_server.cluster.autoscaling import METRIC
+
+        return {METRIC: float(self.server.core.in_flight.count)}
+
     async def check_health(self) -> None:
         engine = self.server.engine
         reason = engine.failure() if engine is not None else "no engine"
