@@ -150,7 +150,28 @@ async def _level(
             )
 
 
-async def measure(target: str, args: argparse.Namespace, index: int, c1_only: bool) -> dict:
+def gateway_counts(metrics_url: str | None) -> tuple[float, float] | None:
+    """(requests routed, requests that went to their picture's replica) so far, from the
+    gateway's metrics (None: no gateway)."""
+    if metrics_url is None:
+        return None
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    routed = homes = None
+    for line in text.splitlines():
+        if line.startswith("vlm_gateway_routed_total{"):
+            routed = (routed or 0.0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vlm_gateway_home_hits_total "):
+            homes = float(line.rsplit(" ", 1)[1])
+    return (routed, homes) if routed is not None and homes is not None else None
+
+
+async def measure(
+    target: str, args: argparse.Namespace, index: int, c1_only: bool, metrics_url: str | None
+) -> dict:
     """The scenarios of one running server; ``index`` keeps pictures unique across runs."""
     w, h = SIZE
     n = args.requests
@@ -164,11 +185,15 @@ async def measure(target: str, args: argparse.Namespace, index: int, c1_only: bo
     records, wall = await _level(target, rest[:n], args.concurrency, warm)
     out["unique.c128"] = summarize(records, wall, 1e9)
     images = rest[n : n + n // QUESTIONS]
+    before = gateway_counts(metrics_url)
     records, wall = await _level(
         target, affinity_order(images, QUESTIONS, BLOCK), args.concurrency, []
     )
+    after = gateway_counts(metrics_url)
     out["affinity.c128"] = summarize(records, wall, 1e9)
     out["affinity.c128"]["hit_rate"] = hit_rate(records, len(images))
+    if before and after and after[0] > before[0]:  # the gateway's own view: guard spills
+        out["affinity.c128"]["home_share"] = (after[1] - before[1]) / (after[0] - before[0])
     return out
 
 
@@ -176,11 +201,13 @@ async def run(args: argparse.Namespace, server_args: list[str]) -> dict[str, Any
     out_dir: Path = args.out
     results: dict[str, Any] = {}
     runs: list[tuple[str, list[str], int]] = [
-        (f"r{n}", ["cluster", "--replicas", str(n)], n) for n in args.replicas
+        (f"r{n}{args.tag}", ["cluster", "--replicas", str(n), *args.cluster_flags], n)
+        for n in args.replicas
     ]
     if args.ray_ingress:  # the same replicas behind Ray Serve's proxies, for comparison
         n = max(args.replicas)
-        runs.append((f"ray{n}", ["cluster", "--replicas", str(n), "--ingress", "ray"], n))
+        command = ["cluster", "--replicas", str(n), "--ingress", "ray", *args.cluster_flags]
+        runs.append((f"ray{n}{args.tag}", command, n))
     if args.alone:
         runs.append(("alone", ["serve"], 1))
     for i, (name, command, replicas) in enumerate(runs):
@@ -200,7 +227,7 @@ async def run(args: argparse.Namespace, server_args: list[str]) -> dict[str, Any
                 "replicas": replicas,
                 "ingress": "ray" if "ray" in command else "gateway",
                 "command": cmd,
-                "scenarios": await measure(target, args, 1 + i * 100_000, name == "alone"),
+                "scenarios": await measure(target, args, 1 + i * 100_000, name == "alone", metrics),
             }
         finally:
             spawned.stop()
@@ -286,6 +313,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=False,
         help="also the most replicas behind Ray Serve's proxies (--ingress ray)",
     )
+    ap.add_argument(
+        "--tag", default="", help="appended to the run names (variants beside the runs of record)"
+    )
+    ap.add_argument(
+        "--cluster-flags",
+        nargs="*",
+        default=[],
+        help="vlm cluster flags of these runs (e.g. --affinity-load-factor=1.5)",
+    )
     ap.add_argument("--concurrency", type=int, default=128)
     ap.add_argument("--requests", type=int, default=2048, help="per c128 level")
     ap.add_argument("--c1-requests", type=int, default=200)
@@ -316,7 +352,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(
                 f"{name:<6} {scenario:<14} req/s {s.get('req_per_s', 0):9.1f}  "
                 f"p50 {s.get('e2e_p50_ms', float('nan')):8.1f} ms  "
-                f"hit {s.get('hit_rate', float('nan')):.3f}  errors {s.get('errors') or {}}"
+                f"hit {s.get('hit_rate', float('nan')):.3f}  "
+                f"home {s.get('home_share', float('nan')):.3f}  errors {s.get('errors') or {}}"
             )
     new = rows(data, args.prefix, args.commit)
     print(tg.table(new))
