@@ -80,7 +80,10 @@ def _stand_in(name: str) -> tuple[subprocess.Popen, dict[str, Any]]:
         [sys.executable, "-m", "bench.stand_in_replica", name],
         stdout=subprocess.PIPE,
         cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+        },
     )
     assert proc.stdout is not None
     return proc, json.loads(proc.stdout.readline())

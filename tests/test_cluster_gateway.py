@@ -57,49 +57,64 @@ def test_a_key_stays_on_its_replica_and_keys_spread() -> None:
     homes = {}
     for i in range(60):
         r = replicas.route(f"img{i}")
-        homes[f"img{i}"] = r.name
+        assert r.cost == replicas.miss_cost  # a first sighting computes its prefix
+        homes[f"img{i}"] = r.replica.name
         replicas.done(r)
     assert set(homes.values()) == {"a", "b", "c"}
     for key, home in homes.items():
         r = replicas.route(key)
-        assert r.name == home
+        assert (r.replica.name, r.cost) == (home, 1.0)
         replicas.done(r)
     assert replicas.home_hits == replicas.routed == 120
+    assert all(r.work == 0 and r.in_flight == 0 for r in replicas.members())
 
 
 def test_members_that_do_not_serve_get_nothing() -> None:
     replicas = _set(["a", "b"])
     replicas.set_serving("a", False)
     for i in range(20):
-        assert replicas.route(f"k{i}").name == "b"
+        assert replicas.route(f"k{i}").replica.name == "b"
     replicas.update({"a": {"grpc": "h:0"}})  # b left the directory
     with pytest.raises(NoReplica):
         replicas.route("k0")
     replicas.set_serving("a", True)
-    assert replicas.route("k0").name == "a"
+    assert replicas.route("k0").replica.name == "a"
 
 
-def test_an_overloaded_home_spills_and_the_key_follows_its_prefix() -> None:
+def test_new_pictures_balance_the_work_and_repeats_stay_with_their_prefix() -> None:
     replicas = _set(["a", "b"], load_factor=1.0)
-    home = replicas.route("hot")
-    held = [replicas.route("hot") for _ in range(3)]  # the guard sends some of these away
-    names = {r.name for r in [home, *held]}
-    assert len(names) == 2, "a hot key never spilled"
-    for r in [home, *held]:
+    first = replicas.route("p0")  # a prefix to compute: miss_cost of work
+    home = first.replica.name
+    other = next(n for n in ("a", "b") if n != home)
+    # New pictures go where the work is least, whatever their ring home ...
+    assert replicas.route("new0").replica.name == other
+    for i in range(1, 9):
+        replicas.route(f"new{i}")
+    a, b = (replicas.get(n).work for n in ("a", "b"))
+    assert abs(a - b) <= replicas.miss_cost
+    # ... while a repeat waits for its prefix unless the wait costs more than a prefix.
+    assert replicas.route("p0").replica.name == home
+
+
+def test_a_hot_picture_spreads_and_its_holders_share_it() -> None:
+    replicas = _set(["a", "b"], load_factor=1.0)
+    routed = [replicas.route("hot") for _ in range(40)]  # none finishes: a pile-up
+    names = [r.replica.name for r in routed]
+    assert set(names) == {"a", "b"}, "a hot picture never spread"
+    assert sum(r.cost == replicas.miss_cost for r in routed) == 2  # one prefix per replica
+    assert abs(names.count("a") - names.count("b")) <= 2
+    for r in routed:
         replicas.done(r)
-    # The key now goes where it went last (its prefix is there too), not back to the ring.
-    last = replicas.route("hot")
-    assert last.name == held[-1].name
 
 
 def test_unreachable_and_excluded_replicas_are_skipped() -> None:
     replicas = _set(["a", "b"])
     first = replicas.route("k")
     replicas.done(first)
-    other = replicas.route("k", exclude=frozenset({first.name}))
-    assert other.name != first.name
-    replicas.unreachable(first)
-    assert all(replicas.route(f"k{i}").name == other.name for i in range(10))
+    other = replicas.route("k", exclude=frozenset({first.replica.name}))
+    assert other.replica.name != first.replica.name
+    replicas.unreachable(first.replica)
+    assert all(replicas.route(f"k{i}").replica.name == other.replica.name for i in range(10))
 
 
 def test_a_moved_member_is_new_and_loads_never_go_negative() -> None:
@@ -109,7 +124,7 @@ def test_a_moved_member_is_new_and_loads_never_go_negative() -> None:
     assert replicas.get("a").grpc == "elsewhere:1" and not replicas.get("a").serving
     replicas.done(r)
     replicas.done(r)
-    assert r.in_flight == 0
+    assert r.replica.in_flight == 0 and r.replica.work == 0
 
 
 # --- HTTP keys --------------------------------------------------------------------------------
@@ -192,7 +207,10 @@ class Fake:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        }
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bench.stand_in_replica", name],
             stdout=subprocess.PIPE,

@@ -174,6 +174,7 @@ async def _gateway(cluster: ClusterConfig, server: ServerConfig, stop: threading
         cluster.affinity_load_factor,
         server.max_message_bytes,
         server.max_http_body_bytes,
+        miss_cost=cluster.affinity_miss_cost,
         log_format=server.log_format,
         log_level=server.log_level,
     )

@@ -25,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from vlm_server.cluster.gateway_grpc import SERVICE, GrpcForwarder
 from vlm_server.cluster.gateway_http import HttpGateway
-from vlm_server.cluster.replica_set import ReplicaSet
+from vlm_server.cluster.replica_set import DEFAULT_MISS_COST, ReplicaSet
 from vlm_server.rpc.reflection import enable_reflection
 
 log = logging.getLogger(__name__)
@@ -47,8 +47,9 @@ class Gateway:
         max_message_bytes: int,
         max_http_body_bytes: int,
         refresh_s: float = REFRESH_S,
+        miss_cost: float = DEFAULT_MISS_COST,
     ) -> None:
-        self.replicas = ReplicaSet(load_factor)
+        self.replicas = ReplicaSet(load_factor, miss_cost=miss_cost)
         self._entries = entries
         self._refresh_s = refresh_s
         self._limit = max_message_bytes

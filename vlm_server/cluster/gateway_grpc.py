@@ -20,7 +20,7 @@ import grpc
 
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.cluster.affinity import affinity_key, tag_image_id, untag_image_id
-from vlm_server.cluster.replica_set import NoReplica, Replica, ReplicaSet
+from vlm_server.cluster.replica_set import NoReplica, Replica, ReplicaSet, Routed
 
 log = logging.getLogger(__name__)
 
@@ -145,19 +145,19 @@ class GrpcForwarder:
             data, key = prepare(method, data)
             tried: set[str] = set()
             while True:
-                replica = await self._route(key, tried, context)
-                call = self.channel(replica).unary_unary(method.path)
+                routed = await self._route(key, tried, context)
+                call = self.channel(routed.replica).unary_unary(method.path)
                 try:
                     answer: bytes = await call(
                         data, metadata=_metadata(context), timeout=_timeout(context)
                     )
                 except grpc.aio.AioRpcError as err:
                     if _not_connected(err):
-                        self._unreachable(replica, tried)
+                        self._unreachable(routed.replica, tried)
                         continue
                     await _abort(context, err)
                 finally:
-                    self.replicas.done(replica)
+                    self.replicas.done(routed)
                 if method.name == "EncodeImage":
                     answer = _tag(answer, data)
                 return answer
@@ -169,8 +169,8 @@ class GrpcForwarder:
             data, key = prepare(method, data)
             tried: set[str] = set()
             while True:
-                replica = await self._route(key, tried, context)
-                call = self.channel(replica).unary_stream(method.path)(
+                routed = await self._route(key, tried, context)
+                call = self.channel(routed.replica).unary_stream(method.path)(
                     data, metadata=_metadata(context), timeout=_timeout(context)
                 )
                 sent = 0
@@ -181,18 +181,18 @@ class GrpcForwarder:
                     return
                 except grpc.aio.AioRpcError as err:
                     if not sent and _not_connected(err):
-                        self._unreachable(replica, tried)
+                        self._unreachable(routed.replica, tried)
                         continue
                     await _abort(context, err)
                 finally:
                     call.cancel()  # a no-op once finished; a client that left cancels it
-                    self.replicas.done(replica)
+                    self.replicas.done(routed)
 
         return stream
 
     async def _route(
         self, key: str | None, tried: set[str], context: grpc.aio.ServicerContext
-    ) -> Replica:
+    ) -> Routed:
         try:
             return self.replicas.route(key, frozenset(tried))
         except NoReplica:

@@ -129,9 +129,10 @@ class HttpGateway:
         tried: set[str] = set()
         while True:
             try:
-                replica = self.replicas.route(key, frozenset(tried))
+                routed = self.replicas.route(key, frozenset(tried))
             except NoReplica:
                 return _error(HttpError(503, ErrorCode.UNAVAILABLE, "no replica is serving"))
+            replica = routed.replica
             try:
                 if replica.http:
                     return await self._pass(request, replica, data, headers)
@@ -141,7 +142,7 @@ class HttpGateway:
                 log.warning("replica %s lost: %s", replica.name, err)
                 return _error(HttpError(503, ErrorCode.UNAVAILABLE, _LOST))
             finally:
-                self.replicas.done(replica)
+                self.replicas.done(routed)
             tried.add(replica.name)
             self.replicas.unreachable(replica)
 

@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from vlm_server.cluster.gateway import REFRESH_S, Entries, Gateway, routing_metrics
+from vlm_server.cluster.replica_set import DEFAULT_MISS_COST
 from vlm_server.frontend.logs import configure_logging
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class WorkerSettings:
     max_message_bytes: int
     max_http_body_bytes: int
     refresh_s: float = REFRESH_S
+    miss_cost: float = DEFAULT_MISS_COST
     log_format: str = "kv"
     log_level: str = "info"
 
@@ -74,6 +76,7 @@ async def _serve(settings: WorkerSettings, conn: Connection) -> None:
         settings.max_message_bytes,
         settings.max_http_body_bytes,
         refresh_s=settings.refresh_s,
+        miss_cost=settings.miss_cost,
     )
     await gateway.start(settings.host, settings.port, settings.http_port, reuse_port=True)
     conn.send(("ready", gateway.port, gateway.http_port))

@@ -1,23 +1,25 @@
 """The gateway's view of the replicas: where each one's doors are, whether it serves, how
-many of the gateway's requests it holds, and which replica each affinity key went to last.
+much of the gateway's work it holds, and which replicas hold each affinity key's prefix.
 
 Pure bookkeeping (no Ray, no network): discovery feeds it the directory's entries and health
 answers; the doors ask `route` for a replica and call `done` when the request ends. Routing is
-`ring.choose` over the serving replicas with this gateway's exact in-flight counts as loads.
+`ring.choose` over the serving replicas. A replica's load is the work it holds in units of a
+request whose picture it has: a request it must compute the prefix for counts ``miss_cost``
+of them (a vision-tower pass and a long prefill against a few decode rows), so that new
+pictures balance what the replicas really have to do, and a repeat moves away from its prefix
+only when that costs less than the wait it saves.
 """
 
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vlm_server.cluster.ring import HashRing, choose
+from vlm_server.cluster.ring import AffinityMemory, HashRing, choose
 
-# Keys whose last replica is remembered: far more images than any replica's prefix cache.
-MAX_PLACED = 1 << 17
+DEFAULT_MISS_COST = 8.0
 
 
 class NoReplica(RuntimeError):
@@ -34,22 +36,39 @@ class Replica:
     metrics: str | None = None
     serving: bool = False
     in_flight: int = 0
+    work: float = 0.0  # the in-flight requests' costs
     routed: int = 0
+
+
+@dataclass(frozen=True)
+class Routed:
+    """A routed request: its replica and the cost it was counted at (until `done`)."""
+
+    replica: Replica
+    cost: float
 
 
 class ReplicaSet:
     """The replicas the gateway may route to, and the routing itself."""
 
-    def __init__(self, load_factor: float, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        load_factor: float,
+        rng: random.Random | None = None,
+        miss_cost: float = DEFAULT_MISS_COST,
+    ) -> None:
         if load_factor < 1.0:
             raise ValueError("load_factor must be >= 1")
+        if miss_cost < 1.0:
+            raise ValueError("miss_cost must be >= 1")
         self.load_factor = load_factor
+        self.miss_cost = miss_cost
         self._rng = rng or random.Random()
         self._replicas: dict[str, Replica] = {}
         self._ring = HashRing([])
-        self._placed: OrderedDict[str, str] = OrderedDict()  # key -> replica, oldest first
+        self._memory = AffinityMemory()
         self.routed = 0
-        self.home_hits = 0  # requests with a key that went where its prefix is (or will be)
+        self.home_hits = 0  # requests with a key that went where its prefix is (or, new, home)
 
     # --- membership ---------------------------------------------------------------------------
 
@@ -93,10 +112,10 @@ class ReplicaSet:
 
     # --- routing ------------------------------------------------------------------------------
 
-    def _load(self, name: str) -> int:
-        return self._replicas[name].in_flight
+    def _load(self, name: str) -> float:
+        return self._replicas[name].work
 
-    def route(self, key: str | None, exclude: frozenset[str] = frozenset()) -> Replica:
+    def route(self, key: str | None, exclude: frozenset[str] = frozenset()) -> Routed:
         """The replica for a request with affinity ``key`` (None: by load alone), counted in
         flight until `done`. ``exclude``: replicas this request already failed to reach."""
         ring = self._ring
@@ -104,25 +123,27 @@ class ReplicaSet:
             ring = HashRing([n for n in ring.names if n not in exclude])
         if not ring.names:
             raise NoReplica("no replica is serving")
-        placed = self._placed.get(key) if key is not None else None
-        name, _ = choose(ring, key, self._load, self.load_factor, self._rng, placed)
+        holders = self._memory.holders(key)
+        name, home = choose(
+            ring, key, self._load, self.load_factor, self._rng, holders, self.miss_cost
+        )
+        cost = 1.0 if key is None or name in holders else self.miss_cost
         replica = self._replicas[name]
         replica.in_flight += 1
+        replica.work += cost
         replica.routed += 1
         self.routed += 1
         if key is not None:
-            preferred = placed if placed in ring.names else next(iter(ring.walk(key)), None)
-            self.home_hits += preferred == name
-            self._placed[key] = name
-            self._placed.move_to_end(key)
-            if len(self._placed) > MAX_PLACED:
-                self._placed.popitem(last=False)
-        return replica
+            self.home_hits += home
+            self._memory.sent(key, name)
+        return Routed(replica, cost)
 
-    def done(self, replica: Replica) -> None:
+    def done(self, routed: Routed) -> None:
         """A routed request ended (however); its replica may have left the set meanwhile."""
+        replica = routed.replica
         if replica.in_flight > 0:
             replica.in_flight -= 1
+            replica.work = max(0.0, replica.work - routed.cost)
 
     def unreachable(self, replica: Replica) -> None:
         """A request could not connect: route no more there until its health says SERVING."""

@@ -1,26 +1,27 @@
-"""Consistent hashing with bounded loads: a key's home replica unless it is overloaded.
+"""Image affinity with a load guard: consistent hashing for new pictures, and the replicas
+that hold a picture's prefix for repeats.
 
 Each replica owns `VNODES` points on a 64-bit ring; a key walks the ring clockwise from its
-own point and takes the first replica whose load stays within ``load_factor`` times the mean
-(plus one request), the bound of "Consistent Hashing with Bounded Loads" (Mirrokni, Thorup,
-Zadimoghaddam). With every replica at the bound, it falls back to the less loaded of two
-random replicas: power of two choices. So a hot key spills to the next replica on its walk
-(which then holds its prefix too) instead of queueing behind itself, and no replica's load
-exceeds the bound while another has room.
+own point. The guard weighs what moving a request costs:
 
-The guard against power of two choices: the replica the walk found is taken only while its
-load is within ``(load_factor - 1) x mean`` (at least `MIN_SLACK`) of what two choices would
-have picked; otherwise two choices' pick is taken. Under light load the slack is one request,
-under heavy load a fraction of the mean: a warm replica with a few more requests beats a cold
-one, a warm one with many more does not. Pure: loads are given by
-the caller.
+- A key no replica holds yet (its first request): its prefix must be computed wherever it
+  goes, so moving it costs nothing. It goes to its ring home while the home's load is no more
+  than what power of two choices would pick, else to the next replica on its walk that is,
+  else to two choices' pick: new pictures keep the replicas balanced.
+- A key some replicas hold (they computed its prefix): moving it costs a vision-tower pass.
+  The least loaded holder keeps it unless its load is above the least loaded replica's by
+  more than that cost and more than ``(load_factor - 1) x mean``; then that replica
+  takes it and becomes a holder too, so a hot picture spreads over as many replicas as its
+  traffic needs and its holders share it, as power of two choices would.
+
+Pure: loads are given by the caller; `AffinityMemory` remembers the holders.
 """
 
 from __future__ import annotations
 
 import bisect
-import math
 import random
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -29,10 +30,11 @@ import blake3
 N = TypeVar("N")
 
 VNODES = 64  # points per replica: spreads keys within a few percent of even for 2-16 replicas
-# A warm replica holding one request more than the pick of two choices still wins: in a
-# continuous batch one more row costs little, an image prefix costs a vision-tower pass. It
-# also absorbs load figures that lag a request behind (a stream that just ended).
-MIN_SLACK = 1
+# A new picture goes home only while home has no more work than two choices' pick: its
+# prefix costs the same anywhere, so balance decides, and ties keep the ring's order.
+MIN_SLACK = 0
+# Keys whose holders are remembered: far more pictures than any replica's prefix cache.
+MAX_REMEMBERED = 1 << 17
 
 
 def _point(text: str) -> int:
@@ -64,13 +66,7 @@ class HashRing:
         return seen
 
 
-def load_bound(loads: Sequence[int], load_factor: float) -> int:
-    """The most requests a replica may hold after taking one more."""
-    total = sum(loads) + 1
-    return max(1, math.ceil(load_factor * total / max(1, len(loads))))
-
-
-def two_choices(names: Sequence[N], load: Callable[[N], int], rng: random.Random) -> N:
+def two_choices(names: Sequence[N], load: Callable[[N], float], rng: random.Random) -> N:
     """The less loaded of two distinct random names (the only one when there is one)."""
     if len(names) == 1:
         return names[0]
@@ -81,32 +77,56 @@ def two_choices(names: Sequence[N], load: Callable[[N], int], rng: random.Random
 def choose(
     ring: HashRing,
     key: str | None,
-    load: Callable[[str], int],
+    load: Callable[[str], float],
     load_factor: float,
     rng: random.Random,
-    placed: str | None = None,
+    holders: Sequence[str] = (),
+    miss_cost: float = 1.0,
 ) -> tuple[str, bool]:
-    """The replica for ``key`` and whether it is the key's home (the first it prefers).
-
-    ``placed``: the replica that served ``key`` last, which holds its prefix: it comes before
-    the ring's walk (a key the guard once sent away stays where its prefix went). ``key``
-    None (no affinity): power of two choices. Draws the two choices whatever the key, so
-    that the guard compares against the pick two choices would make."""
+    """The replica for ``key`` and whether it is where the key belongs (a holder of its
+    prefix, or for a new key its ring home). ``holders``: replicas that hold the key's prefix,
+    most recent first (see the module's doc). ``miss_cost``: what computing a prefix costs in
+    the loads' units; a repeat never moves for less. ``key`` None (no affinity): power of two
+    choices."""
     names = ring.names
     if not names:
         raise ValueError("no replicas")
     if key is None:
         return two_choices(names, load, rng), False
-    loads = [load(n) for n in names]
-    bound = load_bound(loads, load_factor)
-    slack = max(MIN_SLACK, int((load_factor - 1.0) * sum(loads) / len(loads)))
+    held = [n for n in holders if n in names]
+    if held:
+        keeper = min(held, key=load)  # ties: the most recent holder
+        least = min(names, key=load)
+        mean = sum(load(n) for n in names) / len(names)
+        slack = max(MIN_SLACK, miss_cost, (load_factor - 1.0) * mean)
+        if load(keeper) <= load(least) + slack:
+            return keeper, True
+        return least, False
     fallback = two_choices(names, load, rng)
     order = ring.walk(key)
-    if placed in names:
-        order = [placed, *(n for n in order if n != placed)]
     for i, name in enumerate(order):
-        if load(name) + 1 <= bound:
-            if load(name) <= load(fallback) + slack:
-                return name, i == 0
-            break
+        if load(name) <= load(fallback) + MIN_SLACK:
+            return name, i == 0
     return fallback, fallback == order[0]
+
+
+class AffinityMemory:
+    """Which replicas hold each key's prefix (those it was sent to), most recent first; the
+    least recently used keys are forgotten beyond ``capacity``."""
+
+    def __init__(self, capacity: int = MAX_REMEMBERED) -> None:
+        self._capacity = capacity
+        self._holders: OrderedDict[str, list[str]] = OrderedDict()
+
+    def holders(self, key: str | None) -> list[str]:
+        return list(self._holders.get(key, ())) if key is not None else []
+
+    def sent(self, key: str | None, name: str) -> None:
+        """``key``'s request went to ``name``, which now holds (or computes) its prefix."""
+        if key is None:
+            return
+        held = [name, *(n for n in self._holders.get(key, ()) if n != name)]
+        self._holders[key] = held
+        self._holders.move_to_end(key)
+        if len(self._holders) > self._capacity:
+            self._holders.popitem(last=False)

@@ -17,21 +17,18 @@ from __future__ import annotations
 import logging
 import pickle
 import random
-from collections import OrderedDict
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from vlm_server.cluster import proto_names  # noqa: F401  (pickle finds the messages)
 from vlm_server.cluster.affinity import affinity_key
-from vlm_server.cluster.ring import HashRing, choose
+from vlm_server.cluster.ring import AffinityMemory, HashRing, choose
 
 log = logging.getLogger(__name__)
 
 DEFAULT_LOAD_FACTOR = 1.25
 _MAX_TRACKED = 1 << 16  # bounds the per-request maps whatever Ray reports
-# Keys whose last replica is remembered: far more images than any replica's prefix cache.
-_MAX_PLACED = 1 << 17
 
 
 def request_message(args: list[Any]) -> Any | None:
@@ -70,8 +67,7 @@ class ImageAffinityRouter(RequestRouter):
         self._keys: dict[str, str | None] = {}  # internal request id -> key, until routed
         self._own: dict[str, int] = {}  # replica -> this router's requests in flight
         self._where: dict[str, str] = {}  # internal request id -> replica
-        # key -> the replica that served it last (holds its prefix), least recent first
-        self._placed: OrderedDict[str, str] = OrderedDict()
+        self._memory = AffinityMemory()  # key -> the replicas that hold its prefix
         self.routed = 0
         self.home_hits = 0
 
@@ -105,8 +101,8 @@ class ImageAffinityRouter(RequestRouter):
             if set(by_name) != set(self._ring.names):
                 self._ring = HashRing(list(by_name))
             key = self._key(pending_request)
-            placed = self._placed.get(key) if key is not None else None
-            name, _ = choose(self._ring, key, self._load, self.load_factor, self._rng, placed)
+            holders = self._memory.holders(key)
+            name, _ = choose(self._ring, key, self._load, self.load_factor, self._rng, holders)
         except Exception:  # never strand a request: Ray picks among all of them instead
             log.exception("affinity routing failed; routing by load")
             return [list(candidate_replicas)]
@@ -124,12 +120,10 @@ class ImageAffinityRouter(RequestRouter):
         self.routed += 1
         if key is None:
             return
-        preferred = self._placed.get(key) or next(iter(self._ring.walk(key)), None)
-        self.home_hits += preferred == name
-        self._placed[key] = name
-        self._placed.move_to_end(key)
-        if len(self._placed) > _MAX_PLACED:
-            self._placed.popitem(last=False)
+        holders = self._memory.holders(key)
+        home = name in holders if holders else name == next(iter(self._ring.walk(key)), None)
+        self.home_hits += home
+        self._memory.sent(key, name)
 
     def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
         name = self._where.pop(internal_request_id, None)

@@ -58,8 +58,15 @@ class ClusterConfig:
     affinity_load_factor: float = option(
         1.25,
         G.PERFORMANCE,
-        "a request goes to its image's replica unless that replica holds more than this times "
-        "the mean load; then to the next on the ring (>= 1; 1: balance first)",
+        "a repeated picture leaves the replica holding its prefix only when that replica's "
+        "load is above the least loaded one's by more than (this - 1) x the mean load and "
+        "more than --affinity-miss-cost (>= 1)",
+    )
+    affinity_miss_cost: float = option(
+        8.0,
+        G.PERFORMANCE,
+        "the gateway's estimate of a new picture's work (vision tower and prefill) in units of "
+        "a request whose prefix is cached (>= 1); new pictures balance this work",
     )
 
     def __post_init__(self) -> None:
@@ -71,6 +78,8 @@ class ClusterConfig:
             raise ValueError("max_ongoing_requests must be >= 1")
         if self.affinity_load_factor < 1.0:
             raise ValueError("affinity_load_factor must be >= 1")
+        if self.affinity_miss_cost < 1.0:
+            raise ValueError("affinity_miss_cost must be >= 1")
         if self.gateway_workers < 0:
             raise ValueError("gateway_workers must be >= 0")
         if self.ingress not in ("gateway", "ray"):
