@@ -152,7 +152,8 @@ if triton is not None:
         ``b_tile`` at B^T's [BLOCK_R, BLOCK_N] tile."""
         v = tl.full((BLOCK_T, BLOCK_R), 0.0, tl.float32)
         for s in range(SPLITS):  # the splits in order: the same sum every time
-            v += tl.load(parts + s * stride_s, mask=vmask & (s < splits), other=0.0)
+            # (not vmask & (s < splits): int32 in Triton 3.6's interpreter, see the expand)
+            v += tl.load(parts + s * stride_s, mask=tl.where(s < splits, vmask, False), other=0.0)
         b = tl.load(b_tile, mask=bmask, other=0.0)
         return tl.dot(v.to(b.dtype), b, input_precision=PRECISION)
 
@@ -257,8 +258,10 @@ if triton is not None:
             stride_bs, stride_bn = stride_b2s, stride_b2n
             nb -= NB1
         idx = tl.load(idx_ptr + ts, mask=ts < T, other=-2)  # -2: past the tokens, nobody's
-        plain = slot == n_slots
-        mine = tl.where(plain, (idx == -1) & act, idx == slot)
+        # No token holds slot n_slots: its programs without the GELU take no rows. (A block
+        # & a scalar comparison is int32 in Triton 3.6's interpreter, which then refuses it
+        # as a mask: the scalars are combined first.)
+        mine = tl.where((slot == n_slots) & act, idx == -1, idx == slot)
         if _any(mine):
             rows = ts.to(tl.int64)
             ns = nb * BLOCK_N + tl.arange(0, BLOCK_N)
