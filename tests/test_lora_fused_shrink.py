@@ -220,3 +220,16 @@ def test_the_fused_forward_with_folded_shrinks_equals_the_reference_per_row(
     torch.testing.assert_close(got, separate, atol=1e-5, rtol=1e-5)
     none = index < 0
     assert torch.equal(got[none], separate[none])
+
+
+def test_a_bank_of_many_high_rank_slots_keeps_the_grouped_shrink() -> None:
+    """At moondream2's widths 8 slots of rank 32 ride both products; 64 slots of rank 64
+    would add most of either product's bytes again, so they do not."""
+    d, ff = 2048, 8192
+    w_in = torch.empty(3 * d + ff, d, device="meta")
+    w_out = torch.empty(d, d + ff, device="meta")
+    for slots, r, folds in [(8, 32, True), (64, 64, False)]:
+        a_in = torch.empty(slots, 3 * r, d, device="meta")
+        a_fc2 = torch.empty(slots, r, ff, device="meta")
+        assert lora_products.worth_folding(a_in, w_in) is folds
+        assert lora_products.worth_folding(a_fc2, w_out) is folds

@@ -25,6 +25,16 @@ SHARED = ("qkv", "proj", "fc1")  # the targets reading the block's normed input
 # about 10% to that launch's bytes at 8 slots of rank 32 (16 programs to 128 on moondream2);
 # a switch for measuring either way on a GPU.
 FOLD_BRANCH = True
+# Every resident slot's A is read, used or not: beyond this fraction of the product's weight
+# bytes (a bank of many slots of high rank) the grouped shrink, which reads only the slots
+# the batch holds, runs instead.
+MAX_EXTRA = 0.25
+
+
+def worth_folding(a: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether every slot's A (``a`` [slots, R, K_a]) adds at most `MAX_EXTRA` of ``weight``'s
+    bytes to a product."""
+    return a.numel() <= MAX_EXTRA * weight.numel()
 
 
 def block_inputs(
@@ -33,7 +43,7 @@ def block_inputs(
     """Normed input [..., D] -> (qkv with its delta, GELU(fc1 + its delta), the shared
     shrink for proj's delta): one product (with the shrink), one expand."""
     fold = lora.shrink_weights(layer, SHARED)
-    if fold is None:
+    if fold is None or not worth_folding(fold[1], prod.w_in):
         qkv, fc1 = prod.qkv_and_fc1(h)
         shared = lora.shrink(layer, h, SHARED)
     else:
@@ -56,7 +66,7 @@ def branch(
     """`BlockProducts.branch_parts` (``partials``; else the finished `BlockProducts.branch`)
     with proj's and fc2's deltas added (into split 0 where the product splits K)."""
     fold = lora.shrink_weights(layer, ("fc2",))
-    if fold is not None and FOLD_BRANCH:
+    if fold is not None and FOLD_BRANCH and worth_folding(fold[1], prod.w_out):
         parts, sums = prod.branch_parts_shrunk(attn, hidden, fold[1], partials)
         fc2 = lora.shrunk(hidden, fold[0], sums)
     else:
