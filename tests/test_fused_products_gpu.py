@@ -53,6 +53,38 @@ def test_skinny_linear_matches_pytorch(
         torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("rows", [1, 17, 32])
+def test_the_shrink_riding_the_product_at_moondream2_widths(rows: int) -> None:
+    """moondream2's two decode products (bf16) with every slot's stacked A beside them (8
+    slots, rank 32): the product's columns bit for bit those of the plain launch, the shrink
+    to bf16 rounding; and the launch replays in a CUDA graph with new weights in a slot."""
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    d, ff, slots, r = 2048, 8192, 8, 32
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, device="cuda", generator=g) * 0.05).bfloat16()
+
+    h, hidden = rnd(rows, d), rnd(rows, ff)
+    w_in, b_in, w_out, b_out = rnd(3 * d + ff, d), rnd(3 * d + ff), rnd(d, d + ff), rnd(d)
+    bank_in, bank_fc2 = rnd(slots, 3, 3 * r, d), rnd(slots, 3, r, ff)  # [slots, layers, ...]
+    for x1, x2, w, b, a, partials in [
+        (h, None, w_in, b_in, bank_in[:, 1], False),
+        (rnd(rows, d), hidden, w_out, b_out, bank_fc2[:, 1], True),
+    ]:
+        y, sums = skinny_gemm.skinny_linear_shrink(x1, w, b, a, x2=x2, partials=partials)
+        assert torch.equal(y, skinny_gemm.skinny_linear(x1, w, b, x2=x2, partials=partials))
+        src = x1 if x2 is None else x2
+        want = torch.einsum("mk,srk->msr", src.double(), a.double()).reshape(rows, -1)
+        torch.testing.assert_close(sums.double().sum(0), want, atol=2e-2, rtol=2e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, captured = skinny_gemm.skinny_linear_shrink(h, w_in, b_in, bank_in[:, 1])
+    bank_in[3].copy_(rnd(3, 3 * r, d))
+    graph.replay()
+    _, eager = skinny_gemm.skinny_linear_shrink(h, w_in, b_in, bank_in[:, 1])
+    assert torch.equal(captured, eager)
+
+
 def test_more_rows_than_the_cap_take_the_plain_products() -> None:
     x = torch.zeros(skinny_gemm.MAX_ROWS + 1, 64, device="cuda")
     assert not skinny_gemm.supported(x) and skinny_gemm.supported(x[:-1])

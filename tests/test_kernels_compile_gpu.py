@@ -88,7 +88,8 @@ _GROUP_EXPAND = {
     "N1": "i32", "N2": "i32", "NB1": "i32", "col1": "i32", "col2": "i32", "splits1": "i32",
     "splits2": "i32", "stride_v1": "i32", "stride_v1s": "i32", "stride_v2": "i32",
     "stride_v2s": "i32", "stride_b1s": "i32", "stride_b1n": "i32", "stride_b2s": "i32",
-    "stride_b2n": "i32", "stride_y1": "i32", "stride_y2": "i32",
+    "stride_b2n": "i32", "stride_y1": "i32", "stride_y2": "i32", "slot_cols1": "i32",
+    "slot_cols2": "i32",
 }  # fmt: skip
 _GROUP_BLOCKS = {"BLOCK_T": 32, "PRECISION": "tf32"}
 _MOE = "vlm_server.models.moondream3.moe_triton"
@@ -103,7 +104,9 @@ _SKINNY_ARGS = {
     "x1_ptr": "*bf16", "x2_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "r_ptr": "*bf16",
     "y_ptr": "*bf16", "part_ptr": "*fp32", "M": "i32", "N": "i32", "K1": "i32", "K2": "i32",
     "k_per_split": "i32", "stride_x1": "i32", "stride_x2": "i32", "stride_w": "i32",
-    "stride_r": "i32", "stride_y": "i32", "gelu_from": "i32",
+    "stride_r": "i32", "stride_y": "i32", "gelu_from": "i32", "e_ptr": "*bf16",
+    "ext_ptr": "*fp32", "NB": "i32", "NE": "i32", "RS": "i32", "e_koff": "i32",
+    "ke_per_split": "i32", "stride_es": "i32", "stride_er": "i32",
 }  # fmt: skip
 _SPLIT_SUM = {
     "part_ptr": "*fp32", "b_ptr": "*bf16", "r_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32",
@@ -122,6 +125,7 @@ KERNELS = (
             **_SKINNY_FLAGS,
             "IEEE": False,
             "SPLIT": True,
+            "EXTRA": False,
             "BLOCK_M": 16,
             "BLOCK_N": 32,
             "BLOCK_K": 128,
@@ -135,10 +139,26 @@ KERNELS = (
             **_SKINNY_FLAGS,
             "IEEE": False,
             "SPLIT": False,
+            "EXTRA": False,
             "BLOCK_M": 32,
             "BLOCK_N": 64,
             "BLOCK_K": 128,
         },
+    ),
+    # With a LoRA shrink's extra columns (models/lora/products.py), as moondream2's decode
+    # launches them at 32 rows: QKV and fc1 whole-K, the branch split.
+    *(
+        Kernel(
+            _SKINNY,
+            "_skinny_kernel",
+            _SKINNY_ARGS,
+            {
+                **_SKINNY_FLAGS,
+                **{"HAS_RES": False, "HAS_GELU": False, "IEEE": False, "EXTRA": True},
+                **{"SPLIT": split, "BLOCK_M": 32, "BLOCK_N": bn, "BLOCK_K": bk},
+            },
+        )
+        for split, bn, bk in ((False, 128, 128), (True, 64, 256))
     ),
     Kernel(
         _SKINNY,

@@ -43,6 +43,24 @@ class BlockProducts:
         both = skinny_gemm.skinny_linear(h, self.w_in, self.b_in)
         return both[..., : self.n_qkv], both[..., self.n_qkv :]
 
+    def qkv_and_fc1_shrunk(
+        self, h: torch.Tensor, a: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`qkv_and_fc1` and, in the same launch, ``h`` times every slot's A (``a`` [slots,
+        R, D]): (qkv, fc1, the shrink's split sums [splits, rows, slots * R] fp32)."""
+        both, sums = skinny_gemm.skinny_linear_shrink(h, self.w_in, self.b_in, a)
+        return both[..., : self.n_qkv], both[..., self.n_qkv :], sums
+
+    def branch_parts_shrunk(
+        self, attn: torch.Tensor, hidden: torch.Tensor, a: torch.Tensor, partials: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`branch_parts` (``partials``; else the finished `branch`) and, in the same
+        launch, ``hidden`` times every slot's A (``a`` [slots, R, ff]): (the branch as
+        those return it, the shrink's split sums [splits, rows, slots * R] fp32)."""
+        return skinny_gemm.skinny_linear_shrink(
+            attn, self.w_out, self.b_out, a, x2=hidden, partials=partials
+        )
+
     def branch(self, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """proj(attn) + fc2(hidden), biases included: the block's whole residual update."""
         return skinny_gemm.skinny_linear(attn, self.w_out, self.b_out, x2=hidden)

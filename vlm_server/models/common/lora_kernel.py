@@ -152,7 +152,8 @@ if triton is not None:
         ``b_tile`` at B^T's [BLOCK_R, BLOCK_N] tile."""
         v = tl.full((BLOCK_T, BLOCK_R), 0.0, tl.float32)
         for s in range(SPLITS):  # the splits in order: the same sum every time
-            v += tl.load(parts + s * stride_s, mask=vmask & (s < splits), other=0.0)
+            # (not vmask & (s < splits): int32 in Triton 3.6's interpreter, see the expand)
+            v += tl.load(parts + s * stride_s, mask=tl.where(s < splits, vmask, False), other=0.0)
         b = tl.load(b_tile, mask=bmask, other=0.0)
         return tl.dot(v.to(b.dtype), b, input_precision=PRECISION)
 
@@ -221,6 +222,8 @@ if triton is not None:
         col2,
         splits1,
         splits2,
+        slot_cols1,
+        slot_cols2,
         stride_v1,
         stride_v1s,
         stride_v2,
@@ -247,18 +250,24 @@ if triton is not None:
         ts = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
         nb = tl.program_id(2)
         act = nb >= NB1 if GELU else nb < 0  # GELU on this program's output
+        # A shrink over every slot (slot_cols > 0: models/common/skinny_gemm.py's, riding a
+        # product) holds each slot's columns apart: a row reads its own slot's.
         if nb < NB1:
-            v_ptr, b_ptr, y_ptr, n, col, splits = v1_ptr, b1_ptr, y1_ptr, N1, col1, splits1
+            v_ptr, b_ptr, y_ptr, n, splits = v1_ptr, b1_ptr, y1_ptr, N1, splits1
+            col = col1 + slot * slot_cols1
             stride_v, stride_vs, stride_y = stride_v1, stride_v1s, stride_y1
             stride_bs, stride_bn = stride_b1s, stride_b1n
         else:
-            v_ptr, b_ptr, y_ptr, n, col, splits = v2_ptr, b2_ptr, y2_ptr, N2, col2, splits2
+            v_ptr, b_ptr, y_ptr, n, splits = v2_ptr, b2_ptr, y2_ptr, N2, splits2
+            col = col2 + slot * slot_cols2
             stride_v, stride_vs, stride_y = stride_v2, stride_v2s, stride_y2
             stride_bs, stride_bn = stride_b2s, stride_b2n
             nb -= NB1
         idx = tl.load(idx_ptr + ts, mask=ts < T, other=-2)  # -2: past the tokens, nobody's
-        plain = slot == n_slots
-        mine = tl.where(plain, (idx == -1) & act, idx == slot)
+        # No token holds slot n_slots: its programs without the GELU take no rows. (A block
+        # & a scalar comparison is int32 in Triton 3.6's interpreter, which then refuses it
+        # as a mask: the scalars are combined first.)
+        mine = tl.where((slot == n_slots) & act, idx == -1, idx == slot)
         if _any(mine):
             rows = ts.to(tl.int64)
             ns = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -277,7 +286,8 @@ if triton is not None:
                 if SUM:
                     at_b = slot.to(tl.int64) * stride_b2s + ns[None, :] * stride_b2n + rs[:, None]
                     y += _lowrank(
-                        v2_ptr + rows[:, None] * stride_v2 + col2 + rs[None, :], stride_v2s,
+                        v2_ptr + rows[:, None] * stride_v2 + col2 + slot * slot_cols2
+                        + rs[None, :], stride_v2s,
                         splits2, b2_ptr + at_b, vmask, bmask, BLOCK_T, BLOCK_R, SPLITS,
                         PRECISION,
                     )  # fmt: skip
@@ -291,9 +301,12 @@ if triton is not None:
 @dataclass(frozen=True)
 class Partials:
     """`shrink`'s result: ``parts`` [T, splits, block_r] fp32 partial products of ``x @
-    A^T`` (rows of tokens without an adapter left unwritten)."""
+    A^T`` (rows of tokens without an adapter left unwritten). ``slot_cols`` > 0: ``parts``
+    [T, splits, slots * slot_cols] holds every slot's products for every token (a shrink
+    riding a skinny product, models/common/skinny_gemm.py), a token reads its slot's."""
 
     parts: torch.Tensor
+    slot_cols: int = 0
 
     @property
     def splits(self) -> int:
@@ -303,7 +316,8 @@ class Partials:
 @dataclass(frozen=True)
 class Target:
     """One output of `expand`: ``out`` [T, N] (rows contiguous) plus ``v @ b[slot]^T``, where
-    ``v`` is columns ``col : col + rank`` of ``partials`` and ``b`` [S, N, rank]."""
+    ``v`` is columns ``col : col + rank`` of ``partials`` (of the slot's columns, where they
+    hold every slot's) and ``b`` [S, N, rank]."""
 
     partials: Partials
     col: int
@@ -387,7 +401,7 @@ def expand(
     _group_expand_kernel[grid](
         p1.parts, first.b, one, p2.parts, two.b, two.out, index,
         t, n_slots, one.shape[1], two.out.shape[1], nb1, first.col, two.col,
-        p1.splits, p2.splits, p1.parts.stride(0), p1.parts.stride(1),
+        p1.splits, p2.splits, p1.slot_cols, p2.slot_cols, p1.parts.stride(0), p1.parts.stride(1),
         p2.parts.stride(0), p2.parts.stride(1),
         first.b.stride(0), first.b.stride(1), two.b.stride(0), two.b.stride(1),
         one.stride(0), two.out.stride(0),

@@ -103,49 +103,15 @@ if triton is not None:
         )
 
     @triton.jit
-    def _skinny_kernel(
-        x1_ptr,
-        x2_ptr,
-        w_ptr,
-        b_ptr,
-        r_ptr,
-        y_ptr,
-        part_ptr,
-        M,
-        N,
-        K1,
-        K2,
-        k_per_split,
-        stride_x1,
-        stride_x2,
-        stride_w,
-        stride_r,
-        stride_y,
-        gelu_from,
-        HAS_BIAS: tl.constexpr,
-        HAS_RES: tl.constexpr,
-        HAS_GELU: tl.constexpr,
-        IEEE: tl.constexpr,
-        SPLIT: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        split = tl.program_id(1)
-        ns = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = ns < N
-        ms = tl.arange(0, BLOCK_M)
-        mmask = ms < M
-        w_rows = w_ptr + ns.to(tl.int64)[:, None] * stride_w
-        x1_rows = x1_ptr + ms.to(tl.int64)[:, None] * stride_x1
-        x2_rows = x2_ptr + ms.to(tl.int64)[:, None] * stride_x2 - K1
-        k_total = K1 + K2
-        k_start = split * k_per_split
+    def _accumulate(x1_rows, x2_rows, w_rows, nmask, mmask, K1, k_lo, k_stop, k_lim,
+                    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):  # fmt: skip
+        # One program's sum over K blocks k_lo.. (< k_stop) of [x1 | x2] times its weight rows
+        # (columns past k_lim masked); pointers named without "_ptr": inlined, not launched.
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+        for k0 in range(k_lo, k_stop, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            kmask = ks < k_total
+            kmask = ks < k_lim
             # The input row is [x1 | x2]: each K block takes its columns from either side.
             x = tl.load(x1_rows + ks[None, :], mask=mmask[:, None] & (ks < K1)[None, :], other=0.0)
             x += tl.load(
@@ -158,13 +124,108 @@ if triton is not None:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
             else:
                 acc += tl.dot(x, tl.trans(w))
-        out_mask = mmask[:, None] & nmask[None, :]
-        if SPLIT:
-            offs = (split * M + ms.to(tl.int64))[:, None] * N + ns[None, :]
-            tl.store(part_ptr + offs, acc, mask=out_mask)
+        return acc
+
+    @triton.jit
+    def _skinny_kernel(
+        x1_ptr,
+        x2_ptr,
+        w_ptr,
+        b_ptr,
+        r_ptr,
+        y_ptr,
+        part_ptr,
+        e_ptr,
+        ext_ptr,
+        M,
+        N,
+        K1,
+        K2,
+        k_per_split,
+        stride_x1,
+        stride_x2,
+        stride_w,
+        stride_r,
+        stride_y,
+        gelu_from,
+        NB,
+        NE,
+        RS,
+        e_koff,
+        ke_per_split,
+        stride_es,
+        stride_er,
+        HAS_BIAS: tl.constexpr,
+        HAS_RES: tl.constexpr,
+        HAS_GELU: tl.constexpr,
+        IEEE: tl.constexpr,
+        SPLIT: tl.constexpr,
+        EXTRA: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        # Axis 0: the weight's NB blocks of columns, then (EXTRA) NE extra columns: row j of
+        # e's [slots, RS, K] (slot j // RS) times the input's columns from e_koff on, written
+        # apart (fp32 split sums, no epilogue): a LoRA shrink over every slot riding the
+        # product, so that x is read once and the shrink streams at the product's bandwidth.
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        ms = tl.arange(0, BLOCK_M)
+        mmask = ms < M
+        x1_rows = x1_ptr + ms.to(tl.int64)[:, None] * stride_x1
+        x2_rows = x2_ptr + ms.to(tl.int64)[:, None] * stride_x2 - K1
+        k_total = K1 + K2
+        ns = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = ns < N
+        w_rows = w_ptr + ns.to(tl.int64)[:, None] * stride_w
+        k_lo = split * k_per_split
+        k_stop = k_lo + k_per_split
+        k_lim = k_total
+        if EXTRA:
+            # One loop for both kinds of program, its operands picked per program: two
+            # loops (an if per kind) spilled more registers.
+            extra = pid >= NB
+            js = (pid - NB) * BLOCK_N + tl.arange(0, BLOCK_N)
+            e_rows = (
+                e_ptr
+                + (js // RS).to(tl.int64)[:, None] * stride_es
+                + (js % RS).to(tl.int64)[:, None] * stride_er
+                - e_koff
+            )
+            w_rows = tl.where(extra, e_rows, w_rows)
+            nmask = tl.where(extra, js < NE, nmask)
+            e_lo = e_koff + split * ke_per_split
+            k_lo = tl.where(extra, e_lo, k_lo)
+            k_stop = tl.where(extra, e_lo + ke_per_split, k_stop)
+            k_lim = tl.where(extra, tl.minimum(e_lo + ke_per_split, k_total), k_lim)
+        acc = _accumulate(
+            x1_rows,
+            x2_rows,
+            w_rows,
+            nmask,
+            mmask,
+            K1,
+            k_lo,
+            k_stop,
+            k_lim,
+            IEEE,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+        )
+        if EXTRA and pid >= NB:
+            js = (pid - NB) * BLOCK_N + tl.arange(0, BLOCK_N)
+            offs = (split * M + ms.to(tl.int64))[:, None] * NE + js[None, :]
+            tl.store(ext_ptr + offs, acc, mask=mmask[:, None] & (js < NE)[None, :])
         else:
-            _epilogue(acc, ns, nmask, out_mask, ms, b_ptr, r_ptr, y_ptr, stride_r, stride_y,
-                      gelu_from, HAS_BIAS, HAS_RES, HAS_GELU)  # fmt: skip
+            out_mask = mmask[:, None] & nmask[None, :]
+            if SPLIT:
+                offs = (split * M + ms.to(tl.int64))[:, None] * N + ns[None, :]
+                tl.store(part_ptr + offs, acc, mask=out_mask)
+            else:
+                _epilogue(acc, ns, nmask, out_mask, ms, b_ptr, r_ptr, y_ptr, stride_r, stride_y,
+                          gelu_from, HAS_BIAS, HAS_RES, HAS_GELU)  # fmt: skip
 
     @triton.jit
     def _split_sum_kernel(
@@ -226,14 +287,50 @@ def skinny_linear(
     shape splits K, return the split sums [splits, rows, N] (fp32, the bias not added) for a
     consumer that finishes them itself; elsewhere the finished product, as without it.
     """
+    y, _ = _launch(x1, weight, bias, x2, residual, gelu_from, config, partials, None)
+    return y
+
+
+def skinny_linear_shrink(
+    x1: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    a: torch.Tensor,
+    *,
+    x2: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+    partials: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`skinny_linear` (no residual, no GELU) and, in the same launch, the input's last K_a
+    columns times every row of ``a`` [slots, R, K_a] (any slot and row strides, unit column
+    stride): (the product as `skinny_linear` returns it, the shrink's split sums [splits,
+    rows, slots * R] fp32, slot s's in columns s R .. s R + R).
+
+    The base columns are computed exactly as `skinny_linear` computes them (same launch
+    shape, same sums): a row that reads no shrink column gets the product bit for bit.
+    """
+    return _launch(x1, weight, bias, x2, None, None, config, partials, a)
+
+
+def _launch(
+    x1: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    x2: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    gelu_from: int | None,
+    config: SkinnyConfig | None,
+    partials: bool,
+    a: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     lead = x1.shape[:-1]
     k1 = x1.shape[-1]
-    a = x1.reshape(-1, k1)
-    if a.stride(-1) != 1:
-        a = a.contiguous()
-    m = a.shape[0]
+    x = x1.reshape(-1, k1)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m = x.shape[0]
     k2 = 0
-    b2 = a
+    b2 = x
     if x2 is not None:
         k2 = x2.shape[-1]
         b2 = x2.reshape(-1, k2)
@@ -242,14 +339,15 @@ def skinny_linear(
     n = weight.shape[0]
     if weight.shape[1] != k1 + k2 or weight.stride(1) != 1:
         raise ValueError(f"weight {tuple(weight.shape)} does not take inputs of {k1} + {k2}")
-    y = torch.empty(m, n, device=a.device, dtype=a.dtype)
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     res = residual.reshape(-1, n) if residual is not None else y
-    cfg = config or default_config(m, n, k1 + k2, a.element_size())
+    # The launch shape is the product's alone: extra columns must not change its sums.
+    cfg = config or default_config(m, n, k1 + k2, x.element_size())
     block_m = max(16, triton.next_power_of_2(m))
     split = max(1, cfg.split_k)
     # Each split's slice of K is a whole number of K blocks.
     k_per_split = triton.cdiv(triton.cdiv(k1 + k2, split), cfg.block_k) * cfg.block_k
-    part = torch.empty(split, m, n, device=a.device, dtype=torch.float32) if split > 1 else y
+    part = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else y
     flags = {
         "HAS_BIAS": bias is not None,
         "HAS_RES": residual is not None,
@@ -257,20 +355,34 @@ def skinny_linear(
     }
     gelu = gelu_from if gelu_from is not None else n
     b = bias if bias is not None else weight
-    _skinny_kernel[(triton.cdiv(n, cfg.block_n), split)](
-        a, b2, weight, b, res, y, part, m, n, k1, k2, k_per_split,
-        a.stride(0), b2.stride(0), weight.stride(0), res.stride(0), y.stride(0), gelu,
-        IEEE=a.dtype == torch.float32, SPLIT=split > 1, BLOCK_M=block_m,
+    nb = triton.cdiv(n, cfg.block_n)
+    e, ext, ne, rs, e_koff, ke_per_split, e_blocks = weight, part, 0, 1, 0, 0, 0
+    if a is not None:
+        slots, rs, k_a = a.shape
+        if a.stride(2) != 1 or a.dtype != weight.dtype or not 0 < k_a <= k1 + k2:
+            raise ValueError(f"shrink weights {tuple(a.shape)} do not fit inputs of {k1} + {k2}")
+        e, ne, e_koff = a, slots * rs, k1 + k2 - k_a
+        ke_per_split = triton.cdiv(triton.cdiv(k_a, split), cfg.block_k) * cfg.block_k
+        ext = torch.empty(split, m, ne, device=x.device, dtype=torch.float32)
+        e_blocks = triton.cdiv(ne, cfg.block_n)
+    _skinny_kernel[(nb + e_blocks, split)](
+        x, b2, weight, b, res, y, part, e, ext, m, n, k1, k2, k_per_split,
+        x.stride(0), b2.stride(0), weight.stride(0), res.stride(0), y.stride(0), gelu,
+        nb, ne, rs, e_koff, ke_per_split, e.stride(0), e.stride(1) if a is not None else 0,
+        IEEE=x.dtype == torch.float32, SPLIT=split > 1, EXTRA=a is not None, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.warps,
-        num_stages=_stages(cfg, block_m, a.element_size(), a.device), **flags,
+        num_stages=_stages(cfg, block_m, x.element_size(), x.device), **flags,
     )  # fmt: skip
+    shrunk = ext if a is not None else None
     if split > 1 and partials:
         if residual is not None or gelu_from is not None:
             raise ValueError("split sums carry no epilogue but the bias, added by their consumer")
-        return part
+        return part, shrunk
+    if partials:  # the finished product, as rows: a consumer tells it from split sums by dim
+        return y, shrunk
     if split > 1:
         _split_sum_kernel[(triton.cdiv(n, 128), triton.cdiv(m, 16))](
             part, b, res, y, m, n, res.stride(0), y.stride(0), gelu,
             SPLITS=split, BLOCK_M=16, BLOCK_N=128, **flags,
         )  # fmt: skip
-    return y.view(*lead, n)
+    return y.view(*lead, n), shrunk

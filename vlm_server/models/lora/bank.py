@@ -6,11 +6,13 @@ B; a lower rank is zero-padded, which adds exact zeros), so a captured graph rea
 adapters the slots hold when it replays, and a load is one copy into a row. `LoraBatch` is
 what a batched forward passes its decoder: the bank and one slot per token (-1: no adapter).
 On CUDA the deltas are the grouped Triton kernels (models/common/lora_kernel.py): `shrink`
-once per shared-input group, `expand` added into the layers' outputs in place, two per
-launch; a batch of image prefixes (runs of hundreds of tokens with one slot each) runs two
-batched products over each run's gathered weights; elsewhere PyTorch: exact per-slot products
-on the CPU (the reference's arithmetic on each adapter's own rank), and on CUDA without Triton
-a masked product per slot, which needs no host sync and so stays capturable.
+once per shared-input group (or, on the fused decode products, `shrink_weights` for a
+product that computes it beside its own columns: models/lora/products.py), `expand` added
+into the layers' outputs in place, two per launch; a batch of image prefixes (runs of
+hundreds of tokens with one slot each) runs two batched products over each run's gathered
+weights; elsewhere PyTorch: exact per-slot products on the CPU (the reference's arithmetic on
+each adapter's own rank), and on CUDA without Triton a masked product per slot, which needs
+no host sync and so stays capturable.
 """
 
 from __future__ import annotations
@@ -174,6 +176,28 @@ class LoraBatch(DeltaByTarget):
         groups = dict.fromkeys(self.bank.group_of[t][0] for t in targets if t in self.bank.a)
         a = self.bank.a_groups
         return Shrunk(x, {g: kernels.shrink(flat, a[g][:, layer], self.index) for g in groups})
+
+    def shrink_weights(
+        self, layer: int, targets: tuple[str, ...]
+    ) -> tuple[Group, torch.Tensor] | None:
+        """On the kernel path, the one shared-input group of ``targets`` and every slot's
+        stacked A of it for ``layer`` ([slots, k * r, in]): for a product that computes the
+        shrink beside its own columns (`shrunk` takes its result); else None."""
+        if not self.fused:
+            return None
+        groups = {self.bank.group_of[t][0] for t in targets if t in self.bank.a}
+        if len(groups) != 1:
+            return None
+        (group,) = groups
+        return group, self.bank.a_groups[group][:, layer]
+
+    def shrunk(self, x: torch.Tensor, group: Group, sums: torch.Tensor) -> Shrunk:
+        """`shrink`'s result from a shrink of ``x`` over every slot (``sums`` [splits, T,
+        slots * k * r] fp32 split sums, slot by slot): each token's expand reads its slot's."""
+        from vlm_server.models.common.lora_kernel import Partials
+
+        cols = sums.shape[-1] // self.bank.n_slots
+        return Shrunk(x, {group: Partials(sums.permute(1, 0, 2), cols)})
 
     def expand(
         self,

@@ -17,6 +17,8 @@ from vlm_server.models.common.fused_norm import add_layernorm
 from vlm_server.models.common.layers import MLP, LayerNorm
 from vlm_server.models.common.rotary import apply_rotary, rotary_tables
 from vlm_server.models.kv import KVCache
+from vlm_server.models.lora import products as lora_products
+from vlm_server.models.lora.bank import LoraBatch
 from vlm_server.models.lora.spec import LoraDelta, LoraTargets
 from vlm_server.models.moondream2.config import TextConfig
 
@@ -196,19 +198,19 @@ class TextDecoder(nn.Module):
     ) -> torch.Tensor:
         """`forward` for few rows: per block one product for QKV and the hidden layer, the
         fused attention, one product for the branch, the residual add fused into the norm.
-        ``lora`` (one whose deltas run in place: `LoraBatch.fused`): qkv's and fc1's deltas
-        added into the first product (fc1's GELU applied with them), proj's and fc2's into
-        the branch (its first split sum where the product splits K)."""
+        ``lora`` (one whose deltas run in place: `LoraBatch.fused`): the shrinks ride the
+        products (models/lora/products.py), qkv's and fc1's deltas added into the first
+        product (fc1's GELU applied with them), proj's and fc2's into the branch (its first
+        split sum where the product splits K)."""
         blocks, stacked = self.blocks, self._stacked
         assert stacked is not None
+        assert lora is None or isinstance(lora, LoraBatch)
         h = blocks[0].ln(x)
         for i, prod in enumerate(stacked):
             if lora is None:
                 qkv, hidden = prod.qkv_and_hidden(h)
             else:
-                qkv, fc1 = prod.qkv_and_fc1(h)
-                shared = lora.shrink(i, h, ("qkv", "proj", "fc1"))
-                qkv, hidden = lora.expand(i, [(shared, "qkv", qkv), (shared, "fc1", fc1)], True)
+                qkv, hidden, shared = lora_products.block_inputs(prod, lora, i, h)
             out = attend(i, qkv, positions)
             b, _, t, _ = out.shape
             attn = out.transpose(1, 2).reshape(b, t, -1)
@@ -218,13 +220,10 @@ class TextDecoder(nn.Module):
                     x = x + prod.branch(attn, hidden)
                 else:
                     x, h = prod.add_branch_and_norm(x, attn, hidden, blocks[i + 1].ln)
-                continue
-            terms = [(shared, "proj"), (lora.shrink(i, hidden, ("fc2",)), "fc2")]
-            if last:
-                x = x + lora.expand_sum(i, terms, prod.branch(attn, hidden))
+            elif last:
+                x = x + lora_products.branch(prod, lora, i, attn, hidden, shared, partials=False)
             else:
-                parts = prod.branch_parts(attn, hidden)
-                lora.expand_sum(i, terms, parts[0] if parts.dim() == 3 else parts)
+                parts = lora_products.branch(prod, lora, i, attn, hidden, shared)
                 x, h = prod.add_parts_and_norm(x, parts, blocks[i + 1].ln)
         return x
 

@@ -1,0 +1,25 @@
+"""Copies of the project's Triton modules whose kernels run in Triton's interpreter on the CPU
+(the modules the server imports keep their compiled kernels)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from types import ModuleType
+
+import pytest
+
+
+def interpreted(module: ModuleType) -> ModuleType:
+    """A fresh copy of ``module`` loaded with ``TRITON_INTERPRET=1`` (read when `triton.jit`
+    wraps each kernel), registered as ``<name>_interpreted``; the caller removes it from
+    `sys.modules` when done."""
+    name = module.__name__.rsplit(".", 1)[-1] + "_interpreted"
+    spec = importlib.util.spec_from_file_location(name, module.__file__)
+    assert spec is not None and spec.loader is not None
+    copy = importlib.util.module_from_spec(spec)
+    sys.modules[name] = copy  # dataclasses look their module up while the body runs
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        spec.loader.exec_module(copy)
+    return copy
