@@ -21,10 +21,11 @@ from vlm_server.models.common.fused_products import BlockProducts
 from vlm_server.models.lora.bank import LoraBatch, Shrunk
 
 SHARED = ("qkv", "proj", "fc1")  # the targets reading the block's normed input
-# fc2's shrink in the branch product (else a launch of its own): its extra programs add
-# about 10% to that launch's bytes at 8 slots of rank 32 (16 programs to 128 on moondream2);
-# a switch for measuring either way on a GPU.
-FOLD_BRANCH = True
+# fc2's shrink in the branch product (else a launch of its own). Off by measurement: its
+# extra programs push the split-K launch past one wave (144 programs on 132 SMs), and the
+# period with 8 rank-32 adapters at 32 rows was 1.237x without adapters folded, 1.206x with
+# a launch of its own (H200, bench.lora_bench, one machine start).
+FOLD_BRANCH = False
 # Every resident slot's A is read, used or not: beyond this fraction of the product's weight
 # bytes (a bank of many slots of high rank) the grouped shrink, which reads only the slots
 # the batch holds, runs instead.
