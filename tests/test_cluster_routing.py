@@ -96,7 +96,7 @@ def _simulate(
     miss_cost: int = 3,
     rate: float = 0.5,
     clients: int = 0,
-    load_factor: float = 1.25,
+    load_factor: float = 2.0,
     estimate: float = DEFAULT_MISS_COST,
 ) -> dict:
     """A replica does one unit of work per tick, first come first served; a request costs 1

@@ -27,7 +27,7 @@ from vlm_server.cluster.ring import AffinityMemory, HashRing, choose
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LOAD_FACTOR = 1.25
+DEFAULT_LOAD_FACTOR = 2.0
 _MAX_TRACKED = 1 << 16  # bounds the per-request maps whatever Ray reports
 
 

@@ -56,7 +56,7 @@ class ClusterConfig:
         "engine's own queue applies behind it)",
     )
     affinity_load_factor: float = option(
-        1.25,
+        2.0,
         G.PERFORMANCE,
         "a repeated picture leaves the replica holding its prefix only when that replica's "
         "load is above the least loaded one's by more than (this - 1) x the mean load and "
