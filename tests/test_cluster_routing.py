@@ -93,14 +93,15 @@ def _simulate(
     policy: str,
     keys: list[str],
     replicas: int = 4,
-    miss_cost: int = 3,
+    miss_cost: int = 23,
     rate: float = 0.5,
     clients: int = 0,
     load_factor: float = 2.0,
     estimate: float = DEFAULT_MISS_COST,
 ) -> dict:
     """A replica does one unit of work per tick, first come first served; a request costs 1
-    unit, plus ``miss_cost`` where its replica has not seen its image before. Requests arrive
+    unit, plus ``miss_cost`` where its replica has not seen its image before (a new moondream2
+    picture costs a replica about 30 times a cached one's request). Requests arrive
     at ``rate`` of what the replicas could serve were every request a hit, or, with
     ``clients``, as a closed loop keeping that many in flight. The affinity policy is the
     gateway's own `ReplicaSet` with its default miss cost (the true one here is 1 + miss_cost

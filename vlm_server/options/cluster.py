@@ -63,7 +63,7 @@ class ClusterConfig:
         "more than --affinity-miss-cost (>= 1)",
     )
     affinity_miss_cost: float = option(
-        8.0,
+        24.0,
         G.PERFORMANCE,
         "the gateway's estimate of a new picture's work (vision tower and prefill) in units of "
         "a request whose prefix is cached (>= 1); new pictures balance this work",
