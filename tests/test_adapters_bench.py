@@ -22,6 +22,7 @@ def test_lora_bench_writes_the_adapter_rows(tmp_path: Path) -> None:
     assert set(d["period"]) == {"off", "none", "lora"}
     assert all(c["period_ms"] > 0 for c in d["period"].values())
     assert d["period_ratio"] > 0 and d["load_gap"]["gap_p50_before_ms"] > 0
+    assert d["load_gap"]["gap_p99_resident_ms"] > 0 and d["load_gap"]["ratio"] > 0
     # The rows stand for rank-32 adapters: as run with the defaults.
     d["settings"].update(rank=32, adapters=8, streams=32)
     rows = {r["name"]: r for r in targets.lora_rows(d, "md2", "abc")}
