@@ -430,3 +430,17 @@ def test_workers_share_the_ports_and_agree_on_every_images_replica(fakes) -> Non
             await workers.stop(5)
 
     run(body())
+
+
+def test_a_large_picture_routes_like_a_small_one(fakes) -> None:
+    async def body() -> None:
+        async with gateway(fakes) as gw:
+            channel, stub = _stub(gw)
+            big = random.Random(5).randbytes(3 << 20)  # keyed off the event loop
+            first = await _query(stub, image_bytes=big, question="q")
+            again = await _query(stub, image_bytes=big, question="q")
+            assert first[-1].result.text == again[-1].result.text
+            assert first[-1].result.text.split("|")[1] == f"bytes:{len(big)}"
+            await channel.close()
+
+    run(body())

@@ -11,6 +11,7 @@ down and the request goes to another; a replica lost mid-call ends the call with
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ _LOST = "the replica serving this call stopped; retry (another replica takes it)
 _NOT_CONNECTED = ("failed to connect", "connection refused", "connections to all backends")
 # Metadata that belongs to this hop; the rest (API keys, request ids) goes on.
 _HOP_METADATA = ("user-agent", "grpc-", ":")
+_PREPARE_ON_LOOP_BYTES = 1 << 20  # larger requests are parsed for their key in a thread
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,13 @@ def prepare(method: Method, data: bytes) -> tuple[bytes, str | None]:
     return data, key
 
 
+async def _prepared(method: Method, data: bytes) -> tuple[bytes, str | None]:
+    """`prepare`, off the event loop for a large picture."""
+    if len(data) > _PREPARE_ON_LOOP_BYTES:
+        return await asyncio.to_thread(prepare, method, data)
+    return prepare(method, data)
+
+
 class GrpcForwarder:
     """The generic handler of the API's methods, and the replicas' channels."""
 
@@ -142,7 +151,7 @@ class GrpcForwarder:
 
     def _unary_of(self, method: Method) -> Callable[..., Any]:
         async def unary(data: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            data, key = prepare(method, data)
+            data, key = await _prepared(method, data)
             tried: set[str] = set()
             while True:
                 routed = await self._route(key, tried, context)
@@ -166,7 +175,7 @@ class GrpcForwarder:
 
     def _stream_of(self, method: Method) -> Callable[..., AsyncIterator[bytes]]:
         async def stream(data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-            data, key = prepare(method, data)
+            data, key = await _prepared(method, data)
             tried: set[str] = set()
             while True:
                 routed = await self._route(key, tried, context)
