@@ -123,16 +123,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             server.host,
             server.port,
         )
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     _start(cluster, server)
+    # After ray.init, which installs a SIGTERM handler of its own that ends the process at
+    # once: the drain must run instead.
+    stop = _stop_on_signals()
     if cluster.ingress == "gateway":
         asyncio.run(_gateway(cluster, server, stop))
     else:
         _proxies(cluster, server, stop)
     _stop()
     return 0
+
+
+def _stop_on_signals() -> threading.Event:
+    """An event SIGTERM and SIGINT set (the drain starts when it is set)."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
 
 
 def _proxies(cluster: ClusterConfig, server: ServerConfig, stop: threading.Event) -> None:
@@ -218,9 +226,7 @@ def gateway_main(argv: Sequence[str] | None = None) -> int:
     import ray
 
     ray.init(address=cluster.ray_address or "auto", namespace="serve", log_to_driver=False)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = _stop_on_signals()  # after ray.init (see main)
     asyncio.run(_gateway(cluster, server, stop))
     ray.shutdown()
     return 0
