@@ -1,4 +1,5 @@
-"""Command line: ``vlm serve`` (the gRPC server), ``vlm cluster`` (replicas on Ray Serve),
+"""Command line: ``vlm serve`` (the gRPC server), ``vlm cluster`` (replicas on Ray Serve
+behind the gateway), ``vlm gateway`` (the gateway alone, for a deployed Serve application),
 ``vlm run TASK IMAGE ...`` on the reference path, ``vlm make-checkpoint``."""
 
 from __future__ import annotations
