@@ -50,6 +50,7 @@ class Servicer(pb_grpc.VisionLanguageServicer):
         if request.question == "slow":  # long enough for a drain to start meanwhile
             await asyncio.sleep(0.5)
         text = f"{self.name}|{_image(request)}|{_auth(context)}"
+        context.set_trailing_metadata((("x-replica", self.name),))
         yield pb.QueryResponse(result=pb.TextResult(text=text))
 
     async def Caption(self, request: pb.CaptionRequest, context: grpc.aio.ServicerContext):
@@ -58,6 +59,7 @@ class Servicer(pb_grpc.VisionLanguageServicer):
         yield pb.CaptionResponse(result=pb.TextResult(text=self.name))
 
     async def Point(self, request: pb.PointRequest, context: grpc.aio.ServicerContext):
+        context.set_trailing_metadata((("x-replica", self.name),))
         return pb.PointResponse(points=[pb.NormalizedPoint(x_norm=0.5, y_norm=0.5)])
 
     async def EncodeImage(self, request: pb.EncodeImageRequest, context: grpc.aio.ServicerContext):

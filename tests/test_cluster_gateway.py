@@ -282,8 +282,17 @@ def test_every_method_goes_through_and_an_image_keeps_its_replica(fakes) -> None
             assert set(homes.values()) == {"r1", "r2"}
             caption = [m async for m in stub.Caption(pb.CaptionRequest(image_bytes=b"x"))]
             assert [m.delta.text for m in caption[:3]] == ["a", "b", "c"]
-            point = await stub.Point(pb.PointRequest(image_bytes=b"x", object="o"))
-            assert len(point.points) == 1
+            point_call = stub.Point(pb.PointRequest(image_bytes=b"x", object="o"))
+            assert len((await point_call).points) == 1
+            # Trailing metadata of a success (a server's request id) comes back too.
+            assert ("x-replica", caption[-1].result.text) in tuple(
+                await point_call.trailing_metadata()
+            )
+            query_call = stub.Query(pb.QueryRequest(image_bytes=b"x", question="q"))
+            assert [m async for m in query_call][-1].result.text.startswith(caption[-1].result.text)
+            assert ("x-replica", caption[-1].result.text) in tuple(
+                await query_call.trailing_metadata()
+            )
             info = await stub.GetModelInfo(pb.GetModelInfoRequest())
             assert info.model_name in fakes
             # An uploaded picture's id routes where its bytes do, and reaches it untagged.

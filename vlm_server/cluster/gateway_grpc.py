@@ -155,11 +155,12 @@ class GrpcForwarder:
             tried: set[str] = set()
             while True:
                 routed = await self._route(key, tried, context)
-                call = self.channel(routed.replica).unary_unary(method.path)
+                call = self.channel(routed.replica).unary_unary(method.path)(
+                    data, metadata=_metadata(context), timeout=_timeout(context)
+                )
                 try:
-                    answer: bytes = await call(
-                        data, metadata=_metadata(context), timeout=_timeout(context)
-                    )
+                    answer: bytes = await call
+                    await _pass_trailing(call, context)  # the request id, as a server sends it
                 except grpc.aio.AioRpcError as err:
                     if _not_connected(err):
                         self._unreachable(routed.replica, tried)
@@ -187,6 +188,7 @@ class GrpcForwarder:
                     async for message in call:
                         sent += 1
                         yield message
+                    await _pass_trailing(call, context)
                     return
                 except grpc.aio.AioRpcError as err:
                     if not sent and _not_connected(err):
@@ -212,6 +214,12 @@ class GrpcForwarder:
         log.warning("replica %s unreachable at %s; routing around it", replica.name, replica.grpc)
         tried.add(replica.name)
         self.replicas.unreachable(replica)
+
+
+async def _pass_trailing(call: Any, context: grpc.aio.ServicerContext) -> None:
+    trailing = await call.trailing_metadata()
+    if trailing:
+        context.set_trailing_metadata(tuple(trailing))
 
 
 def _tag(answer: bytes, request: bytes) -> bytes:
