@@ -25,7 +25,7 @@ from vlm_server.http.error_bodies import HttpError, body, status_of
 log = logging.getLogger(__name__)
 
 # Hop-by-hop headers and those the new message sets itself (RFC 9110 7.6.1).
-_DROP = {
+HOP_BY_HOP = {
     "connection",
     "keep-alive",
     "transfer-encoding",
@@ -125,7 +125,7 @@ class HttpGateway:
                 key = await asyncio.to_thread(body_key, data)
             else:
                 key = body_key(data)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP}
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         tried: set[str] = set()
         while True:
             try:
@@ -156,7 +156,7 @@ class HttpGateway:
         ) as upstream:
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for name, value in upstream.headers.items():
-                if name.lower() not in _DROP:
+                if name.lower() not in HOP_BY_HOP:
                     response.headers.add(name, value)
             try:
                 await response.prepare(request)

@@ -14,22 +14,10 @@ import aiohttp
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from vlm_server.cluster.gateway_http import HOP_BY_HOP
 from vlm_server.http.body import too_large
 from vlm_server.http.error_bodies import body as error_body
 from vlm_server.http.error_bodies import status_of
-
-# Hop-by-hop headers and those the new response sets itself (RFC 9110 7.6.1).
-_DROP = {
-    "connection",
-    "keep-alive",
-    "transfer-encoding",
-    "content-length",
-    "host",
-    "upgrade",
-    "te",
-    "trailer",
-    "proxy-connection",
-}
 
 
 class HttpForwarder:
@@ -46,7 +34,7 @@ class HttpForwarder:
         )
 
     async def forward(self, request: Request) -> Response:
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP}
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         body = await self._body(request)
         if body is None:  # as the door answers it, without holding more than the limit
             err = too_large(self._limit)
@@ -55,7 +43,7 @@ class HttpForwarder:
         upstream = await self._session.request(
             request.method, self._base + path, data=body, headers=headers
         )
-        out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP}
+        out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
 
         async def chunks() -> AsyncIterator[bytes]:
             done = False
