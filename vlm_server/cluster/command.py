@@ -135,6 +135,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _usable_cpus() -> int | None:
+    """The CPUs this process may run on (a container's share, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count()
+
+
 def _stop_on_signals() -> threading.Event:
     """An event SIGTERM and SIGINT set (the drain starts when it is set)."""
     stop = threading.Event()
@@ -186,7 +194,7 @@ async def _gateway(cluster: ClusterConfig, server: ServerConfig, stop: threading
         log_format=server.log_format,
         log_level=server.log_level,
     )
-    workers = GatewayWorkers(entries, settings, gateway_workers(cluster, os.cpu_count()))
+    workers = GatewayWorkers(entries, settings, gateway_workers(cluster, _usable_cpus()))
     await workers.start()
     metrics = serve_aggregate(
         server.metrics_host,
