@@ -77,6 +77,8 @@ async def _http(name: str) -> web.AppRunner:
             await response.prepare(request)
             for chunk in ("a", "b", name):
                 await response.write(f"data: {json.dumps({'chunk': chunk})}\n\n".encode())
+                if body.get("question") == "hang":
+                    await asyncio.Event().wait()
             await response.write_eof()
             return response
         auth = request.headers.get("Authorization", "")

@@ -381,6 +381,25 @@ def test_a_replica_lost_mid_stream_fails_it_unavailable_and_new_requests_move(fa
     run(body())
 
 
+def test_an_http_stream_cut_by_a_lost_replica_is_cut_for_the_client(fakes) -> None:
+    async def body() -> None:
+        async with gateway(fakes) as gw, aiohttp.ClientSession() as http:
+            url = f"http://127.0.0.1:{gw.http_port}/v1/query"
+            picture = _data_url(_pictures(1)[0])
+            async with http.post(url, json={"image_url": picture}) as r:
+                home = (await r.json())["answer"]
+            request = {"image_url": picture, "stream": True, "question": "hang"}
+            async with http.post(url, json=request) as r:
+                assert (await r.content.readline()).startswith(b"data:")
+                fakes[home].kill()
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await r.content.read()  # not a clean end: it cannot pass for a whole one
+            async with http.post(url, json={"image_url": picture}) as r:  # moves on
+                assert r.status == 200 and (await r.json())["answer"] != home
+
+    run(body())
+
+
 def test_drain_finishes_accepted_calls_then_refuses(fakes) -> None:
     async def body() -> None:
         async with gateway(fakes) as gw:
