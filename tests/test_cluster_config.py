@@ -58,6 +58,12 @@ def test_the_printed_config_builds_the_same_application(capsys: pytest.CaptureFi
         app.build({"server": {"no_such_option": 1}})
 
 
+def test_replicas_serve_plaintext_inside_the_cluster() -> None:
+    server = ServerConfig(tls_cert="/c.pem", tls_key="/k.pem", max_batch_size=8)
+    assert app.server_values(server) == {"max_batch_size": 8}  # TLS ends at the gateway
+    assert main(["--ingress", "ray", "--tls-cert", "/c.pem", "--tls-key", "/k.pem"]) == 2
+
+
 def test_deployment_options_fixed_or_autoscaled() -> None:
     server = ServerConfig(grace_period=10)
     fixed = app.deployment_options(ClusterConfig(replicas=2, gpus_per_replica=1), server)

@@ -237,14 +237,14 @@ def fakes() -> Iterator[dict[str, Fake]]:
 
 
 @asynccontextmanager
-async def gateway(fakes: dict[str, Fake], body_limit: int = 1 << 20):
+async def gateway(fakes: dict[str, Fake], body_limit: int = 1 << 20, credentials: Any = None):
     """A gateway over ``fakes``; the directory is re-read only when a test says so."""
 
     async def entries() -> dict[str, Any]:
         return {f.name: f.entry for f in fakes.values() if f.proc.poll() is None}
 
     gw = Gateway(entries, 1.25, 4 << 20, body_limit, refresh_s=3600)
-    await gw.start("127.0.0.1", 0, -1)
+    await gw.start("127.0.0.1", 0, -1, credentials=credentials)
     await gw.refresh()
     assert {r.name for r in gw.replicas.serving()} == set(fakes)
     try:
@@ -396,6 +396,32 @@ def test_an_http_stream_cut_by_a_lost_replica_is_cut_for_the_client(fakes) -> No
                     await r.content.read()  # not a clean end: it cannot pass for a whole one
             async with http.post(url, json={"image_url": picture}) as r:  # moves on
                 assert r.status == 200 and (await r.json())["answer"] != home
+
+    run(body())
+
+
+def test_tls_ends_at_the_gateway(fakes, tmp_path: Path) -> None:
+    from tests.support.certs import make_certs
+    from vlm_server.client import Security, VisionLanguageClient, VlmError
+    from vlm_server.rpc.tls import server_credentials
+
+    certs = make_certs(tmp_path)
+    tls = server_credentials(str(certs / "server.pem"), str(certs / "server.key"))
+
+    async def body() -> None:
+        async with gateway(fakes, credentials=tls) as gw:
+            target = f"127.0.0.1:{gw.port}"
+
+            def calls() -> None:  # the blocking client, off the gateway's loop
+                secure = Security(ca_cert=certs / "ca.pem")
+                with VisionLanguageClient(target, timeout=30, security=secure) as client:
+                    assert client.model_info().model_name in fakes
+                with VisionLanguageClient(target, timeout=5) as plain:
+                    with pytest.raises(VlmError) as caught:
+                        plain.model_info()
+                    assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+
+            await asyncio.to_thread(calls)
 
     run(body())
 

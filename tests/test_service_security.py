@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from PIL import Image
 
 from image_pipeline import prepare_image
+from tests.support.certs import make_certs
 from tests.support.service_harness import ServerThread, local_config
 from vlm_server.client import Security, VisionLanguageClient, VlmError
 from vlm_server.client.cli import main as client_main
@@ -137,32 +137,9 @@ def test_one_key_cannot_flush_the_images_another_key_uploaded(tiny: LoadedModel)
 # ---- TLS ----------------------------------------------------------------------------------
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def _signed(name: str, cwd: Path) -> None:
-    """``name.pem`` / ``name.key``: a certificate for 127.0.0.1 signed by ``ca``."""
-    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
-    _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj",
-             f"/CN={name}", cwd=cwd)  # fmt: skip
-    (cwd / f"{name}.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-             "-CAcreateserial", "-days", "2", "-out", f"{name}.pem", "-extfile",
-             f"{name}.ext", cwd=cwd)  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if shutil.which("openssl") is None:
-        pytest.skip("needs the openssl command to make test certificates")
-    out = tmp_path_factory.mktemp("certs")
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-             "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj",
-             "/CN=test CA", "-addext", "basicConstraints=critical,CA:TRUE", cwd=out)  # fmt: skip
-    _signed("server", out)
-    _signed("client", out)
-    return out
+    return make_certs(tmp_path_factory.mktemp("certs"))
 
 
 def test_tls_serves_only_tls_clients(tiny: LoadedModel, certs: Path) -> None:

@@ -24,8 +24,9 @@ APP_NAME = "vlm"
 DEPLOYMENT = "VisionLanguage"
 ROUTER = "vlm_server.cluster.router:ImageAffinityRouter"
 SERVICER = "vlm_server.cluster.proto_names.add_servicer"
-# The doors a replica runs itself; the cluster's are Ray Serve's proxies.
-_PROXY_FIELDS = ("host", "port", "http_port")
+# The cluster's doors, not a replica's: its own listen on any port, in plaintext inside the
+# cluster (TLS ends at the gateway).
+_PROXY_FIELDS = ("host", "port", "http_port", "tls_cert", "tls_key", "tls_client_ca")
 
 
 def _typed(options: tuple[Option, ...], values: dict[str, Any]) -> dict[str, Any]:

@@ -108,6 +108,9 @@ def _stop() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     cluster, server, print_config = parse(argv)
     configure_logging(server.log_format, server.log_level)
+    if server.tls_cert is not None and cluster.ingress == "ray":
+        log.error("--ingress ray: Ray Serve's proxies serve plaintext; TLS needs the gateway")
+        return 2
     if server.http_port <= 0 and cluster.ingress == "ray":
         log.error("--ingress ray needs an HTTP port (--http-port > 0) for Ray Serve's proxy")
         return 2
@@ -191,6 +194,9 @@ async def _gateway(cluster: ClusterConfig, server: ServerConfig, stop: threading
         server.max_message_bytes,
         server.max_http_body_bytes,
         miss_cost=cluster.affinity_miss_cost,
+        tls_cert=server.tls_cert,
+        tls_key=server.tls_key,
+        tls_client_ca=server.tls_client_ca,
         log_format=server.log_format,
         log_level=server.log_level,
     )
@@ -203,6 +209,12 @@ async def _gateway(cluster: ClusterConfig, server: ServerConfig, stop: threading
         workers.metrics_text,
     )
     _serving(cluster, server, workers.port, workers.http_port, metrics.server_address[1])
+    if server.tls_cert is not None and workers.http_port:
+        log.warning(
+            "the HTTP door on port %d is plaintext: put it behind a TLS proxy, or turn it off "
+            "with --http-port 0",
+            workers.http_port,
+        )
     await asyncio.to_thread(stop.wait)
     log.info("signal received: draining")
     await workers.stop(server.grace_period)

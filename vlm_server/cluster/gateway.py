@@ -62,10 +62,18 @@ class Gateway:
         self.port = 0
         self.http_port = 0
 
-    async def start(self, host: str, port: int, http_port: int, reuse_port: bool = False) -> None:
+    async def start(
+        self,
+        host: str,
+        port: int,
+        http_port: int,
+        reuse_port: bool = False,
+        credentials: grpc.ServerCredentials | None = None,
+    ) -> None:
         """Listen (``http_port`` 0: no HTTP door, -1: any port) and start following the
         replicas. ``reuse_port``: the ports are shared with the other gateway workers (the
-        kernel spreads connections over them); otherwise a port in use is an error."""
+        kernel spreads connections over them); otherwise a port in use is an error.
+        ``credentials``: TLS on the gRPC door (the HTTP door is plaintext, as a server's)."""
         server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", self._limit),
@@ -76,7 +84,11 @@ class Gateway:
         server.add_generic_rpc_handlers((self.grpc.handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         enable_reflection((SERVICE.full_name, health.SERVICE_NAME), server)
-        self.port = server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        if credentials is None:
+            self.port = server.add_insecure_port(address)
+        else:
+            self.port = server.add_secure_port(address, credentials)
         if not self.port:
             raise OSError(f"cannot listen on {host}:{port} (--port)")
         await self.health.set("", SERVING)

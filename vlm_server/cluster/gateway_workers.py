@@ -25,6 +25,7 @@ from typing import Any
 from vlm_server.cluster.gateway import REFRESH_S, Entries, Gateway, routing_metrics
 from vlm_server.cluster.replica_set import DEFAULT_MISS_COST
 from vlm_server.frontend.logs import configure_logging
+from vlm_server.rpc.tls import server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,9 @@ class WorkerSettings:
     max_http_body_bytes: int
     refresh_s: float = REFRESH_S
     miss_cost: float = DEFAULT_MISS_COST
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
     log_format: str = "kv"
     log_level: str = "info"
 
@@ -78,7 +82,10 @@ async def _serve(settings: WorkerSettings, conn: Connection) -> None:
         refresh_s=settings.refresh_s,
         miss_cost=settings.miss_cost,
     )
-    await gateway.start(settings.host, settings.port, settings.http_port, reuse_port=True)
+    credentials = server_credentials(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+    await gateway.start(
+        settings.host, settings.port, settings.http_port, reuse_port=True, credentials=credentials
+    )
     conn.send(("ready", gateway.port, gateway.http_port))
 
     def on_message() -> None:

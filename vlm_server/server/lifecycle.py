@@ -19,7 +19,6 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -42,6 +41,7 @@ from vlm_server.rpc.health import HealthState
 from vlm_server.rpc.intake import IntakeInterceptor
 from vlm_server.rpc.reflection import enable_reflection
 from vlm_server.rpc.servicer import SERVICE_NAME, VisionLanguageServicer, server_version
+from vlm_server.rpc.tls import server_credentials
 from vlm_server.server.engines import uses_engine_process
 from vlm_server.server.memory import Trimmer
 from vlm_server.server.ports import port_in_use
@@ -69,14 +69,7 @@ def api_keys(config: ServerConfig) -> ApiKeys | None:
 
 def tls_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     """Server credentials of ``--tls-cert``/``--tls-key`` (and ``--tls-client-ca``)."""
-    if config.tls_cert is None or config.tls_key is None:
-        return None
-    cert = Path(config.tls_cert).read_bytes()
-    key = Path(config.tls_key).read_bytes()
-    ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
-    return grpc.ssl_server_credentials(
-        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
-    )
+    return server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
 
 
 class VisionLanguageServer:
