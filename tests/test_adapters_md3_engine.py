@@ -326,3 +326,46 @@ def test_vlm_run_answers_with_a_finetune_file(
     )
     plain = ReferenceGenerator(loaded.model, loaded.tokenizer).caption(image, "normal", settings)
     assert got != plain.text
+
+
+def test_a_packed_transfer_stages_what_the_weights_stage(
+    md3_tiny: LoadedModel, adapter_dir: Path
+) -> None:
+    """The adapter reader's child packs a finetune in the bank's transfer layout; staging
+    from that equals staging from the weights (dense slot and every expert pair)."""
+    targets = md3_tiny.model.text.lora_targets
+    bank = experts.ExpertLoraBank(targets, 2, RANK, torch.float32, "cpu")
+    path = files.find(adapter_dir, "ft-b@20")
+    assert path is not None
+    weights = formats.load(path, targets, RANK, "ft-b@20")
+    want = {k: (v.clone() if isinstance(v, torch.Tensor) else tuple(x.clone() for x in v))
+            for k, v in bank.staging(weights).items()}  # fmt: skip
+    flat = torch.full((bank.transfer.numel,), float("nan"))
+    bank.transfer.pack(weights, flat)
+    got = bank.staging_from(flat)
+    assert set(got) == set(want) and len(want) > 1
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(got[key], value), key
+        else:
+            assert all(torch.equal(g, w) for g, w in zip(got[key], value, strict=True)), key
+
+
+def test_the_engine_process_parses_no_finetune_file(
+    md3_tiny: LoadedModel,
+    adapter_dir: Path,
+    images: list[PreparedImage],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A child process reads Moondream 3 finetunes too: parsing fails in this process, and
+    the engine still answers as the reference does with the adapter."""
+    reqs = _requests(images[:1], ["ft-c@5"])
+    want = _want(md3_tiny, adapter_dir, reqs[0])  # the reference reads the file here first
+
+    def parse_here(*args: object, **kw: object) -> None:
+        raise AssertionError("the engine process parsed an adapter file")
+
+    monkeypatch.setattr(formats, "load", parse_here)
+    monkeypatch.setattr(torch, "load", parse_here)
+    *texts, _ = _run(md3_tiny, adapter_dir, reqs)
+    assert texts[0] == want

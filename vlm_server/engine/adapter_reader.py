@@ -5,7 +5,8 @@ slot's layout is a few hundred milliseconds of Python per adapter; on a loader t
 engine it took the GIL from the scheduler thread (a step's gaps grew while an adapter
 loaded). `AdapterReader` runs that work in plain child processes (started on first use, kept
 for the next; never a fork of the server, whose threads a fork would copy mid-state), each
-writing the packed slot (models/lora/layout.py, the bank's dtype) into a buffer it shares with
+writing the packed adapter (models/lora/layout.py's slot, or with expert layers
+models/lora/experts.py's transfer layout; the bank's dtype) into a buffer it shares with
 this process. The parent only waits on a pipe (no GIL held) and then copies the buffer into
 the bank's staging memory in one tensor copy, which releases the GIL.
 
@@ -36,7 +37,7 @@ import torch
 
 from vlm_server.models.lora import formats
 from vlm_server.models.lora.files import AdapterError
-from vlm_server.models.lora.layout import SlotLayout
+from vlm_server.models.lora.layout import Packing
 
 _POLL_S = 0.05
 _START_S = 120.0  # a child's start-up (torch's import): generous, a loaded machine is slow
@@ -71,7 +72,7 @@ def serve(sock_fd: int, buf_fd: int) -> None:
         conn.send(reply)
 
 
-def read_into(path: Path, name: str, layout: SlotLayout, flat: torch.Tensor) -> int:
+def read_into(path: Path, name: str, layout: Packing, flat: torch.Tensor) -> int:
     """Read, rename and check ``path`` in its family's format (models/lora/formats.py), pack
     it into ``flat`` [numel]; its rank. What a child runs; tests call it in process too."""
     weights = formats.load(path, layout.targets, layout.max_rank, name)
@@ -140,7 +141,7 @@ class AdapterReader:
         self,
         path: Path,
         name: str,
-        layout: SlotLayout,
+        layout: Packing,
         dtype: torch.dtype,
         until: float | None = None,
     ) -> ReadResult:

@@ -26,17 +26,12 @@ from vlm_server.engine.adapter_reader import AdapterReader, shared_reader
 from vlm_server.engine.api import EngineError, ErrorCode, GenerationRequest
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.adapter_slots import AdapterSlots
-from vlm_server.models.lora import formats
 from vlm_server.models.lora.bank import LoraBank
 from vlm_server.models.lora.files import AdapterError
 from vlm_server.models.lora.store import AdapterStore
 
 FIELD = "adapter"  # the doors name it as their request spells it (settings.adapter, model)
 _KEY_MARK = "|adapter="
-
-
-def _nothing() -> None:
-    pass
 
 
 def qualify_image(req: GenerationRequest) -> GenerationRequest:
@@ -99,11 +94,10 @@ class AdapterManager:
         )
         self.reader = reader if reader is not None else shared_reader()
         # Where the slot layout holds all of an adapter (no expert layers), a child reads it.
-        self._in_child = bank.targets.experts is None
-        if self._in_child:  # the first load should not wait for a child's imports
-            warm = threading.Thread(target=self.reader.warm, name="adapter-reader-warm")
-            warm.daemon = True
-            warm.start()
+        # The first load should not wait for a child's imports.
+        warm = threading.Thread(target=self.reader.warm, name="adapter-reader-warm")
+        warm.daemon = True
+        warm.start()
         self.slots = AdapterSlots(bank.n_slots)
         self.ranks: dict[str, int] = {}
         self._cv = threading.Condition()
@@ -156,13 +150,9 @@ class AdapterManager:
         bank = self.bank
         try:
             path = self.store.path(name)
-            if self._in_child:
-                # Parsed and checked in a child process (adapter_reader.py): no GIL here.
-                read = self.reader.read(path, name, bank.layout, bank.dtype, until)
-                rank, packed, release = read.rank, read.packed, read.release
-            else:  # expert layers: their pairs are not in the layout the reader packs
-                weights = formats.load(path, bank.targets, self.max_rank, name)
-                rank, packed, release = weights.rank, None, _nothing
+            # Parsed and checked in a child process (adapter_reader.py): no GIL here.
+            read = self.reader.read(path, name, bank.transfer, bank.dtype, until)
+            rank, packed, release = read.rank, read.packed, read.release
         except AdapterError as err:
             code = ErrorCode.UNAVAILABLE if err.retryable else ErrorCode.INVALID_ARGUMENT
             raise EngineError(code, f"{FIELD}: {err}", FIELD) from None
@@ -172,16 +162,14 @@ class AdapterManager:
             with self._cv:
                 slot = self.slots.claim()
             if slot is None:
-                if packed is not None:
-                    # Waiting for a slot may take a while: free the reader for other loads.
-                    packed = packed.clone()  # one copy, the GIL released
-                    release()
+                # Waiting for a slot may take a while: free the reader for other loads.
+                packed = packed.clone()  # one copy, the GIL released
+                release()
                 slot = self._claim(name, deadline, until)
             try:
                 # The bank's one staging buffer: free again once the copy from it completed.
                 with bank.stage_lock:
-                    staged = bank.staging(weights) if packed is None else bank.staging_from(packed)
-                    self._write(slot, staged, rank)
+                    self._write(slot, bank.staging_from(packed), rank)
             except BaseException:
                 with self._cv:
                     self.slots.abandon(slot)

@@ -77,6 +77,11 @@ class LoraBank:
         self.layout.pack(weights, self._stage)
         return self._stage
 
+    @property
+    def transfer(self) -> SlotLayout:
+        """The flat layout the adapter reader packs one adapter into: a slot's."""
+        return self.layout
+
     def staging_from(self, packed: torch.Tensor) -> torch.Tensor:
         """`staging` of a slot already packed in the bank's layout and dtype (``packed``
         [numel], e.g. the adapter reader's shared buffer): one copy, which releases the GIL."""

@@ -13,16 +13,88 @@ on CUDA without Triton each row's pair gathered and two batched products (no hos
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
 from vlm_server.models.lora.bank import LoraBank, exact_lora
+from vlm_server.models.lora.layout import SlotLayout
 from vlm_server.models.lora.spec import AdapterWeights, ExpertTargets, LoraTargets
 
 EXPERTS = "experts."  # staged expert targets are keyed apart from the dense ones
 DENSE = "dense"  # the dense layers' staged slot (`LoraBank.staging`)
 ExpertStaged = dict[str, "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
+
+
+@dataclass(frozen=True)
+class ExpertTransfer:
+    """One adapter of a decoder with expert layers as one flat buffer on its way to a slot:
+    the dense layers' `SlotLayout`, then per expert target ``A [layers, E, r, in]`` and ``B
+    [layers, E, out, r]`` (``r`` the expert rank, zero-padded). What the adapter reader's
+    child packs (engine/adapter_reader.py: it has `targets`, `max_rank`, `numel`, `pack`, as
+    a `SlotLayout` has); the bank takes it apart into its staging buffers."""
+
+    dense: SlotLayout
+    expert_rank: int
+
+    @property
+    def targets(self) -> LoraTargets:
+        return self.dense.targets
+
+    @property
+    def max_rank(self) -> int:
+        return self.dense.max_rank
+
+    def segments(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+        """(target, A shape, B shape) of each expert target, in declaration order."""
+        ex = self.targets.experts
+        assert ex is not None
+        r = self.expert_rank
+        return [
+            (t, (ex.n_layers, ex.n_experts, r, n_in), (ex.n_layers, ex.n_experts, n_out, r))
+            for t, (n_in, n_out) in ex.targets.items()
+        ]
+
+    @property
+    def numel(self) -> int:
+        experts = sum(math.prod(a) + math.prod(b) for _, a, b in self.segments())
+        return self.dense.numel + experts
+
+    def split(
+        self, flat: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """Views into ``flat`` [numel]: the dense layers' slot, and each target's (A, B)."""
+        at = self.dense.numel
+        out = {}
+        for t, a_shape, b_shape in self.segments():
+            n_a, n_b = math.prod(a_shape), math.prod(b_shape)
+            a = flat[at : at + n_a].view(a_shape)
+            b = flat[at + n_a : at + n_a + n_b].view(b_shape)
+            out[t] = (a, b)
+            at += n_a + n_b
+        return flat[: self.dense.numel], out
+
+    def pack(self, weights: AdapterWeights, flat: torch.Tensor) -> None:
+        """Write ``weights`` into ``flat`` [numel], zero-padded, in ``flat``'s dtype."""
+        assert flat.shape == (self.numel,), "one adapter's flat buffer"
+        dense, experts = self.split(flat)
+        self.dense.pack(weights, dense)
+        for t, (a, b) in experts.items():
+            fill_experts(weights, t, a, b)
+
+
+def fill_experts(weights: AdapterWeights, target: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``a`` [layers, E, r, in] and ``b`` [layers, E, out, r]: ``target``'s expert pairs of
+    every expert layer, zero-padded to r (zeros where a layer has none)."""
+    a.zero_()
+    b.zero_()
+    for layer, pairs in enumerate(weights.experts):
+        if target in pairs:
+            wa, wb = pairs[target]
+            a[layer, :, : wa.shape[1]] = wa
+            b[layer, :, :, : wb.shape[2]] = wb
 
 
 class ExpertLoraBank(LoraBank):
@@ -70,20 +142,31 @@ class ExpertLoraBank(LoraBank):
         experts = sum(x.nbytes for x in (*self.ea.values(), *self.eb.values()))
         return super().nbytes + experts
 
+    @property
+    def transfer(self) -> ExpertTransfer:
+        """The flat layout the adapter reader packs one adapter into."""
+        return ExpertTransfer(self.layout, self.expert_rank)
+
     def staging(self, weights: AdapterWeights) -> ExpertStaged:  # type: ignore[override]
         """The dense layers' staging (`LoraBank.staging`) and the expert layers', keyed
         ``experts.<target>``; the caller holds `stage_lock` until the copy completed."""
         out: ExpertStaged = {DENSE: super().staging(weights)}
         for t in self.expert_targets.targets:
             a, b = self._expert_stage[t]
-            a.zero_()
-            b.zero_()
-            for layer, pairs in enumerate(weights.experts):
-                if t in pairs:
-                    wa, wb = pairs[t]
-                    a[layer, :, : wa.shape[1]] = wa
-                    b[layer, :, :, : wb.shape[2]] = wb
+            fill_experts(weights, t, a, b)
             out[EXPERTS + t] = (a, b)
+        return out
+
+    def staging_from(self, packed: torch.Tensor) -> ExpertStaged:  # type: ignore[override]
+        """`staging` of an adapter the reader packed in `transfer`'s layout: plain copies,
+        which release the GIL."""
+        dense, experts = self.transfer.split(packed)
+        out: ExpertStaged = {DENSE: super().staging_from(dense)}
+        for t, (a, b) in experts.items():
+            stage_a, stage_b = self._expert_stage[t]
+            stage_a.copy_(a)
+            stage_b.copy_(b)
+            out[EXPERTS + t] = (stage_a, stage_b)
         return out
 
     def write(self, slot: int, staged: ExpertStaged, rank: int) -> None:  # type: ignore[override]

@@ -12,12 +12,29 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from vlm_server.models.lora.spec import AdapterWeights, LoraTargets
 
 Group = tuple[str, ...]
+
+
+class Packing(Protocol):
+    """A flat layout one adapter is packed into on its way to a slot (`SlotLayout`, or a
+    decoder with expert layers' `experts.ExpertTransfer`)."""
+
+    @property
+    def targets(self) -> LoraTargets: ...
+
+    @property
+    def max_rank(self) -> int: ...
+
+    @property
+    def numel(self) -> int: ...
+
+    def pack(self, weights: AdapterWeights, flat: torch.Tensor) -> None: ...
 
 
 @dataclass(frozen=True)
