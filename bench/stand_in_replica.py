@@ -1,8 +1,9 @@
 """A stand-in for a replica's doors, for the gateway's tests and benchmark: the API over gRPC
 and HTTP in its own process (so a test can kill it as a replica dies), no model.
 
-``python -m bench.stand_in_replica NAME`` prints one JSON line with its ``grpc`` and ``http``
-addresses, then serves until killed. Answers say which replica gave them and what arrived:
+``python -m bench.stand_in_replica NAME [busy]`` prints one JSON line with its ``grpc`` and
+``http`` addresses, then serves until killed; ``busy``: every query is refused as a full queue
+is (RESOURCE_EXHAUSTED, HTTP 429). Answers say which replica gave them and what arrived:
 a Query's result text is ``NAME|<image>|<authorization>``; the question ``hang`` streams one
 delta and then waits forever, ``slow`` waits half a second before its result, ``fail`` ends
 with INVALID_ARGUMENT and trailing metadata.
@@ -37,10 +38,13 @@ def _image(request: Any) -> str:
 
 
 class Servicer(pb_grpc.VisionLanguageServicer):
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, busy: bool) -> None:
         self.name = name
+        self.busy = busy
 
     async def Query(self, request: pb.QueryRequest, context: grpc.aio.ServicerContext):
+        if self.busy:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the queue is full")
         if request.question == "fail":
             context.set_trailing_metadata((("x-reason", "asked-to"),))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "question: asked to fail")
@@ -69,9 +73,12 @@ class Servicer(pb_grpc.VisionLanguageServicer):
         return pb.GetModelInfoResponse(model_name=self.name)
 
 
-async def _http(name: str) -> web.AppRunner:
+async def _http(name: str, busy: bool) -> web.AppRunner:
     async def query(request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        if busy:
+            error = {"code": "RESOURCE_EXHAUSTED", "message": "the queue is full", "field": None}
+            return web.json_response({"error": error}, status=429)
         if body.get("stream"):
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
@@ -97,19 +104,19 @@ async def _http(name: str) -> web.AppRunner:
     return runner
 
 
-async def main(name: str) -> None:
+async def main(name: str, busy: bool = False) -> None:
     server = grpc.aio.server()
-    pb_grpc.add_VisionLanguageServicer_to_server(Servicer(name), server)
+    pb_grpc.add_VisionLanguageServicer_to_server(Servicer(name, busy), server)
     states = health.aio.HealthServicer()
     await states.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(states, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    runner = await _http(name)
+    runner = await _http(name, busy)
     http_port = runner.addresses[0][1]
     print(json.dumps({"grpc": f"127.0.0.1:{port}", "http": f"127.0.0.1:{http_port}"}), flush=True)
     await server.wait_for_termination()
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1]))
+    asyncio.run(main(sys.argv[1], sys.argv[2:] == ["busy"]))

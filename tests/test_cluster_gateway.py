@@ -205,14 +205,14 @@ def test_a_lost_connection_reads_unavailable() -> None:
 class Fake:
     """A stand-in replica process."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, busy: bool = False) -> None:
         self.name = name
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         }
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.stand_in_replica", name],
+            [sys.executable, "-m", "bench.stand_in_replica", name, *(["busy"] if busy else [])],
             stdout=subprocess.PIPE,
             cwd=REPO,
             env=env,
@@ -424,6 +424,35 @@ def test_tls_ends_at_the_gateway(fakes, tmp_path: Path) -> None:
             await asyncio.to_thread(calls)
 
     run(body())
+
+
+def test_a_replica_busy_for_now_hands_its_requests_to_another() -> None:
+    busy, free = Fake("r1", busy=True), Fake("r2")
+    both = {"r1": busy, "r2": free}
+    try:
+
+        async def body() -> None:
+            async with gateway(both) as gw, aiohttp.ClientSession() as http:
+                channel, stub = _stub(gw)
+                for picture in _pictures(8):  # some have the busy replica as their home
+                    answer = await _query(stub, image_bytes=picture, question="q")
+                    assert answer[-1].result.text.startswith("r2|")
+                    url = f"http://127.0.0.1:{gw.http_port}/v1/query"
+                    async with http.post(url, json={"image_url": _data_url(picture)}) as r:
+                        assert r.status == 200 and (await r.json())["answer"] == "r2"
+                free.kill()  # the busy one alone: its refusal reaches the client
+                await gw.refresh()
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await _query(stub, image_bytes=b"p", question="q")
+                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                async with http.post(url, json={"image_url": _data_url(b"p")}) as r:
+                    assert r.status == 429
+                await channel.close()
+
+        run(body())
+    finally:
+        for fake in both.values():
+            fake.kill()
 
 
 def test_drain_finishes_accepted_calls_then_refuses(fakes) -> None:

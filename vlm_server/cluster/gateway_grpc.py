@@ -6,7 +6,10 @@ only a cluster image id (``<id>~<tag>``) is rewritten, to the replica's own id; 
 answer gets the tag. The replica answers exactly as a single server does (validation, limits,
 API keys, streaming); its status, details and trailing metadata reach the client unchanged.
 A replica that cannot be reached before the request was sent (its process is gone) is marked
-down and the request goes to another; a replica lost mid-call ends the call with UNAVAILABLE.
+down and the request goes to another; so does a request a replica refused for now (its queue
+or its adapter slots full: RESOURCE_EXHAUSTED naming no field of the request, or the adapter)
+before answering anything, while another replica is left to try. A replica lost mid-call ends
+the call with UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import grpc
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.cluster.affinity import affinity_key, tag_image_id, untag_image_id
 from vlm_server.cluster.replica_set import NoReplica, Replica, ReplicaSet, Routed
+from vlm_server.rpc.status import FIELD_METADATA_KEY
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +34,8 @@ _NO_REPLICA = "no replica is serving; retry shortly"
 _LOST = "the replica serving this call stopped; retry (another replica takes it)"
 # What grpc core says when a channel never reached its peer: the request was not sent.
 _NOT_CONNECTED = ("failed to connect", "connection refused", "connections to all backends")
+# Fields of a RESOURCE_EXHAUSTED that another replica may not share: its own adapter slots.
+_TRANSIENT_FIELDS = {"adapter", "settings.adapter"}
 # Metadata that belongs to this hop; the rest (API keys, request ids) goes on.
 _HOP_METADATA = ("user-agent", "grpc-", ":")
 _PREPARE_ON_LOOP_BYTES = 1 << 20  # larger requests are parsed for their key in a thread
@@ -57,6 +63,14 @@ METHODS = {
 def _not_connected(err: grpc.aio.AioRpcError) -> bool:
     details = (err.details() or "").lower()
     return err.code() == grpc.StatusCode.UNAVAILABLE and any(s in details for s in _NOT_CONNECTED)
+
+
+def _busy(err: grpc.aio.AioRpcError) -> bool:
+    """A replica's refusal for now (a full queue or adapter slots), not of the request."""
+    if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return False
+    field = next((v for k, v in err.trailing_metadata() or () if k == FIELD_METADATA_KEY), None)
+    return field is None or field in _TRANSIENT_FIELDS
 
 
 def _metadata(context: grpc.aio.ServicerContext) -> list[tuple[str, Any]]:
@@ -165,6 +179,8 @@ class GrpcForwarder:
                     if _not_connected(err):
                         self._unreachable(routed.replica, tried)
                         continue
+                    if _busy(err) and self._another(routed.replica, tried):
+                        continue
                     await _abort(context, err)
                 finally:
                     self.replicas.done(routed)
@@ -194,6 +210,8 @@ class GrpcForwarder:
                     if not sent and _not_connected(err):
                         self._unreachable(routed.replica, tried)
                         continue
+                    if not sent and _busy(err) and self._another(routed.replica, tried):
+                        continue
                     await _abort(context, err)
                 finally:
                     call.cancel()  # a no-op once finished; a client that left cancels it
@@ -209,6 +227,11 @@ class GrpcForwarder:
         except NoReplica:
             await context.abort(grpc.StatusCode.UNAVAILABLE, _NO_REPLICA)
             raise  # abort raised already
+
+    def _another(self, replica: Replica, tried: set[str]) -> bool:
+        """Whether a request ``replica`` refused for now has another replica to try."""
+        tried.add(replica.name)
+        return any(r.name not in tried for r in self.replicas.serving())
 
     def _unreachable(self, replica: Replica, tried: set[str]) -> None:
         log.warning("replica %s unreachable at %s; routing around it", replica.name, replica.grpc)

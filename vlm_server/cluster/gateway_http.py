@@ -4,7 +4,9 @@ affinity key picks (`http_keys.body_key`), the answer streamed back as it comes.
 The replica's door answers exactly as a single server does (routes, errors, server-sent
 events, API keys). A client that goes away closes the upstream request, which cancels the
 engine request. A replica that refuses the connection (its process is gone) is marked down
-and the request goes to another; no replica at all is 503 in the door's error shape.
+and the request goes to another, as does one a replica refused for now (429: its queue or
+adapter slots full) while another replica is left; no replica at all is 503 in the door's
+error shape.
 """
 
 from __future__ import annotations
@@ -133,9 +135,14 @@ class HttpGateway:
             except NoReplica:
                 return _error(HttpError(503, ErrorCode.UNAVAILABLE, "no replica is serving"))
             replica = routed.replica
+            busy_retry = any(r.name not in tried | {replica.name} for r in self.replicas.serving())
             try:
                 if replica.http:
-                    return await self._pass(request, replica, data, headers)
+                    answer = await self._pass(request, replica, data, headers, busy_retry)
+                    if answer is not None:
+                        return answer
+                    tried.add(replica.name)  # busy for now: another replica takes it
+                    continue
             except aiohttp.ClientConnectorError:
                 log.warning("replica %s unreachable at %s", replica.name, replica.http)
             except aiohttp.ClientError as err:  # lost before it answered
@@ -147,13 +154,22 @@ class HttpGateway:
             self.replicas.unreachable(replica)
 
     async def _pass(
-        self, request: web.Request, replica: Replica, data: bytes, headers: dict[str, str]
-    ) -> web.StreamResponse:
+        self,
+        request: web.Request,
+        replica: Replica,
+        data: bytes,
+        headers: dict[str, str],
+        busy_retry: bool,
+    ) -> web.StreamResponse | None:
+        """The replica's answer, streamed to the client; None (nothing sent) when the replica
+        refused for now (429: its queue or adapter slots full) and ``busy_retry``."""
         assert self._session is not None
         url = f"http://{replica.http}{request.path_qs}"
         async with self._session.request(
             request.method, url, data=data, headers=headers
         ) as upstream:
+            if upstream.status == 429 and busy_retry:
+                return None
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for name, value in upstream.headers.items():
                 if name.lower() not in HOP_BY_HOP:
