@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("ray.serve", reason="the cluster extra (ray[serve]) is not installed")
 
 from ray.serve._private.common import gRPCRequest  # the envelope the proxy pickles
+from ray.serve.schema import ServeDeploySchema
 
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.cluster import app, autoscaling
@@ -50,6 +51,9 @@ def test_the_printed_config_builds_the_same_application(capsys: pytest.CaptureFi
     proxied = json.loads(capsys.readouterr().out)
     assert proxied["grpc_options"]["grpc_servicer_functions"] == [app.SERVICER]
     assert proxied["applications"][0]["args"]["cluster"]["ingress"] == "ray"
+    # Both are files serve deploy takes.
+    for file in (config, proxied):
+        ServeDeploySchema.model_validate(file)
     assert args["cluster"]["replicas"] == 2 and args["server"] == {"max_batch_size": 8}
     assert "port" not in args["server"]  # the proxies' ports are not a replica's
     bound = app.build(args)
