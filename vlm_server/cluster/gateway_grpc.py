@@ -176,10 +176,7 @@ class GrpcForwarder:
                     answer: bytes = await call
                     await _pass_trailing(call, context)  # the request id, as a server sends it
                 except grpc.aio.AioRpcError as err:
-                    if _not_connected(err):
-                        self._unreachable(routed.replica, tried)
-                        continue
-                    if _busy(err) and self._another(routed.replica, tried):
+                    if self._elsewhere(err, routed.replica, tried):
                         continue
                     await _abort(context, err)
                 finally:
@@ -207,10 +204,7 @@ class GrpcForwarder:
                     await _pass_trailing(call, context)
                     return
                 except grpc.aio.AioRpcError as err:
-                    if not sent and _not_connected(err):
-                        self._unreachable(routed.replica, tried)
-                        continue
-                    if not sent and _busy(err) and self._another(routed.replica, tried):
+                    if not sent and self._elsewhere(err, routed.replica, tried):
                         continue
                     await _abort(context, err)
                 finally:
@@ -228,15 +222,18 @@ class GrpcForwarder:
             await context.abort(grpc.StatusCode.UNAVAILABLE, _NO_REPLICA)
             raise  # abort raised already
 
-    def _another(self, replica: Replica, tried: set[str]) -> bool:
-        """Whether a request ``replica`` refused for now has another replica to try."""
+    def _elsewhere(self, err: grpc.aio.AioRpcError, replica: Replica, tried: set[str]) -> bool:
+        """Whether a request that got ``err`` from ``replica`` before any answer goes to
+        another replica: ``replica`` was unreachable (marked down), or refused it for now
+        while another replica is left."""
         tried.add(replica.name)
-        return any(r.name not in tried for r in self.replicas.serving())
-
-    def _unreachable(self, replica: Replica, tried: set[str]) -> None:
-        log.warning("replica %s unreachable at %s; routing around it", replica.name, replica.grpc)
-        tried.add(replica.name)
-        self.replicas.unreachable(replica)
+        if _not_connected(err):
+            log.warning(
+                "replica %s unreachable at %s; routing around it", replica.name, replica.grpc
+            )
+            self.replicas.unreachable(replica)
+            return True
+        return _busy(err) and any(r.name not in tried for r in self.replicas.serving())
 
 
 async def _pass_trailing(call: Any, context: grpc.aio.ServicerContext) -> None:
