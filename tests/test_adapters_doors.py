@@ -22,6 +22,7 @@ from PIL import Image
 
 from image_pipeline import PreparedImage, prepare_image, sample_image_bytes
 from tests.http_support import data_url, moondream_client, post_json
+from tests.support.http_files import QuietHandler
 from tests.support.service_harness import ServerThread, local_config
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
@@ -42,7 +43,7 @@ GREEDY = SamplingSettings(temperature=0.0, max_tokens=8)
 SLOW_S = 2.0  # how long the stand-in endpoint takes to answer for a "slow..." finetune
 
 
-class _Variants(http.server.BaseHTTPRequestHandler):
+class _Variants(QuietHandler):
     """Serves ``/v1/variants/<id>/download`` as the cloud does, with the key required."""
 
     blobs: ClassVar[dict[str, bytes]] = {}
@@ -58,14 +59,7 @@ class _Variants(http.server.BaseHTTPRequestHandler):
         elif name not in self.blobs:
             self.send_error(404)
         else:
-            body = self.blobs[name]
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
+            self.send_body(self.blobs[name])
 
 
 @pytest.fixture(scope="module")

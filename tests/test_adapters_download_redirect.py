@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
+from tests.support.http_files import QuietHandler
 from vlm_server.models.lora.store import KEY_HEADER, AdapterStore
 
 KEY = "secret-key"
 
 
-class _Recorder(BaseHTTPRequestHandler):
+class _Recorder(QuietHandler):
     seen: list[tuple[int, str, str | None]]  # (port, path, key header) per request
     routes: dict[str, str]  # path -> where it redirects
 
@@ -28,14 +29,7 @@ class _Recorder(BaseHTTPRequestHandler):
             self.send_header("Location", target)
             self.end_headers()
             return
-        body = b"adapter bytes"
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
+        self.send_body(b"adapter bytes")
 
 
 @pytest.fixture

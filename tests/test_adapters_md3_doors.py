@@ -22,6 +22,7 @@ from PIL import Image
 
 from image_pipeline import prepare_image, sample_image_bytes
 from tests.http_support import data_url, moondream_client, post_json
+from tests.support.http_files import QuietHandler
 from tests.support.service_harness import ServerThread, local_config
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
@@ -39,7 +40,7 @@ GREEDY = SamplingSettings(temperature=0.0, max_tokens=8)
 API = "/v1/tuning/finetunes/"
 
 
-class _Cloud(http.server.BaseHTTPRequestHandler):
+class _Cloud(QuietHandler):
     """``/v1/tuning/finetunes/<id>/checkpoints/<step>/download`` answers (with the key) JSON
     ``{"url": <presigned>}``; ``/storage/...`` serves the checkpoint, as object storage does."""
 
@@ -57,27 +58,18 @@ class _Cloud(http.server.BaseHTTPRequestHandler):
             if auth != KEY:
                 self.send_error(401)
             elif name in self.answers:
-                self._send(json.dumps(self.answers[name]).encode())
+                self.send_body(json.dumps(self.answers[name]).encode())
             elif name not in self.blobs:
                 self.send_error(404)
             else:
                 host = f"http://127.0.0.1:{self.server.server_address[1]}"
                 url = f"{host}/storage/{finetune}/{step}/model.pt?X-Amz-Signature=abc"
-                self._send(json.dumps({"url": url}).encode())
+                self.send_body(json.dumps({"url": url}).encode())
         elif self.path.startswith("/storage/"):
             finetune, step = self.path.split("?")[0].split("/")[2:4]
-            self._send(self.blobs[f"{finetune}@{step}"])
+            self.send_body(self.blobs[f"{finetune}@{step}"])
         else:
             self.send_error(404)
-
-    def _send(self, body: bytes) -> None:
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")
