@@ -2,6 +2,7 @@
 (torch.profiler), and graph-replay time per batch bucket, on a random moondream2-size model.
 
     python -m bench.profile_decode [--preset moondream2] [--batch 1 8 32] [--context 760]
+    python -m bench.profile_decode --preset moondream3-preview --fp8-experts --also-prefix
 """
 
 from __future__ import annotations
@@ -37,12 +38,24 @@ def main() -> None:
         help="profile the BOS + image forward of one image (eager) instead",
     )
     ap.add_argument(
+        "--also-prefix",
+        action="store_true",
+        help="after the decode steps, profile the BOS + image forward too (one model build)",
+    )
+    ap.add_argument(
+        "--fp8-experts",
+        action="store_true",
+        help="hold a mixture-of-experts model's expert weights in FP8 (as its checkpoints do)",
+    )
+    ap.add_argument(
         "--sweep",
         action="store_true",
         help="time graph replays for attention variants instead of profiling",
     )
     args = ap.parse_args()
     loaded = random_model(preset(args.preset), dtype=torch.bfloat16, device="cuda")
+    if args.fp8_experts:
+        loaded.model.use_fp8_experts()  # type: ignore[attr-defined]
     cfg = EngineConfig(max_batch_size=max(args.batch), kv_budget_bytes=8 << 30)
     rt = ModelRuntime(loaded.model, cfg, MaskTable(loaded.config.text.vocab_size, 4))
     mirror = rt.block_table
@@ -61,16 +74,30 @@ def main() -> None:
         vision(rt, loaded.config.vision)
         return
     if args.prefix:
-        with torch.inference_mode():
-            for _ in range(2):
-                rt.prefill.prefix_forward(0, 1)
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                rt.prefill.prefix_forward(0, 1)
-                torch.cuda.synchronize()
-        print("\n=== BOS + image forward, one image: eager kernels ===")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top))
+        prefix(rt, args)
         return
+    decode(rt, args, pages_per_row)
+    if args.also_prefix:
+        prefix(rt, args)
+
+
+def prefix(rt: ModelRuntime, args: argparse.Namespace) -> None:
+    """The BOS + image forward of one image, eager, kernel by kernel."""
+    with torch.inference_mode():
+        for _ in range(2):
+            rt.prefill.prefix_forward(0, 1)
+        torch.cuda.synchronize()
+        eager = _ms(lambda: rt.prefill.prefix_forward(0, 1))
+        print(f"BOS + image forward, eager: median {eager:.3f} ms")
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            rt.prefill.prefix_forward(0, 1)
+            torch.cuda.synchronize()
+    print("\n=== BOS + image forward, one image: eager kernels ===")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top))
+
+
+def decode(rt: ModelRuntime, args: argparse.Namespace, pages_per_row: int) -> None:
+    """Each batch's decode forward, eager kernel by kernel, and its graph replay."""
     rt.capture_graphs(progress=False)
     for b in args.batch:
         buf = rt.buffers.slots[0]
