@@ -250,7 +250,8 @@ class ServerConfig:
         _ENGINE.fused_decode,
         G.PERFORMANCE,
         "run each decoder block's four matrix products as two fused Triton products in steps "
-        "of few rows (CUDA; false: cuBLAS, four products)",
+        "of few rows, and Moondream 3's tau scaling as one kernel per layer (CUDA; false: "
+        "cuBLAS and PyTorch ops)",
     )
     prefill_sm_carveout: int = option(
         _ENGINE.prefill_sm_carveout,

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlm_server.models.moondream3 import tau_kernel
 from vlm_server.models.moondream3.config import TauGelu, TauPositions, TextConfig
 
 
@@ -25,6 +26,16 @@ class Tau(nn.Module):
         self.alpha = nn.Parameter(torch.zeros(cfg.n_heads))
         self.approximate = "tanh" if gelu == "tanh" else "none"
         self.bf16_positions = positions == "bf16"
+        # [wq; wv] in the activations' dtype for the one-launch kernel (tau_kernel.py), set by
+        # `use_kernel`; None: the PyTorch ops.
+        self._stacked: torch.Tensor | None = None
+
+    def use_kernel(self, enabled: bool) -> bool:
+        """Scale with the one-launch kernel (CUDA with Triton) from now on, or not; returns
+        whether it is on. Call it after loading the weights and before any graph capture."""
+        on = enabled and tau_kernel.available(self.wq)
+        self._stacked = torch.cat([self.wq, self.wv]).detach().contiguous() if on else None
+        return on
 
     def position_term(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``sigmoid(alpha * ln(p + 1)) + 1/2`` at positions [B, T] -> [B, T, H] in ``dtype``
@@ -50,6 +61,12 @@ class Tau(nn.Module):
     def scale(self, qkv: torch.Tensor, positions: torch.Tensor, n_heads: int) -> torch.Tensor:
         """The fused projection with its query and value heads scaled (keys untouched),
         still packed Q | K | V: what the cache's fused rotary + attention kernels take."""
+        w = self._stacked
+        if w is not None and w.dtype == qkv.dtype and qkv.is_cuda:
+            return tau_kernel.tau_scale(
+                qkv, positions, w, self.alpha, self.wq.shape[0], self.wv.shape[0],
+                self.approximate == "none", self.bf16_positions,
+            )  # fmt: skip
         tq, tv = self(qkv, positions)
         b, t, width = qkv.shape
         hd = width // (n_heads + 2 * tv.shape[-1])

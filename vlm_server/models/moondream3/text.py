@@ -97,6 +97,11 @@ class TextDecoder(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    def use_fused_products(self, enabled: bool = True) -> bool:
+        """Serve every forward's tau scaling with one kernel per layer (tau_kernel.py) instead
+        of ~15 PyTorch ops and two products; returns whether it is on (CUDA with Triton)."""
+        return all([b.attn.tau.use_kernel(enabled) for b in self.blocks])
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.wte)
 

@@ -1,0 +1,197 @@
+"""Tau scaling in one Triton launch (CUDA): `Tau.scale`'s ~15 PyTorch ops and two small
+products per layer (GELU, the two head projections, tanh, the position term, the scalings, the
+concatenation) as one kernel over the fused projection.
+
+Programs are per (block of tokens, block of tau heads): query heads first, then value heads.
+Each program computes its heads' logits ``GELU(qkv) . w`` over the whole row (fp32 sums of the
+rounded GELU, as ``F.linear`` takes it), then ``tanh(logit) + position term`` and scales its
+heads' columns; the value programs also copy the key heads through. Every output element is
+written by exactly one program, into a new tensor (the input row is read whole by every
+program of its block, so it cannot be scaled in place).
+
+Each intermediate is rounded to the activations' dtype where the PyTorch path rounds it (GELU,
+the products, tanh, the sums and the scalings), so bf16 results match `Tau.scale` up to the
+products' summation order and the transcendental functions' last fp32 bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU path needs no Triton
+    triton = None
+    tl = None
+
+BLOCK_M = 16  # tokens per program
+BLOCK_H = 16  # tau heads per program (tl.dot's smallest N)
+BLOCK_K = 128  # the projection's columns per step of the logits' sums
+
+
+def available(x: torch.Tensor) -> bool:
+    """Whether the kernel can run on ``x`` (CUDA and Triton)."""
+    return triton is not None and x.is_cuda
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tanh(x):
+        # tanh(x) = 1 - 2 / (e^(2x) + 1): exact limits at both ends (e^(2x) overflows to inf
+        # for large x and gives 1; underflows to 0 for very negative x and gives -1).
+        return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+    # Only core builtins and this module's helpers in the kernel (no `tl.zeros`, `tl.sum`: the
+    # standard library's are jitted where Triton was imported, so the CPU tests' interpreted
+    # copy of this module could not call them).
+    @triton.jit
+    def _add(a, b):
+        return a + b
+
+    @triton.jit
+    def _round(x, dtype: tl.constexpr):
+        """fp32 ``x`` rounded to ``dtype``, as fp32. bf16 by its bits (nearest, ties to even):
+        the GPU's conversion does the same, but Triton's interpreter (the CPU tests) does not."""
+        if dtype == tl.bfloat16:
+            b = x.to(tl.uint32, bitcast=True)
+            b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16 << 16
+            return b.to(tl.float32, bitcast=True)
+        elif dtype == tl.float32:
+            return x
+        else:
+            return x.to(dtype).to(tl.float32)
+
+    @triton.jit
+    def _cast(x, dtype: tl.constexpr):
+        # Exact: the value is representable after `_round`.
+        return _round(x, dtype).to(dtype)
+
+    @triton.jit
+    def _tau_kernel(
+        qkv_ptr,
+        out_ptr,
+        w_ptr,
+        alpha_ptr,
+        pos_ptr,
+        M,
+        stride_in,
+        stride_out,
+        H: tl.constexpr,
+        KVH: tl.constexpr,
+        HD: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BM: tl.constexpr,
+        BH: tl.constexpr,
+        BK: tl.constexpr,
+        GELU_ERF: tl.constexpr,
+        BF16_POS: tl.constexpr,
+    ):
+        dtype = out_ptr.dtype.element_ty
+        width = (H + 2 * KVH) * HD
+        q_blocks = (H + BH - 1) // BH
+        pid_m = tl.program_id(0)
+        pid_h = tl.program_id(1)
+        is_v = pid_h >= q_blocks
+        first = tl.where(is_v, pid_h - q_blocks, pid_h) * BH
+        n_heads = tl.where(is_v, KVH, H)
+        heads = first + tl.arange(0, BH)
+        hmask = heads < n_heads
+        w_rows = heads + tl.where(is_v, H, 0)  # rows of the stacked [wq; wv]
+        rows = pid_m * BM + tl.arange(0, BM)
+        rmask = rows < M
+        rows64 = rows.to(tl.int64)
+
+        acc = tl.full((BM, BH), 0.0, tl.float32)
+        for k0 in range(0, width, BK):
+            ks = k0 + tl.arange(0, BK)
+            kmask = ks < width
+            x = tl.load(
+                qkv_ptr + rows64[:, None] * stride_in + ks[None, :],
+                mask=rmask[:, None] & kmask[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            if GELU_ERF:
+                g = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+            else:
+                g = 0.5 * x * (1.0 + _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+            w = tl.load(
+                w_ptr + w_rows[None, :].to(tl.int64) * width + ks[:, None],
+                mask=hmask[None, :] & kmask[:, None],
+                other=0.0,
+            )
+            # fp32 products of the rounded operands (exact) summed in fp32, like the tensor
+            # cores' bf16 products; tiny here (BH columns), and Triton's interpreter multiplies
+            # bf16 operands as raw bits.
+            acc += tl.dot(_round(g, dtype), w.to(tl.float32), input_precision="ieee")
+        t = _round(_tanh(_round(acc, dtype)), dtype)
+
+        # The position term, per token and head (the value heads take alpha's first KVH).
+        p = tl.load(pos_ptr + rows, mask=rmask, other=0).to(tl.float32)
+        alpha = tl.load(alpha_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
+        if BF16_POS:  # every step in bf16, as the Hugging Face code runs it
+            pb = _round(p, tl.bfloat16)
+            lg = _round(tl.log(_round(pb + 1.0, tl.bfloat16)), tl.bfloat16)
+            z = _round(_round(alpha, tl.bfloat16)[None, :] * lg[:, None], tl.bfloat16)
+            s = _round(1.0 / (1.0 + tl.exp(-z)), tl.bfloat16)
+            pos = _round(_round(1.0 + _round(s - 0.5, tl.bfloat16), tl.bfloat16), dtype)
+        else:
+            lp = tl.log(1.0 + p)  # exact 1 + p: positions are below 2^24
+            pos = _round(1.0 / (1.0 + tl.exp(-(alpha[None, :] * lp[:, None]))) + 0.5, dtype)
+        tau = _round(t + pos, dtype)
+
+        # Scale each head's columns (query heads at 0, value heads after the keys).
+        ds = tl.arange(0, BLOCK_D)
+        dmask = ds < HD
+        base = tl.where(is_v, (H + KVH) * HD, 0)
+        hs = tl.arange(0, BH)
+        for j in tl.static_range(BH):
+            head = first + j
+            if head < n_heads:
+                scale = tl.reduce(tl.where(hs[None, :] == j, tau, 0.0), 1, _add)  # [BM]
+                cols = base + head * HD + ds
+                m = rmask[:, None] & dmask[None, :]
+                x = tl.load(qkv_ptr + rows64[:, None] * stride_in + cols[None, :], mask=m)
+                y = _cast(x.to(tl.float32) * scale[:, None], dtype)
+                tl.store(out_ptr + rows64[:, None] * stride_out + cols[None, :], y, mask=m)
+                if is_v:  # the key head of the same index, unchanged
+                    kcols = H * HD + head * HD + ds
+                    k = tl.load(qkv_ptr + rows64[:, None] * stride_in + kcols[None, :], mask=m)
+                    tl.store(out_ptr + rows64[:, None] * stride_out + kcols[None, :], k, mask=m)
+
+
+def tau_scale(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    w: torch.Tensor,
+    alpha: torch.Tensor,
+    n_heads: int,
+    n_kv_heads: int,
+    gelu_erf: bool,
+    bf16_positions: bool,
+) -> torch.Tensor:
+    """`Tau.scale` in one launch: ``qkv`` [B, T, (H + 2 KVH) * hd] at ``positions`` [B, T],
+    ``w`` the stacked [wq; wv] [H + KVH, width] in ``qkv``'s dtype, ``alpha`` [H] -> the
+    projection with its query and value heads scaled, a new tensor."""
+    if triton is None:
+        raise RuntimeError("the fused tau kernel needs Triton")
+    b, t, width = qkv.shape
+    hd = width // (n_heads + 2 * n_kv_heads)
+    x = qkv.reshape(b * t, width)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty((b * t, width), dtype=qkv.dtype, device=qkv.device)
+    m = b * t
+    if m:
+        pos = positions.reshape(-1)
+        grid = (
+            triton.cdiv(m, BLOCK_M),
+            triton.cdiv(n_heads, BLOCK_H) + triton.cdiv(n_kv_heads, BLOCK_H),
+        )
+        _tau_kernel[grid](
+            x, out, w, alpha, pos, m, x.stride(0), out.stride(0),
+            H=n_heads, KVH=n_kv_heads, HD=hd, BLOCK_D=triton.next_power_of_2(hd),
+            BM=BLOCK_M, BH=BLOCK_H, BK=BLOCK_K, GELU_ERF=gelu_erf, BF16_POS=bf16_positions,
+        )  # fmt: skip
+    return out.view(b, t, width)
