@@ -19,6 +19,12 @@
 #               streaming, then with 20 new pictures a second as well
 #   lora        (only when named) python -m bench.lora_bench: the decode period of 32 captions
 #               over 8 rank-32 finetune adapters against none, and step gaps while adapters load
+#   cap24       (only when named) query3 on unique pictures at c=64 with the server's GPU memory
+#               capped at 24 GiB (rows suffixed _24gb)
+#
+# TARGETS_FAMILY=md3 measures Moondream 3 instead (rows md3.*; default steps: step load): a
+# seeded random moondream3-preview checkpoint in the author's layout with FP8 experts, its
+# decode period, query3 (c=1, c=64) and segment (c=1, c=16) on unique pictures.
 # After each step its rows are merged into targets.json (python -m bench.targets collect), so a
 # partial or interrupted run updates only the rows it measured. A table of the file comes last.
 #
@@ -28,8 +34,9 @@
 # Environment:
 #   PYTHON               interpreter (default: python3)
 #   VLM_BENCH_CKPT       checkpoint folder (default: ${TMPDIR:-/tmp}/vlm-bench-moondream2)
+#   TARGETS_FAMILY       md2 (default) or md3
 #   TARGETS_FLAGS        server flags of `load` and `arrivals`, after --model (default below:
-#                        the flags of record)
+#                        the flags of record; for md3 the default flags)
 #   TARGETS_IMAGE_FLAGS  extra image_bench flags (default: the JPEG engines; "" for the host path)
 #   TARGETS_COMMIT       the tree measured (default: git's HEAD, "+dirty" with local changes)
 #   TARGETS_FILE         the file to update (default: bench/results/<GPU>/targets.json)
@@ -50,8 +57,13 @@ BUDGET=${TARGETS_BUDGET_S:-600}
 START=$(date +%s)
 DEADLINE=$((START + BUDGET))
 
-ALL_STEPS=(tower step image load arrivals)
-OPTIONAL_STEPS=(lora)  # run only when named
+FAMILY=${TARGETS_FAMILY:-md2}
+case $FAMILY in
+    md2) ALL_STEPS=(tower step image load arrivals) ;;
+    md3) ALL_STEPS=(step load) ;;
+    *) echo "targets: TARGETS_FAMILY is md2 or md3, not $FAMILY" >&2; exit 2 ;;
+esac
+OPTIONAL_STEPS=(lora cap24)  # run only when named
 STEPS=("$@")
 ((${#STEPS[@]})) || STEPS=("${ALL_STEPS[@]}")
 for s in "${STEPS[@]}"; do
@@ -70,7 +82,7 @@ print(torch.cuda.get_device_name())'); then
         exit 1
     fi
     GPU=$($PY -m bench.targets gpu-folder "$DEVICE")
-    PREFIX=md2
+    PREFIX=$FAMILY
 fi
 TARGETS=${TARGETS_FILE:-bench/results/$GPU/targets.json}
 RAW=${TARGETS_RAW:-bench/results/$GPU/targets-raw}
@@ -85,6 +97,10 @@ if [[ $SMOKE == 1 ]]; then
     CKPT=${VLM_BENCH_CKPT:-${TMPDIR:-/tmp}/vlm-bench-tiny}
     SERVER=(--device cpu --dtype fp32)
     read -r -a EXTRA <<< "${TARGETS_FLAGS:-}"
+elif [[ $FAMILY == md3 ]]; then
+    CKPT=${VLM_BENCH_CKPT:-${TMPDIR:-/tmp}/vlm-bench-moondream3}
+    read -r -a EXTRA <<< "${TARGETS_FLAGS:---device cuda --dtype bf16 --max-batch-size 64}"
+    SERVER=()
 else
     CKPT=${VLM_BENCH_CKPT:-${TMPDIR:-/tmp}/vlm-bench-moondream2}
     read -r -a EXTRA <<< "${TARGETS_FLAGS:---device cuda --dtype bf16 --max-batch-size 64 --vision-fp8 true --prefill-sms 96 --prefill-sms-when-streaming 16}"
@@ -132,7 +148,7 @@ run_step() {  # NAME LIMIT CMD...
     echo "=== $name: $status in $(($(date +%s) - start))s"
     # What the step measured counts even when it stopped early (load_gen writes each level).
     $PY -m bench.targets collect "$dir" --targets "$TARGETS" --commit "$TARGETS_COMMIT" \
-        --prefix "$PREFIX" || echo "=== $name: no rows"
+        --prefix "$PREFIX" --suffix "${COLLECT_SUFFIX:-}" || echo "=== $name: no rows"
 }
 
 CKPT_PID=
@@ -148,16 +164,22 @@ trap 'echo "targets: interrupted" >&2; exit 130' INT TERM
 
 # ---- checkpoint, in the background ----------------------------------------------------------
 CKPT_OK=1
-if wanted load || wanted arrivals; then
-    if [[ -f $CKPT/model.safetensors && -f $CKPT/tokenizer.json && -f $CKPT/config.json ]]; then
+if wanted load || wanted arrivals || wanted cap24 || { [[ $FAMILY == md3 ]] && wanted step; }; then
+    if [[ -f $CKPT/tokenizer.json && -f $CKPT/config.json ]]; then
         echo "=== checkpoint: reusing $CKPT"
         CKPT_OK=0
     else
         rm -rf "$CKPT.partial"
-        if [[ $SMOKE == 1 ]]; then PRESET=tiny; else PRESET=moondream2; fi
-        echo "=== checkpoint: writing a random $PRESET checkpoint to $CKPT in the background"
+        if [[ $SMOKE == 1 ]]; then
+            PRESET=(--preset tiny)
+        elif [[ $FAMILY == md3 ]]; then
+            PRESET=(--preset moondream3-preview --layout legacy)  # FP8 experts, as published
+        else
+            PRESET=(--preset moondream2)
+        fi
+        echo "=== checkpoint: writing a random ${PRESET[*]} checkpoint to $CKPT in the background"
         mkdir -p "$RAW/checkpoint"
-        timeout 300 $PY -m vlm_server.cli make-checkpoint "$CKPT.partial" --preset "$PRESET" \
+        timeout 300 $PY -m vlm_server.cli make-checkpoint "$CKPT.partial" "${PRESET[@]}" \
             > "$RAW/checkpoint/console.log" 2>&1 &
         CKPT_PID=$!
     fi
@@ -189,7 +211,14 @@ if wanted tower; then
 fi
 
 if wanted step; then
-    if [[ $SMOKE == 1 ]]; then
+    if [[ $FAMILY == md3 ]]; then
+        if wait_checkpoint; then
+            run_step step "$(step_limit 150 300)" $PY -m bench.step_bench --model "$CKPT" \
+                --streams 1 32 --tokens 64 --depths 2 --out "$RAW/step"
+        else
+            printf '%s\t%s\t%s\n' step "skipped (no checkpoint)" 0 >> "$RAW/steps.tsv"
+        fi
+    elif [[ $SMOKE == 1 ]]; then
         run_step step "$(step_limit 120 60)" $PY -m bench.step_bench --preset tiny --streams 1 2 \
             --tokens 8 --depths 2 --dtype fp32 --no-graphs --kv-gib 0 --out "$RAW/step"
     else
@@ -199,7 +228,7 @@ if wanted step; then
 fi
 
 # The image step times host CPU: it runs once the checkpoint is no longer being written.
-if wanted load || wanted arrivals; then wait_checkpoint; fi
+if wanted load || wanted arrivals || wanted cap24; then wait_checkpoint; fi
 
 if wanted image; then
     if [[ $SMOKE == 1 ]]; then
@@ -215,6 +244,11 @@ fi
 if wanted load; then
     if ((CKPT_OK != 0)); then
         printf '%s\t%s\t%s\n' load "skipped (no checkpoint)" 0 >> "$RAW/steps.tsv"
+    elif [[ $FAMILY == md3 ]]; then
+        run_step load "$(step_limit 240 60)" $PY -m bench.load_gen --spawn \
+            --scenario query3:800x600:unique:c1,c64 --scenario segment:800x600:unique:c1,c16 \
+            --requests 400 --duration 8 --warmup 6 --time-budget 150 --quiet --out "$RAW/load" \
+            -- "${SERVER[@]}"
     elif [[ $SMOKE == 1 ]]; then
         run_step load "$(step_limit 120 60)" $PY -m bench.load_gen --spawn \
             --scenario query3:800x600:unique:c1 --scenario reason64:800x600:unique:c1 \
@@ -251,6 +285,16 @@ if wanted lora; then
     else
         run_step lora "$(step_limit 300 0)" $PY -m bench.lora_bench --preset moondream2 \
             --streams 32 --adapters 8 --rank 32 --out "$RAW/lora"
+    fi
+fi
+
+if wanted cap24; then
+    if ((CKPT_OK != 0)); then
+        printf '%s\t%s\t%s\n' cap24 "skipped (no checkpoint)" 0 >> "$RAW/steps.tsv"
+    else
+        COLLECT_SUFFIX=_24gb run_step cap24 "$(step_limit 150 0)" $PY -m bench.load_gen --spawn \
+            --scenario query3:800x600:unique:c64 --requests 400 --duration 8 --warmup 6 \
+            --time-budget 90 --quiet --out "$RAW/cap24" -- "${SERVER[@]}" --gpu-memory-bytes 24GiB
     fi
 fi
 
