@@ -36,7 +36,7 @@
 #   VLM_BENCH_CKPT       checkpoint folder (default: ${TMPDIR:-/tmp}/vlm-bench-moondream2)
 #   TARGETS_FAMILY       md2 (default) or md3
 #   TARGETS_FLAGS        server flags of `load` and `arrivals`, after --model (default below:
-#                        the flags of record; for md3 the default flags)
+#                        the flags of record, both families)
 #   TARGETS_IMAGE_FLAGS  extra image_bench flags (default: the JPEG engines; "" for the host path)
 #   TARGETS_COMMIT       the tree measured (default: git's HEAD, "+dirty" with local changes)
 #   TARGETS_FILE         the file to update (default: bench/results/<GPU>/targets.json)
@@ -97,12 +97,12 @@ if [[ $SMOKE == 1 ]]; then
     CKPT=${VLM_BENCH_CKPT:-${TMPDIR:-/tmp}/vlm-bench-tiny}
     SERVER=(--device cpu --dtype fp32)
     read -r -a EXTRA <<< "${TARGETS_FLAGS:-}"
-elif [[ $FAMILY == md3 ]]; then
-    CKPT=${VLM_BENCH_CKPT:-${TMPDIR:-/tmp}/vlm-bench-moondream3}
-    read -r -a EXTRA <<< "${TARGETS_FLAGS:---device cuda --dtype bf16 --max-batch-size 64}"
-    SERVER=()
 else
-    CKPT=${VLM_BENCH_CKPT:-${TMPDIR:-/tmp}/vlm-bench-moondream2}
+    if [[ $FAMILY == md3 ]]; then
+        CKPT=${VLM_BENCH_CKPT:-${TMPDIR:-/tmp}/vlm-bench-moondream3}
+    else
+        CKPT=${VLM_BENCH_CKPT:-${TMPDIR:-/tmp}/vlm-bench-moondream2}
+    fi
     read -r -a EXTRA <<< "${TARGETS_FLAGS:---device cuda --dtype bf16 --max-batch-size 64 --vision-fp8 true --prefill-sms 96 --prefill-sms-when-streaming 16}"
     SERVER=()
 fi
