@@ -16,7 +16,9 @@ Each token carries a slot of the stacked adapter weights (-1: none); ``v = x @ A
   of them, B and output), or both into one output (proj's and fc2's, whose outputs are summed
   anyway); with ``gelu`` the second output then goes through GELU, its rows without an adapter
   too (one more program per block for them), so the decoder needs no separate activation
-  pass.
+  pass. With ``shrink_after`` (fc2's A) the second output's programs of each slot also
+  multiply their finished tiles (as stored) by the slot's A^T: the next layer's shrink as
+  fp32 partials per block of `SHRINK_COLS` columns, without a launch or a read of its own.
 * per token (`grouped_lora`: single targets, image prefixes' riding prompts, and Moondream 3's
   (token, expert) rows over thousands of stacked pairs, too many for a program per pair): one
   program per (token, block of K), then per (token, block of N), as partial products summed
