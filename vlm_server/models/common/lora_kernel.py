@@ -339,10 +339,11 @@ if triton is not None:
 
 @dataclass(frozen=True)
 class Partials:
-    """`shrink`'s result: ``parts`` [T, splits, block_r] fp32 partial products of ``x @
-    A^T`` (rows of tokens without an adapter left unwritten). ``slot_cols`` > 0: ``parts``
-    [T, splits, slots * slot_cols] holds every slot's products for every token (a shrink
-    riding a skinny product, models/common/skinny_gemm.py), a token reads its slot's."""
+    """`shrink`'s result (or `expand`'s with ``shrink_after``): ``parts`` [T, splits, block_r]
+    fp32 partial products of ``x @ A^T`` (rows of tokens without an adapter left unwritten).
+    ``slot_cols`` > 0: ``parts`` [T, splits, slots * slot_cols] holds every slot's products
+    for every token (a shrink riding a skinny product, models/common/skinny_gemm.py), a
+    token reads its slot's."""
 
     parts: torch.Tensor
     slot_cols: int = 0
