@@ -211,18 +211,18 @@ def test_the_fused_block_path_replays_in_a_graph() -> None:
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("fold_branch", [True, False], ids=["fold", "apart"])
+@pytest.mark.parametrize("fc2_shrink", ["expand", "branch", "apart"])
 @pytest.mark.parametrize("rows", [1, 5, 32])
 def test_the_fused_decode_forward_with_adapters_matches_the_four_products(
-    tiny: LoadedModel, rows: int, fold_branch: bool, monkeypatch: pytest.MonkeyPatch
+    tiny: LoadedModel, rows: int, fc2_shrink: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Decode rows with two adapters and none through the stacked products (the shrinks riding
-    the products, fc2's in the branch or apart; deltas added into the QKV + fc1 product and
-    into the branch's split sums) against the four-product forward with the same adapters
-    (fp32: the two agree to rounding)."""
+    the products, fc2's in the expand, the branch or apart; deltas added into the QKV + fc1
+    product and into the branch's split sums) against the four-product forward with the same
+    adapters (fp32: the two agree to rounding)."""
     from vlm_server.models.lora import products
 
-    monkeypatch.setattr(products, "FOLD_BRANCH", fold_branch)
+    monkeypatch.setattr(products, "FC2_SHRINK", fc2_shrink)
     from vlm_server.engine.device.kernels.paged_attention import DecodeKV
     from vlm_server.models.lora.bank import LoraBank, LoraBatch
     from vlm_server.models.lora.writer import random_state

@@ -66,7 +66,8 @@ def _torch_expand(
     second: Target | None = None,
     gelu: bool = False,
     same_out: bool = False,
-) -> None:
+    shrink_after: torch.Tensor | None = None,
+) -> Partials | None:
     targets = [(first, second)] if same_out else [(first,), (second,)]
     for j, terms in enumerate(targets):
         if terms[0] is None:
@@ -78,6 +79,10 @@ def _torch_expand(
                 y = y + sum(_torch_delta(term, t, s) for term in terms if term is not None)
             y = y.to(out.dtype)
             out[t] = gelu_tanh(y.float()).to(out.dtype) if gelu and j == 1 else y
+    if shrink_after is None:
+        return None
+    assert second is not None
+    return _torch_shrink(second.out, shrink_after, index)
 
 
 # The kernels' contract token by token in PyTorch: `LoraBatch`'s fused glue (groups, columns,
@@ -194,6 +199,83 @@ def test_two_deltas_summed_into_one_output(kernels: ModuleType, dtype: torch.dty
         assert torch.equal(out[index < 0], base[index < 0])
 
 
+def _padded(g: torch.Generator, ranks: list[int], shape: tuple[int, ...], dim: int) -> torch.Tensor:
+    """Random stacked weights [slots, *shape] (times 0.2), each slot zero past its rank along
+    ``dim`` (of ``shape``) in every chunk of ``max(ranks)``, as the bank pads a lower rank."""
+    w = torch.randn(len(ranks), *shape, generator=g) * 0.2
+    r = max(ranks)
+    for s, rank in enumerate(ranks):
+        for at in range(0, shape[dim], r):
+            w[s].narrow(dim, at + rank, r - rank).zero_()
+    return w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("t", [1, 5, 32])
+def test_the_expand_shrinks_the_finished_hidden_layer_for_the_sum(
+    kernels: ModuleType, t: int, dtype: torch.dtype
+) -> None:
+    """qkv's and fc1's expand (fc1 GELU'd) with fc2's shrink in the same launch: its outputs
+    bit for bit those of the expand without it, fc2's partials the stored hidden layer times
+    each row's slot's A (ranks below the maximum zero-padded), and proj's and fc2's deltas
+    summed from them as from the grouped shrink's; rows without an adapter untouched."""
+    g = torch.Generator().manual_seed(t)
+    d, f, ranks = {1: (32, 700, [8, 3]), 5: (48, 1100, [5, 8, 2]), 32: (64, 1500, [8, 1, 6, 8])}[t]
+    r, slots = max(ranks), len(ranks)
+    a_in = _padded(g, ranks, (3 * r, d), 0).to(dtype)
+    # One layer of a bank-like buffer (strides of its own), as `LoraBatch` hands it.
+    a_fc2 = _padded(g, ranks, (2, r, f), 1)[:, 1].to(dtype)
+    bs = {n: _padded(g, ranks, (w, r), 1).to(dtype) for n, w in
+          [("qkv", 3 * d), ("fc1", f), ("proj", d), ("fc2", d)]}  # fmt: skip
+    h = torch.randn(t, d, generator=g).to(dtype)
+    index = torch.randint(-1, slots, (t,), generator=g).to(torch.int32)
+    if t > 1:
+        index[:2] = torch.tensor([-1, slots - 1])  # a row without an adapter, the last slot
+    base = {n: torch.randn(t, b.shape[1], generator=g).to(dtype) for n, b in bs.items()}
+    parts = kernels.shrink(h, a_in, index)
+    o = {n: v.clone() for n, v in base.items()}
+    fc2 = kernels.expand(
+        index, kernels.Target(parts, 0, bs["qkv"], o["qkv"]),
+        kernels.Target(parts, 2 * r, bs["fc1"], o["fc1"]), gelu=True, shrink_after=a_fc2,
+    )  # fmt: skip
+    plain = {n: v.clone() for n, v in base.items()}
+    kernels.expand(
+        index, kernels.Target(parts, 0, bs["qkv"], plain["qkv"]),
+        kernels.Target(parts, 2 * r, bs["fc1"], plain["fc1"]), gelu=True,
+    )  # fmt: skip
+    assert torch.equal(o["qkv"], plain["qkv"]) and torch.equal(o["fc1"], plain["fc1"])
+    assert fc2.parts.shape[:2] == (t, -(-f // kernels.SHRINK_COLS))
+    used = index >= 0
+    hidden = o["fc1"]
+    want_v = _per_token_v(hidden, a_fc2, index)
+    tol = 1e-4 if dtype == torch.float32 else 2e-3
+    got_v = fc2.parts.sum(1)[:, :r].double()
+    torch.testing.assert_close(got_v[used], want_v[used], atol=tol, rtol=tol)
+    # The sum into the branch, from the folded partials and from the grouped shrink's.
+    grouped = kernels.shrink(hidden, a_fc2, index)
+    branch = torch.randn(t, d, generator=g).to(dtype)
+    sums = []
+    for p_fc2 in (fc2, grouped):
+        out = branch.clone()
+        kernels.expand(
+            index, kernels.Target(parts, r, bs["proj"], out),
+            kernels.Target(p_fc2, 0, bs["fc2"], out), same_out=True,
+        )  # fmt: skip
+        sums.append(out)
+    v_proj = _per_token_v(h, a_in, index)[:, r : 2 * r].to(dtype).double()
+    want = branch.double().clone()
+    for i, s in enumerate(index.tolist()):
+        if s >= 0:
+            fc2_delta = want_v[i].to(dtype).double() @ bs["fc2"][s].double().T
+            want[i] += v_proj[i] @ bs["proj"][s].double().T + fc2_delta
+    tol = 1e-4 if dtype == torch.float32 else 4e-3
+    for got in sums:
+        torch.testing.assert_close(got.double(), want.to(dtype).double(), atol=tol, rtol=tol)
+        assert torch.equal(got[~used], branch[~used])
+    torch.testing.assert_close(sums[0].float(), sums[1].float(), atol=tol, rtol=tol)
+    assert not torch.equal(sums[0][used], branch[used])  # deltas were added
+
+
 def test_a_tokens_result_does_not_depend_on_the_rest_of_the_batch(kernels: ModuleType) -> None:
     """The other tokens' inputs and slots change; each kept token's delta stays bit for bit
     (every output written by one program, sums in a fixed order: no atomics)."""
@@ -261,6 +343,30 @@ def test_the_fused_block_path_equals_each_targets_own_delta(any_kernels: ModuleT
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     # The kernel path wrote the layers' outputs in place (no delta tensors, no adds).
     assert all(y is x for y, x in zip(fused, given, strict=True))
+
+
+def test_the_expand_then_shrink_gives_fc2s_shrink(any_kernels: ModuleType) -> None:
+    """The decoder's calls with fc2's shrink from the expand that GELUs fc1 (the kernel path
+    folds it, the exact path shrinks apart) against the same calls target by target."""
+    bank, _ = _bank([8, 3, 5], 8)
+    g = torch.Generator().manual_seed(4)
+    index = torch.tensor([2, -1, 0, 0, 1, -1, 2], dtype=torch.int32)
+    h = torch.randn(7, 32, generator=g)
+    outs = {t: torch.randn(7, n, generator=g) for t, (_, n) in TARGETS.targets.items()}
+    outs["branch"] = outs["proj"] + outs["fc2"]
+    results = []
+    for batch in (LoraBatch(bank, index), LoraBatch(bank, index, kernels=any_kernels)):
+        o = {t: v.clone() for t, v in outs.items()}
+        shared = batch.shrink(1, h, ("qkv", "proj", "fc1"))
+        pairs = [(shared, "qkv", o["qkv"]), (shared, "fc1", o["fc1"])]
+        (qkv, act), hidden = batch.expand_then_shrink(1, pairs, "fc2")
+        assert (hidden is None) == (batch.kernels is None)
+        if hidden is None:
+            hidden = batch.shrink(1, act, ("fc2",))
+        branch = batch.expand_sum(1, [(shared, "proj"), (hidden, "fc2")], o["branch"])
+        results.append((qkv, act, branch))
+    for want, got in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("n", [1, 3])

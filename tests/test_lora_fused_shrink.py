@@ -152,21 +152,23 @@ def _fused_text(tiny: LoadedModel) -> torch.nn.Module:
     return text
 
 
-@pytest.mark.parametrize("fold_branch", [True, False])
+@pytest.mark.parametrize("fc2_shrink", ["expand", "branch", "apart"])
 def test_the_fused_forward_with_folded_shrinks_equals_the_reference_per_row(
     tiny: LoadedModel,
     kern: SimpleNamespace,
     monkeypatch: pytest.MonkeyPatch,
-    fold_branch: bool,
+    fc2_shrink: str,
 ) -> None:
     """One decode position per row, two adapters and none, through `_fused_forward` with the
-    interpreted kernels: the reference (`SingleLora`, the plain forward) row by row; the
-    separate-shrink path to rounding, its rows without an adapter bit for bit."""
+    interpreted kernels, fc2's shrink in the expand, the branch product or apart: the
+    reference (`SingleLora`, the plain forward) row by row; the separate-shrink path to
+    rounding, its rows without an adapter bit for bit; those rows as the forward without
+    adapters computes them, to rounding."""
     monkeypatch.setattr(fused_products, "skinny_gemm", kern.skinny_gemm)
     monkeypatch.setattr(
         fused_products, "add_partials_layernorm", kern.fused_norm.add_partials_layernorm
     )
-    monkeypatch.setattr(lora_products, "FOLD_BRANCH", fold_branch)
+    monkeypatch.setattr(lora_products, "FC2_SHRINK", fc2_shrink)
     text = _fused_text(tiny)
     cfg = text.cfg
     targets = text.lora_targets
@@ -188,7 +190,7 @@ def test_the_fused_forward_with_folded_shrinks_equals_the_reference_per_row(
     def cache(batch: int) -> DenseKVCache:
         return DenseKVCache(tiny.model.kv_shape, 16, batch, torch.float32, "cpu", prefix_len=0)
 
-    def fused(lora: LoraBatch) -> torch.Tensor:
+    def fused(lora: LoraBatch | None) -> torch.Tensor:
         kv = cache(b)
         cos, sin = text.rope_cos[pos], text.rope_sin[pos]
 
@@ -198,21 +200,36 @@ def test_the_fused_forward_with_folded_shrinks_equals_the_reference_per_row(
 
         return text._fused_forward(x, pos, attend, lora)
 
-    calls: list[int] = []
-    real = kern.skinny_gemm.skinny_linear_shrink
+    calls: list[str] = []
+    lk, sg = kern.lora_kernel, kern.skinny_gemm
 
-    def counted(*args: object, **kwargs: object) -> object:
-        calls.append(1)
-        return real(*args, **kwargs)
+    def counted(module: object, name: str) -> None:
+        real = getattr(module, name)
 
-    monkeypatch.setattr(kern.skinny_gemm, "skinny_linear_shrink", counted)
+        def call(*args: object, **kwargs: object) -> object:
+            calls.append(name if kwargs.get("shrink_after") is None else "expand_then_shrink")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, call)
+
+    for module, name in [(sg, "skinny_linear_shrink"), (lk, "shrink"), (lk, "expand")]:
+        counted(module, name)
+    n = cfg.n_layers
     with torch.no_grad():
-        got = fused(LoraBatch(bank, index, kernels=kern.lora_kernel))
-        assert len(calls) == cfg.n_layers * (2 if fold_branch else 1)
+        got = fused(LoraBatch(bank, index, kernels=lk))
+        # Per block: the product with the shared shrink, and fc2's shrink where FC2_SHRINK
+        # puts it; then two expands.
+        want_calls = {
+            "expand": {"skinny_linear_shrink": n, "expand_then_shrink": n, "expand": n},
+            "branch": {"skinny_linear_shrink": 2 * n, "expand": 2 * n},
+            "apart": {"skinny_linear_shrink": n, "shrink": n, "expand": 2 * n},
+        }[fc2_shrink]
+        assert {c: calls.count(c) for c in set(calls)} == want_calls
         with monkeypatch.context() as mp:
             mp.setattr(LoraBatch, "shrink_weights", lambda *_: None)
-            separate = fused(LoraBatch(bank, index, kernels=kern.lora_kernel))
-        assert len(calls) == cfg.n_layers * (2 if fold_branch else 1)
+            mp.setattr(lora_products, "FC2_SHRINK", "apart")
+            separate = fused(LoraBatch(bank, index, kernels=lk))
+        plain = fused(None)
         for i, slot in enumerate(rows):
             args = (x[i : i + 1], pos[i : i + 1], cache(1))
             want = text(*args) if slot < 0 else text(*args, SingleLora(by_slot[slot]))
@@ -220,6 +237,9 @@ def test_the_fused_forward_with_folded_shrinks_equals_the_reference_per_row(
     torch.testing.assert_close(got, separate, atol=1e-5, rtol=1e-5)
     none = index < 0
     assert torch.equal(got[none], separate[none])
+    # Without adapters fc1's GELU is the product's epilogue and the branch's sum finishes in
+    # the norm: other arithmetic, equal to rounding only.
+    torch.testing.assert_close(got[none], plain[none], atol=1e-5, rtol=1e-5)
 
 
 def test_a_bank_of_many_high_rank_slots_keeps_the_grouped_shrink() -> None:

@@ -16,7 +16,9 @@ Each token carries a slot of the stacked adapter weights (-1: none); ``v = x @ A
   of them, B and output), or both into one output (proj's and fc2's, whose outputs are summed
   anyway); with ``gelu`` the second output then goes through GELU, its rows without an adapter
   too (one more program per block for them), so the decoder needs no separate activation
-  pass.
+  pass. With ``shrink_after`` (fc2's A) the second output's programs of each slot also
+  multiply their finished tiles (as stored) by the slot's A^T: the next layer's shrink as
+  fp32 partials per block of `SHRINK_COLS` columns, without a launch or a read of its own.
 * per token (`grouped_lora`: single targets, image prefixes' riding prompts, and Moondream 3's
   (token, expert) rows over thousands of stacked pairs, too many for a program per pair): one
   program per (token, block of K), then per (token, block of N), as partial products summed
@@ -212,6 +214,8 @@ if triton is not None:
         v2_ptr,
         b2_ptr,
         y2_ptr,
+        a3_ptr,
+        v3_ptr,
         idx_ptr,
         T,
         n_slots,
@@ -234,6 +238,9 @@ if triton is not None:
         stride_b2n,
         stride_y1,
         stride_y2,
+        stride_a3s,
+        stride_a3r,
+        stride_v3,
         R: tl.constexpr,
         BLOCK_T: tl.constexpr,
         BLOCK_R: tl.constexpr,
@@ -241,15 +248,20 @@ if triton is not None:
         SPLITS: tl.constexpr,
         GELU: tl.constexpr,
         SUM: tl.constexpr,
+        SHRINK: tl.constexpr,
+        ITERS2: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
-        # Axis 2 runs over output 1's blocks of N, then output 2's. Slot ``n_slots`` (present
-        # with GELU only) stands for the rows without an adapter: GELU alone, on output 2.
-        # SUM: both deltas go into output 1 (axis 2 covers output 1 only).
+        # Axis 2 runs over output 1's blocks of N, then output 2's (ITERS2 blocks of BLOCK_N
+        # each). Slot ``n_slots`` (present with GELU only) stands for the rows without an
+        # adapter: GELU alone, on output 2. SUM: both deltas go into output 1 (axis 2 covers
+        # output 1 only). SHRINK: output 2's programs of a slot also multiply their final
+        # tiles by the slot's A3^T (the next layer's shrink), partial products per program.
         slot = tl.program_id(0)
         ts = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
         nb = tl.program_id(2)
-        act = nb >= NB1 if GELU else nb < 0  # GELU on this program's output
+        two = nb >= NB1
+        act = two if GELU else nb < 0  # GELU on this program's output
         # A shrink over every slot (slot_cols > 0: models/common/skinny_gemm.py's, riding a
         # product) holds each slot's columns apart: a row reads its own slot's.
         if nb < NB1:
@@ -263,6 +275,7 @@ if triton is not None:
             stride_v, stride_vs, stride_y = stride_v2, stride_v2s, stride_y2
             stride_bs, stride_bn = stride_b2s, stride_b2n
             nb -= NB1
+        iters = 1 + (ITERS2 - 1) * two.to(tl.int32)  # output 2: ITERS2 blocks of BLOCK_N
         idx = tl.load(idx_ptr + ts, mask=ts < T, other=-2)  # -2: past the tokens, nobody's
         # No token holds slot n_slots: its programs without the GELU take no rows. (A block
         # & a scalar comparison is int32 in Triton 3.6's interpreter, which then refuses it
@@ -270,40 +283,67 @@ if triton is not None:
         mine = tl.where((slot == n_slots) & act, idx == -1, idx == slot)
         if _any(mine):
             rows = ts.to(tl.int64)
-            ns = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-            keep = mine[:, None] & (ns < n)[None, :]
-            at = y_ptr + rows[:, None] * stride_y + ns[None, :]
-            y = tl.load(at, mask=keep, other=0.0).to(tl.float32)
-            if slot < n_slots:
-                rs = tl.arange(0, BLOCK_R)
-                vmask = mine[:, None] & (rs < R)[None, :]
-                bmask = (rs < R)[:, None] & (ns < n)[None, :]
-                at_b = slot.to(tl.int64) * stride_bs + ns[None, :] * stride_bn + rs[:, None]
-                y += _lowrank(
-                    v_ptr + rows[:, None] * stride_v + col + rs[None, :], stride_vs, splits,
-                    b_ptr + at_b, vmask, bmask, BLOCK_T, BLOCK_R, SPLITS, PRECISION,
-                )  # fmt: skip
-                if SUM:
-                    at_b = slot.to(tl.int64) * stride_b2s + ns[None, :] * stride_b2n + rs[:, None]
-                    y += _lowrank(
-                        v2_ptr + rows[:, None] * stride_v2 + col2 + slot * slot_cols2
-                        + rs[None, :], stride_v2s,
-                        splits2, b2_ptr + at_b, vmask, bmask, BLOCK_T, BLOCK_R, SPLITS,
-                        PRECISION,
-                    )  # fmt: skip
-            # out + delta rounded once (the reference rounds the delta first: last bits).
-            y = y.to(y_ptr.dtype.element_ty)
-            if act:
-                y = _gelu(y.to(tl.float32)).to(y_ptr.dtype.element_ty)
-            tl.store(at, y, mask=keep)
+            rs = tl.arange(0, BLOCK_R)
+            lora = slot < n_slots
+            shrink = lora & two
+            v3 = tl.full((BLOCK_T, BLOCK_R), 0.0, tl.float32)
+            # A constant trip count (a program's own scalar is no loop bound in the
+            # interpreter); output 1's programs skip all but the first.
+            for i in range(ITERS2):
+                if i < iters:
+                    ns = (nb * iters + i) * BLOCK_N + tl.arange(0, BLOCK_N)
+                    keep = mine[:, None] & (ns < n)[None, :]
+                    at = y_ptr + rows[:, None] * stride_y + ns[None, :]
+                    y = tl.load(at, mask=keep, other=0.0).to(tl.float32)
+                    if lora:
+                        vmask = mine[:, None] & (rs < R)[None, :]
+                        bmask = (rs < R)[:, None] & (ns < n)[None, :]
+                        at_b = slot.to(tl.int64) * stride_bs + ns[None, :] * stride_bn + rs[:, None]
+                        y += _lowrank(
+                            v_ptr + rows[:, None] * stride_v + col + rs[None, :], stride_vs,
+                            splits, b_ptr + at_b, vmask, bmask, BLOCK_T, BLOCK_R, SPLITS,
+                            PRECISION,
+                        )  # fmt: skip
+                        if SUM:
+                            at_b = (
+                                slot.to(tl.int64) * stride_b2s + ns[None, :] * stride_b2n
+                                + rs[:, None]
+                            )  # fmt: skip
+                            y += _lowrank(
+                                v2_ptr + rows[:, None] * stride_v2 + col2 + slot * slot_cols2
+                                + rs[None, :], stride_v2s,
+                                splits2, b2_ptr + at_b, vmask, bmask, BLOCK_T, BLOCK_R, SPLITS,
+                                PRECISION,
+                            )  # fmt: skip
+                    # out + delta rounded once (the reference rounds the delta first: last
+                    # bits).
+                    y = y.to(y_ptr.dtype.element_ty)
+                    if act:
+                        y = _gelu(y.to(tl.float32)).to(y_ptr.dtype.element_ty)
+                    tl.store(at, y, mask=keep)
+                    if SHRINK and shrink:
+                        # The values as stored times A3^T: what a shrink reading them back
+                        # computes. Other rows' lanes hold zeros (masked loads), never stored.
+                        a3 = tl.load(
+                            a3_ptr + slot.to(tl.int64) * stride_a3s + rs[None, :] * stride_a3r
+                            + ns[:, None],
+                            mask=(ns < n)[:, None] & (rs < R)[None, :], other=0.0,
+                        )  # fmt: skip
+                        v3 = tl.dot(y, a3, v3, input_precision=PRECISION)
+            if SHRINK and shrink:
+                # Split ``nb``: output 2's block of columns. Rows of other slots are theirs to
+                # write; rows without an adapter nobody's (never read).
+                at3 = v3_ptr + rows[:, None] * stride_v3 + nb * BLOCK_R + rs[None, :]
+                tl.store(at3, v3, mask=mine[:, None])
 
 
 @dataclass(frozen=True)
 class Partials:
-    """`shrink`'s result: ``parts`` [T, splits, block_r] fp32 partial products of ``x @
-    A^T`` (rows of tokens without an adapter left unwritten). ``slot_cols`` > 0: ``parts``
-    [T, splits, slots * slot_cols] holds every slot's products for every token (a shrink
-    riding a skinny product, models/common/skinny_gemm.py), a token reads its slot's."""
+    """`shrink`'s result (or `expand`'s with ``shrink_after``): ``parts`` [T, splits, block_r]
+    fp32 partial products of ``x @ A^T`` (rows of tokens without an adapter left unwritten).
+    ``slot_cols`` > 0: ``parts`` [T, splits, slots * slot_cols] holds every slot's products
+    for every token (a shrink riding a skinny product, models/common/skinny_gemm.py), a
+    token reads its slot's."""
 
     parts: torch.Tensor
     slot_cols: int = 0
@@ -329,6 +369,12 @@ SPLITS_MAX = 16  # K split over up to this many programs per (slot, block of tok
 SPLIT_PROGRAMS = 64  # splits per slot over all blocks of tokens, beyond which fewer splits
 STAGE_BYTES = 64 << 10  # the shrink's operand tiles, all pipeline stages (fits sm_86/89)
 STAGES = 2
+# Columns of the second output per program of an expand that shrinks after it: fc2's shrink
+# then comes in D_ff / SHRINK_COLS splits (16 at moondream2's 8192), each a [rows, rank] fp32
+# load that every program of the expand adding fc2's delta sums. Wider: fewer splits to sum,
+# but fewer, longer programs for fc1 (8 rank-32 slots at 32 rows: 128 of them, 4 blocks of
+# 128 columns each). Unmeasured: the GPU decides.
+SHRINK_COLS = 512
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -373,10 +419,14 @@ def expand(
     second: Target | None = None,
     gelu: bool = False,
     same_out: bool = False,
-) -> None:
+    shrink_after: torch.Tensor | None = None,
+) -> Partials | None:
     """Add each target's delta into its ``out`` in place (one launch); ``gelu``: ``second``'s
     output then goes through GELU (tanh), every row of it; ``same_out``: both deltas go into
-    ``first.out`` (``second.out`` is the same tensor), summed before one rounding."""
+    ``first.out`` (``second.out`` is the same tensor), summed before one rounding.
+    ``shrink_after`` (A [S, R, N2] of the layer reading ``second.out``, R ``second``'s rank):
+    that layer's shrink from the finished values in the same launch, returned as partials
+    [T, N2 / `SHRINK_COLS` splits, block_r] (rows without an adapter left unwritten)."""
     assert second is not None or not (gelu or same_out), "GELU and sums take a second target"
     assert not (gelu and same_out), "a GELU on a summed output is not wanted anywhere"
     if same_out:
@@ -388,27 +438,39 @@ def expand(
     for target in (first, two):
         assert target.b.stride(2) == 1 and target.out.stride(1) == 1, "contiguous last dims"
         assert target.partials.parts.shape[0] == t
-    if t == 0:
-        return
     block_t, block_r = _block_t(t), max(16, triton.next_power_of_2(r))
     block_n = 128 if block_t <= 32 else 64
-    nb1 = triton.cdiv(one.shape[1], block_n)
-    nb2 = triton.cdiv(two.out.shape[1], block_n) if second is not None and not same_out else 0
     n_slots = first.b.shape[0]
+    iters2, a3, v3 = 1, two.b, two.partials.parts  # (placeholders without the shrink)
+    if shrink_after is not None:
+        assert second is not None and not same_out, "the shrink reads the second output"
+        a3 = shrink_after
+        assert a3.shape == (n_slots, r, two.out.shape[1]) and a3.stride(2) == 1
+        assert a3.dtype == two.out.dtype, "the shrink multiplies the stored values"
+        iters2 = max(1, SHRINK_COLS // block_n)
+        splits3 = triton.cdiv(two.out.shape[1], block_n * iters2)
+        v3 = torch.empty(t, splits3, block_r, dtype=torch.float32, device=one.device)
+    if t == 0:
+        return Partials(v3) if shrink_after is not None else None
+    nb1 = triton.cdiv(one.shape[1], block_n)
+    nb2 = 0
+    if second is not None and not same_out:
+        nb2 = triton.cdiv(two.out.shape[1], block_n * iters2)
     assert second is None or second.b.shape[0] == n_slots
     grid = (n_slots + int(gelu), triton.cdiv(t, block_t), nb1 + nb2)
     p1, p2 = first.partials, two.partials
     _group_expand_kernel[grid](
-        p1.parts, first.b, one, p2.parts, two.b, two.out, index,
+        p1.parts, first.b, one, p2.parts, two.b, two.out, a3, v3, index,
         t, n_slots, one.shape[1], two.out.shape[1], nb1, first.col, two.col,
         p1.splits, p2.splits, p1.slot_cols, p2.slot_cols, p1.parts.stride(0), p1.parts.stride(1),
         p2.parts.stride(0), p2.parts.stride(1),
         first.b.stride(0), first.b.stride(1), two.b.stride(0), two.b.stride(1),
-        one.stride(0), two.out.stride(0),
+        one.stride(0), two.out.stride(0), a3.stride(0), a3.stride(1), v3.stride(0),
         R=r, BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_N=block_n,
         SPLITS=max(p1.splits, p2.splits), GELU=gelu, SUM=same_out,
-        PRECISION=_precision(first.b.dtype),
+        SHRINK=shrink_after is not None, ITERS2=iters2, PRECISION=_precision(first.b.dtype),
     )  # fmt: skip
+    return Partials(v3) if shrink_after is not None else None
 
 
 BLOCK_K = 256  # the shrink's K per program: K / BLOCK_K programs per token run in parallel

@@ -8,11 +8,12 @@ what a batched forward passes its decoder: the bank and one slot per token (-1: 
 On CUDA the deltas are the grouped Triton kernels (models/common/lora_kernel.py): `shrink`
 once per shared-input group (or, on the fused decode products, `shrink_weights` for a
 product that computes it beside its own columns: models/lora/products.py), `expand` added
-into the layers' outputs in place, two per launch; a batch of image prefixes (runs of
-hundreds of tokens with one slot each) runs two batched products over each run's gathered
-weights; elsewhere PyTorch: exact per-slot products on the CPU (the reference's arithmetic on
-each adapter's own rank), and on CUDA without Triton a masked product per slot, which needs
-no host sync and so stays capturable.
+into the layers' outputs in place, two per launch (`expand_then_shrink`: the launch that
+finishes a GELU'd output also computes the next layer's shrink from it); a batch of image
+prefixes (runs of hundreds of tokens with one slot each) runs two batched products over each
+run's gathered weights; elsewhere PyTorch: exact per-slot products on the CPU (the
+reference's arithmetic on each adapter's own rank), and on CUDA without Triton a masked
+product per slot, which needs no host sync and so stays capturable.
 """
 
 from __future__ import annotations
@@ -212,6 +213,24 @@ class LoraBatch(DeltaByTarget):
     ) -> list[torch.Tensor]:
         """On the kernel path, the deltas added in place, two outputs per launch (the GELU
         fused into the launch of the last); elsewhere target by target."""
+        return self._expand(layer, outs, gelu_last)[0]
+
+    def expand_then_shrink(
+        self, layer: int, outs: Sequence[tuple[Any, str, torch.Tensor]], target: str
+    ) -> tuple[list[torch.Tensor], Shrunk | None]:
+        """`expand` with the GELU on the last output, and ``target``'s shrink of that GELU'd
+        output computed in the GELU's launch where the kernels can (the kernel path, the
+        GELU fused, ``target`` a shared-input group of its own); else None: the caller
+        shrinks it."""
+        return self._expand(layer, outs, True, target)
+
+    def _expand(
+        self,
+        layer: int,
+        outs: Sequence[tuple[Any, str, torch.Tensor]],
+        gelu_last: bool,
+        shrink_after: str | None = None,
+    ) -> tuple[list[torch.Tensor], Shrunk | None]:
         kernels, bank = self.kernels, self.bank
         fused = kernels is not None and all(
             isinstance(s, Shrunk) and (s.parts or t not in bank.a) and _rows(o) is not None
@@ -219,7 +238,7 @@ class LoraBatch(DeltaByTarget):
         )
         if not fused:
             xs = [(s.x if isinstance(s, Shrunk) else s, t, o) for s, t, o in outs]
-            return super().expand(layer, xs, gelu_last)
+            return super().expand(layer, xs, gelu_last), None
         assert kernels is not None
         jobs = [
             self._target(kernels, layer, shrunk, target, _rows(out))
@@ -227,15 +246,23 @@ class LoraBatch(DeltaByTarget):
             if target in bank.a
         ]
         gelu = gelu_last and outs[-1][1] in bank.a and len(jobs) >= 2
+        group = (shrink_after,)
+        # The shrink rides the GELU's launch (always a pair: the GELU'd output second).
+        fold = gelu and shrink_after is not None and group in bank.a_groups
         if gelu and len(jobs) % 2:  # the GELU's output launches second: pair it with the one before
             kernels.expand(self.index, jobs.pop(0))
+        parts = None
         for i in range(0, len(jobs), 2):
             pair = jobs[i : i + 2]
-            kernels.expand(self.index, *pair, gelu=gelu and i + 2 == len(jobs))
+            if fold and i + 2 == len(jobs):
+                a = bank.a_groups[group][:, layer]
+                parts = kernels.expand(self.index, *pair, gelu=True, shrink_after=a)
+            else:
+                kernels.expand(self.index, *pair, gelu=gelu and i + 2 == len(jobs))
         ys = [out for _, _, out in outs]
         if gelu_last and not gelu:
             ys[-1] = gelu_tanh(ys[-1])
-        return ys
+        return ys, None if parts is None else Shrunk(ys[-1], {group: parts})
 
     def expand_sum(
         self, layer: int, terms: Sequence[tuple[Any, str]], out: torch.Tensor

@@ -1,12 +1,13 @@
 """An adapter's deltas on a parallel block's fused decode products (models/common/
-fused_products.py), with the shrinks riding the products.
+fused_products.py), with the shrinks riding the products and the expand.
 
 The product over the normed input computes, beside QKV and fc1, that input times every
 resident slot's stacked A of qkv, proj and fc1 (models/common/skinny_gemm.py's extra columns):
 the input is read once, the A's stream at the product's bandwidth and the shrink's launch is
 gone. Each token's expand then reads its own slot's columns (models/common/lora_kernel.py).
-Likewise the branch product, whose second input is the hidden layer, can compute fc2's shrink.
-Per block the adapters then add two launches (the two expands) instead of four.
+That expand, which finishes the hidden layer (fc1's delta, then GELU), also multiplies each
+finished tile by its rows' slot's A of fc2: fc2's shrink without a launch of its own. Per
+block the adapters then add two launches (the two expands) instead of four.
 
 Every slot's columns are computed, used or not: a slot being written meanwhile yields garbage
 only in its own columns, which no token of this batch reads (a token's slot is never written
@@ -15,21 +16,35 @@ while it runs).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 
 from vlm_server.models.common.fused_products import BlockProducts
 from vlm_server.models.lora.bank import LoraBatch, Shrunk
 
 SHARED = ("qkv", "proj", "fc1")  # the targets reading the block's normed input
-# fc2's shrink in the branch product (else a launch of its own). Off by measurement: its
-# extra programs push the split-K launch past one wave (144 programs on 132 SMs), and the
-# period with 8 rank-32 adapters at 32 rows was 1.237x without adapters folded, 1.206x with
-# a launch of its own (H200, bench.lora_bench, one machine start).
-FOLD_BRANCH = False
+# Where fc2's shrink runs: "expand", in the expand that finishes the hidden layer (reads only
+# the batch's slots' A's, no launch); "branch", in the branch product over every slot's A's
+# (measured slower: its extra programs push the split-K launch past one wave, 144 programs on
+# 132 SMs; 8 rank-32 adapters at 32 rows, H200: 1.237x the period without adapters against
+# 1.206x "apart"); "apart", a grouped shrink of its own (also the fallback where the expand
+# cannot fold it: no fc1 delta to fuse the GELU with).
+FC2_SHRINK: Literal["expand", "branch", "apart"] = "expand"
 # Every resident slot's A is read, used or not: beyond this fraction of the product's weight
 # bytes (a bank of many slots of high rank) the grouped shrink, which reads only the slots
 # the batch holds, runs instead.
 MAX_EXTRA = 0.25
+
+
+@dataclass(frozen=True)
+class Shrinks:
+    """A block's shrinks after `block_inputs`: qkv's, proj's and fc1's over the normed input;
+    fc2's over the hidden layer where the expand computed it (None: `branch` computes it)."""
+
+    shared: Shrunk
+    fc2: Shrunk | None = None
 
 
 def worth_folding(a: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -40,9 +55,9 @@ def worth_folding(a: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def block_inputs(
     prod: BlockProducts, lora: LoraBatch, layer: int, h: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, Shrunk]:
-    """Normed input [..., D] -> (qkv with its delta, GELU(fc1 + its delta), the shared
-    shrink for proj's delta): one product (with the shrink), one expand."""
+) -> tuple[torch.Tensor, torch.Tensor, Shrinks]:
+    """Normed input [..., D] -> (qkv with its delta, GELU(fc1 + its delta), the shrinks so
+    far): one product (with the shared shrink), one expand (with fc2's, per `FC2_SHRINK`)."""
     fold = lora.shrink_weights(layer, SHARED)
     if fold is None or not worth_folding(fold[1], prod.w_in):
         qkv, fc1 = prod.qkv_and_fc1(h)
@@ -51,8 +66,12 @@ def block_inputs(
         group, a = fold
         qkv, fc1, sums = prod.qkv_and_fc1_shrunk(h, a)
         shared = lora.shrunk(h, group, sums)
-    qkv, hidden = lora.expand(layer, [(shared, "qkv", qkv), (shared, "fc1", fc1)], True)
-    return qkv, hidden, shared
+    outs = [(shared, "qkv", qkv), (shared, "fc1", fc1)]
+    if FC2_SHRINK == "expand":
+        (qkv, hidden), fc2 = lora.expand_then_shrink(layer, outs, "fc2")
+    else:
+        (qkv, hidden), fc2 = lora.expand(layer, outs, True), None
+    return qkv, hidden, Shrinks(shared, fc2)
 
 
 def branch(
@@ -61,19 +80,23 @@ def branch(
     layer: int,
     attn: torch.Tensor,
     hidden: torch.Tensor,
-    shared: Shrunk,
+    shrinks: Shrinks,
     partials: bool = True,
 ) -> torch.Tensor:
     """`BlockProducts.branch_parts` (``partials``; else the finished `BlockProducts.branch`)
     with proj's and fc2's deltas added (into split 0 where the product splits K)."""
-    fold = lora.shrink_weights(layer, ("fc2",))
-    if fold is not None and FOLD_BRANCH and worth_folding(fold[1], prod.w_out):
+    fc2 = shrinks.fc2
+    fold = None
+    if fc2 is None and FC2_SHRINK == "branch":
+        fold = lora.shrink_weights(layer, ("fc2",))
+    if fold is not None and worth_folding(fold[1], prod.w_out):
         parts, sums = prod.branch_parts_shrunk(attn, hidden, fold[1], partials)
         fc2 = lora.shrunk(hidden, fold[0], sums)
     else:
-        fc2 = lora.shrink(layer, hidden, ("fc2",))
+        if fc2 is None:
+            fc2 = lora.shrink(layer, hidden, ("fc2",))
         parts = prod.branch_parts(attn, hidden) if partials else prod.branch(attn, hidden)
     # Split sums [splits, rows, D] take the deltas into split 0; a finished branch, itself.
     into = parts[0] if partials and parts.dim() == 3 else parts
-    lora.expand_sum(layer, [(shared, "proj"), (fc2, "fc2")], into)
+    lora.expand_sum(layer, [(shrinks.shared, "proj"), (fc2, "fc2")], into)
     return parts

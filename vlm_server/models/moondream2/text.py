@@ -199,9 +199,10 @@ class TextDecoder(nn.Module):
         """`forward` for few rows: per block one product for QKV and the hidden layer, the
         fused attention, one product for the branch, the residual add fused into the norm.
         ``lora`` (one whose deltas run in place: `LoraBatch.fused`): the shrinks ride the
-        products (models/lora/products.py), qkv's and fc1's deltas added into the first
-        product (fc1's GELU applied with them), proj's and fc2's into the branch (its first
-        split sum where the product splits K)."""
+        first product and the expand (models/lora/products.py), qkv's and fc1's deltas added
+        into the first product (fc1's GELU applied with them, fc2's shrink computed from the
+        result), proj's and fc2's into the branch (its first split sum where the product
+        splits K)."""
         blocks, stacked = self.blocks, self._stacked
         assert stacked is not None
         assert lora is None or isinstance(lora, LoraBatch)
@@ -210,7 +211,7 @@ class TextDecoder(nn.Module):
             if lora is None:
                 qkv, hidden = prod.qkv_and_hidden(h)
             else:
-                qkv, hidden, shared = lora_products.block_inputs(prod, lora, i, h)
+                qkv, hidden, shrinks = lora_products.block_inputs(prod, lora, i, h)
             out = attend(i, qkv, positions)
             b, _, t, _ = out.shape
             attn = out.transpose(1, 2).reshape(b, t, -1)
@@ -221,9 +222,9 @@ class TextDecoder(nn.Module):
                 else:
                     x, h = prod.add_branch_and_norm(x, attn, hidden, blocks[i + 1].ln)
             elif last:
-                x = x + lora_products.branch(prod, lora, i, attn, hidden, shared, partials=False)
+                x = x + lora_products.branch(prod, lora, i, attn, hidden, shrinks, partials=False)
             else:
-                parts = lora_products.branch(prod, lora, i, attn, hidden, shared)
+                parts = lora_products.branch(prod, lora, i, attn, hidden, shrinks)
                 x, h = prod.add_parts_and_norm(x, parts, blocks[i + 1].ln)
         return x
 
