@@ -3,6 +3,7 @@ in one process: where fc2's shrink runs (`products.FC2_SHRINK`) and how many hid
 each expand program shrinks (`lora_kernel.SHRINK_COLS`).
 
     python -m bench.lora_variants --variants expand:512 expand:256 expand:1024 apart:512
+    python -m bench.lora_variants --variants apart:512 --profile apart:512
 
 Each variant is `bench.lora_bench`'s period case (32 caption streams over 8 rank-32 adapters by
 default) on a fresh engine; the baseline without adapters runs first and last, and the ratios
@@ -23,9 +24,29 @@ from tqdm import tqdm
 from bench.lora_bench import period_case
 from vlm_server.engine.device.model_entry import ModelEntryPoints
 from vlm_server.models.common import lora_kernel
+from vlm_server.models.interface import LoadedModel
 from vlm_server.models.lora import products
 from vlm_server.models.lora.writer import write_random
 from vlm_server.models.registry import preset, random_model
+
+
+def _set(variant: str) -> None:
+    where, cols = variant.split(":")
+    products.FC2_SHRINK = where  # type: ignore[assignment]
+    lora_kernel.SHRINK_COLS = int(cols)
+
+
+def _profile(
+    loaded: LoadedModel, args: argparse.Namespace, folder: str, names: list[str | None]
+) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    _set(args.profile)
+    for label, where, who in (("off", None, [None]), (args.profile, folder, names)):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            asyncio.run(period_case(loaded, args, where, who))
+        print(f"\n=== {label}: CUDA time per kernel ===")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,6 +58,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--kv-gib", type=float, default=8.0)
+    ap.add_argument(
+        "--profile",
+        default=None,
+        help="a variant to profile after the sweep: CUDA time per kernel of its period case "
+        "and of the baseline's (warm-up and graph capture included)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     loaded = random_model(preset(args.preset), seed=0, dtype=torch.bfloat16, device="cuda")
@@ -53,10 +80,10 @@ def main(argv: list[str] | None = None) -> None:
             if case.startswith("off"):
                 rows[case] = asyncio.run(period_case(loaded, args, None, [None]))["period_ms"]
                 continue
-            where, cols = case.split(":")
-            products.FC2_SHRINK = where  # type: ignore[assignment]
-            lora_kernel.SHRINK_COLS = int(cols)
+            _set(case)
             rows[case] = asyncio.run(period_case(loaded, args, folder, names))["period_ms"]
+        if args.profile:
+            _profile(loaded, args, folder, names)
     off = (rows["off"] + rows["off2"]) / 2
     result = {"device": gpu, "settings": vars(args) | {"out": None}, "period_ms": rows, "off": off}
     out = args.out or Path("bench/results") / gpu.replace(" ", "_")
