@@ -25,13 +25,14 @@ from vlm_server.models.common.fused_products import BlockProducts
 from vlm_server.models.lora.bank import LoraBatch, Shrunk
 
 SHARED = ("qkv", "proj", "fc1")  # the targets reading the block's normed input
-# Where fc2's shrink runs: "expand", in the expand that finishes the hidden layer (reads only
-# the batch's slots' A's, no launch); "branch", in the branch product over every slot's A's
-# (measured slower: its extra programs push the split-K launch past one wave, 144 programs on
-# 132 SMs; 8 rank-32 adapters at 32 rows, H200: 1.237x the period without adapters against
-# 1.206x "apart"); "apart", a grouped shrink of its own (also the fallback where the expand
-# cannot fold it: no fc1 delta to fuse the GELU with).
-FC2_SHRINK: Literal["expand", "branch", "apart"] = "expand"
+# Where fc2's shrink runs: "apart", a grouped shrink of its own (also the fallback where the
+# expand cannot fold it: no fc1 delta to fuse the GELU with); "expand", in the expand that
+# finishes the hidden layer (no launch, but longer fc1 programs); "branch", in the branch
+# product over every slot's A's (its extra programs push the split-K launch past one wave).
+# "apart" by measurement, 8 rank-32 adapters at 32 rows, the period over that without adapters
+# (bench.lora_variants): H100 1.209x "apart", 1.273x "expand" (SHRINK_COLS 512; 1.303x at 256,
+# 1.388x at 1024); H200 1.206x "apart", 1.237x "branch".
+FC2_SHRINK: Literal["expand", "branch", "apart"] = "apart"
 # Every resident slot's A is read, used or not: beyond this fraction of the product's weight
 # bytes (a bank of many slots of high rank) the grouped shrink, which reads only the slots
 # the batch holds, runs instead.
