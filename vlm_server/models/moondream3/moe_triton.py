@@ -410,9 +410,11 @@ def experts_fused(
     has_scale = s1 is not None
     ieee = x.dtype == torch.float32
     dummy = used  # any pointer: the scales (deltas) are not read without HAS_SCALE (HAS_DELTA)
-    flat = ids.reshape(-1)
-    tokens = torch.arange(n * k, device=x.device) // k  # pair p is token p // k's
-    up = None if delta is None else _pair_delta(delta("fc1", x[tokens], flat, tokens), x)
+    up = None
+    if delta is not None:  # (without an adapter: no launches for the pairs' tokens)
+        flat = ids.reshape(-1)
+        tokens = torch.arange(n * k, device=x.device) // k  # pair p is token p // k's
+        up = _pair_delta(delta("fc1", x[tokens], flat, tokens), x)
     t = tiles.up
     k_split, part = _split(t, dim, n_blocks * bm, two_width, x.device)
     _up_kernel[(n_blocks, triton.cdiv(width, t.bn), t.split)](
