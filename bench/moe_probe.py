@@ -259,7 +259,7 @@ def summary(rows: list[dict]) -> None:
             )
     for fmt, by_n in winners.items():
         print(
-            f"\n# moe_triton.TILES from the {fmt} winners (bound: the largest token count probed):"
+            f"\n# moe_triton.TILES from the {fmt} winners (a step takes the next larger count's):"
         )
         print("TILES = (")
         ordered = sorted(by_n.items())
