@@ -410,10 +410,11 @@ def experts_fused(
     has_scale = s1 is not None
     ieee = x.dtype == torch.float32
     dummy = used  # any pointer: the scales (deltas) are not read without HAS_SCALE (HAS_DELTA)
+    flat = ids.reshape(-1)
+    # pair p is token p // k's (made only for an adapter: no launches without one)
+    tokens = None if delta is None else torch.arange(n * k, device=x.device) // k
     up = None
-    if delta is not None:  # (without an adapter: no launches for the pairs' tokens)
-        flat = ids.reshape(-1)
-        tokens = torch.arange(n * k, device=x.device) // k  # pair p is token p // k's
+    if delta is not None and tokens is not None:
         up = _pair_delta(delta("fc1", x[tokens], flat, tokens), x)
     t = tiles.up
     k_split, part = _split(t, dim, n_blocks * bm, two_width, x.device)
@@ -430,7 +431,7 @@ def experts_fused(
             HAS_SCALE=has_scale, HAS_DELTA=up is not None, SPLIT=t.split, BM=bm, BN=t.bn,
         )  # fmt: skip
     down = None
-    if delta is not None:
+    if delta is not None and tokens is not None:
         h = hidden[_row_of_pair(pair_ids, n * k)]  # each pair's activation, in pair order
         down = _pair_delta(delta("fc2", h, flat, tokens), x)
     t = tiles.down
