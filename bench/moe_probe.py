@@ -84,7 +84,8 @@ def copy_bandwidth() -> float:
 
 def make_layer(fp8: bool) -> MoeMLP:
     torch.manual_seed(0)
-    mlp = MoeMLP(DIM, MoeConfig()).cuda()
+    with torch.device("cuda"):
+        mlp = MoeMLP(DIM, MoeConfig())
     with torch.no_grad():
         for p in mlp.parameters():
             p.normal_(std=0.02)
@@ -132,9 +133,8 @@ def err(got: torch.Tensor, want: torch.Tensor) -> tuple[float, bool]:
     return float((g - w).abs().max()), ok
 
 
-def probe(fmt: str, n: int, bw: float, candidates: list[ExpertTiles]) -> list[dict]:
+def probe(mlp: MoeMLP, fmt: str, n: int, bw: float, candidates: list[ExpertTiles]) -> list[dict]:
     fp8 = fmt == "fp8"
-    mlp = make_layer(fp8)
     k, n_experts = mlp.top_k, mlp.fc1.weight.shape[0]
     x = torch.randn(n, DIM, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
@@ -287,9 +287,11 @@ def main() -> int:
     log(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s")
     rows = []
     for fmt in fmts:
+        mlp = make_layer(fmt == "fp8")
         for n in args.tokens:
-            rows += probe(fmt, n, bw, candidates_for(n, args.cross))
+            rows += probe(mlp, fmt, n, bw, candidates_for(n, args.cross))
             torch.cuda.empty_cache()
+        del mlp
     log(f"done in {time.time() - start:.0f}s")
     if args.json:
         with open(args.json, "w") as f:
