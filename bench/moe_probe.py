@@ -126,9 +126,13 @@ def launches(fn: Callable[[], torch.Tensor]) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def err(got: torch.Tensor, want: torch.Tensor) -> tuple[float, bool]:
-    """Max absolute error and whether ``got`` passes the GPU tests' tolerance."""
+def err(
+    got: torch.Tensor, want: torch.Tensor, rows: torch.Tensor | None = None
+) -> tuple[float, bool]:
+    """Max absolute error and whether ``got`` passes the GPU tests' tolerance (on ``rows``)."""
     g, w = got.float(), want.float()
+    if rows is not None:
+        g, w = g[rows], w[rows]
     ok = bool(torch.isclose(g, w, atol=TOL, rtol=TOL).all())
     return float((g - w).abs().max()), ok
 
@@ -143,6 +147,10 @@ def probe(mlp: MoeMLP, fmt: str, n: int, bw: float, candidates: list[ExpertTiles
         y_want = experts_loop(x.float(), ids, d1, d2)
         want = combine(y_want, weights.float())
         del d1, d2
+        # bf16 logits tie now and then: a tie at the k-th place may pick another expert than
+        # torch.topk does (the kernel takes the lower id); such tokens are counted, not checked
+        mine = moe_routing.route_align(mlp.router(x), k, 16)[1]
+        same = (mine.sort(1).values == ids.sort(1).values).all(1)
     chosen = int(ids.unique().numel())
     per_expert = mlp.fc1.weight[0].numel() + mlp.fc2.weight[0].numel()
     nbytes = chosen * per_expert * mlp.fc1.weight.element_size()
@@ -150,6 +158,8 @@ def probe(mlp: MoeMLP, fmt: str, n: int, bw: float, candidates: list[ExpertTiles
         nbytes += chosen * (mlp.fc1.weight.shape[1] + mlp.fc2.weight.shape[1]) * 4
     floor = nbytes / bw * 1e6
     base = {"weights": fmt, "tokens": n, "experts_chosen": chosen, "floor_us": floor}
+    base["tie_tokens"] = int((~same).sum())
+    log(f"{fmt} n={n}: {chosen} experts chosen, floor {floor:.1f} us, {base['tie_tokens']} ties")
     rows = []
     variants: list[tuple[str, ExpertTiles]] = [
         ("legacy", moe_triton.legacy_tiles(n * k, n_experts))
@@ -161,7 +171,7 @@ def probe(mlp: MoeMLP, fmt: str, n: int, bw: float, candidates: list[ExpertTiles
         row.update({f"down_{f}": getattr(tiles.down, f) for f in vars(tiles.down)})
         t0 = time.time()
         try:
-            row.update(measure(mlp, x, ids, tiles, name == "legacy", want, y_want))
+            row.update(measure(mlp, x, ids, tiles, name == "legacy", want, y_want, same))
             if n in (1, 730) and (name == "legacy" or tiles == moe_triton.pick_tiles(n)):
                 with torch.no_grad(), table(tiles):
                     row["launches"] = launches(layer_fn(mlp, x, name == "legacy"))
@@ -194,6 +204,7 @@ def measure(
     legacy: bool,
     want: torch.Tensor,
     y_want: torch.Tensor,
+    same: torch.Tensor,
 ) -> dict:
     """One variant's errors and replay times (the layer; the grouped kernels alone)."""
     n_experts = mlp.fc1.weight.shape[0]
@@ -207,7 +218,7 @@ def measure(
         def grouped() -> torch.Tensor:
             return _experts(mlp, x, ids, tiles, routing)
 
-        layer_err, layer_ok = err(layer(), want)
+        layer_err, layer_ok = err(layer(), want, None if legacy else same)
         grouped_err, grouped_ok = err(grouped(), y_want)
         return {
             "layer_err": layer_err,

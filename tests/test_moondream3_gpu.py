@@ -278,13 +278,15 @@ def test_fused_experts_with_each_tile_equal_the_plain_path(tiles: int, n: int, f
     torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
 
 
+@torch.no_grad()
 def test_fused_moe_layer_equals_the_plain_layer_and_replays_with_new_routing() -> None:
     """The whole fused layer (router, route + grouping, grouped kernels, combine) at full
-    size with FP8 experts where the chip takes them, against the loop on the same weights;
-    then captured in a graph and replayed on inputs that route elsewhere."""
+    size with FP8 experts where the chip takes them, against the dense path on the same
+    weights; then captured in a graph and replayed on inputs that route elsewhere."""
     from vlm_server.models.moondream3 import fp8_experts
     from vlm_server.models.moondream3.config import MoeConfig
-    from vlm_server.models.moondream3.moe import MoeMLP
+    from vlm_server.models.moondream3.moe import MoeMLP, route
+    from vlm_server.models.moondream3.moe_routing import route_align
 
     torch.manual_seed(0)
     mlp = MoeMLP(2048, MoeConfig()).to(DEVICE)
@@ -297,12 +299,18 @@ def test_fused_moe_layer_equals_the_plain_layer_and_replays_with_new_routing() -
     for n in (1, 33, 730):
         h = torch.randn(1, n, 2048, device=DEVICE, dtype=torch.bfloat16)
         h[:, : n // 2] += 2 * torch.randn(2048, device=DEVICE, dtype=torch.bfloat16)  # uneven
-        # the dense path: route() on the same logits (top-k ties go to the lower id on both
-        # paths; tied slots may come in another order, within the tolerance), every expert
-        mlp.method = "dense"
-        want = mlp(h).float()
+        # bf16 logits tie now and then; a tie at the k-th place may go to another expert in
+        # torch.topk: the routings must agree wherever there is none, outputs are compared there
+        logits = mlp.router(h[0])
+        top = logits.float().topk(9).values
+        clear = top[:, 7] > top[:, 8]
+        same = route_align(logits, 8, 16)[1].sort(1).values == route(logits, 8)[1].sort(1).values
+        same = same.all(1)
+        assert same[clear].all() and same.float().mean() > 0.9
+        mlp.method = "dense"  # route() on the same logits, every expert computed
+        want = mlp(h)[0].float()
         mlp.method = "fused"
-        torch.testing.assert_close(mlp(h).float(), want, atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(mlp(h)[0].float()[same], want[same], atol=3e-2, rtol=3e-2)
     static = torch.randn(1, 48, 2048, device=DEVICE, dtype=torch.bfloat16)
     mlp(static)  # compile outside the capture
     torch.cuda.synchronize()
