@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.support.interpreted import interpreted
-from vlm_server.models.moondream3 import moe
+from vlm_server.models.moondream3 import moe, moe_triton
 from vlm_server.models.moondream3.config import MoeConfig
 
 pytest.importorskip("triton")
@@ -152,7 +152,10 @@ def _delta(d: int, i: int, seed: int) -> moe.ExpertDelta:
     return delta
 
 
-@pytest.mark.parametrize("case", range(6))
+N_TILE_CASES = len(moe_triton.TILES) + 2  # the table's, the legacy tile, a split-K one
+
+
+@pytest.mark.parametrize("case", range(N_TILE_CASES))
 @pytest.mark.parametrize("fp8", [False, True])
 def test_experts_fused_with_each_tile_equals_the_loop(
     kern: SimpleNamespace, case: int, fp8: bool
@@ -174,7 +177,7 @@ def test_experts_fused_with_each_tile_equals_the_loop(
     torch.testing.assert_close(got, moe.experts_loop(x, ids, d1, d2), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("case", [0, 4, 5])
+@pytest.mark.parametrize("case", [0, N_TILE_CASES - 2, N_TILE_CASES - 1])
 def test_experts_fused_with_an_adapter_equals_the_loop(kern: SimpleNamespace, case: int) -> None:
     mt = kern.triton
     tiles = _tile_cases(mt)[case]
