@@ -96,9 +96,18 @@ _MOE = "vlm_server.models.moondream3.moe_triton"
 _MOE_ARGS = {
     "w_ptr": "*bf16", "s_ptr": "*fp32", "pair_ptr": "*i32", "block_expert_ptr": "*i32",
     "used_ptr": "*i32", "d_ptr": "*bf16", "n_pairs": "i32", "dim": "i32", "width": "i32",
+    "part_ptr": "*fp32", "k_per_split": "i32",
 }  # fmt: skip
 _MOE_FP8 = {**_MOE_ARGS, "w_ptr": "*fp8e4nv"}
-_MOE_BLOCKS = {"IEEE": False, "BM": 16, "BN": 64, "BK": 64}
+_MOE_BLOCKS = {"IEEE": False, "SPLIT": 1, "BM": 16, "BN": 64, "BK": 64}
+_MOE_ROUTING = "vlm_server.models.moondream3.moe_routing"
+_ROUTE = {
+    "logits_ptr": "*bf16", "ids_ptr": "*i64", "weights_ptr": "*bf16", "counts_ptr": "*i32",
+    "pair_ptr": "*i32", "block_expert_ptr": "*i32", "used_ptr": "*i32", "n_tokens": "i32",
+    "n_experts": "i32", "top_k": "i32", "n_rows": "i32", "chunks": "i32",
+    "rows_per_program": "i32",
+}  # fmt: skip
+_ROUTE_BLOCKS = {"BT": 32, "KP": 8, "BE": 64, "BM": 16, "RB": 256}
 _SKINNY = "vlm_server.models.common.skinny_gemm"
 _SKINNY_ARGS = {
     "x1_ptr": "*bf16", "x2_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "r_ptr": "*bf16",
@@ -224,7 +233,43 @@ KERNELS = (
                 {"HAS_SCALE": True, "HAS_DELTA": delta, **_MOE_BLOCKS},
                 min_arch=90,  # the FP8 widening assembles on Hopper and newer (moondream3 loader)
             ),
+            Kernel(  # split-K, wide K steps (the decode tiles)
+                _MOE,
+                "_down_kernel",
+                {**_MOE_FP8, "h_ptr": "*bf16", "y_ptr": "*bf16"},
+                {"HAS_SCALE": True, "HAS_DELTA": delta, **_MOE_BLOCKS, "SPLIT": 2, "BK": 128},
+                min_arch=90,
+            ),
+            Kernel(
+                _MOE,
+                "_up_reduce_kernel",
+                {**_MOE_ARGS, "h_ptr": "*bf16"},
+                {"HAS_SCALE": True, "HAS_DELTA": delta, "SPLIT": 2, "BM": 16, "BN": 64},
+            ),
+            Kernel(
+                _MOE,
+                "_down_reduce_kernel",
+                {**_MOE_ARGS, "y_ptr": "*bf16"},
+                {"HAS_SCALE": True, "HAS_DELTA": delta, "SPLIT": 2, "BM": 16, "BN": 64},
+            ),
         )
+    ),
+    *(
+        Kernel(
+            _MOE_ROUTING,
+            "_route_kernel",
+            _ROUTE,
+            {"FROM_LOGITS": logits, "ALIGN": align, "PRECISE": True, **_ROUTE_BLOCKS},
+        )
+        for logits in (True, False)
+        for align in (True, False)
+    ),
+    Kernel(_MOE_ROUTING, "_align_kernel", _ROUTE, _ROUTE_BLOCKS),
+    Kernel(
+        _MOE_ROUTING,
+        "_combine_kernel",
+        {"y_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "dim": "i32", "top_k": "i32"},
+        {"BD": 512},
     ),
     Kernel(
         _ATTENTION,

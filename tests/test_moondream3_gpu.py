@@ -204,3 +204,122 @@ def test_md3_layout_on_an_fp8_gpu_keeps_fp8_experts_and_serves_as_the_reference(
     ref = ReferenceGenerator(loaded.model, loaded.tokenizer)
     assert cap.text == _reference_text(ref, reqs[0])
     assert [vars(b) for b in det.boxes] == [vars(b) for b in ref.detect(images[1], "car", 3).boxes]
+
+
+# ---- the routing and combine kernels, the tile table --------------------------------------
+
+
+def _distinct_logits(n: int, e: int, k: int, uneven: bool, seed: int) -> torch.Tensor:
+    """Distinct logits per token (exact in bf16), so the top-k is unique."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.stack([torch.randperm(e, generator=gen) for _ in range(n)]).float() / 8 - 4
+    if uneven and n > 4:
+        rows[: n * 3 // 4, :k] += 16
+    return rows.to(DEVICE, torch.bfloat16)
+
+
+@pytest.mark.parametrize("n", [1, 37, 64, 65, 730, 2048])
+@pytest.mark.parametrize("uneven", [False, True])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_route_align_kernels_equal_route_then_align(n: int, uneven: bool, block_m: int) -> None:
+    from vlm_server.models.moondream3.moe import route
+    from vlm_server.models.moondream3.moe_routing import align_fused, route_align
+    from vlm_server.models.moondream3.moe_triton import align
+
+    logits = _distinct_logits(n, 64, 8, uneven, seed=n)
+    weights, ids, routing = route_align(logits, 8, block_m)
+    want_w, want_ids = route(logits, 8)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, rtol=8e-3, atol=0)
+    for got in (routing, align_fused(want_ids, 64, block_m)):
+        for a, b in zip(got[:3], align(want_ids, 64, block_m), strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 64, 730])
+def test_combine_kernel_is_bit_exact(dtype: torch.dtype, n: int) -> None:
+    from vlm_server.models.moondream3.moe import combine
+    from vlm_server.models.moondream3.moe_routing import combine as combine_kernel
+
+    y = torch.randn(n, 8, 2048, device=DEVICE).to(dtype) * 3
+    w = torch.softmax(torch.randn(n, 8, device=DEVICE), -1).to(dtype)
+    assert torch.equal(combine_kernel(y, w), combine(y, w))
+
+
+def _table_tiles() -> list[object]:
+    from vlm_server.models.moondream3.moe_triton import TILES, ExpertTiles, Tile, legacy_tiles
+
+    split = ExpertTiles(16, Tile(64, 128, 4, 4, 3), Tile(32, 128, 4, 4, 4))  # uneven K splits
+    return [*(t for _, t in TILES), legacy_tiles(512, 64), split]
+
+
+@pytest.mark.parametrize("tiles", range(len(_table_tiles())))
+@pytest.mark.parametrize("n", [1, 64, 300])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fused_experts_with_each_tile_equal_the_plain_path(tiles: int, n: int, fp8: bool) -> None:
+    from vlm_server.models.moondream3 import fp8_experts
+    from vlm_server.models.moondream3.moe import experts_loop
+    from vlm_server.models.moondream3.moe_triton import experts_fused
+
+    if fp8 and not fp8_experts.fp8_experts_supported(torch.device(DEVICE)):
+        pytest.skip("FP8 experts need compute capability 9.0")
+    x, ids, w1, w2 = _case(n, 8, 64, 2048, 1024, torch.float32, True, seed=n)
+    s1 = s2 = None
+    if fp8:
+        (w1, s1), (w2, s2) = fp8_experts.quantize(w1), fp8_experts.quantize(w2)
+        d1 = fp8_experts.dequantize(w1, s1, torch.float32)
+        d2 = fp8_experts.dequantize(w2, s2, torch.float32)
+    else:
+        w1, w2 = w1.bfloat16(), w2.bfloat16()
+        d1, d2 = w1.float(), w2.float()
+    xb = x.bfloat16()
+    got = experts_fused(xb, ids, w1, w2, s1, s2, tiles=_table_tiles()[tiles]).float()
+    want = experts_loop(xb.float(), ids, d1, d2)
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
+@torch.no_grad()
+def test_fused_moe_layer_equals_the_plain_layer_and_replays_with_new_routing() -> None:
+    """The whole fused layer (router, route + grouping, grouped kernels, combine) at full
+    size with FP8 experts where the chip takes them, against the dense path on the same
+    weights; then captured in a graph and replayed on inputs that route elsewhere."""
+    from vlm_server.models.moondream3 import fp8_experts
+    from vlm_server.models.moondream3.config import MoeConfig
+    from vlm_server.models.moondream3.moe import MoeMLP, route
+    from vlm_server.models.moondream3.moe_routing import route_align
+
+    torch.manual_seed(0)
+    mlp = MoeMLP(2048, MoeConfig()).to(DEVICE)
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    mlp = mlp.bfloat16()
+    if fp8_experts.fp8_experts_supported(torch.device(DEVICE)):
+        mlp.fc1.use_fp8()
+        mlp.fc2.use_fp8()
+    for n in (1, 33, 730):
+        h = torch.randn(1, n, 2048, device=DEVICE, dtype=torch.bfloat16)
+        h[:, : n // 2] += 2 * torch.randn(2048, device=DEVICE, dtype=torch.bfloat16)  # uneven
+        # bf16 logits tie now and then; a tie at the k-th place may go to another expert in
+        # torch.topk: the routings must agree wherever there is none, outputs are compared there
+        logits = mlp.router(h[0])
+        top = logits.float().topk(9).values
+        clear = top[:, 7] > top[:, 8]
+        same = route_align(logits, 8, 16)[1].sort(1).values == route(logits, 8)[1].sort(1).values
+        same = same.all(1)
+        assert same[clear].all() and same.float().mean() > 0.9
+        mlp.method = "dense"  # route() on the same logits, every expert computed
+        want = mlp(h)[0].float()
+        mlp.method = "fused"
+        torch.testing.assert_close(mlp(h)[0].float()[same], want[same], atol=3e-2, rtol=3e-2)
+    static = torch.randn(1, 48, 2048, device=DEVICE, dtype=torch.bfloat16)
+    mlp(static)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mlp(static)
+    new = torch.randn(1, 48, 2048, device=DEVICE, dtype=torch.bfloat16)
+    new[:, :40] += 3 * torch.randn(2048, device=DEVICE, dtype=torch.bfloat16)
+    static.copy_(new)
+    graph.replay()
+    torch.testing.assert_close(out, mlp(new), atol=0, rtol=0)

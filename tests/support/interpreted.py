@@ -10,6 +10,23 @@ from types import ModuleType
 import pytest
 
 
+def _scalar_loop_bounds() -> None:
+    """Let kernels loop to a runtime integer argument in the interpreter: it passes scalars as
+    one-element arrays, which NumPy 2.4 no longer converts with ``int()`` (`range` would fail)."""
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang_tensor
+    if getattr(patch, "scalar_bounds", False):
+        return
+
+    def patched(tensor: type, scope: object) -> None:
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))  # type: ignore[attr-defined]
+
+    patched.scalar_bounds = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched
+
+
 def interpreted(module: ModuleType) -> ModuleType:
     """A fresh copy of ``module`` loaded with ``TRITON_INTERPRET=1`` (read when `triton.jit`
     wraps each kernel), registered as ``<name>_interpreted``; the caller removes it from
@@ -19,6 +36,7 @@ def interpreted(module: ModuleType) -> ModuleType:
     assert spec is not None and spec.loader is not None
     copy = importlib.util.module_from_spec(spec)
     sys.modules[name] = copy  # dataclasses look their module up while the body runs
+    _scalar_loop_bounds()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "1")
         spec.loader.exec_module(copy)

@@ -8,12 +8,13 @@ first and second halves, ``y = W2[e] (gelu_erf(a) * (b + 1))``. The output is th
 sum of the chosen experts' outputs, in selection order.
 
 Three ways to run the experts, equal up to rounding: ``fused`` (CUDA with Triton,
-moe_triton.py) groups the step's (token, expert) pairs by expert and runs grouped matmuls with
-the activation fused in; ``loop`` gathers each expert's tokens and runs exactly the products
-needed (it reads expert loads on the host: the CPU's way); ``dense`` runs every expert on every
-token and keeps the chosen results (fixed shapes, no host read: the CUDA fallback without
-Triton). Expert weights may be held in FP8 with per-row scales (`ExpertBank.set_fp8`): the
-fused kernels read them as they are, the other paths dequantize first.
+moe_triton.py) routes and groups the step's (token, expert) pairs by expert in Triton
+(moe_routing.py), runs grouped matmuls with the activation fused in and combines in one
+kernel; ``loop`` gathers each expert's tokens and runs exactly the products needed (it reads
+expert loads on the host: the CPU's way); ``dense`` runs every expert on every token and keeps
+the chosen results (fixed shapes, no host read: the CUDA fallback without Triton). Expert
+weights may be held in FP8 with per-row scales (`ExpertBank.set_fp8`): the fused kernels read
+them as they are, the other paths dequantize first.
 
 With a finetune adapter (an `ExpertDelta`, models/lora/spec.py) each (token, chosen expert)
 pair gets its expert's low-rank deltas: fc1's added before the activation, fc2's to the
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlm_server.models.moondream3 import fp8_experts, moe_triton
+from vlm_server.models.moondream3 import fp8_experts, moe_routing, moe_triton
 from vlm_server.models.moondream3.config import MoeConfig
 from vlm_server.models.moondream3.moe_triton import ExpertDelta
 
@@ -183,17 +184,27 @@ class MoeMLP(nn.Module):
     def forward(self, h: torch.Tensor, delta: ExpertDelta | None = None) -> torch.Tensor:
         """``delta``: an adapter's deltas for this layer's (token, expert) rows, if any."""
         x = h.reshape(-1, h.shape[-1])
-        weights, ids = route(self.router(x), self.top_k)
         method = self.method or (
             "fused" if moe_triton.available(x) else "dense" if x.is_cuda else "loop"
         )
         if method == "fused":
-            w1, w2 = self.fc1, self.fc2
-            y = moe_triton.experts_fused(x, ids, w1.weight, w2.weight, w1.scale, w2.scale, delta)
-        elif delta is None:
+            return self._fused(x, delta).view(h.shape)
+        weights, ids = route(self.router(x), self.top_k)
+        if delta is None:
             run = experts_dense if method == "dense" else experts_loop
             y = run(x, ids, self.fc1.values(x.dtype), self.fc2.values(x.dtype))
         else:
             run_lora = experts_dense_lora if method == "dense" else experts_loop_lora
             y = run_lora(x, ids, self.fc1.values(x.dtype), self.fc2.values(x.dtype), delta)
         return combine(y, weights).view(h.shape)
+
+    def _fused(self, x: torch.Tensor, delta: ExpertDelta | None) -> torch.Tensor:
+        """Router (cuBLAS), route + grouping (one or two kernels), the two grouped kernels,
+        combine (one kernel): the plain path's numbers, no host read, shapes fixed by N."""
+        tiles = moe_triton.pick_tiles(x.shape[0])
+        weights, ids, routing = moe_routing.route_align(self.router(x), self.top_k, tiles.bm)
+        w1, w2 = self.fc1, self.fc2
+        y = moe_triton.experts_fused(
+            x, ids, w1.weight, w2.weight, w1.scale, w2.scale, delta, tiles=tiles, routing=routing
+        )
+        return moe_routing.combine(y, weights)

@@ -1,14 +1,20 @@
 """Fused expert layers in Triton: the step's (token, expert) pairs grouped by expert, one
 grouped matmul for fc1 with the expert activation in its epilogue, one for fc2.
 
-1. `align` (PyTorch, fixed shapes, no host read: CUDA graphs capture it) sorts the pairs by
-   expert and pads each expert's group to a multiple of ``block_m`` rows, so every row block
+1. Grouping (moe_routing.py, Triton; `align` here is its PyTorch reference): the pairs sorted
+   by expert, each expert's group padded to a multiple of ``block_m`` rows, so every row block
    belongs to one expert. The buffer is sized for the worst case (every expert's group one row
    short of a block); blocks past the used length exit at once.
 2. `_up_kernel`: per row block and tile of the expert width, both halves of fc1 over the
    block's tokens, accumulated in fp32; writes ``gelu_erf(a) * (b + 1)``.
 3. `_down_kernel`: fc2 over those rows; writes each pair's output row, unweighted.
-4. The routing weights are applied by `moe.combine`, in slot order, as on the plain paths.
+4. The routing weights are applied by the combine (`moe_routing.combine`, or `moe.combine`),
+   in slot order, as on the plain paths.
+
+Tiles come from `TILES` by token count: decode (a few pairs per expert) reads the chosen
+experts' weights once and needs many programs over N and wide K steps; prefill is a grouped
+GEMM wanting large tiles. Split-K (decode) writes fp32 partials that a second kernel sums in
+split order: no atomics, the same bits on every run.
 
 Expert weights may be FP8 (float8_e4m3fn) with fp32 scales per expert and output row: the
 kernels load FP8 tiles, widen them to the activations' dtype for the matmul, and scale the
@@ -24,8 +30,12 @@ the kernels compile without that load (``HAS_DELTA`` is a compile-time switch).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+
+from vlm_server.models.moondream3 import moe_routing
+from vlm_server.models.moondream3.moe_routing import Routing
 
 try:
     import triton
@@ -34,13 +44,69 @@ except ImportError:  # the CPU path needs no Triton
     triton = None
     tl = None
 
-BLOCK_N = 64
-BLOCK_K = 64
-
 # An adapter's deltas for rows of (token, expert) pairs (models/lora/spec.py `expert_delta`):
 # (target "fc1" or "fc2", the rows' inputs [R, in], their experts [R], their tokens [R], -1:
 # padding) -> [R, out], or None where the adapter leaves the target out.
 ExpertDelta = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One grouped kernel's launch: columns and K step per program, warps, pipeline stages,
+    K splits (1: none)."""
+
+    bn: int = 64
+    bk: int = 64
+    warps: int = 4
+    stages: int = 3
+    split: int = 1
+
+    def __str__(self) -> str:
+        return f"{self.bn}x{self.bk}w{self.warps}s{self.stages}" + (
+            f"k{self.split}" if self.split > 1 else ""
+        )
+
+
+@dataclass(frozen=True)
+class ExpertTiles:
+    """Rows per block (the grouping's ``block_m``) and the up / down kernels' tiles."""
+
+    bm: int
+    up: Tile
+    down: Tile
+
+    def __str__(self) -> str:
+        return f"bm{self.bm} up {self.up} down {self.down}"
+
+
+# (most tokens, tiles): the first entry whose bound the step's token count meets. First
+# guesses for an H100 at md3's shapes (64 experts, top-8); bench/moe_probe.py measures the
+# candidates and prints rows in this form. Without split-K every tile sums each output over
+# K in the same order, so a token's result does not depend on the step's size (split-K sums
+# per split first: the engine's batches and a lone request would differ in the last bits).
+TILES: tuple[tuple[int, ExpertTiles], ...] = (
+    (64, ExpertTiles(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4))),
+    (256, ExpertTiles(32, Tile(64, 64, 4, 4), Tile(64, 64, 4, 4))),
+    (1 << 62, ExpertTiles(64, Tile(128, 64, 8, 3), Tile(128, 64, 8, 3))),
+)
+
+
+def pick_tiles(
+    n_tokens: int, table: tuple[tuple[int, ExpertTiles], ...] | None = None
+) -> ExpertTiles:
+    """The tiles for a step of ``n_tokens`` tokens from ``table`` (default `TILES`)."""
+    table = TILES if table is None else table
+    for most, tiles in table:
+        if n_tokens <= most:
+            return tiles
+    return table[-1][1]
+
+
+def legacy_tiles(n_pairs: int, n_experts: int) -> ExpertTiles:
+    """The single tile used before the table (the probe's baseline): 64 x 64, Triton's
+    default warps and stages, rows per block by load."""
+    bm = block_rows(n_pairs, n_experts)
+    return ExpertTiles(bm, Tile(), Tile())
 
 
 def available(x: torch.Tensor) -> bool:
@@ -84,11 +150,46 @@ def align(
 if triton is not None:
 
     @triton.jit
+    def _up_epilogue(acc_a, acc_b, e, rows, pair, valid, cols, col_ok, scales, deltas, out,
+                     width, HAS_SCALE: tl.constexpr, HAS_DELTA: tl.constexpr):  # fmt: skip
+        """fc1's fp32 sums of a tile -> scales, adapter delta, ``gelu_erf(a) * (b + 1)``."""
+        if HAS_SCALE:
+            s_base = scales + e * (2 * width)
+            acc_a *= tl.load(s_base + cols, mask=col_ok, other=0.0)[None, :]
+            acc_b *= tl.load(s_base + width + cols, mask=col_ok, other=0.0)[None, :]
+        if HAS_DELTA:  # the adapter's fc1 delta of each row's pair [pairs, 2 x width]
+            d_rows = deltas + tl.where(valid, pair, 0).to(tl.int64)[:, None] * (2 * width)
+            d_mask = valid[:, None] & col_ok[None, :]
+            acc_a += tl.load(d_rows + cols[None, :], mask=d_mask, other=0.0).to(tl.float32)
+            acc_b += tl.load(d_rows + width + cols[None, :], mask=d_mask, other=0.0).to(tl.float32)
+        gelu = 0.5 * acc_a * (1.0 + tl.math.erf(acc_a * 0.7071067811865476))
+        h = gelu * (acc_b + 1.0)
+        tl.store(
+            out + rows[:, None].to(tl.int64) * width + cols[None, :],
+            h.to(out.dtype.element_ty),
+            mask=valid[:, None] & col_ok[None, :],
+        )
+
+    @triton.jit
+    def _down_epilogue(acc, e, pair, valid, cols, col_ok, scales, deltas, out, dim,
+                       HAS_SCALE: tl.constexpr, HAS_DELTA: tl.constexpr):  # fmt: skip
+        """fc2's fp32 sums of a tile -> scales, adapter delta, each pair's output row."""
+        if HAS_SCALE:
+            acc *= tl.load(scales + e * dim + cols, mask=col_ok, other=0.0)[None, :]
+        if HAS_DELTA:  # the adapter's fc2 delta of each row's pair [pairs, dim]
+            d_rows = deltas + tl.where(valid, pair, 0).to(tl.int64)[:, None] * dim
+            d_mask = valid[:, None] & col_ok[None, :]
+            acc += tl.load(d_rows + cols[None, :], mask=d_mask, other=0.0).to(tl.float32)
+        at = out + tl.where(valid, pair, 0).to(tl.int64)[:, None] * dim + cols[None, :]
+        tl.store(at, acc.to(out.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+
+    @triton.jit
     def _up_kernel(
         x_ptr,
         w_ptr,
         s_ptr,
         h_ptr,
+        part_ptr,
         pair_ptr,
         block_expert_ptr,
         used_ptr,
@@ -97,15 +198,20 @@ if triton is not None:
         top_k,
         dim,
         width,
+        k_per_split,
         HAS_SCALE: tl.constexpr,
         HAS_DELTA: tl.constexpr,
         IEEE: tl.constexpr,
+        SPLIT: tl.constexpr,
         BM: tl.constexpr,
         BN: tl.constexpr,
         BK: tl.constexpr,
     ):
+        """One row block x BN columns of both fc1 halves over a K range (the whole of it
+        without split-K, then the epilogue; with it, fp32 partials for `_up_reduce_kernel`)."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        pid_s = tl.program_id(2)
         if pid_m * BM >= tl.load(used_ptr):
             return
         e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -116,11 +222,13 @@ if triton is not None:
         cols = pid_n * BN + tl.arange(0, BN)
         col_ok = cols < width
         w_base = w_ptr + e * (2 * width) * dim
-        acc_a = tl.zeros((BM, BN), dtype=tl.float32)
-        acc_b = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, dim, BK):
+        acc_a = tl.full((BM, BN), 0.0, tl.float32)
+        acc_b = tl.full((BM, BN), 0.0, tl.float32)
+        k_lo = pid_s * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, dim)
+        for k0 in range(k_lo, k_hi, BK):
             ks = k0 + tl.arange(0, BK)
-            k_ok = ks < dim
+            k_ok = ks < k_hi
             x = tl.load(
                 x_ptr + tok[:, None] * dim + ks[None, :],
                 mask=valid[:, None] & k_ok[None, :],
@@ -139,22 +247,42 @@ if triton is not None:
             else:
                 acc_a += tl.dot(x, wa)
                 acc_b += tl.dot(x, wb)
-        if HAS_SCALE:
-            s_base = s_ptr + e * (2 * width)
-            acc_a *= tl.load(s_base + cols, mask=col_ok, other=0.0)[None, :]
-            acc_b *= tl.load(s_base + width + cols, mask=col_ok, other=0.0)[None, :]
-        if HAS_DELTA:  # the adapter's fc1 delta of each row's pair [pairs, 2 x width]
-            d_rows = d_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * (2 * width)
-            d_mask = valid[:, None] & col_ok[None, :]
-            acc_a += tl.load(d_rows + cols[None, :], mask=d_mask, other=0.0).to(tl.float32)
-            acc_b += tl.load(d_rows + width + cols[None, :], mask=d_mask, other=0.0).to(tl.float32)
-        gelu = 0.5 * acc_a * (1.0 + tl.math.erf(acc_a * 0.7071067811865476))
-        h = gelu * (acc_b + 1.0)
-        tl.store(
-            h_ptr + rows[:, None].to(tl.int64) * width + cols[None, :],
-            h.to(h_ptr.dtype.element_ty),
-            mask=valid[:, None] & col_ok[None, :],
-        )
+        if SPLIT == 1:
+            _up_epilogue(acc_a, acc_b, e, rows, pair, valid, cols, col_ok, s_ptr, d_ptr, h_ptr,
+                         width, HAS_SCALE, HAS_DELTA)  # fmt: skip
+        else:  # partials [SPLIT, rows, 2 x width], the rows in sorted order
+            n_rows = tl.num_programs(0) * BM
+            at = part_ptr + (pid_s * n_rows + rows[:, None]).to(tl.int64) * (2 * width)
+            mask = valid[:, None] & col_ok[None, :]
+            tl.store(at + cols[None, :], acc_a, mask=mask)
+            tl.store(at + width + cols[None, :], acc_b, mask=mask)
+
+    @triton.jit
+    def _up_reduce_kernel(
+        part_ptr, s_ptr, h_ptr, pair_ptr, block_expert_ptr, used_ptr, d_ptr, n_pairs, width,
+        HAS_SCALE: tl.constexpr, HAS_DELTA: tl.constexpr, SPLIT: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr,
+    ):  # fmt: skip
+        """Split-K's partials of fc1 summed in split order (deterministic), then the epilogue."""
+        pid_m = tl.program_id(0)
+        if pid_m * BM >= tl.load(used_ptr):
+            return
+        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        rows = pid_m * BM + tl.arange(0, BM)
+        pair = tl.load(pair_ptr + rows)
+        valid = pair < n_pairs
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        col_ok = cols < width
+        mask = valid[:, None] & col_ok[None, :]
+        n_rows = tl.num_programs(0) * BM
+        acc_a = tl.full((BM, BN), 0.0, tl.float32)
+        acc_b = tl.full((BM, BN), 0.0, tl.float32)
+        for s in range(0, SPLIT):
+            at = part_ptr + (s * n_rows + rows[:, None]).to(tl.int64) * (2 * width)
+            acc_a += tl.load(at + cols[None, :], mask=mask, other=0.0)
+            acc_b += tl.load(at + width + cols[None, :], mask=mask, other=0.0)
+        _up_epilogue(acc_a, acc_b, e, rows, pair, valid, cols, col_ok, s_ptr, d_ptr, h_ptr,
+                     width, HAS_SCALE, HAS_DELTA)  # fmt: skip
 
     @triton.jit
     def _down_kernel(
@@ -162,6 +290,7 @@ if triton is not None:
         w_ptr,
         s_ptr,
         y_ptr,
+        part_ptr,
         pair_ptr,
         block_expert_ptr,
         used_ptr,
@@ -169,15 +298,19 @@ if triton is not None:
         n_pairs,
         dim,
         width,
+        k_per_split,
         HAS_SCALE: tl.constexpr,
         HAS_DELTA: tl.constexpr,
         IEEE: tl.constexpr,
+        SPLIT: tl.constexpr,
         BM: tl.constexpr,
         BN: tl.constexpr,
         BK: tl.constexpr,
     ):
+        """fc2 over a row block's activations; as `_up_kernel` for split-K."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        pid_s = tl.program_id(2)
         if pid_m * BM >= tl.load(used_ptr):
             return
         e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -187,10 +320,12 @@ if triton is not None:
         cols = pid_n * BN + tl.arange(0, BN)
         col_ok = cols < dim
         w_base = w_ptr + e * dim * width
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, width, BK):
+        acc = tl.full((BM, BN), 0.0, tl.float32)
+        k_lo = pid_s * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, width)
+        for k0 in range(k_lo, k_hi, BK):
             ks = k0 + tl.arange(0, BK)
-            k_ok = ks < width
+            k_ok = ks < k_hi
             h = tl.load(
                 h_ptr + rows[:, None].to(tl.int64) * width + ks[None, :],
                 mask=valid[:, None] & k_ok[None, :],
@@ -206,14 +341,37 @@ if triton is not None:
                 acc += tl.dot(h, w, input_precision="ieee")
             else:
                 acc += tl.dot(h, w)
-        if HAS_SCALE:
-            acc *= tl.load(s_ptr + e * dim + cols, mask=col_ok, other=0.0)[None, :]
-        if HAS_DELTA:  # the adapter's fc2 delta of each row's pair [pairs, dim]
-            d_rows = d_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * dim
-            d_mask = valid[:, None] & col_ok[None, :]
-            acc += tl.load(d_rows + cols[None, :], mask=d_mask, other=0.0).to(tl.float32)
-        out = y_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * dim + cols[None, :]
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+        if SPLIT == 1:
+            _down_epilogue(acc, e, pair, valid, cols, col_ok, s_ptr, d_ptr, y_ptr, dim,
+                           HAS_SCALE, HAS_DELTA)  # fmt: skip
+        else:  # partials [SPLIT, rows, dim]
+            n_rows = tl.num_programs(0) * BM
+            at = part_ptr + (pid_s * n_rows + rows[:, None]).to(tl.int64) * dim + cols[None, :]
+            tl.store(at, acc, mask=valid[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _down_reduce_kernel(
+        part_ptr, s_ptr, y_ptr, pair_ptr, block_expert_ptr, used_ptr, d_ptr, n_pairs, dim,
+        HAS_SCALE: tl.constexpr, HAS_DELTA: tl.constexpr, SPLIT: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr,
+    ):  # fmt: skip
+        """Split-K's partials of fc2 summed in split order, then the epilogue."""
+        pid_m = tl.program_id(0)
+        if pid_m * BM >= tl.load(used_ptr):
+            return
+        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        rows = pid_m * BM + tl.arange(0, BM)
+        pair = tl.load(pair_ptr + rows)
+        valid = pair < n_pairs
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        col_ok = cols < dim
+        n_rows = tl.num_programs(0) * BM
+        acc = tl.full((BM, BN), 0.0, tl.float32)
+        for s in range(0, SPLIT):
+            at = part_ptr + (s * n_rows + rows[:, None]).to(tl.int64) * dim + cols[None, :]
+            acc += tl.load(at, mask=valid[:, None] & col_ok[None, :], other=0.0)
+        _down_epilogue(acc, e, pair, valid, cols, col_ok, s_ptr, d_ptr, y_ptr, dim,
+                       HAS_SCALE, HAS_DELTA)  # fmt: skip
 
 
 def experts_fused(
@@ -224,10 +382,15 @@ def experts_fused(
     s1: torch.Tensor | None = None,
     s2: torch.Tensor | None = None,
     delta: ExpertDelta | None = None,
+    *,
+    tiles: ExpertTiles | None = None,
+    routing: Routing | None = None,
 ) -> torch.Tensor:
     """x [N, D], ids [N, k], w1 [E, 2I, D], w2 [E, D, I] (FP8 with row scales s1 [E, 2I],
     s2 [E, D], or the activations' dtype) -> each chosen expert's output [N, k, D];
-    ``delta``: an adapter's deltas of the (token, expert) pairs, added in the kernels."""
+    ``delta``: an adapter's deltas of the (token, expert) pairs, added in the kernels.
+    ``tiles``: the kernels' tiles (default: `pick_tiles` by token count); ``routing``: the
+    pairs already grouped in blocks of ``tiles.bm`` rows (default: grouped here, in Triton)."""
     if triton is None:
         raise RuntimeError("the fused expert kernels need Triton")
     n, k = ids.shape
@@ -236,34 +399,69 @@ def experts_fused(
     if not (w1.is_contiguous() and w2.is_contiguous()):
         raise ValueError("the fused expert kernels need contiguous expert weights")
     x = x.contiguous()
-    block_m = block_rows(n * k, n_experts)
-    pair_ids, block_expert, used = align(ids, n_experts, block_m)
-    n_blocks = block_expert.shape[0]
-    hidden = torch.empty((n_blocks * block_m, width), dtype=x.dtype, device=x.device)
+    tiles = tiles or pick_tiles(n)
+    if routing is None:
+        routing = moe_routing.align_fused(ids, n_experts, tiles.bm)
+    elif routing.block_m != tiles.bm:
+        raise ValueError(f"routing in blocks of {routing.block_m} rows, tiles of {tiles.bm}")
+    pair_ids, block_expert, used = routing.pair_ids, routing.block_expert, routing.used
+    bm, n_blocks = tiles.bm, block_expert.shape[0]
+    hidden = torch.empty((n_blocks * bm, width), dtype=x.dtype, device=x.device)
     y = torch.empty((n * k, dim), dtype=x.dtype, device=x.device)
     has_scale = s1 is not None
     ieee = x.dtype == torch.float32
     dummy = used  # any pointer: the scales (deltas) are not read without HAS_SCALE (HAS_DELTA)
     flat = ids.reshape(-1)
-    tokens = torch.arange(n * k, device=x.device) // k  # pair p is token p // k's
-    up = None if delta is None else _pair_delta(delta("fc1", x[tokens], flat, tokens), x)
-    _up_kernel[(n_blocks, triton.cdiv(width, BLOCK_N))](
-        x, w1, s1 if has_scale else dummy, hidden, pair_ids, block_expert, used,
-        dummy if up is None else up, n * k, k, dim, width,
-        HAS_SCALE=has_scale, HAS_DELTA=up is not None, IEEE=ieee,
-        BM=block_m, BN=BLOCK_N, BK=BLOCK_K,
+    # pair p is token p // k's (made only for an adapter: no launches without one)
+    tokens = None if delta is None else torch.arange(n * k, device=x.device) // k
+    up = None
+    if delta is not None and tokens is not None:
+        up = _pair_delta(delta("fc1", x[tokens], flat, tokens), x)
+    t = tiles.up
+    k_split, part = _split(t, dim, n_blocks * bm, two_width, x.device)
+    _up_kernel[(n_blocks, triton.cdiv(width, t.bn), t.split)](
+        x, w1, s1 if has_scale else dummy, hidden, part, pair_ids, block_expert, used,
+        dummy if up is None else up, n * k, k, dim, width, k_split,
+        HAS_SCALE=has_scale, HAS_DELTA=up is not None, IEEE=ieee, SPLIT=t.split,
+        BM=bm, BN=t.bn, BK=t.bk, num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
+    if t.split > 1:
+        _up_reduce_kernel[(n_blocks, triton.cdiv(width, t.bn))](
+            part, s1 if has_scale else dummy, hidden, pair_ids, block_expert, used,
+            dummy if up is None else up, n * k, width,
+            HAS_SCALE=has_scale, HAS_DELTA=up is not None, SPLIT=t.split, BM=bm, BN=t.bn,
+        )  # fmt: skip
     down = None
-    if delta is not None:
+    if delta is not None and tokens is not None:
         h = hidden[_row_of_pair(pair_ids, n * k)]  # each pair's activation, in pair order
         down = _pair_delta(delta("fc2", h, flat, tokens), x)
-    _down_kernel[(n_blocks, triton.cdiv(dim, BLOCK_N))](
-        hidden, w2, s2 if has_scale else dummy, y, pair_ids, block_expert, used,
-        dummy if down is None else down, n * k, dim, width,
-        HAS_SCALE=has_scale, HAS_DELTA=down is not None, IEEE=ieee,
-        BM=block_m, BN=BLOCK_N, BK=BLOCK_K,
+    t = tiles.down
+    k_split, part = _split(t, width, n_blocks * bm, dim, x.device)
+    _down_kernel[(n_blocks, triton.cdiv(dim, t.bn), t.split)](
+        hidden, w2, s2 if has_scale else dummy, y, part, pair_ids, block_expert, used,
+        dummy if down is None else down, n * k, dim, width, k_split,
+        HAS_SCALE=has_scale, HAS_DELTA=down is not None, IEEE=ieee, SPLIT=t.split,
+        BM=bm, BN=t.bn, BK=t.bk, num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
+    if t.split > 1:
+        _down_reduce_kernel[(n_blocks, triton.cdiv(dim, t.bn))](
+            part, s2 if has_scale else dummy, y, pair_ids, block_expert, used,
+            dummy if down is None else down, n * k, dim,
+            HAS_SCALE=has_scale, HAS_DELTA=down is not None, SPLIT=t.split, BM=bm, BN=t.bn,
+        )  # fmt: skip
     return y.view(n, k, dim)
+
+
+def _split(
+    t: Tile, depth: int, rows: int, cols: int, device: torch.device
+) -> tuple[int, torch.Tensor]:
+    """K per split (whole BK steps) and the fp32 partials [split, rows, cols] (a one-element
+    stand-in without split-K)."""
+    if t.split == 1:
+        return depth, torch.empty(1, dtype=torch.float32, device=device)
+    per = -(-depth // t.split)
+    per = -(-per // t.bk) * t.bk
+    return per, torch.empty((t.split, rows, cols), dtype=torch.float32, device=device)
 
 
 def _pair_delta(d: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:

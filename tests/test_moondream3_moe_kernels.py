@@ -1,0 +1,262 @@
+"""Moondream 3's expert-layer kernels in Triton's interpreter on the CPU: route + grouping and
+combine against the PyTorch `route` / `align` / `combine`, the grouped kernels with each tile
+of the table against the plain path, and what CUDA graphs need (shapes only, no host reads)."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.support.interpreted import interpreted
+from vlm_server.models.moondream3 import moe, moe_triton
+from vlm_server.models.moondream3.config import MoeConfig
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture(scope="module")
+def kern() -> Iterator[SimpleNamespace]:
+    from vlm_server.models.moondream3 import moe_routing, moe_triton
+
+    mr = interpreted(moe_routing)
+    mt = interpreted(moe_triton)
+    mt.moe_routing = mr  # experts_fused groups through the interpreted routing kernels
+    yield SimpleNamespace(routing=mr, triton=mt)
+    for m in (mr, mt):
+        del sys.modules[m.__name__]
+
+
+def _logits(n: int, e: int, k: int, dtype: torch.dtype, uneven: bool, seed: int) -> torch.Tensor:
+    """Distinct logits per token (exact in bf16: eighths below 8), so the top-k is unique."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.stack([torch.randperm(e, generator=gen) for _ in range(n)]).float() / 8 - 4
+    if uneven and n > 4:  # most tokens on the same experts, several experts get nothing
+        rows[: n * 3 // 4, :k] += 16
+    return rows.to(dtype)
+
+
+def _ids(n: int, k: int, e: int, uneven: bool, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)])
+    if uneven and n > 4:
+        ids[: n * 3 // 4] = torch.arange(k)
+    return ids
+
+
+def _same_grouping(got: object, ids: torch.Tensor, n_experts: int, block_m: int) -> None:
+    from vlm_server.models.moondream3.moe_triton import align
+
+    pair_ids, block_expert, used = align(ids, n_experts, block_m)
+    assert got.block_m == block_m  # type: ignore[attr-defined]
+    assert torch.equal(got.used, used)  # type: ignore[attr-defined]
+    assert torch.equal(got.pair_ids, pair_ids)  # type: ignore[attr-defined]
+    assert torch.equal(got.block_expert, block_expert)  # type: ignore[attr-defined]
+
+
+# ---- route + grouping ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "n, k, e, block_m",
+    [(1, 8, 64, 16), (3, 2, 8, 16), (37, 3, 8, 64), (300, 8, 64, 32), (70, 3, 5, 16)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("uneven", [False, True])
+def test_route_align_equals_route_then_align(
+    kern: SimpleNamespace, n: int, k: int, e: int, block_m: int, dtype: torch.dtype, uneven: bool
+) -> None:
+    logits = _logits(n, e, k, dtype, uneven, seed=n + k)
+    weights, ids, routing = kern.routing.route_align(logits, k, block_m)
+    want_w, want_ids = moe.route(logits, k)
+    assert ids.dtype == want_ids.dtype and torch.equal(ids, want_ids)
+    assert weights.dtype == dtype
+    # the same exp per term; only the k-term sum's order may differ from PyTorch's
+    torch.testing.assert_close(
+        weights, want_w, rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=0
+    )
+    _same_grouping(routing, ids, e, block_m)
+
+
+def test_route_breaks_ties_towards_the_lower_expert(kern: SimpleNamespace) -> None:
+    logits = torch.zeros(3, 16)
+    logits[1, 9] = 1.0
+    weights, ids, _ = kern.routing.route_align(logits, 4, 16)
+    assert ids[0].tolist() == [0, 1, 2, 3] and ids[1].tolist() == [9, 0, 1, 2]
+    assert torch.equal(weights[0], torch.full((4,), 0.25))
+
+
+@pytest.mark.parametrize("n", [1, 3, 37, 300])
+@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("uneven", [False, True])
+def test_align_fused_equals_align(
+    kern: SimpleNamespace, n: int, block_m: int, uneven: bool
+) -> None:
+    k, e = (8, 64) if n == 300 else (3, 8)
+    ids = _ids(n, k, e, uneven, seed=n)
+    _same_grouping(kern.routing.align_fused(ids, e, block_m), ids, e, block_m)
+
+
+def test_align_fused_with_all_pairs_on_one_expert(kern: SimpleNamespace) -> None:
+    ids = torch.full((300, 1), 5)  # more tokens than one program routes: two kernels
+    _same_grouping(kern.routing.align_fused(ids, 7, 16), ids, 7, 16)
+
+
+# ---- combine -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k, d", [(1, 8, 2048), (5, 3, 700), (33, 2, 64)])
+def test_combine_is_bit_exact(
+    kern: SimpleNamespace, dtype: torch.dtype, n: int, k: int, d: int
+) -> None:
+    gen = torch.Generator().manual_seed(n * d)
+    y = (torch.randn(n, k, d, generator=gen) * 3).to(dtype)
+    weights = torch.softmax(torch.randn(n, k, generator=gen), -1).to(dtype)
+    assert torch.equal(kern.routing.combine(y, weights), moe.combine(y, weights))
+
+
+# ---- the grouped kernels with each tile ----------------------------------------------------
+
+
+def _tile_cases(mt: SimpleNamespace) -> list[object]:
+    t = mt.Tile
+    return [
+        *(tiles for _, tiles in mt.TILES),
+        mt.legacy_tiles(100, 8),
+        mt.ExpertTiles(16, t(32, 32, 4, 2, 3), t(32, 16, 4, 2, 2)),  # split K, uneven splits
+    ]
+
+
+def _weights(e: int, d: int, i: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    w1 = torch.randn(e, 2 * i, d, generator=gen) / d**0.5
+    w1[:, i:] *= 0.25
+    return w1, torch.randn(e, d, i, generator=gen) / i**0.5
+
+
+def _delta(d: int, i: int, seed: int) -> moe.ExpertDelta:
+    """A stand-in adapter: a fixed linear map per target, scaled by the pair's expert."""
+    gen = torch.Generator().manual_seed(seed)
+    maps = {"fc1": torch.randn(d, 2 * i, generator=gen) * 0.1}
+    maps["fc2"] = torch.randn(i, d, generator=gen) * 0.1
+
+    def delta(target: str, rows, experts, tokens):  # type: ignore[no-untyped-def]
+        keep = ((tokens >= 0) & (experts % 2 == 0)).float()[:, None]
+        return (rows.float() @ maps[target]) * (experts[:, None] + 1) * keep
+
+    return delta
+
+
+N_TILE_CASES = len(moe_triton.TILES) + 2  # the table's, the legacy tile, a split-K one
+
+
+@pytest.mark.parametrize("case", range(N_TILE_CASES))
+@pytest.mark.parametrize("fp8", [False, True])
+def test_experts_fused_with_each_tile_equals_the_loop(
+    kern: SimpleNamespace, case: int, fp8: bool
+) -> None:
+    from vlm_server.models.moondream3 import fp8_experts
+
+    mt = kern.triton
+    tiles = _tile_cases(mt)[case]
+    n, k, e, d, i = 37, 3, 8, 64, 32
+    x = torch.randn(n, d, generator=torch.Generator().manual_seed(case))
+    ids = _ids(n, k, e, uneven=case % 2 == 1, seed=case)
+    w1, w2 = _weights(e, d, i, seed=case)
+    s1 = s2 = None
+    if fp8:
+        (w1, s1), (w2, s2) = fp8_experts.quantize(w1), fp8_experts.quantize(w2)
+    got = mt.experts_fused(x, ids, w1, w2, s1, s2, tiles=tiles)
+    d1 = w1 if s1 is None else fp8_experts.dequantize(w1, s1, torch.float32)
+    d2 = w2 if s2 is None else fp8_experts.dequantize(w2, s2, torch.float32)
+    torch.testing.assert_close(got, moe.experts_loop(x, ids, d1, d2), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", [0, N_TILE_CASES - 2, N_TILE_CASES - 1])
+def test_experts_fused_with_an_adapter_equals_the_loop(kern: SimpleNamespace, case: int) -> None:
+    mt = kern.triton
+    tiles = _tile_cases(mt)[case]
+    n, k, e, d, i = 21, 2, 6, 48, 40
+    x = torch.randn(n, d, generator=torch.Generator().manual_seed(9))
+    ids = _ids(n, k, e, uneven=True, seed=9)
+    w1, w2 = _weights(e, d, i, seed=9)
+    delta = _delta(d, i, seed=2)
+    got = mt.experts_fused(x, ids, w1, w2, None, None, delta, tiles=tiles)
+    want = moe.experts_loop_lora(x, ids, w1, w2, delta)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("n", [1, 37, 80])
+def test_the_fused_layer_equals_the_plain_layer(
+    kern: SimpleNamespace, n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`MoeMLP` with method "fused" (router, route + grouping, grouped kernels, combine) on
+    the interpreted kernels, against the loop; N = 80 takes the two-kernel grouping."""
+    monkeypatch.setattr(moe, "moe_triton", kern.triton)
+    monkeypatch.setattr(moe, "moe_routing", kern.routing)
+    torch.manual_seed(n)
+    mlp = moe.MoeMLP(32, MoeConfig(n_experts=8, top_k=3, expert_dim=16, start_layer=0))
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    h = torch.randn(1, n, 32)
+    mlp.method = "loop"
+    want = mlp(h)
+    mlp.method = "fused"
+    torch.testing.assert_close(mlp(h), want, atol=1e-4, rtol=1e-4)
+
+
+# ---- what CUDA graphs need -----------------------------------------------------------------
+
+
+def test_the_fused_path_reads_nothing_back_to_the_host() -> None:
+    from vlm_server.models.moondream3 import moe_routing, moe_triton
+
+    fns = [
+        moe.MoeMLP._fused,
+        moe_routing._group,
+        moe_routing.route_align,
+        moe_routing.align_fused,
+        moe_routing.combine,
+        moe_triton.experts_fused,
+        moe_triton._split,
+        moe_triton._row_of_pair,
+        moe_triton.pick_tiles,
+    ]
+    for fn in fns:
+        src = inspect.getsource(fn)
+        for read in (".item(", ".tolist(", ".cpu(", ".numpy(", "int(", "float(", "bool("):
+            assert read not in src, f"{fn.__qualname__} reads a value back: {read}"
+
+
+def test_routing_grids_and_buffers_depend_on_shapes_only(
+    kern: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mr = kern.routing
+    grids: list[tuple[str, tuple[int, ...]]] = []
+
+    class Recorder:
+        def __init__(self, name: str, kernel: object) -> None:
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid: tuple[int, ...]) -> object:
+            grids.append((self.name, grid))
+            return self.kernel[grid]  # type: ignore[index]
+
+    for name in ("_route_kernel", "_align_kernel"):
+        monkeypatch.setattr(mr, name, Recorder(name, getattr(mr, name)))
+    shapes = []
+    for n in (5, 90):
+        runs = []
+        for uneven in (False, True):
+            grids.clear()
+            w, ids, r = mr.route_align(_logits(n, 16, 4, torch.float32, uneven, seed=n), 4, 16)
+            runs.append(([t.shape for t in (w, ids, *r[:3])], list(grids)))
+        assert runs[0] == runs[1]
+        shapes.append(runs[0][1])
+    assert [name for name, _ in shapes[0]] == ["_route_kernel"]  # decode: one launch
+    assert [name for name, _ in shapes[1]] == ["_route_kernel", "_align_kernel"]
