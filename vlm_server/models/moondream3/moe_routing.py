@@ -40,6 +40,7 @@ else:
 SINGLE_MAX_TOKENS = 64  # up to this many tokens one program routes and groups the whole step
 CHUNK_PAIRS = 256  # pairs per one-hot tile [pairs, experts] (tokens per chunk: this / top-k)
 FILL_ROWS = 256  # padded rows per step of the padding / block-table pass
+ROUTE_WARPS = 4  # warps per routing program
 COMBINE_COLS = 512
 
 
@@ -261,7 +262,8 @@ def _group(
     n, k = ids.shape
     dev = ids.device
     kp, be = _pow2(k), _pow2(n_experts)
-    bt = max(1, CHUNK_PAIRS // kp)
+    # A chunk no larger than the step: one token's routing works on k pairs, not CHUNK_PAIRS.
+    bt = max(1, min(CHUNK_PAIRS // kp, _pow2(n)))
     n_rows = n_row_blocks(n * k, n_experts, block_m) * block_m
     pair_ids = torch.empty(n_rows, dtype=torch.int32, device=dev)
     block_expert = torch.empty(n_rows // block_m, dtype=torch.int32, device=dev)
@@ -272,6 +274,7 @@ def _group(
     single = n <= max(SINGLE_MAX_TOKENS, bt)
     counts = used if single else torch.empty((blocks, be), dtype=torch.int32, device=dev)
     consts = {"BT": bt, "KP": kp, "BE": be, "BM": block_m, "RB": FILL_ROWS}
+    consts["num_warps"] = ROUTE_WARPS
     _route_kernel[(1 if single else blocks,)](
         src, ids, w, counts, pair_ids, block_expert, used, n, n_experts, k, n_rows,
         blocks if single else 1, FROM_LOGITS=logits is not None, ALIGN=single,

@@ -1,0 +1,79 @@
+"""The expert layer's routing alone (CUDA): `moe_routing.route_align` per chunk size and warp
+count against the PyTorch `route` + `align` it replaces, by CUDA-graph replay, each checked to
+group the same pairs.
+
+    python -m bench.moe_routing_probe [--tokens 1 8 32 64 730 2048] [--json OUT]
+
+Prints, per token count, the time of each setting (us) and the best; Moondream 3's widths
+(64 experts, top-8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from bench.tower_probe import replay_us
+from vlm_server.models.moondream3 import moe_routing
+from vlm_server.models.moondream3.moe import route
+from vlm_server.models.moondream3.moe_triton import align, pick_tiles
+
+CHUNKS = (16, 32, 64, 128, 256)
+WARPS = (1, 2, 4, 8)
+
+
+def _groups(pair_ids: torch.Tensor, used: torch.Tensor, ids: torch.Tensor) -> list[list[int]]:
+    """Each expert's pairs, as sets of rows: the grouping's content, whatever its order."""
+    flat = ids.reshape(-1).tolist()
+    rows = [p for p in pair_ids[: int(used)].tolist() if p < len(flat)]
+    out: list[list[int]] = [[] for _ in range(int(ids.max()) + 1)]
+    for p in rows:
+        out[flat[p]].append(p)
+    return [sorted(g) for g in out]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64, 730, 2048])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print(
+        f"{'tokens':>6} {'torch':>8} "
+        + " ".join(f"{f'c{c}w{w}':>8}" for c in CHUNKS for w in WARPS)
+    )
+    for n in args.tokens:
+        logits = torch.randn(n, 64, device="cuda", generator=gen).bfloat16()
+        bm = pick_tiles(n).bm
+        legacy = replay_us(lambda lg=logits, b=bm: align(route(lg, 8)[1], 64, b))
+        times = {}
+        for chunk in CHUNKS:
+            for warps in WARPS:
+                moe_routing.CHUNK_PAIRS, moe_routing.ROUTE_WARPS = chunk, warps
+                try:
+                    _w, ids, r = moe_routing.route_align(logits, 8, bm)
+                    # The same pairs per expert as PyTorch's grouping of the kernel's ids
+                    # (the ids themselves may differ from topk's at bf16 ties).
+                    want = _groups(*align(ids, 64, bm)[::2], ids)
+                    ok = _groups(r.pair_ids, r.used, ids) == want
+                    us = replay_us(lambda lg=logits, b=bm: moe_routing.route_align(lg, 8, b))
+                except Exception as err:  # a setting that does not build: recorded, not fatal
+                    print(f"  n={n} c{chunk} w{warps}: {type(err).__name__}", file=sys.stderr)
+                    ok, us = False, float("nan")
+                times[f"c{chunk}w{warps}"] = us if ok else float("nan")
+        best = min(((v, k) for k, v in times.items() if v == v), default=(float("nan"), "-"))
+        rows.append({"tokens": n, "torch_us": legacy, "us": times, "best": best[1]})
+        cells = " ".join(f"{times[f'c{c}w{w}']:>8.1f}" for c in CHUNKS for w in WARPS)
+        print(f"{n:>6} {legacy:>8.1f} {cells}   best {best[1]} {best[0]:.1f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
