@@ -21,8 +21,8 @@ from vlm_server.models.moondream3 import moe_routing
 from vlm_server.models.moondream3.moe import route
 from vlm_server.models.moondream3.moe_triton import align, pick_tiles
 
-CHUNKS = (16, 32, 64, 128, 256)
-WARPS = (1, 2, 4, 8)
+CHUNKS = (32, 64, 128, 256)
+WARPS = (2, 4, 8)
 
 
 def _groups(pair_ids: torch.Tensor, used: torch.Tensor, ids: torch.Tensor) -> list[list[int]]:
