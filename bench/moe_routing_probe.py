@@ -21,8 +21,9 @@ from vlm_server.models.moondream3 import moe_routing
 from vlm_server.models.moondream3.moe import route
 from vlm_server.models.moondream3.moe_triton import align, pick_tiles
 
-CHUNKS = (32, 64, 128, 256)
-WARPS = (2, 4, 8)
+CHUNKS = (64, 128, 256)
+WARPS = (4, 8)
+SINGLES = (64, 16)  # SINGLE_MAX_TOKENS
 
 
 def _groups(pair_ids: torch.Tensor, used: torch.Tensor, ids: torch.Tensor) -> list[list[int]]:
@@ -42,32 +43,32 @@ def main() -> int:
     args = ap.parse_args()
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
-    print(
-        f"{'tokens':>6} {'torch':>8} "
-        + " ".join(f"{f'c{c}w{w}':>8}" for c in CHUNKS for w in WARPS)
-    )
+    names = [f"c{c}w{w}s{m}" for c in CHUNKS for w in WARPS for m in SINGLES]
+    print(f"{'tokens':>6} {'torch':>8} " + " ".join(f"{m:>9}" for m in names))
     for n in args.tokens:
         logits = torch.randn(n, 64, device="cuda", generator=gen).bfloat16()
         bm = pick_tiles(n).bm
         legacy = replay_us(lambda lg=logits, b=bm: align(route(lg, 8)[1], 64, b))
         times = {}
-        for chunk in CHUNKS:
-            for warps in WARPS:
-                moe_routing.CHUNK_PAIRS, moe_routing.ROUTE_WARPS = chunk, warps
-                try:
-                    _w, ids, r = moe_routing.route_align(logits, 8, bm)
-                    # The same pairs per expert as PyTorch's grouping of the kernel's ids
-                    # (the ids themselves may differ from topk's at bf16 ties).
-                    want = _groups(*align(ids, 64, bm)[::2], ids)
-                    ok = _groups(r.pair_ids, r.used, ids) == want
-                    us = replay_us(lambda lg=logits, b=bm: moe_routing.route_align(lg, 8, b))
-                except Exception as err:  # a setting that does not build: recorded, not fatal
-                    print(f"  n={n} c{chunk} w{warps}: {type(err).__name__}", file=sys.stderr)
-                    ok, us = False, float("nan")
-                times[f"c{chunk}w{warps}"] = us if ok else float("nan")
+        for name in names:
+            chunk, rest = name[1:].split("w")
+            warps, single = rest.split("s")
+            moe_routing.CHUNK_PAIRS, moe_routing.ROUTE_WARPS = int(chunk), int(warps)
+            moe_routing.SINGLE_MAX_TOKENS = int(single)
+            try:
+                _w, ids, r = moe_routing.route_align(logits, 8, bm)
+                # The same pairs per expert as PyTorch's grouping of the kernel's ids
+                # (the ids themselves may differ from topk's at bf16 ties).
+                want = _groups(*align(ids, 64, bm)[::2], ids)
+                ok = _groups(r.pair_ids, r.used, ids) == want
+                us = replay_us(lambda lg=logits, b=bm: moe_routing.route_align(lg, 8, b))
+            except Exception as err:  # a setting that does not build: recorded, not fatal
+                print(f"  n={n} {name}: {type(err).__name__}", file=sys.stderr)
+                ok, us = False, float("nan")
+            times[name] = us if ok else float("nan")
         best = min(((v, k) for k, v in times.items() if v == v), default=(float("nan"), "-"))
         rows.append({"tokens": n, "torch_us": legacy, "us": times, "best": best[1]})
-        cells = " ".join(f"{times[f'c{c}w{w}']:>8.1f}" for c in CHUNKS for w in WARPS)
+        cells = " ".join(f"{times[m]:>9.1f}" for m in names)
         print(f"{n:>6} {legacy:>8.1f} {cells}   best {best[1]} {best[0]:.1f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
