@@ -79,15 +79,16 @@ class ExpertTiles:
         return f"bm{self.bm} up {self.up} down {self.down}"
 
 
-# (most tokens, tiles): the first entry whose bound the step's token count meets. First
-# guesses for an H100 at md3's shapes (64 experts, top-8); bench/moe_probe.py measures the
-# candidates and prints rows in this form. Without split-K every tile sums each output over
-# K in the same order, so a token's result does not depend on the step's size (split-K sums
-# per split first: the engine's batches and a lone request would differ in the last bits).
+# (most tokens, tiles): the first entry whose bound the step's token count meets. Measured on
+# an H100 at md3's shapes (64 experts, top-8, FP8 experts; python -m bench.moe_probe, the
+# winners by layer time at 1, 8, 32, 64, 730 and 2048 tokens): up to 64 tokens the grouped
+# kernels run at the weights' bandwidth floor. Without split-K every tile sums each output
+# over K in the same order, so a token's result does not depend on the step's size (split-K
+# sums per split first: the engine's batches and a lone request would differ in the last bits).
 TILES: tuple[tuple[int, ExpertTiles], ...] = (
-    (64, ExpertTiles(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4))),
-    (256, ExpertTiles(32, Tile(64, 64, 4, 4), Tile(64, 64, 4, 4))),
-    (1 << 62, ExpertTiles(64, Tile(128, 64, 8, 3), Tile(128, 64, 8, 3))),
+    (64, ExpertTiles(16, Tile(32, 256, 4, 3, 1), Tile(32, 256, 4, 3, 1))),
+    (1024, ExpertTiles(128, Tile(128, 64, 8, 3, 1), Tile(128, 64, 8, 3, 1))),
+    (1 << 62, ExpertTiles(64, Tile(128, 64, 8, 3, 1), Tile(128, 64, 8, 3, 1))),
 )
 
 
