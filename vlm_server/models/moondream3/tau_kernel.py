@@ -1,13 +1,16 @@
-"""Tau scaling in one Triton launch (CUDA): `Tau.scale`'s ~15 PyTorch ops and two small
+"""Tau scaling in two Triton launches (CUDA): `Tau.scale`'s ~15 PyTorch ops and two small
 products per layer (GELU, the two head projections, tanh, the position term, the scalings, the
-concatenation) as one kernel over the fused projection.
+concatenation) as two kernels over the fused projection.
 
-Programs are per (block of tokens, block of tau heads): query heads first, then value heads.
-Each program computes its heads' logits ``GELU(qkv) . w`` over the whole row (fp32 sums of the
-rounded GELU, as ``F.linear`` takes it), then ``tanh(logit) + position term`` and scales its
-heads' columns; the value programs also copy the key heads through. Every output element is
-written by exactly one program, into a new tensor (the input row is read whole by every
-program of its block, so it cannot be scaled in place).
+1. `_logits_kernel`, per (block of tokens, block of tau heads, split of the projection's
+   columns): the heads' partial logits ``GELU(qkv) . w`` (fp32 sums of the rounded GELU, as
+   ``F.linear`` takes it). The split count depends on the width only, so a token's sums are
+   the same at every batch size; one program per block over the whole width ran at 157 us a
+   layer for one token (H100), the splits spread the weights' read over the GPU.
+2. `_scale_kernel`, per (block of tokens, block of tau heads; query heads first, then value
+   heads): the splits summed in order, ``tanh(logit) + position term``, the heads' columns
+   scaled into a new tensor; the value programs also copy the key heads through. Every output
+   element is written by exactly one program.
 
 Each intermediate is rounded to the activations' dtype where the PyTorch path rounds it (GELU,
 the products, tanh, the sums and the scalings), so bf16 results match `Tau.scale` up to the
@@ -28,6 +31,7 @@ except ImportError:  # the CPU path needs no Triton
 BLOCK_M = 16  # tokens per program
 BLOCK_H = 16  # tau heads per program (tl.dot's smallest N)
 BLOCK_K = 128  # the projection's columns per step of the logits' sums
+MAX_SPLITS = 16  # programs over the projection's columns per block of tokens and heads
 
 
 def available(x: torch.Tensor) -> bool:
@@ -69,43 +73,44 @@ if triton is not None:
         return _round(x, dtype).to(dtype)
 
     @triton.jit
-    def _tau_kernel(
+    def _heads(pid_h, H: tl.constexpr, KVH: tl.constexpr, BH: tl.constexpr):
+        """A program's block of tau heads: (whether value heads, first head, mask, their rows
+        in the stacked [wq; wv])."""
+        q_blocks = (H + BH - 1) // BH
+        is_v = pid_h >= q_blocks
+        first = tl.where(is_v, pid_h - q_blocks, pid_h) * BH
+        heads = first + tl.arange(0, BH)
+        hmask = heads < tl.where(is_v, KVH, H)
+        return is_v, first, hmask, heads + tl.where(is_v, H, 0)
+
+    @triton.jit
+    def _logits_kernel(
         qkv_ptr,
-        out_ptr,
         w_ptr,
-        alpha_ptr,
-        pos_ptr,
+        part_ptr,
         M,
         stride_in,
-        stride_out,
         H: tl.constexpr,
         KVH: tl.constexpr,
         HD: tl.constexpr,
-        BLOCK_D: tl.constexpr,
         BM: tl.constexpr,
         BH: tl.constexpr,
         BK: tl.constexpr,
+        ITERS: tl.constexpr,
         GELU_ERF: tl.constexpr,
-        BF16_POS: tl.constexpr,
     ):
-        dtype = out_ptr.dtype.element_ty
+        """Partial sums of GELU(qkv) . w over one split of the projection's columns, per (block
+        of tokens, block of tau heads, split): [splits, M, H + KVH] fp32."""
+        dtype = qkv_ptr.dtype.element_ty
         width = (H + 2 * KVH) * HD
-        q_blocks = (H + BH - 1) // BH
-        pid_m = tl.program_id(0)
-        pid_h = tl.program_id(1)
-        is_v = pid_h >= q_blocks
-        first = tl.where(is_v, pid_h - q_blocks, pid_h) * BH
-        n_heads = tl.where(is_v, KVH, H)
-        heads = first + tl.arange(0, BH)
-        hmask = heads < n_heads
-        w_rows = heads + tl.where(is_v, H, 0)  # rows of the stacked [wq; wv]
-        rows = pid_m * BM + tl.arange(0, BM)
+        _, _, hmask, w_rows = _heads(tl.program_id(1), H, KVH, BH)
+        split = tl.program_id(2)
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
         rmask = rows < M
         rows64 = rows.to(tl.int64)
-
         acc = tl.full((BM, BH), 0.0, tl.float32)
-        for k0 in range(0, width, BK):
-            ks = k0 + tl.arange(0, BK)
+        for i in range(ITERS):
+            ks = (split * ITERS + i) * BK + tl.arange(0, BK)
             kmask = ks < width
             x = tl.load(
                 qkv_ptr + rows64[:, None] * stride_in + ks[None, :],
@@ -125,6 +130,41 @@ if triton is not None:
             # cores' bf16 products; tiny here (BH columns), and Triton's interpreter multiplies
             # bf16 operands as raw bits.
             acc += tl.dot(_round(g, dtype), w.to(tl.float32), input_precision="ieee")
+        at = part_ptr + (split * M + rows64[:, None]) * (H + KVH) + w_rows[None, :]
+        tl.store(at, acc, mask=rmask[:, None] & hmask[None, :])
+
+    @triton.jit
+    def _scale_kernel(
+        qkv_ptr,
+        out_ptr,
+        part_ptr,
+        alpha_ptr,
+        pos_ptr,
+        M,
+        stride_in,
+        stride_out,
+        SPLITS: tl.constexpr,
+        H: tl.constexpr,
+        KVH: tl.constexpr,
+        HD: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BM: tl.constexpr,
+        BH: tl.constexpr,
+        BF16_POS: tl.constexpr,
+    ):
+        """The logits' splits summed in order, tanh, the position term, and the scaled heads
+        (the value heads' programs also copy the key heads), per (block of tokens, block of
+        tau heads)."""
+        dtype = out_ptr.dtype.element_ty
+        is_v, first, hmask, w_rows = _heads(tl.program_id(1), H, KVH, BH)
+        heads = w_rows - tl.where(is_v, H, 0)
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        rmask = rows < M
+        rows64 = rows.to(tl.int64)
+        acc = tl.full((BM, BH), 0.0, tl.float32)
+        for s in range(SPLITS):  # in split order: the same sums at every batch size
+            at = part_ptr + (s * M + rows64[:, None]) * (H + KVH) + w_rows[None, :]
+            acc += tl.load(at, mask=rmask[:, None] & hmask[None, :], other=0.0)
         t = _round(_tanh(_round(acc, dtype)), dtype)
 
         # The position term, per token and head (the value heads take alpha's first KVH).
@@ -142,6 +182,7 @@ if triton is not None:
         tau = _round(t + pos, dtype)
 
         # Scale each head's columns (query heads at 0, value heads after the keys).
+        n_heads = tl.where(is_v, KVH, H)
         ds = tl.arange(0, BLOCK_D)
         dmask = ds < HD
         base = tl.where(is_v, (H + KVH) * HD, 0)
@@ -171,7 +212,7 @@ def tau_scale(
     gelu_erf: bool,
     bf16_positions: bool,
 ) -> torch.Tensor:
-    """`Tau.scale` in one launch: ``qkv`` [B, T, (H + 2 KVH) * hd] at ``positions`` [B, T],
+    """`Tau.scale` in two launches: ``qkv`` [B, T, (H + 2 KVH) * hd] at ``positions`` [B, T],
     ``w`` the stacked [wq; wv] [H + KVH, width] in ``qkv``'s dtype, ``alpha`` [H] -> the
     projection with its query and value heads scaled, a new tensor."""
     if triton is None:
@@ -184,14 +225,21 @@ def tau_scale(
     out = torch.empty((b * t, width), dtype=qkv.dtype, device=qkv.device)
     m = b * t
     if m:
-        pos = positions.reshape(-1)
-        grid = (
-            triton.cdiv(m, BLOCK_M),
-            triton.cdiv(n_heads, BLOCK_H) + triton.cdiv(n_kv_heads, BLOCK_H),
+        blocks = triton.cdiv(width, BLOCK_K)
+        iters = triton.cdiv(blocks, min(MAX_SPLITS, blocks))
+        splits = triton.cdiv(blocks, iters)  # a model constant: batch-invariant sums
+        part = torch.empty(
+            (splits, m, n_heads + n_kv_heads), dtype=torch.float32, device=qkv.device
         )
-        _tau_kernel[grid](
-            x, out, w, alpha, pos, m, x.stride(0), out.stride(0),
-            H=n_heads, KVH=n_kv_heads, HD=hd, BLOCK_D=triton.next_power_of_2(hd),
-            BM=BLOCK_M, BH=BLOCK_H, BK=BLOCK_K, GELU_ERF=gelu_erf, BF16_POS=bf16_positions,
+        heads = triton.cdiv(n_heads, BLOCK_H) + triton.cdiv(n_kv_heads, BLOCK_H)
+        rows = triton.cdiv(m, BLOCK_M)
+        shape = {"H": n_heads, "KVH": n_kv_heads, "HD": hd, "BM": BLOCK_M, "BH": BLOCK_H}
+        _logits_kernel[(rows, heads, splits)](
+            x, w, part, m, x.stride(0), BK=BLOCK_K, ITERS=iters, GELU_ERF=gelu_erf, **shape
+        )
+        _scale_kernel[(rows, heads)](
+            x, out, part, alpha, positions.reshape(-1), m, x.stride(0), out.stride(0),
+            SPLITS=splits, BLOCK_D=triton.next_power_of_2(hd), BF16_POS=bf16_positions,
+            **shape,
         )  # fmt: skip
     return out.view(b, t, width)
