@@ -19,6 +19,8 @@ products' summation order and the transcendental functions' last fp32 bits.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -32,6 +34,10 @@ BLOCK_M = 16  # tokens per program
 BLOCK_H = 16  # tau heads per program (tl.dot's smallest N)
 BLOCK_K = 128  # the projection's columns per step of the logits' sums
 MAX_SPLITS = 16  # programs over the projection's columns per block of tokens and heads
+WIDE_M = 64  # tokens per program above BLOCK_M tokens (prefill: the GELU computed once per 64)
+# Triton's interpreter (the CPU tests) multiplies bf16 operands as raw bits: there the products
+# run in fp32 on the rounded values, which is exact too.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def available(x: torch.Tensor) -> bool:
@@ -98,6 +104,7 @@ if triton is not None:
         BK: tl.constexpr,
         ITERS: tl.constexpr,
         GELU_ERF: tl.constexpr,
+        TENSOR_CORES: tl.constexpr,
     ):
         """Partial sums of GELU(qkv) . w over one split of the projection's columns, per (block
         of tokens, block of tau heads, split): [splits, M, H + KVH] fp32."""
@@ -126,10 +133,10 @@ if triton is not None:
                 mask=hmask[None, :] & kmask[:, None],
                 other=0.0,
             )
-            # fp32 products of the rounded operands (exact) summed in fp32, like the tensor
-            # cores' bf16 products; tiny here (BH columns), and Triton's interpreter multiplies
-            # bf16 operands as raw bits.
-            acc += tl.dot(_round(g, dtype), w.to(tl.float32), input_precision="ieee")
+            if TENSOR_CORES:  # bf16 products, exact, summed in fp32
+                acc += tl.dot(_cast(g, dtype), w)
+            else:  # fp32 weights, or the interpreter: fp32 products of the rounded values
+                acc += tl.dot(_round(g, dtype), w.to(tl.float32), input_precision="ieee")
         at = part_ptr + (split * M + rows64[:, None]) * (H + KVH) + w_rows[None, :]
         tl.store(at, acc, mask=rmask[:, None] & hmask[None, :])
 
@@ -232,11 +239,14 @@ def tau_scale(
             (splits, m, n_heads + n_kv_heads), dtype=torch.float32, device=qkv.device
         )
         heads = triton.cdiv(n_heads, BLOCK_H) + triton.cdiv(n_kv_heads, BLOCK_H)
-        rows = triton.cdiv(m, BLOCK_M)
-        shape = {"H": n_heads, "KVH": n_kv_heads, "HD": hd, "BM": BLOCK_M, "BH": BLOCK_H}
+        bm = BLOCK_M if m <= BLOCK_M else WIDE_M
+        rows = triton.cdiv(m, bm)
+        shape = {"H": n_heads, "KVH": n_kv_heads, "HD": hd, "BM": bm, "BH": BLOCK_H}
+        tc = qkv.dtype in (torch.bfloat16, torch.float16) and not _INTERPRETED
         _logits_kernel[(rows, heads, splits)](
-            x, w, part, m, x.stride(0), BK=BLOCK_K, ITERS=iters, GELU_ERF=gelu_erf, **shape
-        )
+            x, w, part, m, x.stride(0), BK=BLOCK_K, ITERS=iters, GELU_ERF=gelu_erf,
+            TENSOR_CORES=tc, **shape,
+        )  # fmt: skip
         _scale_kernel[(rows, heads)](
             x, out, part, alpha, positions.reshape(-1), m, x.stride(0), out.stride(0),
             SPLITS=splits, BLOCK_D=triton.next_power_of_2(hd), BF16_POS=bf16_positions,
