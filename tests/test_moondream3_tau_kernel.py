@@ -63,8 +63,10 @@ def test_fused_tau_equals_the_pytorch_ops_in_fp32(
     tau = _tau(heads, kv_heads, hd, gelu, positions, seed=heads + t)
     gen = torch.Generator().manual_seed(t)
     qkv = torch.randn(b, t, (heads + 2 * kv_heads) * hd, generator=gen) * 2
-    pos = torch.randint(0, 5000, (b, t), generator=gen)
-    pos[0, 0] = 0
+    # Positions as the engine's decode step passes them: a column of a wider table (strided).
+    table = torch.randint(0, 5000, (b * t, 3), generator=gen)
+    table[0, 1] = 0
+    pos = table[:, 1:2].view(b, t)
     got = _run(kern, tau, qkv, pos)
     want = tau.scale(qkv, pos, heads)
     k0, k1 = heads * hd, (heads + kv_heads) * hd

@@ -150,6 +150,7 @@ if triton is not None:
         M,
         stride_in,
         stride_out,
+        stride_pos,
         SPLITS: tl.constexpr,
         H: tl.constexpr,
         KVH: tl.constexpr,
@@ -175,7 +176,7 @@ if triton is not None:
         t = _round(_tanh(_round(acc, dtype)), dtype)
 
         # The position term, per token and head (the value heads take alpha's first KVH).
-        p = tl.load(pos_ptr + rows, mask=rmask, other=0).to(tl.float32)
+        p = tl.load(pos_ptr + rows64 * stride_pos, mask=rmask, other=0).to(tl.float32)
         alpha = tl.load(alpha_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
         if BF16_POS:  # every step in bf16, as the Hugging Face code runs it
             pb = _round(p, tl.bfloat16)
@@ -247,8 +248,10 @@ def tau_scale(
             x, w, part, m, x.stride(0), BK=BLOCK_K, ITERS=iters, GELU_ERF=gelu_erf,
             TENSOR_CORES=tc, **shape,
         )  # fmt: skip
+        # A view where it can be (the decode step's positions are a column of a wider table).
+        pos = positions.reshape(-1)
         _scale_kernel[(rows, heads)](
-            x, out, part, alpha, positions.reshape(-1), m, x.stride(0), out.stride(0),
+            x, out, part, alpha, pos, m, x.stride(0), out.stride(0), pos.stride(0),
             SPLITS=splits, BLOCK_D=triton.next_power_of_2(hd), BF16_POS=bf16_positions,
             **shape,
         )  # fmt: skip
