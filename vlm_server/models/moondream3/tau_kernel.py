@@ -34,7 +34,9 @@ BLOCK_M = 16  # tokens per program
 BLOCK_H = 16  # tau heads per program (tl.dot's smallest N)
 BLOCK_K = 128  # the projection's columns per step of the logits' sums
 MAX_SPLITS = 16  # programs over the projection's columns per block of tokens and heads
-WIDE_M = 64  # tokens per program above BLOCK_M tokens (prefill: the GELU computed once per 64)
+SCALE_H = 4  # heads per program of the scaling (more programs for a decode step's few rows)
+DECODE_M = 64  # up to this many tokens, BLOCK_M per program
+WIDE_M = 64  # tokens per program above that (prefill: the GELU computed once per 64)
 # Triton's interpreter (the CPU tests) multiplies bf16 operands as raw bits: there the products
 # run in fp32 on the rounded values, which is exact too.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -240,19 +242,20 @@ def tau_scale(
             (splits, m, n_heads + n_kv_heads), dtype=torch.float32, device=qkv.device
         )
         heads = triton.cdiv(n_heads, BLOCK_H) + triton.cdiv(n_kv_heads, BLOCK_H)
-        bm = BLOCK_M if m <= BLOCK_M else WIDE_M
+        bm = BLOCK_M if m <= DECODE_M else WIDE_M
         rows = triton.cdiv(m, bm)
-        shape = {"H": n_heads, "KVH": n_kv_heads, "HD": hd, "BM": bm, "BH": BLOCK_H}
+        shape = {"H": n_heads, "KVH": n_kv_heads, "HD": hd, "BM": bm}
         tc = qkv.dtype in (torch.bfloat16, torch.float16) and not _INTERPRETED
         _logits_kernel[(rows, heads, splits)](
-            x, w, part, m, x.stride(0), BK=BLOCK_K, ITERS=iters, GELU_ERF=gelu_erf,
-            TENSOR_CORES=tc, **shape,
+            x, w, part, m, x.stride(0), BH=BLOCK_H, BK=BLOCK_K, ITERS=iters,
+            GELU_ERF=gelu_erf, TENSOR_CORES=tc, **shape,
         )  # fmt: skip
+        scale_heads = triton.cdiv(n_heads, SCALE_H) + triton.cdiv(n_kv_heads, SCALE_H)
         # A view where it can be (the decode step's positions are a column of a wider table).
         pos = positions.reshape(-1)
-        _scale_kernel[(rows, heads)](
+        _scale_kernel[(rows, scale_heads)](
             x, out, part, alpha, pos, m, x.stride(0), out.stride(0), pos.stride(0),
             SPLITS=splits, BLOCK_D=triton.next_power_of_2(hd), BF16_POS=bf16_positions,
-            **shape,
+            BH=SCALE_H, **shape,
         )  # fmt: skip
     return out.view(b, t, width)
