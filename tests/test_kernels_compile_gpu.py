@@ -89,7 +89,8 @@ _GROUP_EXPAND = {
     "splits2": "i32", "stride_v1": "i32", "stride_v1s": "i32", "stride_v2": "i32",
     "stride_v2s": "i32", "stride_b1s": "i32", "stride_b1n": "i32", "stride_b2s": "i32",
     "stride_b2n": "i32", "stride_y1": "i32", "stride_y2": "i32", "slot_cols1": "i32",
-    "slot_cols2": "i32",
+    "slot_cols2": "i32", "a3_ptr": "*bf16", "v3_ptr": "*fp32", "stride_a3s": "i32",
+    "stride_a3r": "i32", "stride_v3": "i32",
 }  # fmt: skip
 _GROUP_BLOCKS = {"BLOCK_T": 32, "PRECISION": "tf32"}
 _MOE = "vlm_server.models.moondream3.moe_triton"
@@ -105,9 +106,11 @@ _ROUTE = {
     "logits_ptr": "*bf16", "ids_ptr": "*i64", "weights_ptr": "*bf16", "counts_ptr": "*i32",
     "pair_ptr": "*i32", "block_expert_ptr": "*i32", "used_ptr": "*i32", "n_tokens": "i32",
     "n_experts": "i32", "top_k": "i32", "n_rows": "i32", "chunks": "i32",
-    "rows_per_program": "i32",
+    "blocks_per_program": "i32",
 }  # fmt: skip
-_ROUTE_BLOCKS = {"BT": 32, "KP": 8, "BE": 64, "BM": 16, "RB": 256}
+_ROUTE_BLOCKS = {"BT": 8, "KP": 8, "BE": 64, "BM": 16, "RB": 64}
+_TAU = "vlm_server.models.moondream3.tau_kernel"
+_TAU_SHAPE = {"H": 32, "KVH": 32, "HD": 64, "BM": 16}
 _SKINNY = "vlm_server.models.common.skinny_gemm"
 _SKINNY_ARGS = {
     "x1_ptr": "*bf16", "x2_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "r_ptr": "*bf16",
@@ -205,10 +208,15 @@ KERNELS = (
             {
                 **_GROUP_BLOCKS,
                 **{"R": 32, "BLOCK_R": 32, "BLOCK_N": 128, "SPLITS": 16},
-                **{"GELU": gelu, "SUM": total},
+                **{"GELU": gelu, "SUM": total, "SHRINK": shrink, "ITERS2": 4 if shrink else 1},
             },
         )
-        for gelu, total in ((True, False), (False, False), (False, True))
+        for gelu, total, shrink in (
+            (True, False, False),
+            (True, False, True),
+            (False, False, False),
+            (False, True, False),
+        )
     ),
     *(
         kernel
@@ -313,6 +321,40 @@ KERNELS = (
             "eps": "fp32",
         },
         {"SPLITS": 4, "BLOCK": 2048},
+    ),
+    *(
+        Kernel(
+            _TAU,
+            "_logits_kernel",
+            {
+                "qkv_ptr": "*bf16",
+                "w_ptr": "*bf16",
+                "part_ptr": "*fp32",
+                "M": "i32",
+                "stride_in": "i32",
+            },
+            {**_TAU_SHAPE, "BH": 16, "BK": 128, "ITERS": 3, "GELU_ERF": erf, "TENSOR_CORES": True},
+        )
+        for erf in (False, True)
+    ),
+    *(
+        Kernel(
+            _TAU,
+            "_scale_kernel",
+            {
+                "qkv_ptr": "*bf16",
+                "out_ptr": "*bf16",
+                "part_ptr": "*fp32",
+                "alpha_ptr": "*bf16",
+                "pos_ptr": "*i32",
+                "M": "i32",
+                "stride_in": "i32",
+                "stride_out": "i32",
+                "stride_pos": "i32",
+            },
+            {**_TAU_SHAPE, "SPLITS": 16, "BLOCK_D": 64, "BH": 4, "BF16_POS": bf16},
+        )
+        for bf16 in (False, True)
     ),
     Kernel(
         "vlm_server.models.common.fused_norm",
