@@ -185,6 +185,14 @@ if triton is not None:
         tl.store(at, acc.to(out.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
 
     @triton.jit
+    def _row_block(pid_m, block_expert, pairs, n_pairs, BM: tl.constexpr):
+        """Row block ``pid_m``'s expert, its rows, their pairs and which are real pairs (not
+        padding). (No ``_ptr`` names: a helper, not a launched kernel.)"""
+        rows = pid_m * BM + tl.arange(0, BM)
+        pair = tl.load(pairs + rows)
+        return tl.load(block_expert + pid_m).to(tl.int64), rows, pair, pair < n_pairs
+
+    @triton.jit
     def _up_kernel(
         x_ptr,
         w_ptr,
@@ -215,10 +223,7 @@ if triton is not None:
         pid_s = tl.program_id(2)
         if pid_m * BM >= tl.load(used_ptr):
             return
-        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-        rows = pid_m * BM + tl.arange(0, BM)
-        pair = tl.load(pair_ptr + rows)
-        valid = pair < n_pairs
+        e, rows, pair, valid = _row_block(pid_m, block_expert_ptr, pair_ptr, n_pairs, BM)
         tok = tl.where(valid, pair // top_k, 0).to(tl.int64)
         cols = pid_n * BN + tl.arange(0, BN)
         col_ok = cols < width
@@ -268,10 +273,7 @@ if triton is not None:
         pid_m = tl.program_id(0)
         if pid_m * BM >= tl.load(used_ptr):
             return
-        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-        rows = pid_m * BM + tl.arange(0, BM)
-        pair = tl.load(pair_ptr + rows)
-        valid = pair < n_pairs
+        e, rows, pair, valid = _row_block(pid_m, block_expert_ptr, pair_ptr, n_pairs, BM)
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
         col_ok = cols < width
         mask = valid[:, None] & col_ok[None, :]
@@ -314,10 +316,7 @@ if triton is not None:
         pid_s = tl.program_id(2)
         if pid_m * BM >= tl.load(used_ptr):
             return
-        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-        rows = pid_m * BM + tl.arange(0, BM)
-        pair = tl.load(pair_ptr + rows)
-        valid = pair < n_pairs
+        e, rows, pair, valid = _row_block(pid_m, block_expert_ptr, pair_ptr, n_pairs, BM)
         cols = pid_n * BN + tl.arange(0, BN)
         col_ok = cols < dim
         w_base = w_ptr + e * dim * width
@@ -360,10 +359,7 @@ if triton is not None:
         pid_m = tl.program_id(0)
         if pid_m * BM >= tl.load(used_ptr):
             return
-        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-        rows = pid_m * BM + tl.arange(0, BM)
-        pair = tl.load(pair_ptr + rows)
-        valid = pair < n_pairs
+        e, rows, pair, valid = _row_block(pid_m, block_expert_ptr, pair_ptr, n_pairs, BM)
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
         col_ok = cols < dim
         n_rows = tl.num_programs(0) * BM
