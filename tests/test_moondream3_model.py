@@ -294,3 +294,24 @@ def test_fp8_experts_run_dequantized_on_the_plain_paths() -> None:
     for method in ("loop", "dense"):
         moe.method = method  # type: ignore[assignment]
         assert torch.allclose(moe(x), want, atol=1e-5)
+
+
+def test_the_tile_table_fits_small_shared_memories_by_dropping_stages() -> None:
+    """The table's tiles are the H100's; on a chip with 99 KiB per program (RTX 4090, L40,
+    RTX 50) fewer pipeline stages make each fit, bf16 or FP8 weights; on the H100 nothing
+    changes."""
+    from vlm_server.models.moondream3.moe_triton import SMEM_MARGIN, TILES, fitted
+
+    def smem(t: object, bm: int, w: int, halves: int) -> int:
+        return t.stages * (bm * t.bk * 2 + halves * t.bk * t.bn * w)  # type: ignore[attr-defined]
+
+    for _, tiles in TILES:
+        for w_bytes in (1, 2):
+            for t, halves in ((tiles.up, 2), (tiles.down, 1)):
+                big = fitted(t, tiles.bm, 2, w_bytes, halves, 227 << 10)
+                assert big == t
+                small = fitted(t, tiles.bm, 2, w_bytes, halves, 99 << 10)
+                assert small.stages >= 1 and (small.bn, small.bk) == (t.bn, t.bk)
+                assert smem(small, tiles.bm, w_bytes, halves) <= SMEM_MARGIN * (99 << 10)
+    prefill = TILES[-1][1]
+    assert fitted(prefill.up, prefill.bm, 2, 2, 2, 99 << 10).stages < prefill.up.stages

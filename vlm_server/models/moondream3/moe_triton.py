@@ -29,8 +29,9 @@ the kernels compile without that load (``HAS_DELTA`` is a compile-time switch).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -90,6 +91,36 @@ TILES: tuple[tuple[int, ExpertTiles], ...] = (
     (1024, ExpertTiles(128, Tile(128, 64, 8, 3, 1), Tile(128, 64, 8, 3, 1))),
     (1 << 62, ExpertTiles(64, Tile(128, 64, 8, 3, 1), Tile(128, 64, 8, 3, 1))),
 )
+
+
+# Shared memory per block by compute capability, where neither Triton nor PyTorch says.
+_SMEM_BY_ARCH = {(8, 0): 163 << 10, (8, 7): 163 << 10, (9, 0): 227 << 10, (10, 0): 227 << 10}
+_SMEM_SMALL = 99 << 10  # sm_86, sm_89, sm_120 and the rest
+SMEM_MARGIN = 0.9  # of it the pipelined tiles may take (the epilogue's layout changes use some)
+
+
+@functools.cache
+def smem_limit(index: int) -> int:
+    """Bytes of shared memory one program may use on CUDA device ``index``."""
+    try:
+        return int(
+            triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+        )
+    except Exception:  # another Triton's driver API: PyTorch's figure, else the chip's
+        props = torch.cuda.get_device_properties(index)
+        optin = getattr(props, "shared_memory_per_block_optin", 0)
+        return int(optin) or _SMEM_BY_ARCH.get((props.major, props.minor), _SMEM_SMALL)
+
+
+def fitted(t: Tile, bm: int, act_bytes: int, w_bytes: int, halves: int, limit: int) -> Tile:
+    """``t`` with fewer pipeline stages where its tiles (``bm`` x BK activations, ``halves``
+    BK x BN weight tiles, per stage) would not fit ``limit`` bytes of shared memory: the
+    table's tiles are the H100's (227 KiB), an RTX 4090 or L40 has 99 KiB."""
+    per_stage = bm * t.bk * act_bytes + halves * t.bk * t.bn * w_bytes
+    stages = t.stages
+    while stages > 1 and stages * per_stage > SMEM_MARGIN * limit:
+        stages -= 1
+    return t if stages == t.stages else replace(t, stages=stages)
 
 
 def pick_tiles(
@@ -414,7 +445,9 @@ def experts_fused(
     up = None
     if delta is not None and tokens is not None:
         up = _pair_delta(delta("fc1", x[tokens], flat, tokens), x)
-    t = tiles.up
+    # (the CPU tests' interpreter has no shared memory to fit)
+    limit = smem_limit(x.device.index or 0) if x.is_cuda else 1 << 30
+    t = fitted(tiles.up, bm, x.element_size(), w1.element_size(), 2, limit)
     k_split, part = _split(t, dim, n_blocks * bm, two_width, x.device)
     _up_kernel[(n_blocks, triton.cdiv(width, t.bn), t.split)](
         x, w1, s1 if has_scale else dummy, hidden, part, pair_ids, block_expert, used,
@@ -432,7 +465,7 @@ def experts_fused(
     if delta is not None and tokens is not None:
         h = hidden[_row_of_pair(pair_ids, n * k)]  # each pair's activation, in pair order
         down = _pair_delta(delta("fc2", h, flat, tokens), x)
-    t = tiles.down
+    t = fitted(tiles.down, bm, x.element_size(), w2.element_size(), 1, limit)
     k_split, part = _split(t, width, n_blocks * bm, dim, x.device)
     _down_kernel[(n_blocks, triton.cdiv(dim, t.bn), t.split)](
         hidden, w2, s2 if has_scale else dummy, y, part, pair_ids, block_expert, used,
