@@ -250,7 +250,7 @@ class ServerConfig:
         _ENGINE.fused_decode,
         G.PERFORMANCE,
         "run each decoder block's four matrix products as two fused Triton products in steps "
-        "of few rows, and Moondream 3's tau scaling as one kernel per layer (CUDA; false: "
+        "of few rows, and Moondream 3's tau scaling as two kernels per layer (CUDA; false: "
         "cuBLAS and PyTorch ops)",
     )
     prefill_sm_carveout: int = option(

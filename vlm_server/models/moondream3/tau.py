@@ -26,12 +26,12 @@ class Tau(nn.Module):
         self.alpha = nn.Parameter(torch.zeros(cfg.n_heads))
         self.approximate = "tanh" if gelu == "tanh" else "none"
         self.bf16_positions = positions == "bf16"
-        # [wq; wv] in the activations' dtype for the one-launch kernel (tau_kernel.py), set by
+        # [wq; wv] in the activations' dtype for the two-launch kernels (tau_kernel.py), set by
         # `use_kernel`; None: the PyTorch ops.
         self._stacked: torch.Tensor | None = None
 
     def use_kernel(self, enabled: bool) -> bool:
-        """Scale with the one-launch kernel (CUDA with Triton) from now on, or not; returns
+        """Scale with the Triton kernels (CUDA) from now on, or not; returns
         whether it is on. Call it after loading the weights and before any graph capture."""
         on = enabled and tau_kernel.available(self.wq)
         self._stacked = torch.cat([self.wq, self.wv]).detach().contiguous() if on else None

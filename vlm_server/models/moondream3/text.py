@@ -98,7 +98,7 @@ class TextDecoder(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def use_fused_products(self, enabled: bool = True) -> bool:
-        """Serve every forward's tau scaling with one kernel per layer (tau_kernel.py) instead
+        """Serve every forward's tau scaling with two kernels per layer (tau_kernel.py) instead
         of ~15 PyTorch ops and two products; returns whether it is on (CUDA with Triton)."""
         return all([b.attn.tau.use_kernel(enabled) for b in self.blocks])
 
