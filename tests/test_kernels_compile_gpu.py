@@ -93,6 +93,20 @@ _GROUP_EXPAND = {
     "stride_a3r": "i32", "stride_v3": "i32",
 }  # fmt: skip
 _GROUP_BLOCKS = {"BLOCK_T": 32, "PRECISION": "tf32"}
+_STEP = "vlm_server.models.common.lora_step"
+_STEP_SHRINK = {
+    "x_ptr": "*bf16", "a_ptr": "*bf16", "idx_ptr": "*i32", "parts_ptr": "*fp32",
+    "v_ptr": "*fp32", "count_ptr": "*i32", "T": "i32", "K": "i32", "stride_xt": "i32",
+    "stride_as": "i32", "stride_ar": "i32",
+}  # fmt: skip
+_STEP_EXPAND = {
+    "v1_ptr": "*fp32", "b1_ptr": "*bf16", "y1_ptr": "*bf16", "v2_ptr": "*fp32",
+    "b2_ptr": "*bf16", "y2_ptr": "*bf16", "idx_ptr": "*i32", "T": "i32", "n_slots": "i32",
+    "N1": "i32", "N2": "i32", "NB1": "i32", "col1": "i32", "col2": "i32",
+    "slot_cols1": "i32", "slot_cols2": "i32", "stride_v1": "i32", "stride_v2": "i32",
+    "stride_b1s": "i32", "stride_b1n": "i32", "stride_b2s": "i32", "stride_b2n": "i32",
+    "stride_y1": "i32", "stride_y2": "i32",
+}  # fmt: skip
 _MOE = "vlm_server.models.moondream3.moe_triton"
 _MOE_ARGS = {
     "w_ptr": "*bf16", "s_ptr": "*fp32", "pair_ptr": "*i32", "block_expert_ptr": "*i32",
@@ -217,6 +231,26 @@ KERNELS = (
             (False, False, False),
             (False, True, False),
         )
+    ),
+    # The decode step's forms: fc2's shrink finishing its splits; the expand over the slots
+    # with the GELU, and two deltas summed into fp32 split sums.
+    Kernel(
+        _STEP,
+        "_step_shrink_kernel",
+        _STEP_SHRINK,
+        {**_GROUP_BLOCKS, "R": 32, "BLOCK_R": 32, "BLOCK_K": 128, "ITERS": 4, "SPLITS": 16},
+    ),
+    Kernel(
+        _STEP,
+        "_step_expand_kernel",
+        _STEP_EXPAND,
+        {**_GROUP_BLOCKS, "R": 32, "BLOCK_R": 32, "BLOCK_N": 64, "GELU": True, "SUM": False},
+    ),
+    Kernel(
+        _STEP,
+        "_step_expand_kernel",
+        {**_STEP_EXPAND, "y1_ptr": "*fp32", "y2_ptr": "*fp32"},
+        {**_GROUP_BLOCKS, "R": 32, "BLOCK_R": 32, "BLOCK_N": 16, "GELU": False, "SUM": True},
     ),
     *(
         kernel

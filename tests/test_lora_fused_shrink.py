@@ -8,6 +8,7 @@ separate-shrink path (rows without an adapter bit for bit)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -30,9 +31,11 @@ pytest.importorskip("triton")
 
 @pytest.fixture(scope="module")
 def kern() -> Iterator[SimpleNamespace]:
-    from vlm_server.models.common import fused_norm, lora_kernel, skinny_gemm
+    from vlm_server.models.common import fused_norm, lora_kernel, lora_step, skinny_gemm
 
-    mods = {m.__name__.rsplit(".", 1)[-1]: interpreted(m) for m in (skinny_gemm, lora_kernel)}
+    mods = {
+        m.__name__.rsplit(".", 1)[-1]: interpreted(m) for m in (skinny_gemm, lora_kernel, lora_step)
+    }
     mods["fused_norm"] = interpreted(fused_norm)
     yield SimpleNamespace(**mods)
     for m in mods.values():
@@ -152,18 +155,30 @@ def _fused_text(tiny: LoadedModel) -> torch.nn.Module:
     return text
 
 
-@pytest.mark.parametrize("fc2_shrink", ["expand", "branch", "apart"])
+@pytest.mark.parametrize(
+    ("fc2_shrink", "step"),
+    [("expand", False), ("branch", False), ("apart", False), ("apart", True)],
+)
 def test_the_fused_forward_with_folded_shrinks_equals_the_reference_per_row(
     tiny: LoadedModel,
     kern: SimpleNamespace,
     monkeypatch: pytest.MonkeyPatch,
     fc2_shrink: str,
+    step: bool,
 ) -> None:
     """One decode position per row, two adapters and none, through `_fused_forward` with the
-    interpreted kernels, fc2's shrink in the expand, the branch product or apart: the
-    reference (`SingleLora`, the plain forward) row by row; the separate-shrink path to
-    rounding, its rows without an adapter bit for bit; those rows as the forward without
-    adapters computes them, to rounding."""
+    interpreted kernels, fc2's shrink in the expand, the branch product or apart (``step``:
+    with the decode step's kernels, the products unsplit as moondream2's wide first product
+    is, so that every expand takes them): the reference (`SingleLora`, the plain forward) row
+    by row; the separate-shrink path to rounding, its rows without an adapter bit for bit;
+    those rows as the forward without adapters computes them, to rounding."""
+    if step:
+        unsplit = kern.skinny_gemm.default_config
+
+        def one_split(*args: object) -> object:
+            return dataclasses.replace(unsplit(*args), split_k=1)
+
+        monkeypatch.setattr(kern.skinny_gemm, "default_config", one_split)
     monkeypatch.setattr(fused_products, "skinny_gemm", kern.skinny_gemm)
     monkeypatch.setattr(
         fused_products, "add_partials_layernorm", kern.fused_norm.add_partials_layernorm
@@ -214,9 +229,20 @@ def test_the_fused_forward_with_folded_shrinks_equals_the_reference_per_row(
 
     for module, name in [(sg, "skinny_linear_shrink"), (lk, "shrink"), (lk, "expand")]:
         counted(module, name)
+    ls = kern.lora_step
+    for name in ("shrink", "expand"):
+        real_step = getattr(ls, name)
+
+        def step_call(
+            *args: object, _real: object = real_step, _name: str = name, **kwargs: object
+        ) -> object:
+            calls.append(f"step {_name}")
+            return _real(*args, **kwargs)  # type: ignore[operator]
+
+        monkeypatch.setattr(ls, name, step_call)
     n = cfg.n_layers
     with torch.no_grad():
-        got = fused(LoraBatch(bank, index, kernels=lk))
+        got = fused(LoraBatch(bank, index, kernels=lk, step=ls if step else None))
         # Per block: the product with the shared shrink, and fc2's shrink where FC2_SHRINK
         # puts it; then two expands.
         want_calls = {
@@ -224,6 +250,8 @@ def test_the_fused_forward_with_folded_shrinks_equals_the_reference_per_row(
             "branch": {"skinny_linear_shrink": 2 * n, "expand": 2 * n},
             "apart": {"skinny_linear_shrink": n, "shrink": n, "expand": 2 * n},
         }[fc2_shrink]
+        if step:
+            want_calls = {"skinny_linear_shrink": n, "step shrink": n, "step expand": 2 * n}
         assert {c: calls.count(c) for c in set(calls)} == want_calls
         with monkeypatch.context() as mp:
             mp.setattr(LoraBatch, "shrink_weights", lambda *_: None)

@@ -153,6 +153,7 @@ if triton is not None:
         """``v @ B^T`` for a tile: ``parts`` points at the rows' partial products (split 0),
         ``b_tile`` at B^T's [BLOCK_R, BLOCK_N] tile."""
         v = tl.full((BLOCK_T, BLOCK_R), 0.0, tl.float32)
+        # (Unrolled, every split's load in flight at once, this took twice as long on an H100.)
         for s in range(SPLITS):  # the splits in order: the same sum every time
             # (not vmask & (s < splits): int32 in Triton 3.6's interpreter, see the expand)
             v += tl.load(parts + s * stride_s, mask=tl.where(s < splits, vmask, False), other=0.0)
@@ -375,6 +376,9 @@ STAGES = 2
 # but fewer, longer programs for fc1 (8 rank-32 slots at 32 rows: 128 of them, 4 blocks of
 # 128 columns each). Unmeasured: the GPU decides.
 SHRINK_COLS = 512
+# The expand's output columns per program (None: 128 up to 32 tokens, else 64) and its warps.
+EXPAND_BLOCK_N: int | None = None
+EXPAND_WARPS = 4
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -386,6 +390,20 @@ def _block_t(t: int) -> int:
     return min(64, max(16, triton.next_power_of_2(t)))
 
 
+def shrink_shape(t: int, k: int, r: int, itemsize: int) -> tuple[int, int, int, int, int]:
+    """`shrink`'s launch shape for ``t`` tokens, K ``k``, rank ``r``: (block_t, block_r,
+    block_k, K blocks per split, splits); it fixes the order of every sum."""
+    block_t, block_r = _block_t(t), max(16, triton.next_power_of_2(r))
+    per_k = (block_r + block_t) * itemsize * STAGES
+    block_k = max(32, min(128, triton.next_power_of_2(STAGE_BYTES // per_k + 1) // 2))
+    n_k, t_blocks = triton.cdiv(k, block_k), triton.cdiv(t, block_t)
+    # Many blocks of tokens are parallel enough by themselves: fewer splits keep the partial
+    # products of a long prefill chunk small.
+    splits = min(SPLITS_MAX, n_k, max(1, SPLIT_PROGRAMS // t_blocks))
+    iters = triton.cdiv(n_k, splits)
+    return block_t, block_r, block_k, iters, triton.cdiv(n_k, iters)  # no split without K
+
+
 def shrink(x: torch.Tensor, a: torch.Tensor, index: torch.Tensor) -> Partials:
     """``x`` [T, K]; ``a`` [S, R, K] (one layer of the stacked A's, last dim contiguous; R may
     stack several targets' ranks); ``index`` [T] int32 slots (-1: none)."""
@@ -393,18 +411,10 @@ def shrink(x: torch.Tensor, a: torch.Tensor, index: torch.Tensor) -> Partials:
     r = a.shape[1]
     assert a.stride(2) == 1 and a.dtype == x.dtype, "A in the activation dtype, K contiguous"
     x = x if x.stride(1) == 1 else x.contiguous()
-    block_t, block_r = _block_t(t), max(16, triton.next_power_of_2(r))
-    per_k = (block_r + block_t) * x.element_size() * STAGES
-    block_k = max(32, min(128, triton.next_power_of_2(STAGE_BYTES // per_k + 1) // 2))
-    n_k, t_blocks = triton.cdiv(k, block_k), triton.cdiv(t, block_t)
-    # Many blocks of tokens are parallel enough by themselves: fewer splits keep the partial
-    # products of a long prefill chunk small.
-    splits = min(SPLITS_MAX, n_k, max(1, SPLIT_PROGRAMS // t_blocks))
-    iters = triton.cdiv(n_k, splits)
-    splits = triton.cdiv(n_k, iters)  # no split left without a block of K
+    block_t, block_r, block_k, iters, splits = shrink_shape(t, k, r, x.element_size())
     parts = torch.empty(t, splits, block_r, dtype=torch.float32, device=x.device)
     if t:
-        grid = (a.shape[0], t_blocks, splits)
+        grid = (a.shape[0], triton.cdiv(t, block_t), splits)
         _group_shrink_kernel[grid](
             x, a, index, parts, t, k, x.stride(0), a.stride(0), a.stride(1),
             R=r, BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=block_k, ITERS=iters,
@@ -439,7 +449,7 @@ def expand(
         assert target.b.stride(2) == 1 and target.out.stride(1) == 1, "contiguous last dims"
         assert target.partials.parts.shape[0] == t
     block_t, block_r = _block_t(t), max(16, triton.next_power_of_2(r))
-    block_n = 128 if block_t <= 32 else 64
+    block_n = EXPAND_BLOCK_N or (128 if block_t <= 32 else 64)
     n_slots = first.b.shape[0]
     iters2, a3, v3 = 1, two.b, two.partials.parts  # (placeholders without the shrink)
     if shrink_after is not None:
@@ -469,6 +479,7 @@ def expand(
         R=r, BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_N=block_n,
         SPLITS=max(p1.splits, p2.splits), GELU=gelu, SUM=same_out,
         SHRINK=shrink_after is not None, ITERS2=iters2, PRECISION=_precision(first.b.dtype),
+        num_warps=EXPAND_WARPS,
     )  # fmt: skip
     return Partials(v3) if shrink_after is not None else None
 

@@ -129,7 +129,9 @@ class LoraBatch(DeltaByTarget):
     tokens are ``k`` runs of ``length`` tokens, run ``j`` all with slot ``slots[j]`` (a batch
     of image prefixes): on CUDA those run as two batched matrix products over each run's
     gathered weights instead of per token. ``kernels``: the grouped kernels' module (default:
-    models/common/lora_kernel.py for a CUDA index, where Triton is; tests pass one to run)."""
+    models/common/lora_kernel.py for a CUDA index, where Triton is; tests pass one to run);
+    ``step``: the same deltas' kernels for a decode step (default: models/common/
+    lora_step.py beside the default ``kernels``), taken where a step fits them."""
 
     def __init__(
         self,
@@ -137,9 +139,16 @@ class LoraBatch(DeltaByTarget):
         index: torch.Tensor,
         segments: tuple[torch.Tensor, int] | None = None,
         kernels: ModuleType | None = None,
+        step: ModuleType | None = None,
     ) -> None:
         self.bank, self.index, self.segments = bank, index, segments
         self.kernels = kernels or (_grouped_kernel() if index.is_cuda else None)
+        if step is None and kernels is None and self.kernels is not None:
+            step = _step_kernel()
+        self.step = step if segments is None else None
+        # The step shrink's count per slot: this forward's own (a forward on another stream
+        # must not share it), made zero once and left zero by every launch.
+        self._count: torch.Tensor | None = None
 
     def add(self, layer: int, target: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         bank = self.bank
@@ -181,6 +190,14 @@ class LoraBatch(DeltaByTarget):
         flat = x.reshape(-1, x.shape[-1])
         groups = dict.fromkeys(self.bank.group_of[t][0] for t in targets if t in self.bank.a)
         a = self.bank.a_groups
+        step = self.step
+        if step is not None and step.fits(flat.shape[0]):
+            if self._count is None:
+                self._count = torch.zeros(self.bank.n_slots, dtype=torch.int32, device=x.device)
+            count = self._count
+            return Shrunk(
+                x, {g: step.shrink(flat, a[g][:, layer], self.index, count) for g in groups}
+            )
         return Shrunk(x, {g: kernels.shrink(flat, a[g][:, layer], self.index) for g in groups})
 
     def shrink_weights(
@@ -250,7 +267,7 @@ class LoraBatch(DeltaByTarget):
         # The shrink rides the GELU's launch (always a pair: the GELU'd output second).
         fold = gelu and shrink_after is not None and group in bank.a_groups
         if gelu and len(jobs) % 2:  # the GELU's output launches second: pair it with the one before
-            kernels.expand(self.index, jobs.pop(0))
+            self._expand_pair(kernels, [jobs.pop(0)])
         parts = None
         for i in range(0, len(jobs), 2):
             pair = jobs[i : i + 2]
@@ -258,7 +275,7 @@ class LoraBatch(DeltaByTarget):
                 a = bank.a_groups[group][:, layer]
                 parts = kernels.expand(self.index, *pair, gelu=True, shrink_after=a)
             else:
-                kernels.expand(self.index, *pair, gelu=gelu and i + 2 == len(jobs))
+                self._expand_pair(kernels, pair, gelu=gelu and i + 2 == len(jobs))
         ys = [out for _, _, out in outs]
         if gelu_last and not gelu:
             ys[-1] = gelu_tanh(ys[-1])
@@ -284,8 +301,19 @@ class LoraBatch(DeltaByTarget):
         jobs = [self._target(kernels, layer, s, t, flat) for s, t in terms]
         for i in range(0, len(jobs), 2):
             pair = jobs[i : i + 2]
-            kernels.expand(self.index, *pair, same_out=len(pair) == 2)
+            self._expand_pair(kernels, pair, same_out=len(pair) == 2)
         return out
+
+    def _expand_pair(
+        self, kernels: ModuleType, pair: list[Any], gelu: bool = False, same_out: bool = False
+    ) -> None:
+        """One expand launch: the step's kernels where the step fits them."""
+        step = self.step
+        t = pair[0].out.shape[0]
+        if step is not None and step.fits(t, *(job.partials for job in pair)):
+            step.expand(self.index, *pair, gelu=gelu, same_out=same_out)
+        else:
+            kernels.expand(self.index, *pair, gelu=gelu, same_out=same_out)
 
     def _target(
         self, kernels: ModuleType, layer: int, shrunk: Shrunk, target: str, out: torch.Tensor
@@ -323,6 +351,13 @@ def _grouped_kernel() -> ModuleType | None:
     from vlm_server.models.common import lora_kernel
 
     return lora_kernel if lora_kernel.AVAILABLE else None
+
+
+def _step_kernel() -> ModuleType | None:
+    """The decode step's Triton kernels' module, or None without Triton."""
+    from vlm_server.models.common import lora_step
+
+    return lora_step if lora_step.AVAILABLE else None
 
 
 def per_token(
