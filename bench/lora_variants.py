@@ -1,8 +1,10 @@
 """The adapter decode period per kernel variant, each against the same server without adapters
-in one process: where fc2's shrink runs (`products.FC2_SHRINK`) and how many hidden columns
-each expand program shrinks (`lora_kernel.SHRINK_COLS`).
+in one process: where fc2's shrink runs (`products.FC2_SHRINK`), how many hidden columns
+each expand program shrinks (`lora_kernel.SHRINK_COLS`), and optionally (1 or 0, default 1)
+whether fc1's delta and fc2's shrink run beside the attention (`products.OVERLAP`) and
+whether decode steps take the step kernels (`bank.STEP_KERNELS`).
 
-    python -m bench.lora_variants --variants expand:512 expand:256 expand:1024 apart:512
+    python -m bench.lora_variants --variants apart:512 apart:512:0 apart:512:0:0 expand:512
     python -m bench.lora_variants --variants apart:512 --profile apart:512
 
 Each variant is `bench.lora_bench`'s period case (32 caption streams over 8 rank-32 adapters by
@@ -25,15 +27,18 @@ from bench.lora_bench import period_case
 from vlm_server.engine.device.model_entry import ModelEntryPoints
 from vlm_server.models.common import lora_kernel
 from vlm_server.models.interface import LoadedModel
-from vlm_server.models.lora import products
+from vlm_server.models.lora import bank, products
 from vlm_server.models.lora.writer import write_random
 from vlm_server.models.registry import preset, random_model
 
 
 def _set(variant: str) -> None:
-    where, cols = variant.split(":")
+    where, cols, *more = variant.split(":")
+    overlap, step = [*map(int, more), 1, 1][:2]
     products.FC2_SHRINK = where  # type: ignore[assignment]
     lora_kernel.SHRINK_COLS = int(cols)
+    products.OVERLAP = bool(overlap)
+    bank.STEP_KERNELS = bool(step)
 
 
 def _profile(
@@ -52,7 +57,7 @@ def _profile(
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="moondream2")
-    ap.add_argument("--variants", nargs="+", default=["expand:512", "apart:512"])
+    ap.add_argument("--variants", nargs="+", default=["apart:512", "apart:512:0:0"])
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--adapters", type=int, default=8)

@@ -265,9 +265,11 @@ def expand(
     same_out: bool = False,
 ) -> None:
     """lora_kernel's `expand` (without its ``shrink_after``) for a step that `fits`: each
-    target's delta added into its ``out`` in place, one launch."""
-    assert second is not None or not (gelu or same_out), "GELU and sums take a second target"
+    target's delta added into its ``out`` in place, one launch. ``gelu`` without ``second``:
+    ``first``'s output goes through GELU (lora_kernel's takes a second target for it)."""
+    assert second is not None or not same_out, "sums take a second target"
     assert not (gelu and same_out)
+    alone = second is None and gelu  # the GELU'd output only: the kernel's second
     one = first.out
     two = second if second is not None else first
     t, r = one.shape[0], first.b.shape[2]
@@ -276,8 +278,8 @@ def expand(
         assert target.b.stride(2) == 1 and target.out.stride(1) == 1, "contiguous last dims"
     if same_out:
         assert second is not None and second.out.data_ptr() == one.data_ptr()
-    n1 = one.shape[1]
-    n2 = two.out.shape[1] if second is not None and not same_out else 0
+    n1 = 0 if alone else one.shape[1]
+    n2 = two.out.shape[1] if (second is not None and not same_out) or alone else 0
     block_n = max(16, min(128, triton.next_power_of_2(triton.cdiv(n1 + n2, PROGRAMS))))
     nb1, nb2 = triton.cdiv(n1, block_n), triton.cdiv(n2, block_n)
     p1, p2 = first.partials.parts, two.partials.parts

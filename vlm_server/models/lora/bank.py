@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 
 
 WRITE_CHUNK_BYTES = 2 << 20  # a slot goes up in pieces of this size (~0.1 ms each over PCIe)
+# Decode steps take models/common/lora_step.py's kernels where they fit (bench/lora_variants.py
+# turns them off to compare).
+STEP_KERNELS = True
 
 
 class LoraBank:
@@ -143,7 +146,7 @@ class LoraBatch(DeltaByTarget):
     ) -> None:
         self.bank, self.index, self.segments = bank, index, segments
         self.kernels = kernels or (_grouped_kernel() if index.is_cuda else None)
-        if step is None and kernels is None and self.kernels is not None:
+        if step is None and kernels is None and self.kernels is not None and STEP_KERNELS:
             step = _step_kernel()
         self.step = step if segments is None else None
         # The step shrink's count per slot: this forward's own (a forward on another stream
@@ -262,11 +265,15 @@ class LoraBatch(DeltaByTarget):
             for shrunk, target, out in outs
             if target in bank.a
         ]
-        gelu = gelu_last and outs[-1][1] in bank.a and len(jobs) >= 2
+        # The step's kernels take a GELU'd output alone too; the per-slot ones in a pair.
+        alone = len(jobs) == 1 and shrink_after is None and self._steps(jobs)
+        gelu = gelu_last and outs[-1][1] in bank.a and (len(jobs) >= 2 or alone)
         group = (shrink_after,)
         # The shrink rides the GELU's launch (always a pair: the GELU'd output second).
         fold = gelu and shrink_after is not None and group in bank.a_groups
-        if gelu and len(jobs) % 2:  # the GELU's output launches second: pair it with the one before
+        if gelu and alone:
+            self._expand_pair(kernels, [jobs.pop()], gelu=True)
+        elif gelu and len(jobs) % 2:  # the GELU'd output launches second: pair it with one before
             self._expand_pair(kernels, [jobs.pop(0)])
         parts = None
         for i in range(0, len(jobs), 2):
@@ -304,16 +311,26 @@ class LoraBatch(DeltaByTarget):
             self._expand_pair(kernels, pair, same_out=len(pair) == 2)
         return out
 
+    def step_fits(self, x: torch.Tensor, shrunk: Shrunk) -> bool:
+        """Whether the step's kernels take the expands of ``shrunk`` (a shrink of ``x``)."""
+        rows = x.numel() // x.shape[-1]
+        step = self.step
+        parts = shrunk.parts.values()
+        return step is not None and bool(parts) and step.fits(rows, *parts)
+
+    def _steps(self, jobs: Sequence[Any]) -> bool:
+        """Whether the step's kernels take these expand targets."""
+        step = self.step
+        t = jobs[0].out.shape[0]
+        return step is not None and step.fits(t, *(job.partials for job in jobs))
+
     def _expand_pair(
         self, kernels: ModuleType, pair: list[Any], gelu: bool = False, same_out: bool = False
     ) -> None:
         """One expand launch: the step's kernels where the step fits them."""
-        step = self.step
-        t = pair[0].out.shape[0]
-        if step is not None and step.fits(t, *(job.partials for job in pair)):
-            step.expand(self.index, *pair, gelu=gelu, same_out=same_out)
-        else:
-            kernels.expand(self.index, *pair, gelu=gelu, same_out=same_out)
+        module = self.step if self._steps(pair) else kernels
+        assert module is not None
+        module.expand(self.index, *pair, gelu=gelu, same_out=same_out)
 
     def _target(
         self, kernels: ModuleType, layer: int, shrunk: Shrunk, target: str, out: torch.Tensor

@@ -16,6 +16,8 @@ while it runs).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -39,13 +41,43 @@ FC2_SHRINK: Literal["expand", "branch", "apart"] = "apart"
 MAX_EXTRA = 0.25
 
 
+# With the decode step's kernels (models/common/lora_step.py) fc1's delta, its GELU and
+# fc2's shrink run on a second stream beside the attention, which needs only qkv: off the
+# critical path of a decode step (the branch product waits for them).
+OVERLAP = True
+
+
 @dataclass(frozen=True)
 class Shrinks:
     """A block's shrinks after `block_inputs`: qkv's, proj's and fc1's over the normed input;
-    fc2's over the hidden layer where the expand computed it (None: `branch` computes it)."""
+    fc2's over the hidden layer where the expand computed it (None: `branch` computes it).
+    ``side``: the stream still computing the hidden layer and fc2's shrink (`branch` waits)."""
 
     shared: Shrunk
     fc2: Shrunk | None = None
+    side: torch.cuda.Stream | None = None
+
+
+_SIDE: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The second stream of ``device``'s decode blocks, made once."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE:
+        _SIDE[index] = torch.cuda.Stream(device=index)
+    return _SIDE[index]
+
+
+@contextlib.contextmanager
+def _on(side: torch.cuda.Stream | None) -> Iterator[None]:
+    """Run the block on ``side`` (after the current stream's work so far), or in place."""
+    if side is None:
+        yield
+        return
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        yield
 
 
 def worth_folding(a: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -68,6 +100,15 @@ def block_inputs(
         qkv, fc1, sums = prod.qkv_and_fc1_shrunk(h, a)
         shared = lora.shrunk(h, group, sums)
     outs = [(shared, "qkv", qkv), (shared, "fc1", fc1)]
+    if FC2_SHRINK == "apart" and OVERLAP and lora.step_fits(h, shared):
+        # qkv's delta first, for the attention; then fc1's, its GELU and fc2's shrink (on a
+        # second stream where there are streams).
+        (qkv,) = lora.expand(layer, outs[:1])
+        side = _side_stream(h.device) if h.is_cuda else None
+        with _on(side):
+            (hidden,) = lora.expand(layer, outs[1:], True)
+            fc2 = lora.shrink(layer, hidden, ("fc2",))
+        return qkv, hidden, Shrinks(shared, fc2, side)
     if FC2_SHRINK == "expand":
         (qkv, hidden), fc2 = lora.expand_then_shrink(layer, outs, "fc2")
     else:
@@ -86,6 +127,8 @@ def branch(
 ) -> torch.Tensor:
     """`BlockProducts.branch_parts` (``partials``; else the finished `BlockProducts.branch`)
     with proj's and fc2's deltas added (into split 0 where the product splits K)."""
+    if shrinks.side is not None:
+        torch.cuda.current_stream().wait_stream(shrinks.side)
     fc2 = shrinks.fc2
     fold = None
     if fc2 is None and FC2_SHRINK == "branch":
