@@ -67,11 +67,11 @@ def _forward(
         for i, prod in enumerate(prods):
             if lora is None:
                 _, hidden = prod.qkv_and_hidden(h)
-                parts = prod.branch_parts(attn, hidden)
+                parts, delta = prod.branch_parts(attn, hidden), None
             else:
                 _, hidden, shrinks = products.block_inputs(prod, lora, i, h)
-                parts = products.branch(prod, lora, i, attn, hidden, shrinks)
-            r, h = prod.add_parts_and_norm(r, parts, norms[(i + 1) % len(norms)])
+                parts, delta = products.branch_and_delta(prod, lora, i, attn, hidden, shrinks)
+            r, h = prod.add_parts_and_norm(r, parts, norms[(i + 1) % len(norms)], delta)
 
     return run
 

@@ -346,6 +346,7 @@ KERNELS = (
             "x_ptr": "*bf16",
             "part_ptr": "*fp32",
             "bias_ptr": "*bf16",
+            "extra_ptr": "*fp32",
             "w_ptr": "*bf16",
             "nb_ptr": "*bf16",
             "sum_ptr": "*bf16",
@@ -354,7 +355,7 @@ KERNELS = (
             "dim": "i32",
             "eps": "fp32",
         },
-        {"SPLITS": 4, "BLOCK": 2048},
+        {"SPLITS": 4, "HAS_EXTRA": True, "BLOCK": 2048},
     ),
     *(
         Kernel(

@@ -141,3 +141,44 @@ def test_fits_takes_one_block_of_tokens_and_one_split(kern: SimpleNamespace) -> 
     assert not step.fits(65, one)
     assert not step.fits(0)
     assert not step.fits(8, lk.Partials(torch.zeros(4, 3, 16)))
+
+
+def test_the_norm_adds_the_deltas_after_the_split_sums() -> None:
+    """`add_partials_layernorm`'s ``extra`` (the adapters' deltas computed beside the branch
+    product): the split sums, the bias, then the extra term, as PyTorch adds them."""
+    from vlm_server.models.common import fused_norm
+    from vlm_server.models.common.layers import LayerNorm
+
+    norm_mod = interpreted(fused_norm)
+    try:
+        g = torch.Generator().manual_seed(3)
+        rows, dim = 5, 48
+        x = torch.randn(rows, dim, generator=g)
+        parts = torch.randn(3, rows, dim, generator=g)
+        bias = torch.randn(dim, generator=g)
+        extra = torch.randn(rows, dim, generator=g)
+        norm = LayerNorm(dim)
+        with torch.no_grad():
+            norm.weight.normal_(generator=g)
+            norm.bias.normal_(generator=g)
+            s, out = norm_mod.add_partials_layernorm(x, parts, bias, norm, extra)
+            branch = bias + parts[0] + parts[1] + parts[2] + extra
+            torch.testing.assert_close(s, x + branch, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(out, norm(x + branch), rtol=1e-5, atol=1e-5)
+            s0, _ = norm_mod.add_partials_layernorm(x, parts, bias, norm)
+            assert not torch.allclose(s0, s)
+    finally:
+        del sys.modules[norm_mod.__name__]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_the_step_expand_takes_a_gelu_output_alone(kern: SimpleNamespace, case: int) -> None:
+    """fc1's delta and its GELU in a launch of their own (qkv's went first, for the
+    attention): the per-slot expand's delta, then the GELU of every row."""
+    index, one, _ = _targets(kern, case, True, False)
+    want, got = one[3].clone(), one[3].clone()
+    kern.lora_kernel.expand(index, kern.lora_kernel.Target(one[0], one[1], one[2], want))
+    u = want.double()
+    want = u / (1 + torch.exp(torch.clamp(-2 * 0.7978845608028654 * (u + 0.044715 * u**3), max=80)))
+    kern.lora_step.expand(index, kern.lora_step.Target(one[0], one[1], one[2], got), gelu=True)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)

@@ -72,6 +72,7 @@ if triton is not None:
         x_ptr,
         part_ptr,
         bias_ptr,
+        extra_ptr,
         w_ptr,
         nb_ptr,
         sum_ptr,
@@ -80,6 +81,7 @@ if triton is not None:
         dim,
         eps,
         SPLITS: tl.constexpr,
+        HAS_EXTRA: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0)
@@ -90,6 +92,8 @@ if triton is not None:
         br = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         for sp in tl.static_range(SPLITS):
             br += tl.load(part_ptr + sp * rows * dim + offs, mask=mask, other=0.0)
+        if HAS_EXTRA:  # one more fp32 term [rows, dim] (an adapter's deltas)
+            br += tl.load(extra_ptr + offs, mask=mask, other=0.0)
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
         s = x + br.to(x_ptr.dtype.element_ty)
         tl.store(sum_ptr + offs, s, mask=mask)
@@ -97,11 +101,16 @@ if triton is not None:
 
 
 def add_partials_layernorm(
-    x: torch.Tensor, parts: torch.Tensor, bias: torch.Tensor, norm: LayerNorm
+    x: torch.Tensor,
+    parts: torch.Tensor,
+    bias: torch.Tensor,
+    norm: LayerNorm,
+    extra: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``s = x + (sum(parts) + bias)`` (the branch rounded to x's dtype) and ``norm(s)``:
-    the split sums of a skinny product (models/common/skinny_gemm.py, [splits, rows, dim]
-    fp32) finished inside the norm's kernel. CUDA with Triton only."""
+    """``s = x + (sum(parts) + bias (+ extra))`` (the branch rounded to x's dtype) and
+    ``norm(s)``: the split sums of a skinny product (models/common/skinny_gemm.py, [splits,
+    rows, dim] fp32) finished inside the norm's kernel; ``extra`` [rows, dim] fp32 contiguous,
+    added last. CUDA with Triton only."""
     dim = x.shape[-1]
     x = x.contiguous()
     rows = x.numel() // dim
@@ -110,6 +119,7 @@ def add_partials_layernorm(
         x,
         parts,
         bias,
+        extra if extra is not None else parts,
         norm.weight,
         norm.bias,
         s,
@@ -118,6 +128,7 @@ def add_partials_layernorm(
         dim,
         LN_EPS,
         SPLITS=parts.shape[0],
+        HAS_EXTRA=extra is not None,
         BLOCK=triton.next_power_of_2(dim),
     )
     return s, out

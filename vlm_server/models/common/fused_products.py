@@ -79,11 +79,18 @@ class BlockProducts:
         return skinny_gemm.skinny_linear(attn, self.w_out, self.b_out, x2=hidden, partials=True)
 
     def add_parts_and_norm(
-        self, x: torch.Tensor, parts: torch.Tensor, norm: LayerNorm
+        self,
+        x: torch.Tensor,
+        parts: torch.Tensor,
+        norm: LayerNorm,
+        extra: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + branch, norm(x + branch)) from `branch_parts`."""
+        """(x + branch, norm(x + branch)) from `branch_parts`; ``extra`` [rows, D] fp32: one
+        more term of the branch (an adapter's deltas)."""
         if parts.dim() == 3:
-            return add_partials_layernorm(x, parts, self.b_out, norm)
+            return add_partials_layernorm(x, parts, self.b_out, norm, extra)
+        if extra is not None:
+            parts = (parts.view(extra.shape).float() + extra).to(parts.dtype)
         return add_layernorm(x, parts.view_as(x), None, norm)
 
 

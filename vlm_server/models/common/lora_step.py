@@ -175,10 +175,13 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         GELU: tl.constexpr,
         SUM: tl.constexpr,
+        ADD: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
         # Programs over output 1's blocks of columns, then output 2's (SUM: output 1's only,
-        # both deltas into it). GELU: output 2 then goes through GELU, every row of it.
+        # both deltas into it). GELU: output 2 then goes through GELU, every row of it. ADD:
+        # into the outputs; else the deltas alone are written (every row: zeros for a row
+        # without an adapter).
         nb = tl.program_id(0)
         ts = tl.arange(0, BLOCK_T)
         idx = tl.load(idx_ptr + ts, mask=ts < T, other=-2)
@@ -210,7 +213,9 @@ if triton is not None:
                 )  # fmt: skip
         keep = (idx >= -1)[:, None] & nmask[None, :]
         at = y_ptr + rows[:, None] * stride_y + ns[None, :]
-        y = tl.load(at, mask=keep, other=0.0).to(tl.float32) + acc
+        y = acc
+        if ADD:
+            y += tl.load(at, mask=keep, other=0.0).to(tl.float32)
         if SUM:
             y += acc2
         y = y.to(y_ptr.dtype.element_ty)  # out + delta rounded once, as the per-slot form
@@ -263,10 +268,14 @@ def expand(
     second: Target | None = None,
     gelu: bool = False,
     same_out: bool = False,
+    add: bool = True,
 ) -> None:
     """lora_kernel's `expand` (without its ``shrink_after``) for a step that `fits`: each
     target's delta added into its ``out`` in place, one launch. ``gelu`` without ``second``:
-    ``first``'s output goes through GELU (lora_kernel's takes a second target for it)."""
+    ``first``'s output goes through GELU (lora_kernel's takes a second target for it).
+    ``add=False``: the deltas written over the outputs instead (each row; their sum where
+    ``same_out``; not with ``gelu``)."""
+    assert add or not gelu
     assert second is not None or not same_out, "sums take a second target"
     assert not (gelu and same_out)
     alone = second is None and gelu  # the GELU'd output only: the kernel's second
@@ -289,5 +298,6 @@ def expand(
         two.partials.slot_cols, p1.stride(0), p2.stride(0), first.b.stride(0),
         first.b.stride(1), two.b.stride(0), two.b.stride(1), one.stride(0), two.out.stride(0),
         R=r, BLOCK_T=_block_t(t), BLOCK_R=max(16, triton.next_power_of_2(r)), BLOCK_N=block_n,
-        GELU=gelu, SUM=same_out, PRECISION=_precision(first.b.dtype), num_warps=WARPS,
+        GELU=gelu, SUM=same_out, ADD=add, PRECISION=_precision(first.b.dtype),
+        num_warps=WARPS,
     )  # fmt: skip

@@ -311,6 +311,24 @@ class LoraBatch(DeltaByTarget):
             self._expand_pair(kernels, pair, same_out=len(pair) == 2)
         return out
 
+    def delta_sum(
+        self, layer: int, terms: Sequence[tuple[Shrunk, str]], width: int
+    ) -> torch.Tensor | None:
+        """The deltas of ``terms`` summed, alone: [T, width] fp32 (zeros on rows without an
+        adapter), one launch of the step's kernels; None where they do not take it."""
+        kernels = self.kernels
+        terms = [(s, t) for s, t in terms if t in self.bank.a]
+        if kernels is None or len(terms) != 2 or not all(s.parts for s, _ in terms):
+            return None
+        rows = self.index.shape[0]
+        out = torch.empty(rows, width, dtype=torch.float32, device=self.index.device)
+        jobs = [self._target(kernels, layer, s, t, out) for s, t in terms]
+        if not self._steps(jobs):
+            return None
+        assert self.step is not None
+        self.step.expand(self.index, *jobs, same_out=True, add=False)
+        return out
+
     def step_fits(self, x: torch.Tensor, shrunk: Shrunk) -> bool:
         """Whether the step's kernels take the expands of ``shrunk`` (a shrink of ``x``)."""
         rows = x.numel() // x.shape[-1]

@@ -41,9 +41,12 @@ FC2_SHRINK: Literal["expand", "branch", "apart"] = "apart"
 MAX_EXTRA = 0.25
 
 
-# With the decode step's kernels (models/common/lora_step.py) fc1's delta, its GELU and
-# fc2's shrink run on a second stream beside the attention, which needs only qkv: off the
-# critical path of a decode step (the branch product waits for them).
+# With the decode step's kernels (models/common/lora_step.py) fc1's delta with its GELU, then
+# fc2's shrink and proj's and fc2's deltas (into a buffer of their own, which the next norm
+# adds) run on a second stream beside the attention and the branch product: the attention
+# needs only qkv's delta, the branch product only the hidden layer. 32 rows over 8 rank-32
+# adapters, H100 (bench/lora_variants.py): 1.198x the period without adapters in one stream,
+# 1.181x with fc1's delta and fc2's shrink beside the attention.
 OVERLAP = True
 
 
@@ -56,6 +59,8 @@ class Shrinks:
     shared: Shrunk
     fc2: Shrunk | None = None
     side: torch.cuda.Stream | None = None
+    hidden_ready: torch.cuda.Event | None = None  # on ``side``: the hidden layer is done
+    delta: torch.Tensor | None = None  # proj's and fc2's deltas summed [rows, D] fp32
 
 
 _SIDE: dict[int, torch.cuda.Stream] = {}
@@ -105,10 +110,15 @@ def block_inputs(
         # second stream where there are streams).
         (qkv,) = lora.expand(layer, outs[:1])
         side = _side_stream(h.device) if h.is_cuda else None
+        ready = None
         with _on(side):
             (hidden,) = lora.expand(layer, outs[1:], True)
+            if side is not None:
+                ready = torch.cuda.Event()
+                ready.record(side)
             fc2 = lora.shrink(layer, hidden, ("fc2",))
-        return qkv, hidden, Shrinks(shared, fc2, side)
+            delta = lora.delta_sum(layer, [(shared, "proj"), (fc2, "fc2")], prod.w_out.shape[0])
+        return qkv, hidden, Shrinks(shared, fc2, side, ready, delta)
     if FC2_SHRINK == "expand":
         (qkv, hidden), fc2 = lora.expand_then_shrink(layer, outs, "fc2")
     else:
@@ -127,8 +137,37 @@ def branch(
 ) -> torch.Tensor:
     """`BlockProducts.branch_parts` (``partials``; else the finished `BlockProducts.branch`)
     with proj's and fc2's deltas added (into split 0 where the product splits K)."""
-    if shrinks.side is not None:
-        torch.cuda.current_stream().wait_stream(shrinks.side)
+    parts, delta = branch_and_delta(prod, lora, layer, attn, hidden, shrinks, partials)
+    if delta is None:
+        return parts
+    if partials and parts.dim() == 3:
+        parts[0] += delta
+        return parts
+    return (parts.view(delta.shape).float() + delta).to(parts.dtype).view_as(parts)
+
+
+def branch_and_delta(
+    prod: BlockProducts,
+    lora: LoraBatch,
+    layer: int,
+    attn: torch.Tensor,
+    hidden: torch.Tensor,
+    shrinks: Shrinks,
+    partials: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`branch`, but where `block_inputs` computed proj's and fc2's deltas apart, the branch
+    without them and those deltas ([rows, D] fp32, ready on the current stream): the next
+    norm adds them (`BlockProducts.add_parts_and_norm`'s ``extra``)."""
+    main = torch.cuda.current_stream() if shrinks.side is not None else None
+    if main is not None and shrinks.delta is not None and shrinks.hidden_ready is not None:
+        main.wait_event(shrinks.hidden_ready)  # the branch needs the hidden layer only
+    elif main is not None:
+        main.wait_stream(shrinks.side)
+    if shrinks.delta is not None:
+        parts = prod.branch_parts(attn, hidden) if partials else prod.branch(attn, hidden)
+        if main is not None:
+            main.wait_stream(shrinks.side)  # the deltas, after the branch's own launch
+        return parts, shrinks.delta
     fc2 = shrinks.fc2
     fold = None
     if fc2 is None and FC2_SHRINK == "branch":
@@ -143,4 +182,4 @@ def branch(
     # Split sums [splits, rows, D] take the deltas into split 0; a finished branch, itself.
     into = parts[0] if partials and parts.dim() == 3 else parts
     lora.expand_sum(layer, [(shrinks.shared, "proj"), (fc2, "fc2")], into)
-    return parts
+    return parts, None

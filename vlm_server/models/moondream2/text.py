@@ -224,8 +224,8 @@ class TextDecoder(nn.Module):
             elif last:
                 x = x + lora_products.branch(prod, lora, i, attn, hidden, shrinks, partials=False)
             else:
-                parts = lora_products.branch(prod, lora, i, attn, hidden, shrinks)
-                x, h = prod.add_parts_and_norm(x, parts, blocks[i + 1].ln)
+                parts, delta = lora_products.branch_and_delta(prod, lora, i, attn, hidden, shrinks)
+                x, h = prod.add_parts_and_norm(x, parts, blocks[i + 1].ln, delta)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
