@@ -233,7 +233,7 @@ KERNELS = (
         )
     ),
     # The decode step's forms: fc2's shrink finishing its splits; the expand over the slots
-    # with the GELU, and two deltas summed into fp32 split sums.
+    # with the GELU, and two deltas summed into a buffer of their own (fp32).
     Kernel(
         _STEP,
         "_step_shrink_kernel",
@@ -244,13 +244,19 @@ KERNELS = (
         _STEP,
         "_step_expand_kernel",
         _STEP_EXPAND,
-        {**_GROUP_BLOCKS, "R": 32, "BLOCK_R": 32, "BLOCK_N": 64, "GELU": True, "SUM": False},
+        {
+            **_GROUP_BLOCKS,
+            **{"R": 32, "BLOCK_R": 32, "BLOCK_N": 64, "GELU": True, "SUM": False, "ADD": True},
+        },
     ),
     Kernel(
         _STEP,
         "_step_expand_kernel",
         {**_STEP_EXPAND, "y1_ptr": "*fp32", "y2_ptr": "*fp32"},
-        {**_GROUP_BLOCKS, "R": 32, "BLOCK_R": 32, "BLOCK_N": 16, "GELU": False, "SUM": True},
+        {
+            **_GROUP_BLOCKS,
+            **{"R": 32, "BLOCK_R": 32, "BLOCK_N": 16, "GELU": False, "SUM": True, "ADD": False},
+        },
     ),
     *(
         kernel
