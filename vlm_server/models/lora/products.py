@@ -4,10 +4,10 @@ fused_products.py), with the shrinks riding the products and the expand.
 The product over the normed input computes, beside QKV and fc1, that input times every
 resident slot's stacked A of qkv, proj and fc1 (models/common/skinny_gemm.py's extra columns):
 the input is read once, the A's stream at the product's bandwidth and the shrink's launch is
-gone. Each token's expand then reads its own slot's columns (models/common/lora_kernel.py).
-That expand, which finishes the hidden layer (fc1's delta, then GELU), also multiplies each
-finished tile by its rows' slot's A of fc2: fc2's shrink without a launch of its own. Per
-block the adapters then add two launches (the two expands) instead of four.
+gone. Each token's expand then reads its own slot's columns (models/common/lora_kernel.py;
+in a decode step models/common/lora_step.py). Where fc2's shrink runs is `FC2_SHRINK`'s; by
+default (`OVERLAP`) a decode step computes qkv's delta first, for the attention, and the rest
+of the adapter work on a second stream beside the attention and the branch product.
 
 Every slot's columns are computed, used or not: a slot being written meanwhile yields garbage
 only in its own columns, which no token of this batch reads (a token's slot is never written
@@ -45,8 +45,9 @@ MAX_EXTRA = 0.25
 # fc2's shrink and proj's and fc2's deltas (into a buffer of their own, which the next norm
 # adds) run on a second stream beside the attention and the branch product: the attention
 # needs only qkv's delta, the branch product only the hidden layer. 32 rows over 8 rank-32
-# adapters, H100 (bench/lora_variants.py): 1.198x the period without adapters in one stream,
-# 1.181x with fc1's delta and fc2's shrink beside the attention.
+# adapters, H100 (bench/lora_variants.py), the period over that without adapters: 1.198x in
+# one stream, 1.181x with fc1's delta and fc2's shrink beside the attention, 1.119x with
+# proj's and fc2's deltas there too.
 OVERLAP = True
 
 
@@ -54,7 +55,8 @@ OVERLAP = True
 class Shrinks:
     """A block's shrinks after `block_inputs`: qkv's, proj's and fc1's over the normed input;
     fc2's over the hidden layer where the expand computed it (None: `branch` computes it).
-    ``side``: the stream still computing the hidden layer and fc2's shrink (`branch` waits)."""
+    ``side``: the stream still computing the hidden layer, fc2's shrink and ``delta``
+    (`branch_and_delta` waits for it)."""
 
     shared: Shrunk
     fc2: Shrunk | None = None
@@ -67,11 +69,13 @@ _SIDE: dict[int, torch.cuda.Stream] = {}
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The second stream of ``device``'s decode blocks, made once."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE:
-        _SIDE[index] = torch.cuda.Stream(device=index)
-    return _SIDE[index]
+    """The second stream beside the current one (made once per stream: forwards on two
+    streams never wait for each other's adapter work)."""
+    main = torch.cuda.current_stream(device)
+    side = _SIDE.get(main.cuda_stream)
+    if side is None:
+        side = _SIDE.setdefault(main.cuda_stream, torch.cuda.Stream(device=main.device))
+    return side
 
 
 @contextlib.contextmanager
