@@ -56,6 +56,13 @@ PREFILL = (
     ExpertTiles(64, Tile(128, 64, 8, 3), Tile(128, 64, 8, 3)),
     ExpertTiles(64, Tile(128, 64, 8, 4), Tile(128, 128, 8, 3)),
     ExpertTiles(128, Tile(128, 64, 8, 3), Tile(128, 64, 8, 3)),
+    # Wider K steps and wider tiles: fewer, longer programs for image prefixes
+    ExpertTiles(128, Tile(128, 128, 8, 3), Tile(128, 128, 8, 3)),
+    ExpertTiles(128, Tile(256, 64, 8, 3), Tile(256, 64, 8, 3)),
+    ExpertTiles(128, Tile(128, 64, 8, 4), Tile(128, 128, 8, 3)),
+    ExpertTiles(64, Tile(128, 128, 8, 3), Tile(128, 128, 8, 3)),
+    ExpertTiles(128, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
+    ExpertTiles(128, Tile(128, 128, 8, 4), Tile(128, 128, 8, 4)),
 )
 
 
