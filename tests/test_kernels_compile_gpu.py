@@ -81,6 +81,7 @@ _EXPAND = {
 _GROUP_SHRINK = {
     "x_ptr": "*bf16", "a_ptr": "*bf16", "idx_ptr": "*i32", "v_ptr": "*fp32", "T": "i32",
     "K": "i32", "stride_xt": "i32", "stride_as": "i32", "stride_ar": "i32",
+    "sum_ptr": "*fp32", "count_ptr": "*i32",
 }  # fmt: skip
 _GROUP_EXPAND = {
     "v1_ptr": "*fp32", "b1_ptr": "*bf16", "y1_ptr": "*bf16", "v2_ptr": "*fp32",
@@ -94,11 +95,6 @@ _GROUP_EXPAND = {
 }  # fmt: skip
 _GROUP_BLOCKS = {"BLOCK_T": 32, "PRECISION": "tf32"}
 _STEP = "vlm_server.models.common.lora_step"
-_STEP_SHRINK = {
-    "x_ptr": "*bf16", "a_ptr": "*bf16", "idx_ptr": "*i32", "parts_ptr": "*fp32",
-    "v_ptr": "*fp32", "count_ptr": "*i32", "T": "i32", "K": "i32", "stride_xt": "i32",
-    "stride_as": "i32", "stride_ar": "i32",
-}  # fmt: skip
 _STEP_EXPAND = {
     "v1_ptr": "*fp32", "b1_ptr": "*bf16", "y1_ptr": "*bf16", "v2_ptr": "*fp32",
     "b2_ptr": "*bf16", "y2_ptr": "*bf16", "idx_ptr": "*i32", "T": "i32", "n_slots": "i32",
@@ -206,13 +202,24 @@ KERNELS = (
         _LORA,
         "_group_shrink_kernel",
         _GROUP_SHRINK,
-        {**_GROUP_BLOCKS, "R": 96, "BLOCK_R": 128, "BLOCK_K": 64, "ITERS": 2, "SPLITS": 16},
+        {
+            **_GROUP_BLOCKS,
+            **{"R": 96, "BLOCK_R": 128, "BLOCK_K": 64, "ITERS": 2, "SPLITS": 16},
+            "REDUCE": False,
+        },
     ),
-    Kernel(
-        _LORA,
-        "_group_shrink_kernel",
-        _GROUP_SHRINK,
-        {**_GROUP_BLOCKS, "R": 32, "BLOCK_R": 32, "BLOCK_K": 128, "ITERS": 4, "SPLITS": 16},
+    *(
+        Kernel(
+            _LORA,
+            "_group_shrink_kernel",
+            _GROUP_SHRINK,
+            {
+                **_GROUP_BLOCKS,
+                **{"R": 32, "BLOCK_R": 32, "BLOCK_K": 128, "ITERS": 4, "SPLITS": 16},
+                "REDUCE": reduce,  # a decode step's: the splits summed in the launch
+            },
+        )
+        for reduce in (False, True)
     ),
     *(
         Kernel(
@@ -232,14 +239,8 @@ KERNELS = (
             (False, True, False),
         )
     ),
-    # The decode step's forms: fc2's shrink finishing its splits; the expand over the slots
-    # with the GELU, and two deltas summed into a buffer of their own (fp32).
-    Kernel(
-        _STEP,
-        "_step_shrink_kernel",
-        _STEP_SHRINK,
-        {**_GROUP_BLOCKS, "R": 32, "BLOCK_R": 32, "BLOCK_K": 128, "ITERS": 4, "SPLITS": 16},
-    ),
+    # The decode step's expand over the slots: with the GELU, and two deltas summed into a
+    # buffer of their own (fp32).
     Kernel(
         _STEP,
         "_step_expand_kernel",

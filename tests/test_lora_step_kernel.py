@@ -1,9 +1,9 @@
-"""The decode step's grouped LoRA kernels (models/common/lora_step.py) against the per-slot
-ones (models/common/lora_kernel.py) on the CPU through Triton's interpreter:
-the shrink that finishes its own split sums, and the expand whose programs loop over the
-slots, with GELU, summed deltas, shrinks over every slot's columns, uneven slots and rows
-without an adapter. fp32 (the interpreter's bf16 products are not NumPy's). The compiled
-kernels run the decoder's GPU tests (test_adapters_gpu.py)."""
+"""The decode step's grouped LoRA kernels against the per-slot ones (models/common/
+lora_kernel.py) on the CPU through Triton's interpreter: lora_kernel's shrink that finishes its
+own split sums, and models/common/lora_step.py's expand whose programs loop over the slots,
+with GELU, summed deltas, shrinks over every slot's columns, uneven slots and rows without an
+adapter; the norm that adds the deltas computed apart. fp32 (the interpreter's bf16 products
+are not NumPy's). The compiled kernels run the decoder's GPU tests (test_adapters_gpu.py)."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def _ordered(parts: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_the_step_shrink_equals_the_per_slot_shrink_summed(
+def test_the_shrink_summing_its_splits_equals_the_splits_summed(
     kern: SimpleNamespace, case: int
 ) -> None:
     t, slots, r, k, _, _ = CASES[case]
@@ -66,13 +66,13 @@ def test_the_step_shrink_equals_the_per_slot_shrink_summed(
     a = torch.randn(slots, r + 3, k, generator=g)[:, 1 : r + 1]  # strided like a bank's group
     index = _index(t, slots, g)
     count = torch.zeros(slots + 2, dtype=torch.int32)
-    got = kern.lora_step.shrink(x, a, index, count)
+    got = kern.lora_kernel.shrink(x, a, index, count)
     want = _ordered(kern.lora_kernel.shrink(x, a, index).parts)
     rows = index >= 0
     assert got.splits == 1
     assert torch.equal(got.parts[rows], want[rows])
     assert torch.equal(count, torch.zeros_like(count))  # left ready for the next launch
-    again = kern.lora_step.shrink(x, a, index, count)
+    again = kern.lora_kernel.shrink(x, a, index, count)
     assert torch.equal(again.parts[rows], got.parts[rows])
 
 

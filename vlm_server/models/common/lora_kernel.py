@@ -166,6 +166,8 @@ if triton is not None:
         a_ptr,
         idx_ptr,
         v_ptr,
+        sum_ptr,
+        count_ptr,
         T,
         K,
         stride_xt,
@@ -177,8 +179,12 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         ITERS: tl.constexpr,
         SPLITS: tl.constexpr,
+        REDUCE: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
+        # REDUCE (one block of tokens): the last of a slot's programs to finish (a count per
+        # slot) sums its splits in split order into ``sum_ptr`` [T, BLOCK_R]: the expands then
+        # read one split instead of summing them in every program.
         slot = tl.program_id(0)
         ts = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
         split = tl.program_id(2)
@@ -206,6 +212,19 @@ if triton is not None:
             # expand never reads them).
             at = v_ptr + (rows[:, None] * SPLITS + split) * BLOCK_R + rs[None, :]
             tl.store(at, acc, mask=mine[:, None])
+            if REDUCE:
+                # Every thread's split stored before the count (whose release covers them).
+                tl.debug_barrier()
+                done = tl.atomic_add(count_ptr + slot, 1, sem="acq_rel")
+                tl.debug_barrier()
+                if done == SPLITS - 1:
+                    v = tl.full((BLOCK_T, BLOCK_R), 0.0, tl.float32)
+                    for s in range(SPLITS):
+                        at = v_ptr + (rows[:, None] * SPLITS + s) * BLOCK_R + rs[None, :]
+                        v += tl.load(at, mask=mine[:, None], other=0.0, cache_modifier=".cg")
+                    out = sum_ptr + rows[:, None] * BLOCK_R + rs[None, :]
+                    tl.store(out, v, mask=mine[:, None])
+                    tl.atomic_xchg(count_ptr + slot, 0)  # ready for the next launch
 
     @triton.jit
     def _group_expand_kernel(
@@ -370,6 +389,7 @@ SPLITS_MAX = 16  # K split over up to this many programs per (slot, block of tok
 SPLIT_PROGRAMS = 64  # splits per slot over all blocks of tokens, beyond which fewer splits
 STAGE_BYTES = 64 << 10  # the shrink's operand tiles, all pipeline stages (fits sm_86/89)
 STAGES = 2
+REDUCE_STAGES = 4  # a shrink that sums its own splits (a decode step's): its pipeline depth
 # Columns of the second output per program of an expand that shrinks after it: fc2's shrink
 # then comes in D_ff / SHRINK_COLS splits (16 at moondream2's 8192), each a [rows, rank] fp32
 # load that every program of the expand adding fc2's delta sums. Wider: fewer splits to sum,
@@ -404,23 +424,37 @@ def shrink_shape(t: int, k: int, r: int, itemsize: int) -> tuple[int, int, int, 
     return block_t, block_r, block_k, iters, triton.cdiv(n_k, iters)  # no split without K
 
 
-def shrink(x: torch.Tensor, a: torch.Tensor, index: torch.Tensor) -> Partials:
+def shrink(
+    x: torch.Tensor, a: torch.Tensor, index: torch.Tensor, count: torch.Tensor | None = None
+) -> Partials:
     """``x`` [T, K]; ``a`` [S, R, K] (one layer of the stacked A's, last dim contiguous; R may
-    stack several targets' ranks); ``index`` [T] int32 slots (-1: none)."""
+    stack several targets' ranks); ``index`` [T] int32 slots (-1: none). ``count`` (one
+    block of tokens, T <= 64: int32 zeros, one per slot, left zeros; two launches must not
+    share it at once): the splits summed in the launch, in split order (one split returned;
+    its pipeline deeper where it fits `STAGE_BYTES`)."""
     t, k = x.shape
     r = a.shape[1]
     assert a.stride(2) == 1 and a.dtype == x.dtype, "A in the activation dtype, K contiguous"
     x = x if x.stride(1) == 1 else x.contiguous()
     block_t, block_r, block_k, iters, splits = shrink_shape(t, k, r, x.element_size())
     parts = torch.empty(t, splits, block_r, dtype=torch.float32, device=x.device)
+    out, stages = parts, STAGES
+    if count is not None:
+        assert t <= block_t and count.numel() >= a.shape[0] and count.dtype == torch.int32
+        out = torch.empty(t, 1, block_r, dtype=torch.float32, device=x.device)
+        # Each split's K blocks all in flight (two stages waited on each in turn: fc2's
+        # shrink at 32 rows took 5.9 -> 4.5 us on an H100 with four).
+        stage = (block_t + block_r) * block_k * x.element_size()
+        stages = max(STAGES, min(REDUCE_STAGES, STAGE_BYTES // stage))
     if t:
         grid = (a.shape[0], triton.cdiv(t, block_t), splits)
         _group_shrink_kernel[grid](
-            x, a, index, parts, t, k, x.stride(0), a.stride(0), a.stride(1),
-            R=r, BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=block_k, ITERS=iters,
-            SPLITS=splits, PRECISION=_precision(a.dtype), num_stages=STAGES,
+            x, a, index, parts, out, count if count is not None else index, t, k, x.stride(0),
+            a.stride(0), a.stride(1), R=r, BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=block_k,
+            ITERS=iters, SPLITS=splits, REDUCE=count is not None,
+            PRECISION=_precision(a.dtype), num_stages=stages,
         )  # fmt: skip
-    return Partials(parts)
+    return Partials(out)
 
 
 def expand(

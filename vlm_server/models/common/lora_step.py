@@ -1,28 +1,25 @@
-"""Grouped LoRA for one decode step (at most 64 tokens, Triton, CUDA): the same deltas as
-models/common/lora_kernel.py's per-slot `shrink` and `expand` (the shrink's sums bit for bit, the
-for few rows.
+"""Grouped LoRA's expand for one decode step (at most 64 tokens, Triton, CUDA): the deltas of
+models/common/lora_kernel.py's per-slot `expand` (the same sums; a product's terms may be
+ordered by the tile's width, the last bit may differ) in a launch shaped for few rows.
 
-* `expand`: one program per block of output columns, looping over the slots. Each slot's B
-  tile is read once (not at all for a slot no token holds: its loads are masked off) and its
-  product with the rows of that slot added; rows without an adapter take the GELU alone. The
-  per-slot form's grid of (slots + 1) x column blocks, most programs waiting on one token
-  index each, took twice as long at 32 rows over 8 slots (H100, bench/lora_block_probe.py).
-* `shrink`: the per-slot form's programs over splits of K, and the last program of a slot to
-  finish (an atomic count per slot) sums the slot's splits in split order into one partial
-  product: the expands read one split instead of summing sixteen, which they did for every
-  one of their programs.
+One program per block of output columns loops over the slots: each slot's B tile is read once
+(not at all for a slot no token holds: its loads are masked off) and its product with the
+rows of that slot added; rows without an adapter take the GELU alone. The per-slot form's grid
+of (slots + 1) x column blocks, most programs waiting on one token index each, took 8.5 us
+for qkv's and fc1's deltas at 32 rows over 8 slots against 7.5 here (H100,
+bench/lora_block_probe.py). The expand reads each shrink as one split: lora_kernel's `shrink`
+with a count sums its own splits in a decode step.
 
-Both read the slots on the device and launch grids that depend only on the shapes, so a CUDA
-graph captures them. Kept apart from lora_kernel.py (its own small helpers included): Triton's
-interpreter runs each module as its own copy in the CPU tests, and a copy cannot call another
-module's jitted helpers.
+The grid depends only on the shapes, so a CUDA graph captures it. Kept apart from
+lora_kernel.py (its own small helpers included): Triton's interpreter runs each module as its
+own copy in the CPU tests, and a copy cannot call another module's jitted helpers.
 """
 
 from __future__ import annotations
 
 import torch
 
-from vlm_server.models.common.lora_kernel import Partials, Target, shrink_shape
+from vlm_server.models.common.lora_kernel import Partials, Target
 
 try:
     import triton
@@ -33,10 +30,6 @@ except ImportError:  # the CPU path needs no Triton
 
 AVAILABLE = triton is not None
 MAX_TOKENS = 64  # one block of tokens: every program sees the whole step
-# The shrink's pipeline stages (lora_kernel's two waited on each K block in turn), within
-# this many bytes of operand tiles (64 KiB: fits sm_86/89).
-STAGES = 4
-STAGE_BYTES = 64 << 10
 # The expand's columns per program: about this many programs over both outputs (a wave or
 # two of an H100's 132 SMs), 16 to 128 columns each.
 PROGRAMS = 256
@@ -59,64 +52,6 @@ if triton is not None:
     def _any(mask):
         """Whether any lane of the 1-d ``mask`` is set (a scalar)."""
         return tl.reduce(mask.to(tl.int32), 0, _larger) > 0
-
-    @triton.jit
-    def _step_shrink_kernel(
-        x_ptr,
-        a_ptr,
-        idx_ptr,
-        parts_ptr,
-        v_ptr,
-        count_ptr,
-        T,
-        K,
-        stride_xt,
-        stride_as,
-        stride_ar,
-        R: tl.constexpr,
-        BLOCK_T: tl.constexpr,
-        BLOCK_R: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        ITERS: tl.constexpr,
-        SPLITS: tl.constexpr,
-        PRECISION: tl.constexpr,
-    ):
-        slot = tl.program_id(0)
-        split = tl.program_id(1)
-        ts = tl.arange(0, BLOCK_T)
-        mine = tl.load(idx_ptr + ts, mask=ts < T, other=-1) == slot
-        if _any(mine):
-            rows = ts.to(tl.int64)
-            rs = tl.arange(0, BLOCK_R)
-            a_slot = a_ptr + slot.to(tl.int64) * stride_as
-            acc = tl.full((BLOCK_T, BLOCK_R), 0.0, tl.float32)
-            for i in range(ITERS):
-                ks = (split * ITERS + i) * BLOCK_K + tl.arange(0, BLOCK_K)
-                kmask = ks < K
-                x = tl.load(
-                    x_ptr + rows[:, None] * stride_xt + ks[None, :],
-                    mask=mine[:, None] & kmask[None, :],
-                    other=0.0,
-                )
-                a = tl.load(
-                    a_slot + rs[:, None] * stride_ar + ks[None, :],
-                    mask=(rs[:, None] < R) & kmask[None, :],
-                    other=0.0,
-                )
-                acc = tl.dot(x, tl.trans(a), acc, input_precision=PRECISION)
-            at = parts_ptr + (rows[:, None] * SPLITS + split) * BLOCK_R + rs[None, :]
-            tl.store(at, acc, mask=mine[:, None])
-            # Every thread's split stored before the count (the release below covers them).
-            tl.debug_barrier()
-            done = tl.atomic_add(count_ptr + slot, 1, sem="acq_rel")
-            tl.debug_barrier()
-            if done == SPLITS - 1:  # the slot's last program: the splits in order
-                v = tl.full((BLOCK_T, BLOCK_R), 0.0, tl.float32)
-                for s in range(SPLITS):
-                    at = parts_ptr + (rows[:, None] * SPLITS + s) * BLOCK_R + rs[None, :]
-                    v += tl.load(at, mask=mine[:, None], other=0.0, cache_modifier=".cg")
-                tl.store(v_ptr + rows[:, None] * BLOCK_R + rs[None, :], v, mask=mine[:, None])
-                tl.atomic_xchg(count_ptr + slot, 0)  # ready for the next launch
 
     @triton.jit
     def _lowrank(
@@ -236,30 +171,6 @@ def _precision(dtype: torch.dtype) -> str:
 
 def _block_t(t: int) -> int:
     return min(MAX_TOKENS, max(16, triton.next_power_of_2(t)))
-
-
-def shrink(x: torch.Tensor, a: torch.Tensor, index: torch.Tensor, count: torch.Tensor) -> Partials:
-    """``x`` [T, K] (T <= `MAX_TOKENS`); ``a`` [S, R, K] (K contiguous); ``index`` [T] int32
-    slots (-1: none); ``count`` [>= S] int32 zeros, left zeros (one per slot: two launches
-    must not share it at once) -> the partial products [T, 1, block_r] fp32, summed over K
-    in the per-slot form's order (rows without an adapter left unwritten)."""
-    t, k = x.shape
-    r = a.shape[1]
-    assert 0 < t <= MAX_TOKENS and a.stride(2) == 1 and a.dtype == x.dtype
-    assert count.numel() >= a.shape[0] and count.dtype == torch.int32
-    x = x if x.stride(1) == 1 else x.contiguous()
-    # lora_kernel's shape: the same sums in the same order.
-    block_t, block_r, block_k, iters, splits = shrink_shape(t, k, r, x.element_size())
-    stage = (block_t + block_r) * block_k * x.element_size()
-    stages = max(1, min(STAGES, STAGE_BYTES // stage))
-    parts = torch.empty(t, splits, block_r, dtype=torch.float32, device=x.device)
-    v = torch.empty(t, 1, block_r, dtype=torch.float32, device=x.device)
-    _step_shrink_kernel[(a.shape[0], splits)](
-        x, a, index, parts, v, count, t, k, x.stride(0), a.stride(0), a.stride(1),
-        R=r, BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=block_k, ITERS=iters, SPLITS=splits,
-        PRECISION=_precision(a.dtype), num_stages=stages,
-    )  # fmt: skip
-    return Partials(v)
 
 
 def expand(

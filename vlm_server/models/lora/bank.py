@@ -149,8 +149,8 @@ class LoraBatch(DeltaByTarget):
         if step is None and kernels is None and self.kernels is not None and STEP_KERNELS:
             step = _step_kernel()
         self.step = step if segments is None else None
-        # The step shrink's count per slot: this forward's own (a forward on another stream
-        # must not share it), made zero once and left zero by every launch.
+        # A decode step's shrink's count per slot: this forward's own (a forward on another
+        # stream must not share it), made zero once and left zero by every launch.
         self._count: torch.Tensor | None = None
 
     def add(self, layer: int, target: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -193,15 +193,15 @@ class LoraBatch(DeltaByTarget):
         flat = x.reshape(-1, x.shape[-1])
         groups = dict.fromkeys(self.bank.group_of[t][0] for t in targets if t in self.bank.a)
         a = self.bank.a_groups
+        count = None
         step = self.step
         if step is not None and step.fits(flat.shape[0]):
+            # A decode step: the shrink sums its own splits, for the step's expand.
             if self._count is None:
                 self._count = torch.zeros(self.bank.n_slots, dtype=torch.int32, device=x.device)
             count = self._count
-            return Shrunk(
-                x, {g: step.shrink(flat, a[g][:, layer], self.index, count) for g in groups}
-            )
-        return Shrunk(x, {g: kernels.shrink(flat, a[g][:, layer], self.index) for g in groups})
+        index, extra = self.index, () if count is None else (count,)
+        return Shrunk(x, {g: kernels.shrink(flat, a[g][:, layer], index, *extra) for g in groups})
 
     def shrink_weights(
         self, layer: int, targets: tuple[str, ...]
