@@ -90,8 +90,13 @@ class BlockProducts:
         if parts.dim() == 3:
             return add_partials_layernorm(x, parts, self.b_out, norm, extra)
         if extra is not None:
-            parts = (parts.view(extra.shape).float() + extra).to(parts.dtype)
+            parts = with_extra(parts, extra)
         return add_layernorm(x, parts.view_as(x), None, norm)
+
+
+def with_extra(branch: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+    """A finished branch plus ``extra`` ([rows, D] fp32: an adapter's deltas), rounded once."""
+    return (branch.view(extra.shape).float() + extra).to(branch.dtype).view_as(branch)
 
 
 def stack_block(qkv: nn.Linear, fc1: nn.Linear, proj: nn.Linear, fc2: nn.Linear) -> BlockProducts:

@@ -23,7 +23,7 @@ from typing import Literal
 
 import torch
 
-from vlm_server.models.common.fused_products import BlockProducts
+from vlm_server.models.common.fused_products import BlockProducts, with_extra
 from vlm_server.models.lora.bank import LoraBatch, Shrunk
 
 SHARED = ("qkv", "proj", "fc1")  # the targets reading the block's normed input
@@ -137,17 +137,11 @@ def branch(
     attn: torch.Tensor,
     hidden: torch.Tensor,
     shrinks: Shrinks,
-    partials: bool = True,
 ) -> torch.Tensor:
-    """`BlockProducts.branch_parts` (``partials``; else the finished `BlockProducts.branch`)
-    with proj's and fc2's deltas added (into split 0 where the product splits K)."""
-    parts, delta = branch_and_delta(prod, lora, layer, attn, hidden, shrinks, partials)
-    if delta is None:
-        return parts
-    if partials and parts.dim() == 3:
-        parts[0] += delta
-        return parts
-    return (parts.view(delta.shape).float() + delta).to(parts.dtype).view_as(parts)
+    """The finished `BlockProducts.branch` with proj's and fc2's deltas added: the last
+    block's, which no next norm finishes."""
+    out, delta = branch_and_delta(prod, lora, layer, attn, hidden, shrinks, partials=False)
+    return out if delta is None else with_extra(out, delta)
 
 
 def branch_and_delta(
@@ -159,9 +153,11 @@ def branch_and_delta(
     shrinks: Shrinks,
     partials: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`branch`, but where `block_inputs` computed proj's and fc2's deltas apart, the branch
-    without them and those deltas ([rows, D] fp32, ready on the current stream): the next
-    norm adds them (`BlockProducts.add_parts_and_norm`'s ``extra``)."""
+    """`BlockProducts.branch_parts` (``partials``; else the finished `BlockProducts.branch`)
+    with proj's and fc2's deltas added (into split 0 where the product splits K); or, where
+    `block_inputs` computed those deltas apart, the branch without them and the deltas
+    ([rows, D] fp32, ready on the current stream) for the next norm to add
+    (`BlockProducts.add_parts_and_norm`'s ``extra``)."""
     main = torch.cuda.current_stream() if shrinks.side is not None else None
     if main is not None and shrinks.delta is not None and shrinks.hidden_ready is not None:
         main.wait_event(shrinks.hidden_ready)  # the branch needs the hidden layer only

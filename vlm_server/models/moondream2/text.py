@@ -222,7 +222,7 @@ class TextDecoder(nn.Module):
                 else:
                     x, h = prod.add_branch_and_norm(x, attn, hidden, blocks[i + 1].ln)
             elif last:
-                x = x + lora_products.branch(prod, lora, i, attn, hidden, shrinks, partials=False)
+                x = x + lora_products.branch(prod, lora, i, attn, hidden, shrinks)
             else:
                 parts, delta = lora_products.branch_and_delta(prod, lora, i, attn, hidden, shrinks)
                 x, h = prod.add_parts_and_norm(x, parts, blocks[i + 1].ln, delta)
