@@ -106,9 +106,11 @@ async def run_case(
     task: str = "caption",
     fused_decode: bool = True,
     observer: StepRecorder | None = None,
+    launch_overlap: bool = True,
 ) -> dict:
     cfg = EngineConfig(
         fused_decode=fused_decode,
+        launch_overlap=launch_overlap,
         pipeline_depth=depth,
         max_batch_size=max(streams, 1),
         cuda_graphs=graphs,
@@ -155,6 +157,7 @@ async def run_case(
         "tokens": tokens,
         "task": task,
         "fused_decode": rt.fused_decode,
+        "launch_overlap": rt.launch_overlap,
         "forward_ms": _median(_elapsed(fwd)),
         "sampling_ms": _median(_elapsed(fin)),
         "period_ms": _median(full) * 1e3,
@@ -229,6 +232,13 @@ def main() -> None:
         choices=["true", "false"],
         help="run every case with each setting of --fused-decode (true false: A/B, alternated)",
     )
+    ap.add_argument(
+        "--launch-overlap",
+        nargs="+",
+        default=["true"],
+        choices=["true", "false"],
+        help="run every case with each setting of --launch-overlap (true false: A/B, alternated)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -246,7 +256,8 @@ def main() -> None:
     kv = int(args.kv_gib * (1 << 30)) if args.kv_gib else None
     rows = []
     for streams in args.streams:
-        for depth, fused in itertools.product(args.depths, args.fused_decode):
+        cases = itertools.product(args.depths, args.fused_decode, args.launch_overlap)
+        for depth, fused, overlap in cases:
             row = asyncio.run(
                 run_case(
                     loaded,
@@ -257,14 +268,19 @@ def main() -> None:
                     kv,
                     args.task,
                     fused == "true",
+                    launch_overlap=overlap == "true",
                 )
             )
             rows.append(row)
             print(json.dumps(row), flush=True)
     if device == "cuda":
         _add_floors(loaded, rows, args.tokens)
+    first = rows[0]
     by = {
-        (r["streams"], r["depth"]): r for r in rows if r["fused_decode"] == rows[0]["fused_decode"]
+        (r["streams"], r["depth"]): r
+        for r in rows
+        if (r["fused_decode"], r["launch_overlap"])
+        == (first["fused_decode"], first["launch_overlap"])
     }
     for streams in args.streams:
         if (streams, 1) in by and (streams, 2) in by:
@@ -281,7 +297,8 @@ def main() -> None:
         )
     )
     head = (
-        f"{'streams':>7} {'depth':>5} {'fused':>5} {'fwd ms':>7} {'samp ms':>7} {'period':>7} "
+        f"{'streams':>7} {'depth':>5} {'fused':>5} {'pdl':>5} {'fwd ms':>7} {'samp ms':>7} "
+        f"{'period':>7} "
         f"{'idle':>6} {'commit':>7} {'final':>6} {'launch':>6} {'tok/s':>8} {'speedup':>8} "
         f"{'floor':>6} {'busy':>6}"
     )
@@ -292,6 +309,7 @@ def main() -> None:
         sp = r.get("observed_speedup")
         print(
             f"{r['streams']:>7} {r['depth']:>5} {r['fused_decode']!s:>5} "
+            f"{r['launch_overlap']!s:>5} "
             f"{r['forward_ms']:>7.3f} "
             f"{r['sampling_ms']:>7.3f} {r['period_ms']:>7.3f} {r['gpu_idle_ms']:>6.3f} "
             f"{r['host_commit_ms']:>7.3f} {r['host_finalize_ms']:>6.3f} "

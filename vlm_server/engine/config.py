@@ -54,6 +54,9 @@ class EngineConfig:
     # Decode steps (few rows) run each decoder block's four matrix products as two fused
     # skinny products (models/common/fused_products.py), where the family offers them (CUDA).
     fused_decode: bool = True
+    # The decode step's Triton kernels launch while their predecessor finishes (programmatic
+    # dependent launch, models/common/launch_overlap.py): compute capability 9.0+ only.
+    launch_overlap: bool = True
     # Spatial references one request may carry: every sequence row reserves the embeddings
     # of this many boxes (three positions each) on the device.
     max_spatial_refs: int = 8

@@ -253,6 +253,12 @@ class ServerConfig:
         "of few rows, and Moondream 3's tau scaling as two kernels per layer (CUDA; false: "
         "cuBLAS and PyTorch ops)",
     )
+    launch_overlap: bool = option(
+        _ENGINE.launch_overlap,
+        G.PERFORMANCE,
+        "launch each of the decode step's Triton kernels while the one before it finishes "
+        "(programmatic dependent launch; CUDA compute capability 9.0+, ignored elsewhere)",
+    )
     prefill_sm_carveout: int = option(
         _ENGINE.prefill_sm_carveout,
         G.PERFORMANCE,
@@ -482,6 +488,7 @@ class ServerConfig:
             crop_graph_sizes=self.crop_graph_sizes,
             vision_fp8=self.vision_fp8,
             fused_decode=self.fused_decode,
+            launch_overlap=self.launch_overlap,
             max_spatial_refs=self.max_spatial_refs,
             constraint_limits=self.constraint_limits,
             adapters_dir=self.adapters_dir,

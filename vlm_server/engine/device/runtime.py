@@ -58,6 +58,7 @@ from vlm_server.engine.device.prefill import Prefill
 from vlm_server.engine.device.sampler import Sampler
 from vlm_server.engine.device.spatial_refs import SpatialRefSlots
 from vlm_server.engine.device.streams import Device, TorchDevice
+from vlm_server.models.common import launch_overlap
 from vlm_server.models.lora import formats
 from vlm_server.models.lora.bank import LoraBank
 
@@ -104,6 +105,8 @@ class ModelRuntime:
         if cfg.vision_fp8:
             entry.use_fp8_vision()
         self.fused_decode = entry.use_fused_decode(cfg.fused_decode)
+        # Before any graph captures the kernels that read it.
+        self.launch_overlap = launch_overlap.enable(cfg.launch_overlap, entry.device)
         dev = self.dev
         self.pool = KVPool(dev, entry, cfg)
         self.buffers = StepBuffers.allocate(

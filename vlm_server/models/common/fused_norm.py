@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import torch
 
+from vlm_server.models.common import launch_overlap
 from vlm_server.models.common.layers import LN_EPS, LayerNorm
 
 try:
     import triton
     import triton.language as tl
+
+    from vlm_server.models.common.launch_overlap import gdc_launch_dependents, gdc_wait
 except ImportError:  # the CPU path needs no Triton
     triton = None
     tl = None
@@ -51,7 +54,11 @@ if triton is not None:
         eps,
         HAS_B: tl.constexpr,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        if PDL:  # launched early (launch_overlap.py): wait for the predecessor first
+            gdc_wait()
+            gdc_launch_dependents()
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < dim
@@ -83,7 +90,11 @@ if triton is not None:
         SPLITS: tl.constexpr,
         HAS_EXTRA: tl.constexpr,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        if PDL:  # launched early (launch_overlap.py): wait for the predecessor first
+            gdc_wait()
+            gdc_launch_dependents()
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < dim
@@ -130,6 +141,7 @@ def add_partials_layernorm(
         SPLITS=parts.shape[0],
         HAS_EXTRA=extra is not None,
         BLOCK=triton.next_power_of_2(dim),
+        **launch_overlap.kernel_args(),
     )
     return s, out
 
@@ -157,5 +169,6 @@ def add_layernorm(
         LN_EPS,
         HAS_B=b is not a,
         BLOCK=triton.next_power_of_2(dim),
+        **launch_overlap.kernel_args(),
     )
     return s, out

@@ -20,9 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
+from vlm_server.models.common import launch_overlap
+
 try:
     import triton
     import triton.language as tl
+
+    from vlm_server.models.common.launch_overlap import gdc_launch_dependents, gdc_wait
 except ImportError:  # the CPU path needs no Triton
     triton = None
     tl = None
@@ -164,11 +168,15 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         # Axis 0: the weight's NB blocks of columns, then (EXTRA) NE extra columns: row j of
         # e's [slots, RS, K] (slot j // RS) times the input's columns from e_koff on, written
         # apart (fp32 split sums, no epilogue): a LoRA shrink over every slot riding the
         # product, so that x is read once and the shrink streams at the product's bandwidth.
+        if PDL:  # launched early (launch_overlap.py): wait for the predecessor first
+            gdc_wait()
+            gdc_launch_dependents()
         pid = tl.program_id(0)
         split = tl.program_id(1)
         ms = tl.arange(0, BLOCK_M)
@@ -244,8 +252,12 @@ if triton is not None:
         HAS_GELU: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         # The slices of K summed in split order: deterministic, unlike atomics.
+        if PDL:  # launched early (launch_overlap.py): wait for the predecessor first
+            gdc_wait()
+            gdc_launch_dependents()
         ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         nmask = ns < N
@@ -372,6 +384,7 @@ def _launch(
         IEEE=x.dtype == torch.float32, SPLIT=split > 1, EXTRA=a is not None, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.warps,
         num_stages=_stages(cfg, block_m, x.element_size(), x.device), **flags,
+        **launch_overlap.kernel_args(),
     )  # fmt: skip
     shrunk = ext if a is not None else None
     if split > 1 and partials:
@@ -383,6 +396,6 @@ def _launch(
     if split > 1:
         _split_sum_kernel[(triton.cdiv(n, 128), triton.cdiv(m, 16))](
             part, b, res, y, m, n, res.stride(0), y.stride(0), gelu,
-            SPLITS=split, BLOCK_M=16, BLOCK_N=128, **flags,
+            SPLITS=split, BLOCK_M=16, BLOCK_N=128, **flags, **launch_overlap.kernel_args(),
         )  # fmt: skip
     return y.view(*lead, n), shrunk

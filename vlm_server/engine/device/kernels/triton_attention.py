@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import torch
 
+from vlm_server.models.common import launch_overlap
+
 try:
     import triton
     import triton.language as tl
+
+    from vlm_server.models.common.launch_overlap import gdc_launch_dependents, gdc_wait
 except ImportError:  # the CPU path needs no Triton
     triton = None
     tl = None
@@ -46,8 +50,12 @@ if AVAILABLE:
         BLOCK_N: tl.constexpr,
         SPLITS: tl.constexpr,
         SPLIT_MAX: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         """Partial attention of one (row, head) over one split of its live positions."""
+        if PDL:  # launched early (launch_overlap.py): wait for the predecessor first
+            gdc_wait()
+            gdc_launch_dependents()
         b = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.program_id(2)
@@ -87,8 +95,19 @@ if AVAILABLE:
         tl.store(acc_ptr + part * HD + d, acc)
 
     @triton.jit
-    def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS: tl.constexpr, HD: tl.constexpr):
+    def _combine_kernel(
+        m_ptr,
+        l_ptr,
+        acc_ptr,
+        out_ptr,
+        SPLITS: tl.constexpr,
+        HD: tl.constexpr,
+        PDL: tl.constexpr = False,
+    ):
         """Merge the splits' online-softmax partials of one (row, head)."""
+        if PDL:  # launched early (launch_overlap.py): wait for the predecessor first
+            gdc_wait()
+            gdc_launch_dependents()
         bh = tl.program_id(0)
         s = tl.arange(0, SPLITS)
         d = tl.arange(0, HD)
@@ -127,7 +146,11 @@ if AVAILABLE:
         HD: tl.constexpr,
         HALF: tl.constexpr,
         STORE_K: tl.constexpr,  # also write the rotated keys to k_out [B, KVH, HD]
+        PDL: tl.constexpr = False,
     ):
+        if PDL:  # launched early (launch_overlap.py): wait for the predecessor first
+            gdc_wait()
+            gdc_launch_dependents()
         b = tl.program_id(0)
         j = tl.program_id(1)
         pos = tl.load(pos_ptr + b * pos_stride)
@@ -202,6 +225,7 @@ def rope_and_store_kv(
         HD=hd,
         HALF=cos.shape[1],
         STORE_K=k_out is not None,
+        **launch_overlap.kernel_args(),
     )
     return q
 
@@ -235,12 +259,16 @@ if AVAILABLE:
         SPLITS: tl.constexpr,
         SPLIT_MAX: tl.constexpr,  # positions one split can cover (static loop bound)
         PRECISION: tl.constexpr,  # of fp32 dots: "ieee" for fp32 models (no TF32 rounding)
+        PDL: tl.constexpr = False,
     ):
         """Attention of one tile (up to BLOCK_M consecutive query tokens of one row) for one
         head: each query sees its row's positions up to its own (causal), read in place from
         the pages; every key block is loaded once for the whole tile. With SPLITS > 1 each
         program covers one share of the positions and writes online-softmax partials for
         `_combine_kernel` (few tiles alone would leave most of the GPU idle)."""
+        if PDL:  # launched early (launch_overlap.py): wait for the predecessor first
+            gdc_wait()
+            gdc_launch_dependents()
         tile = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.program_id(2)
@@ -359,9 +387,12 @@ def paged_tile_attention(
         SPLITS=splits,
         SPLIT_MAX=split_max,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **launch_overlap.kernel_args(),
     )
     if splits > 1:
-        _combine_kernel[(t * n_heads,)](m, l_sum, acc, out, SPLITS=splits, HD=hd)
+        _combine_kernel[(t * n_heads,)](
+            m, l_sum, acc, out, SPLITS=splits, HD=hd, **launch_overlap.kernel_args()
+        )
     return out
 
 
@@ -427,7 +458,10 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         SPLITS=splits,
         SPLIT_MAX=split_max,
+        **launch_overlap.kernel_args(),
     )
     out = torch.empty_like(q)
-    _combine_kernel[(b * n_heads,)](m, l_sum, acc, out, SPLITS=splits, HD=hd)
+    _combine_kernel[(b * n_heads,)](
+        m, l_sum, acc, out, SPLITS=splits, HD=hd, **launch_overlap.kernel_args()
+    )
     return out

@@ -1,0 +1,104 @@
+"""Early launches (models/common/launch_overlap.py) on the GPU: the decode step's kernels,
+captured in a CUDA graph and launched while their predecessors finish, give the same bits as
+the same kernels launched one after another; and a step of the served engine is the same."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from vlm_server.models.common import launch_overlap
+from vlm_server.models.interface import LoadedModel
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def overlap_off_after():
+    yield
+    launch_overlap.enable(False, "cuda")
+
+
+def _needs_hopper() -> None:
+    if not launch_overlap.supported("cuda"):
+        pytest.skip("early launches need compute capability 9.0+")
+
+
+@pytest.mark.parametrize("rows", [1, 7, 32])
+def test_a_graphed_decode_forward_launched_early_is_bit_exact(
+    tiny: LoadedModel, rows: int, overlap_off_after: None
+) -> None:
+    """The fused few-row forward (skinny products, rotary + KV write, paged attention and its
+    merge, the norms) in bf16: eager without early launches, then a graph captured with them,
+    replayed on new inputs each time: outputs and written KV equal bit for bit."""
+    _needs_hopper()
+    from vlm_server.engine.device.kernels.paged_attention import DecodeKV
+
+    model = copy.deepcopy(tiny.model).cuda().to(torch.bfloat16)
+    text = model.text
+    text.reset_rotary("cuda")
+    assert text.use_fused_products(True)
+    cfg = text.cfg
+    page, per_row = 16, 4
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    shape = (rows * per_row + 1, page, cfg.n_kv_heads, cfg.head_dim)
+
+    def pools() -> list[torch.Tensor]:
+        return [
+            torch.randn(shape, device="cuda", generator=g).bfloat16() for _ in range(cfg.n_layers)
+        ]
+
+    k0, v0 = pools(), pools()
+    table = torch.arange(1, rows * per_row + 1, device="cuda", dtype=torch.int32)
+    table = table.view(rows, per_row)
+    row_ids = torch.arange(rows, device="cuda", dtype=torch.int32)
+    positions = torch.zeros(rows, 1, device="cuda", dtype=torch.long)
+    x = torch.zeros(rows, 1, cfg.dim, device="cuda", dtype=torch.bfloat16)
+    ks, vs = [k.clone() for k in k0], [v.clone() for v in v0]
+    cache = DecodeKV(
+        ks, vs, table, row_ids, per_row, (text.rope_cos, text.rope_sin), cfg.n_heads, True
+    )
+
+    def forward() -> torch.Tensor:
+        return text.logits(text(x, positions, cache))
+
+    def fresh_inputs() -> None:
+        positions.copy_(torch.randint(0, per_row * page, (rows, 1), device="cuda", generator=g))
+        x.copy_(torch.randn(rows, 1, cfg.dim, device="cuda", generator=g).bfloat16())
+        for k, v, a, b in zip(ks, vs, k0, v0, strict=True):
+            k.copy_(a)
+            v.copy_(b)
+
+    launch_overlap.enable(False, "cuda")
+    wants = []
+    for _ in range(3):
+        fresh_inputs()
+        wants.append((forward().clone(), [k.clone() for k in ks], [v.clone() for v in vs]))
+    assert launch_overlap.enable(True, "cuda")
+    fresh_inputs()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()  # compiles the early-launching variants outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward()
+    g.manual_seed(rows)  # the same inputs again, in the same order
+    k0[:], v0[:] = pools(), pools()
+    for want, want_k, want_v in wants:
+        fresh_inputs()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+        assert all(torch.equal(a, b) for a, b in zip(ks, want_k, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(vs, want_v, strict=True))
+
+
+def test_the_switch_stays_off_where_the_chip_cannot(overlap_off_after: None) -> None:
+    major, _ = torch.cuda.get_device_capability()
+    assert launch_overlap.enable(True, "cuda") == (major >= 9)
+    assert launch_overlap.enable(True, "cpu") is False
+    assert launch_overlap.kernel_args() == {}
