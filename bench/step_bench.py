@@ -106,7 +106,7 @@ async def run_case(
     task: str = "caption",
     fused_decode: bool = True,
     observer: StepRecorder | None = None,
-    launch_overlap: bool = True,
+    launch_overlap: bool = False,
 ) -> dict:
     cfg = EngineConfig(
         fused_decode=fused_decode,
@@ -235,7 +235,7 @@ def main() -> None:
     ap.add_argument(
         "--launch-overlap",
         nargs="+",
-        default=["true"],
+        default=["false"],
         choices=["true", "false"],
         help="run every case with each setting of --launch-overlap (true false: A/B, alternated)",
     )

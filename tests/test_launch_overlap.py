@@ -29,5 +29,5 @@ def test_triton_s_interpreter_gets_none(monkeypatch: pytest.MonkeyPatch) -> None
 def test_the_engine_option_reaches_the_runtime_config() -> None:
     from vlm_server.options.table import ServerConfig
 
-    assert ServerConfig().engine_config.launch_overlap is True
-    assert ServerConfig(launch_overlap=False).engine_config.launch_overlap is False
+    assert ServerConfig().engine_config.launch_overlap is False
+    assert ServerConfig(launch_overlap=True).engine_config.launch_overlap is True

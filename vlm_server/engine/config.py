@@ -55,8 +55,9 @@ class EngineConfig:
     # skinny products (models/common/fused_products.py), where the family offers them (CUDA).
     fused_decode: bool = True
     # The decode step's Triton kernels launch while their predecessor finishes (programmatic
-    # dependent launch, models/common/launch_overlap.py): compute capability 9.0+ only.
-    launch_overlap: bool = True
+    # dependent launch, models/common/launch_overlap.py): compute capability 9.0+ only. Off:
+    # the early programs hold SMs that a new image's prefill beside the steps would use.
+    launch_overlap: bool = False
     # Spatial references one request may carry: every sequence row reserves the embeddings
     # of this many boxes (three positions each) on the device.
     max_spatial_refs: int = 8

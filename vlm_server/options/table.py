@@ -257,7 +257,8 @@ class ServerConfig:
         _ENGINE.launch_overlap,
         G.PERFORMANCE,
         "launch each of the decode step's Triton kernels while the one before it finishes "
-        "(programmatic dependent launch; CUDA compute capability 9.0+, ignored elsewhere)",
+        "(programmatic dependent launch; CUDA compute capability 9.0+, ignored elsewhere): "
+        "shorter decode steps, but new images' prefill beside them runs slower",
     )
     prefill_sm_carveout: int = option(
         _ENGINE.prefill_sm_carveout,

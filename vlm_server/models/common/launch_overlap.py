@@ -16,7 +16,11 @@ A kernel launched without the attribute (a PyTorch op, an adapter kernel) waits 
 predecessor as before.
 
 The switch is process-wide and read at each launch: `enable` it before any graph captures the
-kernels (the engine does so at start from ``--launch-overlap``).
+kernels (the engine does so at start from ``--launch-overlap``, off by default). The cost: a
+kernel's early programs hold their SMs while they wait, so work on another stream (a new
+image's tower and prefix beside the decode steps) gets fewer SMs. On an H100 the decode period
+fell 3.5% at one stream and 2.5% at 32, while new images' prefill under 20 arrivals a second
+took 75 ms instead of 48 and unique-image queries at 64 clients lost 2.4%.
 """
 
 from __future__ import annotations
