@@ -121,7 +121,7 @@ def main() -> None:
             best: dict[str, tuple[float, SkinnyConfig]] = {}
             for which, (n, k) in {"in": (3 * d + ff, d), "out": (d, d + ff)}.items():
                 if which == "in":
-                    space = itertools.product([64, 128], [64, 128], [4, 8], [3, 4, 5], [1, 2])
+                    space = itertools.product([64, 128], [128, 256], [4, 8], [3, 4], [1, 2, 4])
                 else:
                     space = itertools.product([32, 64, 128], [128, 256], [4], [3, 4, 5], [2, 4, 8])
                 for bn, bk, wp, st, sk in space:

@@ -111,6 +111,13 @@ if triton is not None:
         _normalize(s, cols, mask, offs, dim, eps, w_ptr, nb_ptr, out_ptr)
 
 
+# Warps of the split-sum norm's one program per row (a decode step has one to 32 rows: its
+# loads of every split sum are spread over this many warps). H100, moondream2, 8 split sums
+# (bench.step_bench period, 1 / 32 streams): 1.453 / 2.905 ms at 4 warps, 1.426 / 2.850 at 8,
+# 1.407 / 2.830 at 16.
+PARTIALS_WARPS = 16
+
+
 def add_partials_layernorm(
     x: torch.Tensor,
     parts: torch.Tensor,
@@ -141,6 +148,7 @@ def add_partials_layernorm(
         SPLITS=parts.shape[0],
         HAS_EXTRA=extra is not None,
         BLOCK=triton.next_power_of_2(dim),
+        num_warps=PARTIALS_WARPS,
         **launch_overlap.kernel_args(),
     )
     return s, out

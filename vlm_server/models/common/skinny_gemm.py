@@ -291,6 +291,7 @@ def skinny_linear(
     gelu_from: int | None = None,
     config: SkinnyConfig | None = None,
     partials: bool = False,
+    sums_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[x1 | x2] @ weight^T + bias``, GELU on columns >= ``gelu_from``, plus ``residual``.
 
@@ -298,9 +299,17 @@ def skinny_linear(
     with unit column stride; returns [..., N] in x1's dtype. ``partials``: where the launch
     shape splits K, return the split sums [splits, rows, N] (fp32, the bias not added) for a
     consumer that finishes them itself; elsewhere the finished product, as without it.
+    ``sums_out`` (fp32 [`split_count`, rows, N], contiguous): the split sums go there, even
+    where the launch shape does not split K (one split), and it is returned.
     """
-    y, _ = _launch(x1, weight, bias, x2, residual, gelu_from, config, partials, None)
+    y, _ = _launch(x1, weight, bias, x2, residual, gelu_from, config, partials, None, sums_out)
     return y
+
+
+def split_count(rows: int, weight: torch.Tensor, config: SkinnyConfig | None = None) -> int:
+    """How many split sums `skinny_linear` writes for ``rows`` rows times ``weight``."""
+    n, k = weight.shape
+    return max(1, (config or default_config(rows, n, k, weight.element_size())).split_k)
 
 
 def skinny_linear_shrink(
@@ -321,7 +330,7 @@ def skinny_linear_shrink(
     The base columns are computed exactly as `skinny_linear` computes them (same launch
     shape, same sums): a row that reads no shrink column gets the product bit for bit.
     """
-    return _launch(x1, weight, bias, x2, None, None, config, partials, a)
+    return _launch(x1, weight, bias, x2, None, None, config, partials, a, None)
 
 
 def _launch(
@@ -334,6 +343,7 @@ def _launch(
     config: SkinnyConfig | None,
     partials: bool,
     a: torch.Tensor | None,
+    sums_out: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     lead = x1.shape[:-1]
     k1 = x1.shape[-1]
@@ -360,6 +370,14 @@ def _launch(
     # Each split's slice of K is a whole number of K blocks.
     k_per_split = triton.cdiv(triton.cdiv(k1 + k2, split), cfg.block_k) * cfg.block_k
     part = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else y
+    if sums_out is not None:
+        if sums_out.shape != (split, m, n) or sums_out.dtype != torch.float32:
+            raise ValueError(f"sums_out must be fp32 {(split, m, n)}, not {tuple(sums_out.shape)}")
+        if not sums_out.is_contiguous():
+            raise ValueError("sums_out must be contiguous")
+        if bias is not None or residual is not None or gelu_from is not None or a is not None:
+            raise ValueError("split sums carry no epilogue: their consumer adds the bias")
+        part = sums_out
     flags = {
         "HAS_BIAS": bias is not None,
         "HAS_RES": residual is not None,
@@ -381,12 +399,15 @@ def _launch(
         x, b2, weight, b, res, y, part, e, ext, m, n, k1, k2, k_per_split,
         x.stride(0), b2.stride(0), weight.stride(0), res.stride(0), y.stride(0), gelu,
         nb, ne, rs, e_koff, ke_per_split, e.stride(0), e.stride(1) if a is not None else 0,
-        IEEE=x.dtype == torch.float32, SPLIT=split > 1, EXTRA=a is not None, BLOCK_M=block_m,
+        IEEE=x.dtype == torch.float32, SPLIT=split > 1 or sums_out is not None,
+        EXTRA=a is not None, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.warps,
         num_stages=_stages(cfg, block_m, x.element_size(), x.device), **flags,
         **launch_overlap.kernel_args(),
     )  # fmt: skip
     shrunk = ext if a is not None else None
+    if sums_out is not None:
+        return sums_out, shrunk
     if split > 1 and partials:
         if residual is not None or gelu_from is not None:
             raise ValueError("split sums carry no epilogue but the bias, added by their consumer")

@@ -16,13 +16,12 @@ while it runs).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+from vlm_server.models.common import side_stream
 from vlm_server.models.common.fused_products import BlockProducts, with_extra
 from vlm_server.models.lora.bank import LoraBatch, Shrunk
 
@@ -65,30 +64,6 @@ class Shrinks:
     delta: torch.Tensor | None = None  # proj's and fc2's deltas summed [rows, D] fp32
 
 
-_SIDE: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The second stream beside the current one (made once per stream: forwards on two
-    streams never wait for each other's adapter work)."""
-    main = torch.cuda.current_stream(device)
-    side = _SIDE.get(main.cuda_stream)
-    if side is None:
-        side = _SIDE.setdefault(main.cuda_stream, torch.cuda.Stream(device=main.device))
-    return side
-
-
-@contextlib.contextmanager
-def _on(side: torch.cuda.Stream | None) -> Iterator[None]:
-    """Run the block on ``side`` (after the current stream's work so far), or in place."""
-    if side is None:
-        yield
-        return
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        yield
-
-
 def worth_folding(a: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether every slot's A (``a`` [slots, R, K_a]) adds at most `MAX_EXTRA` of ``weight``'s
     bytes to a product."""
@@ -113,9 +88,9 @@ def block_inputs(
         # qkv's delta first, for the attention; then fc1's, its GELU and fc2's shrink (on a
         # second stream where there are streams).
         (qkv,) = lora.expand(layer, outs[:1])
-        side = _side_stream(h.device) if h.is_cuda else None
+        side = side_stream.beside(h.device) if h.is_cuda else None
         ready = None
-        with _on(side):
+        with side_stream.on(side):
             (hidden,) = lora.expand(layer, outs[1:], True)
             if side is not None:
                 ready = torch.cuda.Event()

@@ -208,17 +208,22 @@ class TextDecoder(nn.Module):
         assert lora is None or isinstance(lora, LoraBatch)
         h = blocks[0].ln(x)
         for i, prod in enumerate(stacked):
+            last = i + 1 == len(blocks)
+            pending = None
             if lora is None:
                 qkv, hidden = prod.qkv_and_hidden(h)
+                if fused_products.PARALLEL_BRANCH and not last:
+                    pending = prod.start_branch(hidden)  # fc2's share beside the attention
             else:
                 qkv, hidden, shrinks = lora_products.block_inputs(prod, lora, i, h)
             out = attend(i, qkv, positions)
             b, _, t, _ = out.shape
             attn = out.transpose(1, 2).reshape(b, t, -1)
-            last = i + 1 == len(blocks)
             if lora is None:
                 if last:
                     x = x + prod.branch(attn, hidden)
+                elif pending is not None:
+                    x, h = prod.add_branch_and_norm_after(x, attn, pending, blocks[i + 1].ln)
                 else:
                     x, h = prod.add_branch_and_norm(x, attn, hidden, blocks[i + 1].ln)
             elif last:
