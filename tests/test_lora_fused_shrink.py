@@ -283,3 +283,46 @@ def test_a_bank_of_many_high_rank_slots_keeps_the_grouped_shrink() -> None:
         a_fc2 = torch.empty(slots, r, ff, device="meta")
         assert lora_products.worth_folding(a_in, w_in) is folds
         assert lora_products.worth_folding(a_fc2, w_out) is folds
+
+
+@pytest.mark.parametrize("rows", [1, 6])
+def test_the_branch_split_beside_the_attention_equals_the_one_product(
+    tiny: LoadedModel, kern: SimpleNamespace, monkeypatch: pytest.MonkeyPatch, rows: int
+) -> None:
+    """`_fused_forward` without adapters, fc2's share of the branch started before the
+    attention and proj's after it (`fused_products.PARALLEL_BRANCH`; no side stream on the
+    CPU), against the branch as one product over [attention | hidden]: equal to rounding;
+    and fc2's split sums land in the buffer given."""
+    monkeypatch.setattr(fused_products, "skinny_gemm", kern.skinny_gemm)
+    monkeypatch.setattr(
+        fused_products, "add_partials_layernorm", kern.fused_norm.add_partials_layernorm
+    )
+    text = _fused_text(tiny)
+    cfg = text.cfg
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 1, cfg.dim, generator=g)
+    pos = torch.randint(0, 6, (rows, 1), generator=g)
+    cos, sin = text.rope_cos[pos], text.rope_sin[pos]
+
+    def forward() -> torch.Tensor:
+        kv = DenseKVCache(tiny.model.kv_shape, 16, rows, torch.float32, "cpu", prefix_len=0)
+
+        def attend(layer: int, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            q, k, v = text.blocks[layer].attn.split_qkv(qkv, cos, sin)
+            return kv.attend(layer, q, k, v, positions)
+
+        return text._fused_forward(x, pos, attend)
+
+    monkeypatch.setattr(fused_products, "PARALLEL_BRANCH", False)
+    one = forward()
+    monkeypatch.setattr(fused_products, "PARALLEL_BRANCH", True)
+    split = forward()
+    torch.testing.assert_close(split, one, atol=1e-5, rtol=1e-5)
+    prod = text._stacked[0]
+    hidden = torch.randn(rows, cfg.ff_dim, generator=g)
+    pending = prod.start_branch(hidden)
+    w_fc2 = prod.w_out[:, cfg.dim :]
+    fc2 = pending.sums[pending.n_proj :].sum(0)
+    torch.testing.assert_close(fc2, hidden @ w_fc2.t(), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="sums_out"):
+        kern.skinny_gemm.skinny_linear(hidden, w_fc2, sums_out=torch.zeros(1, rows, cfg.dim))

@@ -361,16 +361,16 @@ def _launch(
     n = weight.shape[0]
     if weight.shape[1] != k1 + k2 or weight.stride(1) != 1:
         raise ValueError(f"weight {tuple(weight.shape)} does not take inputs of {k1} + {k2}")
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    res = residual.reshape(-1, n) if residual is not None else y
     # The launch shape is the product's alone: extra columns must not change its sums.
     cfg = config or default_config(m, n, k1 + k2, x.element_size())
     block_m = max(16, triton.next_power_of_2(m))
     split = max(1, cfg.split_k)
     # Each split's slice of K is a whole number of K blocks.
     k_per_split = triton.cdiv(triton.cdiv(k1 + k2, split), cfg.block_k) * cfg.block_k
-    part = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else y
-    if sums_out is not None:
+    if sums_out is None:
+        y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+        part = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else y
+    else:
         if sums_out.shape != (split, m, n) or sums_out.dtype != torch.float32:
             raise ValueError(f"sums_out must be fp32 {(split, m, n)}, not {tuple(sums_out.shape)}")
         if not sums_out.is_contiguous():
@@ -378,6 +378,8 @@ def _launch(
         if bias is not None or residual is not None or gelu_from is not None or a is not None:
             raise ValueError("split sums carry no epilogue: their consumer adds the bias")
         part = sums_out
+        y = sums_out[0]  # not written: split sums take no epilogue
+    res = residual.reshape(-1, n) if residual is not None else y
     flags = {
         "HAS_BIAS": bias is not None,
         "HAS_RES": residual is not None,
