@@ -124,8 +124,16 @@ def main() -> None:
                     space = itertools.product([64, 128], [128, 256], [4, 8], [3, 4], [1, 2, 4])
                 else:
                     space = itertools.product([32, 64, 128], [128, 256], [4], [3, 4, 5], [2, 4, 8])
-                for bn, bk, wp, st, sk in space:
-                    cfg = SkinnyConfig(bn, bk, wp, st, sk)
+                configs = [SkinnyConfig(*shape) for shape in space]
+                if m <= 8:  # on the CUDA cores: one fp32 lane per row, column and K element
+                    configs += [
+                        SkinnyConfig(bn, bk, wp, 1, sk, fma=True)
+                        for bn, bk, wp, sk in itertools.product(
+                            [1, 2, 4], [512, 1024, 2048], [4, 8], [1, 2, 4, 8]
+                        )
+                        if m * bn * bk <= 64 * 32 * wp and (which == "out" or sk <= 2)
+                    ]
+                for cfg in configs:
                     layer.c_in = layer.c_out = cfg
                     layer.which = which
                     try:

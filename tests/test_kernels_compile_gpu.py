@@ -168,6 +168,20 @@ KERNELS = (
             "BLOCK_K": 128,
         },
     ),
+    # On the CUDA cores (SkinnyConfig.fma), as one row launches it: whole K and split.
+    *(
+        Kernel(
+            _SKINNY,
+            "_skinny_kernel",
+            _SKINNY_ARGS,
+            {
+                **_SKINNY_FLAGS,
+                **{"IEEE": False, "SPLIT": split, "EXTRA": False, "FMA": True},
+                **{"BLOCK_M": 1, "BLOCK_N": 2, "BLOCK_K": 1024},
+            },
+        )
+        for split in (False, True)
+    ),
     # With a LoRA shrink's extra columns (models/lora/products.py), as moondream2's decode
     # launches them at 32 rows: QKV and fc1 whole-K, the branch split.
     *(

@@ -39,20 +39,38 @@ MAX_ROWS = 32
 
 @dataclass(frozen=True)
 class SkinnyConfig:
-    """Launch shape: columns per program, the K step, warps, pipeline stages, and the number
-    of programs sharing one block of columns (each sums a slice of K; a second kernel adds
-    the slices in a fixed order and applies the epilogue)."""
+    """Launch shape: columns per program, the K step, warps, pipeline stages, the number of
+    programs sharing one block of columns (each sums a slice of K; a second kernel adds the
+    slices in a fixed order and applies the epilogue), and whether the products run on the
+    CUDA cores (``fma``: no tensor-core tile, so no row padding to 16 and no staging of the
+    weight through shared memory; the weight goes straight from memory to registers)."""
 
     block_n: int
     block_k: int
     warps: int = 4
     stages: int = 4
     split_k: int = 1
+    fma: bool = False
+
+
+# Rows up to which the default launch multiplies on the CUDA cores. One row: moondream2's
+# decode products stream at 2.65 TB/s that way against 2.35 in tensor-core tiles padded to
+# 16 rows (H100, bench/gemv_probe.py).
+FMA_MAX_ROWS = 1
+# The CUDA-core launch's K step: long contiguous runs of each weight row per program.
+FMA_BLOCK_K = 1024
 
 
 def default_config(rows: int, n: int, k: int, itemsize: int = 2) -> SkinnyConfig:
-    """The launch shape chosen by measurement (bench/gemv_probe.py, an H200, moondream2's
-    products at 1 and 32 rows) for these sizes; fp32 tiles are halved along K."""
+    """The launch shape chosen by measurement (bench/gemv_probe.py, an H100 and an H200,
+    moondream2's products at 1 and 32 rows) for these sizes; fp32 tiles are halved along K."""
+    if rows <= FMA_MAX_ROWS and itemsize == 2:
+        # Two weight rows a program, ~FMA_BLOCK_K of K each: few columns split K so that
+        # every program reads one K step (2 x 1024 of fc2's 8192 in eight slices).
+        block_k = min(FMA_BLOCK_K, 1 << max(0, k - 1).bit_length())
+        steps = -(-k // block_k)
+        split = 1 if n > 4096 else -(-steps // -(-steps // 8))  # <= 8 slices, none empty
+        return SkinnyConfig(block_n=2, block_k=block_k, warps=4, stages=1, split_k=split, fma=True)
     shrink = 2 if itemsize > 2 else 1
     if n <= 4096:  # few columns: split K so every SM streams its share of the weight
         return SkinnyConfig(block_n=64, block_k=256 // shrink, warps=4, stages=4, split_k=4)
@@ -131,6 +149,31 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _accumulate_fma(x1_rows, x2_rows, w_rows, nmask, mmask, K1, k_lo, k_stop, k_lim,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):  # fmt: skip
+        # `_accumulate` on the CUDA cores: products summed per lane across K blocks, reduced
+        # over K once at the end; the weight is read once, so it is not kept in cache.
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(k_lo, k_stop, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            kmask = ks < k_lim
+            x = tl.load(x1_rows + ks[None, :], mask=mmask[:, None] & (ks < K1)[None, :], other=0.0)
+            x += tl.load(
+                x2_rows + ks[None, :],
+                mask=mmask[:, None] & ((ks >= K1) & kmask)[None, :],
+                other=0.0,
+            )
+            w = tl.load(
+                w_rows + ks[None, :],
+                mask=nmask[:, None] & kmask[None, :],
+                other=0.0,
+                eviction_policy="evict_first",
+            )
+            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        return tl.sum(acc, axis=2)
+
+    @triton.jit
     def _skinny_kernel(
         x1_ptr,
         x2_ptr,
@@ -168,6 +211,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        FMA: tl.constexpr = False,
         PDL: tl.constexpr = False,
     ):
         # Axis 0: the weight's NB blocks of columns, then (EXTRA) NE extra columns: row j of
@@ -207,21 +251,12 @@ if triton is not None:
             k_lo = tl.where(extra, e_lo, k_lo)
             k_stop = tl.where(extra, e_lo + ke_per_split, k_stop)
             k_lim = tl.where(extra, tl.minimum(e_lo + ke_per_split, k_total), k_lim)
-        acc = _accumulate(
-            x1_rows,
-            x2_rows,
-            w_rows,
-            nmask,
-            mmask,
-            K1,
-            k_lo,
-            k_stop,
-            k_lim,
-            IEEE,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-        )
+        if FMA:
+            acc = _accumulate_fma(x1_rows, x2_rows, w_rows, nmask, mmask, K1, k_lo, k_stop,
+                                  k_lim, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+        else:
+            acc = _accumulate(x1_rows, x2_rows, w_rows, nmask, mmask, K1, k_lo, k_stop, k_lim,
+                              IEEE, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         if EXTRA and pid >= NB:
             js = (pid - NB) * BLOCK_N + tl.arange(0, BLOCK_N)
             offs = (split * M + ms.to(tl.int64))[:, None] * NE + js[None, :]
@@ -363,7 +398,8 @@ def _launch(
         raise ValueError(f"weight {tuple(weight.shape)} does not take inputs of {k1} + {k2}")
     # The launch shape is the product's alone: extra columns must not change its sums.
     cfg = config or default_config(m, n, k1 + k2, x.element_size())
-    block_m = max(16, triton.next_power_of_2(m))
+    # Tensor-core tiles take 16 rows at least; the CUDA cores take the rows as they are.
+    block_m = triton.next_power_of_2(m) if cfg.fma else max(16, triton.next_power_of_2(m))
     split = max(1, cfg.split_k)
     # Each split's slice of K is a whole number of K blocks.
     k_per_split = triton.cdiv(triton.cdiv(k1 + k2, split), cfg.block_k) * cfg.block_k
@@ -403,7 +439,7 @@ def _launch(
         nb, ne, rs, e_koff, ke_per_split, e.stride(0), e.stride(1) if a is not None else 0,
         IEEE=x.dtype == torch.float32, SPLIT=split > 1 or sums_out is not None,
         EXTRA=a is not None, BLOCK_M=block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.warps,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FMA=cfg.fma, num_warps=cfg.warps,
         num_stages=_stages(cfg, block_m, x.element_size(), x.device), **flags,
         **launch_overlap.kernel_args(),
     )  # fmt: skip
