@@ -291,8 +291,9 @@ def test_the_branch_split_beside_the_attention_equals_the_one_product(
 ) -> None:
     """`_fused_forward` without adapters, fc2's share of the branch started before the
     attention and proj's after it (`fused_products.PARALLEL_BRANCH`; no side stream on the
-    CPU), against the branch as one product over [attention | hidden]: equal to rounding;
-    and fc2's split sums land in the buffer given."""
+    CPU), and the whole MLP forked off before QKV (`EARLY_MLP_MAX_ROWS`), against the branch
+    as one product over [attention | hidden]: equal to rounding; fc2's split sums land in
+    the buffer given, and the forked MLP's equal gelu(fc1) times fc2."""
     monkeypatch.setattr(fused_products, "skinny_gemm", kern.skinny_gemm)
     monkeypatch.setattr(
         fused_products, "add_partials_layernorm", kern.fused_norm.add_partials_layernorm
@@ -316,13 +317,22 @@ def test_the_branch_split_beside_the_attention_equals_the_one_product(
     monkeypatch.setattr(fused_products, "PARALLEL_BRANCH", False)
     one = forward()
     monkeypatch.setattr(fused_products, "PARALLEL_BRANCH", True)
+    monkeypatch.setattr(fused_products, "EARLY_MLP_MAX_ROWS", 0)
     split = forward()
     torch.testing.assert_close(split, one, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(fused_products, "EARLY_MLP_MAX_ROWS", rows)
+    early = forward()  # the whole MLP forked off, QKV alone before the attention
+    torch.testing.assert_close(early, one, atol=1e-5, rtol=1e-5)
     prod = text._stacked[0]
     hidden = torch.randn(rows, cfg.ff_dim, generator=g)
     pending = prod.start_branch(hidden)
     w_fc2 = prod.w_out[:, cfg.dim :]
     fc2 = pending.sums[pending.n_proj :].sum(0)
     torch.testing.assert_close(fc2, hidden @ w_fc2.t(), atol=1e-4, rtol=1e-4)
+    h = torch.randn(rows, cfg.dim, generator=g)
+    qkv, gelu_fc1 = prod.qkv_and_hidden(h)
+    assert torch.equal(prod.qkv(h), qkv)  # the same columns, launched apart
+    mlp = prod.start_mlp(h).sums[pending.n_proj :].sum(0)
+    torch.testing.assert_close(mlp, gelu_fc1 @ w_fc2.t(), atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="sums_out"):
         kern.skinny_gemm.skinny_linear(hidden, w_fc2, sums_out=torch.zeros(1, rows, cfg.dim))

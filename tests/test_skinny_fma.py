@@ -15,11 +15,10 @@ import torch.nn.functional as F
 from tests.support.interpreted import interpreted
 from vlm_server.models.common import skinny_gemm
 
-pytest.importorskip("triton")
-
 
 @pytest.fixture(scope="module")
 def sg() -> Iterator[ModuleType]:
+    pytest.importorskip("triton")
     mod = interpreted(skinny_gemm)
     yield mod
     del sys.modules[mod.__name__]

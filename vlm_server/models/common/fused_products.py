@@ -26,6 +26,11 @@ from vlm_server.models.common.layers import LayerNorm
 # (bench.step_bench period at 1 / 8 / 32 streams): 1.505 / 1.844 / 2.885 ms in one stream,
 # 1.460 / 1.830 / 2.891 with fc2 beside the attention.
 PARALLEL_BRANCH = True
+# Up to this many rows the whole MLP forks off instead (`start_mlp`): fc1 + GELU and fc2's
+# share on the side stream as soon as the normed input is there, QKV alone before the
+# attention, so the attention's chain of small kernels no longer waits for fc1's columns
+# and the MLP's weights stream while it runs.
+EARLY_MLP_MAX_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -95,16 +100,33 @@ class BlockProducts:
         terms first (an adapter's deltas: into split 0, or into the finished branch)."""
         return skinny_gemm.skinny_linear(attn, self.w_out, self.b_out, x2=hidden, partials=True)
 
+    def qkv(self, h: torch.Tensor) -> torch.Tensor:
+        """Normed input [..., D] -> qkv [..., qkv] alone (the MLP `start_mlp`ed)."""
+        return skinny_gemm.skinny_linear(h, self.w_in[: self.n_qkv], self.b_in[: self.n_qkv])
+
     def start_branch(self, hidden: torch.Tensor) -> PendingBranch:
         """fc2(hidden)'s split sums, on the side stream where there is one (CUDA), into the
         buffer `add_branch_and_norm_after` finishes."""
-        rows, dim = hidden.numel() // hidden.shape[-1], self.w_out.shape[0]
+        return self._fork(hidden, None)
+
+    def start_mlp(self, h: torch.Tensor) -> PendingBranch:
+        """`start_branch` from the normed input: gelu(fc1(h)), then fc2's split sums, both
+        on the side stream (the same columns `qkv_and_hidden` gives, launched apart)."""
+        return self._fork(None, h)
+
+    def _fork(self, hidden: torch.Tensor | None, h: torch.Tensor | None) -> PendingBranch:
+        src = hidden if hidden is not None else h
+        assert src is not None
+        rows, dim = src.numel() // src.shape[-1], self.w_out.shape[0]
         w_proj, w_fc2 = self.w_out[:, :dim], self.w_out[:, dim:]
         n_proj = skinny_gemm.split_count(rows, w_proj)
         n_fc2 = skinny_gemm.split_count(rows, w_fc2)
-        sums = torch.empty(n_proj + n_fc2, rows, dim, dtype=torch.float32, device=hidden.device)
-        side = side_stream.beside(hidden.device) if hidden.is_cuda else None
+        sums = torch.empty(n_proj + n_fc2, rows, dim, dtype=torch.float32, device=src.device)
+        side = side_stream.beside(src.device) if src.is_cuda else None
         with side_stream.on(side):
+            if hidden is None:
+                w_fc1, b_fc1 = self.w_in[self.n_qkv :], self.b_in[self.n_qkv :]
+                hidden = skinny_gemm.skinny_linear(h, w_fc1, b_fc1, gelu_from=0)
             skinny_gemm.skinny_linear(hidden, w_fc2, sums_out=sums[n_proj:])
         return PendingBranch(sums, n_proj, side)
 
@@ -155,6 +177,11 @@ def stack_block(qkv: nn.Linear, fc1: nn.Linear, proj: nn.Linear, fc2: nn.Linear)
         qkv.bias.data, fc1.bias.data = b_in[:n_qkv], b_in[n_qkv:]
         proj.weight.data, fc2.weight.data = w_out[:, :dim], w_out[:, dim:]
     return BlockProducts(w_in, b_in, n_qkv, w_out, b_out)
+
+
+def forks_mlp(h: torch.Tensor) -> bool:
+    """Whether a block over normed input ``h`` forks its whole MLP (`start_mlp`)."""
+    return PARALLEL_BRANCH and h.numel() // h.shape[-1] <= EARLY_MLP_MAX_ROWS
 
 
 def usable(x: torch.Tensor) -> bool:

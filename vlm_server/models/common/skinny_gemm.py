@@ -59,17 +59,22 @@ class SkinnyConfig:
 FMA_MAX_ROWS = 1
 # The CUDA-core launch's K step: long contiguous runs of each weight row per program.
 FMA_BLOCK_K = 1024
+# K per program where few columns split it. Wider slices cost the product nothing
+# (bench/gemv_probe.py) and leave its consumer fewer split sums to add: at one row the
+# norm after the branch adds them in one program, on the decode step's critical path.
+FMA_K_PER_SPLIT = 2048
 
 
 def default_config(rows: int, n: int, k: int, itemsize: int = 2) -> SkinnyConfig:
     """The launch shape chosen by measurement (bench/gemv_probe.py, an H100 and an H200,
     moondream2's products at 1 and 32 rows) for these sizes; fp32 tiles are halved along K."""
     if rows <= FMA_MAX_ROWS and itemsize == 2:
-        # Two weight rows a program, ~FMA_BLOCK_K of K each: few columns split K so that
-        # every program reads one K step (2 x 1024 of fc2's 8192 in eight slices).
+        # Two weight rows a program, FMA_BLOCK_K of K a step: few columns split K into
+        # slices of about FMA_K_PER_SPLIT (fc2's 8192 in four), at most eight, none empty.
         block_k = min(FMA_BLOCK_K, 1 << max(0, k - 1).bit_length())
         steps = -(-k // block_k)
-        split = 1 if n > 4096 else -(-steps // -(-steps // 8))  # <= 8 slices, none empty
+        per = max(1, FMA_K_PER_SPLIT // block_k, -(-steps // 8))
+        split = 1 if n > 4096 else -(-steps // per)
         return SkinnyConfig(block_n=2, block_k=block_k, warps=4, stages=1, split_k=split, fma=True)
     shrink = 2 if itemsize > 2 else 1
     if n <= 4096:  # few columns: split K so every SM streams its share of the weight

@@ -211,9 +211,13 @@ class TextDecoder(nn.Module):
             last = i + 1 == len(blocks)
             pending = None
             if lora is None:
-                qkv, hidden = prod.qkv_and_hidden(h)
-                if fused_products.PARALLEL_BRANCH and not last:
-                    pending = prod.start_branch(hidden)  # fc2's share beside the attention
+                if not last and fused_products.forks_mlp(h):
+                    pending = prod.start_mlp(h)  # the MLP beside QKV and the attention
+                    qkv = prod.qkv(h)
+                else:
+                    qkv, hidden = prod.qkv_and_hidden(h)
+                    if fused_products.PARALLEL_BRANCH and not last:
+                        pending = prod.start_branch(hidden)  # fc2's share beside the attention
             else:
                 qkv, hidden, shrinks = lora_products.block_inputs(prod, lora, i, h)
             out = attend(i, qkv, positions)
