@@ -28,7 +28,7 @@ import torch
 
 from image_pipeline import prepare_image, sample_image_bytes
 from vlm_server.engine.api import Finished, GenerationRequest, Task
-from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.config import LAUNCH_OVERLAP_MODES, EngineConfig
 from vlm_server.engine.core.observer import Observer
 from vlm_server.engine.core.pipeline import Step
 from vlm_server.engine.engine import BatchedEngine
@@ -106,7 +106,7 @@ async def run_case(
     task: str = "caption",
     fused_decode: bool = True,
     observer: StepRecorder | None = None,
-    launch_overlap: bool = False,
+    launch_overlap: str = EngineConfig.launch_overlap,
 ) -> dict:
     cfg = EngineConfig(
         fused_decode=fused_decode,
@@ -158,6 +158,7 @@ async def run_case(
         "task": task,
         "fused_decode": rt.fused_decode,
         "launch_overlap": rt.launch_overlap,
+        "early_steps": rt.steps.early_steps,
         "forward_ms": _median(_elapsed(fwd)),
         "sampling_ms": _median(_elapsed(fin)),
         "period_ms": _median(full) * 1e3,
@@ -235,9 +236,9 @@ def main() -> None:
     ap.add_argument(
         "--launch-overlap",
         nargs="+",
-        default=["false"],
-        choices=["true", "false"],
-        help="run every case with each setting of --launch-overlap (true false: A/B, alternated)",
+        default=[EngineConfig.launch_overlap],
+        choices=list(LAUNCH_OVERLAP_MODES),
+        help="run every case with each setting of --launch-overlap (off idle: A/B, alternated)",
     )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -268,7 +269,7 @@ def main() -> None:
                     kv,
                     args.task,
                     fused == "true",
-                    launch_overlap=overlap == "true",
+                    launch_overlap=overlap,
                 )
             )
             rows.append(row)
@@ -297,7 +298,7 @@ def main() -> None:
         )
     )
     head = (
-        f"{'streams':>7} {'depth':>5} {'fused':>5} {'pdl':>5} {'fwd ms':>7} {'samp ms':>7} "
+        f"{'streams':>7} {'depth':>5} {'fused':>5} {'pdl':>6} {'fwd ms':>7} {'samp ms':>7} "
         f"{'period':>7} "
         f"{'idle':>6} {'commit':>7} {'final':>6} {'launch':>6} {'tok/s':>8} {'speedup':>8} "
         f"{'floor':>6} {'busy':>6}"
@@ -309,7 +310,7 @@ def main() -> None:
         sp = r.get("observed_speedup")
         print(
             f"{r['streams']:>7} {r['depth']:>5} {r['fused_decode']!s:>5} "
-            f"{r['launch_overlap']!s:>5} "
+            f"{r['launch_overlap']!s:>6} "
             f"{r['forward_ms']:>7.3f} "
             f"{r['sampling_ms']:>7.3f} {r['period_ms']:>7.3f} {r['gpu_idle_ms']:>6.3f} "
             f"{r['host_commit_ms']:>7.3f} {r['host_finalize_ms']:>6.3f} "

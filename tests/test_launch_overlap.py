@@ -27,7 +27,55 @@ def test_triton_s_interpreter_gets_none(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_the_engine_option_reaches_the_runtime_config() -> None:
+    from vlm_server.engine.config import EngineConfig
     from vlm_server.options.table import ServerConfig
 
-    assert ServerConfig().engine_config.launch_overlap is False
-    assert ServerConfig(launch_overlap=True).engine_config.launch_overlap is True
+    assert ServerConfig().engine_config.launch_overlap == "idle"
+    assert ServerConfig(launch_overlap="always").engine_config.launch_overlap == "always"
+    with pytest.raises(ValueError, match="launch_overlap must be one of off, idle, always"):
+        EngineConfig(launch_overlap="true")
+
+
+def test_enabled_within_restores_the_switch() -> None:
+    with launch_overlap.enabled_within("cpu") as on:
+        assert on is False and launch_overlap.kernel_args() == {}
+    assert launch_overlap.enabled() is False
+
+
+class _Event:
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_the_cpu_runtime_takes_no_early_steps_and_tracks_prefixes_in_flight(tiny) -> None:
+    """On the CPU the idle mode is off (no graphs, no early launches) and a served request
+    takes no early step; the busy check drops finished batches and sees running ones."""
+    import asyncio
+
+    from image_pipeline import prepare_image, sample_image_bytes
+    from vlm_server.engine.api import GenerationRequest, Task
+    from vlm_server.engine.config import EngineConfig
+    from vlm_server.engine.engine import BatchedEngine
+
+    async def serve() -> BatchedEngine:
+        engine = BatchedEngine(tiny, EngineConfig(max_batch_size=2, launch_overlap="idle"))
+        await engine.start()
+        try:
+            req = GenerationRequest(Task.CAPTION, prepare_image(sample_image_bytes()), max_tokens=3)
+            async for _ in await engine.submit(req):
+                pass
+        finally:
+            await engine.close()
+        return engine
+
+    rt = asyncio.run(serve()).runtime
+    assert rt.launch_overlap == "off" and rt.steps.early_steps == 0
+    assert not rt.steps.early_decode_graphs and not rt._prefill_busy()
+    running, done = _Event(False), _Event(True)
+    rt._prefixes_in_flight = [done, running, _Event(True)]
+    assert rt._prefill_busy() and rt._prefixes_in_flight == [running]
+    running.done = True
+    assert not rt._prefill_busy() and rt._prefixes_in_flight == []

@@ -1,14 +1,19 @@
 """Early launches (models/common/launch_overlap.py) on the GPU: the decode step's kernels,
 captured in a CUDA graph and launched while their predecessors finish, give the same bits as
-the same kernels launched one after another; and a step of the served engine is the same."""
+the same kernels launched one after another; and the served engine's idle-prefill mode takes
+them only while no prefill runs, with the same tokens."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
 
+from image_pipeline import PreparedImage
+from tests.test_engine import _finish_all, _text_requests, images  # noqa: F401  (fixture)
+from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.common import launch_overlap
 from vlm_server.models.interface import LoadedModel
 
@@ -102,3 +107,40 @@ def test_the_switch_stays_off_where_the_chip_cannot(overlap_off_after: None) -> 
     assert launch_overlap.enable(True, "cuda") == (major >= 9)
     assert launch_overlap.enable(True, "cpu") is False
     assert launch_overlap.kernel_args() == {}
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_steps_without_a_prefill_in_flight_take_the_early_graphs(
+    text_model: LoadedModel,
+    images: list[PreparedImage],  # noqa: F811
+    busy: bool,
+    overlap_off_after: None,
+) -> None:
+    """``--launch-overlap idle``: a second set of decode graphs captured with early launches;
+    steps launched while no prefix batch runs replay them (none while one always runs), the
+    switch stays off for everything else, and the tokens equal those of ``off``."""
+    _needs_hopper()
+    model = copy.deepcopy(text_model.model).cuda().to(torch.bfloat16)
+    loaded = LoadedModel(model, text_model.tokenizer, text_model.config, text_model.source)
+    reqs = _text_requests(images)
+    runtimes = {}
+
+    def check_with(mode: str) -> Callable[[BatchedEngine], None]:
+        def check(engine: BatchedEngine) -> None:
+            rt = engine.runtime
+            runtimes[mode] = rt
+            assert rt.launch_overlap == mode
+            assert bool(rt.steps.early_decode_graphs) == (mode == "idle")
+            assert not launch_overlap.enabled()  # captured inside; nothing else launches early
+            if busy:
+                rt.steps.prefill_busy = lambda: True
+
+        return check
+
+    got = {
+        mode: _finish_all(loaded, reqs, 2, check_with(mode), max_batch_size=4, launch_overlap=mode)
+        for mode in ("off", "idle")
+    }
+    assert [f.text for f in got["idle"]] == [f.text for f in got["off"]]
+    assert runtimes["off"].steps.early_steps == 0
+    assert (runtimes["idle"].steps.early_steps == 0) is busy

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 from decoding.limits import ConstraintLimits
 
+# EngineConfig.launch_overlap's values.
+LAUNCH_OVERLAP_MODES = ("off", "idle", "always")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -55,9 +58,11 @@ class EngineConfig:
     # skinny products (models/common/fused_products.py), where the family offers them (CUDA).
     fused_decode: bool = True
     # The decode step's Triton kernels launch while their predecessor finishes (programmatic
-    # dependent launch, models/common/launch_overlap.py): compute capability 9.0+ only. Off:
-    # the early programs hold SMs that a new image's prefill beside the steps would use.
-    launch_overlap: bool = False
+    # dependent launch, models/common/launch_overlap.py), compute capability 9.0+ only:
+    # "always"; "idle": only steps launched while no image prefill is in flight (the early
+    # programs hold SMs a prefill beside the steps would use), from a second set of decode
+    # graphs; "off".
+    launch_overlap: str = "idle"
     # Spatial references one request may carry: every sequence row reserves the embeddings
     # of this many boxes (three positions each) on the device.
     max_spatial_refs: int = 8
@@ -106,6 +111,11 @@ class EngineConfig:
             )
         if self.prefill_sms_when_streaming and not self.prefill_sms:
             raise ValueError("prefill_sms_when_streaming needs prefill_sms (the partition)")
+        if self.launch_overlap not in LAUNCH_OVERLAP_MODES:
+            raise ValueError(
+                f"launch_overlap must be one of {', '.join(LAUNCH_OVERLAP_MODES)}, "
+                f"not {self.launch_overlap!r}"
+            )
         if self.pipeline_depth not in (1, 2):
             raise ValueError("pipeline_depth must be 1 (blocking) or 2 (pipelined)")
         if self.kv_budget_bytes is not None and self.kv_budget_bytes <= 0:

@@ -18,7 +18,7 @@ from typing import Any
 from decoding.limits import ConstraintLimits
 from image_pipeline import DEFAULT_LIMITS, ImageLimits, ResizeMode
 from image_pipeline.gpu_jpeg import GPU_DECODERS
-from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.config import LAUNCH_OVERLAP_MODES, EngineConfig
 from vlm_server.options.spec import Group, Option, option, options_of, parse_size
 
 MIB = 1 << 20
@@ -253,12 +253,14 @@ class ServerConfig:
         "of few rows, and Moondream 3's tau scaling as two kernels per layer (CUDA; false: "
         "cuBLAS and PyTorch ops)",
     )
-    launch_overlap: bool = option(
+    launch_overlap: str = option(
         _ENGINE.launch_overlap,
         G.PERFORMANCE,
         "launch each of the decode step's Triton kernels while the one before it finishes "
-        "(programmatic dependent launch; CUDA compute capability 9.0+, ignored elsewhere): "
-        "shorter decode steps, but new images' prefill beside them runs slower",
+        "(programmatic dependent launch; CUDA compute capability 9.0+, ignored elsewhere), "
+        "for shorter decode steps: always; idle (only while no new image's prefill is in "
+        "flight, which early launches would slow); off",
+        choices=LAUNCH_OVERLAP_MODES,
     )
     prefill_sm_carveout: int = option(
         _ENGINE.prefill_sm_carveout,

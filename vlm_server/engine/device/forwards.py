@@ -11,6 +11,7 @@ never the host. Each row's last hidden state lands in the slot's ``hidden`` for 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import numpy as np
@@ -27,6 +28,7 @@ from vlm_server.engine.device.kv_pool import KVPool
 from vlm_server.engine.device.model_entry import ModelEntryPoints
 from vlm_server.engine.device.spatial_refs import SpatialRefSlots
 from vlm_server.engine.device.streams import Device, timing_mark
+from vlm_server.models.common import launch_overlap
 
 
 class StepForwards:
@@ -52,6 +54,13 @@ class StepForwards:
         self.buckets = graph_buckets(cfg.max_batch_size)
         self.token_buckets = token_buckets(cfg.max_step_tokens)
         self.decode_graphs: GraphSet[tuple[int, int]] = GraphSet("decode")
+        # The same forwards with their kernels launched early (models/common/launch_overlap.py),
+        # captured where early launches are on for idle prefill only: a step takes them when
+        # `prefill_busy` says no image prefill is in flight.
+        self.early_decode_graphs: GraphSet[tuple[int, int]] = GraphSet("decode (early launches)")
+        self.capture_early = False
+        self.prefill_busy: Callable[[], bool] = lambda: True
+        self.early_steps = 0  # decode steps launched from the early-launch graphs
         self.mixed_graphs: GraphSet[tuple[int, int]] = GraphSet("mixed step")
         # With adapters on, the same forwards with the adapters' deltas: a step runs them
         # only when one of its rows uses an adapter, so the others pay nothing for LoRA.
@@ -86,16 +95,22 @@ class StepForwards:
                 reads.append((adapters.row_slot, rows))
             return reads, [buf.hidden]
 
+        lora = self.uses_lora(seqs)
+        # Decided at launch: whether a prefill is in flight now (an event query, no sync).
+        early = not lora and (slot, n) in self.early_decode_graphs and not self.prefill_busy()
+        self.early_steps += early
         dev.kernel(
             dev.compute_stream,
             f"decode slot{slot}",
-            partial(self._decode_step, slot, n, n_blocks, self.uses_lora(seqs)),
+            partial(self._decode_step, slot, n, n_blocks, lora, early),
             access,
         )
 
-    def _decode_step(self, slot: int, n: int, n_blocks: int, lora: bool) -> None:
+    def _decode_step(self, slot: int, n: int, n_blocks: int, lora: bool, early: bool) -> None:
         start = timing_mark(self.observer, self.dev)
         graphs = self.lora_decode_graphs if lora else self.decode_graphs
+        if early:
+            graphs = self.early_decode_graphs
         if (slot, n) in graphs:
             graphs.replay((slot, n))
         else:
@@ -296,6 +311,11 @@ class StepForwards:
 
         keys = [(slot, n) for n in sorted(self.buckets, reverse=True) for slot in (0, 1)]
         self.decode_graphs.capture(keys, prepare_decode, run_decode, stream, progress)
+        if self.capture_early:
+            with launch_overlap.enabled_within(self.entry.device) as on:
+                if on:
+                    early = self.early_decode_graphs
+                    early.capture(keys, prepare_decode, run_decode, stream, progress)
         if self.adapters is not None:
             run = partial(run_decode, lora=True)
             self.lora_decode_graphs.capture(keys, prepare_decode, run, stream, progress)

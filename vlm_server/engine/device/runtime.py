@@ -106,7 +106,10 @@ class ModelRuntime:
             entry.use_fp8_vision()
         self.fused_decode = entry.use_fused_decode(cfg.fused_decode)
         # Before any graph captures the kernels that read it.
-        self.launch_overlap = launch_overlap.enable(cfg.launch_overlap, entry.device)
+        always = launch_overlap.enable(cfg.launch_overlap == "always", entry.device)
+        early_when_idle = cfg.launch_overlap == "idle" and launch_overlap.supported(entry.device)
+        # The mode in effect: "off" where the chip or Triton has no early launches.
+        self.launch_overlap = "always" if always else "idle" if early_when_idle else "off"
         dev = self.dev
         self.pool = KVPool(dev, entry, cfg)
         self.buffers = StepBuffers.allocate(
@@ -134,6 +137,9 @@ class ModelRuntime:
         self.steps = StepForwards(
             dev, entry, cfg, self.pool, self.buffers, observer, refs, self.adapters
         )
+        self.steps.capture_early = early_when_idle
+        self.steps.prefill_busy = self._prefill_busy
+        self._prefixes_in_flight: list[object] = []  # launched prefix batches' events
         self.sampler = Sampler(dev, entry, cfg, self.buffers, table, observer)
         # What the scheduler's page allocator needs: the pool's size and the block table's
         # pinned host mirror (its rows; the pad row stays on the sink page).
@@ -160,7 +166,15 @@ class ModelRuntime:
     def launch_prefixes(self, jobs: list[PrefixJob], partitioned: bool = False) -> object:
         """Enqueue the image paths and the BOS + image forward of ``jobs`` on a prefill lane
         (prefill.py); returns the event `prefix_ready` polls."""
-        return self.prefill.launch(jobs, partitioned)
+        handle = self.prefill.launch(jobs, partitioned)
+        self._prefixes_in_flight.append(handle)
+        return handle
+
+    def _prefill_busy(self) -> bool:
+        """Whether a launched prefix batch may still run (event queries: no sync)."""
+        live = [h for h in self._prefixes_in_flight if not h.query()]  # type: ignore[attr-defined]
+        self._prefixes_in_flight = live
+        return bool(live)
 
     def prefix_ready(self, handle: object) -> bool:
         """Whether a `launch_prefixes` batch completed: a non-blocking event query."""

@@ -16,16 +16,20 @@ A kernel launched without the attribute (a PyTorch op, an adapter kernel) waits 
 predecessor as before.
 
 The switch is process-wide and read at each launch: `enable` it before any graph captures the
-kernels (the engine does so at start from ``--launch-overlap``, off by default). The cost: a
-kernel's early programs hold their SMs while they wait, so work on another stream (a new
-image's tower and prefix beside the decode steps) gets fewer SMs. On an H100 the decode period
-fell 3.5% at one stream and 2.5% at 32, while new images' prefill under 20 arrivals a second
-took 75 ms instead of 48 and unique-image queries at 64 clients lost 2.4%.
+kernels, or capture a second set of graphs `enabled_within` (the engine does either at start
+from ``--launch-overlap``). The cost: a kernel's early programs hold their SMs while they wait,
+so work on another stream (a new image's tower and prefix beside the decode steps) gets fewer
+SMs. On an H100, with every step launched early, the decode period fell 3.5% at one stream and
+2.5% at 32, while new images' prefill under 20 arrivals a second took 75 ms instead of 48 and
+unique-image queries at 64 clients lost 2.4%: by default ("idle") only the steps launched
+while no prefill is in flight take the early-launch graphs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -60,6 +64,19 @@ def enable(on: bool, device: torch.device | str) -> bool:
 
 def enabled() -> bool:
     return _enabled
+
+
+@contextlib.contextmanager
+def enabled_within(device: torch.device | str) -> Iterator[bool]:
+    """Early launches on (where `supported`) for what is launched or captured inside, as
+    before after; yields whether they were on."""
+    global _enabled
+    before = _enabled
+    _enabled = supported(device)
+    try:
+        yield _enabled
+    finally:
+        _enabled = before
 
 
 def kernel_args() -> dict[str, bool]:
