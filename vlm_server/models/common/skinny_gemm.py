@@ -130,6 +130,15 @@ if triton is not None:
         )
 
     @triton.jit
+    def _input_block(x1_rows, x2_rows, mmask, ks, kmask, K1):
+        # The input row is [x1 | x2]: each K block takes its columns from either side.
+        x = tl.load(x1_rows + ks[None, :], mask=mmask[:, None] & (ks < K1)[None, :], other=0.0)
+        x += tl.load(
+            x2_rows + ks[None, :], mask=mmask[:, None] & ((ks >= K1) & kmask)[None, :], other=0.0
+        )
+        return x
+
+    @triton.jit
     def _accumulate(x1_rows, x2_rows, w_rows, nmask, mmask, K1, k_lo, k_stop, k_lim,
                     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr):  # fmt: skip
@@ -139,13 +148,7 @@ if triton is not None:
         for k0 in range(k_lo, k_stop, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             kmask = ks < k_lim
-            # The input row is [x1 | x2]: each K block takes its columns from either side.
-            x = tl.load(x1_rows + ks[None, :], mask=mmask[:, None] & (ks < K1)[None, :], other=0.0)
-            x += tl.load(
-                x2_rows + ks[None, :],
-                mask=mmask[:, None] & ((ks >= K1) & kmask)[None, :],
-                other=0.0,
-            )
+            x = _input_block(x1_rows, x2_rows, mmask, ks, kmask, K1)
             w = tl.load(w_rows + ks[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
             if IEEE:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
@@ -163,12 +166,7 @@ if triton is not None:
         for k0 in range(k_lo, k_stop, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             kmask = ks < k_lim
-            x = tl.load(x1_rows + ks[None, :], mask=mmask[:, None] & (ks < K1)[None, :], other=0.0)
-            x += tl.load(
-                x2_rows + ks[None, :],
-                mask=mmask[:, None] & ((ks >= K1) & kmask)[None, :],
-                other=0.0,
-            )
+            x = _input_block(x1_rows, x2_rows, mmask, ks, kmask, K1)
             w = tl.load(
                 w_rows + ks[None, :],
                 mask=nmask[:, None] & kmask[None, :],
