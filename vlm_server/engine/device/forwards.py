@@ -108,9 +108,10 @@ class StepForwards:
 
     def _decode_step(self, slot: int, n: int, n_blocks: int, lora: bool, early: bool) -> None:
         start = timing_mark(self.observer, self.dev)
-        graphs = self.lora_decode_graphs if lora else self.decode_graphs
         if early:
             graphs = self.early_decode_graphs
+        else:
+            graphs = self.lora_decode_graphs if lora else self.decode_graphs
         if (slot, n) in graphs:
             graphs.replay((slot, n))
         else:

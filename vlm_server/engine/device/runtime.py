@@ -137,9 +137,9 @@ class ModelRuntime:
         self.steps = StepForwards(
             dev, entry, cfg, self.pool, self.buffers, observer, refs, self.adapters
         )
+        self._prefixes_in_flight: list[object] = []  # launched prefix batches' events
         self.steps.capture_early = early_when_idle
         self.steps.prefill_busy = self._prefill_busy
-        self._prefixes_in_flight: list[object] = []  # launched prefix batches' events
         self.sampler = Sampler(dev, entry, cfg, self.buffers, table, observer)
         # What the scheduler's page allocator needs: the pool's size and the block table's
         # pinned host mirror (its rows; the pad row stays on the sink page).
@@ -172,6 +172,8 @@ class ModelRuntime:
 
     def _prefill_busy(self) -> bool:
         """Whether a launched prefix batch may still run (event queries: no sync)."""
+        if not self._prefixes_in_flight:  # the common case: nothing to query
+            return False
         live = [h for h in self._prefixes_in_flight if not h.query()]  # type: ignore[attr-defined]
         self._prefixes_in_flight = live
         return bool(live)

@@ -107,16 +107,15 @@ class BlockProducts:
     def start_branch(self, hidden: torch.Tensor) -> PendingBranch:
         """fc2(hidden)'s split sums, on the side stream where there is one (CUDA), into the
         buffer `add_branch_and_norm_after` finishes."""
-        return self._fork(hidden, None)
+        return self._fork(hidden, with_fc1=False)
 
     def start_mlp(self, h: torch.Tensor) -> PendingBranch:
         """`start_branch` from the normed input: gelu(fc1(h)), then fc2's split sums, both
         on the side stream (the same columns `qkv_and_hidden` gives, launched apart)."""
-        return self._fork(None, h)
+        return self._fork(h, with_fc1=True)
 
-    def _fork(self, hidden: torch.Tensor | None, h: torch.Tensor | None) -> PendingBranch:
-        src = hidden if hidden is not None else h
-        assert src is not None
+    def _fork(self, src: torch.Tensor, with_fc1: bool) -> PendingBranch:
+        # src: the hidden layer, or (with_fc1) the normed input fc1 reads first.
         rows, dim = src.numel() // src.shape[-1], self.w_out.shape[0]
         w_proj, w_fc2 = self.w_out[:, :dim], self.w_out[:, dim:]
         n_proj = skinny_gemm.split_count(rows, w_proj)
@@ -124,9 +123,10 @@ class BlockProducts:
         sums = torch.empty(n_proj + n_fc2, rows, dim, dtype=torch.float32, device=src.device)
         side = side_stream.beside(src.device) if src.is_cuda else None
         with side_stream.on(side):
-            if hidden is None:
+            hidden = src
+            if with_fc1:
                 w_fc1, b_fc1 = self.w_in[self.n_qkv :], self.b_in[self.n_qkv :]
-                hidden = skinny_gemm.skinny_linear(h, w_fc1, b_fc1, gelu_from=0)
+                hidden = skinny_gemm.skinny_linear(src, w_fc1, b_fc1, gelu_from=0)
             skinny_gemm.skinny_linear(hidden, w_fc2, sums_out=sums[n_proj:])
         return PendingBranch(sums, n_proj, side)
 
