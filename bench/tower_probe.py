@@ -204,30 +204,7 @@ def attention_rows(crops: int, vc: VisionConfig, dt: torch.dtype) -> list[dict]:
                     continue
             rows.append({"backend": backend.name, "layout": layout, "us": us})
             print(f"attention {backend.name:<16} {layout:<10} {us:8.1f} us", flush=True)
-    from vlm_server.models.common import tower_attention as ta
-
-    for bm, bn, warps, stages in TRITON_ATTENTION_SHAPES:
-        cfg = ta.TowerAttentionConfig(bm, bn, warps, stages)
-        try:
-            us = replay_us(lambda c=cfg: ta.tower_attention_triton(qkv, nh, c))
-        except Exception as err:  # a shape the chip cannot hold (shared memory, registers)
-            print(f"attention TRITON {cfg}: {str(err).splitlines()[0][:80]}")
-            continue
-        layout = f"qkv product, m{bm} n{bn} w{warps} s{stages}"
-        rows.append({"backend": "TRITON", "layout": layout, "us": us})
-        print(f"attention {'TRITON':<16} {layout:<10} {us:8.1f} us", flush=True)
     return rows
-
-
-# (block_m, block_n, warps, stages) of the Triton attention swept by `attention_rows`
-TRITON_ATTENTION_SHAPES = [
-    (bm, bn, w, s)
-    for bm in (64, 128)
-    for bn in (32, 64, 128)
-    for w in (4, 8)
-    for s in (2, 3)
-    if not (bm == 64 and w == 8)
-]
 
 
 def norm_rows(m: int, vc: VisionConfig, dt: torch.dtype) -> list[dict]:
@@ -261,17 +238,12 @@ def norm_rows(m: int, vc: VisionConfig, dt: torch.dtype) -> list[dict]:
     return rows
 
 
-# Whole-tower modes: the GEMMs in bf16 or FP8, the attention in Triton (the default) or SDPA
-TOWER_MODES = ("bf16", "fp8", "bf16-sdpa", "fp8-sdpa")
-
-
 def tower_rows(counts: Sequence[int], dt: torch.dtype, profile_dir: str | None) -> list[dict]:
     """The whole tower (random weights), graph-replayed, bf16 and with FP8 GEMMs, per crop
     count; the FP8 tower's deviation from the bf16 one (at the first count); a kernel table
     of each mode at the first count when ``profile_dir``."""
     from torch.profiler import ProfilerActivity, profile
 
-    from vlm_server.models.common import tower_attention as ta
     from vlm_server.models.moondream2.config import VisionConfig as VC
     from vlm_server.models.moondream2.vision import VisionEncoder
 
@@ -281,18 +253,16 @@ def tower_rows(counts: Sequence[int], dt: torch.dtype, profile_dir: str | None) 
     rows, outs = [], {}
     for crops in tqdm(counts, desc="tower", unit="count"):
         x = torch.randn(crops, 3, 378, 378, device="cuda", dtype=dt)
-        for mode in TOWER_MODES:
-            enc.use_fp8(mode.startswith("fp8"))
-            with ta.backend("sdpa" if mode.endswith("sdpa") else "triton"):
-                us = replay_us(lambda x=x: enc.encode(x), calls=1, reps=20)
+        for mode in ("bf16", "fp8"):
+            enc.use_fp8(mode == "fp8")
+            us = replay_us(lambda x=x: enc.encode(x), calls=1, reps=20)
             rows.append(
                 {"crops": crops, "mode": mode, "ms": us / 1e3, "crops_per_s": crops / us * 1e6}
             )
             tqdm.write(f"tower {crops:3d} crops {mode:<5} {us / 1e3:8.3f} ms")
             if crops == counts[0]:
-                with ta.backend("sdpa" if mode.endswith("sdpa") else "triton"):
-                    outs[mode] = enc.encode(x).float()
-                if profile_dir and mode in ("bf16", "fp8"):
+                outs[mode] = enc.encode(x).float()
+                if profile_dir:
                     with profile(activities=[ProfilerActivity.CUDA]) as prof:
                         enc.encode(x)
                         torch.cuda.synchronize()
@@ -300,21 +270,25 @@ def tower_rows(counts: Sequence[int], dt: torch.dtype, profile_dir: str | None) 
                     with open(f"{profile_dir}/tower_{mode}_kernels.txt", "w") as f:
                         f.write(table)
         del x
-    deviation: dict = {"crops": counts[0]}
-    for name, other in (("fp8", "bf16"), ("bf16", "bf16-sdpa"), ("fp8", "fp8-sdpa")):
-        a, b = outs[name], outs[other]
-        cos = F.cosine_similarity(a.flatten(0, 1), b.flatten(0, 1), dim=-1)
-        key = f"{name}_vs_{other}".replace("-", "_")
-        deviation[f"{key}_rel_err"] = float((a - b).norm() / b.norm())
-        deviation[f"{key}_min_cos"] = float(cos.min())
-        print(
-            f"{name} tower vs {other} at {counts[0]} crops: rel err "
-            f"{deviation[f'{key}_rel_err']:.5f}, min cosine {deviation[f'{key}_min_cos']:.6f}"
-        )
-    print(f"\n{'crops':>5}" + "".join(f" {m + ' ms':>14}" for m in TOWER_MODES))
+    a, b = outs["fp8"], outs["bf16"]
+    cos = F.cosine_similarity(a.flatten(0, 1), b.flatten(0, 1), dim=-1)
+    deviation = {
+        "crops": counts[0],
+        "fp8_vs_bf16_rel_err": float((a - b).norm() / b.norm()),
+        "fp8_vs_bf16_min_cos": float(cos.min()),
+    }
+    print(f"\n{'crops':>5} {'bf16 ms':>9} {'fp8 ms':>9} {'bf16 crops/s':>13} {'fp8 crops/s':>12}")
     by = {(r["crops"], r["mode"]): r for r in rows}
     for c in sorted(counts):
-        print(f"{c:>5}" + "".join(f" {by[c, m]['ms']:>14.3f}" for m in TOWER_MODES))
+        bf, f8 = by[c, "bf16"], by[c, "fp8"]
+        print(
+            f"{c:>5} {bf['ms']:>9.3f} {f8['ms']:>9.3f} {bf['crops_per_s']:>13.0f} "
+            f"{f8['crops_per_s']:>12.0f}"
+        )
+    print(
+        f"fp8 tower vs bf16 at {counts[0]} crops: rel err {deviation['fp8_vs_bf16_rel_err']:.4f}, "
+        f"min cosine {deviation['fp8_vs_bf16_min_cos']:.5f}"
+    )
     enc.use_fp8(False)
     return [*rows, deviation]
 
@@ -330,7 +304,7 @@ def plot_towers(rows: list[dict], path: str, device: str) -> bool:
     except ImportError:
         return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for mode in TOWER_MODES:
+    for mode in ("bf16", "fp8"):
         mine = sorted((r for r in rows if r.get("mode") == mode), key=lambda r: r["crops"])
         crops = [r["crops"] for r in mine]
         left.plot(crops, [r["ms"] for r in mine], marker="o", label=mode)

@@ -8,7 +8,6 @@ from torch import nn
 
 from vlm_server.models.common.fused_norm import add_layernorm
 from vlm_server.models.common.layers import MLP, LayerNorm
-from vlm_server.models.common.tower_attention import tower_attention
 from vlm_server.models.moondream2.config import VisionConfig
 from vlm_server.models.moondream2.fp8_vision import Fp8Tower
 
@@ -21,7 +20,14 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(cfg.enc_dim, cfg.enc_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(tower_attention(self.qkv(x), self.n_heads))
+        n, t, d = x.shape
+        # [n, t, 3d] -> three [n, heads, t, head_dim], in Q | K | V column order
+        q, k, v = (
+            c.view(n, t, self.n_heads, d // self.n_heads).transpose(1, 2)
+            for c in self.qkv(x).chunk(3, dim=-1)
+        )
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(out.transpose(1, 2).reshape(n, t, d))
 
 
 class VisionBlock(nn.Module):
