@@ -55,8 +55,8 @@ _TILE = {
 _ROPE = {
     "qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i32",
     "table_ptr": "*i32", "rows_ptr": "*i32", "q_out_ptr": "*bf16", "k_ptr": "*bf16",
-    "v_ptr": "*bf16", "k_out_ptr": "*bf16", "qkv_stride": "i32", "pos_stride": "i32",
-    "table_stride": "i32", "rows_stride": "i32", "n_heads": "i32",
+    "v_ptr": "*bf16", "k_out_ptr": "*bf16", "n_tokens": "i32", "qkv_stride": "i32",
+    "pos_stride": "i32", "table_stride": "i32", "rows_stride": "i32", "n_heads": "i32",
 }  # fmt: skip
 _NORM = {
     "x_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "w_ptr": "*bf16",
@@ -348,6 +348,12 @@ KERNELS = (
         {"SPLITS": 4, "HD": 64},
     ),
     Kernel(_ATTENTION, "_rope_store_kernel", _ROPE, {**_SHAPE, "HALF": 16, "STORE_K": True}),
+    Kernel(
+        _ATTENTION,
+        "_rope_store_kernel",
+        _ROPE,
+        {**_SHAPE, "HALF": 16, "STORE_K": False, "BLOCK_T": 16},
+    ),
     Kernel(
         _ATTENTION,
         "_paged_tile_kernel",
