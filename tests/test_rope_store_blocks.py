@@ -52,8 +52,7 @@ def _rotate(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Te
 
 
 def _run(ta: ModuleType, inp: dict, block: int, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(ta, "ROPE_TOKENS_PER_PROGRAM", block)
-    monkeypatch.setattr(ta, "ROPE_BLOCK_FROM", 1 if block > 1 else 1 << 30)
+    monkeypatch.setattr(ta, "ROPE_BLOCKS", ((1 << 62, block),))
     k_pool = torch.zeros(16, PAGE, KVH, HD, dtype=torch.bfloat16)
     v_pool = torch.zeros_like(k_pool)
     k_out = torch.zeros(inp["qkv"].shape[0], KVH, HD, dtype=torch.bfloat16)
@@ -85,3 +84,8 @@ def test_token_blocks_write_what_single_tokens_write(
     written = torch.zeros(16, PAGE, dtype=torch.bool)
     written[pages, pos % PAGE] = True
     assert not k_pool[~written].any() and not v_pool[~written].any()
+
+
+def test_the_block_grows_with_the_token_count() -> None:
+    blocks = [triton_attention.rope_block(n) for n in (1, 15, 16, 127, 128, 730, 1 << 20)]
+    assert blocks == [1, 1, 4, 4, 16, 16, 16]

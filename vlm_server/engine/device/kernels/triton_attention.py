@@ -189,11 +189,16 @@ if AVAILABLE:
             tl.store(v_ptr + slot + d, v.to(v_ptr.dtype.element_ty), mask=ok)
 
 
-# Tokens per program of the rotary + KV write: one for a decode step's few rows (the launch
-# its graphs were measured with); a block for a prefix's hundreds, whose one-token programs
-# (one per token and head: 47k for a 730-token prefix) cost 30 us a layer on an H100.
-ROPE_TOKENS_PER_PROGRAM = 16
-ROPE_BLOCK_FROM = 128  # tokens from which a launch takes blocks
+# Tokens per program of the rotary + KV write by token count: (fewer than, tokens a program).
+# One token a program (one per token and head) costs 30 us a layer for a 730-token prefix on
+# an H100 and 6.1 in blocks of 16 (2.8 against 2.3 us at 32 tokens in blocks of 4; python
+# -m bench.rope_probe). The rotary is elementwise, so every launch writes the same bits.
+ROPE_BLOCKS: tuple[tuple[int, int], ...] = ((16, 1), (128, 4), (1 << 62, 16))
+
+
+def rope_block(tokens: int) -> int:
+    """Tokens per program of `rope_and_store_kv` for a launch over ``tokens`` tokens."""
+    return next(block for below, block in ROPE_BLOCKS if tokens < below)
 
 
 def rope_and_store_kv(
@@ -218,7 +223,7 @@ def rope_and_store_kv(
     b = qkv.shape[0]
     _, page, kvh, hd = k_pool.shape
     q = torch.empty((b, n_heads, hd), dtype=qkv.dtype, device=qkv.device)
-    block = ROPE_TOKENS_PER_PROGRAM if b >= ROPE_BLOCK_FROM else 1
+    block = rope_block(b)
     _rope_store_kernel[(triton.cdiv(b, block), n_heads + kvh)](
         qkv,
         cos,
