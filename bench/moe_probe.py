@@ -26,7 +26,6 @@ import json
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 
 import torch
 
@@ -64,24 +63,6 @@ PREFILL = (
     ExpertTiles(64, Tile(128, 128, 8, 3), Tile(128, 128, 8, 3)),
     ExpertTiles(128, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
     ExpertTiles(128, Tile(128, 128, 8, 4), Tile(128, 128, 8, 4)),
-)
-
-
-def _swapped(pool: tuple[ExpertTiles, ...]) -> tuple[ExpertTiles, ...]:
-    """``pool`` with the weights as the matmuls' left operand (`Tile.swap`)."""
-    return tuple(
-        ExpertTiles(t.bm, replace(t.up, swap=True), replace(t.down, swap=True)) for t in pool
-    )
-
-
-DECODE = DECODE + _swapped(DECODE)
-PREFILL = (
-    PREFILL
-    + _swapped(PREFILL)
-    + (
-        ExpertTiles(32, Tile(128, 64, 4, 4, swap=True), Tile(128, 64, 4, 4, swap=True)),
-        ExpertTiles(64, Tile(128, 64, 4, 3, swap=True), Tile(128, 64, 4, 3, swap=True)),
-    )
 )
 
 
@@ -263,7 +244,7 @@ def candidates_for(n: int, cross: bool) -> list[ExpertTiles]:
 
 def _tile_src(row: dict, kernel: str) -> str:
     fields = ", ".join(str(row[f"{kernel}_{f}"]) for f in ("bn", "bk", "warps", "stages", "split"))
-    return f"Tile({fields}{', swap=True' if row.get(f'{kernel}_swap') else ''})"
+    return f"Tile({fields})"
 
 
 def summary(rows: list[dict]) -> None:

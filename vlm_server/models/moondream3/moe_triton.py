@@ -61,16 +61,10 @@ class Tile:
     warps: int = 4
     stages: int = 3
     split: int = 1
-    # Weights as the matmul's left operand (out^T = W x^T): a weight tile widened from FP8 in
-    # registers can feed Hopper's tensor cores from there, where the right operand must be
-    # staged in shared memory.
-    swap: bool = False
 
     def __str__(self) -> str:
-        return (
-            f"{self.bn}x{self.bk}w{self.warps}s{self.stages}"
-            + (f"k{self.split}" if self.split > 1 else "")
-            + ("t" if self.swap else "")
+        return f"{self.bn}x{self.bk}w{self.warps}s{self.stages}" + (
+            f"k{self.split}" if self.split > 1 else ""
         )
 
 
@@ -222,13 +216,6 @@ if triton is not None:
         tl.store(at, acc.to(out.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
 
     @triton.jit
-    def _mma(a, b, acc, IEEE: tl.constexpr):
-        """acc + a @ b in fp32 (exact products for fp32 inputs)."""
-        if IEEE:
-            return tl.dot(a, b, acc, input_precision="ieee")
-        return tl.dot(a, b, acc)
-
-    @triton.jit
     def _row_block(pid_m, block_expert, pairs, n_pairs, BM: tl.constexpr):
         """Row block ``pid_m``'s expert, its rows, their pairs and which are real pairs (not
         padding). (No ``_ptr`` names: a helper, not a launched kernel.)"""
@@ -259,7 +246,6 @@ if triton is not None:
         BM: tl.constexpr,
         BN: tl.constexpr,
         BK: tl.constexpr,
-        SWAP: tl.constexpr = False,
     ):
         """One row block x BN columns of both fc1 halves over a K range (the whole of it
         without split-K, then the epilogue; with it, fp32 partials for `_up_reduce_kernel`)."""
@@ -273,46 +259,31 @@ if triton is not None:
         cols = pid_n * BN + tl.arange(0, BN)
         col_ok = cols < width
         w_base = w_ptr + e * (2 * width) * dim
+        acc_a = tl.full((BM, BN), 0.0, tl.float32)
+        acc_b = tl.full((BM, BN), 0.0, tl.float32)
         k_lo = pid_s * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, dim)
-        if SWAP:  # [BN, BM] sums of W x^T, transposed once at the end
-            acc_a = tl.full((BN, BM), 0.0, tl.float32)
-            acc_b = tl.full((BN, BM), 0.0, tl.float32)
-            for k0 in range(k_lo, k_hi, BK):
-                ks = k0 + tl.arange(0, BK)
-                k_ok = ks < k_hi
-                xt = tl.load(
-                    x_ptr + tok[None, :] * dim + ks[:, None],
-                    mask=valid[None, :] & k_ok[:, None],
-                    other=0.0,
-                )
-                w_mask = col_ok[:, None] & k_ok[None, :]
-                wa = tl.load(w_base + cols[:, None] * dim + ks[None, :], mask=w_mask, other=0.0)
-                wb = tl.load(
-                    w_base + (width + cols[:, None]) * dim + ks[None, :], mask=w_mask, other=0.0
-                )
-                acc_a = _mma(wa.to(xt.dtype), xt, acc_a, IEEE)
-                acc_b = _mma(wb.to(xt.dtype), xt, acc_b, IEEE)
-            acc_a = tl.trans(acc_a)
-            acc_b = tl.trans(acc_b)
-        else:
-            acc_a = tl.full((BM, BN), 0.0, tl.float32)
-            acc_b = tl.full((BM, BN), 0.0, tl.float32)
-            for k0 in range(k_lo, k_hi, BK):
-                ks = k0 + tl.arange(0, BK)
-                k_ok = ks < k_hi
-                x = tl.load(
-                    x_ptr + tok[:, None] * dim + ks[None, :],
-                    mask=valid[:, None] & k_ok[None, :],
-                    other=0.0,
-                )
-                w_mask = k_ok[:, None] & col_ok[None, :]
-                wa = tl.load(w_base + cols[None, :] * dim + ks[:, None], mask=w_mask, other=0.0)
-                wb = tl.load(
-                    w_base + (width + cols[None, :]) * dim + ks[:, None], mask=w_mask, other=0.0
-                )
-                acc_a = _mma(x, wa.to(x.dtype), acc_a, IEEE)
-                acc_b = _mma(x, wb.to(x.dtype), acc_b, IEEE)
+        for k0 in range(k_lo, k_hi, BK):
+            ks = k0 + tl.arange(0, BK)
+            k_ok = ks < k_hi
+            x = tl.load(
+                x_ptr + tok[:, None] * dim + ks[None, :],
+                mask=valid[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            w_mask = k_ok[:, None] & col_ok[None, :]
+            wa = tl.load(w_base + cols[None, :] * dim + ks[:, None], mask=w_mask, other=0.0)
+            wb = tl.load(
+                w_base + (width + cols[None, :]) * dim + ks[:, None], mask=w_mask, other=0.0
+            )
+            wa = wa.to(x.dtype)
+            wb = wb.to(x.dtype)
+            if IEEE:
+                acc_a += tl.dot(x, wa, input_precision="ieee")
+                acc_b += tl.dot(x, wb, input_precision="ieee")
+            else:
+                acc_a += tl.dot(x, wa)
+                acc_b += tl.dot(x, wb)
         if SPLIT == 1:
             _up_epilogue(acc_a, acc_b, e, rows, pair, valid, cols, col_ok, s_ptr, d_ptr, h_ptr,
                          width, HAS_SCALE, HAS_DELTA)  # fmt: skip
@@ -369,9 +340,8 @@ if triton is not None:
         BM: tl.constexpr,
         BN: tl.constexpr,
         BK: tl.constexpr,
-        SWAP: tl.constexpr = False,
     ):
-        """fc2 over a row block's activations; as `_up_kernel` for split-K and ``SWAP``."""
+        """fc2 over a row block's activations; as `_up_kernel` for split-K."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -381,41 +351,27 @@ if triton is not None:
         cols = pid_n * BN + tl.arange(0, BN)
         col_ok = cols < dim
         w_base = w_ptr + e * dim * width
+        acc = tl.full((BM, BN), 0.0, tl.float32)
         k_lo = pid_s * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, width)
-        if SWAP:
-            acc = tl.full((BN, BM), 0.0, tl.float32)
-            for k0 in range(k_lo, k_hi, BK):
-                ks = k0 + tl.arange(0, BK)
-                k_ok = ks < k_hi
-                ht = tl.load(
-                    h_ptr + rows[None, :].to(tl.int64) * width + ks[:, None],
-                    mask=valid[None, :] & k_ok[:, None],
-                    other=0.0,
-                )
-                w = tl.load(
-                    w_base + cols[:, None] * width + ks[None, :],
-                    mask=col_ok[:, None] & k_ok[None, :],
-                    other=0.0,
-                )
-                acc = _mma(w.to(ht.dtype), ht, acc, IEEE)
-            acc = tl.trans(acc)
-        else:
-            acc = tl.full((BM, BN), 0.0, tl.float32)
-            for k0 in range(k_lo, k_hi, BK):
-                ks = k0 + tl.arange(0, BK)
-                k_ok = ks < k_hi
-                h = tl.load(
-                    h_ptr + rows[:, None].to(tl.int64) * width + ks[None, :],
-                    mask=valid[:, None] & k_ok[None, :],
-                    other=0.0,
-                )
-                w = tl.load(
-                    w_base + cols[None, :] * width + ks[:, None],
-                    mask=k_ok[:, None] & col_ok[None, :],
-                    other=0.0,
-                )
-                acc = _mma(h, w.to(h.dtype), acc, IEEE)
+        for k0 in range(k_lo, k_hi, BK):
+            ks = k0 + tl.arange(0, BK)
+            k_ok = ks < k_hi
+            h = tl.load(
+                h_ptr + rows[:, None].to(tl.int64) * width + ks[None, :],
+                mask=valid[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            w = tl.load(
+                w_base + cols[None, :] * width + ks[:, None],
+                mask=k_ok[:, None] & col_ok[None, :],
+                other=0.0,
+            )
+            w = w.to(h.dtype)
+            if IEEE:
+                acc += tl.dot(h, w, input_precision="ieee")
+            else:
+                acc += tl.dot(h, w)
         if SPLIT == 1:
             _down_epilogue(acc, e, pair, valid, cols, col_ok, s_ptr, d_ptr, y_ptr, dim,
                            HAS_SCALE, HAS_DELTA)  # fmt: skip
@@ -497,7 +453,7 @@ def experts_fused(
         x, w1, s1 if has_scale else dummy, hidden, part, pair_ids, block_expert, used,
         dummy if up is None else up, n * k, k, dim, width, k_split,
         HAS_SCALE=has_scale, HAS_DELTA=up is not None, IEEE=ieee, SPLIT=t.split,
-        BM=bm, BN=t.bn, BK=t.bk, SWAP=t.swap, num_warps=t.warps, num_stages=t.stages,
+        BM=bm, BN=t.bn, BK=t.bk, num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
     if t.split > 1:
         _up_reduce_kernel[(n_blocks, triton.cdiv(width, t.bn))](
@@ -515,7 +471,7 @@ def experts_fused(
         hidden, w2, s2 if has_scale else dummy, y, part, pair_ids, block_expert, used,
         dummy if down is None else down, n * k, dim, width, k_split,
         HAS_SCALE=has_scale, HAS_DELTA=down is not None, IEEE=ieee, SPLIT=t.split,
-        BM=bm, BN=t.bn, BK=t.bk, SWAP=t.swap, num_warps=t.warps, num_stages=t.stages,
+        BM=bm, BN=t.bn, BK=t.bk, num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
     if t.split > 1:
         _down_reduce_kernel[(n_blocks, triton.cdiv(dim, t.bn))](
