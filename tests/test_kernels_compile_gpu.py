@@ -396,9 +396,18 @@ KERNELS = (
                 "M": "i32",
                 "stride_in": "i32",
             },
-            {**_TAU_SHAPE, "BH": 16, "BK": 128, "ITERS": 3, "GELU_ERF": erf, "TENSOR_CORES": True},
+            {
+                **_TAU_SHAPE,
+                "BH": 64 if every else 16,
+                "BK": 128,
+                "ITERS": 3,
+                "GELU_ERF": erf,
+                "TENSOR_CORES": True,
+                "ALL_HEADS": every,
+            },
         )
         for erf in (False, True)
+        for every in (False, True)
     ),
     *(
         Kernel(

@@ -37,6 +37,7 @@ MAX_SPLITS = 16  # programs over the projection's columns per block of tokens an
 SCALE_H = 4  # heads per program of the scaling (more programs for a decode step's few rows)
 DECODE_M = 64  # up to this many tokens, BLOCK_M per program
 WIDE_M = 64  # tokens per program above that (prefill: the GELU computed once per 64)
+# A prefill's logits take every tau head in one block: 31 -> ? us a layer at 730 tokens.
 # Triton's interpreter (the CPU tests) multiplies bf16 operands as raw bits: there the products
 # run in fp32 on the rounded values, which is exact too.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -107,12 +108,18 @@ if triton is not None:
         ITERS: tl.constexpr,
         GELU_ERF: tl.constexpr,
         TENSOR_CORES: tl.constexpr,
+        ALL_HEADS: tl.constexpr = False,
     ):
         """Partial sums of GELU(qkv) . w over one split of the projection's columns, per (block
-        of tokens, block of tau heads, split): [splits, M, H + KVH] fp32."""
+        of tokens, block of tau heads, split): [splits, M, H + KVH] fp32. With ``ALL_HEADS``
+        one block holds every tau head (query and value), so each GELU is computed once."""
         dtype = qkv_ptr.dtype.element_ty
         width = (H + 2 * KVH) * HD
-        _, _, hmask, w_rows = _heads(tl.program_id(1), H, KVH, BH)
+        if ALL_HEADS:
+            w_rows = tl.arange(0, BH)
+            hmask = w_rows < H + KVH
+        else:
+            _, _, hmask, w_rows = _heads(tl.program_id(1), H, KVH, BH)
         split = tl.program_id(2)
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         rmask = rows < M
@@ -241,14 +248,19 @@ def tau_scale(
         part = torch.empty(
             (splits, m, n_heads + n_kv_heads), dtype=torch.float32, device=qkv.device
         )
-        heads = triton.cdiv(n_heads, BLOCK_H) + triton.cdiv(n_kv_heads, BLOCK_H)
-        bm = BLOCK_M if m <= DECODE_M else WIDE_M
+        wide = m > DECODE_M
+        bm = WIDE_M if wide else BLOCK_M
         rows = triton.cdiv(m, bm)
         shape = {"H": n_heads, "KVH": n_kv_heads, "HD": hd, "BM": bm}
         tc = qkv.dtype in (torch.bfloat16, torch.float16) and not _INTERPRETED
+        if wide:  # every head in one block: the GELU once per element, not once per block
+            heads, bh = 1, max(BLOCK_H, triton.next_power_of_2(n_heads + n_kv_heads))
+        else:
+            heads = triton.cdiv(n_heads, BLOCK_H) + triton.cdiv(n_kv_heads, BLOCK_H)
+            bh = BLOCK_H
         _logits_kernel[(rows, heads, splits)](
-            x, w, part, m, x.stride(0), BH=BLOCK_H, BK=BLOCK_K, ITERS=iters,
-            GELU_ERF=gelu_erf, TENSOR_CORES=tc, **shape,
+            x, w, part, m, x.stride(0), BH=bh, BK=BLOCK_K, ITERS=iters,
+            GELU_ERF=gelu_erf, TENSOR_CORES=tc, ALL_HEADS=wide, **shape,
         )  # fmt: skip
         scale_heads = triton.cdiv(n_heads, SCALE_H) + triton.cdiv(n_kv_heads, SCALE_H)
         # A view where it can be (the decode step's positions are a column of a wider table).
