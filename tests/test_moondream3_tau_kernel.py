@@ -51,7 +51,7 @@ CASES = [  # heads, kv heads, head width, batch, tokens
     (8, 4, 24, 2, 19),
     (20, 20, 8, 1, 37),
     (4, 2, 8, 1, 70),  # a prefill's wider blocks of tokens, every head in one block
-    (20, 12, 8, 1, 70),  # ... of 32 heads
+    (24, 12, 8, 1, 70),  # ... of 36 heads
 ]
 
 
