@@ -33,8 +33,14 @@ except ImportError:  # the CPU path needs no Triton
 BLOCK_M = 16  # tokens per program
 BLOCK_H = 16  # tau heads per program (tl.dot's smallest N)
 BLOCK_K = 128  # the projection's columns per step of the logits' sums
-MAX_SPLITS = 16  # programs over the projection's columns per block of tokens and heads
-SCALE_H = 4  # heads per program of the scaling (more programs for a decode step's few rows)
+# Programs over the projection's columns per block of tokens and heads, and heads per program
+# of the scaling (one for a decode step's few rows, four for a prefill). Moondream 3 on an
+# H100 (python -m bench.tau_probe, logits + scale, us a layer at 1 / 32 / 730 tokens): 16
+# splits and 4 heads 16.2 / 17.6 / 22.4; 48 splits (one 128-column step each) with 1 head
+# 6.9 / 9.5, with 4 at 730 tokens 24.2.
+MAX_SPLITS = 48
+SCALE_H = 1
+SCALE_H_WIDE = 4
 DECODE_M = 64  # up to this many tokens, BLOCK_M per program
 WIDE_M = 64  # tokens per program above that (prefill: the GELU computed once per 64)
 # A prefill takes every tau head in one block: 31 -> 14.8 us a layer at 730 tokens (H100).
@@ -262,12 +268,13 @@ def tau_scale(
             x, w, part, m, x.stride(0), BH=bh, BK=BLOCK_K, ITERS=iters,
             GELU_ERF=gelu_erf, TENSOR_CORES=tc, ALL_HEADS=wide, **shape,
         )  # fmt: skip
-        scale_heads = triton.cdiv(n_heads, SCALE_H) + triton.cdiv(n_kv_heads, SCALE_H)
+        sh = SCALE_H_WIDE if wide else SCALE_H
+        scale_heads = triton.cdiv(n_heads, sh) + triton.cdiv(n_kv_heads, sh)
         # A view where it can be (the decode step's positions are a column of a wider table).
         pos = positions.reshape(-1)
         _scale_kernel[(rows, scale_heads)](
             x, out, part, alpha, pos, m, x.stride(0), out.stride(0), pos.stride(0),
             SPLITS=splits, BLOCK_D=triton.next_power_of_2(hd), BF16_POS=bf16_positions,
-            BH=SCALE_H, **shape,
+            BH=sh, **shape,
         )  # fmt: skip
     return out.view(b, t, width)
