@@ -5,14 +5,13 @@ partial rotary width, keys copied out, and a token count that is not a multiple 
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
 import torch
 
-from tests.support.interpreted import interpreted
+from tests.support.interpreted import interpreted_copy
 from vlm_server.engine.device.kernels import triton_attention
 
 HEADS, KVH, HD, HALF, PAGE = 3, 2, 32, 8, 4
@@ -20,10 +19,8 @@ HEADS, KVH, HD, HALF, PAGE = 3, 2, 32, 8, 4
 
 @pytest.fixture(scope="module")
 def ta() -> Iterator[ModuleType]:
-    pytest.importorskip("triton")
-    mod = interpreted(triton_attention)
-    yield mod
-    del sys.modules[mod.__name__]
+    with interpreted_copy(triton_attention) as mod:
+        yield mod
 
 
 def _inputs(tokens: int, seed: int) -> dict:

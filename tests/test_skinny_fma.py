@@ -4,7 +4,6 @@ sums and the riding shrink; and the default launch shape's choice of it."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from types import ModuleType
 
@@ -12,16 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support.interpreted import interpreted
+from tests.support.interpreted import interpreted_copy
 from vlm_server.models.common import skinny_gemm
 
 
 @pytest.fixture(scope="module")
 def sg() -> Iterator[ModuleType]:
-    pytest.importorskip("triton")
-    mod = interpreted(skinny_gemm)
-    yield mod
-    del sys.modules[mod.__name__]
+    with interpreted_copy(skinny_gemm) as mod:
+        yield mod
 
 
 CASES = [

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 
 import pytest
@@ -41,3 +43,15 @@ def interpreted(module: ModuleType) -> ModuleType:
         mp.setenv("TRITON_INTERPRET", "1")
         spec.loader.exec_module(copy)
     return copy
+
+
+@contextmanager
+def interpreted_copy(module: ModuleType) -> Iterator[ModuleType]:
+    """`interpreted` for the length of a block (a module fixture's body), skipped without
+    Triton; the copy is removed from `sys.modules` afterwards."""
+    pytest.importorskip("triton")
+    copy = interpreted(module)
+    try:
+        yield copy
+    finally:
+        del sys.modules[copy.__name__]
