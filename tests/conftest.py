@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from image_pipeline import PreparedImage, prepare_image, sample_image_bytes
+from tests.support.reference_memo import shared_reference
 from vlm_server.models.interface import LoadedModel
 from vlm_server.models.registry import load_model, preset, write_checkpoint
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
@@ -64,7 +65,7 @@ def tiny(tiny_dir: Path) -> LoadedModel:
 
 @pytest.fixture(scope="session")
 def generator(tiny: LoadedModel) -> ReferenceGenerator:
-    return ReferenceGenerator(tiny.model, tiny.tokenizer)
+    return shared_reference(tiny.model, tiny.tokenizer)
 
 
 @pytest.fixture(scope="session")
