@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from image_pipeline import PreparedImage, prepare_image, sample_image_bytes
+from tests.support import cluster_command
 from tests.support.reference_memo import shared_reference
 from vlm_server.models.interface import LoadedModel
 from vlm_server.models.registry import load_model, preset, write_checkpoint
@@ -51,6 +52,20 @@ def _root_logging_restored() -> Iterator[None]:
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cluster_command_starts_with_the_run(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """``vlm cluster`` takes tens of seconds to start, waiting on processes while the tests
+    before its own use one core: when its test is in the run, it starts with the run (the
+    test takes it over: `tests.support.cluster_command`)."""
+    if any(item.path.name == "test_cluster_command.py" for item in request.session.items):
+        tiny = request.getfixturevalue("tiny_dir")
+        cluster_command.launch_early(tiny, tmp_path_factory.mktemp("cluster"))
+    yield
+    cluster_command.stop_early()
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,88 @@
+"""``vlm cluster`` as an operator runs it, started when the test run starts.
+
+Starting it (Ray, a replica loading the model, the gateway's workers) takes tens of seconds,
+almost all of them spent waiting on processes that leave the test run's own core idle: the
+run starts it once, ahead of the test that drives it (`launch_early`), and that test takes it
+over (`take`), or starts it then when nothing was started early. Every port is "any free
+one", read back from the command's log, so that nothing else can take a port picked for it
+while it starts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO
+
+REPO = Path(__file__).resolve().parents[2]
+SERVING = re.compile(r'msg="cluster serving" .*grpc_port=(\d+) http_port=(\d+) metrics_port=(\d+)')
+
+
+class LaunchedCluster:
+    """A ``vlm cluster`` process (one CPU replica of ``model``), its output in ``log_path``."""
+
+    def __init__(self, model: Path, folder: Path) -> None:
+        self.log_path = folder / "cluster.log"
+        self._log: IO[str] = self.log_path.open("w")
+        cmd = [
+            sys.executable, "-m", "vlm_server.cli", "cluster", "--replicas", "1",
+            "--gpus-per-replica", "0", "--cpus-per-replica", "0.5", "--gateway-workers", "1",
+            "--model", str(model), "--device", "cpu", "--dtype", "fp32", "--grace-period", "60",
+            "--host", "127.0.0.1", "--port", "0", "--http-port", "-1", "--metrics-port", "0",
+        ]  # fmt: skip
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        }
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO
+        )
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def ports(self, timeout: float) -> tuple[int, int, int]:
+        """(gRPC, HTTP, metrics) ports, once the command says it serves them."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = SERVING.search(self.log())
+            if found:
+                return int(found.group(1)), int(found.group(2)), int(found.group(3))
+            assert self.proc.poll() is None, "vlm cluster exited while starting:\n" + self.log()
+            assert time.monotonic() < deadline, "hang guard: vlm cluster never served"
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(60)
+        self._log.close()
+
+
+_early: LaunchedCluster | None = None
+
+
+def launch_early(model: Path, folder: Path) -> None:
+    global _early
+    if _early is None:
+        _early = LaunchedCluster(model, folder)
+
+
+def take(model: Path, folder: Path) -> LaunchedCluster:
+    """The cluster started early (once), else one started now."""
+    global _early
+    launched, _early = _early, None
+    return launched if launched is not None else LaunchedCluster(model, folder)
+
+
+def stop_early() -> None:
+    """Stops a cluster started early that no test took."""
+    global _early
+    if _early is not None:
+        _early.stop()
+        _early = None
