@@ -58,9 +58,15 @@ class LaunchedCluster:
             time.sleep(0.2)
 
     def stop(self) -> None:
+        """Ends the command if it still runs: SIGTERM first, which stops Ray's processes with
+        it (a killed command leaves some of them behind), then SIGKILL."""
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(60)
+            self.proc.terminate()
+            try:
+                self.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(60)
         self._log.close()
 
 
