@@ -16,7 +16,8 @@ import pytest
 pytest.importorskip("ray.serve", reason="the cluster extra (ray[serve]) is not installed")
 
 from image_pipeline import sample_image_bytes
-from tests.support.cluster_command import LaunchedCluster, take
+from tests.support import early
+from tests.support.cluster_command import KEY, LaunchedCluster
 from vlm_server.client import TextResult, VisionLanguageClient
 from vlm_server.client.types import VlmError
 
@@ -37,7 +38,8 @@ def _ready(target: str, cluster: LaunchedCluster) -> None:
 
 
 def test_sigterm_drains_the_cluster(tiny_dir: Path, tmp_path: Path) -> None:
-    cluster = take(tiny_dir, tmp_path)  # most often started with the test run
+    # Most often started with the test run: starting takes long (see tests.support.early).
+    cluster = early.take(KEY, lambda: LaunchedCluster(tiny_dir, tmp_path))
     proc = cluster.proc
     try:
         port, _, _ = cluster.ports(HANG_GUARD_S)

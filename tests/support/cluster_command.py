@@ -1,11 +1,8 @@
-"""``vlm cluster`` as an operator runs it, started when the test run starts.
+"""``vlm cluster`` as an operator runs it (started early: see `tests.support.early`).
 
-Starting it (Ray, a replica loading the model, the gateway's workers) takes tens of seconds,
-almost all of them spent waiting on processes that leave the test run's own core idle: the
-run starts it once, ahead of the test that drives it (`launch_early`), and that test takes it
-over (`take`), or starts it then when nothing was started early. Every port is "any free
-one", read back from the command's log, so that nothing else can take a port picked for it
-while it starts.
+Starting it (Ray, a replica loading the model, the gateway's workers) takes tens of seconds.
+Every port is "any free one", read back from the command's log, so that nothing else can
+take a port picked for it while it starts.
 """
 
 from __future__ import annotations
@@ -19,6 +16,7 @@ from pathlib import Path
 from typing import IO
 
 REPO = Path(__file__).resolve().parents[2]
+KEY = "vlm cluster"
 SERVING = re.compile(r'msg="cluster serving" .*grpc_port=(\d+) http_port=(\d+) metrics_port=(\d+)')
 
 
@@ -68,27 +66,3 @@ class LaunchedCluster:
                 self.proc.kill()
                 self.proc.wait(60)
         self._log.close()
-
-
-_early: LaunchedCluster | None = None
-
-
-def launch_early(model: Path, folder: Path) -> None:
-    global _early
-    if _early is None:
-        _early = LaunchedCluster(model, folder)
-
-
-def take(model: Path, folder: Path) -> LaunchedCluster:
-    """The cluster started early (once), else one started now."""
-    global _early
-    launched, _early = _early, None
-    return launched if launched is not None else LaunchedCluster(model, folder)
-
-
-def stop_early() -> None:
-    """Stops a cluster started early that no test took."""
-    global _early
-    if _early is not None:
-        _early.stop()
-        _early = None
