@@ -233,11 +233,19 @@ def test_safetensors_and_plain_pt_layouts_read_alike(tiny: LoadedModel, tmp_path
             assert all(torch.equal(la[t][i], lb[t][i]) for t in la for i in (0, 1))
 
 
-def test_adapters_through_the_engine_process(
-    tiny: LoadedModel, tiny_dir: Path, folder: Path, sample_image: PreparedImage
-) -> None:
-    """The server's flags reach an engine in its own process: the adapter is loaded there
-    (on its adapter threads), listed by GetModelInfo, and its errors cross with their field."""
+@pytest.fixture(scope="module", autouse=True)
+def _engine_process_server(
+    request: pytest.FixtureRequest, tiny_dir: Path, folder: Path
+) -> Iterator[ServerThread | None]:
+    """The engine-process test's own server (no other test uses it), started with the module
+    when that test is in the run: its engine process loads while the tests before it run."""
+    if not any(
+        item.module is request.module
+        and item.originalname == "test_adapters_through_the_engine_process"
+        for item in request.session.items
+    ):
+        yield None
+        return
     config = local_config(
         model=str(tiny_dir),
         device="cpu",
@@ -249,11 +257,26 @@ def test_adapters_through_the_engine_process(
         max_adapter_rank=RANK,
         max_adapters=2,
     )
+    running = ServerThread(config, engine_factory(config))
+    try:
+        yield running.start(wait_ready=False)
+    finally:
+        running.stop()
+
+
+def test_adapters_through_the_engine_process(
+    tiny: LoadedModel,
+    folder: Path,
+    sample_image: PreparedImage,
+    _engine_process_server: ServerThread | None,
+) -> None:
+    """The server's flags reach an engine in its own process: the adapter is loaded there
+    (on its adapter threads), listed by GetModelInfo, and its errors cross with their field."""
+    server = _engine_process_server
+    assert server is not None and server.server is not None
     want = _reference(tiny, folder / "local" / "final.pt", "local")
-    with (
-        ServerThread(config, engine_factory(config)) as server,
-        VisionLanguageClient(server.target, timeout=60) as client,
-    ):
+    server.run(server.server.wait_ready())
+    with VisionLanguageClient(server.target, timeout=60) as client:
         got = client.caption(sample_image_bytes(), temperature=0, max_tokens=8, adapter="local")
         assert got.text == want.caption(sample_image, "normal", GREEDY).text
         with pytest.raises(VlmError) as err:
