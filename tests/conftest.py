@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from image_pipeline import PreparedImage, prepare_image, sample_image_bytes
+from tests.support import cluster_command, early, ray_cluster_app, spawned_server
+from tests.support.cluster_command import LaunchedCluster
+from tests.support.ray_cluster_app import RayClusterApp
+from tests.support.reference_memo import shared_reference
+from tests.support.spawned_server import SpawnedServer
 from vlm_server.models.interface import LoadedModel
 from vlm_server.models.registry import load_model, preset, write_checkpoint
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
@@ -52,6 +58,34 @@ def _root_logging_restored() -> Iterator[None]:
     root.setLevel(level)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _slow_starts_begin_with_the_run(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """The commands some tests drive take seconds to start, waiting on processes while the
+    tests before them use one core: when such a test is in the run, its command starts with
+    the run, and the test takes it over (see tests.support.early)."""
+    starts: dict[Hashable, Callable[[Path], early.Stoppable]] = {}
+    for item in request.session.items:
+        if item.path.name == "test_cluster_command.py":
+            folder = tmp_path_factory.mktemp("cluster")
+            starts[cluster_command.KEY] = functools.partial(LaunchedCluster, folder=folder)
+        elif item.path.name == "test_cluster_ray.py" and ray_cluster_app.KEY not in starts:
+            folder = tmp_path_factory.mktemp("ray")
+            starts[ray_cluster_app.KEY] = functools.partial(RayClusterApp, folder=folder)
+        elif item.path.name == "test_service_lifecycle.py" and "engine_process" in (
+            params := getattr(getattr(item, "callspec", None), "params", {})
+        ):
+            mode = params["engine_process"]
+            starts[spawned_server.key(mode)] = functools.partial(SpawnedServer, engine_process=mode)
+    if starts:
+        model = request.getfixturevalue("tiny_dir")
+        for key, start in starts.items():
+            early.launch(key, functools.partial(start, model))
+    yield
+    early.stop_untaken()
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_checkpoint(preset("tiny"), tmp_path_factory.mktemp("tiny"), seed=0, progress=False)
@@ -64,7 +98,7 @@ def tiny(tiny_dir: Path) -> LoadedModel:
 
 @pytest.fixture(scope="session")
 def generator(tiny: LoadedModel) -> ReferenceGenerator:
-    return ReferenceGenerator(tiny.model, tiny.tokenizer)
+    return shared_reference(tiny.model, tiny.tokenizer)
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ import http.server
 import io
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -23,10 +24,11 @@ from PIL import Image
 from image_pipeline import PreparedImage, prepare_image, sample_image_bytes
 from tests.http_support import data_url, moondream_client, post_json
 from tests.support.http_files import QuietHandler
-from tests.support.service_harness import ServerThread, local_config
+from tests.support.service_harness import ServerThread, local_config, wait_for
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
 from vlm_server.client import VisionLanguageClient, VlmError
+from vlm_server.cluster.metrics import value
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.interface import LoadedModel
@@ -40,7 +42,7 @@ MIB = 1 << 20
 RANK = 4
 KEY = "secret-key"
 GREEDY = SamplingSettings(temperature=0.0, max_tokens=8)
-SLOW_S = 2.0  # how long the stand-in endpoint takes to answer for a "slow..." finetune
+GATE_TIMEOUT_S = 60.0  # a gate left closed must not hang the run
 
 
 class _Variants(QuietHandler):
@@ -48,12 +50,15 @@ class _Variants(QuietHandler):
 
     blobs: ClassVar[dict[str, bytes]] = {}
     seen: ClassVar[list[tuple[str, str | None]]] = []
+    # Holds the answers for a "slow..." finetune while cleared: a download that lasts until
+    # the test has seen what it wants meanwhile.
+    slow_gate: ClassVar[threading.Event] = threading.Event()
 
     def do_GET(self) -> None:
         self.seen.append((self.path, self.headers.get("X-Moondream-Auth")))
         name = self.path.removeprefix("/v1/variants/").removesuffix("/download")
         if name.startswith("slow"):
-            time.sleep(SLOW_S)
+            self.slow_gate.wait(GATE_TIMEOUT_S)
         if self.headers.get("X-Moondream-Auth") != KEY:
             self.send_error(401)
         elif name not in self.blobs:
@@ -66,6 +71,7 @@ class _Variants(QuietHandler):
 def endpoint(tiny: LoadedModel) -> Iterator[str]:
     buf = io.BytesIO()
     torch.save(random_state(tiny.model.text.lora_targets, RANK, seed=3, scale=0.3), buf)
+    _Variants.slow_gate.set()
     _Variants.blobs = {
         "ft1@100": buf.getvalue(),
         "slow@7": buf.getvalue(),
@@ -227,11 +233,19 @@ def test_safetensors_and_plain_pt_layouts_read_alike(tiny: LoadedModel, tmp_path
             assert all(torch.equal(la[t][i], lb[t][i]) for t in la for i in (0, 1))
 
 
-def test_adapters_through_the_engine_process(
-    tiny: LoadedModel, tiny_dir: Path, folder: Path, sample_image: PreparedImage
-) -> None:
-    """The server's flags reach an engine in its own process: the adapter is loaded there
-    (on its adapter threads), listed by GetModelInfo, and its errors cross with their field."""
+@pytest.fixture(scope="module", autouse=True)
+def _engine_process_server(
+    request: pytest.FixtureRequest, tiny_dir: Path, folder: Path
+) -> Iterator[ServerThread | None]:
+    """The engine-process test's own server (no other test uses it), started with the module
+    when that test is in the run: its engine process loads while the tests before it run."""
+    if not any(
+        item.module is request.module
+        and item.originalname == "test_adapters_through_the_engine_process"
+        for item in request.session.items
+    ):
+        yield None
+        return
     config = local_config(
         model=str(tiny_dir),
         device="cpu",
@@ -243,11 +257,26 @@ def test_adapters_through_the_engine_process(
         max_adapter_rank=RANK,
         max_adapters=2,
     )
+    running = ServerThread(config, engine_factory(config))
+    try:
+        yield running.start(wait_ready=False)
+    finally:
+        running.stop()
+
+
+def test_adapters_through_the_engine_process(
+    tiny: LoadedModel,
+    folder: Path,
+    sample_image: PreparedImage,
+    _engine_process_server: ServerThread | None,
+) -> None:
+    """The server's flags reach an engine in its own process: the adapter is loaded there
+    (on its adapter threads), listed by GetModelInfo, and its errors cross with their field."""
+    server = _engine_process_server
+    assert server is not None and server.server is not None
     want = _reference(tiny, folder / "local" / "final.pt", "local")
-    with (
-        ServerThread(config, engine_factory(config)) as server,
-        VisionLanguageClient(server.target, timeout=60) as client,
-    ):
+    server.run(server.server.wait_ready())
+    with VisionLanguageClient(server.target, timeout=60) as client:
         got = client.caption(sample_image_bytes(), temperature=0, max_tokens=8, adapter="local")
         assert got.text == want.caption(sample_image, "normal", GREEDY).text
         with pytest.raises(VlmError) as err:
@@ -279,17 +308,29 @@ def test_a_slow_download_delays_only_its_own_requests(server: ServerThread) -> N
         assert status == 200
         done[key] = time.monotonic()
 
-    started = time.monotonic()
-    slow = [threading.Thread(target=call, args=(f"slow{i}", slow_body)) for i in range(2)]
-    for t in slow:
-        t.start()
-    time.sleep(0.3)  # both are waiting on the download now
-    call("base", {"image_url": image, "settings": {"max_tokens": 2}})
+    def downloads() -> int:
+        return [p for p, _ in _Variants.seen].count("/v1/variants/slow@7/download")
+
+    def in_flight() -> float:
+        with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+            return value(response.read().decode(), "vlm_requests_in_flight", door="http")
+
+    _Variants.slow_gate.clear()  # the download lasts until the base request was answered
+    try:
+        slow = [threading.Thread(target=call, args=(f"slow{i}", slow_body)) for i in range(2)]
+        for t in slow:
+            t.start()
+        wait_for(lambda: downloads() == 1, what="the download to begin")
+        wait_for(lambda: in_flight() == 2, what="both requests to arrive")
+        call("base", {"image_url": image, "settings": {"max_tokens": 2}})
+        assert "slow0" not in done and "slow1" not in done  # still waiting on the download
+        released = time.monotonic()
+    finally:
+        _Variants.slow_gate.set()
     for t in slow:
         t.join(30)
-    assert done["base"] - started < SLOW_S
-    assert min(done["slow0"], done["slow1"]) - started >= SLOW_S
-    assert [p for p, _ in _Variants.seen].count("/v1/variants/slow@7/download") == 1
+    assert min(done["slow0"], done["slow1"]) >= released
+    assert downloads() == 1
 
 
 def test_a_slot_wait_past_its_bound_is_429_not_413() -> None:

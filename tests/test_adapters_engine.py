@@ -20,6 +20,7 @@ from image_pipeline import (
     sample_image,
     sample_image_bytes,
 )
+from tests.support.reference_memo import shared_reference
 from vlm_server.engine.api import (
     EngineError,
     ErrorCode,
@@ -32,6 +33,7 @@ from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.interface import LoadedModel
 from vlm_server.models.lora import bank, files
 from vlm_server.models.lora.bank import exact_lora
+from vlm_server.models.lora.spec import AdapterWeights
 from vlm_server.models.lora.writer import write_random
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
 
@@ -63,12 +65,14 @@ def images() -> list[PreparedImage]:
 
 
 def _reference(loaded: LoadedModel, folder: Path, name: str | None) -> ReferenceGenerator:
-    weights = None
-    if name is not None:
+    def weights() -> AdapterWeights | None:
+        if name is None:
+            return None
         path = files.find(folder, name)
         assert path is not None
-        weights = files.load(path, loaded.model.text.lora_targets, RANK, name)
-    return ReferenceGenerator(loaded.model, loaded.tokenizer, weights)
+        return files.load(path, loaded.model.text.lora_targets, RANK, name)
+
+    return shared_reference(loaded.model, loaded.tokenizer, weights, adapter_key=(folder, name))
 
 
 def _want(ref: ReferenceGenerator, req: GenerationRequest) -> str:

@@ -13,11 +13,13 @@ import pytest
 import torch
 
 from image_pipeline import PreparedImage, prepare_pil, sample_image
+from tests.support.reference_memo import shared_reference
 from vlm_server.engine.api import EngineError, ErrorCode, Finished, GenerationRequest, Task
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.interface import LoadedModel
 from vlm_server.models.lora import experts, files, formats
+from vlm_server.models.lora.spec import AdapterWeights
 from vlm_server.models.lora.writer import write_random_finetune
 from vlm_server.models.registry import preset, random_model
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
@@ -264,12 +266,17 @@ def test_reasoning_and_spatial_refs_with_finetunes(
     *texts, _ = _run(md3_tiny, adapter_dir, reqs, pipeline_depth=depth)
     targets = md3_tiny.model.text.lora_targets
     for req, text in zip(reqs, texts, strict=True):
-        weights = None
-        if req.adapter is not None:
-            path = files.find(adapter_dir, req.adapter)
+
+        def weights(name: str | None = req.adapter) -> AdapterWeights | None:
+            if name is None:
+                return None
+            path = files.find(adapter_dir, name)
             assert path is not None
-            weights = formats.load(path, targets, RANK, req.adapter)
-        ref = ReferenceGenerator(md3_tiny.model, md3_tiny.tokenizer, weights)
+            return formats.load(path, targets, RANK, name)
+
+        ref = shared_reference(
+            md3_tiny.model, md3_tiny.tokenizer, weights, adapter_key=(adapter_dir, req.adapter)
+        )
         s = SamplingSettings(temperature=0, max_tokens=req.max_tokens)
         if req.reasoning:
             want = ref.reasoning_query(req.image, req.question, s, req.spatial_refs).answer

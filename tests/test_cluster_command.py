@@ -5,11 +5,7 @@ hanging."""
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,23 +16,18 @@ import pytest
 pytest.importorskip("ray.serve", reason="the cluster extra (ray[serve]) is not installed")
 
 from image_pipeline import sample_image_bytes
+from tests.support import early
+from tests.support.cluster_command import KEY, LaunchedCluster
 from vlm_server.client import TextResult, VisionLanguageClient
 from vlm_server.client.types import VlmError
 
 HANG_GUARD_S = 240.0
-REPO = Path(__file__).resolve().parent.parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _ready(target: str, proc: subprocess.Popen) -> None:
+def _ready(target: str, cluster: LaunchedCluster) -> None:
     deadline = time.monotonic() + HANG_GUARD_S
     while True:
-        assert proc.poll() is None, "vlm cluster exited while starting"
+        assert cluster.proc.poll() is None, "vlm cluster exited while starting"
         try:
             with VisionLanguageClient(target, timeout=5) as client:
                 client.model_info()
@@ -47,23 +38,13 @@ def _ready(target: str, proc: subprocess.Popen) -> None:
 
 
 def test_sigterm_drains_the_cluster(tiny_dir: Path, tmp_path: Path) -> None:
-    port, http_port, metrics_port = _free_port(), _free_port(), _free_port()
-    log = (tmp_path / "cluster.log").open("w")
-    cmd = [
-        sys.executable, "-m", "vlm_server.cli", "cluster", "--replicas", "1",
-        "--gpus-per-replica", "0", "--cpus-per-replica", "0.5", "--gateway-workers", "1",
-        "--model", str(tiny_dir), "--device", "cpu", "--dtype", "fp32", "--grace-period", "60",
-        "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port),
-        "--metrics-port", str(metrics_port),
-    ]  # fmt: skip
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    target = f"127.0.0.1:{port}"
+    # Most often started with the test run: starting takes long (see tests.support.early).
+    cluster = early.take(KEY, lambda: LaunchedCluster(tiny_dir, tmp_path))
+    proc = cluster.proc
     try:
-        _ready(target, proc)
+        port, _, _ = cluster.ports(HANG_GUARD_S)
+        target = f"127.0.0.1:{port}"
+        _ready(target, cluster)
         first = threading.Event()
         outcome: list[Any] = []
 
@@ -83,11 +64,8 @@ def test_sigterm_drains_the_cluster(tiny_dir: Path, tmp_path: Path) -> None:
         assert outcome and isinstance(outcome[0], TextResult), outcome
         assert proc.wait(HANG_GUARD_S) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(HANG_GUARD_S)
-        log.close()
-    text = (tmp_path / "cluster.log").read_text()
+        cluster.stop()
+    text = cluster.log_path.read_text()
     assert "draining" in text, text[-2000:]
     with VisionLanguageClient(target, timeout=5) as client, pytest.raises(VlmError):
         client.model_info()

@@ -16,6 +16,7 @@ from PIL import Image
 
 from image_pipeline import PreparedImage, prepare_image, sample_image_bytes
 from tests.http_support import data_url, events, moondream_client, post, post_json
+from tests.support.reference_memo import shared_reference
 from tests.support.service_harness import ServerThread, local_config
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
@@ -40,7 +41,7 @@ def server(reasoning_model: LoadedModel) -> Iterator[ServerThread]:
 
 @pytest.fixture(scope="module")
 def ref(reasoning_model: LoadedModel) -> ReferenceGenerator:
-    return ReferenceGenerator(reasoning_model.model, reasoning_model.tokenizer)
+    return shared_reference(reasoning_model.model, reasoning_model.tokenizer)
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ import torch
 
 from image_pipeline import PreparedImage, prepare_pil, sample_image
 from tests.support.observers import StepLog
+from tests.support.reference_memo import shared_reference
 from vlm_server.engine.api import (
     EngineError,
     ErrorCode,
@@ -185,7 +186,7 @@ def _text_requests(images: list[PreparedImage]) -> list[GenerationRequest]:
 def test_text_tasks_equal_the_reference(
     text_model: LoadedModel, images: list[PreparedImage], depth: int, budget: str
 ) -> None:
-    ref = ReferenceGenerator(text_model.model, text_model.tokenizer)
+    ref = shared_reference(text_model.model, text_model.tokenizer)
     reqs = _text_requests(images)
 
     async def run() -> list[tuple[list[str], Finished]]:
@@ -225,7 +226,7 @@ def test_text_tasks_equal_the_reference(
 def test_region_tasks_equal_the_reference(
     region_model: LoadedModel, images: list[PreparedImage], depth: int, budget: str
 ) -> None:
-    ref = ReferenceGenerator(region_model.model, region_model.tokenizer)
+    ref = shared_reference(region_model.model, region_model.tokenizer)
     reqs = [
         GenerationRequest(
             task, images[i % 3], request_id=f"{task}{i}", object_name=obj, max_objects=n
@@ -570,7 +571,7 @@ def test_many_concurrent_requests_under_page_pressure(
         finally:
             await engine.close()
 
-    ref = ReferenceGenerator(text_model.model, text_model.tokenizer)
+    ref = shared_reference(text_model.model, text_model.tokenizer)
     for req, fin in zip(reqs, asyncio.run(run()), strict=True):
         want = ref.query(
             req.image, req.question, SamplingSettings(temperature=0, max_tokens=req.max_tokens)
@@ -690,7 +691,7 @@ def test_constrained_and_segment_equal_the_reference(
             await engine.close()
 
     plans = _Plans()
-    ref = ReferenceGenerator(tiny.model, tiny.tokenizer)
+    ref = shared_reference(tiny.model, tiny.tokenizer)
     for req, fin in zip(reqs, asyncio.run(run()), strict=True):
         if req.task is Task.QUERY:
             s = SamplingSettings(
@@ -781,7 +782,7 @@ def test_requests_for_one_new_image_share_one_prefix_computation(
     """Requests for an image whose prefix is still being computed wait for that computation
     instead of starting their own; each image's prefix is computed once, in batches of the
     images admitted together, and every answer equals the reference's."""
-    ref = ReferenceGenerator(text_model.model, text_model.tokenizer)
+    ref = shared_reference(text_model.model, text_model.tokenizer)
     questions = ["what is it?", "how many?", "which color?", "where?"]
     reqs = [
         GenerationRequest(

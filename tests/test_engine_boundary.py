@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from image_pipeline import PreparedImage, prepare_pil, sample_image
+from tests.support.reference_memo import shared_reference
 from vlm_server.engine.api import Finished, GenerationRequest, Task
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.interface import LoadedModel
-from vlm_server.reference import ReferenceGenerator
 
 THIRD = 42  # neither eos nor coord
 
@@ -71,7 +71,7 @@ def _requests(images: list[PreparedImage]) -> list[GenerationRequest]:
 def test_the_two_rules_disagree_on_this_checkpoint(
     third_model: LoadedModel, images: list[PreparedImage]
 ) -> None:
-    ref = ReferenceGenerator(third_model.model, third_model.tokenizer)
+    ref = shared_reference(third_model.model, third_model.tokenizer)
     c = third_model.config.tokens
     built = ref.tasks.build(_requests(images)[0])
     _, hidden, _ = ref._start(images[0], built.prompt, built.grammar.max_positions)
@@ -103,7 +103,7 @@ def test_boundary_follows_the_reference_in_engine_and_reference(
         finally:
             await engine.close()
 
-    ref = ReferenceGenerator(third_model.model, third_model.tokenizer)
+    ref = shared_reference(third_model.model, third_model.tokenizer)
     reasons, counts = set(), set()
     for req, fin in zip(reqs, asyncio.run(run()), strict=True):
         if req.task is Task.DETECT:

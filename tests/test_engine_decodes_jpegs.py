@@ -9,6 +9,7 @@ must equal the host path's; the tests marked ``gpu`` run the real decoders.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import threading
@@ -405,26 +406,32 @@ def test_a_server_leaving_jpegs_encoded_answers_as_one_decoding_them(
     serves on."""
     data = encode(photo(200, 150, seed=5), quality=90)
     answers = {}
-    for leave in (False, True):
-        if leave:
-            monkeypatch.setattr(server_module, "engine_decode_min_pixels", lambda config: 1)
-        config = _config(tiny_dir)
-        with (
-            ServerThread(config, engine_factory(config)) as running,
-            VisionLanguageClient(running.target, timeout=60) as c,
-        ):
-            assert running.server is not None
-            uploaded = c.encode_image(data)
-            kept = running.server.core.images.cache.get(uploaded.image_id)
-            assert isinstance(kept, EncodedImage if leave else HostImage)
-            answers[leave] = c.caption(data, temperature=0.0, max_tokens=12).text
+    config = _config(tiny_dir)
+    with contextlib.ExitStack() as stack:
+        # Both servers load at once (each its engine process): a server reads whether to
+        # leave JPEGs encoded when it is made, so the second is made after the patch.
+        servers = {}
+        for leave in (False, True):
             if leave:
-                with pytest.raises(VlmError) as caught:
-                    c.caption(data[: len(data) // 2], temperature=0.0, max_tokens=4)
-                assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
-                assert caught.value.field == "image"
-                assert caught.value.message.startswith("image: corrupt")
-                assert c.query(uploaded, "what?", temperature=0.0, max_tokens=4).text
+                monkeypatch.setattr(server_module, "engine_decode_min_pixels", lambda config: 1)
+            servers[leave] = ServerThread(config, engine_factory(config))
+            stack.callback(servers[leave].stop)
+            servers[leave].start(wait_ready=False)
+        for leave, running in servers.items():
+            assert running.server is not None
+            running.run(running.server.wait_ready())
+            with VisionLanguageClient(running.target, timeout=60) as c:
+                uploaded = c.encode_image(data)
+                kept = running.server.core.images.cache.get(uploaded.image_id)
+                assert isinstance(kept, EncodedImage if leave else HostImage)
+                answers[leave] = c.caption(data, temperature=0.0, max_tokens=12).text
+                if leave:
+                    with pytest.raises(VlmError) as caught:
+                        c.caption(data[: len(data) // 2], temperature=0.0, max_tokens=4)
+                    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+                    assert caught.value.field == "image"
+                    assert caught.value.message.startswith("image: corrupt")
+                    assert c.query(uploaded, "what?", temperature=0.0, max_tokens=4).text
     assert answers[True] == answers[False]
 
 

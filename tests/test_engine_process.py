@@ -520,9 +520,34 @@ def test_a_cancelled_stream_frees_its_pages_in_the_engine_process(server: Server
     assert not engine._streams  # nothing left waiting for events
 
 
-def test_a_dead_engine_process_fails_its_requests_and_health(tiny_dir: Path) -> None:
+@pytest.fixture(scope="module", autouse=True)
+def _server_to_kill_the_engine_of(
+    request: pytest.FixtureRequest, tiny_dir: Path
+) -> Iterator[ServerThread | None]:
+    """The dead-engine test's own server (no other test uses it), started with the module
+    when that test is in the run: its engine process loads while the tests before it run."""
+    if not any(
+        item.module is request.module
+        and item.originalname == "test_a_dead_engine_process_fails_its_requests_and_health"
+        for item in request.session.items
+    ):
+        yield None
+        return
     config = _config(tiny_dir)
-    with ServerThread(config, engine_factory(config)) as running:
+    running = ServerThread(config, engine_factory(config))
+    try:
+        yield running.start(wait_ready=False)
+    finally:
+        running.stop()
+
+
+def test_a_dead_engine_process_fails_its_requests_and_health(
+    _server_to_kill_the_engine_of: ServerThread | None,
+) -> None:
+    running = _server_to_kill_the_engine_of
+    assert running is not None and running.server is not None
+    running.run(running.server.wait_ready())
+    try:
         engine = _engine(running)
         with grpc.insecure_channel(running.target) as channel:
             stub = pb_grpc.VisionLanguageStub(channel)
@@ -544,6 +569,8 @@ def test_a_dead_engine_process_fails_its_requests_and_health(tiny_dir: Path) -> 
 
             wait_for(lambda: status(SERVICE_NAME) == NOT_SERVING, what="readiness to go")
             assert status("") == NOT_SERVING  # liveness too: restart the server
+    finally:
+        running.stop()
 
 
 def _never_ready() -> None:
@@ -555,8 +582,10 @@ def test_stopping_while_the_engine_loads_ends_its_process() -> None:
 
     async def start_then_stop() -> None:
         starting = asyncio.ensure_future(engine.start())
-        await asyncio.sleep(1.0)
-        assert engine.pid is not None
+        deadline = time.monotonic() + 60  # only a broken run waits this long
+        while engine.pid is None:  # the process is started: it loads from now on
+            assert time.monotonic() < deadline, "the engine process never started"
+            await asyncio.sleep(0.01)
         starting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await starting

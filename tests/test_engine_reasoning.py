@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from image_pipeline import PreparedImage, prepare_pil, sample_image
+from tests.support.reference_memo import shared_reference
 from tests.test_engine import BUDGETS, _assert_clean, _engine, _Plans, _wait_idle
 from vlm_server.engine.api import (
     EngineError,
@@ -23,7 +24,7 @@ from vlm_server.engine.api import (
     TextDelta,
 )
 from vlm_server.models.interface import LoadedModel
-from vlm_server.reference import ReferenceGenerator, SamplingSettings
+from vlm_server.reference import SamplingSettings
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -81,7 +82,7 @@ REASONING_CASES = [(1, 4), (1, 23), (0, 2), (0, 1), (1, 0)]
 def test_reasoning_equals_the_reference(
     reasoning_model: LoadedModel, images: list[PreparedImage], depth: int, budget: str
 ) -> None:
-    ref = ReferenceGenerator(reasoning_model.model, reasoning_model.tokenizer)
+    ref = shared_reference(reasoning_model.model, reasoning_model.tokenizer)
     settings = [
         SamplingSettings(temperature=1.0, top_p=0.3, seed=s, max_tokens=40)
         for _, s in REASONING_CASES
@@ -133,7 +134,7 @@ def test_reasoning_equals_the_reference(
 def test_reasoning_budget_and_refusals(
     reasoning_model: LoadedModel, images: list[PreparedImage], tiny: LoadedModel
 ) -> None:
-    ref = ReferenceGenerator(reasoning_model.model, reasoning_model.tokenizer)
+    ref = shared_reference(reasoning_model.model, reasoning_model.tokenizer)
     # A budget that ends inside the reasoning: no answer, finish "length".
     s = SamplingSettings(temperature=0, max_tokens=5)
     want = ref.reasoning_query(images[0], "where", s)
@@ -200,7 +201,7 @@ def test_spatial_refs_equal_the_reference(
         region(Task.DETECT, "d-none", ()),
     ]
     answers: dict[str, object] = {}
-    ref = ReferenceGenerator(tiny.model, tiny.tokenizer)
+    ref = shared_reference(tiny.model, tiny.tokenizer)
     reqs = queries + regions
     for req, (_, fin) in zip(reqs, _run(tiny, reqs, depth, budget), strict=True):
         built, reason, out = ref.run(req)
@@ -220,7 +221,7 @@ def test_spatial_refs_equal_the_reference(
 def test_reasoning_with_spatial_refs(
     reasoning_model: LoadedModel, images: list[PreparedImage]
 ) -> None:
-    ref = ReferenceGenerator(reasoning_model.model, reasoning_model.tokenizer)
+    ref = shared_reference(reasoning_model.model, reasoning_model.tokenizer)
     s = SamplingSettings(temperature=0, max_tokens=20)
     want = ref.reasoning_query(images[1], "where", s, spatial_refs=REFS)
     req = GenerationRequest(

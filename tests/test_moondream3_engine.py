@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from image_pipeline import PreparedImage
+from tests.support.reference_memo import shared_reference
 from tests.test_engine import (  # noqa: F401  (fixtures)
     BUDGETS,
     _finish_all,
@@ -18,7 +19,6 @@ from tests.test_engine import (  # noqa: F401  (fixtures)
 from vlm_server.engine.api import GenerationRequest, Task
 from vlm_server.models.interface import LoadedModel
 from vlm_server.models.registry import preset, random_model
-from vlm_server.reference import ReferenceGenerator
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def test_engine_equals_reference_on_moondream3_tiny(
         GenerationRequest(Task.POINT, images[1], object_name="dog", max_objects=4),
     ]
     done = _finish_all(md3_tiny, reqs, 2, budget=budget, max_batch_size=4)
-    ref = ReferenceGenerator(md3_tiny.model, md3_tiny.tokenizer)
+    ref = shared_reference(md3_tiny.model, md3_tiny.tokenizer)
     for req, fin in zip(reqs[:-2], done[:-2], strict=True):
         assert fin.text == _reference_text(ref, req), req.request_id
     det, pts = done[-2:]
@@ -78,7 +78,7 @@ def test_reasoning_and_spatial_refs_on_moondream3_tiny(
         )
     )
     done = _finish_all(md3_tiny, reqs, depth, max_batch_size=4)
-    ref = ReferenceGenerator(md3_tiny.model, md3_tiny.tokenizer)
+    ref = shared_reference(md3_tiny.model, md3_tiny.tokenizer)
     for req, s, fin in zip(reqs, settings, done, strict=False):
         want = ref.reasoning_query(req.image, req.question, s, req.spatial_refs)
         assert fin.reasoning is not None and fin.reasoning.text == want.reasoning

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from image_pipeline import PreparedImage
+from tests.support.reference_memo import shared_reference
 from tests.test_engine import (  # noqa: F401  (fixtures)
     BUDGETS,
     _assert_clean,
@@ -34,7 +35,6 @@ from vlm_server.engine.requests.tasks import TaskCompiler
 from vlm_server.models import prompts
 from vlm_server.models.interface import LoadedModel
 from vlm_server.models.registry import preset, random_model
-from vlm_server.reference import ReferenceGenerator
 
 REFS = ((0.5, 0.5, 0.9, 0.95),)  # a box: coordinate and size placeholders
 
@@ -59,7 +59,7 @@ def _requests(images: list[PreparedImage]) -> list[GenerationRequest]:  # noqa: 
 @pytest.fixture(scope="module")
 def expected(md3_tiny: LoadedModel, images: list[PreparedImage]) -> list:  # noqa: F811
     """The reference's answers (one at a time, each path read back from its token ids)."""
-    ref = ReferenceGenerator(md3_tiny.model, md3_tiny.tokenizer)
+    ref = shared_reference(md3_tiny.model, md3_tiny.tokenizer)
     out: list = []
     for req in _requests(images):
         if req.task is Task.SEGMENT:
@@ -139,7 +139,7 @@ def test_segment_equals_the_reference(
         assert "".join(d.chunk for d in deltas) == seg.box_path
     paths = [want[0].box_path for want in expected[:3]]
     assert len(set(paths)) == 3  # the requests' answers differ: equality discriminates
-    ref = ReferenceGenerator(md3_tiny.model, md3_tiny.tokenizer)
+    ref = shared_reference(md3_tiny.model, md3_tiny.tokenizer)
     unreferred, _ = ref.segment(reqs[2].image, reqs[2].object_name, reqs[2].max_tokens)
     assert unreferred.box_path != paths[2]  # and the references count
 

@@ -21,6 +21,13 @@ from vlm_server.reference import ContextOverflow, ReferenceGenerator, SamplingSe
 GREEDY = SamplingSettings(temperature=0.0, max_tokens=24)
 
 
+@pytest.fixture(scope="module")
+def generator(tiny: LoadedModel) -> ReferenceGenerator:
+    """The plain reference, not the suite's shared one that remembers its answers: these
+    tests check the reference itself (a second call with a seed must sample it again)."""
+    return ReferenceGenerator(tiny.model, tiny.tokenizer)
+
+
 def test_caption_lengths_use_their_templates(
     generator: ReferenceGenerator, sample_image: PreparedImage
 ) -> None:

@@ -10,7 +10,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -23,12 +22,14 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from image_pipeline import PreparedImage, sample_image_bytes
+from tests.support import early
 from tests.support.service_harness import (
     GatedBatchedEngine,
     ServerThread,
     local_config,
     wait_for,
 )
+from tests.support.spawned_server import SpawnedServer, key
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
 from vlm_server.client import TextResult, VisionLanguageClient, VlmError
@@ -41,7 +42,6 @@ from vlm_server.rpc.servicer import SERVICE_NAME
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-REPO_ROOT = Path(__file__).resolve().parents[1]
 KV_BUDGET = 16 << 20  # the batched engine's cache in these tests (its default is 256 MiB)
 
 
@@ -143,37 +143,8 @@ def test_sigterm_finishes_accepted_requests_then_exits_0(
     sample_image: PreparedImage,
     engine_process: str,
 ) -> None:
-    env = {**os.environ, "VLM_GRACE_PERIOD": "60"}  # also checks the environment is read
-    cmd = [
-        sys.executable,
-        "-m",
-        "vlm_server.server.main",
-        "--model",
-        str(tiny_dir),
-        "--device",
-        "cpu",
-        "--dtype",
-        "fp32",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--metrics-port",
-        "0",
-        "--http-port",
-        "-1",
-        "--engine-process",
-        engine_process,
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-        env=env,
-        cwd=REPO_ROOT,
-        start_new_session=True,  # a group of its own, to signal as a service manager does
-    )
+    # Most often started with the test run: loading takes seconds (see tests.support.early).
+    proc = early.take(key(engine_process), lambda: SpawnedServer(tiny_dir, engine_process)).proc
     lines: list[str] = []
     try:
         port, _ = _read_ports(proc, lines)
