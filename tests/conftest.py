@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from image_pipeline import PreparedImage, prepare_image, sample_image_bytes
-from tests.support import cluster_command, early, ray_cluster_app, spawned_server
+from tests.support import cluster_command, early, spawned_server
 from tests.support.cluster_command import LaunchedCluster
-from tests.support.ray_cluster_app import RayClusterApp
 from tests.support.reference_memo import shared_reference
 from tests.support.spawned_server import SpawnedServer
 from vlm_server.models.interface import LoadedModel
@@ -70,9 +69,6 @@ def _slow_starts_begin_with_the_run(
         if item.path.name == "test_cluster_command.py":
             folder = tmp_path_factory.mktemp("cluster")
             starts[cluster_command.KEY] = functools.partial(LaunchedCluster, folder=folder)
-        elif item.path.name == "test_cluster_ray.py" and ray_cluster_app.KEY not in starts:
-            folder = tmp_path_factory.mktemp("ray")
-            starts[ray_cluster_app.KEY] = functools.partial(RayClusterApp, folder=folder)
         elif item.path.name == "test_service_lifecycle.py" and "engine_process" in (
             params := getattr(getattr(item, "callspec", None), "params", {})
         ):

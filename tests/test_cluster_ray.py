@@ -1,8 +1,6 @@
 """The cluster on a local Ray instance: two CPU replicas of the tiny model behind both kinds of
 doors at once, the gateway (``--ingress gateway``, the default) and Ray Serve's gRPC and HTTP
-proxies (``--ingress ray``), shared by the module's tests (starting it is most of their time:
-a process of its own starts and deploys it, most often with the test run, and this one joins
-it; see `tests.support.ray_cluster_app`).
+proxies (``--ingress ray``), shared by the module's tests (starting it is most of their time).
 
 Every RPC and HTTP route through each door; image affinity read from the replicas' own
 metrics; a replica killed while it streams; drain. Assertions follow order and progress
@@ -14,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import socket
 import threading
 import time
 import urllib.request
@@ -33,20 +32,27 @@ from ray import serve
 
 from image_pipeline import sample_image_bytes
 from tests.http_support import data_url, events, post, post_json
-from tests.support import early, ray_cluster_app
 from vlm_server.client import TextDelta, TextResult, VisionLanguageClient
 from vlm_server.client.security import Security
 from vlm_server.client.types import VlmError
-from vlm_server.cluster.app import APP_NAME
+from vlm_server.cluster.app import APP_NAME, SERVICER, application
 from vlm_server.cluster.directory import directory, metrics_endpoints
 from vlm_server.cluster.gateway import Gateway
 from vlm_server.cluster.metrics import scrape_all, value
+from vlm_server.options.cluster import ClusterConfig
+from vlm_server.options.table import ServerConfig
 
 HANG_GUARD_S = 120.0  # only a broken run waits this long
-BODY_LIMIT = ray_cluster_app.BODY_LIMIT
-KEY = ray_cluster_app.API_KEY
+BODY_LIMIT = 2 << 20
+KEY = "cluster-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 LONG_TOKENS = 700  # a stream of seconds on the tiny model (within its context)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _picture(seed: int) -> bytes:
@@ -101,24 +107,32 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    # Most often started with the test run (see tests.support.early); this process joins it.
-    app = early.take(
-        ray_cluster_app.KEY,
-        lambda: ray_cluster_app.RayClusterApp(tiny_dir, tmp_path_factory.mktemp("ray")),
-    )
+def cluster(tiny_dir: Path) -> Iterator[Cluster]:
+    grpc_port, http_port = _free_port(), _free_port()
+    ray.init(num_cpus=4, include_dashboard=False, namespace="serve", log_to_driver=False)
     try:
-        ready = app.ready(HANG_GUARD_S)
-        ray.init(address=ready["address"], namespace="serve", log_to_driver=False)
-        try:
-            gateway = GatewayThread()
-            yield Cluster(ready["grpc_port"], ready["http_port"], gateway)
-            gateway.call(gateway.gateway.stop(5))
-        finally:
-            serve.shutdown()
-            ray.shutdown()
+        serve.start(
+            http_options={"host": "127.0.0.1", "port": http_port},
+            grpc_options={"port": grpc_port, "grpc_servicer_functions": [SERVICER]},
+        )
+        server = ServerConfig(
+            model=str(tiny_dir),
+            device="cpu",
+            dtype="fp32",
+            grace_period=60,
+            max_http_body_bytes=BODY_LIMIT,
+            api_keys=(KEY,),  # checked by each replica's server, as by one server alone
+        )
+        replicas = ClusterConfig(
+            replicas=2, gpus_per_replica=0, cpus_per_replica=0.5, replica_host="127.0.0.1"
+        )
+        serve.run(application(replicas, server), name=APP_NAME, route_prefix="/")
+        gateway = GatewayThread()
+        yield Cluster(grpc_port, http_port, gateway)
+        gateway.call(gateway.gateway.stop(5))
     finally:
-        app.stop()
+        serve.shutdown()
+        ray.shutdown()
 
 
 @pytest.mark.parametrize("door", [0, 1], ids=["gateway", "ray"])
