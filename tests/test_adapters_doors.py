@@ -24,7 +24,7 @@ from PIL import Image
 from image_pipeline import PreparedImage, prepare_image, sample_image_bytes
 from tests.http_support import data_url, moondream_client, post_json
 from tests.support.http_files import QuietHandler
-from tests.support.service_harness import ServerThread, local_config, wait_for
+from tests.support.service_harness import ServerThread, local_config, module_server, wait_for
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
 from vlm_server.client import VisionLanguageClient, VlmError
@@ -36,7 +36,6 @@ from vlm_server.models.lora import files
 from vlm_server.models.lora.store import AdapterStore
 from vlm_server.models.lora.writer import random_state, write_random
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
-from vlm_server.server.engines import engine_factory
 
 MIB = 1 << 20
 RANK = 4
@@ -239,29 +238,21 @@ def _engine_process_server(
 ) -> Iterator[ServerThread | None]:
     """The engine-process test's own server (no other test uses it), started with the module
     when that test is in the run: its engine process loads while the tests before it run."""
-    if not any(
-        item.module is request.module
-        and item.originalname == "test_adapters_through_the_engine_process"
-        for item in request.session.items
-    ):
-        yield None
-        return
-    config = local_config(
-        model=str(tiny_dir),
-        device="cpu",
-        dtype="fp32",
-        kv_budget_bytes=16 * MIB,
-        max_batch_size=4,
-        engine_process="on",
-        adapters_dir=str(folder),
-        max_adapter_rank=RANK,
-        max_adapters=2,
+    yield from module_server(
+        request,
+        "test_adapters_through_the_engine_process",
+        lambda: local_config(
+            model=str(tiny_dir),
+            device="cpu",
+            dtype="fp32",
+            kv_budget_bytes=16 * MIB,
+            max_batch_size=4,
+            engine_process="on",
+            adapters_dir=str(folder),
+            max_adapter_rank=RANK,
+            max_adapters=2,
+        ),
     )
-    running = ServerThread(config, engine_factory(config))
-    try:
-        yield running.start(wait_ready=False)
-    finally:
-        running.stop()
 
 
 def test_adapters_through_the_engine_process(

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from image_pipeline import PreparedImage, sample_image_bytes
 from tests.http_support import data_url, post_json
-from tests.support.service_harness import ServerThread, local_config, wait_for
+from tests.support.service_harness import ServerThread, local_config, module_server, wait_for
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
 from vlm_server.client import VisionLanguageClient, VlmError
@@ -526,19 +526,11 @@ def _server_to_kill_the_engine_of(
 ) -> Iterator[ServerThread | None]:
     """The dead-engine test's own server (no other test uses it), started with the module
     when that test is in the run: its engine process loads while the tests before it run."""
-    if not any(
-        item.module is request.module
-        and item.originalname == "test_a_dead_engine_process_fails_its_requests_and_health"
-        for item in request.session.items
-    ):
-        yield None
-        return
-    config = _config(tiny_dir)
-    running = ServerThread(config, engine_factory(config))
-    try:
-        yield running.start(wait_ready=False)
-    finally:
-        running.stop()
+    yield from module_server(
+        request,
+        "test_a_dead_engine_process_fails_its_requests_and_health",
+        lambda: _config(tiny_dir),
+    )
 
 
 def test_a_dead_engine_process_fails_its_requests_and_health(

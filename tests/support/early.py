@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Protocol, TypeVar
 
+import pytest
+
 
 class Stoppable(Protocol):
     def stop(self) -> None: ...
@@ -38,3 +40,11 @@ def stop_untaken() -> None:
     while _started:
         _, process = _started.popitem()
         process.stop()
+
+
+def in_run(request: pytest.FixtureRequest, test_name: str) -> bool:
+    """Whether the test function ``test_name`` of the requesting module is in this run."""
+    return any(
+        item.module is request.module and item.originalname == test_name  # type: ignore[attr-defined]
+        for item in request.session.items
+    )

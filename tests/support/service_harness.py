@@ -12,10 +12,13 @@ import asyncio
 import threading
 import time
 import weakref
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from types import TracebackType
 from typing import Any, TypeVar
 
+import pytest
+
+from tests.support import early
 from tests.support.observers import StepLog
 from vlm_server.engine.api import EngineError, Finished
 from vlm_server.engine.core.pipeline import LaunchKind, Step
@@ -196,3 +199,22 @@ class GatedBatchedEngine(BatchedEngine):
         self.holding.set()
         self.token_gate.wait(GATE_TIMEOUT_S)
         self.holding.clear()
+
+
+def module_server(
+    request: pytest.FixtureRequest, test_name: str, make_config: Callable[[], ServerConfig]
+) -> Iterator[ServerThread | None]:
+    """A module fixture's body: the server of the test ``test_name`` alone (no other test
+    uses it), started without waiting when the module starts and that test is in the run, so
+    its model (and engine process) loads while the tests before it run; else None."""
+    if not early.in_run(request, test_name):
+        yield None
+        return
+    from vlm_server.server.engines import engine_factory
+
+    config = make_config()
+    running = ServerThread(config, engine_factory(config))
+    try:
+        yield running.start(wait_ready=False)
+    finally:
+        running.stop()
