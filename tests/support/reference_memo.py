@@ -37,6 +37,16 @@ def _key(value: Any, held: list[Any]) -> Hashable:
     return ("id", id(value))
 
 
+def _remembered(name: str) -> Callable[..., Any]:
+    """The task method ``name`` of the reference, through `MemoReference._remember`."""
+
+    def method(self: MemoReference, *args: Any, **kwargs: Any) -> Any:
+        return self._remember(getattr(super(MemoReference, self), name), *args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
 class MemoReference(ReferenceGenerator):
     """A `ReferenceGenerator` whose task methods remember their answers (text tasks only
     without an ``on_token`` callback, which may stop a request)."""
@@ -58,23 +68,12 @@ class MemoReference(ReferenceGenerator):
             self._held.extend(held)
         return copy.deepcopy(self._answers[key])
 
-    def caption(self, *args: Any, **kwargs: Any) -> Any:
-        return self._remember(super().caption, *args, **kwargs)
-
-    def query(self, *args: Any, **kwargs: Any) -> Any:
-        return self._remember(super().query, *args, **kwargs)
-
-    def reasoning_query(self, *args: Any, **kwargs: Any) -> Any:
-        return self._remember(super().reasoning_query, *args, **kwargs)
-
-    def point(self, *args: Any, **kwargs: Any) -> Any:
-        return self._remember(super().point, *args, **kwargs)
-
-    def detect(self, *args: Any, **kwargs: Any) -> Any:
-        return self._remember(super().detect, *args, **kwargs)
-
-    def segment(self, *args: Any, **kwargs: Any) -> Any:
-        return self._remember(super().segment, *args, **kwargs)
+    caption = _remembered("caption")
+    query = _remembered("query")
+    reasoning_query = _remembered("reasoning_query")
+    point = _remembered("point")
+    detect = _remembered("detect")
+    segment = _remembered("segment")
 
 
 _SHARED: dict[Hashable, tuple[Any, ...]] = {}

@@ -43,7 +43,6 @@ SCALE_H = 1
 SCALE_H_WIDE = 4
 DECODE_M = 64  # up to this many tokens, BLOCK_M per program
 WIDE_M = 64  # tokens per program above that (prefill: the GELU computed once per 64)
-# A prefill takes every tau head in one block: 31 -> 14.8 us a layer at 730 tokens (H100).
 # Triton's interpreter (the CPU tests) multiplies bf16 operands as raw bits: there the products
 # run in fp32 on the rounded values, which is exact too.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -259,7 +258,9 @@ def tau_scale(
         rows = triton.cdiv(m, bm)
         shape = {"H": n_heads, "KVH": n_kv_heads, "HD": hd, "BM": bm}
         tc = qkv.dtype in (torch.bfloat16, torch.float16) and not _INTERPRETED
-        if wide:  # every head in one block: the GELU once per element, not once per block
+        # A prefill takes every head in one block, so each GELU is computed once, not once per
+        # block of heads: 31 -> 14.8 us a layer at 730 tokens (H100).
+        if wide:
             heads, bh = 1, max(BLOCK_H, triton.next_power_of_2(n_heads + n_kv_heads))
         else:
             heads = triton.cdiv(n_heads, BLOCK_H) + triton.cdiv(n_kv_heads, BLOCK_H)
