@@ -2,9 +2,11 @@
 program, graphed (CUDA only).
 
     python -m bench.rope_probe [--tokens 1 32 730 1460] [--blocks 1 4 8 16 32 64] [--json OUT]
+    python -m bench.rope_probe --plot-from OUT.json     # the plot again, from saved rows
 
 Prints, per token count, the GPU time of one launch with each block of tokens per program,
-and the block `triton_attention.rope_block` picks (the source of ``ROPE_BLOCKS``).
+and the block `triton_attention.rope_block` picks (the source of ``ROPE_BLOCKS``); with
+``--json``, the rows and a plot of them (``OUT.png``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,32 @@ def probe(tokens: int, blocks: list[int], heads: int, kv_heads: int, head_dim: i
     return {"tokens": tokens, "us_by_block": times, "picked": ta.rope_block(tokens)}
 
 
+def plot(out: dict, path: str) -> bool:
+    """Time per launch against tokens per program, one line per token count; False without
+    matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in out["rows"]:
+        blocks = sorted(int(b) for b in r["us_by_block"])
+        times = [r["us_by_block"].get(b, r["us_by_block"].get(str(b))) for b in blocks]
+        ax.plot(blocks, times, marker="o", label=f"{r['tokens']} tokens (picks {r['picked']})")
+    ax.set(xscale="log", yscale="log", xlabel="tokens per program", ylabel="us per launch")
+    ax.set_xticks(blocks, [str(b) for b in blocks])
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(f"rotary + paged KV write, {out['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 64, 730, 1460])
@@ -54,8 +82,12 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=32, help="query heads (moondream2: 32)")
     ap.add_argument("--kv-heads", type=int, default=32)
     ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--json", default=None, help="write the rows here (and a plot beside)")
+    ap.add_argument("--plot-from", default=None, help="only plot these saved rows")
     args = ap.parse_args()
+    if args.plot_from:
+        with open(args.plot_from) as f:
+            return 0 if plot(json.load(f), args.plot_from.removesuffix(".json") + ".png") else 1
     if not (torch.cuda.is_available() and ta.AVAILABLE):
         print("rope_probe needs a CUDA device and Triton")
         return 1
@@ -72,6 +104,7 @@ def main() -> int:
         out = {"device": torch.cuda.get_device_name(), "shape": vars(args), "rows": rows}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
+        plot(out, args.json.removesuffix(".json") + ".png")
     return 0
 
 

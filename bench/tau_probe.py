@@ -2,11 +2,13 @@
 and launch constants, graphed (CUDA only).
 
     python -m bench.tau_probe [--tokens 1 8 32 730] [--json OUT]
+    python -m bench.tau_probe --plot-from OUT.json     # the plot again, from saved rows
 
 Times one layer's tau (logits + scale launches) per token count for each combination of the
 module's constants (splits over the projection's columns, its columns per step, heads per
 scaling program), next to the PyTorch ops; checks each against the default launch. The
-fastest combination per token count comes last.
+fastest combination per token count comes last; with ``--json``, the rows and a plot
+(``OUT.png``: per token count, the PyTorch ops, the chosen launch and the fastest).
 """
 
 from __future__ import annotations
@@ -46,11 +48,59 @@ def constants(values: dict[str, int]) -> Iterator[None]:
             setattr(tau_kernel, k, v)
 
 
+def chosen(n: int) -> dict[str, int]:
+    """The constants `tau_kernel` launches ``n`` tokens with."""
+    values = {k: getattr(tau_kernel, k) for k in KNOBS}
+    if n > tau_kernel.DECODE_M:
+        values["SCALE_H"] = tau_kernel.SCALE_H_WIDE
+    return values
+
+
+def plot(out: dict, path: str) -> bool:
+    """Per token count: the PyTorch ops, the chosen launch, the fastest; False without
+    matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = out["rows"]
+    counts = sorted({r["tokens"] for r in rows})
+    mine = [[r for r in rows if r["tokens"] == n] for n in counts]
+    bars = {
+        "PyTorch ops": [m[0]["torch_us"] for m in mine],
+        "chosen launch": [
+            next(r["us"] for r in m if all(r[k] == v for k, v in chosen(n).items()))
+            for n, m in zip(counts, mine, strict=True)
+        ],
+        "fastest swept": [min(r["us"] for r in m) for m in mine],
+    }
+    fig, ax = plt.subplots(figsize=(6, 4))
+    width = 0.27
+    for i, (name, values) in enumerate(bars.items()):
+        ax.bar([x + (i - 1) * width for x in range(len(counts))], values, width, label=name)
+    ax.set_xticks(range(len(counts)), [str(n) for n in counts])
+    ax.set(xlabel="tokens", ylabel="us a layer (logits + scale)")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend()
+    ax.set_title(f"Moondream 3 tau, {out['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 730])
-    ap.add_argument("--json", default=None, help="write every row here")
+    ap.add_argument("--json", default=None, help="write every row here (and a plot beside)")
+    ap.add_argument("--plot-from", default=None, help="only plot these saved rows")
     args = ap.parse_args()
+    if args.plot_from:
+        with open(args.plot_from) as f:
+            return 0 if plot(json.load(f), args.plot_from.removesuffix(".json") + ".png") else 1
     if not (torch.cuda.is_available() and tau_kernel.triton is not None):
         print("tau_probe needs a CUDA device and Triton")
         return 1
@@ -79,10 +129,7 @@ def main() -> int:
     print(f"\n{'tokens':>6} {'torch':>7} {'default':>8} {'best':>7}  best constants")
     for n in args.tokens:
         mine = [r for r in rows if r["tokens"] == n]
-        chosen = {k: getattr(tau_kernel, k) for k in KNOBS}
-        if n > tau_kernel.DECODE_M:
-            chosen["SCALE_H"] = tau_kernel.SCALE_H_WIDE
-        default = next(r for r in mine if all(r[k] == v for k, v in chosen.items()))
+        default = next(r for r in mine if all(r[k] == v for k, v in chosen(n).items()))
         best = min(mine, key=lambda r: r["us"])
         knobs = " ".join(f"{k}={best[k]}" for k in KNOBS)
         print(
@@ -90,8 +137,10 @@ def main() -> int:
             f"(max diff {best['max_diff']:.3g})"
         )
     if args.json:
+        out = {"device": torch.cuda.get_device_name(), "rows": rows}
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            json.dump(out, f, indent=1)
+        plot(out, args.json.removesuffix(".json") + ".png")
     return 0
 
 
