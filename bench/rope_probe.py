@@ -16,6 +16,7 @@ import json
 
 import torch
 
+from bench import plotting
 from bench.tower_probe import replay_us
 from vlm_server.engine.device.kernels import triton_attention as ta
 
@@ -52,12 +53,8 @@ def probe(tokens: int, blocks: list[int], heads: int, kv_heads: int, head_dim: i
 def plot(out: dict, path: str) -> bool:
     """Time per launch against tokens per program, one line per token count; False without
     matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = plotting.pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in out["rows"]:
@@ -69,9 +66,7 @@ def plot(out: dict, path: str) -> bool:
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title(f"rotary + paged KV write, {out['device']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plotting.save(plt, fig, path)
     return True
 
 
@@ -86,8 +81,7 @@ def main() -> int:
     ap.add_argument("--plot-from", default=None, help="only plot these saved rows")
     args = ap.parse_args()
     if args.plot_from:
-        with open(args.plot_from) as f:
-            return 0 if plot(json.load(f), args.plot_from.removesuffix(".json") + ".png") else 1
+        return plotting.replot(args.plot_from, plot)
     if not (torch.cuda.is_available() and ta.AVAILABLE):
         print("rope_probe needs a CUDA device and Triton")
         return 1
@@ -104,7 +98,7 @@ def main() -> int:
         out = {"device": torch.cuda.get_device_name(), "shape": vars(args), "rows": rows}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
-        plot(out, args.json.removesuffix(".json") + ".png")
+        plot(out, plotting.png_beside(args.json))
     return 0
 
 

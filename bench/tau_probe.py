@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
+from bench import plotting
 from bench.tower_probe import replay_us
 from vlm_server.models.moondream3 import tau_kernel
 from vlm_server.models.moondream3.config import TextConfig
@@ -59,12 +60,8 @@ def chosen(n: int) -> dict[str, int]:
 def plot(out: dict, path: str) -> bool:
     """Per token count: the PyTorch ops, the chosen launch, the fastest; False without
     matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = plotting.pyplot()
+    if plt is None:
         return False
     rows = out["rows"]
     counts = sorted({r["tokens"] for r in rows})
@@ -86,9 +83,7 @@ def plot(out: dict, path: str) -> bool:
     ax.grid(alpha=0.3, axis="y")
     ax.legend()
     ax.set_title(f"Moondream 3 tau, {out['device']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plotting.save(plt, fig, path)
     return True
 
 
@@ -99,8 +94,7 @@ def main() -> int:
     ap.add_argument("--plot-from", default=None, help="only plot these saved rows")
     args = ap.parse_args()
     if args.plot_from:
-        with open(args.plot_from) as f:
-            return 0 if plot(json.load(f), args.plot_from.removesuffix(".json") + ".png") else 1
+        return plotting.replot(args.plot_from, plot)
     if not (torch.cuda.is_available() and tau_kernel.triton is not None):
         print("tau_probe needs a CUDA device and Triton")
         return 1
@@ -140,7 +134,7 @@ def main() -> int:
         out = {"device": torch.cuda.get_device_name(), "rows": rows}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
-        plot(out, args.json.removesuffix(".json") + ".png")
+        plot(out, plotting.png_beside(args.json))
     return 0
 
 
