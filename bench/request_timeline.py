@@ -41,6 +41,8 @@ from vlm_server.models.registry import preset, random_model
 
 # A gap in the GPU's work shorter than this is launch jitter, not worth listing.
 GAP_US = 50.0
+# Kernels listed per stream in the saturated view.
+TOP_KERNELS = 25
 
 
 @dataclass
@@ -149,6 +151,9 @@ def stream_view(trace: dict, window: tuple[float, float]) -> dict:
     out = {}
     for name, events in by_stream.items():
         events.sort(key=lambda e: e["ts"])
+        by_kernel: dict[str, list[float]] = {}
+        for e in events:
+            by_kernel.setdefault(e["name"][:70], []).append(e["dur"])
         busy, end, gaps = 0.0, None, []
         for e in events:
             s, d = e["ts"], e["dur"]
@@ -166,6 +171,11 @@ def stream_view(trace: dict, window: tuple[float, float]) -> dict:
             "busy_us": round(busy, 1),
             "idle_us": round(sum(g for g, _ in gaps), 1),
             "longest_gaps": [(round(g, 1), k) for g, k in sorted(gaps, reverse=True)[:5]],
+            # Where the stream's time goes: kernel name, total us, calls.
+            "top_kernels": [
+                (k, round(sum(d), 1), len(d))
+                for k, d in sorted(by_kernel.items(), key=lambda kv: -sum(kv[1]))[:TOP_KERNELS]
+            ],
         }
     return out
 
@@ -245,7 +255,9 @@ async def run(args: argparse.Namespace) -> dict:
     cuda = args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     loaded = random_model(preset(args.preset), dtype=dtype, device=args.device)
-    cfg = EngineConfig(max_batch_size=args.max_batch)
+    if args.fp8_experts:
+        loaded.model.use_fp8_experts()  # type: ignore[attr-defined]
+    cfg = EngineConfig(max_batch_size=args.max_batch, vision_fp8=args.vision_fp8)
     engine = BatchedEngine(loaded, cfg, image_preparer=ImagePreparer(device=args.device))
     await engine.start()
     host = ImagePreparer(device="cpu")
@@ -309,6 +321,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="keep the window open until this many requests completed in it",
     )
+    ap.add_argument(
+        "--fp8-experts",
+        action="store_true",
+        help="hold a mixture-of-experts model's expert weights in FP8 (as its checkpoints do)",
+    )
+    ap.add_argument("--vision-fp8", action="store_true", help="the server's --vision-fp8 true")
     args = ap.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     result = asyncio.run(run(args))
@@ -325,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"({sat['busy_ms_per_image'][name]:.2f} ms per request), idle between its "
                 f"kernels {v['idle_us'] / 1e3:.1f} ms; longest gaps {v['longest_gaps'][:3]}"
             )
+            for kname, us, calls in v["top_kernels"][:12]:
+                per = us / 1e3 / max(sat["completed"], 1)
+                print(f"    {per:7.3f} ms/request  {calls:6d} calls  {kname}")
         return 0
     (Path(args.out) / "request_timeline.json").write_text(json.dumps(result, indent=1))
     print("\nc=1, p50 over", args.requests, "requests (ms)")

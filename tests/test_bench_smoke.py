@@ -534,8 +534,10 @@ def test_request_timeline_stream_view_merges_each_streams_kernels() -> None:
     assert view["7"]["kernels"] == 3 and view["7"]["kernel_us"] == 100.0
     assert view["7"]["busy_us"] == 80.0 and view["7"]["idle_us"] == 130.0
     assert view["7"]["longest_gaps"] == [(130.0, "c")]
+    assert view["7"]["top_kernels"] == [("a", 50.0, 1), ("b", 40.0, 1), ("c", 10.0, 1)]
     assert view["9"] == {
-        "kernels": 1, "kernel_us": 60.0, "busy_us": 60.0, "idle_us": 0.0, "longest_gaps": []
+        "kernels": 1, "kernel_us": 60.0, "busy_us": 60.0, "idle_us": 0.0, "longest_gaps": [],
+        "top_kernels": [("d", 60.0, 1)],
     }  # fmt: skip
 
 
