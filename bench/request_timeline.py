@@ -257,7 +257,11 @@ async def run(args: argparse.Namespace) -> dict:
     loaded = random_model(preset(args.preset), dtype=dtype, device=args.device)
     if args.fp8_experts:
         loaded.model.use_fp8_experts()  # type: ignore[attr-defined]
-    cfg = EngineConfig(max_batch_size=args.max_batch, vision_fp8=args.vision_fp8)
+    cfg = EngineConfig(
+        max_batch_size=args.max_batch,
+        vision_fp8=args.vision_fp8,
+        experts_fp8_activations=args.experts_fp8_activations,
+    )
     engine = BatchedEngine(loaded, cfg, image_preparer=ImagePreparer(device=args.device))
     await engine.start()
     host = ImagePreparer(device="cpu")
@@ -327,6 +331,11 @@ def main(argv: list[str] | None = None) -> int:
         help="hold a mixture-of-experts model's expert weights in FP8 (as its checkpoints do)",
     )
     ap.add_argument("--vision-fp8", action="store_true", help="the server's --vision-fp8 true")
+    ap.add_argument(
+        "--experts-fp8-activations",
+        action="store_true",
+        help="the server's --experts-fp8-activations true (with --fp8-experts)",
+    )
     args = ap.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     result = asyncio.run(run(args))

@@ -111,7 +111,14 @@ _MOE_ARGS = {
     "part_ptr": "*fp32", "k_per_split": "i32",
 }  # fmt: skip
 _MOE_FP8 = {**_MOE_ARGS, "w_ptr": "*fp8e4nv"}
+_MOE_UP = {"h_ptr": "*bf16", "top_k": "i32", "xs_ptr": "*fp32"}
 _MOE_BLOCKS = {"IEEE": False, "SPLIT": 1, "BM": 16, "BN": 64, "BK": 64}
+_MOE_FP8_ACT_BLOCKS = {"IEEE": False, "SPLIT": 1, "BM": 128, "BN": 128, "BK": 128}
+_ACT_QUANT = "vlm_server.models.moondream3.act_quant"
+_ACT_QUANT_ARGS = {
+    "x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "pair_ptr": "*i32",
+    "n_pairs": "i32", "cols": "i32", "min_scale": "fp32",
+}  # fmt: skip
 _MOE_ROUTING = "vlm_server.models.moondream3.moe_routing"
 _ROUTE = {
     "logits_ptr": "*bf16", "ids_ptr": "*i64", "weights_ptr": "*bf16", "counts_ptr": "*i32",
@@ -281,26 +288,26 @@ KERNELS = (
             Kernel(
                 _MOE,
                 "_up_kernel",
-                {**_MOE_ARGS, "x_ptr": "*bf16", "h_ptr": "*bf16", "top_k": "i32"},
+                {**_MOE_ARGS, **_MOE_UP, "x_ptr": "*bf16"},
                 {"HAS_SCALE": False, "HAS_DELTA": delta, **_MOE_BLOCKS},
             ),
             Kernel(
                 _MOE,
                 "_down_kernel",
-                {**_MOE_ARGS, "h_ptr": "*bf16", "y_ptr": "*bf16"},
+                {**_MOE_ARGS, "h_ptr": "*bf16", "y_ptr": "*bf16", "hs_ptr": "*fp32"},
                 {"HAS_SCALE": False, "HAS_DELTA": delta, **_MOE_BLOCKS},
             ),
             Kernel(
                 _MOE,
                 "_up_kernel",
-                {**_MOE_FP8, "x_ptr": "*bf16", "h_ptr": "*bf16", "top_k": "i32"},
+                {**_MOE_FP8, **_MOE_UP, "x_ptr": "*bf16"},
                 {"HAS_SCALE": True, "HAS_DELTA": delta, **_MOE_BLOCKS},
                 min_arch=90,  # the FP8 widening assembles on Hopper and newer (moondream3 loader)
             ),
             Kernel(  # split-K, wide K steps (the decode tiles)
                 _MOE,
                 "_down_kernel",
-                {**_MOE_FP8, "h_ptr": "*bf16", "y_ptr": "*bf16"},
+                {**_MOE_FP8, "h_ptr": "*bf16", "y_ptr": "*bf16", "hs_ptr": "*fp32"},
                 {"HAS_SCALE": True, "HAS_DELTA": delta, **_MOE_BLOCKS, "SPLIT": 2, "BK": 128},
                 min_arch=90,
             ),
@@ -317,6 +324,31 @@ KERNELS = (
                 {"HAS_SCALE": True, "HAS_DELTA": delta, "SPLIT": 2, "BM": 16, "BN": 64},
             ),
         )
+    ),
+    # FP8 activations (prefill): FP8 x FP8 products, a scale per row in the epilogues
+    Kernel(
+        _MOE,
+        "_up_kernel",
+        {**_MOE_FP8, **_MOE_UP, "x_ptr": "*fp8e4nv"},
+        {"HAS_SCALE": True, "HAS_DELTA": False, "ACT_FP8": True, **_MOE_FP8_ACT_BLOCKS},
+        min_arch=90,  # FP8 experts are Hopper's and newer (fp8_experts.py)
+    ),
+    Kernel(
+        _MOE,
+        "_down_kernel",
+        {**_MOE_FP8, "h_ptr": "*fp8e4nv", "y_ptr": "*bf16", "hs_ptr": "*fp32"},
+        {"HAS_SCALE": True, "HAS_DELTA": False, "ACT_FP8": True, **_MOE_FP8_ACT_BLOCKS},
+        min_arch=90,  # FP8 experts are Hopper's and newer (fp8_experts.py)
+    ),
+    *(
+        Kernel(
+            _ACT_QUANT,
+            "_quant_rows_kernel",
+            _ACT_QUANT_ARGS,
+            {"HAS_PAIRS": pairs, "BLOCK": 2048},
+            min_arch=89,  # FP8 types: Ada and newer
+        )
+        for pairs in (False, True)
     ),
     *(
         Kernel(

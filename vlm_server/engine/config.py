@@ -54,6 +54,10 @@ class EngineConfig:
     # The vision tower's QKV / fc1 / fc2 as FP8 GEMMs (model/fp8_vision.py): faster image
     # path, features within a few percent of the bf16 tower's. CUDA with FP8 units only.
     vision_fp8: bool = False
+    # Moondream 3: the expert products of steps of 256 tokens or more (image prefixes, long
+    # prompt chunks) with FP8 activations beside the FP8 expert weights (FP8 x FP8 on the
+    # matrix units; models/moondream3/act_quant.py). Answers differ from the 16-bit path's.
+    experts_fp8_activations: bool = False
     # Decode steps (few rows) run each decoder block's four matrix products as two fused
     # skinny products (models/common/fused_products.py), where the family offers them (CUDA).
     fused_decode: bool = True

@@ -246,6 +246,13 @@ class ServerConfig:
         "run the vision tower's QKV and MLP products in FP8 (CUDA, compute capability 8.9+): a "
         "faster image path whose features differ from the bf16 tower's by a few percent",
     )
+    experts_fp8_activations: bool = option(
+        _ENGINE.experts_fp8_activations,
+        G.PERFORMANCE,
+        "Moondream 3 with FP8 experts: run the expert products of wide steps (image prefixes, "
+        "prompt chunks of 256+ tokens) with FP8 activations, one scale per row, on the FP8 "
+        "matrix units: faster new images, answers differ slightly from the 16-bit path's",
+    )
     fused_decode: bool = option(
         _ENGINE.fused_decode,
         G.PERFORMANCE,
@@ -490,6 +497,7 @@ class ServerConfig:
             prefix_prompt_tokens=self.prefix_prompt_tokens,
             crop_graph_sizes=self.crop_graph_sizes,
             vision_fp8=self.vision_fp8,
+            experts_fp8_activations=self.experts_fp8_activations,
             fused_decode=self.fused_decode,
             launch_overlap=self.launch_overlap,
             max_spatial_refs=self.max_spatial_refs,

@@ -130,6 +130,17 @@ class ModelEntryPoints:
             )
         self._model.vision.use_fp8()
 
+    def use_fp8_expert_activations(self) -> None:
+        """Switch wide steps' expert products to FP8 activations (before any graph captures
+        the decoder); refused for a model without FP8 experts."""
+        switch = getattr(self._model, "use_fp8_activations", None)
+        if switch is None:
+            raise ValueError(
+                "experts_fp8_activations needs a mixture-of-experts model (Moondream 3); "
+                f"this model ({type(self._model).__name__}) has no experts"
+            )
+        switch()
+
     # ---- regions --------------------------------------------------------------------------
 
     def decode_coord(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -104,6 +104,8 @@ class ModelRuntime:
         self._check_carveout()
         if cfg.vision_fp8:
             entry.use_fp8_vision()
+        if cfg.experts_fp8_activations:
+            entry.use_fp8_expert_activations()
         self.fused_decode = entry.use_fused_decode(cfg.fused_decode)
         # Before any graph captures the kernels that read it.
         always = launch_overlap.enable(cfg.launch_overlap == "always", entry.device)

@@ -180,6 +180,15 @@ class MoeMLP(nn.Module):
         self.fc2 = ExpertBank(moe.n_experts, dim, moe.expert_dim)
         # None: fused on CUDA with Triton, dense on CUDA without, loop elsewhere.
         self.method: ExpertMethod | None = None
+        # FP8 activations in the fused kernels for steps of FP8_ACT_MIN_TOKENS tokens or more
+        # (`use_fp8_activations`): FP8 x FP8 products, answers no longer the bf16 path's.
+        self.fp8_act = False
+
+    def use_fp8_activations(self, enabled: bool = True) -> None:
+        """Run wide steps' expert products with FP8 activations (needs FP8 weights)."""
+        if enabled and self.fc1.scale is None:
+            raise ValueError("FP8 activations need the experts' weights in FP8")
+        self.fp8_act = enabled
 
     def forward(self, h: torch.Tensor, delta: ExpertDelta | None = None) -> torch.Tensor:
         """``delta``: an adapter's deltas for this layer's (token, expert) rows, if any."""
@@ -201,10 +210,13 @@ class MoeMLP(nn.Module):
     def _fused(self, x: torch.Tensor, delta: ExpertDelta | None) -> torch.Tensor:
         """Router (cuBLAS), route + grouping (one or two kernels), the two grouped kernels,
         combine (one kernel): the plain path's numbers, no host read, shapes fixed by N."""
-        tiles = moe_triton.pick_tiles(x.shape[0])
+        fp8_act = self.fp8_act and delta is None and x.shape[0] >= moe_triton.FP8_ACT_MIN_TOKENS
+        table = moe_triton.FP8_ACT_TILES if fp8_act else None
+        tiles = moe_triton.pick_tiles(x.shape[0], table)
         weights, ids, routing = moe_routing.route_align(self.router(x), self.top_k, tiles.bm)
         w1, w2 = self.fc1, self.fc2
         y = moe_triton.experts_fused(
-            x, ids, w1.weight, w2.weight, w1.scale, w2.scale, delta, tiles=tiles, routing=routing
-        )
+            x, ids, w1.weight, w2.weight, w1.scale, w2.scale, delta,
+            tiles=tiles, routing=routing, fp8_act=fp8_act,
+        )  # fmt: skip
         return moe_routing.combine(y, weights)

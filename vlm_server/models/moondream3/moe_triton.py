@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from vlm_server.models.moondream3 import moe_routing
+from vlm_server.models.moondream3 import act_quant, moe_routing
 from vlm_server.models.moondream3.moe_routing import Routing
 
 try:
@@ -90,6 +90,15 @@ TILES: tuple[tuple[int, ExpertTiles], ...] = (
     (64, ExpertTiles(16, Tile(32, 256, 4, 3, 1), Tile(32, 256, 4, 3, 1))),
     (1024, ExpertTiles(128, Tile(128, 64, 8, 3, 1), Tile(128, 64, 8, 3, 1))),
     (1 << 62, ExpertTiles(64, Tile(128, 64, 8, 3, 1), Tile(128, 64, 8, 3, 1))),
+)
+
+# FP8 activations (`experts_fused` ``fp8_act``, opt-in): steps of at least this many tokens
+# (image prefixes, long prompt chunks) run both products on FP8 units, with K steps twice as
+# wide (an FP8 stage is half the bytes). Fewer tokens stay in 16 bits: there the products
+# stream weights, and FP8 units buy nothing.
+FP8_ACT_MIN_TOKENS = 256
+FP8_ACT_TILES: tuple[tuple[int, ExpertTiles], ...] = (
+    (1 << 62, ExpertTiles(128, Tile(128, 128, 8, 3), Tile(128, 128, 8, 3))),
 )
 
 
@@ -183,8 +192,13 @@ if triton is not None:
 
     @triton.jit
     def _up_epilogue(acc_a, acc_b, e, rows, pair, valid, cols, col_ok, scales, deltas, out,
-                     width, HAS_SCALE: tl.constexpr, HAS_DELTA: tl.constexpr):  # fmt: skip
-        """fc1's fp32 sums of a tile -> scales, adapter delta, ``gelu_erf(a) * (b + 1)``."""
+                     width, HAS_SCALE: tl.constexpr, HAS_DELTA: tl.constexpr,
+                     act_scale=None):  # fmt: skip
+        """fc1's fp32 sums of a tile -> scales, adapter delta, ``gelu_erf(a) * (b + 1)``;
+        ``act_scale`` [BM]: the rows' FP8 activation scales, where the inputs were FP8."""
+        if act_scale is not None:
+            acc_a *= act_scale[:, None]
+            acc_b *= act_scale[:, None]
         if HAS_SCALE:
             s_base = scales + e * (2 * width)
             acc_a *= tl.load(s_base + cols, mask=col_ok, other=0.0)[None, :]
@@ -204,8 +218,11 @@ if triton is not None:
 
     @triton.jit
     def _down_epilogue(acc, e, pair, valid, cols, col_ok, scales, deltas, out, dim,
-                       HAS_SCALE: tl.constexpr, HAS_DELTA: tl.constexpr):  # fmt: skip
+                       HAS_SCALE: tl.constexpr, HAS_DELTA: tl.constexpr,
+                       act_scale=None):  # fmt: skip
         """fc2's fp32 sums of a tile -> scales, adapter delta, each pair's output row."""
+        if act_scale is not None:
+            acc *= act_scale[:, None]
         if HAS_SCALE:
             acc *= tl.load(scales + e * dim + cols, mask=col_ok, other=0.0)[None, :]
         if HAS_DELTA:  # the adapter's fc2 delta of each row's pair [pairs, dim]
@@ -234,6 +251,7 @@ if triton is not None:
         block_expert_ptr,
         used_ptr,
         d_ptr,
+        xs_ptr,
         n_pairs,
         top_k,
         dim,
@@ -246,9 +264,11 @@ if triton is not None:
         BM: tl.constexpr,
         BN: tl.constexpr,
         BK: tl.constexpr,
+        ACT_FP8: tl.constexpr = False,
     ):
         """One row block x BN columns of both fc1 halves over a K range (the whole of it
-        without split-K, then the epilogue; with it, fp32 partials for `_up_reduce_kernel`)."""
+        without split-K, then the epilogue; with it, fp32 partials for `_up_reduce_kernel`).
+        ``ACT_FP8``: x is FP8 with a scale per token (``xs_ptr``); FP8 x FP8 products."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -284,7 +304,11 @@ if triton is not None:
             else:
                 acc_a += tl.dot(x, wa)
                 acc_b += tl.dot(x, wb)
-        if SPLIT == 1:
+        if SPLIT == 1 and ACT_FP8:
+            xs = tl.load(xs_ptr + tok, mask=valid, other=0.0)
+            _up_epilogue(acc_a, acc_b, e, rows, pair, valid, cols, col_ok, s_ptr, d_ptr, h_ptr,
+                         width, HAS_SCALE, HAS_DELTA, xs)  # fmt: skip
+        elif SPLIT == 1:
             _up_epilogue(acc_a, acc_b, e, rows, pair, valid, cols, col_ok, s_ptr, d_ptr, h_ptr,
                          width, HAS_SCALE, HAS_DELTA)  # fmt: skip
         else:  # partials [SPLIT, rows, 2 x width], the rows in sorted order
@@ -329,6 +353,7 @@ if triton is not None:
         block_expert_ptr,
         used_ptr,
         d_ptr,
+        hs_ptr,
         n_pairs,
         dim,
         width,
@@ -340,8 +365,10 @@ if triton is not None:
         BM: tl.constexpr,
         BN: tl.constexpr,
         BK: tl.constexpr,
+        ACT_FP8: tl.constexpr = False,
     ):
-        """fc2 over a row block's activations; as `_up_kernel` for split-K."""
+        """fc2 over a row block's activations; as `_up_kernel` for split-K and FP8 inputs
+        (a scale per sorted row, ``hs_ptr``)."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -372,7 +399,11 @@ if triton is not None:
                 acc += tl.dot(h, w, input_precision="ieee")
             else:
                 acc += tl.dot(h, w)
-        if SPLIT == 1:
+        if SPLIT == 1 and ACT_FP8:
+            hs = tl.load(hs_ptr + rows, mask=valid, other=0.0)
+            _down_epilogue(acc, e, pair, valid, cols, col_ok, s_ptr, d_ptr, y_ptr, dim,
+                           HAS_SCALE, HAS_DELTA, hs)  # fmt: skip
+        elif SPLIT == 1:
             _down_epilogue(acc, e, pair, valid, cols, col_ok, s_ptr, d_ptr, y_ptr, dim,
                            HAS_SCALE, HAS_DELTA)  # fmt: skip
         else:  # partials [SPLIT, rows, dim]
@@ -413,14 +444,19 @@ def experts_fused(
     *,
     tiles: ExpertTiles | None = None,
     routing: Routing | None = None,
+    fp8_act: bool = False,
 ) -> torch.Tensor:
     """x [N, D], ids [N, k], w1 [E, 2I, D], w2 [E, D, I] (FP8 with row scales s1 [E, 2I],
     s2 [E, D], or the activations' dtype) -> each chosen expert's output [N, k, D];
     ``delta``: an adapter's deltas of the (token, expert) pairs, added in the kernels.
     ``tiles``: the kernels' tiles (default: `pick_tiles` by token count); ``routing``: the
-    pairs already grouped in blocks of ``tiles.bm`` rows (default: grouped here, in Triton)."""
+    pairs already grouped in blocks of ``tiles.bm`` rows (default: grouped here, in Triton).
+    ``fp8_act``: both products on FP8 units, their inputs (x, then fc1's output) quantized to
+    FP8 per row (act_quant.py); needs FP8 weights, no adapter and no split-K."""
     if triton is None:
         raise RuntimeError("the fused expert kernels need Triton")
+    if fp8_act and (s1 is None or delta is not None):
+        raise ValueError("FP8 activations need FP8 expert weights and no adapter")
     n, k = ids.shape
     n_experts, two_width, dim = w1.shape
     width = two_width // 2
@@ -439,6 +475,12 @@ def experts_fused(
     has_scale = s1 is not None
     ieee = x.dtype == torch.float32
     dummy = used  # any pointer: the scales (deltas) are not read without HAS_SCALE (HAS_DELTA)
+    x_in, x_scale, act_bytes = x, dummy, x.element_size()
+    if fp8_act:
+        if tiles.up.split > 1 or tiles.down.split > 1:
+            raise ValueError(f"FP8 activations take no split-K tiles ({tiles})")
+        x_in, x_scale = act_quant.quant_rows(x)
+        act_bytes = 1
     flat = ids.reshape(-1)
     # pair p is token p // k's (made only for an adapter: no launches without one)
     tokens = None if delta is None else torch.arange(n * k, device=x.device) // k
@@ -447,13 +489,13 @@ def experts_fused(
         up = _pair_delta(delta("fc1", x[tokens], flat, tokens), x)
     # (the CPU tests' interpreter has no shared memory to fit)
     limit = smem_limit(x.device.index or 0) if x.is_cuda else 1 << 30
-    t = fitted(tiles.up, bm, x.element_size(), w1.element_size(), 2, limit)
+    t = fitted(tiles.up, bm, act_bytes, w1.element_size(), 2, limit)
     k_split, part = _split(t, dim, n_blocks * bm, two_width, x.device)
     _up_kernel[(n_blocks, triton.cdiv(width, t.bn), t.split)](
-        x, w1, s1 if has_scale else dummy, hidden, part, pair_ids, block_expert, used,
-        dummy if up is None else up, n * k, k, dim, width, k_split,
+        x_in, w1, s1 if has_scale else dummy, hidden, part, pair_ids, block_expert, used,
+        dummy if up is None else up, x_scale, n * k, k, dim, width, k_split,
         HAS_SCALE=has_scale, HAS_DELTA=up is not None, IEEE=ieee, SPLIT=t.split,
-        BM=bm, BN=t.bn, BK=t.bk, num_warps=t.warps, num_stages=t.stages,
+        BM=bm, BN=t.bn, BK=t.bk, ACT_FP8=fp8_act, num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
     if t.split > 1:
         _up_reduce_kernel[(n_blocks, triton.cdiv(width, t.bn))](
@@ -465,13 +507,16 @@ def experts_fused(
     if delta is not None and tokens is not None:
         h = hidden[_row_of_pair(pair_ids, n * k)]  # each pair's activation, in pair order
         down = _pair_delta(delta("fc2", h, flat, tokens), x)
-    t = fitted(tiles.down, bm, x.element_size(), w2.element_size(), 1, limit)
+    h_in, h_scale = hidden, dummy
+    if fp8_act:  # fc1's output rows to FP8 (the padding rows stay unwritten and unread)
+        h_in, h_scale = act_quant.quant_rows(hidden, pair_ids, n * k)
+    t = fitted(tiles.down, bm, act_bytes, w2.element_size(), 1, limit)
     k_split, part = _split(t, width, n_blocks * bm, dim, x.device)
     _down_kernel[(n_blocks, triton.cdiv(dim, t.bn), t.split)](
-        hidden, w2, s2 if has_scale else dummy, y, part, pair_ids, block_expert, used,
-        dummy if down is None else down, n * k, dim, width, k_split,
+        h_in, w2, s2 if has_scale else dummy, y, part, pair_ids, block_expert, used,
+        dummy if down is None else down, h_scale, n * k, dim, width, k_split,
         HAS_SCALE=has_scale, HAS_DELTA=down is not None, IEEE=ieee, SPLIT=t.split,
-        BM=bm, BN=t.bn, BK=t.bk, num_warps=t.warps, num_stages=t.stages,
+        BM=bm, BN=t.bn, BK=t.bk, ACT_FP8=fp8_act, num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
     if t.split > 1:
         _down_reduce_kernel[(n_blocks, triton.cdiv(dim, t.bn))](
