@@ -28,7 +28,9 @@ MIN_SCALE = torch.finfo(torch.float32).tiny
 def quant_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, C] -> (FP8 values [R, C], fp32 scales [R]) in PyTorch: what the kernel computes."""
     x32 = x.float()
-    scale = (x32.abs().amax(dim=-1) / FP8_MAX).clamp(min=MIN_SCALE)
+    amax = x32.abs().amax(dim=-1)
+    # A tensor divisor: PyTorch's CUDA kernels multiply by the reciprocal of a scalar one.
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
     q = (x32 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
 
