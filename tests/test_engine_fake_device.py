@@ -125,7 +125,7 @@ class _Watch(Observer):
             self.partitioned.append(partitioned)
             pages = {p for job in jobs for p in job.pages}
             pages |= {p for job in jobs if job.prompt is not None for p in job.prompt.pages}
-            self.prefix_writes.append((handle._marker, pages))  # type: ignore[attr-defined]
+            self.prefix_writes.append((handle.device_event()._marker, pages))  # type: ignore[attr-defined]
             return handle
 
         rt.launch_prefixes = launch_prefixes  # type: ignore[method-assign]

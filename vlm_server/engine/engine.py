@@ -288,6 +288,9 @@ class BatchedEngine:
             self._thread = None
         if self._prefix_watcher is not None:
             self._prefix_watcher.close()
+        close_runtime = getattr(self.scheduler.rt, "close", None)  # fake runtimes have none
+        if close_runtime is not None:  # joins the prefill launcher: off the event loop
+            await asyncio.get_running_loop().run_in_executor(None, close_runtime)
         self._builders.shutdown(wait=False, cancel_futures=True)
         self.adapter_threads.shutdown(wait=False, cancel_futures=True)
         self.tasks.constraints.close()

@@ -18,7 +18,8 @@ changed, which go up in one copy ahead of the step's inputs.
     buffers.py      fixed-address buffers: each pipeline slot's, and per row next_embed, held
     forwards.py     decode and mixed steps (inputs upload, forward, their graphs)
     prefill.py      image prefixes on the prefill lanes (image path, BOS + image forward,
-                    riding prompts, their graphs); crops.py makes an image's crops
+                    riding prompts, their graphs); crops.py makes an image's crops;
+                    prefill_launcher.py enqueues them off the scheduler's thread
     sampler.py      finalize: masks, sampling, region values, next inputs, outputs to host
     adapter_rows.py each row's (and prefix job's) adapter slot, and the stacked adapter
                     weights the forwards read (only with adapters on)
@@ -55,6 +56,7 @@ from vlm_server.engine.device.forwards import StepForwards
 from vlm_server.engine.device.kv_pool import KVPool
 from vlm_server.engine.device.model_entry import ModelEntryPoints
 from vlm_server.engine.device.prefill import Prefill
+from vlm_server.engine.device.prefill_launcher import PrefillLauncher, PrefixBatch
 from vlm_server.engine.device.sampler import Sampler
 from vlm_server.engine.device.spatial_refs import SpatialRefSlots
 from vlm_server.engine.device.streams import Device, TorchDevice
@@ -134,6 +136,10 @@ class ModelRuntime:
             else None
         )
         self.prefill = Prefill(dev, entry, cfg, self.pool, self.buffers, self.crops, self.adapters)
+        # Batches enqueued off the scheduler's thread on CUDA (prefill_launcher.py says why).
+        self.prefill_launcher = PrefillLauncher(
+            self._launch_batch, threaded=dev.is_cuda, device=entry.device
+        )
         # Every row's spatial-reference embeddings: three slots per reference (a box's).
         refs = SpatialRefSlots(dev, entry, cfg.max_rows + 1, 3 * cfg.max_spatial_refs)
         self.steps = StepForwards(
@@ -168,9 +174,17 @@ class ModelRuntime:
     def launch_prefixes(self, jobs: list[PrefixJob], partitioned: bool = False) -> object:
         """Enqueue the image paths and the BOS + image forward of ``jobs`` on a prefill lane
         (prefill.py); returns the event `prefix_ready` polls."""
-        handle = self.prefill.launch(jobs, partitioned)
+        handle = self.prefill_launcher.submit(jobs, partitioned)
         self._prefixes_in_flight.append(handle)
         return handle
+
+    @torch.inference_mode()
+    def _launch_batch(self, jobs: list[PrefixJob], partitioned: bool) -> object:
+        return self.prefill.launch(jobs, partitioned)
+
+    def close(self) -> None:
+        """Stop the prefill launcher's thread (after the batches handed over)."""
+        self.prefill_launcher.close()
 
     def _prefill_busy(self) -> bool:
         """Whether a launched prefix batch may still run (event queries: no sync)."""
@@ -199,6 +213,8 @@ class ModelRuntime:
         after: object | None = None,
     ) -> None:
         """Enqueue one mixed step (forwards.py), behind the upload of ``block_rows``."""
+        if isinstance(after, PrefixBatch):
+            after = after.device_event()
         self.steps.launch_mixed(slot, seqs, plan, block_rows, after)
 
     @torch.inference_mode()
