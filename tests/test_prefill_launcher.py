@@ -131,3 +131,31 @@ def test_a_handle_is_not_an_event_until_settled() -> None:
     assert not batch.enqueued and not batch.query()
     batch.settle(_Event(), None)
     assert batch.query()
+
+
+def test_a_batch_that_cannot_block_runs_in_the_callers_thread_unless_others_wait() -> None:
+    launch = _GatedLaunch()
+    threads: list[str] = []
+
+    def recording(jobs: list, partitioned: bool) -> _Event:
+        threads.append(threading.current_thread().name)
+        return launch(jobs, partitioned)
+
+    launcher = PrefillLauncher(recording, threaded=True)
+    try:
+        launch.gate.set()
+        alone = launcher.submit(["a"], inline=True)
+        assert alone.enqueued and threads == [threading.current_thread().name]
+        launch.gate.clear()
+        launch.started.clear()
+        handed = launcher.submit(["b"])  # may block: the thread takes it
+        assert launch.started.wait(30)
+        after = launcher.submit(["c"], inline=True)  # behind "b": the thread keeps the order
+        assert not after.enqueued
+        launch.gate.set()
+        after.synchronize()
+        assert [o[0] for o in launch.order] == [("a",), ("b",), ("c",)]
+        assert threads[1:] == ["prefill-launcher", "prefill-launcher"] and handed.query()
+    finally:
+        launch.gate.set()
+        launcher.close()

@@ -6,7 +6,9 @@ tiling, or the batch before) holds the launch until that replay finishes. On the
 thread this froze the steps: with 64 clients on new pictures (H100, moondream2) the scheduler
 spent 57% of its time inside those replays and decode steps came once per prefix batch, about
 130 ms apart. Here the scheduler hands the batch over and goes on; one launcher thread
-enqueues the batches in the order they came.
+enqueues the batches in the order they came. A batch that cannot block (the prefill lane idle,
+no tiling twice in it: no replay waits behind another) is enqueued by the caller at once, as
+before: a lone request does not pay the hand-over.
 
 A `PrefixBatch` is the scheduler's handle: complete once the launcher enqueued the batch and
 the batch's device event completed. A failed launch is raised in the scheduler's thread by
@@ -80,17 +82,24 @@ class PrefillLauncher:
         self._device = device
         self._queue: queue.SimpleQueue[tuple[PrefixBatch, list, bool] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._handed = 0  # batches handed to the thread and not yet enqueued by it
         if threaded:
             self._thread = threading.Thread(target=self._run, name="prefill-launcher", daemon=True)
             self._thread.start()
 
-    def submit(self, jobs: list, partitioned: bool = False) -> PrefixBatch:
-        """Hand a batch over; returns its handle at once."""
+    def submit(self, jobs: list, partitioned: bool = False, inline: bool = False) -> PrefixBatch:
+        """Hand a batch over; returns its handle at once. ``inline``: the caller says the
+        launch cannot block, so it runs here unless earlier batches still wait for the thread
+        (the order of batches on the lane is kept)."""
         batch = PrefixBatch()
-        if self._thread is None:
+        with self._lock:
+            threaded = self._thread is not None and (self._handed > 0 or not inline)
+            if threaded:
+                self._handed += 1
+                self._queue.put((batch, jobs, partitioned))
+        if not threaded:
             self._enqueue(batch, jobs, partitioned)
-        else:
-            self._queue.put((batch, jobs, partitioned))
         return batch
 
     def close(self) -> None:
@@ -114,3 +123,5 @@ class PrefillLauncher:
             torch.cuda.set_device(self._device)  # the current device is per thread
         while (item := self._queue.get()) is not None:
             self._enqueue(*item)
+            with self._lock:
+                self._handed -= 1

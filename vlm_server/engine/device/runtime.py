@@ -174,7 +174,10 @@ class ModelRuntime:
     def launch_prefixes(self, jobs: list[PrefixJob], partitioned: bool = False) -> object:
         """Enqueue the image paths and the BOS + image forward of ``jobs`` on a prefill lane
         (prefill.py); returns the event `prefix_ready` polls."""
-        handle = self.prefill_launcher.submit(jobs, partitioned)
+        # No batch running and no tiling twice: no replay can wait behind another.
+        idle = not self._prefill_busy()
+        inline = idle and len({job.image.tiling for job in jobs}) == len(jobs)
+        handle = self.prefill_launcher.submit(jobs, partitioned, inline)
         self._prefixes_in_flight.append(handle)
         return handle
 
