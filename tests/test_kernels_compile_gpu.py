@@ -371,7 +371,7 @@ KERNELS = (
         _ATTENTION,
         "_paged_decode_kernel",
         _DECODE,
-        {**_SHAPE, "BLOCK_N": 64, "SPLITS": 4, "SPLIT_MAX": 512},
+        {**_SHAPE, "BLOCK_N": 64, "SPLITS": 4},
     ),
     Kernel(
         _ATTENTION,
@@ -395,7 +395,6 @@ KERNELS = (
             "BLOCK_M": 16,
             "BLOCK_N": 64,
             "SPLITS": 2,
-            "SPLIT_MAX": 1024,
             "PRECISION": "tf32",
         },
     ),

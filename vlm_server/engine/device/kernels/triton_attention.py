@@ -49,7 +49,6 @@ if AVAILABLE:
         HD: tl.constexpr,
         BLOCK_N: tl.constexpr,
         SPLITS: tl.constexpr,
-        SPLIT_MAX: tl.constexpr,
         PDL: tl.constexpr = False,
     ):
         """Partial attention of one (row, head) over one split of its live positions."""
@@ -71,24 +70,25 @@ if AVAILABLE:
         l_i = 0.0
         acc = tl.zeros([HD], dtype=tl.float32)
         n = tl.arange(0, BLOCK_N)
-        # A static loop with a scalar branch: the bound is read on the device (graph-safe).
-        for i in tl.range(0, SPLIT_MAX, BLOCK_N):
+        # The bound is read on the device (graph-safe) and covers only this split's live
+        # positions: a loop to the context's maximum (32K for Moondream 3) spent most of its
+        # iterations testing a branch.
+        for i in tl.range(0, tl.minimum(chunk, length - lo), BLOCK_N):
             start = lo + i
-            if (i < chunk) & (start < length):
-                pos = start + n
-                valid = pos < length
-                page = tl.load(table_ptr + row * table_stride + pos // PAGE, mask=valid, other=0)
-                base = (page.to(tl.int64) * PAGE + pos % PAGE) * (KVH * HD) + kvh * HD
-                k = tl.load(k_ptr + base[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-                s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
-                s = tl.where(valid, s, -float("inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=0))
-                p = tl.exp(s - m_new)
-                alpha = tl.exp(m_i - m_new)
-                v = tl.load(v_ptr + base[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-                acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
-                l_i = l_i * alpha + tl.sum(p, axis=0)
-                m_i = m_new
+            pos = start + n
+            valid = pos < length
+            page = tl.load(table_ptr + row * table_stride + pos // PAGE, mask=valid, other=0)
+            base = (page.to(tl.int64) * PAGE + pos % PAGE) * (KVH * HD) + kvh * HD
+            k = tl.load(k_ptr + base[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
+            s = tl.where(valid, s, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            p = tl.exp(s - m_new)
+            alpha = tl.exp(m_i - m_new)
+            v = tl.load(v_ptr + base[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            m_i = m_new
         part = (b * n_heads + h) * SPLITS + sp
         tl.store(m_ptr + part, m_i)
         tl.store(l_ptr + part, l_i)
@@ -279,7 +279,6 @@ if AVAILABLE:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         SPLITS: tl.constexpr,
-        SPLIT_MAX: tl.constexpr,  # positions one split can cover (static loop bound)
         PRECISION: tl.constexpr,  # of fp32 dots: "ieee" for fp32 models (no TF32 rounding)
         PDL: tl.constexpr = False,
     ):
@@ -313,27 +312,27 @@ if AVAILABLE:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HD], tl.float32)
         n = tl.arange(0, BLOCK_N)
-        # A static loop with a scalar branch: the bound is read on the device (graph-safe).
-        for i in tl.range(0, SPLIT_MAX, BLOCK_N):
+        # The bound is read on the device (graph-safe) and covers only this split's live
+        # positions (the decode kernel's loop says why).
+        for i in tl.range(0, tl.minimum(chunk, hi - lo), BLOCK_N):
             start = lo + i
-            if (i < chunk) & (start < hi):
-                kpos = start + n
-                valid_n = kpos < hi
-                page = tl.load(table_ptr + row * table_stride + kpos // PAGE, mask=valid_n, other=0)
-                base = (page.to(tl.int64) * PAGE + kpos % PAGE) * (KVH * HD) + kvh * HD
-                k = tl.load(k_ptr + base[:, None] + d[None, :], mask=valid_n[:, None], other=0.0)
-                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-                s = tl.where(kpos[None, :] <= pos[:, None], s, -float("inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                # Rows with nothing visible yet keep -inf: guard the exponent against inf - inf.
-                m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-                p = tl.exp(s - m_safe[:, None])
-                alpha = tl.exp(m_i - m_safe)
-                v = tl.load(v_ptr + base[:, None] + d[None, :], mask=valid_n[:, None], other=0.0)
-                pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-                acc = acc * alpha[:, None] + pv
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                m_i = m_new
+            kpos = start + n
+            valid_n = kpos < hi
+            page = tl.load(table_ptr + row * table_stride + kpos // PAGE, mask=valid_n, other=0)
+            base = (page.to(tl.int64) * PAGE + kpos % PAGE) * (KVH * HD) + kvh * HD
+            k = tl.load(k_ptr + base[:, None] + d[None, :], mask=valid_n[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            s = tl.where(kpos[None, :] <= pos[:, None], s, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # Rows with nothing visible yet keep -inf: guard the exponent against inf - inf.
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            v = tl.load(v_ptr + base[:, None] + d[None, :], mask=valid_n[:, None], other=0.0)
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + pv
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
         if SPLITS == 1:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             tl.store(
@@ -371,9 +370,6 @@ def paged_tile_attention(
     t, n_heads, hd = q.shape
     _, page, kvh, _ = k_pool.shape
     splits = splits or tile_splits(t)
-    max_pos = block_table.shape[1] * page
-    per_split = -(-max_pos // splits)
-    split_max = -(-per_split // block_n) * block_n  # static loop bound of one split
     if splits == 1:
         out = torch.zeros_like(q)  # tokens in no tile (padding) read as zeros
         m = l_sum = acc = out  # unused
@@ -407,7 +403,6 @@ def paged_tile_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         SPLITS=splits,
-        SPLIT_MAX=split_max,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         **launch_overlap.kernel_args(),
     )
@@ -453,9 +448,6 @@ def paged_decode_attention(
     b, n_heads, hd = q.shape
     _, page, kvh, _ = k_pool.shape
     splits = splits or split_count(b, n_heads)
-    max_pos = block_table.shape[1] * page
-    per_split = -(-max_pos // splits)
-    split_max = -(-per_split // block_n) * block_n  # static loop bound of one split
     m = torch.empty((b, n_heads, splits), dtype=torch.float32, device=q.device)
     l_sum = torch.empty_like(m)
     acc = torch.empty((b, n_heads, splits, hd), dtype=torch.float32, device=q.device)
@@ -479,7 +471,6 @@ def paged_decode_attention(
         HD=hd,
         BLOCK_N=block_n,
         SPLITS=splits,
-        SPLIT_MAX=split_max,
         **launch_overlap.kernel_args(),
     )
     out = torch.empty_like(q)
