@@ -371,7 +371,7 @@ KERNELS = (
         _ATTENTION,
         "_paged_decode_kernel",
         _DECODE,
-        {**_SHAPE, "BLOCK_N": 64, "SPLITS": 4},
+        {**_SHAPE, "BLOCK_N": 64, "SPLITS": 4, "STATIC_MAX": 512},
     ),
     Kernel(
         _ATTENTION,
@@ -395,6 +395,7 @@ KERNELS = (
             "BLOCK_M": 16,
             "BLOCK_N": 64,
             "SPLITS": 2,
+            "STATIC_MAX": 0,
             "PRECISION": "tf32",
         },
     ),

@@ -208,14 +208,18 @@ def test_the_packed_path_the_cuda_kernels_take_equals_the_plain_one() -> None:
 def test_the_image_prefix_sees_itself_both_ways_and_text_never_reaches_back() -> None:
     model = _model()
     prefix = 6
-    x = torch.randn(1, 10, 64)
+    # A seeded input (the global generator's state depends on the tests that ran before)
+    x = torch.randn(1, 10, 64, generator=torch.Generator().manual_seed(5))
     base = _run(model, x, prefix)
     text_changed = x.clone()
     text_changed[0, 8] += 1.0
     assert torch.equal(_run(model, text_changed, prefix)[0, :prefix], base[0, :prefix])
     last_image = x.clone()
     last_image[0, prefix - 1] += 1.0
-    assert not torch.allclose(_run(model, last_image, prefix)[0, 1], base[0, 1])
+    # The random tiny model moves position 1 by ~1e-6 here (within allclose's tolerance):
+    # any changed bit shows it sees the last image token, as the unchanged prefix above shows
+    # text does not reach back.
+    assert not torch.equal(_run(model, last_image, prefix)[0, 1], base[0, 1])
 
 
 def test_layers_before_start_layer_are_dense_and_the_rest_experts() -> None:

@@ -36,8 +36,22 @@ def _pools(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return kp, vp, table
 
 
+@pytest.fixture(params=["static", "device-read"])
+def loop(request: pytest.FixtureRequest, ta: ModuleType, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both loop forms: a compile-time bound with a branch per block, and the live blocks'."""
+    if request.param == "device-read":
+        monkeypatch.setattr(ta, "STATIC_LOOP_POSITIONS", 0)
+    return request.param
+
+
+def test_the_loop_form_follows_the_positions_a_split_covers() -> None:
+    bound = triton_attention.static_loop_bound
+    assert bound(2048, 16, 64) == 128 and bound(2048, 4, 64) == 512
+    assert bound(2048, 1, 64) == 0 and bound(32768, 16, 64) == 0
+
+
 @pytest.mark.parametrize("splits", [1, 4, 16])
-def test_decode_kernel_equals_pytorch(ta: ModuleType, splits: int) -> None:
+def test_decode_kernel_equals_pytorch(ta: ModuleType, loop: str, splits: int) -> None:
     kp, vp, table = _pools(splits)
     rows = torch.tensor([5, 0, 3, 3])
     lengths = torch.tensor([1, 9, 70, 131])  # 16 splits of 64: most splits of most rows empty
@@ -48,7 +62,7 @@ def test_decode_kernel_equals_pytorch(ta: ModuleType, splits: int) -> None:
 
 
 @pytest.mark.parametrize("splits", [1, 2, 8])
-def test_tile_kernel_equals_pytorch_varlen(ta: ModuleType, splits: int) -> None:
+def test_tile_kernel_equals_pytorch_varlen(ta: ModuleType, loop: str, splits: int) -> None:
     from vlm_server.engine.core.mixed_inputs import MixedLayout
     from vlm_server.engine.core.step_plan import N_TOK, T_POS, T_ROW
 
