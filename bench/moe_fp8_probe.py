@@ -15,15 +15,12 @@ winner as a `moe_triton.FP8_ACT_TILES` row.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import sys
-from collections.abc import Iterator
 
 import torch
 
 from bench import plotting
-from bench.moe_probe import DIM, make_layer
+from bench.moe_probe import DIM, log, make_layer, table
 from bench.tower_probe import replay_us
 from vlm_server.models.moondream3 import act_quant, moe_triton
 from vlm_server.models.moondream3.moe_triton import ExpertTiles, Tile
@@ -39,20 +36,6 @@ CANDIDATES = (
     ExpertTiles(64, Tile(128, 128, 8, 3), Tile(128, 128, 8, 3)),
     ExpertTiles(128, Tile(128, 256, 8, 3), Tile(128, 256, 8, 3)),
 )
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def fp8_table(tiles: ExpertTiles) -> Iterator[None]:
-    saved = moe_triton.FP8_ACT_TILES
-    moe_triton.FP8_ACT_TILES = ((1 << 62, tiles),)
-    try:
-        yield
-    finally:
-        moe_triton.FP8_ACT_TILES = saved
 
 
 def probe(tokens: list[int]) -> list[dict]:
@@ -72,7 +55,7 @@ def probe(tokens: list[int]) -> list[dict]:
                      "rel_err": 0.0})  # fmt: skip
         mlp.fp8_act = True
         for tiles in CANDIDATES:
-            with fp8_table(tiles):
+            with table(tiles, "FP8_ACT_TILES"):
                 try:
                     got = mlp(x).float()
                     us = replay_us(lambda x=x: mlp(x))

@@ -71,14 +71,14 @@ def log(msg: str) -> None:
 
 
 @contextlib.contextmanager
-def table(tiles: ExpertTiles) -> Iterator[None]:
-    """`moe_triton.TILES` as this one entry (graphs keep what they captured)."""
-    saved = moe_triton.TILES
-    moe_triton.TILES = ((1 << 62, tiles),)
+def table(tiles: ExpertTiles, name: str = "TILES") -> Iterator[None]:
+    """The table `moe_triton.<name>` as this one entry (graphs keep what they captured)."""
+    saved = getattr(moe_triton, name)
+    setattr(moe_triton, name, ((1 << 62, tiles),))
     try:
         yield
     finally:
-        moe_triton.TILES = saved
+        setattr(moe_triton, name, saved)
 
 
 def copy_bandwidth() -> float:
