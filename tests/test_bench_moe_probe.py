@@ -37,3 +37,28 @@ def test_the_printed_winners_are_a_tiles_table(capsys: pytest.CaptureFixture[str
     table = space["TILES"]
     assert moe_triton.pick_tiles(1, table) == fast
     assert moe_triton.pick_tiles(2, table) == big and moe_triton.pick_tiles(5000, table) == big
+
+
+def test_the_fp8_probe_picks_the_fastest_tile_and_redraws_saved_rows(
+    tmp_path: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+    from pathlib import Path
+
+    from bench import moe_fp8_probe, plotting
+
+    rows = [
+        {"tokens": 730, "variant": "bf16 act", "tiles": "t0", "us": 370.0, "rel_err": 0.0},
+        {"tokens": 730, "variant": "quant x", "tiles": "-", "us": 5.0, "rel_err": 0.0},
+        {"tokens": 730, "variant": "fp8 act", "tiles": "a", "us": 300.0, "rel_err": 0.04},
+        {"tokens": 730, "variant": "fp8 act", "tiles": "b", "us": 260.0, "rel_err": 0.04},
+    ]
+    assert moe_fp8_probe.best(rows, 730)["tiles"] == "b"  # type: ignore[index]
+    assert moe_fp8_probe.best(rows, 5840) is None
+    moe_fp8_probe.summary(rows)
+    assert "1.42" in capsys.readouterr().out  # 370 / 260
+    path = Path(str(tmp_path)) / "moe_fp8_probe.json"
+    path.write_text(json.dumps({"device": "test", "rows": rows}))
+    if plotting.pyplot() is not None:
+        assert plotting.replot(str(path), moe_fp8_probe.plot) == 0
+        assert Path(plotting.png_beside(str(path))).exists()
