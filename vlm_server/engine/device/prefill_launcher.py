@@ -62,6 +62,7 @@ class PrefixBatch:
         """Block the calling thread until the batch completed (or its launch failed)."""
         self._enqueued.wait()
         if self._error is None:
+            # The prefix watcher's thread, never the tick: it sleeps until the batch ends.
             self._event.synchronize()  # type: ignore[attr-defined]
 
     def device_event(self) -> object:

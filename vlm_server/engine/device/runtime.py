@@ -138,7 +138,7 @@ class ModelRuntime:
         self.prefill = Prefill(dev, entry, cfg, self.pool, self.buffers, self.crops, self.adapters)
         # Batches enqueued off the scheduler's thread on CUDA (prefill_launcher.py says why).
         self.prefill_launcher = PrefillLauncher(
-            self._launch_batch, threaded=dev.is_cuda, device=entry.device
+            self.prefill.launch, threaded=dev.is_cuda, device=entry.device
         )
         # Every row's spatial-reference embeddings: three slots per reference (a box's).
         refs = SpatialRefSlots(dev, entry, cfg.max_rows + 1, 3 * cfg.max_spatial_refs)
@@ -180,10 +180,6 @@ class ModelRuntime:
         handle = self.prefill_launcher.submit(jobs, partitioned, inline)
         self._prefixes_in_flight.append(handle)
         return handle
-
-    @torch.inference_mode()
-    def _launch_batch(self, jobs: list[PrefixJob], partitioned: bool) -> object:
-        return self.prefill.launch(jobs, partitioned)
 
     def close(self) -> None:
         """Stop the prefill launcher's thread (after the batches handed over)."""

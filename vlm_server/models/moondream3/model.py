@@ -64,14 +64,15 @@ class Moondream3Model(nn.Module):
     def use_fp8_activations(self) -> None:
         """Run the expert products of wide steps with FP8 activations (moe.py); needs the
         experts in FP8 (`use_fp8_experts`, or an FP8 checkpoint). Before any graph capture."""
-        mlps = [b.mlp for b in self.text.blocks if isinstance(b.mlp, MoeMLP)]
-        if not mlps or mlps[0].fc1.scale is None:
-            raise ValueError(
-                "experts_fp8_activations needs the experts in FP8: an FP8-expert checkpoint "
-                "on a GPU of compute capability 9.0 or newer"
-            )
-        for mlp in mlps:
-            mlp.use_fp8_activations()
+        for block in self.text.blocks:
+            if isinstance(block.mlp, MoeMLP):
+                try:
+                    block.mlp.use_fp8_activations()
+                except ValueError as err:  # 16-bit experts: name the server's flag
+                    raise ValueError(
+                        "experts_fp8_activations needs the experts in FP8: an FP8-expert "
+                        "checkpoint on a GPU of compute capability 9.0 or newer"
+                    ) from err
 
     def image_embeddings(self, crops: torch.Tensor, tiling: tuple[int, int]) -> torch.Tensor:
         """Normalized crops of one image [1 + h*w, 3, S, S] -> embeddings [patches, dim]."""
