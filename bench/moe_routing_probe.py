@@ -1,11 +1,11 @@
-"""The expert layer's routing alone (CUDA): `moe_routing.route_align` per chunk size and warp
-count against the PyTorch `route` + `align` it replaces, by CUDA-graph replay, each checked to
-group the same pairs.
+"""The expert layer's routing alone (CUDA): `moe_routing.route_align` per chunk size, warp count,
+one-program bound and program cap against the PyTorch `route` + `align` it replaces, by CUDA-
+graph replay, each checked to group the same pairs.
 
-    python -m bench.moe_routing_probe [--tokens 1 8 32 64 730 2048] [--json OUT]
+    python -m bench.moe_routing_probe [--tokens 1 8 32 64 730 2048 5840] [--json OUT]
 
-Prints, per token count, the time of each setting (us) and the best; Moondream 3's widths
-(64 experts, top-8).
+Prints, per token count, the time of each setting (us) and the best; Moondream 3's widths (64
+experts, top-8).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from vlm_server.models.moondream3.moe_triton import align, pick_tiles
 CHUNKS = (64, 128, 256)
 WARPS = (4, 8)
 SINGLES = (64, 16)  # SINGLE_MAX_TOKENS
+PROGRAMS = (32, 128, 512)  # MAX_PROGRAMS
 
 
 def _groups(pair_ids: torch.Tensor, used: torch.Tensor, ids: torch.Tensor) -> list[list[int]]:
@@ -38,12 +39,19 @@ def _groups(pair_ids: torch.Tensor, used: torch.Tensor, ids: torch.Tensor) -> li
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64, 730, 2048])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64, 730, 2048, 5840])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
-    names = [f"c{c}w{w}s{m}" for c in CHUNKS for w in WARPS for m in SINGLES]
+    settings = {
+        f"c{c}w{w}s{m}p{p}": (c, w, m, p)
+        for c in CHUNKS
+        for w in WARPS
+        for m in SINGLES
+        for p in PROGRAMS
+    }
+    names = list(settings)
     print(f"{'tokens':>6} {'torch':>8} " + " ".join(f"{m:>9}" for m in names))
     for n in args.tokens:
         logits = torch.randn(n, 64, device="cuda", generator=gen).bfloat16()
@@ -51,10 +59,9 @@ def main() -> int:
         legacy = replay_us(lambda lg=logits, b=bm: align(route(lg, 8)[1], 64, b))
         times = {}
         for name in names:
-            chunk, rest = name[1:].split("w")
-            warps, single = rest.split("s")
-            moe_routing.CHUNK_PAIRS, moe_routing.ROUTE_WARPS = int(chunk), int(warps)
-            moe_routing.SINGLE_MAX_TOKENS = int(single)
+            chunk, warps, single, programs = settings[name]
+            moe_routing.CHUNK_PAIRS, moe_routing.ROUTE_WARPS = chunk, warps
+            moe_routing.SINGLE_MAX_TOKENS, moe_routing.MAX_PROGRAMS = single, programs
             try:
                 _w, ids, r = moe_routing.route_align(logits, 8, bm)
                 # The same pairs per expert as PyTorch's grouping of the kernel's ids

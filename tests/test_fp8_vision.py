@@ -176,6 +176,11 @@ def test_triton_quantizers_equal_the_torch_ones() -> None:
     u = (torch.randn(6561, 4304, device="cuda", generator=g) * 3).bfloat16()
     gq, gs = gelu_fp8(u, 4352)
     gq_cpu, gs_cpu = gelu_fp8(u.cpu(), 4352)
+    for launch in ((8192, 8), (1024, 4), (0, 4)):  # every form computes the same bits
+        other, other_scale = gelu_fp8(u, 4352, launch)
+        assert torch.equal(other_scale, gs) and torch.equal(
+            other.view(torch.uint8), gq.view(torch.uint8)
+        )
     torch.testing.assert_close(gs.cpu(), gs_cpu, rtol=1e-5, atol=0)
     assert bool((gq[:, 4304:].float() == 0).all())
     diff = (gq.float().cpu() - gq_cpu.float()).abs()

@@ -460,6 +460,36 @@ KERNELS = (
         )
         for bf16 in (False, True)
     ),
+    *(
+        Kernel(
+            _TAU,
+            "_fused_kernel",
+            {
+                "qkv_ptr": "*bf16",
+                "w_ptr": "*bf16",
+                "out_ptr": "*bf16",
+                "tau_ptr": "*fp32",
+                "alpha_ptr": "*bf16",
+                "pos_ptr": "*i32",
+                "M": "i32",
+                "stride_in": "i32",
+                "stride_out": "i32",
+                "stride_pos": "i32",
+            },
+            {
+                **_TAU_SHAPE,
+                "BM": 32,
+                "BH": 64,
+                "BK": 128,
+                "BC": 256,
+                "GELU_ERF": erf,
+                "TENSOR_CORES": True,
+                "BF16_POS": bf16,
+            },
+        )
+        for erf in (False, True)
+        for bf16 in (False, True)
+    ),
     Kernel(
         "vlm_server.models.common.fused_norm",
         "_add_layernorm_kernel",
@@ -478,6 +508,13 @@ KERNELS = (
         "_gelu_fp8_kernel",
         _GELU_FP8,
         {"BLOCK": 4096, "CHUNK": 1024},
+        min_arch=89,
+    ),
+    Kernel(
+        "vlm_server.models.moondream2.fp8_vision",
+        "_gelu_fp8_kernel",
+        _GELU_FP8,
+        {"BLOCK": 4096, "CHUNK": 4096, "TAIL": 256},
         min_arch=89,
     ),
 )

@@ -101,6 +101,22 @@ def test_align_fused_equals_align(
     _same_grouping(kern.routing.align_fused(ids, e, block_m), ids, e, block_m)
 
 
+@pytest.mark.parametrize("max_programs", [1, 3, 5])
+@pytest.mark.parametrize("n, k, e", [(300, 8, 64), (70, 3, 5), (37, 1, 7)])
+def test_several_chunks_a_program_group_the_same(
+    kern: SimpleNamespace, monkeypatch: pytest.MonkeyPatch, max_programs: int, n: int, k: int,
+    e: int,
+) -> None:  # fmt: skip
+    """Wide steps spread their chunks over at most MAX_PROGRAMS programs (the last one short):
+    the same grouping, and the same ids and weights, as one chunk a program."""
+    logits = _logits(n, e, k, torch.bfloat16, True, seed=n)
+    want = kern.routing.route_align(logits, k, 16)
+    monkeypatch.setattr(kern.routing, "MAX_PROGRAMS", max_programs)
+    weights, ids, routing = kern.routing.route_align(logits, k, 16)
+    assert torch.equal(ids, want[1]) and torch.equal(weights, want[0])
+    _same_grouping(routing, ids, e, 16)
+
+
 def test_align_fused_with_all_pairs_on_one_expert(kern: SimpleNamespace) -> None:
     ids = torch.full((300, 1), 5)  # more tokens than one program routes: two kernels
     _same_grouping(kern.routing.align_fused(ids, 7, 16), ids, 7, 16)

@@ -1,7 +1,8 @@
-"""Moondream 3's one-launch tau scaling (models/moondream3/tau_kernel.py) on the CPU through
+"""Moondream 3's tau scaling kernels (models/moondream3/tau_kernel.py) on the CPU through
 Triton's interpreter, against `Tau.scale`'s PyTorch ops: both GELUs and both position modes,
 grouped value heads, a head width that is not a power of two, token counts that do not fill a
-block, keys passed through bit for bit."""
+block, keys passed through bit for bit; the two-launch path and the one-launch path of wide
+steps (its bound lowered to reach it)."""
 
 from __future__ import annotations
 
@@ -55,11 +56,22 @@ CASES = [  # heads, kv heads, head width, batch, tokens
 ]
 
 
+@pytest.fixture(params=["two launches", "one launch"])
+def path(request: pytest.FixtureRequest, kern: ModuleType, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which path `tau_scale` takes: every step below the one-launch bound, or every step
+    from one token on."""
+    if request.param == "one launch":
+        monkeypatch.setattr(kern, "FUSED_MIN_TOKENS", 1)
+        monkeypatch.setattr(kern, "FUSED_M", 16)
+        monkeypatch.setattr(kern, "FUSED_COLS", 32)  # steps that split heads and rows
+    return request.param
+
+
 @pytest.mark.parametrize(("heads", "kv_heads", "hd", "b", "t"), CASES)
 @pytest.mark.parametrize("gelu", ["tanh", "erf"])
 @pytest.mark.parametrize("positions", ["fp32", "bf16"])
 def test_fused_tau_equals_the_pytorch_ops_in_fp32(
-    kern: ModuleType, heads: int, kv_heads: int, hd: int, b: int, t: int, gelu: str,
+    kern: ModuleType, path: str, heads: int, kv_heads: int, hd: int, b: int, t: int, gelu: str,
     positions: str,
 ) -> None:  # fmt: skip
     tau = _tau(heads, kv_heads, hd, gelu, positions, seed=heads + t)
@@ -80,7 +92,9 @@ def test_fused_tau_equals_the_pytorch_ops_in_fp32(
 
 
 @pytest.mark.parametrize("positions", ["fp32", "bf16"])
-def test_fused_tau_rounds_like_the_pytorch_ops_in_bf16(kern: ModuleType, positions: str) -> None:
+def test_fused_tau_rounds_like_the_pytorch_ops_in_bf16(
+    kern: ModuleType, path: str, positions: str
+) -> None:
     heads, kv_heads, hd = 8, 4, 16
     tau = _tau(heads, kv_heads, hd, "tanh", positions, seed=3).to(torch.bfloat16)
     gen = torch.Generator().manual_seed(5)
@@ -97,7 +111,7 @@ def test_fused_tau_rounds_like_the_pytorch_ops_in_bf16(kern: ModuleType, positio
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("positions", ["fp32", "bf16"])
-@pytest.mark.parametrize("tokens", [1, 32, 730])
+@pytest.mark.parametrize("tokens", [1, 32, 730, 2920])
 def test_fused_tau_on_the_gpu_at_full_size(positions: str, tokens: int) -> None:
     """The compiled kernel at Moondream 3's shapes (32 + 32 heads of 64) in bf16, through
     `Tau.use_kernel`, against the PyTorch ops on the same device."""

@@ -138,12 +138,26 @@ if triton is not None:
 
     @triton.jit
     def _gelu_fp8_kernel(
-        u_ptr, q_ptr, scale_ptr, width, width_out, BLOCK: tl.constexpr, CHUNK: tl.constexpr
-    ):
+        u_ptr, q_ptr, scale_ptr, width, width_out, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+        TAIL: tl.constexpr = 0,
+    ):  # fmt: skip
         row = tl.program_id(0)
         src = u_ptr + row.to(tl.int64) * width
         dst = q_ptr + row.to(tl.int64) * width_out
-        if CHUNK >= BLOCK:  # the whole row in registers: one read, GELU computed once
+        if TAIL > 0:  # the row as a BLOCK-wide and a TAIL-wide piece, both in registers
+            # Lanes past the row would compute GELU too (two special-function ops each: the
+            # bound of a power-of-two block twice the row's width).
+            cols = tl.arange(0, BLOCK)
+            tail = BLOCK + tl.arange(0, TAIL)
+            g = _gelu(tl.load(src + cols, mask=cols < width, other=0.0).to(tl.float32))
+            gt = _gelu(tl.load(src + tail, mask=tail < width, other=0.0).to(tl.float32))
+            top = tl.maximum(tl.max(tl.abs(g), axis=0), tl.max(tl.abs(gt), axis=0))
+            top = tl.maximum(top, 448e-12)
+            q = tl.minimum(tl.maximum(g * (448.0 / top), -448.0), 448.0)
+            tl.store(dst + cols, q.to(tl.float8e4nv), mask=cols < width_out)
+            q = tl.minimum(tl.maximum(gt * (448.0 / top), -448.0), 448.0)
+            tl.store(dst + tail, q.to(tl.float8e4nv), mask=tail < width_out)
+        elif CHUNK >= BLOCK:  # the whole row in registers: one read, GELU computed once
             cols = tl.arange(0, BLOCK)
             g = _gelu(tl.load(src + cols, mask=cols < width, other=0.0).to(tl.float32))
             top = tl.maximum(tl.max(tl.abs(g), axis=0), 448e-12)
@@ -198,9 +212,11 @@ def layernorm_fp8(
     return s, q, scale
 
 
-# The GELU quantizer's launch: (chunk width, warps); a chunk as wide as the row's power-of-two
-# block reads the row once. Measured on an H100 at [6561, 4304] by bench/tower_probe.py.
-GELU_LAUNCH = (8192, 8)
+# The GELU quantizer's launch: (chunk width, warps). Chunk 0: the row as a power-of-two block
+# and a tail, read once; a chunk as wide as the row's power-of-two block: read once, lanes to
+# that bound; narrower: two passes. On an H100 at [6561, 4304] (bench/tower_probe.py) the
+# power-of-two block of 8192 lanes took 49.6 us, a chunk of 1024 56.4.
+GELU_LAUNCH = (0, 8)
 
 
 def gelu_fp8(
@@ -214,8 +230,13 @@ def gelu_fp8(
     scale = torch.empty((rows, 1), dtype=torch.float32, device=u.device)
     chunk, warps = launch or GELU_LAUNCH
     block = triton.next_power_of_2(width_out)
+    tail = 0
+    if chunk == 0 and block > width_out:
+        block //= 2
+        tail = triton.next_power_of_2(width_out - block)
+    chunk = block if chunk == 0 else min(chunk, block)
     _gelu_fp8_kernel[(rows,)](
-        u, q, scale, width, width_out, BLOCK=block, CHUNK=min(chunk, block), num_warps=warps
+        u, q, scale, width, width_out, BLOCK=block, CHUNK=chunk, TAIL=tail, num_warps=warps
     )
     return q, scale
 

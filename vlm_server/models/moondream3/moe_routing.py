@@ -3,17 +3,18 @@
 `route_align` turns router logits [N, E] into what `moe.route` and `moe_triton.align` return
 together: each token's top-k experts and their softmaxed weights, and the (token, expert) pairs
 grouped by expert, padded to whole row blocks (pairs keep token order within an expert). One
-launch for up to ``SINGLE_MAX_TOKENS`` tokens (decode); above, two: per block of tokens the
-top-k and that block's expert histogram, then per block the placement of its pairs after the
-earlier blocks' (a prefix over the stored histograms: no atomics, so the layout is
-deterministic). Grids and buffers depend on shapes only, never on the routing: CUDA graphs
-capture them, and no value is read back to the host. `align_fused` does the grouping for given
-ids. `combine` is `moe.combine` in one kernel, bit for bit (each product and sum rounded to
-the output dtype, slots in order, no fused multiply-add).
+launch for up to ``SINGLE_MAX_TOKENS`` tokens (decode); above, two: per program (at most
+``MAX_PROGRAMS``, each over consecutive chunks of tokens) the top-k and its expert histogram,
+then per program the placement of its pairs after the earlier programs' (a prefix over the
+stored histograms: no atomics, so the layout is deterministic). Grids and buffers depend on
+shapes only, never on the routing: CUDA graphs capture them, and no value is read back to the
+host. `align_fused` does the grouping for given ids. `combine` is `moe.combine` in one kernel,
+bit for bit (each product and sum rounded to the output dtype, slots in order, no fused
+multiply-add).
 
-Top-k ties go to the lower expert id. The softmax is exp(x - max) / sum in fp32 (CUDA's
-``expf`` through libdevice, as PyTorch's kernel): the ids are `route`'s, the weights agree up
-to the order of the k-term sum.
+Top-k ties go to the lower expert id. The softmax is exp(x - max) / sum in fp32 (CUDA's ``expf``
+through libdevice, as PyTorch's kernel): the ids are `route`'s, the weights agree up to the
+order of the k-term sum.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ else:
 SINGLE_MAX_TOKENS = 16  # up to this many tokens one program routes and groups the whole step
 CHUNK_PAIRS = 64  # pairs per one-hot tile [pairs, experts] (tokens per chunk: this / top-k)
 FILL_BLOCKS = 64  # row blocks per step of the block-table pass
+# Programs of the two-launch path: each placement program reads every program's histogram, so
+# one chunk a program grew quadratically (84 us a layer at 5840 tokens: 730 programs).
+MAX_PROGRAMS = 128
 # Warps per routing program. Chunks, warps and the one-program bound by measurement (H100,
 # bench.moe_routing_probe, route + grouping): 6.5 / 6.3 / 7.8 / 12.6 us at 1 / 8 / 64 / 730
 # tokens, against 45 / 65 / 150 / 1102 for PyTorch's route and align.
@@ -199,12 +203,13 @@ if triton is not None:
     @triton.jit
     def _align_kernel(
         ids_ptr, counts_ptr, pair_ptr, block_expert_ptr, used_ptr,
-        n_tokens, n_experts, top_k, n_rows, blocks_per_program,
+        n_tokens, n_experts, top_k, n_rows, blocks_per_program, chunks,
         BT: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr,
         RB: tl.constexpr,
     ):  # fmt: skip
-        """Per block of BT tokens: its pairs placed after the earlier blocks' (a prefix over
-        the stored histograms, in block order), and a share of the padding rows."""
+        """Per program's ``chunks`` chunks of BT tokens: their pairs placed after the earlier
+        programs' (a prefix over the stored histograms, in program order), and a share of the
+        padding rows."""
         pid = tl.program_id(0)
         c = tl.arange(0, BE)
         total = tl.full([BE], 0, tl.int32)
@@ -215,11 +220,12 @@ if triton is not None:
             before += tl.where(b < pid, cnt, 0)
         starts, ends, used = _layout(total, BM)
         slot = tl.arange(0, KP)
-        tok = pid * BT + tl.arange(0, BT)
-        ok = (tok < n_tokens)[:, None] & (slot < top_k)[None, :]
-        at = tok[:, None] * top_k + slot[None, :]
-        ids = tl.load(ids_ptr + at, mask=ok, other=0).to(tl.int32)
-        _place(ids, ok, at, starts + before, pair_ptr, BT * KP, BE)
+        for ch in range(0, chunks):
+            tok = (pid * chunks + ch) * BT + tl.arange(0, BT)
+            ok = (tok < n_tokens)[:, None] & (slot < top_k)[None, :]
+            at = tok[:, None] * top_k + slot[None, :]
+            ids = tl.load(ids_ptr + at, mask=ok, other=0).to(tl.int32)
+            before += _place(ids, ok, at, starts + before, pair_ptr, BT * KP, BE)
         blk0 = pid * blocks_per_program
         _fill(block_expert_ptr, ends, n_experts, blk0,
               tl.minimum(blk0 + blocks_per_program, n_rows // BM), BM, BE, RB)  # fmt: skip
@@ -264,21 +270,24 @@ def _group(
     used = torch.empty(1, dtype=torch.int32, device=dev)
     src = ids if logits is None else logits
     w = ids if weights is None else weights  # not written without logits
-    blocks = max(1, -(-n // bt))
     single = n <= max(SINGLE_MAX_TOKENS, bt)
-    counts = used if single else torch.empty((blocks, be), dtype=torch.int32, device=dev)
+    chunks = max(1, -(-n // bt))
+    per_program = chunks if single else -(-chunks // MAX_PROGRAMS)
+    programs = -(-chunks // per_program)
+    counts = used if single else torch.empty((programs, be), dtype=torch.int32, device=dev)
     consts = {"BT": bt, "KP": kp, "BE": be, "BM": block_m, "RB": FILL_BLOCKS}
     consts["num_warps"] = ROUTE_WARPS
-    _route_kernel[(1 if single else blocks,)](
+    _route_kernel[(programs,)](
         src, ids, w, counts, pair_ids, block_expert, used, n, n_experts, k, n_rows,
-        blocks if single else 1, FROM_LOGITS=logits is not None, ALIGN=single,
+        per_program, FROM_LOGITS=logits is not None, ALIGN=single,
         PRECISE=libdevice is not None, **consts,
     )  # fmt: skip
     if not single:
-        per = -(-(n_rows // block_m) // blocks)
-        _align_kernel[(blocks,)](
-            ids, counts, pair_ids, block_expert, used, n, n_experts, k, n_rows, per, **consts
-        )
+        per = -(-(n_rows // block_m) // programs)
+        _align_kernel[(programs,)](
+            ids, counts, pair_ids, block_expert, used, n, n_experts, k, n_rows, per,
+            per_program, **consts,
+        )  # fmt: skip
     return Routing(pair_ids, block_expert, used, block_m)
 
 
