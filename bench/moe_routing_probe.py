@@ -24,7 +24,7 @@ from vlm_server.models.moondream3.moe_triton import align, pick_tiles
 CHUNKS = (64, 128, 256)
 WARPS = (4, 8)
 SINGLES = (64, 16)  # SINGLE_MAX_TOKENS
-PROGRAMS = (32, 128, 512)  # MAX_PROGRAMS
+PROGRAMS = (32, 128, 1024)  # MAX_PROGRAMS (1024: one chunk a program up to 8192 tokens)
 
 
 def _groups(pair_ids: torch.Tensor, used: torch.Tensor, ids: torch.Tensor) -> list[list[int]]:

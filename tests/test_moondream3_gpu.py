@@ -218,7 +218,7 @@ def _distinct_logits(n: int, e: int, k: int, uneven: bool, seed: int) -> torch.T
     return rows.to(DEVICE, torch.bfloat16)
 
 
-@pytest.mark.parametrize("n", [1, 37, 64, 65, 730, 2048])
+@pytest.mark.parametrize("n", [1, 37, 64, 65, 730, 2048, 5840])
 @pytest.mark.parametrize("uneven", [False, True])
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_route_align_kernels_equal_route_then_align(n: int, uneven: bool, block_m: int) -> None:
