@@ -4,10 +4,9 @@ and launch constants, graphed (CUDA only).
     python -m bench.tau_probe [--tokens 1 8 32 730 2920 5840] [--json OUT]
     python -m bench.tau_probe --plot-from OUT.json     # the plot again, from saved rows
 
-Times one layer's tau per token count for each combination of the module's constants: the
-two-launch path (splits over the projection's columns, its columns per step, heads per
-scaling program) and the one-launch path of wide steps (tokens a program, columns per step
-of the scaling, warps), next to the PyTorch ops; checks each against the default launch. The
+Times one layer's tau (logits + scale launches) per token count for each combination of the
+module's constants (splits over the projection's columns, its columns per step, heads per
+scaling program), next to the PyTorch ops; checks each against the default launch. The
 fastest combination per token count comes last; with ``--json``, the rows and a plot
 (``OUT.png``: per token count, the PyTorch ops, the chosen launch and the fastest).
 """
@@ -28,27 +27,13 @@ from vlm_server.models.moondream3 import tau_kernel
 from vlm_server.models.moondream3.config import TextConfig
 from vlm_server.models.moondream3.tau import Tau
 
-# SCALE_H is the decode launch's heads per scaling program, SCALE_H_WIDE a prefill's: each
-# token count sweeps both, so each sees the one it uses.
+# Each knob has a decode and a wide form (MAX_SPLITS and MAX_SPLITS_WIDE ...): each token count
+# sweeps both alike, so each sees the one it uses.
 KNOBS = {
     "MAX_SPLITS": (4, 8, 16, 48),
     "BLOCK_K": (64, 128, 256),
     "SCALE_H": (1, 2, 4, 8),
 }
-FUSED_KNOBS = {
-    "FUSED_M": (16, 32, 64),
-    "FUSED_COLS": (128, 256, 512),
-    "FUSED_WARPS": (4, 8),
-}
-PATH_BOUND = {"two": 1 << 30, "one": 0}  # FUSED_MIN_TOKENS that forces each path
-
-
-def settings() -> Iterator[tuple[str, dict[str, int]]]:
-    """(path, constants) of every swept launch."""
-    for combo in itertools.product(*KNOBS.values()):
-        yield "two", dict(zip(KNOBS, combo, strict=True))
-    for combo in itertools.product(*FUSED_KNOBS.values()):
-        yield "one", dict(zip(FUSED_KNOBS, combo, strict=True))
 
 
 @contextlib.contextmanager
@@ -64,18 +49,10 @@ def constants(values: dict[str, int]) -> Iterator[None]:
             setattr(tau_kernel, k, v)
 
 
-def chosen(n: int) -> dict[str, object]:
-    """The path and constants `tau_kernel` launches ``n`` tokens with."""
-    if n >= tau_kernel.FUSED_MIN_TOKENS:
-        return {"path": "one", **{k: getattr(tau_kernel, k) for k in FUSED_KNOBS}}
-    values: dict[str, object] = {"path": "two", **{k: getattr(tau_kernel, k) for k in KNOBS}}
-    if n > tau_kernel.DECODE_M:
-        values["SCALE_H"] = tau_kernel.SCALE_H_WIDE
-    return values
-
-
-def _is(row: dict, values: dict[str, object]) -> bool:
-    return all(row.get(k) == v for k, v in values.items())
+def chosen(n: int) -> dict[str, int]:
+    """The constants `tau_kernel` launches ``n`` tokens with."""
+    wide = "_WIDE" if n > tau_kernel.DECODE_M else ""
+    return {k: getattr(tau_kernel, k + wide) for k in KNOBS}
 
 
 def plot(out: dict, path: str) -> bool:
@@ -90,7 +67,8 @@ def plot(out: dict, path: str) -> bool:
     bars = {
         "PyTorch ops": [m[0]["torch_us"] for m in mine],
         "chosen launch": [
-            next(r["us"] for r in m if _is(r, chosen(n))) for n, m in zip(counts, mine, strict=True)
+            next(r["us"] for r in m if all(r[k] == v for k, v in chosen(n).items()))
+            for n, m in zip(counts, mine, strict=True)
         ],
         "fastest swept": [min(r["us"] for r in m) for m in mine],
     }
@@ -133,32 +111,27 @@ def main() -> int:
         tau.use_kernel(True)
         want = tau.scale(qkv, pos, heads)
         print(f"tokens {n}: PyTorch ops {torch_us:.1f} us", flush=True)
-        for path, values in settings():
-            if path == "one" and n < 16:
-                continue  # a block of tokens a program: no decode step takes this path
-            bound = {"FUSED_MIN_TOKENS": PATH_BOUND[path]}
-            if path == "two":
-                bound["SCALE_H_WIDE"] = values["SCALE_H"]
-            with constants({**values, **bound}):
+        for combo in itertools.product(*KNOBS.values()):
+            values = dict(zip(KNOBS, combo, strict=True))
+            wide = {
+                "MAX_SPLITS_WIDE": values["MAX_SPLITS"],
+                "BLOCK_K_WIDE": values["BLOCK_K"],
+                "SCALE_H_WIDE": values["SCALE_H"],
+            }
+            with constants({**values, **wide}):
                 got = tau.scale(qkv, pos, heads)
                 us = replay_us(lambda q=qkv, p=pos: tau.scale(q, p, heads))
             err = float((got.float() - want.float()).abs().max())
-            rows.append(
-                {"tokens": n, "path": path, **values, "us": us, "max_diff": err,
-                 "torch_us": torch_us}
-            )  # fmt: skip
-    print(f"\n{'tokens':>6} {'torch':>7} {'default':>8} {'best':>7}  best path, constants")
+            rows.append({"tokens": n, **values, "us": us, "max_diff": err, "torch_us": torch_us})
+    print(f"\n{'tokens':>6} {'torch':>7} {'default':>8} {'best':>7}  best constants")
     for n in args.tokens:
         mine = [r for r in rows if r["tokens"] == n]
-        default = next(r for r in mine if _is(r, chosen(n)))
+        default = next(r for r in mine if all(r[k] == v for k, v in chosen(n).items()))
         best = min(mine, key=lambda r: r["us"])
-        names = KNOBS if best["path"] == "two" else FUSED_KNOBS
-        knobs = " ".join(f"{k}={best[k]}" for k in names)
-        two = min(r["us"] for r in mine if r["path"] == "two")
+        knobs = " ".join(f"{k}={best[k]}" for k in KNOBS)
         print(
-            f"{n:>6} {best['torch_us']:>7.1f} {default['us']:>8.1f} {best['us']:>7.1f}  "
-            f"{best['path']}: {knobs} (max diff {best['max_diff']:.3g}; best two-launch "
-            f"{two:.1f})"
+            f"{n:>6} {best['torch_us']:>7.1f} {default['us']:>8.1f} {best['us']:>7.1f}  {knobs} "
+            f"(max diff {best['max_diff']:.3g})"
         )
     if args.json:
         out = {"device": torch.cuda.get_device_name(), "rows": rows}

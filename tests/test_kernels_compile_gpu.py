@@ -460,36 +460,6 @@ KERNELS = (
         )
         for bf16 in (False, True)
     ),
-    *(
-        Kernel(
-            _TAU,
-            "_fused_kernel",
-            {
-                "qkv_ptr": "*bf16",
-                "w_ptr": "*bf16",
-                "out_ptr": "*bf16",
-                "tau_ptr": "*fp32",
-                "alpha_ptr": "*bf16",
-                "pos_ptr": "*i32",
-                "M": "i32",
-                "stride_in": "i32",
-                "stride_out": "i32",
-                "stride_pos": "i32",
-            },
-            {
-                **_TAU_SHAPE,
-                "BM": 32,
-                "BH": 64,
-                "BK": 128,
-                "BC": 256,
-                "GELU_ERF": erf,
-                "TENSOR_CORES": True,
-                "BF16_POS": bf16,
-            },
-        )
-        for erf in (False, True)
-        for bf16 in (False, True)
-    ),
     Kernel(
         "vlm_server.models.common.fused_norm",
         "_add_layernorm_kernel",

@@ -1,8 +1,7 @@
-"""Moondream 3's tau scaling kernels (models/moondream3/tau_kernel.py) on the CPU through
+"""Moondream 3's one-launch tau scaling (models/moondream3/tau_kernel.py) on the CPU through
 Triton's interpreter, against `Tau.scale`'s PyTorch ops: both GELUs and both position modes,
 grouped value heads, a head width that is not a power of two, token counts that do not fill a
-block, keys passed through bit for bit; the two-launch path and the one-launch path of wide
-steps (its bound lowered to reach it)."""
+block, keys passed through bit for bit."""
 
 from __future__ import annotations
 
@@ -56,22 +55,11 @@ CASES = [  # heads, kv heads, head width, batch, tokens
 ]
 
 
-@pytest.fixture(params=["two launches", "one launch"])
-def path(request: pytest.FixtureRequest, kern: ModuleType, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Which path `tau_scale` takes: every step below the one-launch bound, or every step
-    from one token on."""
-    if request.param == "one launch":
-        monkeypatch.setattr(kern, "FUSED_MIN_TOKENS", 1)
-        monkeypatch.setattr(kern, "FUSED_M", 16)
-        monkeypatch.setattr(kern, "FUSED_COLS", 32)  # steps that split heads and rows
-    return request.param
-
-
 @pytest.mark.parametrize(("heads", "kv_heads", "hd", "b", "t"), CASES)
 @pytest.mark.parametrize("gelu", ["tanh", "erf"])
 @pytest.mark.parametrize("positions", ["fp32", "bf16"])
 def test_fused_tau_equals_the_pytorch_ops_in_fp32(
-    kern: ModuleType, path: str, heads: int, kv_heads: int, hd: int, b: int, t: int, gelu: str,
+    kern: ModuleType, heads: int, kv_heads: int, hd: int, b: int, t: int, gelu: str,
     positions: str,
 ) -> None:  # fmt: skip
     tau = _tau(heads, kv_heads, hd, gelu, positions, seed=heads + t)
@@ -92,9 +80,7 @@ def test_fused_tau_equals_the_pytorch_ops_in_fp32(
 
 
 @pytest.mark.parametrize("positions", ["fp32", "bf16"])
-def test_fused_tau_rounds_like_the_pytorch_ops_in_bf16(
-    kern: ModuleType, path: str, positions: str
-) -> None:
+def test_fused_tau_rounds_like_the_pytorch_ops_in_bf16(kern: ModuleType, positions: str) -> None:
     heads, kv_heads, hd = 8, 4, 16
     tau = _tau(heads, kv_heads, hd, "tanh", positions, seed=3).to(torch.bfloat16)
     gen = torch.Generator().manual_seed(5)
@@ -107,6 +93,20 @@ def test_fused_tau_rounds_like_the_pytorch_ops_in_bf16(
     step = want.abs().clamp_min(1e-30) * 2**-7
     assert ((got - want).abs() <= step).all()
     assert (got != want).float().mean() < 0.02
+
+
+def test_a_tokens_result_is_the_same_at_every_batch_size_of_its_side(kern: ModuleType) -> None:
+    """Splits depend on the side of DECODE_M only: a token's bits do not depend on how many
+    other tokens share its step (an image prefix alone or batched), on either side."""
+    heads, kv_heads, hd = 24, 12, 8
+    tau = _tau(heads, kv_heads, hd, "erf", "fp32", seed=11).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(2)
+    qkv = (torch.randn(1, 150, (heads + 2 * kv_heads) * hd, generator=gen) * 2).bfloat16()
+    pos = torch.arange(150)[None]
+    for lo, hi in ((0, kern.DECODE_M), (kern.DECODE_M + 1, 150)):
+        full = _run(kern, tau, qkv[:, :hi], pos[:, :hi])
+        alone = _run(kern, tau, qkv[:, : max(lo, 1)], pos[:, : max(lo, 1)])
+        assert torch.equal(full[:, : max(lo, 1)], alone)
 
 
 @pytest.mark.gpu

@@ -4,20 +4,16 @@ concatenation) as two kernels over the fused projection.
 
 1. `_logits_kernel`, per (block of tokens, block of tau heads, split of the projection's
    columns): the heads' partial logits ``GELU(qkv) . w`` (fp32 sums of the rounded GELU, as
-   ``F.linear`` takes it). The split count depends on the width only, so a token's sums are
-   the same at every batch size; one program per block over the whole width ran at 157 us a
-   layer for one token (H100), the splits spread the weights' read over the GPU.
+   ``F.linear`` takes it). The split count depends on the width and on which side of
+   ``DECODE_M`` the step's token count falls only, so a token's sums are the same at every
+   batch size of that side (an image prefix is always on the wide side); one program per block
+   over the whole width ran at 157 us a layer for one token (H100), the splits spread the
+   weights' read over the GPU, and wide steps take fewer: their partial sums are written and
+   read back.
 2. `_scale_kernel`, per (block of tokens, block of tau heads; query heads first, then value
    heads): the splits summed in order, ``tanh(logit) + position term``, the heads' columns
    scaled into a new tensor; the value programs also copy the key heads through. Every output
    element is written by exactly one program.
-
-From ``FUSED_MIN_TOKENS`` tokens on (a batch of image prefixes), `_fused_kernel` does both in
-one launch per block of tokens: the logits summed over the whole width in the program (the
-split partial sums of the two launches are as large as the projection there, written and read
-back), the factors kept in a small scratch row per token, then the row scaled. Its fp32 sums
-run in another order than the two launches' (one running sum, not one per split), so a token's
-result depends on which side of the bound its step falls.
 
 Each intermediate is rounded to the activations' dtype where the PyTorch path rounds it (GELU,
 the products, tanh, the sums and the scalings), so bf16 results match `Tau.scale` up to the
@@ -47,15 +43,15 @@ BLOCK_K = 128  # the projection's columns per step of the logits' sums
 # 6.9 / 9.5, with 4 at 730 tokens 24.2.
 MAX_SPLITS = 48
 SCALE_H = 1
+# Wide steps (above DECODE_M tokens): splits, columns per step, heads per scaling program. At
+# 730 / 2920 / 5840 tokens (a batch of 1 / 4 / 8 image prefixes): 48 splits of 128 columns
+# 23.8 / 89.7 / 190.1 us a layer, 16 splits of 64 columns 22.2 / 64.3 / 123.7 (the partial
+# sums at 5840 tokens: 72 MB with 48 splits).
+MAX_SPLITS_WIDE = 16
+BLOCK_K_WIDE = 64
 SCALE_H_WIDE = 4
 DECODE_M = 64  # up to this many tokens, BLOCK_M per program
 WIDE_M = 64  # tokens per program above that (prefill: the GELU computed once per 64)
-# From this many tokens the one-launch kernel, with FUSED_M tokens, FUSED_COLS columns per
-# step of the scaling and FUSED_WARPS warps a program (python -m bench.tau_probe).
-FUSED_MIN_TOKENS = 1024
-FUSED_M = 32
-FUSED_COLS = 256
-FUSED_WARPS = 4
 # Triton's interpreter (the CPU tests) multiplies bf16 operands as raw bits: there the products
 # run in fp32 on the rounded values, which is exact too.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -111,32 +107,6 @@ if triton is not None:
         return is_v, first, hmask, heads + tl.where(is_v, H, 0)
 
     @triton.jit
-    def _tau(acc, rows64, rmask, heads, hmask, alpha_ptr, pos_ptr, stride_pos,
-             dtype: tl.constexpr, BF16_POS: tl.constexpr):  # fmt: skip
-        """Summed logits [BM, BH] -> ``tanh(logit) + position term`` per (token, head), rounded
-        to ``dtype`` (as fp32); ``heads`` index alpha (the value heads take its first KVH)."""
-        t = _round(_tanh(_round(acc, dtype)), dtype)
-        p = tl.load(pos_ptr + rows64 * stride_pos, mask=rmask, other=0).to(tl.float32)
-        alpha = tl.load(alpha_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
-        if BF16_POS:  # every step in bf16, as the Hugging Face code runs it
-            pb = _round(p, tl.bfloat16)
-            lg = _round(tl.log(_round(pb + 1.0, tl.bfloat16)), tl.bfloat16)
-            z = _round(_round(alpha, tl.bfloat16)[None, :] * lg[:, None], tl.bfloat16)
-            s = _round(1.0 / (1.0 + tl.exp(-z)), tl.bfloat16)
-            pos = _round(_round(1.0 + _round(s - 0.5, tl.bfloat16), tl.bfloat16), dtype)
-        else:
-            lp = tl.log(1.0 + p)  # exact 1 + p: positions are below 2^24
-            pos = _round(1.0 / (1.0 + tl.exp(-(alpha[None, :] * lp[:, None]))) + 0.5, dtype)
-        return _round(t + pos, dtype)
-
-    @triton.jit
-    def _gelu(x, GELU_ERF: tl.constexpr):
-        if GELU_ERF:
-            return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
-        else:
-            return 0.5 * x * (1.0 + _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
-
-    @triton.jit
     def _logits_kernel(
         qkv_ptr,
         w_ptr,
@@ -177,7 +147,10 @@ if triton is not None:
                 mask=rmask[:, None] & kmask[None, :],
                 other=0.0,
             ).to(tl.float32)
-            g = _gelu(x, GELU_ERF)
+            if GELU_ERF:
+                g = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+            else:
+                g = 0.5 * x * (1.0 + _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
             w = tl.load(
                 w_ptr + w_rows[None, :].to(tl.int64) * width + ks[:, None],
                 mask=hmask[None, :] & kmask[:, None],
@@ -223,8 +196,21 @@ if triton is not None:
         for s in range(SPLITS):  # in split order: the same sums at every batch size
             at = part_ptr + (s * M + rows64[:, None]) * (H + KVH) + w_rows[None, :]
             acc += tl.load(at, mask=rmask[:, None] & hmask[None, :], other=0.0)
-        tau = _tau(acc, rows64, rmask, heads, hmask, alpha_ptr, pos_ptr, stride_pos, dtype,
-                   BF16_POS)  # fmt: skip
+        t = _round(_tanh(_round(acc, dtype)), dtype)
+
+        # The position term, per token and head (the value heads take alpha's first KVH).
+        p = tl.load(pos_ptr + rows64 * stride_pos, mask=rmask, other=0).to(tl.float32)
+        alpha = tl.load(alpha_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
+        if BF16_POS:  # every step in bf16, as the Hugging Face code runs it
+            pb = _round(p, tl.bfloat16)
+            lg = _round(tl.log(_round(pb + 1.0, tl.bfloat16)), tl.bfloat16)
+            z = _round(_round(alpha, tl.bfloat16)[None, :] * lg[:, None], tl.bfloat16)
+            s = _round(1.0 / (1.0 + tl.exp(-z)), tl.bfloat16)
+            pos = _round(_round(1.0 + _round(s - 0.5, tl.bfloat16), tl.bfloat16), dtype)
+        else:
+            lp = tl.log(1.0 + p)  # exact 1 + p: positions are below 2^24
+            pos = _round(1.0 / (1.0 + tl.exp(-(alpha[None, :] * lp[:, None]))) + 0.5, dtype)
+        tau = _round(t + pos, dtype)
 
         # Scale each head's columns (query heads at 0, value heads after the keys).
         n_heads = tl.where(is_v, KVH, H)
@@ -245,60 +231,6 @@ if triton is not None:
                     kcols = H * HD + head * HD + ds
                     k = tl.load(qkv_ptr + rows64[:, None] * stride_in + kcols[None, :], mask=m)
                     tl.store(out_ptr + rows64[:, None] * stride_out + kcols[None, :], k, mask=m)
-
-    @triton.jit
-    def _fused_kernel(
-        qkv_ptr, w_ptr, out_ptr, tau_ptr, alpha_ptr, pos_ptr, M, stride_in, stride_out,
-        stride_pos,
-        H: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, BM: tl.constexpr,
-        BH: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, GELU_ERF: tl.constexpr,
-        TENSOR_CORES: tl.constexpr, BF16_POS: tl.constexpr,
-    ):  # fmt: skip
-        """Per block of tokens: every tau head's logits over the whole width, the factors
-        (kept in ``tau_ptr`` [M, BH] fp32), then the whole row, query and value heads scaled
-        and keys copied."""
-        dtype = out_ptr.dtype.element_ty
-        width = (H + 2 * KVH) * HD
-        hs = tl.arange(0, BH)
-        hmask = hs < H + KVH
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
-        rmask = rows < M
-        rows64 = rows.to(tl.int64)
-        acc = tl.full((BM, BH), 0.0, tl.float32)
-        for k0 in range(0, width, BK):
-            ks = k0 + tl.arange(0, BK)
-            kmask = ks < width
-            x = tl.load(
-                qkv_ptr + rows64[:, None] * stride_in + ks[None, :],
-                mask=rmask[:, None] & kmask[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            g = _gelu(x, GELU_ERF)
-            w = tl.load(
-                w_ptr + hs[None, :].to(tl.int64) * width + ks[:, None],
-                mask=hmask[None, :] & kmask[:, None],
-                other=0.0,
-            )
-            if TENSOR_CORES:
-                acc += tl.dot(_cast(g, dtype), w)
-            else:
-                acc += tl.dot(_round(g, dtype), w.to(tl.float32), input_precision="ieee")
-        alpha_of = tl.where(hs < H, hs, hs - H)
-        tau = _tau(acc, rows64, rmask, alpha_of, hmask, alpha_ptr, pos_ptr, stride_pos, dtype,
-                   BF16_POS)  # fmt: skip
-        scratch = tau_ptr + rows64[:, None] * BH
-        tl.store(scratch + hs[None, :], tau, mask=rmask[:, None])
-        tl.debug_barrier()  # the factors just stored are read back by other threads below
-        for c0 in range(0, width, BC):
-            cols = c0 + tl.arange(0, BC)
-            head = cols // HD
-            is_key = (head >= H) & (head < H + KVH)
-            factor = tl.where(head < H, head, head - KVH)  # value head j: factor H + j
-            m = rmask[:, None] & (cols < width)[None, :]
-            f = tl.load(scratch + factor[None, :], mask=m & ~is_key[None, :], other=1.0)
-            x = tl.load(qkv_ptr + rows64[:, None] * stride_in + cols[None, :], mask=m)
-            y = _cast(x.to(tl.float32) * f, dtype)  # keys: times 1, exact
-            tl.store(out_ptr + rows64[:, None] * stride_out + cols[None, :], y, mask=m)
 
 
 def tau_scale(
@@ -323,27 +255,19 @@ def tau_scale(
         x = x.contiguous()
     out = torch.empty((b * t, width), dtype=qkv.dtype, device=qkv.device)
     m = b * t
-    tc = qkv.dtype in (torch.bfloat16, torch.float16) and not _INTERPRETED
-    if m >= FUSED_MIN_TOKENS:
-        bh = max(BLOCK_H, triton.next_power_of_2(n_heads + n_kv_heads))
-        factors = torch.empty((m, bh), dtype=torch.float32, device=qkv.device)
-        _fused_kernel[(triton.cdiv(m, FUSED_M),)](
-            x, w, out, factors, alpha, positions.reshape(-1), m, x.stride(0), out.stride(0),
-            positions.reshape(-1).stride(0), H=n_heads, KVH=n_kv_heads, HD=hd, BM=FUSED_M,
-            BH=bh, BK=BLOCK_K, BC=FUSED_COLS, GELU_ERF=gelu_erf, TENSOR_CORES=tc,
-            BF16_POS=bf16_positions, num_warps=FUSED_WARPS,
-        )  # fmt: skip
-    elif m:
-        blocks = triton.cdiv(width, BLOCK_K)
-        iters = triton.cdiv(blocks, min(MAX_SPLITS, blocks))
-        splits = triton.cdiv(blocks, iters)  # a model constant: batch-invariant sums
+    if m:
+        wide = m > DECODE_M
+        bk = BLOCK_K_WIDE if wide else BLOCK_K
+        blocks = triton.cdiv(width, bk)
+        iters = triton.cdiv(blocks, min(MAX_SPLITS_WIDE if wide else MAX_SPLITS, blocks))
+        splits = triton.cdiv(blocks, iters)  # a model constant per side: batch-invariant sums
         part = torch.empty(
             (splits, m, n_heads + n_kv_heads), dtype=torch.float32, device=qkv.device
         )
-        wide = m > DECODE_M
         bm = WIDE_M if wide else BLOCK_M
         rows = triton.cdiv(m, bm)
         shape = {"H": n_heads, "KVH": n_kv_heads, "HD": hd, "BM": bm}
+        tc = qkv.dtype in (torch.bfloat16, torch.float16) and not _INTERPRETED
         # A prefill takes every head in one block, so each GELU is computed once, not once per
         # block of heads: 31 -> 14.8 us a layer at 730 tokens (H100).
         if wide:
@@ -352,7 +276,7 @@ def tau_scale(
             heads = triton.cdiv(n_heads, BLOCK_H) + triton.cdiv(n_kv_heads, BLOCK_H)
             bh = BLOCK_H
         _logits_kernel[(rows, heads, splits)](
-            x, w, part, m, x.stride(0), BH=bh, BK=BLOCK_K, ITERS=iters,
+            x, w, part, m, x.stride(0), BH=bh, BK=bk, ITERS=iters,
             GELU_ERF=gelu_erf, TENSOR_CORES=tc, ALL_HEADS=wide, **shape,
         )  # fmt: skip
         sh = SCALE_H_WIDE if wide else SCALE_H
