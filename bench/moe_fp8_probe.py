@@ -5,8 +5,9 @@
 At full size with FP8 expert weights (dim 2048, 64 experts of width 1024, top-8), for each
 token count (an image prefix is 730; the engine batches up to 8), times by CUDA-graph replay
 (median; bench/tower_probe.py's `replay_us`) one layer as `MoeMLP.forward` runs it, router to
-combine: with 16-bit activations (the default path, `moe_triton.TILES`) and with FP8
-activations for each candidate tile (``fp8_act``, `moe_triton.FP8_ACT_TILES` and the
+combine: with 16-bit activations (the default path, `moe_triton.TILES`), both again in the
+grouped kernels' other launch order (`moe_triton.COLUMNS_FIRST`), and with FP8 activations for
+each candidate tile (``fp8_act``, `moe_triton.FP8_ACT_TILES` and the
 candidates below), plus the row quantizer alone. Each FP8 row gives its relative error against
 the 16-bit path's output. Writes the rows as JSON and a PNG beside it, prints a table and the
 winner as a `moe_triton.FP8_ACT_TILES` row.
@@ -53,6 +54,17 @@ def probe(tokens: list[int]) -> list[dict]:
         q_us = replay_us(lambda flat=flat: act_quant.quant_rows(flat))
         rows.append({"tokens": n, "variant": "quant x", "tiles": "-", "us": round(q_us, 1),
                      "rel_err": 0.0})  # fmt: skip
+        for fp8 in (False, True):  # the kernels' other launch order, with the chosen tiles
+            mlp.fp8_act = fp8
+            moe_triton.COLUMNS_FIRST = not moe_triton.COLUMNS_FIRST
+            try:
+                us = replay_us(lambda x=x: mlp(x))
+            finally:
+                moe_triton.COLUMNS_FIRST = not moe_triton.COLUMNS_FIRST
+            variant = f"{'fp8' if fp8 else 'bf16'} act, other order"
+            rows.append({"tokens": n, "variant": variant, "tiles": "-", "us": round(us, 1),
+                         "rel_err": None})  # fmt: skip
+            log(f"{n:5d} {variant:<24} {us:8.1f} us")
         mlp.fp8_act = True
         for tiles in CANDIDATES:
             with table(tiles, "FP8_ACT_TILES"):

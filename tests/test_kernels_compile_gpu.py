@@ -333,12 +333,33 @@ KERNELS = (
         {"HAS_SCALE": True, "HAS_DELTA": False, "ACT_FP8": True, **_MOE_FP8_ACT_BLOCKS},
         min_arch=90,  # FP8 experts are Hopper's and newer (fp8_experts.py)
     ),
-    Kernel(
-        _MOE,
-        "_down_kernel",
-        {**_MOE_FP8, "h_ptr": "*fp8e4nv", "y_ptr": "*bf16", "hs_ptr": "*fp32"},
-        {"HAS_SCALE": True, "HAS_DELTA": False, "ACT_FP8": True, **_MOE_FP8_ACT_BLOCKS},
-        min_arch=90,  # FP8 experts are Hopper's and newer (fp8_experts.py)
+    *(
+        Kernel(
+            _MOE,
+            "_down_kernel",
+            {**_MOE_FP8, "h_ptr": "*fp8e4nv", "y_ptr": "*bf16", "hs_ptr": "*fp32"},
+            {
+                "HAS_SCALE": True,
+                "HAS_DELTA": False,
+                "ACT_FP8": True,
+                "COLUMNS_FIRST": first,
+                **_MOE_FP8_ACT_BLOCKS,
+            },
+            min_arch=90,  # FP8 experts are Hopper's and newer (fp8_experts.py)
+        )
+        for first in (False, True)  # the launch order (moe_triton.COLUMNS_FIRST)
+    ),
+    *(
+        Kernel(
+            _MOE,
+            name,
+            {**_MOE_ARGS, **extra},
+            {"HAS_SCALE": False, "HAS_DELTA": False, "COLUMNS_FIRST": True, **_MOE_BLOCKS},
+        )
+        for name, extra in (
+            ("_up_kernel", {**_MOE_UP, "x_ptr": "*bf16"}),
+            ("_down_kernel", {"h_ptr": "*bf16", "y_ptr": "*bf16", "hs_ptr": "*fp32"}),
+        )
     ),
     *(
         Kernel(

@@ -193,6 +193,27 @@ def test_experts_fused_with_each_tile_equals_the_loop(
     torch.testing.assert_close(got, moe.experts_loop(x, ids, d1, d2), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("case", [0, N_TILE_CASES - 1])
+def test_both_launch_orders_compute_the_same_bits(
+    kern: SimpleNamespace, monkeypatch: pytest.MonkeyPatch, case: int
+) -> None:
+    """Columns first or rows first, each program computes the same block."""
+    mt = kern.triton
+    tiles = _tile_cases(mt)[case]
+    n, k, e, d, i = 37, 3, 8, 64, 32
+    x = torch.randn(n, d, generator=torch.Generator().manual_seed(case))
+    ids = _ids(n, k, e, uneven=True, seed=case)
+    w1, w2 = _weights(e, d, i, seed=case)
+    got = []
+    for first in (True, False):
+        monkeypatch.setattr(mt, "COLUMNS_FIRST", first)
+        assert mt._grid(5, 3, 1) == (((3, 5, 1), True) if first else ((5, 3, 1), False))
+        got.append(mt.experts_fused(x, ids, w1, w2, None, None, tiles=tiles))
+    assert torch.equal(got[0], got[1])
+    torch.testing.assert_close(got[0], moe.experts_loop(x, ids, w1, w2), atol=1e-4, rtol=1e-4)
+    assert mt._grid(70000, 3, 1) == ((70000, 3, 1), False)  # past CUDA's second dimension
+
+
 @pytest.mark.parametrize("case", [0, N_TILE_CASES - 2, N_TILE_CASES - 1])
 def test_experts_fused_with_an_adapter_equals_the_loop(kern: SimpleNamespace, case: int) -> None:
     mt = kern.triton

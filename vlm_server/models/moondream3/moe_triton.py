@@ -104,6 +104,21 @@ FP8_ACT_TILES: tuple[tuple[int, ExpertTiles], ...] = (
 )
 
 
+# Launch order of the grouped kernels: True runs each row block's column blocks side by side
+# (its activation rows come from memory once, then from L2), False each column block's row
+# blocks (every column block streams all the rows again: at 5840 tokens fc2's FP8 input is
+# 48 MB, read 16 times).
+COLUMNS_FIRST = True
+
+
+def _grid(row_blocks: int, col_blocks: int, splits: int) -> tuple[tuple[int, int, int], bool]:
+    """The launch grid and whether it runs columns first (CUDA caps a grid's second
+    dimension at 65535: more row blocks than that run rows first)."""
+    if COLUMNS_FIRST and row_blocks <= 65535:
+        return (col_blocks, row_blocks, splits), True
+    return (row_blocks, col_blocks, splits), False
+
+
 # Shared memory per block by compute capability, where neither Triton nor PyTorch says.
 _SMEM_BY_ARCH = {(8, 0): 163 << 10, (8, 7): 163 << 10, (9, 0): 227 << 10, (10, 0): 227 << 10}
 _SMEM_SMALL = 99 << 10  # sm_86, sm_89, sm_120 and the rest
@@ -267,12 +282,15 @@ if triton is not None:
         BN: tl.constexpr,
         BK: tl.constexpr,
         ACT_FP8: tl.constexpr = False,
+        COLUMNS_FIRST: tl.constexpr = False,
     ):
         """One row block x BN columns of both fc1 halves over a K range (the whole of it
         without split-K, then the epilogue; with it, fp32 partials for `_up_reduce_kernel`).
         ``ACT_FP8``: x is FP8 with a scale per token (``xs_ptr``); FP8 x FP8 products."""
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+        if COLUMNS_FIRST:  # a row block's column blocks run side by side: its rows read once
+            pid_m, pid_n = tl.program_id(1), tl.program_id(0)
+        else:
+            pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         pid_s = tl.program_id(2)
         if pid_m * BM >= tl.load(used_ptr):
             return
@@ -314,7 +332,7 @@ if triton is not None:
             _up_epilogue(acc_a, acc_b, e, rows, pair, valid, cols, col_ok, s_ptr, d_ptr, h_ptr,
                          width, HAS_SCALE, HAS_DELTA)  # fmt: skip
         else:  # partials [SPLIT, rows, 2 x width], the rows in sorted order
-            n_rows = tl.num_programs(0) * BM
+            n_rows = tl.num_programs(1 if COLUMNS_FIRST else 0) * BM
             at = part_ptr + (pid_s * n_rows + rows[:, None]).to(tl.int64) * (2 * width)
             mask = valid[:, None] & col_ok[None, :]
             tl.store(at + cols[None, :], acc_a, mask=mask)
@@ -368,11 +386,14 @@ if triton is not None:
         BN: tl.constexpr,
         BK: tl.constexpr,
         ACT_FP8: tl.constexpr = False,
+        COLUMNS_FIRST: tl.constexpr = False,
     ):
         """fc2 over a row block's activations; as `_up_kernel` for split-K and FP8 inputs
         (a scale per sorted row, ``hs_ptr``)."""
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+        if COLUMNS_FIRST:  # a row block's column blocks run side by side: its rows read once
+            pid_m, pid_n = tl.program_id(1), tl.program_id(0)
+        else:
+            pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         pid_s = tl.program_id(2)
         if pid_m * BM >= tl.load(used_ptr):
             return
@@ -409,7 +430,7 @@ if triton is not None:
             _down_epilogue(acc, e, pair, valid, cols, col_ok, s_ptr, d_ptr, y_ptr, dim,
                            HAS_SCALE, HAS_DELTA)  # fmt: skip
         else:  # partials [SPLIT, rows, dim]
-            n_rows = tl.num_programs(0) * BM
+            n_rows = tl.num_programs(1 if COLUMNS_FIRST else 0) * BM
             at = part_ptr + (pid_s * n_rows + rows[:, None]).to(tl.int64) * dim + cols[None, :]
             tl.store(at, acc, mask=valid[:, None] & col_ok[None, :])
 
@@ -493,11 +514,13 @@ def experts_fused(
     limit = smem_limit(x.device.index or 0) if x.is_cuda else 1 << 30
     t = fitted(tiles.up, bm, act_bytes, w1.element_size(), 2, limit)
     k_split, part = _split(t, dim, n_blocks * bm, two_width, x.device)
-    _up_kernel[(n_blocks, triton.cdiv(width, t.bn), t.split)](
+    grid, columns_first = _grid(n_blocks, triton.cdiv(width, t.bn), t.split)
+    _up_kernel[grid](
         x_in, w1, s1 if has_scale else dummy, hidden, part, pair_ids, block_expert, used,
         dummy if up is None else up, x_scale, n * k, k, dim, width, k_split,
         HAS_SCALE=has_scale, HAS_DELTA=up is not None, IEEE=ieee, SPLIT=t.split,
-        BM=bm, BN=t.bn, BK=t.bk, ACT_FP8=fp8_act, num_warps=t.warps, num_stages=t.stages,
+        BM=bm, BN=t.bn, BK=t.bk, ACT_FP8=fp8_act, COLUMNS_FIRST=columns_first,
+        num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
     if t.split > 1:
         _up_reduce_kernel[(n_blocks, triton.cdiv(width, t.bn))](
@@ -514,11 +537,13 @@ def experts_fused(
         h_in, h_scale = act_quant.quant_rows(hidden, pair_ids, n * k)
     t = fitted(tiles.down, bm, act_bytes, w2.element_size(), 1, limit)
     k_split, part = _split(t, width, n_blocks * bm, dim, x.device)
-    _down_kernel[(n_blocks, triton.cdiv(dim, t.bn), t.split)](
+    grid, columns_first = _grid(n_blocks, triton.cdiv(dim, t.bn), t.split)
+    _down_kernel[grid](
         h_in, w2, s2 if has_scale else dummy, y, part, pair_ids, block_expert, used,
         dummy if down is None else down, h_scale, n * k, dim, width, k_split,
         HAS_SCALE=has_scale, HAS_DELTA=down is not None, IEEE=ieee, SPLIT=t.split,
-        BM=bm, BN=t.bn, BK=t.bk, ACT_FP8=fp8_act, num_warps=t.warps, num_stages=t.stages,
+        BM=bm, BN=t.bn, BK=t.bk, ACT_FP8=fp8_act, COLUMNS_FIRST=columns_first,
+        num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
     if t.split > 1:
         _down_reduce_kernel[(n_blocks, triton.cdiv(dim, t.bn))](
