@@ -3,9 +3,11 @@ one-program bound and program cap against the PyTorch `route` + `align` it repla
 graph replay, each checked to group the same pairs.
 
     python -m bench.moe_routing_probe [--tokens 1 8 32 64 730 2048 5840] [--json OUT]
+    python -m bench.moe_routing_probe --plot-from OUT.json     # the plot again, from saved rows
 
 Prints, per token count, the time of each setting (us) and the best; Moondream 3's widths (64
-experts, top-8).
+experts, top-8). With ``--json``, the rows and a plot beside them (``OUT.png``: per token count,
+PyTorch's, the module's settings and the fastest).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 
 import torch
 
+from bench import plotting
 from bench.tower_probe import replay_us
 from vlm_server.models.moondream3 import moe_routing
 from vlm_server.models.moondream3.moe import route
@@ -25,6 +28,7 @@ CHUNKS = (64, 128, 256)
 WARPS = (4, 8)
 SINGLES = (64, 16)  # SINGLE_MAX_TOKENS
 PROGRAMS = (32, 128, 1024)  # MAX_PROGRAMS (1024: one chunk a program up to 8192 tokens)
+SWEPT = ("CHUNK_PAIRS", "ROUTE_WARPS", "SINGLE_MAX_TOKENS", "MAX_PROGRAMS")
 
 
 def _groups(pair_ids: torch.Tensor, used: torch.Tensor, ids: torch.Tensor) -> list[list[int]]:
@@ -37,11 +41,52 @@ def _groups(pair_ids: torch.Tensor, used: torch.Tensor, ids: torch.Tensor) -> li
     return [sorted(g) for g in out]
 
 
+def default_setting() -> str:
+    """The name of the setting `moe_routing` launches with."""
+    m = moe_routing
+    return f"c{m.CHUNK_PAIRS}w{m.ROUTE_WARPS}s{m.SINGLE_MAX_TOKENS}p{m.MAX_PROGRAMS}"
+
+
+def plot(out: dict | list, path: str) -> bool:
+    """Per token count: PyTorch's route + align, the module's setting and the fastest (log
+    scale); False without matplotlib. Takes the JSON this probe writes (older runs: a list)."""
+    plt = plotting.pyplot()
+    if plt is None:
+        return False
+    rows = out["rows"] if isinstance(out, dict) else out
+    bars = {
+        "PyTorch": [r["torch_us"] for r in rows],
+        "module's setting": [r["us"].get(r.get("default", default_setting()), 0) for r in rows],
+        "fastest swept": [r["us"].get(r["best"], 0) for r in rows],
+    }
+    fig, ax = plt.subplots(figsize=(6, 4))
+    width = 0.27
+    for i, (name, values) in enumerate(bars.items()):
+        ax.bar([x + (i - 1) * width for x in range(len(rows))], values, width, label=name)
+    ax.set_xticks(range(len(rows)), [str(r["tokens"]) for r in rows])
+    ax.set_yscale("log")
+    ax.set(xlabel="tokens", ylabel="us (route + grouping)")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend()
+    device = out.get("device", "") if isinstance(out, dict) else ""
+    ax.set_title(f"Moondream 3 routing {device}".strip())
+    plotting.save(plt, fig, path)
+    return True
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64, 730, 2048, 5840])
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="write every row here (and a plot beside)")
+    ap.add_argument("--plot-from", default=None, help="only plot these saved rows")
     args = ap.parse_args()
+    if args.plot_from:
+        return plotting.replot(args.plot_from, plot)
+    if not torch.cuda.is_available():
+        print("moe_routing_probe needs a CUDA device")
+        return 1
+    default = default_setting()
+    saved = {k: getattr(moe_routing, k) for k in SWEPT}
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     settings = {
@@ -74,12 +119,17 @@ def main() -> int:
                 ok, us = False, float("nan")
             times[name] = us if ok else float("nan")
         best = min(((v, k) for k, v in times.items() if v == v), default=(float("nan"), "-"))
-        rows.append({"tokens": n, "torch_us": legacy, "us": times, "best": best[1]})
+        rows.append({"tokens": n, "torch_us": legacy, "us": times, "best": best[1],
+                     "default": default})  # fmt: skip
         cells = " ".join(f"{times[m]:>9.1f}" for m in names)
         print(f"{n:>6} {legacy:>8.1f} {cells}   best {best[1]} {best[0]:.1f}", flush=True)
+    for k, v in saved.items():
+        setattr(moe_routing, k, v)
     if args.json:
+        out = {"device": torch.cuda.get_device_name(), "rows": rows}
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(out, f, indent=1)
+        plot(out, plotting.png_beside(args.json))
     return 0
 
 

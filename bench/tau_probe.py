@@ -67,7 +67,7 @@ def plot(out: dict, path: str) -> bool:
     bars = {
         "PyTorch ops": [m[0]["torch_us"] for m in mine],
         "chosen launch": [
-            next(r["us"] for r in m if all(r[k] == v for k, v in chosen(n).items()))
+            next(r["us"] for r in m if all(r.get(k) == v for k, v in chosen(n).items()))
             for n, m in zip(counts, mine, strict=True)
         ],
         "fastest swept": [min(r["us"] for r in m) for m in mine],
@@ -126,7 +126,7 @@ def main() -> int:
     print(f"\n{'tokens':>6} {'torch':>7} {'default':>8} {'best':>7}  best constants")
     for n in args.tokens:
         mine = [r for r in rows if r["tokens"] == n]
-        default = next(r for r in mine if all(r[k] == v for k, v in chosen(n).items()))
+        default = next(r for r in mine if all(r.get(k) == v for k, v in chosen(n).items()))
         best = min(mine, key=lambda r: r["us"])
         knobs = " ".join(f"{k}={best[k]}" for k in KNOBS)
         print(

@@ -62,3 +62,26 @@ def test_the_fp8_probe_picks_the_fastest_tile_and_redraws_saved_rows(
     if plotting.pyplot() is not None:
         assert plotting.replot(str(path), moe_fp8_probe.plot) == 0
         assert Path(plotting.png_beside(str(path))).exists()
+
+
+def test_the_routing_probe_names_the_modules_setting_and_redraws_both_formats(
+    tmp_path: object,
+) -> None:
+    import json
+    from pathlib import Path
+
+    from bench import moe_routing_probe, plotting
+    from vlm_server.models.moondream3 import moe_routing
+
+    name = moe_routing_probe.default_setting()
+    assert name == (
+        f"c{moe_routing.CHUNK_PAIRS}w{moe_routing.ROUTE_WARPS}"
+        f"s{moe_routing.SINGLE_MAX_TOKENS}p{moe_routing.MAX_PROGRAMS}"
+    )
+    row = {"tokens": 730, "torch_us": 1100.0, "us": {name: 12.0, "x": 11.0}, "best": "x"}
+    have_plot = plotting.pyplot() is not None
+    for i, saved in enumerate(([row], {"device": "test", "rows": [{**row, "default": name}]})):
+        path = Path(str(tmp_path)) / f"routing{i}.json"
+        path.write_text(json.dumps(saved))
+        assert plotting.replot(str(path), moe_routing_probe.plot) == (0 if have_plot else 1)
+        assert Path(plotting.png_beside(str(path))).exists() == have_plot
