@@ -2,12 +2,14 @@
 
     python -m bench.tower_probe [--crops 9] [--json OUT.json]
     python -m bench.tower_probe --tower-only --tower-crops 1 5 9 13 64 --json OUT.json
+    python -m bench.tower_probe --attention-only --json OUT.json
 
 
 Times, at the tower's real shapes (M = crops x 729 patches, moondream2 widths, bf16), each
 linear layer as the tower runs it and in the alternatives a faster tower could use: no bias
 epilogue, the residual add inside the GEMM (``beta = 1``), the MLP's inner width padded to a
-multiple of 128, the row count padded, and cuBLAS against cuBLASLt. Then the attention and the
+multiple of 128, the row count padded, and cuBLAS against cuBLASLt. Then the attention alone
+(per SDPA backend and layout, and `tower_attention`'s split-head kernel per launch) and the
 fused add + LayerNorm alone. Each time is the median of CUDA-event-timed graph replays (ten
 calls a replay, so launches are out of the numbers), over inputs drawn at random. The whole
 tower, bf16 and FP8, is timed per crop count in ``--tower-crops`` (with crops per second), and
@@ -204,6 +206,44 @@ def attention_rows(crops: int, vc: VisionConfig, dt: torch.dtype) -> list[dict]:
                     continue
             rows.append({"backend": backend.name, "layout": layout, "us": us})
             print(f"attention {backend.name:<16} {layout:<10} {us:8.1f} us", flush=True)
+    rows += split_head_rows(qkv, nh, (q, k, v))
+    return rows
+
+
+# Launches of the split-head kernel swept: (queries, keys per step, warps, stages).
+SPLIT_HEAD_LAUNCHES = tuple(
+    (bm, bn, w, s) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)
+)
+
+
+def split_head_rows(qkv: torch.Tensor, nh: int, views: tuple[torch.Tensor, ...]) -> list[dict]:
+    """`tower_attention.attention` per launch, against SDPA as the tower runs it (the QKV
+    output's views, then the transpose back to [crops, t, d] the output projection takes),
+    with each launch's largest difference from SDPA."""
+    from vlm_server.models.common import tower_attention as ta
+
+    n, t, _ = qkv.shape
+
+    def sdpa() -> torch.Tensor:
+        return F.scaled_dot_product_attention(*views).transpose(1, 2).reshape(n, t, -1)
+
+    want = sdpa().float()
+    rows = [{"backend": "SDPA + transpose", "layout": "qkv views", "us": replay_us(sdpa)}]
+    saved = (ta.BLOCK_M, ta.BLOCK_N, ta.WARPS, ta.STAGES)
+    for launch in SPLIT_HEAD_LAUNCHES:
+        ta.BLOCK_M, ta.BLOCK_N, ta.WARPS, ta.STAGES = launch
+        try:
+            diff = float((ta.attention(qkv, nh).float() - want).abs().max())
+            us = replay_us(lambda: ta.attention(qkv, nh))
+        except Exception as err:  # a launch that does not compile or fit: noted, not fatal
+            print(f"attention split-head {launch}: {str(err).splitlines()[0][:80]}")
+            continue
+        finally:
+            ta.BLOCK_M, ta.BLOCK_N, ta.WARPS, ta.STAGES = saved
+        name = "split-head bm{} bn{} w{} s{}".format(*launch)
+        rows.append({"backend": name, "layout": "qkv", "us": us, "max_diff": diff})
+    for r in rows:
+        print(f"attention {r['backend']:<28} {r['us']:8.1f} us", flush=True)
     return rows
 
 
@@ -334,6 +374,7 @@ def main() -> int:
     )
     ap.add_argument("--skip-bf16", action="store_true", help="leave out the bf16 GEMM rows")
     ap.add_argument("--tower-only", action="store_true", help="only the whole-tower rows")
+    ap.add_argument("--attention-only", action="store_true", help="only the attention rows")
     ap.add_argument("--profile-dir", default=None, help="write kernel tables of the tower here")
     ap.add_argument("--json", default=None, help="write every row here")
     args = ap.parse_args()
@@ -345,6 +386,9 @@ def main() -> int:
     m = args.crops * vc.n_patches
     out = {"device": torch.cuda.get_device_name(), "crops": args.crops, "rows": m}
     with torch.inference_mode():
+        if args.attention_only:
+            out["attention"] = attention_rows(args.crops, vc, dt)
+            return _dump(out, args.json)
         out["norms"] = norm_rows(m, vc, dt)
         counts = args.tower_crops or [args.crops]
         if min(counts) < 1:
@@ -359,12 +403,33 @@ def main() -> int:
     return _dump(out, args.json)
 
 
+def plot_attention(rows: list[dict], path: str, device: str) -> bool:
+    """Each attention row's time, fastest first; False without matplotlib."""
+    from bench import plotting
+
+    plt = plotting.pyplot()
+    if plt is None:
+        return False
+    rows = sorted(rows, key=lambda r: r["us"])
+    fig, ax = plt.subplots(figsize=(7, 0.8 + 0.25 * len(rows)))
+    ax.barh([f"{r['backend']} ({r['layout']})" for r in rows], [r["us"] for r in rows])
+    ax.invert_yaxis()
+    ax.set(xlabel="us a layer", title=f"tower attention, {device}")
+    ax.grid(alpha=0.3, axis="x")
+    plotting.save(plt, fig, path)
+    return True
+
+
 def _dump(out: dict, path: str | None) -> int:
     if path:
         with open(path, "w") as f:
             json.dump(out, f, indent=1)
         png = path.removesuffix(".json") + ".png"
-        if plot_towers(out["tower"], png, out["device"]):
+        if "tower" in out:
+            drawn = plot_towers(out["tower"], png, out["device"])
+        else:
+            drawn = plot_attention(out["attention"], png, out["device"])
+        if drawn:
             print(f"wrote {path}, {png}")
     return 0
 

@@ -510,6 +510,25 @@ KERNELS = (
     ),
 )
 
+KERNELS += tuple(
+    Kernel(
+        "vlm_server.models.common.tower_attention",
+        "_attention_kernel",
+        {
+            "qkv_ptr": "*bf16",
+            "out_ptr": "*bf16",
+            "T": "i32",
+            "stride_row": "i32",
+            "qk_scale": "fp32",
+        },
+        {
+            **{"H": 16, "HD": hd, "DA": 64, "DB": 16, "HAS_B": hd > 64},
+            **{"BM": 128, "BN": 64, "IEEE": False},
+        },
+    )
+    for hd in (72, 64)
+)
+
 # The decode step's kernels again as they launch early (models/common/launch_overlap.py):
 # griddepcontrol exists from sm_90 on, and the switch stays off on older chips.
 _OVERLAPPING = {
