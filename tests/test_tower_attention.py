@@ -5,7 +5,6 @@ rows; and on the GPU at the tower's size in bf16."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from types import ModuleType
 
@@ -13,18 +12,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support.interpreted import interpreted
+from tests.support.interpreted import interpreted_copy
+from vlm_server.models.common import tower_attention
 
 pytest.importorskip("triton")
 
 
 @pytest.fixture(scope="module")
 def kern() -> Iterator[ModuleType]:
-    from vlm_server.models.common import tower_attention
-
-    mod = interpreted(tower_attention)
-    yield mod
-    del sys.modules[mod.__name__]
+    with interpreted_copy(tower_attention) as mod:
+        yield mod
 
 
 def _sdpa(qkv: torch.Tensor, heads: int) -> torch.Tensor:
