@@ -278,10 +278,13 @@ def norm_rows(m: int, vc: VisionConfig, dt: torch.dtype) -> list[dict]:
     return rows
 
 
-def tower_rows(counts: Sequence[int], dt: torch.dtype, profile_dir: str | None) -> list[dict]:
+def tower_rows(
+    counts: Sequence[int], dt: torch.dtype, profile_dir: str | None, split_head: bool = False
+) -> list[dict]:
     """The whole tower (random weights), graph-replayed, bf16 and with FP8 GEMMs, per crop
-    count; the FP8 tower's deviation from the bf16 one (at the first count); a kernel table
-    of each mode at the first count when ``profile_dir``."""
+    count (with ``split_head`` each again with `tower_attention`'s kernel: modes "bf16
+    split-head" and "fp8 split-head"); the FP8 tower's deviation from the bf16 one (at the
+    first count); a kernel table of each mode at the first count when ``profile_dir``."""
     from torch.profiler import ProfilerActivity, profile
 
     from vlm_server.models.moondream2.config import VisionConfig as VC
@@ -293,8 +296,10 @@ def tower_rows(counts: Sequence[int], dt: torch.dtype, profile_dir: str | None) 
     rows, outs = [], {}
     for crops in tqdm(counts, desc="tower", unit="count"):
         x = torch.randn(crops, 3, 378, 378, device="cuda", dtype=dt)
-        for mode in ("bf16", "fp8"):
-            enc.use_fp8(mode == "fp8")
+        modes = ("bf16", "fp8", "bf16 split-head", "fp8 split-head")[: 4 if split_head else 2]
+        for mode in modes:
+            enc.use_fp8(mode.startswith("fp8"))
+            enc.use_split_head_attention(mode.endswith("split-head"))
             us = replay_us(lambda x=x: enc.encode(x), calls=1, reps=20)
             rows.append(
                 {"crops": crops, "mode": mode, "ms": us / 1e3, "crops_per_s": crops / us * 1e6}
@@ -329,7 +334,16 @@ def tower_rows(counts: Sequence[int], dt: torch.dtype, profile_dir: str | None) 
         f"fp8 tower vs bf16 at {counts[0]} crops: rel err {deviation['fp8_vs_bf16_rel_err']:.4f}, "
         f"min cosine {deviation['fp8_vs_bf16_min_cos']:.5f}"
     )
+    for mode in modes[2:]:
+        base = mode.split()[0]
+        diff = float((outs[mode] - outs[base]).norm() / outs[base].norm())
+        deviation[f"{base}_split_head_rel_err"] = diff
+        for c in sorted(counts):
+            ratio = by[c, mode]["ms"] / by[c, base]["ms"]
+            print(f"{mode} at {c} crops: {by[c, mode]['ms']:.3f} ms ({ratio:.3f}x {base})")
+        print(f"{mode} vs {base} at {counts[0]} crops: rel err {diff:.5f}")
     enc.use_fp8(False)
+    enc.use_split_head_attention(False)
     return [*rows, deviation]
 
 
@@ -344,7 +358,8 @@ def plot_towers(rows: list[dict], path: str, device: str) -> bool:
     except ImportError:
         return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for mode in ("bf16", "fp8"):
+    modes = list(dict.fromkeys(r["mode"] for r in rows if "mode" in r))
+    for mode in modes:
         mine = sorted((r for r in rows if r.get("mode") == mode), key=lambda r: r["crops"])
         crops = [r["crops"] for r in mine]
         left.plot(crops, [r["ms"] for r in mine], marker="o", label=mode)
@@ -375,6 +390,9 @@ def main() -> int:
     ap.add_argument("--skip-bf16", action="store_true", help="leave out the bf16 GEMM rows")
     ap.add_argument("--tower-only", action="store_true", help="only the whole-tower rows")
     ap.add_argument("--attention-only", action="store_true", help="only the attention rows")
+    ap.add_argument(
+        "--split-head", action="store_true", help="tower rows with the split-head kernel too"
+    )
     ap.add_argument("--profile-dir", default=None, help="write kernel tables of the tower here")
     ap.add_argument("--json", default=None, help="write every row here")
     args = ap.parse_args()
@@ -393,7 +411,7 @@ def main() -> int:
         counts = args.tower_crops or [args.crops]
         if min(counts) < 1:
             ap.error("--tower-crops must be >= 1")
-        out["tower"] = tower_rows(counts, dt, args.profile_dir)
+        out["tower"] = tower_rows(counts, dt, args.profile_dir, args.split_head)
         if args.tower_only:
             return _dump(out, args.json)
         if not args.skip_bf16:

@@ -79,3 +79,57 @@ def test_attention_on_the_gpu_at_the_towers_size() -> None:
     want = _sdpa(qkv.float(), 16)
     err = float((got - want).norm() / want.norm())
     assert err < 1e-2, err
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_tower_with_the_kernel_equals_the_tower_with_sdpa(
+    kern: ModuleType, monkeypatch: pytest.MonkeyPatch, fp8: bool
+) -> None:
+    """Both towers (16-bit and FP8 products) through the kernel, interpreted on the CPU."""
+    from vlm_server.models.moondream2 import fp8_vision, vision
+    from vlm_server.models.moondream2.config import VisionConfig
+
+    torch.manual_seed(3)
+    cfg = VisionConfig(
+        enc_dim=96, enc_n_layers=2, enc_n_heads=4, enc_ff_dim=64, crop_size=56, patch_size=14,
+        overlap_margin=1, proj_inner_dim=32, proj_out_dim=16,
+    )  # fmt: skip
+    enc = vision.VisionEncoder(cfg).eval()
+    for p in enc.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    enc.use_fp8(fp8)
+    crops = torch.randn(3, 3, 56, 56)
+    with torch.inference_mode():
+        want = enc.encode(crops)
+        assert not enc.use_split_head_attention()  # the CPU: SDPA stays
+        monkeypatch.setattr(vision, "tower_attention", kern)
+        monkeypatch.setattr(fp8_vision, "tower_attention", kern)
+        for block in enc.blocks:  # heads of 24: a 16-wide part and a padded rest
+            block.attn.split_head = True
+        got = enc.encode(crops)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_the_full_size_tower_with_the_kernel_stays_with_sdpa() -> None:
+    """moondream2's tower at 9 crops in bf16, both towers: the kernel's features within bf16
+    rounding of SDPA's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from vlm_server.models.moondream2.config import VisionConfig
+    from vlm_server.models.moondream2.vision import VisionEncoder
+
+    torch.manual_seed(5)
+    enc = VisionEncoder(VisionConfig()).cuda().bfloat16().eval()
+    for p in enc.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    crops = torch.randn(9, 3, 378, 378, device="cuda").bfloat16()
+    with torch.inference_mode():
+        for fp8 in (False, True):
+            enc.use_fp8(fp8)
+            enc.use_split_head_attention(False)
+            want = enc.encode(crops).float()
+            assert enc.use_split_head_attention(True)
+            got = enc.encode(crops).float()
+            err = float((got - want).norm() / want.norm())
+            assert err < 2e-2, (fp8, err)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from vlm_server.models.common import tower_attention
 from vlm_server.models.common.fused_norm import add_layernorm
 from vlm_server.models.common.layers import LN_EPS, LayerNorm
 
@@ -274,9 +275,13 @@ class Fp8Tower:
         h = x
         for i, (block, w) in enumerate(zip(blocks, self.blocks, strict=True)):
             attn = block.attn
-            qkv = w.qkv(q, scale, dt).view(n, t, 3, attn.n_heads, d // attn.n_heads)
-            qh, kh, vh = (qkv[:, :, j].transpose(1, 2) for j in range(3))
-            o = F.scaled_dot_product_attention(qh, kh, vh).transpose(1, 2).reshape(n * t, d)
+            qkv = w.qkv(q, scale, dt)
+            if attn.split_head:
+                o = tower_attention.attention(qkv.view(n, t, 3 * d), attn.n_heads).view(n * t, d)
+            else:
+                qkv = qkv.view(n, t, 3, attn.n_heads, d // attn.n_heads)
+                qh, kh, vh = (qkv[:, :, j].transpose(1, 2) for j in range(3))
+                o = F.scaled_dot_product_attention(qh, kh, vh).transpose(1, 2).reshape(n * t, d)
             x, q, scale = layernorm_fp8(x, attn.proj(o), block.ln2)
             g, g_scale = gelu_fp8(w.fc1(q, scale, dt), self.inner_padded)
             y = w.fc2(g, g_scale, dt)
