@@ -189,11 +189,9 @@ def test_triton_quantizers_equal_the_torch_ones() -> None:
 
 @pytest.mark.gpu
 def test_moondream2_size_fp8_tower_stays_close_and_graphs() -> None:
-    torch.manual_seed(4)
-    enc = VisionEncoder(VisionConfig()).cuda().bfloat16().eval()
-    for p in enc.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-    crops = torch.randn(9, 3, 378, 378, device="cuda").bfloat16()
+    from tests.support.towers import full_size_tower
+
+    enc, crops = full_size_tower(seed=4)
     with torch.inference_mode():
         exact = enc.encode(crops).float()
         enc.use_fp8()

@@ -116,14 +116,9 @@ def test_the_full_size_tower_with_the_kernel_stays_with_sdpa() -> None:
     rounding of SDPA's."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from vlm_server.models.moondream2.config import VisionConfig
-    from vlm_server.models.moondream2.vision import VisionEncoder
+    from tests.support.towers import full_size_tower
 
-    torch.manual_seed(5)
-    enc = VisionEncoder(VisionConfig()).cuda().bfloat16().eval()
-    for p in enc.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-    crops = torch.randn(9, 3, 378, 378, device="cuda").bfloat16()
+    enc, crops = full_size_tower(seed=5)
     with torch.inference_mode():
         for fp8 in (False, True):
             enc.use_fp8(fp8)
