@@ -50,28 +50,17 @@ def default_setting() -> str:
 def plot(out: dict | list, path: str) -> bool:
     """Per token count: PyTorch's route + align, the module's setting and the fastest (log
     scale); False without matplotlib. Takes the JSON this probe writes (older runs: a list)."""
-    plt = plotting.pyplot()
-    if plt is None:
-        return False
     rows = out["rows"] if isinstance(out, dict) else out
     bars = {
         "PyTorch": [r["torch_us"] for r in rows],
         "module's setting": [r["us"].get(r.get("default", default_setting()), 0) for r in rows],
         "fastest swept": [r["us"].get(r["best"], 0) for r in rows],
     }
-    fig, ax = plt.subplots(figsize=(6, 4))
-    width = 0.27
-    for i, (name, values) in enumerate(bars.items()):
-        ax.bar([x + (i - 1) * width for x in range(len(rows))], values, width, label=name)
-    ax.set_xticks(range(len(rows)), [str(r["tokens"]) for r in rows])
-    ax.set_yscale("log")
-    ax.set(xlabel="tokens", ylabel="us (route + grouping)")
-    ax.grid(alpha=0.3, axis="y")
-    ax.legend()
     device = out.get("device", "") if isinstance(out, dict) else ""
-    ax.set_title(f"Moondream 3 routing {device}".strip())
-    plotting.save(plt, fig, path)
-    return True
+    return plotting.grouped_bars(
+        bars, [str(r["tokens"]) for r in rows], path, xlabel="tokens",
+        ylabel="us (route + grouping)", title=f"Moondream 3 routing {device}".strip(), log=True,
+    )  # fmt: skip
 
 
 def main() -> int:

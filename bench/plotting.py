@@ -36,3 +36,34 @@ def replot(json_path: str, plot: Callable[[dict, str], bool]) -> int:
     """A probe's ``--plot-from``: its plot of saved rows, beside them; exit status."""
     with open(json_path) as f:
         return 0 if plot(json.load(f), png_beside(json_path)) else 1
+
+
+def grouped_bars(
+    bars: dict[str, list[float]],
+    labels: list[str],
+    path: str,
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    log: bool = False,
+) -> bool:
+    """One group of bars per label, one bar per series in ``bars``; False without
+    matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    width = 0.8 / max(1, len(bars))
+    middle = (len(bars) - 1) / 2
+    for i, (name, values) in enumerate(bars.items()):
+        xs = [x + (i - middle) * width for x in range(len(labels))]
+        ax.bar(xs, values, width, label=name)
+    ax.set_xticks(range(len(labels)), labels)
+    if log:
+        ax.set_yscale("log")
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend()
+    save(plt, fig, path)
+    return True

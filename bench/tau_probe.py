@@ -58,9 +58,6 @@ def chosen(n: int) -> dict[str, int]:
 def plot(out: dict, path: str) -> bool:
     """Per token count: the PyTorch ops, the chosen launch, the fastest; False without
     matplotlib."""
-    plt = plotting.pyplot()
-    if plt is None:
-        return False
     rows = out["rows"]
     counts = sorted({r["tokens"] for r in rows})
     mine = [[r for r in rows if r["tokens"] == n] for n in counts]
@@ -72,17 +69,10 @@ def plot(out: dict, path: str) -> bool:
         ],
         "fastest swept": [min(r["us"] for r in m) for m in mine],
     }
-    fig, ax = plt.subplots(figsize=(6, 4))
-    width = 0.27
-    for i, (name, values) in enumerate(bars.items()):
-        ax.bar([x + (i - 1) * width for x in range(len(counts))], values, width, label=name)
-    ax.set_xticks(range(len(counts)), [str(n) for n in counts])
-    ax.set(xlabel="tokens", ylabel="us a layer (logits + scale)")
-    ax.grid(alpha=0.3, axis="y")
-    ax.legend()
-    ax.set_title(f"Moondream 3 tau, {out['device']}")
-    plotting.save(plt, fig, path)
-    return True
+    return plotting.grouped_bars(
+        bars, [str(n) for n in counts], path, xlabel="tokens",
+        ylabel="us a layer (logits + scale)", title=f"Moondream 3 tau, {out['device']}",
+    )  # fmt: skip
 
 
 def main() -> int:
