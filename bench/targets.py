@@ -215,7 +215,7 @@ def tower_rows(d: dict[str, Any], prefix: str, commit: str | None) -> list[Row]:
     """The whole vision tower per crop count, bf16 and with FP8 GEMMs (``--vision-fp8``)."""
     out: list[Row] = []
     for r in d.get("tower") or []:
-        if "mode" not in r:  # the FP8 deviation record
+        if r.get("mode") not in ("bf16", "fp8"):  # the deviation record, the probe's "before"
             continue
         flags = "--vision-fp8 true" if r["mode"] == "fp8" else ""
         name = f"tower.crops{r['crops']}.{r['mode']}_ms"

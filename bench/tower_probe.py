@@ -9,11 +9,12 @@ Times, at the tower's real shapes (M = crops x 729 patches, moondream2 widths, b
 linear layer as the tower runs it and in the alternatives a faster tower could use: no bias
 epilogue, the residual add inside the GEMM (``beta = 1``), the MLP's inner width padded to a
 multiple of 128, the row count padded, and cuBLAS against cuBLASLt. Then the attention alone
-(per SDPA backend and layout, and `tower_attention`'s split-head kernel per launch) and the
-fused add + LayerNorm alone. Each time is the median of CUDA-event-timed graph replays (ten
-calls a replay, so launches are out of the numbers), over inputs drawn at random. The whole
-tower, bf16 and FP8, is timed per crop count in ``--tower-crops`` (with crops per second), and
-plotted next to the JSON.
+(per SDPA backend and layout) and the fused add + LayerNorm and the FP8 quantizers alone.
+Each time is the median of CUDA-event-timed graph replays (ten calls a replay, so launches are
+out of the numbers), over inputs drawn at random. The whole
+tower, bf16 and FP8 (and FP8 with cuBLAS applying fc1's and fc2's scales, mode "fp8 scales in
+GEMM": the FP8 tower before `fp8_vision.Unscaled`), is timed per crop count in
+``--tower-crops`` (with crops per second), and plotted next to the JSON.
 """
 
 from __future__ import annotations
@@ -206,44 +207,6 @@ def attention_rows(crops: int, vc: VisionConfig, dt: torch.dtype) -> list[dict]:
                     continue
             rows.append({"backend": backend.name, "layout": layout, "us": us})
             print(f"attention {backend.name:<16} {layout:<10} {us:8.1f} us", flush=True)
-    rows += split_head_rows(qkv, nh, (q, k, v))
-    return rows
-
-
-# Launches of the split-head kernel swept: (queries, keys per step, warps, stages).
-SPLIT_HEAD_LAUNCHES = tuple(
-    (bm, bn, w, s) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)
-)
-
-
-def split_head_rows(qkv: torch.Tensor, nh: int, views: tuple[torch.Tensor, ...]) -> list[dict]:
-    """`tower_attention.attention` per launch, against SDPA as the tower runs it (the QKV
-    output's views, then the transpose back to [crops, t, d] the output projection takes),
-    with each launch's largest difference from SDPA."""
-    from vlm_server.models.common import tower_attention as ta
-
-    n, t, _ = qkv.shape
-
-    def sdpa() -> torch.Tensor:
-        return F.scaled_dot_product_attention(*views).transpose(1, 2).reshape(n, t, -1)
-
-    want = sdpa().float()
-    rows = [{"backend": "SDPA + transpose", "layout": "qkv views", "us": replay_us(sdpa)}]
-    saved = (ta.BLOCK_M, ta.BLOCK_N, ta.WARPS, ta.STAGES)
-    for launch in SPLIT_HEAD_LAUNCHES:
-        ta.BLOCK_M, ta.BLOCK_N, ta.WARPS, ta.STAGES = launch
-        try:
-            diff = float((ta.attention(qkv, nh).float() - want).abs().max())
-            us = replay_us(lambda: ta.attention(qkv, nh))
-        except Exception as err:  # a launch that does not compile or fit: noted, not fatal
-            print(f"attention split-head {launch}: {str(err).splitlines()[0][:80]}")
-            continue
-        finally:
-            ta.BLOCK_M, ta.BLOCK_N, ta.WARPS, ta.STAGES = saved
-        name = "split-head bm{} bn{} w{} s{}".format(*launch)
-        rows.append({"backend": name, "layout": "qkv", "us": us, "max_diff": diff})
-    for r in rows:
-        print(f"attention {r['backend']:<28} {r['us']:8.1f} us", flush=True)
     return rows
 
 
@@ -256,14 +219,27 @@ def norm_rows(m: int, vc: VisionConfig, dt: torch.dtype) -> list[dict]:
     d = vc.enc_dim
     norm = LayerNorm(d).to("cuda", dt)
     x, a = (torch.randn(m, d, device="cuda", dtype=dt) for _ in range(2))
-    from vlm_server.models.moondream2.fp8_vision import gelu_fp8, layernorm_fp8
+    from vlm_server.models.moondream2.fp8_vision import Unscaled, gelu_fp8, layernorm_fp8
 
     u = torch.randn(m, vc.enc_ff_dim, device="cuda", dtype=dt) * 3
     inner = -(-vc.enc_ff_dim // 128) * 128
+
+    def unscaled(raw: torch.Tensor) -> Unscaled:
+        """``raw`` as an FP8 product whose scales and bias its consumer applies."""
+        n = raw.shape[1]
+        row, col = torch.rand(m, 1, device="cuda"), torch.rand(1, n, device="cuda")
+        return Unscaled(raw, row, col, torch.randn(n, device="cuda", dtype=dt))
+
+    a_raw, u_raw = unscaled(a), unscaled(u)
     rows = [
         {"variant": "add_layernorm", "us": replay_us(lambda: add_layernorm(x, a, None, norm))},
         {"variant": "layer_norm", "us": replay_us(lambda: norm(x))},
         {"variant": "add_layernorm_fp8", "us": replay_us(lambda: layernorm_fp8(x, a, norm))},
+        {
+            "variant": "add_layernorm_fp8 unscaled",
+            "us": replay_us(lambda: layernorm_fp8(x, a_raw, norm)),
+        },
+        {"variant": "gelu_fp8 unscaled", "us": replay_us(lambda: gelu_fp8(u_raw, inner))},
         *(
             {
                 "variant": f"gelu_fp8 chunk {c} warps {w}",
@@ -278,15 +254,14 @@ def norm_rows(m: int, vc: VisionConfig, dt: torch.dtype) -> list[dict]:
     return rows
 
 
-def tower_rows(
-    counts: Sequence[int], dt: torch.dtype, profile_dir: str | None, split_head: bool = False
-) -> list[dict]:
-    """The whole tower (random weights), graph-replayed, bf16 and with FP8 GEMMs, per crop
-    count (with ``split_head`` each again with `tower_attention`'s kernel: modes "bf16
-    split-head" and "fp8 split-head"); the FP8 tower's deviation from the bf16 one (at the
-    first count); a kernel table of each mode at the first count when ``profile_dir``."""
+def tower_rows(counts: Sequence[int], dt: torch.dtype, profile_dir: str | None) -> list[dict]:
+    """The whole tower (random weights), graph-replayed, bf16, FP8, and FP8 with cuBLAS
+    applying fc1's and fc2's scales, per crop count; each FP8 tower's deviation from the bf16
+    one (at the first count); a kernel table of each mode at the first count when
+    ``profile_dir``."""
     from torch.profiler import ProfilerActivity, profile
 
+    from vlm_server.models.moondream2 import fp8_vision
     from vlm_server.models.moondream2.config import VisionConfig as VC
     from vlm_server.models.moondream2.vision import VisionEncoder
 
@@ -294,56 +269,50 @@ def tower_rows(
     for p in enc.parameters():
         torch.nn.init.normal_(p, std=0.02)
     rows, outs = [], {}
+    modes = ("bf16", "fp8", "fp8 scales in GEMM")
+    saved = fp8_vision.DEFER_SCALES
     for crops in tqdm(counts, desc="tower", unit="count"):
         x = torch.randn(crops, 3, 378, 378, device="cuda", dtype=dt)
-        modes = ("bf16", "fp8", "bf16 split-head", "fp8 split-head")[: 4 if split_head else 2]
         for mode in modes:
             enc.use_fp8(mode.startswith("fp8"))
-            enc.use_split_head_attention(mode.endswith("split-head"))
-            us = replay_us(lambda x=x: enc.encode(x), calls=1, reps=20)
+            fp8_vision.DEFER_SCALES = mode != "fp8 scales in GEMM"
+            try:
+                us = replay_us(lambda x=x: enc.encode(x), calls=1, reps=20)
+                if crops == counts[0]:
+                    outs[mode] = enc.encode(x).float()
+                    if profile_dir:
+                        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                            enc.encode(x)
+                            torch.cuda.synchronize()
+                        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14)
+                        with open(f"{profile_dir}/tower_{mode.replace(' ', '_')}.txt", "w") as f:
+                            f.write(table)
+            finally:
+                fp8_vision.DEFER_SCALES = saved
             rows.append(
                 {"crops": crops, "mode": mode, "ms": us / 1e3, "crops_per_s": crops / us * 1e6}
             )
-            tqdm.write(f"tower {crops:3d} crops {mode:<5} {us / 1e3:8.3f} ms")
-            if crops == counts[0]:
-                outs[mode] = enc.encode(x).float()
-                if profile_dir:
-                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                        enc.encode(x)
-                        torch.cuda.synchronize()
-                    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14)
-                    with open(f"{profile_dir}/tower_{mode}_kernels.txt", "w") as f:
-                        f.write(table)
+            tqdm.write(f"tower {crops:3d} crops {mode:<18} {us / 1e3:8.3f} ms")
         del x
-    a, b = outs["fp8"], outs["bf16"]
-    cos = F.cosine_similarity(a.flatten(0, 1), b.flatten(0, 1), dim=-1)
-    deviation = {
-        "crops": counts[0],
-        "fp8_vs_bf16_rel_err": float((a - b).norm() / b.norm()),
-        "fp8_vs_bf16_min_cos": float(cos.min()),
-    }
-    print(f"\n{'crops':>5} {'bf16 ms':>9} {'fp8 ms':>9} {'bf16 crops/s':>13} {'fp8 crops/s':>12}")
-    by = {(r["crops"], r["mode"]): r for r in rows}
-    for c in sorted(counts):
-        bf, f8 = by[c, "bf16"], by[c, "fp8"]
-        print(
-            f"{c:>5} {bf['ms']:>9.3f} {f8['ms']:>9.3f} {bf['crops_per_s']:>13.0f} "
-            f"{f8['crops_per_s']:>12.0f}"
-        )
-    print(
-        f"fp8 tower vs bf16 at {counts[0]} crops: rel err {deviation['fp8_vs_bf16_rel_err']:.4f}, "
-        f"min cosine {deviation['fp8_vs_bf16_min_cos']:.5f}"
-    )
-    for mode in modes[2:]:
-        base = mode.split()[0]
-        diff = float((outs[mode] - outs[base]).norm() / outs[base].norm())
-        deviation[f"{base}_split_head_rel_err"] = diff
-        for c in sorted(counts):
-            ratio = by[c, mode]["ms"] / by[c, base]["ms"]
-            print(f"{mode} at {c} crops: {by[c, mode]['ms']:.3f} ms ({ratio:.3f}x {base})")
-        print(f"{mode} vs {base} at {counts[0]} crops: rel err {diff:.5f}")
     enc.use_fp8(False)
-    enc.use_split_head_attention(False)
+    base = outs["bf16"]
+    deviation: dict = {"crops": counts[0]}
+    for mode in modes[1:]:
+        cos = F.cosine_similarity(outs[mode].flatten(0, 1), base.flatten(0, 1), dim=-1)
+        key = mode.replace(" ", "_")
+        deviation[f"{key}_vs_bf16_rel_err"] = float((outs[mode] - base).norm() / base.norm())
+        deviation[f"{key}_vs_bf16_min_cos"] = float(cos.min())
+    by = {(r["crops"], r["mode"]): r for r in rows}
+    print(f"\n{'crops':>5}" + "".join(f" {m + ' ms':>22}" for m in modes))
+    for c in sorted(counts):
+        print(f"{c:>5}" + "".join(f" {by[c, m]['ms']:>22.3f}" for m in modes))
+    for mode in modes[1:]:
+        key = mode.replace(" ", "_")
+        print(
+            f"{mode} vs bf16 at {counts[0]} crops: rel err "
+            f"{deviation[key + '_vs_bf16_rel_err']:.4f}, min cosine "
+            f"{deviation[key + '_vs_bf16_min_cos']:.5f}"
+        )
     return [*rows, deviation]
 
 
@@ -390,9 +359,6 @@ def main() -> int:
     ap.add_argument("--skip-bf16", action="store_true", help="leave out the bf16 GEMM rows")
     ap.add_argument("--tower-only", action="store_true", help="only the whole-tower rows")
     ap.add_argument("--attention-only", action="store_true", help="only the attention rows")
-    ap.add_argument(
-        "--split-head", action="store_true", help="tower rows with the split-head kernel too"
-    )
     ap.add_argument("--profile-dir", default=None, help="write kernel tables of the tower here")
     ap.add_argument("--json", default=None, help="write every row here")
     args = ap.parse_args()
@@ -411,7 +377,7 @@ def main() -> int:
         counts = args.tower_crops or [args.crops]
         if min(counts) < 1:
             ap.error("--tower-crops must be >= 1")
-        out["tower"] = tower_rows(counts, dt, args.profile_dir, args.split_head)
+        out["tower"] = tower_rows(counts, dt, args.profile_dir)
         if args.tower_only:
             return _dump(out, args.json)
         if not args.skip_bf16:

@@ -145,10 +145,12 @@ def test_step_image_tower_and_arrival_rows() -> None:
         "tower": [
             {"crops": 9, "mode": "bf16", "ms": 12.56},
             {"crops": 9, "mode": "fp8", "ms": 10.42},
+            {"crops": 9, "mode": "fp8 scales in GEMM", "ms": 10.9},
             {"crops": 9, "fp8_vs_bf16_rel_err": 0.01},
         ]
     }
     rows = _by_name(targets.tower_rows(tower, "md2", "c"))
+    assert set(rows) == {"md2.tower.crops9.bf16_ms", "md2.tower.crops9.fp8_ms"}
     bf16 = rows["md2.tower.crops9.bf16_ms"]
     assert (bf16["met"], bf16["flags"]) == (False, "")
     fp8 = rows["md2.tower.crops9.fp8_ms"]

@@ -4,12 +4,15 @@ moondream2-size tower on a GPU."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from types import ModuleType
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from image_pipeline import PreparedImage
+from tests.support.interpreted import interpreted_copy
 from tests.test_engine import (  # noqa: F401  (fixtures)
     _engine,
     images,
@@ -20,11 +23,13 @@ from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.common.layers import LayerNorm
 from vlm_server.models.interface import LoadedModel
+from vlm_server.models.moondream2 import fp8_vision
 from vlm_server.models.moondream2.config import VisionConfig
 from vlm_server.models.moondream2.fp8_vision import (
     FP8,
     FP8_MAX,
     Fp8Weight,
+    Unscaled,
     gelu_fp8,
     layernorm_fp8,
     quantize_rows,
@@ -87,6 +92,97 @@ def test_weights_quantize_per_output_channel_with_zero_padding() -> None:
     got = w(q, s, torch.float32)
     want = lin(x).detach()
     assert float((got - want).norm() / want.norm()) < 0.08
+
+
+def _unscaled_fc(seed: int, rows: int, k: int, n: int) -> tuple[Fp8Weight, Unscaled, torch.Tensor]:
+    """A quantized linear, an `Unscaled` product of it and the scaled product (bf16)."""
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(k, n)
+    torch.nn.init.normal_(lin.bias, std=2.0)
+    w = Fp8Weight.quantize(lin)
+    q, s = quantize_rows(torch.randn(rows, k) * torch.logspace(-2, 2, rows)[:, None])
+    return w, w.unscaled(q, s), w(q, s, torch.bfloat16)
+
+
+def test_unscaled_products_are_the_scaled_ones_before_their_scales() -> None:
+    w, u, scaled = _unscaled_fc(5, 9, 96, 40)
+    assert u.raw.dtype == torch.bfloat16 and u.raw.shape == (9, 40)
+    assert u.row.shape == (9, 1) and u.col is w.scale and u.bias is w.bias
+    # the raw product's range is the quantized values', far from the scaled one's
+    assert float(u.raw.float().abs().max()) > 1e3 * float(scaled.float().abs().max())
+    # one bf16 rounding of the product before the bias, one of the scaled result
+    product = (u.value() - u.bias.float()).abs()
+    bound = 2**-8 * (product + scaled.float().abs()) + 1e-6
+    assert bool(((u.value() - scaled.float()).abs() <= bound).all())
+
+
+def test_quantizers_apply_an_unscaled_products_scales_and_bias() -> None:
+    _, u, _ = _unscaled_fc(6, 7, 64, 200)
+    g, g_scale = gelu_fp8(u, 256)
+    want_g, want_scale = gelu_fp8(u.value(), 256)
+    assert torch.equal(g_scale, want_scale) and torch.equal(
+        g.view(torch.uint8), want_g.view(torch.uint8)
+    )
+    _within_e4m3(g[:, :200], g_scale, F.gelu(u.value(), approximate="tanh"))
+    assert bool((g[:, 200:].float() == 0).all())
+    torch.manual_seed(7)
+    norm = LayerNorm(200)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(7, 200).bfloat16()
+    norm = norm.bfloat16()
+    s, q, scale = layernorm_fp8(x, u, norm)
+    assert torch.equal(s, (x.float() + u.value()).bfloat16())
+    _within_e4m3(q, scale, norm(s).float())
+
+
+@pytest.fixture(scope="module")
+def interpreted_fp8() -> Iterator[ModuleType]:
+    """fp8_vision whose Triton kernels run in the interpreter on CPU tensors."""
+    with interpreted_copy(fp8_vision) as module:
+        module._on_triton = lambda t: True
+        module.Unscaled = Unscaled  # the class the test's products are made of
+        yield module
+
+
+def _within_one_e4m3_step(q: torch.Tensor, want: torch.Tensor) -> None:
+    """At most one e4m3 step apart (2^-3 of a normal value, 2^-6 among subnormals): the
+    statistics' summation orders differ. Values whose rounding carries into the next power of
+    two are left out: Triton 3.6's interpreter converts those a binade low (GPUs do not)."""
+    got, want = q.float(), want.float()
+    carry = (want.abs().frexp().mantissa == 0.5) & (got * 2 == want)
+    assert int(carry.sum()) < want.numel() // 10
+    diff = torch.where(carry, 0.0, (got - want).abs())
+    assert bool((diff <= 0.13 * want.abs() + 2**-6).all()), float(diff.max())
+
+
+@pytest.mark.parametrize("launch", [(0, 4), (256, 4), (512, 4)])
+def test_quantizer_kernels_equal_the_torch_ones(
+    interpreted_fp8: ModuleType, launch: tuple[int, int]
+) -> None:
+    """Both kernels, on plain and on `Unscaled` inputs, against the PyTorch path; the GELU
+    quantizer in each launch form (block and tail, one block, two passes)."""
+    kern = interpreted_fp8
+    _, u, _ = _unscaled_fc(8, 5, 64, 300)
+    for src in (u, u.value().bfloat16()):
+        g, g_scale = kern.gelu_fp8(src, 384, launch)
+        want_g, want_scale = gelu_fp8(src, 384)
+        torch.testing.assert_close(g_scale, want_scale, rtol=1e-5, atol=0)
+        _within_one_e4m3_step(g, want_g)
+        assert bool((g[:, 300:].float() == 0).all())
+    torch.manual_seed(9)
+    norm = LayerNorm(300)
+    torch.nn.init.normal_(norm.weight)
+    torch.nn.init.normal_(norm.bias)
+    # a float32 residual stream: the interpreter's bf16 arithmetic is not the GPU's (its sums
+    # of two bf16 values overflow, its conversions to bf16 truncate); the GPU test has bf16
+    x = torch.randn(5, 300) * 3
+    for a in (u, u.value(), None):
+        s, q, scale = kern.layernorm_fp8(x, a, norm)
+        want_s, want_q, want_scale = layernorm_fp8(x, a, norm)
+        # the kernel may fuse raw * row * col + bias into one FMA
+        torch.testing.assert_close(s, want_s, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(scale, want_scale, rtol=2**-6, atol=0)
+        _within_one_e4m3_step(q, want_q)
 
 
 def test_layernorm_and_gelu_quantizers_compute_the_norm_and_the_activation() -> None:
@@ -185,6 +281,28 @@ def test_triton_quantizers_equal_the_torch_ones() -> None:
     assert bool((gq[:, 4304:].float() == 0).all())
     diff = (gq.float().cpu() - gq_cpu.float()).abs()
     assert float((diff / gq_cpu.float().abs().clamp_min(2**-6)).max()) <= 0.13
+    # `Unscaled` products (raw values of an FP8 GEMM's range) into both quantizers
+    for raw, dim in ((u * 1e4, 4304), (a * 1e4, 1152)):
+        row = torch.rand(6561, 1, device="cuda", generator=g) * 1e-4
+        col = torch.rand(1, dim, device="cuda", generator=g) * 1e-2
+        bias = torch.randn(dim, device="cuda", generator=g).bfloat16()
+        un = Unscaled(raw.bfloat16(), row, col, bias)
+        un_cpu = Unscaled(*(t.cpu() for t in (un.raw, row, col, bias)))
+        if dim == 4304:
+            gq, gs = gelu_fp8(un, 4352)
+            for launch in ((8192, 8), (1024, 4), (0, 4)):
+                other, other_scale = gelu_fp8(un, 4352, launch)
+                assert torch.equal(other_scale, gs) and torch.equal(
+                    other.view(torch.uint8), gq.view(torch.uint8)
+                )
+            want_q, want_s = gelu_fp8(un_cpu, 4352)
+        else:
+            s, gq, gs = layernorm_fp8(x, un, norm)
+            want_sum, want_q, want_s = layernorm_fp8(x.cpu(), un_cpu, copy.deepcopy(norm).cpu())
+            # the kernel may fuse raw * row * col + bias into one FMA: one bf16 step apart
+            torch.testing.assert_close(s.cpu(), want_sum, rtol=2**-8, atol=0)
+        torch.testing.assert_close(gs.cpu(), want_s, rtol=1e-5, atol=0)
+        _within_one_e4m3_step(gq.cpu(), want_q)
 
 
 @pytest.mark.gpu

@@ -64,11 +64,12 @@ _NORM = {
 }  # fmt: skip
 _NORM_FP8 = {
     "x_ptr": "*bf16", "a_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16",
-    "sum_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "dim": "i32", "eps": "fp32",
+    "sum_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "row_ptr": "*fp32",
+    "col_ptr": "*fp32", "a_bias_ptr": "*bf16", "dim": "i32", "eps": "fp32",
 }  # fmt: skip
 _GELU_FP8 = {
-    "u_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "width": "i32",
-    "width_out": "i32",
+    "u_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "row_ptr": "*fp32",
+    "col_ptr": "*fp32", "bias_ptr": "*bf16", "width": "i32", "width_out": "i32",
 }  # fmt: skip
 _LORA = "vlm_server.models.common.lora_kernel"
 _SHRINK = {
@@ -508,25 +509,20 @@ KERNELS = (
         {"BLOCK": 4096, "CHUNK": 4096, "TAIL": 256},
         min_arch=89,
     ),
-)
-
-KERNELS += tuple(
     Kernel(
-        "vlm_server.models.common.tower_attention",
-        "_attention_kernel",
-        {
-            "qkv_ptr": "*bf16",
-            "out_ptr": "*bf16",
-            "T": "i32",
-            "stride_row": "i32",
-            "qk_scale": "fp32",
-        },
-        {
-            **{"H": 16, "HD": hd, "DA": 64, "DB": 16, "HAS_B": hd > 64},
-            **{"BM": 128, "BN": 64, "IEEE": False},
-        },
-    )
-    for hd in (72, 64)
+        "vlm_server.models.moondream2.fp8_vision",
+        "_gelu_fp8_kernel",
+        _GELU_FP8,
+        {"BLOCK": 4096, "CHUNK": 4096, "TAIL": 256, "SCALED": True},
+        min_arch=89,
+    ),
+    Kernel(
+        "vlm_server.models.moondream2.fp8_vision",
+        "_add_layernorm_fp8_kernel",
+        _NORM_FP8,
+        {"HAS_A": True, "BLOCK": 2048, "SCALED": True},
+        min_arch=89,
+    ),
 )
 
 # The decode step's kernels again as they launch early (models/common/launch_overlap.py):

@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlm_server.models.common import tower_attention
 from vlm_server.models.common.fused_norm import add_layernorm
 from vlm_server.models.common.layers import MLP, LayerNorm
 from vlm_server.models.moondream2.config import VisionConfig
@@ -19,12 +18,8 @@ class VisionAttention(nn.Module):
         self.n_heads = cfg.enc_n_heads
         self.qkv = nn.Linear(cfg.enc_dim, 3 * cfg.enc_dim)
         self.proj = nn.Linear(cfg.enc_dim, cfg.enc_dim)
-        # Set by `VisionEncoder.use_split_head_attention`: the Triton kernel instead of SDPA.
-        self.split_head = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.split_head:
-            return self.proj(tower_attention.attention(self.qkv(x), self.n_heads))
         n, t, d = x.shape
         # [n, t, 3d] -> three [n, heads, t, head_dim], in Q | K | V column order
         q, k, v = (
@@ -69,15 +64,6 @@ class VisionEncoder(nn.Module):
         Quantizes the current weights: call it after loading them, and before capturing any
         graph of the tower (a captured graph keeps reading the weights it was captured with)."""
         self.fp8 = Fp8Tower(self) if enabled else None
-
-    def use_split_head_attention(self, enabled: bool = True) -> bool:
-        """Attention through `tower_attention`'s kernel (CUDA with Triton) from now on, or
-        SDPA; returns whether it is on. Both towers (bf16 and FP8) take it. Call it before
-        capturing any graph of the tower."""
-        on = enabled and tower_attention.available(self.pos_emb)
-        for block in self.blocks:
-            block.attn.split_head = on
-        return on
 
     def patchify(self, crops: torch.Tensor) -> torch.Tensor:
         """[N, C, H, W] -> [N, grid*grid, C*p*p]; patch index py*grid+px, feature c*p*p+iy*p+ix."""
