@@ -234,18 +234,24 @@ def norm_rows(m: int, vc: VisionConfig, dt: torch.dtype) -> list[dict]:
     rows = [
         {"variant": "add_layernorm", "us": replay_us(lambda: add_layernorm(x, a, None, norm))},
         {"variant": "layer_norm", "us": replay_us(lambda: norm(x))},
-        {"variant": "add_layernorm_fp8", "us": replay_us(lambda: layernorm_fp8(x, a, norm))},
-        {
-            "variant": "add_layernorm_fp8 unscaled",
-            "us": replay_us(lambda: layernorm_fp8(x, a_raw, norm)),
-        },
-        {"variant": "gelu_fp8 unscaled", "us": replay_us(lambda: gelu_fp8(u_raw, inner))},
         *(
             {
-                "variant": f"gelu_fp8 chunk {c} warps {w}",
-                "us": replay_us(lambda c=c, w=w: gelu_fp8(u, inner, (c, w))),
+                "variant": f"add_layernorm_fp8{name} {'tail' if split else 'block'} warps {w}",
+                "us": replay_us(
+                    lambda add=add, split=split, w=w: layernorm_fp8(x, add, norm, (split, w))
+                ),
             }
-            for c, w in ((0, 4), (0, 8), (0, 16), (8192, 8), (8192, 4), (1024, 4))
+            for name, add in (("", a), (" unscaled", a_raw))
+            for split in (True, False)
+            for w in (4, 8)
+        ),
+        *(
+            {
+                "variant": f"gelu_fp8{name} chunk {c} warps {w}",
+                "us": replay_us(lambda src=src, c=c, w=w: gelu_fp8(src, inner, (c, w))),
+            }
+            for name, src in (("", u), (" unscaled", u_raw))
+            for c, w in ((0, 2), (0, 4), (0, 8), (8192, 8), (1024, 4))
         ),
         {"variant": "gelu bf16 (torch)", "us": replay_us(lambda: F.gelu(u, approximate="tanh"))},
     ]

@@ -523,6 +523,13 @@ KERNELS = (
         {"HAS_A": True, "BLOCK": 2048, "SCALED": True},
         min_arch=89,
     ),
+    Kernel(
+        "vlm_server.models.moondream2.fp8_vision",
+        "_add_layernorm_fp8_kernel",
+        _NORM_FP8,
+        {"HAS_A": True, "BLOCK": 1024, "SCALED": True, "TAIL": 128},
+        min_arch=89,
+    ),
 )
 
 # The decode step's kernels again as they launch early (models/common/launch_overlap.py):

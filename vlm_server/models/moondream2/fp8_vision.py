@@ -138,62 +138,90 @@ if triton is not None:
     _MAX = tl.standard._elementwise_max
 
     @triton.jit
-    def _add_layernorm_fp8_kernel(
-        x_ptr,
-        a_ptr,
-        w_ptr,
-        bias_ptr,
-        sum_ptr,
-        q_ptr,
-        scale_ptr,
-        row_ptr,
-        col_ptr,
-        a_bias_ptr,
-        dim,
-        eps,
-        HAS_A: tl.constexpr,
-        BLOCK: tl.constexpr,
-        SCALED: tl.constexpr = False,
-    ):
-        row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < dim
+    def _residual_sum(
+        xs, adds, sums, row, cols, mask, dim, row_scale, col_scales, biases,
+        HAS_A: tl.constexpr, SCALED: tl.constexpr,
+    ):  # fmt: skip
+        """Columns ``cols`` of row ``row`` of ``x (+ a)`` as fp32, stored to ``sums`` in ``x``'s
+        type when there is an ``a`` (an `Unscaled` product when SCALED)."""
         offs = row.to(tl.int64) * dim + cols
-        s = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        s = tl.load(xs + offs, mask=mask, other=0.0)
         if HAS_A:
-            if SCALED:  # ``a`` is an `Unscaled` product
-                a = _scaled(
-                    a_ptr + row.to(tl.int64) * dim, cols, mask, row_ptr + row, col_ptr, a_bias_ptr
-                )
+            if SCALED:
+                src = adds + row.to(tl.int64) * dim
+                a = _scaled(src, cols, mask, row_scale, col_scales, biases)
                 s = (s.to(tl.float32) + a).to(s.dtype)
             else:
-                s = s + tl.load(a_ptr + offs, mask=mask, other=0.0)
-            tl.store(sum_ptr + offs, s, mask=mask)
-        v = s.to(tl.float32)
-        mean = tl.reduce(v, 0, _SUM) / dim
+                s = s + tl.load(adds + offs, mask=mask, other=0.0)
+            tl.store(sums + offs, s, mask=mask)
+        return s.to(tl.float32)
+
+    @triton.jit
+    def _norm_fp8(v, mean, rstd, weights, norm_biases, cols, mask):
+        """The LayerNorm of one piece of a row, 0 off ``mask``."""
+        w = tl.load(weights + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(norm_biases + cols, mask=mask, other=0.0).to(tl.float32)
+        return tl.where(mask, (v - mean) * rstd * w + b, 0.0)
+
+    @triton.jit
+    def _add_layernorm_fp8_kernel(
+        x_ptr, a_ptr, w_ptr, bias_ptr, sum_ptr, q_ptr, scale_ptr, row_ptr, col_ptr, a_bias_ptr,
+        dim, eps, HAS_A: tl.constexpr, BLOCK: tl.constexpr, SCALED: tl.constexpr = False,
+        TAIL: tl.constexpr = 0,
+    ):  # fmt: skip
+        # The row as a BLOCK-wide piece and, when TAIL > 0, a TAIL-wide one (1152 = 1024 + 128:
+        # no lanes past the row, where one power-of-two block would be 2048 lanes).
+        row = tl.program_id(0)
+        rs = row_ptr + row
+        cols = tl.arange(0, BLOCK)
+        mask = cols < dim
+        v = _residual_sum(
+            x_ptr, a_ptr, sum_ptr, row, cols, mask, dim, rs, col_ptr, a_bias_ptr, HAS_A, SCALED
+        )
+        total = tl.reduce(v, 0, _SUM)
+        if TAIL > 0:
+            tail = BLOCK + tl.arange(0, TAIL)
+            tmask = tail < dim
+            vt = _residual_sum(
+                x_ptr, a_ptr, sum_ptr, row, tail, tmask, dim, rs, col_ptr, a_bias_ptr, HAS_A,
+                SCALED,
+            )  # fmt: skip
+            total += tl.reduce(vt, 0, _SUM)
+        mean = total / dim
         centred = tl.where(mask, v - mean, 0.0)
-        var = tl.reduce(centred * centred, 0, _SUM) / dim
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = tl.where(mask, centred * tl.rsqrt(var + eps) * w + b, 0.0)
-        amax = tl.maximum(tl.reduce(tl.abs(y), 0, _MAX), 448e-12)
+        var = tl.reduce(centred * centred, 0, _SUM)
+        if TAIL > 0:
+            centred_t = tl.where(tmask, vt - mean, 0.0)
+            var += tl.reduce(centred_t * centred_t, 0, _SUM)
+        rstd = tl.rsqrt(var / dim + eps)
+        y = _norm_fp8(v, mean, rstd, w_ptr, bias_ptr, cols, mask)
+        amax = tl.reduce(tl.abs(y), 0, _MAX)
+        if TAIL > 0:
+            yt = _norm_fp8(vt, mean, rstd, w_ptr, bias_ptr, tail, tmask)
+            amax = tl.maximum(amax, tl.reduce(tl.abs(yt), 0, _MAX))
+        amax = tl.maximum(amax, 448e-12)
+        dst = q_ptr + row.to(tl.int64) * dim
         q = tl.minimum(tl.maximum(y * (448.0 / amax), -448.0), 448.0)
-        tl.store(q_ptr + offs, q.to(tl.float8e4nv), mask=mask)
+        tl.store(dst + cols, q.to(tl.float8e4nv), mask=mask)
+        if TAIL > 0:
+            q = tl.minimum(tl.maximum(yt * (448.0 / amax), -448.0), 448.0)
+            tl.store(dst + tail, q.to(tl.float8e4nv), mask=tmask)
         tl.store(scale_ptr + row, amax / 448.0)
 
     @triton.jit
-    def _scaled(src, cols, mask, row_scale_ptr, col_ptr, bias_ptr):
-        """Columns ``cols`` of an `Unscaled` row in fp32: raw * row * col + bias (0 off mask)."""
+    def _scaled(src, cols, mask, row_scale, col_scales, biases):
+        """Columns ``cols`` of an `Unscaled` row in fp32: raw * row * col + bias (0 off mask);
+        ``row_scale`` points at the row's scale, ``col_scales`` and ``biases`` at column 0's."""
         raw = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
-        c = tl.load(col_ptr + cols, mask=mask, other=0.0)
-        b = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        return raw * tl.load(row_scale_ptr) * c + b
+        c = tl.load(col_scales + cols, mask=mask, other=0.0)
+        b = tl.load(biases + cols, mask=mask, other=0.0).to(tl.float32)
+        return raw * tl.load(row_scale) * c + b
 
     @triton.jit
-    def _gelu_in(src, cols, mask, row_scale_ptr, col_ptr, bias_ptr, SCALED: tl.constexpr):
+    def _gelu_in(src, cols, mask, row_scale, col_scales, biases, SCALED: tl.constexpr):
         """GELU of columns ``cols`` of a row (0 off ``mask``), scaled first where `Unscaled`."""
         if SCALED:
-            u = _scaled(src, cols, mask, row_scale_ptr, col_ptr, bias_ptr)
+            u = _scaled(src, cols, mask, row_scale, col_scales, biases)
         else:
             u = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
         return _gelu(u)
@@ -256,11 +284,19 @@ def _on_triton(t: torch.Tensor) -> bool:
     return triton is not None and t.is_cuda
 
 
+# The add + LayerNorm quantizer's launch: (the row as a power-of-two block and a tail, warps).
+NORM_LAUNCH = (True, 4)
+
+
 def layernorm_fp8(
-    x: torch.Tensor, a: torch.Tensor | Unscaled | None, norm: LayerNorm
+    x: torch.Tensor,
+    a: torch.Tensor | Unscaled | None,
+    norm: LayerNorm,
+    launch: tuple[bool, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``s = x (+ a)`` and ``norm(s)`` in e4m3 rows: returns (s, rows, row scales [M, 1]).
-    ``x`` and ``a`` are [M, dim]; with ``a`` None, ``s`` is ``x`` itself."""
+    ``x`` and ``a`` are [M, dim]; with ``a`` None, ``s`` is ``x`` itself. ``launch``
+    overrides `NORM_LAUNCH` (the tower probe's sweep)."""
     if not _on_triton(x):
         if isinstance(a, Unscaled):
             s = (x.float() + a.value()).to(x.dtype)
@@ -276,6 +312,11 @@ def layernorm_fp8(
     scaled = isinstance(a, Unscaled)
     # unscaled: the scales' and bias' places are taken by tensors the kernel never reads
     raw, row, col, bias = (a.raw, a.row, a.col, a.bias) if scaled else (a, scale, scale, scale)
+    split, warps = launch or NORM_LAUNCH
+    block, tail = triton.next_power_of_2(dim), 0
+    if split and block > dim:
+        block //= 2
+        tail = triton.next_power_of_2(dim - block)
     _add_layernorm_fp8_kernel[(rows,)](
         x,
         x if a is None else raw,
@@ -290,8 +331,10 @@ def layernorm_fp8(
         dim,
         LN_EPS,
         HAS_A=a is not None,
-        BLOCK=triton.next_power_of_2(dim),
+        BLOCK=block,
         SCALED=scaled,
+        TAIL=tail,
+        num_warps=warps,
     )
     return s, q, scale
 
