@@ -155,17 +155,15 @@ def _within_one_e4m3_step(q: torch.Tensor, want: torch.Tensor) -> None:
     assert bool((diff <= 0.13 * want.abs() + 2**-6).all()), float(diff.max())
 
 
-@pytest.mark.parametrize("launch", [(0, 4), (256, 4), (512, 4)])
-def test_quantizer_kernels_equal_the_torch_ones(
-    interpreted_fp8: ModuleType, launch: tuple[int, int]
-) -> None:
-    """Both kernels, on plain and on `Unscaled` inputs, against the PyTorch path; the GELU
-    quantizer in each launch form (block and tail, one block, two passes), the norm's with and
-    without a tail."""
+@pytest.mark.parametrize("per", [1, 2, 3])
+def test_quantizer_kernels_equal_the_torch_ones(interpreted_fp8: ModuleType, per: int) -> None:
+    """Both kernels, on plain and on `Unscaled` inputs, against the PyTorch path, with 1, 2
+    and 3 of the 5 rows per program (the last program's short); the GELU quantizer with the
+    row as one block and as a block and a tail."""
     kern = interpreted_fp8
     _, u, _ = _unscaled_fc(8, 5, 64, 300)
-    for src in (u, u.value().bfloat16()):
-        g, g_scale = kern.gelu_fp8(src, 384, launch)
+    for src, split in ((u, True), (u, False), (u.value().bfloat16(), True)):
+        g, g_scale = kern.gelu_fp8(src, 384, (split, 4, per))
         want_g, want_scale = gelu_fp8(src, 384)
         torch.testing.assert_close(g_scale, want_scale, rtol=1e-5, atol=0)
         _within_one_e4m3_step(g, want_g)
@@ -177,9 +175,8 @@ def test_quantizer_kernels_equal_the_torch_ones(
     # a float32 residual stream: the interpreter's bf16 arithmetic is not the GPU's (its sums
     # of two bf16 values overflow, its conversions to bf16 truncate); the GPU test has bf16
     x = torch.randn(5, 300) * 3
-    for a, split in ((u, True), (u, False), (u.value(), True), (u.value(), False), (None, True)):
-        # 300 columns: one block of 512 lanes, or 256 and a tail of 64
-        s, q, scale = kern.layernorm_fp8(x, a, norm, (split, 4))
+    for a in (u, u.value(), None):
+        s, q, scale = kern.layernorm_fp8(x, a, norm, (4, per))
         want_s, want_q, want_scale = layernorm_fp8(x, a, norm)
         # the kernel may fuse raw * row * col + bias into one FMA
         torch.testing.assert_close(s, want_s, rtol=1e-6, atol=1e-6)
@@ -261,7 +258,7 @@ def test_triton_quantizers_equal_the_torch_ones() -> None:
     x = torch.randn(6561, 1152, device="cuda", generator=g).bfloat16()
     a = torch.randn(6561, 1152, device="cuda", generator=g).bfloat16()
     norm = norm.bfloat16()
-    for addend, launch in ((a, (True, 4)), (a, (False, 4)), (a, (True, 8)), (None, None)):
+    for addend, launch in ((a, (4, 1)), (a, (8, 4)), (a, (4, 3)), (None, None)):
         s, q, scale = layernorm_fp8(x, addend, norm, launch)
         s_cpu, q_cpu, scale_cpu = layernorm_fp8(
             x.cpu(), None if addend is None else addend.cpu(), copy.deepcopy(norm).cpu()
@@ -274,7 +271,7 @@ def test_triton_quantizers_equal_the_torch_ones() -> None:
     u = (torch.randn(6561, 4304, device="cuda", generator=g) * 3).bfloat16()
     gq, gs = gelu_fp8(u, 4352)
     gq_cpu, gs_cpu = gelu_fp8(u.cpu(), 4352)
-    for launch in ((8192, 8), (1024, 4), (0, 4)):  # every form computes the same bits
+    for launch in ((False, 8, 1), (True, 4, 2), (True, 8, 3)):  # the same bits in every form
         other, other_scale = gelu_fp8(u, 4352, launch)
         assert torch.equal(other_scale, gs) and torch.equal(
             other.view(torch.uint8), gq.view(torch.uint8)
@@ -292,7 +289,7 @@ def test_triton_quantizers_equal_the_torch_ones() -> None:
         un_cpu = Unscaled(*(t.cpu() for t in (un.raw, row, col, bias)))
         if dim == 4304:
             gq, gs = gelu_fp8(un, 4352)
-            for launch in ((8192, 8), (1024, 4), (0, 4)):
+            for launch in ((False, 8, 1), (True, 4, 2), (True, 8, 3)):
                 other, other_scale = gelu_fp8(un, 4352, launch)
                 assert torch.equal(other_scale, gs) and torch.equal(
                     other.view(torch.uint8), gq.view(torch.uint8)

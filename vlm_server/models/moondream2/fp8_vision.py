@@ -138,93 +138,25 @@ if triton is not None:
     _MAX = tl.standard._elementwise_max
 
     @triton.jit
-    def _residual_sum(
-        xs, adds, sums, row, cols, mask, dim, row_scale, col_scales, biases,
-        HAS_A: tl.constexpr, SCALED: tl.constexpr,
-    ):  # fmt: skip
-        """Columns ``cols`` of row ``row`` of ``x (+ a)`` as fp32, stored to ``sums`` in ``x``'s
-        type when there is an ``a`` (an `Unscaled` product when SCALED)."""
-        offs = row.to(tl.int64) * dim + cols
-        s = tl.load(xs + offs, mask=mask, other=0.0)
-        if HAS_A:
-            if SCALED:
-                src = adds + row.to(tl.int64) * dim
-                a = _scaled(src, cols, mask, row_scale, col_scales, biases)
-                s = (s.to(tl.float32) + a).to(s.dtype)
-            else:
-                s = s + tl.load(adds + offs, mask=mask, other=0.0)
-            tl.store(sums + offs, s, mask=mask)
-        return s.to(tl.float32)
-
-    @triton.jit
-    def _norm_fp8(v, mean, rstd, weights, norm_biases, cols, mask):
-        """The LayerNorm of one piece of a row, 0 off ``mask``."""
-        w = tl.load(weights + cols, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(norm_biases + cols, mask=mask, other=0.0).to(tl.float32)
-        return tl.where(mask, (v - mean) * rstd * w + b, 0.0)
-
-    @triton.jit
-    def _add_layernorm_fp8_kernel(
-        x_ptr, a_ptr, w_ptr, bias_ptr, sum_ptr, q_ptr, scale_ptr, row_ptr, col_ptr, a_bias_ptr,
-        dim, eps, HAS_A: tl.constexpr, BLOCK: tl.constexpr, SCALED: tl.constexpr = False,
-        TAIL: tl.constexpr = 0,
-    ):  # fmt: skip
-        # The row as a BLOCK-wide piece and, when TAIL > 0, a TAIL-wide one (1152 = 1024 + 128:
-        # no lanes past the row, where one power-of-two block would be 2048 lanes).
-        row = tl.program_id(0)
-        rs = row_ptr + row
-        cols = tl.arange(0, BLOCK)
-        mask = cols < dim
-        v = _residual_sum(
-            x_ptr, a_ptr, sum_ptr, row, cols, mask, dim, rs, col_ptr, a_bias_ptr, HAS_A, SCALED
-        )
-        total = tl.reduce(v, 0, _SUM)
-        if TAIL > 0:
-            tail = BLOCK + tl.arange(0, TAIL)
-            tmask = tail < dim
-            vt = _residual_sum(
-                x_ptr, a_ptr, sum_ptr, row, tail, tmask, dim, rs, col_ptr, a_bias_ptr, HAS_A,
-                SCALED,
-            )  # fmt: skip
-            total += tl.reduce(vt, 0, _SUM)
-        mean = total / dim
-        centred = tl.where(mask, v - mean, 0.0)
-        var = tl.reduce(centred * centred, 0, _SUM)
-        if TAIL > 0:
-            centred_t = tl.where(tmask, vt - mean, 0.0)
-            var += tl.reduce(centred_t * centred_t, 0, _SUM)
-        rstd = tl.rsqrt(var / dim + eps)
-        y = _norm_fp8(v, mean, rstd, w_ptr, bias_ptr, cols, mask)
-        amax = tl.reduce(tl.abs(y), 0, _MAX)
-        if TAIL > 0:
-            yt = _norm_fp8(vt, mean, rstd, w_ptr, bias_ptr, tail, tmask)
-            amax = tl.maximum(amax, tl.reduce(tl.abs(yt), 0, _MAX))
-        amax = tl.maximum(amax, 448e-12)
-        dst = q_ptr + row.to(tl.int64) * dim
-        q = tl.minimum(tl.maximum(y * (448.0 / amax), -448.0), 448.0)
-        tl.store(dst + cols, q.to(tl.float8e4nv), mask=mask)
-        if TAIL > 0:
-            q = tl.minimum(tl.maximum(yt * (448.0 / amax), -448.0), 448.0)
-            tl.store(dst + tail, q.to(tl.float8e4nv), mask=tmask)
-        tl.store(scale_ptr + row, amax / 448.0)
-
-    @triton.jit
-    def _scaled(src, cols, mask, row_scale, col_scales, biases):
-        """Columns ``cols`` of an `Unscaled` row in fp32: raw * row * col + bias (0 off mask);
-        ``row_scale`` points at the row's scale, ``col_scales`` and ``biases`` at column 0's."""
-        raw = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
-        c = tl.load(col_scales + cols, mask=mask, other=0.0)
-        b = tl.load(biases + cols, mask=mask, other=0.0).to(tl.float32)
-        return raw * tl.load(row_scale) * c + b
-
-    @triton.jit
-    def _gelu_in(src, cols, mask, row_scale, col_scales, biases, SCALED: tl.constexpr):
-        """GELU of columns ``cols`` of a row (0 off ``mask``), scaled first where `Unscaled`."""
+    def _columns(col_scales, biases, cols, mask, SCALED: tl.constexpr):
+        """An `Unscaled` product's column scales and biases at ``cols`` in fp32 (zeros unless
+        SCALED): loaded once per program, for all of its rows."""
         if SCALED:
-            u = _scaled(src, cols, mask, row_scale, col_scales, biases)
+            c = tl.load(col_scales + cols, mask=mask, other=0.0)
+            b = tl.load(biases + cols, mask=mask, other=0.0).to(tl.float32)
         else:
-            u = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
-        return _gelu(u)
+            c = cols.to(tl.float32) * 0.0
+            b = c
+        return c, b
+
+    @triton.jit
+    def _load_row(src, cols, mask, rs, c, b, SCALED: tl.constexpr):
+        """Columns ``cols`` of a row in fp32 (0 off ``mask``); of an `Unscaled` product when
+        SCALED: raw * row scale ``rs`` * column scales ``c`` + biases ``b``."""
+        v = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
+        if SCALED:
+            v = v * rs * c + b
+        return v
 
     @triton.jit
     def _gelu(u):
@@ -234,69 +166,100 @@ if triton is not None:
         return tl.fdiv(u, 1.0 + tl.exp(-2.0 * z), ieee_rounding=False)
 
     @triton.jit
-    def _gelu_fp8_kernel(
-        u_ptr, q_ptr, scale_ptr, row_ptr, col_ptr, bias_ptr, width, width_out,
-        BLOCK: tl.constexpr, CHUNK: tl.constexpr, TAIL: tl.constexpr = 0,
-        SCALED: tl.constexpr = False,
+    def _to_e4m3(y, top):
+        return tl.minimum(tl.maximum(y * (448.0 / top), -448.0), 448.0).to(tl.float8e4nv)
+
+    @triton.jit
+    def _add_layernorm_fp8_kernel(
+        x_ptr, a_ptr, w_ptr, bias_ptr, sum_ptr, q_ptr, scale_ptr, row_ptr, col_ptr, a_bias_ptr,
+        n_rows, dim, eps, HAS_A: tl.constexpr, BLOCK: tl.constexpr,
+        SCALED: tl.constexpr = False, ROWS: tl.constexpr = 1,
     ):  # fmt: skip
-        row = tl.program_id(0)
-        src = u_ptr + row.to(tl.int64) * width
-        dst = q_ptr + row.to(tl.int64) * width_out
-        rs = row_ptr + row
-        if TAIL > 0:  # the row as a BLOCK-wide and a TAIL-wide piece, both in registers
-            # Lanes past the row would compute GELU too (two special-function ops each: the
-            # bound of a power-of-two block twice the row's width).
-            cols = tl.arange(0, BLOCK)
+        # ROWS consecutive rows per program: the per-column vectors are read once for them all.
+        cols = tl.arange(0, BLOCK)
+        mask = cols < dim
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        nb = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        c, b = _columns(col_ptr, a_bias_ptr, cols, mask, SCALED)
+        for i in tl.static_range(ROWS):
+            row = tl.program_id(0) * ROWS + i
+            ok = row < n_rows
+            m = mask & ok
+            offs = row.to(tl.int64) * dim + cols
+            s = tl.load(x_ptr + offs, mask=m, other=0.0)
+            if HAS_A:
+                if SCALED:  # ``a`` is an `Unscaled` product
+                    rs = tl.load(row_ptr + row, mask=ok, other=0.0)
+                    a = _load_row(a_ptr + row.to(tl.int64) * dim, cols, m, rs, c, b, True)
+                    s = (s.to(tl.float32) + a).to(s.dtype)
+                else:
+                    s = s + tl.load(a_ptr + offs, mask=m, other=0.0)
+                tl.store(sum_ptr + offs, s, mask=m)
+            v = s.to(tl.float32)
+            mean = tl.reduce(v, 0, _SUM) / dim
+            centred = tl.where(m, v - mean, 0.0)
+            var = tl.reduce(centred * centred, 0, _SUM) / dim
+            y = tl.where(m, centred * tl.rsqrt(var + eps) * w + nb, 0.0)
+            amax = tl.maximum(tl.reduce(tl.abs(y), 0, _MAX), 448e-12)
+            tl.store(q_ptr + offs, _to_e4m3(y, amax), mask=m)
+            tl.store(scale_ptr + row, amax / 448.0, mask=ok)
+
+    @triton.jit
+    def _gelu_fp8_kernel(
+        u_ptr, q_ptr, scale_ptr, row_ptr, col_ptr, bias_ptr, n_rows, width, width_out,
+        BLOCK: tl.constexpr, TAIL: tl.constexpr = 0, SCALED: tl.constexpr = False,
+        ROWS: tl.constexpr = 1,
+    ):  # fmt: skip
+        # Each row as a BLOCK-wide piece and, when TAIL > 0, a TAIL-wide one, both in
+        # registers: lanes past the row would compute GELU too (two special-function ops
+        # each), up to twice the row's width with one power-of-two block. Columns from
+        # ``width`` to ``width_out`` get 0 (u = 0 there): fc2's zero-padded inner width.
+        cols = tl.arange(0, BLOCK)
+        mask = cols < width
+        c, b = _columns(col_ptr, bias_ptr, cols, mask, SCALED)
+        if TAIL > 0:
             tail = BLOCK + tl.arange(0, TAIL)
-            g = _gelu_in(src, cols, cols < width, rs, col_ptr, bias_ptr, SCALED)
-            gt = _gelu_in(src, tail, tail < width, rs, col_ptr, bias_ptr, SCALED)
-            top = tl.maximum(tl.reduce(tl.abs(g), 0, _MAX), tl.reduce(tl.abs(gt), 0, _MAX))
+            tmask = tail < width
+            ct, bt = _columns(col_ptr, bias_ptr, tail, tmask, SCALED)
+        for i in tl.static_range(ROWS):
+            row = tl.program_id(0) * ROWS + i
+            ok = row < n_rows
+            rs = 0.0
+            if SCALED:
+                rs = tl.load(row_ptr + row, mask=ok, other=0.0)
+            src = u_ptr + row.to(tl.int64) * width
+            dst = q_ptr + row.to(tl.int64) * width_out
+            g = _gelu(_load_row(src, cols, mask & ok, rs, c, b, SCALED))
+            top = tl.reduce(tl.abs(g), 0, _MAX)
+            if TAIL > 0:
+                gt = _gelu(_load_row(src, tail, tmask & ok, rs, ct, bt, SCALED))
+                top = tl.maximum(top, tl.reduce(tl.abs(gt), 0, _MAX))
             top = tl.maximum(top, 448e-12)
-            q = tl.minimum(tl.maximum(g * (448.0 / top), -448.0), 448.0)
-            tl.store(dst + cols, q.to(tl.float8e4nv), mask=cols < width_out)
-            q = tl.minimum(tl.maximum(gt * (448.0 / top), -448.0), 448.0)
-            tl.store(dst + tail, q.to(tl.float8e4nv), mask=tail < width_out)
-        elif CHUNK >= BLOCK:  # the whole row in registers: one read, GELU computed once
-            cols = tl.arange(0, BLOCK)
-            g = _gelu_in(src, cols, cols < width, rs, col_ptr, bias_ptr, SCALED)
-            top = tl.maximum(tl.reduce(tl.abs(g), 0, _MAX), 448e-12)
-            q = tl.minimum(tl.maximum(g * (448.0 / top), -448.0), 448.0)
-            # columns past ``width`` hold 0 (u = 0 there): fc2's zero-padded inner width
-            tl.store(dst + cols, q.to(tl.float8e4nv), mask=cols < width_out)
-        else:  # two passes over CHUNK-wide pieces, the second reading the row back from cache
-            cols = tl.arange(0, CHUNK)
-            amax = tl.full((CHUNK,), 0.0, tl.float32)
-            for start in range(0, width, CHUNK):
-                c = start + cols
-                amax = tl.maximum(
-                    amax, tl.abs(_gelu_in(src, c, c < width, rs, col_ptr, bias_ptr, SCALED))
-                )
-            top = tl.maximum(tl.reduce(amax, 0, _MAX), 448e-12)
-            for start in range(0, width_out, CHUNK):
-                c = start + cols
-                g = _gelu_in(src, c, c < width, rs, col_ptr, bias_ptr, SCALED)
-                q = tl.minimum(tl.maximum(g * (448.0 / top), -448.0), 448.0)
-                tl.store(dst + c, q.to(tl.float8e4nv), mask=c < width_out)
-        tl.store(scale_ptr + row, top / 448.0)
+            tl.store(dst + cols, _to_e4m3(g, top), mask=(cols < width_out) & ok)
+            if TAIL > 0:
+                tl.store(dst + tail, _to_e4m3(gt, top), mask=(tail < width_out) & ok)
+            tl.store(scale_ptr + row, top / 448.0, mask=ok)
 
 
 def _on_triton(t: torch.Tensor) -> bool:
     return triton is not None and t.is_cuda
 
 
-# The add + LayerNorm quantizer's launch: (the row as a power-of-two block and a tail, warps).
-NORM_LAUNCH = (True, 4)
+# The quantizers' launches: the add + LayerNorm's (warps, rows per program), the GELU's
+# (the row as a power-of-two block and a tail, warps, rows per program). See bench/tower_probe.py.
+NORM_LAUNCH = (4, 1)
+GELU_LAUNCH = (True, 8, 1)
 
 
 def layernorm_fp8(
     x: torch.Tensor,
     a: torch.Tensor | Unscaled | None,
     norm: LayerNorm,
-    launch: tuple[bool, int] | None = None,
+    launch: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``s = x (+ a)`` and ``norm(s)`` in e4m3 rows: returns (s, rows, row scales [M, 1]).
     ``x`` and ``a`` are [M, dim]; with ``a`` None, ``s`` is ``x`` itself. ``launch``
-    overrides `NORM_LAUNCH` (the tower probe's sweep)."""
+    overrides `NORM_LAUNCH`."""
     if not _on_triton(x):
         if isinstance(a, Unscaled):
             s = (x.float() + a.value()).to(x.dtype)
@@ -312,45 +275,20 @@ def layernorm_fp8(
     scaled = isinstance(a, Unscaled)
     # unscaled: the scales' and bias' places are taken by tensors the kernel never reads
     raw, row, col, bias = (a.raw, a.row, a.col, a.bias) if scaled else (a, scale, scale, scale)
-    split, warps = launch or NORM_LAUNCH
-    block, tail = triton.next_power_of_2(dim), 0
-    if split and block > dim:
-        block //= 2
-        tail = triton.next_power_of_2(dim - block)
-    _add_layernorm_fp8_kernel[(rows,)](
-        x,
-        x if a is None else raw,
-        norm.weight,
-        norm.bias,
-        s,
-        q,
-        scale,
-        row,
-        col,
-        bias,
-        dim,
-        LN_EPS,
-        HAS_A=a is not None,
-        BLOCK=block,
-        SCALED=scaled,
-        TAIL=tail,
-        num_warps=warps,
-    )
+    warps, per = launch or NORM_LAUNCH
+    _add_layernorm_fp8_kernel[(triton.cdiv(rows, per),)](
+        x, x if a is None else raw, norm.weight, norm.bias, s, q, scale, row, col, bias, rows,
+        dim, LN_EPS, HAS_A=a is not None, BLOCK=triton.next_power_of_2(dim), SCALED=scaled,
+        ROWS=per, num_warps=warps,
+    )  # fmt: skip
     return s, q, scale
 
 
-# The GELU quantizer's launch: (chunk width, warps). Chunk 0: the row as a power-of-two block
-# and a tail, read once; a chunk as wide as the row's power-of-two block: read once, lanes to
-# that bound; narrower: two passes. On an H100 at [6561, 4304] (bench/tower_probe.py, one
-# run): block and tail 37.4 us with 8 warps (43.0 with 16), the 8192-lane block 48.8, a chunk
-# of 1024 56.0.
-GELU_LAUNCH = (0, 8)
-
-
 def gelu_fp8(
-    u: torch.Tensor | Unscaled, width_out: int, launch: tuple[int, int] | None = None
+    u: torch.Tensor | Unscaled, width_out: int, launch: tuple[bool, int, int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gelu_tanh(u)`` in e4m3 rows zero-padded to ``width_out`` columns, and the row scales."""
+    """``gelu_tanh(u)`` in e4m3 rows zero-padded to ``width_out`` columns, and the row scales.
+    ``launch`` overrides `GELU_LAUNCH`."""
     scaled = isinstance(u, Unscaled)
     raw = u.raw if scaled else u
     rows, width = raw.shape
@@ -360,16 +298,14 @@ def gelu_fp8(
     q = torch.empty((rows, width_out), dtype=FP8, device=raw.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=raw.device)
     row, col, bias = (u.row, u.col, u.bias) if scaled else (scale, scale, scale)
-    chunk, warps = launch or GELU_LAUNCH
-    block = triton.next_power_of_2(width_out)
-    tail = 0
-    if chunk == 0 and block > width_out:
+    split, warps, per = launch or GELU_LAUNCH
+    block, tail = triton.next_power_of_2(width_out), 0
+    if split and block > width_out:
         block //= 2
         tail = triton.next_power_of_2(width_out - block)
-    chunk = block if chunk == 0 else min(chunk, block)
-    _gelu_fp8_kernel[(rows,)](
-        raw, q, scale, row, col, bias, width, width_out,
-        BLOCK=block, CHUNK=chunk, TAIL=tail, SCALED=scaled, num_warps=warps,
+    _gelu_fp8_kernel[(triton.cdiv(rows, per),)](
+        raw, q, scale, row, col, bias, rows, width, width_out,
+        BLOCK=block, TAIL=tail, SCALED=scaled, ROWS=per, num_warps=warps,
     )  # fmt: skip
     return q, scale
 
