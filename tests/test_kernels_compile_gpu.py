@@ -65,12 +65,11 @@ _NORM = {
 _NORM_FP8 = {
     "x_ptr": "*bf16", "a_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16",
     "sum_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "row_ptr": "*fp32",
-    "col_ptr": "*fp32", "a_bias_ptr": "*bf16", "n_rows": "i32", "dim": "i32", "eps": "fp32",
+    "col_ptr": "*fp32", "a_bias_ptr": "*bf16", "dim": "i32", "eps": "fp32",
 }  # fmt: skip
 _GELU_FP8 = {
     "u_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "row_ptr": "*fp32",
-    "col_ptr": "*fp32", "bias_ptr": "*bf16", "n_rows": "i32", "width": "i32",
-    "width_out": "i32",
+    "col_ptr": "*fp32", "bias_ptr": "*bf16", "width": "i32", "width_out": "i32",
 }  # fmt: skip
 _LORA = "vlm_server.models.common.lora_kernel"
 _SHRINK = {
@@ -507,7 +506,7 @@ KERNELS = (
         "vlm_server.models.moondream2.fp8_vision",
         "_gelu_fp8_kernel",
         _GELU_FP8,
-        {"BLOCK": 4096, "TAIL": 256, "ROWS": 2},
+        {"BLOCK": 4096, "TAIL": 256},
         min_arch=89,
     ),
     Kernel(
@@ -528,7 +527,7 @@ KERNELS = (
         "vlm_server.models.moondream2.fp8_vision",
         "_add_layernorm_fp8_kernel",
         _NORM_FP8,
-        {"HAS_A": True, "BLOCK": 2048, "SCALED": True, "ROWS": 4},
+        {"HAS_A": True, "BLOCK": 2048, "SCALED": True},
         min_arch=89,
     ),
 )

@@ -138,9 +138,9 @@ if triton is not None:
     _MAX = tl.standard._elementwise_max
 
     @triton.jit
-    def _columns(col_scales, biases, cols, mask, SCALED: tl.constexpr):
+    def _columns(col_scales, biases, cols, mask, SCALED: tl.constexpr = True):
         """An `Unscaled` product's column scales and biases at ``cols`` in fp32 (zeros unless
-        SCALED): loaded once per program, for all of its rows."""
+        SCALED)."""
         if SCALED:
             c = tl.load(col_scales + cols, mask=mask, other=0.0)
             b = tl.load(biases + cols, mask=mask, other=0.0).to(tl.float32)
@@ -172,94 +172,88 @@ if triton is not None:
     @triton.jit
     def _add_layernorm_fp8_kernel(
         x_ptr, a_ptr, w_ptr, bias_ptr, sum_ptr, q_ptr, scale_ptr, row_ptr, col_ptr, a_bias_ptr,
-        n_rows, dim, eps, HAS_A: tl.constexpr, BLOCK: tl.constexpr,
-        SCALED: tl.constexpr = False, ROWS: tl.constexpr = 1,
+        dim, eps, HAS_A: tl.constexpr, BLOCK: tl.constexpr, SCALED: tl.constexpr = False,
     ):  # fmt: skip
-        # ROWS consecutive rows per program: the per-column vectors are read once for them all.
+        row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < dim
+        offs = row.to(tl.int64) * dim + cols
+        s = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        if HAS_A:
+            if SCALED:  # ``a`` is an `Unscaled` product
+                c, b = _columns(col_ptr, a_bias_ptr, cols, mask)
+                rs = tl.load(row_ptr + row)
+                a = _load_row(a_ptr + row.to(tl.int64) * dim, cols, mask, rs, c, b, True)
+                s = (s.to(tl.float32) + a).to(s.dtype)
+            else:
+                s = s + tl.load(a_ptr + offs, mask=mask, other=0.0)
+            tl.store(sum_ptr + offs, s, mask=mask)
+        v = s.to(tl.float32)
+        mean = tl.reduce(v, 0, _SUM) / dim
+        centred = tl.where(mask, v - mean, 0.0)
+        var = tl.reduce(centred * centred, 0, _SUM) / dim
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         nb = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        c, b = _columns(col_ptr, a_bias_ptr, cols, mask, SCALED)
-        for i in tl.static_range(ROWS):
-            row = tl.program_id(0) * ROWS + i
-            ok = row < n_rows
-            m = mask & ok
-            offs = row.to(tl.int64) * dim + cols
-            s = tl.load(x_ptr + offs, mask=m, other=0.0)
-            if HAS_A:
-                if SCALED:  # ``a`` is an `Unscaled` product
-                    rs = tl.load(row_ptr + row, mask=ok, other=0.0)
-                    a = _load_row(a_ptr + row.to(tl.int64) * dim, cols, m, rs, c, b, True)
-                    s = (s.to(tl.float32) + a).to(s.dtype)
-                else:
-                    s = s + tl.load(a_ptr + offs, mask=m, other=0.0)
-                tl.store(sum_ptr + offs, s, mask=m)
-            v = s.to(tl.float32)
-            mean = tl.reduce(v, 0, _SUM) / dim
-            centred = tl.where(m, v - mean, 0.0)
-            var = tl.reduce(centred * centred, 0, _SUM) / dim
-            y = tl.where(m, centred * tl.rsqrt(var + eps) * w + nb, 0.0)
-            amax = tl.maximum(tl.reduce(tl.abs(y), 0, _MAX), 448e-12)
-            tl.store(q_ptr + offs, _to_e4m3(y, amax), mask=m)
-            tl.store(scale_ptr + row, amax / 448.0, mask=ok)
+        y = tl.where(mask, centred * tl.rsqrt(var + eps) * w + nb, 0.0)
+        amax = tl.maximum(tl.reduce(tl.abs(y), 0, _MAX), 448e-12)
+        tl.store(q_ptr + offs, _to_e4m3(y, amax), mask=mask)
+        tl.store(scale_ptr + row, amax / 448.0)
 
     @triton.jit
     def _gelu_fp8_kernel(
-        u_ptr, q_ptr, scale_ptr, row_ptr, col_ptr, bias_ptr, n_rows, width, width_out,
+        u_ptr, q_ptr, scale_ptr, row_ptr, col_ptr, bias_ptr, width, width_out,
         BLOCK: tl.constexpr, TAIL: tl.constexpr = 0, SCALED: tl.constexpr = False,
-        ROWS: tl.constexpr = 1,
     ):  # fmt: skip
-        # Each row as a BLOCK-wide piece and, when TAIL > 0, a TAIL-wide one, both in
+        # The row as a BLOCK-wide piece and, when TAIL > 0, a TAIL-wide one, both in
         # registers: lanes past the row would compute GELU too (two special-function ops
         # each), up to twice the row's width with one power-of-two block. Columns from
         # ``width`` to ``width_out`` get 0 (u = 0 there): fc2's zero-padded inner width.
+        row = tl.program_id(0)
+        src = u_ptr + row.to(tl.int64) * width
+        dst = q_ptr + row.to(tl.int64) * width_out
+        rs = 0.0
+        if SCALED:
+            rs = tl.load(row_ptr + row)
         cols = tl.arange(0, BLOCK)
         mask = cols < width
         c, b = _columns(col_ptr, bias_ptr, cols, mask, SCALED)
+        g = _gelu(_load_row(src, cols, mask, rs, c, b, SCALED))
+        top = tl.reduce(tl.abs(g), 0, _MAX)
         if TAIL > 0:
             tail = BLOCK + tl.arange(0, TAIL)
             tmask = tail < width
             ct, bt = _columns(col_ptr, bias_ptr, tail, tmask, SCALED)
-        for i in tl.static_range(ROWS):
-            row = tl.program_id(0) * ROWS + i
-            ok = row < n_rows
-            rs = 0.0
-            if SCALED:
-                rs = tl.load(row_ptr + row, mask=ok, other=0.0)
-            src = u_ptr + row.to(tl.int64) * width
-            dst = q_ptr + row.to(tl.int64) * width_out
-            g = _gelu(_load_row(src, cols, mask & ok, rs, c, b, SCALED))
-            top = tl.reduce(tl.abs(g), 0, _MAX)
-            if TAIL > 0:
-                gt = _gelu(_load_row(src, tail, tmask & ok, rs, ct, bt, SCALED))
-                top = tl.maximum(top, tl.reduce(tl.abs(gt), 0, _MAX))
-            top = tl.maximum(top, 448e-12)
-            tl.store(dst + cols, _to_e4m3(g, top), mask=(cols < width_out) & ok)
-            if TAIL > 0:
-                tl.store(dst + tail, _to_e4m3(gt, top), mask=(tail < width_out) & ok)
-            tl.store(scale_ptr + row, top / 448.0, mask=ok)
+            gt = _gelu(_load_row(src, tail, tmask, rs, ct, bt, SCALED))
+            top = tl.maximum(top, tl.reduce(tl.abs(gt), 0, _MAX))
+        top = tl.maximum(top, 448e-12)
+        tl.store(dst + cols, _to_e4m3(g, top), mask=cols < width_out)
+        if TAIL > 0:
+            tl.store(dst + tail, _to_e4m3(gt, top), mask=tail < width_out)
+        tl.store(scale_ptr + row, top / 448.0)
 
 
 def _on_triton(t: torch.Tensor) -> bool:
     return triton is not None and t.is_cuda
 
 
-# The quantizers' launches: the add + LayerNorm's (warps, rows per program), the GELU's
-# (the row as a power-of-two block and a tail, warps, rows per program). See bench/tower_probe.py.
-NORM_LAUNCH = (4, 1)
-GELU_LAUNCH = (True, 8, 1)
+# The quantizers' launches: the add + LayerNorm's warps; the GELU's (the row as a power-of-two
+# block and a tail, warps). On an H100 at 9 crops (bench/tower_probe.py, one run): the norm
+# 21.9 us with 4 warps, 23.2 with 8, 23.5-36.8 with 2 or 4 rows a program; the GELU 36.4 us as a
+# block of 4096 and a tail of 256, 49.1 as one block of 8192; of `Unscaled` products 25.4 and
+# 42.9 us.
+NORM_WARPS = 4
+GELU_LAUNCH = (True, 8)
 
 
 def layernorm_fp8(
     x: torch.Tensor,
     a: torch.Tensor | Unscaled | None,
     norm: LayerNorm,
-    launch: tuple[int, int] | None = None,
+    warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``s = x (+ a)`` and ``norm(s)`` in e4m3 rows: returns (s, rows, row scales [M, 1]).
-    ``x`` and ``a`` are [M, dim]; with ``a`` None, ``s`` is ``x`` itself. ``launch``
-    overrides `NORM_LAUNCH`."""
+    ``x`` and ``a`` are [M, dim]; with ``a`` None, ``s`` is ``x`` itself. ``warps``
+    overrides `NORM_WARPS`."""
     if not _on_triton(x):
         if isinstance(a, Unscaled):
             s = (x.float() + a.value()).to(x.dtype)
@@ -275,17 +269,16 @@ def layernorm_fp8(
     scaled = isinstance(a, Unscaled)
     # unscaled: the scales' and bias' places are taken by tensors the kernel never reads
     raw, row, col, bias = (a.raw, a.row, a.col, a.bias) if scaled else (a, scale, scale, scale)
-    warps, per = launch or NORM_LAUNCH
-    _add_layernorm_fp8_kernel[(triton.cdiv(rows, per),)](
-        x, x if a is None else raw, norm.weight, norm.bias, s, q, scale, row, col, bias, rows,
-        dim, LN_EPS, HAS_A=a is not None, BLOCK=triton.next_power_of_2(dim), SCALED=scaled,
-        ROWS=per, num_warps=warps,
+    _add_layernorm_fp8_kernel[(rows,)](
+        x, x if a is None else raw, norm.weight, norm.bias, s, q, scale, row, col, bias, dim,
+        LN_EPS, HAS_A=a is not None, BLOCK=triton.next_power_of_2(dim), SCALED=scaled,
+        num_warps=warps or NORM_WARPS,
     )  # fmt: skip
     return s, q, scale
 
 
 def gelu_fp8(
-    u: torch.Tensor | Unscaled, width_out: int, launch: tuple[bool, int, int] | None = None
+    u: torch.Tensor | Unscaled, width_out: int, launch: tuple[bool, int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``gelu_tanh(u)`` in e4m3 rows zero-padded to ``width_out`` columns, and the row scales.
     ``launch`` overrides `GELU_LAUNCH`."""
@@ -298,14 +291,14 @@ def gelu_fp8(
     q = torch.empty((rows, width_out), dtype=FP8, device=raw.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=raw.device)
     row, col, bias = (u.row, u.col, u.bias) if scaled else (scale, scale, scale)
-    split, warps, per = launch or GELU_LAUNCH
+    split, warps = launch or GELU_LAUNCH
     block, tail = triton.next_power_of_2(width_out), 0
     if split and block > width_out:
         block //= 2
         tail = triton.next_power_of_2(width_out - block)
-    _gelu_fp8_kernel[(triton.cdiv(rows, per),)](
-        raw, q, scale, row, col, bias, rows, width, width_out,
-        BLOCK=block, TAIL=tail, SCALED=scaled, ROWS=per, num_warps=warps,
+    _gelu_fp8_kernel[(rows,)](
+        raw, q, scale, row, col, bias, width, width_out,
+        BLOCK=block, TAIL=tail, SCALED=scaled, num_warps=warps,
     )  # fmt: skip
     return q, scale
 
