@@ -66,6 +66,7 @@ from image_pipeline import (
     content_hash,
     decode,
     normalize_crops,
+    resample,
 )
 from image_pipeline.crop_graphs import CropGraphs
 from image_pipeline.decode import read_header
@@ -413,6 +414,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the path with an engine process: the server decodes into shared memory (cpu ms), "
         "the engine makes the crops (eng ms of CPU, gpu ms)",
     )
+    ap.add_argument(
+        "--resample-products",
+        default="half",
+        choices=["half", "fp32"],
+        help="on CUDA: resize stages as float16 products where exact (the default), or all in "
+        "float32 (image_pipeline.resample.HALF_PRODUCTS)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     norm = None if args.normalize_device == "none" else args.normalize_device
@@ -430,7 +438,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             decoder = gpu_decoder(torch.device(args.device), args.gpu_decoder)
         except RuntimeError as err:
             ap.error(f"--gpu-decode-min-pixels: {err}")
-    previous_threads = torch.get_num_threads()
+    previous_threads, previous_products = torch.get_num_threads(), resample.HALF_PRODUCTS
+    resample.HALF_PRODUCTS = args.resample_products == "half"
     if norm == "cpu" or args.device == "cpu":
         # One intra-op thread per worker: otherwise torch's own pool oversubscribes the cores
         # and the thread-count axis stops meaning anything.
@@ -439,6 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(args, norm, dtype, decoder)
     finally:
         torch.set_num_threads(previous_threads)
+        resample.HALF_PRODUCTS = previous_products
 
 
 def _run(
@@ -494,6 +504,7 @@ def _run(
         "gpu_decode_min_pixels": args.gpu_decode_min_pixels,
         "gpu_decoder": args.gpu_decoder if args.gpu_decode_min_pixels else None,
         "split": args.split,
+        "resample_products": args.resample_products,
         "torch_threads": torch.get_num_threads(),
         "rows": rows,
     }

@@ -17,7 +17,7 @@ from image_pipeline import (
     sample_image_bytes,
 )
 from image_pipeline.pillow_plan import pillow_resize_plan
-from image_pipeline.resample import Resampler, matmul_is_exact_fp32
+from image_pipeline.resample import Resampler, _half_digits, matmul_is_exact_fp32
 from image_pipeline.vips_plan import vips_resize_plan
 
 SPEC = DEFAULT_TILING
@@ -148,6 +148,39 @@ def test_results_stay_exact_when_matmuls_may_round_operands() -> None:
         )
     finally:
         torch.set_float32_matmul_precision(previous)
+
+
+@pytest.mark.parametrize("shape", [(600, 800), (1080, 1920), (480, 640), (379, 1201)])
+def test_half_products_give_the_reference_crops(shape: tuple[int, int]) -> None:
+    """float16 digits combined by Horner's rule (emulated in float32 on the CPU: the same
+    integers) give pyvips' and Pillow's crops, and run for the stages where they are exact."""
+    pixels = picture(*shape, seed=9)
+    resampler = Resampler("cpu", half=True)
+    expected_vips, _ = vips_reference_crops(pixels)
+    np.testing.assert_array_equal(torch_crops(pixels, ResizeMode.VIPS, resampler), expected_vips)
+    expected_pillow, _ = overlap_crop(Image.fromarray(pixels))
+    np.testing.assert_array_equal(
+        torch_crops(pixels, ResizeMode.PILLOW, resampler), expected_pillow
+    )
+    prepared = [p for _, p in resampler._cache.values()]
+    assert any(p.half for p in prepared)  # vips' 12- and 13-bit weights: two float16 digits
+    assert any(p.half and len(p.blocks[0].digits) == 2 for p in prepared)
+    for p in prepared:
+        assert all(
+            d.dtype == (torch.float16 if p.half else torch.float32) for d in p.blocks[0].digits
+        )
+
+
+def test_half_digits_only_where_exact() -> None:
+    band = np.array([[3000, -500, 1200], [100, 2047, 0]], dtype=np.int64)
+    bits, digits = _half_digits(band, 255, 12)
+    assert bits <= 11 and len(digits) == 2
+    assert all(int(np.abs(d).max()) < 1 << 11 for d in digits)
+    np.testing.assert_array_equal(sum(d * (1 << bits) ** k for k, d in enumerate(digits)), band)
+    assert _half_digits(band, 2049, 12) is None  # inputs past float16's integers
+    wide = np.array([[1 << 22, 5]], dtype=np.int64)  # Pillow's weights: two float32 digits
+    assert _half_digits(wide, 255, 22) is None
+    assert Resampler("cpu").half is False
 
 
 @pytest.mark.parametrize("block", [1, 7, 4096])
