@@ -488,47 +488,19 @@ KERNELS = (
         _NORM,
         {"HAS_B": True, "BLOCK": 2048},
     ),
-    Kernel(
-        "vlm_server.models.moondream2.fp8_vision",
-        "_add_layernorm_fp8_kernel",
-        _NORM_FP8,
-        {"HAS_A": True, "BLOCK": 2048},
-        min_arch=89,
-    ),
-    Kernel(
-        "vlm_server.models.moondream2.fp8_vision",
-        "_gelu_fp8_kernel",
-        _GELU_FP8,
-        {"BLOCK": 8192},
-        min_arch=89,
-    ),
-    Kernel(
-        "vlm_server.models.moondream2.fp8_vision",
-        "_gelu_fp8_kernel",
-        _GELU_FP8,
-        {"BLOCK": 4096, "TAIL": 256},
-        min_arch=89,
-    ),
-    Kernel(
-        "vlm_server.models.moondream2.fp8_vision",
-        "_gelu_fp8_kernel",
-        _GELU_FP8,
-        {"BLOCK": 4096, "TAIL": 256, "SCALED": True},
-        min_arch=89,
-    ),
-    Kernel(
-        "vlm_server.models.moondream2.fp8_vision",
-        "_add_layernorm_fp8_kernel",
-        _NORM_FP8,
-        {"HAS_A": True, "BLOCK": 2048, "SCALED": True},
-        min_arch=89,
-    ),
-    Kernel(
-        "vlm_server.models.moondream2.fp8_vision",
-        "_add_layernorm_fp8_kernel",
-        _NORM_FP8,
-        {"HAS_A": True, "BLOCK": 2048, "SCALED": True},
-        min_arch=89,
+    *(
+        Kernel("vlm_server.models.moondream2.fp8_vision", name, signature, consts, min_arch=89)
+        for name, signature, consts in (
+            ("_add_layernorm_fp8_kernel", _NORM_FP8, {"HAS_A": True, "BLOCK": 2048}),
+            (
+                "_add_layernorm_fp8_kernel",
+                _NORM_FP8,
+                {"HAS_A": True, "BLOCK": 2048, "SCALED": True},
+            ),
+            ("_gelu_fp8_kernel", _GELU_FP8, {"BLOCK": 8192}),
+            ("_gelu_fp8_kernel", _GELU_FP8, {"BLOCK": 4096, "TAIL": 256}),
+            ("_gelu_fp8_kernel", _GELU_FP8, {"BLOCK": 4096, "TAIL": 256, "SCALED": True}),
+        )
     ),
 )
 
