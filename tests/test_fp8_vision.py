@@ -270,37 +270,46 @@ def test_triton_quantizers_equal_the_torch_ones() -> None:
     u = (torch.randn(6561, 4304, device="cuda", generator=g) * 3).bfloat16()
     gq, gs = gelu_fp8(u, 4352)
     gq_cpu, gs_cpu = gelu_fp8(u.cpu(), 4352)
-    for launch in ((False, 8), (True, 4)):  # the same bits in every form
-        other, other_scale = gelu_fp8(u, 4352, launch)
-        assert torch.equal(other_scale, gs) and torch.equal(
-            other.view(torch.uint8), gq.view(torch.uint8)
-        )
+    _same_bits_in_every_gelu_launch(u, gq, gs)
     torch.testing.assert_close(gs.cpu(), gs_cpu, rtol=1e-5, atol=0)
     assert bool((gq[:, 4304:].float() == 0).all())
     diff = (gq.float().cpu() - gq_cpu.float()).abs()
     assert float((diff / gq_cpu.float().abs().clamp_min(2**-6)).max()) <= 0.13
     # `Unscaled` products (raw values of an FP8 GEMM's range) into both quantizers
-    for raw, dim in ((u * 1e4, 4304), (a * 1e4, 1152)):
-        row = torch.rand(6561, 1, device="cuda", generator=g) * 1e-4
-        col = torch.rand(1, dim, device="cuda", generator=g) * 1e-2
-        bias = torch.randn(dim, device="cuda", generator=g).bfloat16()
-        un = Unscaled(raw.bfloat16(), row, col, bias)
-        un_cpu = Unscaled(*(t.cpu() for t in (un.raw, row, col, bias)))
-        if dim == 4304:
-            gq, gs = gelu_fp8(un, 4352)
-            for launch in ((False, 8), (True, 4)):
-                other, other_scale = gelu_fp8(un, 4352, launch)
-                assert torch.equal(other_scale, gs) and torch.equal(
-                    other.view(torch.uint8), gq.view(torch.uint8)
-                )
-            want_q, want_s = gelu_fp8(un_cpu, 4352)
-        else:
-            s, gq, gs = layernorm_fp8(x, un, norm)
-            want_sum, want_q, want_s = layernorm_fp8(x.cpu(), un_cpu, copy.deepcopy(norm).cpu())
-            # the kernel may fuse raw * row * col + bias into one FMA: one bf16 step apart
-            torch.testing.assert_close(s.cpu(), want_sum, rtol=2**-7, atol=0)
-        torch.testing.assert_close(gs.cpu(), want_s, rtol=1e-5, atol=0)
-        _within_one_e4m3_step(gq.cpu(), want_q)
+    un, un_cpu = _random_unscaled(u * 1e4, g)
+    gq, gs = gelu_fp8(un, 4352)
+    _same_bits_in_every_gelu_launch(un, gq, gs)
+    want_q, want_s = gelu_fp8(un_cpu, 4352)
+    torch.testing.assert_close(gs.cpu(), want_s, rtol=1e-5, atol=0)
+    _within_one_e4m3_step(gq.cpu(), want_q)
+    un, un_cpu = _random_unscaled(a * 1e4, g)
+    s, q, scale = layernorm_fp8(x, un, norm)
+    want_sum, want_q, want_s = layernorm_fp8(x.cpu(), un_cpu, copy.deepcopy(norm).cpu())
+    # the kernel may fuse raw * row * col + bias into one FMA: one bf16 step apart
+    torch.testing.assert_close(s.cpu(), want_sum, rtol=2**-7, atol=0)
+    torch.testing.assert_close(scale.cpu(), want_s, rtol=1e-5, atol=0)
+    _within_one_e4m3_step(q.cpu(), want_q)
+
+
+def _same_bits_in_every_gelu_launch(
+    u: torch.Tensor | Unscaled, q: torch.Tensor, scale: torch.Tensor
+) -> None:
+    """The GELU quantizer's other launch forms give ``q`` and ``scale`` bit for bit."""
+    for launch in ((False, 8), (True, 4)):
+        other, other_scale = gelu_fp8(u, 4352, launch)
+        assert torch.equal(other_scale, scale)
+        assert torch.equal(other.view(torch.uint8), q.view(torch.uint8))
+
+
+def _random_unscaled(raw: torch.Tensor, g: torch.Generator) -> tuple[Unscaled, Unscaled]:
+    """``raw`` as an `Unscaled` product with random scales and bias, on the GPU and a copy
+    on the CPU."""
+    rows, cols = raw.shape
+    row = torch.rand(rows, 1, device="cuda", generator=g) * 1e-4
+    col = torch.rand(1, cols, device="cuda", generator=g) * 1e-2
+    bias = torch.randn(cols, device="cuda", generator=g).bfloat16()
+    un = Unscaled(raw.bfloat16(), row, col, bias)
+    return un, Unscaled(*(t.cpu() for t in (un.raw, row, col, bias)))
 
 
 @pytest.mark.gpu
