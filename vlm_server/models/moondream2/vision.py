@@ -86,6 +86,21 @@ class VisionEncoder(nn.Module):
             x, h = add_layernorm(x, block.mlp(h), None, after)
         return h
 
+    def encode_early(
+        self, crops: torch.Tensor, early_layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tower in its plain form: (final features, the residual stream after block
+        ``early_layer``), the segment refiner's two inputs."""
+        if not 0 <= early_layer < len(self.blocks):
+            raise ValueError(f"early_layer {early_layer} outside the {len(self.blocks)} blocks")
+        x = self.patch_emb(self.patchify(crops)) + self.pos_emb
+        early = x
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i == early_layer:
+                early = x
+        return self.post_ln(x), early
+
     def project(self, features: torch.Tensor, tiling: tuple[int, int]) -> torch.Tensor:
         """One image's features [1 + h*w, patches, enc_dim] -> embeddings [patches, text_dim]."""
         g = self.cfg.grid_size

@@ -1,0 +1,132 @@
+"""Moondream 3's segmentation refiner: a coarse segment (the decoded box and path) and the
+picture -> a refined segment, as the model author's engine refines it.
+
+1. The coarse path is filled at the picture's size (refiner_masks.coarse_mask); the picture
+   and that mask are cropped to the box widened by a quarter on each side.
+2. The crop is resized to the tower's crop size (bilinear; the mask nearest), normalized as
+   the tower's inputs are, and run once through the vision tower: its final features and its
+   residual stream after block ``early_layer`` (8).
+3. Five rounds of the head (refiner_head.py): the hypothesis of highest predicted IoU, through
+   a sigmoid, is the next round's mask.
+4. The last mask, resized back to the crop (bilinear) and kept above one half, is pasted into
+   the picture, cleaned (small holes and islands, a closing) and traced into a path and a box
+   (refiner_masks.trace). Its raster is the result's mask.
+
+An empty mask at any stage (or one that traces to nothing) keeps the coarse segment: `refine`
+returns None. The head's weights are ``model.pt``'s ``"head"`` (`load_head`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from decoding.segment_output import SegmentResult, rle_encode
+from vlm_server.models.moondream3 import refiner_masks
+from vlm_server.models.moondream3.refiner_head import RefinerHead
+
+ITERATIONS = 5
+EARLY_LAYER = 8
+# (crops [1, 3, S, S] normalized to [-1, 1]) -> (final, early) features [1, grid^2, enc_dim]
+Features = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def load_head(path: str | Path, head: RefinerHead | None = None) -> RefinerHead:
+    """The head of a refiner file (a dict whose ``"head"`` is the state dict, or the state
+    dict itself), checked tensor by tensor against the head's layout."""
+    head = head or RefinerHead()
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(state, dict) and isinstance(state.get("head"), dict):
+        state = state["head"]
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: not a refiner file (no 'head' state dict)")
+    want = head.state_dict()
+    missing = sorted(set(want) - set(state))
+    unexpected = sorted(set(state) - set(want))
+    if missing or unexpected:
+        raise ValueError(f"{path}: missing tensors {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, t in want.items():
+        if tuple(state[name].shape) != tuple(t.shape):
+            raise ValueError(
+                f"{path}: tensor {name} has shape {list(state[name].shape)}, "
+                f"the head expects {list(t.shape)}"
+            )
+    head.load_state_dict(state)
+    return head.eval()
+
+
+def save_head(head: RefinerHead, path: str | Path) -> None:
+    """Write ``head`` as the released file is laid out (``{"head": state_dict}``)."""
+    torch.save({"head": head.state_dict()}, path)
+
+
+def _resize_nearest(mask: np.ndarray, size: int) -> np.ndarray:
+    """OpenCV's nearest resize of a bool mask to size x size: source index floor(i * scale)."""
+    h, w = mask.shape
+    ys = np.minimum((np.arange(size) * (h / size)).astype(np.int64), h - 1)
+    xs = np.minimum((np.arange(size) * (w / size)).astype(np.int64), w - 1)
+    return mask[ys][:, xs]
+
+
+class SegmentRefiner:
+    """Refines coarse segments with ``head`` over the tower's ``features`` of each crop."""
+
+    def __init__(
+        self, head: RefinerHead, features: Features, crop_size: int,
+        iterations: int = ITERATIONS,
+    ) -> None:  # fmt: skip
+        self.head, self.features = head, features
+        self.crop_size, self.iterations = crop_size, iterations
+        p = next(head.parameters())
+        self.device, self.dtype = p.device, p.dtype
+
+    @torch.no_grad()
+    def refine_crop(self, crop: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """RGB crop [h, w, 3] uint8 and its coarse bool mask [h, w] -> the refined mask."""
+        h, w = mask.shape
+        s = self.crop_size
+        img = torch.from_numpy(np.ascontiguousarray(crop)).to(self.device)
+        img = img.permute(2, 0, 1)[None].float()
+        img = F.interpolate(img, size=(s, s), mode="bilinear", align_corners=False)
+        img = (img.round().clamp(0, 255) / 255.0 - 0.5) / 0.5  # a uint8 resize, normalized
+        m = torch.from_numpy(_resize_nearest(mask, s)).to(self.device, self.dtype)[None, None]
+        final, early = self.features(img.to(self.dtype))
+        for _ in range(self.iterations):
+            logits, iou = self.head(final, early, m)
+            best = logits[torch.arange(logits.shape[0]), iou.argmax(dim=1)]
+            m = torch.sigmoid(best)[:, None]
+        back = F.interpolate(m.float(), size=(h, w), mode="bilinear", align_corners=False)
+        return (back[0, 0] > 0.5).cpu().numpy()
+
+    def refine(self, image: np.ndarray, coarse: SegmentResult) -> SegmentResult | None:
+        """The refined segment of ``coarse`` on ``image`` (RGB [H, W, 3] uint8), or None where
+        the author's engine keeps the coarse one (an empty mask, or nothing traced)."""
+        height, width = image.shape[:2]
+        if (height, width) != tuple(coarse.mask_size):
+            raise ValueError(
+                f"image is {width}x{height}, the segment's mask {coarse.mask_size[::-1]}"
+            )
+        full = refiner_masks.coarse_mask(coarse.polygons, width, height)
+        x1, y1, x2, y2 = refiner_masks.expand_box(coarse.box, width, height)
+        crop_mask = full[y1:y2, x1:x2]
+        if not crop_mask.any():
+            return None
+        refined = np.zeros((height, width), bool)
+        refined[y1:y2, x1:x2] = self.refine_crop(image[y1:y2, x1:x2], crop_mask)
+        refined = refiner_masks.clean_mask(refined)
+        traced = refiner_masks.trace(refined) if refined.any() else None
+        if traced is None:
+            return None
+        return replace(
+            coarse,
+            box=traced.box,
+            path=traced.path,
+            polygons=traced.polygons,
+            mask_counts=rle_encode(refined),
+            box_path=traced.box_path,
+        )
