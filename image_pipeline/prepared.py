@@ -75,6 +75,10 @@ class PreparedImage:
         decoded_size: ``(height, width)`` of the pixels actually resized; smaller
             than the original when a large JPEG was decoded at reduced scale (never
             on the GPU path, which decodes at full size).
+        source: what the crops were made from, kept only by a preparer told to
+            (``keep_source``: Moondream 3's segment refiner reads the picture again): the
+            decoded upright pixels ``[h, w, 3]`` on the host, or the encoded bytes of a
+            picture decoded on the GPU; None otherwise.
     """
 
     crops: torch.Tensor
@@ -83,6 +87,7 @@ class PreparedImage:
     width: int
     height: int
     decoded_size: tuple[int, int]
+    source: np.ndarray | bytes | None = None
 
     @property
     def num_crops(self) -> int:
@@ -92,7 +97,9 @@ class PreparedImage:
     @property
     def nbytes(self) -> int:
         """Bytes a cache holding it keeps alive."""
-        return self.crops.nbytes
+        source = self.source
+        kept = source.nbytes if isinstance(source, np.ndarray) else len(source or b"")
+        return self.crops.nbytes + kept
 
     def normalized(
         self, dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None
@@ -238,8 +245,12 @@ class ImagePreparer:
         budget: DecodeBudget | None = None,
         on_device_time: Callable[[float], None] | None = None,
         on_source_time: Callable[[float], None] | None = None,
+        keep_source: bool = False,
     ) -> None:
+        """``keep_source``: every prepared image keeps what its crops were made from
+        (`PreparedImage.source`)."""
         check_int("gpu_decode_min_pixels", gpu_decode_min_pixels, 0)
+        self.keep_source = keep_source
         self.limits = limits
         self.tiling = tiling
         self.resize = ResizeMode(resize)
@@ -375,6 +386,7 @@ class ImagePreparer:
             width=decoded.width,
             height=decoded.height,
             decoded_size=decoded.decoded_size,
+            source=decoded.pixels if self.keep_source else None,
         )
 
     def _canvas_for(self, height: int, width: int) -> tuple[int, int]:
@@ -406,6 +418,7 @@ class ImagePreparer:
             width=width,
             height=height,
             decoded_size=(height, width),
+            source=data if self.keep_source else None,
         )
 
     def _upload(self, pixels: np.ndarray) -> Callable[[], torch.Tensor]:

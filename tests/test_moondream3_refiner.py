@@ -193,8 +193,11 @@ def test_the_refiner_keeps_what_the_head_keeps_and_falls_back_on_nothing() -> No
     assert refined.points == coarse.points and refined.mask_size == (90, 120)
     blank = SegmentRefiner(_Echo(empty=True), features, cfg.crop_size)  # type: ignore[arg-type]
     assert blank.refine(image, coarse) is None  # an empty mask keeps the coarse segment
-    with pytest.raises(ValueError, match="image is 100x90"):
-        echo.refine(image[:, :100], coarse)
+    half = echo.refine(image[::2, ::2].copy(), coarse)  # pixels of a reduced-scale decode
+    assert half is not None and half.mask_size == (90, 120)
+    assert half.box == pytest.approx(coarse.box, abs=0.03)
+    with pytest.raises(ValueError, match="uint8 RGB"):
+        echo.refine(image[..., 0], coarse)
 
 
 def test_the_refiner_runs_a_random_head_over_the_towers_features() -> None:

@@ -39,6 +39,7 @@ from vlm_server.engine.core.outputs import output_for
 from vlm_server.engine.core.scheduler import Scheduler
 from vlm_server.engine.core.sequence import Sequence
 from vlm_server.engine.device.runtime import ModelRuntime
+from vlm_server.engine.refinements import Refinements, SegmentRefine
 from vlm_server.engine.requests.tasks import TaskCompiler
 from vlm_server.models.interface import LoadedModel
 
@@ -175,9 +176,12 @@ class BatchedEngine:
         preset_name: str | None = None,
         observer: Observer = NO_OBSERVER,
         image_preparer: ImagePreparer | None = None,
+        segment_refiner: SegmentRefine | None = None,
     ) -> None:
         """``image_preparer`` makes the crops of host-decoded images (`HostImage`) a request
-        brings (default: the reference's resize on the model's device)."""
+        brings (default: the reference's resize on the model's device). ``segment_refiner``:
+        the model family's, run on each segment's answer before its final event
+        (engine/refinements.py)."""
         self.loaded = loaded
         self.cfg = cfg or EngineConfig()
         model = loaded.model
@@ -231,6 +235,16 @@ class BatchedEngine:
         self._draining = False
         self._failure: BaseException | None = None
         self._prefix_done = False  # set by the prefix watcher, under _cv
+        self._refined = False  # set by the refiner's worker, under _cv
+        self.refinements = (
+            Refinements(
+                segment_refiner, self.runtime.image_preparer, self._on_refined, model.device
+            )
+            if segment_refiner is not None
+            else None
+        )
+        if self.refinements is not None:
+            self.scheduler.refine_segment = self.refinements.submit
         self._prefix_watcher = (
             _PrefixWatcher(self.runtime.wait_prefix, self._on_prefix_done)
             if self.runtime.dev.is_cuda
@@ -313,6 +327,7 @@ class BatchedEngine:
                 not self._inbox
                 and not s.has_work()
                 and not s.zombies
+                and not (self.refinements is not None and self.refinements.pending())
                 and len(s.free_rows) == self.cfg.max_rows
                 and all(x is None for x in s.pipe.slots)
             )
@@ -453,6 +468,22 @@ class BatchedEngine:
         with self._cv:
             self._cv.notify()
 
+    def _on_refined(self) -> None:
+        with self._cv:
+            self._refined = True
+            self._cv.notify()
+
+    def _deliver_refined(self, finish: bool = False) -> None:
+        """Send the refined segments' final events (``finish``: wait for every one first)."""
+        stage = self.refinements
+        if stage is None:
+            return
+        if finish:
+            stage.close()
+        for emit, event in stage.take():
+            emit(event)
+        self.outbox.flush()
+
     def _on_prefix_done(self) -> None:
         with self._cv:
             self._prefix_done = True
@@ -464,13 +495,21 @@ class BatchedEngine:
             with torch.inference_mode():
                 while True:
                     with self._cv:
-                        while not self._stopping and not self._inbox and not s.has_work():
+                        while (
+                            not self._stopping
+                            and not self._inbox
+                            and not s.has_work()
+                            and not self._refined
+                        ):
                             self._cv.wait()
                         # Stop once no device work is left in flight: steps, and image
                         # prefixes still writing pages on the prefill stream.
                         if self._stopping and not s.pipe.n_in_flight and not s.pending_prefixes:
-                            return
+                            break
                         arrived, self._inbox = self._inbox, []
+                        refined, self._refined = self._refined, False
+                    if refined:
+                        self._deliver_refined()
                     # The tick runs without the lock: submit() on the event loop never waits
                     # for device work.
                     s.waiting.extend(arrived)
@@ -487,6 +526,7 @@ class BatchedEngine:
                             if not self._inbox and not self._stopping and not self._prefix_done:
                                 self._cv.wait(timeout=nap)
                             self._prefix_done = False
+            self._deliver_refined(finish=True)  # stopping: the last segments' answers
         except BaseException as err:  # a bug or a device failure: fail every request loudly
             log.exception("scheduler thread failed")
             self._failure = err

@@ -166,7 +166,10 @@ def crop_maker(config: ServerConfig) -> ImagePreparer:
     if engine_decode_min_pixels(config) > 0:
         return image_preparer(config)
     return ImagePreparer(
-        config.image_limits, resize=config.image_resize, device=image_device(config)
+        config.image_limits,
+        resize=config.image_resize,
+        device=image_device(config),
+        keep_source=bool(config.segment_refiner),
     )
 
 
@@ -203,6 +206,8 @@ def image_preparer(config: ServerConfig) -> ImagePreparer:
         gpu_decode_min_pixels=min_pixels,
         gpu_decoder=decoder,
         budget=DecodeBudget(config.image_decode_budget),
+        # The segment refiner reads the picture again after the answer.
+        keep_source=bool(config.segment_refiner),
     )
 
 

@@ -13,10 +13,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
+from decoding.segment_output import SegmentResult
 from vlm_server.models.checkpoint_io import CheckpointError
-from vlm_server.models.hub import resolve_source
+from vlm_server.models.hub import resolve_file, resolve_source
 from vlm_server.models.interface import FamilyConfig, LoadedModel
 
 CONFIG_FILE = "config.json"
@@ -72,6 +74,16 @@ class ModelFamily(Protocol):
         family's own, e.g. dtype or layout)."""
         ...
 
+    def segment_refiner(self, loaded: LoadedModel, weights: Path) -> SegmentRefine:
+        """The family's segmentation refiner over ``loaded``'s vision tower, with the head
+        in the file ``weights`` (ValueError: the family has none, or the file does not fit)."""
+        ...
+
+
+# (upright RGB pixels [H, W, 3] uint8, a coarse segment) -> the refined segment, or None to
+# keep the coarse one.
+SegmentRefine = Callable[[np.ndarray, SegmentResult], SegmentResult | None]
+REFINER_FILE = "model.pt"
 
 _FAMILIES: dict[str, ModelFamily] = {}
 
@@ -181,6 +193,16 @@ def write_checkpoint(
     return family_of(config).write_checkpoint(
         config, Path(out_dir), seed=seed, progress=progress, **options
     )
+
+
+def segment_refiner(loaded: LoadedModel, source: str | Path) -> SegmentRefine:
+    """``loaded``'s family's segmentation refiner, its head read from ``source``: a file, a
+    directory holding ``model.pt``, or a Hugging Face repo id (``moondream/SegHeadRefiner``)."""
+    try:
+        weights = resolve_file(source, REFINER_FILE)
+    except CheckpointError as err:
+        raise ValueError(f"segment_refiner: {err}") from None
+    return family_of(loaded.config).segment_refiner(loaded, weights)
 
 
 def _family_of_checkpoint(path: Path) -> ModelFamily:

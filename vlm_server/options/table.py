@@ -315,6 +315,15 @@ class ServerConfig:
         G.OBSERVABILITY,
         "address of the Prometheus endpoint (loopback: 0.0.0.0 lets other machines scrape)",
     )
+    segment_refiner: str | None = option(
+        None,
+        G.MODEL,
+        "Moondream 3's segmentation refiner: its weights file (model.pt), a folder holding "
+        "it, or a Hugging Face repo id (moondream/SegHeadRefiner). Each segment's final path "
+        "and box then come from one more vision-tower pass over the box and five rounds of "
+        "the refiner's head; the streamed path stays the decoded one. Unset: the decoded path "
+        "is the answer",
+    )
     adapters_dir: str | None = option(
         None,
         G.MODEL,

@@ -21,7 +21,7 @@ from vlm_server.devices import cap_memory, resolve_device
 from vlm_server.engine.api import Engine
 from vlm_server.frontend.logs import configure_logging
 from vlm_server.models.interface import LoadedModel
-from vlm_server.models.registry import load_model
+from vlm_server.models.registry import load_model, segment_refiner
 from vlm_server.options.table import ServerConfig
 from vlm_server.server.memory import freeze, limit_arenas, limit_mmap_threshold, trim
 
@@ -69,8 +69,14 @@ def batched_engine(config: ServerConfig, one_at_a_time: bool = False) -> Engine:
     cfg = config.engine_config
     if one_at_a_time:
         cfg = dataclasses.replace(cfg, max_batch_size=1, pipeline_depth=1)
+    loaded = _loader(config)()
+    refine = segment_refiner(loaded, config.segment_refiner) if config.segment_refiner else None
     return BatchedEngine(
-        _loader(config)(), cfg, preset_name=config.preset, image_preparer=crop_maker(config)
+        loaded,
+        cfg,
+        preset_name=config.preset,
+        image_preparer=crop_maker(config),
+        segment_refiner=refine,
     )
 
 

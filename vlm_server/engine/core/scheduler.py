@@ -48,6 +48,7 @@ from vlm_server.engine.api import (
     EngineStats,
     ErrorCode,
     Finished,
+    GenerationRequest,
 )
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.observer import NO_OBSERVER, Observer
@@ -73,6 +74,8 @@ from vlm_server.engine.core.step_layout import (
 )
 from vlm_server.engine.core.step_plan import Chunk, StepBudget, StepPlan
 
+Emit = Callable[[object], None]
+
 
 class Scheduler:
     def __init__(
@@ -87,6 +90,8 @@ class Scheduler:
         pages: PageAllocator | None = None,
     ) -> None:
         self.rt = runtime
+        # A finished segment's result and emit go here, not to its stream (refinements.py).
+        self.refine_segment: Callable[[GenerationRequest, Finished, Emit], None] | None = None
         # Sends the events emitted so far on their way (the engine batches them per tick):
         # called after the cancellation sweep and at the end of every tick.
         self.flush_events = flush_events
@@ -529,11 +534,18 @@ class Scheduler:
     # ---- endings ----------------------------------------------------------------------
 
     def _complete(self, seq: Sequence, now: float) -> None:
-        """Deliver the answer of ``seq``, whose grammar finished (core/outputs.py builds it)."""
+        """Deliver the answer of ``seq``, whose grammar finished (core/outputs.py builds it);
+        a segmentation goes through `refine_segment` first, when set."""
         tail, result = seq.output.finish(seq, now)
         if tail is not None and seq.emit is not None:
             seq.emit(tail)
         self._finish(seq)
+        refine = self.refine_segment
+        if refine is not None and result.segmentation is not None and seq.emit is not None:
+            self.observer.ended(seq, result)
+            emit, seq.emit = seq.emit, None
+            refine(seq.request, result, emit)  # delivers the final event later
+            return
         self._end(seq, result)
 
     def _fail(self, seq: Sequence, code: ErrorCode) -> None:

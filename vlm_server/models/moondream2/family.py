@@ -77,5 +77,10 @@ class Moondream2Family:
             make_readable(out, config, seed=seed)
         return out
 
+    def segment_refiner(self, loaded: LoadedModel, weights: Path) -> Any:
+        raise ValueError(
+            "segment_refiner: moondream2 has no segmentation refiner (Moondream 3 has)"
+        )
+
 
 MOONDREAM2 = Moondream2Family()

@@ -84,5 +84,28 @@ class Moondream3Family:
         options["layout"] = _LAYOUT_ALIASES.get(layout, layout)
         return write_checkpoint(config, out_dir, seed=seed, progress=progress, **options)
 
+    def segment_refiner(self, loaded: LoadedModel, weights: Path) -> Any:
+        """The refiner (refiner.py) over the model's vision tower, its head from ``weights``
+        in the model's dtype and device. The head reads the residual stream after block 8,
+        or the last block of a smaller test tower."""
+        from vlm_server.models.moondream3.refiner import EARLY_LAYER, SegmentRefiner, load_head
+        from vlm_server.models.moondream3.refiner_head import RefinerHead
+
+        model = loaded.model
+        vision_cfg = model.config.vision
+        sized = RefinerHead(enc_dim=vision_cfg.enc_dim, grid=vision_cfg.grid_size)
+        try:
+            head = load_head(weights, sized)
+        except ValueError as err:
+            raise ValueError(f"segment_refiner: {err}") from None
+        head = head.to(model.device, model.dtype)
+        early = min(EARLY_LAYER, vision_cfg.enc_n_layers - 1)
+        tower = model.vision
+
+        def features(crops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return tower.encode_early(crops, early)
+
+        return SegmentRefiner(head, features, vision_cfg.crop_size).refine
+
 
 MOONDREAM3 = Moondream3Family()

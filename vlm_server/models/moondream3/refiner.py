@@ -65,11 +65,12 @@ def save_head(head: RefinerHead, path: str | Path) -> None:
     torch.save({"head": head.state_dict()}, path)
 
 
-def _resize_nearest(mask: np.ndarray, size: int) -> np.ndarray:
-    """OpenCV's nearest resize of a bool mask to size x size: source index floor(i * scale)."""
+def resize_nearest(mask: np.ndarray, height: int, width: int) -> np.ndarray:
+    """OpenCV's nearest resize of a mask: each output pixel takes source index
+    floor(i * scale)."""
     h, w = mask.shape
-    ys = np.minimum((np.arange(size) * (h / size)).astype(np.int64), h - 1)
-    xs = np.minimum((np.arange(size) * (w / size)).astype(np.int64), w - 1)
+    ys = np.minimum((np.arange(height) * (h / height)).astype(np.int64), h - 1)
+    xs = np.minimum((np.arange(width) * (w / width)).astype(np.int64), w - 1)
     return mask[ys][:, xs]
 
 
@@ -94,7 +95,7 @@ class SegmentRefiner:
         img = img.permute(2, 0, 1)[None].float()
         img = F.interpolate(img, size=(s, s), mode="bilinear", align_corners=False)
         img = (img.round().clamp(0, 255) / 255.0 - 0.5) / 0.5  # a uint8 resize, normalized
-        m = torch.from_numpy(_resize_nearest(mask, s)).to(self.device, self.dtype)[None, None]
+        m = torch.from_numpy(resize_nearest(mask, s, s)).to(self.device, self.dtype)[None, None]
         final, early = self.features(img.to(self.dtype))
         for _ in range(self.iterations):
             logits, iou = self.head(final, early, m)
@@ -104,13 +105,15 @@ class SegmentRefiner:
         return (back[0, 0] > 0.5).cpu().numpy()
 
     def refine(self, image: np.ndarray, coarse: SegmentResult) -> SegmentResult | None:
-        """The refined segment of ``coarse`` on ``image`` (RGB [H, W, 3] uint8), or None where
-        the author's engine keeps the coarse one (an empty mask, or nothing traced)."""
-        height, width = image.shape[:2]
-        if (height, width) != tuple(coarse.mask_size):
+        """The refined segment of ``coarse`` on ``image`` (upright RGB [H, W, 3] uint8, which
+        may be smaller than the picture: a reduced-scale decode), or None where the author's
+        engine keeps the coarse one (an empty mask, or nothing traced). The refined mask
+        is resized (nearest) to the coarse mask's size when the pixels were smaller."""
+        if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
             raise ValueError(
-                f"image is {width}x{height}, the segment's mask {coarse.mask_size[::-1]}"
+                f"expected uint8 RGB pixels [H, W, 3], got {image.dtype} {image.shape}"
             )
+        height, width = image.shape[:2]
         full = refiner_masks.coarse_mask(coarse.polygons, width, height)
         x1, y1, x2, y2 = refiner_masks.expand_box(coarse.box, width, height)
         crop_mask = full[y1:y2, x1:x2]
@@ -122,6 +125,9 @@ class SegmentRefiner:
         traced = refiner_masks.trace(refined) if refined.any() else None
         if traced is None:
             return None
+        mask_h, mask_w = coarse.mask_size
+        if (mask_h, mask_w) != (height, width):
+            refined = resize_nearest(refined, mask_h, mask_w)
         return replace(
             coarse,
             box=traced.box,
