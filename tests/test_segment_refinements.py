@@ -165,3 +165,28 @@ def test_the_familys_refiner_reads_its_file_and_errors_name_the_flag(
     md2 = random_model(preset("tiny"), seed=0, dtype=torch.float32, progress=False)
     with pytest.raises(ValueError, match="segment_refiner: moondream2 has no"):
         segment_refiner(md2, tmp_path / "model.pt")
+
+
+def test_the_refiner_resolves_from_a_hub_snapshot_offline(tmp_path: Path) -> None:
+    pytest.importorskip("huggingface_hub")
+    import os
+    import subprocess
+    import sys
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--moondream--SegHeadRefiner"
+    snap = repo / "snapshots" / commit
+    snap.mkdir(parents=True)
+    save_head(random_head(enc_dim=64, grid=27, width=64), snap / "model.pt")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    code = (
+        "from vlm_server.models.hub import resolve_file\n"
+        "print('found', resolve_file('moondream/SegHeadRefiner', 'model.pt').name)\n"
+    )
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert "found model.pt" in out.stdout
