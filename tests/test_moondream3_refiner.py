@@ -240,3 +240,35 @@ def test_the_refiner_at_full_size_on_cuda_matches_the_cpu() -> None:
     out = refiner.refine(image, coarse)
     if out is not None:
         assert out.mask_size == (300, 400) and out.box_path.startswith("M")
+
+
+@pytest.mark.parametrize("fraction", [0.01, 0.2])
+@pytest.mark.parametrize("seed", range(8))
+def test_the_mask_work_on_a_window_equals_it_on_the_picture(seed: int, fraction: float) -> None:
+    """Raster, clean-up and tracing of a crop and its 2-pixel margin give the picture's."""
+    rng = np.random.default_rng(seed)
+    h, w = 60, 80
+    x1, y1 = int(rng.integers(0, 30)), int(rng.integers(0, 20))
+    x2, y2 = int(rng.integers(x1 + 10, w + 1)), int(rng.integers(y1 + 10, h + 1))
+    full = np.zeros((h, w), bool)
+    for _ in range(6):  # rectangles and holes, some tiny, inside the crop
+        a, b = sorted(rng.integers(x1, x2, 2)), sorted(rng.integers(y1, y2, 2))
+        full[b[0] : b[1] + 1, a[0] : a[1] + 1] = rng.random() < 0.7
+    polygon = [(x1 / w, y1 / h), (x2 / w, y1 / h), (x2 / w, y2 / h), (x1 / w, (y1 + y2) / 2 / h)]
+    whole = refiner_masks.coarse_mask([polygon], w, h)
+    part = refiner_masks.coarse_mask([polygon], w, h, (x1, y1, x2, y2))
+    assert np.array_equal(part, whole[y1:y2, x1:x2])
+    wx1, wy1, wx2, wy2 = max(0, x1 - 2), max(0, y1 - 2), min(w, x2 + 2), min(h, y2 + 2)
+    edges = (wy1 > 0, wy2 < h, wx1 > 0, wx2 < w)
+    window = refiner_masks.clean_mask(
+        full[wy1:wy2, wx1:wx2], area=h * w, open_edges=edges, area_fraction=fraction
+    )
+    cleaned = refiner_masks.clean_mask(full, area_fraction=fraction)
+    placed = np.zeros_like(full)
+    placed[wy1:wy2, wx1:wx2] = window
+    assert np.array_equal(placed, cleaned)
+    a = refiner_masks.trace(window, origin=(wx1, wy1), size=(w, h))
+    b = refiner_masks.trace(cleaned)
+    assert (a is None) == (b is None)
+    if a is not None and b is not None:
+        assert a.box == b.box and a.box_path == b.box_path and a.path == b.path

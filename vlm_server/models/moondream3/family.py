@@ -91,6 +91,17 @@ class Moondream3Family:
         from vlm_server.models.moondream3.refiner import EARLY_LAYER, SegmentRefiner, load_head
         from vlm_server.models.moondream3.refiner_head import RefinerHead
 
+        try:  # the tracing back into a path needs potracer (checked at start, not per answer)
+            import potrace
+
+            potracer = hasattr(potrace.Bitmap, "invert")
+        except ImportError:
+            potracer = False
+        if not potracer:
+            raise ValueError(
+                "segment_refiner: needs potracer to trace refined masks "
+                "(pip install 'moondream-serve[refiner]')"
+            )
         model = loaded.model
         vision_cfg = model.config.vision
         sized = RefinerHead(enc_dim=vision_cfg.enc_dim, grid=vision_cfg.grid_size)

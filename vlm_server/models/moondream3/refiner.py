@@ -114,17 +114,32 @@ class SegmentRefiner:
                 f"expected uint8 RGB pixels [H, W, 3], got {image.dtype} {image.shape}"
             )
         height, width = image.shape[:2]
-        full = refiner_masks.coarse_mask(coarse.polygons, width, height)
-        x1, y1, x2, y2 = refiner_masks.expand_box(coarse.box, width, height)
-        crop_mask = full[y1:y2, x1:x2]
+        crop = refiner_masks.expand_box(coarse.box, width, height)
+        x1, y1, x2, y2 = crop
+        if x2 <= x1 or y2 <= y1:
+            return None
+        crop_mask = refiner_masks.coarse_mask(coarse.polygons, width, height, crop)
         if not crop_mask.any():
             return None
-        refined = np.zeros((height, width), bool)
-        refined[y1:y2, x1:x2] = self.refine_crop(image[y1:y2, x1:x2], crop_mask)
-        refined = refiner_masks.clean_mask(refined)
-        traced = refiner_masks.trace(refined) if refined.any() else None
+        # The mask work runs on the crop and an empty margin of 2 (the closing grows it by
+        # one): the picture's other pixels stay empty, and hold no holes of their own.
+        wx1, wy1 = max(0, x1 - 2), max(0, y1 - 2)
+        wx2, wy2 = min(width, x2 + 2), min(height, y2 + 2)
+        window = np.zeros((wy2 - wy1, wx2 - wx1), bool)
+        window[y1 - wy1 : y2 - wy1, x1 - wx1 : x2 - wx1] = self.refine_crop(
+            image[y1:y2, x1:x2], crop_mask
+        )
+        open_edges = (wy1 > 0, wy2 < height, wx1 > 0, wx2 < width)
+        window = refiner_masks.clean_mask(window, area=height * width, open_edges=open_edges)
+        traced = (
+            refiner_masks.trace(window, origin=(wx1, wy1), size=(width, height))
+            if window.any()
+            else None
+        )
         if traced is None:
             return None
+        refined = np.zeros((height, width), bool)
+        refined[wy1:wy2, wx1:wx2] = window
         mask_h, mask_w = coarse.mask_size
         if (mask_h, mask_w) != (height, width):
             refined = resize_nearest(refined, mask_h, mask_w)

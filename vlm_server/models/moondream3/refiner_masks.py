@@ -29,10 +29,17 @@ AREA_FRACTION = 0.0015
 MARGIN = 0.25
 
 
-def coarse_mask(polygons: list[list[Point]], width: int, height: int) -> np.ndarray:
-    """Bool [height, width]: the polygons (normalized) at 2x supersampling, over one half."""
-    fine = rasterize(polygons, 2 * width, 2 * height).astype(np.float32)
-    return fine.reshape(height, 2, width, 2).mean(axis=(1, 3)) > 0.5
+def coarse_mask(
+    polygons: list[list[Point]], width: int, height: int, window: PixelBox | None = None
+) -> np.ndarray:
+    """Bool [height, width]: the polygons (normalized) at 2x supersampling, over one half;
+    ``window`` (x1, y1, x2, y2 pixels): only that part of it, drawn alone (the same pixels:
+    the fine grid moves by whole samples)."""
+    x1, y1, x2, y2 = window or (0, 0, width, height)
+    w, h = x2 - x1, y2 - y1
+    moved = [[((x * width - x1) / w, (y * height - y1) / h) for x, y in p] for p in polygons]
+    fine = rasterize(moved, 2 * w, 2 * h).astype(np.float32)
+    return fine.reshape(h, 2, w, 2).mean(axis=(1, 3)) > 0.5
 
 
 def expand_box(box: Box, width: int, height: int, margin: float = MARGIN) -> PixelBox:
@@ -96,8 +103,13 @@ def components(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return labels, np.array(sizes, np.int64)
 
 
+Edges = tuple[bool, bool, bool, bool]  # top, bottom, left, right
+CLOSED: Edges = (False, False, False, False)
+
+
 def _close3(mask: np.ndarray) -> np.ndarray:
-    """3x3 closing: dilation with the outside as background, erosion with it as foreground."""
+    """3x3 closing: dilation with the outside as background, erosion with it as foreground
+    (a window's open edge keeps two empty rows, so its erosion there is the picture's)."""
     h, w = mask.shape
     dil = np.zeros((h + 2, w + 2), bool)
     for dy in range(3):
@@ -113,12 +125,28 @@ def _close3(mask: np.ndarray) -> np.ndarray:
     return ero
 
 
-def clean_mask(mask: np.ndarray, area_fraction: float = AREA_FRACTION) -> np.ndarray:
-    """Holes, then islands, smaller than ``area_fraction`` of the picture removed; closed."""
+def clean_mask(
+    mask: np.ndarray,
+    area_fraction: float = AREA_FRACTION,
+    *,
+    area: int | None = None,
+    open_edges: Edges = CLOSED,
+) -> np.ndarray:
+    """Holes, then islands, smaller than ``area_fraction`` of the picture removed; closed.
+    A window of a larger picture passes the picture's ``area`` and which of its edges lie
+    inside the picture (``open_edges``): background reaching one is the picture's outer
+    background, never a hole, as long as the window keeps a pixel of empty margin there."""
     h, w = mask.shape
-    small_area = max(1.0, area_fraction * h * w)
+    small_area = max(1.0, area_fraction * (area or h * w))
     for holes in (True, False):
         labels, sizes = components(~mask if holes else mask)
+        if holes and any(open_edges):
+            top, bottom, left, right = open_edges
+            edges = [labels[0] if top else [], labels[-1] if bottom else []]
+            edges += [labels[:, 0] if left else [], labels[:, -1] if right else []]
+            outside = np.unique(np.concatenate([np.asarray(e, np.int32) for e in edges]))
+            sizes = sizes.copy()
+            sizes[outside[outside > 0]] = np.iinfo(np.int64).max
         small = np.flatnonzero(sizes[1:] < small_area) + 1
         if not small.size:
             continue
@@ -164,21 +192,29 @@ def _bezier(p0: Point, p1: Point, p2: Point, p3: Point, segments: int) -> list[P
     return [(float(x), float(y)) for x, y in out]
 
 
-def trace(mask: np.ndarray, curve_segments: int = 8) -> Traced | None:
+def trace(
+    mask: np.ndarray,
+    curve_segments: int = 8,
+    origin: tuple[int, int] = (0, 0),
+    size: tuple[int, int] | None = None,
+) -> Traced | None:
     """The mask traced (see the module docstring); None when it is empty or traces to
-    nothing. Needs potracer (``pip install potracer``)."""
+    nothing. A window of a larger picture passes where it lies (``origin``, x and y pixels)
+    and the picture's (width, height) ``size``. Needs potracer (``pip install potracer``)."""
     import potrace  # potracer: pure Python
 
     found = mask_box(mask)
     if found is None:
         return None
-    h, w = mask.shape
+    ox, oy = origin
+    w, h = size or (mask.shape[1], mask.shape[0])
     x0, y0, x1, y1 = found
+    x0, y0, x1, y1 = x0 + ox, y0 + oy, x1 + ox, y1 + oy
     bw, bh = (x1 - x0 + 1) / w, (y1 - y0 + 1) / h
     left, top = x0 / w, y0 / h
 
     def norm(p: object) -> Point:
-        return (p.x / w, p.y / h)  # type: ignore[attr-defined]
+        return ((p.x + ox) / w, (p.y + oy) / h)  # type: ignore[attr-defined]
 
     def rel(p: Point) -> str:
         return f"{_num((p[0] - left) / bw)},{_num((p[1] - top) / bh)}"
