@@ -190,3 +190,15 @@ def test_the_refiner_resolves_from_a_hub_snapshot_offline(tmp_path: Path) -> Non
     )
     assert out.returncode == 0, out.stderr
     assert "found model.pt" in out.stdout
+
+
+def test_a_refiner_without_potracer_is_refused_at_start(
+    md3_tiny: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    vision = md3_tiny.model.config.vision
+    save_head(random_head(enc_dim=vision.enc_dim, grid=vision.grid_size), tmp_path / "model.pt")
+    monkeypatch.setitem(sys.modules, "potrace", None)  # not installed
+    with pytest.raises(ValueError, match=r"segment_refiner: needs potracer"):
+        segment_refiner(md3_tiny, tmp_path / "model.pt")
