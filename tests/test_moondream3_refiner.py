@@ -272,3 +272,28 @@ def test_the_mask_work_on_a_window_equals_it_on_the_picture(seed: int, fraction:
     assert (a is None) == (b is None)
     if a is not None and b is not None:
         assert a.box == b.box and a.box_path == b.box_path and a.path == b.path
+
+
+def test_the_mask_process_answers_as_in_process_and_replaces_a_dead_child() -> None:
+    import os
+    import signal
+    from concurrent.futures.process import BrokenProcessPool
+
+    window = np.zeros((40, 50), bool)
+    window[5:35, 8:40] = True
+    window[15:18, 20:23] = False  # a small hole
+    args = (window, 60 * 80, (True, False, True, False), (3, 4), (80, 60))
+    want_mask, want = refiner_masks.finish_window(*args)
+    worker = refiner_masks.MaskProcess()
+    try:
+        got_mask, got = worker(*args)
+        assert np.array_equal(got_mask, want_mask) and got == want and want is not None
+        pool = worker._pool
+        assert pool is not None
+        for pid in list(pool._processes):  # the child dies: that call fails, the next works
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(BrokenProcessPool):
+            worker(*args)
+        assert worker(*args)[1] == want
+    finally:
+        worker.close()

@@ -88,6 +88,7 @@ class Moondream3Family:
         """The refiner (refiner.py) over the model's vision tower, its head from ``weights``
         in the model's dtype and device. The head reads the residual stream after block 8,
         or the last block of a smaller test tower."""
+        from vlm_server.models.moondream3 import refiner_masks
         from vlm_server.models.moondream3.refiner import EARLY_LAYER, SegmentRefiner, load_head
         from vlm_server.models.moondream3.refiner_head import RefinerHead
 
@@ -116,7 +117,8 @@ class Moondream3Family:
         def features(crops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return tower.encode_early(crops, early)
 
-        return SegmentRefiner(head, features, vision_cfg.crop_size).refine
+        finish = refiner_masks.MaskProcess()  # tracing is pure Python: off the engine's GIL
+        return SegmentRefiner(head, features, vision_cfg.crop_size, finish=finish).refine
 
 
 MOONDREAM3 = Moondream3Family()

@@ -34,6 +34,8 @@ ITERATIONS = 5
 EARLY_LAYER = 8
 # (crops [1, 3, S, S] normalized to [-1, 1]) -> (final, early) features [1, grid^2, enc_dim]
 Features = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# `refiner_masks.finish_window`'s signature: (window, area, open edges, origin, size)
+Finish = Callable[..., tuple[np.ndarray, refiner_masks.Traced | None]]
 
 
 def load_head(path: str | Path, head: RefinerHead | None = None) -> RefinerHead:
@@ -79,9 +81,11 @@ class SegmentRefiner:
 
     def __init__(
         self, head: RefinerHead, features: Features, crop_size: int,
-        iterations: int = ITERATIONS,
+        iterations: int = ITERATIONS, finish: Finish = refiner_masks.finish_window,
     ) -> None:  # fmt: skip
-        self.head, self.features = head, features
+        """``finish``: what cleans and traces a refined window (`refiner_masks.MaskProcess`
+        to keep it off this process's GIL)."""
+        self.head, self.features, self.finish = head, features, finish
         self.crop_size, self.iterations = crop_size, iterations
         p = next(head.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -130,11 +134,8 @@ class SegmentRefiner:
             image[y1:y2, x1:x2], crop_mask
         )
         open_edges = (wy1 > 0, wy2 < height, wx1 > 0, wx2 < width)
-        window = refiner_masks.clean_mask(window, area=height * width, open_edges=open_edges)
-        traced = (
-            refiner_masks.trace(window, origin=(wx1, wy1), size=(width, height))
-            if window.any()
-            else None
+        window, traced = self.finish(
+            window, height * width, open_edges, (wx1, wy1), (width, height)
         )
         if traced is None:
             return None

@@ -17,6 +17,10 @@ the model author's engine does them (its OpenCV and potrace calls, in NumPy here
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import threading
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 import numpy as np
@@ -254,3 +258,51 @@ def trace(
         return None
     box = (left, top, (x1 + 1) / w, (y1 + 1) / h)
     return Traced(box, "".join(box_parts), " ".join(parts), polygons)
+
+
+def finish_window(
+    window: np.ndarray,
+    area: int,
+    open_edges: Edges,
+    origin: tuple[int, int],
+    size: tuple[int, int],
+) -> tuple[np.ndarray, Traced | None]:
+    """A refined window of the picture, cleaned and traced (`clean_mask`, `trace`): the
+    Python-heavy half of the mask work, which a child process runs (`MaskProcess`)."""
+    window = clean_mask(window, area=area, open_edges=open_edges)
+    return window, (trace(window, origin=origin, size=size) if window.any() else None)
+
+
+class MaskProcess:
+    """`finish_window` in a child process of its own (spawned on first use, replaced if it
+    dies), so that tracing, pure Python, never holds the engine's GIL."""
+
+    def __init__(self) -> None:
+        self._pool: ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def __call__(
+        self,
+        window: np.ndarray,
+        area: int,
+        open_edges: Edges,
+        origin: tuple[int, int],
+        size: tuple[int, int],
+    ) -> tuple[np.ndarray, Traced | None]:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"))
+            pool = self._pool
+        try:
+            return pool.submit(finish_window, window, area, open_edges, origin, size).result()
+        except BrokenProcessPool:
+            with self._lock:  # the next call starts a fresh child
+                if self._pool is pool:
+                    self._pool = None
+            raise
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
