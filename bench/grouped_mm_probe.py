@@ -22,7 +22,6 @@ JSON and a PNG beside it and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.nn.functional as F
@@ -165,9 +164,7 @@ def main() -> int:
     summary(rows)
     out = {"device": torch.cuda.get_device_name(), "rows": rows}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-        plot(out, plotting.png_beside(args.json))
+        plotting.write_rows(args.json, out, plot)
     return 0
 
 

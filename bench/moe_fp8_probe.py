@@ -16,7 +16,6 @@ winner as a `moe_triton.FP8_ACT_TILES` row.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
@@ -136,9 +135,7 @@ def main() -> int:
     summary(rows)
     out = {"device": torch.cuda.get_device_name(), "rows": rows}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-        plot(out, plotting.png_beside(args.json))
+        plotting.write_rows(args.json, out, plot)
     n = max(args.tokens)
     b = best(rows, n)
     if b is not None:

@@ -13,7 +13,6 @@ PyTorch's, the module's settings and the fastest).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
@@ -116,9 +115,7 @@ def main() -> int:
         setattr(moe_routing, k, v)
     if args.json:
         out = {"device": torch.cuda.get_device_name(), "rows": rows}
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-        plot(out, plotting.png_beside(args.json))
+        plotting.write_rows(args.json, out, plot)
     return 0
 
 

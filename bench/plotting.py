@@ -32,6 +32,13 @@ def png_beside(json_path: str) -> str:
     return json_path.removesuffix(".json") + ".png"
 
 
+def write_rows(json_path: str, out: dict, plot: Callable[[dict, str], bool]) -> None:
+    """A probe's ``--json``: its rows as JSON, and its plot of them beside."""
+    with open(json_path, "w") as f:
+        json.dump(out, f, indent=1)
+    plot(out, png_beside(json_path))
+
+
 def replot(json_path: str, plot: Callable[[dict, str], bool]) -> int:
     """A probe's ``--plot-from``: its plot of saved rows, beside them; exit status."""
     with open(json_path) as f:

@@ -12,7 +12,6 @@ and the block `triton_attention.rope_block` picks (the source of ``ROPE_BLOCKS``
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
@@ -96,9 +95,7 @@ def main() -> int:
         print(f"{n:>7} {cells}  b{r['picked']}", flush=True)
     if args.json:
         out = {"device": torch.cuda.get_device_name(), "shape": vars(args), "rows": rows}
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-        plot(out, plotting.png_beside(args.json))
+        plotting.write_rows(args.json, out, plot)
     return 0
 
 

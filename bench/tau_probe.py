@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import json
 from collections.abc import Iterator
 
 import torch
@@ -125,9 +124,7 @@ def main() -> int:
         )
     if args.json:
         out = {"device": torch.cuda.get_device_name(), "rows": rows}
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-        plot(out, plotting.png_beside(args.json))
+        plotting.write_rows(args.json, out, plot)
     return 0
 
 

@@ -17,7 +17,9 @@ import torch
 from decoding.segment_output import SegmentResult
 from image_pipeline import EncodedImage, ImagePreparer, PreparedImage, sample_image
 from image_pipeline.prepared import prepare_pil
+from tests.support.hub_cache import hub_snapshot, run_offline
 from tests.test_engine import _wait_idle
+from tests.test_moondream3_segment import _stream
 from vlm_server.engine.api import Finished, GenerationRequest, PathDelta, Task
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
@@ -39,15 +41,6 @@ def picture() -> tuple[PreparedImage, np.ndarray]:
     base = sample_image().resize((300, 200))
     pixels = np.array(base.convert("RGB"))
     return dataclasses.replace(prepare_pil(base), source=pixels), pixels
-
-
-async def _stream(engine: BatchedEngine, req: GenerationRequest) -> tuple[list, Finished]:
-    deltas: list = []
-    async for event in await engine.submit(req):
-        if isinstance(event, Finished):
-            return deltas, event
-        deltas.append(event)
-    raise AssertionError("stream ended without Finished")
 
 
 def _run(loaded: LoadedModel, reqs: list[GenerationRequest], refine: object, depth: int = 2):
@@ -169,25 +162,13 @@ def test_the_familys_refiner_reads_its_file_and_errors_name_the_flag(
 
 def test_the_refiner_resolves_from_a_hub_snapshot_offline(tmp_path: Path) -> None:
     pytest.importorskip("huggingface_hub")
-    import os
-    import subprocess
-    import sys
-
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = tmp_path / "hub" / "models--moondream--SegHeadRefiner"
-    snap = repo / "snapshots" / commit
-    snap.mkdir(parents=True)
+    snap = hub_snapshot(tmp_path / "hub", "moondream/SegHeadRefiner")
     save_head(random_head(enc_dim=64, grid=27, width=64), snap / "model.pt")
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
     code = (
         "from vlm_server.models.hub import resolve_file\n"
         "print('found', resolve_file('moondream/SegHeadRefiner', 'model.pt').name)\n"
     )
-    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
+    out = run_offline(code, tmp_path / "hub")
     assert out.returncode == 0, out.stderr
     assert "found model.pt" in out.stdout
 

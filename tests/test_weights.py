@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.support.hub_cache import hub_snapshot, run_offline
 from vlm_server.models.checkpoint_io import CheckpointError
 from vlm_server.models.interface import LoadedModel
 from vlm_server.models.moondream2.layout import expected_shapes, native_to_legacy
@@ -186,14 +184,9 @@ def test_hf_snapshot_config_selects_the_preset(tmp_path: Path, tiny_dir: Path) -
 
 def test_hub_repo_id_resolves_offline_from_a_local_snapshot(tmp_path: Path, tiny_dir: Path) -> None:
     pytest.importorskip("huggingface_hub")
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = tmp_path / "hub" / "models--someone--tiny-moondream"
-    snap = repo / "snapshots" / commit
-    snap.mkdir(parents=True)
+    snap = hub_snapshot(tmp_path / "hub", "someone/tiny-moondream")
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         (snap / name).write_bytes((tiny_dir / name).read_bytes())
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
     code = (
         "from vlm_server.models.moondream2.loader import load_model\n"
         "from vlm_server.models.checkpoint_io import CheckpointError\n"
@@ -204,10 +197,7 @@ def test_hub_repo_id_resolves_offline_from_a_local_snapshot(tmp_path: Path, tiny
         "except CheckpointError as e:\n"
         "    print('error', e)\n"
     )
-    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
+    out = run_offline(code, tmp_path / "hub")
     assert out.returncode == 0, out.stderr
     assert "loaded tiny" in out.stdout
     assert "error could not fetch 'someone/not-cached'" in out.stdout

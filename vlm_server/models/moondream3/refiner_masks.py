@@ -281,20 +281,14 @@ class MaskProcess:
         self._pool: ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
 
-    def __call__(
-        self,
-        window: np.ndarray,
-        area: int,
-        open_edges: Edges,
-        origin: tuple[int, int],
-        size: tuple[int, int],
-    ) -> tuple[np.ndarray, Traced | None]:
+    def __call__(self, *args: object) -> tuple[np.ndarray, Traced | None]:
+        """`finish_window(*args)`, answered by the child."""
         with self._lock:
             if self._pool is None:
                 self._pool = ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"))
             pool = self._pool
         try:
-            return pool.submit(finish_window, window, area, open_edges, origin, size).result()
+            return pool.submit(finish_window, *args).result()
         except BrokenProcessPool:
             with self._lock:  # the next call starts a fresh child
                 if self._pool is pool:
