@@ -62,6 +62,9 @@ def test_the_registry_resolves_presets_configs_and_checkpoints_to_their_family(
         registry.register(_Clash())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"unknown preset 'nope'.*toy"):
         registry.preset("nope")
+    (toy_dir.parent / "refiner.pt").write_bytes(b"")  # the family says it has no refiner
+    with pytest.raises(ValueError, match=r"segment_refiner: the toy family has no"):
+        registry.segment_refiner(toy, toy_dir.parent / "refiner.pt")
 
 
 class _Clash:

@@ -320,5 +320,8 @@ class ToyFamily:
         (out_dir / "config.json").write_text(json.dumps(meta))
         return out_dir
 
+    def segment_refiner(self, loaded: LoadedModel, weights: Path) -> Any:
+        raise ValueError("segment_refiner: the toy family has no segmentation refiner")
+
 
 TOY = ToyFamily()
