@@ -103,9 +103,10 @@ class SegmentRefiner:
         final, early = self.features(img.to(self.dtype))
         for _ in range(self.iterations):
             logits, iou = self.head(final, early, m)
-            best = logits[torch.arange(logits.shape[0]), iou.argmax(dim=1)]
+            best = logits[torch.arange(logits.shape[0], device=logits.device), iou.argmax(1)]
             m = torch.sigmoid(best)[:, None]
         back = F.interpolate(m.float(), size=(h, w), mode="bilinear", align_corners=False)
+        # The host's mask work needs it: a wait for this thread's own stream only.
         return (back[0, 0] > 0.5).cpu().numpy()
 
     def refine(self, image: np.ndarray, coarse: SegmentResult) -> SegmentResult | None:
