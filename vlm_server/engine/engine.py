@@ -39,9 +39,9 @@ from vlm_server.engine.core.outputs import output_for
 from vlm_server.engine.core.scheduler import Scheduler
 from vlm_server.engine.core.sequence import Sequence
 from vlm_server.engine.device.runtime import ModelRuntime
-from vlm_server.engine.refinements import Refinements, SegmentRefine
+from vlm_server.engine.refinements import Refinements
 from vlm_server.engine.requests.tasks import TaskCompiler
-from vlm_server.models.interface import LoadedModel
+from vlm_server.models.interface import LoadedModel, SegmentRefine
 
 log = logging.getLogger(__name__)
 

@@ -29,11 +29,10 @@ from decoding.segment_output import SegmentResult
 from image_pipeline import EncodedImage, HostImage, ImagePreparer, PreparedImage
 from vlm_server.engine.api import Emitted, Finished, GenerationRequest, Segmentation
 from vlm_server.engine.core.outputs import segmentation
+from vlm_server.models.interface import SegmentRefine
 
 log = logging.getLogger(__name__)
 
-# (upright RGB pixels [H, W, 3] uint8, the decoded segment) -> the refined one, or None.
-SegmentRefine = Callable[[np.ndarray, SegmentResult], SegmentResult | None]
 _Job = tuple[GenerationRequest, Finished, Callable[[Emitted], None]]
 
 

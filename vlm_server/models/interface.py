@@ -11,13 +11,16 @@ patch of the global grid).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # the torch-free engine core imports this module
+    import numpy as np
     import torch
     from tokenizers import Tokenizer
 
+    from decoding.segment_output import SegmentResult
     from vlm_server.models.contract import TokenContract
     from vlm_server.models.kv import KVCache
 
@@ -162,3 +165,8 @@ class LoadedModel:
     tokenizer: Tokenizer
     config: FamilyConfig
     source: str
+
+
+# A family's segmentation refiner (registry.segment_refiner; the engine only calls it): upright
+# RGB pixels [H, W, 3] uint8 and the decoded segment -> the refined one, or None to keep it.
+SegmentRefine = Callable[["np.ndarray", "SegmentResult"], "SegmentResult | None"]

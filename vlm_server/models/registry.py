@@ -13,13 +13,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
-from decoding.segment_output import SegmentResult
 from vlm_server.models.checkpoint_io import CheckpointError
 from vlm_server.models.hub import resolve_file, resolve_source
-from vlm_server.models.interface import FamilyConfig, LoadedModel
+from vlm_server.models.interface import FamilyConfig, LoadedModel, SegmentRefine
 
 CONFIG_FILE = "config.json"
 
@@ -80,9 +78,6 @@ class ModelFamily(Protocol):
         ...
 
 
-# (upright RGB pixels [H, W, 3] uint8, a coarse segment) -> the refined segment, or None to
-# keep the coarse one.
-SegmentRefine = Callable[[np.ndarray, SegmentResult], SegmentResult | None]
 REFINER_FILE = "model.pt"
 
 _FAMILIES: dict[str, ModelFamily] = {}

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from vlm_server.models.interface import FamilyConfig, LoadedModel
+from vlm_server.models.interface import FamilyConfig, LoadedModel, SegmentRefine
 from vlm_server.models.moondream2.config import PRESETS, ModelConfig
 from vlm_server.models.moondream2.loader import load_model, random_model
 from vlm_server.models.moondream2.readable import make_readable
@@ -77,7 +77,7 @@ class Moondream2Family:
             make_readable(out, config, seed=seed)
         return out
 
-    def segment_refiner(self, loaded: LoadedModel, weights: Path) -> Any:
+    def segment_refiner(self, loaded: LoadedModel, weights: Path) -> SegmentRefine:
         raise ValueError(
             "segment_refiner: moondream2 has no segmentation refiner (Moondream 3 has)"
         )

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from vlm_server.models.interface import FamilyConfig, LoadedModel
+from vlm_server.models.interface import FamilyConfig, LoadedModel, SegmentRefine
 from vlm_server.models.moondream3.config import PRESETS, ModelConfig
 from vlm_server.models.moondream3.loader import load_model, random_model
 from vlm_server.models.moondream3.writer import CONFIG_FORMAT, FAMILY, write_checkpoint
@@ -84,7 +84,7 @@ class Moondream3Family:
         options["layout"] = _LAYOUT_ALIASES.get(layout, layout)
         return write_checkpoint(config, out_dir, seed=seed, progress=progress, **options)
 
-    def segment_refiner(self, loaded: LoadedModel, weights: Path) -> Any:
+    def segment_refiner(self, loaded: LoadedModel, weights: Path) -> SegmentRefine:
         """The refiner (refiner.py) over the model's vision tower, its head from ``weights``
         in the model's dtype and device. The head reads the residual stream after block 8,
         or the last block of a smaller test tower."""
