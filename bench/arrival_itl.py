@@ -465,6 +465,15 @@ def _phase_growth(
     return {b: last[b] - first.get(b, 0.0) for b in last}
 
 
+def phases_unix(tl: Timeline) -> dict[str, tuple[float, float]]:
+    """Each phase's window in time.time() seconds (the timeline keeps perf_counter's)."""
+    offset = time.time() - time.perf_counter()
+    return {
+        "A": (tl.warmup_end + offset, tl.a_end + offset),
+        "B": (tl.a_end + offset, tl.b_end + offset),
+    }
+
+
 def events_delays(tl: Timeline, phase: str) -> dict[str, Any]:
     """How long the engine process's events took to reach the server's streams over a phase
     (the delivery share of the clients' gaps; absent with the engine in the server's
@@ -827,6 +836,8 @@ def _run(args: argparse.Namespace, server_args: list[str]) -> int:
         "phases": phases,
         "arrivals": arrivals,
         "verdict": verdict(tl, phases["A"], phases["B"]),
+        # The phases on the wall clock, for a --step-trace of the same run (bench/step_gaps.py).
+        "phases_unix": phases_unix(tl),
         "gap_cdf_ms": {p: cdf_points(tl, p) for p in PHASES},
     }
     path.write_text(json.dumps(finite(result), indent=2, allow_nan=False))

@@ -184,6 +184,7 @@ class BatchedEngine:
         (engine/refinements.py)."""
         self.loaded = loaded
         self.cfg = cfg or EngineConfig()
+        self.observer = observer
         model = loaded.model
         mc = model.config
         contract = mc.tokens
@@ -308,6 +309,7 @@ class BatchedEngine:
         self._builders.shutdown(wait=False, cancel_futures=True)
         self.adapter_threads.shutdown(wait=False, cancel_futures=True)
         self.tasks.constraints.close()
+        self.observer.closed()
 
     def stats(self) -> EngineStats:
         stats = self.scheduler.stats()  # plain counters: a racy read is fine for metrics

@@ -376,6 +376,16 @@ class ServerConfig:
     log_level: str = option(
         "info", G.OBSERVABILITY, "log level", choices=("debug", "info", "warning", "error")
     )
+    step_trace: str = option(
+        "",
+        G.OBSERVABILITY,
+        "write the engine's last --step-trace-steps steps (host and device times, garbage "
+        "collections, whether an image prefix ran beside) to this JSON file when the server "
+        "stops, for bench/step_gaps.py (empty = off; costs CUDA events and host time per step)",
+    )
+    step_trace_steps: int = option(
+        100_000, G.OBSERVABILITY, "steps the --step-trace file keeps (the most recent)"
+    )
 
     # --- advanced ---------------------------------------------------------------------------
     # Each help ends with what its default was measured to buy (bench/RESULTS.md).
@@ -473,6 +483,7 @@ class ServerConfig:
             "image_decode_budget",
             "image_cache_bytes",
             "image_cache_client_bytes",
+            "step_trace_steps",
         )
         _at_least(
             self,

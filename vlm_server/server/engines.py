@@ -63,7 +63,9 @@ def _loader(config: ServerConfig) -> Callable[[], LoadedModel]:
 def batched_engine(config: ServerConfig, one_at_a_time: bool = False) -> Engine:
     """Continuous batching; loads the model here (the server calls this off its loop).
     ``one_at_a_time``: batch 1, blocking (depth 1), what ``--engine reference`` serves."""
+    from vlm_server.engine.core.observer import NO_OBSERVER
     from vlm_server.engine.engine import BatchedEngine
+    from vlm_server.engine.step_trace import StepTrace
     from vlm_server.frontend.images import crop_maker
 
     cfg = config.engine_config
@@ -71,13 +73,18 @@ def batched_engine(config: ServerConfig, one_at_a_time: bool = False) -> Engine:
         cfg = dataclasses.replace(cfg, max_batch_size=1, pipeline_depth=1)
     loaded = _loader(config)()
     refine = segment_refiner(loaded, config.segment_refiner) if config.segment_refiner else None
-    return BatchedEngine(
+    trace = StepTrace(config.step_trace, config.step_trace_steps) if config.step_trace else None
+    engine = BatchedEngine(
         loaded,
         cfg,
         preset_name=config.preset,
+        observer=trace or NO_OBSERVER,
         image_preparer=crop_maker(config),
         segment_refiner=refine,
     )
+    if trace is not None:
+        trace.prefill_busy = engine.runtime.prefill_busy
+    return engine
 
 
 # Engine implementations by name (--engine); picklable, for an engine process.

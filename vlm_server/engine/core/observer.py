@@ -49,5 +49,8 @@ class Observer:
     def sample_timed(self, start: object, end: object) -> None:
         """Device events around one step's masks + sampling."""
 
+    def closed(self) -> None:
+        """The engine stopped: no hook is called after this one."""
+
 
 NO_OBSERVER = Observer()

@@ -147,7 +147,7 @@ class ModelRuntime:
         )
         self._prefixes_in_flight: list[object] = []  # launched prefix batches' events
         self.steps.capture_early = early_when_idle
-        self.steps.prefill_busy = self._prefill_busy
+        self.steps.prefill_busy = self.prefill_busy
         self.sampler = Sampler(dev, entry, cfg, self.buffers, table, observer)
         # What the scheduler's page allocator needs: the pool's size and the block table's
         # pinned host mirror (its rows; the pad row stays on the sink page).
@@ -175,7 +175,7 @@ class ModelRuntime:
         """Enqueue the image paths and the BOS + image forward of ``jobs`` on a prefill lane
         (prefill.py); returns the event `prefix_ready` polls."""
         # No batch running and no tiling twice: no replay can wait behind another.
-        idle = not self._prefill_busy()
+        idle = not self.prefill_busy()
         inline = idle and len({job.image.tiling for job in jobs}) == len(jobs)
         handle = self.prefill_launcher.submit(jobs, partitioned, inline)
         self._prefixes_in_flight.append(handle)
@@ -185,7 +185,7 @@ class ModelRuntime:
         """Stop the prefill launcher's thread (after the batches handed over)."""
         self.prefill_launcher.close()
 
-    def _prefill_busy(self) -> bool:
+    def prefill_busy(self) -> bool:
         """Whether a launched prefix batch may still run (event queries: no sync)."""
         if not self._prefixes_in_flight:  # the common case: nothing to query
             return False
