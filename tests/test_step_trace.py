@@ -151,3 +151,23 @@ def test_the_summary_splits_phases_and_names_the_slow_tail() -> None:
     assert b["tail"]["mixed_share"] == 1.0 and b["tail"]["prefill_share"] == 1.0
     assert b["by_kind"]["decode/idle"]["gap_p99_ms"] == pytest.approx(2.5)
     assert b["gaps"] + a["gaps"] == len(trace) - 1
+
+
+@pytest.mark.gpu
+def test_on_cuda_every_step_carries_its_device_times(
+    tiny_dir: Path, sample_image: PreparedImage, tmp_path: Path
+) -> None:
+    path = tmp_path / "steps.json"
+    config = local_config(model=str(tiny_dir), device="cuda", dtype="bf16", step_trace=str(path))
+    requests = [
+        GenerationRequest(Task.CAPTION, sample_image, max_tokens=12, temperature=0)
+        for _ in range(3)
+    ]
+    _serve(batched_engine(config), requests)
+    rows = step_trace.load(path)
+    timed = [r for r in rows if r["forward_ms"] is not None]
+    assert len(timed) >= len(rows) - 1  # a step of held rows only may run no forward
+    assert all(r["forward_ms"] > 0 and r["forward_start_ms"] >= 0 for r in timed)
+    starts = [r["forward_start_ms"] for r in timed]
+    assert starts == sorted(starts)  # one compute stream: forwards in launch order
+    assert any(r["sample_ms"] is not None and r["sample_ms"] > 0 for r in rows)
