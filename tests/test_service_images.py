@@ -21,6 +21,7 @@ from image_pipeline import (
     prepare_image,
     sample_image_bytes,
 )
+from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.engine.api import Engine, EngineError, ErrorCode
 from vlm_server.frontend import images
 from vlm_server.frontend.images import ImageCache, ImageResolver, image_preparer
@@ -59,6 +60,35 @@ def test_repeated_bytes_skip_decoding() -> None:
             small.cache._items.clear()
             await small.decode(data)
             assert len(calls) == 4
+
+    asyncio.run(run())
+
+
+def test_only_a_large_message_waits_a_turn_of_the_loop_before_its_bytes_are_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reading image_bytes copies it: a message over a megabyte yields the loop first (a
+    timer), a smaller one goes straight on (the timer would cost every new picture)."""
+    slept: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def recording_sleep(delay: float, *args: object) -> None:
+        slept.append(delay)
+        await real_sleep(0)
+
+    monkeypatch.setattr(images.asyncio, "sleep", recording_sleep)
+
+    async def run() -> None:
+        with ThreadPoolExecutor(2) as pool:
+            resolver = ImageResolver(DEFAULT_LIMITS, ImageCache(64 << 20), pool)
+            small = pb.QueryRequest(image_bytes=sample_image_bytes(), question="q")
+            assert small.ByteSize() < images._COPY_APART_BYTES
+            await resolver.resolve(small)
+            assert images._YIELD_S not in slept
+            large = pb.QueryRequest(image_bytes=b"\xff" * (images._COPY_APART_BYTES + 1))
+            with pytest.raises(Exception, match="image_bytes"):
+                await resolver.resolve(large)  # not a picture: refused, after the yield
+            assert slept.count(images._YIELD_S) == 1
 
     asyncio.run(run())
 
