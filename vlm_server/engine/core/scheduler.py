@@ -32,7 +32,6 @@ At depth 1 the same calls run as launch -> finalize -> commit, one step at a tim
 
 from __future__ import annotations
 
-import bisect
 import math
 import time
 from collections import deque
@@ -43,7 +42,6 @@ import numpy as np
 
 from decoding.mask_table import NO_MASK
 from vlm_server.engine.api import (
-    STEP_INTERVAL_BOUNDS_MS,
     EngineError,
     EngineStats,
     ErrorCode,
@@ -59,6 +57,7 @@ from vlm_server.engine.core.prefix_cache import PrefixCache, PrefixEntry
 from vlm_server.engine.core.prefix_jobs import PrefixJob, PrefixPrompt
 from vlm_server.engine.core.runtime_protocol import Runtime
 from vlm_server.engine.core.sequence import SeqState, Sequence
+from vlm_server.engine.core.step_clock import StepClock
 from vlm_server.engine.core.step_layout import (
     F_MASK,
     F_PHASE,
@@ -125,10 +124,7 @@ class Scheduler:
         # New image prefixes the device is still computing (on its prefill stream), oldest first.
         self.pending_prefixes: list[PrefixEntry] = []
         self.last_batch = 0
-        self.last_step_ms = 0.0
-        self._last_commit_at = 0.0
-        self._interval_counts = [0] * (len(STEP_INTERVAL_BOUNDS_MS) + 1)
-        self._interval_sum_ms = 0.0
+        self.clock = StepClock()
 
     # ---- queries ----------------------------------------------------------------------
 
@@ -147,11 +143,11 @@ class Scheduler:
             kv_pages_in_use=self.pages.used_pages,
             kv_pages_total=self.pages.n_pages - 1,
             last_batch_size=self.last_batch,
-            last_step_ms=self.last_step_ms,
+            last_step_ms=self.clock.last_step_ms,
             prefix_hits=self.prefix_cache.hits,
             prefix_lookups=self.prefix_cache.lookups,
-            step_interval_counts=tuple(self._interval_counts),
-            step_interval_sum_ms=self._interval_sum_ms,
+            step_interval_counts=tuple(self.clock.interval_counts),
+            step_interval_sum_ms=self.clock.interval_sum_ms,
         )
 
     def worst_case_pages(self, seq: Sequence) -> int:
@@ -235,7 +231,7 @@ class Scheduler:
         for s in prefilling:
             if not budget.can_take():
                 break
-            chunks.append(self._chunk(s, budget.take(len(s.prompt) - s.prefill_launched)))
+            chunks.append(s.next_chunk(budget.take(len(s.prompt) - s.prefill_launched)))
             prefill.append(s)
         for s, chunk in self._admit(budget):
             chunks.append(chunk)
@@ -270,11 +266,6 @@ class Scheduler:
             s.held = False
             s.add_ref()
         self.last_batch = len(decode)
-
-    @staticmethod
-    def _chunk(seq: Sequence, length: int) -> Chunk:
-        start = seq.prefill_launched
-        return Chunk(start, length, start + length == len(seq.prompt))
 
     def _poll_prefixes(self) -> None:
         """Mark the image prefixes the device finished as ready (a non-blocking query)."""
@@ -375,7 +366,7 @@ class Scheduler:
             self._start(self.waiting.popleft(), entry, own, now)
             n_admitted += 1
             if seq.wants_prefill_chunk():  # no image, or its prefix is ready
-                admitted.append((seq, self._chunk(seq, budget.take(len(seq.prompt)))))
+                admitted.append((seq, seq.next_chunk(budget.take(len(seq.prompt)))))
         if new_prefixes:
             handle = self.rt.launch_prefixes(
                 [
@@ -489,14 +480,11 @@ class Scheduler:
         self.pipe.complete(step)
         now = time.monotonic()
         plan = step.plan
-        if self._last_commit_at:
-            self.last_step_ms = ms = (now - self._last_commit_at) * 1e3
-            if plan is None or plan.n_decode:  # decode rows waited this long for their token
-                self._interval_counts[bisect.bisect_left(STEP_INTERVAL_BOUNDS_MS, ms)] += 1
-                self._interval_sum_ms += ms
-        self._last_commit_at = now
-        if plan is not None:
-            self._prefills_done(seqs, plan, now)
+        self.clock.committed(now, plan is None or plan.n_decode > 0)
+        if plan is not None:  # the prompts whose last chunk this step ran
+            for i in range(plan.n_decode, len(seqs)):
+                if plan.ends_prefill(i):
+                    seqs[i].prefill_ended(now)
         # Running requests' deadlines are at or after `_next_deadline` (admission and the
         # sweep keep it so): until it passed, no row needs a look at its own.
         late = now > self._next_deadline
@@ -519,17 +507,6 @@ class Scheduler:
                     self._complete(seq, now)
             if seq.inflight_refs == 0 and seq.finished:
                 self._release(seq)
-
-    @staticmethod
-    def _prefills_done(seqs: list[Sequence], plan: StepPlan, now: float) -> None:
-        """The prefill metrics of the prompts whose last chunk a mixed step ran."""
-        for i in range(plan.n_decode, len(seqs)):
-            if plan.ends_prefill(i):
-                seq, m = seqs[i], seqs[i].metrics
-                m.prefill_ms = (now - seq.prefill_launched_at) * 1e3
-                if seq.prefix is not None and not seq.prefix_hit and not m.prefix_wait_ms:
-                    # Its held row ran behind its prefix on the device: done by now.
-                    m.prefix_wait_ms = m.prefill_ms
 
     # ---- endings ----------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from vlm_server.engine.api import Emitted, ErrorCode, GenerationRequest, Request
 from vlm_server.engine.core.outputs import Output, output_for
 from vlm_server.engine.core.prefix_cache import PrefixEntry
 from vlm_server.engine.core.step_layout import SAMPLING_PHASES, RowPhase
+from vlm_server.engine.core.step_plan import Chunk
 
 
 class SeqState(enum.Enum):
@@ -187,6 +188,19 @@ class Sequence:
         if self.inflight_refs >= 2:
             raise AssertionError(f"sequence {self.request.request_id} in more than 2 steps")
         self.inflight_refs += 1
+
+    def next_chunk(self, length: int) -> Chunk:
+        """The prompt's next ``length`` tokens, from where its launched chunks end."""
+        start = self.prefill_launched
+        return Chunk(start, length, start + length == len(self.prompt))
+
+    def prefill_ended(self, now: float) -> None:
+        """A step ran the prompt's last chunk (or its held row): the prefill metrics."""
+        m = self.metrics
+        m.prefill_ms = (now - self.prefill_launched_at) * 1e3
+        if self.prefix is not None and not self.prefix_hit and not m.prefix_wait_ms:
+            # Its held row ran behind its prefix on the device: done by now.
+            m.prefix_wait_ms = m.prefill_ms
 
     def drop_ref(self) -> None:
         if self.inflight_refs <= 0:
