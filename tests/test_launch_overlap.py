@@ -73,9 +73,9 @@ def test_the_cpu_runtime_takes_no_early_steps_and_tracks_prefixes_in_flight(tiny
 
     rt = asyncio.run(serve()).runtime
     assert rt.launch_overlap == "off" and rt.steps.early_steps == 0
-    assert not rt.steps.early_decode_graphs and not rt._prefill_busy()
+    assert not rt.steps.early_decode_graphs and not rt.prefill_busy()
     running, done = _Event(False), _Event(True)
     rt._prefixes_in_flight = [done, running, _Event(True)]
-    assert rt._prefill_busy() and rt._prefixes_in_flight == [running]
+    assert rt.prefill_busy() and rt._prefixes_in_flight == [running]
     running.done = True
-    assert not rt._prefill_busy() and rt._prefixes_in_flight == []
+    assert not rt.prefill_busy() and rt._prefixes_in_flight == []
