@@ -85,3 +85,22 @@ def test_tile_kernel_equals_pytorch_varlen(ta: ModuleType, loop: str, splits: in
     assert not got[t:].any()  # padding tokens
     want = ragged_paged_attention(q[:t], kp, vp, table, batch[:t, T_ROW], batch[:t, T_POS], WIDTH)
     torch.testing.assert_close(got[:t], want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("splits", [1, 8])
+def test_a_mixed_steps_tokens_attend_one_by_one_as_decode_rows(
+    ta: ModuleType, loop: str, splits: int
+) -> None:
+    """Small mixed steps skip the tiles (`per_token_attention`): each token, prompt tokens
+    included, is a decode row of length position + 1, which is the causal varlen answer; pad
+    tokens (the pad row at position 0) get finite values, so no buffer needs filling."""
+    rows = [0, 1, 2] + [4] * 11 + [5] * 3 + [3] * 3  # decode rows, two prompts, pad tokens
+    pos = [0, 40, 130, *range(60, 71), *range(2, 5), 0, 0, 0]
+    kp, vp, table = _pools(20 + splits)
+    rows_t, pos_t = torch.tensor(rows), torch.tensor(pos)
+    q = torch.randn(len(rows), HEADS, HD, generator=torch.Generator().manual_seed(4))
+    got = ta.paged_decode_attention(q, kp, vp, table, rows_t, pos_t + 1, block_n=16, splits=splits)
+    want = ragged_paged_attention(q, kp, vp, table, rows_t, pos_t, WIDTH)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    assert triton_attention.per_token_attention(triton_attention.PER_TOKEN_MAX_TOKENS)
+    assert not triton_attention.per_token_attention(triton_attention.PER_TOKEN_MAX_TOKENS + 1)

@@ -241,7 +241,8 @@ class DecodeKV:
 
     A mixed step on CUDA uses it too, one "row" per token: with ``tiles`` (see
     core/mixed_inputs.py) attention runs per tile of a row's consecutive tokens, so a prompt
-    chunk loads each key block once for up to ``tile_tokens`` queries."""
+    chunk loads each key block once for up to ``tile_tokens`` queries; a small step's tokens
+    attend one by one through the decode kernel instead (`per_token_attention`)."""
 
     def __init__(
         self,
@@ -276,6 +277,7 @@ class DecodeKV:
         from vlm_server.engine.device.kernels.triton_attention import (
             paged_decode_attention,
             paged_tile_attention,
+            per_token_attention,
             rope_and_store_kv,
         )
 
@@ -291,7 +293,7 @@ class DecodeKV:
             vp,
             self.n_heads,
         )
-        if self.tiles is not None:
+        if self.tiles is not None and not per_token_attention(q.shape[0]):
             out = paged_tile_attention(
                 q,
                 kp,

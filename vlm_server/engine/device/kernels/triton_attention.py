@@ -464,6 +464,19 @@ def static_loop_bound(max_positions: int, splits: int, block_n: int) -> int:
     return bound if bound <= STATIC_LOOP_POSITIONS else 0
 
 
+# Mixed steps of at most this many (padded) tokens attend one token at a time through the
+# decode kernel instead of in tiles (`per_token_attention`). Set by bench/mixed_overhead.py.
+PER_TOKEN_MAX_TOKENS = 64
+
+
+def per_token_attention(n_tokens: int) -> bool:
+    """Whether a mixed step of ``n_tokens`` (padded, static per graph) attends each token as
+    a decode row: a small step is mostly decode rows, for which the decode kernel's programs
+    cost less than one-token tiles (no merge buffers to fill, no 16-row query tiles), and a
+    prompt token needs only its row's positions up to its own, as a decode row does."""
+    return n_tokens <= PER_TOKEN_MAX_TOKENS
+
+
 def tile_splits(n_tokens: int, target: int = 512) -> int:
     """Splits of a mixed step's tiles over its positions, from its (static) token count: a
     small step (one prompt beside a few decode rows) has few tiles, a large one enough."""
