@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.plotting import grouped_bars
+from bench.plotting import grouped_bars, png_beside, replot
 from decoding.mask_table import MaskTable
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.pages import PageAllocator
@@ -100,7 +100,10 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, nargs="+", default=[0, 5, 16, 32, 48])
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--plot-from", help="only draw the plot of a saved mixed_overhead.json")
     args = ap.parse_args()
+    if args.plot_from:
+        raise SystemExit(replot(args.plot_from, plot))
     loaded = random_model(preset(args.preset), dtype=torch.bfloat16, device="cuda")
     cfg = EngineConfig(max_batch_size=args.rows + 1, kv_budget_bytes=4 << 30)
     rt = ModelRuntime(loaded.model, cfg, MaskTable(loaded.config.text.vocab_size, 4))
@@ -149,18 +152,23 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "mixed_overhead.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, png_beside(str(path)))
+    print(f"wrote {path} and {png_beside(str(path))}")
+
+
+def plot(result: dict, path: str) -> bool:
+    """Bars per case: the step with tiles, one by one, and the decode step alone."""
     labels = [f"+{c['prompt']} ({c['bucket']})" for c in result["cases"]]
     bars = {name: [c[name] for c in result["cases"]] for name in VARIANTS}
     bars["decode only"] = [result["decode_ms"]] * len(labels)
-    grouped_bars(
+    return grouped_bars(
         bars,
         labels,
-        str(path.with_suffix(".png")),
+        path,
         xlabel="prompt tokens beside the decode rows (token bucket)",
         ylabel="graph replay, ms",
-        title=f"{args.rows} decode rows: mixed vs decode step, {result['device']}",
+        title=f"{result['rows']} decode rows: mixed vs decode step\n{result['device']}",
     )
-    print(f"wrote {path} and {path.with_suffix('.png')}")
 
 
 def report(result: dict, top: int) -> None:

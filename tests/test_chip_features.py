@@ -64,6 +64,32 @@ def test_sm_partitions_are_accepted_with_green_contexts() -> None:
     check(vision_fp8=False, prefill_sms=0, chip=None)  # not asked for: nothing to check
 
 
+@pytest.mark.parametrize(
+    ("chip", "sms", "says"),
+    [
+        (Chip("NVIDIA H100 80GB HBM3", (9, 0), 13000, True, 132), 96, "96 of 132 SMs"),
+        (Chip("NVIDIA H200", (9, 0), 13000, True, 132), 96, "96 of 132 SMs"),
+        (Chip("NVIDIA A100", (8, 0), 12080, True, 108), 72, "72 of 108 SMs"),
+        (Chip("NVIDIA L4", (8, 9), 12080, True, 58), 0, "58 SMs are under 64"),
+        (Chip("NVIDIA A100", (8, 0), 12080, False, 108), 0, "torch.cuda.green_contexts"),
+        (Chip("NVIDIA A100", (8, 0), 12020, True, 108), 0, "CUDA 12.2"),
+        (Chip("GTX 980", (5, 2), 12080, True, 16), 0, "sm_52"),
+        (None, 0, "no CUDA device"),
+    ],
+)
+def test_auto_partition_takes_the_measured_share_or_falls_back(
+    chip: Chip | None, sms: int, says: str
+) -> None:
+    got, why = chip_features.auto_prefill_sms(chip)
+    assert got == sms and says in why and "\n" not in why
+    assert got % chip_features.SM_GRANULE == 0
+    if got:
+        assert got < chip.sms  # type: ignore[union-attr]  (the decode steps keep the rest)
+    check(vision_fp8=False, prefill_sms=got, chip=chip)  # what auto picks passes the check
+    # auto is never refused at start: it falls back instead.
+    chip_features.check_config(ServerConfig(prefill_sms="auto"), probe=lambda: chip)
+
+
 @pytest.fixture
 def an_a100(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """torch reports one A100 (this machine need not have a GPU)."""
@@ -71,6 +97,8 @@ def an_a100(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA A100")
+    props = type("Props", (), {"multi_processor_count": 108})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=None: props)
     monkeypatch.setattr(chip_features, "_driver_version", lambda: 12080)
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level

@@ -14,30 +14,53 @@ from tests.test_engine import (  # noqa: F401  (fixtures)
     _text_requests,
     images,
 )
-from vlm_server.engine.config import EngineConfig
-from vlm_server.engine.device.streams import TorchDevice, partitioned_streams
+from vlm_server.engine.config import PREFILL_SMS_AUTO, EngineConfig
+from vlm_server.engine.device.streams import (
+    TorchDevice,
+    partitioned_streams,
+    resolved_prefill_sms,
+)
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.interface import LoadedModel
 from vlm_server.options.command_line import load_config
+from vlm_server.options.table import ServerConfig
 from vlm_server.reference import ReferenceGenerator
 
 
 def test_prefill_sms_is_a_flag_and_is_checked() -> None:
-    assert load_config([]).prefill_sms == 0
-    assert load_config(["--prefill-sms", "96"]).prefill_sms == 96
-    assert load_config([], environ={"VLM_PREFILL_SMS": "64"}).prefill_sms == 64
-    with pytest.raises(SystemExit):
-        load_config(["--prefill-sms", "-1"], environ={})
+    default = load_config([], environ={})
+    assert default.prefill_sms == "auto" and default.prefill_sms_when_streaming == 16
+    assert default.engine_config.prefill_sms == PREFILL_SMS_AUTO
+    assert load_config(["--prefill-sms", "96"]).engine_config.prefill_sms == 96
+    assert load_config(["--prefill-sms", "0"]).engine_config.prefill_sms == 0
+    assert load_config([], environ={"VLM_PREFILL_SMS": "64"}).engine_config.prefill_sms == 64
+    assert load_config(["--prefill-sms", "AUTO"]).prefill_sms == "auto"
+    for bad in ("-1", "most", "9.5"):
+        with pytest.raises(SystemExit):
+            load_config(["--prefill-sms", bad], environ={})
+    with pytest.raises(ValueError, match="prefill_sms must be auto or a count"):
+        ServerConfig(prefill_sms="half")
     with pytest.raises(ValueError, match="prefill_sms"):
         EngineConfig(prefill_sms=-8)
-    config = load_config(["--prefill-sms", "96", "--prefill-sms-when-streaming", "16"])
-    assert config.prefill_sms_when_streaming == 16
-    with pytest.raises(ValueError, match="prefill_sms_when_streaming needs prefill_sms"):
-        EngineConfig(prefill_sms_when_streaming=16)
-    with pytest.raises(SystemExit):
-        load_config(["--prefill-sms-when-streaming", "16"], environ={})
+    # The library engine asks for no partition; the threshold is read only with one.
+    assert EngineConfig().prefill_sms == 0 and EngineConfig().prefill_sms_when_streaming == 16
+    config = load_config(["--prefill-sms", "96", "--prefill-sms-when-streaming", "0"])
+    assert config.prefill_sms_when_streaming == 0
     with pytest.raises(ValueError, match="prefill_sms_when_streaming must be >= 0"):
         EngineConfig(prefill_sms=96, prefill_sms_when_streaming=-1)
+
+
+def test_auto_is_no_partition_off_cuda(tiny: LoadedModel) -> None:
+    assert resolved_prefill_sms(PREFILL_SMS_AUTO, torch.device("cpu")) == 0
+    assert resolved_prefill_sms(0, torch.device("cpu")) == 0
+    loaded = LoadedModel(copy.deepcopy(tiny.model), tiny.tokenizer, tiny.config, tiny.source)
+    engine = BatchedEngine(
+        loaded, EngineConfig(prefill_sms=PREFILL_SMS_AUTO, kv_budget_bytes=8 << 20)
+    )
+    try:
+        assert engine.runtime.prefill_sms == 0
+    finally:
+        engine.close()
 
 
 def test_a_partition_off_cuda_is_refused(tiny: LoadedModel) -> None:

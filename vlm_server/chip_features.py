@@ -7,7 +7,8 @@ first request, a decode path that silently does nothing):
 * ``--vision-fp8``: FP8 matrix units, compute capability 8.9 or newer (L4, L40, H100, B200,
   RTX 40 and later). Refused below.
 * ``--prefill-sms``: CUDA green contexts: compute capability 6.0 or newer, a torch that has
-  ``torch.cuda.green_contexts`` and a driver of CUDA 12.4 or newer. Refused without them.
+  ``torch.cuda.green_contexts`` and a driver of CUDA 12.4 or newer. A count asked for is
+  refused without them; ``auto`` (the default) then runs unpartitioned (`auto_prefill_sms`).
 * ``--image-gpu-decoder``: the chip's JPEG decode engines through nvImageCodec (A100, A30,
   H100, H200, B200 have them; most others do not). ``auto`` falls back to nvJPEG on the SMs;
   ``nvimgcodec`` asked for by name is refused where it cannot work (image_pipeline.gpu_jpeg
@@ -39,6 +40,7 @@ class Chip:
     capability: tuple[int, int]
     driver: int = 0  # cudaDriverGetVersion (12040 = 12.4); 0: unknown
     green_contexts: bool = False  # torch.cuda.green_contexts is there
+    sms: int = 0  # streaming multiprocessors; 0: unknown
 
     @property
     def sm(self) -> str:
@@ -73,7 +75,43 @@ def current_chip(device: str | None) -> Chip | None:
         tuple(torch.cuda.get_device_capability(index)),  # type: ignore[arg-type]
         _driver_version(),
         _green_contexts_in_torch(),
+        torch.cuda.get_device_properties(index).multi_processor_count,
     )
+
+
+def _green_context_lack(chip: Chip | None, where: str) -> str | None:
+    """What keeps ``chip`` from green contexts, or None where they work."""
+    if chip is None or chip.capability < GREEN_CONTEXT_CAPABILITY:
+        return where
+    if not chip.green_contexts:
+        return "this torch has no torch.cuda.green_contexts (torch 2.8 or newer has)"
+    if 0 < chip.driver < GREEN_CONTEXT_DRIVER:
+        return f"the driver is CUDA {chip.driver // 1000}.{chip.driver % 1000 // 10}"
+    return None
+
+
+# ``--prefill-sms auto``: the image path's share of the SMs while captions stream, measured
+# on an H100 (96 of 132; bench/RESULTS.md): new images' step-gap ratio 3.40 -> 2.02-2.18
+# against fewer SMs (64: 2.20, 48: 2.09, 32: 2.84, where the image path falls behind 20
+# pictures a second). Chips with fewer SMs than AUTO_MIN_SMS run unpartitioned: their image
+# path has no SMs to spare (not measured).
+AUTO_PREFILL_SHARE = 96 / 132
+AUTO_MIN_SMS = 64
+SM_GRANULE = 8  # green contexts split SMs in groups (8 on Hopper); the driver rounds to them
+
+
+def auto_prefill_sms(chip: Chip | None) -> tuple[int, str]:
+    """The SMs ``--prefill-sms auto`` gives the image path on ``chip`` (0: no partition), and
+    why, in words for the start-up log."""
+    where = "no CUDA device" if chip is None else f"{chip.name} ({chip.sm})"
+    lack = _green_context_lack(chip, where)
+    if lack is not None:
+        return 0, f"no partition: green contexts are missing ({lack})"
+    assert chip is not None
+    if chip.sms < AUTO_MIN_SMS:
+        return 0, f"no partition: {chip.sms} SMs are under {AUTO_MIN_SMS}"
+    sms = int(chip.sms * AUTO_PREFILL_SHARE) // SM_GRANULE * SM_GRANULE
+    return sms, f"{sms} of {chip.sms} SMs for new images while requests stream"
 
 
 def check(
@@ -94,17 +132,12 @@ def check(
             f"H100, B200 and later); {where}: drop the flag"
         )
     if prefill_sms > 0:
-        if chip is None or chip.capability < GREEN_CONTEXT_CAPABILITY:
-            lack = where
-        elif not chip.green_contexts:
-            lack = "this torch has no torch.cuda.green_contexts (torch 2.8 or newer has)"
-        elif 0 < chip.driver < GREEN_CONTEXT_DRIVER:
-            lack = f"the driver is CUDA {chip.driver // 1000}.{chip.driver % 1000 // 10}"
-        else:
+        lack = _green_context_lack(chip, where)
+        if lack is None:
             return
         raise ChipFeatureError(
             "--prefill-sms needs CUDA green contexts (compute capability 6.0 or newer, a "
-            f"driver of CUDA 12.4 or newer); {lack}: set --prefill-sms 0"
+            f"driver of CUDA 12.4 or newer); {lack}: set --prefill-sms 0 or auto"
         )
 
 
@@ -112,9 +145,11 @@ Probe = Callable[[], Chip | None]
 
 
 def check_config(config: object, probe: Probe | None = None) -> None:
-    """`check` for a server config (its ``device``, ``vision_fp8`` and ``prefill_sms``)."""
+    """`check` for a server config (its ``device``, ``vision_fp8`` and ``prefill_sms``;
+    ``auto`` asks for nothing, it falls back)."""
     vision_fp8 = bool(getattr(config, "vision_fp8", False))
-    prefill_sms = int(getattr(config, "prefill_sms", 0))
+    asked = getattr(config, "prefill_sms", 0)
+    prefill_sms = 0 if asked == "auto" else int(asked)
     if not vision_fp8 and prefill_sms <= 0:
         return  # nothing to ask the device
     device = getattr(config, "device", None)

@@ -8,6 +8,9 @@ from decoding.limits import ConstraintLimits
 
 # EngineConfig.launch_overlap's values.
 LAUNCH_OVERLAP_MODES = ("off", "idle", "always")
+# EngineConfig.prefill_sms: a share of the chip's SMs where green contexts work, else none
+# (chip_features.auto_prefill_sms); the server's default.
+PREFILL_SMS_AUTO = -1
 
 
 @dataclass(frozen=True)
@@ -38,13 +41,16 @@ class EngineConfig:
     prefill_sm_carveout: int = 0
     # SMs the prefill stream's kernels may use (a CUDA green context holds the stream; graphs
     # captured on it keep the partition). Unlike the carveout it binds every kernel (Triton,
-    # cuDNN, cuBLAS), so the steps always find the other SMs free. 0: no partition.
+    # cuDNN, cuBLAS), so the steps always find the other SMs free. 0: no partition;
+    # PREFILL_SMS_AUTO: chosen from the chip at start (the server's default; a library
+    # engine asks for nothing it did not name).
     prefill_sms: int = 0
-    # With prefill_sms: the partition serves a batch of new images only while some running
-    # request still has at least this many tokens to stream; otherwise the batch gets the
-    # whole GPU (its own graphs, captured on an unpartitioned stream). Streams keep their
-    # inter-token tail, bursts of short queries their throughput. 0: always partitioned.
-    prefill_sms_when_streaming: int = 0
+    # With a partition: it serves a batch of new images only while some running request
+    # still has at least this many tokens to stream; otherwise the batch gets the whole GPU
+    # (its own graphs, captured on an unpartitioned stream). Streams keep their inter-token
+    # tail, bursts of short queries their throughput. 0: always partitioned. Without a
+    # partition it is not read.
+    prefill_sms_when_streaming: int = 16
     # Batches of new image prefixes queued on the prefill stream at once. The scheduler
     # blocks on step results; work queued ahead keeps the image path busy meanwhile.
     prefill_batches: int = 2
@@ -100,9 +106,10 @@ class EngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefill_sms < PREFILL_SMS_AUTO:
+            raise ValueError(f"prefill_sms must be >= 0 or auto, got {self.prefill_sms}")
         nonnegative = (
             "prefill_sm_carveout",
-            "prefill_sms",
             "prefill_sms_when_streaming",
             "prefix_prompt_tokens",
             "crop_graph_sizes",
@@ -116,8 +123,6 @@ class EngineConfig:
                 "max_step_tokens must exceed max_batch_size: every step takes all its "
                 "decode rows and at least one prefill token"
             )
-        if self.prefill_sms_when_streaming and not self.prefill_sms:
-            raise ValueError("prefill_sms_when_streaming needs prefill_sms (the partition)")
         if self.launch_overlap not in LAUNCH_OVERLAP_MODES:
             raise ValueError(
                 f"launch_overlap must be one of {', '.join(LAUNCH_OVERLAP_MODES)}, "

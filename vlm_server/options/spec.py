@@ -49,6 +49,16 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r} (true or false)")
 
 
+def parse_prefill_sms(text: str) -> str:
+    """``auto``, or a count of SMs (0: no partition), as the text it is kept as."""
+    value = text.strip().lower()
+    if value == "auto":
+        return value
+    if not value.isdigit():
+        raise ValueError(f"not auto or a count of SMs: {text!r}")
+    return str(int(value))
+
+
 def parse_optional_str(text: str) -> str | None:
     """The text, or None for an empty one (an unset optional path)."""
     return text or None

@@ -18,8 +18,15 @@ from typing import Any
 from decoding.limits import ConstraintLimits
 from image_pipeline import DEFAULT_LIMITS, ImageLimits, ResizeMode
 from image_pipeline.gpu_jpeg import GPU_DECODERS
-from vlm_server.engine.config import LAUNCH_OVERLAP_MODES, EngineConfig
-from vlm_server.options.spec import Group, Option, option, options_of, parse_size
+from vlm_server.engine.config import LAUNCH_OVERLAP_MODES, PREFILL_SMS_AUTO, EngineConfig
+from vlm_server.options.spec import (
+    Group,
+    Option,
+    option,
+    options_of,
+    parse_prefill_sms,
+    parse_size,
+)
 
 MIB = 1 << 20
 
@@ -276,17 +283,20 @@ class ServerConfig:
         "it (CUDA; 0 = none): bounds how much a new image slows running streams, at the cost "
         "of a slower image path",
     )
-    prefill_sms: int = option(
-        _ENGINE.prefill_sms,
+    prefill_sms: str = option(
+        "auto",
         G.PERFORMANCE,
-        "SMs the whole image-prefix path may use (a CUDA green context; 0 = all): every kernel "
-        "of a new image stays off the other SMs, so running streams keep them; the image path "
-        "is slower (see the README)",
+        "SMs the whole image-prefix path may use while requests stream (a CUDA green "
+        "context; 0 = all): every kernel of a new image stays off the other SMs, so running "
+        "streams keep them, and new images wait longer. auto: 96 of an H100's 132 (the same "
+        "share elsewhere, in groups of 8), none without green contexts or under 64 SMs "
+        "(docs/performance.md)",
+        parse=parse_prefill_sms,
     )
     prefill_sms_when_streaming: int = option(
         _ENGINE.prefill_sms_when_streaming,
         G.PERFORMANCE,
-        "with --prefill-sms: use the partition only while a running request still has at "
+        "with a --prefill-sms partition: use it only while a running request still has at "
         "least this many tokens to stream, else give new images the whole GPU (0 = always "
         "partitioned)",
     )
@@ -461,6 +471,10 @@ class ServerConfig:
     )
 
     def __post_init__(self) -> None:
+        if str(self.prefill_sms) != "auto" and not str(self.prefill_sms).isdigit():
+            raise ValueError(
+                f"prefill_sms must be auto or a count of SMs (0 = none), not {self.prefill_sms!r}"
+            )
         for opt in OPTIONS:
             value = getattr(self, opt.name)
             if opt.choices and value is not None and value not in opt.choices:
@@ -521,7 +535,7 @@ class ServerConfig:
             kv_budget_bytes=self.kv_budget_bytes or None,
             gpu_memory_bytes=self.gpu_memory_bytes or None,
             prefill_sm_carveout=self.prefill_sm_carveout,
-            prefill_sms=self.prefill_sms,
+            prefill_sms=PREFILL_SMS_AUTO if self.prefill_sms == "auto" else int(self.prefill_sms),
             prefill_sms_when_streaming=self.prefill_sms_when_streaming,
             max_prefill_batch=self.max_prefill_batch,
             prefill_batches=self.prefill_batches,

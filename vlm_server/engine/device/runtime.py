@@ -59,7 +59,7 @@ from vlm_server.engine.device.prefill import Prefill
 from vlm_server.engine.device.prefill_launcher import PrefillLauncher, PrefixBatch
 from vlm_server.engine.device.sampler import Sampler
 from vlm_server.engine.device.spatial_refs import SpatialRefSlots
-from vlm_server.engine.device.streams import Device, TorchDevice
+from vlm_server.engine.device.streams import Device, TorchDevice, resolved_prefill_sms
 from vlm_server.models.common import launch_overlap
 from vlm_server.models.lora import formats
 from vlm_server.models.lora.bank import LoraBank
@@ -100,8 +100,10 @@ class ModelRuntime:
         self.cfg = cfg
         # Makes the crops of host-decoded images (`HostImage`), on the model's device.
         self.image_preparer = image_preparer or ImagePreparer(device=entry.device)
+        # The partition in effect (0: none); `PREFILL_SMS_AUTO` is resolved from the chip here.
+        self.prefill_sms = resolved_prefill_sms(cfg.prefill_sms, entry.device)
         self.dev: Device = device or TorchDevice(
-            entry.device, cfg.prefill_sms, both_lanes=cfg.prefill_sms_when_streaming > 0
+            entry.device, self.prefill_sms, both_lanes=cfg.prefill_sms_when_streaming > 0
         )
         self._check_carveout()
         if cfg.vision_fp8:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -112,6 +113,24 @@ def timing_mark(observer: Observer, dev: Device) -> object | None:
     event = torch.cuda.Event(enable_timing=True) if dev.is_cuda else CpuEvent()
     event.record()
     return event
+
+
+log = logging.getLogger(__name__)
+
+
+def resolved_prefill_sms(asked: int, device: torch.device) -> int:
+    """The partition's SMs for the config value ``asked``: itself, or for
+    ``PREFILL_SMS_AUTO`` the chip's share (chip_features.auto_prefill_sms), said in the log."""
+    from vlm_server.chip_features import auto_prefill_sms, current_chip
+    from vlm_server.engine.config import PREFILL_SMS_AUTO
+
+    if asked != PREFILL_SMS_AUTO:
+        return asked
+    if device.type != "cuda":
+        return 0
+    sms, why = auto_prefill_sms(current_chip(str(device)))
+    log.info("prefill_sms auto: %s", why)
+    return sms
 
 
 # (device index, SMs) -> (green context, its two streams), made once per process.

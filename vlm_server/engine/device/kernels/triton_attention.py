@@ -465,8 +465,11 @@ def static_loop_bound(max_positions: int, splits: int, block_n: int) -> int:
 
 
 # Mixed steps of at most this many (padded) tokens attend one token at a time through the
-# decode kernel instead of in tiles (`per_token_attention`). Set by bench/mixed_overhead.py.
-PER_TOKEN_MAX_TOKENS = 64
+# decode kernel instead of in tiles (`per_token_attention`). 16 decode rows at 800 positions
+# on an H100 (python -m bench.mixed_overhead; decode step alone 2.280 ms), tiles against one
+# by one: held rows only (16 tokens) 2.646 / 2.438 ms; a 5-token prompt beside (24) 2.709 /
+# 2.549; 16 (32) 2.898 / 2.996; 32 (48) 3.378 / 3.752.
+PER_TOKEN_MAX_TOKENS = 24
 
 
 def per_token_attention(n_tokens: int) -> bool:
