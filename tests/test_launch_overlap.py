@@ -75,7 +75,32 @@ def test_the_cpu_runtime_takes_no_early_steps_and_tracks_prefixes_in_flight(tiny
     assert rt.launch_overlap == "off" and rt.steps.early_steps == 0
     assert not rt.steps.early_decode_graphs and not rt.prefill_busy()
     running, done = _Event(False), _Event(True)
-    rt._prefixes_in_flight = [done, running, _Event(True)]
-    assert rt.prefill_busy() and rt._prefixes_in_flight == [running]
+    rt._prefixes_in_flight = [(done, False), (running, False), (_Event(True), False)]
+    assert rt.prefill_busy() and rt.prefill_contends()
+    assert rt._prefixes_in_flight == [(running, False)]
     running.done = True
     assert not rt.prefill_busy() and rt._prefixes_in_flight == []
+    # A batch in the SM partition is busy but leaves the rest of the GPU to the steps.
+    partitioned = _Event(False)
+    rt._prefixes_in_flight = [(partitioned, True), (_Event(True), False)]
+    assert rt.prefill_busy() and not rt.prefill_contends()
+    rt._prefixes_in_flight.append((running := _Event(False), False))
+    assert rt.prefill_contends()
+    assert rt.steps.prefill_contends() == rt.prefill_contends()
+
+
+def test_a_batch_is_in_the_partition_on_its_lane_or_where_the_one_lane_is_it() -> None:
+    """What `prefill_contends` reads per batch: two lanes (partitioned while streaming), one
+    lane that is the partition (no threshold), one lane with the whole GPU (no partition)."""
+    from types import SimpleNamespace
+
+    from vlm_server.engine.device.prefill import Prefill
+
+    def prefill(lanes: int, partition: bool) -> SimpleNamespace:
+        dev = SimpleNamespace(prefill_capture_stream=object() if partition else None)
+        return SimpleNamespace(lanes=[object()] * lanes, dev=dev)
+
+    on = Prefill.on_partition
+    assert on(prefill(2, True), True) and not on(prefill(2, True), False)
+    assert on(prefill(1, True), False) and on(prefill(1, True), True)
+    assert not on(prefill(1, False), True) and not on(prefill(1, False), False)

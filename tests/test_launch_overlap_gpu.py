@@ -133,7 +133,7 @@ def test_steps_without_a_prefill_in_flight_take_the_early_graphs(
             assert bool(rt.steps.early_decode_graphs) == (mode == "idle")
             assert not launch_overlap.enabled()  # captured inside; nothing else launches early
             if busy:
-                rt.steps.prefill_busy = lambda: True
+                rt.steps.prefill_contends = lambda: True
 
         return check
 

@@ -56,10 +56,11 @@ class StepForwards:
         self.decode_graphs: GraphSet[tuple[int, int]] = GraphSet("decode")
         # The same forwards with their kernels launched early (models/common/launch_overlap.py),
         # captured where early launches are on for idle prefill only: a step takes them when
-        # `prefill_busy` says no image prefill is in flight.
+        # `prefill_contends` says no image prefill in flight has the whole GPU (none, or only
+        # batches in the SM partition).
         self.early_decode_graphs: GraphSet[tuple[int, int]] = GraphSet("decode (early launches)")
         self.capture_early = False
-        self.prefill_busy: Callable[[], bool] = lambda: True
+        self.prefill_contends: Callable[[], bool] = lambda: True
         self.early_steps = 0  # decode steps launched from the early-launch graphs
         self.mixed_graphs: GraphSet[tuple[int, int]] = GraphSet("mixed step")
         # With adapters on, the same forwards with the adapters' deltas: a step runs them
@@ -97,7 +98,7 @@ class StepForwards:
 
         lora = self.uses_lora(seqs)
         # Decided at launch: whether a prefill is in flight now (an event query, no sync).
-        early = not lora and (slot, n) in self.early_decode_graphs and not self.prefill_busy()
+        early = not lora and (slot, n) in self.early_decode_graphs and not self.prefill_contends()
         self.early_steps += early
         dev.kernel(
             dev.compute_stream,

@@ -162,6 +162,13 @@ class Prefill:
 
     # ---- launch (the scheduler's thread) ----------------------------------------------
 
+    def on_partition(self, partitioned: bool) -> bool:
+        """Whether a batch `launch` gets with ``partitioned`` runs in the SM partition: on
+        the partitioned lane, or on the one lane where that lane is the partition."""
+        if len(self.lanes) > 1:
+            return partitioned
+        return getattr(self.dev, "prefill_capture_stream", None) is not None
+
     def launch(self, jobs: list[PrefixJob], partitioned: bool = False) -> object:
         """Enqueue on a prefill lane, for each job: the image path, then the BOS + image
         forward of the whole batch straight into the jobs' pages, with the prompts that ride

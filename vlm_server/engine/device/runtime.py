@@ -147,9 +147,10 @@ class ModelRuntime:
         self.steps = StepForwards(
             dev, entry, cfg, self.pool, self.buffers, observer, refs, self.adapters
         )
-        self._prefixes_in_flight: list[object] = []  # launched prefix batches' events
+        # Launched prefix batches' events, each with whether it runs in the SM partition.
+        self._prefixes_in_flight: list[tuple[object, bool]] = []
         self.steps.capture_early = early_when_idle
-        self.steps.prefill_busy = self.prefill_busy
+        self.steps.prefill_contends = self.prefill_contends
         self.sampler = Sampler(dev, entry, cfg, self.buffers, table, observer)
         # What the scheduler's page allocator needs: the pool's size and the block table's
         # pinned host mirror (its rows; the pad row stays on the sink page).
@@ -180,20 +181,29 @@ class ModelRuntime:
         idle = not self.prefill_busy()
         inline = idle and len({job.image.tiling for job in jobs}) == len(jobs)
         handle = self.prefill_launcher.submit(jobs, partitioned, inline)
-        self._prefixes_in_flight.append(handle)
+        self._prefixes_in_flight.append((handle, self.prefill.on_partition(partitioned)))
         return handle
 
     def close(self) -> None:
         """Stop the prefill launcher's thread (after the batches handed over)."""
         self.prefill_launcher.close()
 
-    def prefill_busy(self) -> bool:
-        """Whether a launched prefix batch may still run (event queries: no sync)."""
+    def _live_prefixes(self) -> list[tuple[object, bool]]:
+        """The launched prefix batches that may still run (event queries: no sync)."""
         if not self._prefixes_in_flight:  # the common case: nothing to query
-            return False
-        live = [h for h in self._prefixes_in_flight if not h.query()]  # type: ignore[attr-defined]
+            return self._prefixes_in_flight
+        live = [(h, part) for h, part in self._prefixes_in_flight if not h.query()]  # type: ignore[attr-defined]
         self._prefixes_in_flight = live
-        return bool(live)
+        return live
+
+    def prefill_busy(self) -> bool:
+        """Whether a launched prefix batch may still run."""
+        return bool(self._live_prefixes())
+
+    def prefill_contends(self) -> bool:
+        """Whether a prefix batch that may still run has the whole GPU (not the partition):
+        decode kernels launched early would hold SMs its kernels need."""
+        return any(not part for _, part in self._live_prefixes())
 
     def prefix_ready(self, handle: object) -> bool:
         """Whether a `launch_prefixes` batch completed: a non-blocking event query."""
