@@ -73,7 +73,8 @@ def test_the_cpu_runtime_takes_no_early_steps_and_tracks_prefixes_in_flight(tiny
 
     rt = asyncio.run(serve()).runtime
     assert rt.launch_overlap == "off" and rt.steps.early_steps == 0
-    assert not rt.steps.early_decode_graphs and not rt.prefill_busy()
+    assert not rt.steps.early_decode_graphs and not rt.steps.early_mixed_graphs
+    assert not rt.prefill_busy()
     running, done = _Event(False), _Event(True)
     rt._prefixes_in_flight = [(done, False), (running, False), (_Event(True), False)]
     assert rt.prefill_busy() and rt.prefill_contends()

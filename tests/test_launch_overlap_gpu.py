@@ -116,8 +116,9 @@ def test_steps_without_a_prefill_in_flight_take_the_early_graphs(
     busy: bool,
     overlap_off_after: None,
 ) -> None:
-    """``--launch-overlap idle``: a second set of decode graphs captured with early launches;
-    steps launched while no prefix batch runs replay them (none while one always runs), the
+    """``--launch-overlap idle``: a second set of decode and mixed-step graphs captured with
+    early launches; steps launched while no prefix batch contends for the GPU replay them
+    (none while one always does), the
     switch stays off for everything else, and the tokens equal those of ``off``."""
     _needs_hopper()
     model = copy.deepcopy(text_model.model).cuda().to(torch.bfloat16)
@@ -131,6 +132,7 @@ def test_steps_without_a_prefill_in_flight_take_the_early_graphs(
             runtimes[mode] = rt
             assert rt.launch_overlap == mode
             assert bool(rt.steps.early_decode_graphs) == (mode == "idle")
+            assert bool(rt.steps.early_mixed_graphs) == (mode == "idle")
             assert not launch_overlap.enabled()  # captured inside; nothing else launches early
             if busy:
                 rt.steps.prefill_contends = lambda: True

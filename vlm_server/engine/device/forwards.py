@@ -61,8 +61,9 @@ class StepForwards:
         self.early_decode_graphs: GraphSet[tuple[int, int]] = GraphSet("decode (early launches)")
         self.capture_early = False
         self.prefill_contends: Callable[[], bool] = lambda: True
-        self.early_steps = 0  # decode steps launched from the early-launch graphs
+        self.early_steps = 0  # steps launched from the early-launch graphs
         self.mixed_graphs: GraphSet[tuple[int, int]] = GraphSet("mixed step")
+        self.early_mixed_graphs: GraphSet[tuple[int, int]] = GraphSet("mixed step (early launches)")
         # With adapters on, the same forwards with the adapters' deltas: a step runs them
         # only when one of its rows uses an adapter, so the others pay nothing for LoRA.
         self.lora_decode_graphs: GraphSet[tuple[int, int]] = GraphSet("decode (adapters)")
@@ -210,17 +211,28 @@ class StepForwards:
                 reads.append((self.adapters.row_slot, rows))
             return reads, [buf.hidden]
 
+        lora = self.uses_lora(seqs)
+        early = not lora and (slot, n) in self.early_mixed_graphs and not self.prefill_contends()
+        self.early_steps += early
         dev.kernel(
             dev.compute_stream,
             f"mixed slot{slot}",
-            partial(self.mixed_step, slot, len(tails), t, n, n_blocks, self.uses_lora(seqs)),
+            partial(self.mixed_step, slot, len(tails), t, n, n_blocks, lora, early),
             access,
         )
 
     def mixed_step(
-        self, slot: int, n_tails: int, t: int, n: int, n_blocks: int, lora: bool = True
+        self,
+        slot: int,
+        n_tails: int,
+        t: int,
+        n: int,
+        n_blocks: int,
+        lora: bool = True,
+        early: bool = False,
     ) -> None:
-        """The device work of a launched mixed step (``t`` tokens padded to ``n``)."""
+        """The device work of a launched mixed step (``t`` tokens padded to ``n``; ``early``:
+        from the early-launch graphs)."""
         buf, lay = self.buffers.slots[slot], self.buffers.mixed_layout
         start = timing_mark(self.observer, self.dev)
         if n_tails:
@@ -230,6 +242,8 @@ class StepForwards:
         if not n:
             last = buf.mixed_dev[: lay.rows]
             buf.hidden[: len(last)] = self._held_states(last)
+        elif early:
+            self.early_mixed_graphs.replay((slot, n))
         elif (slot, n) in (graphs := self.lora_mixed_graphs if lora else self.mixed_graphs):
             graphs.replay((slot, n))
         else:
@@ -334,6 +348,11 @@ class StepForwards:
 
         keys = [(slot, t) for t in sorted(self.token_buckets, reverse=True) for slot in (0, 1)]
         self.mixed_graphs.capture(keys, prepare_mixed, run_mixed, stream, progress)
+        if self.capture_early:
+            with launch_overlap.enabled_within(self.entry.device) as on:
+                if on:
+                    early = self.early_mixed_graphs
+                    early.capture(keys, prepare_mixed, run_mixed, stream, progress)
         if self.adapters is not None:
             run = partial(run_mixed, lora=True)
             self.lora_mixed_graphs.capture(keys, prepare_mixed, run, stream, progress)
