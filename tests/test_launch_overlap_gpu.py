@@ -109,17 +109,18 @@ def test_the_switch_stays_off_where_the_chip_cannot(overlap_off_after: None) -> 
     assert launch_overlap.kernel_args() == {}
 
 
-@pytest.mark.parametrize("busy", [False, True])
+@pytest.mark.parametrize("prefill", ["none", "partition", "whole GPU"])
 def test_steps_without_a_prefill_in_flight_take_the_early_graphs(
     text_model: LoadedModel,
     images: list[PreparedImage],  # noqa: F811
-    busy: bool,
+    prefill: str,
     overlap_off_after: None,
 ) -> None:
     """``--launch-overlap idle``: a second set of decode and mixed-step graphs captured with
-    early launches; steps launched while no prefix batch contends for the GPU replay them
-    (none while one always does), the
-    switch stays off for everything else, and the tokens equal those of ``off``."""
+    early launches. Decode steps replay them while no prefix batch is in flight; mixed steps
+    also while the batches in flight are all in the SM partition; none while one has the
+    whole GPU. The switch stays off for everything else, and the tokens equal those of
+    ``off``."""
     _needs_hopper()
     model = copy.deepcopy(text_model.model).cuda().to(torch.bfloat16)
     loaded = LoadedModel(model, text_model.tokenizer, text_model.config, text_model.source)
@@ -134,8 +135,9 @@ def test_steps_without_a_prefill_in_flight_take_the_early_graphs(
             assert bool(rt.steps.early_decode_graphs) == (mode == "idle")
             assert bool(rt.steps.early_mixed_graphs) == (mode == "idle")
             assert not launch_overlap.enabled()  # captured inside; nothing else launches early
-            if busy:
-                rt.steps.prefill_contends = lambda: True
+            if prefill != "none":  # a batch stands in flight for the whole run
+                rt.steps.prefill_busy = lambda: True
+                rt.steps.prefill_contends = lambda: prefill == "whole GPU"
 
         return check
 
@@ -144,5 +146,7 @@ def test_steps_without_a_prefill_in_flight_take_the_early_graphs(
         for mode in ("off", "idle")
     }
     assert [f.text for f in got["idle"]] == [f.text for f in got["off"]]
-    assert runtimes["off"].steps.early_steps == 0
-    assert (runtimes["idle"].steps.early_steps == 0) is busy
+    off, idle = runtimes["off"].steps, runtimes["idle"].steps
+    assert off.early_steps == off.early_mixed_steps == 0
+    assert (idle.early_steps > 0) is (prefill == "none")
+    assert (idle.early_mixed_steps > 0) is (prefill != "whole GPU")

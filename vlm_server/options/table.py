@@ -272,9 +272,9 @@ class ServerConfig:
         G.PERFORMANCE,
         "launch each of the decode step's Triton kernels while the one before it finishes "
         "(programmatic dependent launch; CUDA compute capability 9.0+, ignored elsewhere), "
-        "for shorter steps: always; idle (only while no new image's prefill in flight has "
-        "the whole GPU, which early launches would slow: none, or only in the --prefill-sms "
-        "partition); off",
+        "for shorter steps: always; idle (decode steps only while no new image's prefill is "
+        "in flight, which early launches would slow; mixed steps also beside one in the "
+        "--prefill-sms partition); off",
         choices=LAUNCH_OVERLAP_MODES,
     )
     prefill_sm_carveout: int = option(

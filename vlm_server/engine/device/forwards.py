@@ -55,13 +55,17 @@ class StepForwards:
         self.token_buckets = token_buckets(cfg.max_step_tokens)
         self.decode_graphs: GraphSet[tuple[int, int]] = GraphSet("decode")
         # The same forwards with their kernels launched early (models/common/launch_overlap.py),
-        # captured where early launches are on for idle prefill only: a step takes them when
-        # `prefill_contends` says no image prefill in flight has the whole GPU (none, or only
-        # batches in the SM partition).
+        # captured where early launches are on for idle prefill only. A decode step takes them
+        # when `prefill_busy` says no image prefill is in flight; a mixed step also beside
+        # batches in the SM partition (`prefill_contends`: none has the whole GPU). Mixed
+        # steps beside a prefix are the streams' slowest gaps, and few enough that their early
+        # programs cost the partitioned image path little (docs/performance.md).
         self.early_decode_graphs: GraphSet[tuple[int, int]] = GraphSet("decode (early launches)")
         self.capture_early = False
+        self.prefill_busy: Callable[[], bool] = lambda: True
         self.prefill_contends: Callable[[], bool] = lambda: True
-        self.early_steps = 0  # steps launched from the early-launch graphs
+        self.early_steps = 0  # decode steps launched from the early-launch graphs
+        self.early_mixed_steps = 0  # mixed steps launched from them
         self.mixed_graphs: GraphSet[tuple[int, int]] = GraphSet("mixed step")
         self.early_mixed_graphs: GraphSet[tuple[int, int]] = GraphSet("mixed step (early launches)")
         # With adapters on, the same forwards with the adapters' deltas: a step runs them
@@ -99,7 +103,7 @@ class StepForwards:
 
         lora = self.uses_lora(seqs)
         # Decided at launch: whether a prefill is in flight now (an event query, no sync).
-        early = not lora and (slot, n) in self.early_decode_graphs and not self.prefill_contends()
+        early = not lora and (slot, n) in self.early_decode_graphs and not self.prefill_busy()
         self.early_steps += early
         dev.kernel(
             dev.compute_stream,
@@ -213,7 +217,7 @@ class StepForwards:
 
         lora = self.uses_lora(seqs)
         early = not lora and (slot, n) in self.early_mixed_graphs and not self.prefill_contends()
-        self.early_steps += early
+        self.early_mixed_steps += early
         dev.kernel(
             dev.compute_stream,
             f"mixed slot{slot}",

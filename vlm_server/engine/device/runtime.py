@@ -151,6 +151,7 @@ class ModelRuntime:
         self._prefixes_in_flight: list[tuple[object, bool]] = []
         self.steps.capture_early = early_when_idle
         self.steps.prefill_contends = self.prefill_contends
+        self.steps.prefill_busy = self.prefill_busy
         self.sampler = Sampler(dev, entry, cfg, self.buffers, table, observer)
         # What the scheduler's page allocator needs: the pool's size and the block table's
         # pinned host mirror (its rows; the pad row stays on the sink page).
