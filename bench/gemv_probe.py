@@ -18,30 +18,8 @@ import sys
 
 import torch
 
+from bench.graph_timing import graph_ms
 from vlm_server.models.common.skinny_gemm import SkinnyConfig, default_config, skinny_linear
-
-
-def _graph_ms(fn, reps: int = 20) -> float:
-    """Median GPU ms of one replay of ``fn`` captured as a CUDA graph."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
 
 
 class _Layers:
@@ -116,7 +94,7 @@ def main() -> None:
     for m in args.rows:
         xs, att, hid = rnd(m, d), rnd(m, d), rnd(m, ff)
         layer = _Layers(d, w_in, b_in, w_out, b_out, b_proj, xs, att, hid)
-        row = {"rows": m, "cublas_ms": _graph_ms(layer.cublas), "fused_ms": _graph_ms(layer.fused)}
+        row = {"rows": m, "cublas_ms": graph_ms(layer.cublas), "fused_ms": graph_ms(layer.fused)}
         if args.sweep:
             best: dict[str, tuple[float, SkinnyConfig]] = {}
             for which, (n, k) in {"in": (3 * d + ff, d), "out": (d, d + ff)}.items():
@@ -137,7 +115,7 @@ def main() -> None:
                     layer.c_in = layer.c_out = cfg
                     layer.which = which
                     try:
-                        ms = _graph_ms(layer.fused, reps=10)
+                        ms = graph_ms(layer.fused, reps=10)
                     except Exception as exc:  # a shape the compiler refuses (registers)
                         print(f"  rows {m} {which} {cfg}: {type(exc).__name__}", flush=True)
                         continue
@@ -151,7 +129,7 @@ def main() -> None:
             row["best_in"] = vars(best["in"][1])
             row["best_out"] = vars(best["out"][1])
             layer.c_in, layer.c_out, layer.which = best["in"][1], best["out"][1], "both"
-            row["tuned_ms"] = _graph_ms(layer.fused)
+            row["tuned_ms"] = graph_ms(layer.fused)
         for key in ("cublas", "fused", "tuned"):
             if f"{key}_ms" in row:
                 row[f"{key}_tb_s"] = weight_bytes / row[f"{key}_ms"] / 1e9

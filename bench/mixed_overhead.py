@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.graph_timing import graph_ms
 from bench.plotting import grouped_bars, png_beside, replot
 from decoding.mask_table import MaskTable
 from vlm_server.engine.config import EngineConfig
@@ -40,27 +40,6 @@ from vlm_server.engine.device.runtime import ModelRuntime
 from vlm_server.models.registry import preset, random_model
 
 VARIANTS = {"tiles": 0, "per-token": 1 << 30}  # PER_TOKEN_MAX_TOKENS of each
-
-
-def graph_ms(fn: Callable[[], object], stream: torch.cuda.Stream, iters: int = 50) -> float:
-    """Median replay time of ``fn`` captured as one CUDA graph on ``stream`` (device time)."""
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # compile and warm every kernel before capture
-            fn()
-    stream.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    times = []
-    with torch.cuda.stream(stream):
-        for _ in range(iters):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            graph.replay()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-    return statistics.median(times)
 
 
 def kernel_table(fn: Callable[[], object], stream: torch.cuda.Stream) -> dict[str, float]:
@@ -127,7 +106,7 @@ def main() -> None:
 
     result: dict = {"device": torch.cuda.get_device_name(), "rows": args.rows, "cases": []}
     with torch.inference_mode():
-        result["decode_ms"] = graph_ms(decode, stream)
+        result["decode_ms"] = graph_ms(decode, 50, stream)
         kernels = {"decode": kernel_table(decode, stream)}
         for p in args.prompt:
             tokens = mixed_tokens(args.rows, args.context, p, prefix_len)
@@ -142,7 +121,7 @@ def main() -> None:
                 def mixed(n: int = n) -> None:
                     steps.mixed_forward(buf, n, max_blocks, lora=False)
 
-                case[name] = graph_ms(mixed, stream)
+                case[name] = graph_ms(mixed, 50, stream)
                 if p == args.prompt[min(1, len(args.prompt) - 1)]:
                     kernels[f"mixed +{p} {name}"] = kernel_table(mixed, stream)
             result["cases"].append(case)
