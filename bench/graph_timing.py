@@ -9,10 +9,14 @@ import torch
 
 
 def graph_ms(
-    fn: Callable[[], object], reps: int = 20, stream: torch.cuda.Stream | None = None
+    fn: Callable[[], object],
+    reps: int = 20,
+    stream: torch.cuda.Stream | None = None,
+    calls: int = 1,
 ) -> float:
-    """Median device ms of one replay of ``fn`` captured as a CUDA graph on ``stream`` (a new
-    side stream by default), after three eager calls that compile and warm its kernels."""
+    """Median device ms of one ``fn()`` call, from ``reps`` replays of a CUDA graph of
+    ``calls`` calls captured on ``stream`` (a new side stream by default), after three eager
+    calls that compile and warm its kernels."""
     side = stream or torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -21,7 +25,8 @@ def graph_ms(
     side.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
-        fn()
+        for _ in range(calls):
+            fn()
     torch.cuda.current_stream().wait_stream(side)
     times = []
     with torch.cuda.stream(side):
@@ -31,5 +36,5 @@ def graph_ms(
             graph.replay()
             e.record()
             e.synchronize()
-            times.append(s.elapsed_time(e))
+            times.append(s.elapsed_time(e) / calls)
     return statistics.median(times)

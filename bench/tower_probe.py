@@ -21,37 +21,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from bench.graph_timing import graph_ms
 from vlm_server.models.moondream2.config import VisionConfig
 
 
 def replay_us(fn: Callable[[], object], calls: int = 10, reps: int = 30) -> float:
     """Median time of one ``fn()`` call in microseconds, from graph replays of ``calls`` calls."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / calls)
-    return statistics.median(times)
+    return graph_ms(fn, reps, calls=calls) * 1e3
 
 
 def _blas(name: str) -> None:
