@@ -94,6 +94,7 @@ from bench.load_gen import (
 )
 from bench.soak import _metrics_port, unlabelled_values
 from bench.synth_images import parse_size
+from bench.targets import IDLE_SPREAD_MAX
 from vlm_server.client import AsyncVisionLanguageClient
 
 TARGET_RATIO = 2.0
@@ -580,6 +581,8 @@ def verdict(tl: Timeline, a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any
         "server_ratio_b_p99_over_a_p50": _ratio(
             b.get("server_itl_p99_ms"), a.get("server_itl_p50_ms")
         ),
+        # Phase A's own tail (server side): over IDLE_SPREAD_MAX the idle phase jittered.
+        "server_idle_spread": _ratio(a.get("server_itl_p99_ms"), a.get("server_itl_p50_ms")),
     }
 
 
@@ -638,6 +641,12 @@ def print_table(result: dict[str, Any], title: str) -> None:
         f"{_fmt(b_srv['server_itl_p99_ms'], '.2f')} ms; B p99 / A p50 = "
         f"{_fmt(v['server_ratio_b_p99_over_a_p50'], '.2f')}"
     )
+    spread = v.get("server_idle_spread", math.nan)
+    if spread > IDLE_SPREAD_MAX:
+        print(
+            f"warning: phase A's own p99 / p50 is {spread:.2f} (over {IDLE_SPREAD_MAX:g}): the "
+            "idle phase jittered, so the ratio overstates the engine's (a host stall?)"
+        )
     if a_srv.get("events_delay_p99_ms") is not None:
         print(
             f"engine events to the server's streams: A p50 / p99 "

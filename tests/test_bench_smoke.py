@@ -281,6 +281,9 @@ def test_arrival_itl_spawned_server(tiny_dir: Path, tmp_path: Path, processes: i
     assert verdict["decode_period_ms"] == data["phases"]["A"]["itl_p50_ms"]
     assert verdict["ratio_b_p99_over_a_p50"] > 0 and verdict["target_ratio"] == 2.0
     assert verdict["server_ratio_b_p99_over_a_p50"] > 0
+    a_server = data["phases"]["A"]
+    spread = a_server["server_itl_p99_ms"] / a_server["server_itl_p50_ms"]
+    assert verdict["server_idle_spread"] == pytest.approx(spread)
     assert isinstance(verdict["meets_target"], bool)
     assert (tmp_path / "arrival_itl_server.log").exists()
     assert (tmp_path / "arrival_itl.png").exists() == HAVE_MATPLOTLIB

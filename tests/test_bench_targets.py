@@ -170,6 +170,20 @@ def test_step_image_tower_and_arrival_rows() -> None:
         True,
     )
     assert targets.arrival_rows(arrivals | {"complete": False}, "md2", "c") == []
+    assert "note" not in row
+    # An idle phase whose own tail jittered: the row stands as measured, and says so.
+    quiet = arrivals | {"verdict": arrivals["verdict"] | {"server_idle_spread": 1.29}}
+    assert "note" not in targets.arrival_rows(quiet, "md2", "c")[0]
+    jittered = arrivals | {
+        "verdict": {"server_ratio_b_p99_over_a_p50": 2.61, "server_idle_spread": 1.9}
+    }
+    [noted] = targets.arrival_rows(jittered, "md2", "c")
+    assert noted["value"] == 2.61 and noted["met"] is False
+    assert "1.90" in noted["note"] and "jittered" in noted["note"]
+    assert noted["note"] in targets.table([noted]) and "(" not in targets.table([row])
+    # Files written before the verdict carried it: phase A's own server figures say it.
+    older = arrivals | {"phases": {"A": {"server_itl_p50_ms": 2.27, "server_itl_p99_ms": 4.32}}}
+    assert "1.90" in targets.arrival_rows(older, "md2", "c")[0]["note"]
 
 
 def test_merge_replaces_by_name_and_keeps_the_rest(tmp_path: Path) -> None:
