@@ -97,11 +97,20 @@ def test_a_batch_is_in_the_partition_on_its_lane_or_where_the_one_lane_is_it() -
 
     from vlm_server.engine.device.prefill import Prefill
 
-    def prefill(lanes: int, partition: bool) -> SimpleNamespace:
-        dev = SimpleNamespace(prefill_capture_stream=object() if partition else None)
-        return SimpleNamespace(lanes=[object()] * lanes, dev=dev)
+    def prefill(lanes: int, partition: bool) -> Prefill:
+        dev = SimpleNamespace(
+            prefill_stream=object(),
+            partitioned_prefill_stream=object() if lanes > 1 else None,
+            prefill_capture_stream=object() if partition else None,
+        )
+        crops = SimpleNamespace(graphs=lambda capture: None)
+        p = Prefill.__new__(Prefill)
+        p.dev, p.crops = dev, crops
+        p.lanes = p._lanes()
+        return p
 
-    on = Prefill.on_partition
-    assert on(prefill(2, True), True) and not on(prefill(2, True), False)
-    assert on(prefill(1, True), False) and on(prefill(1, True), True)
-    assert not on(prefill(1, False), True) and not on(prefill(1, False), False)
+    two, part_only, whole = prefill(2, True), prefill(1, True), prefill(1, False)
+    assert len(two.lanes) == 2 and len(part_only.lanes) == len(whole.lanes) == 1
+    assert two.on_partition(True) and not two.on_partition(False)
+    assert part_only.on_partition(False) and part_only.on_partition(True)
+    assert not whole.on_partition(True) and not whole.on_partition(False)

@@ -472,10 +472,10 @@ class ServerConfig:
     )
 
     def __post_init__(self) -> None:
-        if str(self.prefill_sms) != "auto" and not str(self.prefill_sms).isdigit():
-            raise ValueError(
-                f"prefill_sms must be auto or a count of SMs (0 = none), not {self.prefill_sms!r}"
-            )
+        try:  # the flag's own parser, for values given in code
+            parse_prefill_sms(str(self.prefill_sms))
+        except ValueError as err:
+            raise ValueError(f"prefill_sms must be auto or a count of SMs: {err}") from None
         for opt in OPTIONS:
             value = getattr(self, opt.name)
             if opt.choices and value is not None and value not in opt.choices:

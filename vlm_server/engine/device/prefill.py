@@ -67,6 +67,8 @@ class PrefillLane:
     # With adapters on, the same forwards with the jobs' adapter deltas: a batch runs them
     # only when one of its jobs uses an adapter, so the others pay nothing for LoRA.
     lora_prefix_graphs: GraphSet[tuple[int, int, int]]
+    # Its stream runs in the SM partition (the early-launch rule of the steps reads it).
+    partitioned: bool = False
 
 
 class Prefill:
@@ -146,6 +148,8 @@ class Prefill:
                 GraphSet("image prefix"),
                 self.crops.graphs(None if two_lanes else partition_capture),
                 GraphSet("image prefix (adapters)"),
+                # One lane is the partition when there is one and it serves every batch.
+                partitioned=not two_lanes and partition_capture is not None,
             )
         ]
         if two_lanes:
@@ -156,18 +160,21 @@ class Prefill:
                     GraphSet("image prefix (partitioned)"),
                     self.crops.graphs(partition_capture),
                     GraphSet("image prefix (partitioned, adapters)"),
+                    partitioned=True,
                 )
             )
         return lanes
 
     # ---- launch (the scheduler's thread) ----------------------------------------------
 
+    def lane_index(self, partitioned: bool) -> int:
+        """The lane `launch` takes for ``partitioned``: the partitioned one, where there is
+        one."""
+        return 1 if partitioned and len(self.lanes) > 1 else 0
+
     def on_partition(self, partitioned: bool) -> bool:
-        """Whether a batch `launch` gets with ``partitioned`` runs in the SM partition: on
-        the partitioned lane, or on the one lane where that lane is the partition."""
-        if len(self.lanes) > 1:
-            return partitioned
-        return getattr(self.dev, "prefill_capture_stream", None) is not None
+        """Whether a batch `launch` gets with ``partitioned`` runs in the SM partition."""
+        return self.lanes[self.lane_index(partitioned)].partitioned
 
     def launch(self, jobs: list[PrefixJob], partitioned: bool = False) -> object:
         """Enqueue on a prefill lane, for each job: the image path, then the BOS + image
@@ -176,7 +183,7 @@ class Prefill:
         batches unfinished, so this slot's pinned buffers are free again. ``partitioned``: the
         partitioned lane, where there is one."""
         dev = self.dev
-        n = 1 if partitioned and len(self.lanes) > 1 else 0
+        n = self.lane_index(partitioned)
         lane = self.lanes[n]
         stream = lane.stream
         if len(self.lanes) > 1:

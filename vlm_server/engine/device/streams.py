@@ -23,6 +23,9 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
+from vlm_server.chip_features import auto_prefill_sms, current_chip
+from vlm_server.engine.config import PREFILL_SMS_AUTO
+
 if TYPE_CHECKING:
     from vlm_server.engine.core.observer import Observer
 
@@ -121,9 +124,6 @@ log = logging.getLogger(__name__)
 def resolved_prefill_sms(asked: int, device: torch.device) -> int:
     """The partition's SMs for the config value ``asked``: itself, or for
     ``PREFILL_SMS_AUTO`` the chip's share (chip_features.auto_prefill_sms), said in the log."""
-    from vlm_server.chip_features import auto_prefill_sms, current_chip
-    from vlm_server.engine.config import PREFILL_SMS_AUTO
-
     if asked != PREFILL_SMS_AUTO:
         return asked
     if device.type != "cuda":
