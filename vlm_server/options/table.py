@@ -19,6 +19,7 @@ from decoding.limits import ConstraintLimits
 from image_pipeline import DEFAULT_LIMITS, ImageLimits, ResizeMode
 from image_pipeline.gpu_jpeg import GPU_DECODERS
 from vlm_server.engine.config import LAUNCH_OVERLAP_MODES, PREFILL_SMS_AUTO, EngineConfig
+from vlm_server.options.checks import MIB, check_server_values
 from vlm_server.options.spec import (
     Group,
     Option,
@@ -27,8 +28,6 @@ from vlm_server.options.spec import (
     parse_prefill_sms,
     parse_size,
 )
-
-MIB = 1 << 20
 
 # Defaults of the values other components own come from those components.
 _ENGINE = EngineConfig()
@@ -480,50 +479,10 @@ class ServerConfig:
             value = getattr(self, opt.name)
             if opt.choices and value is not None and value not in opt.choices:
                 raise ValueError(f"{opt.name} must be one of {', '.join(opt.choices)}")
-        self._check_server_values()
+        check_server_values(self)
         # The values other components use are checked by those components, once: building
         # them here refuses a bad value before the server starts.
         _ = self.engine_config, self.image_limits
-
-    def _check_server_values(self) -> None:
-        """Checks of the values the server process itself uses."""
-        _at_least(
-            self,
-            1,
-            "max_message_bytes",
-            "max_http_body_bytes",
-            "max_object_chars",
-            "max_question_chars",
-            "decode_threads",
-            "image_decode_budget",
-            "image_cache_bytes",
-            "image_cache_client_bytes",
-            "step_trace_steps",
-        )
-        _at_least(
-            self,
-            0,
-            "grace_period",
-            "image_gpu_decode_min_pixels",
-            "malloc_arena_max",
-            "malloc_mmap_threshold",
-            "memory_trim_interval",
-        )
-        for name in ("port", "metrics_port"):
-            if not 0 <= getattr(self, name) <= 65535:
-                raise ValueError(f"{name} must be in 0..65535 (0 = any free port)")
-        if not -1 <= self.http_port <= 65535:
-            raise ValueError("http_port must be in -1..65535 (0 = off, -1 = any free port)")
-        if not 0.01 <= self.gil_switch_interval_ms <= 100:
-            raise ValueError(
-                f"gil_switch_interval_ms must be in 0.01..100, got {self.gil_switch_interval_ms}"
-            )
-        if self.malloc_mmap_threshold > 32 * MIB:
-            raise ValueError("malloc_mmap_threshold must be at most 32MiB (glibc's ceiling)")
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("tls_cert and tls_key go together: give both or neither")
-        if self.tls_client_ca is not None and self.tls_cert is None:
-            raise ValueError("tls_client_ca needs tls_cert and tls_key (mutual TLS is TLS)")
 
     @property
     def engine_config(self) -> EngineConfig:
@@ -590,13 +549,6 @@ class ServerConfig:
         pairs = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
         pairs = [(n, "<set>" if n == "adapter_api_key" and v else v) for n, v in pairs]
         return [(n, f"<{len(v)} keys>" if n == "api_keys" else v) for n, v in pairs]
-
-
-def _at_least(config: ServerConfig, minimum: int, *names: str) -> None:
-    for name in names:
-        value = getattr(config, name)
-        if value < minimum:
-            raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 OPTIONS: tuple[Option, ...] = options_of(ServerConfig)
