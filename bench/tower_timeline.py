@@ -68,22 +68,16 @@ def summarize(events: Sequence[dict], replays: int) -> dict:
         "span_us": span / replays,
         "busy_us": busy / replays,
         "idle_us": (span - busy) / replays,
-        "kinds": {
-            k: {
-                "count": len(v) / replays,
-                "us": sum(v) / replays,
-                "median_us": statistics.median(v),
-            }
-            for k, v in sorted(kinds.items(), key=lambda kv: -sum(kv[1]))
-        },
-        "gaps": {
-            k: {
-                "count": len(v) / replays,
-                "us": sum(v) / replays,
-                "median_us": statistics.median(v),
-            }
-            for k, v in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))
-        },
+        "kinds": _per_replay(kinds, replays),
+        "gaps": _per_replay(gaps, replays),
+    }
+
+
+def _per_replay(times: dict[str, list[float]], replays: int) -> dict[str, dict]:
+    """Count, total and median of each key's times per replay, largest total first."""
+    return {
+        k: {"count": len(v) / replays, "us": sum(v) / replays, "median_us": statistics.median(v)}
+        for k, v in sorted(times.items(), key=lambda kv: -sum(kv[1]))
     }
 
 
