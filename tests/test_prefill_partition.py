@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 
 import pytest
@@ -60,7 +61,7 @@ def test_auto_is_no_partition_off_cuda(tiny: LoadedModel) -> None:
     try:
         assert engine.runtime.prefill_sms == 0
     finally:
-        engine.close()
+        asyncio.run(engine.close())
 
 
 def test_a_partition_off_cuda_is_refused(tiny: LoadedModel) -> None:
