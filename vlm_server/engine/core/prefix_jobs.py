@@ -40,17 +40,18 @@ class PrefixPrompt:
     """A prompt computed with its image's prefix."""
 
     row: int  # the sequence's block-table row: where its last token's hidden state is kept
-    ids: np.ndarray  # the prompt's token ids, int64
+    ids: np.ndarray  # the prompt's token ids, int64 (read-only)
     # The sequence's pages in position order up to its prompt's end: the prefix entry's full
     # pages, then its own (the first standing in for the entry's partly filled last page).
-    pages: list[int]
+    pages: tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class PrefixJob:
-    """One new image prefix of a batch: BOS + image into the cache entry's ``pages``."""
+    """One new image prefix of a batch: BOS + image into the cache entry's ``pages``. Values
+    only: on CUDA a launcher thread reads it after the scheduler moved on."""
 
-    pages: list[int]
+    pages: tuple[int, ...]
     image: PreparedImage | HostImage
     prompt: PrefixPrompt | None = None
     adapter_slot: int = -1  # the device slot of its request's adapter (-1: none)

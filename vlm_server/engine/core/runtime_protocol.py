@@ -4,7 +4,9 @@
 pipeline tests both satisfy it, so the scheduler runs unchanged on either.
 
 The contract every implementation keeps: `launch_mixed`, `launch_decode` and `finalize` only
-enqueue device work and return at once; none of them waits for the device.
+enqueue device work and return at once; none of them waits for the device. What they get of a
+step are values built at launch (`StepInputs`, core/step_inputs.py, and the ``fin`` array), never
+a sequence: the scheduler moves its sequences on while their steps are still queued.
 `read_outputs` is the one place the host waits, and only for the device-to-host copy of the one
 step it reads. Each slot's buffers and events are reused only after the scheduler committed the
 step that used them (see core/pipeline.py), so an implementation needs no further waits.
@@ -18,8 +20,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from vlm_server.engine.core.prefix_jobs import PrefixJob
-    from vlm_server.engine.core.sequence import Sequence
-    from vlm_server.engine.core.step_plan import StepPlan
+    from vlm_server.engine.core.step_inputs import StepInputs
 
 
 @runtime_checkable
@@ -49,41 +50,33 @@ class Runtime(Protocol):
         """Whether the device finished the batch of ``handle`` (a non-blocking query)."""
         ...
 
-    def launch_mixed(
-        self,
-        slot: int,
-        seqs: list[Sequence],
-        plan: StepPlan,
-        block_rows: list[int],
-        after: object | None = None,
-    ) -> None:
+    def launch_mixed(self, slot: int, step: StepInputs, after: object | None = None) -> None:
         """Enqueue one mixed step into ``slot``: one forward over the decode rows and prompt
-        chunks of ``plan`` (rows in ``seqs`` order, see core/step_plan.py; every image prefix
-        they read is ready, or its batch is ``after``, a `launch_prefixes` handle the step
-        waits for on the device); the last token's hidden state of each row (a held row's: the
-        one its prefix batch left) lands in the slot for finalize. ``block_rows``: the
-        block-table rows changed since the last launch (ascending), uploaded before the
+        chunks of ``step`` (see core/step_plan.py; every image prefix they read is ready, or its
+        batch is ``after``, a `launch_prefixes` handle the step waits for on the device); the
+        last token's hidden state of each row (a held row's: the one its prefix batch left)
+        lands in the slot for finalize. The block-table rows ``step`` changed go up before the
         forward reads them. No host wait."""
         ...
 
-    def launch_decode(self, slot: int, seqs: list[Sequence], block_rows: list[int]) -> None:
-        """Enqueue one decode forward of ``seqs`` (row order = batch order) into ``slot``; it
-        reads each sequence's next input where the previous finalize wrote it on the device.
-        ``block_rows`` as for `launch_mixed`. No host wait."""
+    def launch_decode(self, slot: int, step: StepInputs) -> None:
+        """Enqueue one decode forward of ``step``'s rows (row order = batch order) into
+        ``slot``; each row reads its next input where the previous finalize wrote it on the
+        device. Block-table rows as for `launch_mixed`. No host wait."""
         ...
 
     def finalize(
         self,
         slot: int,
-        seqs: list[Sequence],
         fin: np.ndarray,
         constrained: bool,
         regions: bool,
         greedy: bool = False,
     ) -> None:
         """Enqueue mask upload, sampling, region values, next inputs and the result copy to the
-        host for the step in ``slot``; ``fin`` [B, N_FIN] was built from committed state.
-        No host wait."""
+        host for the step in ``slot``; ``fin`` [B, N_FIN] (one row per step row,
+        core/step_layout.py) was built from committed state and is copied before this
+        returns. No host wait."""
         ...
 
     def read_outputs(self, slot: int, b: int) -> np.ndarray:

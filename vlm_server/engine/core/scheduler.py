@@ -54,10 +54,10 @@ from vlm_server.engine.core.outputs import stopped
 from vlm_server.engine.core.pages import PageAllocator
 from vlm_server.engine.core.pipeline import LaunchKind, PipelineState, SlotState, Step
 from vlm_server.engine.core.prefix_cache import PrefixCache, PrefixEntry
-from vlm_server.engine.core.prefix_jobs import PrefixJob, PrefixPrompt
 from vlm_server.engine.core.runtime_protocol import Runtime
 from vlm_server.engine.core.sequence import SeqState, Sequence
 from vlm_server.engine.core.step_clock import StepClock
+from vlm_server.engine.core.step_inputs import LaunchInputs
 from vlm_server.engine.core.step_layout import (
     F_MASK,
     F_PHASE,
@@ -111,6 +111,7 @@ class Scheduler:
         # Each slot's fin is built in place: the runtime copies it into its pinned buffer
         # before finalize returns, and the slot's next finalize comes after its commit.
         self._fin = [np.zeros((cfg.max_rows, N_FIN), np.int64) for _ in self.pipe.slots]
+        self.inputs = LaunchInputs(cfg.max_rows)  # the values each launch hands the runtime
         self._next_deadline = math.inf  # no running sequence's deadline is earlier
         # The KV pages are the scheduler's: its allocator writes the block table into the
         # runtime's pinned mirror, and each launch hands the runtime the rows it changed.
@@ -251,13 +252,15 @@ class Scheduler:
         seqs = decode + prefill
         if prefill:
             plan = StepPlan(len(decode), chunks)
+            inputs = self.inputs.mixed(seqs, plan, self.pages.take_dirty())
             step = self.pipe.launch(LaunchKind.MIXED, seqs, plan)
             self.observer.launched(step)
-            self.rt.launch_mixed(step.slot, seqs, plan, self.pages.take_dirty(), after)
+            self.rt.launch_mixed(step.slot, inputs, after)
         else:
+            inputs = self.inputs.decode(seqs, self.pages.take_dirty())
             step = self.pipe.launch(LaunchKind.DECODE, seqs)
             self.observer.launched(step)
-            self.rt.launch_decode(step.slot, seqs, self.pages.take_dirty())
+            self.rt.launch_decode(step.slot, inputs)
         for s in decode:
             s.decode_launched += 1
             s.add_ref()
@@ -370,7 +373,7 @@ class Scheduler:
         if new_prefixes:
             handle = self.rt.launch_prefixes(
                 [
-                    PrefixJob(e.pages, s.request.image, self._riding_prompt(s), s.adapter_slot)
+                    self.inputs.prefix_job(e, s, pages.pages_for(s.prefill_len))
                     for e, s in new_prefixes
                 ],
                 partitioned=self._streaming(),
@@ -389,6 +392,7 @@ class Scheduler:
         seq.row = self.free_rows.pop()
         pages.assign(seq.row, (entry.full_pages if entry else []) + seq.own_pages)
         self._set_row_constants(seq)
+        self.inputs.admit(seq.row, seq.adapter_slot)
         self.running.append(seq)
         seq.state = SeqState.PREFILL
         seq.prefill_launched_at = now
@@ -411,13 +415,6 @@ class Scheduler:
             s.state is SeqState.RUNNING and s.max_decode - s.decode_launched >= least
             for s in self.running
         )
-
-    def _riding_prompt(self, seq: Sequence) -> PrefixPrompt | None:
-        if not seq.rides_prefix:
-            return None
-        assert seq.prefix is not None
-        pages = (seq.prefix.full_pages + seq.own_pages)[: self.pages.pages_for(seq.prefill_len)]
-        return PrefixPrompt(seq.row, seq.prompt_ids, pages)
 
     # ---- finalize ---------------------------------------------------------------------
 
@@ -456,7 +453,7 @@ class Scheduler:
         constrained = bool((cols[:, 1] != NO_MASK).any())
         self.observer.finalized(step)
         greedy = not fin[:, F_TEMP].view(np.float64).max() > 0
-        self.rt.finalize(step.slot, seqs, fin, constrained, step.regions, greedy)
+        self.rt.finalize(step.slot, fin, constrained, step.regions, greedy)
         if plan is not None:
             for i in range(plan.n_decode, b):
                 s = seqs[i]

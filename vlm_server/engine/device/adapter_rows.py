@@ -17,7 +17,6 @@ from functools import partial
 import numpy as np
 import torch
 
-from vlm_server.engine.core.sequence import Sequence
 from vlm_server.engine.device.buffers import copy_rows
 from vlm_server.engine.device.streams import Device
 from vlm_server.models.lora.bank import LoraBank, LoraBatch
@@ -58,15 +57,15 @@ class AdapterRows:
 
     # ---- steps ------------------------------------------------------------------------
 
-    def sync_rows(self, slot: int, seqs: list[Sequence]) -> None:
-        """Enqueue on the copy stream the slots of ``seqs``' rows that changed (new
-        sequences), staged in pipeline slot ``slot``'s pinned buffer."""
+    def sync_rows(self, slot: int, rows: np.ndarray, slots: np.ndarray) -> None:
+        """Enqueue on the copy stream the adapter ``slots`` of a step's ``rows`` that changed
+        (new sequences), staged in pipeline slot ``slot``'s pinned buffer."""
         host = self.row_host
-        changed = [s.row for s in seqs if host[s.row] != s.adapter_slot]
-        if not changed:
+        new = host[rows] != slots  # host numpy: no device sync
+        if not new.any():
             return
-        for s in seqs:
-            host[s.row] = s.adapter_slot
+        host[rows[new]] = slots[new]
+        changed = rows[new].tolist()
         lo, hi = min(changed), max(changed) + 1
         stage = self.stage[slot]
         self.dev.host_write(stage, host[lo:hi], start=lo)

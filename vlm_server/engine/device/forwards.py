@@ -19,8 +19,8 @@ import torch
 
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.observer import Observer
-from vlm_server.engine.core.sequence import Sequence
-from vlm_server.engine.core.step_plan import HELD, N_TOK, T_ID, T_POS, T_ROW, StepPlan, pack_tokens
+from vlm_server.engine.core.step_inputs import StepInputs
+from vlm_server.engine.core.step_plan import HELD, N_TOK, T_ID, T_POS, T_ROW
 from vlm_server.engine.device.adapter_rows import AdapterRows
 from vlm_server.engine.device.buffers import SlotBuffers, StepBuffers, copy_rows
 from vlm_server.engine.device.graphs import GraphSet, bucket, graph_buckets, token_buckets
@@ -78,18 +78,18 @@ class StepForwards:
 
     # ---- decode -----------------------------------------------------------------------
 
-    def launch_decode(self, slot: int, seqs: list[Sequence], block_rows: list[int]) -> None:
-        """Enqueue one decode forward for ``seqs`` (row order = batch order). With graphs on,
-        the batch is padded to its bucket with the pad row and the bucket's graph replays."""
+    def launch_decode(self, slot: int, step: StepInputs) -> None:
+        """Enqueue one decode forward of ``step``'s rows (row order = batch order). With graphs
+        on, the batch is padded to its bucket with the pad row and the bucket's graph replays."""
         buf, dev, pad_row = self.buffers.slots[slot], self.dev, self.buffers.pad_row
-        b = len(seqs)
+        b = step.n_rows
         n = self.bucket(b) if self.decode_graphs else b
         host = self.launch_rows
-        host[:b, 0] = np.fromiter((seq.row for seq in seqs), np.int64, b)
-        host[:b, 1] = np.fromiter((seq.next_position() for seq in seqs), np.int64, b)
+        host[:b, 0] = step.tokens[:, T_ROW]
+        host[:b, 1] = step.tokens[:, T_POS]
         host[b:n, 0], host[b:n, 1] = pad_row, 0
         n_blocks = int(host[:b, 1].max()) // self.page_size + 1
-        self._send_inputs(slot, buf.launch_host, buf.launch_dev, host[:n], block_rows)
+        self._send_inputs(slot, buf.launch_host, buf.launch_dev, host[:n], step.block_rows)
         block_dev, next_embed = self.pool.block_dev, self.buffers.next_embed
         adapters = self.adapters
 
@@ -101,7 +101,7 @@ class StepForwards:
                 reads.append((adapters.row_slot, rows))
             return reads, [buf.hidden]
 
-        lora = self.uses_lora(seqs)
+        lora = self.uses_lora(step)
         # Decided at launch: whether a prefill is in flight now (an event query, no sync).
         early = not lora and (slot, n) in self.early_decode_graphs and not self.prefill_busy()
         self.early_steps += early
@@ -134,9 +134,9 @@ class StepForwards:
         deltas = self.adapters.for_rows(rows) if self.adapters and lora else None
         buf.hidden[:n] = self.entry.text_forward(x, pos, kv, deltas)[:, -1]
 
-    def uses_lora(self, seqs: list[Sequence]) -> bool:
-        """Whether a step of ``seqs`` needs the adapters' deltas: a row uses an adapter."""
-        return self.adapters is not None and any(s.adapter_slot >= 0 for s in seqs)
+    def uses_lora(self, step: StepInputs) -> bool:
+        """Whether ``step`` needs the adapters' deltas: a row uses an adapter."""
+        return self.adapters is not None and step.uses_adapters()
 
     def bucket(self, b: int) -> int:
         """The batch bucket of ``b`` rows (also the sampling graphs')."""
@@ -153,23 +153,16 @@ class StepForwards:
 
     # ---- mixed ------------------------------------------------------------------------
 
-    def launch_mixed(
-        self,
-        slot: int,
-        seqs: list[Sequence],
-        plan: StepPlan,
-        block_rows: list[int],
-        after: object | None = None,
-    ) -> None:
-        """Enqueue one mixed step: the cached prefix tail pages copied into the sequences
-        starting their prompt, then one forward over the ragged token batch.
+    def launch_mixed(self, slot: int, step: StepInputs, after: object | None = None) -> None:
+        """Enqueue one mixed step: the cached prefix tail pages copied into the rows starting
+        their prompt, then one forward over the ragged token batch.
 
-        Everything the device work needs from the host (the token layout, pages) is planned
-        here, at launch: by the time the work runs, the sequences may have moved on. With
-        ``after`` (a prefix batch's handle) the step waits on the device for that batch: its
-        held rows may be sampled before the host saw the prefixes finish."""
+        Everything the device work needs from the host (the token layout, pages) comes in
+        ``step``, values the scheduler built at launch. With ``after`` (a prefix batch's
+        handle) the step waits on the device for that batch: its held rows may be sampled
+        before the host saw the prefixes finish."""
         buf, dev = self.buffers.slots[slot], self.dev
-        tokens, last = pack_tokens(seqs, plan)
+        tokens, last, tails = step.tokens, step.last, step.tails
         t = len(tokens)
         if t > self.max_step_tokens:
             raise ValueError(f"{t} tokens exceed the step budget {self.max_step_tokens}")
@@ -177,24 +170,13 @@ class StepForwards:
         n = self.token_bucket(t) if self.mixed_graphs and t else t
         n_blocks = int(tokens[:, T_POS].max()) // self.page_size + 1 if t else 0
         held_rows = [HELD - h for h in last.tolist() if h <= HELD]  # host numpy: no sync
-        tails, prefix_pages, ref_rows = [], [], []
-        for i, chunk in enumerate(plan.chunks, start=plan.n_decode):
-            seq = seqs[i]
-            if chunk.length and seq.ref_values is not None:
-                ref_rows.append(seq.row)
-                if chunk.start == 0:  # its references' embeddings, before its first forward
-                    self.refs.write(seq.row, seq.ref_values)
-            prefix = seq.prefix
-            if chunk.start == 0 and prefix is not None:
-                prefix_pages += prefix.pages  # written on the prefill stream: read only if ready
-                if prefix.tail_page is not None:
-                    # The prompt continues the prefix's partly filled last page: a private copy.
-                    tails.append((prefix.tail_page, seqs[i].own_pages[0]))
+        for row, values in step.ref_writes:  # its references' embeddings, before its forward
+            self.refs.write(row, values)
         lay, pad_row = self.buffers.mixed_layout, self.buffers.pad_row
         values = lay.pack(self.mixed_scratch, tokens, last, tails, n, pad_row)
         if self.adapters:  # a new sequence's first step: its row's adapter goes up first
-            self.adapters.sync_rows(slot, seqs)
-        self._send_inputs(slot, buf.mixed_host, buf.mixed_dev, values, block_rows)
+            self.adapters.sync_rows(slot, step.rows, step.adapter_slots)
+        self._send_inputs(slot, buf.mixed_host, buf.mixed_dev, values, step.block_rows)
         if after is not None:  # held rows of a prefix batch still running: a device wait
             dev.wait(dev.compute_stream, after)
         pool, bufs = self.pool, self.buffers
@@ -202,20 +184,20 @@ class StepForwards:
         def access() -> tuple[list, list]:
             # Host numpy only, and only the fake device calls it: no device sync here.
             rows = sorted(set(tokens[:, T_ROW].tolist()))
-            decode_rows = tokens[: plan.n_decode, T_ROW].tolist()
+            decode_rows = tokens[: step.n_decode, T_ROW].tolist()
             reads = [
                 buf.mixed_dev,
                 (pool.block_dev, rows),
                 (bufs.next_embed, decode_rows),
-                (pool.kv, prefix_pages),
+                (pool.kv, step.prefix_pages),
                 (bufs.held, held_rows),
-                (self.refs.embeds, self.refs.rows_of(ref_rows)),
+                (self.refs.embeds, self.refs.rows_of(step.ref_rows)),
             ]
             if self.adapters is not None:
                 reads.append((self.adapters.row_slot, rows))
             return reads, [buf.hidden]
 
-        lora = self.uses_lora(seqs)
+        lora = self.uses_lora(step)
         early = not lora and (slot, n) in self.early_mixed_graphs and not self.prefill_contends()
         self.early_mixed_steps += early
         dev.kernel(
@@ -297,7 +279,7 @@ class StepForwards:
         host: torch.Tensor,
         device: torch.Tensor,
         values: np.ndarray,
-        block_rows: list[int],
+        block_rows: tuple[int, ...],
     ) -> None:
         """A step's inputs into the slot's pinned buffer and up in one copy, after the dirty
         block-table rows; the compute stream waits for both (inputs_ready), never the host."""

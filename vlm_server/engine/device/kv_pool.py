@@ -72,7 +72,7 @@ class KVPool:
                 "which the CUDA kernels need: serve it with --device cpu"
             )
 
-    def upload_rows(self, stage: torch.Tensor, rows: list[int]) -> None:
+    def upload_rows(self, stage: torch.Tensor, rows: tuple[int, ...]) -> None:
         """Enqueue on the copy stream the block-table ``rows`` (ascending; none: nothing),
         staged in ``stage``, a slot's pinned copy of the mirror: the mirror may change again
         while this copy is queued, the slot's stage only after the commit that frees it."""

@@ -201,7 +201,7 @@ class Prefill:
         for j, job in enumerate(jobs):
             pages = job.prompt.pages if job.prompt is not None else job.pages
             table[j, : len(pages)] = pages
-            written += job.pages + pages
+            written += [*job.pages, *pages]
         dev.host_write(slot.pages_host, table)
         dev.copy(
             stream,

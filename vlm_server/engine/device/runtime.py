@@ -2,9 +2,10 @@
 region values, next inputs) and the result copy back to the host.
 
 Contract with the scheduler: every method here only enqueues device work (no host-device
-synchronization) except `read_outputs`, which waits for one step's device-to-host copy.
+synchronization) except `read_outputs`, which waits for one step's device-to-host copy. A step
+arrives as values (core/step_inputs.py, and finalize's ``fin``), never as sequences.
 Sampled ids and region values never visit the host before the next forward: finalize writes
-each sequence's next input embedding into ``next_embed[row]`` on the device, and the next
+each row's next input embedding into ``next_embed[row]`` on the device, and the next
 forward reads it from there. The scheduler owns the KV pages (core/pages.py); its allocator
 writes the block table into the pool's pinned mirror, and each launch brings the rows it
 changed, which go up in one copy ahead of the step's inputs.
@@ -47,8 +48,7 @@ from image_pipeline import ImagePreparer
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.observer import NO_OBSERVER, Observer
 from vlm_server.engine.core.prefix_jobs import PrefixJob
-from vlm_server.engine.core.sequence import Sequence
-from vlm_server.engine.core.step_plan import StepPlan
+from vlm_server.engine.core.step_inputs import StepInputs
 from vlm_server.engine.device.adapter_rows import AdapterRows
 from vlm_server.engine.device.buffers import StepBuffers
 from vlm_server.engine.device.crops import ImageCrops
@@ -216,36 +216,28 @@ class ModelRuntime:
         handle.synchronize()  # type: ignore[attr-defined]  # watcher thread only, off the tick
 
     @torch.inference_mode()
-    def launch_mixed(
-        self,
-        slot: int,
-        seqs: list[Sequence],
-        plan: StepPlan,
-        block_rows: list[int],
-        after: object | None = None,
-    ) -> None:
-        """Enqueue one mixed step (forwards.py), behind the upload of ``block_rows``."""
+    def launch_mixed(self, slot: int, step: StepInputs, after: object | None = None) -> None:
+        """Enqueue one mixed step (forwards.py), behind the upload of its block-table rows."""
         if isinstance(after, PrefixBatch):
             after = after.device_event()
-        self.steps.launch_mixed(slot, seqs, plan, block_rows, after)
+        self.steps.launch_mixed(slot, step, after)
 
     @torch.inference_mode()
-    def launch_decode(self, slot: int, seqs: list[Sequence], block_rows: list[int]) -> None:
-        """Enqueue one decode step (forwards.py), behind the upload of ``block_rows``."""
-        self.steps.launch_decode(slot, seqs, block_rows)
+    def launch_decode(self, slot: int, step: StepInputs) -> None:
+        """Enqueue one decode step (forwards.py), behind the upload of its block-table rows."""
+        self.steps.launch_decode(slot, step)
 
     @torch.inference_mode()
     def finalize(
         self,
         slot: int,
-        seqs: list[Sequence],
         fin: np.ndarray,
         constrained: bool,
         regions: bool,
         greedy: bool = False,
     ) -> None:
         """Enqueue the sampling of the step in ``slot`` and its outputs' copy (sampler.py)."""
-        self.sampler.finalize(slot, seqs, fin, constrained, regions, greedy)
+        self.sampler.finalize(slot, fin, constrained, regions, greedy)
 
     def read_outputs(self, slot: int, b: int) -> np.ndarray:
         """Wait for the slot's D2H copy (the scheduler's one intended sync) and view it."""

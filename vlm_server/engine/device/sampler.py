@@ -21,7 +21,6 @@ from decoding.mask_table import NO_MASK, MaskTable
 from decoding.sampling import sample
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.observer import Observer
-from vlm_server.engine.core.sequence import Sequence
 from vlm_server.engine.core.step_layout import (
     F_MASK,
     F_PHASE,
@@ -70,16 +69,15 @@ class Sampler:
     def finalize(
         self,
         slot: int,
-        seqs: list[Sequence],
         fin: np.ndarray,
         constrained: bool,
         regions: bool,
         greedy: bool = False,
     ) -> None:
-        """Sample the step in ``slot``. ``fin`` [B, N_FIN] was filled from committed state;
-        ``greedy`` says every row is at temperature 0."""
+        """Sample the step in ``slot``. ``fin`` [B, N_FIN] (a row per step row) was filled from
+        committed state; ``greedy`` says every row is at temperature 0."""
         buf, dev = self.buffers.slots[slot], self.dev
-        b = len(seqs)
+        b = len(fin)
         # With sampling graphs, the batch is padded to its bucket with harmless rows.
         n = self._bucket(b) if self.sample_graphs else b
         dev.host_write(buf.fin_host, fin)

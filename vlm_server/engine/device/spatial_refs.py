@@ -39,8 +39,8 @@ class SpatialRefSlots:
             raise ValueError(f"{k} reference positions exceed the row's {self.slots} slots")
         # The reference builds its values in the model's dtype straight from Python floats:
         # round once, from float64, then carry the exact value in float32.
-        # Host tensors only: no device sync.
-        rounded = torch.from_numpy(values).to(self.entry.dtype).float().numpy()
+        # Host tensors only: no device sync. A copy, as a step's values are read-only.
+        rounded = torch.tensor(values).to(self.entry.dtype).float().numpy()
         lo, hi = row * self.slots, row * self.slots + k
         dev = self.dev
         dev.host_write(self.values_host, rounded, start=lo)
