@@ -31,7 +31,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vlm_server.engine.core.prefix_jobs import PrefixJob, PrefixPrompt
-from vlm_server.engine.core.step_plan import T_ROW, StepPlan, pack_tokens
+from vlm_server.engine.core.step_plan import (
+    DEVICE_INPUT,
+    N_TOK,
+    T_ID,
+    T_POS,
+    T_ROW,
+    StepPlan,
+    pack_tokens,
+)
 
 if TYPE_CHECKING:
     from vlm_server.engine.core.prefix_cache import PrefixEntry
@@ -79,17 +87,22 @@ class LaunchInputs:
 
     def __init__(self, rows: int) -> None:
         self.adapter_slot = np.full(rows, -1, np.int32)
+        self._index = _frozen(np.arange(rows, dtype=np.int64))  # a decode step's ``last``
 
     def admit(self, row: int, adapter_slot: int) -> None:
         """A sequence took ``row``: its adapter slot (-1: none) until the row is reused."""
         self.adapter_slot[row] = adapter_slot
 
     def decode(self, seqs: list[Sequence], block_rows: list[int]) -> StepInputs:
-        """A decode-only step of ``seqs`` (row order = batch order)."""
-        tokens, last = pack_tokens(seqs, StepPlan(len(seqs)))
-        rows = tokens[:, T_ROW]
-        slots = self._seal(rows, tokens, last)
-        return StepInputs(len(seqs), rows, slots, tokens, last, tuple(block_rows))
+        """A decode-only step of ``seqs`` (row order = batch order): `pack_tokens`' layout of
+        decode rows, without its plan (this runs every step)."""
+        b = len(seqs)
+        tokens = np.empty((b, N_TOK), np.int64)
+        tokens[:, T_ROW] = np.fromiter((s.row for s in seqs), np.int64, b)
+        tokens[:, T_POS] = np.fromiter((s.next_position() for s in seqs), np.int64, b)
+        tokens[:, T_ID] = DEVICE_INPUT
+        rows, last = tokens[:, T_ROW], self._index[:b]
+        return StepInputs(b, rows, self._seal(rows, tokens), tokens, last, tuple(block_rows))
 
     def mixed(self, seqs: list[Sequence], plan: StepPlan, block_rows: list[int]) -> StepInputs:
         """A mixed step: ``plan``'s decode rows and chunks over ``seqs`` (step-row order)."""
@@ -137,9 +150,9 @@ class LaunchInputs:
             prompt = PrefixPrompt(seq.row, seq.prompt_ids, pages)
         return PrefixJob(tuple(entry.pages), seq.request.image, prompt, seq.adapter_slot)
 
-    def _seal(self, rows: np.ndarray, tokens: np.ndarray, last: np.ndarray) -> np.ndarray:
-        """The adapter slots of ``rows``; the step's arrays made read-only."""
+    def _seal(self, rows: np.ndarray, *arrays: np.ndarray) -> np.ndarray:
+        """The adapter slots of ``rows``; those, ``rows`` and ``arrays`` made read-only."""
         slots = self.adapter_slot.take(rows)
-        for a in (rows, slots, tokens, last):
+        for a in (rows, slots, *arrays):
             a.flags.writeable = False
         return slots

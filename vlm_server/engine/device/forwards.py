@@ -85,8 +85,7 @@ class StepForwards:
         b = step.n_rows
         n = self.bucket(b) if self.decode_graphs else b
         host = self.launch_rows
-        host[:b, 0] = step.tokens[:, T_ROW]
-        host[:b, 1] = step.tokens[:, T_POS]
+        host[:b] = step.tokens[:, T_ROW : T_POS + 1]  # row | position: adjacent columns
         host[b:n, 0], host[b:n, 1] = pad_row, 0
         n_blocks = int(host[:b, 1].max()) // self.page_size + 1
         self._send_inputs(slot, buf.launch_host, buf.launch_dev, host[:n], step.block_rows)
