@@ -101,8 +101,11 @@ class LaunchInputs:
         tokens[:, T_ROW] = np.fromiter((s.row for s in seqs), np.int64, b)
         tokens[:, T_POS] = np.fromiter((s.next_position() for s in seqs), np.int64, b)
         tokens[:, T_ID] = DEVICE_INPUT
-        rows, last = tokens[:, T_ROW], self._index[:b]
-        return StepInputs(b, rows, self._seal(rows, tokens), tokens, last, tuple(block_rows))
+        tokens.flags.writeable = False  # and so the views taken of it
+        rows = tokens[:, T_ROW]
+        slots = self.adapter_slot.take(rows)
+        slots.flags.writeable = False
+        return StepInputs(b, rows, slots, tokens, self._index[:b], tuple(block_rows))
 
     def mixed(self, seqs: list[Sequence], plan: StepPlan, block_rows: list[int]) -> StepInputs:
         """A mixed step: ``plan``'s decode rows and chunks over ``seqs`` (step-row order)."""
