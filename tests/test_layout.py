@@ -152,6 +152,40 @@ def test_dependencies_point_down(graph: dict[str, set[str]]) -> None:
     assert not upward, "imports that climb the layers:\n" + "\n".join(sorted(upward))
 
 
+# Imports between packages of the same layer are allowed only here, each for a reason the
+# architecture's layout table gives; any other (one door importing the other, one family
+# importing another) fails.
+SAME_LAYER_IMPORTS = {
+    ("vlm_server.cli", "vlm_server.cluster"),  # `vlm cluster` and `vlm gateway`
+    ("vlm_server.default_model", "vlm_server.models.registry"),  # the built-in model's family
+    ("vlm_server.engine", "vlm_server.engine.api"),  # refinements and the step trace: events
+    ("vlm_server.engine", "vlm_server.engine.core"),  # ... over the core's outputs and observer
+    ("vlm_server.engine.core", "vlm_server.engine.api"),  # the request and event types
+    ("vlm_server.engine.core", "vlm_server.engine.config"),  # the scheduler's configuration
+    ("vlm_server.engine.requests", "vlm_server.engine.api"),  # requests -> prompts, grammars
+    ("vlm_server.engine.engine", "vlm_server.engine.adapters"),  # adapter slots of a request
+    ("vlm_server.engine.process", "vlm_server.engine.engine"),  # a pipe around the engine
+}
+
+
+def test_no_imports_within_a_layer_but_the_declared_ones(graph: dict[str, set[str]]) -> None:
+    """Packages of one layer are siblings: neither door imports the other, no family imports
+    another; the few same-layer imports the layout needs are declared above."""
+    found: dict[tuple[str, str], list[str]] = {}
+    for name, deps in graph.items():
+        mine = _layer(name)
+        for dep in deps:
+            theirs = _layer(dep)
+            if mine and theirs and mine[1] == theirs[1] and mine[0] != theirs[0]:
+                found.setdefault((mine[0], theirs[0]), []).append(f"{name} -> {dep}")
+    undeclared = sorted(
+        line for pair, lines in found.items() if pair not in SAME_LAYER_IMPORTS for line in lines
+    )
+    assert not undeclared, "imports within a layer:\n" + "\n".join(undeclared)
+    stale = sorted(f"{a} -> {b}" for a, b in SAME_LAYER_IMPORTS - found.keys())
+    assert not stale, "declared same-layer imports that no longer exist: " + ", ".join(stale)
+
+
 def test_no_import_cycles_between_packages(graph: dict[str, set[str]]) -> None:
     def package(mod: str) -> str:
         hit = _layer(mod)

@@ -13,4 +13,5 @@ Map:
   refusals         the errors a request gets (invalid, unavailable), naming proto fields
   metrics          Prometheus metrics on a private registry and their HTTP endpoint
   logs             key=value or JSON log lines; one access-log line per request
+  phase            the server's phase (loading ... stopped), which both doors' health reports read
 """

@@ -1,5 +1,6 @@
-"""``GET /health`` (liveness) and ``GET /ready`` (readiness): the gRPC health service's two
-states over HTTP, for orchestrators and load balancers that probe with plain HTTP.
+"""``GET /health`` (liveness) and ``GET /ready`` (readiness): the server's phase
+(frontend/phase.py), which the gRPC door reports as grpc.health.v1, over plain HTTP for
+orchestrators and load balancers that probe that way.
 
 ``/health`` is 200 while the process can serve (loading, serving, draining) and 503 once the
 engine has failed or the server has stopped: restart it. ``/ready`` is 200 only while the model
@@ -13,10 +14,10 @@ from typing import Any
 
 from aiohttp import web
 
+from vlm_server.frontend.phase import PHASES, ServerPhase
 from vlm_server.http.exchange import Exchange
-from vlm_server.rpc.health import HealthState
 
-HEALTH = web.AppKey("health", HealthState)
+HEALTH = web.AppKey("health", ServerPhase)
 
 PROBE_RESPONSE: dict[str, Any] = {
     "type": "object",
@@ -24,7 +25,7 @@ PROBE_RESPONSE: dict[str, Any] = {
         "status": {"type": "string", "enum": ["SERVING", "NOT_SERVING"]},
         "phase": {
             "type": "string",
-            "enum": ["loading", "serving", "draining", "failed", "stopped"],
+            "enum": list(PHASES),
         },
     },
 }

@@ -21,12 +21,12 @@ from aiohttp import web
 
 from vlm_server.engine.api import EngineError, ErrorCode
 from vlm_server.frontend.calls import Call, Door, ServiceCore, request_id
+from vlm_server.frontend.phase import ServerPhase
 from vlm_server.frontend.refusals import invalid
 from vlm_server.http import error_bodies, openapi
 from vlm_server.http.exchange import REQUEST_ID_HEADER, Exchange
 from vlm_server.http.probes import HEALTH
 from vlm_server.http.routes import OPENAPI, ROUTES, Route
-from vlm_server.rpc.health import HealthState
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +68,14 @@ class HttpFrontDoor:
         max_body_bytes: int,
         authorize: Authorizer | None = None,
         version: str = "unknown",
-        health: HealthState | None = None,
+        health: ServerPhase | None = None,
     ) -> None:
         self.core = core
         self.max_body_bytes = max_body_bytes
         self.authorize = authorize
         self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._json_errors])
         self.app[OPENAPI] = openapi.document(ROUTES, version)
-        self.app[HEALTH] = health or HealthState("")  # /health and /ready read it
+        self.app[HEALTH] = health or ServerPhase()  # /health and /ready read it
         for route in ROUTES:
             self.app.router.add_route(route.method, route.path, self._handler(route))
         self._runner: web.AppRunner | None = None

@@ -9,27 +9,20 @@ from __future__ import annotations
 
 from grpc_health.v1 import health, health_pb2
 
+from vlm_server.frontend.phase import ServerPhase
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-class HealthState:
-    """Owns the health servicer and the transitions the server goes through."""
+class HealthState(ServerPhase):
+    """The server's phase (which the HTTP door's probes read too), mirrored into the health
+    servicer at each transition."""
 
     def __init__(self, service_name: str) -> None:
+        super().__init__()
         self.service_name = service_name
         self.servicer = health.aio.HealthServicer()
-        # What the HTTP door's /health and /ready report: loading, serving, draining,
-        # failed or stopped (liveness holds in the first three).
-        self.phase = "loading"
-
-    @property
-    def live(self) -> bool:
-        return self.phase in ("loading", "serving", "draining")
-
-    @property
-    def ready(self) -> bool:
-        return self.phase == "serving"
 
     async def loading(self) -> None:
         self.phase = "loading"
