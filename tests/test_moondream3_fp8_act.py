@@ -154,7 +154,7 @@ def test_the_layer_takes_fp8_activations_only_for_wide_steps(
 
     monkeypatch.setattr(moe_triton, "experts_fused", fake_fused)
     monkeypatch.setattr(moe.moe_routing, "route_align", _route_align_stub)
-    monkeypatch.setattr(moe.moe_routing, "combine", lambda y, w: y.sum(1))
+    monkeypatch.setattr(moe.moe_routing, "combine_fused", lambda y, w: y.sum(1))
     wide = moe_triton.FP8_ACT_MIN_TOKENS
     for n in (1, wide - 1, wide):
         mlp._fused(torch.randn(n, 32), None)

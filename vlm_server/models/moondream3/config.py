@@ -11,7 +11,7 @@ Presets:
   small experts, top-3) over the project's small test vocabulary: CPU tests.
 * ``moondream3`` and ``moondream3-tiny`` - short names of ``moondream3.1`` and ``md3-tiny``.
 
-Where public implementations disagree (docs/moondream3.md), `Choices` holds the decision;
+Where public implementations disagree (docs/moondream3.md), `DisputedPoints` holds the decision;
 the defaults follow the model author's engine, and a parity test against another
 implementation selects that one's behaviour with `with_choices`.
 """
@@ -31,7 +31,7 @@ RegionNorm = Literal["raw", "post_ln", "none"]
 
 
 @dataclass(frozen=True)
-class Choices:
+class DisputedPoints:
     """Behaviour where the sources disagree (defaults: the model author's engine).
 
     * ``tau_gelu``: the GELU over the fused projection that feeds the tau scales, ``tanh``
@@ -62,7 +62,9 @@ class Choices:
 
 
 # What the Hugging Face remote code (and the ports derived from it) does.
-HF_CHOICES = Choices(tau_gelu="erf", tau_positions="bf16", region_norm="none", coord_divisor=1024)
+HF_CHOICES = DisputedPoints(
+    tau_gelu="erf", tau_positions="bf16", region_norm="none", coord_divisor=1024
+)
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,7 @@ class ModelConfig:
     text: TextConfig = field(default_factory=TextConfig)
     region: RegionConfig = field(default_factory=RegionConfig)
     tokens: TokenContract | None = None
-    choices: Choices = field(default_factory=Choices)
+    choices: DisputedPoints = field(default_factory=DisputedPoints)
     tokenizer_vocab_size: int = 51200
 
     def __post_init__(self) -> None:
@@ -181,13 +183,13 @@ class ModelConfig:
             text=TextConfig(**text),
             region=RegionConfig(**data["region"]),
             tokens=TokenContract(templates=PromptTemplates(**tpl), **tok),
-            choices=Choices(**data["choices"]),
+            choices=DisputedPoints(**data["choices"]),
             tokenizer_vocab_size=data["tokenizer_vocab_size"],
         )
 
 
 def with_choices(
-    config: ModelConfig, choices: Choices, max_context: int | None = None
+    config: ModelConfig, choices: DisputedPoints, max_context: int | None = None
 ) -> ModelConfig:
     """``config`` with other disputed-point choices (and context length), the token contract's
     coordinate divisor kept in step."""

@@ -2,7 +2,7 @@
 LayerNorm and a single linear layer each (no MLP).
 
 The decoders read the raw residual stream of the last position (before the decoder's final
-norm). Where the region norm sits is disputed (`Choices.region_norm`): on that raw state
+norm). Where the region norm sits is disputed (`DisputedPoints.region_norm`): on that raw state
 (the author's engine), on the final-normed state (vLLM), or nowhere (older ports).
 """
 

@@ -23,13 +23,13 @@ from vlm_server.models.common.layers import MLP, LayerNorm, gelu_tanh
 from vlm_server.models.common.rotary import apply_rotary, rotary_tables
 from vlm_server.models.kv import KVCache
 from vlm_server.models.lora.spec import ExpertTargets, LoraDelta, LoraTargets
-from vlm_server.models.moondream3.config import Choices, TextConfig
+from vlm_server.models.moondream3.config import DisputedPoints, TextConfig
 from vlm_server.models.moondream3.moe import MoeMLP
 from vlm_server.models.moondream3.tau import Tau
 
 
 class TextAttention(nn.Module):
-    def __init__(self, cfg: TextConfig, choices: Choices) -> None:
+    def __init__(self, cfg: TextConfig, choices: DisputedPoints) -> None:
         super().__init__()
         self.cfg = cfg
         self.qkv = nn.Linear(cfg.dim, cfg.qkv_dim)
@@ -70,7 +70,7 @@ class TextAttention(nn.Module):
 class TextBlock(nn.Module):
     """x + attn(LN(x)) + mlp(LN(x)): one shared LayerNorm; a dense or an expert MLP."""
 
-    def __init__(self, cfg: TextConfig, choices: Choices, layer: int) -> None:
+    def __init__(self, cfg: TextConfig, choices: DisputedPoints, layer: int) -> None:
         super().__init__()
         self.ln = LayerNorm(cfg.dim)
         self.attn = TextAttention(cfg, choices)
@@ -80,7 +80,7 @@ class TextBlock(nn.Module):
 
 
 class TextDecoder(nn.Module):
-    def __init__(self, cfg: TextConfig, choices: Choices) -> None:
+    def __init__(self, cfg: TextConfig, choices: DisputedPoints) -> None:
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.dim))
