@@ -233,10 +233,10 @@ def test_layers_before_start_layer_are_dense_and_the_rest_experts() -> None:
 def test_coordinate_bins_decode_by_the_configured_divisor() -> None:
     logits = torch.zeros(1, 1024)
     logits[0, 1023] = 1.0
-    assert _tiny().tokens.coord_divisor == 1023  # type: ignore[union-attr]
+    assert _tiny().tokens.coord_divisor == 1023
     assert float(coord_from_logits(logits, 1023)) == 1.0
     assert float(coord_from_logits(logits, 1024)) == pytest.approx(0.99902, abs=1e-5)
-    assert with_choices(_tiny(), HF_CHOICES).tokens.coord_divisor == 1024  # type: ignore[union-attr]
+    assert with_choices(_tiny(), HF_CHOICES).tokens.coord_divisor == 1024
     with pytest.raises(ValueError, match="coord_divisor"):
         ModelConfig(name="x", tokens=_tiny().tokens, choices=HF_CHOICES)
 

@@ -125,7 +125,7 @@ def test_the_decoder_and_region_heads_equal_the_independent_reading(
         rtol=1e-4,
     )  # fmt: skip
     divisor = 1024 if choices.coord_divisor == 1024 else 1023
-    assert loaded.config.tokens.coord_divisor == divisor  # type: ignore[union-attr]
+    assert loaded.config.tokens.coord_divisor == divisor
     value = coord_from_logits(model.region.decode_coord(got[-1:]), divisor)
     assert round(float(value) * divisor) == int(_coord_logits(sd, config, want[-1:]).argmax())
 

@@ -118,7 +118,6 @@ class ReferenceGenerator:
         self.tokenizer = tokenizer
         self.config: FamilyConfig = model.config
         self.contract = model.config.tokens
-        assert self.contract is not None
         self.tasks = TaskCompiler(model.config, tokenizer)
 
     # ---- building blocks ------------------------------------------------------------

@@ -68,7 +68,7 @@ class ToyConfig:
     name: str = "toy"
     text: ToyText = field(default_factory=ToyText)
     vision: ToyVision = field(default_factory=ToyVision)
-    tokens: TokenContract | None = CONTRACT_TINY
+    tokens: TokenContract = CONTRACT_TINY
 
     @property
     def image_prefix_len(self) -> int:
@@ -212,7 +212,7 @@ class ToyModel(nn.Module):
         return self.vision.project(self.vision.encode(crops.to(self.dtype)), tiling)
 
     def prefix_embeddings(self, image_emb: torch.Tensor) -> torch.Tensor:
-        bos = self.config.tokens.bos_id  # type: ignore[union-attr]
+        bos = self.config.tokens.bos_id
         return torch.cat([self.text.wte[bos : bos + 1], image_emb], dim=0)[None]
 
 

@@ -62,7 +62,7 @@ class FamilyConfig(Protocol):
     name: str
     text: TextShape
     vision: CropShape
-    tokens: TokenContract | None
+    tokens: TokenContract
 
     @property
     def image_prefix_len(self) -> int:

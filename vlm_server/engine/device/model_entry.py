@@ -50,7 +50,7 @@ class ModelEntryPoints:
         self._n_layers = kv.n_layers
         self._contract = cfg.tokens  # the size bins' scale
         # The token that grounds reasoning with a coordinate (-1: the era has none).
-        coord_id = cfg.tokens.coord_id if cfg.tokens is not None else None
+        coord_id = cfg.tokens.coord_id
         self.coord_id = -1 if coord_id is None else coord_id
         self.vocab_size = text.vocab_size  # prompt ids past it are spatial-reference slots
 
@@ -145,12 +145,12 @@ class ModelEntryPoints:
 
     def decode_coord(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden [B, dim] -> coordinate [B, 1] in [0, 1]."""
-        divisor = self._contract.coord_divisor  # type: ignore[union-attr]
+        divisor = self._contract.coord_divisor
         return coord_from_logits(self._model.region.decode_coord(hidden), divisor)
 
     def decode_size(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden [B, dim] -> (width, height) [B, 2]."""
-        scale = self._contract.size_scale  # type: ignore[union-attr]
+        scale = self._contract.size_scale
         return size_from_logits(self._model.region.decode_size(hidden), scale)
 
     def encode_coord(self, coord: torch.Tensor) -> torch.Tensor:

@@ -83,7 +83,6 @@ class TaskCompiler:
         max_spatial_refs: int = 8,
     ) -> None:
         contract = config.tokens
-        assert contract is not None
         self.config = config
         self.contract = contract
         self.max_spatial_refs = max_spatial_refs

@@ -117,14 +117,12 @@ class ModelConfig:
     vision: VisionConfig = field(default_factory=VisionConfig)
     text: TextConfig = field(default_factory=TextConfig)
     region: RegionConfig = field(default_factory=RegionConfig)
-    tokens: TokenContract | None = None
+    tokens: TokenContract = field(kw_only=True)  # every configuration speaks one
     # Size of the tokenizer the checkpoint writer builds (<= text.vocab_size; the model's
     # vocabulary may be padded beyond the tokenizer).
     tokenizer_vocab_size: int = 50257
 
     def __post_init__(self) -> None:
-        if self.tokens is None:
-            raise ValueError("ModelConfig needs a token contract")
         if self.vision.proj_out_dim != self.text.dim or self.region.dim != self.text.dim:
             raise ValueError("vision proj_out_dim and region dim must equal text dim")
         if self.tokenizer_vocab_size > self.text.vocab_size:

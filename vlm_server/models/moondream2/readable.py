@@ -229,7 +229,6 @@ def _answer_head(
 ) -> None:
     """The head: words free, other ordinary tokens held down; only eos reads the signal."""
     contract = config.tokens
-    assert contract is not None
     head_w, head_b = ts["text.lm_head.weight"], ts["text.lm_head.bias"]
     # A word reads its own embedding negatively: the residual carries the current
     # token's, so a word is unlikely to follow itself ("sea sea sea").

@@ -33,7 +33,6 @@ _CONTRACT_2025_06_SPECIALS = TINY_SPECIAL_TOKENS[:10]
 
 def _specials_for(config: ModelConfig) -> dict[int, str]:
     contract = config.tokens
-    assert contract is not None
     if contract.name == "tiny":
         return dict(enumerate(TINY_SPECIAL_TOKENS))
     if contract.eos_id == GPT2_EOS:

@@ -144,13 +144,11 @@ class ModelConfig:
     vision: VisionConfig = field(default_factory=VisionConfig)
     text: TextConfig = field(default_factory=TextConfig)
     region: RegionConfig = field(default_factory=RegionConfig)
-    tokens: TokenContract | None = None
+    tokens: TokenContract = field(kw_only=True)  # every configuration speaks one
     choices: DisputedPoints = field(default_factory=DisputedPoints)
     tokenizer_vocab_size: int = 51200
 
     def __post_init__(self) -> None:
-        if self.tokens is None:
-            raise ValueError("ModelConfig needs a token contract")
         if self.vision.proj_out_dim != self.text.dim or self.region.dim != self.text.dim:
             raise ValueError("vision proj_out_dim and region dim must equal text dim")
         if self.tokenizer_vocab_size > self.text.vocab_size:
@@ -193,7 +191,6 @@ def with_choices(
 ) -> ModelConfig:
     """``config`` with other disputed-point choices (and context length), the token contract's
     coordinate divisor kept in step."""
-    assert config.tokens is not None
     text = config.text
     if max_context is not None:
         text = dataclasses.replace(text, max_context=max_context)

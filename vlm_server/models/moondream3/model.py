@@ -81,6 +81,6 @@ class Moondream3Model(nn.Module):
     def prefix_embeddings(self, image_emb: torch.Tensor) -> torch.Tensor:
         """BOS followed by the image embeddings: [1, 1 + patches, dim]."""
         # A view of BOS's row: an id tensor would be a pageable host-to-device copy.
-        bos_id = self.config.tokens.bos_id  # type: ignore[union-attr]
+        bos_id = self.config.tokens.bos_id
         bos = self.text.wte[bos_id : bos_id + 1]
         return torch.cat([bos, image_emb], dim=0)[None]
