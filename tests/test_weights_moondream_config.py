@@ -12,7 +12,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from vlm_server.models.checkpoint_io import CheckpointError
-from vlm_server.models.moondream2.config import TINY_SPECIAL_TOKENS, preset
+from vlm_server.models.common.contracts import TINY_SPECIAL_TOKENS
+from vlm_server.models.moondream2.config import preset
 from vlm_server.models.moondream2.loader import load_model, read_config
 from vlm_server.models.moondream2.reference_config import from_moondream_dict
 from vlm_server.reference import ReferenceGenerator, SamplingSettings

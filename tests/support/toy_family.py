@@ -1,10 +1,10 @@
 """A second model family, for tests only: it proves the engine and both doors are generic.
 
-Nothing here is shared with Moondream 2's modules except the tokenizer builder and the
-tokenizer contract (a family may speak another family's token era). The decoder is a
-different architecture on purpose: sequential pre-norm blocks with RMSNorm, grouped-query
-attention (2 KV heads for 4 query heads), full-width rotary, a SiLU-gated MLP and tied
-embeddings; the vision path is one linear patch embedding of the global crop; the region
+Nothing here is shared with the Moondream families except the synthetic tokenizer builder and
+the tiny tokenizer contract (models/common/: a family may speak another family's token era).
+The decoder is a different architecture on purpose: sequential pre-norm blocks with RMSNorm,
+grouped-query attention (2 KV heads for 4 query heads), full-width rotary, a SiLU-gated MLP and
+tied embeddings; the vision path is one linear patch embedding of the global crop; the region
 heads are single linear layers. Its checkpoints have their own file names and format marker.
 """
 
@@ -24,11 +24,11 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from vlm_server.models.checkpoint_io import CheckpointReader, check_shapes
+from vlm_server.models.common.contracts import CONTRACT_TINY
+from vlm_server.models.common.tokenizer_build import Vocabulary, build_tokenizer
 from vlm_server.models.contract import TokenContract
 from vlm_server.models.interface import FamilyConfig, KVShape, LoadedModel
 from vlm_server.models.kv import KVCache
-from vlm_server.models.moondream2.config import CONTRACT_TINY, preset
-from vlm_server.models.moondream2.tokenizer_build import build_tokenizer
 
 FORMAT = "toy-family/1"
 WEIGHTS = "toy.safetensors"
@@ -230,7 +230,7 @@ def _random_state(config: ToyConfig, seed: int) -> dict[str, torch.Tensor]:
 
 
 def _tokenizer(seed: int) -> Tokenizer:
-    return build_tokenizer(preset("tiny"), seed=seed)  # the tiny contract's vocabulary
+    return build_tokenizer(Vocabulary(CONTRACT_TINY, 1000), seed=seed)  # the tiny vocabulary
 
 
 def _model(

@@ -37,9 +37,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from decoding.vocab import byte_level_alphabet
+from vlm_server.models.common.tokenizer_build import build_tokenizer
 from vlm_server.models.moondream2.config import ModelConfig
 from vlm_server.models.moondream2.layout import NATIVE_PREFIX
-from vlm_server.models.moondream2.tokenizer_build import build_tokenizer
 from vlm_server.models.moondream2.writer import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE
 
 WORDS = tuple(

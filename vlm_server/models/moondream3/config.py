@@ -22,8 +22,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from vlm_server.models.common.config import RegionConfig, VisionConfig
+from vlm_server.models.common.contracts import CONTRACT_TINY
 from vlm_server.models.contract import PromptTemplates, TokenContract
-from vlm_server.models.moondream2.config import CONTRACT_TINY, VisionConfig
 
 TauGelu = Literal["tanh", "erf"]
 TauPositions = Literal["fp32", "bf16"]
@@ -117,23 +118,6 @@ class TextConfig:
 
     def is_moe(self, layer: int) -> bool:
         return layer >= self.moe.start_layer
-
-
-@dataclass(frozen=True)
-class RegionConfig:
-    """Fourier-feature encoders; LayerNorm + linear decoders for coordinates and sizes."""
-
-    dim: int = 2048
-    coord_feat_dim: int = 256
-    coord_out_dim: int = 1024
-    size_feat_dim: int = 512
-    size_out_dim: int = 2048
-
-    def __post_init__(self) -> None:
-        if self.coord_feat_dim % 2 or self.size_feat_dim % 4:
-            raise ValueError("region feature dims must split into cos|sin halves")
-        if self.size_out_dim != 2 * self.coord_out_dim:
-            raise ValueError("region size_out_dim must be 2 x coord_out_dim (width, height)")
 
 
 @dataclass(frozen=True)

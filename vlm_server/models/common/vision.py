@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlm_server.models.common.config import VisionConfig
+from vlm_server.models.common.fp8_vision import Fp8Tower
 from vlm_server.models.common.fused_norm import add_layernorm
 from vlm_server.models.common.layers import MLP, LayerNorm
-from vlm_server.models.moondream2.config import VisionConfig
-from vlm_server.models.moondream2.fp8_vision import Fp8Tower
 
 
 class VisionAttention(nn.Module):
