@@ -27,10 +27,11 @@ from vlm_server.models.checkpoint_io import CheckpointReader, check_shapes
 from vlm_server.models.common.contracts import CONTRACT_TINY
 from vlm_server.models.common.tokenizer_build import Vocabulary, build_tokenizer
 from vlm_server.models.contract import TokenContract
-from vlm_server.models.interface import FamilyConfig, KVShape, LoadedModel
+from vlm_server.models.interface import Capabilities, FamilyConfig, Formats, KVShape, LoadedModel
 from vlm_server.models.kv import KVCache
 
 FORMAT = "toy-family/1"
+FORMATS = Formats(weights=("bf16", "fp16", "fp32"), kv=("bf16", "fp16", "fp32"))
 WEIGHTS = "toy.safetensors"
 
 
@@ -154,9 +155,6 @@ class ToyVisionStack(nn.Module):
     def project(self, features: torch.Tensor, tiling: tuple[int, int]) -> torch.Tensor:
         return features[0]  # the global crop only
 
-    def use_fp8(self, enabled: bool = True) -> None:
-        raise ValueError("the toy family has no FP8 vision path")
-
 
 class ToyRegion(nn.Module):
     def __init__(self, dim: int) -> None:
@@ -208,6 +206,10 @@ class ToyModel(nn.Module):
     def fused_attention(self) -> bool:
         return False  # its GQA layout is not the CUDA kernels' packed one: CPU only
 
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(FORMATS)  # nothing optional
+
     def image_embeddings(self, crops: torch.Tensor, tiling: tuple[int, int]) -> torch.Tensor:
         return self.vision.project(self.vision.encode(crops.to(self.dtype)), tiling)
 
@@ -246,6 +248,7 @@ def _model(
 
 class ToyFamily:
     name = "toy"
+    formats = FORMATS
 
     @property
     def presets(self) -> Mapping[str, Callable[[], FamilyConfig]]:
@@ -320,8 +323,5 @@ class ToyFamily:
         (out_dir / "config.json").write_text(json.dumps(meta))
         return out_dir
 
-    def segment_refiner(self, loaded: LoadedModel, weights: Path) -> Any:
-        raise ValueError("segment_refiner: the toy family has no segmentation refiner")
 
-
-TOY = ToyFamily()
+FAMILY = ToyFamily()

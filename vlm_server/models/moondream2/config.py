@@ -23,6 +23,10 @@ from vlm_server.models.common import config as shared
 from vlm_server.models.common.config import VisionConfig
 from vlm_server.models.common.contracts import CONTRACT_TINY, GPT2_EOS
 from vlm_server.models.contract import PromptTemplates, TokenContract
+from vlm_server.models.interface import Formats
+
+# Weights in any of --dtype's formats; KV pages in the weights' dtype.
+FORMATS = Formats(weights=("bf16", "fp16", "fp32"), kv=("bf16", "fp16", "fp32"))
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from vlm_server.models.common.model_base import MoondreamBase
 from vlm_server.models.common.vision import VisionEncoder
-from vlm_server.models.moondream2.config import ModelConfig
+from vlm_server.models.interface import Capabilities
+from vlm_server.models.moondream2.config import FORMATS, ModelConfig
 from vlm_server.models.moondream2.region import RegionModel
 from vlm_server.models.moondream2.text import TextDecoder
 
@@ -21,3 +22,9 @@ class MoondreamModel(MoondreamBase):
         self.vision = VisionEncoder(config.vision)
         self.text = TextDecoder(config.text)
         self.region = RegionModel(config.region)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Adapters on every linear of the decoder, fused decode products, the FP8 tower."""
+        text = self.text
+        return Capabilities(FORMATS, adapters=text, fused_products=text, fp8_vision=self.vision)

@@ -25,6 +25,11 @@ from typing import Any, Literal
 from vlm_server.models.common.config import RegionConfig, VisionConfig
 from vlm_server.models.common.contracts import CONTRACT_TINY
 from vlm_server.models.contract import PromptTemplates, TokenContract
+from vlm_server.models.interface import Formats
+
+# Weights in any of --dtype's formats (an FP8-expert checkpoint's experts stay FP8 where the
+# device runs them, loader.py); KV pages in the weights' dtype.
+FORMATS = Formats(weights=("bf16", "fp16", "fp32"), kv=("bf16", "fp16", "fp32"))
 
 TauGelu = Literal["tanh", "erf"]
 TauPositions = Literal["fp32", "bf16"]

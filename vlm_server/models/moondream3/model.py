@@ -4,9 +4,12 @@ layout's keys without ``model.``. The vision tower is Moondream 2's, unchanged
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from vlm_server.models.common.model_base import MoondreamBase
 from vlm_server.models.common.vision import VisionEncoder
-from vlm_server.models.moondream3.config import ModelConfig
+from vlm_server.models.interface import Capabilities, SegmentRefine
+from vlm_server.models.moondream3.config import FORMATS, ModelConfig
 from vlm_server.models.moondream3.fp8_experts import fp8_experts_supported
 from vlm_server.models.moondream3.moe import MoeMLP
 from vlm_server.models.moondream3.region import RegionModel
@@ -25,6 +28,25 @@ class Moondream3Model(MoondreamBase):
         self.text = TextDecoder(config.text, config.choices)
         self.region = RegionModel(config.region, config.choices.region_norm)
         self.region.final_norm = (self.text.post_ln,)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Adapters on the MLPs, fused tau kernels, the FP8 tower, FP8 experts, the refiner."""
+        text = self.text
+        return Capabilities(
+            FORMATS,
+            adapters=text,
+            fused_products=text,
+            fp8_vision=self.vision,
+            fp8_experts=self,
+            segment_refiner=self._segment_refiner,
+        )
+
+    def _segment_refiner(self, weights: Path) -> SegmentRefine:
+        # Imported when asked for: the refiner's mask process and tracing are not the model's.
+        from vlm_server.models.moondream3.refiner import build_refiner
+
+        return build_refiner(self, weights)
 
     def use_fp8_experts(self) -> None:
         """Hold every expert matrix in FP8 with per-row scales (quantizing bf16 weights):
