@@ -43,7 +43,7 @@ from vlm_server.engine.api import (
 from vlm_server.engine.requests.spatial import placeholders
 from vlm_server.engine.requests.tasks import BuiltRequest, TaskCompiler
 from vlm_server.models import capabilities
-from vlm_server.models.interface import DeviceModel, FamilyConfig
+from vlm_server.models.interface import AdapterDecoder, DeviceModel, FamilyConfig
 from vlm_server.models.kv import DenseKVCache
 from vlm_server.models.lora.spec import AdapterWeights, SingleLora
 from vlm_server.models.prompts import query_prompt
@@ -117,7 +117,7 @@ class ReferenceGenerator:
         self.model = model
         self.lora = None if adapter is None else SingleLora(adapter.to(model.dtype, model.device))
         # The decoder that takes the adapter (None: no adapter asked for).
-        self._adapted = None
+        self._adapted: AdapterDecoder | None = None
         if adapter is not None:
             self._adapted = capabilities.need(model.capabilities.adapters, "adapter", model)
         self.tokenizer = tokenizer
