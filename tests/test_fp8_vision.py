@@ -1,4 +1,4 @@
-"""The FP8 vision tower (model/fp8_vision.py): quantization on the CPU, kernels and the
+"""The FP8 vision tower (models/common/fp8_vision.py): quantization on the CPU, kernels and the
 moondream2-size tower on a GPU."""
 
 from __future__ import annotations

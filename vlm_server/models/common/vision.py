@@ -60,7 +60,7 @@ class VisionEncoder(nn.Module):
         self.fp8: Fp8Tower | None = None
 
     def use_fp8(self, enabled: bool = True) -> None:
-        """Run QKV, fc1 and fc2 as FP8 GEMMs from now on (model/fp8_vision.py), or not.
+        """Run QKV, fc1 and fc2 as FP8 GEMMs from now on (models/common/fp8_vision.py), or not.
         Quantizes the current weights: call it after loading them, and before capturing any
         graph of the tower (a captured graph keeps reading the weights it was captured with)."""
         self.fp8 = Fp8Tower(self) if enabled else None
