@@ -80,10 +80,10 @@ def decoder_targets(name: str) -> LoraTargets:
     with torch.device("meta"):
         loaded = family.random_model(config, seed=0, dtype=torch.bfloat16, device="meta",
                                      progress=False)  # fmt: skip
-    targets = getattr(loaded.model.text, "lora_targets", None)
-    if targets is None:
+    adapters = loaded.model.capabilities.adapters
+    if adapters is None:
         raise SystemExit(f"{name}: the family takes no adapters")
-    return targets
+    return adapters.lora_targets
 
 
 def _summary(gaps: list[float], loads_ms: list[float], cpu_ms: list[float]) -> dict:

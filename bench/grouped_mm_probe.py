@@ -86,7 +86,7 @@ def grouped_row(mlp: MoeMLP, x: torch.Tensor, want: torch.Tensor, bm: int) -> di
         )  # fmt: skip
 
     def unsort_combine() -> None:
-        state["out"] = moe_routing.combine(state["y"][inv].view(n, top_k, DIM), weights)
+        state["out"] = moe_routing.combine_fused(state["y"][inv].view(n, top_k, DIM), weights)
 
     steps = {"gather": gather, "gmm1": gmm1, "gmm1_fast": lambda: gmm1(True), "act": act,
              "quant_h": quant_h, "gmm2": gmm2, "gmm2_fast": lambda: gmm2(True),

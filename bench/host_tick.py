@@ -264,7 +264,7 @@ def run_case(
     )
     mc = loaded.config
     contract = mc.tokens
-    assert contract is not None and contract.coord_id is not None
+    assert contract.coord_id is not None
     tasks = TaskCompiler(mc, loaded.tokenizer, cfg.mask_table_rows, cfg.constraint_limits)
     device = ScriptedDevice(tasks.table, contract.eos_id, contract.coord_id)
     rt = ModelRuntime(loaded.model, cfg, tasks.table, device=device)  # type: ignore[arg-type]

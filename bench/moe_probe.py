@@ -32,7 +32,7 @@ import torch
 from bench.tower_probe import replay_us
 from vlm_server.models.moondream3 import moe_routing, moe_triton
 from vlm_server.models.moondream3.config import MoeConfig
-from vlm_server.models.moondream3.moe import MoeMLP, combine, experts_loop, route
+from vlm_server.models.moondream3.moe import MoeMLP, combine_slots, experts_loop, route
 from vlm_server.models.moondream3.moe_triton import ExpertTiles, Tile, experts_fused
 
 DIM = 2048
@@ -111,7 +111,7 @@ def legacy_layer(mlp: MoeMLP, x: torch.Tensor) -> torch.Tensor:
         *moe_triton.align(ids, mlp.fc1.weight.shape[0], tiles.bm), tiles.bm
     )
     y = _experts(mlp, x, ids, tiles, routing)
-    return combine(y, weights)
+    return combine_slots(y, weights)
 
 
 def _experts(
@@ -152,7 +152,7 @@ def probe(mlp: MoeMLP, fmt: str, n: int, bw: float, candidates: list[ExpertTiles
         weights, ids = route(mlp.router(x), k)
         d1, d2 = mlp.fc1.values(torch.float32), mlp.fc2.values(torch.float32)
         y_want = experts_loop(x.float(), ids, d1, d2)
-        want = combine(y_want, weights.float())
+        want = combine_slots(y_want, weights.float())
         del d1, d2
         # bf16 logits tie now and then: a tie at the k-th place may pick another expert than
         # torch.topk does (the kernel takes the lower id); such tokens are counted, not checked

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from vlm_server.models.common.fused_norm import add_layernorm
-from vlm_server.models.moondream2.vision import VisionEncoder
+from vlm_server.models.common.vision import VisionEncoder
 from vlm_server.models.registry import preset
 
 

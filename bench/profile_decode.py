@@ -18,6 +18,7 @@ from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.pages import PageAllocator
 from vlm_server.engine.device.graphs import GraphSet
 from vlm_server.engine.device.runtime import ModelRuntime
+from vlm_server.models.capabilities import need
 from vlm_server.models.registry import preset, random_model
 
 
@@ -55,7 +56,7 @@ def main() -> None:
     args = ap.parse_args()
     loaded = random_model(preset(args.preset), dtype=torch.bfloat16, device="cuda")
     if args.fp8_experts:
-        loaded.model.use_fp8_experts()  # type: ignore[attr-defined]
+        need(loaded.model.capabilities.fp8_experts, "fp8_experts", loaded.model).use_fp8_experts()
     cfg = EngineConfig(max_batch_size=max(args.batch), kv_budget_bytes=8 << 30)
     rt = ModelRuntime(loaded.model, cfg, MaskTable(loaded.config.text.vocab_size, 4))
     mirror = rt.block_table

@@ -37,6 +37,7 @@ from image_pipeline import ImagePreparer
 from vlm_server.engine.api import Finished, GenerationRequest, Task
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
+from vlm_server.models.capabilities import need
 from vlm_server.models.registry import preset, random_model
 
 # A gap in the GPU's work shorter than this is launch jitter, not worth listing.
@@ -256,7 +257,7 @@ async def run(args: argparse.Namespace) -> dict:
     dtype = torch.bfloat16 if cuda else torch.float32
     loaded = random_model(preset(args.preset), dtype=dtype, device=args.device)
     if args.fp8_experts:
-        loaded.model.use_fp8_experts()  # type: ignore[attr-defined]
+        need(loaded.model.capabilities.fp8_experts, "fp8_experts", loaded.model).use_fp8_experts()
     cfg = EngineConfig(
         max_batch_size=args.max_batch,
         vision_fp8=args.vision_fp8,

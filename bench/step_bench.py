@@ -250,7 +250,7 @@ def main() -> None:
     else:
         loaded = random_model(preset(args.preset), seed=0, dtype=dtype, device=device)
     if args.task == "detect":
-        coord = loaded.config.tokens.coord_id  # type: ignore[union-attr]
+        coord = loaded.config.tokens.coord_id
         if coord is not None:
             with torch.no_grad():
                 loaded.model.text.lm_head.bias[coord] += 1e4

@@ -201,7 +201,7 @@ def norm_rows(m: int, vc: VisionConfig, dt: torch.dtype) -> list[dict]:
     d = vc.enc_dim
     norm = LayerNorm(d).to("cuda", dt)
     x, a = (torch.randn(m, d, device="cuda", dtype=dt) for _ in range(2))
-    from vlm_server.models.moondream2.fp8_vision import Unscaled, gelu_fp8, layernorm_fp8
+    from vlm_server.models.common.fp8_vision import Unscaled, gelu_fp8, layernorm_fp8
 
     u = torch.randn(m, vc.enc_ff_dim, device="cuda", dtype=dt) * 3
     inner = -(-vc.enc_ff_dim // 128) * 128
@@ -246,9 +246,9 @@ def tower_rows(counts: Sequence[int], dt: torch.dtype, profile_dir: str | None) 
     ``profile_dir``."""
     from torch.profiler import ProfilerActivity, profile
 
-    from vlm_server.models.moondream2 import fp8_vision
+    from vlm_server.models.common import fp8_vision
+    from vlm_server.models.common.vision import VisionEncoder
     from vlm_server.models.moondream2.config import VisionConfig as VC
-    from vlm_server.models.moondream2.vision import VisionEncoder
 
     enc = VisionEncoder(VC()).to("cuda", dt).eval()
     for p in enc.parameters():

@@ -94,8 +94,8 @@ def measure(crops: int, replays: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from bench.graph_timing import graph_ms
+    from vlm_server.models.common.vision import VisionEncoder
     from vlm_server.models.moondream2.config import VisionConfig
-    from vlm_server.models.moondream2.vision import VisionEncoder
 
     torch.manual_seed(0)
     dt = torch.bfloat16

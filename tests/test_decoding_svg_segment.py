@@ -24,7 +24,7 @@ from decoding.mask_table import NO_MASK, MaskTable
 from decoding.sampling import sample
 from decoding.svg_tokens import decode_items, item_kind, parse_items, path_text, token_items
 from decoding.vocab import TokenVocab
-from vlm_server.models.moondream2.tokenizer_build import build_tokenizer
+from vlm_server.models.common.tokenizer_build import build_tokenizer
 from vlm_server.models.registry import preset
 
 EOS, COORD = 0, 5

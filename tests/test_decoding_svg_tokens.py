@@ -26,7 +26,7 @@ from decoding.svg_tokens import (
 )
 from decoding.vocab import TokenVocab
 from tests.support.toy_tokenizers import byte_level_bpe
-from vlm_server.models.moondream2.tokenizer_build import build_tokenizer
+from vlm_server.models.common.tokenizer_build import build_tokenizer
 from vlm_server.models.registry import preset
 
 

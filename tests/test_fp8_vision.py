@@ -1,4 +1,4 @@
-"""The FP8 vision tower (model/fp8_vision.py): quantization on the CPU, kernels and the
+"""The FP8 vision tower (models/common/fp8_vision.py): quantization on the CPU, kernels and the
 moondream2-size tower on a GPU."""
 
 from __future__ import annotations
@@ -21,11 +21,8 @@ from tests.test_engine_gpu import _moondream2_fp32_equals_reference
 from vlm_server.devices import fp8_supported
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
-from vlm_server.models.common.layers import LayerNorm
-from vlm_server.models.interface import LoadedModel
-from vlm_server.models.moondream2 import fp8_vision
-from vlm_server.models.moondream2.config import VisionConfig
-from vlm_server.models.moondream2.fp8_vision import (
+from vlm_server.models.common import fp8_vision
+from vlm_server.models.common.fp8_vision import (
     FP8,
     FP8_MAX,
     Fp8Weight,
@@ -34,7 +31,10 @@ from vlm_server.models.moondream2.fp8_vision import (
     layernorm_fp8,
     quantize_rows,
 )
-from vlm_server.models.moondream2.vision import VisionEncoder
+from vlm_server.models.common.layers import LayerNorm
+from vlm_server.models.common.vision import VisionEncoder
+from vlm_server.models.interface import LoadedModel
+from vlm_server.models.moondream2.config import VisionConfig
 
 # e4m3: 3 mantissa bits, so a normal value rounds within 2^-4 of itself; below 2^-6 (times
 # the scale) values are subnormal, spaced 2^-9.

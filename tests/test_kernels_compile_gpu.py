@@ -489,7 +489,7 @@ KERNELS = (
         {"HAS_B": True, "BLOCK": 2048},
     ),
     *(
-        Kernel("vlm_server.models.moondream2.fp8_vision", name, signature, consts, min_arch=89)
+        Kernel("vlm_server.models.common.fp8_vision", name, signature, consts, min_arch=89)
         for name, signature, consts in (
             ("_add_layernorm_fp8_kernel", _NORM_FP8, {"HAS_A": True, "BLOCK": 2048}),
             (

@@ -11,8 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from vlm_server.models.families import FAMILIES as FAMILY_TABLE
+
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ["vlm_server", "decoding", "image_pipeline"]
+# Each family's package: the one its table line names the module of.
+FAMILIES = tuple(module.rpartition(".")[0] for module in FAMILY_TABLE.values())
 
 # Higher layers may import lower ones, never the reverse (docs/architecture.md, Layout).
 LAYERS = {
@@ -23,11 +27,11 @@ LAYERS = {
     "vlm_server.gc_pauses": 0,  # this process's garbage-collection pauses
     "vlm_server.api": 0,  # generated gRPC code
     "vlm_server.client": 1,  # talks to a server through vlm_server.api only
-    # The seam (protocols, tokenizer contract, prompts, KV contract, checkpoint reading) and
-    # the blocks families share; then the families; then the registry that knows them all.
+    # The seam (protocols, capabilities, tokenizer contract, prompts, KV contract, checkpoint
+    # reading) and the blocks families share (models/common); then the families, each a line
+    # of models/families.py; then the registry that knows them all.
     "vlm_server.models": 1,
-    "vlm_server.models.moondream2": 2,
-    "vlm_server.models.moondream3": 2,  # reuses Moondream 2's vision tower and tokenizer
+    **dict.fromkeys(FAMILIES, 2),
     "vlm_server.models.registry": 3,
     "vlm_server.default_model": 3,
     "vlm_server.engine": 3,  # the package itself (its __init__ is empty)
@@ -217,9 +221,6 @@ def test_no_import_cycles_between_packages(graph: dict[str, set[str]]) -> None:
             dfs(node)
 
 
-FAMILIES = ("vlm_server.models.moondream2", "vlm_server.models.moondream3")
-
-
 def test_only_the_registry_imports_a_model_family(graph: dict[str, set[str]]) -> None:
     """The engine, the reference and the doors are typed against models/interface.py: a new
     family plugs in through the registry without touching them."""
@@ -232,6 +233,18 @@ def test_only_the_registry_imports_a_model_family(graph: dict[str, set[str]]) ->
         and name != "vlm_server.models.registry"
     )
     assert not leaks, "modules that import a family directly:\n" + "\n".join(leaks)
+
+
+def test_no_family_imports_another(graph: dict[str, set[str]]) -> None:
+    """What families share lives in models/common, not in one of them."""
+    crossing = sorted(
+        f"{name} -> {dep}"
+        for name, deps in graph.items()
+        for dep in deps
+        for mine in FAMILIES
+        if name.startswith(mine + ".") and dep.startswith(FAMILIES) and not dep.startswith(mine)
+    )
+    assert not crossing, "families importing each other:\n" + "\n".join(crossing)
 
 
 def test_test_doubles_are_not_shipped() -> None:

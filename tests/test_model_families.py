@@ -1,10 +1,12 @@
 """The model-family seam: a second family (tests/support/toy_family.py, another decoder, vision
-path, region heads and checkpoint format) registers itself and is served by the unchanged
-engine and both doors, answering as the reference generation does on the same model."""
+path, region heads and checkpoint format), added as one line of the families table, is served
+by the unchanged engine and both doors, answering as the reference generation does on the same
+model; what it lacks is refused at start naming the flag."""
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
@@ -15,9 +17,10 @@ import torch
 from image_pipeline import prepare_image, sample_image_bytes
 from tests.http_support import post_json
 from tests.support.service_harness import ServerThread, local_config
-from tests.support.toy_family import TOY, ToyConfig
+from tests.support.toy_family import FAMILY as TOY
+from tests.support.toy_family import ToyConfig
 from vlm_server.client import VisionLanguageClient
-from vlm_server.models import registry
+from vlm_server.models import capabilities, families, registry
 from vlm_server.models.checkpoint_io import CheckpointError
 from vlm_server.models.interface import LoadedModel
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
@@ -28,9 +31,9 @@ GREEDY = SamplingSettings(temperature=0.0, max_tokens=8)
 
 @pytest.fixture(scope="module")
 def toy_family() -> Iterator[None]:
-    registry.register(TOY)
-    yield
-    registry.unregister(TOY.name)
+    with pytest.MonkeyPatch.context() as patch:  # the one line a shipped family adds
+        patch.setitem(families.FAMILIES, "toy", "tests.support.toy_family")
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -58,18 +61,61 @@ def test_the_registry_resolves_presets_configs_and_checkpoints_to_their_family(
     assert registry.family_for_preset("toy") is TOY
     assert registry.family_of(registry.preset("tiny")).name == "moondream2"
     assert isinstance(toy.config, ToyConfig) and toy.source == str(toy_dir)
-    with pytest.raises(ValueError, match=r"presets \['toy'\] are taken"):
-        registry.register(_Clash())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"unknown preset 'nope'.*toy"):
         registry.preset("nope")
-    (toy_dir.parent / "refiner.pt").write_bytes(b"")  # the family says it has no refiner
-    with pytest.raises(ValueError, match=r"segment_refiner: the toy family has no"):
+    (toy_dir.parent / "refiner.pt").write_bytes(b"")  # the model declares no refiner
+    with pytest.raises(ValueError, match=r"--segment-refiner: the model 'toy' has no segm"):
         registry.segment_refiner(toy, toy_dir.parent / "refiner.pt")
 
 
 class _Clash:
     name = "clash"
     presets: ClassVar[dict[str, type]] = {"toy": ToyConfig}
+
+
+FAMILY = _Clash()  # what the table's line for "clash" names
+
+
+def test_a_family_whose_presets_clash_is_refused(
+    toy_family: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(families.FAMILIES, "clash", __name__)
+    with pytest.raises(ValueError, match=r"family 'clash': presets \['toy'\] are taken"):
+        registry.preset_names()
+
+
+def test_flags_asking_for_what_the_family_lacks_are_refused_at_start_naming_each(
+    toy: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server's check after loading (server/engines.py), and the engine's (ModelRuntime)."""
+    from vlm_server.engine.config import EngineConfig
+    from vlm_server.engine.engine import BatchedEngine
+
+    asked = {"vision_fp8": True, "adapters_dir": str(tmp_path), "fused_decode": True}
+    with pytest.raises(capabilities.CapabilityError) as err:
+        capabilities.check(toy.model, asked)
+    assert str(err.value) == (
+        "--vision-fp8: the model 'toy' has no FP8 vision tower; "
+        "--adapters-dir: the model 'toy' has no finetune adapters"
+    )
+    capabilities.check(toy.model, {"fused_decode": True})  # preferred where offered: no error
+    with pytest.raises(capabilities.CapabilityError, match="--experts-fp8-activations"):
+        BatchedEngine(toy, EngineConfig(experts_fp8_activations=True))
+    monkeypatch.setattr(TOY, "formats", dataclasses.replace(TOY.formats, weights=("fp32",)))
+    with pytest.raises(capabilities.CapabilityError, match="--dtype fp16: the toy family"):
+        registry.random_model(toy.config, dtype=torch.float16, progress=False)
+
+
+def test_every_family_declares_its_formats_alike_before_and_after_loading(
+    toy_family: None,
+) -> None:
+    for fam in registry.families():
+        smallest = min(fam.presets, key=len)  # tiny, md3-tiny, toy
+        config = fam.presets[smallest]()
+        model = fam.random_model(
+            config, seed=0, dtype=torch.float32, device="cpu", progress=False
+        ).model
+        assert model.capabilities.formats == fam.formats, fam.name
 
 
 def test_a_checkpoint_no_family_reads_is_refused_naming_the_presets(tmp_path: Path) -> None:

@@ -6,11 +6,11 @@ import math
 
 import torch
 
+from vlm_server.models.common.vision import VisionBlock, stitch_tiles
 from vlm_server.models.interface import LoadedModel
 from vlm_server.models.kv import DenseKVCache
 from vlm_server.models.moondream2.region import RegionModel
 from vlm_server.models.moondream2.text import TextBlock
-from vlm_server.models.moondream2.vision import VisionBlock, stitch_tiles
 from vlm_server.models.registry import preset
 
 

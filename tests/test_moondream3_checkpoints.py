@@ -179,7 +179,7 @@ def test_fp8_experts_stay_fp8_where_the_fused_kernels_read_them(
 def test_a_hub_snapshot_is_read_as_moondream3_and_loaded_with_its_preset(tmp_path: Path) -> None:
     import json
 
-    from vlm_server.models.moondream3.family import MOONDREAM3
+    from vlm_server.models.moondream3.family import FAMILY as MOONDREAM3
 
     out = registry.write_checkpoint(_tiny(), tmp_path, layout="hf")
     hub = {"model_type": "moondream3", "config": {"text": {"moe": {"n_experts": 64}}}}

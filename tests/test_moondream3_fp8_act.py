@@ -154,7 +154,7 @@ def test_the_layer_takes_fp8_activations_only_for_wide_steps(
 
     monkeypatch.setattr(moe_triton, "experts_fused", fake_fused)
     monkeypatch.setattr(moe.moe_routing, "route_align", _route_align_stub)
-    monkeypatch.setattr(moe.moe_routing, "combine", lambda y, w: y.sum(1))
+    monkeypatch.setattr(moe.moe_routing, "combine_fused", lambda y, w: y.sum(1))
     wide = moe_triton.FP8_ACT_MIN_TOKENS
     for n in (1, wide - 1, wide):
         mlp._fused(torch.randn(n, 32), None)
@@ -179,7 +179,7 @@ def test_the_engine_switch_names_the_flag_for_a_model_without_experts() -> None:
     from vlm_server.models.registry import preset, random_model
 
     entry = ModelEntryPoints(random_model(preset("tiny"), dtype=torch.float32).model)
-    with pytest.raises(ValueError, match="experts_fp8_activations needs a mixture-of-experts"):
+    with pytest.raises(ValueError, match=r"--experts-fp8-activations: the model 'tiny' has no FP8"):
         entry.use_fp8_expert_activations()
 
 

@@ -238,13 +238,13 @@ def test_route_align_kernels_equal_route_then_align(n: int, uneven: bool, block_
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 64, 730])
-def test_combine_kernel_is_bit_exact(dtype: torch.dtype, n: int) -> None:
-    from vlm_server.models.moondream3.moe import combine
-    from vlm_server.models.moondream3.moe_routing import combine as combine_kernel
+def test_combine_fused_is_bit_exact(dtype: torch.dtype, n: int) -> None:
+    from vlm_server.models.moondream3.moe import combine_slots
+    from vlm_server.models.moondream3.moe_routing import combine_fused
 
     y = torch.randn(n, 8, 2048, device=DEVICE).to(dtype) * 3
     w = torch.softmax(torch.randn(n, 8, device=DEVICE), -1).to(dtype)
-    assert torch.equal(combine_kernel(y, w), combine(y, w))
+    assert torch.equal(combine_fused(y, w), combine_slots(y, w))
 
 
 def _table_tiles() -> list[object]:

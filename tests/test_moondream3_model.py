@@ -15,7 +15,7 @@ from vlm_server.models import registry
 from vlm_server.models.kv import DenseKVCache
 from vlm_server.models.moondream3.config import (
     HF_CHOICES,
-    Choices,
+    DisputedPoints,
     ModelConfig,
     MoeConfig,
     with_choices,
@@ -23,7 +23,7 @@ from vlm_server.models.moondream3.config import (
 from vlm_server.models.moondream3.model import Moondream3Model
 from vlm_server.models.moondream3.moe import (
     MoeMLP,
-    combine,
+    combine_slots,
     expert_activation,
     experts_dense,
     experts_loop,
@@ -119,7 +119,7 @@ def test_a_zero_plus_one_half_leaves_exactly_the_erf_gelu() -> None:
 def test_combine_weights_the_slots() -> None:
     y = torch.randn(3, 2, 4)
     w = torch.tensor([[0.25, 0.75], [1.0, 0.0], [0.5, 0.5]])
-    assert torch.allclose(combine(y, w), (y * w[..., None]).sum(1))
+    assert torch.allclose(combine_slots(y, w), (y * w[..., None]).sum(1))
 
 
 # ---- tau --------------------------------------------------------------------------------
@@ -165,7 +165,7 @@ def test_zero_tau_weights_and_alpha_give_plain_attention_and_keys_never_change()
 
 def test_the_tau_gelu_choice_changes_the_scales() -> None:
     tanh = _model().text.blocks[1].attn
-    erf = _model(with_choices(_tiny(), Choices(tau_gelu="erf"))).text.blocks[1].attn
+    erf = _model(with_choices(_tiny(), DisputedPoints(tau_gelu="erf"))).text.blocks[1].attn
     qkv = torch.randn(1, 3, tanh.cfg.qkv_dim)
     pos = torch.arange(3)[None]
     assert not torch.allclose(tanh.tau(qkv, pos)[0], erf.tau(qkv, pos)[0])
@@ -233,10 +233,10 @@ def test_layers_before_start_layer_are_dense_and_the_rest_experts() -> None:
 def test_coordinate_bins_decode_by_the_configured_divisor() -> None:
     logits = torch.zeros(1, 1024)
     logits[0, 1023] = 1.0
-    assert _tiny().tokens.coord_divisor == 1023  # type: ignore[union-attr]
+    assert _tiny().tokens.coord_divisor == 1023
     assert float(coord_from_logits(logits, 1023)) == 1.0
     assert float(coord_from_logits(logits, 1024)) == pytest.approx(0.99902, abs=1e-5)
-    assert with_choices(_tiny(), HF_CHOICES).tokens.coord_divisor == 1024  # type: ignore[union-attr]
+    assert with_choices(_tiny(), HF_CHOICES).tokens.coord_divisor == 1024
     with pytest.raises(ValueError, match="coord_divisor"):
         ModelConfig(name="x", tokens=_tiny().tokens, choices=HF_CHOICES)
 
@@ -246,10 +246,10 @@ def test_region_norm_choices_read_the_raw_or_the_final_normed_state() -> None:
     hidden = torch.randn(2, 64)
     ln = raw.region.ln
     assert torch.allclose(raw.region.decode_coord(hidden), raw.region.coord_decoder(ln(hidden)))
-    post = _model(with_choices(_tiny(), Choices(region_norm="post_ln")))
+    post = _model(with_choices(_tiny(), DisputedPoints(region_norm="post_ln")))
     want = post.region.size_decoder(post.region.ln(post.text.post_ln(hidden)))
     assert torch.allclose(post.region.decode_size(hidden), want)
-    none = _model(with_choices(_tiny(), Choices(region_norm="none")))
+    none = _model(with_choices(_tiny(), DisputedPoints(region_norm="none")))
     assert not hasattr(none.region, "ln")
     assert torch.allclose(none.region.decode_coord(hidden), none.region.coord_decoder(hidden))
     assert "region.ln.weight" not in none.state_dict()
@@ -294,7 +294,7 @@ def test_fp8_experts_run_dequantized_on_the_plain_paths() -> None:
     assert moe.fc1.weight.dtype == torch.float8_e4m3fn and moe.fc1.scale.shape == (6, 16)
     w1, w2 = moe.fc1.values(torch.float32), moe.fc2.values(torch.float32)
     weights, ids = route(moe.router(x), moe.top_k)
-    want = combine(experts_loop(x, ids, w1, w2), weights)
+    want = combine_slots(experts_loop(x, ids, w1, w2), weights)
     for method in ("loop", "dense"):
         moe.method = method  # type: ignore[assignment]
         assert torch.allclose(moe(x), want, atol=1e-5)

@@ -1,6 +1,6 @@
 """Moondream 3's expert-layer kernels in Triton's interpreter on the CPU: route + grouping and
-combine against the PyTorch `route` / `align` / `combine`, the grouped kernels with each tile
-of the table against the plain path, and what CUDA graphs need (shapes only, no host reads)."""
+combine against the PyTorch `route` / `align` / `combine_slots`, the grouped kernels with each
+tile of the table against the plain path, and what CUDA graphs need (shapes only, no host reads)."""
 
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def test_combine_is_bit_exact(
     gen = torch.Generator().manual_seed(n * d)
     y = (torch.randn(n, k, d, generator=gen) * 3).to(dtype)
     weights = torch.softmax(torch.randn(n, k, generator=gen), -1).to(dtype)
-    assert torch.equal(kern.routing.combine(y, weights), moe.combine(y, weights))
+    assert torch.equal(kern.routing.combine_fused(y, weights), moe.combine_slots(y, weights))
 
 
 # ---- the grouped kernels with each tile ----------------------------------------------------
@@ -258,7 +258,7 @@ def test_the_fused_path_reads_nothing_back_to_the_host() -> None:
         moe_routing._group,
         moe_routing.route_align,
         moe_routing.align_fused,
-        moe_routing.combine,
+        moe_routing.combine_fused,
         moe_triton.experts_fused,
         moe_triton._split,
         moe_triton._row_of_pair,

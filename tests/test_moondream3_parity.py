@@ -15,7 +15,12 @@ import torch.nn.functional as F
 from decoding.region_values import coord_from_logits
 from vlm_server.models import registry
 from vlm_server.models.kv import DenseKVCache
-from vlm_server.models.moondream3.config import HF_CHOICES, Choices, ModelConfig, with_choices
+from vlm_server.models.moondream3.config import (
+    HF_CHOICES,
+    DisputedPoints,
+    ModelConfig,
+    with_choices,
+)
 
 EPS = 1e-5
 
@@ -95,10 +100,12 @@ def _coord_logits(sd: dict, config: ModelConfig, hidden: torch.Tensor) -> torch.
 
 @pytest.mark.parametrize(
     "choices",
-    [Choices(), HF_CHOICES, Choices(region_norm="post_ln")],
+    [DisputedPoints(), HF_CHOICES, DisputedPoints(region_norm="post_ln")],
     ids=["authors-engine", "hf", "vllm-region-norm"],
 )
-def test_the_decoder_and_region_heads_equal_the_independent_reading(choices: Choices) -> None:
+def test_the_decoder_and_region_heads_equal_the_independent_reading(
+    choices: DisputedPoints,
+) -> None:
     config = with_choices(registry.preset("md3-tiny"), choices)  # type: ignore[arg-type]
     loaded = registry.random_model(config, seed=5, dtype=torch.float32, progress=False)
     model = loaded.model
@@ -118,7 +125,7 @@ def test_the_decoder_and_region_heads_equal_the_independent_reading(choices: Cho
         rtol=1e-4,
     )  # fmt: skip
     divisor = 1024 if choices.coord_divisor == 1024 else 1023
-    assert loaded.config.tokens.coord_divisor == divisor  # type: ignore[union-attr]
+    assert loaded.config.tokens.coord_divisor == divisor
     value = coord_from_logits(model.region.decode_coord(got[-1:]), divisor)
     assert round(float(value) * divisor) == int(_coord_logits(sd, config, want[-1:]).argmax())
 
@@ -128,7 +135,11 @@ def test_the_choices_change_the_answer() -> None:
     base = registry.preset("md3-tiny")
     x = torch.randn(1, 9, 64, generator=torch.Generator().manual_seed(1))
     outs = []
-    for choices in (Choices(), Choices(tau_gelu="erf"), Choices(tau_positions="bf16")):
+    for choices in (
+        DisputedPoints(),
+        DisputedPoints(tau_gelu="erf"),
+        DisputedPoints(tau_positions="bf16"),
+    ):
         config = with_choices(base, choices)  # type: ignore[arg-type]
         model = registry.random_model(config, seed=5, dtype=torch.float32, progress=False).model
         cache = DenseKVCache(model.kv_shape, 64, 1, torch.float32, "cpu", 4)

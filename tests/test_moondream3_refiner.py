@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from decoding.segment_output import SegmentResult, rasterize, rle_decode, rle_encode
+from vlm_server.models.common.vision import VisionEncoder
 from vlm_server.models.moondream2.config import VisionConfig
-from vlm_server.models.moondream2.vision import VisionEncoder
 from vlm_server.models.moondream3 import refiner_masks
 from vlm_server.models.moondream3.refiner import SegmentRefiner, load_head, save_head
 from vlm_server.models.moondream3.refiner_head import RefinerHead, random_head

@@ -156,7 +156,7 @@ def test_the_familys_refiner_reads_its_file_and_errors_name_the_flag(
     with pytest.raises(ValueError, match=r"segment_refiner: .*image_pe has shape"):
         segment_refiner(md3_tiny, tmp_path / "x.pt")
     md2 = random_model(preset("tiny"), seed=0, dtype=torch.float32, progress=False)
-    with pytest.raises(ValueError, match="segment_refiner: moondream2 has no"):
+    with pytest.raises(ValueError, match="--segment-refiner: the model 'tiny' has no segm"):
         segment_refiner(md2, tmp_path / "model.pt")
 
 

@@ -11,8 +11,9 @@ from safetensors.torch import load_file, save_file
 
 from tests.support.hub_cache import hub_snapshot, run_offline
 from vlm_server.models.checkpoint_io import CheckpointError
+from vlm_server.models.common.legacy_layout import native_to_legacy
 from vlm_server.models.interface import LoadedModel
-from vlm_server.models.moondream2.layout import expected_shapes, native_to_legacy
+from vlm_server.models.moondream2.layout import expected_shapes
 from vlm_server.models.registry import load_model, preset, write_checkpoint
 
 

@@ -12,7 +12,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from vlm_server.models.checkpoint_io import CheckpointError
-from vlm_server.models.moondream2.config import TINY_SPECIAL_TOKENS, preset
+from vlm_server.models.common.contracts import TINY_SPECIAL_TOKENS
+from vlm_server.models.moondream2.config import preset
 from vlm_server.models.moondream2.loader import load_model, read_config
 from vlm_server.models.moondream2.reference_config import from_moondream_dict
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
@@ -73,7 +74,6 @@ def test_reference_format_config_loads(tmp_path: Path, tiny_dir: Path) -> None:
     want = preset("tiny")
     got = read_config(tmp_path, None)
     assert (got.text, got.vision, got.region) == (want.text, want.vision, want.region)
-    assert got.tokens is not None and want.tokens is not None
     assert got.tokens.templates.query_suffix == (3, 3)  # the 2025-06 code appends it twice
     assert (got.tokens.eos_id, got.tokens.coord_id, got.tokens.decode_suppressed_ids) == (
         0,
@@ -102,7 +102,6 @@ def test_gpt2_era_reference_config() -> None:
     }
     cfg = from_moondream_dict(data)
     tokens = cfg.tokens
-    assert tokens is not None
     assert (tokens.bos_id, tokens.eos_id, tokens.coord_id) == (50256, 50256, None)
     assert tokens.templates.query_suffix == (198, 198, 33706, 25)  # appended once in that era
     assert tokens.templates.question_leading_space and not tokens.decode_suppressed_ids
@@ -152,6 +151,5 @@ def test_tokenizer_with_a_wordpiece_decoder_serves_constraints(
 def test_reference_defaults_are_the_current_moondream2() -> None:
     got, want = from_moondream_dict({"text": {}}), preset("moondream2")
     assert (got.text, got.vision, got.region) == (want.text, want.vision, want.region)
-    assert got.tokens is not None and want.tokens is not None
     assert got.tokens.templates == want.tokens.templates
     assert got.tokens.decode_suppressed_ids == want.tokens.decode_suppressed_ids == (3,)

@@ -16,6 +16,7 @@ import torch
 from image_pipeline import ImageError, prepare_image, sample_image_bytes
 from vlm_server.default_model import default_model_dir
 from vlm_server.devices import resolve_device
+from vlm_server.models import capabilities
 from vlm_server.models.checkpoint_io import CheckpointError
 from vlm_server.models.lora import files as lora_files
 from vlm_server.models.lora import formats as lora_formats
@@ -115,10 +116,14 @@ def _run(args: argparse.Namespace, config: ServerConfig) -> int:
     image = prepare_image(data)
     adapter = None
     if args.adapter is not None:
-        targets = getattr(loaded.model.text, "lora_targets", None)
-        if targets is None:
-            print("vlm: error: this model family takes no adapters", file=sys.stderr)
+        try:
+            adapters = capabilities.need(
+                loaded.model.capabilities.adapters, "adapter", loaded.model
+            )
+        except capabilities.CapabilityError as err:
+            print(f"vlm: error: {err}", file=sys.stderr)
             return 2
+        targets = adapters.lora_targets
         name = args.adapter.parent.name if args.adapter.name == "final.pt" else args.adapter.stem
         try:  # no rank limit here: nothing is allocated per slot
             adapter = lora_formats.load(args.adapter, targets, 1 << 16, name)

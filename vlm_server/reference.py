@@ -42,7 +42,8 @@ from vlm_server.engine.api import (
 )
 from vlm_server.engine.requests.spatial import placeholders
 from vlm_server.engine.requests.tasks import BuiltRequest, TaskCompiler
-from vlm_server.models.interface import DeviceModel, FamilyConfig
+from vlm_server.models import capabilities
+from vlm_server.models.interface import AdapterDecoder, DeviceModel, FamilyConfig
 from vlm_server.models.kv import DenseKVCache
 from vlm_server.models.lora.spec import AdapterWeights, SingleLora
 from vlm_server.models.prompts import query_prompt
@@ -115,10 +116,13 @@ class ReferenceGenerator:
         each (token, expert) pair on its own), in the image prefix too."""
         self.model = model
         self.lora = None if adapter is None else SingleLora(adapter.to(model.dtype, model.device))
+        # The decoder that takes the adapter (None: no adapter asked for).
+        self._adapted: AdapterDecoder | None = None
+        if adapter is not None:
+            self._adapted = capabilities.need(model.capabilities.adapters, "adapter", model)
         self.tokenizer = tokenizer
         self.config: FamilyConfig = model.config
         self.contract = model.config.tokens
-        assert self.contract is not None
         self.tasks = TaskCompiler(model.config, tokenizer)
 
     # ---- building blocks ------------------------------------------------------------
@@ -207,9 +211,9 @@ class ReferenceGenerator:
         return self._decoder(emb[:, None], p, cache)[:, -1]
 
     def _decoder(self, x: torch.Tensor, pos: torch.Tensor, cache: DenseKVCache) -> torch.Tensor:
-        if self.lora is None:
+        if self._adapted is None:
             return self.model.text(x, pos, cache)
-        return self.model.text(x, pos, cache, self.lora)  # type: ignore[call-arg]
+        return self._adapted(x, pos, cache, self.lora)
 
     def _masked(self, logits: torch.Tensor, row: int) -> torch.Tensor:
         if row == NO_MASK:

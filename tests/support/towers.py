@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from vlm_server.models.common.vision import VisionEncoder
 from vlm_server.models.moondream2.config import VisionConfig
-from vlm_server.models.moondream2.vision import VisionEncoder
 
 
 def full_size_tower(seed: int, crops: int = 9) -> tuple[VisionEncoder, torch.Tensor]:

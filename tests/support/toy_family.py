@@ -1,10 +1,10 @@
 """A second model family, for tests only: it proves the engine and both doors are generic.
 
-Nothing here is shared with Moondream 2's modules except the tokenizer builder and the
-tokenizer contract (a family may speak another family's token era). The decoder is a
-different architecture on purpose: sequential pre-norm blocks with RMSNorm, grouped-query
-attention (2 KV heads for 4 query heads), full-width rotary, a SiLU-gated MLP and tied
-embeddings; the vision path is one linear patch embedding of the global crop; the region
+Nothing here is shared with the Moondream families except the synthetic tokenizer builder and
+the tiny tokenizer contract (models/common/: a family may speak another family's token era).
+The decoder is a different architecture on purpose: sequential pre-norm blocks with RMSNorm,
+grouped-query attention (2 KV heads for 4 query heads), full-width rotary, a SiLU-gated MLP and
+tied embeddings; the vision path is one linear patch embedding of the global crop; the region
 heads are single linear layers. Its checkpoints have their own file names and format marker.
 """
 
@@ -24,13 +24,14 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from vlm_server.models.checkpoint_io import CheckpointReader, check_shapes
+from vlm_server.models.common.contracts import CONTRACT_TINY
+from vlm_server.models.common.tokenizer_build import Vocabulary, build_tokenizer
 from vlm_server.models.contract import TokenContract
-from vlm_server.models.interface import FamilyConfig, KVShape, LoadedModel
+from vlm_server.models.interface import Capabilities, FamilyConfig, Formats, KVShape, LoadedModel
 from vlm_server.models.kv import KVCache
-from vlm_server.models.moondream2.config import CONTRACT_TINY, preset
-from vlm_server.models.moondream2.tokenizer_build import build_tokenizer
 
 FORMAT = "toy-family/1"
+FORMATS = Formats(weights=("bf16", "fp16", "fp32"), kv=("bf16", "fp16", "fp32"))
 WEIGHTS = "toy.safetensors"
 
 
@@ -68,7 +69,7 @@ class ToyConfig:
     name: str = "toy"
     text: ToyText = field(default_factory=ToyText)
     vision: ToyVision = field(default_factory=ToyVision)
-    tokens: TokenContract | None = CONTRACT_TINY
+    tokens: TokenContract = CONTRACT_TINY
 
     @property
     def image_prefix_len(self) -> int:
@@ -154,9 +155,6 @@ class ToyVisionStack(nn.Module):
     def project(self, features: torch.Tensor, tiling: tuple[int, int]) -> torch.Tensor:
         return features[0]  # the global crop only
 
-    def use_fp8(self, enabled: bool = True) -> None:
-        raise ValueError("the toy family has no FP8 vision path")
-
 
 class ToyRegion(nn.Module):
     def __init__(self, dim: int) -> None:
@@ -208,11 +206,15 @@ class ToyModel(nn.Module):
     def fused_attention(self) -> bool:
         return False  # its GQA layout is not the CUDA kernels' packed one: CPU only
 
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(FORMATS)  # nothing optional
+
     def image_embeddings(self, crops: torch.Tensor, tiling: tuple[int, int]) -> torch.Tensor:
         return self.vision.project(self.vision.encode(crops.to(self.dtype)), tiling)
 
     def prefix_embeddings(self, image_emb: torch.Tensor) -> torch.Tensor:
-        bos = self.config.tokens.bos_id  # type: ignore[union-attr]
+        bos = self.config.tokens.bos_id
         return torch.cat([self.text.wte[bos : bos + 1], image_emb], dim=0)[None]
 
 
@@ -230,7 +232,7 @@ def _random_state(config: ToyConfig, seed: int) -> dict[str, torch.Tensor]:
 
 
 def _tokenizer(seed: int) -> Tokenizer:
-    return build_tokenizer(preset("tiny"), seed=seed)  # the tiny contract's vocabulary
+    return build_tokenizer(Vocabulary(CONTRACT_TINY, 1000), seed=seed)  # the tiny vocabulary
 
 
 def _model(
@@ -246,6 +248,7 @@ def _model(
 
 class ToyFamily:
     name = "toy"
+    formats = FORMATS
 
     @property
     def presets(self) -> Mapping[str, Callable[[], FamilyConfig]]:
@@ -320,8 +323,5 @@ class ToyFamily:
         (out_dir / "config.json").write_text(json.dumps(meta))
         return out_dir
 
-    def segment_refiner(self, loaded: LoadedModel, weights: Path) -> Any:
-        raise ValueError("segment_refiner: the toy family has no segmentation refiner")
 
-
-TOY = ToyFamily()
+FAMILY = ToyFamily()

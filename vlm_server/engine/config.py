@@ -60,7 +60,7 @@ class EngineConfig:
     # Picture sizes whose crops (of host-decoded images) run as a CUDA graph: a size seen
     # twice is captured (image_pipeline/crop_graphs.py). 0: always eager.
     crop_graph_sizes: int = 4
-    # The vision tower's QKV / fc1 / fc2 as FP8 GEMMs (model/fp8_vision.py): faster image
+    # The vision tower's QKV / fc1 / fc2 as FP8 GEMMs (models/common/fp8_vision.py): faster image
     # path, features within a few percent of the bf16 tower's. CUDA with FP8 units only.
     vision_fp8: bool = False
     # Moondream 3: the expert products of steps of 256 tokens or more (image prefixes, long

@@ -187,9 +187,7 @@ class BatchedEngine:
         self.observer = observer
         model = loaded.model
         mc = model.config
-        contract = mc.tokens
-        assert contract is not None
-        self.contract = contract
+        contract = self.contract = mc.tokens
         self.info = EngineInfo(
             model_name=mc.name,
             preset=preset_name or mc.name,

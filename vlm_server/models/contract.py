@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from decoding.reasoning_grammar import ReasoningTokens
+
 SizeScale = Literal["log", "linear"]
 # The language of a segment answer's path: "grid", byte-level SVG text on a 100-unit grid
 # (decoding/svg_path.py); "svg_tokens", one SVG item per token in a 960-unit box (Moondream 3,
@@ -95,11 +97,24 @@ class TokenContract:
     @property
     def reasons(self) -> bool:
         """Whether this era has grounded reasoning."""
-        return (
-            self.templates.reasoning_suffix is not None
-            and None
-            not in (self.answer_id, self.coord_id, self.size_id, self.start_ground_points_id)
-            and self.end_ground_id is not None
+        return self.reasoning_tokens is not None
+
+    @property
+    def reasoning_tokens(self) -> ReasoningTokens | None:
+        """The ids the reasoning grammar reads, or None: the era cannot reason."""
+        answer, coord, size = self.answer_id, self.coord_id, self.size_id
+        start, end = self.start_ground_points_id, self.end_ground_id
+        if (
+            self.templates.reasoning_suffix is None
+            or answer is None
+            or coord is None
+            or size is None
+            or start is None
+            or end is None
+        ):
+            return None
+        return ReasoningTokens(
+            self.eos_id, answer, coord, size, start, end, self.reasoning_suppressed
         )
 
     def __post_init__(self) -> None:

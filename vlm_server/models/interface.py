@@ -5,6 +5,11 @@ never import a family's modules. A family's loaded model is a `DeviceModel`: a t
 that writes its keys and values through a `KVCache` (models/kv.py), a vision tower and
 projection, and region heads; its configuration is a `FamilyConfig`.
 
+Everything optional is declared, never probed: a model's `Capabilities` hold each optional
+part it has (adapters, fused products, FP8 vision, FP8 experts, the segment refiner) as the
+object that provides it, typed by its protocol here, and the weight and KV formats it accepts.
+models/capabilities.py checks them once, at load, against what the flags ask.
+
 Shapes: ``D`` the decoder width, ``H`` query heads, ``P`` image-prefix positions (BOS + one per
 patch of the global grid).
 """
@@ -13,7 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, Protocol
 
 if TYPE_CHECKING:  # the torch-free engine core imports this module
     import numpy as np
@@ -23,6 +29,7 @@ if TYPE_CHECKING:  # the torch-free engine core imports this module
     from decoding.segment_output import SegmentResult
     from vlm_server.models.contract import TokenContract
     from vlm_server.models.kv import KVCache
+    from vlm_server.models.lora.spec import LoraDelta, LoraTargets
 
 
 @dataclass(frozen=True)
@@ -62,7 +69,7 @@ class FamilyConfig(Protocol):
     name: str
     text: TextShape
     vision: CropShape
-    tokens: TokenContract | None
+    tokens: TokenContract
 
     @property
     def image_prefix_len(self) -> int:
@@ -101,10 +108,6 @@ class VisionStack(Protocol):
         """One image's crop features -> its embeddings [P - 1, D]."""
         ...
 
-    def use_fp8(self, enabled: bool = True) -> None:
-        """Switch the tower's matrix products to FP8 (a family may refuse: ValueError)."""
-        ...
-
 
 class RegionHeads(Protocol):
     """Coordinate and size heads: hidden state -> value logits, value -> input embedding."""
@@ -118,6 +121,93 @@ class RegionHeads(Protocol):
     def decode_size(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
+# ---- capabilities: what a family may have, each as the protocol of the part that has it ----
+
+# The dtypes weights may be loaded in (``--dtype`` names them).
+WeightFormat = Literal["bf16", "fp16", "fp32"]
+# What a KV page holds per element; today the engine stores keys and values in the weights'
+# dtype, so a family names the weight dtypes its attention reads and writes.
+KVFormat = Literal["bf16", "fp16", "fp32"]
+
+
+@dataclass(frozen=True)
+class Formats:
+    """The weight and KV formats a family accepts (declared on its `ModelFamily`, known before
+    anything loads, and on its models' `Capabilities`)."""
+
+    weights: tuple[WeightFormat, ...]
+    kv: tuple[KVFormat, ...]
+
+
+class AdapterDecoder(Protocol):
+    """A decoder that takes finetune adapters (models/lora/): their targets, and a forward
+    that adds each token's adapter deltas."""
+
+    @property
+    def lora_targets(self) -> LoraTargets:
+        """The layers an adapter adds to, with their widths (models/lora/spec.py)."""
+        ...
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        lora: LoraDelta | None = None,
+    ) -> torch.Tensor:
+        """`TextStack.__call__`, plus ``lora``: the deltas of these tokens' adapters."""
+        ...
+
+
+class FusedProducts(Protocol):
+    """A decoder whose few-row forwards (decode steps) can run fused matrix products."""
+
+    def use_fused_products(self, enabled: bool = True) -> bool:
+        """Switch them on or off (before any graph captures the decoder); whether they are on
+        (only where their kernels run: CUDA with Triton)."""
+        ...
+
+
+class Fp8Vision(Protocol):
+    """A vision tower whose matrix products can run in FP8."""
+
+    def use_fp8(self, enabled: bool = True) -> None:
+        """Quantize the tower's weights and switch its products to FP8, or back (after loading
+        the weights, before any graph captures the tower)."""
+        ...
+
+
+class Fp8Experts(Protocol):
+    """A mixture-of-experts model whose experts can be held, and multiplied, in FP8."""
+
+    def use_fp8_experts(self) -> None:
+        """Hold the expert weights in FP8 (ValueError where the device cannot run them)."""
+        ...
+
+    def use_fp8_activations(self) -> None:
+        """Run wide steps' expert products with FP8 activations (ValueError unless the experts
+        are FP8)."""
+        ...
+
+
+# The segment refiner's maker: its head's weights file -> the refiner (the engine only calls
+# it), over the model's own vision tower; ValueError when the file does not fit.
+SegmentRefinerMaker = Callable[[Path], "SegmentRefine"]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a loaded model has beyond the `DeviceModel` core: each optional part as the object
+    that provides it (None: the family has none), and the formats it accepts."""
+
+    formats: Formats
+    adapters: AdapterDecoder | None = None
+    fused_products: FusedProducts | None = None
+    fp8_vision: Fp8Vision | None = None
+    fp8_experts: Fp8Experts | None = None
+    segment_refiner: SegmentRefinerMaker | None = None
+
+
 class DeviceModel(Protocol):
     """A loaded model, as the runtime and the reference generation drive it."""
 
@@ -125,6 +215,11 @@ class DeviceModel(Protocol):
     text: TextStack
     vision: VisionStack
     region: RegionHeads
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Its optional parts and formats, declared (models/capabilities.py checks them)."""
+        ...
 
     @property
     def dtype(self) -> torch.dtype: ...

@@ -1,13 +1,15 @@
 """The registry of model families: which family a preset, a config or a checkpoint belongs to.
 
-A family (Moondream 2, Moondream 3) registers one `ModelFamily`: its presets, how it recognises its
-own checkpoints, and how it loads, generates and writes them. The server, the command line,
-the benchmarks and the tests reach families through here; the engine never does (it is typed
-against `models/interface.py` only).
+A family (Moondream 2, Moondream 3) is one line of the table in models/families.py, naming its
+`ModelFamily`: its presets, how it recognises its own checkpoints, the formats it accepts, and
+how it loads, generates and writes them. The server, the command line, the benchmarks and the
+tests reach families through here; the engine never does (it is typed against
+`models/interface.py` only, and a loaded model declares its optional parts there).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -15,9 +17,11 @@ from typing import Any, Protocol
 
 import torch
 
+from vlm_server.models import capabilities
 from vlm_server.models.checkpoint_io import CheckpointError
+from vlm_server.models.families import FAMILIES
 from vlm_server.models.hub import resolve_file, resolve_source
-from vlm_server.models.interface import FamilyConfig, LoadedModel, SegmentRefine
+from vlm_server.models.interface import FamilyConfig, Formats, LoadedModel, SegmentRefine
 
 CONFIG_FILE = "config.json"
 
@@ -26,6 +30,7 @@ class ModelFamily(Protocol):
     """One model family, as the registry drives it."""
 
     name: str
+    formats: Formats  # the weight and KV formats it accepts, known before anything loads
 
     @property
     def presets(self) -> Mapping[str, Callable[[], FamilyConfig]]:
@@ -72,45 +77,31 @@ class ModelFamily(Protocol):
         family's own, e.g. dtype or layout)."""
         ...
 
-    def segment_refiner(self, loaded: LoadedModel, weights: Path) -> SegmentRefine:
-        """The family's segmentation refiner over ``loaded``'s vision tower, with the head
-        in the file ``weights`` (ValueError: the family has none, or the file does not fit)."""
-        ...
-
 
 REFINER_FILE = "model.pt"
-
-_FAMILIES: dict[str, ModelFamily] = {}
-
-
-def register(family: ModelFamily) -> None:
-    """Add a family (its preset names must not clash with another family's)."""
-    _builtin()
-    clash = {p for f in _FAMILIES.values() if f.name != family.name for p in f.presets}
-    clash &= set(family.presets)
-    if clash:
-        raise ValueError(f"family {family.name!r}: presets {sorted(clash)} are taken")
-    _FAMILIES[family.name] = family
-
-
-def unregister(name: str) -> None:
-    """Remove a family registered with `register` (tests)."""
-    _FAMILIES.pop(name, None)
+# ``--dtype``'s names of the weight formats (models/interface.py `WeightFormat`).
+FORMAT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def families() -> list[ModelFamily]:
-    _builtin()
-    return list(_FAMILIES.values())
+    """The families of the table, in its order (each preset belongs to one family)."""
+    found: list[ModelFamily] = []
+    for name, module in FAMILIES.items():
+        fam: ModelFamily = importlib.import_module(module).FAMILY
+        if fam.name != name:
+            raise ValueError(f"{module}.FAMILY is named {fam.name!r}, not {name!r}")
+        clash = {p for f in found for p in f.presets} & set(fam.presets)
+        if clash:
+            raise ValueError(f"family {name!r}: presets {sorted(clash)} are taken")
+        found.append(fam)
+    return found
 
 
 def family(name: str) -> ModelFamily:
-    _builtin()
-    try:
-        return _FAMILIES[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown model family {name!r}; choose one of {sorted(_FAMILIES)}"
-        ) from None
+    for fam in families():
+        if fam.name == name:
+            return fam
+    raise ValueError(f"unknown model family {name!r}; choose one of {sorted(FAMILIES)}")
 
 
 def preset_names() -> list[str]:
@@ -150,6 +141,7 @@ def load_model(
     is the preset's when one is named, else the one that reads the checkpoint's config.json."""
     path = resolve_source(source)
     fam = family_for_preset(preset_name) if preset_name else _family_of_checkpoint(path)
+    _check_dtype(fam, dtype)
     loaded = fam.load(
         path,
         preset_name=preset_name,
@@ -171,9 +163,9 @@ def random_model(
     progress: bool = True,
 ) -> LoadedModel:
     """A seeded random model of ``config``, in memory (benchmarks, GPU tests)."""
-    return family_of(config).random_model(
-        config, seed=seed, dtype=dtype, device=device, progress=progress
-    )
+    fam = family_of(config)
+    _check_dtype(fam, dtype)
+    return fam.random_model(config, seed=seed, dtype=dtype, device=device, progress=progress)
 
 
 def write_checkpoint(
@@ -193,11 +185,21 @@ def write_checkpoint(
 def segment_refiner(loaded: LoadedModel, source: str | Path) -> SegmentRefine:
     """``loaded``'s family's segmentation refiner, its head read from ``source``: a file, a
     directory holding ``model.pt``, or a Hugging Face repo id (``moondream/SegHeadRefiner``)."""
+    make = capabilities.need(
+        loaded.model.capabilities.segment_refiner, "segment_refiner", loaded.model
+    )
     try:
         weights = resolve_file(source, REFINER_FILE)
     except CheckpointError as err:
         raise ValueError(f"segment_refiner: {err}") from None
-    return family_of(loaded.config).segment_refiner(loaded, weights)
+    return make(weights)
+
+
+def _check_dtype(fam: ModelFamily, dtype: torch.dtype) -> None:
+    name = FORMAT_NAMES.get(dtype)
+    if name is None:
+        raise capabilities.CapabilityError(f"no weight format is {dtype}")
+    capabilities.check_formats(fam.formats, fam.name, name)
 
 
 def _family_of_checkpoint(path: Path) -> ModelFamily:
@@ -219,14 +221,3 @@ def _family_of_checkpoint(path: Path) -> ModelFamily:
     raise CheckpointError(
         f"no model family reads {config}; name a preset (one of {preset_names()})"
     )
-
-
-def _builtin() -> None:
-    """Register the families that ship with the server, once. Moondream 3 comes first: its
-    checkpoints' config.json can look like Moondream 2's, never the other way round."""
-    if "moondream2" not in _FAMILIES:
-        from vlm_server.models.moondream2.family import MOONDREAM2
-        from vlm_server.models.moondream3.family import MOONDREAM3
-
-        _FAMILIES.setdefault(MOONDREAM3.name, MOONDREAM3)
-        _FAMILIES.setdefault(MOONDREAM2.name, MOONDREAM2)

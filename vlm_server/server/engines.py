@@ -20,6 +20,7 @@ from vlm_server.default_model import default_model_dir
 from vlm_server.devices import cap_memory, resolve_device
 from vlm_server.engine.api import Engine
 from vlm_server.frontend.logs import configure_logging
+from vlm_server.models import capabilities
 from vlm_server.models.interface import LoadedModel
 from vlm_server.models.registry import load_model, segment_refiner
 from vlm_server.options.table import ServerConfig
@@ -72,6 +73,7 @@ def batched_engine(config: ServerConfig, one_at_a_time: bool = False) -> Engine:
     if one_at_a_time:
         cfg = dataclasses.replace(cfg, max_batch_size=1, pipeline_depth=1)
     loaded = _loader(config)()
+    capabilities.check(loaded.model, vars(config))  # every flag the family cannot serve, at once
     refine = segment_refiner(loaded, config.segment_refiner) if config.segment_refiner else None
     trace = StepTrace(config.step_trace, config.step_trace_steps) if config.step_trace else None
     engine = BatchedEngine(

@@ -5,7 +5,8 @@ decoder over the paged KV cache (whose attention kernels need its rotary tables 
 count), take logits, turn an image's crops into its BOS + image prefix, encode and decode
 region values, size the KV cache and their buffers from the model's shapes, and switch the
 vision tower to FP8, all through `ModelEntryPoints`, over any family's `DeviceModel`
-(models/interface.py).
+(models/interface.py). What a family may lack (adapters, fused products, FP8 parts) comes from
+the capabilities it declares, never from probing the model.
 
 Shapes are read once, at construction; weights and rotary tables are read from the model at
 every call, so a graph captures whatever the model holds then.
@@ -20,6 +21,7 @@ import torch
 from decoding.region_values import coord_from_logits, size_from_logits
 from image_pipeline import normalize_crops
 from vlm_server.devices import fp8_supported
+from vlm_server.models.capabilities import need
 
 if TYPE_CHECKING:
     from vlm_server.models.interface import DeviceModel
@@ -33,6 +35,7 @@ class ModelEntryPoints:
 
     def __init__(self, model: DeviceModel) -> None:
         self._model = model
+        self._caps = model.capabilities
         cfg = model.config
         text, vision = cfg.text, cfg.vision
         self.dtype: torch.dtype = model.dtype
@@ -50,7 +53,7 @@ class ModelEntryPoints:
         self._n_layers = kv.n_layers
         self._contract = cfg.tokens  # the size bins' scale
         # The token that grounds reasoning with a coordinate (-1: the era has none).
-        coord_id = cfg.tokens.coord_id if cfg.tokens is not None else None
+        coord_id = cfg.tokens.coord_id
         self.coord_id = -1 if coord_id is None else coord_id
         self.vocab_size = text.vocab_size  # prompt ids past it are spatial-reference slots
 
@@ -88,15 +91,17 @@ class ModelEntryPoints:
     ) -> torch.Tensor:
         """The text decoder over input embeddings ``x`` [B, T, dim] at ``positions`` [B, T],
         reading and writing keys and values through ``kv``: hidden [B, T, dim] (pre-norm).
-        ``lora``: each token's adapter (only for a family with `lora_targets`)."""
+        ``lora``: each token's adapter (only for a family that takes adapters)."""
         if lora is None:
             return self._model.text(x, positions, kv)
-        return self._model.text(x, positions, kv, lora)  # type: ignore[call-arg]
+        decoder = need(self._caps.adapters, "adapters_dir", self._model)
+        return decoder(x, positions, kv, lora)
 
     @property
     def lora_targets(self) -> LoraTargets | None:
         """The decoder's adapter targets, or None: the family takes no adapters."""
-        return getattr(self._model.text, "lora_targets", None)
+        adapters = self._caps.adapters
+        return None if adapters is None else adapters.lora_targets
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden [..., dim] -> fp32 logits [..., vocab]."""
@@ -118,8 +123,8 @@ class ModelEntryPoints:
     def use_fused_decode(self, enabled: bool) -> bool:
         """Switch the decoder's few-row forwards to fused products where the family has them
         (before any graph captures them); returns whether they are on."""
-        switch = getattr(self._model.text, "use_fused_products", None)
-        return bool(switch(enabled)) if switch is not None else False
+        products = self._caps.fused_products
+        return products is not None and products.use_fused_products(enabled)
 
     def use_fp8_vision(self) -> None:
         """Switch the vision tower's matmuls to FP8 (before any graph captures it)."""
@@ -128,29 +133,24 @@ class ModelEntryPoints:
                 "vision_fp8 needs a CUDA device with FP8 matrix units (compute capability "
                 f"8.9 or newer); the model is on {self.device}"
             )
-        self._model.vision.use_fp8()
+        need(self._caps.fp8_vision, "vision_fp8", self._model).use_fp8()
 
     def use_fp8_expert_activations(self) -> None:
         """Switch wide steps' expert products to FP8 activations (before any graph captures
         the decoder); refused for a model without FP8 experts."""
-        switch = getattr(self._model, "use_fp8_activations", None)
-        if switch is None:
-            raise ValueError(
-                "experts_fp8_activations needs a mixture-of-experts model (Moondream 3); "
-                f"this model ({type(self._model).__name__}) has no experts"
-            )
-        switch()
+        experts = need(self._caps.fp8_experts, "experts_fp8_activations", self._model)
+        experts.use_fp8_activations()
 
     # ---- regions --------------------------------------------------------------------------
 
     def decode_coord(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden [B, dim] -> coordinate [B, 1] in [0, 1]."""
-        divisor = self._contract.coord_divisor  # type: ignore[union-attr]
+        divisor = self._contract.coord_divisor
         return coord_from_logits(self._model.region.decode_coord(hidden), divisor)
 
     def decode_size(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden [B, dim] -> (width, height) [B, 2]."""
-        scale = self._contract.size_scale  # type: ignore[union-attr]
+        scale = self._contract.size_scale
         return size_from_logits(self._model.region.decode_size(hidden), scale)
 
     def encode_coord(self, coord: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,7 @@ from vlm_server.engine.device.prefill_launcher import PrefillLauncher, PrefixBat
 from vlm_server.engine.device.sampler import Sampler
 from vlm_server.engine.device.spatial_refs import SpatialRefSlots
 from vlm_server.engine.device.streams import Device, TorchDevice, resolved_prefill_sms
+from vlm_server.models import capabilities
 from vlm_server.models.common import launch_overlap
 from vlm_server.models.lora import formats
 from vlm_server.models.lora.bank import LoraBank
@@ -96,6 +97,7 @@ class ModelRuntime:
         observer: Observer = NO_OBSERVER,
         image_preparer: ImagePreparer | None = None,
     ) -> None:
+        capabilities.check(model, vars(cfg))  # what the settings ask of the model's family
         self.entry = entry = ModelEntryPoints(model)
         self.cfg = cfg
         # Makes the crops of host-decoded images (`HostImage`), on the model's device.

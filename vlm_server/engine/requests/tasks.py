@@ -18,7 +18,6 @@ from decoding.grammars import (
     PathRows,
     ReasoningGrammar,
     ReasoningRows,
-    ReasoningTokens,
     RegionRows,
     RegionTokens,
     SegmentGrammar,
@@ -83,7 +82,6 @@ class TaskCompiler:
         max_spatial_refs: int = 8,
     ) -> None:
         contract = config.tokens
-        assert contract is not None
         self.config = config
         self.contract = contract
         self.max_spatial_refs = max_spatial_refs
@@ -107,19 +105,9 @@ class TaskCompiler:
         # Compiled (and pinned) here, not on the first Segment request: once clients hold
         # the table's rows, segment could otherwise find no room.
         self.reasoning_rows: ReasoningRows | None = None
-        if contract.reasons:
-            self.reasoning_rows = ReasoningRows.register(
-                self.table,
-                ReasoningTokens(
-                    contract.eos_id,
-                    contract.answer_id,  # type: ignore[arg-type]  # `reasons` checked them
-                    contract.coord_id,  # type: ignore[arg-type]
-                    contract.size_id,  # type: ignore[arg-type]
-                    contract.start_ground_points_id,  # type: ignore[arg-type]
-                    contract.end_ground_id,  # type: ignore[arg-type]
-                    contract.reasoning_suppressed,
-                ),
-            )
+        reasoning = contract.reasoning_tokens
+        if reasoning is not None:
+            self.reasoning_rows = ReasoningRows.register(self.table, reasoning)
         # The segment path's language, as the contract names it: one of these is set.
         self.path_rows: PathRows | None = None
         self.svg_rows: SvgTokenRows | None = None

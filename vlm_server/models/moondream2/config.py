@@ -19,49 +19,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from vlm_server.models.common import config as shared
+from vlm_server.models.common.config import VisionConfig
+from vlm_server.models.common.contracts import CONTRACT_TINY, GPT2_EOS
 from vlm_server.models.contract import PromptTemplates, TokenContract
+from vlm_server.models.interface import Formats
 
-
-@dataclass(frozen=True)
-class VisionConfig:
-    """SigLIP-like vision tower plus the projection into the text model's width."""
-
-    enc_dim: int = 1152
-    enc_n_layers: int = 27
-    enc_n_heads: int = 16
-    enc_ff_dim: int = 4304
-    in_channels: int = 3
-    crop_size: int = 378
-    patch_size: int = 14
-    overlap_margin: int = 4  # in patches
-    max_crops: int = 12
-    proj_inner_dim: int = 8192
-    proj_out_dim: int = 2048
-
-    def __post_init__(self) -> None:
-        if self.enc_dim % self.enc_n_heads:
-            raise ValueError("vision enc_dim must be divisible by enc_n_heads")
-        if self.crop_size % self.patch_size:
-            raise ValueError("vision crop_size must be a multiple of patch_size")
-        if 2 * self.overlap_margin >= self.grid_size:
-            raise ValueError("vision overlap_margin leaves no usable window")
-
-    @property
-    def grid_size(self) -> int:
-        """Patches per crop side (27 for 378/14)."""
-        return self.crop_size // self.patch_size
-
-    @property
-    def n_patches(self) -> int:
-        return self.grid_size * self.grid_size
-
-    @property
-    def patch_dim(self) -> int:
-        return self.in_channels * self.patch_size * self.patch_size
-
-    @property
-    def head_dim(self) -> int:
-        return self.enc_dim // self.enc_n_heads
+# Weights in any of --dtype's formats; KV pages in the weights' dtype.
+FORMATS = Formats(weights=("bf16", "fp16", "fp32"), kv=("bf16", "fp16", "fp32"))
 
 
 @dataclass(frozen=True)
@@ -92,21 +57,10 @@ class TextConfig:
 
 
 @dataclass(frozen=True)
-class RegionConfig:
+class RegionConfig(shared.RegionConfig):
     """Coordinate and size heads (Fourier-feature encoders, MLP decoders)."""
 
-    dim: int = 2048
-    coord_feat_dim: int = 256
-    coord_out_dim: int = 1024
-    size_feat_dim: int = 512
-    size_out_dim: int = 2048
     inner_dim: int = 8192
-
-    def __post_init__(self) -> None:
-        if self.coord_feat_dim % 2 or self.size_feat_dim % 4:
-            raise ValueError("region feature dims must split into cos|sin halves")
-        if self.size_out_dim != 2 * self.coord_out_dim:
-            raise ValueError("region size_out_dim must be 2 x coord_out_dim (width, height)")
 
 
 @dataclass(frozen=True)
@@ -117,14 +71,12 @@ class ModelConfig:
     vision: VisionConfig = field(default_factory=VisionConfig)
     text: TextConfig = field(default_factory=TextConfig)
     region: RegionConfig = field(default_factory=RegionConfig)
-    tokens: TokenContract | None = None
+    tokens: TokenContract = field(kw_only=True)  # every configuration speaks one
     # Size of the tokenizer the checkpoint writer builds (<= text.vocab_size; the model's
     # vocabulary may be padded beyond the tokenizer).
     tokenizer_vocab_size: int = 50257
 
     def __post_init__(self) -> None:
-        if self.tokens is None:
-            raise ValueError("ModelConfig needs a token contract")
         if self.vision.proj_out_dim != self.text.dim or self.region.dim != self.text.dim:
             raise ValueError("vision proj_out_dim and region dim must equal text dim")
         if self.tokenizer_vocab_size > self.text.vocab_size:
@@ -167,8 +119,6 @@ class ModelConfig:
 
 
 # ---- token contracts -------------------------------------------------------------------
-
-GPT2_EOS = 50256
 
 _GPT2_TEMPLATES = PromptTemplates(
     caption_short=(198, 198, 16438, 8305, 25),
@@ -222,59 +172,6 @@ CONTRACT_2025_06 = TokenContract(
     thinking_id=4,
     start_ground_points_id=7,
     end_ground_id=9,
-)
-
-# The tiny vocabulary's special tokens, in id order. The first ten mirror the 2025-06 layout.
-TINY_SPECIAL_TOKENS: tuple[str, ...] = (
-    "<|endoftext|>",
-    "<|open|>",
-    "<|close|>",
-    "<|answer|>",
-    "<|thinking|>",
-    "<|coord|>",
-    "<|size|>",
-    "<|start_ground_points|>",
-    "<|start_ground_text|>",
-    "<|end_ground|>",
-    "<|caption|>",
-    "<|short|>",
-    "<|normal|>",
-    "<|long|>",
-    "<|query|>",
-    "<|detect|>",
-    "<|point|>",
-    "<|segment|>",
-)
-_TINY = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS)}
-
-CONTRACT_TINY = TokenContract(
-    name="tiny",
-    bos_id=0,
-    eos_id=0,
-    templates=PromptTemplates(
-        caption_short=(1, _TINY["<|caption|>"], 2, _TINY["<|short|>"], 3),
-        caption_normal=(1, _TINY["<|caption|>"], 2, _TINY["<|normal|>"], 3),
-        caption_long=(1, _TINY["<|caption|>"], 2, _TINY["<|long|>"], 3),
-        query_prefix=(1, _TINY["<|query|>"], 2),
-        query_suffix=(3,),
-        detect_prefix=(1, _TINY["<|detect|>"], 2),
-        detect_suffix=(3,),
-        point_prefix=(1, _TINY["<|point|>"], 2),
-        point_suffix=(3,),
-        segment_prefix=(1, _TINY["<|segment|>"], 2),
-        segment_suffix=(3,),
-        reasoning_suffix=(3, _TINY["<|thinking|>"]),
-        question_leading_space=False,
-        object_leading_space=True,
-    ),
-    size_scale="log",
-    coord_id=5,
-    size_id=6,
-    answer_id=3,
-    decode_suppressed_ids=(3,),
-    thinking_id=_TINY["<|thinking|>"],
-    start_ground_points_id=_TINY["<|start_ground_points|>"],
-    end_ground_id=_TINY["<|end_ground|>"],
 )
 
 # ---- presets ---------------------------------------------------------------------------

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from vlm_server.models.interface import FamilyConfig, LoadedModel, SegmentRefine
-from vlm_server.models.moondream2.config import PRESETS, ModelConfig
+from vlm_server.models.interface import FamilyConfig, LoadedModel
+from vlm_server.models.moondream2.config import FORMATS, PRESETS, ModelConfig
 from vlm_server.models.moondream2.loader import load_model, random_model
 from vlm_server.models.moondream2.readable import make_readable
 from vlm_server.models.moondream2.reference_config import is_moondream_format
@@ -20,6 +20,7 @@ class Moondream2Family:
     """The registry's handle on Moondream 2 (every revision's token contract)."""
 
     name = "moondream2"
+    formats = FORMATS
 
     @property
     def presets(self) -> Mapping[str, Callable[[], FamilyConfig]]:
@@ -77,10 +78,5 @@ class Moondream2Family:
             make_readable(out, config, seed=seed)
         return out
 
-    def segment_refiner(self, loaded: LoadedModel, weights: Path) -> SegmentRefine:
-        raise ValueError(
-            "segment_refiner: moondream2 has no segmentation refiner (Moondream 3 has)"
-        )
 
-
-MOONDREAM2 = Moondream2Family()
+FAMILY = Moondream2Family()

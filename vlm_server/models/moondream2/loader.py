@@ -15,6 +15,9 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from vlm_server.models.checkpoint_io import CheckpointError, CheckpointReader, check_shapes
+from vlm_server.models.common.legacy_layout import legacy_to_native
+from vlm_server.models.common.random_weights import random_tensor
+from vlm_server.models.common.tokenizer_build import build_tokenizer
 from vlm_server.models.hub import resolve_source
 from vlm_server.models.interface import LoadedModel
 from vlm_server.models.moondream2.config import ModelConfig, preset
@@ -23,17 +26,14 @@ from vlm_server.models.moondream2.layout import (
     TRANSPOSED_NATIVE_KEYS,
     expected_shapes,
     is_native,
-    legacy_to_native,
 )
 from vlm_server.models.moondream2.model import MoondreamModel
 from vlm_server.models.moondream2.reference_config import from_moondream_dict, is_moondream_format
-from vlm_server.models.moondream2.tokenizer_build import build_tokenizer
 from vlm_server.models.moondream2.writer import (
     CONFIG_FILE,
     CONFIG_FORMAT,
     TOKENIZER_FILE,
     WEIGHTS_FILE,
-    random_tensor,
 )
 
 _PROGRESS_BYTES = 256 << 20  # show a progress bar for files larger than this

@@ -37,9 +37,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from decoding.vocab import byte_level_alphabet
+from vlm_server.models.common.tokenizer_build import build_tokenizer
 from vlm_server.models.moondream2.config import ModelConfig
 from vlm_server.models.moondream2.layout import NATIVE_PREFIX
-from vlm_server.models.moondream2.tokenizer_build import build_tokenizer
 from vlm_server.models.moondream2.writer import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE
 
 WORDS = tuple(
@@ -229,7 +229,6 @@ def _answer_head(
 ) -> None:
     """The head: words free, other ordinary tokens held down; only eos reads the signal."""
     contract = config.tokens
-    assert contract is not None
     head_w, head_b = ts["text.lm_head.weight"], ts["text.lm_head.bias"]
     # A word reads its own embedding negatively: the residual carries the current
     # token's, so a word is unlikely to follow itself ("sea sea sea").

@@ -101,7 +101,6 @@ def from_moondream_dict(data: dict[str, Any], preset_name: str | None = None) ->
         contract = base.tokens
     else:
         contract = CONTRACT_2025_06 if tok["eos_id"] == 0 else CONTRACT_GPT2_LINEAR
-    assert contract is not None
     starmie = contract.coord_id is not None
     try:
         heads = text["n_heads"]

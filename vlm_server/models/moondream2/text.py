@@ -13,9 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_server.models.common import fused_products
+from vlm_server.models.common.attention import attend, split_heads
 from vlm_server.models.common.fused_norm import add_layernorm
 from vlm_server.models.common.layers import MLP, LayerNorm
-from vlm_server.models.common.rotary import apply_rotary, rotary_tables
+from vlm_server.models.common.rotary import rotary_tables
 from vlm_server.models.kv import KVCache
 from vlm_server.models.lora import products as lora_products
 from vlm_server.models.lora.bank import LoraBatch
@@ -41,15 +42,8 @@ class TextAttention(nn.Module):
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The packed projection [B, T, (H + 2 KVH) hd] -> q, k, v as `project_qkv` returns."""
-        b, t, _ = qkv.shape
         cfg = self.cfg
-        hd = cfg.head_dim
-        q, k, v = qkv.split([cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd], dim=-1)
-        q = q.view(b, t, cfg.n_heads, hd).transpose(1, 2)
-        k = k.view(b, t, cfg.n_kv_heads, hd).transpose(1, 2)
-        v = v.view(b, t, cfg.n_kv_heads, hd).transpose(1, 2)
-        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        return split_heads(qkv, cos, sin, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
 
     def forward(
         self,
@@ -73,15 +67,10 @@ class TextAttention(nn.Module):
     ) -> torch.Tensor:
         """The packed projection [B, T, (H + 2 KVH) hd] -> attention output [B, T, H hd]
         (proj's input), keys and values written to ``cache``."""
-        # A cache may fuse rotary, the KV write and attention over the raw projection.
-        packed = getattr(cache, "attend_packed", None)
-        if packed is not None:
-            out = packed(layer, qkv, positions)
-        else:
-            q, k, v = self.split_qkv(qkv, cos, sin)
-            out = cache.attend(layer, q, k, v, positions)
-        b, _, t, _ = out.shape
-        return out.transpose(1, 2).reshape(b, t, -1)
+        cfg = self.cfg
+        return attend(
+            qkv, cos, sin, positions, cache, layer, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        )
 
 
 class TextBlock(nn.Module):

@@ -6,57 +6,27 @@ dtype as a released moondream2 ``model.safetensors``, so the loader runs its rea
 
 from __future__ import annotations
 
-import hashlib
 import json
-import math
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from vlm_server.models.common.legacy_layout import native_to_legacy
+from vlm_server.models.common.random_weights import random_tensor
+from vlm_server.models.common.tokenizer_build import build_tokenizer
 from vlm_server.models.moondream2.config import ModelConfig
 from vlm_server.models.moondream2.layout import (
     NATIVE_PREFIX,
     TRANSPOSED_NATIVE_KEYS,
     expected_shapes,
-    native_to_legacy,
 )
-from vlm_server.models.moondream2.tokenizer_build import build_tokenizer
 
 CONFIG_FORMAT = "moondream-serve/1"
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "config.json"
-
-
-def _tensor_seed(seed: int, key: str) -> int:
-    """Per-tensor seed, so a tensor's values do not depend on the order tensors are made in."""
-    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def random_tensor(key: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
-    """A plausible random value for one checkpoint tensor.
-
-    Linear weights get std 1/sqrt(fan_in) so activations keep their scale through the layers;
-    LayerNorm weights sit near 1; Fourier features are spread like trained ones.
-    """
-    gen = torch.Generator().manual_seed(_tensor_seed(seed, key))
-    name = key.rsplit(".", 1)[-1]
-    parent = key.rsplit(".", 2)[-2] if key.count(".") >= 2 else ""
-    is_norm = parent.startswith("ln") or parent.endswith("_ln")
-    if key.endswith(("coord_features", "size_features")):
-        std = 2.0
-    elif is_norm and name == "weight":
-        return (1.0 + 0.1 * torch.randn(shape, generator=gen)).to(dtype)
-    elif name == "bias":
-        std = 0.02
-    elif key.endswith(("pos_emb", "wte")):
-        std = 0.5
-    else:
-        std = 1.0 / math.sqrt(shape[-1])
-    return (torch.randn(shape, generator=gen) * std).to(dtype)
 
 
 def write_checkpoint(

@@ -11,7 +11,7 @@ Presets:
   small experts, top-3) over the project's small test vocabulary: CPU tests.
 * ``moondream3`` and ``moondream3-tiny`` - short names of ``moondream3.1`` and ``md3-tiny``.
 
-Where public implementations disagree (docs/moondream3.md), `Choices` holds the decision;
+Where public implementations disagree (docs/moondream3.md), `DisputedPoints` holds the decision;
 the defaults follow the model author's engine, and a parity test against another
 implementation selects that one's behaviour with `with_choices`.
 """
@@ -22,8 +22,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from vlm_server.models.common.config import RegionConfig, VisionConfig
+from vlm_server.models.common.contracts import CONTRACT_TINY
 from vlm_server.models.contract import PromptTemplates, TokenContract
-from vlm_server.models.moondream2.config import CONTRACT_TINY, VisionConfig
+from vlm_server.models.interface import Formats
+
+# Weights in any of --dtype's formats (an FP8-expert checkpoint's experts stay FP8 where the
+# device runs them, loader.py); KV pages in the weights' dtype.
+FORMATS = Formats(weights=("bf16", "fp16", "fp32"), kv=("bf16", "fp16", "fp32"))
 
 TauGelu = Literal["tanh", "erf"]
 TauPositions = Literal["fp32", "bf16"]
@@ -31,7 +37,7 @@ RegionNorm = Literal["raw", "post_ln", "none"]
 
 
 @dataclass(frozen=True)
-class Choices:
+class DisputedPoints:
     """Behaviour where the sources disagree (defaults: the model author's engine).
 
     * ``tau_gelu``: the GELU over the fused projection that feeds the tau scales, ``tanh``
@@ -62,7 +68,9 @@ class Choices:
 
 
 # What the Hugging Face remote code (and the ports derived from it) does.
-HF_CHOICES = Choices(tau_gelu="erf", tau_positions="bf16", region_norm="none", coord_divisor=1024)
+HF_CHOICES = DisputedPoints(
+    tau_gelu="erf", tau_positions="bf16", region_norm="none", coord_divisor=1024
+)
 
 
 @dataclass(frozen=True)
@@ -118,23 +126,6 @@ class TextConfig:
 
 
 @dataclass(frozen=True)
-class RegionConfig:
-    """Fourier-feature encoders; LayerNorm + linear decoders for coordinates and sizes."""
-
-    dim: int = 2048
-    coord_feat_dim: int = 256
-    coord_out_dim: int = 1024
-    size_feat_dim: int = 512
-    size_out_dim: int = 2048
-
-    def __post_init__(self) -> None:
-        if self.coord_feat_dim % 2 or self.size_feat_dim % 4:
-            raise ValueError("region feature dims must split into cos|sin halves")
-        if self.size_out_dim != 2 * self.coord_out_dim:
-            raise ValueError("region size_out_dim must be 2 x coord_out_dim (width, height)")
-
-
-@dataclass(frozen=True)
 class ModelConfig:
     """Everything needed to build a Moondream 3 model and speak its token contract."""
 
@@ -142,13 +133,11 @@ class ModelConfig:
     vision: VisionConfig = field(default_factory=VisionConfig)
     text: TextConfig = field(default_factory=TextConfig)
     region: RegionConfig = field(default_factory=RegionConfig)
-    tokens: TokenContract | None = None
-    choices: Choices = field(default_factory=Choices)
+    tokens: TokenContract = field(kw_only=True)  # every configuration speaks one
+    choices: DisputedPoints = field(default_factory=DisputedPoints)
     tokenizer_vocab_size: int = 51200
 
     def __post_init__(self) -> None:
-        if self.tokens is None:
-            raise ValueError("ModelConfig needs a token contract")
         if self.vision.proj_out_dim != self.text.dim or self.region.dim != self.text.dim:
             raise ValueError("vision proj_out_dim and region dim must equal text dim")
         if self.tokenizer_vocab_size > self.text.vocab_size:
@@ -181,17 +170,16 @@ class ModelConfig:
             text=TextConfig(**text),
             region=RegionConfig(**data["region"]),
             tokens=TokenContract(templates=PromptTemplates(**tpl), **tok),
-            choices=Choices(**data["choices"]),
+            choices=DisputedPoints(**data["choices"]),
             tokenizer_vocab_size=data["tokenizer_vocab_size"],
         )
 
 
 def with_choices(
-    config: ModelConfig, choices: Choices, max_context: int | None = None
+    config: ModelConfig, choices: DisputedPoints, max_context: int | None = None
 ) -> ModelConfig:
     """``config`` with other disputed-point choices (and context length), the token contract's
     coordinate divisor kept in step."""
-    assert config.tokens is not None
     text = config.text
     if max_context is not None:
         text = dataclasses.replace(text, max_context=max_context)

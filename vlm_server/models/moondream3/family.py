@@ -9,10 +9,11 @@ from typing import Any
 
 import torch
 
-from vlm_server.models.interface import FamilyConfig, LoadedModel, SegmentRefine
-from vlm_server.models.moondream3.config import PRESETS, ModelConfig
+from vlm_server.models.interface import FamilyConfig, LoadedModel
+from vlm_server.models.moondream3.config import FORMATS, PRESETS, ModelConfig
 from vlm_server.models.moondream3.loader import load_model, random_model
-from vlm_server.models.moondream3.writer import CONFIG_FORMAT, FAMILY, write_checkpoint
+from vlm_server.models.moondream3.writer import CONFIG_FORMAT, write_checkpoint
+from vlm_server.models.moondream3.writer import FAMILY as FAMILY_NAME
 
 
 def _is_hub_config(meta: Mapping[str, Any]) -> bool:
@@ -32,7 +33,8 @@ _LAYOUT_ALIASES = {"native": "hf", "legacy": "md3"}
 class Moondream3Family:
     """The registry's handle on Moondream 3 (3-preview, 3.1 and the tiny test model)."""
 
-    name = FAMILY
+    name = FAMILY_NAME
+    formats = FORMATS
 
     @property
     def presets(self) -> Mapping[str, Callable[[], FamilyConfig]]:
@@ -84,41 +86,5 @@ class Moondream3Family:
         options["layout"] = _LAYOUT_ALIASES.get(layout, layout)
         return write_checkpoint(config, out_dir, seed=seed, progress=progress, **options)
 
-    def segment_refiner(self, loaded: LoadedModel, weights: Path) -> SegmentRefine:
-        """The refiner (refiner.py) over the model's vision tower, its head from ``weights``
-        in the model's dtype and device. The head reads the residual stream after block 8,
-        or the last block of a smaller test tower."""
-        from vlm_server.models.moondream3 import refiner_masks
-        from vlm_server.models.moondream3.refiner import EARLY_LAYER, SegmentRefiner, load_head
-        from vlm_server.models.moondream3.refiner_head import RefinerHead
 
-        try:  # the tracing back into a path needs potracer (checked at start, not per answer)
-            import potrace
-
-            potracer = hasattr(potrace.Bitmap, "invert")
-        except ImportError:
-            potracer = False
-        if not potracer:
-            raise ValueError(
-                "segment_refiner: needs potracer to trace refined masks "
-                "(pip install 'moondream-serve[refiner]')"
-            )
-        model = loaded.model
-        vision_cfg = model.config.vision
-        sized = RefinerHead(enc_dim=vision_cfg.enc_dim, grid=vision_cfg.grid_size)
-        try:
-            head = load_head(weights, sized)
-        except ValueError as err:
-            raise ValueError(f"segment_refiner: {err}") from None
-        head = head.to(model.device, model.dtype)
-        early = min(EARLY_LAYER, vision_cfg.enc_n_layers - 1)
-        tower = model.vision
-
-        def features(crops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return tower.encode_early(crops, early)
-
-        finish = refiner_masks.MaskProcess()  # tracing is pure Python: off the engine's GIL
-        return SegmentRefiner(head, features, vision_cfg.crop_size, finish=finish).refine
-
-
-MOONDREAM3 = Moondream3Family()
+FAMILY = Moondream3Family()

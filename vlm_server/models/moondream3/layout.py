@@ -13,7 +13,7 @@ import re
 
 import torch
 
-from vlm_server.models.moondream2.layout import legacy_to_native, native_to_legacy
+from vlm_server.models.common.legacy_layout import legacy_to_native, native_to_legacy
 from vlm_server.models.moondream3.config import ModelConfig
 
 HF_PREFIX = "model."

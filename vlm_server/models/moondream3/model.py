@@ -1,21 +1,26 @@
 """The whole Moondream 3 model (a `DeviceModel`); parameter names equal the Hugging Face
-layout's keys without ``model.``. The vision tower is Moondream 2's, unchanged."""
+layout's keys without ``model.``. The vision tower is Moondream 2's, unchanged
+(common/vision.py)."""
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from pathlib import Path
 
-from vlm_server.models.interface import KVShape
-from vlm_server.models.moondream2.vision import VisionEncoder
-from vlm_server.models.moondream3.config import ModelConfig
+from vlm_server.models.common.model_base import MoondreamBase
+from vlm_server.models.common.vision import VisionEncoder
+from vlm_server.models.interface import Capabilities, SegmentRefine
+from vlm_server.models.moondream3.config import FORMATS, ModelConfig
 from vlm_server.models.moondream3.fp8_experts import fp8_experts_supported
 from vlm_server.models.moondream3.moe import MoeMLP
 from vlm_server.models.moondream3.region import RegionModel
 from vlm_server.models.moondream3.text import TextDecoder
 
 
-class Moondream3Model(nn.Module):
+class Moondream3Model(MoondreamBase):
+    config: ModelConfig
+    text: TextDecoder
+    region: RegionModel
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -25,27 +30,23 @@ class Moondream3Model(nn.Module):
         self.region.final_norm = (self.text.post_ln,)
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.text.wte.dtype
+    def capabilities(self) -> Capabilities:
+        """Adapters on the MLPs, fused tau kernels, the FP8 tower, FP8 experts, the refiner."""
+        text = self.text
+        return Capabilities(
+            FORMATS,
+            adapters=text,
+            fused_products=text,
+            fp8_vision=self.vision,
+            fp8_experts=self,
+            segment_refiner=self._segment_refiner,
+        )
 
-    @property
-    def device(self) -> torch.device:
-        return self.text.wte.device
+    def _segment_refiner(self, weights: Path) -> SegmentRefine:
+        # Imported when asked for: the refiner's mask process and tracing are not the model's.
+        from vlm_server.models.moondream3.refiner import build_refiner
 
-    @property
-    def kv_shape(self) -> KVShape:
-        t = self.config.text
-        return KVShape(t.n_layers, t.n_kv_heads, t.head_dim)
-
-    @property
-    def n_heads(self) -> int:
-        return self.config.text.n_heads
-
-    @property
-    def fused_attention(self) -> bool:
-        # The tau-scaled projection is packed Q | K | V like Moondream 2's and rotates by our
-        # own tables: the engine's CUDA kernels serve it unchanged.
-        return True
+        return build_refiner(self, weights)
 
     def use_fp8_experts(self) -> None:
         """Hold every expert matrix in FP8 with per-row scales (quantizing bf16 weights):
@@ -73,14 +74,3 @@ class Moondream3Model(nn.Module):
                         "experts_fp8_activations needs the experts in FP8: an FP8-expert "
                         "checkpoint on a GPU of compute capability 9.0 or newer"
                     ) from err
-
-    def image_embeddings(self, crops: torch.Tensor, tiling: tuple[int, int]) -> torch.Tensor:
-        """Normalized crops of one image [1 + h*w, 3, S, S] -> embeddings [patches, dim]."""
-        return self.vision.project(self.vision.encode(crops.to(self.dtype)), tiling)
-
-    def prefix_embeddings(self, image_emb: torch.Tensor) -> torch.Tensor:
-        """BOS followed by the image embeddings: [1, 1 + patches, dim]."""
-        # A view of BOS's row: an id tensor would be a pageable host-to-device copy.
-        bos_id = self.config.tokens.bos_id  # type: ignore[union-attr]
-        bos = self.text.wte[bos_id : bos_id + 1]
-        return torch.cat([bos, image_emb], dim=0)[None]

@@ -161,7 +161,7 @@ def experts_dense_lora(
     return y if down is None else y + down.view(n, k, -1)
 
 
-def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def combine_slots(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Expert outputs [N, k, D] and routing weights [N, k] -> [N, D], summed in slot order."""
     out = y[:, 0] * weights[:, :1]
     for j in range(1, y.shape[1]):
@@ -205,7 +205,7 @@ class MoeMLP(nn.Module):
         else:
             run_lora = experts_dense_lora if method == "dense" else experts_loop_lora
             y = run_lora(x, ids, self.fc1.values(x.dtype), self.fc2.values(x.dtype), delta)
-        return combine(y, weights).view(h.shape)
+        return combine_slots(y, weights).view(h.shape)
 
     def _fused(self, x: torch.Tensor, delta: ExpertDelta | None) -> torch.Tensor:
         """Router (cuBLAS), route + grouping (one or two kernels), the two grouped kernels,
@@ -219,4 +219,4 @@ class MoeMLP(nn.Module):
             x, ids, w1.weight, w2.weight, w1.scale, w2.scale, delta,
             tiles=tiles, routing=routing, fp8_act=fp8_act,
         )  # fmt: skip
-        return moe_routing.combine(y, weights)
+        return moe_routing.combine_fused(y, weights)

@@ -8,9 +8,9 @@ launch for up to ``SINGLE_MAX_TOKENS`` tokens (decode); above, two: per program 
 then per program the placement of its pairs after the earlier programs' (a prefix over the
 stored histograms: no atomics, so the layout is deterministic). Grids and buffers depend on
 shapes only, never on the routing: CUDA graphs capture them, and no value is read back to the
-host. `align_fused` does the grouping for given ids. `combine` is `moe.combine` in one kernel,
-bit for bit (each product and sum rounded to the output dtype, slots in order, no fused
-multiply-add).
+host. `align_fused` does the grouping for given ids. `combine_fused` is `moe.combine_slots`
+in one kernel, bit for bit (each product and sum rounded to the output dtype, slots in order,
+no fused multiply-add).
 
 Top-k ties go to the lower expert id. The softmax is exp(x - max) / sum in fp32 (CUDA's ``expf``
 through libdevice, as PyTorch's kernel): the ids are `route`'s, the weights agree up to the
@@ -308,8 +308,8 @@ def align_fused(ids: torch.Tensor, n_experts: int, block_m: int) -> Routing:
     return _group(None, ids.contiguous(), None, n_experts, block_m)
 
 
-def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """`moe.combine` in one kernel: y [N, k, D], weights [N, k] -> [N, D], bit for bit."""
+def combine_fused(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`moe.combine_slots` in one kernel: y [N, k, D], weights [N, k] -> [N, D], bit for bit."""
     if triton is None:
         raise RuntimeError("the combine kernel needs Triton")
     n, k, d = y.shape

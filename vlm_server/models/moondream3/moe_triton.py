@@ -8,8 +8,8 @@ grouped matmul for fc1 with the expert activation in its epilogue, one for fc2.
 2. `_up_kernel`: per row block and tile of the expert width, both halves of fc1 over the
    block's tokens, accumulated in fp32; writes ``gelu_erf(a) * (b + 1)``.
 3. `_down_kernel`: fc2 over those rows; writes each pair's output row, unweighted.
-4. The routing weights are applied by the combine (`moe_routing.combine`, or `moe.combine`),
-   in slot order, as on the plain paths.
+4. The routing weights are applied by the combine (`moe_routing.combine_fused`, or
+   `moe.combine_slots`), in slot order, as on the plain paths.
 
 Tiles come from `TILES` by token count: decode (a few pairs per expert) reads the chosen
 experts' weights once and needs many programs over N and wide K steps; prefill is a grouped

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -29,6 +30,10 @@ import torch.nn.functional as F
 from decoding.segment_output import SegmentResult, rle_encode
 from vlm_server.models.moondream3 import refiner_masks
 from vlm_server.models.moondream3.refiner_head import RefinerHead
+
+if TYPE_CHECKING:
+    from vlm_server.models.interface import SegmentRefine
+    from vlm_server.models.moondream3.model import Moondream3Model
 
 ITERATIONS = 5
 EARLY_LAYER = 8
@@ -153,3 +158,35 @@ class SegmentRefiner:
             mask_counts=rle_encode(refined),
             box_path=traced.box_path,
         )
+
+
+def build_refiner(model: Moondream3Model, weights: Path) -> SegmentRefine:
+    """The refiner over ``model``'s vision tower, its head from ``weights`` in the model's
+    dtype and device. The head reads the residual stream after block 8, or the last block
+    of a smaller test tower."""
+    try:  # the tracing back into a path needs potracer (checked at start, not per answer)
+        import potrace
+
+        potracer = hasattr(potrace.Bitmap, "invert")
+    except ImportError:
+        potracer = False
+    if not potracer:
+        raise ValueError(
+            "segment_refiner: needs potracer to trace refined masks "
+            "(pip install 'moondream-serve[refiner]')"
+        )
+    vision_cfg = model.config.vision
+    sized = RefinerHead(enc_dim=vision_cfg.enc_dim, grid=vision_cfg.grid_size)
+    try:
+        head = load_head(weights, sized)
+    except ValueError as err:
+        raise ValueError(f"segment_refiner: {err}") from None
+    head = head.to(model.device, model.dtype)
+    early = min(EARLY_LAYER, vision_cfg.enc_n_layers - 1)
+    tower = model.vision
+
+    def features(crops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return tower.encode_early(crops, early)
+
+    finish = refiner_masks.MaskProcess()  # tracing is pure Python: off the engine's GIL
+    return SegmentRefiner(head, features, vision_cfg.crop_size, finish=finish).refine

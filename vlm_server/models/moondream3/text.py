@@ -2,9 +2,10 @@
 
 Like Moondream 2's decoder it returns the raw residual stream (before ``post_ln``) and
 `TextDecoder.logits` applies the final norm and the untied head (with bias). Attention is
-Moondream 2's (multi-head, half-split partial rotary, scale 1/sqrt(head_dim), the prefix seen
-both ways) on a tau-scaled projection, so the engine's fused rotary + attention kernels take it
-as they take Moondream 2's: only the rotary tables (theta 1.5e6) differ, and those are ours.
+Moondream 2's (common/attention.py: multi-head, half-split partial rotary, scale
+1/sqrt(head_dim), the prefix seen both ways) on a tau-scaled projection, so the engine's fused
+rotary + attention kernels take it as they take Moondream 2's: only the rotary tables (theta
+1.5e6) differ, and those are ours.
 
 Finetune adapters (models/lora/) cover the MLPs only: the dense layers' fc1 and fc2, and every
 expert's in the expert layers (`lora_targets`); the cloud finetunes' checkpoint format.
@@ -18,18 +19,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlm_server.models.common.attention import attend
 from vlm_server.models.common.fused_norm import add_layernorm
 from vlm_server.models.common.layers import MLP, LayerNorm, gelu_tanh
-from vlm_server.models.common.rotary import apply_rotary, rotary_tables
+from vlm_server.models.common.rotary import rotary_tables
 from vlm_server.models.kv import KVCache
 from vlm_server.models.lora.spec import ExpertTargets, LoraDelta, LoraTargets
-from vlm_server.models.moondream3.config import Choices, TextConfig
+from vlm_server.models.moondream3.config import DisputedPoints, TextConfig
 from vlm_server.models.moondream3.moe import MoeMLP
 from vlm_server.models.moondream3.tau import Tau
 
 
 class TextAttention(nn.Module):
-    def __init__(self, cfg: TextConfig, choices: Choices) -> None:
+    def __init__(self, cfg: TextConfig, choices: DisputedPoints) -> None:
         super().__init__()
         self.cfg = cfg
         self.qkv = nn.Linear(cfg.dim, cfg.qkv_dim)
@@ -47,30 +49,18 @@ class TextAttention(nn.Module):
     ) -> torch.Tensor:
         cfg = self.cfg
         qkv = self.tau.scale(self.qkv(x), positions, cfg.n_heads)
-        # A cache may fuse rotary, the KV write and attention over the packed projection;
-        # tau scales whole heads, so scaling before rotary equals scaling after.
-        packed = getattr(cache, "attend_packed", None)
-        if packed is not None:
-            out = packed(layer, qkv, positions)
-        else:
-            b, t, _ = x.shape
-            hd = cfg.head_dim
-            q, k, v = qkv.split(
-                [cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd], dim=-1
-            )
-            q = q.view(b, t, cfg.n_heads, hd).transpose(1, 2)
-            k = k.view(b, t, cfg.n_kv_heads, hd).transpose(1, 2)
-            v = v.view(b, t, cfg.n_kv_heads, hd).transpose(1, 2)
-            c, s = cos[:, None], sin[:, None]  # broadcast over heads
-            out = cache.attend(layer, apply_rotary(q, c, s), apply_rotary(k, c, s), v, positions)
-        b, _, t, _ = out.shape
-        return self.proj(out.transpose(1, 2).reshape(b, t, -1))
+        # Tau scales whole heads, so scaling before rotary equals scaling after: a cache that
+        # fuses rotary into its attention takes the scaled projection as it is.
+        out = attend(
+            qkv, cos, sin, positions, cache, layer, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        )
+        return self.proj(out)
 
 
 class TextBlock(nn.Module):
     """x + attn(LN(x)) + mlp(LN(x)): one shared LayerNorm; a dense or an expert MLP."""
 
-    def __init__(self, cfg: TextConfig, choices: Choices, layer: int) -> None:
+    def __init__(self, cfg: TextConfig, choices: DisputedPoints, layer: int) -> None:
         super().__init__()
         self.ln = LayerNorm(cfg.dim)
         self.attn = TextAttention(cfg, choices)
@@ -80,7 +70,7 @@ class TextBlock(nn.Module):
 
 
 class TextDecoder(nn.Module):
-    def __init__(self, cfg: TextConfig, choices: Choices) -> None:
+    def __init__(self, cfg: TextConfig, choices: DisputedPoints) -> None:
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.dim))

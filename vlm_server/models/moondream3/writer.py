@@ -22,9 +22,9 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from vlm_server.models.moondream2.config import preset as md2_preset
-from vlm_server.models.moondream2.tokenizer_build import build_tokenizer
-from vlm_server.models.moondream2.writer import random_tensor
+from vlm_server.models.common.contracts import CONTRACT_TINY
+from vlm_server.models.common.random_weights import random_tensor
+from vlm_server.models.common.tokenizer_build import Vocabulary, build_tokenizer
 from vlm_server.models.moondream3 import fp8_experts
 from vlm_server.models.moondream3.config import ModelConfig
 from vlm_server.models.moondream3.layout import (
@@ -44,6 +44,8 @@ TOKENIZER_FILE = "tokenizer.json"
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
 PT_FILE = "model_fp8.pt"
+# The synthetic tokenizers' sizes: the tiny test vocabulary's, and a full-size one.
+TINY_VOCAB, FULL_VOCAB = 1000, 51200
 
 
 _LOUDER = frozenset({"text.wte", "vision.proj_mlp.fc2.weight"})
@@ -70,10 +72,12 @@ def random_state(config: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str
 def tokenizer_for(config: ModelConfig, seed: int) -> Tokenizer:
     """The project's synthetic tokenizer with the contract's special ids (the real one is the
     separate ``moondream/starmie-v1``): the tiny test vocabulary, or a full-size one."""
-    base = md2_preset("tiny" if config.tokenizer_vocab_size <= 1024 else "moondream2")
-    if base.tokenizer_vocab_size != config.tokenizer_vocab_size:
+    tiny = config.tokenizer_vocab_size <= 1024
+    if config.tokenizer_vocab_size != (TINY_VOCAB if tiny else FULL_VOCAB):
         raise ValueError(f"no synthetic tokenizer of {config.tokenizer_vocab_size} tokens")
-    return build_tokenizer(base, seed)
+    # The full-size one has the 2025-06 layout's special ids, which Moondream 3's contract keeps.
+    contract = CONTRACT_TINY if tiny else config.tokens
+    return build_tokenizer(Vocabulary(contract, config.tokenizer_vocab_size), seed)
 
 
 def _md3_tensors(

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from decoding.vocab import byte_level_alphabet
-from vlm_server.models.moondream2.config import GPT2_EOS, TINY_SPECIAL_TOKENS, ModelConfig
+from vlm_server.models.common.contracts import GPT2_EOS, TINY_SPECIAL_TOKENS
+from vlm_server.models.contract import TokenContract
 
 # Enough everyday words that captions of random weights read as words, not byte soup.
 _WORDS = tuple(
@@ -31,9 +34,27 @@ background foreground front behind group some several people color colour face h
 _CONTRACT_2025_06_SPECIALS = TINY_SPECIAL_TOKENS[:10]
 
 
-def _specials_for(config: ModelConfig) -> dict[int, str]:
+class TokenizerSpec(Protocol):
+    """What the builder reads of a configuration: its contract and its tokenizer's size."""
+
+    @property
+    def tokens(self) -> TokenContract: ...
+
+    @property
+    def tokenizer_vocab_size(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """A `TokenizerSpec` of its own, for a family whose configuration names another era's
+    synthetic vocabulary."""
+
+    tokens: TokenContract
+    tokenizer_vocab_size: int
+
+
+def _specials_for(config: TokenizerSpec) -> dict[int, str]:
     contract = config.tokens
-    assert contract is not None
     if contract.name == "tiny":
         return dict(enumerate(TINY_SPECIAL_TOKENS))
     if contract.eos_id == GPT2_EOS:
@@ -44,7 +65,7 @@ def _specials_for(config: ModelConfig) -> dict[int, str]:
 
 
 def build_tokenizer(
-    config: ModelConfig, seed: int = 0, words: Sequence[str] = _WORDS, spaced_only: bool = False
+    config: TokenizerSpec, seed: int = 0, words: Sequence[str] = _WORDS, spaced_only: bool = False
 ) -> Tokenizer:
     """A byte-level BPE tokenizer with exactly ``config.tokenizer_vocab_size`` entries whose
     merges spell ``words`` first (with a leading space, and without unless ``spaced_only``)."""

@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlm_server.models.common.config import VisionConfig
+from vlm_server.models.common.fp8_vision import Fp8Tower
 from vlm_server.models.common.fused_norm import add_layernorm
 from vlm_server.models.common.layers import MLP, LayerNorm
-from vlm_server.models.moondream2.config import VisionConfig
-from vlm_server.models.moondream2.fp8_vision import Fp8Tower
 
 
 class VisionAttention(nn.Module):
@@ -60,7 +60,7 @@ class VisionEncoder(nn.Module):
         self.fp8: Fp8Tower | None = None
 
     def use_fp8(self, enabled: bool = True) -> None:
-        """Run QKV, fc1 and fc2 as FP8 GEMMs from now on (model/fp8_vision.py), or not.
+        """Run QKV, fc1 and fc2 as FP8 GEMMs from now on (models/common/fp8_vision.py), or not.
         Quantizes the current weights: call it after loading them, and before capturing any
         graph of the tower (a captured graph keeps reading the weights it was captured with)."""
         self.fp8 = Fp8Tower(self) if enabled else None

@@ -30,7 +30,7 @@ from vlm_server.models.common.fused_norm import add_layernorm
 from vlm_server.models.common.layers import LN_EPS, LayerNorm
 
 if TYPE_CHECKING:
-    from vlm_server.models.moondream2.vision import VisionEncoder
+    from vlm_server.models.common.vision import VisionEncoder
 
 try:
     import triton
