@@ -323,7 +323,8 @@ class BatchedEngine:
     def stop_compiling(self, request: GenerationRequest) -> None:
         """Stop compiling ``request``'s constraint, if a child is doing so (its caller went
         away)."""
-        self.tasks.constraints.cancel(request.choices, request.regex)
+        if request.choices or request.regex is not None:
+            self.tasks.constraints.cancel(request.choices, request.regex)
 
     def decode_image(self, req: GenerationRequest) -> GenerationRequest:
         """``req`` with a JPEG left encoded (`EncodedImage`) decoded and cropped on this
