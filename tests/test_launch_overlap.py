@@ -74,7 +74,7 @@ def test_the_cpu_runtime_takes_no_early_steps_and_tracks_prefixes_in_flight(tiny
             await engine.close()
         return engine
 
-    rt = asyncio.run(serve()).runtime
+    rt = asyncio.run(serve()).batched.runtime
     assert rt.launch_overlap == "off" and rt.steps.early_steps == 0
     assert not rt.steps.early_decode_graphs and not rt.steps.early_mixed_graphs
     assert not rt.prefill_busy()

@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from vlm_server.engine.batched.refinements import decoded_segment, pixels_of
 
 from decoding.segment_output import SegmentResult
 from image_pipeline import EncodedImage, ImagePreparer, PreparedImage, sample_image
@@ -24,6 +23,7 @@ from tests.test_moondream3_segment import _stream
 from vlm_server.engine.api import Finished, GenerationRequest, PathDelta, Task
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
+from vlm_server.engine.refinements import decoded_segment, pixels_of
 from vlm_server.models.interface import LoadedModel
 from vlm_server.models.moondream3.refiner import save_head
 from vlm_server.models.moondream3.refiner_head import random_head
