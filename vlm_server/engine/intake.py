@@ -95,8 +95,9 @@ class Ticket(Generic[_S]):
         else:  # still decoding or building: a constraint's compile stops now
             self._engine.stop_compiling(self.request)
 
-    def _bind(self, seq: _S) -> bool:
-        """Attach the built ``seq``; False when the request was cancelled meanwhile."""
+    def bind(self, seq: _S) -> bool:
+        """Attach the built ``seq`` (the intake's call); False when the request was
+        cancelled meanwhile."""
         with self._lock:
             if self._cancelled:
                 return False
@@ -154,7 +155,9 @@ class Intake(Generic[_S]):
                     )
                 )
                 return ticket
-            self._decoder.submit(self._decode_then_build, ticket, route)
+            if not _run_on(self._decoder, route, self._decode_then_build, ticket, route):
+                with self._lock:
+                    self._decoding -= 1
         else:
             self._route(ticket, request, route)
         return ticket
@@ -180,9 +183,9 @@ class Intake(Generic[_S]):
         if ticket.cancelled:
             route.refused(_cancelled())
         elif request.adapter:  # may load or wait for a slot
-            self._adapter_threads.submit(self._build_and_queue, ticket, request, route)
+            _run_on(self._adapter_threads, route, self._build_and_queue, ticket, request, route)
         elif request.choices or request.regex is not None:
-            self.builder.submit(self._build_and_queue, ticket, request, route)
+            _run_on(self.builder, route, self._build_and_queue, ticket, request, route)
         else:
             self._build_and_queue(ticket, request, route)
 
@@ -195,7 +198,7 @@ class Intake(Generic[_S]):
         except Exception as err:
             route.refused(_refusal("building", request, err))
             return
-        if not ticket._bind(seq):  # its caller went away while it was built
+        if not ticket.bind(seq):  # its caller went away while it was built
             seq.release_resources()
             route.refused(_cancelled())
             return
@@ -205,6 +208,19 @@ class Intake(Generic[_S]):
             route.refused(_refusal("queueing", request, err))
             return
         route.accepted()
+
+
+def _run_on(
+    pool: ThreadPoolExecutor, route: Route, work: Callable[..., None], *args: object
+) -> bool:
+    """``work(*args)`` on ``pool``; False (and ``route`` refused) once the pool is shut
+    down, as the engine closes."""
+    try:
+        pool.submit(work, *args)
+    except RuntimeError:
+        route.refused(EngineError(ErrorCode.UNAVAILABLE, "the server is shutting down"))
+        return False
+    return True
 
 
 def _cancelled() -> EngineError:
