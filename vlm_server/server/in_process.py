@@ -66,7 +66,7 @@ def _deliver(batch: list[tuple[object, Callable[[Any], None], object]]) -> None:
         put(event)
 
 
-class LocalStream:
+class InProcessStream:
     """One request's route and, once accepted, its event stream on the caller's loop;
     raises the EngineError that ended it."""
 
@@ -137,11 +137,11 @@ class InProcessEngine:
         """`BatchedEngine.warm_constraints`."""
         self.batched.warm_constraints()
 
-    async def submit(self, request: GenerationRequest) -> LocalStream:
+    async def submit(self, request: GenerationRequest) -> InProcessStream:
         """Admit ``request`` (`BatchedEngine.admit`); raises the EngineError that refused it.
         A caller cancelled while the request is decoded or built cancels it there: what a
         build took is given back once it completes."""
-        stream = LocalStream(asyncio.get_running_loop(), self._outbox)
+        stream = InProcessStream(asyncio.get_running_loop(), self._outbox)
         stream.ticket = self.batched.admit(request, stream)
         try:
             await stream.admitted
