@@ -234,7 +234,7 @@ def _emitter(
             loop.call_soon_threadsafe(put, event)
 
         return emit, {}, loop_thread
-    from vlm_server.engine.engine import EventOutbox  # absent from older trees
+    from vlm_server.server.in_process import EventOutbox
 
     outbox = EventOutbox()
 

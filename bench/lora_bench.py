@@ -48,6 +48,7 @@ from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.interface import LoadedModel
 from vlm_server.models.lora.writer import write_random, write_random_finetune
 from vlm_server.models.registry import preset, random_model
+from vlm_server.server.in_process import InProcessEngine
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -59,7 +60,7 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (at - lo)
 
 
-async def _finish(engine: BatchedEngine, req: GenerationRequest) -> Finished:
+async def _finish(engine: InProcessEngine, req: GenerationRequest) -> Finished:
     async for event in await engine.submit(req):
         if isinstance(event, Finished):
             return event
@@ -81,7 +82,9 @@ async def period_case(
 ) -> dict:
     """Decode period of ``--streams`` captions, stream i with adapter ``names[i % len]``."""
     rec = StepRecorder()
-    engine = BatchedEngine(loaded, _config(args, folder, args.streams), observer=rec)
+    engine = InProcessEngine(
+        BatchedEngine(loaded, _config(args, folder, args.streams), observer=rec)
+    )
     await engine.start()
     try:
         image = prepare_image(sample_image_bytes())
@@ -114,7 +117,7 @@ async def period_case(
     }
 
 
-async def _queries(engine: BatchedEngine, adapters: list[str]) -> tuple[float, float, list]:
+async def _queries(engine: InProcessEngine, adapters: list[str]) -> tuple[float, float, list]:
     """One-token text queries, one at a time, each naming an adapter: (start, end, ms each)."""
     start, took = time.perf_counter(), []
     for name in adapters:
@@ -129,7 +132,9 @@ async def load_gap_case(loaded: LoadedModel, args: argparse.Namespace, folder: s
     """Step gaps of ``--load-streams`` captions while queries name resident adapters, then
     while queries name adapters that must load."""
     rec = StepRecorder()
-    engine = BatchedEngine(loaded, _config(args, folder, args.load_streams + 1), observer=rec)
+    engine = InProcessEngine(
+        BatchedEngine(loaded, _config(args, folder, args.load_streams + 1), observer=rec)
+    )
     await engine.start()
     try:
         image = prepare_image(sample_image_bytes())

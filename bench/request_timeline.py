@@ -39,6 +39,7 @@ from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.capabilities import need
 from vlm_server.models.registry import preset, random_model
+from vlm_server.server.in_process import InProcessEngine
 
 # A gap in the GPU's work shorter than this is launch jitter, not worth listing.
 GAP_US = 50.0
@@ -57,7 +58,7 @@ class Stamps:
 
 
 async def one_request(
-    engine: BatchedEngine, preparer: ImagePreparer, data: bytes, question: str
+    engine: InProcessEngine, preparer: ImagePreparer, data: bytes, question: str
 ) -> Stamps:
     t0 = time.perf_counter()
     image = preparer.decode_host(data)
@@ -181,7 +182,7 @@ def stream_view(trace: dict, window: tuple[float, float]) -> dict:
     return out
 
 
-async def saturated(args: argparse.Namespace, engine: BatchedEngine, pictures: list) -> dict:
+async def saturated(args: argparse.Namespace, engine: InProcessEngine, pictures: list) -> dict:
     """N clients in a loop over unique decoded pictures; a profile of one window."""
     q = "What is the title of this chart?"
     stop, done, next_pic = False, [], iter(range(len(pictures)))
@@ -263,7 +264,9 @@ async def run(args: argparse.Namespace) -> dict:
         vision_fp8=args.vision_fp8,
         experts_fp8_activations=args.experts_fp8_activations,
     )
-    engine = BatchedEngine(loaded, cfg, image_preparer=ImagePreparer(device=args.device))
+    engine = InProcessEngine(
+        BatchedEngine(loaded, cfg, image_preparer=ImagePreparer(device=args.device))
+    )
     await engine.start()
     host = ImagePreparer(device="cpu")
     if args.concurrency > 1:

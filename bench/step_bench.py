@@ -34,6 +34,7 @@ from vlm_server.engine.core.pipeline import Step
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.interface import LoadedModel
 from vlm_server.models.registry import load_model, preset, random_model
+from vlm_server.server.in_process import InProcessEngine
 
 
 class StepRecorder(Observer):
@@ -117,9 +118,9 @@ async def run_case(
         kv_budget_bytes=kv_bytes,
     )
     rec = observer or StepRecorder()
-    engine = BatchedEngine(loaded, cfg, observer=rec)
+    engine = InProcessEngine(BatchedEngine(loaded, cfg, observer=rec))
     await engine.start()
-    rt = engine.runtime
+    rt = engine.batched.runtime
     image = prepare_image(sample_image_bytes())
     # Warm-up: the image prefix gets cached, kernels compiled, allocator primed.
     warm = GenerationRequest(Task.CAPTION, image, temperature=0, max_tokens=8)
@@ -137,7 +138,7 @@ async def run_case(
     t0 = time.perf_counter()
     results = await asyncio.gather(*[one(r) for r in reqs])
     wall = time.perf_counter() - t0
-    while not engine.idle():
+    while not engine.batched.idle():
         await asyncio.sleep(0.001)
     if rt.dev.is_cuda:
         torch.cuda.synchronize()

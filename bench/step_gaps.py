@@ -49,6 +49,7 @@ from vlm_server.engine.api import GenerationRequest, Task
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.registry import preset, random_model
+from vlm_server.server.in_process import InProcessEngine
 
 PARTS = ("forward_ms", "sample_ms", "bubble_ms", "wait_ms", "host_ms", "tick_cpu_ms", "gc_ms")
 
@@ -154,7 +155,7 @@ def analyse(trace: list[dict], phases: dict[str, tuple[float, float]]) -> dict[s
 # ---- the in-process run ---------------------------------------------------------------------
 
 
-async def drive(args: argparse.Namespace, engine: BatchedEngine) -> dict[str, Any]:
+async def drive(args: argparse.Namespace, engine: InProcessEngine) -> dict[str, Any]:
     """Warm-up, phase A (captions), phase B (captions and arrivals); the phases' wall times."""
     host = ImagePreparer(device="cpu")
     w, h = parse_size(args.size)
@@ -217,10 +218,11 @@ async def run_in_process(args: argparse.Namespace, trace_path: Path) -> dict[str
         prefill_sms_when_streaming=args.prefill_sms_when_streaming,
     )
     trace = step_trace.StepTrace(trace_path)
-    engine = BatchedEngine(
+    batched = BatchedEngine(
         loaded, cfg, observer=trace, image_preparer=ImagePreparer(device=args.device)
     )
-    trace.prefill_busy = engine.runtime.prefill_busy
+    trace.prefill_busy = batched.runtime.prefill_busy
+    engine = InProcessEngine(batched)
     await engine.start()
     phases = await drive(args, engine)
     await engine.close()  # writes the trace

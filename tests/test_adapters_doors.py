@@ -24,7 +24,13 @@ from PIL import Image
 from image_pipeline import PreparedImage, prepare_image, sample_image_bytes
 from tests.http_support import data_url, moondream_client, post_json
 from tests.support.http_files import QuietHandler
-from tests.support.service_harness import ServerThread, local_config, module_server, wait_for
+from tests.support.service_harness import (
+    ServerThread,
+    in_process,
+    local_config,
+    module_server,
+    wait_for,
+)
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
 from vlm_server.client import VisionLanguageClient, VlmError
@@ -100,7 +106,9 @@ def server(tiny: LoadedModel, folder: Path, endpoint: str) -> Iterator[ServerThr
         adapter_api_key=KEY,
         max_adapter_rank=RANK,
     )
-    with ServerThread(local_config(http_port=-1), lambda: BatchedEngine(tiny, config)) as s:
+    with ServerThread(
+        local_config(http_port=-1), in_process(lambda: BatchedEngine(tiny, config))
+    ) as s:
         yield s
 
 

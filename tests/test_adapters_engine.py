@@ -36,6 +36,7 @@ from vlm_server.models.lora.bank import exact_lora
 from vlm_server.models.lora.spec import AdapterWeights
 from vlm_server.models.lora.writer import write_random
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
+from vlm_server.server.in_process import InProcessEngine
 
 RANK = 4
 
@@ -82,7 +83,7 @@ def _want(ref: ReferenceGenerator, req: GenerationRequest) -> str:
     return ref.query(req.image, req.question, s).text
 
 
-async def _text(engine: BatchedEngine, req: GenerationRequest) -> str:
+async def _text(engine: InProcessEngine, req: GenerationRequest) -> str:
     async for event in await engine.submit(req):
         if isinstance(event, Finished):
             return event.text
@@ -99,7 +100,7 @@ def _run(loaded: LoadedModel, folder: Path, reqs: list[GenerationRequest], **kw:
     }
 
     async def run() -> tuple[list, BatchedEngine]:
-        engine = BatchedEngine(loaded, EngineConfig(**options))
+        engine = InProcessEngine(BatchedEngine(loaded, EngineConfig(**options)))
         await engine.start()
         try:
             out = await asyncio.gather(*[_text(engine, r) for r in reqs], return_exceptions=True)
@@ -171,7 +172,7 @@ def test_a_mixed_batch_equals_each_request_alone(
     refs = {n: _reference(tiny, adapter_dir, n) for n in set(names)}
     for req, text in zip(reqs, texts, strict=True):
         assert text == _want(refs[req.adapter], req), (req.request_id, req.adapter)
-    assert engine.adapters.slots.pins == [0] * engine.cfg.max_adapters
+    assert engine.batched.adapters.slots.pins == [0] * engine.batched.cfg.max_adapters
     assert max(len(slots) for slots in seen) >= 3  # none, and two adapters, in one forward
 
 
@@ -189,7 +190,7 @@ def test_image_prefixes_are_keyed_by_image_and_adapter(
     want = [_want(_reference(tiny, adapter_dir, n), r) for n, r in zip(names, reqs, strict=True)]
     assert texts == want
     assert len(set(texts[:3])) == 3
-    assert len(engine.scheduler.prefix_cache) == 3
+    assert len(engine.batched.scheduler.prefix_cache) == 3
 
 
 def test_more_adapters_than_slots_evict_the_least_recently_used(
@@ -201,7 +202,7 @@ def test_more_adapters_than_slots_evict_the_least_recently_used(
     refs = {n: _reference(tiny, adapter_dir, n) for n in set(names)}
     for req, text in zip(reqs, texts, strict=True):
         assert text == _want(refs[req.adapter], req), (req.request_id, req.adapter)
-    slots = engine.adapters.slots
+    slots = engine.batched.adapters.slots
     assert slots.evictions >= 2 and slots.pins == [0, 0]
 
 
@@ -226,7 +227,7 @@ def test_a_request_that_waits_too_long_for_a_slot_is_refused(
             max_adapters=1,
             adapter_wait_s=0.05 if bound == "adapter_wait_s" else 30,
         )
-        engine = BatchedEngine(tiny, cfg)
+        engine = InProcessEngine(BatchedEngine(tiny, cfg))
         await engine.start()
         try:
             stream = await engine.submit(long)
@@ -239,7 +240,9 @@ def test_a_request_that_waits_too_long_for_a_slot_is_refused(
             except EngineError as err:
                 # The long request still holds the slot: the refusal came from the bound, not
                 # from a wait that outlasted it (200 tokens end long before the 30 s default).
-                pinned_at_refusal.append(not stream._seq.finished)
+                adapters = engine.batched.adapters
+                assert adapters is not None
+                pinned_at_refusal.append(any(adapters.slots.pins))
                 return err
             finally:
                 stream.cancel()
@@ -293,7 +296,7 @@ def test_a_server_without_adapters_refuses_one(
     req = GenerationRequest(Task.CAPTION, images[0], max_tokens=4, adapter="alpha")
     err, engine = _run(tiny, Path("."), [req], adapters_dir=None)
     assert isinstance(err, EngineError) and err.field == "adapter"
-    assert engine.runtime.adapters is None
+    assert engine.batched.runtime.adapters is None
 
 
 def test_vlm_run_answers_with_an_adapter_file(

@@ -23,6 +23,7 @@ from vlm_server.models.lora import files
 from vlm_server.models.lora.bank import masked_lora, segmented_lora
 from vlm_server.models.lora.writer import write_random
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
+from vlm_server.server.in_process import InProcessEngine
 
 pytestmark = pytest.mark.gpu
 
@@ -283,10 +284,10 @@ def test_cuda_engine_with_adapters_equals_the_reference(tiny: LoadedModel, tmp_p
     )
 
     async def run() -> list[str]:
-        engine = BatchedEngine(loaded, cfg)
+        engine = InProcessEngine(BatchedEngine(loaded, cfg))
         await engine.start()
         try:
-            steps = engine.runtime.steps
+            steps = engine.batched.runtime.steps
             assert steps.decode_graphs and steps.lora_decode_graphs and steps.lora_mixed_graphs
 
             async def one(req: GenerationRequest) -> str:

@@ -23,7 +23,7 @@ from PIL import Image
 from image_pipeline import prepare_image, sample_image_bytes
 from tests.http_support import data_url, moondream_client, post_json
 from tests.support.http_files import QuietHandler
-from tests.support.service_harness import ServerThread, local_config
+from tests.support.service_harness import ServerThread, in_process, local_config
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.interface import LoadedModel
@@ -106,7 +106,9 @@ def server(md3_tiny: LoadedModel, folder: Path, endpoint: str) -> Iterator[Serve
         adapter_api_key=KEY,
         max_adapter_rank=RANK,
     )
-    with ServerThread(local_config(http_port=-1), lambda: BatchedEngine(md3_tiny, config)) as s:
+    with ServerThread(
+        local_config(http_port=-1), in_process(lambda: BatchedEngine(md3_tiny, config))
+    ) as s:
         yield s
 
 

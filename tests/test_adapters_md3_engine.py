@@ -23,6 +23,7 @@ from vlm_server.models.lora.spec import AdapterWeights
 from vlm_server.models.lora.writer import write_random_finetune
 from vlm_server.models.registry import preset, random_model
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
+from vlm_server.server.in_process import InProcessEngine
 
 RANK = 6  # md3-tiny: 3 experts per token, rank 2 each
 NAMES = {"ft-a@10": (RANK, 0.3), "ft-b@20": (3, 0.5), "ft-c@5": (RANK, 0.4)}
@@ -77,7 +78,7 @@ def _want(loaded: LoadedModel, folder: Path, req: GenerationRequest) -> str:
     return _WANT[key]
 
 
-async def _text(engine: BatchedEngine, req: GenerationRequest) -> str:
+async def _text(engine: InProcessEngine, req: GenerationRequest) -> str:
     async for event in await engine.submit(req):
         if isinstance(event, Finished):
             return event.text
@@ -94,7 +95,7 @@ def _run(loaded: LoadedModel, folder: Path, reqs: list[GenerationRequest], **kw:
     }
 
     async def run() -> tuple[list, BatchedEngine]:
-        engine = BatchedEngine(loaded, EngineConfig(**options))
+        engine = InProcessEngine(BatchedEngine(loaded, EngineConfig(**options)))
         await engine.start()
         try:
             out = await asyncio.gather(*[_text(engine, r) for r in reqs], return_exceptions=True)
@@ -164,7 +165,7 @@ def test_a_mixed_batch_equals_each_request_alone(
     for req, text in zip(reqs, texts, strict=True):
         assert text == _want(md3_tiny, adapter_dir, req), (req.request_id, req.adapter)
     assert texts[1] != texts[3] and texts[2] != texts[0]  # same request, another adapter
-    assert engine.adapters.slots.pins == [0] * engine.cfg.max_adapters
+    assert engine.batched.adapters.slots.pins == [0] * engine.batched.cfg.max_adapters
     assert max(len(slots) for slots in seen) >= 3  # none and two finetunes in one forward
 
 
@@ -181,7 +182,7 @@ def test_image_prefixes_are_keyed_by_image_and_adapter(
     *texts, engine = _run(md3_tiny, adapter_dir, reqs)
     assert texts == [_want(md3_tiny, adapter_dir, r) for r in reqs]
     assert len(set(texts[:3])) == 3
-    assert len(engine.scheduler.prefix_cache) == 3
+    assert len(engine.batched.scheduler.prefix_cache) == 3
 
 
 def test_steps_without_finetune_rows_run_no_lora(
@@ -202,7 +203,7 @@ def test_steps_without_finetune_rows_run_no_lora(
     monkeypatch.setattr(experts.ExpertLoraBank, "expert_delta", counted)
     base = _requests(images, [None, None])
     *texts, engine = _run(md3_tiny, adapter_dir, base)
-    assert isinstance(engine.runtime.adapter_bank, experts.ExpertLoraBank)
+    assert isinstance(engine.batched.runtime.adapter_bank, experts.ExpertLoraBank)
     assert texts == [_want(md3_tiny, adapter_dir, r) for r in base]
     assert not calls
 

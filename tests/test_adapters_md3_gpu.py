@@ -24,6 +24,7 @@ from vlm_server.models.lora.spec import ExpertTargets, LoraTargets
 from vlm_server.models.lora.writer import random_finetune, write_random_finetune
 from vlm_server.models.registry import preset, random_model
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
+from vlm_server.server.in_process import InProcessEngine
 
 pytestmark = pytest.mark.gpu
 
@@ -159,10 +160,10 @@ def test_cuda_engine_with_finetunes_equals_the_reference(tmp_path: Path) -> None
     )
 
     async def run() -> list[str]:
-        engine = BatchedEngine(loaded, cfg)
+        engine = InProcessEngine(BatchedEngine(loaded, cfg))
         await engine.start()
         try:
-            rt = engine.runtime
+            rt = engine.batched.runtime
             assert isinstance(rt.adapter_bank, ExpertLoraBank)
             assert rt.steps.decode_graphs and rt.steps.lora_decode_graphs
             assert rt.steps.lora_mixed_graphs and rt.prefill.lanes[0].lora_prefix_graphs

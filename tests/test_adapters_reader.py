@@ -28,6 +28,7 @@ from vlm_server.models.lora.layout import SlotLayout
 from vlm_server.models.lora.spec import LoraTargets
 from vlm_server.models.lora.writer import random_state, write_random
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
+from vlm_server.server.in_process import InProcessEngine
 
 TARGETS = LoraTargets(
     2,
@@ -168,7 +169,7 @@ def test_the_engine_process_parses_no_adapter_file(
     )
 
     async def run() -> str:
-        engine = BatchedEngine(tiny, cfg)
+        engine = InProcessEngine(BatchedEngine(tiny, cfg))
         await engine.start()
         try:
             async for event in await engine.submit(req):

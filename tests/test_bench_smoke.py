@@ -431,14 +431,14 @@ def test_soak_against_a_running_server_counts_codes_and_samples_memory(
     tiny: Any, tmp_path: Path
 ) -> None:
     from bench import soak
-    from tests.support.service_harness import ServerThread, local_config
+    from tests.support.service_harness import ServerThread, in_process, local_config
     from vlm_server.engine.config import EngineConfig
     from vlm_server.engine.engine import BatchedEngine
 
     pictures = soak.Pictures(96, 64)
     assert len({prepare_image(pictures.take()).content_hash for _ in range(12)}) == 12
     config = EngineConfig(max_batch_size=8, kv_budget_bytes=16 << 20)
-    with ServerThread(local_config(), lambda: BatchedEngine(tiny, config)) as server:
+    with ServerThread(local_config(), in_process(lambda: BatchedEngine(tiny, config))) as server:
         code = soak.main(
             [
                 "--target",

@@ -14,7 +14,14 @@ import pytest
 from PIL import Image
 
 from image_pipeline import PreparedImage, sample_image_bytes
-from tests.support.service_harness import GatedBatchedEngine, ServerThread, local_config, wait_for
+from tests.support.service_harness import (
+    GatedBatchedEngine,
+    ServerThread,
+    engine_of,
+    in_process,
+    local_config,
+    wait_for,
+)
 from vlm_server.client import AsyncVisionLanguageClient, RleMask, TextDelta, VlmError
 from vlm_server.client import Point as ClientPoint
 from vlm_server.client.cli import main
@@ -35,7 +42,7 @@ from vlm_server.reference import ReferenceGenerator, SamplingSettings
 
 @pytest.fixture(scope="module")
 def server(tiny: LoadedModel) -> Iterator[ServerThread]:
-    factory = lambda: GatedBatchedEngine(tiny, EngineConfig(kv_budget_bytes=16 << 20))
+    factory = in_process(lambda: GatedBatchedEngine(tiny, EngineConfig(kv_budget_bytes=16 << 20)))
     with ServerThread(local_config(), factory) as running:
         yield running
 
@@ -142,7 +149,7 @@ def test_async_client_stream_stops_early_and_cancels(server: ServerThread) -> No
                 await client.point(b"not an image", "x")
             return seen
 
-    engine = server.server.engine  # type: ignore[union-attr]
+    engine = engine_of(server)
     assert isinstance(engine, GatedBatchedEngine)
     ended = len(engine.outcomes)
     seen = asyncio.run(body())

@@ -17,7 +17,7 @@ from PIL import Image
 from image_pipeline import PreparedImage, prepare_image, sample_image_bytes
 from tests.http_support import data_url, events, moondream_client, post, post_json
 from tests.support.reference_memo import shared_reference
-from tests.support.service_harness import ServerThread, local_config
+from tests.support.service_harness import ServerThread, in_process, local_config
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
 from vlm_server.client import VisionLanguageClient
@@ -34,7 +34,7 @@ SAMPLED = {"temperature": 1.0, "top_p": 0.3, "seed": 4, "max_tokens": 40}
 @pytest.fixture(scope="module")
 def server(reasoning_model: LoadedModel) -> Iterator[ServerThread]:
     config = EngineConfig(max_batch_size=8, max_queue=100, kv_budget_bytes=16 * MIB)
-    factory = lambda: BatchedEngine(reasoning_model, config)
+    factory = in_process(lambda: BatchedEngine(reasoning_model, config))
     with ServerThread(local_config(http_port=-1), factory) as running:
         yield running
 

@@ -39,6 +39,7 @@ from vlm_server.engine.core.step_plan import Chunk, StepPlan
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.interface import LoadedModel
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
+from vlm_server.server.in_process import InProcessEngine
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -68,7 +69,7 @@ def images() -> list[PreparedImage]:
     ]
 
 
-async def _collect(engine: BatchedEngine, req: GenerationRequest) -> tuple[list[str], Finished]:
+async def _collect(engine: InProcessEngine, req: GenerationRequest) -> tuple[list[str], Finished]:
     parts: list[str] = []
     async for event in await engine.submit(req):
         if isinstance(event, TextDelta):
@@ -96,14 +97,14 @@ class _Plans(StepLog):
         if what == "launch" and step.plan is not None:
             self.plans.append(step.plan)
 
-    def check(self, engine: BatchedEngine, budget: str, splits: bool = True) -> None:
+    def check(self, engine: InProcessEngine, budget: str, splits: bool = True) -> None:
         """Under the small budgets, prompts really were split and shared steps with decode
         rows, and under the mixed one others rode their prefix (a held row: no token); under
         any budget, no step held more tokens than it. ``splits``: whether the requests queue
         behind a full batch, which makes the split and shared steps certain; with every
         request admitted at once, they depend on when each arrived."""
         assert self.plans
-        assert all(p.n_tokens <= engine.cfg.max_step_tokens for p in self.plans)
+        assert all(p.n_tokens <= engine.batched.cfg.max_step_tokens for p in self.plans)
         held = any(not c.length for p in self.plans for c in p.chunks)
         if budget != "default":
             if splits:
@@ -118,24 +119,24 @@ def _engine(
     observer: Observer = NO_OBSERVER,
     budget: str = "default",
     **kw: object,
-) -> BatchedEngine:
+) -> InProcessEngine:
     options: dict = {"max_batch_size": 8, "kv_budget_bytes": 32 << 20, **kw}
     if budget != "default":
         options["max_step_tokens"] = options["max_batch_size"] + 3
         options["prefix_prompt_tokens"] = 12 if budget == "mixed" else 0
     cfg = EngineConfig(pipeline_depth=depth, **options)
-    return BatchedEngine(loaded, cfg, observer=observer)
+    return InProcessEngine(BatchedEngine(loaded, cfg, observer=observer))
 
 
-def _assert_clean(engine: BatchedEngine) -> None:
+def _assert_clean(engine: InProcessEngine) -> None:
     """Every row and slot free; pages held only by cached image prefixes."""
-    assert engine.idle()
-    s = engine.scheduler
+    assert engine.batched.idle()
+    s = engine.batched.scheduler
     cached = sum(len(e.pages) for e in s.prefix_cache._entries.values())
-    assert engine.scheduler.pages.used_pages == cached
+    assert engine.batched.scheduler.pages.used_pages == cached
     assert all(e.users == 0 for e in s.prefix_cache._entries.values())
     s.prefix_cache.clear()
-    assert engine.scheduler.pages.used_pages == 0
+    assert engine.batched.scheduler.pages.used_pages == 0
 
 
 def _text_requests(images: list[PreparedImage]) -> list[GenerationRequest]:
@@ -305,10 +306,10 @@ def test_cancel_mid_stream_frees_everything(tiny: LoadedModel, images: list[Prep
     asyncio.run(run())
 
 
-async def _wait_idle(engine: BatchedEngine, timeout: float = 30.0) -> None:
+async def _wait_idle(engine: InProcessEngine, timeout: float = 30.0) -> None:
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
-    while not engine.idle():
+    while not engine.batched.idle():
         assert loop.time() < end, "engine did not become idle"
         await asyncio.sleep(0.005)
 
@@ -317,7 +318,7 @@ def _finish_all(
     loaded: LoadedModel,
     reqs: list[GenerationRequest],
     depth: int,
-    check: Callable[[BatchedEngine], None] | None = None,
+    check: Callable[[InProcessEngine], None] | None = None,
     **kw: object,
 ) -> list[Finished]:
     """Each request's `Finished`, in order, from one started engine (`_engine`'s options);
@@ -680,7 +681,7 @@ def test_constrained_and_segment_equal_the_reference(
         await engine.start()
         # The compiling child up first, as a server has it: the requests then arrive
         # together, as the plan checks want.
-        await asyncio.to_thread(engine.tasks.constraints.warm)
+        await asyncio.to_thread(engine.batched.tasks.constraints.warm)
         try:
             out = await asyncio.gather(*[_collect(engine, r) for r in reqs])
             await _wait_idle(engine)
@@ -794,13 +795,13 @@ def test_requests_for_one_new_image_share_one_prefix_computation(
 
     async def run() -> list[tuple[list[str], Finished]]:
         engine = _engine(text_model, depth, max_batch_size=4)
-        launch = engine.runtime.launch_prefixes
+        launch = engine.batched.runtime.launch_prefixes
 
         def recording(jobs: list, partitioned: bool = False) -> object:
             batches.append([job.image.content_hash for job in jobs])
             return launch(jobs, partitioned)
 
-        engine.runtime.launch_prefixes = recording  # type: ignore[method-assign]
+        engine.batched.runtime.launch_prefixes = recording  # type: ignore[method-assign]
         await engine.start()
         try:
             out = await asyncio.gather(*[_collect(engine, r) for r in reqs])

@@ -19,6 +19,7 @@ from vlm_server.engine.api import Finished, GenerationRequest, Task
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.interface import LoadedModel
+from vlm_server.server.in_process import InProcessEngine
 
 THIRD = 42  # neither eos nor coord
 
@@ -87,9 +88,11 @@ def test_boundary_follows_the_reference_in_engine_and_reference(
     reqs = _requests(images)
 
     async def run() -> list[Finished]:
-        engine = BatchedEngine(
-            third_model,
-            EngineConfig(max_batch_size=8, kv_budget_bytes=32 << 20, pipeline_depth=depth),
+        engine = InProcessEngine(
+            BatchedEngine(
+                third_model,
+                EngineConfig(max_batch_size=8, kv_budget_bytes=32 << 20, pipeline_depth=depth),
+            )
         )
         await engine.start()
         try:

@@ -20,6 +20,7 @@ from vlm_server.engine.engine import BatchedEngine
 from vlm_server.engine.requests.tasks import TaskCompiler
 from vlm_server.models.interface import LoadedModel
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
+from vlm_server.server.in_process import InProcessEngine
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -35,16 +36,16 @@ def _query(**kw: object) -> GenerationRequest:
     return GenerationRequest(Task.QUERY, None, **options)
 
 
-async def _answer(engine: BatchedEngine, req: GenerationRequest) -> Finished:
+async def _answer(engine: InProcessEngine, req: GenerationRequest) -> Finished:
     async for event in await engine.submit(req):
         if isinstance(event, Finished):
             return event
     raise AssertionError("stream ended without Finished")
 
 
-async def _wait_idle(engine: BatchedEngine, timeout: float = 30.0) -> None:
+async def _wait_idle(engine: InProcessEngine, timeout: float = 30.0) -> None:
     end = time.monotonic() + timeout
-    while not engine.idle():
+    while not engine.batched.idle():
         assert time.monotonic() < end, "engine did not become idle"
         await asyncio.sleep(0.005)
 
@@ -113,8 +114,8 @@ def test_table_rows_are_reclaimed_across_many_distinct_constraints(
     patterns += [f"{d}[0-{d}]{{1,2}}" for d in range(1, 10)]
 
     async def run() -> None:
-        engine = BatchedEngine(tiny, cfg)
-        pinned = engine.table.live_rows
+        engine = InProcessEngine(BatchedEngine(tiny, cfg))
+        pinned = engine.batched.table.live_rows
         await engine.start()
         try:
             for group in range(0, len(patterns), 3):  # a few at a time, each group new rows
@@ -133,8 +134,10 @@ def test_table_rows_are_reclaimed_across_many_distinct_constraints(
             )
             assert seg.segmentation is not None
             await _wait_idle(engine)
-            assert engine.table.live_rows == pinned
-            assert len(engine.table) == cfg.mask_table_rows  # every slot was used at least once
+            assert engine.batched.table.live_rows == pinned
+            assert (
+                len(engine.batched.table) == cfg.mask_table_rows
+            )  # every slot was used at least once
         finally:
             await engine.close()
 
@@ -158,7 +161,9 @@ def test_empty_string_language_answers_at_once(
     tiny: LoadedModel, generator: ReferenceGenerator, pattern: str
 ) -> None:
     async def run() -> Finished:
-        engine = BatchedEngine(tiny, EngineConfig(max_batch_size=2, kv_budget_bytes=16 << 20))
+        engine = InProcessEngine(
+            BatchedEngine(tiny, EngineConfig(max_batch_size=2, kv_budget_bytes=16 << 20))
+        )
         await engine.start()
         try:
             req = _query(regex=pattern, max_tokens=500, deadline=time.monotonic() + 20)
@@ -186,8 +191,10 @@ def test_a_segment_budget_too_small_for_any_path_names_max_tokens(
 
 def test_a_caller_gone_mid_build_leaks_no_rows(tiny: LoadedModel) -> None:
     async def run() -> None:
-        engine = BatchedEngine(tiny, EngineConfig(max_batch_size=2, kv_budget_bytes=16 << 20))
-        pinned = engine.table.live_rows
+        engine = InProcessEngine(
+            BatchedEngine(tiny, EngineConfig(max_batch_size=2, kv_budget_bytes=16 << 20))
+        )
+        pinned = engine.batched.table.live_rows
         try:
             for i in range(3):
                 task = asyncio.create_task(engine.submit(_query(regex=f"[a-{chr(100 + i)}]{{3}}")))
@@ -195,14 +202,12 @@ def test_a_caller_gone_mid_build_leaks_no_rows(tiny: LoadedModel) -> None:
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await task
-            await asyncio.get_running_loop().run_in_executor(engine._builders, lambda: None)
-            # The builds are done; their done-callbacks were queued on the loop before this
-            # (FIFO): a few turns of the loop run them, however slow the machine.
-            for _ in range(100):
-                if engine.table.live_rows == pinned:
-                    break
-                await asyncio.sleep(0)
-            assert engine.table.live_rows == pinned
+            # The builder thread gives back what an abandoned build took before it takes
+            # its next job: once this one ran, every build above has been released.
+            await asyncio.get_running_loop().run_in_executor(
+                engine.batched.intake.builder, lambda: None
+            )
+            assert engine.batched.table.live_rows == pinned
         finally:
             await engine.close()
 

@@ -45,7 +45,6 @@ from vlm_server.engine.api import (
     Finished,
     GenerationRequest,
     Task,
-    TextDelta,
 )
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
@@ -259,17 +258,49 @@ def test_damaged_jpegs_are_kept_or_refused_never_anything_else(
 def engine(tiny: LoadedModel) -> Iterator[BatchedEngine]:
     cfg = EngineConfig(max_batch_size=4, kv_budget_bytes=16 << 20)
     built = BatchedEngine(tiny, cfg)
-    asyncio.run(built.start())
+    built.start()
     yield built
-    asyncio.run(built.close())
+    built.close()
 
 
-async def _answer(engine: BatchedEngine, req: GenerationRequest) -> Finished:
-    async for event in await engine.submit(req):
-        if not isinstance(event, TextDelta):
-            assert isinstance(event, Finished), event
-            return event
-    raise AssertionError("no Finished")
+def _answer(engine: BatchedEngine, req: GenerationRequest) -> Finished:
+    """``req`` through the engine's entry, which decodes a JPEG left encoded first."""
+    route = _Answer()
+    engine.admit(req, route)
+    return route.result()
+
+
+def _answer_as_queued(engine: BatchedEngine, req: GenerationRequest) -> Finished:
+    """``req`` built and queued as it is, past the entry's decode: the runtime meets its
+    JPEG still encoded."""
+    route = _Answer()
+    engine.queue(engine.build(req), route.emit)
+    return route.result()
+
+
+class _Answer:
+    """A route (engine/intake.py) waiting for its request's result."""
+
+    def __init__(self) -> None:
+        self.events: list[object] = []
+        self.ended = threading.Event()
+
+    def accepted(self) -> None:
+        pass
+
+    def refused(self, error: EngineError) -> None:
+        self.emit(error)
+
+    def emit(self, event: object) -> None:
+        self.events.append(event)
+        if isinstance(event, Finished | EngineError):
+            self.ended.set()
+
+    def result(self) -> Finished:
+        assert self.ended.wait(60), "no result"
+        final = self.events[-1]
+        assert isinstance(final, Finished), final
+        return final
 
 
 def _forget_prefixes(engine: BatchedEngine) -> None:
@@ -295,17 +326,21 @@ def test_the_engine_decodes_an_encoded_jpeg_and_answers_as_for_its_crops(
     # The tiny engine's preparer has no GPU decoder: the host decoders' crops.
     _crops_equal(prepared, engine.runtime.image_preparer.prepare(PHOTO))
     _forget_prefixes(engine)
-    first = asyncio.run(_answer(engine, decoded))
+    first = _answer(engine, decoded)
     # Now its prefix is cached: the request goes on encoded, and nothing decodes it.
     again = engine.decode_image(_query(encoded))
     assert again.image is encoded
-    assert asyncio.run(_answer(engine, again)).text == first.text
+    with caplog.at_level("INFO", logger="vlm_server.engine.device.crops"):
+        assert _answer(engine, again).text == first.text
+        # Its prefix gone before it is admitted: the entry decodes it, off the scheduler.
+        _forget_prefixes(engine)
+        assert _answer(engine, again).text == first.text
     assert "scheduler thread" not in caplog.text
-    # Its prefix gone before it runs: the runtime decodes it itself, with the same answer,
-    # and says so (the steps waited meanwhile).
+    # Its prefix gone after the entry let it pass: the runtime decodes it itself, with the
+    # same answer, and says so (the steps waited meanwhile).
     _forget_prefixes(engine)
     with caplog.at_level("INFO", logger="vlm_server.engine.device.crops"):
-        assert asyncio.run(_answer(engine, again)).text == first.text
+        assert _answer_as_queued(engine, again).text == first.text
     assert "decoding an image on the scheduler thread" in caplog.text
 
 
@@ -332,8 +367,8 @@ class _DecodingEngine(_StandInEngine):
     """The stand-in engine, decoding "encoded" images on whatever thread calls it: waits on
     ``decoding`` (set by default), refuses data starting with b"bad"."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, max_decoding: int = 256) -> None:
+        super().__init__(max_decoding)
         self.decoding = threading.Event()
         self.decoding.set()
         self.started = threading.Event()
@@ -382,15 +417,16 @@ def test_the_host_refuses_what_the_decode_refuses(host: Any) -> None:
     assert "b" not in engine.admitted
 
 
-def test_a_cancel_during_the_decode_applies_once_admitted(host: Any) -> None:
+def test_a_request_cancelled_during_its_decode_is_never_built(host: Any) -> None:
     engine, _, commands, events, _ = host
     engine.decoding.clear()
     commands.send(Submit(1, dataclasses.replace(_request("slow", "run"), image=_encoded())))
     assert engine.started.wait(10)
     commands.send(Cancel(1))
     engine.decoding.set()
-    assert _next(events, Accepted).rid == 1
-    wait_for(lambda: engine.admitted["slow"].cancelled, what="the cancel to apply")
+    refused = _next(events, Refused)
+    assert refused.rid == 1 and refused.error.code is ErrorCode.CANCELLED
+    assert "slow" not in engine.built
 
 
 # ---------------------------------------------------------------- a server, on the CPU
@@ -467,7 +503,7 @@ def test_an_engine_process_decodes_on_the_gpu_and_answers_as_in_process(tiny_dir
 
 
 def test_decodes_past_the_bound_are_refused_as_a_full_queue() -> None:
-    with served_host(_DecodingEngine(), max_decoding=1) as (engine, _, commands, events, _):
+    with served_host(_DecodingEngine(max_decoding=1)) as (engine, _, commands, events, _):
         assert isinstance(engine, _DecodingEngine)
         engine.decoding.clear()
         commands.send(Submit(1, dataclasses.replace(_request("a", "run"), image=_encoded())))

@@ -20,10 +20,10 @@ from tests.test_engine import (  # noqa: F401  (fixtures)
 )
 from vlm_server.engine.api import Finished, GenerationRequest, Task
 from vlm_server.engine.device.kernels.paged_attention import paged_attention
-from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.interface import LoadedModel
 from vlm_server.models.registry import preset, random_model
 from vlm_server.reference import ReferenceGenerator
+from vlm_server.server.in_process import InProcessEngine
 
 pytestmark = pytest.mark.gpu
 
@@ -71,8 +71,8 @@ def test_cuda_engine_equals_reference_tiny(
         GenerationRequest(Task.POINT, images[1], object_name="dog", max_objects=4),
     ]
 
-    def check(engine: BatchedEngine) -> None:
-        rt = engine.runtime
+    def check(engine: InProcessEngine) -> None:
+        rt = engine.batched.runtime
         assert rt.steps.decode_graphs and rt.steps.mixed_graphs and rt.prefill.prefix_graphs
         assert rt.pool.use_triton and rt.sampler.sample_graphs
 
@@ -92,7 +92,7 @@ def test_cuda_engine_equals_reference_tiny(
 
 def _moondream2_fp32_equals_reference(
     images: list[PreparedImage],  # noqa: F811
-    check: Callable[[BatchedEngine], None] | None = None,
+    check: Callable[[InProcessEngine], None] | None = None,
     **engine_options: object,
 ) -> LoadedModel:
     """A caption, a query and a detect through the engine on full-size random weights in

@@ -40,6 +40,7 @@ from vlm_server.engine.api import (
     Task,
     TextDelta,
 )
+from vlm_server.engine.intake import Intake, Route, Ticket
 from vlm_server.engine.process.client import ProcessEngine
 from vlm_server.engine.process.shared_pixels import (
     PixelPool,
@@ -218,18 +219,38 @@ class _Seq:
         self.request = request
         self.emit: Any = None
         self.cancelled = False
+        self.released = False
+
+    def release_resources(self) -> None:
+        self.released = True
 
 
 class _StandInEngine:
-    """Builds instantly, or waits on ``hold`` for requests with a regex; emits one delta
-    and a result on admission unless the question is "run"."""
+    """The engine's real intake (engine/intake.py) around a stand-in: builds instantly, or
+    waits on ``hold`` for requests with a regex; emits one delta and a result once queued
+    unless the question is "run"."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_decoding: int = 256) -> None:
         self.hold = threading.Event()
         self.hold.set()
         self.building = threading.Event()
         self.admitted: dict[str, _Seq] = {}
+        self.built: dict[str, _Seq] = {}
+        self.compiles_stopped: list[str] = []
         self.closed = False
+        self.intake: Intake[_Seq] = Intake(self, max_decoding)
+
+    def admit(self, request: GenerationRequest, route: Route) -> Ticket[_Seq]:
+        return self.intake.admit(request, route)
+
+    def check_open(self) -> None:
+        pass
+
+    def decode_image(self, request: GenerationRequest) -> GenerationRequest:
+        return request
+
+    def stop_compiling(self, request: GenerationRequest) -> None:
+        self.compiles_stopped.append(request.request_id)
 
     def build(self, request: GenerationRequest) -> _Seq:
         if request.question == "refuse":
@@ -239,9 +260,11 @@ class _StandInEngine:
         if request.regex is not None:
             self.building.set()
             assert self.hold.wait(10)
-        return _Seq(request)
+        seq = _Seq(request)
+        self.built[request.request_id] = seq
+        return seq
 
-    def admit(self, seq: _Seq, emit: Any) -> None:
+    def queue(self, seq: _Seq, emit: Any) -> None:
         seq.emit = emit
         self.admitted[seq.request.request_id] = seq
         if seq.request.question != "run":
@@ -252,9 +275,12 @@ class _StandInEngine:
         seq.cancelled = True
 
     def stats(self) -> EngineStats:
-        return EngineStats(active_sequences=len(self.admitted))
+        return EngineStats(
+            active_sequences=len(self.admitted), images_decoding=self.intake.decoding
+        )
 
-    async def close(self) -> None:
+    def close(self) -> None:
+        self.intake.close()
         self.closed = True
 
 
@@ -271,15 +297,15 @@ def host() -> Iterator[tuple[_StandInEngine, PipeOutbox, Sender, Connection, thr
 
 @contextlib.contextmanager
 def served_host(
-    engine: _StandInEngine, **options: Any
+    engine: _StandInEngine,
 ) -> Iterator[tuple[_StandInEngine, PipeOutbox, Sender, Connection, threading.Thread]]:
-    """An `EngineHost` (with ``options``) serving ``engine`` on a thread: (engine, its outbox,
-    the command sender, the events pipe's reading end, the thread); closed on exit."""
+    """An `EngineHost` serving ``engine`` on a thread: (engine, its outbox, the command
+    sender, the events pipe's reading end, the thread); closed on exit."""
     commands_in, commands_out = _pipe()
     events_in, events_out = _pipe()
     sender = Sender(events_out)
     outbox = PipeOutbox(sender)
-    served = EngineHost(engine, sender, outbox, **options)  # type: ignore[arg-type]
+    served = EngineHost(engine, sender, outbox)  # type: ignore[arg-type]
     thread = threading.Thread(target=served.serve, args=(commands_in,), daemon=True)
     thread.start()
     yield engine, outbox, Sender(commands_out), events_in, thread
@@ -320,7 +346,9 @@ def test_host_accepts_refuses_and_sends_a_ticks_events_in_one_message(host: Any)
     assert _next(events, Stats).stats.active_sequences == 1
 
 
-def test_host_cancels_a_request_cancelled_while_its_constraint_was_building(host: Any) -> None:
+def test_a_request_cancelled_while_its_constraint_builds_is_never_queued(host: Any) -> None:
+    """Its compile is told to stop; once built, what it took is released and it is refused
+    as cancelled (the server's caller is gone: nobody reads it)."""
     engine, _, commands, events, _ = host
     engine.hold.clear()
     commands.send(Submit(1, _request("slow", "run", regex="a+")))
@@ -328,9 +356,11 @@ def test_host_cancels_a_request_cancelled_while_its_constraint_was_building(host
     commands.send(Cancel(1))
     commands.send(Submit(2, _request("fast", "run")))  # the pipe is not blocked meanwhile
     assert _next(events, Accepted).rid == 2
+    wait_for(lambda: engine.compiles_stopped == ["slow"], what="the compile to be stopped")
     engine.hold.set()
-    assert _next(events, Accepted).rid == 1
-    wait_for(lambda: engine.admitted["slow"].cancelled, what="the cancel to apply")
+    refused = _next(events, Refused)
+    assert refused.rid == 1 and refused.error.code is ErrorCode.CANCELLED
+    assert "slow" not in engine.admitted and engine.built["slow"].released
     assert not engine.admitted["fast"].cancelled
 
 

@@ -1,9 +1,8 @@
 """CUDA-free engine state: pipeline transitions, page allocator, prefix cache, and randomized
-interleavings of submit / cancel / finish driven straight through the scheduler."""
+interleavings of admit / cancel / finish driven straight through the scheduler."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 
 import pytest
@@ -12,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from image_pipeline import PreparedImage, prepare_pil, sample_image
-from vlm_server.engine.api import EngineError, Finished, GenerationRequest, Task
+from vlm_server.engine.api import Emitted, EngineError, Finished, GenerationRequest, Task
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.pages import SINK_PAGE, OutOfPages, PageAllocator
 from vlm_server.engine.core.pipeline import LaunchKind, PipelineError, PipelineState
@@ -151,65 +150,78 @@ def test_random_interleavings_leave_nothing_behind(
     depth: int,
     budget: int,
 ) -> None:
-    """Submit, cancel and tick in random orders (the scheduler driven by hand, no thread),
+    """Admit, cancel and tick in random orders (the scheduler driven by hand, no thread),
     with prompts whole or prefilled in chunks of one to three tokens: every request ends
     exactly once, and then every page, row and slot is free."""
 
-    async def run() -> None:
-        engine = BatchedEngine(
-            tiny,
-            EngineConfig(
-                pipeline_depth=depth,
-                max_batch_size=3,
-                max_step_tokens=budget,
-                kv_budget_bytes=3 << 20,
-                prefix_cache_entries=1,
-            ),
-        )
-        s = engine.scheduler
-        ends: dict[int, list[object]] = {}
-        streams = {}
-        for action, n in actions:
-            if action == "submit":
-                task = [Task.CAPTION, Task.QUERY, Task.POINT, Task.DETECT][n % 4]
-                image = two_images[n % 2] if n % 5 or task is not Task.QUERY else None
-                req = GenerationRequest(
-                    task,
-                    image,
-                    question="q",
-                    object_name="o",
-                    temperature=n % 2,
-                    max_tokens=1 + n % 7,
-                    max_objects=1 + n % 3,
-                    seed=n,
-                )
-                stream = await engine.submit(req)
-                i = len(streams)
-                streams[i] = stream
-                ends[i] = []
-                stream._seq.emit = lambda e, i=i: ends[i].append(e)  # type: ignore[misc]
-            elif action == "cancel" and streams:
-                streams[n % len(streams)].cancel()
-            else:
-                s.waiting.extend(engine._inbox)
-                engine._inbox.clear()
-                s.tick()
-        s.waiting.extend(engine._inbox)
-        engine._inbox.clear()
-        for _ in range(10_000):
-            if not s.has_work():
-                break
+    engine = BatchedEngine(
+        tiny,
+        EngineConfig(
+            pipeline_depth=depth,
+            max_batch_size=3,
+            max_step_tokens=budget,
+            kv_budget_bytes=3 << 20,
+            prefix_cache_entries=1,
+        ),
+    )
+    s = engine.scheduler
+    routes: list[_Recorded] = []
+    tickets = []
+    for action, n in actions:
+        if action == "submit":
+            task = [Task.CAPTION, Task.QUERY, Task.POINT, Task.DETECT][n % 4]
+            image = two_images[n % 2] if n % 5 or task is not Task.QUERY else None
+            req = GenerationRequest(
+                task,
+                image,
+                question="q",
+                object_name="o",
+                temperature=n % 2,
+                max_tokens=1 + n % 7,
+                max_objects=1 + n % 3,
+                seed=n,
+            )
+            route = _Recorded()
+            tickets.append(engine.admit(req, route))  # nothing slow: queued before it returns
+            assert route.outcome == ["accepted"]
+            routes.append(route)
+        elif action == "cancel" and tickets:
+            tickets[n % len(tickets)].cancel()
+        else:
+            s.waiting.extend(engine._inbox)
+            engine._inbox.clear()
             s.tick()
-        for events in ends.values():
-            finals = [e for e in events if isinstance(e, Finished | EngineError)]
-            assert len(finals) == 1
-        assert not s.zombies and not s.running and not s.waiting
-        assert all(x is None for x in s.pipe.slots)
-        assert len(s.free_rows) == engine.cfg.max_rows
-        s.prefix_cache.clear()
-        assert engine.scheduler.pages.used_pages == 0
+    s.waiting.extend(engine._inbox)
+    engine._inbox.clear()
+    for _ in range(10_000):
+        if not s.has_work():
+            break
+        s.tick()
+    for route in routes:
+        finals = [e for e in route.events if isinstance(e, Finished | EngineError)]
+        assert len(finals) == 1
+    assert not s.zombies and not s.running and not s.waiting
+    assert all(x is None for x in s.pipe.slots)
+    assert len(s.free_rows) == engine.cfg.max_rows
+    s.prefix_cache.clear()
+    assert engine.scheduler.pages.used_pages == 0
 
-    asyncio.run(run())
+
+class _Recorded:
+    """A route that keeps what it hears (engine/intake.py)."""
+
+    def __init__(self) -> None:
+        self.outcome: list[object] = []
+        self.events: list[Emitted] = []
+
+    def accepted(self) -> None:
+        self.outcome.append("accepted")
+
+    def refused(self, error: EngineError) -> None:
+        self.outcome.append(error)
+
+    def emit(self, event: Emitted) -> None:
+        self.events.append(event)
 
 
 def test_prefix_watcher_wakes_once_per_batch_and_survives_a_failed_wait() -> None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from tests.support import hostile
-from tests.support.service_harness import ServerThread, local_config
+from tests.support.service_harness import ServerThread, in_process, local_config
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.interface import LoadedModel
@@ -82,7 +82,7 @@ class LagMeter:
 @pytest.fixture(scope="module")
 def server(tiny: LoadedModel) -> Iterator[ServerThread]:
     config = EngineConfig(max_batch_size=4, kv_budget_bytes=16 * MIB)
-    factory = lambda: BatchedEngine(tiny, config)
+    factory = in_process(lambda: BatchedEngine(tiny, config))
     with ServerThread(local_config(http_port=-1), factory) as running:
         # As the server's main does once the model is loaded: full collections then skip
         # everything alive now (here: the whole test session's heap).

@@ -35,6 +35,7 @@ from vlm_server.models.common.layers import LayerNorm
 from vlm_server.models.common.vision import VisionEncoder
 from vlm_server.models.interface import LoadedModel
 from vlm_server.models.moondream2.config import VisionConfig
+from vlm_server.server.in_process import InProcessEngine
 
 # e4m3: 3 mantissa bits, so a normal value rounds within 2^-4 of itself; below 2^-6 (times
 # the scale) values are subnormal, spaced 2^-9.
@@ -229,8 +230,6 @@ def test_fp8_tower_tracks_weight_changes_only_when_requantized() -> None:
 
 
 def test_runtime_refuses_vision_fp8_without_fp8_units(tiny: LoadedModel) -> None:
-    from vlm_server.engine.engine import BatchedEngine
-
     loaded = LoadedModel(copy.deepcopy(tiny.model), tiny.tokenizer, tiny.config, tiny.source)
     assert not fp8_supported(loaded.model.device)
     with pytest.raises(ValueError, match="vision_fp8 needs a CUDA device"):
@@ -347,7 +346,7 @@ def test_engine_image_graphs_compute_what_the_reference_computes_with_fp8(
     model = copy.deepcopy(tiny.model).cuda()
     loaded = LoadedModel(model, tiny.tokenizer, tiny.config, tiny.source)
     engine = _engine(loaded, 2, vision_fp8=True)
-    rt = engine.runtime
+    rt = engine.batched.runtime
     assert model.vision.fp8 is not None
     rt.capture_vision_graphs(progress=False)
     exact_model = copy.deepcopy(tiny.model).cuda()  # never switched: the graphs hold its weights
@@ -373,8 +372,11 @@ def test_cuda_engine_with_fp8_tower_equals_the_reference_on_the_same_model(
     where near-ties are vanishingly rare (the tiny fixtures are built around near-ties, which
     the engine's attention kernels may break differently once the image features move)."""
 
-    def check(engine: BatchedEngine) -> None:
-        assert engine.loaded.model.vision.fp8 is not None and engine.runtime.prefill.image_graphs
+    def check(engine: InProcessEngine) -> None:
+        assert (
+            engine.batched.loaded.model.vision.fp8 is not None
+            and engine.batched.runtime.prefill.image_graphs
+        )
 
     loaded = _moondream2_fp32_equals_reference(images, check, vision_fp8=True)
     with torch.inference_mode():  # the reference above really ran the FP8 tower

@@ -21,7 +21,13 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from image_pipeline import prepare_image
-from tests.support.service_harness import ServerThread, local_config, wait_for
+from tests.support.service_harness import (
+    ServerThread,
+    engine_of,
+    in_process,
+    local_config,
+    wait_for,
+)
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.client import VisionLanguageClient
 from vlm_server.engine.config import EngineConfig
@@ -167,7 +173,7 @@ payloads = st.one_of(
 @pytest.fixture(scope="module")
 def server(tiny: LoadedModel) -> Iterator[ServerThread]:
     config = EngineConfig(max_batch_size=8, max_queue=64, kv_budget_bytes=16 << 20)
-    with ServerThread(local_config(), lambda: BatchedEngine(tiny, config)) as running:
+    with ServerThread(local_config(), in_process(lambda: BatchedEngine(tiny, config))) as running:
         with VisionLanguageClient(running.target, timeout=60) as client:
             assert client.encode_image(VALID_IMAGES[0]).image_id == KNOWN_ID
         yield running
@@ -223,8 +229,6 @@ def test_the_server_is_healthy_and_serves_after_the_fuzzing(server: ServerThread
     with VisionLanguageClient(server.target, timeout=60) as client:
         got = client.caption(VALID_IMAGES[2], max_tokens=3, temperature=0)
     assert got.finish_reason == "length" and got.metrics.output_tokens == 3
-    assert server.server is not None
-    engine = server.server.engine
-    assert isinstance(engine, BatchedEngine)
+    engine = engine_of(server)
     wait_for(engine.idle, what="an idle engine")
     assert engine.stats().queue_depth == 0 and engine.stats().active_sequences == 0

@@ -17,7 +17,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
 
 from tests.http_support import post_json
-from tests.support.service_harness import GatedBatchedEngine, ServerThread, local_config, wait_for
+from tests.support.service_harness import (
+    GatedBatchedEngine,
+    ServerThread,
+    in_process,
+    local_config,
+    wait_for,
+)
 from vlm_server.engine.config import EngineConfig
 from vlm_server.models.interface import LoadedModel
 from vlm_server.rpc.servicer import SERVICE_NAME
@@ -48,7 +54,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 def server(tiny: LoadedModel) -> Iterator[ServerThread]:
     config = EngineConfig(max_batch_size=4, kv_budget_bytes=16 * MIB)
     with ServerThread(
-        local_config(http_port=-1), lambda: GatedBatchedEngine(tiny, config)
+        local_config(http_port=-1), in_process(lambda: GatedBatchedEngine(tiny, config))
     ) as running:
         yield running
 
@@ -63,7 +69,7 @@ def test_health_and_ready_follow_grpc_health_from_loading_to_failure(tiny: Loade
         engine.append(made)
         return made
 
-    server = ServerThread(local_config(http_port=-1), factory).start(wait_ready=False)
+    server = ServerThread(local_config(http_port=-1), in_process(factory)).start(wait_ready=False)
     try:
         wait_for(lambda: engine, what="the engine factory")
         assert _get(server, "/health") == (200, {"status": "SERVING", "phase": "loading"})
@@ -83,7 +89,9 @@ def test_health_and_ready_follow_grpc_health_from_loading_to_failure(tiny: Loade
 
 def test_ready_is_503_while_draining_and_health_stays_200(tiny: LoadedModel) -> None:
     config = EngineConfig(max_batch_size=2, kv_budget_bytes=16 * MIB)
-    server = ServerThread(local_config(http_port=-1), lambda: GatedBatchedEngine(tiny, config))
+    server = ServerThread(
+        local_config(http_port=-1), in_process(lambda: GatedBatchedEngine(tiny, config))
+    )
     server.start()
     try:
         assert server.server is not None
@@ -98,7 +106,7 @@ def test_probes_need_no_api_key(tiny: LoadedModel) -> None:
     config = EngineConfig(max_batch_size=2, kv_budget_bytes=16 * MIB)
     with ServerThread(
         local_config(http_port=-1),
-        lambda: GatedBatchedEngine(tiny, config),
+        in_process(lambda: GatedBatchedEngine(tiny, config)),
         http_auth=lambda key: key == "secret",
     ) as server:
         assert _get(server, "/health")[0] == 200 and _get(server, "/ready")[0] == 200

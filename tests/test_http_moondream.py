@@ -17,7 +17,7 @@ from PIL import Image, ImageDraw
 
 from image_pipeline import PreparedImage, prepare_image, sample_image_bytes
 from tests.http_support import data_url, events, moondream_client, post, post_json
-from tests.support.service_harness import ServerThread, local_config, wait_for
+from tests.support.service_harness import ServerThread, in_process, local_config, wait_for
 from vlm_server.client import VisionLanguageClient
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
@@ -31,7 +31,7 @@ DOORS = ("http", "grpc")
 @pytest.fixture(scope="module")
 def server(tiny: LoadedModel) -> Iterator[ServerThread]:
     config = EngineConfig(max_batch_size=8, max_queue=100, kv_budget_bytes=16 * MIB)
-    factory = lambda: BatchedEngine(tiny, config)
+    factory = in_process(lambda: BatchedEngine(tiny, config))
     with ServerThread(local_config(http_port=-1), factory) as running:
         yield running
 
@@ -190,7 +190,9 @@ def test_metrics_are_labelled_by_door(server: ServerThread) -> None:
 
 
 def test_an_api_key_is_checked_when_the_server_wants_one(md: ModuleType, tiny: LoadedModel) -> None:
-    factory = lambda: BatchedEngine(tiny, EngineConfig(max_batch_size=1, kv_budget_bytes=4 * MIB))
+    factory = in_process(
+        lambda: BatchedEngine(tiny, EngineConfig(max_batch_size=1, kv_budget_bytes=4 * MIB))
+    )
     config = local_config(http_port=-1)
     with ServerThread(config, factory, http_auth=lambda key: key == "s3cret") as running:
         settings = {"temperature": 0, "max_tokens": 2}

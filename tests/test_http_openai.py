@@ -12,7 +12,7 @@ import pytest
 
 from image_pipeline import PreparedImage, sample_image_bytes
 from tests.http_support import data_url
-from tests.support.service_harness import ServerThread, local_config
+from tests.support.service_harness import ServerThread, in_process, local_config
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.interface import LoadedModel
@@ -28,7 +28,9 @@ IMG = data_url(sample_image_bytes())
 @pytest.fixture(scope="module")
 def server(tiny: LoadedModel) -> Iterator[ServerThread]:
     config = EngineConfig(max_batch_size=8, max_queue=100, kv_budget_bytes=16 * MIB)
-    with ServerThread(local_config(http_port=-1), lambda: BatchedEngine(tiny, config)) as s:
+    with ServerThread(
+        local_config(http_port=-1), in_process(lambda: BatchedEngine(tiny, config))
+    ) as s:
         yield s
 
 

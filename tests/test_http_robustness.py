@@ -21,7 +21,14 @@ from PIL import Image
 
 from image_pipeline import sample_image_bytes
 from tests.http_support import data_url, events, post, post_json
-from tests.support.service_harness import GatedBatchedEngine, ServerThread, local_config, wait_for
+from tests.support.service_harness import (
+    GatedBatchedEngine,
+    ServerThread,
+    engine_of,
+    in_process,
+    local_config,
+    wait_for,
+)
 from vlm_server.client import VisionLanguageClient, VlmError
 from vlm_server.engine.config import EngineConfig
 from vlm_server.http.routes import ROUTES
@@ -36,14 +43,13 @@ LONG = 900  # tokens of a text-only answer: seconds on the CPU, far beyond any w
 @pytest.fixture(scope="module")
 def server(tiny: LoadedModel) -> Iterator[ServerThread]:
     config = EngineConfig(max_batch_size=8, max_queue=100, kv_budget_bytes=16 * MIB)
-    factory = lambda: GatedBatchedEngine(tiny, config)
+    factory = in_process(lambda: GatedBatchedEngine(tiny, config))
     with ServerThread(local_config(http_port=-1, max_http_body_bytes=BODY_LIMIT), factory) as s:
         yield s
 
 
 def _engine(server: ServerThread) -> GatedBatchedEngine:
-    assert server.server is not None
-    engine = server.server.engine
+    engine = engine_of(server)
     assert isinstance(engine, GatedBatchedEngine)
     return engine
 
@@ -424,7 +430,7 @@ def _small_png() -> bytes:
 
 def test_a_full_queue_is_429_and_a_request_beyond_the_cache_413(tiny: LoadedModel) -> None:
     config = EngineConfig(max_batch_size=1, max_queue=1, kv_budget_bytes=60 * PAGE_BYTES)
-    factory = lambda: GatedBatchedEngine(tiny, config)
+    factory = in_process(lambda: GatedBatchedEngine(tiny, config))
     with ServerThread(local_config(http_port=-1), factory) as single:
         engine, url = _engine(single), single.http_url
         engine.token_gate.clear()
@@ -464,7 +470,7 @@ def test_loading_and_draining_answer_503_and_accepted_requests_finish(tiny: Load
         engines.append(engine)
         return engine
 
-    running = ServerThread(local_config(http_port=-1), factory).start(wait_ready=False)
+    running = ServerThread(local_config(http_port=-1), in_process(factory)).start(wait_ready=False)
     try:
         url = running.http_url
         wait_for(lambda: engines, what="the engine to be created")

@@ -59,9 +59,12 @@ def test_the_cpu_runtime_takes_no_early_steps_and_tracks_prefixes_in_flight(tiny
     from vlm_server.engine.api import GenerationRequest, Task
     from vlm_server.engine.config import EngineConfig
     from vlm_server.engine.engine import BatchedEngine
+    from vlm_server.server.in_process import InProcessEngine
 
-    async def serve() -> BatchedEngine:
-        engine = BatchedEngine(tiny, EngineConfig(max_batch_size=2, launch_overlap="idle"))
+    async def serve() -> InProcessEngine:
+        engine = InProcessEngine(
+            BatchedEngine(tiny, EngineConfig(max_batch_size=2, launch_overlap="idle"))
+        )
         await engine.start()
         try:
             req = GenerationRequest(Task.CAPTION, prepare_image(sample_image_bytes()), max_tokens=3)
@@ -71,7 +74,7 @@ def test_the_cpu_runtime_takes_no_early_steps_and_tracks_prefixes_in_flight(tiny
             await engine.close()
         return engine
 
-    rt = asyncio.run(serve()).runtime
+    rt = asyncio.run(serve()).batched.runtime
     assert rt.launch_overlap == "off" and rt.steps.early_steps == 0
     assert not rt.steps.early_decode_graphs and not rt.steps.early_mixed_graphs
     assert not rt.prefill_busy()

@@ -13,9 +13,9 @@ import torch
 
 from image_pipeline import PreparedImage
 from tests.test_engine import _finish_all, _text_requests, images  # noqa: F401  (fixture)
-from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.common import launch_overlap
 from vlm_server.models.interface import LoadedModel
+from vlm_server.server.in_process import InProcessEngine
 
 pytestmark = pytest.mark.gpu
 
@@ -127,9 +127,9 @@ def test_steps_without_a_prefill_in_flight_take_the_early_graphs(
     reqs = _text_requests(images)
     runtimes = {}
 
-    def check_with(mode: str) -> Callable[[BatchedEngine], None]:
-        def check(engine: BatchedEngine) -> None:
-            rt = engine.runtime
+    def check_with(mode: str) -> Callable[[InProcessEngine], None]:
+        def check(engine: InProcessEngine) -> None:
+            rt = engine.batched.runtime
             runtimes[mode] = rt
             assert rt.launch_overlap == mode
             assert bool(rt.steps.early_decode_graphs) == (mode == "idle")

@@ -16,7 +16,7 @@ import torch
 
 from image_pipeline import prepare_image, sample_image_bytes
 from tests.http_support import post_json
-from tests.support.service_harness import ServerThread, local_config
+from tests.support.service_harness import ServerThread, in_process, local_config
 from tests.support.toy_family import FAMILY as TOY
 from tests.support.toy_family import ToyConfig
 from vlm_server.client import VisionLanguageClient
@@ -50,7 +50,7 @@ def toy(toy_dir: Path) -> LoadedModel:
 def toy_server(toy_dir: Path) -> Iterator[ServerThread]:
     """What ``vlm serve --model <toy checkpoint>`` runs: the service loads it by its config."""
     config = local_config(model=str(toy_dir), device="cpu", dtype="fp32", http_port=-1)
-    with ServerThread(config, lambda: batched_engine(config)) as running:
+    with ServerThread(config, in_process(lambda: batched_engine(config))) as running:
         yield running
 
 

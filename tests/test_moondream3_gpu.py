@@ -17,15 +17,15 @@ from tests.test_engine import (  # noqa: F401  (fixtures)
     images,
 )
 from vlm_server.engine.api import GenerationRequest, Task
-from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.registry import preset, random_model
 from vlm_server.reference import ReferenceGenerator
+from vlm_server.server.in_process import InProcessEngine
 
 pytestmark = pytest.mark.gpu
 
 
-def _check(engine: BatchedEngine) -> None:
-    rt = engine.runtime
+def _check(engine: InProcessEngine) -> None:
+    rt = engine.batched.runtime
     assert rt.steps.decode_graphs and rt.steps.mixed_graphs and rt.prefill.prefix_graphs
     assert rt.pool.use_triton
 

@@ -30,11 +30,11 @@ from vlm_server.engine.api import (
     PathDelta,
     Task,
 )
-from vlm_server.engine.engine import BatchedEngine
 from vlm_server.engine.requests.tasks import TaskCompiler
 from vlm_server.models import prompts
 from vlm_server.models.interface import LoadedModel
 from vlm_server.models.registry import preset, random_model
+from vlm_server.server.in_process import InProcessEngine
 
 REFS = ((0.5, 0.5, 0.9, 0.95),)  # a box: coordinate and size placeholders
 
@@ -69,7 +69,7 @@ def expected(md3_tiny: LoadedModel, images: list[PreparedImage]) -> list:  # noq
     return out
 
 
-async def _stream(engine: BatchedEngine, req: GenerationRequest) -> tuple[list, Finished]:
+async def _stream(engine: InProcessEngine, req: GenerationRequest) -> tuple[list, Finished]:
     deltas: list = []
     async for event in await engine.submit(req):
         if isinstance(event, Finished):

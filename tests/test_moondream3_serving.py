@@ -14,7 +14,7 @@ import torch
 
 from image_pipeline import prepare_image, sample_image_bytes
 from tests.http_support import events, post, post_json
-from tests.support.service_harness import ServerThread, local_config
+from tests.support.service_harness import ServerThread, in_process, local_config
 from tests.test_moondream3_segment import whole_chunks
 from vlm_server.client import VisionLanguageClient
 from vlm_server.client.types import VlmError
@@ -41,7 +41,7 @@ def md3(md3_dir: Path) -> LoadedModel:
 def md3_server(md3_dir: Path) -> Iterator[ServerThread]:
     """What ``vlm serve --model <md3 checkpoint>`` runs."""
     config = local_config(model=str(md3_dir), device="cpu", dtype="fp32", http_port=-1)
-    with ServerThread(config, lambda: batched_engine(config)) as running:
+    with ServerThread(config, in_process(lambda: batched_engine(config))) as running:
         yield running
 
 

@@ -44,9 +44,11 @@ from vlm_server.engine.core import scheduler as scheduler_module
 from vlm_server.engine.core.outputs import (
     ObjectOutput,
     Output,
+    OutputKinds,
     SegmentOutput,
     TextOutput,
     output_for,
+    register_output,
     segmentation,
     stopped,
 )
@@ -320,14 +322,39 @@ class _TallyOutput(Output):
 
 
 def test_another_family_answers_through_its_own_output() -> None:
-    g = _Tally()
-    seq = _seq(g, output=_TallyOutput(g))  # type: ignore[arg-type]
+    """Its grammar type registered: every sequence built with such a grammar answers
+    through its output, as the project's tasks do."""
+
+    class Counted(_Tally):  # a type of this test's own: the table is the process's
+        pass
+
+    register_output(Counted, lambda grammar, _vocab: _TallyOutput(grammar))
+    g = Counted()
+    seq = _seq(g)  # type: ignore[arg-type]
+    assert type(seq.output) is _TallyOutput
     for token in (1, 2, 3):
         assert _commit(seq, token, (), now=float(token)) is None
     tail, result = seq.output.finish(seq, now=5.0)
     assert tail == TextDelta("!") and result.text == "1,2,3"
     assert result.points == [Point(0.1, 0.0), Point(0.2, 0.0), Point(0.3, 0.0)]
     assert result.finish_reason is FinishReason.EOS and result.metrics.output_tokens == 3
+
+
+def test_the_most_derived_registered_grammar_type_chooses_the_output() -> None:
+    kinds = OutputKinds()
+    kinds.register(_Tally, lambda grammar, _vocab: _TallyOutput(grammar))
+
+    class Refined(_Tally):
+        pass
+
+    class Plain(_Tally):
+        pass
+
+    kinds.register(Refined, lambda grammar, _vocab: Output(grammar))
+    assert type(kinds.make(Plain())) is _TallyOutput  # a subclass answers as its base
+    assert type(kinds.make(Refined())) is Output  # unless it registered its own
+    with pytest.raises(ValueError, match="_Tally has an output already"):
+        kinds.register(_Tally, lambda grammar, _vocab: Output(grammar))
 
 
 def _names(module: object) -> set[str]:

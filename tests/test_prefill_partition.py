@@ -26,6 +26,7 @@ from vlm_server.models.interface import LoadedModel
 from vlm_server.options.command_line import load_config
 from vlm_server.options.table import ServerConfig
 from vlm_server.reference import ReferenceGenerator
+from vlm_server.server.in_process import InProcessEngine
 
 
 def test_prefill_sms_is_a_flag_and_is_checked() -> None:
@@ -55,11 +56,11 @@ def test_auto_is_no_partition_off_cuda(tiny: LoadedModel) -> None:
     assert resolved_prefill_sms(PREFILL_SMS_AUTO, torch.device("cpu")) == 0
     assert resolved_prefill_sms(0, torch.device("cpu")) == 0
     loaded = LoadedModel(copy.deepcopy(tiny.model), tiny.tokenizer, tiny.config, tiny.source)
-    engine = BatchedEngine(
-        loaded, EngineConfig(prefill_sms=PREFILL_SMS_AUTO, kv_budget_bytes=8 << 20)
+    engine = InProcessEngine(
+        BatchedEngine(loaded, EngineConfig(prefill_sms=PREFILL_SMS_AUTO, kv_budget_bytes=8 << 20))
     )
     try:
-        assert engine.runtime.prefill_sms == 0
+        assert engine.batched.runtime.prefill_sms == 0
     finally:
         asyncio.run(engine.close())
 
@@ -147,8 +148,8 @@ def test_cuda_engine_with_a_prefill_partition_equals_the_reference(
     loaded = LoadedModel(model, text_model.tokenizer, text_model.config, text_model.source)
     reqs = _text_requests(images)
 
-    def check(engine: BatchedEngine) -> None:
-        rt = engine.runtime
+    def check(engine: InProcessEngine) -> None:
+        rt = engine.batched.runtime
         assert isinstance(rt.dev, TorchDevice) and rt.dev.prefill_capture_stream is not None
         assert len(rt.prefill.lanes) == (2 if when_streaming else 1)
         assert all(lane.image_graphs and lane.prefix_graphs for lane in rt.prefill.lanes)

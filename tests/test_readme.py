@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from image_pipeline import sample_image_bytes
-from tests.support.service_harness import ServerThread, local_config
+from tests.support.service_harness import ServerThread, in_process, local_config
 from vlm_server.client import VisionLanguageClient
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
@@ -34,7 +34,9 @@ def _python_example() -> str:
 def server(tiny: LoadedModel) -> Iterator[ServerThread]:
     with ServerThread(
         local_config(),
-        lambda: BatchedEngine(tiny, EngineConfig(max_batch_size=1, kv_budget_bytes=16 << 20)),
+        in_process(
+            lambda: BatchedEngine(tiny, EngineConfig(max_batch_size=1, kv_budget_bytes=16 << 20))
+        ),
     ) as running:
         yield running
 

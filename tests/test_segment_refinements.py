@@ -28,6 +28,7 @@ from vlm_server.models.interface import LoadedModel
 from vlm_server.models.moondream3.refiner import save_head
 from vlm_server.models.moondream3.refiner_head import random_head
 from vlm_server.models.registry import preset, random_model, segment_refiner
+from vlm_server.server.in_process import InProcessEngine
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def picture() -> tuple[PreparedImage, np.ndarray]:
 def _run(loaded: LoadedModel, reqs: list[GenerationRequest], refine: object, depth: int = 2):
     async def run() -> list[tuple[list, Finished]]:
         cfg = EngineConfig(max_batch_size=4, pipeline_depth=depth)
-        engine = BatchedEngine(loaded, cfg, segment_refiner=refine)  # type: ignore[arg-type]
+        engine = InProcessEngine(BatchedEngine(loaded, cfg, segment_refiner=refine))  # type: ignore[arg-type]
         await engine.start()
         try:
             out = await asyncio.gather(*[_stream(engine, r) for r in reqs])

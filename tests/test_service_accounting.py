@@ -19,7 +19,14 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.service_harness import GatedBatchedEngine, ServerThread, local_config, wait_for
+from tests.support.service_harness import (
+    GatedBatchedEngine,
+    ServerThread,
+    engine_of,
+    in_process,
+    local_config,
+    wait_for,
+)
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
 from vlm_server.engine.config import EngineConfig
@@ -31,7 +38,8 @@ from vlm_server.models.interface import LoadedModel
 @pytest.fixture(scope="module")
 def server(tiny: LoadedModel) -> Iterator[ServerThread]:
     with ServerThread(
-        local_config(), lambda: GatedBatchedEngine(tiny, EngineConfig(kv_budget_bytes=16 << 20))
+        local_config(),
+        in_process(lambda: GatedBatchedEngine(tiny, EngineConfig(kv_budget_bytes=16 << 20))),
     ) as running:
         yield running
 
@@ -55,7 +63,7 @@ def test_a_deadline_that_passes_while_running_is_deadline_exceeded(
     server: ServerThread, caplog: pytest.LogCaptureFixture
 ) -> None:
     assert server.server is not None
-    engine = server.server.engine
+    engine = engine_of(server)
     assert isinstance(engine, GatedBatchedEngine)
     before = _requests_total(server).get(("query", "DEADLINE_EXCEEDED"), 0)
     request = pb.QueryRequest(
@@ -117,7 +125,7 @@ def test_a_storm_of_short_deadlines_is_logged_as_deadline_exceeded(
     queued, or still arriving. (A call that expires before gRPC hands it to the server, or
     before it leaves the client, is invisible to the server and cannot be logged.)"""
     assert server.server is not None
-    engine = server.server.engine
+    engine = engine_of(server)
     assert isinstance(engine, GatedBatchedEngine)
     caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
     before = _requests_total(server)

@@ -26,6 +26,8 @@ from image_pipeline import prepare_image
 from tests.support.service_harness import (
     GatedBatchedEngine,
     ServerThread,
+    engine_of,
+    in_process,
     local_config,
     wait_for,
 )
@@ -159,7 +161,9 @@ async def _all(target: str, specs: list[dict[str, Any]]) -> list[Any]:
 @pytest.fixture(scope="module")
 def batched(tiny: LoadedModel) -> Iterator[ServerThread]:
     config = EngineConfig(max_batch_size=16, max_queue=CLIENTS, kv_budget_bytes=16 * MIB)
-    with ServerThread(local_config(), lambda: GatedBatchedEngine(tiny, config)) as running:
+    with ServerThread(
+        local_config(), in_process(lambda: GatedBatchedEngine(tiny, config))
+    ) as running:
         yield running
 
 
@@ -173,7 +177,9 @@ def batched_stub(batched: ServerThread) -> Iterator[pb_grpc.VisionLanguageStub]:
 def single(tiny: LoadedModel) -> Iterator[ServerThread]:
     """One sequence at a time, one waiting, a small KV cache."""
     config = EngineConfig(max_batch_size=1, max_queue=1, kv_budget_bytes=SINGLE_PAGES * PAGE_BYTES)
-    with ServerThread(local_config(), lambda: GatedBatchedEngine(tiny, config)) as running:
+    with ServerThread(
+        local_config(), in_process(lambda: GatedBatchedEngine(tiny, config))
+    ) as running:
         yield running
 
 
@@ -184,8 +190,7 @@ def single_stub(single: ServerThread) -> Iterator[pb_grpc.VisionLanguageStub]:
 
 
 def _batched(server: ServerThread) -> GatedBatchedEngine:
-    assert server.server is not None
-    engine = server.server.engine
+    engine = engine_of(server)
     assert isinstance(engine, GatedBatchedEngine)
     return engine
 

@@ -11,7 +11,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.service_harness import ServerThread, local_config
+from tests.support.service_harness import ServerThread, in_process, local_config
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.client import VisionLanguageClient
 from vlm_server.engine.config import EngineConfig
@@ -47,7 +47,9 @@ STREAMING = {"Caption", "Query"}
 def server(tiny: LoadedModel) -> Iterator[ServerThread]:
     with ServerThread(
         local_config(),
-        lambda: BatchedEngine(tiny, EngineConfig(max_batch_size=1, kv_budget_bytes=16 << 20)),
+        in_process(
+            lambda: BatchedEngine(tiny, EngineConfig(max_batch_size=1, kv_budget_bytes=16 << 20))
+        ),
     ) as running:
         yield running
 
@@ -128,7 +130,10 @@ def test_text_limits_are_the_server_flags(tiny: LoadedModel) -> None:
     def engine() -> BatchedEngine:
         return BatchedEngine(tiny, EngineConfig(max_batch_size=1, kv_budget_bytes=16 << 20))
 
-    with ServerThread(config, engine) as running, VisionLanguageClient(running.target) as client:
+    with (
+        ServerThread(config, in_process(engine)) as running,
+        VisionLanguageClient(running.target) as client,
+    ):
         assert client.query(None, "q" * 20, max_tokens=1, temperature=0).text is not None
         with pytest.raises(VlmError) as caught:
             client.query(None, "q" * 21, max_tokens=1)

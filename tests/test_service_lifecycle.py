@@ -26,6 +26,7 @@ from tests.support import early
 from tests.support.service_harness import (
     GatedBatchedEngine,
     ServerThread,
+    in_process,
     local_config,
     wait_for,
 )
@@ -82,7 +83,7 @@ def test_readiness_is_off_while_loading_and_during_drain(tiny: LoadedModel, dept
         engines.append(engine)
         return engine
 
-    server = ServerThread(local_config(), factory).start(wait_ready=False)
+    server = ServerThread(local_config(), in_process(factory)).start(wait_ready=False)
     try:
         target = server.target
         wait_for(lambda: engines, what="the engine to be created")
@@ -194,7 +195,7 @@ def test_sigterm_finishes_accepted_requests_then_exits_0(
 
 
 def _engine_factory(tiny: LoadedModel) -> Callable[[], Engine]:
-    return lambda: BatchedEngine(tiny, EngineConfig(kv_budget_bytes=KV_BUDGET))
+    return in_process(lambda: BatchedEngine(tiny, EngineConfig(kv_budget_bytes=KV_BUDGET)))
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from image_pipeline import PreparedImage, sample_image_bytes
-from tests.support.service_harness import ServerThread, local_config
+from tests.support.service_harness import ServerThread, in_process, local_config
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
 from vlm_server.client import EncodedImage, TextResult, VisionLanguageClient, VlmError
@@ -38,14 +38,14 @@ def single_server(tiny: LoadedModel) -> Iterator[ServerThread]:
     config = EngineConfig(
         max_batch_size=1, pipeline_depth=1, max_queue=100, kv_budget_bytes=16 * MIB
     )
-    with ServerThread(local_config(), lambda: BatchedEngine(tiny, config)) as running:
+    with ServerThread(local_config(), in_process(lambda: BatchedEngine(tiny, config))) as running:
         yield running
 
 
 @pytest.fixture(scope="module")
 def batched_server(tiny: LoadedModel) -> Iterator[ServerThread]:
     config = EngineConfig(max_batch_size=BATCH, max_queue=100, kv_budget_bytes=16 * MIB)
-    with ServerThread(local_config(), lambda: BatchedEngine(tiny, config)) as running:
+    with ServerThread(local_config(), in_process(lambda: BatchedEngine(tiny, config))) as running:
         yield running
 
 

@@ -19,7 +19,7 @@ from PIL import Image
 
 from image_pipeline import prepare_image
 from tests.support.certs import make_certs
-from tests.support.service_harness import ServerThread, local_config
+from tests.support.service_harness import ServerThread, in_process, local_config
 from vlm_server.client import Security, VisionLanguageClient, VlmError
 from vlm_server.client.cli import main as client_main
 from vlm_server.engine.config import EngineConfig
@@ -68,7 +68,7 @@ def test_api_keys_come_from_the_environment_and_a_file(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def guarded(tiny: LoadedModel) -> Iterator[ServerThread]:
-    with ServerThread(local_config(api_keys=KEYS), lambda: _reference(tiny)) as running:
+    with ServerThread(local_config(api_keys=KEYS), in_process(lambda: _reference(tiny))) as running:
         yield running
 
 
@@ -122,7 +122,7 @@ def test_one_key_cannot_flush_the_images_another_key_uploaded(tiny: LoadedModel)
         api_keys=KEYS, image_cache_bytes=4 * size, image_cache_client_bytes=2 * size
     )
     alice, mallory = Security("alpha-key"), Security("beta-key")
-    with ServerThread(config, lambda: _reference(tiny)) as server:
+    with ServerThread(config, in_process(lambda: _reference(tiny))) as server:
         with VisionLanguageClient(server.target, timeout=60, security=alice) as client:
             kept = client.encode_image(pictures[0])
         with VisionLanguageClient(server.target, timeout=60, security=mallory) as client:
@@ -144,7 +144,7 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_tls_serves_only_tls_clients(tiny: LoadedModel, certs: Path) -> None:
     config = local_config(tls_cert=str(certs / "server.pem"), tls_key=str(certs / "server.key"))
-    with ServerThread(config, lambda: _reference(tiny)) as server:
+    with ServerThread(config, in_process(lambda: _reference(tiny))) as server:
         secure = Security(ca_cert=certs / "ca.pem")
         with VisionLanguageClient(server.target, timeout=30, security=secure) as client:
             assert client.model_info().model_name == "tiny"
@@ -160,7 +160,7 @@ def test_mutual_tls_needs_a_client_certificate_from_the_ca(tiny: LoadedModel, ce
         tls_key=str(certs / "server.key"),
         tls_client_ca=str(certs / "ca.pem"),
     )
-    with ServerThread(config, lambda: _reference(tiny)) as server:
+    with ServerThread(config, in_process(lambda: _reference(tiny))) as server:
         no_cert = Security(ca_cert=certs / "ca.pem")
         with VisionLanguageClient(server.target, timeout=5, security=no_cert) as client:
             with pytest.raises(VlmError) as caught:
@@ -190,7 +190,7 @@ def test_tls_settings_that_cannot_work_are_refused(overrides: dict[str, str]) ->
 def test_metrics_listen_on_loopback_by_default(tiny: LoadedModel) -> None:
     assert ServerConfig().metrics_host == "127.0.0.1"
     config = local_config(host="0.0.0.0")  # every interface for gRPC, not for metrics
-    with ServerThread(config, lambda: _reference(tiny)) as server:
+    with ServerThread(config, in_process(lambda: _reference(tiny))) as server:
         assert server.server is not None
         http = server.server.metrics._http
         assert http is not None and http.server_address[0] == "127.0.0.1"
@@ -200,13 +200,13 @@ def test_metrics_listen_on_loopback_by_default(tiny: LoadedModel) -> None:
 
 
 def test_a_second_server_on_a_taken_port_fails_naming_it(tiny: LoadedModel, tmp_path: Path) -> None:
-    with ServerThread(local_config(), lambda: _reference(tiny)) as first:
+    with ServerThread(local_config(), in_process(lambda: _reference(tiny))) as first:
         assert first.server is not None
         port = first.server.port
         taken = local_config(port=port)
 
         async def start_second() -> None:
-            second = VisionLanguageServer(taken, lambda: _reference(tiny))
+            second = VisionLanguageServer(taken, in_process(lambda: _reference(tiny)))
             await second.start()
 
         with pytest.raises(ListenError, match=f"127.0.0.1:{port}: port {port} is in use"):
@@ -214,7 +214,7 @@ def test_a_second_server_on_a_taken_port_fails_naming_it(tiny: LoadedModel, tmp_
         busy_metrics = local_config(metrics_port=first.server.metrics_port)
 
         async def start_third() -> None:
-            third = VisionLanguageServer(busy_metrics, lambda: _reference(tiny))
+            third = VisionLanguageServer(busy_metrics, in_process(lambda: _reference(tiny)))
             await third.start()
 
         with pytest.raises(ListenError, match=f"metrics on 127.0.0.1:{busy_metrics.metrics_port}"):
@@ -228,7 +228,7 @@ def _serve(*flags: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_vlm_serve_on_a_taken_port_exits_with_one_line(tiny: LoadedModel) -> None:
-    with ServerThread(local_config(), lambda: _reference(tiny)) as first:
+    with ServerThread(local_config(), in_process(lambda: _reference(tiny))) as first:
         assert first.server is not None
         done = _serve("--port", str(first.server.port), "--metrics-port", "0")
     assert done.returncode == 1

@@ -15,24 +15,28 @@ from tests.support.service_harness import local_config
 from vlm_server.engine import step_trace
 from vlm_server.engine.api import Finished, GenerationRequest, Task
 from vlm_server.engine.core.pipeline import LaunchKind, Step
+from vlm_server.engine.engine import BatchedEngine
 from vlm_server.server.engines import batched_engine
+from vlm_server.server.in_process import InProcessEngine
 
 
-def _serve(engine: object, requests: list[GenerationRequest]) -> list[Finished]:
+def _serve(batched: BatchedEngine, requests: list[GenerationRequest]) -> list[Finished]:
+    engine = InProcessEngine(batched)
+
     async def run() -> list[Finished]:
-        await engine.start()  # type: ignore[attr-defined]
+        await engine.start()
         try:
 
             async def one(req: GenerationRequest) -> Finished:
                 last = None
-                async for event in await engine.submit(req):  # type: ignore[attr-defined]
+                async for event in await engine.submit(req):
                     last = event
                 assert isinstance(last, Finished)
                 return last
 
             return list(await asyncio.gather(*[one(r) for r in requests]))
         finally:
-            await engine.close()  # type: ignore[attr-defined]
+            await engine.close()
 
     return asyncio.run(run())
 
@@ -43,7 +47,7 @@ def test_a_served_engine_writes_its_steps_when_it_stops(
     path = tmp_path / "trace" / "steps.json"
     config = local_config(model=str(tiny_dir), device="cpu", dtype="fp32", step_trace=str(path))
     engine = batched_engine(config)
-    assert isinstance(engine.observer, step_trace.StepTrace)  # type: ignore[attr-defined]
+    assert isinstance(engine.observer, step_trace.StepTrace)
     requests = [
         GenerationRequest(Task.CAPTION, sample_image, max_tokens=6, temperature=0),
         GenerationRequest(Task.QUERY, sample_image, question="What?", max_tokens=4),

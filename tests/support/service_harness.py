@@ -1,9 +1,10 @@
 """Running a server inside a process (tests, notebooks): its own event loop on a thread.
 
 `ServerThread` starts a `VisionLanguageServer` on a background loop, so blocking clients can
-call it from the calling thread. `GatedBatchedEngine` lets a test hold the engine at start or
-before a decode commit, to put the server in a known state without sleeping. `wait_for` polls
-a condition until a deadline.
+call it from the calling thread; `in_process` makes the factory of a server serving a batched
+engine in its own process, and `engine_of` finds that engine again. `GatedBatchedEngine` lets
+a test hold the engine at start or before a decode commit, to put the server in a known state
+without sleeping. `wait_for` polls a condition until a deadline.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from vlm_server.engine.core.sequence import Sequence
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.http.server import Authorizer
 from vlm_server.options.table import ServerConfig
+from vlm_server.server.in_process import InProcessEngine
 from vlm_server.server.lifecycle import EngineFactory, VisionLanguageServer
 
 T = TypeVar("T")
@@ -48,6 +50,19 @@ def wait_for(
         if time.monotonic() >= deadline:
             raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+def in_process(make: Callable[[], BatchedEngine]) -> EngineFactory:
+    """The factory of a server serving what ``make`` builds in the server's own process."""
+    return lambda: InProcessEngine(make())
+
+
+def engine_of(server: ServerThread) -> BatchedEngine:
+    """The batched engine a server (built with `in_process`) serves."""
+    assert server.server is not None
+    engine = server.server.engine
+    assert isinstance(engine, InProcessEngine), engine
+    return engine.batched
 
 
 def local_config(**overrides: Any) -> ServerConfig:
@@ -178,9 +193,9 @@ class GatedBatchedEngine(BatchedEngine):
         else:
             self.outcomes[rid] = event.code.value
 
-    async def start(self) -> None:
-        await asyncio.to_thread(self.start_gate.wait, GATE_TIMEOUT_S)
-        await super().start()
+    def start(self) -> None:
+        self.start_gate.wait(GATE_TIMEOUT_S)
+        super().start()
 
     def cached_prefix_pages(self) -> int:
         """KV pages held by cached image prefixes (call when `idle`: none is in use then)."""

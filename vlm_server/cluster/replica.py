@@ -132,9 +132,8 @@ class VisionLanguageReplica:
         await self.server.wait_ready()
         # As vlm serve does once the model is loaded (server/main.py).
         freeze()  # later collections skip the model's objects
-        warm = getattr(self.server.engine, "warm_constraints", None)  # an in-process engine's
-        if warm is not None:
-            warm()
+        assert self.server.engine is not None  # ready: loaded
+        self.server.engine.warm_constraints()
         limit = config.max_message_bytes
         local = _local(listen)
         self._channel = grpc.aio.insecure_channel(

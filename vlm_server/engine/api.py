@@ -293,6 +293,10 @@ class Engine(Protocol):
 
     def stats(self) -> EngineStats: ...
 
+    def warm_constraints(self) -> None:
+        """Start what the first constrained request would otherwise wait for (the constraint
+        compiler's child process), in the background; servers call this once ready."""
+
     def failure(self) -> str | None:
         """Why the engine can no longer serve (it failed or its process died), or None."""
 

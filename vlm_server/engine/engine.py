@@ -1,21 +1,21 @@
-"""The batched engine: an asyncio front over the scheduler thread.
+"""The batched engine: requests in, through one entry, to the scheduler thread.
 
-`submit` validates a request, builds its prompt and grammar, and hands the sequence to the
-scheduler thread through a lock-protected inbox; events come back to the event loop with
-``loop.call_soon_threadsafe``, one call per batch of events (`EventOutbox`). The
-scheduler thread owns the model and the device.
+`admit` is the one entry (engine/intake.py): it decodes a JPEG left encoded, builds the
+request's prompt and grammar, and hands the sequence to the scheduler thread through a
+lock-protected inbox, each slow step on a thread of its own; the request's `Route` hears
+whether it was taken, then its events. The scheduler thread owns the model and the device;
+it flushes its `Outbox` once per tick, so that events reach their readers in one hand-over
+per tick. Nothing here runs an event loop: an asyncio server wraps the engine
+(server/in_process.py), an engine process pipes it (engine/process/worker.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import queue
 import threading
-import time
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from functools import partial
 from typing import Protocol
 
@@ -29,9 +29,7 @@ from vlm_server.engine.api import (
     EngineInfo,
     EngineStats,
     ErrorCode,
-    Event,
     GenerationRequest,
-    stream_events,
 )
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.observer import NO_OBSERVER, Observer
@@ -39,6 +37,7 @@ from vlm_server.engine.core.outputs import output_for
 from vlm_server.engine.core.scheduler import Scheduler
 from vlm_server.engine.core.sequence import Sequence
 from vlm_server.engine.device.runtime import ModelRuntime
+from vlm_server.engine.intake import Intake, Route, Ticket
 from vlm_server.engine.refinements import Refinements
 from vlm_server.engine.requests.tasks import TaskCompiler
 from vlm_server.models.interface import LoadedModel, SegmentRefine
@@ -49,8 +48,6 @@ log = logging.getLogger(__name__)
 # CUDA a watcher thread wakes it when the prefix is done; this bounds a missed wake).
 PREFIX_POLL_S = 0.0005
 PREFIX_WATCHED_POLL_S = 0.02
-# Requests whose adapter is being loaded (or waits for a slot) at once; more wait their turn.
-ADAPTER_THREADS = 16
 
 
 class _PrefixWatcher:
@@ -88,69 +85,17 @@ class _PrefixWatcher:
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-class _Stream:
-    """Per-request event stream on the event loop; raises the EngineError that ended it."""
-
-    def __init__(
-        self, engine: BatchedEngine, seq: Sequence, loop: asyncio.AbstractEventLoop
-    ) -> None:
-        self._engine = engine
-        self._seq = seq
-        self._queue: asyncio.Queue[Emitted] = asyncio.Queue()
-        self._loop = loop
-
-    def push(self, event: object) -> None:
-        """Called from the scheduler thread: held until the engine flushes its events."""
-        self._engine.outbox.push(self._loop, self._queue.put_nowait, event)
-
-    def __aiter__(self) -> AsyncIterator[Event]:
-        return stream_events(self._queue)
-
-    def cancel(self) -> None:
-        self._engine.cancel(self._seq)
-
-
 class Outbox(Protocol):
     """Where the scheduler thread's events wait until it flushes them, once per tick."""
 
     def flush(self) -> None: ...
 
 
-class EventOutbox:
-    """Events from the scheduler thread to event loops, handed over in batches.
-
-    Each ``loop.call_soon_threadsafe`` writes to the loop's wake-up socket and wakes it; at 64
-    streams a step emits 64 events, and one call per event cost the scheduler thread more
-    than building the step. `flush` makes one call per loop for everything pushed so far.
-    Used from one thread (the scheduler's).
-    """
-
-    def __init__(self) -> None:
-        self._items: list[tuple[asyncio.AbstractEventLoop, Callable[[object], None], object]] = []
-
-    def push(
-        self, loop: asyncio.AbstractEventLoop, put: Callable[[object], None], event: object
-    ) -> None:
-        self._items.append((loop, put, event))
+class DirectOutbox:
+    """Events go straight to their route's `emit`: nothing waits for a flush."""
 
     def flush(self) -> None:
-        if not self._items:
-            return
-        batch, self._items = self._items, []
-        loop = batch[0][0]
-        if all(item[0] is loop for item in batch):
-            loop.call_soon_threadsafe(_deliver, batch)
-            return
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for item in batch:
-            by_loop.setdefault(item[0], []).append(item)
-        for each, items in by_loop.items():
-            each.call_soon_threadsafe(_deliver, items)
-
-
-def _deliver(batch: list[tuple[object, Callable[[object], None], object]]) -> None:
-    for _, put, event in batch:
-        put(event)
+        pass
 
 
 def _release_both(first: Callable[[], None], unpin: Callable[[int], None], slot: int) -> None:
@@ -159,11 +104,6 @@ def _release_both(first: Callable[[], None], unpin: Callable[[int], None], slot:
         first()
     finally:
         unpin(slot)
-
-
-def _release_abandoned(built: asyncio.Future[Sequence]) -> None:
-    if not built.cancelled() and built.exception() is None:
-        built.result().release_resources()
 
 
 class BatchedEngine:
@@ -213,9 +153,9 @@ class BatchedEngine:
             max_spatial_refs=self.cfg.max_spatial_refs,
         )
         self.table = self.tasks.table
-        # Where the scheduler's events go. Replaceable before `start` (an engine process
-        # sends them down a pipe instead of onto an event loop).
-        self.outbox: Outbox = EventOutbox()
+        # What the scheduler flushes once per tick: where the routes' `emit` hold events
+        # (an event loop's hand-over, an engine process's pipe). Replaceable before `start`.
+        self.outbox: Outbox = DirectOutbox()
         self.runtime = ModelRuntime(
             model, self.cfg, self.table, observer=observer, image_preparer=image_preparer
         )
@@ -249,8 +189,7 @@ class BatchedEngine:
             if self.runtime.dev.is_cuda
             else None
         )
-        # One builder thread: constraint compilation holds the compiler's lock anyway.
-        self._builders = ThreadPoolExecutor(1, thread_name_prefix="request-builder")
+        self.intake: Intake[Sequence] = Intake(self, max_decoding=self.cfg.max_queue)
         # Finetune adapters (engine/adapters.py), when the config and the family take them.
         bank = self.runtime.adapter_bank
         self.adapters = AdapterManager(self.cfg, bank) if bank is not None else None
@@ -258,21 +197,16 @@ class BatchedEngine:
             self.info = dataclasses.replace(
                 self.info, max_adapters=bank.n_slots, max_adapter_rank=bank.max_rank
             )
-        # Requests naming an adapter are built here: a load (file, download, a wait for a
-        # slot) blocks one of these threads, not the event loop nor other requests.
-        self.adapter_threads = ThreadPoolExecutor(
-            ADAPTER_THREADS, thread_name_prefix="adapter-load"
-        )
 
     # ---- lifecycle --------------------------------------------------------------------
 
-    async def start(self) -> None:
-        """Capture CUDA graphs (on CUDA), then start the scheduler thread."""
+    def start(self) -> None:
+        """Capture CUDA graphs (on CUDA), then start the scheduler thread. Blocks for the
+        captures."""
         rt = self.runtime
         if self.cfg.cuda_graphs and rt.dev.is_cuda and not rt.steps.decode_graphs:
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(None, self.runtime.capture_graphs)
-            await loop.run_in_executor(None, self.runtime.capture_vision_graphs)
+            rt.capture_graphs()
+            rt.capture_vision_graphs()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
             self._thread.start()
@@ -280,38 +214,37 @@ class BatchedEngine:
     def warm_constraints(self) -> None:
         """Start the constraint compiler's child process in the background, so that the
         first constrained request does not wait for it (servers call this once ready)."""
-        self._builders.submit(self.tasks.constraints.warm)
+        self.intake.builder.submit(self.tasks.constraints.warm)
 
-    async def drain(self, timeout: float) -> None:
+    def drain(self) -> None:
+        """Refuse new requests (UNAVAILABLE) from now on; those taken run on (`busy`)."""
         self._draining = True
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self._cv:
-                busy = bool(self._inbox) or self.scheduler.has_work()
-            if not busy:
-                return
-            await asyncio.sleep(0.01)
 
-    async def close(self) -> None:
+    def busy(self) -> bool:
+        """Whether a taken request has not finished yet."""
+        with self._cv:
+            return bool(self._inbox) or self.scheduler.has_work()
+
+    def close(self) -> None:
+        """Stop the scheduler thread once its device work is done, then everything else.
+        Blocks for the joins."""
         with self._cv:
             self._stopping = True
             self._cv.notify()
         if self._thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+            self._thread.join()
             self._thread = None
         if self._prefix_watcher is not None:
             self._prefix_watcher.close()
-        close_runtime = getattr(self.scheduler.rt, "close", None)  # fake runtimes have none
-        if close_runtime is not None:  # joins the prefill launcher: off the event loop
-            await asyncio.get_running_loop().run_in_executor(None, close_runtime)
-        self._builders.shutdown(wait=False, cancel_futures=True)
-        self.adapter_threads.shutdown(wait=False, cancel_futures=True)
+        self.runtime.close()  # joins the prefill launcher
+        self.intake.close()
         self.tasks.constraints.close()
         self.observer.closed()
 
     def stats(self) -> EngineStats:
         stats = self.scheduler.stats()  # plain counters: a racy read is fine for metrics
         stats.queue_depth += len(self._inbox)
+        stats.images_decoding = self.intake.decoding
         if self.adapters is not None:
             stats.adapters = tuple(self.adapters.loaded())
         return stats
@@ -334,32 +267,13 @@ class BatchedEngine:
 
     # ---- submission -------------------------------------------------------------------
 
-    async def submit(self, request: GenerationRequest) -> _Stream:
-        """Admit a request; raises EngineError when it cannot be taken.
+    def admit(self, request: GenerationRequest, route: Route) -> Ticket[Sequence]:
+        """The one entry: take ``request``, whose outcome (accepted, or refused with an
+        EngineError) and then events go to ``route`` (engine/intake.py). Returns at once,
+        with what cancels the request; thread-safe."""
+        return self.intake.admit(request, route)
 
-        Building a request can compile a user constraint (choices / regex) over the whole
-        vocabulary, so that work runs on the builder pool, never on the event loop.
-        """
-        self._check_open()
-        if request.choices or request.regex is not None or request.adapter:
-            loop = asyncio.get_running_loop()
-            pool = self.adapter_threads if request.adapter else self._builders
-            built = loop.run_in_executor(pool, self.build, request)
-            try:
-                # Shielded: a caller that goes away mid-build must not leak the rows the
-                # build is about to take; they are given back when it completes.
-                seq = await asyncio.shield(built)
-            except asyncio.CancelledError:
-                built.add_done_callback(_release_abandoned)
-                self.tasks.constraints.cancel(request.choices, request.regex)
-                raise
-        else:
-            seq = self.build(request)
-        stream = _Stream(self, seq, asyncio.get_running_loop())
-        self.admit(seq, stream.push)
-        return stream
-
-    def admit(self, seq: Sequence, emit: Callable[[Emitted], None]) -> None:
+    def queue(self, seq: Sequence, emit: Callable[[Emitted], None]) -> None:
         """Queue a built sequence whose events go to ``emit`` (called on the scheduler
         thread); raises EngineError when it cannot be taken, and then releases it.
         Thread-safe."""
@@ -370,7 +284,7 @@ class BatchedEngine:
             raise
 
     def _enqueue(self, seq: Sequence, emit: Callable[[Emitted], None]) -> None:
-        self._check_open()
+        self.check_open()
         scheduler = self.scheduler
         total_pages = scheduler.pages.n_pages - 1
         need = scheduler.worst_case_pages(seq)
@@ -397,17 +311,24 @@ class BatchedEngine:
             seq.cancelled = ErrorCode.CANCELLED
             self._wake()
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Raise EngineError (UNAVAILABLE) when the engine takes no more requests."""
         if self._draining or self._stopping:
             raise EngineError(ErrorCode.UNAVAILABLE, "the server is shutting down")
         if self._failure is not None:
             raise EngineError(ErrorCode.UNAVAILABLE, f"the engine failed: {self._failure}")
 
+    def stop_compiling(self, request: GenerationRequest) -> None:
+        """Stop compiling ``request``'s constraint, if a child is doing so (its caller went
+        away)."""
+        if request.choices or request.regex is not None:
+            self.tasks.constraints.cancel(request.choices, request.regex)
+
     def decode_image(self, req: GenerationRequest) -> GenerationRequest:
         """``req`` with a JPEG left encoded (`EncodedImage`) decoded and cropped on this
         engine's image device, unless its image prefix is cached already (then nothing
-        reads its pixels). Blocks for the decode: an engine process calls it on a thread of
-        its own. Raises EngineError (INVALID_ARGUMENT, field ``image``) for data the
+        reads its pixels). Blocks for the decode: the intake calls it on a thread of its
+        own. Raises EngineError (INVALID_ARGUMENT, field ``image``) for data the
         decoders refuse."""
         req = qualify_image(req)  # an adapter's prefixes are cached apart
         image = req.image
@@ -510,8 +431,7 @@ class BatchedEngine:
                         refined, self._refined = self._refined, False
                     if refined:
                         self._deliver_refined()
-                    # The tick runs without the lock: submit() on the event loop never waits
-                    # for device work.
+                    # The tick runs without the lock: `admit` never waits for device work.
                     s.waiting.extend(arrived)
                     s.tick()
                     if s.stalled_on_prefixes():

@@ -9,6 +9,12 @@ from tokenizers import Tokenizer
 
 from vlm_server.models.contract import TokenContract
 
+
+class TemplateMissing(ValueError):
+    """The token contract has no template for what was asked: a task or mode its family
+    does not have (a server refuses such a request as unimplemented, not as bad input)."""
+
+
 # What turns a client's text (a question, an object name) into token ids.
 Encode = Callable[[str], Sequence[int]]
 
@@ -46,7 +52,7 @@ def query_prompt(
     text = (" " + question) if t.question_leading_space else question
     if reasoning:
         if t.reasoning_suffix is None:
-            raise ValueError(f"token contract {contract.name!r} has no reasoning mode")
+            raise TemplateMissing(f"token contract {contract.name!r} has no reasoning mode")
         suffix = t.reasoning_suffix
     else:
         suffix = t.query_suffix
@@ -86,7 +92,7 @@ def segment_prompt(
 ) -> list[int]:
     t = contract.templates
     if t.segment_prefix is None or t.segment_suffix is None:
-        raise ValueError(f"token contract {contract.name!r} defines no segment template")
+        raise TemplateMissing(f"token contract {contract.name!r} defines no segment template")
     return _object_prompt(
         t.segment_prefix, t.segment_suffix, t.segment_object_leading_space, encode, obj, refs
     )

@@ -13,6 +13,7 @@ import gc
 import logging
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from vlm_server.models.interface import LoadedModel
 from vlm_server.models.registry import load_model, segment_refiner
 from vlm_server.options.table import ServerConfig
 from vlm_server.server.memory import freeze, limit_arenas, limit_mmap_threshold, trim
+
+if TYPE_CHECKING:
+    from vlm_server.engine.engine import BatchedEngine
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +65,7 @@ def _loader(config: ServerConfig) -> Callable[[], LoadedModel]:
     return load
 
 
-def batched_engine(config: ServerConfig, one_at_a_time: bool = False) -> Engine:
+def batched_engine(config: ServerConfig, one_at_a_time: bool = False) -> BatchedEngine:
     """Continuous batching; loads the model here (the server calls this off its loop).
     ``one_at_a_time``: batch 1, blocking (depth 1), what ``--engine reference`` serves."""
     from vlm_server.engine.core.observer import NO_OBSERVER
@@ -90,7 +94,7 @@ def batched_engine(config: ServerConfig, one_at_a_time: bool = False) -> Engine:
 
 
 # Engine implementations by name (--engine); picklable, for an engine process.
-ENGINES: dict[str, Callable[[ServerConfig], Engine]] = {
+ENGINES: dict[str, Callable[[ServerConfig], BatchedEngine]] = {
     "batched": batched_engine,
     "reference": functools.partial(batched_engine, one_at_a_time=True),
 }
@@ -117,11 +121,17 @@ def _collect_and_trim() -> None:
     trim()
 
 
+def _in_process(build: Callable[[], BatchedEngine]) -> Engine:
+    from vlm_server.server.in_process import InProcessEngine
+
+    return InProcessEngine(build())
+
+
 def engine_factory(config: ServerConfig) -> Callable[[], Engine]:
     """What builds the configured engine: in this process, or in one of its own."""
     build = functools.partial(ENGINES[config.engine], config)
     if not uses_engine_process(config):
-        return build
+        return functools.partial(_in_process, build)
     from vlm_server.engine.process.client import ProcessEngine
 
     return functools.partial(

@@ -49,9 +49,8 @@ async def serve(config: ServerConfig, engine_factory: Callable[[], Engine]) -> i
         return 1
     if ready.done():
         freeze()  # the model is loaded: later collections skip its objects
-        warm = getattr(server.engine, "warm_constraints", None)  # an in-process engine's
-        if warm is not None:
-            warm()
+        assert server.engine is not None  # ready: loaded
+        server.engine.warm_constraints()
     await stopping
     log.info("signal received: draining")
     await server.shutdown()

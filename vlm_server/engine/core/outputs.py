@@ -8,9 +8,13 @@ box and commands), if any. Once the grammar finished, `finish` returns the event
 request: the text still held back, then `Finished` with the answer and the metrics of its
 outputs.
 
-The scheduler knows no task: it calls these two methods whatever the request asks. A model
-family whose grammars decode other regions, or interleave them with text, brings `Output`
-subclasses of its own (overriding `commit` and `answer`) and gives them to its sequences.
+The scheduler knows no task: it calls these two methods whatever the request asks. Which
+`Output` a grammar answers through is a table keyed by the grammar's type (`register_output`);
+this module registers the answers of the project's grammars through it. A family whose token
+contract selects a grammar of its own (other regions, regions interleaved with text) brings an
+`Output` subclass (overriding `commit` and `answer`) and registers it for that grammar type,
+from the engine-side module that builds the grammar: a family's model code sits below the
+engine and never imports it.
 
 Called for every row of every step on the scheduler thread, so the hot paths compare phases
 with module constants (an enum attribute lookup costs more than the rest of a comparison)
@@ -19,7 +23,8 @@ and build no object but the delta a stream needs.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from decoding.detokenize import StreamDetokenizer
 from decoding.grammars import (
@@ -301,20 +306,58 @@ class ReasoningOutput(Output):
         return tail
 
 
+# Makes the `Output` of one grammar: (grammar, vocab) -> Output. ``vocab`` spells text (None:
+# a sequence built by hand, whose text requests stream nothing).
+OutputMaker = Callable[[Any, "TokenVocab | None"], Output]
+
+
+class OutputKinds:
+    """The `Output` each grammar type answers through. A grammar whose type (or a base of
+    it) is not registered gets the base `Output`, which only advances it."""
+
+    def __init__(self) -> None:
+        self._makers: dict[type, OutputMaker] = {}
+
+    def register(self, grammar_type: type, make: OutputMaker) -> None:
+        """Answer grammars of ``grammar_type`` (and its subclasses, unless they have their
+        own) through ``make``; a type registers once."""
+        if grammar_type in self._makers:
+            raise ValueError(f"grammar type {grammar_type.__qualname__} has an output already")
+        self._makers[grammar_type] = make
+
+    def make(self, grammar: Grammar, vocab: TokenVocab | None = None) -> Output:
+        """The `Output` of ``grammar``: that of its most derived registered type."""
+        for kind in type(grammar).__mro__:
+            make = self._makers.get(kind)
+            if make is not None:
+                return make(grammar, vocab)
+        return Output(grammar)
+
+
+OUTPUTS = OutputKinds()
+
+
+def register_output(grammar_type: type, make: OutputMaker) -> None:
+    """Make grammars of ``grammar_type`` answer through ``make`` (`OutputKinds.register`)."""
+    OUTPUTS.register(grammar_type, make)
+
+
 def output_for(grammar: Grammar, vocab: TokenVocab | None = None) -> Output:
-    """The `Output` of this project's grammars; ``vocab`` spells text (without it, text
-    requests stream nothing). Other grammars get the base, which only advances them."""
-    if isinstance(grammar, TextGrammar):
-        return TextOutput(grammar, vocab)
-    if isinstance(grammar, ReasoningGrammar):
-        return ReasoningOutput(grammar, vocab)
-    if isinstance(grammar, ObjectGrammar):
-        return ObjectOutput(grammar)
-    if isinstance(grammar, SegmentGrammar):
-        return SegmentOutput(grammar)
-    if isinstance(grammar, SvgTokenSegmentGrammar):
-        return SvgSegmentOutput(grammar)
-    return Output(grammar)
+    """The registered `Output` of ``grammar``; ``vocab`` spells text (without it, text
+    requests stream nothing)."""
+    return OUTPUTS.make(grammar, vocab)
+
+
+def _regions_only(output: Callable[[Any], Output]) -> OutputMaker:
+    """The maker of an output that spells no text."""
+    return lambda grammar, _vocab: output(grammar)
+
+
+register_output(TextGrammar, TextOutput)
+register_output(ReasoningGrammar, ReasoningOutput)
+register_output(ObjectGrammar, _regions_only(ObjectOutput))
+register_output(SegmentGrammar, _regions_only(SegmentOutput))
+register_output(SvgTokenSegmentGrammar, _regions_only(SvgSegmentOutput))
 
 
 def stopped(code: ErrorCode, queued: bool = False) -> EngineError:

@@ -208,6 +208,9 @@ class ProcessEngine:
         """The engine's counters as last reported (a few times a second)."""
         return self._stats
 
+    def warm_constraints(self) -> None:
+        """Nothing to do here: the engine process warms its compiler once it is ready."""
+
     def watch_events_delay(self, observe: Callable[[float], None]) -> None:
         """Call ``observe`` with the seconds from the engine process sending each tick's
         events to this loop handing them to their streams: the pipe, and this process's

@@ -1,16 +1,14 @@
 """The engine process: a batched engine behind two pipes.
 
-Its main thread reads commands; submissions with a client constraint are built on a thread
-of their own (compiling one can take the constraint's whole time limit), and JPEGs the
-server left encoded are decoded on threads of their own (a GPU decode blocks its caller for
-milliseconds); the scheduler thread sends each tick's events up in one message. Nothing
-here serves a client: that is the server process's job, so the scheduler shares its
-interpreter with nothing busy.
+Its main thread reads commands and hands each submission to the engine's one entry
+(`BatchedEngine.admit`, which decodes, builds and queues it on threads of its own), with a
+route that answers `Accepted` or `Refused` up the pipe and collects its events; the
+scheduler thread sends each tick's events up in one message. Nothing here serves a client:
+that is the server process's job, so the scheduler shares its interpreter with nothing busy.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import pickle
@@ -20,20 +18,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
-from typing import TypeVar
+from typing import Any
 
-from image_pipeline import EncodedImage
-from vlm_server.engine.api import (
-    EngineError,
-    EngineStats,
-    ErrorCode,
-    Finished,
-    GenerationRequest,
-)
-from vlm_server.engine.core.sequence import Sequence
+from vlm_server.engine.api import Emitted, EngineError, EngineStats, ErrorCode, Finished
 from vlm_server.engine.engine import BatchedEngine
+from vlm_server.engine.intake import Ticket
 from vlm_server.engine.process.shared_pixels import take_released
 from vlm_server.engine.process.wire import (
     Accepted,
@@ -52,15 +42,8 @@ from vlm_server.gc_pauses import GcPauseCounter
 
 log = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
-
 # How often the engine's counters go up to the server (its metrics read the latest).
 STATS_INTERVAL_S = 0.25
-
-# Threads decoding the JPEGs the server left encoded: two keep the JPEG engines busy while
-# one thread waits for its crops, and each holds a decode buffer as large as its largest
-# picture.
-IMAGE_DECODE_THREADS = 2
 
 
 class PipeOutbox:
@@ -88,6 +71,25 @@ class PipeOutbox:
         self._sender.send(Events(batch, time.monotonic()))  # type: ignore[arg-type]
 
 
+class _PipeRoute:
+    """One request's route (engine/intake.py): its answer up the pipe, its events into the
+    outbox."""
+
+    __slots__ = ("_host", "emit", "rid")
+
+    def __init__(self, host: EngineHost, rid: int) -> None:
+        self._host = host
+        self.rid = rid
+        self.emit: Callable[[Emitted], None] = host.outbox.emitter(rid, host.forget)
+
+    def accepted(self) -> None:
+        self._host.sender.send(Accepted(self.rid))
+
+    def refused(self, error: EngineError) -> None:
+        self._host.forget(self.rid)
+        self._host.sender.send(Refused(self.rid, error))
+
+
 class EngineHost:
     """Serves one engine's commands from a pipe until told to close (or the server is gone)."""
 
@@ -97,23 +99,14 @@ class EngineHost:
         sender: Sender,
         outbox: PipeOutbox,
         gc_pauses: GcPauseCounter | None = None,
-        max_decoding: int = 256,
     ) -> None:
-        """``max_decoding``: requests whose JPEG may wait for or be in a decode at once;
-        more are refused as a full queue is (the engine's queue counts them only once
-        decoded)."""
         self.engine = engine
         self.sender = sender
         self.outbox = outbox
         self.gc_pauses = gc_pauses
         self._lock = threading.Lock()
-        # Requests being built or running; None while being built.
-        self._live: dict[int, Sequence | None] = {}
-        self._cancel_when_built: set[int] = set()
-        self._builder = ThreadPoolExecutor(1, thread_name_prefix="constraint-builder")
-        self._decoder = ThreadPoolExecutor(IMAGE_DECODE_THREADS, thread_name_prefix="jpeg-decode")
-        self.max_decoding = max_decoding
-        self._decoding = 0  # under _lock
+        # Requests admitted and not ended: what cancels each (None: being admitted now).
+        self._live: dict[int, Ticket[Any] | None] = {}
 
     def serve(
         self,
@@ -143,7 +136,7 @@ class EngineHost:
                     log.exception("command %s failed", type(message).__name__)
                     if isinstance(message, Submit):
                         error = EngineError(ErrorCode.INTERNAL, f"admitting the request: {err}")
-                        self._refuse(message.rid, error)
+                        _PipeRoute(self, message.rid).refused(error)
             now = time.monotonic()
             if now >= next_stats:
                 self.sender.send(Stats(self._stats(), take_released()))
@@ -151,106 +144,33 @@ class EngineHost:
             if housekeeping is not None and housekeeping_interval > 0 and now >= next_housekeeping:
                 housekeeping()
                 next_housekeeping = now + housekeeping_interval
-        self._builder.shutdown(wait=False, cancel_futures=True)
-        self._decoder.shutdown(wait=False, cancel_futures=True)
-        asyncio.run(self.engine.close())
+        self.engine.close()
 
     def _stats(self) -> EngineStats:
-        stats = dataclasses.replace(self.engine.stats(), images_decoding=self._decoding)
+        stats = self.engine.stats()
         if self.gc_pauses is not None:
             stats = dataclasses.replace(stats, gc_pauses=self.gc_pauses.totals())
         return stats
 
     def _handle(self, message: object) -> None:
         if isinstance(message, Submit):
-            request = message.request
+            rid = message.rid
             with self._lock:
-                self._live[message.rid] = None
-            if isinstance(request.image, EncodedImage):
-                with self._lock:
-                    full = self._decoding >= self.max_decoding
-                    self._decoding += not full
-                if full:
-                    self._refuse(
-                        message.rid,
-                        EngineError(
-                            ErrorCode.RESOURCE_EXHAUSTED,
-                            f"the queue is full ({self.max_decoding} images waiting to be decoded)",
-                        ),
-                    )
-                    return
-                self._decoder.submit(self._decode_then_admit, message.rid, request)
-            else:
-                self._route(message.rid, request)
+                self._live[rid] = None
+            ticket = self.engine.admit(message.request, _PipeRoute(self, rid))
+            with self._lock:
+                if rid in self._live:  # else it ended already
+                    self._live[rid] = ticket
         elif isinstance(message, Cancel):
             with self._lock:
-                if message.rid not in self._live:
-                    return  # ended already
-                seq = self._live[message.rid]
-                if seq is None:
-                    self._cancel_when_built.add(message.rid)
-                    return
-            self.engine.cancel(seq)
+                ticket = self._live.get(message.rid)
+            if ticket is not None:  # else it ended already
+                ticket.cancel()
         else:
             log.error("unknown command %r", type(message).__name__)
 
-    def _decode_then_admit(self, rid: int, request: GenerationRequest) -> None:
-        """Decode the request's encoded JPEG (`BatchedEngine.decode_image`), then admit it;
-        a cancel meanwhile is honoured once it is built, as for a constraint."""
-        try:
-            decoded = self._guarded(rid, "decoding the image of", self.engine.decode_image, request)
-        finally:
-            with self._lock:
-                self._decoding -= 1
-        if decoded is not None:
-            self._route(rid, decoded)
-
-    def _route(self, rid: int, request: GenerationRequest) -> None:
-        """Admit ``request``: on the builder thread when it brings a constraint to compile."""
-        if request.adapter:  # may load or wait for a slot: on the engine's adapter threads
-            self.engine.adapter_threads.submit(self._admit, rid, request)
-        elif request.choices or request.regex is not None:
-            self._builder.submit(self._admit, rid, request)
-        else:
-            self._admit(rid, request)
-
-    def _admit(self, rid: int, request: GenerationRequest) -> None:
-        seq = self._guarded(rid, "building", self._enqueue, rid, request)
-        if seq is None:
-            return
-        with self._lock:
-            cancel = rid in self._cancel_when_built
-            self._cancel_when_built.discard(rid)
-        self.sender.send(Accepted(rid))
-        if cancel:
-            self.engine.cancel(seq)
-
-    def _enqueue(self, rid: int, request: GenerationRequest) -> Sequence:
-        seq = self.engine.build(request)
-        with self._lock:
-            self._live[rid] = seq
-        self.engine.admit(seq, self.outbox.emitter(rid, self._ended))
-        return seq
-
-    def _guarded(self, rid: int, what: str, work: Callable[..., _T], *args: object) -> _T | None:
-        """``work(*args)``, or None once request ``rid`` is refused for the EngineError it
-        raised, or as INTERNAL for any other (a bug: refuse that request, keep serving)."""
-        try:
-            return work(*args)
-        except EngineError as err:
-            self._refuse(rid, err)
-        except Exception as err:
-            log.exception("%s request %d failed", what, rid)
-            self._refuse(rid, EngineError(ErrorCode.INTERNAL, f"{what} the request: {err}"))
-        return None
-
-    def _refuse(self, rid: int, err: EngineError) -> None:
-        with self._lock:
-            self._live.pop(rid, None)
-            self._cancel_when_built.discard(rid)
-        self.sender.send(Refused(rid, err))
-
-    def _ended(self, rid: int) -> None:
+    def forget(self, rid: int) -> None:
+        """Request ``rid`` ended (or was refused): nothing cancels it any more."""
         with self._lock:
             self._live.pop(rid, None)
 
@@ -276,7 +196,7 @@ def run_engine_process(
         engine = factory()
         outbox = PipeOutbox(sender)
         engine.outbox = outbox
-        asyncio.run(engine.start())
+        engine.start()
     except BaseException as err:  # report, then exit: the server refuses to serve
         log.exception("the engine failed to start")
         sender.send(StartFailed(f"{type(err).__name__}: {err}"))
@@ -284,10 +204,8 @@ def run_engine_process(
     if on_ready is not None:
         on_ready()
     sender.send(Ready(engine.info))
-    warm = getattr(engine, "warm_constraints", None)  # the constraint compiler's child
-    if warm is not None:
-        warm()
-    host = EngineHost(engine, sender, outbox, gc_pauses, max_decoding=engine.cfg.max_queue)
+    engine.warm_constraints()  # the constraint compiler's child
+    host = EngineHost(engine, sender, outbox, gc_pauses)
     host.serve(commands, fd_socket, housekeeping, housekeeping_interval)
 
 

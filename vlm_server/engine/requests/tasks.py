@@ -160,14 +160,12 @@ class TaskCompiler:
                 grammar = self._segment_grammar(req)
         except EngineError:
             raise
+        except prompts.TemplateMissing as err:
+            field = "reasoning" if req.reasoning else "task"
+            raise EngineError(ErrorCode.UNIMPLEMENTED, str(err), field) from err
         except ValueError as err:
             field = "caption_length" if req.task is Task.CAPTION else "task"
-            code = (
-                ErrorCode.UNIMPLEMENTED
-                if "defines no segment" in str(err)
-                else ErrorCode.INVALID_ARGUMENT
-            )
-            raise EngineError(code, str(err), field) from err
+            raise EngineError(ErrorCode.INVALID_ARGUMENT, str(err), field) from err
         if req.image is None:
             built = BuiltRequest([c.bos_id, *prompt], grammar, 0)
         else:
