@@ -208,8 +208,7 @@ if AVAILABLE:
 
 # Tokens per program of the rotary + KV write by token count: (fewer than, tokens a program).
 # One token a program (one per token and head) costs 30 us a layer for a 730-token prefix on
-# an H100 and 6.1 in blocks of 16 (2.8 against 2.3 us at 32 tokens in blocks of 4; python
-# -m bench.rope_probe). The rotary is elementwise, so every launch writes the same bits.
+# an H100, 6.1 in blocks of 16. The rotary is elementwise, so every launch writes the same bits.
 ROPE_BLOCKS: tuple[tuple[int, int], ...] = ((16, 1), (128, 4), (1 << 62, 16))
 
 
