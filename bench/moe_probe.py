@@ -103,10 +103,19 @@ def make_layer(fp8: bool) -> MoeMLP:
     return mlp
 
 
+def legacy_tiles(n_pairs: int, n_experts: int) -> ExpertTiles:
+    """The single tile the fused path used before the table: 64 x 64, Triton's default warps
+    and stages, rows per block by load (16 when experts see 16 pairs or fewer each, 32 up to
+    64, else 64)."""
+    per_expert = n_pairs / n_experts
+    bm = 16 if per_expert <= 16 else (32 if per_expert <= 64 else 64)
+    return ExpertTiles(bm, Tile(), Tile())
+
+
 def legacy_layer(mlp: MoeMLP, x: torch.Tensor) -> torch.Tensor:
     """The main branch's fused path: PyTorch route, `align` and combine, one fixed tile."""
     weights, ids = route(mlp.router(x), mlp.top_k)
-    tiles = moe_triton.legacy_tiles(ids.numel(), mlp.fc1.weight.shape[0])
+    tiles = legacy_tiles(ids.numel(), mlp.fc1.weight.shape[0])
     routing = moe_routing.Routing(
         *moe_triton.align(ids, mlp.fc1.weight.shape[0], tiles.bm), tiles.bm
     )
@@ -168,9 +177,7 @@ def probe(mlp: MoeMLP, fmt: str, n: int, bw: float, candidates: list[ExpertTiles
     base["tie_tokens"] = int((~same).sum())
     log(f"{fmt} n={n}: {chosen} experts chosen, floor {floor:.1f} us, {base['tie_tokens']} ties")
     rows = []
-    variants: list[tuple[str, ExpertTiles]] = [
-        ("legacy", moe_triton.legacy_tiles(n * k, n_experts))
-    ]
+    variants: list[tuple[str, ExpertTiles]] = [("legacy", legacy_tiles(n * k, n_experts))]
     variants += [("tiles", t) for t in candidates]
     for name, tiles in variants:
         row = {**base, "variant": name, "tiles": str(tiles), "bm": tiles.bm}

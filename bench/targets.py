@@ -100,7 +100,7 @@ IMAGE_ROWS: dict[tuple[str, str], str] = {
 }
 
 # The arrivals' phase A (captions only) is their ratio's baseline: its own step-gap p99 stays
-# within this of its p50 on a quiet host (1.27-1.33 on the H100, 2026-11-27); above it the
+# within this of its p50 on a quiet host (1.27-1.33 on an H100); above it the
 # host stalled the scheduler in the idle phase too, and the ratio says more about the host.
 IDLE_SPREAD_MAX = 1.6
 

@@ -330,7 +330,7 @@ def plot_towers(rows: list[dict], path: str, device: str) -> bool:
     return True
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--crops", type=int, default=9, help="crops of the per-kernel rows")
     ap.add_argument(
@@ -346,7 +346,7 @@ def main() -> int:
     ap.add_argument("--attention-only", action="store_true", help="only the attention rows")
     ap.add_argument("--profile-dir", default=None, help="write kernel tables of the tower here")
     ap.add_argument("--json", default=None, help="write every row here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("tower_probe needs a CUDA device")
         return 1

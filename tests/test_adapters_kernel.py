@@ -8,14 +8,13 @@ so that it is checked where Triton is not installed."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Iterator
 from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
 
+from tests.support.interpreted import interpreted_copy
 from vlm_server.models.common.layers import gelu_tanh
 from vlm_server.models.common.lora_kernel import Partials, Target
 from vlm_server.models.interface import LoadedModel
@@ -30,20 +29,11 @@ from vlm_server.models.lora.writer import random_state
 def kernels() -> Iterator[ModuleType]:
     """A copy of models/common/lora_kernel.py whose kernels run in Triton's interpreter (the
     module the server imports keeps its compiled kernels)."""
-    pytest.importorskip("triton")
     from vlm_server.models.common import lora_kernel
 
-    name = "lora_kernel_interpreted"
-    spec = importlib.util.spec_from_file_location(name, lora_kernel.__file__)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the body runs
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")  # read when `triton.jit` wraps each kernel
-        spec.loader.exec_module(module)
-    assert module.AVAILABLE
-    yield module
-    del sys.modules[name]
+    with interpreted_copy(lora_kernel) as module:
+        assert module.AVAILABLE
+        yield module
 
 
 def _torch_shrink(x: torch.Tensor, a: torch.Tensor, index: torch.Tensor) -> Partials:

@@ -6,9 +6,9 @@ to build anywhere fails here, naming the kernel and the chip.
 
 The FP8 kernels of the vision tower use e4m3, which chips before sm_89 lack (Triton refuses
 the type there): they are built for sm_89 and later only, and ``--vision-fp8`` refuses older
-chips at start (that gate is tested on the CPU in test_chip_features.py). With Triton 3.6 on
-an H200 every kernel built for every target here. The argument types and constants below are those
-the launchers pass (bf16 model tensors, fp32 partials, int32 tables).
+chips at start (that gate is tested on the CPU in test_chip_features.py). The argument types
+and constants below are those the launchers pass (bf16 model tensors, fp32 partials, int32
+tables).
 """
 
 from __future__ import annotations

@@ -248,10 +248,11 @@ def test_combine_fused_is_bit_exact(dtype: torch.dtype, n: int) -> None:
 
 
 def _table_tiles() -> list[object]:
-    from vlm_server.models.moondream3.moe_triton import TILES, ExpertTiles, Tile, legacy_tiles
+    from vlm_server.models.moondream3.moe_triton import TILES, ExpertTiles, Tile
 
     split = ExpertTiles(16, Tile(64, 128, 4, 4, 3), Tile(32, 128, 4, 4, 4))  # uneven K splits
-    return [*(t for _, t in TILES), legacy_tiles(512, 64), split]
+    default = ExpertTiles(16, Tile(), Tile())  # Triton's default warps and stages
+    return [*(t for _, t in TILES), default, split]
 
 
 @pytest.mark.parametrize("tiles", range(len(_table_tiles())))

@@ -143,7 +143,7 @@ def _tile_cases(mt: SimpleNamespace) -> list[object]:
     t = mt.Tile
     return [
         *(tiles for _, tiles in mt.TILES),
-        mt.legacy_tiles(100, 8),
+        mt.ExpertTiles(16, t(), t()),  # Triton's default warps and stages
         mt.ExpertTiles(16, t(32, 32, 4, 2, 3), t(32, 16, 4, 2, 2)),  # split K, uneven splits
     ]
 
@@ -168,7 +168,7 @@ def _delta(d: int, i: int, seed: int) -> moe.ExpertDelta:
     return delta
 
 
-N_TILE_CASES = len(moe_triton.TILES) + 2  # the table's, the legacy tile, a split-K one
+N_TILE_CASES = len(moe_triton.TILES) + 2  # the table's, the default tile, a split-K one
 
 
 @pytest.mark.parametrize("case", range(N_TILE_CASES))

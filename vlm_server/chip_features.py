@@ -91,7 +91,7 @@ def _green_context_lack(chip: Chip | None, where: str) -> str | None:
 
 
 # ``--prefill-sms auto``: the image path's share of the SMs while captions stream, measured
-# on an H100 (96 of 132; bench/RESULTS.md): new images' step-gap ratio 3.40 -> 2.02-2.18
+# on an H100 (96 of 132; docs/performance.md): new images' step-gap ratio 3.40 -> 2.02-2.18
 # against fewer SMs (64: 2.20, 48: 2.09, 32: 2.84, where the image path falls behind 20
 # pictures a second). Chips with fewer SMs than AUTO_MIN_SMS run unpartitioned: their image
 # path has no SMs to spare (not measured).

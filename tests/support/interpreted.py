@@ -29,6 +29,28 @@ def _scalar_loop_bounds() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def _library_helpers_interpreted() -> None:
+    """Let interpreted kernels call Triton's own ``@jit`` helpers (`tl.zeros`, `tl.cdiv`, ...):
+    Triton imported without ``TRITON_INTERPRET`` made them compiled-only `JITFunction`s, which
+    refuse a call from Python. Such a call only ever comes from an interpreted kernel (a compiled
+    one inlines its helpers), so it runs the helper in the interpreter instead of failing; the
+    kernels of the modules the server imports stay compiled."""
+    from triton.runtime import interpreter, jit
+
+    if getattr(jit.JITFunction.__call__, "interpreted", False):
+        return
+    helpers: dict[object, interpreter.InterpretedFunction] = {}
+
+    def call(self: jit.JITFunction, *args: object, **kwargs: object) -> object:
+        helper = helpers.get(self.fn)
+        if helper is None:
+            helper = helpers[self.fn] = interpreter.InterpretedFunction(self.fn)
+        return helper(*args, **kwargs)
+
+    call.interpreted = True  # type: ignore[attr-defined]
+    jit.JITFunction.__call__ = call  # type: ignore[method-assign]
+
+
 def interpreted(module: ModuleType) -> ModuleType:
     """A fresh copy of ``module`` loaded with ``TRITON_INTERPRET=1`` (read when `triton.jit`
     wraps each kernel), registered as ``<name>_interpreted``; the caller removes it from
@@ -39,6 +61,7 @@ def interpreted(module: ModuleType) -> ModuleType:
     copy = importlib.util.module_from_spec(spec)
     sys.modules[name] = copy  # dataclasses look their module up while the body runs
     _scalar_loop_bounds()
+    _library_helpers_interpreted()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "1")
         spec.loader.exec_module(copy)

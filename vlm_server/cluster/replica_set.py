@@ -20,8 +20,8 @@ from typing import Any
 from vlm_server.cluster.ring import AffinityMemory, HashRing, choose
 
 # A new moondream2 picture (vision tower, 700-token prefill) against a cached one's few rows,
-# as replica time: about 17 ms against 0.5 ms (H200 at saturation). 24 measured best of
-# 8 and 24 on 2 H200s (affinity hit rate 0.949 and 0.999, 1.64x and 1.95x one replica).
+# as replica time: about 17 ms against 0.5 ms. 24 measured best of 8 and 24 on two GPUs
+# (1.95x one replica's throughput against 1.64x).
 DEFAULT_MISS_COST = 24.0
 
 

@@ -30,7 +30,7 @@ class EngineConfig:
     # An image prefix (730 positions for moondream2) cannot be split, so this sets how many
     # new images one step admits: 4096 (five) measured best on an H100 for unique 800x600
     # queries at 64 clients (30.7 req/s, against 23.8 at 2048 and 14.0 at 1024), at the cost
-    # of longer mixed steps (bench/RESULTS.md). Lower it to bound inter-token stalls.
+    # of longer mixed steps. Lower it to bound inter-token stalls.
     max_step_tokens: int = 4096
     prefix_cache_entries: int = 64  # image prefixes kept for reuse
     mask_table_rows: int = 1024  # device mask-table capacity (rows of vocab-wide bools)

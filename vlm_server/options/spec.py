@@ -85,7 +85,7 @@ class Group(enum.Enum):
     OBSERVABILITY = ("Observability", "Metrics and logs.")
     ADVANCED = (
         "Advanced",
-        "Tuning knobs whose defaults were measured (bench/RESULTS.md); each says what its "
+        "Tuning knobs whose defaults were measured (docs/performance.md); each says what its "
         "default was measured to buy. Change them to reproduce or extend a measurement.",
     )
 

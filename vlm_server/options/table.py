@@ -398,7 +398,7 @@ class ServerConfig:
     )
 
     # --- advanced ---------------------------------------------------------------------------
-    # Each help ends with what its default was measured to buy (bench/RESULTS.md).
+    # Each help ends with what its default was measured to buy.
     pipeline_depth: int = option(
         _ENGINE.pipeline_depth,
         G.ADVANCED,

@@ -6,7 +6,7 @@ threshold with a mapping of its own, returned to the kernel on free, but the fir
 free raises the threshold to that block's size (up to 32 MiB): from then on the buffers
 come from per-thread arenas, whose freed memory stays mapped, fragmented between live
 blocks. Resident memory then settles far above the live data and never comes back (measured
-with bench/soak.py: bench/RESULTS.md). Hence:
+with bench/soak.py: docs/deployment.md). Hence:
 
 - `limit_mmap_threshold` fixes the threshold (a fixed value turns the raising off), so
   large buffers always go back to the kernel when freed;

@@ -19,13 +19,11 @@ The switch is process-wide and read at each launch: `enable` it before any graph
 kernels, or capture a second set of graphs `enabled_within` (the engine does either at start
 from ``--launch-overlap``). The cost: a kernel's early programs hold their SMs while they wait,
 so work on another stream (a new image's tower and prefix beside the decode steps) gets fewer
-SMs. On an H100, with every step launched early, the decode period fell 3.5% at one stream and
-2.5% at 32, while new images' prefill under 20 arrivals a second took 75 ms instead of 48 and
-unique-image queries at 64 clients lost 2.4%: by default ("idle") only the steps launched
-while no prefill is in flight take the early-launch graphs, and mixed steps beside a prefill
-in the SM partition (``--prefill-sms``): there, with 16 captions streaming and 20 new images
-a second, the streams' step-gap ratio fell from 2.04 to 1.76 while new images' first tokens
-kept their time (88 ms p50); decode steps launched early there too gave 1.70 but 144 ms.
+SMs. On an H100, with every step launched early, the decode period fell 3.5% at one stream
+while new images' prefill under 20 arrivals a second took 75 ms instead of 48: by default
+("idle") only the steps launched while no prefill is in flight take the early-launch graphs,
+and mixed steps beside a prefill in the SM partition (``--prefill-sms``), where they took the
+streams' step-gap ratio from 2.04 to 1.76 and left new images' first tokens their time.
 """
 
 from __future__ import annotations

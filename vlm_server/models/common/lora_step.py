@@ -6,9 +6,9 @@ One program per block of output columns loops over the slots: each slot's B tile
 (not at all for a slot no token holds: its loads are masked off) and its product with the
 rows of that slot added; rows without an adapter take the GELU alone. The per-slot form's grid
 of (slots + 1) x column blocks, most programs waiting on one token index each, took 8.5 us
-for qkv's and fc1's deltas at 32 rows over 8 slots against 7.5 here (H100,
-bench/lora_block_probe.py). The expand reads each shrink as one split: lora_kernel's `shrink`
-with a count sums its own splits in a decode step.
+for qkv's and fc1's deltas at 32 rows over 8 slots against 7.5 here (H100). The expand reads
+each shrink as one split: lora_kernel's `shrink` with a count sums its own splits in a decode
+step.
 
 The grid depends only on the shapes, so a CUDA graph captures it. Kept apart from
 lora_kernel.py (its own small helpers included): Triton's interpreter runs each module as its

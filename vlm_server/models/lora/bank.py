@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 
 
 WRITE_CHUNK_BYTES = 2 << 20  # a slot goes up in pieces of this size (~0.1 ms each over PCIe)
-# Decode steps take models/common/lora_step.py's kernels where they fit (bench/lora_variants.py
-# turns them off to compare).
+# Decode steps take models/common/lora_step.py's kernels where they fit (False: lora_kernel's
+# per-slot launches).
 STEP_KERNELS = True
 
 

@@ -30,9 +30,8 @@ SHARED = ("qkv", "proj", "fc1")  # the targets reading the block's normed input
 # expand cannot fold it: no fc1 delta to fuse the GELU with); "expand", in the expand that
 # finishes the hidden layer (no launch, but longer fc1 programs); "branch", in the branch
 # product over every slot's A's (its extra programs push the split-K launch past one wave).
-# "apart" by measurement, 8 rank-32 adapters at 32 rows, the period over that without adapters
-# (bench.lora_variants): H100 1.209x "apart", 1.273x "expand" (SHRINK_COLS 512; 1.303x at 256,
-# 1.388x at 1024); H200 1.206x "apart", 1.237x "branch".
+# "apart" by measurement: 8 rank-32 adapters at 32 rows, the decode period 1.209x that without
+# adapters against 1.273x "expand" (H100).
 FC2_SHRINK: Literal["expand", "branch", "apart"] = "apart"
 # Every resident slot's A is read, used or not: beyond this fraction of the product's weight
 # bytes (a bank of many slots of high rank) the grouped shrink, which reads only the slots
@@ -44,9 +43,7 @@ MAX_EXTRA = 0.25
 # fc2's shrink and proj's and fc2's deltas (into a buffer of their own, which the next norm
 # adds) run on a second stream beside the attention and the branch product: the attention
 # needs only qkv's delta, the branch product only the hidden layer. 32 rows over 8 rank-32
-# adapters, H100 (bench/lora_variants.py), the period over that without adapters: 1.198x in
-# one stream, 1.181x with fc1's delta and fc2's shrink beside the attention, 1.119x with
-# proj's and fc2's deltas there too.
+# adapters, H100: the period 1.119x that without adapters, 1.198x in one stream.
 OVERLAP = True
 
 

@@ -160,22 +160,9 @@ def pick_tiles(
     return table[-1][1]
 
 
-def legacy_tiles(n_pairs: int, n_experts: int) -> ExpertTiles:
-    """The single tile used before the table (the probe's baseline): 64 x 64, Triton's
-    default warps and stages, rows per block by load."""
-    bm = block_rows(n_pairs, n_experts)
-    return ExpertTiles(bm, Tile(), Tile())
-
-
 def available(x: torch.Tensor) -> bool:
     """Whether the fused path can run on ``x`` (CUDA and Triton)."""
     return triton is not None and x.is_cuda
-
-
-def block_rows(n_pairs: int, n_experts: int) -> int:
-    """Rows per block: small when experts see few tokens each (decode), larger for prefill."""
-    per_expert = n_pairs / n_experts
-    return 16 if per_expert <= 16 else (32 if per_expert <= 64 else 64)
 
 
 def align(

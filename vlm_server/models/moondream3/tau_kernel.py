@@ -38,9 +38,8 @@ BLOCK_H = 16  # tau heads per program (tl.dot's smallest N)
 BLOCK_K = 128  # the projection's columns per step of the logits' sums
 # Programs over the projection's columns per block of tokens and heads, and heads per program
 # of the scaling (one for a decode step's few rows, four for a prefill). Moondream 3 on an
-# H100 (python -m bench.tau_probe, logits + scale, us a layer at 1 / 32 / 730 tokens): 16
-# splits and 4 heads 16.2 / 17.6 / 22.4; 48 splits (one 128-column step each) with 1 head
-# 6.9 / 9.5, with 4 at 730 tokens 24.2.
+# H100, logits + scale at one token: 6.9 us a layer with 48 splits (one 128-column step each)
+# and 1 head against 16.2 with 16 splits and 4 heads.
 MAX_SPLITS = 48
 SCALE_H = 1
 # Wide steps (above DECODE_M tokens): splits, columns per step, heads per scaling program. At

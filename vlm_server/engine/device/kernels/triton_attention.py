@@ -208,8 +208,7 @@ if AVAILABLE:
 
 # Tokens per program of the rotary + KV write by token count: (fewer than, tokens a program).
 # One token a program (one per token and head) costs 30 us a layer for a 730-token prefix on
-# an H100 and 6.1 in blocks of 16 (2.8 against 2.3 us at 32 tokens in blocks of 4; python
-# -m bench.rope_probe). The rotary is elementwise, so every launch writes the same bits.
+# an H100, 6.1 in blocks of 16. The rotary is elementwise, so every launch writes the same bits.
 ROPE_BLOCKS: tuple[tuple[int, int], ...] = ((16, 1), (128, 4), (1 << 62, 16))
 
 
@@ -450,9 +449,9 @@ def paged_tile_attention(
 
 
 # Splits covering at most this many positions each loop to a bound known at compile time (a
-# branch per block; moondream2's 2048-position context: decode 1.210 / 2.736 ms at 1 / 32
-# streams against 1.231 / 2.802 with device-read bounds); longer ones loop over their live
-# blocks only (Moondream 3's 32K: 5.119 -> 4.476 ms at 32 streams). H100, one run each.
+# branch per block; moondream2's 2048-position context: decode 2.736 ms at 32 streams against
+# 2.802 with device-read bounds); longer ones loop over their live blocks only (Moondream 3's
+# 32K: 5.119 -> 4.476 ms at 32 streams). H100.
 STATIC_LOOP_POSITIONS = 512
 
 
@@ -466,9 +465,8 @@ def static_loop_bound(max_positions: int, splits: int, block_n: int) -> int:
 
 # Mixed steps of at most this many (padded) tokens attend one token at a time through the
 # decode kernel instead of in tiles (`per_token_attention`). 16 decode rows at 800 positions
-# on an H100 (python -m bench.mixed_overhead; decode step alone 2.280 ms), tiles against one
-# by one: held rows only (16 tokens) 2.646 / 2.438 ms; a 5-token prompt beside (24) 2.709 /
-# 2.549; 16 (32) 2.898 / 2.996; 32 (48) 3.378 / 3.752.
+# on an H100 (python -m bench.mixed_overhead) with a 5-token prompt beside them (24 tokens):
+# 2.549 ms one by one against 2.709 in tiles; at 32 tokens the tiles win (2.898 / 2.996).
 PER_TOKEN_MAX_TOKENS = 24
 
 
