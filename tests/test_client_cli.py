@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -224,6 +224,12 @@ class SegmentOnlyEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats()
+
+    def warm_constraints(self) -> None:
+        return None
+
+    def watch_events_delay(self, observe: Callable[[float], None]) -> None:
+        return None
 
     def failure(self) -> str | None:
         return None

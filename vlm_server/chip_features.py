@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -144,14 +145,24 @@ def check(
 Probe = Callable[[], Chip | None]
 
 
-def check_config(config: object, probe: Probe | None = None) -> None:
-    """`check` for a server config (its ``device``, ``vision_fp8`` and ``prefill_sms``;
-    ``auto`` asks for nothing, it falls back)."""
-    vision_fp8 = bool(getattr(config, "vision_fp8", False))
-    asked = getattr(config, "prefill_sms", 0)
-    prefill_sms = 0 if asked == "auto" else int(asked)
-    if not vision_fp8 and prefill_sms <= 0:
+class ChipFlags(Protocol):
+    """The server-config fields a chip must support (the option table's `ServerConfig`)."""
+
+    @property
+    def device(self) -> str | None: ...
+
+    @property
+    def vision_fp8(self) -> bool: ...
+
+    @property
+    def prefill_sms(self) -> str: ...
+
+
+def check_config(config: ChipFlags, probe: Probe | None = None) -> None:
+    """`check` for a server config (``prefill_sms`` ``auto`` asks for nothing, it falls
+    back)."""
+    prefill_sms = 0 if config.prefill_sms == "auto" else int(config.prefill_sms)
+    if not config.vision_fp8 and prefill_sms <= 0:
         return  # nothing to ask the device
-    device = getattr(config, "device", None)
-    chip = probe() if probe is not None else current_chip(device)
-    check(vision_fp8, prefill_sms, chip)
+    chip = probe() if probe is not None else current_chip(config.device)
+    check(config.vision_fp8, prefill_sms, chip)

@@ -378,6 +378,7 @@ class FakeTorchDevice(FakeDevice):
         self.prefill_stream = self.stream("prefill")
         # A second prefill lane, as a partition used only while requests stream makes.
         self.partitioned_prefill_stream = self.stream("prefill_part") if prefill_lanes else None
+        self.prefill_capture_stream = None  # graphs are captured where they replay
         self._second_compute = self.stream("compute2") if split_compute else None
         self._kernels = 0
         self.drop_waits = set(drop_waits)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -296,6 +296,11 @@ class Engine(Protocol):
     def warm_constraints(self) -> None:
         """Start what the first constrained request would otherwise wait for (the constraint
         compiler's child process), in the background; servers call this once ready."""
+
+    def watch_events_delay(self, observe: Callable[[float], None]) -> None:
+        """Have ``observe`` called with the seconds each tick's events spend between the
+        engine and their streams, where they cross a process boundary (an engine in the
+        server's process never calls it)."""
 
     def failure(self) -> str | None:
         """Why the engine can no longer serve (it failed or its process died), or None."""

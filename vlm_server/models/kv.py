@@ -8,6 +8,7 @@ image) sees itself both ways.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -15,9 +16,19 @@ import torch.nn.functional as F
 
 from vlm_server.models.interface import KVShape
 
+# ``attend_packed(layer, qkv, positions)``: rotary, the KV write and attention fused over the
+# raw projection [B, T, (H + 2 KVH) hd] -> [B, H, T, hd].
+PackedAttend = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 class KVCache(Protocol):
     """Storage for keys (after rotary) and values, one pair per layer."""
+
+    @property
+    def attend_packed(self) -> PackedAttend | None:
+        """The cache's fused path over the raw projection, or None where it has none (then
+        the decoder splits heads, applies rotary and calls `attend`)."""
+        ...
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
@@ -37,6 +48,8 @@ def allowed_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, prefix_len: int) -> t
 
 class DenseKVCache:
     """Contiguous per-layer cache [B, kv_heads, max_context, hd]; the reference path uses it."""
+
+    attend_packed: PackedAttend | None = None  # the reference's arithmetic only
 
     def __init__(
         self,

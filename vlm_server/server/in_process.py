@@ -137,6 +137,9 @@ class InProcessEngine:
         """`BatchedEngine.warm_constraints`."""
         self.batched.warm_constraints()
 
+    def watch_events_delay(self, observe: Callable[[float], None]) -> None:
+        """Nothing to observe: events reach their streams in this process."""
+
     async def submit(self, request: GenerationRequest) -> InProcessStream:
         """Admit ``request`` (`BatchedEngine.admit`); raises the EngineError that refused it.
         A caller cancelled while the request is decoded or built cancels it there: what a

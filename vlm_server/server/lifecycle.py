@@ -261,9 +261,7 @@ class VisionLanguageServer:
         # Off the loop: a factory may load the model itself, and health must keep answering.
         engine = await asyncio.to_thread(self._engine_factory)
         self.engine = engine
-        watch_delay = getattr(engine, "watch_events_delay", None)  # an engine process's
-        if watch_delay is not None:
-            watch_delay(self.metrics.events_delay.observe)
+        engine.watch_events_delay(self.metrics.events_delay.observe)
         await engine.start()
         info = engine.info
         self.core.engine = engine

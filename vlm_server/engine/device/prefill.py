@@ -139,8 +139,8 @@ class Prefill:
         Both lanes share the static buffers the graphs read (`prefix_emb`, `image_inputs`),
         so a batch waits for the other lane's last one."""
         dev = self.dev
-        two_lanes = getattr(dev, "partitioned_prefill_stream", None) is not None
-        partition_capture = getattr(dev, "prefill_capture_stream", None)
+        two_lanes = dev.partitioned_prefill_stream is not None
+        partition_capture = dev.prefill_capture_stream
         lanes = [
             PrefillLane(
                 dev.prefill_stream,

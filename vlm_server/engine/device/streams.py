@@ -48,6 +48,8 @@ class Device(Protocol):
     prefill_stream: object
     # A second prefill lane in an SM partition, or None (prefill.py: PrefillLane).
     partitioned_prefill_stream: object
+    # A stream in the partition that the prefill graphs are captured on, or None.
+    prefill_capture_stream: object
 
     def event(self, name: str, blocking: bool = False) -> Event:
         """``blocking``: a host thread waiting for it sleeps instead of spinning."""

@@ -43,8 +43,7 @@ def attend(
 ) -> torch.Tensor:
     """The packed projection [B, T, (H + 2 KVH) hd] -> attention output [B, T, H hd] (the
     output projection's input), keys and values written to ``cache``."""
-    # A cache may fuse rotary, the KV write and attention over the raw projection.
-    packed = getattr(cache, "attend_packed", None)
+    packed = cache.attend_packed  # rotary, the KV write and attention fused, where offered
     if packed is not None:
         out = packed(layer, qkv, positions)
     else:

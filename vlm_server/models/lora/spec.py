@@ -112,6 +112,12 @@ class LoraDelta(Protocol):
     then through GELU, tanh approximation); ``expand_sum(layer, [(shrunk, target), ...],
     out)`` adds several targets' deltas into one output."""
 
+    @property
+    def fused(self) -> bool:
+        """Whether `shrink`, `expand` and `expand_sum` run grouped kernels in place, so that a
+        decoder may take its fused products with these deltas."""
+        ...
+
     def add(self, layer: int, target: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor: ...
 
     def expert_delta(
@@ -145,6 +151,11 @@ class LoraDelta(Protocol):
 class DeltaByTarget:
     """`shrink` and `expand` through ``add``, target by target: each output gets its own
     delta in the order ``outs`` lists them (the reference's arithmetic)."""
+
+    @property
+    def fused(self) -> bool:
+        """Target by target: never the grouped kernels."""
+        return False
 
     def add(self, layer: int, target: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -156,10 +156,10 @@ class TextDecoder(nn.Module):
         """Input embeddings x [B, T, D] at positions [B, T] -> hidden [B, T, D] before post_ln;
         ``lora``: adapter deltas (models/lora/spec.py) for these tokens."""
         blocks = self.blocks
-        packed = getattr(cache, "attend_packed", None)
+        packed = cache.attend_packed
         if (
             self._stacked is not None
-            and (lora is None or getattr(lora, "fused", False))
+            and (lora is None or lora.fused)
             and packed is not None
             and fused_products.usable(x)
         ):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vlm_server.models.kv import allowed_mask
+from vlm_server.models.kv import PackedAttend, allowed_mask
 
 
 def write_kv(
@@ -53,6 +53,8 @@ def paged_attention(
 
 class PagedKV:
     """The `KVCache` the text decoder sees during one engine forward."""
+
+    attend_packed: PackedAttend | None = None
 
     def __init__(
         self,
@@ -374,6 +376,8 @@ class RaggedKV:
     """The `KVCache` of a mixed step's forward over [1, T] tokens: token t writes its key and
     value at ``positions[t]`` of block-table row ``rows[t]`` and attends with
     `ragged_paged_attention` (every position in a mixed step is past its prefix: causal)."""
+
+    attend_packed: PackedAttend | None = None
 
     def __init__(
         self,
