@@ -424,7 +424,8 @@ class ImagePreparer:
     def _upload(self, pixels: np.ndarray) -> Callable[[], torch.Tensor]:
         """What gives host ``pixels`` on the device (called on the side stream on CUDA)."""
         if self.device.type != "cuda":
-            host = torch.from_numpy(pixels)
+            # Pixels mapped read-only (shared memory) are copied: torch has no read-only tensors.
+            host = torch.from_numpy(pixels if pixels.flags.writeable else pixels.copy())
             return lambda: host
         pinned = pinned_copy(pixels)
         return lambda: pinned.to(self.device, non_blocking=True)
@@ -493,6 +494,10 @@ def device_decodes(header: Header, min_pixels: int, budget: DecodeBudget | None)
 def pinned_copy(pixels: np.ndarray) -> torch.Tensor:
     """``pixels`` in page-locked host memory (itself when it already is), so an upload from
     it is a real async DMA; the caching host allocator keeps it until that copy is done."""
+    if not pixels.flags.writeable:  # mapped read-only: numpy copies it (no read-only tensor)
+        pinned = torch.empty(pixels.shape, dtype=torch.uint8, pin_memory=True)
+        pinned.numpy()[...] = pixels
+        return pinned
     host = torch.from_numpy(pixels)
     if host.is_pinned():
         return host

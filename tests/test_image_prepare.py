@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,8 +22,10 @@ from image_pipeline import (
     PreparedImage,
     TilingSpec,
     content_hash,
+    decode,
     decode_image,
     overlap_crop,
+    prepare_decoded,
     prepare_image,
     prepare_pil,
     sample_image,
@@ -299,3 +302,16 @@ def test_cli_default_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[st
     garbage.write_bytes(b"\xff\xd8\xff garbage")
     assert cli_main([str(garbage)]) == 1
     assert "corrupt" in capsys.readouterr().err
+
+
+def test_read_only_pixels_are_cropped_without_a_non_writable_tensor() -> None:
+    """Pixels mapped read-only (the engine process's shared memory) are copied before torch
+    sees them, so no tensor aliases memory it must never write (torch warns once if one does)."""
+    decoded = decode(sample_image_bytes())
+    frozen = decoded.pixels.copy()
+    frozen.flags.writeable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the non-writable-array warning would raise here
+        got = prepare_decoded(dataclasses.replace(decoded, pixels=frozen))
+    want = prepare_decoded(decoded)
+    assert torch.equal(got.crops, want.crops)
