@@ -494,10 +494,6 @@ def device_decodes(header: Header, min_pixels: int, budget: DecodeBudget | None)
 def pinned_copy(pixels: np.ndarray) -> torch.Tensor:
     """``pixels`` in page-locked host memory (itself when it already is), so an upload from
     it is a real async DMA; the caching host allocator keeps it until that copy is done."""
-    if not pixels.flags.writeable:  # mapped read-only: numpy copies it (no read-only tensor)
-        pinned = torch.empty(pixels.shape, dtype=torch.uint8, pin_memory=True)
-        pinned.numpy()[...] = pixels
-        return pinned
     host = torch.from_numpy(pixels)
     if host.is_pinned():
         return host
