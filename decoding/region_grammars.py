@@ -31,29 +31,43 @@ _COORD_Y, _SIZE = StepKind.COORD_Y, StepKind.SIZE
 class RegionTokens:
     """Token contract of the region tasks.
 
-    At a point/detect object boundary the token is chosen over the whole vocabulary, as the
-    reference does: eos ends the answer, anything else starts the next object (the token is
-    never fed back, so the answer parses whatever it is). `coord_id` (2025-06 contract; None
-    in the GPT-2 era) is the only token segment's box may start with.
+    At the first point/detect object boundary the token is chosen over the whole vocabulary,
+    as both families' reference code does: eos ends the answer, anything else starts an object
+    (the token is never fed back, so the answer parses whatever it is). At later boundaries
+    the same holds unless `later_coord_or_eos` (Moondream 3): then only `coord_id` and eos
+    compete. `coord_id` (2025-06 contract; None in the GPT-2 era) is also the only token
+    segment's box may start with.
     """
 
     eos_id: int
     coord_id: int | None = None
+    later_coord_or_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.later_coord_or_eos and self.coord_id is None:
+            raise ValueError("later_coord_or_eos needs a coord_id")
 
 
 @dataclass(frozen=True)
 class RegionRows:
-    """The fixed rows of point/detect/segment, registered once per table."""
+    """The fixed rows of point/detect/segment, registered once per table (pinned).
+
+    `later_boundary` is the row of a point/detect boundary after the first object: NO_MASK
+    (the whole vocabulary) or the row allowing only coord and eos."""
 
     tokens: RegionTokens
     segment_start: int
+    later_boundary: int = NO_MASK
 
     @classmethod
     def register(cls, table: MaskTable, tokens: RegionTokens) -> RegionRows:
         """Register the rows for `tokens` in `table` (pinned)."""
         if tokens.coord_id is None:
             return cls(tokens, table.allow_all_but([tokens.eos_id]))
-        return cls(tokens, table.allow_only([tokens.coord_id]))
+        later = NO_MASK
+        if tokens.later_coord_or_eos:
+            later = table.allow_only([tokens.coord_id, tokens.eos_id])
+        return cls(tokens, table.allow_only([tokens.coord_id]), later)
 
 
 class ObjectGrammar(GrammarBase):
@@ -68,12 +82,16 @@ class ObjectGrammar(GrammarBase):
         self._with_size = with_size
         self._x = self._y = 0.0
         self.objects: list[tuple[float, ...]] = []
+        # The next step's mask row, kept current by every commit: the scheduler reads it per
+        # row per step, so it is one attribute read.
+        self._row = NO_MASK
         self._boundary()
 
     @property
     def mask_row(self) -> int:
-        """Always NO_MASK: a boundary weighs the whole vocabulary (eos or not), values no token."""
-        return NO_MASK
+        """Mask row of the next step: NO_MASK at the first boundary (the whole vocabulary)
+        and for values; the contract's later-boundary row after an object."""
+        return self._row
 
     @property
     def feeds_token(self) -> bool:
@@ -88,6 +106,7 @@ class ObjectGrammar(GrammarBase):
     def advance_token(self, token_id: int) -> None:
         """Commit the boundary token: eos ends the answer, anything else starts an object."""
         self._expect(_TOKEN)
+        self._row = NO_MASK
         if token_id == self._rows.tokens.eos_id:
             self._finish(GrammarEnd.STOP)
         else:
@@ -119,6 +138,8 @@ class ObjectGrammar(GrammarBase):
             self._finish(GrammarEnd.LENGTH)
         else:
             self.next_kind = _TOKEN
+            if self.objects:
+                self._row = self._rows.later_boundary
 
 
 def point_grammar(rows: RegionRows, max_objects: int = 50) -> ObjectGrammar:

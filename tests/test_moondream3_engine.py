@@ -52,7 +52,7 @@ def test_reasoning_and_spatial_refs_on_moondream3_tiny(
     images: list[PreparedImage],  # noqa: F811
     depth: int,
 ) -> None:
-    """Moondream 3's reasoning rules (nothing suppressed, coordinates over 1023) and spatial
+    """Moondream 3's reasoning rules (eos and size suppressed, coordinates over 1023) and spatial
     references, against the reference's loop."""
     from vlm_server.reference import SamplingSettings
 

@@ -222,8 +222,10 @@ class ReferenceGenerator:
         return logits.masked_fill(~allowed, float("-inf"))
 
     def boundary_token(self, logits: torch.Tensor) -> int:
-        """The greedy decision at an object boundary: the argmax over the whole vocabulary;
-        eos ends the answer, any other token means "next object" (it is never fed back)."""
+        """The greedy decision at an unmasked object boundary (the first one; every one under
+        Moondream 2's rule): the argmax over the whole vocabulary; eos ends the answer, any
+        other token means "next object" (it is never fed back). Later boundaries under
+        Moondream 3's rule are masked by the grammar's row in `run`."""
         return int(logits.argmax(dim=-1)[0])
 
     # ---- the generic loop ----------------------------------------------------------------

@@ -16,6 +16,11 @@ SizeScale = Literal["log", "linear"]
 # (decoding/svg_path.py); "svg_tokens", one SVG item per token in a 960-unit box (Moondream 3,
 # decoding/svg_tokens.py).
 SegmentLanguage = Literal["grid", "svg_tokens"]
+# Which tokens compete at a point/detect object boundary after the first object: the whole
+# vocabulary ("vocabulary", Moondream 2's reference: eos ends the answer, any other token
+# starts an object) or only the coordinate token and eos ("coord_or_eos", Moondream 3's
+# published code). The first boundary always weighs the whole vocabulary.
+ObjectBoundary = Literal["vocabulary", "coord_or_eos"]
 
 
 @dataclass(frozen=True)
@@ -66,8 +71,6 @@ class TokenContract:
     eos_id: int
     templates: PromptTemplates
     size_scale: SizeScale
-    # At a point/detect object boundary every era decides the reference's way: the token chosen
-    # over the whole vocabulary ends the answer if it is eos and otherwise starts an object.
     coord_id: int | None = None
     size_id: int | None = None
     answer_id: int | None = None
@@ -82,10 +85,12 @@ class TokenContract:
     start_ground_points_id: int | None = None
     end_ground_id: int | None = None
     # Ids set to -inf on reasoning steps after the first; None: eos and the size token, as
-    # Moondream 2's reference does (Moondream 3 suppresses none).
+    # both families' published code does.
     reasoning_suppressed_ids: tuple[int, ...] | None = None
     # How a segment answer writes its path (see SegmentLanguage).
     segment_language: SegmentLanguage = "grid"
+    # What competes at a point/detect object boundary after the first (see ObjectBoundary).
+    object_boundary: ObjectBoundary = "vocabulary"
 
     @property
     def reasoning_suppressed(self) -> tuple[int, ...]:
@@ -122,6 +127,13 @@ class TokenContract:
             raise ValueError(f"size_scale must be 'log' or 'linear', not {self.size_scale!r}")
         if self.coord_divisor not in (1023, 1024):
             raise ValueError(f"coord_divisor must be 1023 or 1024, not {self.coord_divisor!r}")
+        if self.object_boundary not in ("vocabulary", "coord_or_eos"):
+            raise ValueError(
+                "object_boundary must be 'vocabulary' or 'coord_or_eos', "
+                f"not {self.object_boundary!r}"
+            )
+        if self.object_boundary == "coord_or_eos" and self.coord_id is None:
+            raise ValueError("object_boundary 'coord_or_eos' needs a coord_id")
         if self.segment_language not in ("grid", "svg_tokens"):
             raise ValueError(
                 f"segment_language must be 'grid' or 'svg_tokens', not {self.segment_language!r}"

@@ -99,8 +99,9 @@ class TaskCompiler:
             limits=limits or ConstraintLimits(),
             in_child=compile_in_child,  # a server's: off its GIL (decoding/compile_pool.py)
         )
+        later = contract.object_boundary == "coord_or_eos"
         self.region_rows = RegionRows.register(
-            self.table, RegionTokens(contract.eos_id, contract.coord_id)
+            self.table, RegionTokens(contract.eos_id, contract.coord_id, later)
         )
         # Compiled (and pinned) here, not on the first Segment request: once clients hold
         # the table's rows, segment could otherwise find no room.

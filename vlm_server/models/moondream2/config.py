@@ -108,6 +108,8 @@ class ModelConfig:
         tok.pop("boundary_rule", None)
         tpl = {k: (tuple(v) if isinstance(v, list) else v) for k, v in tok.pop("templates").items()}
         tok["decode_suppressed_ids"] = tuple(tok.get("decode_suppressed_ids", ()))
+        reasoning = tok.get("reasoning_suppressed_ids")
+        tok["reasoning_suppressed_ids"] = None if reasoning is None else tuple(reasoning)
         return cls(
             name=data["name"],
             vision=VisionConfig(**data["vision"]),

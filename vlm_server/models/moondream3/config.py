@@ -162,6 +162,10 @@ class ModelConfig:
         tok = dict(data["tokens"])
         tpl = {k: (tuple(v) if isinstance(v, list) else v) for k, v in tok.pop("templates").items()}
         tok["decode_suppressed_ids"] = tuple(tok.get("decode_suppressed_ids", ()))
+        reasoning = tok.get("reasoning_suppressed_ids")
+        tok["reasoning_suppressed_ids"] = None if reasoning is None else tuple(reasoning)
+        # A file written before the field existed: the family's rule.
+        tok.setdefault("object_boundary", "coord_or_eos")
         text = dict(data["text"])
         text["moe"] = MoeConfig(**text["moe"])
         return cls(
@@ -218,13 +222,16 @@ CONTRACT_MD3 = TokenContract(
     coord_id=5,
     size_id=6,
     answer_id=3,
-    decode_suppressed_ids=(),  # Moondream 3 suppresses nothing while decoding
+    # As the published code does (docs/moondream3.md): the answer marker is masked on answer
+    # steps after the first; eos and the size token on reasoning steps after the first.
+    decode_suppressed_ids=(3,),
     coord_divisor=1023,
     thinking_id=4,
     start_ground_points_id=7,
     end_ground_id=9,
-    reasoning_suppressed_ids=(),  # Moondream 3 suppresses nothing while reasoning
+    reasoning_suppressed_ids=(0, 6),
     segment_language="svg_tokens",
+    object_boundary="coord_or_eos",
 )
 
 # The tiny test vocabulary's ids (Moondream 2's tiny contract) under Moondream 3's rules.
@@ -237,9 +244,11 @@ CONTRACT_MD3_TINY = dataclasses.replace(
         reasoning_suffix=(CONTRACT_TINY.thinking_id,),
         segment_object_leading_space=False,
     ),
-    decode_suppressed_ids=(),
+    decode_suppressed_ids=(CONTRACT_TINY.answer_id,),
     coord_divisor=1023,
+    reasoning_suppressed_ids=(CONTRACT_TINY.eos_id, CONTRACT_TINY.size_id),
     segment_language="svg_tokens",
+    object_boundary="coord_or_eos",
 )
 
 # ---- presets ---------------------------------------------------------------------------
