@@ -4,6 +4,7 @@ both ways, region heads and the disputed-point choices."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -14,6 +15,8 @@ from decoding.region_values import coord_from_logits
 from vlm_server.models import registry
 from vlm_server.models.kv import DenseKVCache
 from vlm_server.models.moondream3.config import (
+    CONTRACT_MD3,
+    CONTRACT_MD3_TINY,
     HF_CHOICES,
     DisputedPoints,
     ModelConfig,
@@ -138,7 +141,7 @@ def test_tau_position_term_is_one_at_position_zero_and_everywhere_when_alpha_is_
 
 
 def test_bf16_tau_positions_round_like_the_hf_code() -> None:
-    model = _model(with_choices(_tiny(), HF_CHOICES))
+    model = _model(with_choices(_tiny(), DisputedPoints(tau_positions="bf16")))
     tau = model.text.blocks[0].attn.tau
     tau.alpha.data.fill_(0.7)
     term = tau.position_term(torch.tensor([[729, 730]]), torch.float32)
@@ -147,6 +150,31 @@ def test_bf16_tau_positions_round_like_the_hf_code() -> None:
     fp32.alpha.data.fill_(0.7)
     term = fp32.position_term(torch.tensor([[729, 730]]), torch.float32)
     assert not torch.equal(term[0, 0], term[0, 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_activation_dtype_positions_follow_the_run_as_the_hf_code_does(
+    dtype: torch.dtype,
+) -> None:
+    """`HF_CHOICES` casts positions to the activations' dtype: bf16 rounding in a bf16 run,
+    none in an fp32 run (where the term is the published code's fp32 arithmetic)."""
+    assert HF_CHOICES.tau_positions == "activations"
+    tau = _model(with_choices(_tiny(), HF_CHOICES)).text.blocks[0].attn.tau
+    tau.alpha.data.fill_(0.7)
+    pos = torch.tensor([[0, 5, 729, 730, 3001]])
+    got = tau.position_term(pos, dtype)
+    p = pos.to(dtype)
+    want = (1 + (torch.sigmoid(tau.alpha.to(dtype) * (p + 1).log()[..., None]) - 0.5)).to(dtype)
+    assert torch.equal(got, want)
+    if dtype != torch.float16:  # fp16's term rounds both alike whatever the positions
+        assert torch.equal(got[0, 2], got[0, 3]) is (dtype == torch.bfloat16)
+    bf16 = _model(with_choices(_tiny(), DisputedPoints(tau_positions="bf16")))
+    bf16_tau = bf16.text.blocks[0].attn.tau
+    bf16_tau.alpha.data.fill_(0.7)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, bf16_tau.position_term(pos, dtype))
+    with pytest.raises(ValueError):
+        DisputedPoints(tau_positions="fp16")  # type: ignore[arg-type]
 
 
 def test_zero_tau_weights_and_alpha_give_plain_attention_and_keys_never_change() -> None:
@@ -260,6 +288,35 @@ def test_hf_choices_and_context_are_one_call() -> None:
     assert config.text.max_context == 4096 and config.choices.tau_gelu == "erf"
     assert registry.preset("moondream3.1").text.max_context == 32768  # type: ignore[attr-defined]
     assert ModelConfig.from_dict(config.to_dict()) == config
+
+
+def test_the_config_survives_json_with_its_tuples() -> None:
+    """Written as JSON (a checkpoint's config.json) and read back, every tuple is a tuple
+    again, the reasoning suppression included; an older file without the boundary rule
+    reads as the family's rule."""
+    for config in (_tiny(), registry.preset("moondream3.1")):
+        data = json.loads(json.dumps(config.to_dict()))
+        back = ModelConfig.from_dict(data)
+        assert back == config
+        assert isinstance(back.tokens.reasoning_suppressed_ids, tuple)
+        del data["tokens"]["object_boundary"]
+        assert ModelConfig.from_dict(data).tokens.object_boundary == "coord_or_eos"
+
+
+def test_the_tiny_contract_speaks_the_full_contracts_rules() -> None:
+    """md3-tiny differs from Moondream 3 only in its ids: the same suppression (the answer
+    marker while answering, eos and size while reasoning) and boundary rule."""
+    full, tiny = CONTRACT_MD3, CONTRACT_MD3_TINY
+    for c in (full, tiny):
+        assert c.decode_suppressed_ids == (c.answer_id,)
+        assert c.reasoning_suppressed == (c.eos_id, c.size_id)
+        assert c.object_boundary == "coord_or_eos"
+    assert (full.coord_divisor, full.segment_language) == (
+        tiny.coord_divisor,
+        tiny.segment_language,
+    )
+    assert full.templates.reasoning_suffix == (full.thinking_id,)
+    assert tiny.templates.reasoning_suffix == (tiny.thinking_id,)
 
 
 # ---- the fused path's grouping and FP8 experts ---------------------------------------------

@@ -3,8 +3,9 @@ model's formulas (docs/moondream3.md), written here over the raw state dict: the
 sequence at once with an explicit prefix mask, rotary pairs written back interleaved (as the
 Hugging Face code does), tau from the projection's GELU and the position, a token-by-token
 expert loop.
-Under `HF_CHOICES` (erf GELU, bf16 tau positions, no region norm, bins / 1024) it is the
-Hugging Face code's behaviour; under the defaults the author's engine's."""
+Under `HF_CHOICES` (erf GELU, tau positions in the activations' dtype, no region norm,
+bins / 1024) it is the Hugging Face code's behaviour; under the defaults the author's
+engine's."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ from vlm_server.models.interface import Formats
 FORMATS = Formats(weights=("bf16", "fp16", "fp32"), kv=("bf16", "fp16", "fp32"))
 
 TauGelu = Literal["tanh", "erf"]
-TauPositions = Literal["fp32", "bf16"]
+TauPositions = Literal["fp32", "bf16", "activations"]
 RegionNorm = Literal["raw", "post_ln", "none"]
 
 
@@ -42,8 +42,11 @@ class DisputedPoints:
 
     * ``tau_gelu``: the GELU over the fused projection that feeds the tau scales, ``tanh``
       (author's engine) or exact ``erf`` (the Hugging Face code and its ports).
-    * ``tau_positions``: the tau position term computed in ``fp32`` (author's engine), or from
-      positions rounded to bf16 first, as the Hugging Face and vLLM code do (``bf16``).
+    * ``tau_positions``: the tau position term computed in ``fp32`` (author's engine); from
+      positions cast to the activations' dtype first, and the term computed in it
+      (``activations``: the Hugging Face and vLLM code, so bf16 rounding in bf16 runs and
+      none in fp32 runs); or in bf16 whatever the activations (``bf16``: the published
+      code's bf16 behaviour in any run).
     * ``region_norm``: the region LayerNorm applied to the raw residual stream (``raw``,
       author's engine), to the final-normed state (``post_ln``, vLLM), or absent (``none``,
       checkpoints and ports without ``region.ln``).
@@ -59,8 +62,10 @@ class DisputedPoints:
     def __post_init__(self) -> None:
         if self.tau_gelu not in ("tanh", "erf"):
             raise ValueError(f"tau_gelu must be 'tanh' or 'erf', not {self.tau_gelu!r}")
-        if self.tau_positions not in ("fp32", "bf16"):
-            raise ValueError(f"tau_positions must be 'fp32' or 'bf16', not {self.tau_positions!r}")
+        if self.tau_positions not in ("fp32", "bf16", "activations"):
+            raise ValueError(
+                f"tau_positions must be fp32, bf16 or activations, not {self.tau_positions!r}"
+            )
         if self.region_norm not in ("raw", "post_ln", "none"):
             raise ValueError(f"region_norm must be raw, post_ln or none, not {self.region_norm!r}")
         if self.coord_divisor not in (1023, 1024):
@@ -69,7 +74,7 @@ class DisputedPoints:
 
 # What the Hugging Face remote code (and the ports derived from it) does.
 HF_CHOICES = DisputedPoints(
-    tau_gelu="erf", tau_positions="bf16", region_norm="none", coord_divisor=1024
+    tau_gelu="erf", tau_positions="activations", region_norm="none", coord_divisor=1024
 )
 
 

@@ -25,6 +25,7 @@ class Tau(nn.Module):
         self.wv = nn.Parameter(torch.zeros(cfg.n_kv_heads, cfg.qkv_dim))
         self.alpha = nn.Parameter(torch.zeros(cfg.n_heads))
         self.approximate = "tanh" if gelu == "tanh" else "none"
+        self.positions = positions
         self.bf16_positions = positions == "bf16"
         # [wq; wv] in the activations' dtype for the two-launch kernels (tau_kernel.py), set by
         # `use_kernel`; None: the PyTorch ops.
@@ -37,14 +38,22 @@ class Tau(nn.Module):
         self._stacked = torch.cat([self.wq, self.wv]).detach().contiguous() if on else None
         return on
 
+    def _position_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
+        """The dtype positions are cast to before the term (None: the fp32 choice)."""
+        if self.positions == "activations":
+            return dtype
+        return torch.bfloat16 if self.bf16_positions else None
+
     def position_term(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``sigmoid(alpha * ln(p + 1)) + 1/2`` at positions [B, T] -> [B, T, H] in ``dtype``
         (exactly 1 at p = 0)."""
-        if self.bf16_positions:
-            # The Hugging Face code casts positions to the activations' dtype first: above
-            # 256 they round (729 and 730 both become 728), and the rest runs in bf16 too.
-            p = positions.to(torch.bfloat16)
-            s = torch.sigmoid(self.alpha.to(torch.bfloat16) * (p + 1).log()[..., None])
+        cast = self._position_dtype(dtype)
+        if cast is not None:
+            # The Hugging Face code casts positions to the activations' dtype first: in bf16
+            # they round above 256 (729 and 730 both become 728), and the rest runs in that
+            # dtype too; in an fp32 run nothing rounds.
+            p = positions.to(cast)
+            s = torch.sigmoid(self.alpha.to(cast) * (p + 1).log()[..., None])
             return (1 + (s - 0.5)).to(dtype)
         lp = torch.log1p(positions.to(torch.float32))[..., None]
         return (torch.sigmoid(self.alpha.float() * lp) + 0.5).to(dtype)
@@ -62,10 +71,14 @@ class Tau(nn.Module):
         """The fused projection with its query and value heads scaled (keys untouched),
         still packed Q | K | V: what the cache's fused rotary + attention kernels take."""
         w = self._stacked
-        if w is not None and w.dtype == qkv.dtype and qkv.is_cuda:
+        cast = self._position_dtype(qkv.dtype)
+        # The kernels compute the position term in fp32 or from bf16 positions; a cast to
+        # another dtype (fp32 or fp16 activations under "activations") runs the PyTorch ops.
+        kernel_positions = cast is None or cast == torch.bfloat16
+        if w is not None and w.dtype == qkv.dtype and qkv.is_cuda and kernel_positions:
             return tau_kernel.tau_scale(
                 qkv, positions, w, self.alpha, self.wq.shape[0], self.wv.shape[0],
-                self.approximate == "none", self.bf16_positions,
+                self.approximate == "none", cast == torch.bfloat16,
             )  # fmt: skip
         tq, tv = self(qkv, positions)
         b, t, width = qkv.shape
