@@ -88,8 +88,8 @@ CHAT = (
     Field(
         "model",
         "string",
-        "Any name answers with the server's model (see /v1/models); <base>/<id>@<step> with "
-        "that finetune adapter.",
+        "A name without '/' answers with the server's model (see /v1/models); "
+        "<served model>/<id>@<step> with that finetune adapter.",
     ),
     Field(
         "messages",
