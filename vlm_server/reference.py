@@ -342,6 +342,7 @@ class ReferenceGenerator:
         on_token: OnToken | None = None,
         choices: tuple[str, ...] = (),
         regex: str | None = None,
+        history: tuple[tuple[str, str], ...] = (),
     ) -> TextResult:
         s = settings or SamplingSettings()
         return self._text(
@@ -349,6 +350,7 @@ class ReferenceGenerator:
                 Task.QUERY,
                 image,
                 question=question,
+                history=history,
                 temperature=s.temperature,
                 top_p=s.top_p,
                 max_tokens=s.max_tokens,
