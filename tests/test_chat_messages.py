@@ -113,6 +113,7 @@ BAD: list[tuple[str, list[Any], str]] = [
     ),
     ("an audio part", [_m(U, [{"type": "input_audio"}])], "messages[0].content[0].type"),
     ("a number as content", [_m(U, 3)], "messages[0].content"),
+    ("too many messages", [_m(U, "x")] * 513, "messages"),
 ]
 
 

@@ -327,6 +327,22 @@ def test_a_conversation_is_one_query_with_its_earlier_turns(
     assert text == want.text
 
 
+def test_reasoning_over_a_conversation_opens_only_the_last_turn(
+    client: openai.OpenAI, generator: ReferenceGenerator
+) -> None:
+    got = client.chat.completions.create(
+        model="m",
+        messages=CONVERSATION,
+        temperature=0,
+        max_tokens=8,
+        extra_body={"reasoning": True},
+    )
+    t = generator.contract.templates
+    assert t.reasoning_suffix is not None and got.usage is not None
+    want = _conversation_prompt_tokens(generator) - len(t.query_suffix) + len(t.reasoning_suffix)
+    assert got.usage.prompt_tokens == want
+
+
 def test_a_picture_in_a_later_turn_is_the_conversation_picture(
     client: openai.OpenAI, generator: ReferenceGenerator, sample_image: PreparedImage
 ) -> None:

@@ -15,7 +15,8 @@ a run of query blocks, and so do we (`models.prompts.query_prompt`'s ``history``
 At most one picture in the whole conversation, in a user turn. The model reads it where it
 always does, right after the start token, whichever user turn carries it; the author's
 engine puts a turn's pictures at the start of that turn, so the two agree when the picture
-comes with the first user message. Errors name the JSON path at fault.
+comes with the first user message. At most `MAX_MESSAGES` messages. Errors name the JSON path
+at fault.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from vlm_server.frontend.refusals import invalid
 from vlm_server.http.body import Field, check
 from vlm_server.models.prompts import ASSISTANT, USER
 
+# Each turn costs prompt positions even when empty; far more turns than any context holds are
+# refused before anything is built for them.
+MAX_MESSAGES = 512
 SYSTEM_ROLES = ("system", "developer")
 ROLES = (*SYSTEM_ROLES, USER, ASSISTANT)
 
@@ -107,6 +111,8 @@ def read(messages: list[Any]) -> Conversation:
     """The conversation of a chat's ``messages`` (see the module's docstring)."""
     if not messages:
         raise invalid("messages", "must hold at least one message: the question, last")
+    if len(messages) > MAX_MESSAGES:
+        raise invalid("messages", f"holds {len(messages)} messages; at most {MAX_MESSAGES}")
     system: list[str] = []
     turns: list[tuple[str, str, str]] = []  # (role, text, JSON path of its content)
     picture: Picture | None = None
