@@ -184,6 +184,7 @@ def test_http_settings_adapter_and_variant(
         ("{base}/@100", "model"),
         ("{base}/a/b", "model"),
         ("/", "model"),
+        ("moondream/", "model"),
     ],
 )
 def test_a_model_naming_no_served_adapter_is_refused_by_both_routes(
@@ -216,7 +217,7 @@ def test_empty_adapter_fields_are_refused_and_plain_names_are_the_base_model(
     base = tiny.model.config.name
     # The served model by any of its names (the cloud's provider prefix too), or any name
     # without '/' (an OpenAI client's default): the base model.
-    for model in (base, f"moondream/{base}", "gpt-4o", "moondream3-preview"):
+    for model in (base, f"moondream/{base}", "gpt-4o", "moondream/moondream3-preview"):
         status, got = post_json(
             f"{server.http_url}/caption", {"image_url": image, "settings": settings, "model": model}
         )

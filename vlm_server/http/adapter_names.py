@@ -5,13 +5,14 @@ The cloud clients name a finetune in the model: ``"model": "<base>/<finetune_id>
 ``variant``, Kestrel's ``adapter``. Any of ``model``, ``variant``, ``settings.variant`` and
 ``settings.adapter`` may carry it; two that disagree are refused.
 
-A ``model`` is strict wherever it holds a ``/``: it is either the served model's name (its
-name or the preset it was started with, optionally behind the cloud's ``moondream/``
-provider prefix, as in ``moondream/moondream3-preview``), or ``<served base>/<adapter id>``.
-Any other base, an empty id (``"<base>/"``) or a malformed one is a 400 naming ``model``,
-never a silent base-model answer. A model without ``/`` is the base model whatever its name
-(OpenAI clients send their own defaults). An empty ``variant`` or ``settings.adapter`` is a
-400 too. Errors about the adapter name the JSON field the client used.
+A ``model`` is read as the cloud reads it: a leading ``moondream/`` (its provider prefix, optional
+for its own models: ``moondream/moondream3-preview``) is dropped first. What remains is the
+base model when it holds no ``/``, whatever its name (OpenAI clients send their own
+defaults); otherwise it must be ``<served model>/<adapter id>``, the served model by its name
+or the preset it was started with. Any other base, an empty id (``"<base>/"``) or a
+malformed one is a 400 naming ``model``, never a silent base-model answer; so is an empty
+``variant`` or ``settings.adapter``. Errors about the adapter name the JSON field the client
+used.
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ PROVIDER = "moondream/"  # the cloud's prefix of its first-party models
 
 def served_names(info: EngineInfo) -> frozenset[str]:
     """The names a ``model`` may give the served model by."""
-    names = {info.model_name, info.preset} - {""}
-    return frozenset(names | {PROVIDER + n for n in names})
+    return frozenset({info.model_name, info.preset} - {""})
 
 
 def from_model(model: object, served: Collection[str] | None = None) -> str | None:
@@ -47,9 +47,14 @@ def from_model(model: object, served: Collection[str] | None = None) -> str | No
         return None
     if served is None:
         return model.rsplit("/", 1)[1] or None
-    if model in served:
+    name = model
+    if name.startswith(PROVIDER) and PROVIDER[:-1] not in served:
+        name = name.removeprefix(PROVIDER)
+        if not name:
+            raise invalid("model", f"names no model after {PROVIDER!r}")
+    if "/" not in name:
         return None
-    base, _, adapter = model.rpartition("/")
+    base, _, adapter = name.rpartition("/")
     if base not in served:
         shown = ", ".join(repr(n) for n in sorted(served))
         raise invalid(
