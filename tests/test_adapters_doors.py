@@ -138,6 +138,14 @@ def test_grpc_settings_adapter_equals_the_reference(
             list(stub.Caption(bad, timeout=60))
         assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert "settings.adapter" in err.value.details()
+        # gRPC has no model field: the HTTP spelling <model>/<id> is refused, never read as
+        # the base model.
+        spelled = pb.GenerationSettings(adapter=f"{tiny.model.config.name}/local")
+        bad = pb.CaptionRequest(image_bytes=sample_image_bytes(), settings=spelled)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Caption(bad, timeout=60))
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "settings.adapter" in err.value.details() and "alone" in err.value.details()
 
 
 def test_http_settings_adapter_and_variant(
@@ -156,9 +164,64 @@ def test_http_settings_adapter_and_variant(
         assert status == 200 and body["caption"] == text, extra
     status, body = post_json(
         f"{server.http_url}/caption",
-        {"image_url": image, "settings": settings, "variant": "local", "model": "md/other@1"},
+        {
+            "image_url": image,
+            "settings": settings,
+            "variant": "local",
+            "model": f"{tiny.model.config.name}/other@1",
+        },
     )
     assert status == 400 and "model" in str(body)
+
+
+@pytest.mark.parametrize(
+    ("model", "field"),
+    [
+        ("other-model/local", "model"),  # a base the server does not serve
+        ("moondream/other-model/local", "model"),
+        ("{base}/", "model"),  # no id: never a silent base-model answer
+        ("moondream/{base}/", "model"),
+        ("{base}/@100", "model"),
+        ("{base}/a/b", "model"),
+        ("/", "model"),
+        ("moondream/", "model"),
+    ],
+)
+def test_a_model_naming_no_served_adapter_is_refused_by_both_routes(
+    server: ServerThread, tiny: LoadedModel, model: str, field: str
+) -> None:
+    name = model.format(base=tiny.model.config.name)
+    bodies = {
+        "caption": {"image_url": data_url(sample_image_bytes()), "length": "short"},
+        "chat/completions": {"messages": [{"role": "user", "content": "what?"}]},
+    }
+    for route, body in bodies.items():
+        status, got = post_json(f"{server.http_url}/{route}", {**body, "model": name})
+        assert status == 400 and got["error"]["field"] == field, (route, name, got)
+        assert got["error"]["code"] == "INVALID_ARGUMENT"
+
+
+def test_empty_adapter_fields_are_refused_and_plain_names_are_the_base_model(
+    server: ServerThread, tiny: LoadedModel, sample_image: PreparedImage
+) -> None:
+    image = data_url(sample_image_bytes())
+    settings = {"temperature": 0, "max_tokens": 8}
+    for extra, field in (
+        ({"variant": ""}, "variant"),
+        ({"settings": {**settings, "adapter": ""}}, "settings.adapter"),
+        ({"settings": {**settings, "variant": ""}}, "settings.variant"),
+    ):
+        status, got = post_json(f"{server.http_url}/caption", {"image_url": image, **extra})
+        assert status == 400 and got["error"]["field"] == field, (extra, got)
+    want = ReferenceGenerator(tiny.model, tiny.tokenizer).caption(sample_image, "normal", GREEDY)
+    base = tiny.model.config.name
+    # The served model by any of its names (the cloud's provider prefix too), or any name
+    # without '/' (an OpenAI client's default): the base model.
+    for model in (base, f"moondream/{base}", "gpt-4o", "moondream/moondream3-preview"):
+        status, got = post_json(
+            f"{server.http_url}/caption", {"image_url": image, "settings": settings, "model": model}
+        )
+        assert status == 200 and got["caption"] == want.text, (model, got)
 
 
 def test_the_official_client_model_downloads_the_finetune(
@@ -172,7 +235,7 @@ def test_the_official_client_model_downloads_the_finetune(
     md: ModuleType = moondream_client(
         cache.mkdir("clients") if cache is not None else tmp_path_factory.mktemp("clients")
     )
-    model = md.vl(endpoint=server.http_url, model="moondream3-preview/ft1@100")
+    model = md.vl(endpoint=server.http_url, model=f"{tiny.model.config.name}/ft1@100")
     encoded = model.encode_image(Image.open(io.BytesIO(sample_image_bytes())))
     prepared = prepare_image(base64.b64decode(encoded.image_url.split(",", 1)[1]))
     got = model.caption(encoded, "normal", settings={"temperature": 0, "max_tokens": 8})
@@ -186,7 +249,7 @@ def test_the_official_client_model_downloads_the_finetune(
     status, body = post_json(
         f"{server.http_url}/chat/completions",
         {
-            "model": "moondream3-preview/ft1@100",
+            "model": f"{tiny.model.config.name}/ft1@100",
             "messages": [{"role": "user", "content": "what is this?"}],
             "max_tokens": 4,
         },
@@ -199,14 +262,14 @@ def test_the_official_client_model_downloads_the_finetune(
 
 @pytest.mark.parametrize(
     ("model", "status", "words"),
-    [("md/junk@1", 400, "cannot read"), ("md/absent@2", 400, "HTTP 404")],
+    [("junk@1", 400, "cannot read"), ("absent@2", 400, "HTTP 404")],
 )
 def test_a_failed_download_names_the_model_field(
-    server: ServerThread, model: str, status: int, words: str
+    server: ServerThread, tiny: LoadedModel, model: str, status: int, words: str
 ) -> None:
     code, body = post_json(
         f"{server.http_url}/caption",
-        {"image_url": data_url(sample_image_bytes()), "model": model},
+        {"image_url": data_url(sample_image_bytes()), "model": f"{tiny.model.config.name}/{model}"},
     )
     assert code == status and words in str(body) and "model" in str(body), body
 
@@ -295,12 +358,18 @@ def test_adapters_through_the_engine_process(
             assert info.limits.max_adapters == 2
 
 
-def test_a_slow_download_delays_only_its_own_requests(server: ServerThread) -> None:
+def test_a_slow_download_delays_only_its_own_requests(
+    server: ServerThread, tiny: LoadedModel
+) -> None:
     """Two requests for a finetune being downloaded share one download; a request for the
     base model meanwhile is answered at once."""
     url = f"{server.http_url}/caption"
     image = data_url(sample_image_bytes())
-    slow_body = {"image_url": image, "model": "md/slow@7", "settings": {"max_tokens": 2}}
+    slow_body = {
+        "image_url": image,
+        "model": f"{tiny.model.config.name}/slow@7",
+        "settings": {"max_tokens": 2},
+    }
     done: dict[str, float] = {}
 
     def call(key: str, body: dict) -> None:

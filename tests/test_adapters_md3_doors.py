@@ -1,5 +1,5 @@
 """Moondream 3 finetunes through the doors: the official client's
-``model="moondream3-preview/<finetune_id>@<step>"`` over HTTP, downloaded from a local stand-in
+``model="<served model>/<finetune_id>@<step>"`` over HTTP, downloaded from a local stand-in
 of the cloud (the checkpoint's endpoint answers a presigned URL, fetched without the key), the
 OpenAI door and /v1/models; failed downloads naming the client's field."""
 
@@ -123,7 +123,7 @@ def test_the_official_client_model_downloads_the_finetune(
     md: ModuleType = moondream_client(
         cache.mkdir("clients") if cache is not None else tmp_path_factory.mktemp("clients")
     )
-    model = md.vl(endpoint=server.http_url, model="moondream3-preview/ft9@100")
+    model = md.vl(endpoint=server.http_url, model=f"{md3_tiny.model.config.name}/ft9@100")
     encoded = model.encode_image(Image.open(io.BytesIO(sample_image_bytes())))
     prepared = prepare_image(base64.b64decode(encoded.image_url.split(",", 1)[1]))
     got = model.caption(encoded, "normal", settings={"temperature": 0, "max_tokens": 8})
@@ -141,7 +141,7 @@ def test_the_official_client_model_downloads_the_finetune(
     status, body = post_json(
         f"{server.http_url}/chat/completions",
         {
-            "model": "moondream3-preview/ft9@100",
+            "model": f"{md3_tiny.model.config.name}/ft9@100",
             "messages": [{"role": "user", "content": "what is this?"}],
             "max_tokens": 4,
         },
@@ -155,19 +155,22 @@ def test_the_official_client_model_downloads_the_finetune(
 @pytest.mark.parametrize(
     ("model", "words"),
     [
-        ("moondream3-preview/junk@1", "cannot read"),
-        ("moondream3-preview/absent@2", "HTTP 404"),
-        ("moondream3-preview/nourl@1", "holds no download url"),
-        ("moondream3-preview/local@2", "holds no download url"),
-        ("moondream3-preview/nostep", "named <finetune_id>@<step>"),
+        ("junk@1", "cannot read"),
+        ("absent@2", "HTTP 404"),
+        ("nourl@1", "holds no download url"),
+        ("local@2", "holds no download url"),
+        ("nostep", "named <finetune_id>@<step>"),
     ],
 )
 def test_a_failed_download_names_the_model_field(
-    server: ServerThread, model: str, words: str
+    server: ServerThread, md3_tiny: LoadedModel, model: str, words: str
 ) -> None:
     code, body = post_json(
         f"{server.http_url}/caption",
-        {"image_url": data_url(sample_image_bytes()), "model": model},
+        {
+            "image_url": data_url(sample_image_bytes()),
+            "model": f"{md3_tiny.model.config.name}/{model}",
+        },
     )
     assert code == 400 and words in str(body) and "model" in str(body), body
 

@@ -1,6 +1,7 @@
 """The OpenAI-compatible endpoints with the official ``openai`` client, unmodified: chat
 completions streamed and not (answered by the query task, equal to the reference generation),
-the model list, and errors that name the parameter at fault."""
+whole conversations (their earlier turns the query's context, in the layout of the model
+author's engine), the model list, and errors that name the parameter at fault."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 
 from image_pipeline import PreparedImage, sample_image_bytes
-from tests.http_support import data_url
+from tests.http_support import data_url, moondream_client, post_json
 from tests.support.service_harness import ServerThread, in_process, local_config
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
@@ -130,9 +131,28 @@ ERRORS: list[tuple[str, dict[str, Any], str]] = [
     (
         "a system turn after the question",
         {"messages": [*_user("hi"), {"role": "system", "content": "be brief"}]},
-        "messages[1]",
+        "messages[1].role",
     ),
-    ("no question", {"messages": [{"role": "system", "content": "be brief"}]}, "messages"),
+    ("no question", {"messages": [{"role": "system", "content": "be brief"}]}, "messages[0].role"),
+    ("an empty conversation", {"messages": []}, "messages"),
+    ("an unknown role", {"messages": [{"role": "narrator", "content": "hi"}]}, "messages[0].role"),
+    (
+        "a conversation ending with the assistant",
+        {"messages": [*_user("hi"), {"role": "assistant", "content": "hello"}]},
+        "messages[1].role",
+    ),
+    (
+        "two pictures in two turns",
+        {
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                *_user("what?", IMG),
+                {"role": "assistant", "content": "a cat"},
+                *_user("and this?", IMG),
+            ]
+        },
+        "messages[3].content[1]",
+    ),
     (
         "a picture in a system turn",
         {
@@ -260,6 +280,122 @@ def test_system_messages_come_before_the_question(
     assert (
         got.choices[0].message.content == generator.query(sample_image, question, _greedy(6)).text
     )
+
+
+# ---- conversations ------------------------------------------------------------------------
+
+CONVERSATION: list[dict[str, Any]] = [
+    {"role": "system", "content": "Answer briefly."},
+    *_user("what is this?", IMG),
+    {"role": "assistant", "content": "a picture"},
+    {"role": "user", "content": "what colours are in it?"},
+]
+# What the conversation becomes: the system text folded into the first user turn, that turn
+# and the reply before the question.
+HISTORY = (("user", "Answer briefly.\n\nwhat is this?"), ("assistant", "a picture"))
+FOLLOW_UP = "what colours are in it?"
+
+
+def _conversation_prompt_tokens(generator: ReferenceGenerator) -> int:
+    """The prompt's length, counted from the author's layout (not from the server's code):
+    a query block per user turn, the answer suffix and text per assistant turn."""
+    t = generator.contract.templates
+    n = len(t.query_prefix) + len(generator.tokenizer.encode(HISTORY[0][1]).ids)
+    n += len(t.query_suffix) + len(generator.tokenizer.encode(HISTORY[1][1]).ids)
+    n += len(t.query_prefix) + len(generator.tokenizer.encode(FOLLOW_UP).ids)
+    return n + len(t.query_suffix)
+
+
+def test_a_conversation_is_one_query_with_its_earlier_turns(
+    client: openai.OpenAI, generator: ReferenceGenerator, sample_image: PreparedImage
+) -> None:
+    got = client.chat.completions.create(
+        model="m", messages=CONVERSATION, temperature=0, max_tokens=8
+    )
+    want = generator.query(sample_image, FOLLOW_UP, _greedy(8), history=HISTORY)
+    assert got.choices[0].message.content == want.text
+    assert got.usage is not None
+    assert got.usage.prompt_tokens == want.prompt_tokens == _conversation_prompt_tokens(generator)
+    # The earlier turns reach the model: without them the prompt is shorter.
+    alone = generator.query(sample_image, FOLLOW_UP, _greedy(8))
+    assert alone.prompt_tokens < want.prompt_tokens
+    # Streamed: the same answer.
+    chunks = client.chat.completions.create(
+        model="m", messages=CONVERSATION, temperature=0, max_tokens=8, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text
+
+
+def test_reasoning_over_a_conversation_opens_only_the_last_turn(
+    client: openai.OpenAI, generator: ReferenceGenerator
+) -> None:
+    got = client.chat.completions.create(
+        model="m",
+        messages=CONVERSATION,
+        temperature=0,
+        max_tokens=8,
+        extra_body={"reasoning": True},
+    )
+    t = generator.contract.templates
+    assert t.reasoning_suffix is not None and got.usage is not None
+    want = _conversation_prompt_tokens(generator) - len(t.query_suffix) + len(t.reasoning_suffix)
+    assert got.usage.prompt_tokens == want
+
+
+def test_a_picture_in_a_later_turn_is_the_conversation_picture(
+    client: openai.OpenAI, generator: ReferenceGenerator, sample_image: PreparedImage
+) -> None:
+    messages = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "hi"},
+        *_user("what is this?", IMG),
+    ]
+    got = client.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=6)
+    history = (("user", "hello"), ("assistant", "hi"))
+    want = generator.query(sample_image, "what is this?", _greedy(6), history=history)
+    assert got.choices[0].message.content == want.text
+
+
+def test_a_conversation_over_raw_http_and_an_echoed_reply(
+    server: ServerThread, generator: ReferenceGenerator, sample_image: PreparedImage
+) -> None:
+    """An assistant message echoed back as a response gave it (its null members and its
+    reasoning included) is read as the turn it was; a too long conversation names messages."""
+    reply = {"role": "assistant", "content": "a picture", "reasoning_content": "hmm"}
+    echoed = [*CONVERSATION[:2], {**reply, "refusal": None, "tool_calls": None}, CONVERSATION[3]]
+    status, body = post_json(
+        f"{server.http_url}/chat/completions",
+        {"model": "m", "messages": echoed, "temperature": 0, "max_tokens": 8},
+    )
+    want = generator.query(sample_image, FOLLOW_UP, _greedy(8), history=HISTORY)
+    assert status == 200 and body["choices"][0]["message"]["content"] == want.text, body
+    long = [{"role": "user", "content": "x" * 9000}, {"role": "assistant", "content": "y"}]
+    status, body = post_json(
+        f"{server.http_url}/chat/completions",
+        {"messages": [*long, {"role": "user", "content": "z" * 9000}], "max_tokens": 2},
+    )
+    assert status == 400 and body["error"]["field"] == "messages", body
+
+
+def test_the_moondream_client_chats_a_conversation(
+    server: ServerThread,
+    generator: ReferenceGenerator,
+    sample_image: PreparedImage,
+    pytestconfig: pytest.Config,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The official moondream client's chat (model "moondream3-preview" unless told, its
+    max_tokens sent as max_completion_tokens), unary and streamed."""
+    cache = getattr(pytestconfig, "cache", None)
+    where = cache.mkdir("clients") if cache is not None else tmp_path_factory.mktemp("clients")
+    model = moondream_client(where).vl(endpoint=server.http_url)
+    settings = {"temperature": 0, "max_tokens": 8}
+    want = generator.query(sample_image, FOLLOW_UP, _greedy(8), history=HISTORY).text
+    got = model.chat(CONVERSATION, settings=settings)
+    assert got["message"]["content"] == want and got["finish_reason"] == "length"
+    streamed = model.chat(CONVERSATION, stream=True, settings=settings)
+    assert "".join(streamed["message"]) == want
 
 
 def _stop_inside(text: str) -> str:

@@ -344,6 +344,7 @@ class ReferenceGenerator:
         on_token: OnToken | None = None,
         choices: tuple[str, ...] = (),
         regex: str | None = None,
+        history: tuple[tuple[str, str], ...] = (),
     ) -> TextResult:
         s = settings or SamplingSettings()
         return self._text(
@@ -351,6 +352,7 @@ class ReferenceGenerator:
                 Task.QUERY,
                 image,
                 question=question,
+                history=history,
                 temperature=s.temperature,
                 top_p=s.top_p,
                 max_tokens=s.max_tokens,

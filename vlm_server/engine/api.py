@@ -86,6 +86,9 @@ class GenerationRequest:
     # Points (x, y) and boxes (x_min, y_min, x_max, y_max), normalized, in the prompt.
     spatial_refs: tuple[tuple[float, ...], ...] = ()
     adapter: str | None = None  # finetune adapter id; None = the base model
+    # query: a chat's earlier turns, (prompts.USER or prompts.ASSISTANT, text), before the
+    # question (models/prompts.py renders them).
+    history: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass

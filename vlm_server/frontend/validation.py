@@ -60,6 +60,13 @@ def settings(msg: pb.GenerationSettings, max_tokens_limit: int) -> Settings:
     if max_objects < 1:
         raise invalid("settings.max_objects", f"must be >= 1, got {max_objects}")
     adapter = msg.adapter if msg.HasField("adapter") and msg.adapter else None
+    if adapter is not None and "/" in adapter:
+        # HTTP's model spelling: here the server's model is implied, so only the id is sent.
+        base, _, name = adapter.rpartition("/")
+        raise invalid(
+            "settings.adapter",
+            f"takes the adapter id alone ({name[:64]!r}), not <model>/<id> ({base[:64]!r}/...)",
+        )
     if adapter is not None:
         try:
             check_id(adapter)

@@ -1,13 +1,10 @@
 """The OpenAI-compatible endpoints: ``POST /v1/chat/completions`` (answered by the query task)
 and ``GET /v1/models``.
 
-The model answers one question about at most one picture. A chat maps onto Moondream's query
-prompt as follows: the texts of the ``system`` (or ``developer``) messages, which must come
-before the one ``user`` message, then the user's text parts, joined by blank lines, are the
-question; the user's ``image_url`` part (a data URL), at most one, is the picture. So
-``[system "Answer in one word.", user "What is this?"]`` asks the question
-``"Answer in one word.\n\nWhat is this?"``. Earlier turns (assistant, tool) are refused with a
-400 naming the message.
+A chat is one query: its earlier turns (system, user and assistant messages) become the
+query's context the way Moondream's author renders a conversation, the last user turn is the
+question, and the conversation's one picture (a data URL in a user turn) is the picture
+(chat_messages.py says exactly how).
 
 ``stop`` sequences end the answer where one first appears (never sent, not even in part: a
 possible beginning is held back); the engine request is cancelled there, so such an answer has
@@ -24,6 +21,7 @@ and ``param`` besides the server's ``code``, ``message`` and ``field``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -34,8 +32,8 @@ from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.engine.api import EngineError, Finished, RequestStream, TextDelta
 from vlm_server.frontend.calls import Call
 from vlm_server.frontend.refusals import invalid
-from vlm_server.http import adapter_names, error_bodies
-from vlm_server.http.body import Field, check
+from vlm_server.http import adapter_names, chat_messages, error_bodies
+from vlm_server.http.body import Field
 from vlm_server.http.chat_format import STOP_SCHEMA, response_regex, stop_sequences
 from vlm_server.http.exchange import EventStream, Exchange
 from vlm_server.http.moondream import set_image, settings
@@ -46,39 +44,6 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 _NO_EFFORT = ("none", "minimal")
 OWNER = "moondream-serve"
 
-_MESSAGE_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["role", "content"],
-    "properties": {
-        "role": {"type": "string", "enum": ["system", "developer", "user"]},
-        "content": {
-            "description": "The question, or content parts: text and at most one image_url "
-            "(a base64 data URL).",
-            "oneOf": [
-                {"type": "string"},
-                {
-                    "type": "array",
-                    "items": {
-                        "type": "object",
-                        "properties": {
-                            "type": {"type": "string", "enum": ["text", "image_url"]},
-                            "text": {"type": "string"},
-                            "image_url": {
-                                "type": "object",
-                                "properties": {
-                                    "url": {"type": "string"},
-                                    "detail": {"type": "string"},
-                                },
-                            },
-                        },
-                    },
-                },
-            ],
-        },
-        "name": {"type": "string"},
-    },
-}
-
 
 def _unsupported(name: str, kind: str, what: str, ok: tuple[Any, ...] = (None,)) -> Field:
     return Field(name, kind, what, unsupported=f"{what} is not supported", unsupported_ok=ok)
@@ -88,15 +53,16 @@ CHAT = (
     Field(
         "model",
         "string",
-        "Any name answers with the server's model (see /v1/models); <base>/<id>@<step> with "
-        "that finetune adapter.",
+        "A name without '/' answers with the server's model (see /v1/models); "
+        "<served model>/<id>@<step> with that finetune adapter.",
     ),
     Field(
         "messages",
         "array",
-        "System (or developer) messages, then exactly one user message.",
+        "The conversation: system (or developer) messages, then user and assistant turns, "
+        "ending with a user turn (the question); one picture at most.",
         required=True,
-        items=Field("message", "any", "", schema=_MESSAGE_SCHEMA),
+        items=Field("message", "any", "", schema=chat_messages.MESSAGE_SCHEMA),
     ),
     Field("temperature", "number", "Sampling temperature (0 = greedy)."),
     Field("top_p", "number", "Nucleus sampling mass, in (0, 1]."),
@@ -139,22 +105,6 @@ CHAT = (
         "Any effort but none or minimal turns reasoning on (the model has one effort).",
         enum=REASONING_EFFORTS,
     ),
-)
-
-_PART = (
-    Field("type", "string", "", required=True, enum=("text", "image_url")),
-    Field("text", "string", ""),
-    Field(
-        "image_url",
-        "object",
-        "",
-        fields=(Field("url", "string", "", required=True), Field("detail", "string", "")),
-    ),
-)
-_MESSAGE = (
-    Field("role", "string", "", required=True),
-    Field("content", "any", "", required=True),
-    Field("name", "string", ""),
 )
 
 CHAT_RESPONSE: dict[str, Any] = {
@@ -210,81 +160,26 @@ def error_style(err: EngineError) -> dict[str, Any]:
     return out
 
 
-_ROLES = ("system", "developer", "user")
-
-
-def _text_of(content: Any, where: str) -> str:
-    """The text of a system message: a string or text parts."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise invalid(where, "must be a string or an array of text parts")
-    texts = []
-    for i, raw in enumerate(content):
-        part = check(_PART, raw, f"{where}[{i}]")
-        if part["type"] != "text" or part.get("text") is None:
-            raise invalid(f"{where}[{i}]", "a system message holds text parts only")
-        texts.append(part["text"])
-    return "\n".join(texts)
-
-
-async def _question(ex: Exchange, messages: list[Any], message: pb.QueryRequest) -> None:
-    """Fill ``message`` from the chat's messages (see the module's docstring); teach errors
-    the JSON paths."""
-    system: list[str] = []
-    user: tuple[int, dict[str, Any]] | None = None
-    for i, raw in enumerate(messages):
-        msg = check(_MESSAGE, raw, f"messages[{i}]")
-        role = msg["role"]
-        if role not in _ROLES:
-            raise invalid(
-                f"messages[{i}].role",
-                f"must be system, developer or user, got {str(role)[:20]!r}: this model "
-                "answers one question, so earlier turns are not supported",
-            )
-        if user is not None:
-            raise invalid(
-                f"messages[{i}]",
-                "this model answers one question about at most one picture: send system "
-                "messages, then exactly one user message, last",
-            )
-        if role == "user":
-            user = (i, msg)
-        else:
-            system.append(_text_of(msg["content"], f"messages[{i}].content"))
-    if user is None:
-        raise invalid("messages", "needs a user message (the question)")
-    index, msg = user
-    where = f"messages[{index}]"
-    ex.names["question"] = f"{where}.content"
-    content = msg["content"]
-    if isinstance(content, str):
-        message.question = "\n\n".join([*system, content])
-        return
-    if not isinstance(content, list):
-        raise invalid(f"{where}.content", "must be a string or an array of content parts")
-    texts: list[str] = []
-    image: str | None = None
-    for i, raw in enumerate(content):
-        part_at = f"{where}.content[{i}]"
-        kind = raw.get("type") if isinstance(raw, dict) else None
-        if kind not in ("text", "image_url"):  # the part's kind first: it decides the rest
-            raise invalid(f"{part_at}.type", f"must be text or image_url, got {str(kind)[:40]!r}")
-        part = check(_PART, raw, part_at)
-        if part["type"] == "text":
-            if part.get("text") is None:
-                raise invalid(f"{part_at}.text", "is required in a text part")
-            texts.append(part["text"])
-        else:
-            if part.get("image_url") is None:
-                raise invalid(f"{part_at}.image_url", "is required in an image_url part")
-            if image is not None:
-                raise invalid(part_at, "this model takes at most one picture per question")
-            image = f"{part_at}.image_url.url"
-            for name in ("image_bytes", "image", "image_id"):
-                ex.names[name] = image
-            await set_image(message, part["image_url"]["url"], image)
-    message.question = "\n\n".join([*system, "\n".join(texts)])
+async def _conversation(
+    ex: Exchange, messages: list[Any], message: pb.QueryRequest
+) -> tuple[tuple[str, str], ...]:
+    """Fill ``message`` from the chat's messages; the earlier turns, for the engine request.
+    Teaches errors the JSON paths."""
+    chat = chat_messages.read(messages)
+    limit = ex.active_call.core.limits.max_question_chars
+    if limit and chat.chars > limit:
+        raise invalid(
+            "messages",
+            f"the conversation holds {chat.chars} characters of text; at most {limit} "
+            "(--max-question-chars)",
+        )
+    ex.names["question"] = chat.question_field
+    message.question = chat.question
+    if chat.picture is not None:
+        for name in ("image_bytes", "image", "image_id"):
+            ex.names[name] = chat.picture.field
+        await set_image(message, chat.picture.url, chat.picture.field)
+    return chat.history
 
 
 def _reasons(body: dict[str, Any]) -> bool:
@@ -323,7 +218,7 @@ async def completions(ex: Exchange) -> web.StreamResponse:
         reasoning=_reasons(body),
     )
     adapter_names.apply(ex, body, message.settings)  # model: "<base>/<id>@<step>"
-    await _question(ex, body["messages"], message)
+    history = await _conversation(ex, body["messages"], message)
     call = ex.active_call
     info = call.engine().info
     stops = stop_sequences(body.get("stop"))
@@ -331,7 +226,10 @@ async def completions(ex: Exchange) -> web.StreamResponse:
     if pattern is not None:
         message.regex = pattern
         ex.names["regex"] = "response_format"
-    submitted = await call.submit(await call.build(message))
+    request = await call.build(message)
+    if history:
+        request = dataclasses.replace(request, history=history)
+    submitted = await call.submit(request)
     head = {
         "id": f"chatcmpl-{ex.request_id}",
         "created": int(time.time()),

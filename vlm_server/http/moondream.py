@@ -75,8 +75,9 @@ IMAGE = Field(
 MODEL = Field(
     "model",
     "string",
-    "Any name answers with the server's model; <base>/<finetune_id>@<step> (as the official "
-    "clients send a finetune) answers with that adapter.",
+    "A name without '/' answers with the server's model; <base>/<finetune_id>@<step> (as the "
+    "official clients send a finetune) with that adapter, where <base> must name the served "
+    "model (see /v1/models).",
 )
 VARIANT = Field("variant", "string", "A finetune adapter to answer with (see model).")
 SPATIAL_REFS = Field(

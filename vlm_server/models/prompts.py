@@ -39,24 +39,44 @@ def caption_prompt(contract: TokenContract, length: str) -> list[int]:
     return list(contract.templates.caption(length))
 
 
+USER, ASSISTANT = "user", "assistant"  # the roles of a chat's earlier turns
+
+
 def query_prompt(
     contract: TokenContract,
     encode: Encode,
     question: str,
     refs: Sequence[int] = (),
     reasoning: bool = False,
+    history: Sequence[tuple[str, str]] = (),
 ) -> list[int]:
     """Prefix, spatial-reference positions, the question, then the answer suffix (or, with
-    ``reasoning``, the reasoning suffix: the answer then comes after the reasoning)."""
+    ``reasoning``, the reasoning suffix: the answer then comes after the reasoning).
+
+    ``history``: a chat's earlier turns, (role, text), rendered first as the model's author
+    renders a conversation (the model has no multi-turn format of its own): a user turn as a
+    query's prefix and question, an assistant turn as the answer suffix and its text."""
     t = contract.templates
-    text = (" " + question) if t.question_leading_space else question
     if reasoning:
         if t.reasoning_suffix is None:
             raise TemplateMissing(f"token contract {contract.name!r} has no reasoning mode")
         suffix = t.reasoning_suffix
     else:
         suffix = t.query_suffix
-    return [*t.query_prefix, *refs, *encode(text), *suffix]
+    out: list[int] = []
+    for role, said in history:
+        if role == USER:
+            out += [*t.query_prefix, *encode(_question(t.question_leading_space, said))]
+        elif role == ASSISTANT:
+            out += [*t.query_suffix, *encode(said)]
+        else:
+            raise ValueError(f"a chat turn's role is user or assistant, got {role!r}")
+    text = _question(t.question_leading_space, question)
+    return [*out, *t.query_prefix, *refs, *encode(text), *suffix]
+
+
+def _question(leading_space: bool, text: str) -> str:
+    return " " + text if leading_space and text else text
 
 
 def _object_prompt(

@@ -148,7 +148,9 @@ class TaskCompiler:
                     c.eos_id, req.max_tokens, row=self.suppress_row, first_row=NO_MASK
                 )
             elif req.task is Task.QUERY:
-                prompt = prompts.query_prompt(c, tok, req.question, refs, req.reasoning)
+                prompt = prompts.query_prompt(
+                    c, tok, req.question, refs, req.reasoning, req.history
+                )
                 grammar = self._query_grammar(req, constraint)
             elif req.task in (Task.POINT, Task.DETECT):
                 point = req.task is Task.POINT
