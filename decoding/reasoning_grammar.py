@@ -12,9 +12,11 @@ The protocol of the reference (moondream2's query with ``reasoning=True``):
 - ``start_ground_points_id`` and ``end_ground_id`` each open a new span of the reasoning; the
   coordinates of a span pair up into its grounding points.
 
-Budget: ``max_tokens`` counts reasoning and answer tokens together (the answer marker is not
-counted). Reasoning stops early enough for the answer's constraint to fit (``reserve``): at that
-point only the answer marker may be sampled.
+Budgets, as the reference gives them: ``max_tokens`` bounds the reasoning, and again the answer
+(the answer marker is counted in neither). A reasoning that spends its budget gets the answer
+marker (only it may be sampled next, where the reference prefills it), then its answer. Both
+phases also stop at the model's context (``room``): there the reasoning yields early enough for
+the shortest answer (``reserve``, at least one token) to fit, and the answer ends at the context.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .grammar_base import GrammarBase, GrammarEnd, GrammarError, StepKind, coordinate_value
+from .grammar_base import GrammarBase, GrammarError, StepKind, coordinate_value
 from .mask_table import NO_MASK, MaskTable
 from .text_grammar import TextGrammar
 
@@ -72,8 +74,8 @@ class ReasoningSpan:
 
 class ReasoningGrammar(GrammarBase):
     """Reasoning text with grounding coordinates, then the answer (made by ``answer`` with
-    the tokens left). ``token_ids`` holds every sampled token (reasoning, the answer marker,
-    the answer): the sampler's step counter."""
+    its budget: ``max_tokens``, or what the context leaves). ``token_ids`` holds every sampled
+    token (reasoning, the answer marker, the answer): the sampler's step counter."""
 
     def __init__(
         self,
@@ -81,7 +83,10 @@ class ReasoningGrammar(GrammarBase):
         max_tokens: int,
         answer: Callable[[int], TextGrammar],
         reserve: int = 0,
+        room: int | None = None,
     ) -> None:
+        """``reserve``: the shortest answer's tokens (a constrained answer's); ``room``: the
+        positions the context leaves after the prompt (None: only the budgets bound it)."""
         super().__init__()
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
@@ -89,9 +94,19 @@ class ReasoningGrammar(GrammarBase):
             raise ValueError(
                 f"max_tokens={max_tokens} is too small: the answer needs at least {reserve}"
             )
+        positions = 2 * max_tokens + 1  # both budgets and the answer marker
+        if room is not None:
+            if room < reserve + 1:
+                raise ValueError(
+                    f"the context leaves {room} positions: the answer needs {reserve + 1}"
+                )
+            positions = min(positions, room)
         self._rows = rows
         self._max_tokens = max_tokens
-        self._limit = max_tokens - reserve  # reasoning tokens allowed
+        self._positions = positions
+        # Reasoning tokens allowed: the budget, unless the context must keep the marker and
+        # the shortest answer (never empty) after them.
+        self._limit = min(max_tokens, positions - 1 - max(reserve, 1))
         self._make_answer = answer
         self.answer: TextGrammar | None = None
         self.token_ids: list[int] = []
@@ -124,8 +139,8 @@ class ReasoningGrammar(GrammarBase):
 
     @property
     def max_positions(self) -> int:
-        """Every counted token, plus the answer marker."""
-        return self._max_tokens + 1
+        """Both phases' tokens and the answer marker, within the context's room."""
+        return self._positions
 
     @property
     def span_count(self) -> int:
@@ -160,7 +175,8 @@ class ReasoningGrammar(GrammarBase):
             raise GrammarError(f"token {token_id} is suppressed while reasoning")
         self.token_ids.append(token_id)
         if token_id == t.answer_id:
-            self.answer = self._make_answer(self._max_tokens - len(self.reasoning_ids))
+            left = self._positions - 1 - len(self.reasoning_ids)
+            self.answer = self._make_answer(min(self._max_tokens, left))
             self._follow_answer()
             return
         if token_id in (t.start_ground_points_id, t.end_ground_id):
@@ -169,20 +185,12 @@ class ReasoningGrammar(GrammarBase):
         self.reasoning_ids.append(token_id)
         if token_id == t.coord_id:
             self.next_kind = _COORD_X
-            return
-        self._check_budget()
 
     def advance_value(self, value: object) -> None:
         """The x decoded with a coordinate token."""
         self._expect(_COORD_X)
         self._coords[-1].append(coordinate_value(value))
         self.next_kind = _REASON
-        self._check_budget()
-
-    def _check_budget(self) -> None:
-        # No answer token left: the answer would be empty, so end here.
-        if len(self.reasoning_ids) >= self._max_tokens:
-            self._finish(GrammarEnd.LENGTH)
 
     def _follow_answer(self) -> None:
         answer = self.answer

@@ -261,3 +261,122 @@ def test_the_project_client_speaks_reasoning_and_spatial_refs(
         assert [(p.x, p.y) for p in got.points] == list(built.grammar.objects)
         with pytest.raises(ValueError):
             client.point(sample_image_bytes(), "car", spatial_refs=[[0.1, 0.2, 0.3]])
+
+
+# Greedy with a budget the sample picture's reasoning spends whole: the reference then answers
+# with a budget of its own, and so does every door.
+SPENT = {"temperature": 0, "max_tokens": 5}
+
+
+def _spent(ref: ReferenceGenerator, prepared: PreparedImage) -> Any:
+    want = ref.reasoning_query(prepared, "where", _settings(SPENT))
+    assert len(want.reasoning_ids) == SPENT["max_tokens"] and want.answer_ids
+    return want
+
+
+def test_each_phase_gets_max_tokens_over_http(
+    server: ServerThread, sent: tuple[Any, Any, PreparedImage], ref: ReferenceGenerator
+) -> None:
+    """The official client (unary and streamed), the npm client's camelCase settings, and
+    the metrics, which count both phases and the reasoning's apart."""
+    model, image, prepared = sent
+    want = _spent(ref, prepared)
+    got = model.query(image, "where", reasoning=True, settings=SPENT)
+    assert got["answer"] == want.answer != ""
+    assert got["reasoning"]["text"] == want.reasoning
+    streamed = model.query(image, "where", reasoning=True, stream=True, settings=SPENT)
+    assert "".join(streamed["answer"]) == want.answer
+    body = {
+        "image_url": image.image_url,
+        "question": "where",
+        "reasoning": True,
+        "settings": {"temperature": 0, "maxTokens": 5},
+    }
+    status, answer = post_json(f"{server.http_url}/query", body)
+    assert status == 200 and answer["answer"] == want.answer
+    m = answer["metrics"]
+    assert m["reasoning_tokens"] == 5 and m["output_tokens"] == 5 + len(want.answer_ids)
+    status, _, raw = post(f"{server.http_url}/query", {**body, "stream": True})
+    got_events = events(raw)
+    kinds = [
+        "r" if "reasoning_chunk" in e else "a"
+        for e in got_events
+        if e.get("chunk") or e.get("reasoning_chunk")
+    ]
+    assert kinds == sorted(kinds, reverse=True) and "a" in kinds and "r" in kinds
+    assert "".join(e.get("chunk", "") for e in got_events) == want.answer
+    assert got_events[-1]["metrics"]["reasoning_tokens"] == 5
+
+
+def test_each_phase_gets_max_tokens_over_grpc(
+    server: ServerThread, ref: ReferenceGenerator
+) -> None:
+    want = _spent(ref, prepare_image(sample_image_bytes()))
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.VisionLanguageStub(channel)
+        request = pb.QueryRequest(
+            image_bytes=sample_image_bytes(),
+            question="where",
+            reasoning=True,
+            settings=pb.GenerationSettings(**SPENT),
+        )
+        messages = list(stub.Query(request))
+    deltas = [m.delta for m in messages if m.HasField("delta")]
+    flags = [d.reasoning for d in deltas]
+    assert flags == sorted(flags, reverse=True) and True in flags and False in flags
+    result = messages[-1].result
+    assert result.text == want.answer and result.reasoning.text == want.reasoning
+    assert result.metrics.reasoning_tokens == 5
+    assert result.metrics.output_tokens == 5 + len(want.answer_ids)
+    with VisionLanguageClient(server.target) as client:
+        unary = client.query(sample_image_bytes(), "where", reasoning=True, **SPENT)
+    assert unary.text == want.answer and unary.metrics.reasoning_tokens == 5
+
+
+def test_each_phase_gets_max_tokens_over_the_openai_client(
+    server: ServerThread, ref: ReferenceGenerator
+) -> None:
+    """``reasoning_content`` and the answer follow the reference's budgets, unary and
+    streamed; usage counts both phases, the reasoning's in completion_tokens_details."""
+    openai = pytest.importorskip("openai")
+    want = _spent(ref, prepare_image(sample_image_bytes()))
+    content = [
+        {"type": "text", "text": "where"},
+        {"type": "image_url", "image_url": {"url": data_url(sample_image_bytes())}},
+    ]
+    ask: dict[str, Any] = {
+        "model": "moondream",
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "max_tokens": 5,
+        "extra_body": {"reasoning": True},
+    }
+    with openai.OpenAI(base_url=server.http_url, api_key="unused", max_retries=0) as client:
+        got = client.chat.completions.create(**ask)
+        message = got.choices[0].message
+        assert message.content == want.answer != ""
+        assert (message.model_extra or {})["reasoning_content"] == want.reasoning
+        assert got.usage is not None and got.usage.completion_tokens == 5 + len(want.answer_ids)
+        details = got.usage.completion_tokens_details
+        assert details is not None and details.reasoning_tokens == 5
+        chunks = list(
+            client.chat.completions.create(
+                **ask, stream=True, stream_options={"include_usage": True}
+            )
+        )
+    kinds, thought, answer = [], [], []
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        extra = (delta.model_extra or {}).get("reasoning_content")
+        if extra:
+            kinds.append("r")
+            thought.append(extra)
+        if delta.content:
+            kinds.append("a")
+            answer.append(delta.content)
+    assert kinds == sorted(kinds, reverse=True)
+    assert "".join(thought) == want.reasoning and "".join(answer) == want.answer
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens_details.reasoning_tokens == 5

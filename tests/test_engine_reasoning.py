@@ -8,6 +8,7 @@ is biased so that reasoning grounds coordinates, opens spans and reaches the ans
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 import torch
@@ -120,6 +121,7 @@ def test_reasoning_equals_the_reference(
         assert fin.text == want.answer, req.request_id
         assert fin.finish_reason == want.finish_reason, req.request_id
         assert fin.metrics.output_tokens == len(want.reasoning_ids) + len(want.answer_ids)
+        assert fin.metrics.reasoning_tokens == len(want.reasoning_ids)
         # Reasoning deltas come first, and each kind concatenates to its text.
         flags = [d.reasoning for d in deltas]
         assert flags == sorted(flags, reverse=True)
@@ -135,16 +137,20 @@ def test_reasoning_budget_and_refusals(
     reasoning_model: LoadedModel, images: list[PreparedImage], tiny: LoadedModel
 ) -> None:
     ref = shared_reference(reasoning_model.model, reasoning_model.tokenizer)
-    # A budget that ends inside the reasoning: no answer, finish "length".
+    # A budget that ends inside the reasoning: as in the reference, the answer marker follows
+    # and the answer gets a budget of its own.
     s = SamplingSettings(temperature=0, max_tokens=5)
     want = ref.reasoning_query(images[0], "where", s)
-    assert want.finish_reason == "length" and not want.answer_ids
+    assert len(want.reasoning_ids) == 5 and want.answer_ids
     req = GenerationRequest(
         Task.QUERY, images[0], question="where", reasoning=True, temperature=0, max_tokens=5
     )
-    [(_, fin)] = _run(reasoning_model, [req], 2)
+    [(deltas, fin)] = _run(reasoning_model, [req], 2)
     assert fin.reasoning is not None and fin.reasoning.text == want.reasoning
-    assert fin.text == "" and fin.finish_reason == "length"
+    assert fin.text == want.answer != "" and fin.finish_reason == want.finish_reason
+    assert fin.metrics.reasoning_tokens == 5
+    assert fin.metrics.output_tokens == 5 + len(want.answer_ids)
+    assert [d.reasoning for d in deltas] == sorted((d.reasoning for d in deltas), reverse=True)
 
     async def refused(req: GenerationRequest) -> EngineError:
         engine = _engine(tiny, 2)
@@ -240,8 +246,8 @@ def test_reasoning_with_spatial_refs(
 def test_reasoning_leaves_room_for_a_constrained_answer(
     reasoning_model: LoadedModel, images: list[PreparedImage]
 ) -> None:
-    """With choices, reasoning stops where the shortest choice still fits the budget; the
-    answer is then one of them."""
+    """With choices, the reasoning has its whole budget and the answer its own: the answer
+    is one of them."""
     req = GenerationRequest(
         Task.QUERY,
         images[0],
@@ -253,5 +259,49 @@ def test_reasoning_leaves_room_for_a_constrained_answer(
     )
     [(deltas, fin)] = _run(reasoning_model, [req], 2)
     assert fin.text in ("left side", "right")
-    assert fin.reasoning is not None and fin.metrics.output_tokens <= 6
+    assert fin.reasoning is not None and fin.metrics.reasoning_tokens <= 6
+    assert fin.metrics.output_tokens - fin.metrics.reasoning_tokens <= 6
     assert [d.reasoning for d in deltas] == sorted((d.reasoning for d in deltas), reverse=True)
+
+
+def test_reasoning_budgets_meet_the_context(
+    reasoning_model: LoadedModel, images: list[PreparedImage]
+) -> None:
+    """Each phase's budget fits the context, both together do not: the sampled reasoning
+    spends its whole budget, the answer ends at the context's last position (as the oracle's
+    does); a budget whose one phase cannot fit is refused, naming max_tokens."""
+    ref = shared_reference(reasoning_model.model, reasoning_model.tokenizer)
+    s = SamplingSettings(temperature=1.0, top_p=0.3, seed=3, max_tokens=700)
+    want = ref.reasoning_query(images[1], "where", s)
+    req = GenerationRequest(
+        Task.QUERY,
+        images[1],
+        question="where",
+        reasoning=True,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        seed=s.seed,
+        max_tokens=s.max_tokens,
+    )
+    [(_, fin)] = _run(reasoning_model, [req], 2)
+    assert fin.reasoning is not None and fin.reasoning.text == want.reasoning
+    assert fin.text == want.answer and fin.finish_reason == want.finish_reason == "length"
+    config = reasoning_model.config
+    room = config.text.max_context - config.image_prefix_len - fin.metrics.input_tokens
+    assert len(want.reasoning_ids) == 700 and 0 < len(want.answer_ids) < 700
+    assert fin.metrics.reasoning_tokens + 1 + len(want.answer_ids) == room
+    assert fin.metrics.output_tokens == room - 1
+
+    async def refused() -> EngineError:
+        engine = _engine(reasoning_model, 2)
+        await engine.start()
+        try:
+            with pytest.raises(EngineError) as info:
+                async for _ in await engine.submit(replace(req, max_tokens=room)):
+                    pass
+            return info.value
+        finally:
+            await engine.close()
+
+    err = asyncio.run(refused())
+    assert err.code is ErrorCode.OUT_OF_RANGE and err.field == "max_tokens"

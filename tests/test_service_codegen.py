@@ -50,7 +50,10 @@ def test_coordinates_are_named_as_normalized() -> None:
     assert [f.name for f in point.fields] == ["x_norm", "y_norm"]
     assert [f.name for f in box.fields] == ["x_min_norm", "y_min_norm", "x_max_norm", "y_max_norm"]
     source = (codegen.PROTO_ROOT / codegen.PROTO_FILES[0]).read_text()
-    assert "normalized to [0, 1]" in source and "origin at the top-left" in source
+    assert "normalized to the image" in source and "origin at the top-left" in source
+    # The contract says what the server does: boxes as the reference returns them, past the
+    # picture where an object is cut by its border, unless the request sets `clip`.
+    assert "extends past the picture" in source and "optional bool clip" in source
 
 
 def test_every_task_request_takes_bytes_or_an_image_id() -> None:

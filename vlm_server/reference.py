@@ -375,8 +375,10 @@ class ReferenceGenerator:
         grammar): reasoning until the answer marker, the contract's suppressed ids (Moondream
         2: eos and the size token) masked after the first token, the coordinate token grounded
         by the x decoded from the hidden state that chose it; the marker fed, then the
-        answer. ``max_tokens`` bounds reasoning and
-        answer together (the reference bounds each)."""
+        answer. ``max_tokens`` bounds the reasoning and again the answer, as the reference
+        bounds each; a reasoning that spends its budget is followed by the marker and its
+        answer. Where the context ends first, the reasoning yields in time for one answer
+        token and the answer ends at the context (the engine's rule)."""
         s = settings or SamplingSettings()
         c, m = self.contract, self.model
         assert c.answer_id is not None and c.coord_id is not None and c.size_id is not None
@@ -385,7 +387,10 @@ class ReferenceGenerator:
         prompt = query_prompt(c, lambda t: self.tokenizer.encode(t).ids, question, refs, True)
         if image is None:
             prompt = [c.bos_id, *prompt]
-        cache, hidden, pos = self._prefill(image, prompt, s.max_tokens + 1, spatial_refs)
+        used = len(prompt) + (self.config.image_prefix_len if image is not None else 0)
+        room = min(2 * s.max_tokens + 1, self.config.text.max_context - used)
+        limit = min(s.max_tokens, room - 2)  # the context keeps the marker and one token
+        cache, hidden, pos = self._prefill(image, prompt, max(room, s.max_tokens + 1), spatial_refs)
         dev = m.device
         temp = torch.tensor([s.temperature], device=dev)
         top_p = torch.tensor([s.top_p], device=dev)
@@ -398,7 +403,7 @@ class ReferenceGenerator:
         chunks: list[list[int]] = [[]]
         coords: list[list[float]] = [[]]
         token, generated = pick(m.text.logits(hidden), 0), 0
-        while token != c.answer_id and generated < s.max_tokens:
+        while token != c.answer_id and generated < limit:
             if token in grounds:
                 chunks.append([])
                 coords.append([])
@@ -425,24 +430,25 @@ class ReferenceGenerator:
         reasoning_ids = [t for chunk in chunks for t in chunk]
         answer: list[int] = []
         reason = FinishReason.LENGTH
-        if token == c.answer_id:  # else the budget ended the reasoning: no answer
-            emb = m.text.embed(torch.tensor([c.answer_id], device=dev))
-            hidden = self._step(cache, emb, pos)
+        # The marker, sampled or (the budget spent) put in its place, is fed; then the answer.
+        emb = m.text.embed(torch.tensor([c.answer_id], device=dev))
+        hidden = self._step(cache, emb, pos)
+        pos += 1
+        step = generated + 1  # the engine's sampler counts the marker too
+        logits = m.text.logits(hidden)
+        budget = min(s.max_tokens, room - 1 - generated)
+        while len(answer) < budget:
+            token = pick(logits, step + len(answer))
+            if token == c.eos_id:
+                reason = FinishReason.EOS
+                break
+            answer.append(token)
+            if len(answer) == budget:
+                break
+            hidden = self._step(cache, m.text.embed(torch.tensor([token], device=dev)), pos)
             pos += 1
-            step = generated + 1  # the engine's sampler counts the marker too
             logits = m.text.logits(hidden)
-            while len(answer) < s.max_tokens - generated:
-                token = pick(logits, step + len(answer))
-                if token == c.eos_id:
-                    reason = FinishReason.EOS
-                    break
-                answer.append(token)
-                if len(answer) == s.max_tokens - generated:
-                    break
-                hidden = self._step(cache, m.text.embed(torch.tensor([token], device=dev)), pos)
-                pos += 1
-                logits = m.text.logits(hidden)
-                logits[:, list(c.decode_suppressed_ids)] = float("-inf")
+            logits[:, list(c.decode_suppressed_ids)] = float("-inf")
         return ReasoningResult(
             "".join(texts),
             grounding,

@@ -4,7 +4,7 @@ from vlm_server.client import VisionLanguageClient
 
 with VisionLanguageClient("localhost:50051") as client:
     print(client.caption("photo.jpg").text)
-    boxes = client.detect("photo.jpg", "car").boxes  # normalized to [0, 1]
+    boxes = client.detect("photo.jpg", "car").boxes  # normalized; may pass the edges
 """
 
 from vlm_server.client.aio import AsyncVisionLanguageClient

@@ -174,7 +174,8 @@ class AsyncVisionLanguageClient:
         timeout: float | None = None,
         **settings: Unpack[Settings],
     ) -> t.DetectResult:
-        """Boxes around each ``obj`` in ``image``."""
+        """Boxes around each ``obj`` in ``image``: the decoded centre plus and minus half
+        the size, possibly past the picture's edges (``clip=True`` clamps them to [0, 1])."""
         request = convert.object_request(
             pb.DetectRequest, image, obj, convert.settings(**settings), spatial_refs
         )
@@ -189,7 +190,8 @@ class AsyncVisionLanguageClient:
         timeout: float | None = None,
         **settings: Unpack[Settings],
     ) -> t.SegmentResult:
-        """Outline of ``obj``: box, SVG path, polygons and RLE mask."""
+        """Outline of ``obj``: box, SVG path, polygons and RLE mask. The box may pass the
+        picture's edges; ``clip=True`` clamps it and the polygons to [0, 1]."""
         request = convert.object_request(
             pb.SegmentRequest, image, obj, convert.settings(**settings), spatial_refs
         )

@@ -46,10 +46,11 @@ class Settings(TypedDict, total=False):
 
     temperature: float  # >= 0; 0 = greedy
     top_p: float  # (0, 1]
-    max_tokens: int  # caption, query
+    max_tokens: int  # caption, query (with reasoning: the reasoning's, and the answer's)
     max_objects: int  # point, detect
     seed: int
     adapter: str  # a finetune adapter (LoRA) by id; unset: the base model
+    clip: bool  # detect, segment: clamp boxes (and polygons) to the picture; default False
 
 
 def settings(**values: Unpack[Settings]) -> pb.GenerationSettings:
@@ -76,6 +77,7 @@ def metrics(m: pb.RequestMetrics) -> t.Metrics:
         cached_tokens=m.cached_tokens,
         intake_ms=m.intake_ms,
         prefix_wait_ms=m.prefix_wait_ms,
+        reasoning_tokens=m.reasoning_tokens,
     )
 
 

@@ -1,6 +1,9 @@
 """Plain results of the client: no protobuf types leak out of the client package.
 
-Coordinates are normalized to [0, 1] of the image, origin top-left.
+Coordinates are normalized to the image (0 and 1 are its edges), origin top-left. Points lie
+in [0, 1]; a detected or segmented box is the decoded centre plus and minus half the decoded
+size, as the model's reference returns it, so it may extend past the picture (below 0 or above
+1) unless the call passed ``clip=True``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ class Metrics:
     cached_tokens: int = 0
     intake_ms: float = 0.0  # on the server before the engine: checks, image decode
     prefix_wait_ms: float = 0.0  # admitted until the image prefix was ready (0: cached)
+    reasoning_tokens: int = 0  # of output_tokens, a reasoning query's reasoning
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,8 @@ class EngineError(Exception):
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One task on one image. Coordinates in results are normalized to [0, 1], origin top-left."""
+    """One task on one image. Coordinates in results are normalized to the image (origin
+    top-left); boxes may extend past [0, 1] unless ``clip``."""
 
     task: Task
     # A HostImage is cropped by the engine; an EncodedImage decoded by its process first.
@@ -89,6 +90,9 @@ class GenerationRequest:
     # query: a chat's earlier turns, (prompts.USER or prompts.ASSISTANT, text), before the
     # question (models/prompts.py renders them).
     history: tuple[tuple[str, str], ...] = ()
+    # Detect and segment: clamp boxes (segment: polygons too) to the picture; else a box is
+    # the decoded centre plus and minus half the size, and may extend past the picture.
+    clip: bool = False
 
 
 @dataclass
@@ -99,8 +103,9 @@ class RequestMetrics:
     prefix_wait_ms: float = 0.0  # admitted until its image prefix was ready (0: cached)
     decode_ms: float = 0.0
     input_tokens: int = 0
-    output_tokens: int = 0
+    output_tokens: int = 0  # a query with reasoning: both phases' tokens
     cached_tokens: int = 0
+    reasoning_tokens: int = 0  # of output_tokens, the reasoning's (the marker not counted)
 
 
 @dataclass(frozen=True)

@@ -346,6 +346,7 @@ class Call:
                 input_tokens=em.input_tokens,
                 output_tokens=em.output_tokens,
                 cached_tokens=em.cached_tokens,
+                reasoning_tokens=em.reasoning_tokens,
                 finish=self.finish_reason,
             )
         if isinstance(exc, EngineError):

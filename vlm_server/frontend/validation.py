@@ -75,6 +75,16 @@ def settings(msg: pb.GenerationSettings, max_tokens_limit: int) -> Settings:
     return Settings(temperature, top_p, max_tokens, max_objects, seed, adapter)
 
 
+def clip(task: Task, msg: pb.GenerationSettings) -> bool:
+    """``settings.clip``: only detect and segment answer boxes to clamp (set on another
+    task, even to false, it is refused rather than silently ignored)."""
+    if not msg.HasField("clip"):
+        return False
+    if task not in (Task.DETECT, Task.SEGMENT):
+        raise invalid("settings.clip", f"only detect and segment take clip, not {task}")
+    return msg.clip
+
+
 def caption_length(value: int) -> str:
     try:
         return CAPTION_LENGTHS[value]

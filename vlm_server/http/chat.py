@@ -119,8 +119,14 @@ CHAT_RESPONSE: dict[str, Any] = {
         "usage": {
             "type": "object",
             "properties": {
-                k: {"type": "integer"}
-                for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+                **{
+                    k: {"type": "integer"}
+                    for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+                },
+                "completion_tokens_details": {
+                    "type": "object",
+                    "properties": {"reasoning_tokens": {"type": "integer"}},
+                },
             },
         },
     },
@@ -330,13 +336,15 @@ async def _stream(
                 await events.send({**chunk, "choices": [], "usage": _usage(end.finished)})
 
 
-def _usage(done: Finished) -> dict[str, int]:
+def _usage(done: Finished) -> dict[str, Any]:
+    """OpenAI's usage: completion tokens count reasoning and answer, the reasoning's apart."""
     m = done.metrics
     total = m.input_tokens + m.output_tokens
     return {
         "prompt_tokens": m.input_tokens,
         "completion_tokens": m.output_tokens,
         "total_tokens": total,
+        "completion_tokens_details": {"reasoning_tokens": m.reasoning_tokens},
     }
 
 

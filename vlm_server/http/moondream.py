@@ -42,7 +42,7 @@ CAPTION_LENGTHS = {
     "normal": pb.CAPTION_LENGTH_NORMAL,
     "long": pb.CAPTION_LENGTH_LONG,
 }
-SETTING_NAMES = ("temperature", "top_p", "max_tokens", "max_objects", "seed")
+SETTING_NAMES = ("temperature", "top_p", "max_tokens", "max_objects", "seed", "clip")
 SETTING_ALIASES = {"maxTokens": "max_tokens", "topP": "top_p", "maxObjects": "max_objects"}
 
 # ---- request shapes ---------------------------------------------------------------------------
@@ -54,9 +54,20 @@ SETTINGS = Field(
     fields=(
         Field("temperature", "number", "Sampling temperature (0 = greedy)."),
         Field("top_p", "number", "Nucleus sampling mass, in (0, 1]."),
-        Field("max_tokens", "integer", "Most tokens to generate."),
+        Field(
+            "max_tokens",
+            "integer",
+            "Most tokens to generate; a query with reasoning: most for the reasoning, and "
+            "again for the answer.",
+        ),
         Field("max_objects", "integer", "Most points or boxes (point, detect)."),
         Field("seed", "integer", "Sampling seed (an extension of this server)."),
+        Field(
+            "clip",
+            "boolean",
+            "Detect and segment: clamp boxes (segment: polygons too) to the picture, [0, 1] "
+            "(default false: as decoded, possibly past it; an extension of this server).",
+        ),
         Field("adapter", "string", "A finetune adapter to answer with (see model)."),
         Field("variant", "string", "A finetune adapter to answer with (see model)."),
         # The official npm client's spelling (it sends settings.maxTokens).
@@ -150,6 +161,7 @@ METRICS_SCHEMA: dict[str, Any] = {
             "input_tokens",
             "output_tokens",
             "cached_tokens",
+            "reasoning_tokens",
             "queue_time_ms",
             "prefill_time_ms",
             "ttft_ms",
@@ -160,7 +172,9 @@ METRICS_SCHEMA: dict[str, Any] = {
 }
 REGION_SCHEMA = {
     "type": "object",
-    "description": "A box, normalized to [0, 1], origin top-left.",
+    "description": "A box, normalized to the picture, origin top-left: the decoded centre "
+    "plus and minus half the decoded size, so it may extend past the picture (below 0 or "
+    "above 1) unless settings.clip is set.",
     "properties": {k: _NUMBER for k in ("x_min", "y_min", "x_max", "y_max")},
 }
 POINT_SCHEMA = {
@@ -296,6 +310,7 @@ def metrics(done: Finished, total_ms: float, intake_ms: float = 0.0) -> dict[str
         "input_tokens": m.input_tokens,
         "output_tokens": m.output_tokens,
         "cached_tokens": m.cached_tokens,
+        "reasoning_tokens": m.reasoning_tokens,
         "queue_time_ms": round(m.queue_wait_ms, 3),
         "prefill_time_ms": round(m.prefill_ms, 3),
         "ttft_ms": round(m.time_to_first_token_ms, 3),

@@ -97,7 +97,8 @@ def document(routes: tuple[Route, ...], version: str) -> dict[str, Any]:
             "description": "Moondream's API (compatible with the official moondream clients) "
             "and an OpenAI-compatible chat endpoint, in front of the same engine as the gRPC "
             "service. Pictures travel inline as base64 data URLs; coordinates are normalized "
-            "to [0, 1] with the origin top-left.",
+            "to the picture with the origin top-left (detect and segment boxes may extend "
+            "past it unless settings.clip is set).",
         },
         "paths": paths,
         "components": {

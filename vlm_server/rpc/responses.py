@@ -30,6 +30,7 @@ def metrics(m: RequestMetrics, total_ms: float, intake_ms: float = 0.0) -> pb.Re
         cached_tokens=m.cached_tokens,
         intake_ms=intake_ms,
         prefix_wait_ms=m.prefix_wait_ms,
+        reasoning_tokens=m.reasoning_tokens,
     )
 
 

@@ -32,20 +32,22 @@ FINISH_REASON_MAX_OBJECTS: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
 
 class GenerationSettings(_message.Message):
-    __slots__ = ("temperature", "top_p", "max_tokens", "max_objects", "seed", "adapter")
+    __slots__ = ("temperature", "top_p", "max_tokens", "max_objects", "seed", "adapter", "clip")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_OBJECTS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    CLIP_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     max_tokens: int
     max_objects: int
     seed: int
     adapter: str
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., max_objects: _Optional[int] = ..., seed: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
+    clip: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., max_objects: _Optional[int] = ..., seed: _Optional[int] = ..., adapter: _Optional[str] = ..., clip: _Optional[bool] = ...) -> None: ...
 
 class SpatialRef(_message.Message):
     __slots__ = ("point", "box")
@@ -56,7 +58,7 @@ class SpatialRef(_message.Message):
     def __init__(self, point: _Optional[_Union[NormalizedPoint, _Mapping]] = ..., box: _Optional[_Union[NormalizedBox, _Mapping]] = ...) -> None: ...
 
 class RequestMetrics(_message.Message):
-    __slots__ = ("queue_wait_ms", "time_to_first_token_ms", "prefill_ms", "decode_ms", "total_ms", "input_tokens", "output_tokens", "cached_tokens", "intake_ms", "prefix_wait_ms")
+    __slots__ = ("queue_wait_ms", "time_to_first_token_ms", "prefill_ms", "decode_ms", "total_ms", "input_tokens", "output_tokens", "cached_tokens", "intake_ms", "prefix_wait_ms", "reasoning_tokens")
     QUEUE_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +69,7 @@ class RequestMetrics(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INTAKE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     queue_wait_ms: float
     time_to_first_token_ms: float
     prefill_ms: float
@@ -77,7 +80,8 @@ class RequestMetrics(_message.Message):
     cached_tokens: int
     intake_ms: float
     prefix_wait_ms: float
-    def __init__(self, queue_wait_ms: _Optional[float] = ..., time_to_first_token_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., intake_ms: _Optional[float] = ..., prefix_wait_ms: _Optional[float] = ...) -> None: ...
+    reasoning_tokens: int
+    def __init__(self, queue_wait_ms: _Optional[float] = ..., time_to_first_token_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., intake_ms: _Optional[float] = ..., prefix_wait_ms: _Optional[float] = ..., reasoning_tokens: _Optional[int] = ...) -> None: ...
 
 class NormalizedPoint(_message.Message):
     __slots__ = ("x_norm", "y_norm")

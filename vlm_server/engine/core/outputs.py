@@ -24,6 +24,7 @@ and build no object but the delta a stream needs.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from decoding.detokenize import StreamDetokenizer
@@ -74,12 +75,13 @@ class Output:
     tokens it feeds back; its answer is the finish reason alone. Subclasses add what their
     grammar's answer is (text, objects, a segmentation)."""
 
-    __slots__ = ("first_at", "grammar", "output_tokens")
+    __slots__ = ("clip", "first_at", "grammar", "output_tokens")
 
     def __init__(self, grammar: Grammar) -> None:
         self.grammar = grammar
         self.first_at = 0.0  # when the first output committed (time.monotonic; 0: not yet)
         self.output_tokens = 0  # as the API counts them: tokens fed back (subclasses: others)
+        self.clip = False  # the request's `clip`: boxes (and polygons) clamped to the picture
 
     def commit(self, phase: int, token: int, values: RowValues | None, now: float) -> Delta | None:
         """Advance the grammar with one committed row: ``phase`` is what finalize chose for
@@ -115,7 +117,10 @@ class Output:
         m.output_tokens = self.output_tokens
         stop = self.grammar.finish_reason is _STOP
         result = Finished(FinishReason.EOS if stop else FinishReason.LENGTH, metrics=m)
-        return self.answer(result, seq.request), result
+        tail = self.answer(result, seq.request)
+        if self.clip:
+            clip_result(result)
+        return tail, result
 
     def answer(self, result: Finished, request: GenerationRequest) -> TextDelta | None:
         """Complete ``result`` (finish reason and metrics set) with the answer of the
@@ -217,6 +222,8 @@ class SvgSegmentOutput(Output):
         g.advance_token(token)
         chunk = g.chunks[-1] if len(g.chunks) > n else ""  # a token completes one group at most
         box = Box(*g.box) if not started and g.path_ids else None
+        if box is not None and self.clip:
+            box = clip_box(box)
         return PathDelta(chunk, box) if chunk or box is not None else None
 
     def answer(self, result: Finished, request: GenerationRequest) -> TextDelta | None:
@@ -284,7 +291,7 @@ class ReasoningOutput(Output):
     def answer(self, result: Finished, request: GenerationRequest) -> TextDelta | None:
         g = self.grammar
         tail = None
-        if self._answer is None:  # the budget ended the reasoning
+        if self._answer is None:  # ended before its answer marker (never by a budget)
             text = self._close_span()
             tail = TextDelta(text, reasoning=True) if text else None
             result.text = ""
@@ -303,6 +310,7 @@ class ReasoningOutput(Output):
         result.reasoning = Reasoning("".join(texts), tuple(grounding))
         answer_tokens = len(g.answer.token_ids) if g.answer is not None else 0
         result.metrics.output_tokens = len(g.reasoning_ids) + answer_tokens
+        result.metrics.reasoning_tokens = len(g.reasoning_ids)
         return tail
 
 
@@ -367,6 +375,26 @@ def stopped(code: ErrorCode, queued: bool = False) -> EngineError:
         where = " while queued" if queued else ""
         return EngineError(code, f"the request's deadline passed{where}")
     return EngineError(code, "the request was cancelled")
+
+
+def clip_box(box: Box) -> Box:
+    """``box`` clamped to the picture, [0, 1] on both axes."""
+    return Box(*(min(max(v, 0.0), 1.0) for v in (box.x_min, box.y_min, box.x_max, box.y_max)))
+
+
+def _clip_point(p: Point) -> Point:
+    return Point(min(max(p.x, 0.0), 1.0), min(max(p.y, 0.0), 1.0))
+
+
+def clip_result(result: Finished) -> None:
+    """A request's `clip`: its boxes, and a segmentation's box and polygon points, clamped
+    to the picture. The SVG paths stay as decoded (clamping a curve's control points would
+    change its shape); the mask is at the picture's size, cut at its edge either way."""
+    result.boxes = [clip_box(b) for b in result.boxes]
+    seg = result.segmentation
+    if seg is not None:
+        polygons = tuple(tuple(_clip_point(p) for p in poly) for poly in seg.polygons)
+        result.segmentation = replace(seg, box=clip_box(seg.box), polygons=polygons)
 
 
 def segmentation(seg: SegmentResult) -> Segmentation:

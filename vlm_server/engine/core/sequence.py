@@ -99,6 +99,7 @@ class Sequence:
     def __post_init__(self) -> None:
         if self.output is None:
             self.output = output_for(self.grammar)
+        self.output.clip = self.request.clip
         self.is_text = isinstance(self.grammar, _TEXT_GRAMMARS)
         self.max_decode = self.grammar.max_positions
         self.prompt_ids = np.asarray(self.prompt, np.int64)

@@ -151,7 +151,8 @@ class TaskCompiler:
                 prompt = prompts.query_prompt(
                     c, tok, req.question, refs, req.reasoning, req.history
                 )
-                grammar = self._query_grammar(req, constraint)
+                used = len(prompt) + (1 if req.image is None else mc.image_prefix_len)
+                grammar = self._query_grammar(req, constraint, mc.text.max_context - used)
             elif req.task in (Task.POINT, Task.DETECT):
                 point = req.task is Task.POINT
                 build = prompts.point_prompt if point else prompts.detect_prompt
@@ -177,13 +178,7 @@ class TaskCompiler:
             built.ref_values = spatial.ref_values(req.spatial_refs)
         if built.total_positions > mc.text.max_context:
             field = "max_objects" if req.task in (Task.POINT, Task.DETECT) else "max_tokens"
-            raise EngineError(
-                ErrorCode.OUT_OF_RANGE,
-                f"{field}: the prompt ({built.prefix_len + len(built.prompt)} positions) plus "
-                f"the output budget ({grammar.max_positions} positions) exceeds the model "
-                f"context of {mc.text.max_context}",
-                field,
-            )
+            raise _too_long(field, built.prefix_len + len(built.prompt), grammar.max_positions, mc)
         return built
 
     def _segment_grammar(self, req: GenerationRequest) -> Grammar:
@@ -208,8 +203,10 @@ class TaskCompiler:
             ) from err
 
     def _query_grammar(
-        self, req: GenerationRequest, constraint: AutomatonRows | None
+        self, req: GenerationRequest, constraint: AutomatonRows | None, room: int
     ) -> TextGrammar | ReasoningGrammar:
+        """The answer's grammar; with reasoning, the reasoning's first. Each phase gets
+        ``max_tokens`` (as the reference gives them), both within the context's ``room``."""
         eos, suppress = self.contract.eos_id, self.suppress_row
 
         def answer(max_tokens: int) -> TextGrammar:
@@ -220,9 +217,13 @@ class TaskCompiler:
         if not req.reasoning:
             return answer(req.max_tokens)
         assert self.reasoning_rows is not None  # `_check_features` refused it otherwise
+        # The answer may end at the context, but one phase's budget and the marker must fit.
+        if room < req.max_tokens + 1:
+            used = self.config.text.max_context - room
+            raise _too_long("max_tokens", used, req.max_tokens + 1, self.config)
         reserve = constraint.dist(constraint.dfa.start) if constraint is not None else 0
         try:
-            return ReasoningGrammar(self.reasoning_rows, req.max_tokens, answer, reserve)
+            return ReasoningGrammar(self.reasoning_rows, req.max_tokens, answer, reserve, room)
         except ValueError as err:
             raise EngineError(
                 ErrorCode.INVALID_ARGUMENT, f"max_tokens: {err}", "max_tokens"
@@ -297,6 +298,16 @@ class TaskCompiler:
             ) from err
         except ValueError as err:
             raise EngineError(ErrorCode.INVALID_ARGUMENT, f"{field}: {err}", field) from err
+
+
+def _too_long(field: str, used: int, needed: int, config: FamilyConfig) -> EngineError:
+    """OUT_OF_RANGE: the prompt's ``used`` positions plus ``needed`` exceed the context."""
+    return EngineError(
+        ErrorCode.OUT_OF_RANGE,
+        f"{field}: the prompt ({used} positions) plus the output budget ({needed} positions) "
+        f"exceeds the model context of {config.text.max_context}",
+        field,
+    )
 
 
 def _check_settings(req: GenerationRequest, max_context: int) -> None:
