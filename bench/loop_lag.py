@@ -2,6 +2,7 @@
 
     python -m bench.loop_lag --spawn -- --device cpu        # the built-in tiny model
     python -m bench.loop_lag --target host:50051 --http-url http://host:8080/v1
+    python -m bench.loop_lag --replot bench/results/cpu_tiny/loop_lag.json   # the plot again
 
 A sender process posts ``--rounds`` large bodies over each door, one at a time: over gRPC a
 Caption whose ``image_bytes`` is a fake JPEG (``FF D8 FF`` then zeros) filling ``--body-mb``;
@@ -232,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     where = ap.add_mutually_exclusive_group(required=True)
     where.add_argument("--spawn", action="store_true", help="start vlm serve (tiny model default)")
     where.add_argument("--target", help="host:port of a running server's gRPC door")
+    where.add_argument("--replot", type=Path, help="only redraw the plot of a written JSON")
     ap.add_argument("--http-url", help="its HTTP door, e.g. http://host:8080/v1 (with --target)")
     ap.add_argument("--body-mb", type=float, default=30.0, help="size of each body (MiB)")
     ap.add_argument("--rounds", type=int, default=5, help="bodies per door")
@@ -251,6 +253,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         cut = argv.index("--")
         argv, server_args = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
+    if args.replot:
+        result = json.loads(args.replot.read_text())
+        print(table(result))
+        return 0 if plot(result, args.replot.with_suffix(".png")) else 1
     if args.target and not args.http_url:
         raise SystemExit("--target needs --http-url")
     args.out.mkdir(parents=True, exist_ok=True)
