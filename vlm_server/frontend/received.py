@@ -1,11 +1,11 @@
 """A request's picture bytes kept beside its proto message instead of inside it.
 
-Protobuf messages (upb) copy a ``bytes`` field in whole on every write and every read, holding
-the GIL: for a 30 MB picture each copy is one C call of several milliseconds, and the doors
-used to do three of them on the event loop (setting the field, measuring the message, reading
-it back). So a door that has a request's picture as bytes already (HTTP's decoded data URL,
-gRPC's raw message) does not put them into the message: it *attaches* them to it, for the
-duration of the request's task, and the image resolver takes them from there.
+Protobuf messages (upb) copy a ``bytes`` field in whole on every write and every read (and
+measuring a message serializes it), each one C call holding the GIL for the whole picture, on
+whichever thread touches the field: for a request's handler, the event loop. So a door that has
+a request's picture as bytes already (HTTP's decoded data URL, the picture cut out of a gRPC
+message) does not put them into the message: it *attaches* them to it, for the rest of the
+request's task, and the image resolver takes them from there.
 
 The attachment lives in a context variable: the request's own task (and any task it starts
 afterwards) sees it, no other request does, and it goes with the task.
