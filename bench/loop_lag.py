@@ -188,7 +188,9 @@ def summarize(
         "target_ms": args.target_ms,
         "doors": rows,
         "windows": [{**w, "start": w["start"] - t0, "end": w["end"] - t0} for w in windows],
-        "probes": [(t - t0, kind, lat * 1e3) for t, kind, lat in prober.samples],
+        "probes": [
+            (round(t - t0, 4), kind, round(lat * 1e3, 3)) for t, kind, lat in prober.samples
+        ],
     }
 
 
@@ -276,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result["server_args"] = portable(server_args)
     result["settings"] = portable_settings(args)
     path = args.out / f"{args.tag}.json"
-    path.write_text(json.dumps(result, indent=1))
+    path.write_text(json.dumps(result))  # thousands of probes: one line
     png = path.with_suffix(".png")
     plotted = plot(result, png)
     print(table(result))
