@@ -323,5 +323,5 @@ class ImageResolver:
                 )
             return image
         # Large pictures come attached (received.py): reading the field would copy it on the
-        # loop. Only small ones, built in this process, are read from the message.
+        # loop. A picture the message holds itself is under a megabyte (rpc/intake.py).
         return await self.decode(received.image_bytes(request))

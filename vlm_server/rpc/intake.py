@@ -13,8 +13,9 @@
    say whether the deadline or the client ended it; so every unary method is served as a
    request-streaming one (the same on the wire), whose handler runs at once, notes the
    deadline, then reads the one message.
-3. A large message is parsed on a worker thread, its picture cut out of the wire bytes and
-   copied in steps (big_fields.py), so the event loop never parses or copies it.
+3. A message over a megabyte is parsed on a worker thread, its picture cut out of the wire
+   bytes first and copied with the GIL released (big_fields.py), then attached beside the
+   message (frontend/received.py): the event loop never parses or copies it.
 """
 
 from __future__ import annotations
@@ -131,8 +132,8 @@ def parse_large(
     parser: Callable[[bytes], Any], cls: type[Message] | None, data: bytes
 ) -> tuple[Any, bytes | None]:
     """A large ``cls`` message parsed by ``parser`` (a `guarded_parser`), on a worker thread:
-    the message, and its `FIELD` when it sets one, copied out in steps. The loop never runs
-    this."""
+    the message, and its `FIELD` when it sets one, copied out with the GIL released. The
+    loop never runs this."""
     cut = None if cls is None else cut_bytes_field(data, cls.DESCRIPTOR, received.OFF_LOOP_BYTES)
     if cut is None:
         request = parser(data)
