@@ -5,7 +5,7 @@ longest gap between its ticks, and the gap the hostile request adds must stay un
 The shapes (each inside every limit, each refused): a constrained query of 16 choices of 1,024
 random characters with max_tokens 2000 (its compilation runs out of time); a 22 MB picture of
 ``FF D8 FF`` then zeros, over gRPC and over HTTP; a 10 MB question over gRPC; a body of 30 MB
-of JSON (a picture) over HTTP.
+of JSON (a picture) over HTTP; a 30 MB question over HTTP.
 
 Why this does not flake on a busy 2-core machine: a loaded machine delays the ticker too, by
 tens to hundreds of milliseconds, in two ways. (1) Its thread waits for a CPU that other
@@ -112,6 +112,7 @@ SHAPES: dict[str, tuple[Callable[[str, str, int], str], set[str]]] = {
     "22 MB of FF D8 FF then zeros over HTTP": (hostile.fake_jpeg_http, {"400"}),
     "a 10 MB question over gRPC": (hostile.long_question_grpc, {"INVALID_ARGUMENT"}),
     "30 MB of JSON over HTTP": (hostile.big_json_http, {"400"}),
+    "a 30 MB question over HTTP": (hostile.long_question_http, {"400"}),
 }
 
 

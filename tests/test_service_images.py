@@ -4,6 +4,7 @@ client can flush the others' images)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import io
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,7 @@ from image_pipeline import (
 )
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.engine.api import Engine, EngineError, ErrorCode
-from vlm_server.frontend import images
+from vlm_server.frontend import images, received
 from vlm_server.frontend.images import ImageCache, ImageResolver, image_preparer
 from vlm_server.options.command_line import load_config
 from vlm_server.options.table import ServerConfig
@@ -64,31 +65,30 @@ def test_repeated_bytes_skip_decoding() -> None:
     asyncio.run(run())
 
 
-def test_only_a_large_message_waits_a_turn_of_the_loop_before_its_bytes_are_read(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Reading image_bytes copies it: a message over a megabyte yields the loop first (a
-    timer), a smaller one goes straight on (the timer would cost every new picture)."""
-    slept: list[float] = []
-    real_sleep = asyncio.sleep
-
-    async def recording_sleep(delay: float, *args: object) -> None:
-        slept.append(delay)
-        await real_sleep(0)
-
-    monkeypatch.setattr(images.asyncio, "sleep", recording_sleep)
+def test_attached_bytes_stand_for_the_field_in_their_own_task_only() -> None:
+    """A door attaches a large picture beside its message instead of setting it (each set or
+    read of the field copies it); the resolver takes it from there, and no other task sees it."""
 
     async def run() -> None:
         with ThreadPoolExecutor(2) as pool:
             resolver = ImageResolver(DEFAULT_LIMITS, ImageCache(64 << 20), pool)
-            small = pb.QueryRequest(image_bytes=sample_image_bytes(), question="q")
-            assert small.ByteSize() < images._COPY_APART_BYTES
-            await resolver.resolve(small)
-            assert images._YIELD_S not in slept
-            large = pb.QueryRequest(image_bytes=b"\xff" * (images._COPY_APART_BYTES + 1))
+            message = pb.QueryRequest(question="q")
+            assert await resolver.resolve(message) is None
+
+            async def other_task() -> object:
+                return received.attached(message)
+
+            received.attach(message, "image_bytes", sample_image_bytes())
+            assert received.image_field(message) == "image_bytes"
+            assert received.attached(pb.QueryRequest(question="q")) is None  # another message
+            image = await resolver.resolve(message)
+            assert image is not None and image.width > 0
+            # A task started afterwards sees it (a copy of this context); one of its own not.
+            assert await asyncio.create_task(other_task()) is not None
+            assert await asyncio.create_task(other_task(), context=contextvars.Context()) is None
+            received.attach(message, "image_bytes", b"\xff" * 10)
             with pytest.raises(Exception, match="image_bytes"):
-                await resolver.resolve(large)  # not a picture: refused, after the yield
-            assert slept.count(images._YIELD_S) == 1
+                await resolver.resolve(message)  # not a picture: refused, naming the field
 
     asyncio.run(run())
 

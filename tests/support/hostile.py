@@ -90,7 +90,17 @@ def big_json_http(target: str, http_url: str, attempt: int) -> str:
     return _post(f"{http_url}/query", _big_strings_body().encode())
 
 
+@functools.cache
+def _long_question_body() -> bytes:
+    return json.dumps({"question": "A" * (30 * MIB), "image_url": None}).encode()
+
+
+def long_question_http(target: str, http_url: str, attempt: int) -> str:
+    return _post(f"{http_url}/query", _long_question_body())
+
+
 def prepare() -> None:
     """Build the large payloads ahead of the measured windows."""
     _fake_jpeg_body()
     _big_strings_body()
+    _long_question_body()

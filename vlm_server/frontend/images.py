@@ -27,6 +27,7 @@ from image_pipeline import (
 )
 from image_pipeline.gpu_jpeg import GpuDecoder, gpu_decoder
 from vlm_server.engine.process.shared_pixels import pixel_pool, share
+from vlm_server.frontend import received
 from vlm_server.frontend.refusals import invalid
 from vlm_server.options.table import ServerConfig
 
@@ -116,8 +117,6 @@ class ImageCache:
 
 
 _HASH_ON_LOOP_BYTES = 1 << 20
-_COPY_APART_BYTES = 1 << 20
-_YIELD_S = 0.0005
 
 
 def _digest(data: bytes) -> bytes:
@@ -126,8 +125,6 @@ def _digest(data: bytes) -> bytes:
 
 class _HasImage(Protocol):
     def WhichOneof(self, name: str) -> str | None: ...
-
-    def ByteSize(self) -> int: ...
 
 
 def image_device(config: ServerConfig) -> torch.device:
@@ -312,7 +309,7 @@ class ImageResolver:
 
     async def resolve(self, request: _HasImage) -> Image | None:
         """The request's image, or None when it sets neither image_bytes nor image_id."""
-        which = request.WhichOneof("image")
+        which = received.image_field(request)
         if which is None:
             return None
         if which == "image_id":
@@ -325,11 +322,6 @@ class ImageResolver:
                     "or evicted from the cache: call EncodeImage again)",
                 )
             return image
-        # Reading the field copies it (tens of milliseconds for tens of megabytes): not in
-        # the same turn of the loop as the message's receipt and parse, and behind whatever
-        # became ready meanwhile (a timer, unlike sleep(0), queues behind due callbacks).
-        # Below a megabyte the copy takes microseconds and the timer would cost every new
-        # picture half a millisecond or more; the message's size is known without a copy.
-        if request.ByteSize() > _COPY_APART_BYTES:
-            await asyncio.sleep(_YIELD_S)
-        return await self.decode(request.image_bytes)  # type: ignore[attr-defined]
+        # Large pictures come attached (received.py): reading the field would copy it on the
+        # loop. A picture the message holds itself is under a megabyte (rpc/intake.py).
+        return await self.decode(received.image_bytes(request))

@@ -9,8 +9,9 @@ So, before `json.loads` runs:
 * Every string of at least `BIG_STRING_BYTES` that is plain ASCII without escapes (a base64
   data URL: the only thing that makes a body large) is cut out of the body and replaced by a
   placeholder; only the rest, the *skeleton*, goes through the JSON parser, and the strings
-  are put back afterwards. Finding and copying them is done in bounded C-speed steps on a
-  worker thread, so the event loop gets the GIL back between steps.
+  are put back afterwards. Finding them is done in bounded C-speed steps, and copying them
+  with the GIL released (gil_free.py), on a worker thread: the event loop gets the GIL back
+  between steps.
 * The skeleton is bounded in size (`JsonLimits.max_skeleton_bytes`), and its structure is
   measured without parsing it: strings are projected away, then the nesting depth and the
   number of values (every ``[``, ``{``, ``,`` and ``:`` outside strings) are counted. A body
@@ -32,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from vlm_server.frontend import gil_free
 from vlm_server.frontend.refusals import invalid
 
 BODY = "body"
@@ -65,11 +67,16 @@ class JsonLimits:
 DEFAULT_LIMITS = JsonLimits()
 
 
-async def parse_body(data: bytes | bytearray, limits: JsonLimits = DEFAULT_LIMITS) -> Any:
-    """`parse`, on a worker thread for a large body (its steps leave the loop the GIL)."""
-    if len(data) < OFF_LOOP_BYTES:
-        return parse(data, limits)
-    return await asyncio.to_thread(parse, data, limits)
+async def parse_body(chunks: list[bytes], limits: JsonLimits = DEFAULT_LIMITS) -> Any:
+    """The body made of ``chunks``, joined and parsed (`parse`): on a worker thread when large
+    (joining bytes releases the GIL; parsing it does so between steps)."""
+    if sum(map(len, chunks)) < OFF_LOOP_BYTES:
+        return parse(b"".join(chunks), limits)
+    return await asyncio.to_thread(_join_and_parse, chunks, limits)
+
+
+def _join_and_parse(chunks: list[bytes], limits: JsonLimits) -> Any:
+    return parse(b"".join(chunks), limits)
 
 
 def parse(data: bytes | bytearray, limits: JsonLimits = DEFAULT_LIMITS) -> Any:
@@ -77,7 +84,7 @@ def parse(data: bytes | bytearray, limits: JsonLimits = DEFAULT_LIMITS) -> Any:
     JSON or is beyond ``limits``."""
     skeleton, big, tag = data, [], ""
     if len(data) >= OFF_LOOP_BYTES:
-        skeleton, big, tag = _cut_big_strings(data, limits.max_values)
+        skeleton, big, tag = _cut_big_strings(bytes(data), limits.max_values)
     if len(skeleton) > limits.max_skeleton_bytes:
         raise invalid(
             BODY,
@@ -137,11 +144,21 @@ def _backslashes_before(data: bytes, pos: int, floor: int) -> int:
     return run
 
 
+def _find(data: bytes, sub: bytes, start: int, end: int | None = None) -> int:
+    """``data.find(sub, start, end)`` for a one-byte ``sub``, a step at a time."""
+    end = len(data) if end is None else end
+    for i in range(start, end, _STEP):
+        found = data.find(sub, i, min(end, i + _STEP))
+        if found >= 0:
+            return found
+    return -1
+
+
 def _string_end(data: bytes, start: int) -> int:
     """The index of the quote that ends the string opened at ``start`` (-1: none)."""
-    end = data.find(b'"', start + 1)
+    end = _find(data, b'"', start + 1)
     while end > 0 and _backslashes_before(data, end, start + 1) % 2:
-        end = data.find(b'"', end + 1)
+        end = _find(data, b'"', end + 1)
     return end
 
 
@@ -151,26 +168,22 @@ def _big_strings(data: bytes, max_strings: int) -> Iterator[tuple[int, int]]:
     follows stays in the skeleton)."""
     pos = 0
     for _ in range(max_strings):
-        start = data.find(b'"', pos)
+        start = _find(data, b'"', pos)
         if start < 0:
             return
         end = _string_end(data, start)
         if end < 0:
             return
-        if end - start - 1 >= BIG_STRING_BYTES and data.find(b"\\", start + 1, end) < 0:
+        if end - start - 1 >= BIG_STRING_BYTES and _find(data, b"\\", start + 1, end) < 0:
             yield start + 1, end
         pos = end + 1
 
 
 def _ascii(data: bytes, start: int, end: int) -> str | None:
-    """``data[start:end]`` as text when it is all ASCII, decoded a step at a time."""
-    parts: list[str] = []
-    for i in range(start, end, _STEP):
-        try:
-            parts.append(data[i : min(end, i + _STEP)].decode("ascii"))
-        except UnicodeDecodeError:
-            return None
-    return "".join(parts)
+    """``data[start:end]`` as text when it is all ASCII, copied with the GIL released."""
+    if not gil_free.is_ascii(data, start, end):
+        return None
+    return gil_free.ascii_text(data, start, end)
 
 
 def _cut_big_strings(data: bytes, max_strings: int) -> tuple[bytes, list[str], str]:

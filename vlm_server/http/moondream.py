@@ -28,6 +28,7 @@ from vlm_server.engine.api import (
     Segmentation,
     TextDelta,
 )
+from vlm_server.frontend import received
 from vlm_server.frontend.refusals import invalid
 from vlm_server.http import adapter_names, data_url
 from vlm_server.http.body import Field
@@ -300,8 +301,10 @@ def reasoning(done: Finished) -> dict[str, Any] | None:
 
 
 async def set_image(message: Any, url: str | None, field: str = IMAGE_FIELD) -> None:
+    """The picture of ``url`` (a data URL), attached to ``message`` as its ``image_bytes``:
+    setting the field would copy it on the event loop, and reading it back again."""
     if url is not None:
-        message.image_bytes = await data_url.decode(url, field)
+        received.attach(message, "image_bytes", await data_url.decode(url, field))
 
 
 def metrics(done: Finished, total_ms: float, intake_ms: float = 0.0) -> dict[str, Any]:

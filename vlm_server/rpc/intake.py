@@ -13,6 +13,9 @@
    say whether the deadline or the client ended it; so every unary method is served as a
    request-streaming one (the same on the wire), whose handler runs at once, notes the
    deadline, then reads the one message.
+3. A message over a megabyte is parsed on a worker thread, its picture cut out of the wire
+   bytes first and copied with the GIL released (big_fields.py), then attached beside the
+   message (frontend/received.py): the event loop never parses or copies it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import contextlib
 import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,15 +33,15 @@ import grpc
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
+from vlm_server.frontend import gil_free, received
 from vlm_server.frontend.calls import deadline_passed, request_id
 from vlm_server.rpc.auth import RejectHook
+from vlm_server.rpc.big_fields import FIELD, cut_bytes_field
 from vlm_server.rpc.field_limits import oversized_field, read_varint
 from vlm_server.rpc.status import FIELD_METADATA_KEY, REQUEST_ID_METADATA_KEY
 
 # (method, status code, client's request id) of a call that ended before its request was read.
 UnstartedHook = Callable[[str, str, str | None], None]
-_PARSE_APART_BYTES = 1 << 20
-_YIELD_S = 0.0005  # a timer: it queues behind what is due, unlike sleep(0)
 
 _MAX_DEPTH = 32  # deeper nesting than any of our messages has: stop looking
 
@@ -124,6 +128,36 @@ def guarded_parser(
     return guarded
 
 
+def parse_large(
+    parser: Callable[[bytes], Any], cls: type[Message] | None, data: bytes
+) -> tuple[Any, bytes | None]:
+    """A large ``cls`` message parsed by ``parser`` (a `guarded_parser`), on a worker thread:
+    the message, and its `FIELD` when it sets one, copied out with the GIL released. The
+    loop never runs this."""
+    cut = None if cls is None else cut_bytes_field(data, cls.DESCRIPTOR, received.OFF_LOOP_BYTES)
+    if cut is None:
+        request = parser(data)
+        if (
+            cls is None
+            or isinstance(request, Malformed)
+            or FIELD not in cls.DESCRIPTOR.fields_by_name
+        ):
+            return request, None
+        # A shape the cut leaves alone (rare): the message holds the field; read it here.
+        return request, getattr(request, FIELD) if _sets(request) else None
+    request = parser(cut.rest)
+    if isinstance(request, Malformed):
+        return request, None
+    return request, gil_free.bytes_of(data, cut.start, cut.end)
+
+
+def _sets(request: Any) -> bool:
+    field = request.DESCRIPTOR.fields_by_name[FIELD]
+    if field.containing_oneof is not None:
+        return bool(request.WhichOneof(field.containing_oneof.name) == FIELD)
+    return True
+
+
 def _client_request_id(context: grpc.aio.ServicerContext) -> str | None:
     sent = next((v for k, v in context.invocation_metadata() or () if k == "x-request-id"), None)
     return sent if isinstance(sent, str) else None
@@ -178,17 +212,20 @@ def _guarded_handler(
     started: list[bool],
     field_limits: Mapping[str, int] | None = None,
     on_unstarted: UnstartedHook | None = None,
+    executor: Executor | None = None,
 ) -> grpc.RpcMethodHandler:
     """``handler`` served as a request-streaming one (the same on the wire), so that it runs
     before its message arrives: see `_read_one`."""
 
     async def read(context: grpc.aio.ServicerContext) -> Any:
         data = await _read_one(context, method, on_unstarted, started)
-        if len(data) > _PARSE_APART_BYTES:
-            # Receiving a large message holds the loop for a while (gRPC copies it into one
-            # bytes object), and so does parsing it: not both in one turn of the loop.
-            await asyncio.sleep(_YIELD_S)
-        request = parser(data)
+        if len(data) <= received.OFF_LOOP_BYTES:
+            request = parser(data)
+        else:
+            loop = asyncio.get_running_loop()
+            request, image = await loop.run_in_executor(executor, parse_large, parser, cls, data)
+            if image is not None:
+                received.attach(request, FIELD, image)
         if isinstance(request, Malformed):
             if on_reject is not None:
                 on_reject(method, grpc.StatusCode.INVALID_ARGUMENT, request.message)
@@ -196,6 +233,7 @@ def _guarded_handler(
         return request
 
     parser = guarded_parser(handler.request_deserializer, field_limits)
+    cls = _message_class(handler.request_deserializer)
     if handler.unary_unary is not None:
         inner_uu = handler.unary_unary
 
@@ -243,7 +281,10 @@ class IntakeInterceptor(grpc.aio.ServerInterceptor):
         on_unstarted: UnstartedHook | None = None,
         watched: tuple[str, ...] = (),
         field_limits: Mapping[str, int] | None = None,
+        executor: Executor | None = None,
     ) -> None:
+        """``executor``: where large messages are parsed (None: the loop's default)."""
+        self._executor = executor
         self._field_limits = field_limits
         self._on_reject = on_reject
         self._on_unstarted = on_unstarted
@@ -269,5 +310,11 @@ class IntakeInterceptor(grpc.aio.ServerInterceptor):
                     lambda _: None if started[0] else hook(method, "CANCELLED", None)  # type: ignore[misc]
                 )
         return _guarded_handler(
-            handler, details.method, self._on_reject, started, self._field_limits, hook
+            handler,
+            details.method,
+            self._on_reject,
+            started,
+            self._field_limits,
+            hook,
+            self._executor,
         )

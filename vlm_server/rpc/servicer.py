@@ -28,6 +28,7 @@ from vlm_server.engine.api import (
     Task,
     TextDelta,
 )
+from vlm_server.frontend import received
 from vlm_server.frontend.calls import Call, Door, Limits, ServiceCore, request_id, status_code
 from vlm_server.frontend.refusals import proto_field
 from vlm_server.rpc import responses
@@ -216,7 +217,7 @@ class VisionLanguageServicer(pb_grpc.VisionLanguageServicer):
             call.engine()
             images = self.core.images
             owner = self.core.client_of(context.invocation_metadata(), call.peer)
-            image = await images.decode(request.image_bytes)
+            image = await images.decode(received.image_bytes(request))
             image_id, present = images.cache.put(image, owner=owner)
             self.core.metrics.image_cache_bytes.set(images.cache.nbytes)
             return pb.EncodeImageResponse(

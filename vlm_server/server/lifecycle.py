@@ -141,7 +141,11 @@ class VisionLanguageServer:
             "choices": cfg.max_choice_chars,
         }
         intake = IntakeInterceptor(
-            reject, self.servicer.record_unstarted, (SERVICE_NAME,), field_limits=limits
+            reject,
+            self.servicer.record_unstarted,
+            (SERVICE_NAME,),
+            field_limits=limits,
+            executor=self._executor,  # large messages are parsed beside the image decodes
         )
         chain: list[grpc.aio.ServerInterceptor] = [intake]
         if self.api_keys is not None:  # its refusals parse nothing
