@@ -90,6 +90,7 @@ from bench.load_gen import (
     portable,
     portable_settings,
     run_one,
+    split_server_args,
     summarize,
 )
 from bench.soak import _metrics_port, unlabelled_values
@@ -758,11 +759,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    server_args: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, server_args = argv[:cut], argv[cut + 1 :]
+    argv, server_args = split_server_args(sys.argv[1:] if argv is None else argv)
     ap = build_parser()
     args = ap.parse_args(argv)
     if server_args and not args.spawn:

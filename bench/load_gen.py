@@ -1080,12 +1080,17 @@ def _terminate(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def split_server_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """A bench's own arguments, and the server's after ``--`` (none without it)."""
+    argv = list(argv)
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1 :]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    server_args: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, server_args = argv[:cut], argv[cut + 1 :]
+    argv, server_args = split_server_args(sys.argv[1:] if argv is None else argv)
     ap = build_parser()
     args = ap.parse_args(argv)
     if server_args and not args.spawn:

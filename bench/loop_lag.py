@@ -42,7 +42,14 @@ import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.load_gen import REPO_ROOT, SpawnedServer, percentile, portable, portable_settings
+from bench.load_gen import (
+    REPO_ROOT,
+    SpawnedServer,
+    percentile,
+    portable,
+    portable_settings,
+    split_server_args,
+)
 from bench.plotting import pyplot, save
 
 MIB = 1 << 20
@@ -249,11 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    server_args: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, server_args = argv[:cut], argv[cut + 1 :]
+    argv, server_args = split_server_args(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.replot:
         result = json.loads(args.replot.read_text())

@@ -43,7 +43,7 @@ from typing import Any
 
 import grpc
 
-from bench.load_gen import REPO_ROOT, SpawnedServer, portable, portable_settings
+from bench.load_gen import REPO_ROOT, SpawnedServer, portable, portable_settings, split_server_args
 from bench.synth_images import base_image, parse_size
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
@@ -453,11 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    server_args: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, server_args = argv[:cut], argv[cut + 1 :]
+    argv, server_args = split_server_args(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     tally = Tally()
