@@ -372,7 +372,12 @@ class _DecodingEngine(_StandInEngine):
         self.decoding = threading.Event()
         self.decoding.set()
         self.started = threading.Event()
+        self.stopped = threading.Event()  # a cancel reached a request still decoding
         self.threads: list[str] = []
+
+    def stop_compiling(self, request: GenerationRequest) -> None:
+        super().stop_compiling(request)
+        self.stopped.set()
 
     def decode_image(self, request: GenerationRequest) -> GenerationRequest:
         image = request.image
@@ -423,6 +428,7 @@ def test_a_request_cancelled_during_its_decode_is_never_built(host: Any) -> None
     commands.send(Submit(1, dataclasses.replace(_request("slow", "run"), image=_encoded())))
     assert engine.started.wait(10)
     commands.send(Cancel(1))
+    assert engine.stopped.wait(10)  # the host read the cancel before the decode ends
     engine.decoding.set()
     refused = _next(events, Refused)
     assert refused.rid == 1 and refused.error.code is ErrorCode.CANCELLED
