@@ -29,6 +29,7 @@ pytest.importorskip("ray.serve", reason="the cluster extra (ray[serve]) is not i
 import ray
 from PIL import Image
 from ray import serve
+from ray.serve._private import api as serve_api
 
 from image_pipeline import sample_image_bytes
 from tests.http_support import data_url, events, post, post_json
@@ -109,6 +110,10 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tiny_dir: Path) -> Iterator[Cluster]:
     grpc_port, http_port = _free_port(), _free_port()
+    # Ray gives its proxies a fixed minute to come up; on two busy cores they took longer, so
+    # the wait is bounded only loosely here (a proxy that never starts still fails the test).
+    saved_timeout = serve_api.HTTP_PROXY_TIMEOUT
+    serve_api.HTTP_PROXY_TIMEOUT = 600
     ray.init(num_cpus=4, include_dashboard=False, namespace="serve", log_to_driver=False)
     try:
         serve.start(
@@ -133,6 +138,7 @@ def cluster(tiny_dir: Path) -> Iterator[Cluster]:
     finally:
         serve.shutdown()
         ray.shutdown()
+        serve_api.HTTP_PROXY_TIMEOUT = saved_timeout
 
 
 @pytest.mark.parametrize("door", [0, 1], ids=["gateway", "ray"])
