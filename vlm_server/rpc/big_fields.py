@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
-from vlm_server.rpc.field_limits import MAX_FIELDS, read_varint
+from vlm_server.rpc.field_limits import wire_fields
 
 FIELD = "image_bytes"
 
@@ -34,32 +34,12 @@ class Cut:
 
 def _fields(data: bytes) -> list[tuple[int, int, int, int]] | None:
     """(number, key's start, contents' start, end) of each top-level field; None when the wire
-    format breaks or has more than `MAX_FIELDS` fields."""
-    out: list[tuple[int, int, int, int]] = []
-    pos = 0
+    format breaks, is cut short or has more than `MAX_FIELDS` fields."""
     try:
-        while pos < len(data):
-            if len(out) >= MAX_FIELDS:
-                return None
-            key_start = pos
-            key, pos = read_varint(data, pos)
-            wire_type = key & 7
-            start = pos
-            if wire_type == 0:
-                _, pos = read_varint(data, pos)
-            elif wire_type in (1, 5):
-                pos += 8 if wire_type == 1 else 4
-            elif wire_type == 2:
-                length, start = read_varint(data, pos)
-                pos = start + length
-            else:
-                return None  # groups or garbage: the parser's to refuse
-            if pos > len(data):
-                return None
-            out.append((key >> 3, key_start, start, pos))
+        out = list(wire_fields(data))
     except ValueError:
         return None
-    return out
+    return out if not out or out[-1][3] <= len(data) else None
 
 
 def cut_bytes_field(data: bytes, descriptor: Descriptor, min_bytes: int) -> Cut | None:

@@ -11,7 +11,7 @@ shared validation, which give the exact message.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
@@ -45,11 +45,38 @@ def read_varint(data: bytes, pos: int) -> tuple[int, int]:
         shift += 7
 
 
+def wire_fields(data: bytes) -> Iterator[tuple[int, int, int, int]]:
+    """(number, key's start, contents' start, end) of each top-level field of ``data``, skipped
+    by its declared length (``end`` may lie past ``data`` when it is cut short); ValueError when
+    the wire format breaks or holds more than `MAX_FIELDS` fields."""
+    pos = 0
+    for _ in range(MAX_FIELDS):
+        if pos >= len(data):
+            return
+        key_start = pos
+        key, pos = read_varint(data, pos)
+        wire_type = key & 7
+        start = pos
+        if wire_type == 0:
+            _, pos = read_varint(data, pos)
+        elif wire_type in (1, 5):
+            pos += 8 if wire_type == 1 else 4
+        elif wire_type == 2:
+            length, start = read_varint(data, pos)
+            pos = start + length
+        else:
+            raise ValueError("a group or garbage")
+        yield key >> 3, key_start, start, pos
+    if pos < len(data):
+        raise ValueError(f"more than {MAX_FIELDS} top-level fields")
+
+
 def oversized_field(
     data: bytes, descriptor: Descriptor, limits: Mapping[str, int]
 ) -> Oversized | None:
     """The first top-level string field of ``data`` (a serialized ``descriptor`` message)
-    whose declared length is beyond ``limits[name]`` characters; None when there is none."""
+    whose declared length is beyond ``limits[name]`` characters; None when there is none (or
+    the wire format breaks: the parser's to refuse)."""
     numbers = {
         f.number: (f.name, limits[f.name])
         for f in descriptor.fields
@@ -57,25 +84,11 @@ def oversized_field(
     }
     if not numbers:
         return None
-    pos = 0
     try:
-        for _ in range(MAX_FIELDS):
-            if pos >= len(data):
-                return None
-            key, pos = read_varint(data, pos)
-            wire_type = key & 7
-            if wire_type == 0:
-                _, pos = read_varint(data, pos)
-            elif wire_type in (1, 5):
-                pos += 8 if wire_type == 1 else 4
-            elif wire_type == 2:
-                length, pos = read_varint(data, pos)
-                known = numbers.get(key >> 3)
-                if known is not None and length > _UTF8_MAX * known[1]:
-                    return Oversized(known[0], length, known[1])
-                pos += length
-            else:
-                return None  # groups or garbage: the parser's to refuse
+        for number, _, start, end in wire_fields(data):
+            known = numbers.get(number)
+            if known is not None and end - start > _UTF8_MAX * known[1]:
+                return Oversized(known[0], end - start, known[1])
     except ValueError:
         return None
     return None

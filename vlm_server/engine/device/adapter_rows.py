@@ -65,7 +65,7 @@ class AdapterRows:
         if not new.any():
             return
         host[rows[new]] = slots[new]
-        changed = rows[new].tolist()
+        changed = rows[new].tolist()  # host numpy too
         lo, hi = min(changed), max(changed) + 1
         stage = self.stage[slot]
         self.dev.host_write(stage, host[lo:hi], start=lo)
