@@ -392,7 +392,6 @@ class Scheduler:
         seq.row = self.free_rows.pop()
         pages.assign(seq.row, (entry.full_pages if entry else []) + seq.own_pages)
         self._set_row_constants(seq)
-        self.inputs.admit(seq.row, seq.adapter_slot)
         self.running.append(seq)
         seq.state = SeqState.PREFILL
         seq.prefill_launched_at = now
@@ -419,8 +418,10 @@ class Scheduler:
     # ---- finalize ---------------------------------------------------------------------
 
     def _set_row_constants(self, seq: Sequence) -> None:
-        """The fixed finalize columns of ``seq``'s row (see ``_row_fin``)."""
+        """The fixed finalize columns of ``seq``'s row (see ``_row_fin``), and its adapter slot
+        for the launches."""
         row = seq.row
+        self.inputs.admit(row, seq.adapter_slot)
         fixed = [0] * N_FIN
         fixed[F_ROW] = row
         fixed[F_SEED] = seq.request.seed
