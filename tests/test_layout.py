@@ -48,9 +48,10 @@ LAYERS = {
     "vlm_server.frontend": 7,  # the request path both doors share: calls, checks, images
     "vlm_server.rpc": 8,  # the gRPC door
     "vlm_server.http": 8,  # the HTTP door (neither door imports the other)
-    "vlm_server.server": 9,  # the process: both doors, health, metrics, memory, drain
-    "vlm_server.cluster": 10,  # replicas of the server on Ray Serve, and their router
-    "vlm_server.cli": 10,
+    "vlm_server.bulk": 9,  # requests read from files (vlm batch, the Batch API), via the routes
+    "vlm_server.server": 10,  # the process: both doors, health, metrics, memory, drain
+    "vlm_server.cluster": 11,  # replicas of the server on Ray Serve, and their router
+    "vlm_server.cli": 11,
 }
 
 

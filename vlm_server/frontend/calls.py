@@ -44,10 +44,11 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
 
 class Door(enum.StrEnum):
-    """The front door a request came through (the ``door`` label of the metrics)."""
+    """The way a request came in (the ``door`` label of the metrics)."""
 
     GRPC = "grpc"
     HTTP = "http"
+    BATCH = "batch"  # a line of a batch job (vlm batch, the Batch API)
 
 
 def deadline_passed(deadline: float | None, timeout: float | None) -> bool:

@@ -10,7 +10,6 @@ valid; None leaves the door open.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import socket
@@ -24,6 +23,7 @@ from vlm_server.frontend.calls import Call, Door, ServiceCore, request_id
 from vlm_server.frontend.phase import ServerPhase
 from vlm_server.frontend.refusals import invalid
 from vlm_server.http import error_bodies, openapi
+from vlm_server.http.dispatch import answer
 from vlm_server.http.exchange import REQUEST_ID_HEADER, Exchange
 from vlm_server.http.probes import HEALTH
 from vlm_server.http.routes import OPENAPI, ROUTES, Route
@@ -132,34 +132,11 @@ class HttpFrontDoor:
             except EngineError as err:
                 return await Exchange(request, None, rid, self.max_body_bytes).fail(err)
             call = Call(self.core, Door.HTTP, route.task, rid, request.remote or "", deadline)
-            ex = Exchange(request, call, rid, self.max_body_bytes)
-            try:
-                return await self._run(route, ex, call, deadline)
-            except EngineError as err:
-                return await ex.fail(err)
-            except Exception:  # logged by the call; the client gets the request id only
-                internal = EngineError(ErrorCode.INTERNAL, f"internal error (request id {rid})")
-                return await ex.fail(internal)
+            return await answer(
+                route, Exchange(request, call, rid, self.max_body_bytes), call, deadline
+            )
 
         return handle
-
-    async def _run(
-        self, route: Route, ex: Exchange, call: Call, deadline: float | None
-    ) -> web.StreamResponse:
-        async with call:
-            call.engine()  # 503 at once while loading or draining: the body is never read
-            if deadline is None:
-                return await route.handler(ex)
-            # The loop's clock is time.monotonic(), the deadline's clock.
-            when = asyncio.get_running_loop().time() + (deadline - time.monotonic())
-            try:
-                async with asyncio.timeout_at(when):
-                    return await route.handler(ex)
-            except TimeoutError:
-                raise EngineError(
-                    ErrorCode.DEADLINE_EXCEEDED,
-                    f"the deadline ({openapi.TIMEOUT_HEADER}) passed",
-                ) from None
 
     @web.middleware
     async def _json_errors(

@@ -1,0 +1,1 @@
+"""Bulk work: requests read from files rather than connections (``vlm batch``, the Batch API)."""
