@@ -15,6 +15,7 @@ run updates only its own rows; the others stay as they were):
     arrival_itl.json   python -m bench.arrival_itl        step gaps while new images arrive
     scaleout.json      python -m bench.scaleout           replicas on Ray Serve (vlm cluster)
     lora_bench.json    python -m bench.lora_bench         finetune adapters: period, load gaps
+    bulk_bench.json    python -m bench.bulk_bench         vlm batch, interactive under a batch
 
 A row is ``{"name", "value", "unit", "target", "met", "commit", "flags"}``: ``target`` is a
 bound as text ("<= 30", ">= 60") or null where none is stated; ``met`` says whether the value
@@ -67,6 +68,14 @@ TARGETS: dict[str, tuple[str, str | None]] = {
     # before (16 captions streaming).
     "lora8.period_ratio.s32": ("x", "<= 1.15"),
     "lora.load_gap_ratio": ("x", "<= 1.1"),
+    # Bulk work (bench/bulk_bench.py): `vlm batch` against the online server at 64 clients,
+    # and one client's query3 p50 while a Batch API job runs, over the same server idle.
+    "caption128.unique.c64.tok_s": ("tok/s", None),
+    "batch.caption128.tok_s": ("tok/s", None),
+    "batch.caption128.online_ratio": ("x", ">= 1"),
+    "query3.unique.c1.p50_ms_idle_server": ("ms", None),
+    "query3.unique.c1.p50_ms_under_batch": ("ms", None),
+    "query3.under_batch.p50_ratio": ("x", "<= 1.25"),
 }
 
 # Bounds of one model family where they differ from TARGETS' (Moondream 3: a 9B mixture of
@@ -270,6 +279,14 @@ def lora_rows(d: dict[str, Any], prefix: str, commit: str | None) -> list[Row]:
     return [*rows, make_row(prefix, "lora.load_gap_ratio", gap, commit, "")]
 
 
+def bulk_rows(d: dict[str, Any], prefix: str, commit: str | None) -> list[Row]:
+    """Bulk work: `vlm batch` and the online server's caption throughput, interactive latency
+    under a Batch API job."""
+    from bench.bulk_bench import rows  # it imports this module
+
+    return rows(d, prefix, commit)
+
+
 SOURCES = {
     "step_bench.json": step_rows,
     "load_gen.json": load_rows,
@@ -278,6 +295,7 @@ SOURCES = {
     "arrival_itl.json": arrival_rows,
     "scaleout.json": scaleout_rows,
     "lora_bench.json": lora_rows,
+    "bulk_bench.json": bulk_rows,
 }
 
 
