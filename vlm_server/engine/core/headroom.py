@@ -16,9 +16,9 @@ sequences are held within limits that leave an interactive request room at once:
   stream (which runs in order), so an interactive picture waits behind one small background
   batch at most, and another prefix slot is always left to it (with ``prefill_batches`` >= 2).
 
-Interactive requests take rows, pages and slots as before, the reserve included. Nothing here
-makes a lower priority wait for a higher one that cannot be admitted: admission stops at the
-head of the queue, so no lower priority is admitted in its place.
+Interactive requests take rows, pages and slots as before, the reserve included: these limits
+only ever hold background work back. The order is the queue's: admission stops at a head it
+cannot admit, so no lower priority is admitted in its place.
 """
 
 from __future__ import annotations
