@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vlm_server.engine.config import PREFILL_SMS_AUTO
+from vlm_server.engine.config import PREFILL_SMS_AUTO, RESERVED_ROWS_AUTO
 from vlm_server.options.__main__ import main as options_main
 from vlm_server.options.command_line import RENAMED, as_given, build_parser, load_config
 from vlm_server.options.markdown import COMMAND, render
@@ -58,6 +58,8 @@ def test_every_option_reaches_its_component_under_its_own_name() -> None:
                 mine, theirs = getattr(config, f.name), getattr(component, f.name)
                 if f.name == "prefill_sms":  # the text "auto" or a count, as an int there
                     mine = PREFILL_SMS_AUTO if mine == "auto" else int(mine)
+                if f.name == "background_reserved_rows":  # the same
+                    mine = RESERVED_ROWS_AUTO if mine == "auto" else int(mine)
                 assert theirs == mine or (mine == 0 and theirs is None), f.name
     assert {"max_queue", "kv_budget_bytes", "crop_graph_sizes", "max_image_bytes"} <= reached
     assert {"max_constraint_states", "constraint_compile_seconds"} <= reached

@@ -51,6 +51,7 @@ class Settings(TypedDict, total=False):
     seed: int
     adapter: str  # a finetune adapter (LoRA) by id; unset: the base model
     clip: bool  # detect, segment: clamp boxes (and polygons) to the picture; default False
+    priority: int  # -10 .. 10, higher admitted first; below 0: background (batch) work
 
 
 def settings(**values: Unpack[Settings]) -> pb.GenerationSettings:

@@ -19,6 +19,14 @@ if TYPE_CHECKING:  # the API stays torch-free: the engine core imports it
     from vlm_server.gc_pauses import GcPauseTotals
 
 
+# GenerationRequest.priority: higher is admitted first. Clients may send -10..10; below 0 is
+# background work (batch jobs submit at BATCH_PRIORITY), held within limits that keep room for
+# interactive requests arriving later (docs/architecture.md, Priorities).
+MIN_PRIORITY = -10
+MAX_PRIORITY = 10
+BATCH_PRIORITY = MIN_PRIORITY
+
+
 class Task(enum.StrEnum):
     CAPTION = "caption"
     QUERY = "query"
@@ -93,6 +101,9 @@ class GenerationRequest:
     # Detect and segment: clamp boxes (segment: polygons too) to the picture; else a box is
     # the decoded centre plus and minus half the size, and may extend past the picture.
     clip: bool = False
+    # Admission order: higher first, the oldest first within one priority; below 0 is
+    # background work (MIN_PRIORITY .. MAX_PRIORITY; the service checks the range).
+    priority: int = 0
 
 
 @dataclass

@@ -11,6 +11,10 @@ LAUNCH_OVERLAP_MODES = ("off", "idle", "always")
 # EngineConfig.prefill_sms: a share of the chip's SMs where green contexts work, else none
 # (chip_features.auto_prefill_sms); the server's default.
 PREFILL_SMS_AUTO = -1
+# EngineConfig.background_reserved_rows: DEFAULT_RESERVED_ROWS, or max_batch_size - 1 when
+# that is fewer (a batch of one reserves none), so that every batch size has a default.
+RESERVED_ROWS_AUTO = -1
+DEFAULT_RESERVED_ROWS = 4
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,15 @@ class EngineConfig:
     # programs hold SMs a prefill beside the steps would use), from a second set of decode
     # graphs; "off".
     launch_overlap: str = "idle"
+    # Headroom for interactive requests (priority >= 0) over background work (below 0,
+    # core/headroom.py): background sequences hold at most max_batch_size minus this many
+    # rows, and leave the KV pages of this many new picture requests free (0: no headroom;
+    # RESERVED_ROWS_AUTO: see there).
+    background_reserved_rows: int = RESERVED_ROWS_AUTO
+    # New pictures of a prefix batch holding background ones (such a batch takes one of the
+    # prefill_batches slots at most): an interactive picture waits behind no more than one
+    # batch of this many background pictures on the prefill stream.
+    background_prefill_batch: int = 2
     # Spatial references one request may carry: every sequence row reserves the embeddings
     # of this many boxes (three positions each) on the device.
     max_spatial_refs: int = 8
@@ -98,6 +111,7 @@ class EngineConfig:
             "max_batch_size",
             "max_queue",
             "max_prefill_batch",
+            "background_prefill_batch",
             "prefill_batches",
             "page_size",
             "max_adapters",
@@ -118,6 +132,14 @@ class EngineConfig:
         for name in nonnegative:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        reserved = self.background_reserved_rows
+        if reserved < RESERVED_ROWS_AUTO:
+            raise ValueError(f"background_reserved_rows must be >= 0 or auto, got {reserved}")
+        if reserved >= self.max_batch_size:
+            raise ValueError(
+                f"background_reserved_rows must be below max_batch_size ({self.max_batch_size}): "
+                f"background work needs a row, got {reserved}"
+            )
         if self.max_step_tokens <= self.max_batch_size:
             raise ValueError(
                 "max_step_tokens must exceed max_batch_size: every step takes all its "
@@ -140,6 +162,14 @@ class EngineConfig:
     def adapters_enabled(self) -> bool:
         """Whether requests may name an adapter (a folder or an endpoint is configured)."""
         return bool(self.adapters_dir or self.adapter_endpoint)
+
+    @property
+    def reserved_rows(self) -> int:
+        """The rows background work leaves to interactive requests (`background_reserved_rows`
+        with auto resolved)."""
+        if self.background_reserved_rows == RESERVED_ROWS_AUTO:
+            return min(DEFAULT_RESERVED_ROWS, self.max_batch_size - 1)
+        return self.background_reserved_rows
 
     @property
     def max_rows(self) -> int:

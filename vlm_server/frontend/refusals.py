@@ -18,6 +18,7 @@ _PROTO_FIELDS = {
     "max_objects": "settings.max_objects",
     "seed": "settings.seed",
     "adapter": "settings.adapter",
+    "priority": "settings.priority",
     "object_name": "object",
     "caption_length": "length",
 }

@@ -64,6 +64,7 @@ async def build(
         max_objects=s.max_objects,
         seed=s.seed,
         adapter=s.adapter,
+        priority=s.priority,
         clip=validation.clip(task, message.settings),
         deadline=deadline,
         **fields,

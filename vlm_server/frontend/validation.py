@@ -11,7 +11,14 @@ import math
 from dataclasses import dataclass
 
 from vlm_server.api.v1 import vision_language_pb2 as pb
-from vlm_server.engine.api import EngineError, ErrorCode, GenerationRequest, Task
+from vlm_server.engine.api import (
+    MAX_PRIORITY,
+    MIN_PRIORITY,
+    EngineError,
+    ErrorCode,
+    GenerationRequest,
+    Task,
+)
 from vlm_server.frontend.refusals import invalid
 from vlm_server.models.lora.files import AdapterError, check_id
 
@@ -38,6 +45,7 @@ class Settings:
     max_objects: int
     seed: int
     adapter: str | None = None
+    priority: int = 0
 
 
 def settings(msg: pb.GenerationSettings, max_tokens_limit: int) -> Settings:
@@ -72,7 +80,22 @@ def settings(msg: pb.GenerationSettings, max_tokens_limit: int) -> Settings:
             check_id(adapter)
         except AdapterError as err:
             raise invalid("settings.adapter", str(err)) from None
-    return Settings(temperature, top_p, max_tokens, max_objects, seed, adapter)
+    return Settings(temperature, top_p, max_tokens, max_objects, seed, adapter, priority(msg))
+
+
+def priority(msg: pb.GenerationSettings) -> int:
+    """``settings.priority``, default 0 (interactive)."""
+    if not msg.HasField("priority"):
+        return _DEFAULTS.priority
+    return check_priority(msg.priority, "settings.priority")
+
+
+def check_priority(value: int, field: str) -> int:
+    """``value`` if in MIN_PRIORITY .. MAX_PRIORITY, else INVALID_ARGUMENT naming ``field``
+    (the HTTP door checks its JSON integer before the proto's int32 would refuse it)."""
+    if not MIN_PRIORITY <= value <= MAX_PRIORITY:
+        raise invalid(field, f"must be in {MIN_PRIORITY}..{MAX_PRIORITY}, got {str(value)[:40]}")
+    return value
 
 
 def clip(task: Task, msg: pb.GenerationSettings) -> bool:

@@ -36,7 +36,7 @@ from vlm_server.http import adapter_names, chat_messages, error_bodies
 from vlm_server.http.body import Field
 from vlm_server.http.chat_format import STOP_SCHEMA, response_regex, stop_sequences
 from vlm_server.http.exchange import EventStream, Exchange
-from vlm_server.http.moondream import set_image, settings
+from vlm_server.http.moondream import PRIORITY, priority, set_image, settings
 from vlm_server.http.stop_text import StopText
 
 FINISH_REASONS = {"eos": "stop", "length": "length"}
@@ -69,6 +69,7 @@ CHAT = (
     Field("max_tokens", "integer", "Most tokens to generate."),
     Field("max_completion_tokens", "integer", "Most tokens to generate."),
     Field("seed", "integer", "Sampling seed."),
+    PRIORITY,
     Field("stream", "boolean", "Stream chat.completion.chunk events."),
     Field(
         "stream_options",
@@ -204,6 +205,7 @@ async def completions(ex: Exchange) -> web.StreamResponse:
         "settings.top_p": "top_p",
         "settings.max_tokens": "max_tokens",
         "settings.seed": "seed",
+        "settings.priority": "priority",
     }
     body = await ex.json(CHAT)
     limit = body.get("max_tokens")
@@ -224,6 +226,7 @@ async def completions(ex: Exchange) -> web.StreamResponse:
         reasoning=_reasons(body),
     )
     adapter_names.apply(ex, body, message.settings)  # model: "<base>/<id>@<step>"
+    priority(body, message.settings)
     history = await _conversation(ex, body["messages"], message)
     call = ex.active_call
     info = call.engine().info

@@ -20,6 +20,9 @@ from aiohttp import web
 
 from vlm_server.api.v1 import vision_language_pb2 as pb
 from vlm_server.engine.api import (
+    BATCH_PRIORITY,
+    MAX_PRIORITY,
+    MIN_PRIORITY,
     Box,
     EngineError,
     ErrorCode,
@@ -28,7 +31,7 @@ from vlm_server.engine.api import (
     Segmentation,
     TextDelta,
 )
-from vlm_server.frontend import received
+from vlm_server.frontend import received, validation
 from vlm_server.frontend.refusals import invalid
 from vlm_server.http import adapter_names, data_url
 from vlm_server.http.body import Field
@@ -36,7 +39,12 @@ from vlm_server.http.exchange import EventStream, Exchange
 
 IMAGE_FIELD = "image_url"
 # The shared validation names proto fields; these are the JSON names clients sent.
-NAMES = {"image_bytes": IMAGE_FIELD, "image": IMAGE_FIELD, "image_id": IMAGE_FIELD}
+NAMES = {
+    "image_bytes": IMAGE_FIELD,
+    "image": IMAGE_FIELD,
+    "image_id": IMAGE_FIELD,
+    "settings.priority": "priority",
+}
 FINISH_REASONS = {"eos": "stop", "length": "length", "max_objects": "max_objects"}
 CAPTION_LENGTHS = {
     "short": pb.CAPTION_LENGTH_SHORT,
@@ -92,6 +100,13 @@ MODEL = Field(
     "model (see /v1/models).",
 )
 VARIANT = Field("variant", "string", "A finetune adapter to answer with (see model).")
+PRIORITY = Field(
+    "priority",
+    "integer",
+    f"Admission order, {MIN_PRIORITY} to {MAX_PRIORITY} (default 0): higher is admitted first. "
+    f"Below 0 is background work (batch jobs send {BATCH_PRIORITY}), which leaves room for "
+    "requests of 0 and above arriving later (an extension of this server).",
+)
 SPATIAL_REFS = Field(
     "spatial_refs",
     "array",
@@ -116,7 +131,7 @@ def _object(what: str) -> Field:
     return Field("object", "string", f"What to {what}, e.g. 'car'.", required=True)
 
 
-COMMON = (SETTINGS, MODEL, VARIANT)
+COMMON = (SETTINGS, MODEL, VARIANT, PRIORITY)
 CAPTION = (
     IMAGE,
     Field("length", "string", "Caption length (default normal).", enum=tuple(CAPTION_LENGTHS)),
@@ -262,6 +277,15 @@ def settings(values: dict[str, Any] | None) -> pb.GenerationSettings:
     return out
 
 
+def priority(body: dict[str, Any], settings: pb.GenerationSettings) -> None:
+    """The body's ``priority`` (an integer, checked) into ``settings.priority``; the route's
+    `NAMES` name it ``priority`` in errors."""
+    value = body.get("priority")
+    if value is not None:
+        # Checked here: beyond the proto's int32 setting it would fail without the range.
+        settings.priority = validation.check_priority(value, "settings.priority")
+
+
 def spatial_refs(message: Any, refs: list[list[float]] | None) -> None:
     """Add the JSON references (types already checked) to a proto request; their values
     are the shared validation's to check."""
@@ -381,6 +405,7 @@ async def caption(ex: Exchange) -> web.StreamResponse:
         settings=settings(body.get("settings")),
     )
     adapter_names.apply(ex, body, message.settings)
+    priority(body, message.settings)
     await set_image(message, body["image_url"])
     return await _text(ex, message, "caption", bool(body.get("stream")))
 
@@ -398,6 +423,7 @@ async def query(ex: Exchange) -> web.StreamResponse:
     if body.get("regex") is not None:
         message.regex = body["regex"]
     adapter_names.apply(ex, body, message.settings)
+    priority(body, message.settings)
     await set_image(message, body.get("image_url"))
     return await _text(ex, message, "answer", bool(body.get("stream")))
 
@@ -408,6 +434,7 @@ async def point(ex: Exchange) -> web.StreamResponse:
     message = pb.PointRequest(object=body["object"], settings=settings(body.get("settings")))
     spatial_refs(message, body.get("spatial_refs"))
     adapter_names.apply(ex, body, message.settings)
+    priority(body, message.settings)
     await set_image(message, body["image_url"])
     call = ex.active_call
     done = await call.final(await call.build(message))
@@ -421,6 +448,7 @@ async def detect(ex: Exchange) -> web.StreamResponse:
     message = pb.DetectRequest(object=body["object"], settings=settings(body.get("settings")))
     spatial_refs(message, body.get("spatial_refs"))
     adapter_names.apply(ex, body, message.settings)
+    priority(body, message.settings)
     await set_image(message, body["image_url"])
     call = ex.active_call
     done = await call.final(await call.build(message))
@@ -433,6 +461,7 @@ async def segment(ex: Exchange) -> web.StreamResponse:
     message = pb.SegmentRequest(object=body["object"], settings=settings(body.get("settings")))
     spatial_refs(message, body.get("spatial_refs"))
     adapter_names.apply(ex, body, message.settings)
+    priority(body, message.settings)
     await set_image(message, body["image_url"])
     call = ex.active_call
     submitted = await call.submit(await call.build(message))

@@ -59,6 +59,16 @@ def parse_prefill_sms(text: str) -> str:
     return str(int(value))
 
 
+def parse_auto_count(text: str) -> str:
+    """``auto``, or a count (0 or more), as the text it is kept as."""
+    value = text.strip().lower()
+    if value == "auto":
+        return value
+    if not value.isdigit():
+        raise ValueError(f"not auto or a count: {text!r}")
+    return str(int(value))
+
+
 def parse_optional_str(text: str) -> str | None:
     """The text, or None for an empty one (an unset optional path)."""
     return text or None

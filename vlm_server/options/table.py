@@ -18,13 +18,20 @@ from typing import Any
 from decoding.limits import ConstraintLimits
 from image_pipeline import DEFAULT_LIMITS, ImageLimits, ResizeMode
 from image_pipeline.gpu_jpeg import GPU_DECODERS
-from vlm_server.engine.config import LAUNCH_OVERLAP_MODES, PREFILL_SMS_AUTO, EngineConfig
+from vlm_server.engine.config import (
+    DEFAULT_RESERVED_ROWS,
+    LAUNCH_OVERLAP_MODES,
+    PREFILL_SMS_AUTO,
+    RESERVED_ROWS_AUTO,
+    EngineConfig,
+)
 from vlm_server.options.checks import MIB, check_server_values
 from vlm_server.options.spec import (
     Group,
     Option,
     option,
     options_of,
+    parse_auto_count,
     parse_prefill_sms,
     parse_size,
 )
@@ -222,6 +229,23 @@ class ServerConfig:
     )
     max_batch_size: int = option(
         _ENGINE.max_batch_size, G.PERFORMANCE, "most sequences decoded together"
+    )
+    background_reserved_rows: str = option(
+        "auto",
+        G.PERFORMANCE,
+        "headroom for interactive requests (priority >= 0) over background work (priority "
+        "below 0, e.g. batch jobs): background requests run in at most --max-batch-size minus "
+        "this many rows, and leave free the KV pages of this many new picture requests, so "
+        "that an interactive request arriving later is admitted at once (0 = no headroom; "
+        f"auto = {DEFAULT_RESERVED_ROWS}, or --max-batch-size minus 1 when that is fewer)",
+        parse=parse_auto_count,
+    )
+    background_prefill_batch: int = option(
+        _ENGINE.background_prefill_batch,
+        G.PERFORMANCE,
+        "most new pictures in a batch of image prefixes that holds background pictures; "
+        "background pictures use one of the --prefill-batches slots at most, so an "
+        "interactive picture waits behind one such small batch at most",
     )
     max_step_tokens: int = option(
         _ENGINE.max_step_tokens,
@@ -475,6 +499,10 @@ class ServerConfig:
             parse_prefill_sms(str(self.prefill_sms))
         except ValueError as err:
             raise ValueError(f"prefill_sms must be auto or a count of SMs: {err}") from None
+        try:
+            parse_auto_count(str(self.background_reserved_rows))
+        except ValueError as err:
+            raise ValueError(f"background_reserved_rows must be auto or a count: {err}") from None
         for opt in OPTIONS:
             value = getattr(self, opt.name)
             if opt.choices and value is not None and value not in opt.choices:
@@ -498,6 +526,8 @@ class ServerConfig:
             prefill_sms=PREFILL_SMS_AUTO if self.prefill_sms == "auto" else int(self.prefill_sms),
             prefill_sms_when_streaming=self.prefill_sms_when_streaming,
             max_prefill_batch=self.max_prefill_batch,
+            background_reserved_rows=self.reserved_rows_value,
+            background_prefill_batch=self.background_prefill_batch,
             prefill_batches=self.prefill_batches,
             prefix_prompt_tokens=self.prefix_prompt_tokens,
             crop_graph_sizes=self.crop_graph_sizes,
@@ -516,6 +546,12 @@ class ServerConfig:
             adapter_download_bytes=self.adapter_download_bytes,
             adapter_download_timeout_s=self.adapter_download_timeout_s,
         )
+
+    @property
+    def reserved_rows_value(self) -> int:
+        """``background_reserved_rows`` as EngineConfig takes it (auto: RESERVED_ROWS_AUTO)."""
+        text = str(self.background_reserved_rows)
+        return RESERVED_ROWS_AUTO if text == "auto" else int(text)
 
     @property
     def constraint_limits(self) -> ConstraintLimits:

@@ -75,7 +75,10 @@ def batched_engine(config: ServerConfig, one_at_a_time: bool = False) -> Batched
 
     cfg = config.engine_config
     if one_at_a_time:
-        cfg = dataclasses.replace(cfg, max_batch_size=1, pipeline_depth=1)
+        # One row: nothing to keep back from background work.
+        cfg = dataclasses.replace(
+            cfg, max_batch_size=1, pipeline_depth=1, background_reserved_rows=0
+        )
     loaded = _loader(config)()
     capabilities.check(loaded.model, vars(config))  # every flag the family cannot serve, at once
     refine = segment_refiner(loaded, config.segment_refiner) if config.segment_refiner else None

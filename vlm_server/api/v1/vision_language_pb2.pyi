@@ -32,7 +32,7 @@ FINISH_REASON_MAX_OBJECTS: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
 
 class GenerationSettings(_message.Message):
-    __slots__ = ("temperature", "top_p", "max_tokens", "max_objects", "seed", "adapter", "clip")
+    __slots__ = ("temperature", "top_p", "max_tokens", "max_objects", "seed", "adapter", "clip", "priority")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class GenerationSettings(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     CLIP_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     max_tokens: int
@@ -47,7 +48,8 @@ class GenerationSettings(_message.Message):
     seed: int
     adapter: str
     clip: bool
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., max_objects: _Optional[int] = ..., seed: _Optional[int] = ..., adapter: _Optional[str] = ..., clip: _Optional[bool] = ...) -> None: ...
+    priority: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., max_objects: _Optional[int] = ..., seed: _Optional[int] = ..., adapter: _Optional[str] = ..., clip: _Optional[bool] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class SpatialRef(_message.Message):
     __slots__ = ("point", "box")

@@ -51,6 +51,13 @@ class PrefixCache:
     def has_tail(self) -> bool:
         return self.prefix_len % self.alloc.page_size != 0
 
+    def pages_with_new_prefix(self, positions: int) -> int:
+        """Free pages a sequence of ``positions`` (its prefix included) takes when its prefix
+        is not cached: the new entry's pages, and its own beyond the entry's full pages (its
+        private copy of a partly filled last page included)."""
+        shared = self.pages_per_entry - (1 if self.has_tail else 0)
+        return self.alloc.pages_for(positions) - shared + self.pages_per_entry
+
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -91,6 +98,14 @@ class PrefixCache:
 
     def evictable_pages(self) -> int:
         return sum(len(e.pages) for e in self._entries.values() if _idle(e))
+
+    def free_for(self, entry: PrefixEntry | None) -> int:
+        """Pages free for a new user of ``entry`` (None: of no cached prefix): free and
+        evictable ones, less the entry's own (used, so it cannot be evicted)."""
+        free = self.alloc.free_pages + self.evictable_pages()
+        if entry is not None and entry.users == 0:
+            free -= len(entry.pages)
+        return free
 
     def evict_for(self, n_pages: int) -> bool:
         """Evict idle entries (least recently used first) until ``n_pages`` are free."""

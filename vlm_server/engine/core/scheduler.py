@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from collections.abc import Callable
 from itertools import chain, repeat
+from operator import attrgetter
 
 import numpy as np
 
@@ -49,6 +49,7 @@ from vlm_server.engine.api import (
     GenerationRequest,
 )
 from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.core.headroom import Headroom, is_background
 from vlm_server.engine.core.observer import NO_OBSERVER, Observer
 from vlm_server.engine.core.outputs import stopped
 from vlm_server.engine.core.pages import PageAllocator
@@ -72,6 +73,7 @@ from vlm_server.engine.core.step_layout import (
     RowPhase,
 )
 from vlm_server.engine.core.step_plan import Chunk, StepBudget, StepPlan
+from vlm_server.engine.core.wait_queue import WaitQueue
 
 Emit = Callable[[object], None]
 
@@ -98,7 +100,8 @@ class Scheduler:
         self.eos_id = eos_id
         self.observer = observer
         self.pipe: PipelineState[Sequence] = pipeline or PipelineState(cfg.pipeline_depth)
-        self.waiting: deque[Sequence] = deque()
+        # Highest priority first, FIFO within one (core/wait_queue.py).
+        self.waiting: WaitQueue[Sequence] = WaitQueue(attrgetter("request.priority"))
         self.running: list[Sequence] = []  # admitted and not yet finished
         self.zombies: list[Sequence] = []  # finished, still referenced by an in-flight step
         self.free_rows = list(range(cfg.max_rows - 1, -1, -1))
@@ -122,6 +125,8 @@ class Scheduler:
             )
         self.pages = pages
         self.prefix_cache = PrefixCache(self.pages, image_prefix_len, cfg.prefix_cache_entries)
+        # What background work (priority < 0) may hold (core/headroom.py).
+        self.headroom = Headroom(cfg, self.prefix_cache, self.pages.block_table.shape[1])
         # New image prefixes the device is still computing (on its prefill stream), oldest first.
         self.pending_prefixes: list[PrefixEntry] = []
         self.last_batch = 0
@@ -155,12 +160,9 @@ class Scheduler:
         """The most free pages admitting ``seq`` can take: its own pages (prompt + output
         budget, and a private copy of a partly filled prefix page) plus its whole image prefix,
         as if not cached. Admission refuses a request above the cache's size with it."""
-        total = self.pages.pages_for(seq.total_positions)
         if seq.prefix_len == 0:
-            return total
-        cache = self.prefix_cache
-        shared = cache.pages_per_entry - (1 if cache.has_tail else 0)
-        return total - shared + cache.pages_per_entry
+            return self.pages.pages_for(seq.total_positions)
+        return self.prefix_cache.pages_with_new_prefix(seq.total_positions)
 
     def pages_to_admit(self, seq: Sequence) -> int:
         """Free pages admitting ``seq`` takes now (its prefix's pages only if not cached)."""
@@ -297,28 +299,37 @@ class Scheduler:
         return len({id(e.pending) for e in self.pending_prefixes})
 
     def _can_admit(self, seq: Sequence) -> bool:
+        """Whether `_admit` would take ``seq`` at the head of the queue (the same rules)."""
         if not self.free_rows or len(self.running) >= self.cfg.max_batch_size:
             return False
         cache = self.prefix_cache
-        free = self.pages.free_pages + cache.evictable_pages()
-        own_entry = cache.peek(seq.request.image.content_hash) if seq.prefix_len else None
-        new_prefix = seq.prefix_len and own_entry is None
+        entry = cache.peek(seq.request.image.content_hash) if seq.prefix_len else None
+        new_prefix = seq.prefix_len and entry is None
         if new_prefix and self._prefix_batches_in_flight() >= self.rt.prefix_slots:
             return False
-        if own_entry is not None and own_entry.users == 0:
-            free -= len(own_entry.pages)  # it will be used, so it cannot be evicted
-        return self.pages_to_admit(seq) <= free
+        if is_background(seq.request):
+            return self._background_fits(seq, entry, 0 if new_prefix else -1)
+        return self.pages_to_admit(seq) <= cache.free_for(entry)
+
+    def _background_fits(self, seq: Sequence, entry: PrefixEntry | None, in_batch: int) -> bool:
+        """Whether background ``seq`` (its cached prefix ``entry``) keeps within its headroom;
+        ``in_batch``: the pictures of the batch its new prefix would join (-1: none)."""
+        left = self.prefix_cache.free_for(entry) - self.pages_to_admit(seq)
+        return left >= 0 and self.headroom.admits(in_batch, left)
 
     def _admit(self, budget: StepBudget) -> list[tuple[Sequence, Chunk]]:
-        """Admit waiting sequences (FIFO) while the step's budget, rows and pages allow:
-        reserve prompt + output pages, share or create the image prefix, take a row, and
-        plan each one's first chunk. New image prefixes of the admitted start on the device's
-        prefill stream as one batch; their users' chunks wait until they are ready."""
+        """Admit waiting sequences, the head first, while the step's budget, rows and pages
+        allow (background ones within core/headroom.py's limits): reserve prompt + output
+        pages, share or create the image prefix, take a row, and plan each one's first chunk.
+        New image prefixes of the admitted start on the device's prefill stream as one batch;
+        their users' chunks wait until they are ready. A head that cannot be admitted stops
+        admission: nothing of its priority or lower takes its place."""
         admitted: list[tuple[Sequence, Chunk]] = []
         new_prefixes: list[tuple[PrefixEntry, Sequence]] = []
         pages, cache = self.pages, self.prefix_cache
         n_admitted = 0
         riding = 0  # prompt tokens riding this batch's new prefixes
+        background_batch = False  # whether a background picture joined the new prefixes
         now = time.monotonic()
         while (
             self.waiting
@@ -330,13 +341,18 @@ class Scheduler:
             if not seq.prompt:
                 raise AssertionError("a request without prompt tokens")
             known = cache.peek(seq.request.image.content_hash) if seq.prefix_len else None
-            if seq.prefix_len and known is None:
+            new_prefix = seq.prefix_len and known is None
+            if new_prefix:
                 # The prefill stream holds enough batches: admitting more would only hold
                 # their pages and rows while they wait.
                 if not new_prefixes and self._prefix_batches_in_flight() >= self.rt.prefix_slots:
                     break
             elif (known is None or known.ready) and not budget.can_take():
                 break
+            if is_background(seq.request):
+                if not self._background_fits(seq, known, len(new_prefixes) if new_prefix else -1):
+                    break
+                background_batch |= bool(new_prefix)
             total = pages.pages_for(seq.total_positions)
             entry = None
             if seq.prefix_len:
@@ -381,6 +397,8 @@ class Scheduler:
             for entry, _ in new_prefixes:
                 entry.pending = handle
                 self.pending_prefixes.append(entry)
+            if background_batch:
+                self.headroom.launched_batch(new_prefixes[0][0])
         return admitted
 
     def _start(self, seq: Sequence, entry: PrefixEntry | None, own: int, now: float) -> None:
@@ -393,6 +411,7 @@ class Scheduler:
         pages.assign(seq.row, (entry.full_pages if entry else []) + seq.own_pages)
         self._set_row_constants(seq)
         self.running.append(seq)
+        self.headroom.started(seq.request)
         seq.state = SeqState.PREFILL
         seq.prefill_launched_at = now
         seq.metrics.queue_wait_ms = (now - seq.submitted_at) * 1e3
@@ -531,6 +550,7 @@ class Scheduler:
         seq.state = SeqState.FINISHED
         if seq in self.running:
             self.running.remove(seq)
+            self.headroom.ended(seq.request)
             if seq.inflight_refs:
                 self.zombies.append(seq)
 
