@@ -26,19 +26,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from vlm_server.bulk.executor import LineRunner
 from vlm_server.bulk.exports import answers, export_path, write_coco, write_yolo, yolo_clash
 from vlm_server.bulk.folder import PICTURE_TYPES, FolderSource, list_pictures, picture_lines
 from vlm_server.bulk.lines import succeeded
 from vlm_server.bulk.progress_view import ProgressView, summary
 from vlm_server.bulk.request_file import RequestSource, scan
 from vlm_server.bulk.results import ResultLog, read_results
-from vlm_server.bulk.runner import Item, Progress
+from vlm_server.bulk.runner import Item, Progress, run_batch
 from vlm_server.chip_features import check_config
 from vlm_server.devices import resolve_device
+from vlm_server.frontend.metrics import ServiceMetrics
 from vlm_server.options.command_line import add_options, config_from
 from vlm_server.options.spec import Group, Option
 from vlm_server.options.table import OPTIONS, ServerConfig
-from vlm_server.server.engines import ENGINES, configure_process
+from vlm_server.server.engines import ENGINES, configure_process, engine_factory
+from vlm_server.server.service import decode_executor, service_core
 
 PROG = "vlm batch"
 TASKS = {
@@ -52,7 +55,7 @@ FORMATS = {"point": ("jsonl", "coco"), "detect": ("jsonl", "coco", "yolo")}
 OBJECT_TASKS = ("point", "detect", "segment")
 
 EXIT_OK = 0  # every line has a result, and none is an error
-EXIT_FAILED = 1  # some line failed, or has no result (the engine stopped)
+EXIT_FAILED = 1  # some line failed or has no result (the engine stopped, or never started)
 EXIT_USAGE = 2  # refused before running: a bad flag, input or results file
 EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM: run the same command again to go on
 
@@ -189,14 +192,17 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace, config: Ser
     """Check the command's own arguments (exits naming the flag) and list the lines; a
     folder or requests file that cannot run raises ValueError or OSError."""
     batch = 1 if config.engine == "reference" else config.max_batch_size
-    concurrency = args.concurrency or min(2 * batch, config.max_queue)
+    concurrency = args.concurrency
+    if concurrency is None:
+        concurrency = min(2 * batch, config.max_queue)
     if concurrency < 1:
         parser.error(f"--concurrency: must be >= 1, got {args.concurrency}")
     first, *rest = args.source
     if first not in TASKS:
         if rest:
             parser.error(f"unknown task {first!r}: choose one of {', '.join(TASKS)}")
-        task_flags = [f for f in ("question", "object", "length") if getattr(args, f)]
+        own = (("question", args.question), ("object", args.object), ("length", args.length))
+        task_flags = [name for name, value in own if value]
         settings = _settings(args)
         if task_flags or settings or args.format != "jsonl":
             named = [*task_flags, *settings, *(["format"] if args.format != "jsonl" else [])]
@@ -242,13 +248,6 @@ class Outcome:
 
 async def _run(config: ServerConfig, plan: Plan, log: ResultLog, view: ProgressView) -> Outcome:
     """Build the engine as ``vlm serve`` does, run the lines not in ``log``, stop it."""
-    # Imported here: the engine's imports (torch, the model code) only once a batch runs.
-    from vlm_server.bulk.executor import LineRunner
-    from vlm_server.bulk.runner import run_batch
-    from vlm_server.frontend.metrics import ServiceMetrics
-    from vlm_server.server.engines import engine_factory
-    from vlm_server.server.service import decode_executor, service_core
-
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
 
@@ -357,6 +356,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         view = ProgressView(sys.stderr, sys.stderr.isatty(), _PLAIN_PROGRESS_S, f"{PROG}: ")
         try:
             outcome = asyncio.run(_run(config, plan, log, view))
+        except (ValueError, OSError, RuntimeError) as err:  # the model or engine cannot start
+            print(f"{PROG}: error: the engine did not start: {_reason(err)}", file=sys.stderr)
+            return EXIT_FAILED
         finally:
             log.close()
         return _finish(plan, config, outcome, view)
