@@ -264,8 +264,8 @@ async def _run(config: ServerConfig, plan: Plan, log: ResultLog, view: ProgressV
     try:
         # Off the loop: an in-process engine loads the model in its factory.
         engine = await asyncio.to_thread(engine_factory(config))
+        await engine.start()  # one that fails to start has nothing to close (as vlm serve)
         try:
-            await engine.start()
             progress = Progress(total=total, skipped=skipped)  # timed from here
             if stop.is_set():  # a signal while the model loaded
                 progress.interrupted = True
@@ -301,7 +301,7 @@ def _finish(plan: Plan, config: ServerConfig, outcome: Outcome, view: ProgressVi
     ids = plan.source.ids
     missing = sum(1 for i in ids if i not in results)
     errors = sum(1 for i in ids if i in results and not succeeded(results[i]))
-    if outcome.engine_failure is not None or missing:
+    if missing:
         reason = outcome.engine_failure or "the engine stopped"
         view.end(f"{missing} lines have no result ({reason}): run the same command again")
         return EXIT_FAILED
@@ -310,10 +310,15 @@ def _finish(plan: Plan, config: ServerConfig, outcome: Outcome, view: ProgressVi
         assert plan.folder is not None
         found = answers(plan.source.lines, results)
         where = export_path(plan.output, plan.fmt)
-        if plan.fmt == "coco":
-            n = write_coco(where, plan.folder, found, plan.objects, plan.task, config.image_limits)
-        else:
-            n = write_yolo(where, found, plan.objects)
+        try:
+            if plan.fmt == "coco":
+                limits = config.image_limits
+                n = write_coco(where, plan.folder, found, plan.objects, plan.task, limits)
+            else:
+                n = write_yolo(where, found, plan.objects)
+        except OSError as err:
+            view.end(f"error: cannot write the {plan.fmt} files: {_reason(err)}")
+            return EXIT_FAILED
         view.end(f"{plan.fmt}: {n} pictures in {where}")
     if errors:
         view.end(f"{errors} of {len(ids)} results are errors (see {plan.output})")
