@@ -183,3 +183,8 @@ def test_a_results_file_that_is_not_ours_is_refused(tmp_path: Path) -> None:
     out.write_text('{"not": "a result"}\n')
     with pytest.raises(ValueError, match="not a result line"):
         ResultLog(out).open()
+    request = _line("a", "/v1/caption", {"image_url": IMAGE})  # the input, as the output
+    out.write_text(request + "\n")
+    with pytest.raises(ValueError, match="not a result line"):
+        ResultLog(out).open()
+    assert out.read_text() == request + "\n"

@@ -52,6 +52,7 @@ LAYERS = {
     "vlm_server.server": 10,  # the process: both doors, health, metrics, memory, drain
     "vlm_server.cluster": 11,  # replicas of the server on Ray Serve, and their router
     "vlm_server.cli": 11,
+    "vlm_server.batch_command": 11,  # vlm batch: the server's engine and core, no doors
 }
 
 
@@ -162,6 +163,7 @@ def test_dependencies_point_down(graph: dict[str, set[str]]) -> None:
 # importing another) fails.
 SAME_LAYER_IMPORTS = {
     ("vlm_server.cli", "vlm_server.cluster"),  # `vlm cluster` and `vlm gateway`
+    ("vlm_server.cli", "vlm_server.batch_command"),  # `vlm batch`
     ("vlm_server.default_model", "vlm_server.models.registry"),  # the built-in model's family
     ("vlm_server.engine", "vlm_server.engine.api"),  # refinements and the step trace: events
     ("vlm_server.engine", "vlm_server.engine.core"),  # ... over the core's outputs and observer

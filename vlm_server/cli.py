@@ -1,6 +1,7 @@
-"""Command line: ``vlm serve`` (the gRPC server), ``vlm cluster`` (replicas on Ray Serve
-behind the gateway), ``vlm gateway`` (the gateway alone, for a deployed Serve application),
-``vlm run TASK IMAGE ...`` on the reference path, ``vlm make-checkpoint``."""
+"""Command line: ``vlm serve`` (the gRPC server), ``vlm batch`` (bulk work without a server),
+``vlm cluster`` (replicas on Ray Serve behind the gateway), ``vlm gateway`` (the gateway
+alone, for a deployed Serve application), ``vlm run TASK IMAGE ...`` on the reference path,
+``vlm make-checkpoint``."""
 
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vlm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="start the gRPC server (vlm serve --help for its flags)")
+    sub.add_parser(
+        "batch", help="a task over a folder of pictures, or a requests file (vlm batch --help)"
+    )
     sub.add_parser("cluster", help="serve on Ray Serve, one replica per GPU (vlm cluster --help)")
     sub.add_parser(
         "gateway", help="the cluster's doors for a deployed Serve application (vlm gateway --help)"
@@ -173,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         from vlm_server.server.main import main as serve
 
         return serve(argv[1:], prog="vlm serve")
+    if argv[:1] == ["batch"]:  # every flag belongs to the batch: vlm batch --help
+        from vlm_server.batch_command import main as batch
+
+        return batch(argv[1:])
     if argv[:1] == ["cluster"]:  # needs the ray extra: pip install -e '.[cluster]'
         from vlm_server.cluster.command import main as cluster
 

@@ -77,7 +77,12 @@ def _whole_lines(fd: int, path: Path) -> set[str]:
         if not raw.strip():
             continue
         try:
-            ids.add(json.loads(raw)["custom_id"])
+            line = json.loads(raw)
+            # Every result line has both members; a request line (the input, given as the
+            # output by mistake) has neither, and must not be appended to.
+            if "response" not in line or "error" not in line:
+                raise KeyError("response")
+            ids.add(line["custom_id"])
         except (ValueError, KeyError, TypeError):
             raise ValueError(
                 f"{path}: a line of the results file is not a result line; "

@@ -18,21 +18,12 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
 from vlm_server.engine.api import Engine, EngineStats
-from vlm_server.frontend.calls import Limits, ServiceCore
-from vlm_server.frontend.images import (
-    ImageCache,
-    ImageResolver,
-    engine_decode_min_pixels,
-    host_image_preparer,
-    image_preparer,
-)
 from vlm_server.frontend.metrics import ServiceMetrics
 from vlm_server.http.server import Authorizer, HttpFrontDoor
 from vlm_server.options.table import ServerConfig
@@ -42,9 +33,9 @@ from vlm_server.rpc.intake import IntakeInterceptor
 from vlm_server.rpc.reflection import enable_reflection
 from vlm_server.rpc.servicer import SERVICE_NAME, VisionLanguageServicer, server_version
 from vlm_server.rpc.tls import server_credentials
-from vlm_server.server.engines import uses_engine_process
 from vlm_server.server.memory import Trimmer
 from vlm_server.server.ports import port_in_use
+from vlm_server.server.service import decode_executor, service_core
 
 log = logging.getLogger(__name__)
 
@@ -89,31 +80,10 @@ class VisionLanguageServer:
         self.engine: Engine | None = None
         self.metrics = ServiceMetrics()
         self.health = HealthState(SERVICE_NAME)
-        self._executor = ThreadPoolExecutor(
-            config.decode_threads, thread_name_prefix="image-decode"
-        )
-        cache = ImageCache(config.image_cache_bytes, owner_bytes=config.client_cache_bytes)
-        in_process = not uses_engine_process(config)
-        images = ImageResolver(
-            config.image_limits,
-            cache,
-            self._executor,
-            image_preparer(config) if in_process else host_image_preparer(config),
-            host_only=not in_process,
-            encoded_min_pixels=engine_decode_min_pixels(config),
-        )
-        limits = Limits(
-            max_message_bytes=config.max_message_bytes,
-            max_image_bytes=config.max_image_bytes,
-            max_image_pixels=config.max_image_pixels,
-            max_image_side=config.max_image_side,
-            image_cache_bytes=config.image_cache_bytes,
-            max_object_chars=config.max_object_chars,
-            max_question_chars=config.max_question_chars,
-        )
+        self._executor = decode_executor(config)
         self.api_keys = api_keys(config)
         identify = functools.partial(client_identity, self.api_keys)
-        self.core = ServiceCore(images, self.metrics, limits, identify)
+        self.core = service_core(config, self._executor, self.metrics, identify)
         self.servicer = VisionLanguageServicer(self.core)
         self.http: HttpFrontDoor | None = None
         if config.http_port != 0:
