@@ -85,6 +85,13 @@ class ServerConfig:
     grace_period: float = option(
         30.0, G.SERVING, "seconds to finish accepted requests after SIGTERM"
     )
+    data_dir: str | None = option(
+        None,
+        G.SERVING,
+        "folder of the Batch API's files, jobs and results (/v1/files, /v1/batches; "
+        "docs/bulk-api.md): jobs run there and resume after a restart. Unset: the Batch API "
+        "is off",
+    )
 
     # --- limits -----------------------------------------------------------------------------
     max_queue: int = option(
@@ -120,6 +127,12 @@ class ServerConfig:
         DEFAULT_LIMITS.image_free_pixels,
         G.LIMITS,
         "pixels exempt from --max-image-pixels-per-byte",
+    )
+    max_batch_file_bytes: int = option(
+        200 * MIB,
+        G.LIMITS,
+        "largest file uploaded to the Batch API (/v1/files; 413 beyond)",
+        parse=parse_size,
     )
     max_object_chars: int = option(
         256, G.LIMITS, "longest object name (point, detect, segment; characters)"
@@ -222,6 +235,11 @@ class ServerConfig:
     )
     max_batch_size: int = option(
         _ENGINE.max_batch_size, G.PERFORMANCE, "most sequences decoded together"
+    )
+    batch_concurrency: int = option(
+        0,
+        G.PERFORMANCE,
+        "lines of a Batch API job in flight at once (0 = --max-batch-size)",
     )
     max_step_tokens: int = option(
         _ENGINE.max_step_tokens,

@@ -1,0 +1,83 @@
+"""The Batch API of one server: its data dir, its store, its job manager.
+
+The server assembly builds it when ``--data-dir`` is set, opens it at start (the database,
+and a sweep of what a killed process left half-made), starts its jobs once the engine serves,
+stops their lines from starting when it drains, and closes it last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+from pathlib import Path
+
+from vlm_server.bulk.executor import LineRunner
+from vlm_server.bulk.jobs import JobManager, output_ids
+from vlm_server.bulk.store import DataDir, Store
+from vlm_server.frontend.calls import ServiceCore
+
+log = logging.getLogger(__name__)
+
+# The priority of every batch line (None: the line's own). Request priorities plug in here:
+# BATCH_PRIORITY of vlm_server/engine/api.py, so batch work yields to interactive requests.
+LINE_PRIORITY: int | None = None
+
+
+class BatchApi:
+    """Files and batches under ``data_dir``; lines run ``concurrency`` at a time."""
+
+    def __init__(self, data_dir: str | Path, max_file_bytes: int, concurrency: int) -> None:
+        self.data = DataDir(Path(data_dir))
+        self.max_file_bytes = max_file_bytes
+        self.concurrency = concurrency
+        self.store = Store(self.data.database)
+        self.jobs: JobManager | None = None
+
+    async def open(self) -> None:
+        """Open the database (migrating it) and remove what a killed process left: partial
+        uploads, files written but never registered, results of ended batches."""
+        await asyncio.to_thread(self.data.make)
+        try:
+            await self.store.open()
+        except sqlite3.Error as err:
+            raise ValueError(f"data_dir: cannot open {self.data.database}: {err}") from None
+        known = await self.store.file_ids()
+        active = await self.store.active_ids()
+        pending = {i for b in active for i in output_ids(b)}  # finalized again at resume
+        removed = await asyncio.to_thread(self._sweep, known | pending, active)
+        if removed:
+            log.info("removed %d leftover files from %s", removed, self.data.root)
+
+    def _sweep(self, files: set[str], active: set[str]) -> int:
+        removed = 0
+        for path in self.data.files.iterdir():
+            if path.name not in files:
+                path.unlink(missing_ok=True)
+                removed += 1
+        for path in self.data.results_dir.iterdir():
+            if path.stem not in active:
+                path.unlink(missing_ok=True)
+                removed += 1
+        return removed
+
+    def start(self, core: ServiceCore) -> None:
+        """Run batches on ``core``'s engine (call once it serves)."""
+        runner = LineRunner(core, LINE_PRIORITY)
+        self.jobs = JobManager(self.store, self.data, runner, self.concurrency)
+        self.jobs.start()
+
+    def stop_starting(self) -> None:
+        """The server drains: no batch line starts from now on."""
+        if self.jobs is not None:
+            self.jobs.stop_starting()
+
+    async def stop_jobs(self, grace: float) -> None:
+        """Stop the jobs (lines still running after ``grace`` s are cut off, unwritten)."""
+        if self.jobs is not None:
+            await self.jobs.close(grace)
+
+    async def close(self) -> None:
+        """Close the database (after the HTTP door: its routes read it to the end)."""
+        await self.stop_jobs(0)
+        await self.store.close()
