@@ -27,6 +27,7 @@ from tests.support.service_harness import (
     local_config,
     wait_for,
 )
+from vlm_server.bulk.service import BatchApi
 from vlm_server.bulk.store import SCHEMA_VERSION, Store
 from vlm_server.engine.config import EngineConfig
 from vlm_server.models.interface import LoadedModel
@@ -37,6 +38,7 @@ MIB = 1 << 20
 KEYS = ("key-alice", "key-bob")
 IMG = data_url(sample_image_bytes())
 FILE_LIMIT = 1 << 20
+LINE_LIMIT = 20
 CONCURRENCY = 2
 
 
@@ -54,6 +56,7 @@ def server(tiny: LoadedModel, data_dir: Path) -> Iterator[ServerThread]:
         data_dir=str(data_dir),
         batch_concurrency=CONCURRENCY,
         max_batch_file_bytes=FILE_LIMIT,
+        max_batch_lines=LINE_LIMIT,
     )
     with ServerThread(config, in_process(lambda: GatedBatchedEngine(tiny, engine))) as running:
         yield running
@@ -184,6 +187,7 @@ def _refusal(client: openai.OpenAI, data: bytes, purpose: str = "batch") -> tupl
 
 
 GOOD = _line("ok", "/v1/caption", _caption())
+HI = {"question": "hi", "settings": {"temperature": 0, "max_tokens": 4}}
 
 
 @pytest.mark.parametrize(
@@ -224,10 +228,19 @@ def test_a_form_or_file_out_of_bounds_is_refused(alice: openai.OpenAI) -> None:
     padding = _line("big", "/v1/query", {"question": "x" * FILE_LIMIT})
     status, error = _refusal(alice, _jsonl([GOOD, padding]))
     assert status == 413 and "max_batch_file_bytes" in error["message"]
+    many = [_line(f"m{i}", "/v1/query", HI) for i in range(LINE_LIMIT + 1)]
+    status, error = _refusal(alice, _jsonl(many))
+    assert status == 413 and "max_batch_lines" in error["message"]
+    assert _upload(alice, many[:LINE_LIMIT]).purpose == "batch"
+
+
+def test_a_second_server_cannot_take_the_data_dir(server: ServerThread, data_dir: Path) -> None:
+    with pytest.raises(ValueError, match="in use by another server"):
+        asyncio.run(BatchApi(data_dir, FILE_LIMIT, LINE_LIMIT, 1).open())
 
 
 def test_a_batch_is_checked_against_its_input(alice: openai.OpenAI, bob: openai.OpenAI) -> None:
-    source = _upload(alice, [GOOD, _line("q", "/v1/query", {"question": "hi"})])
+    source = _upload(alice, [GOOD, _line("q", "/v1/query", HI)])
     with pytest.raises(openai.BadRequestError) as caught:
         alice.batches.create(
             input_file_id=source.id, endpoint="/v1/caption", completion_window="24h"
@@ -328,10 +341,7 @@ def test_a_cancel_keeps_the_lines_done_and_starts_no_more(
 def test_batches_list_newest_first_with_limit_and_after(
     alice: openai.OpenAI, bob: openai.OpenAI
 ) -> None:
-    made = [
-        _start(bob, [_line(f"l{i}", "/v1/query", {"question": "hi"})], "/v1/query")
-        for i in range(3)
-    ]
+    made = [_start(bob, [_line(f"l{i}", "/v1/query", HI)], "/v1/query") for i in range(3)]
     newest_first = [b.id for b in reversed(made)]
     page = bob.batches.list(limit=2)
     assert [b.id for b in page.data] == newest_first[:2] and page.has_more

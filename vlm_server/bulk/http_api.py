@@ -186,11 +186,12 @@ def routes(api: BatchApi | None) -> tuple[Route, ...]:
         temp = batch_api.data.upload()
         try:
             try:
-                purpose, received, filename = await _read_form(ex, temp, limit)
+                form = await _read_form(ex, temp, limit, batch_api.max_lines)
             except LineRefusal as err:
                 answer = ex.error_body(err)
                 answer["error"]["line"] = err.line
                 return ex.respond(answer, err.status)
+            purpose, received, filename = form
             record = FileRecord(
                 new_id("file-"),
                 ex.owner,
@@ -201,8 +202,13 @@ def routes(api: BatchApi | None) -> tuple[Route, ...]:
                 now(),
                 received.urls,
             )
-            await asyncio.to_thread(temp.replace, batch_api.data.file(record.id))
-            await batch_api.store.add_file(record)
+            stored = batch_api.data.file(record.id)
+            await asyncio.to_thread(temp.replace, stored)
+            try:
+                await batch_api.store.add_file(record)
+            except BaseException:
+                await asyncio.to_thread(stored.unlink, True)
+                raise
         finally:
             await asyncio.to_thread(temp.unlink, True)
         return ex.respond(record.to_api())
@@ -386,7 +392,9 @@ def routes(api: BatchApi | None) -> tuple[Route, ...]:
     )
 
 
-async def _read_form(ex: Exchange, temp: Path, limit: int) -> tuple[str, InputFile, str]:
+async def _read_form(
+    ex: Exchange, temp: Path, limit: int, max_lines: int
+) -> tuple[str, InputFile, str]:
     """(purpose, the received file, its name) of an upload's form."""
     try:
         reader = await ex.request.multipart()
@@ -403,7 +411,7 @@ async def _read_form(ex: Exchange, temp: Path, limit: int) -> tuple[str, InputFi
                 purpose = await small_field(part, "purpose", _PURPOSE_BYTES)
             elif part.name == FILE_FIELD and received is None:
                 filename = (part.filename or "input.jsonl")[:_FILENAME_CHARS]
-                received = await receive(part, temp, limit)
+                received = await receive(part, temp, limit, max_lines)
             else:
                 raise invalid(str(part.name)[:64] or "body", "unknown or repeated form field")
     except ValueError as err:  # a malformed form (LineRefusal and the checks are EngineErrors)

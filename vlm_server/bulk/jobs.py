@@ -65,6 +65,8 @@ class JobManager:
         if self._current == batch.id:
             self._stop_current.set()
             return
+        if self._halt.is_set():
+            return  # stopping: it stays cancelling, finalized at the next start
         task = asyncio.create_task(self._settle(batch.id))
         self._side.add(task)
         task.add_done_callback(self._side.discard)

@@ -8,7 +8,9 @@ stops their lines from starting when it drains, and closes it last.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
+import os
 import sqlite3
 from pathlib import Path
 
@@ -25,19 +27,33 @@ LINE_PRIORITY: int | None = None
 
 
 class BatchApi:
-    """Files and batches under ``data_dir``; lines run ``concurrency`` at a time."""
+    """Files and batches under ``data_dir``: input files of at most ``max_file_bytes`` and
+    ``max_lines`` lines; lines run ``concurrency`` at a time."""
 
-    def __init__(self, data_dir: str | Path, max_file_bytes: int, concurrency: int) -> None:
+    def __init__(
+        self, data_dir: str | Path, max_file_bytes: int, max_lines: int, concurrency: int
+    ) -> None:
         self.data = DataDir(Path(data_dir))
         self.max_file_bytes = max_file_bytes
+        self.max_lines = max_lines
         self.concurrency = concurrency
         self.store = Store(self.data.database)
         self.jobs: JobManager | None = None
+        self._lock: int | None = None
 
     async def open(self) -> None:
-        """Open the database (migrating it) and remove what a killed process left: partial
-        uploads, files written but never registered, results of ended batches."""
+        """Take the data dir (one server at a time), open the database (migrating it) and
+        remove what a killed process left: partial uploads, files written but never
+        registered, results of ended batches."""
         await asyncio.to_thread(self.data.make)
+        self._lock = await asyncio.to_thread(_take, self.data.root / ".lock")
+        try:
+            await self._open()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _open(self) -> None:
         try:
             await self.store.open()
         except sqlite3.Error as err:
@@ -81,3 +97,18 @@ class BatchApi:
         """Close the database (after the HTTP door: its routes read it to the end)."""
         await self.stop_jobs(0)
         await self.store.close()
+        if self._lock is not None:
+            os.close(self._lock)  # the data dir is free for the next server
+            self._lock = None
+
+
+def _take(path: Path) -> int:
+    """An exclusive lock on ``path``, held while the descriptor is open (a killed process's
+    goes with it): two servers on one data dir would run the same batches twice."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ValueError(f"data_dir: {path.parent} is in use by another server") from None
+    return fd

@@ -282,7 +282,7 @@ class Store:
     async def close(self) -> None:
         if self._db is not None:
             await self._call(self._close)
-        self._executor.shutdown(wait=True)
+        self._executor.shutdown(wait=False)  # idle: the close ran on it
 
     def _close(self) -> None:
         self.db.close()

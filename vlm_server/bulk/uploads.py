@@ -23,7 +23,6 @@ from vlm_server.frontend.refusals import invalid
 from vlm_server.http.error_bodies import HttpError
 
 FILE_FIELD = "file"
-LIMIT_FLAG = "max_batch_file_bytes"
 _READ_BYTES = 1 << 18
 _FLUSH_BYTES = 1 << 20  # handed to the worker thread at once
 
@@ -37,15 +36,26 @@ class LineRefusal(HttpError):
 
 
 def too_large(limit: int) -> HttpError:
-    message = f"{FILE_FIELD}: larger than the server's limit of {limit} bytes ({LIMIT_FLAG})"
+    message = (
+        f"{FILE_FIELD}: larger than the server's limit of {limit} bytes (max_batch_file_bytes)"
+    )
+    return HttpError(413, ErrorCode.RESOURCE_EXHAUSTED, message, FILE_FIELD)
+
+
+def too_many_lines(limit: int) -> HttpError:
+    message = (
+        f"{FILE_FIELD}: more than the server's limit of {limit} request lines (max_batch_lines)"
+    )
     return HttpError(413, ErrorCode.RESOURCE_EXHAUSTED, message, FILE_FIELD)
 
 
 class InputFile:
-    """An input file being written and checked; its methods run on a worker thread."""
+    """An input file being written and checked, of at most ``max_lines`` request lines; its
+    methods run on a worker thread."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, max_lines: int) -> None:
         self.path = path
+        self.max_lines = max_lines
         self.size = 0
         self.lines = 0  # request lines (blank lines are skipped)
         self.urls: dict[str, int] = {}  # each route the lines name: its first line
@@ -105,11 +115,14 @@ class InputFile:
             raise LineRefusal(self._number, LineError(message, "custom_id"))
         self.urls.setdefault(request.url, self._number)
         self.lines += 1
+        if self.lines > self.max_lines:
+            raise too_many_lines(self.max_lines)
 
 
-async def receive(part: BodyPartReader, path: Path, limit: int) -> InputFile:
-    """Stream ``part`` to ``path``, checked; removed again on any error."""
-    received = await asyncio.to_thread(InputFile, path)
+async def receive(part: BodyPartReader, path: Path, limit: int, max_lines: int) -> InputFile:
+    """Stream ``part`` to ``path`` (at most ``limit`` bytes), checked; removed again on any
+    error."""
+    received = await asyncio.to_thread(InputFile, path, max_lines)
     try:
         pending: list[bytes] = []
         size = pending_size = 0

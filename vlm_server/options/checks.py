@@ -19,6 +19,7 @@ def check_server_values(config: ServerConfig) -> None:
         "max_message_bytes",
         "max_http_body_bytes",
         "max_batch_file_bytes",
+        "max_batch_lines",
         "max_object_chars",
         "max_question_chars",
         "decode_threads",

@@ -134,6 +134,9 @@ class ServerConfig:
         "largest file uploaded to the Batch API (/v1/files; 413 beyond)",
         parse=parse_size,
     )
+    max_batch_lines: int = option(
+        50_000, G.LIMITS, "most request lines of one Batch API input file (413 beyond)"
+    )
     max_object_chars: int = option(
         256, G.LIMITS, "longest object name (point, detect, segment; characters)"
     )

@@ -125,7 +125,12 @@ class VisionLanguageServer:
         self.batches: BatchApi | None = None
         if config.data_dir is not None:
             concurrency = config.batch_concurrency or config.max_batch_size
-            self.batches = BatchApi(config.data_dir, config.max_batch_file_bytes, concurrency)
+            self.batches = BatchApi(
+                config.data_dir,
+                config.max_batch_file_bytes,
+                config.max_batch_lines,
+                concurrency,
+            )
         self.http: HttpFrontDoor | None = None
         if config.http_port != 0:
             auth = http_auth if http_auth is not None else self.api_keys
