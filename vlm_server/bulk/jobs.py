@@ -50,7 +50,7 @@ class JobManager:
         self._task: asyncio.Task[None] | None = None
         self._current: str | None = None  # the batch running now
         self._stop_current = asyncio.Event()
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}  # lock, users
         self._side: set[asyncio.Task[None]] = set()
 
     def start(self) -> None:
@@ -87,8 +87,18 @@ class JobManager:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _lock(self, batch_id: str) -> asyncio.Lock:
-        return self._locks.setdefault(batch_id, asyncio.Lock())
+    @contextlib.asynccontextmanager
+    async def _owning(self, batch_id: str) -> AsyncIterator[None]:
+        """Hold ``batch_id`` (a cancel's finalization and the manager's run take turns)."""
+        entry = self._locks.setdefault(batch_id, (asyncio.Lock(), [0]))
+        entry[1][0] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1][0] -= 1
+            if not entry[1][0]:  # nobody else holds or waits: forget it
+                del self._locks[batch_id]
 
     async def _loop(self) -> None:
         while not self._halt.is_set():
@@ -115,7 +125,7 @@ class JobManager:
     async def _settle(self, batch_id: str) -> None:
         """Finalize a batch cancelled while another one ran."""
         try:
-            async with self._lock(batch_id):
+            async with self._owning(batch_id):
                 batch = await self.store.batch(batch_id)
                 if batch is not None and batch.status == "cancelling":
                     await self._finalize(batch, "cancelled")
@@ -124,7 +134,7 @@ class JobManager:
 
     async def _process(self, batch_id: str) -> bool:
         """Run or finalize one batch; whether it should run again after a pause."""
-        async with self._lock(batch_id):
+        async with self._owning(batch_id):
             # Current before its status is read: a cancel that the read misses sees it.
             self._current, self._stop_current = batch_id, asyncio.Event()
             if self._halt.is_set():
@@ -163,12 +173,12 @@ class JobManager:
         try:
             completed, failed = await asyncio.to_thread(tally, results.path)
             counts = _Counts(batch.id, completed, failed)
+
+            def on_progress(p: Progress) -> None:
+                counts.now = (completed + p.completed, failed + p.failed)
+
             writer = asyncio.create_task(self._write_counts(counts))
             try:
-
-                def on_progress(p: Progress) -> None:
-                    counts.now = (completed + p.completed, failed + p.failed)
-
                 progress = await run_batch(
                     read_items(source),
                     self.runner,
