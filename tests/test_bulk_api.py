@@ -176,7 +176,8 @@ def test_the_openai_client_runs_a_batch(
         assert row == ("completed", 5, 1)
         assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    assert not (data_dir / "results" / f"{done.id}.jsonl").exists()
+    results = data_dir / "results" / f"{done.id}.jsonl"
+    wait_for(lambda: not results.exists(), what="the results file to go after the commit")
     assert (data_dir / "files" / done.output_file_id).is_file()
 
 

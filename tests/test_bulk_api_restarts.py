@@ -150,8 +150,8 @@ def _check_completed(server: Server, batch_id: str, data_dir: Path) -> None:
     for line in errors:
         assert line["response"]["status_code"] == 400
         assert line["response"]["body"]["error"]["field"] == "length"
-    # Nothing is left behind: the results file went with the finalization.
-    assert not any((data_dir / "results").iterdir())
+    # Nothing is left behind: the results file goes right after the finalization's commit.
+    wait_for(lambda: not any((data_dir / "results").iterdir()), what="the results file to go")
     kept = sorted(p.name for p in (data_dir / "files").iterdir())
     assert kept == sorted([input_file, done.output_file_id, done.error_file_id])
 
