@@ -24,10 +24,11 @@ from vlm_server.client import Security, VisionLanguageClient, VlmError
 from vlm_server.client.cli import main as client_main
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
+from vlm_server.frontend.api_keys import ApiKeys, read_keys_file
 from vlm_server.models.interface import LoadedModel
 from vlm_server.options.command_line import load_config
 from vlm_server.options.table import ServerConfig
-from vlm_server.rpc.auth import ApiKeys, bearer_token, client_identity, read_keys_file
+from vlm_server.rpc.auth import bearer_token, client_identity
 from vlm_server.server.lifecycle import ListenError, VisionLanguageServer, api_keys
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

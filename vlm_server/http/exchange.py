@@ -66,6 +66,9 @@ class Exchange:
         self.names: dict[str, str] = {}
         self.error_style: ErrorStyle = error_bodies.body
         self.events: EventStream | None = None
+        # Who sent it, on keyed routes (the server's HTTP door sets it): an API key's
+        # identity, or the one anonymous owner when the server takes no keys.
+        self.owner = ""
 
     @property
     def active_call(self) -> Call:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from vlm_server.http.body import json_schema
@@ -36,6 +37,15 @@ _ERRORS = {
     "503": "Model loading or server draining; retry elsewhere",
     "504": "Deadline (X-Request-Timeout) exceeded",
 }
+# The answers of a keyed route (no engine request: files and batches).
+_KEYED_ERRORS = {
+    "400": "Bad input; the message and field name what is wrong",
+    "401": "Missing or wrong API key (when the server requires one)",
+    "404": "No such object (another API key's objects are absent too)",
+    "409": "The object is in a state that does not allow it",
+    "413": "Larger than the server's limit",
+    "501": "Not available on this server (the message names the option that turns it on)",
+}
 _HEADERS = [
     {
         "name": REQUEST_ID_HEADER,
@@ -54,34 +64,66 @@ _HEADERS = [
 ]
 
 
+def _parameters(route: Route) -> list[dict[str, Any]]:
+    """The path's ``{name}`` parameters, then the query's."""
+    out: list[dict[str, Any]] = [
+        {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+        for name in re.findall(r"{(\w+)}", route.path)
+    ]
+    for field in route.query:
+        schema = json_schema(field)
+        description = schema.pop("description")
+        out.append(
+            {
+                "name": field.name,
+                "in": "query",
+                "required": field.required,
+                "description": description,
+                "schema": schema,
+            }
+        )
+    return out
+
+
 def _operation(route: Route) -> dict[str, Any]:
-    content: dict[str, Any] = {"application/json": {"schema": route.response or {}}}
+    content: dict[str, Any] = {route.media: {"schema": route.response or {}}}
     if route.streams:
         content["text/event-stream"] = {
             "schema": {"type": "string", "description": "server-sent events (with stream: true)"}
         }
     responses: dict[str, Any] = {"200": {"description": "OK", "content": content}}
-    if route.task is not None:
-        for status, text in _ERRORS.items():
-            responses[status] = {
-                "description": text,
-                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
-            }
+    errors = _ERRORS if route.task is not None else _KEYED_ERRORS if route.keyed else {}
+    for status, text in errors.items():
+        responses[status] = {
+            "description": text,
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+        }
     op: dict[str, Any] = {
         "summary": route.summary,
-        "operationId": route.path.strip("/").replace("/", "_").replace(".", "_"),
+        "operationId": _operation_id(route),
         "tags": [route.tag],
         "responses": responses,
     }
-    if route.task is not None:
-        op["parameters"] = _HEADERS
+    parameters = _parameters(route) + (_HEADERS if route.task is not None else [])
+    if parameters:
+        op["parameters"] = parameters
+    if route.task is not None or route.keyed:
         op["security"] = [{"moondreamKey": []}, {"bearer": []}, {}]
     if route.request is not None:
         op["requestBody"] = {
             "required": True,
             "content": {"application/json": {"schema": json_schema(route.request)}},
         }
+    elif route.body is not None:
+        op["requestBody"] = {"required": True, "content": route.body}
     return op
+
+
+def _operation_id(route: Route) -> str:
+    """Unique per method and path: ``/v1/files/{file_id}`` -> ``get_v1_files_file_id``."""
+    path = re.sub(r"[^A-Za-z0-9]+", "_", route.path).strip("_")
+    # A keyed path may take several methods; the others keep the ids they always had.
+    return f"{route.method.lower()}_{path}" if route.keyed else path
 
 
 def document(routes: tuple[Route, ...], version: str) -> dict[str, Any]:

@@ -21,7 +21,11 @@ OPENAPI_PATH = "/openapi.json"
 @dataclass(frozen=True)
 class Route:
     """One endpoint. ``task`` labels its metrics and access log; None: no engine request (no
-    admission, no metrics). ``streams``: it may answer with server-sent events."""
+    admission, no metrics). ``streams``: it may answer with server-sent events. ``keyed``: a
+    route with no engine request that still takes the API key, whose holder owns what it
+    creates (`Exchange.owner`); its `EngineError`s become error answers as an engine route's
+    do. ``body`` describes a request body that is not JSON fields (OpenAPI content by media
+    type), ``query`` the query parameters, ``media`` the answer's media type."""
 
     method: str
     path: str
@@ -32,6 +36,10 @@ class Route:
     response: dict[str, Any] | None = None
     streams: bool = False
     tag: str = "moondream"
+    keyed: bool = False
+    body: dict[str, Any] | None = None
+    query: tuple[Field, ...] = ()
+    media: str = "application/json"
 
 
 async def _openapi(ex: Exchange) -> web.StreamResponse:

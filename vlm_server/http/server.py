@@ -5,7 +5,9 @@ door's metrics and access log) under the request's deadline (``X-Request-Timeout
 504 when it passes). A client that disconnects cancels its handler (aiohttp's handler
 cancellation), which cancels the engine request and frees its pages. Auth is pluggable: a
 callable that says whether a key (``X-Moondream-Auth`` or ``Authorization: Bearer``) is
-valid; None leaves the door open.
+valid; None leaves the door open. The server assembly may add routes of the floors above
+(the Batch API's files and batches): keyed ones take the API key, whose identity owns what
+they create.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from vlm_server.engine.api import EngineError, ErrorCode
+from vlm_server.frontend.api_keys import ANONYMOUS, ApiKeys
 from vlm_server.frontend.calls import Call, Door, ServiceCore, request_id
 from vlm_server.frontend.phase import ServerPhase
 from vlm_server.frontend.refusals import invalid
@@ -69,14 +72,16 @@ class HttpFrontDoor:
         authorize: Authorizer | None = None,
         version: str = "unknown",
         health: ServerPhase | None = None,
+        extra_routes: tuple[Route, ...] = (),
     ) -> None:
         self.core = core
         self.max_body_bytes = max_body_bytes
         self.authorize = authorize
+        self.routes = ROUTES + extra_routes
         self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._json_errors])
-        self.app[OPENAPI] = openapi.document(ROUTES, version)
+        self.app[OPENAPI] = openapi.document(self.routes, version)
         self.app[HEALTH] = health or ServerPhase()  # /health and /ready read it
-        for route in ROUTES:
+        for route in self.routes:
             self.app.router.add_route(route.method, route.path, self._handler(route))
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -121,9 +126,29 @@ class HttpFrontDoor:
         if not self.authorize(key):
             raise error_bodies.unauthenticated("the API key is not valid")
 
+    def _owner(self, request: web.Request) -> str:
+        """Check the key; who owns what the request creates (without keys: one owner)."""
+        self._check_key(request)
+        key = _api_key(request)
+        return ANONYMOUS if self.authorize is None or key is None else ApiKeys.identity(key)
+
+    async def _keyed(self, route: Route, ex: Exchange) -> web.StreamResponse:
+        """A keyed route: the key checked, errors answered as an engine route's are."""
+        try:
+            ex.owner = self._owner(ex.request)
+            return await route.handler(ex)
+        except EngineError as err:
+            return await ex.fail(err)
+        except Exception:
+            log.exception("%s %s failed (request id %s)", route.method, route.path, ex.request_id)
+            message = f"internal error (request id {ex.request_id})"
+            return await ex.fail(EngineError(ErrorCode.INTERNAL, message))
+
     def _handler(self, route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def handle(request: web.Request) -> web.StreamResponse:
             rid = request_id(request.headers.get(REQUEST_ID_HEADER))
+            if route.keyed:
+                return await self._keyed(route, Exchange(request, None, rid, self.max_body_bytes))
             if route.task is None:
                 return await route.handler(Exchange(request, None, rid, self.max_body_bytes))
             try:

@@ -92,6 +92,13 @@ class ServerConfig:
     grace_period: float = option(
         30.0, G.SERVING, "seconds to finish accepted requests after SIGTERM"
     )
+    data_dir: str | None = option(
+        None,
+        G.SERVING,
+        "folder of the Batch API's files, jobs and results (/v1/files, /v1/batches; "
+        "docs/bulk-api.md): jobs run there and resume after a restart. Unset: the Batch API "
+        "is off",
+    )
 
     # --- limits -----------------------------------------------------------------------------
     max_queue: int = option(
@@ -127,6 +134,15 @@ class ServerConfig:
         DEFAULT_LIMITS.image_free_pixels,
         G.LIMITS,
         "pixels exempt from --max-image-pixels-per-byte",
+    )
+    max_batch_file_bytes: int = option(
+        200 * MIB,
+        G.LIMITS,
+        "largest file uploaded to the Batch API (/v1/files; 413 beyond)",
+        parse=parse_size,
+    )
+    max_batch_lines: int = option(
+        50_000, G.LIMITS, "most request lines of one Batch API input file (413 beyond)"
     )
     max_object_chars: int = option(
         256, G.LIMITS, "longest object name (point, detect, segment; characters)"
@@ -246,6 +262,11 @@ class ServerConfig:
         "most new pictures in a batch of image prefixes that holds background pictures; "
         "background pictures use one of the --prefill-batches slots at most, so an "
         "interactive picture waits behind one such small batch at most",
+    )
+    batch_concurrency: int = option(
+        0,
+        G.PERFORMANCE,
+        "lines of a Batch API job in flight at once (0 = --max-batch-size)",
     )
     max_step_tokens: int = option(
         _ENGINE.max_step_tokens,

@@ -1,21 +1,19 @@
 """API keys: who may call, and who a caller is (for per-client quotas).
 
-`ApiKeys` is the one key check every front door uses (gRPC here, HTTP alike): a caller sends
-``authorization: Bearer KEY``. Keys are kept as SHA-256 digests and compared in constant time,
-so neither the check's timing nor a memory dump of the set hands out a key.
+`ApiKeys` (vlm_server/frontend/api_keys.py) is the one key check both doors use; here a
+caller sends ``authorization: Bearer KEY``.
 `AuthInterceptor` refuses every gRPC call without a valid key with UNAUTHENTICATED, except
 the health service (load balancers probe it without credentials).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from pathlib import Path
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
+
+from vlm_server.frontend.api_keys import ApiKeys
 
 AUTHORIZATION_KEY = "authorization"
 _BEARER = "bearer "
@@ -23,45 +21,6 @@ OPEN_SERVICES = ("grpc.health.v1.Health",)
 
 Metadata = Sequence[tuple[str, str | bytes]]
 RejectHook = Callable[[str, grpc.StatusCode, str], None]
-
-
-def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode()).digest()
-
-
-def read_keys_file(path: str | Path) -> tuple[str, ...]:
-    """Keys from a file, one a line; blank lines and ``#`` comments skipped."""
-    lines = Path(path).read_text().splitlines()
-    return tuple(k for k in (line.split("#", 1)[0].strip() for line in lines) if k)
-
-
-class ApiKeys:
-    """A set of accepted API keys; ``keys(token)`` is True for an accepted one."""
-
-    def __init__(self, keys: Iterable[str]) -> None:
-        self._digests = tuple({_digest(k) for k in keys if k})
-        if not self._digests:
-            raise ValueError("no API keys given")
-
-    def __len__(self) -> int:
-        return len(self._digests)
-
-    def __call__(self, key: str | None) -> bool:
-        if not key:
-            return False
-        candidate = _digest(key)
-        # Every stored digest is compared: the time taken does not depend on which matched.
-        found = False
-        for digest in self._digests:
-            found |= hmac.compare_digest(candidate, digest)
-        return found
-
-    check = __call__
-
-    @staticmethod
-    def identity(key: str) -> str:
-        """A stable name for the holder of ``key`` that does not reveal it."""
-        return "key:" + _digest(key).hex()[:16]
 
 
 def bearer_token(metadata: Metadata | None) -> str | None:

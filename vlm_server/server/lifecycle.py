@@ -6,6 +6,10 @@ loading the engine in the background; `wait_ready` returns once it serves. `shut
 readiness off, refuses new calls with UNAVAILABLE (HTTP: 503) through either door, lets every
 accepted call finish within the grace period, then stops the doors and the engine.
 
+The Batch API (``--data-dir``): its routes join the HTTP door; its jobs start once the
+engine serves, start no more lines once a drain begins, and stop (lines still running after
+the grace period cut off, to run again at the next start) before the engine does.
+
 Exposure: plaintext or TLS (mutual with ``--tls-client-ca``), API keys checked on both doors
 (gRPC: `AuthInterceptor`, health stays open), metrics on loopback unless told otherwise, and
 SO_REUSEPORT off so that a second server on a taken port fails instead of sharing it.
@@ -23,11 +27,14 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from vlm_server.api.v1 import vision_language_pb2_grpc as pb_grpc
+from vlm_server.bulk import http_api
+from vlm_server.bulk.service import BatchApi
 from vlm_server.engine.api import Engine, EngineStats
+from vlm_server.frontend.api_keys import ApiKeys, read_keys_file
 from vlm_server.frontend.metrics import ServiceMetrics
 from vlm_server.http.server import Authorizer, HttpFrontDoor
 from vlm_server.options.table import ServerConfig
-from vlm_server.rpc.auth import ApiKeys, AuthInterceptor, client_identity, read_keys_file
+from vlm_server.rpc.auth import AuthInterceptor, client_identity
 from vlm_server.rpc.health import HealthState
 from vlm_server.rpc.intake import IntakeInterceptor
 from vlm_server.rpc.reflection import enable_reflection
@@ -85,11 +92,25 @@ class VisionLanguageServer:
         identify = functools.partial(client_identity, self.api_keys)
         self.core = service_core(config, self._executor, self.metrics, identify)
         self.servicer = VisionLanguageServicer(self.core)
+        self.batches: BatchApi | None = None
+        if config.data_dir is not None:
+            concurrency = config.batch_concurrency or config.max_batch_size
+            self.batches = BatchApi(
+                config.data_dir,
+                config.max_batch_file_bytes,
+                config.max_batch_lines,
+                concurrency,
+            )
         self.http: HttpFrontDoor | None = None
         if config.http_port != 0:
             auth = http_auth if http_auth is not None else self.api_keys
             self.http = HttpFrontDoor(
-                self.core, config.max_http_body_bytes, auth, server_version(), self.health
+                self.core,
+                config.max_http_body_bytes,
+                auth,
+                server_version(),
+                self.health,
+                http_api.routes(self.batches),
             )
         self._trimmer = Trimmer(config.memory_trim_interval)
         self._server: grpc.aio.Server | None = None
@@ -171,6 +192,8 @@ class VisionLanguageServer:
 
         Raises `ListenError` naming the port when a port is taken: gRPC's SO_REUSEPORT is
         off, so a second server on the same port fails instead of sharing connections."""
+        if self.batches is not None:
+            await self.batches.open()  # a data dir it cannot use stops the start here
         limit = self.config.max_message_bytes
         server = grpc.aio.server(
             interceptors=self._interceptors(),
@@ -191,6 +214,8 @@ class VisionLanguageServer:
         except ListenError:
             await server.stop(None)
             await asyncio.to_thread(self.metrics.stop)
+            if self.batches is not None:
+                await self.batches.close()
             raise
         await self.health.loading()
         await server.start()
@@ -241,6 +266,8 @@ class VisionLanguageServer:
         self.core.engine = engine
         await self.health.serving()
         self._watching = asyncio.create_task(self._watch_failure(engine))
+        if self.batches is not None and not self._shutting_down:
+            self.batches.start(self.core)
         log.info(
             "ready",
             extra={
@@ -283,6 +310,8 @@ class VisionLanguageServer:
             "draining",
             extra={"fields": {"grace_s": grace, "in_flight": self.core.in_flight.count}},
         )
+        if self.batches is not None:
+            self.batches.stop_starting()
         self.core.begin_drain()
         await self.health.draining()
         await self.core.submitting.wait_empty(max(0.0, deadline - time.monotonic()))
@@ -291,9 +320,13 @@ class VisionLanguageServer:
         # Engine done: wait for the handlers to send their last messages.
         if not await self.core.in_flight.wait_empty(max(0.0, deadline - time.monotonic())):
             log.warning("grace period over; cancelling %d calls", self.core.in_flight.count)
+        if self.batches is not None:  # before the engine stops: its lines must not fail
+            await self.batches.stop_jobs(max(0.0, deadline - time.monotonic()))
         await self.health.stopped()
         if self.http is not None:
             await self.http.stop()
+        if self.batches is not None:
+            await self.batches.close()
         if self._server is not None:
             await self._server.stop(_FINAL_STOP_GRACE_S)
         if self._loading is not None and not self._loading.done():
