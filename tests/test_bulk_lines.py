@@ -20,6 +20,7 @@ from vlm_server.bulk.executor import LineRunner
 from vlm_server.bulk.lines import BatchRequest, LineError, parse_line
 from vlm_server.bulk.results import ResultLog, read_results
 from vlm_server.bulk.runner import Item, Progress, run_batch
+from vlm_server.engine.api import BATCH_PRIORITY
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.interface import LoadedModel
@@ -188,3 +189,23 @@ def test_a_results_file_that_is_not_ours_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not a result line"):
         ResultLog(out).open()
     assert out.read_text() == request + "\n"
+
+
+def test_a_runner_with_a_priority_submits_every_line_at_it(
+    server: ServerThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert server.server is not None and server.server.core.engine is not None
+    engine = server.server.core.engine
+    seen: list[int] = []
+    submit = engine.submit
+
+    async def recording(request: Any) -> Any:
+        seen.append(request.priority)
+        return await submit(request)
+
+    monkeypatch.setattr(engine, "submit", recording)
+    body = {"image_url": IMAGE, "priority": 7, "settings": GREEDY}
+    line = BatchRequest("p", "/v1/caption", body)
+    for priority, expected in ((BATCH_PRIORITY, BATCH_PRIORITY), (None, 7)):
+        status, _, _ = server.run(LineRunner(server.server.core, priority).run(line))
+        assert status == 200 and seen[-1] == expected
