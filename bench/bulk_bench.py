@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.load_gen import REPO_ROOT, SpawnedServer, split_server_args
+from bench.plotting import pyplot
 from bench.synth_images import unique_images
 
 SIZE = (800, 600)
@@ -57,7 +58,9 @@ def _env() -> dict[str, str]:
 
 def load_gen(args: list[str], out: Path, tag: str) -> dict[str, Any]:
     """One bench.load_gen run; its first row."""
-    cmd = [*_py(), "-m", "bench.load_gen", *args, "--out", str(out), "--tag", tag, "--quiet"]
+    own = ["--out", str(out), "--tag", tag, "--quiet"]
+    cut = args.index("--") if "--" in args else len(args)  # the server's flags come last
+    cmd = [*_py(), "-m", "bench.load_gen", *args[:cut], *own, *args[cut:]]
     subprocess.run(cmd, check=True, env=_env(), cwd=REPO_ROOT)
     rows = json.loads((out / f"{tag}.json").read_text())["rows"]
     return rows[0]
@@ -83,7 +86,7 @@ def online(model: str, server_args: list[str], out: Path, requests: int) -> dict
         out,
         "online_caption",
     )
-    return {"tok_s": row["tokens_per_s"], "req_s": row["req_per_s"], "requests": row["n"]}
+    return {"tok_s": row["tokens_per_s"], "req_s": row["req_per_s"], "requests": row["requests"]}
 
 
 def offline(model: str, server_args: list[str], out: Path, pictures: int) -> dict[str, Any]:
@@ -222,11 +225,10 @@ def rows(d: dict[str, Any], prefix: str, commit: str | None) -> list[dict[str, A
 
 
 def plot(d: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        print("matplotlib is not installed: no plot")
+        return
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
     if d.get("online") and d.get("offline"):
         a.bar(["online c64", "vlm batch"], [d["online"]["tok_s"], d["offline"]["tok_s"]])
