@@ -96,7 +96,7 @@ class ServerConfig:
         None,
         G.SERVING,
         "folder of the Batch API's files, jobs and results (/v1/files, /v1/batches; "
-        "docs/bulk-api.md): jobs run there and resume after a restart. Unset: the Batch API "
+        "docs/bulk.md): jobs run there and resume after a restart. Unset: the Batch API "
         "is off",
     )
 
