@@ -168,13 +168,21 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
 
 
 def rows_of(data: dict[str, Any], commit: str | None) -> list[tg.Row]:
-    """The target rows: the gateway at its default workers, per stand-in count."""
+    """The target rows: the gateway at its default workers, per stand-in count, each with a
+    note of the machine (whose cores the load processes and stand-ins share) and of the
+    workers' CPU time a request, the figure that carries over to other machines."""
     out: list[tg.Row] = []
     for r in data.get("rows") or []:
         if r.get("default_workers") and r["variant"] != "direct":
             name = f"gateway.{data['traffic']}.req_s_{r['stand_ins']}stand_ins"
-            flags = f"--gateway-workers {r['workers']} ({data['cpus']} CPUs)"
-            out.append(tg.make_row("", name, r["req_per_s"], commit, flags))
+            row = tg.make_row("", name, r["req_per_s"], commit, f"--gateway-workers {r['workers']}")
+            note = f"{data['cpus']} CPUs shared with the load and the stand-ins"
+            if r.get("cpu_ms_per_request") is not None:
+                note += (
+                    f"; {r['cpu_ms_per_request']:.2f} ms of worker CPU a request "
+                    f"(~{r['req_s_per_core']:.0f} req/s a core)"
+                )
+            out.append(row | {"note": note})
     return out
 
 

@@ -211,35 +211,35 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def plot(rows: Sequence[dict[str, Any]], path: Path) -> bool:
-    """Mean and p99 latency per setup, one bar per policy."""
+    """Mean and p99 latency per setup (a row of plots per traffic), one bar per policy."""
     plt = pyplot()
     if plt is None:
         print("matplotlib is not installed: no plot", file=sys.stderr)
         return False
-    setups = sorted(
-        {(r["traffic"], r["replicas"], r["workers"]) for r in rows},
-        key=lambda s: (s[0], s[1], s[2]),
-    )
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    shapes = sorted({r["traffic"] for r in rows})
+    fig, axes = plt.subplots(len(shapes), 2, figsize=(12, 3.4 * len(shapes)), squeeze=False)
     width = 0.8 / len(POLICIES)
-    for ax, metric in zip(axes, ("mean_latency", "p99_latency"), strict=True):
-        for i, policy in enumerate(POLICIES):
-            values = []
-            for traffic, replicas, workers in setups:
-                match = [
-                    r[metric]
-                    for r in rows
-                    if (r["traffic"], r["replicas"], r["workers"], r["policy"])
-                    == (traffic, replicas, workers, policy)
-                ]
-                values.append(match[0] if match else 0)
-            ax.bar([j + i * width for j in range(len(setups))], values, width, label=policy)
-        labels = [f"{t}\n{n}r {w}w" for t, n, w in setups]
-        ax.set_xticks([j + width for j in range(len(setups))], labels, fontsize=7)
-        ax.set_ylabel(f"{metric.replace('_', ' ')} (ticks)")
-        ax.set_yscale("log")
-    axes[0].legend(fontsize=8)
-    fig.suptitle("affinity routing vs power of two choices, simulated saturation")
+    for line, traffic in zip(axes, shapes, strict=True):
+        setups = sorted({(r["replicas"], r["workers"]) for r in rows if r["traffic"] == traffic})
+        for ax, metric in zip(line, ("mean_latency", "p99_latency"), strict=True):
+            for i, policy in enumerate(POLICIES):
+                values = []
+                for replicas, workers in setups:
+                    match = [
+                        r[metric]
+                        for r in rows
+                        if (r["traffic"], r["replicas"], r["workers"], r["policy"])
+                        == (traffic, replicas, workers, policy)
+                    ]
+                    values.append(match[0] if match else 0)
+                xs = [j + i * width for j in range(len(setups))]
+                ax.bar(xs, values, width, label=policy)
+            labels = [f"{n} rep.\n{w} wkr" for n, w in setups]
+            ax.set_xticks([j + width for j in range(len(setups))], labels, fontsize=8)
+            ax.set_ylabel(f"{metric.replace('_', ' ')} (ticks)")
+            ax.set_title(f"{traffic}: {metric.split('_')[0]} latency", fontsize=10)
+    axes[0][0].legend(fontsize=8, loc="lower right")
+    fig.suptitle("image affinity vs power of two choices, simulated saturation (lower is better)")
     save(plt, fig, str(path))
     return True
 

@@ -297,6 +297,7 @@ def test_gateway_rows_carry_no_model_prefix_and_follow_the_models_rows() -> None
         ">= 12000",
         False,
     )
-    assert row["flags"] == "--gateway-workers 1 (2 CPUs)"
+    assert row["flags"] == "--gateway-workers 1"
+    assert row["note"] == "2 CPUs shared with the load and the stand-ins"
     model = targets.make_row("md2", "decode.period_ms.s1", 1.2, "abc1234", "")
     assert [r["name"] for r in targets.merge([row], [model])] == [model["name"], row["name"]]
