@@ -3,11 +3,13 @@
 For each ``--replicas`` count it starts ``vlm cluster --replicas N`` (the flags after ``--``
 go to every replica), waits until all N replicas serve, and measures through the cluster's
 gateway (with ``--ray-ingress``, also the most replicas behind Ray Serve's proxies, run
-``rayN``), Query streamed with max_tokens 3 (query3) on 800x600 JPEGs:
+``rayN``), Query streamed with max_tokens 3 (query3) on 800x600 JPEGs, with C clients: 128,
+or ``--clients-per-replica`` (64) per replica past two (256 for 4 replicas, 512 for 8), and
+``--requests`` per level grown by the same factor:
 
     unique.c1        one client, a new picture every request: p50 end to end
-    unique.c128      128 clients, a new picture every request: req/s
-    affinity.c128    128 clients, each picture asked 4 questions, interleaved (blocks of 32
+    unique.cC        C clients, a new picture every request: req/s
+    affinity.cC      C clients, each picture asked 4 questions, interleaved (blocks of 32
                      pictures: their first questions, then their second ...): req/s, and the
                      hit rate: the share of the 2nd-4th questions answered from a cached image
                      prefix (the answer's cached_tokens), which only the same replica has
@@ -21,9 +23,16 @@ Results merge into ``<out>/scaleout.json`` by replica count, so ``--replicas 1``
     scaleout.query3.affinity.hit_rate          2 replicas                         >= 0.9
     scaleout.query3.affinity.speedup_2gpu      2-replica req/s over 1-replica    >= 1.9
     scaleout.query3.unique.c1.p50_ratio        cluster (most replicas) over alone <= 1.10
+    scaleout.query3.unique.c256.speedup_4gpu   4 replicas at c256 over 1 at c128  >= 3.8
+    scaleout.query3.unique.c512.speedup_8gpu   8 replicas at c512 over 1 at c128  >= 7.4
+    scaleout.query3.affinity.hit_rate_8gpu     8 replicas                         >= 0.9
+
+(one replica is saturated from 64 clients on: its c128 figure is its capacity).
 
     python -m bench.scaleout --replicas 1 2 --targets bench/results/NVIDIA_H100/targets.json \
         -- --model md2 --preset moondream2 --tokenizer starmie/tokenizer.json --dtype bf16
+    python -m bench.scaleout --replicas 1 2 4 8 ...    # on 8 GPUs
+    python -m bench.scaleout --replicas 1 2 4 8 --plan  # the runs it would make, and exit
 
 Needs the cluster extra (ray[serve]) and N GPUs. Writes scaleout.json, scaleout.png and prints
 a table under ``--out`` (default bench/results/<GPU>/scaleout/); each server's log goes to
@@ -43,6 +52,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +69,13 @@ SIZE = (800, 600)
 QUESTIONS = 4  # per picture in the affinity scenario
 BLOCK = 32  # pictures whose questions interleave
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# Target rows past two GPUs: (replicas, their clients) of the unique speedups, and (run,
+# clients, row) of the hit rates (bench/targets.py).
+SPEEDUP_ROWS = ((4, 256), (8, 512))
+HIT_ROWS = (
+    ("r2", 128, "scaleout.query3.affinity.hit_rate"),
+    ("r8", 512, "scaleout.query3.affinity.hit_rate_8gpu"),
+)
 START_TIMEOUT_S = 1800.0  # model loading and graph capture on every replica
 
 
@@ -169,48 +186,74 @@ def gateway_counts(metrics_url: str | None) -> tuple[float, float] | None:
     return (routed, homes) if routed is not None and homes is not None else None
 
 
+@dataclass(frozen=True)
+class Run:
+    """One server to start and measure."""
+
+    name: str
+    command: list[str]
+    replicas: int
+    clients: int  # the C of its unique.cC and affinity.cC levels
+    requests: int  # per level
+
+
+def clients_for(replicas: int, args: argparse.Namespace) -> int:
+    """C: ``--concurrency``, or ``--clients-per-replica`` per replica where that is more."""
+    return max(args.concurrency, args.clients_per_replica * replicas)
+
+
+def plan(args: argparse.Namespace) -> list[Run]:
+    """The runs ``args`` ask for, in order: each replica count, Ray's proxies, alone."""
+    runs = []
+    for n in args.replicas:
+        command = ["cluster", "--replicas", str(n), *args.cluster_flags]
+        runs.append(_run(f"r{n}{args.tag}", command, n, args))
+    if args.ray_ingress:  # the same replicas behind Ray Serve's proxies, for comparison
+        n = max(args.replicas)
+        command = ["cluster", "--replicas", str(n), "--ingress", "ray", *args.cluster_flags]
+        runs.append(_run(f"ray{n}{args.tag}", command, n, args))
+    if args.alone:
+        runs.append(_run("alone", ["serve"], 1, args))
+    return runs
+
+
+def _run(name: str, command: list[str], replicas: int, args: argparse.Namespace) -> Run:
+    clients = clients_for(replicas, args)
+    requests = args.requests * clients // args.concurrency
+    return Run(name, command, replicas, clients, requests)
+
+
 async def measure(
-    target: str, args: argparse.Namespace, index: int, c1_only: bool, metrics_url: str | None
+    target: str, args: argparse.Namespace, index: int, run: Run, metrics_url: str | None
 ) -> dict:
     """The scenarios of one running server; ``index`` keeps pictures unique across runs."""
     w, h = SIZE
-    n = args.requests
+    n, c = run.requests, run.clients
     pictures = unique_images(w, h, range(index, index + 3 * n + 64), desc="images")
     warm, c1, rest = pictures[:64], pictures[64 : 64 + args.c1_requests], pictures[64 + n :]
     out: dict[str, Any] = {}
     records, wall = await _level(target, c1, 1, warm[:8])
     out["unique.c1"] = summarize(records, wall, 1e9)
-    if c1_only:
+    if run.name == "alone":
         return out
-    records, wall = await _level(target, rest[:n], args.concurrency, warm)
-    out["unique.c128"] = summarize(records, wall, 1e9)
+    records, wall = await _level(target, rest[:n], c, warm)
+    out[f"unique.c{c}"] = summarize(records, wall, 1e9)
     images = rest[n : n + n // QUESTIONS]
     before = gateway_counts(metrics_url)
-    records, wall = await _level(
-        target, affinity_order(images, QUESTIONS, BLOCK), args.concurrency, []
-    )
+    records, wall = await _level(target, affinity_order(images, QUESTIONS, BLOCK), c, [])
     after = gateway_counts(metrics_url)
-    out["affinity.c128"] = summarize(records, wall, 1e9)
-    out["affinity.c128"]["hit_rate"] = hit_rate(records, len(images))
+    affinity = out[f"affinity.c{c}"] = summarize(records, wall, 1e9)
+    affinity["hit_rate"] = hit_rate(records, len(images))
     if before and after and after[0] > before[0]:  # the gateway's own view: guard spills
-        out["affinity.c128"]["home_share"] = (after[1] - before[1]) / (after[0] - before[0])
+        affinity["home_share"] = (after[1] - before[1]) / (after[0] - before[0])
     return out
 
 
 async def run(args: argparse.Namespace, server_args: list[str]) -> dict[str, Any]:
     out_dir: Path = args.out
     results: dict[str, Any] = {}
-    runs: list[tuple[str, list[str], int]] = [
-        (f"r{n}{args.tag}", ["cluster", "--replicas", str(n), *args.cluster_flags], n)
-        for n in args.replicas
-    ]
-    if args.ray_ingress:  # the same replicas behind Ray Serve's proxies, for comparison
-        n = max(args.replicas)
-        command = ["cluster", "--replicas", str(n), "--ingress", "ray", *args.cluster_flags]
-        runs.append((f"ray{n}{args.tag}", command, n))
-    if args.alone:
-        runs.append(("alone", ["serve"], 1))
-    for i, (name, command, replicas) in enumerate(runs):
+    for i, run_ in enumerate(plan(args)):
+        name, command, replicas = run_.name, run_.command, run_.replicas
         port, http_port, metrics_port = free_port(), free_port(), free_port()
         cmd = [*command, "--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--http-port", str(http_port), "--metrics-port", str(metrics_port), *server_args]
@@ -227,7 +270,8 @@ async def run(args: argparse.Namespace, server_args: list[str]) -> dict[str, Any
                 "replicas": replicas,
                 "ingress": "ray" if "ray" in command else "gateway",
                 "command": cmd,
-                "scenarios": await measure(target, args, 1 + i * 100_000, name == "alone", metrics),
+                "clients": run_.clients,
+                "scenarios": await measure(target, args, 1 + i * 100_000, run_, metrics),
             }
         finally:
             spawned.stop()
@@ -250,9 +294,16 @@ def rows(data: dict[str, Any], prefix: str, commit: str | None) -> list[tg.Row]:
         one, two = get("r1", scenario, "req_per_s"), get("r2", scenario, "req_per_s")
         if one and two:
             out.append(tg.make_row(prefix, name, two / one, commit, flags))
-    hits = get("r2", "affinity.c128", "hit_rate")
-    if hits is not None:
-        out.append(tg.make_row(prefix, "scaleout.query3.affinity.hit_rate", hits, commit, flags))
+    one = get("r1", "unique.c128", "req_per_s")
+    for n, clients in SPEEDUP_ROWS:
+        many = get(f"r{n}", f"unique.c{clients}", "req_per_s")
+        if one and many:
+            name = f"scaleout.query3.unique.c{clients}.speedup_{n}gpu"
+            out.append(tg.make_row(prefix, name, many / one, commit, flags))
+    for run, clients, name in HIT_ROWS:
+        hits = get(run, f"affinity.c{clients}", "hit_rate")
+        if hits is not None:
+            out.append(tg.make_row(prefix, name, hits, commit, flags))
     most = max(
         (k for k in runs if k[:1] == "r" and k[1:].isdigit()),
         key=lambda k: int(k[1:]),
@@ -276,15 +327,17 @@ def plot(data: dict[str, Any], path: Path) -> None:
         print("matplotlib is not installed: no plot", file=sys.stderr)
         return
     runs = {k: v for k, v in (data.get("runs") or {}).items() if k != "alone"}
-    scenarios = ("unique.c128", "affinity.c128")
+    scenarios = ("unique", "affinity")
     fig, ax = plt.subplots(figsize=(6, 3.6))
     width = 0.8 / max(1, len(runs))
     for i, (_, run) in enumerate(sorted(runs.items())):
-        values = [(run["scenarios"].get(s) or {}).get("req_per_s") or 0 for s in scenarios]
+        c = run.get("clients", 128)
+        got = run["scenarios"]
+        values = [(got.get(f"{s}.c{c}") or {}).get("req_per_s") or 0 for s in scenarios]
         xs = [j + i * width for j in range(len(scenarios))]
         ax.bar(xs, values, width, label=f"{run['replicas']} replica(s), {run.get('ingress')}")
     ax.set_xticks([j + width * (len(runs) - 1) / 2 for j in range(len(scenarios))], scenarios)
-    ax.set_ylabel("req/s (query3, 800x600)")
+    ax.set_ylabel("req/s (query3, 800x600, 64 clients a replica, 128 at least)")
     ax.set_title("vlm cluster: scale-out")
     ax.legend()
     fig.tight_layout()
@@ -300,8 +353,9 @@ def _results_folder() -> Path:
     return REPO_ROOT / "bench" / "results" / name
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """(this script's arguments, the server flags after ``--``)."""
+    argv = list(argv)
     server_args = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(prog="python -m bench.scaleout", description=__doc__)
@@ -322,8 +376,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=[],
         help="vlm cluster flags of these runs (e.g. --affinity-load-factor=1.5)",
     )
-    ap.add_argument("--concurrency", type=int, default=128)
-    ap.add_argument("--requests", type=int, default=2048, help="per c128 level")
+    ap.add_argument("--concurrency", type=int, default=128, help="clients, at least")
+    ap.add_argument(
+        "--clients-per-replica", type=int, default=64, help="clients per replica, past two"
+    )
+    ap.add_argument("--requests", type=int, default=2048, help="per level of 128 clients")
     ap.add_argument("--c1-requests", type=int, default=200)
     ap.add_argument("--out", type=Path, default=None, help="default: bench/results/<GPU>/scaleout")
     ap.add_argument(
@@ -334,7 +391,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--commit", default=None)
     ap.add_argument("--prefix", default="md2")
+    ap.add_argument(
+        "--plan", action="store_true", help="print the runs and their clients, start nothing"
+    )
     args = ap.parse_args(argv)
+    if min(args.replicas) < 1 or args.concurrency < 1 or args.clients_per_replica < 1:
+        ap.error("--replicas, --concurrency and --clients-per-replica are at least 1")
+    return args, server_args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, server_args = parse(sys.argv[1:] if argv is None else argv)
+    if args.plan:
+        for r in plan(args):
+            print(f"{r.name:<8} {' '.join(r.command):<40} clients {r.clients:>4}  "
+                  f"requests {r.requests:>5}")  # fmt: skip
+        return 0
     folder = _results_folder()
     if args.out is None:
         args.out = folder / "scaleout"

@@ -63,6 +63,10 @@ TARGETS: dict[str, tuple[str, str | None]] = {
     "scaleout.query3.affinity.hit_rate": ("", ">= 0.9"),
     "scaleout.query3.affinity.speedup_2gpu": ("x", ">= 1.9"),
     "scaleout.query3.unique.c1.p50_ratio": ("x", "<= 1.10"),
+    # Past two GPUs (bench.scaleout --replicas 1 2 4 8): 64 clients per replica.
+    "scaleout.query3.unique.c256.speedup_4gpu": ("x", ">= 3.8"),
+    "scaleout.query3.unique.c512.speedup_8gpu": ("x", ">= 7.4"),
+    "scaleout.query3.affinity.hit_rate_8gpu": ("", ">= 0.9"),
     # Finetune adapters: the decode period of 32 captions over 8 rank-32 adapters over that
     # of a server without adapters; the step-gap p99 while new adapters load over the p50
     # before (16 captions streaming).
@@ -76,6 +80,14 @@ TARGETS: dict[str, tuple[str, str | None]] = {
     "query3.unique.c1.p50_ms_idle_server": ("ms", None),
     "query3.unique.c1.p50_ms_under_batch": ("ms", None),
     "query3.under_batch.p50_ratio": ("x", "<= 1.25"),
+}
+
+# Figures of no model, named without a prefix, in results/<machine>/targets.json. The
+# cluster's gateway with stand-in replicas (bench.gateway_bench, its default workers): 1.5
+# times what 8 GPUs answer on repeated pictures (~1,000 req/s each).
+PLAIN_TARGETS: dict[str, tuple[str, str | None]] = {
+    "gateway.repeated.req_s_8stand_ins": ("req/s", ">= 12000"),
+    "gateway.repeated.req_s_16stand_ins": ("req/s", ">= 12000"),
 }
 
 # Bounds of one model family where they differ from TARGETS' (Moondream 3: a 9B mixture of
@@ -128,14 +140,15 @@ def met(value: float | None, target: str | None) -> bool | None:
 
 
 def make_row(prefix: str, name: str, value: float | None, commit: str | None, flags: str) -> Row:
-    """A row of ``prefix.name``; unit and bound from TARGETS (no bound for unknown names),
-    the bound as FAMILY_BOUNDS overrides it for the prefix."""
-    unit, target = TARGETS.get(name, ("", None))
+    """A row of ``prefix.name`` (``name`` alone for a figure of no model: ``prefix`` "");
+    unit and bound from TARGETS (no bound for unknown names), the bound as FAMILY_BOUNDS
+    overrides it for the prefix."""
+    unit, target = (TARGETS if prefix else PLAIN_TARGETS).get(name, ("", None))
     target = FAMILY_BOUNDS.get(prefix, {}).get(name, target)
     if isinstance(value, float):
         value = round(value, 4) if math.isfinite(value) else None
     return {
-        "name": f"{prefix}.{name}",
+        "name": f"{prefix}.{name}" if prefix else name,
         "value": value,
         "unit": unit,
         "target": target,
@@ -329,9 +342,11 @@ def collect(raw: Path, prefix: str, commit: str | None, suffix: str = "") -> lis
 
 
 def _order(name: str) -> tuple[int, str]:
-    suffix = name.split(".", 1)[1] if "." in name else name
     keys = list(TARGETS)
-    return (keys.index(suffix) if suffix in keys else len(keys), name)
+    if name in PLAIN_TARGETS:  # a figure of no model: after the models'
+        return (len(keys) + list(PLAIN_TARGETS).index(name), name)
+    suffix = name.split(".", 1)[1] if "." in name else name
+    return (keys.index(suffix) if suffix in keys else len(keys) + len(PLAIN_TARGETS), name)
 
 
 def merge(old: Iterable[Row], new: Iterable[Row]) -> list[Row]:

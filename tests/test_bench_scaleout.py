@@ -65,3 +65,44 @@ def test_rows_from_one_and_two_replicas_and_the_alone_run() -> None:
 def test_rows_wait_for_the_runs_they_compare() -> None:
     """One replica alone gives no speedup, and no ratio without the alone run."""
     assert scaleout.rows({"runs": {"r1": _run(1, 60.0, 500.0, 0.5, 31.0)}}, "md2", None) == []
+
+
+def _run_at(replicas: int, clients: int, unique: float, hits: float) -> dict:
+    scenarios = {
+        f"unique.c{clients}": {"req_per_s": unique},
+        f"affinity.c{clients}": {"req_per_s": unique * 8, "hit_rate": hits},
+        "unique.c1": {"e2e_p50_ms": 32.0},
+    }
+    return {"replicas": replicas, "clients": clients, "scenarios": scenarios}
+
+
+def test_four_and_eight_replicas_plan_more_clients_and_give_their_rows() -> None:
+    """The CPU dry run of ``--replicas 1 2 4 8``: 64 clients a replica past two (128 at
+    least), requests grown alike; measured runs of those shapes give the rows past 2 GPUs."""
+    args, server = scaleout.parse(["--replicas", "1", "2", "4", "8", "--", "--model", "m"])
+    assert server == ["--model", "m"]
+    runs = {r.name: r for r in scaleout.plan(args)}
+    assert list(runs) == ["r1", "r2", "r4", "r8", "alone"]
+    assert [runs[n].clients for n in ("r1", "r2", "r4", "r8")] == [128, 128, 256, 512]
+    assert [runs[n].requests for n in ("r1", "r4", "r8")] == [2048, 4096, 8192]
+    assert runs["r8"].command == ["cluster", "--replicas", "8"]
+    data = {
+        "server_args": server,
+        "runs": {
+            "r1": _run_at(1, 128, 60.0, 0.5),
+            "r2": _run_at(2, 128, 118.0, 0.97),
+            "r4": _run_at(4, 256, 234.0, 0.95),
+            "r8": _run_at(8, 512, 438.0, 0.93),
+        },
+    }
+    got = {r["name"]: r for r in scaleout.rows(data, "md2", "abc1234")}
+    four = got["md2.scaleout.query3.unique.c256.speedup_4gpu"]
+    assert four["value"] == pytest.approx(3.9) and four["met"] is True
+    eight = got["md2.scaleout.query3.unique.c512.speedup_8gpu"]
+    assert eight["value"] == pytest.approx(7.3) and eight["met"] is False  # under 7.4
+    hits = got["md2.scaleout.query3.affinity.hit_rate_8gpu"]
+    assert hits["value"] == pytest.approx(0.93) and hits["met"] is True
+    assert got["md2.scaleout.query3.affinity.hit_rate"]["value"] == pytest.approx(0.97)
+    assert "md2.scaleout.query3.unique.c1.p50_ratio" not in got  # no alone run
+    with pytest.raises(SystemExit):
+        scaleout.parse(["--replicas", "0"])

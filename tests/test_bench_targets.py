@@ -273,3 +273,31 @@ def test_the_seeded_figures_of_record_are_well_formed() -> None:
 
 def test_targets_sh_parses() -> None:
     subprocess.run(["bash", "-n", str(ROOT / "bench" / "targets.sh")], check=True)
+
+
+def test_gateway_rows_carry_no_model_prefix_and_follow_the_models_rows() -> None:
+    from bench import gateway_bench
+
+    data = {
+        "cpus": 2,
+        "traffic": "repeated",
+        "rows": [
+            {"stand_ins": 16, "variant": "direct", "req_per_s": 900.0},
+            {"stand_ins": 16, "variant": "gateway x2", "workers": 2, "req_per_s": 1.0},
+            {"stand_ins": 16, "variant": "gateway x1", "workers": 1, "req_per_s": 500.0},
+        ],
+    }
+    data["rows"][1]["default_workers"] = False
+    data["rows"][2]["default_workers"] = True
+    (row,) = gateway_bench.rows_of(data, "abc1234")
+    assert row["name"] == "gateway.repeated.req_s_16stand_ins"
+    assert (row["value"], row["unit"], row["target"], row["met"]) == (
+        500.0,
+        "req/s",
+        ">= 12000",
+        False,
+    )
+    assert row["flags"] == "--gateway-workers 1"
+    assert row["note"] == "2 CPUs shared with the load and the stand-ins"
+    model = targets.make_row("md2", "decode.period_ms.s1", 1.2, "abc1234", "")
+    assert [r["name"] for r in targets.merge([row], [model])] == [model["name"], row["name"]]

@@ -6,6 +6,7 @@ Ray. Map:
   http_keys        the same keys read from HTTP bodies
   ring             consistent hashing, the load guard, which replicas hold each key (pure)
   replica_set      the gateway's replicas, their work in flight, routing (pure)
+  shared_loads     the gateway workers' work in flight, in memory they all map
   gateway_grpc     the gateway's gRPC door: the API passed on as bytes
   gateway_http     the gateway's HTTP door
   gateway          both doors, following the directory and the replicas' health

@@ -26,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from vlm_server.cluster.gateway_grpc import SERVICE, GrpcForwarder
 from vlm_server.cluster.gateway_http import HttpGateway
 from vlm_server.cluster.replica_set import DEFAULT_MISS_COST, ReplicaSet
+from vlm_server.cluster.shared_loads import WorkerLoads
 from vlm_server.rpc.reflection import enable_reflection
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,11 @@ class Gateway:
         max_http_body_bytes: int,
         refresh_s: float = REFRESH_S,
         miss_cost: float = DEFAULT_MISS_COST,
+        publish: bool = False,
+        shared: WorkerLoads | None = None,
     ) -> None:
-        self.replicas = ReplicaSet(load_factor, miss_cost=miss_cost)
+        """``publish`` and ``shared``: a worker among several (`ReplicaSet`)."""
+        self.replicas = ReplicaSet(load_factor, miss_cost=miss_cost, publish=publish, shared=shared)
         self._entries = entries
         self._refresh_s = refresh_s
         self._limit = max_message_bytes

@@ -4,11 +4,24 @@ table (``--replicas 2`` or ``VLM_REPLICAS=2``); docs/configuration.md lists them
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from vlm_server.options.spec import Group, option, options_of
 
 G = Group
+
+# Sizing the gateway (docs/deployment.md): one GPU answers about 1,000 repeated-picture
+# requests a second (moondream2, query3, H100 or H200), and the gateway is sized to carry
+# 1.5 times what its replicas answer. One worker carries about 800 of them a second: a
+# worker spends 0.7-1.1 ms of CPU on each (python -m bench.gateway_bench), and
+# the one-worker gateway measured 1,488 req/s, four workers 3,266. So ~1.9 workers a GPU.
+REPLICA_REQ_S = 1000.0
+GATEWAY_HEADROOM = 1.5
+WORKER_REQ_S = 800.0
+# The workers take at most this share of the CPUs: the replicas' servers (JPEG decodes,
+# their doors, the engine's scheduler) need the rest where they share the machine.
+GATEWAY_CPU_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -31,8 +44,10 @@ class ClusterConfig:
     gateway_workers: int = option(
         0,
         G.PERFORMANCE,
-        "processes serving the gateway's ports together (0 = one per 8 CPUs, 1 to 4); each "
-        "routes with the same hash ring, so a picture's replica does not depend on the worker",
+        "processes serving the gateway's ports together (0 = from the replicas and the CPUs: "
+        "about 2 per replica (--max-replicas when set), at most half the CPUs); the workers "
+        "share their loads and where pictures went, so a picture's replica does not depend "
+        "on the worker",
     )
     replica_host: str = option(
         "auto",
@@ -89,10 +104,14 @@ class ClusterConfig:
 
 
 def gateway_workers(cluster: ClusterConfig, cpus: int | None) -> int:
-    """The worker count ``--gateway-workers`` asks for (0: from the machine's CPUs)."""
+    """The worker count ``--gateway-workers`` asks for; 0: enough workers to carry
+    `GATEWAY_HEADROOM` times what the most replicas answer, within `GATEWAY_CPU_SHARE` of
+    ``cpus`` (and at least one)."""
     if cluster.gateway_workers:
         return cluster.gateway_workers
-    return max(1, min(4, (cpus or 1) // 8))
+    replicas = max(cluster.replicas, cluster.max_replicas)
+    wanted = math.ceil(replicas * REPLICA_REQ_S * GATEWAY_HEADROOM / WORKER_REQ_S)
+    return max(1, min(wanted, int((cpus or 1) * GATEWAY_CPU_SHARE)))
 
 
 CLUSTER_OPTIONS = options_of(ClusterConfig)
