@@ -61,7 +61,7 @@ from vlm_server.engine.process.wire import (
 )
 from vlm_server.frontend.images import ImageCache, ImageResolver
 from vlm_server.models.interface import LoadedModel
-from vlm_server.server import lifecycle as server_module
+from vlm_server.server import service as server_module
 from vlm_server.server.engines import engine_factory
 
 PHOTO = encode(photo(200, 150), quality=90)

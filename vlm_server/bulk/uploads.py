@@ -143,10 +143,14 @@ async def receive(part: BodyPartReader, path: Path, limit: int, max_lines: int) 
     return received
 
 
+_SMALL_READ_BYTES = 1 << 12
+
+
 async def small_field(part: BodyPartReader, name: str, limit: int) -> str:
     """A short text field of a form (read within ``limit`` bytes)."""
     data = b""
-    while chunk := await part.read_chunk(limit + 1):
+    # Reads shorter than the form's boundary make aiohttp push bytes back (deprecated there).
+    while chunk := await part.read_chunk(max(limit + 1, _SMALL_READ_BYTES)):
         data += chunk
         if len(data) > limit:
             raise invalid(name, f"longer than {limit} bytes")
