@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import re
 import subprocess
 import sys
 import time
@@ -146,7 +147,10 @@ def _upload(base: str, path: Path) -> str:
 
 
 def batch_file(out: Path, n: int) -> Path:
+    """The batch's input lines (kept: a later run with the same count reuses them)."""
     path = out / "batch_input.jsonl"
+    if path.exists() and path.read_bytes().count(b"\n") == n:
+        return path
     pictures = unique_images(*SIZE, range(1, n + 1), seed=BATCH_SEED, desc="batch pictures")
     with path.open("w") as f:
         for i, data in enumerate(pictures):
@@ -190,6 +194,7 @@ def mixed(
         t1, done1 = time.monotonic(), state["request_counts"]["completed"]
         _http("POST", f"{url}/cancel", b"{}", "application/json")
     return {
+        **server_breakdown(out / "mixed_server.log"),
         "idle_p50_ms": idle["e2e_p50_ms"],
         "busy_p50_ms": busy["e2e_p50_ms"],
         "idle_p99_ms": idle["e2e_p99_ms"],
@@ -198,6 +203,30 @@ def mixed(
         "batch_req_s": (done1 - done0) / max(t1 - t0, 1e-9),
         "batch_status": state["status"],
     }
+
+
+BREAKDOWN = ("queue_ms", "prefix_wait_ms", "prefill_ms", "decode_ms")
+
+
+def server_breakdown(log: Path) -> dict[str, float]:
+    """Medians of the server's own timings of the interactive queries (its access log),
+    before the batch's first line and after: where the added latency goes."""
+    phases: dict[str, list[dict[str, float]]] = {"idle": [], "busy": []}
+    busy = False
+    for line in log.read_text(errors="replace").splitlines():
+        if "door=batch" in line:
+            busy = True
+        if "msg=request" in line and "task=query" in line and "door=grpc" in line:
+            fields = dict(re.findall(r"(\w+)=([\d.]+)(?=\s|$)", line))
+            phases["busy" if busy else "idle"].append(
+                {k: float(fields.get(k, "nan")) for k in BREAKDOWN}
+            )
+    out = {}
+    for phase, got in phases.items():
+        for key in BREAKDOWN:
+            values = sorted(r[key] for r in got)
+            out[f"{phase}_server_{key}_p50"] = values[len(values) // 2] if values else float("nan")
+    return out
 
 
 def rows(d: dict[str, Any], prefix: str, commit: str | None) -> list[dict[str, Any]]:
