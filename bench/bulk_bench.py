@@ -184,7 +184,7 @@ def mixed(
             "application/json",
         )
         url = f"{server.http_url}/batches/{batch['id']}"
-        while (state := _http("GET", url))["request_counts"]["completed"] < 64:
+        while (state := _http("GET", url))["request_counts"]["completed"] < min(64, n_batch // 10):
             if state["status"] in ("failed", "cancelled", "completed"):
                 raise RuntimeError(f"the batch ended early: {state}")
             time.sleep(0.5)

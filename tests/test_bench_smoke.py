@@ -553,3 +553,24 @@ def test_request_timeline_saturated_tiny_on_the_cpu(tmp_path: Path) -> None:
     assert request_timeline.main(args) == 0
     sat = _strict_json(tmp_path / "saturated_timeline.json")["saturated"]
     assert sat["concurrency"] == 2 and sat["completed"] > 0 and sat["req_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_bulk_bench_runs_its_three_phases(tiny_dir: Path, tmp_path: Path) -> None:
+    """vlm batch against the online server, then queries under a Batch API job: every phase
+    ends with its figures, and the rows bench.targets reads come out of them."""
+    from bench import bulk_bench
+
+    sizes = ["--pictures", "12", "--online-requests", "12", "--batch-requests", "60"]
+    server = ["--device", "cpu", "--dtype", "fp32", "--max-batch-size", "4"]
+    code = bulk_bench.main(
+        ["--model", str(tiny_dir), *sizes, "--queries", "4", "--out", str(tmp_path), "--", *server]
+    )
+    assert code == 0
+    data = json.loads((tmp_path / "bulk_bench.json").read_text())
+    assert data["offline"]["lines"] == 12 and data["offline"]["failed"] == 0
+    assert data["online"]["tok_s"] > 0 and data["mixed"]["busy_p50_ms"] > 0
+    assert data["mixed"]["busy_server_prefix_wait_ms_p50"] >= 0
+    names = {r["name"] for r in bulk_bench.rows(data, "tiny", "abc1234")}
+    assert "tiny.query3.under_batch.p50_ratio" in names
+    assert "tiny.batch.caption128.online_ratio" in names
