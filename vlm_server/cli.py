@@ -1,7 +1,7 @@
 """Command line: ``vlm serve`` (the gRPC server), ``vlm batch`` (bulk work without a server),
 ``vlm cluster`` (replicas on Ray Serve behind the gateway), ``vlm gateway`` (the gateway
-alone, for a deployed Serve application), ``vlm plan`` (the memory plan for a card), ``vlm run TASK IMAGE ...`` on the reference path,
-``vlm make-checkpoint``."""
+alone, for a deployed Serve application), ``vlm plan`` (the memory plan for a card),
+``vlm run TASK IMAGE ...`` on the reference path, ``vlm make-checkpoint``."""
 
 from __future__ import annotations
 
