@@ -24,6 +24,7 @@ LAYERS = {
     "decoding": 0,
     "vlm_server.devices": 0,  # which torch devices this machine has
     "vlm_server.chip_features": 0,  # what the GPU can do, checked at start
+    "vlm_server.cards": 0,  # cards by name, for planning without one
     "vlm_server.gc_pauses": 0,  # this process's garbage-collection pauses
     "vlm_server.api": 0,  # generated gRPC code
     "vlm_server.client": 1,  # talks to a server through vlm_server.api only
@@ -40,6 +41,7 @@ LAYERS = {
     "vlm_server.engine.api": 3,
     "vlm_server.engine.config": 3,
     "vlm_server.engine.device": 4,
+    "vlm_server.plan_view": 4,  # the memory plan of a model on a card, as text
     "vlm_server.engine.engine": 5,
     "vlm_server.engine.adapters": 5,  # adapter files, downloads and slots, around the runtime
     "vlm_server.engine.process": 5,  # the engine in its own process, around engine.engine
@@ -52,6 +54,7 @@ LAYERS = {
     "vlm_server.server": 10,  # the process: both doors, health, metrics, memory, drain
     "vlm_server.cluster": 11,  # replicas of the server on Ray Serve, and their router
     "vlm_server.cli": 11,
+    "vlm_server.plan_command": 11,  # vlm plan
     "vlm_server.batch_command": 11,  # vlm batch: the server's engine and core, no doors
 }
 
@@ -164,6 +167,7 @@ def test_dependencies_point_down(graph: dict[str, set[str]]) -> None:
 SAME_LAYER_IMPORTS = {
     ("vlm_server.cli", "vlm_server.cluster"),  # `vlm cluster` and `vlm gateway`
     ("vlm_server.cli", "vlm_server.batch_command"),  # `vlm batch`
+    ("vlm_server.cli", "vlm_server.plan_command"),  # `vlm plan`
     ("vlm_server.default_model", "vlm_server.models.registry"),  # the built-in model's family
     ("vlm_server.engine", "vlm_server.engine.api"),  # refinements and the step trace: events
     ("vlm_server.engine", "vlm_server.engine.core"),  # ... over the core's outputs and observer

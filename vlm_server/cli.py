@@ -1,7 +1,7 @@
 """Command line: ``vlm serve`` (the gRPC server), ``vlm batch`` (bulk work without a server),
 ``vlm cluster`` (replicas on Ray Serve behind the gateway), ``vlm gateway`` (the gateway
-alone, for a deployed Serve application), ``vlm run TASK IMAGE ...`` on the reference path,
-``vlm make-checkpoint``."""
+alone, for a deployed Serve application), ``vlm plan`` (the memory plan for a card),
+``vlm run TASK IMAGE ...`` on the reference path, ``vlm make-checkpoint``."""
 
 from __future__ import annotations
 
@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", help="start the gRPC server (vlm serve --help for its flags)")
     sub.add_parser(
         "batch", help="a task over a folder of pictures, or a requests file (vlm batch --help)"
+    )
+    sub.add_parser(
+        "plan", help="the engine's memory plan for a card, without a GPU (vlm plan --help)"
     )
     sub.add_parser("cluster", help="serve on Ray Serve, one replica per GPU (vlm cluster --help)")
     sub.add_parser(
@@ -181,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         from vlm_server.batch_command import main as batch
 
         return batch(argv[1:])
+    if argv[:1] == ["plan"]:  # the engine's memory plan for a card: vlm plan --help
+        from vlm_server.plan_command import main as plan
+
+        return plan(argv[1:])
     if argv[:1] == ["cluster"]:  # needs the ray extra: pip install -e '.[cluster]'
         from vlm_server.cluster.command import main as cluster
 

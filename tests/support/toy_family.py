@@ -25,9 +25,17 @@ from torch import nn
 
 from vlm_server.models.checkpoint_io import CheckpointReader, check_shapes
 from vlm_server.models.common.contracts import CONTRACT_TINY
+from vlm_server.models.common.memory_shape import memory_shape
 from vlm_server.models.common.tokenizer_build import Vocabulary, build_tokenizer
 from vlm_server.models.contract import TokenContract
-from vlm_server.models.interface import Capabilities, FamilyConfig, Formats, KVShape, LoadedModel
+from vlm_server.models.interface import (
+    Capabilities,
+    FamilyConfig,
+    Formats,
+    KVShape,
+    LoadedModel,
+    MemoryShape,
+)
 from vlm_server.models.kv import KVCache
 
 FORMAT = "toy-family/1"
@@ -265,6 +273,30 @@ class ToyFamily:
     def reads(self, meta: Mapping[str, Any]) -> bool:
         return meta.get("format") == FORMAT
 
+    def read_config(self, directory: Path, preset_name: str | None) -> ToyConfig:
+        meta = json.loads((directory / "config.json").read_text())
+        return ToyConfig(
+            name=meta["name"],
+            text=ToyText(**meta["text"]),
+            vision=ToyVision(**meta["vision"]),
+        )
+
+    def memory_shape(self, config: FamilyConfig) -> MemoryShape:
+        assert isinstance(config, ToyConfig)
+        with torch.device("meta"):
+            shapes = {k: tuple(v.shape) for k, v in ToyModel(config).state_dict().items()}
+        t = config.text
+        return memory_shape(
+            config,
+            shapes,
+            KVShape(t.n_layers, t.n_kv_heads, t.head_dim),
+            qkv_dim=(t.n_heads + 2 * t.n_kv_heads) * t.head_dim,
+            ff_dim=2 * t.ff_dim,
+            enc_dim=t.dim,
+            enc_ff_dim=t.dim,
+            proj_inner_dim=t.dim,
+        )
+
     def load(
         self,
         path: Path,
@@ -275,12 +307,7 @@ class ToyFamily:
         tokenizer_path: str | Path | None,
         progress: bool,
     ) -> LoadedModel:
-        meta = json.loads((path / "config.json").read_text())
-        config = ToyConfig(
-            name=meta["name"],
-            text=ToyText(**meta["text"]),
-            vision=ToyVision(**meta["vision"]),
-        )
+        config = self.read_config(path, preset_name)
         reader = CheckpointReader(path / WEIGHTS)
         want = {k: tuple(v.shape) for k, v in ToyModel(config).state_dict().items()}
         check_shapes({k: reader.shape(k) for k in reader.keys}, [], want, str(path))

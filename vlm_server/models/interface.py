@@ -45,6 +45,29 @@ class KVShape:
         return 2 * self.n_layers * page_size * self.n_kv_heads * self.head_dim * itemsize
 
 
+@dataclass(frozen=True)
+class MemoryShape:
+    """What the engine's memory plan (engine/core/memory_plan.py) reads of a model: its
+    parameters by part and the widths of its work, known from the configuration alone."""
+
+    params: dict[str, int]  # part ("text", "vision", "region", "experts") -> parameters
+    expert_rows: int  # output rows of every expert stack (FP8 scales: one per row); 0: none
+    kv: KVShape
+    dim: int
+    qkv_dim: int
+    ff_dim: int
+    vocab_size: int
+    max_context: int
+    prefix_len: int  # BOS + image positions
+    enc_dim: int  # the vision tower's width, its MLP's, patches per crop, most local crops
+    enc_ff_dim: int
+    n_patches: int
+    max_crops: int
+    proj_inner_dim: int
+    top_k: int = 0  # experts per token (0: a dense model)
+    expert_dim: int = 0
+
+
 class TextShape(Protocol):
     """The decoder sizes the engine reads."""
 

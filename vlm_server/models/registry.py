@@ -21,7 +21,13 @@ from vlm_server.models import capabilities
 from vlm_server.models.checkpoint_io import CheckpointError
 from vlm_server.models.families import FAMILIES
 from vlm_server.models.hub import resolve_file, resolve_source
-from vlm_server.models.interface import FamilyConfig, Formats, LoadedModel, SegmentRefine
+from vlm_server.models.interface import (
+    FamilyConfig,
+    Formats,
+    LoadedModel,
+    MemoryShape,
+    SegmentRefine,
+)
 
 CONFIG_FILE = "config.json"
 
@@ -43,6 +49,16 @@ class ModelFamily(Protocol):
 
     def reads(self, meta: Mapping[str, Any]) -> bool:
         """Whether a checkpoint's ``config.json`` (parsed) belongs to this family."""
+        ...
+
+    def read_config(self, directory: Path, preset_name: str | None) -> FamilyConfig:
+        """A checkpoint directory's configuration (its config.json, or the preset), without
+        reading its weights."""
+        ...
+
+    def memory_shape(self, config: FamilyConfig) -> MemoryShape:
+        """What the memory plan reads of ``config``'s model (parameters from the model built
+        on the meta device: nothing allocated)."""
         ...
 
     def load(
@@ -126,6 +142,21 @@ def family_of(config: FamilyConfig) -> ModelFamily:
         if fam.owns(config):
             return fam
     raise ValueError(f"no registered model family owns the configuration {config.name!r}")
+
+
+def memory_shape(config: FamilyConfig) -> MemoryShape:
+    """What the engine's memory plan reads of ``config``'s model, from its family."""
+    return family_of(config).memory_shape(config)
+
+
+def checkpoint_config(directory: str | Path, preset_name: str | None = None) -> FamilyConfig:
+    """The configuration of a local checkpoint directory (its config.json, or ``preset_name``
+    for a snapshot that carries none the family trusts); its weights are never read."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a checkpoint directory")
+    fam = family_for_preset(preset_name) if preset_name else _family_of_checkpoint(path)
+    return fam.read_config(path, preset_name)
 
 
 def load_model(

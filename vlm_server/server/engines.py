@@ -20,11 +20,14 @@ import torch
 from vlm_server.default_model import default_model_dir
 from vlm_server.devices import cap_memory, resolve_device
 from vlm_server.engine.api import Engine
+from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.core.memory_plan import plan_memory
 from vlm_server.frontend.logs import configure_logging
 from vlm_server.models import capabilities
 from vlm_server.models.interface import LoadedModel
-from vlm_server.models.registry import load_model, segment_refiner
+from vlm_server.models.registry import FORMAT_NAMES, load_model, memory_shape, segment_refiner
 from vlm_server.options.table import ServerConfig
+from vlm_server.plan_view import plan_lines
 from vlm_server.server.memory import freeze, limit_arenas, limit_mmap_threshold, trim
 
 if TYPE_CHECKING:
@@ -93,7 +96,24 @@ def batched_engine(config: ServerConfig, one_at_a_time: bool = False) -> Batched
     )
     if trace is not None:
         trace.prefill_busy = engine.runtime.prefill_busy
+    log_memory_plan(loaded, cfg, engine.runtime.kv_pages)
     return engine
+
+
+def log_memory_plan(loaded: LoadedModel, cfg: EngineConfig, kv_pages: int) -> None:
+    """The memory plan `vlm plan` prints for this device, beside the pages the engine took
+    (they differ by what the plan estimates: the CUDA context, what was free)."""
+    device = loaded.model.device
+    weights = FORMAT_NAMES[loaded.model.dtype]
+    shape = memory_shape(loaded.config)
+    if device.type != "cuda":
+        plan = plan_memory(shape, cfg, 0, weights, cuda=False)
+        log.info("memory plan: %d KV pages planned, %d taken", plan.kv_pages, kv_pages)
+        return
+    props = torch.cuda.get_device_properties(device)
+    plan = plan_memory(shape, cfg, props.total_memory, weights)
+    lines = plan_lines(plan, loaded.config.name, props.name)
+    log.info("%s\n  engine: %d KV pages taken", "\n".join(lines), kv_pages)
 
 
 # Engine implementations by name (--engine); picklable, for an engine process.

@@ -23,14 +23,10 @@ cannot admit, so no lower priority is admitted in its place.
 
 from __future__ import annotations
 
-from vlm_server.engine.api import GenerationRequest, Task
+from vlm_server.engine.api import GenerationRequest
 from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.core.memory_plan import typical_positions
 from vlm_server.engine.core.prefix_cache import PrefixCache, PrefixEntry
-
-# A typical interactive request, for the page reserve: a picture, a question of a few dozen
-# tokens, and the default output budget (clients mostly leave max_tokens unset).
-TYPICAL_PROMPT_TOKENS = 64
-TYPICAL_MAX_TOKENS = GenerationRequest(Task.QUERY, None).max_tokens
 
 
 def is_background(request: GenerationRequest) -> bool:
@@ -40,8 +36,8 @@ def is_background(request: GenerationRequest) -> bool:
 def typical_request_pages(cache: PrefixCache, row_pages: int) -> int:
     """Free pages a typical new picture request takes at worst (its prefix not cached), within
     a block-table row of ``row_pages`` pages."""
-    positions = cache.prefix_len + TYPICAL_PROMPT_TOKENS + TYPICAL_MAX_TOKENS
-    positions = min(positions, row_pages * cache.alloc.page_size)
+    # The memory plan's typical request (a picture, a short question, the default output).
+    positions = typical_positions(cache.prefix_len, row_pages * cache.alloc.page_size)
     return cache.pages_with_new_prefix(positions)
 
 

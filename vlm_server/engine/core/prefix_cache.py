@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from vlm_server.engine.core.memory_plan import picture_request_pages
 from vlm_server.engine.core.pages import PageAllocator
 
 
@@ -55,8 +56,7 @@ class PrefixCache:
         """Free pages a sequence of ``positions`` (its prefix included) takes when its prefix
         is not cached: the new entry's pages, and its own beyond the entry's full pages (its
         private copy of a partly filled last page included)."""
-        shared = self.pages_per_entry - (1 if self.has_tail else 0)
-        return self.alloc.pages_for(positions) - shared + self.pages_per_entry
+        return picture_request_pages(positions, self.prefix_len, self.alloc.page_size)
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.core.memory_plan import CPU_KV_BUDGET, default_kv_budget, kv_pages
 from vlm_server.engine.device.buffers import copy_rows, zeros
 from vlm_server.engine.device.kernels.paged_attention import (
     DecodeKV,
@@ -35,14 +36,12 @@ def triton_available() -> bool:
 
 
 def default_budget(device: torch.device, cap: int | None = None) -> int:
-    """KV bytes when the config names none: 40% of the free device memory (start-up only),
-    under ``cap`` (the engine's memory cap) when one is set."""
+    """KV bytes when the config names none: the memory plan's share of the free device
+    memory (start-up only), under ``cap`` (the engine's memory cap) when one is set."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        if cap:
-            free = min(free, cap - torch.cuda.memory_reserved(device))
-        return max(0, int(free * 0.4))
-    return 256 << 20
+        return default_kv_budget(free, cap, torch.cuda.memory_reserved(device))
+    return CPU_KV_BUDGET
 
 
 class KVPool:
@@ -51,7 +50,7 @@ class KVPool:
     def __init__(self, dev: Device, entry: ModelEntryPoints, cfg: EngineConfig) -> None:
         self.dev, self.entry = dev, entry
         budget = cfg.kv_budget_bytes or default_budget(entry.device, cfg.gpu_memory_bytes)
-        self.n_pages = max(2, budget // entry.kv_page_bytes(cfg.page_size))
+        self.n_pages = kv_pages(budget, entry.kv_page_bytes(cfg.page_size))
         shape = entry.kv_shape(self.n_pages, cfg.page_size)
         # One tensor for every layer's keys and values: a page copy is one op for all layers.
         self.kv = dev.buffer("kv", zeros(shape, entry.dtype, entry.device))

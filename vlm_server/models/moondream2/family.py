@@ -8,9 +8,11 @@ from typing import Any
 
 import torch
 
-from vlm_server.models.interface import FamilyConfig, LoadedModel
+from vlm_server.models.common.memory_shape import memory_shape
+from vlm_server.models.interface import FamilyConfig, KVShape, LoadedModel, MemoryShape
 from vlm_server.models.moondream2.config import FORMATS, PRESETS, ModelConfig
-from vlm_server.models.moondream2.loader import load_model, random_model
+from vlm_server.models.moondream2.layout import expected_shapes
+from vlm_server.models.moondream2.loader import load_model, random_model, read_config
 from vlm_server.models.moondream2.readable import make_readable
 from vlm_server.models.moondream2.reference_config import is_moondream_format
 from vlm_server.models.moondream2.writer import CONFIG_FORMAT, write_checkpoint
@@ -35,6 +37,23 @@ class Moondream2Family:
         model_type = meta.get("model_type")
         hub_snapshot = isinstance(model_type, str) and model_type.startswith("moondream")
         return is_moondream_format(dict(meta)) or hub_snapshot
+
+    def read_config(self, directory: Path, preset_name: str | None) -> FamilyConfig:
+        return read_config(directory, preset_name)
+
+    def memory_shape(self, config: FamilyConfig) -> MemoryShape:
+        assert isinstance(config, ModelConfig)
+        text, vision = config.text, config.vision
+        return memory_shape(
+            config,
+            expected_shapes(config),
+            KVShape(text.n_layers, text.n_kv_heads, text.head_dim),
+            qkv_dim=(text.n_heads + 2 * text.n_kv_heads) * text.head_dim,
+            ff_dim=text.ff_dim,
+            enc_dim=vision.enc_dim,
+            enc_ff_dim=vision.enc_ff_dim,
+            proj_inner_dim=vision.proj_inner_dim,
+        )
 
     def load(
         self,

@@ -9,9 +9,11 @@ from typing import Any
 
 import torch
 
-from vlm_server.models.interface import FamilyConfig, LoadedModel
+from vlm_server.models.common.memory_shape import memory_shape
+from vlm_server.models.interface import FamilyConfig, KVShape, LoadedModel, MemoryShape
 from vlm_server.models.moondream3.config import FORMATS, PRESETS, ModelConfig
-from vlm_server.models.moondream3.loader import load_model, random_model
+from vlm_server.models.moondream3.layout import expected_shapes
+from vlm_server.models.moondream3.loader import load_model, random_model, read_config
 from vlm_server.models.moondream3.writer import CONFIG_FORMAT, write_checkpoint
 from vlm_server.models.moondream3.writer import FAMILY as FAMILY_NAME
 
@@ -47,6 +49,25 @@ class Moondream3Family:
         if meta.get("format") == CONFIG_FORMAT:
             return meta.get("family") == self.name
         return _is_hub_config(meta)
+
+    def read_config(self, directory: Path, preset_name: str | None) -> FamilyConfig:
+        return read_config(directory, preset_name)
+
+    def memory_shape(self, config: FamilyConfig) -> MemoryShape:
+        assert isinstance(config, ModelConfig)
+        text, vision = config.text, config.vision
+        return memory_shape(
+            config,
+            expected_shapes(config),
+            KVShape(text.n_layers, text.n_kv_heads, text.head_dim),
+            qkv_dim=text.qkv_dim,
+            ff_dim=max(text.ff_dim, 2 * text.moe.expert_dim),
+            enc_dim=vision.enc_dim,
+            enc_ff_dim=vision.enc_ff_dim,
+            proj_inner_dim=vision.proj_inner_dim,
+            top_k=text.moe.top_k,
+            expert_dim=text.moe.expert_dim,
+        )
 
     def load(
         self,

@@ -1,0 +1,282 @@
+"""The engine's memory plan for a card, computed from shapes alone (torch-free: nothing is
+allocated, no device is needed).
+
+The engine's own decisions, in one place, so that `vlm plan` (before anything is downloaded)
+and the engine at start read the same rules:
+
+- the KV budget: ``kv_budget_bytes`` when set, else `KV_SHARE_OF_FREE` of what is free after
+  the weights loaded (under ``gpu_memory_bytes`` when set), `default_kv_budget`;
+- the KV pages of that budget, `kv_pages` (the KV pool allocates exactly these);
+- what a picture request takes of them: its image prefix (shared by every request for the same
+  picture, its partly filled last page copied into each request's own first page), its prompt
+  and its answer, `picture_request_pages` (the prefix cache and the headroom count the same);
+- graph pools and fixed buffers, estimated from the shapes of the largest work each holds.
+
+A format is a number of bytes per element (`WEIGHT_FORMATS`, `KV_FORMATS`): a new one (int8
+or int4 weights, FP8 keys and values) is one more entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vlm_server.engine.api import GenerationRequest, Task
+from vlm_server.engine.config import EngineConfig
+from vlm_server.models.interface import MemoryShape
+
+# The default KV budget's share of the memory free after loading (kv_pool.default_budget).
+KV_SHARE_OF_FREE = 0.4
+# The default KV budget off CUDA.
+CPU_KV_BUDGET = 256 << 20
+# Device memory the CUDA context and the libraries' handles take outside PyTorch's allocator
+# (an estimate: about 0.5 GiB on an H100 with cuBLAS and Triton loaded). It is not under the
+# --gpu-memory cap, which binds the allocator only.
+CUDA_CONTEXT_BYTES = 512 << 20
+# A typical interactive request (core/headroom.py): a picture, a question of a few dozen
+# tokens and the default output budget.
+TYPICAL_PROMPT_TOKENS = 64
+TYPICAL_MAX_TOKENS = GenerationRequest(Task.QUERY, None).max_tokens
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How weights are held: bytes per parameter of the dense tensors and of the expert
+    stacks, and the scale bytes per expert output row (FP8 experts: one fp32 per row)."""
+
+    name: str
+    dense_bytes: float
+    expert_bytes: float
+    expert_row_scale_bytes: int = 0
+    experts_only: bool = False  # a format of the expert stacks (a mixture-of-experts model)
+    min_capability: tuple[int, int] = (0, 0)  # the compute capability its kernels need
+    activation_dtype: str = "bf16"  # activations, and so the KV pages (today: the same)
+
+
+WEIGHT_FORMATS: dict[str, WeightFormat] = {
+    "bf16": WeightFormat("bf16", 2, 2),
+    "fp16": WeightFormat("fp16", 2, 2, activation_dtype="fp16"),
+    "fp32": WeightFormat("fp32", 4, 4, activation_dtype="fp32"),
+    # Moondream 3's FP8 checkpoint: experts kept in FP8 (one fp32 scale per row) where the
+    # fused expert kernels take them (Hopper and newer), the rest in bf16.
+    "fp8-experts": WeightFormat(
+        "fp8-experts", 2, 1, expert_row_scale_bytes=4, experts_only=True, min_capability=(9, 0)
+    ),
+}
+# Bytes per key or value element. Today the engine keeps keys and values in the
+# activations' dtype (models/interface.py `KVFormat`).
+KV_FORMATS: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def weight_bytes(shape: MemoryShape, fmt: WeightFormat) -> dict[str, int]:
+    """Bytes of each part of ``shape``'s weights held in ``fmt``."""
+    out = {}
+    for part, n in shape.params.items():
+        if part == "experts":
+            out[part] = int(n * fmt.expert_bytes) + shape.expert_rows * fmt.expert_row_scale_bytes
+        else:
+            out[part] = int(n * fmt.dense_bytes)
+    return out
+
+
+def default_kv_budget(free: int, cap: int | None = None, reserved: int = 0) -> int:
+    """The KV bytes when none are configured: `KV_SHARE_OF_FREE` of the ``free`` device
+    memory, or of what the cap leaves above the allocator's ``reserved`` bytes when less."""
+    if cap:
+        free = min(free, cap - reserved)
+    return max(0, int(free * KV_SHARE_OF_FREE))
+
+
+def kv_pages(budget: int, page_bytes: int) -> int:
+    """Pages of a KV budget (at least two: the sink and one to hand out)."""
+    return max(2, budget // page_bytes)
+
+
+def pages_for(positions: int, page_size: int) -> int:
+    return -(-positions // page_size)
+
+
+def picture_request_pages(positions: int, prefix_len: int, page_size: int) -> int:
+    """Free pages a sequence of ``positions`` (its image prefix included) takes when its
+    prefix is not cached: the new prefix's pages, and its own beyond the prefix's full pages
+    (its copy of a partly filled last page included)."""
+    prefix_pages = pages_for(prefix_len, page_size)
+    shared = prefix_len // page_size  # full pages, shared read-only
+    return pages_for(positions, page_size) - shared + prefix_pages
+
+
+def typical_positions(prefix_len: int, row_positions: int) -> int:
+    """Positions of a typical picture request, within a block-table row of ``row_positions``
+    (the headroom's page reserve counts the same request)."""
+    return min(prefix_len + TYPICAL_PROMPT_TOKENS + TYPICAL_MAX_TOKENS, row_positions)
+
+
+def workspaces(shape: MemoryShape, cfg: EngineConfig, act: int, cuda: bool) -> dict[str, int]:
+    """Estimated bytes of the fixed buffers and graph pools beside weights and KV pages.
+
+    Each graph pool holds the live activations of the largest forward captured in it
+    (graphs of one kind share a pool, largest first): a forward over ``t`` tokens keeps the
+    residual stream and a few activations of the widest layer alive at once."""
+    rows = cfg.max_rows + 1
+
+    def forward(t: int) -> int:
+        # The widest layer's MLP: dense (fc1 and its GELU) or routed (each token's top-k
+        # copies, their fc1 of twice the expert width), whichever is larger.
+        mlp = max(2 * shape.ff_dim, shape.top_k * 3 * shape.expert_dim)
+        return t * (4 * shape.dim + shape.qkv_dim + mlp) * act
+
+    crops = 1 + shape.max_crops
+    patches = crops * shape.n_patches
+    fixed = {
+        "step buffers": (4 * rows + 3 * rows * cfg.max_spatial_refs) * shape.dim * act,
+        "mask table": cfg.mask_table_rows * shape.vocab_size,
+        "prefix embeddings": cfg.max_prefill_batch * shape.prefix_len * shape.dim * act,
+    }
+    if not cuda:
+        return fixed
+    prefix_tokens = cfg.max_prefill_batch * shape.prefix_len + cfg.prefix_prompt_tokens
+    graphs = {
+        "graphs: decode": forward(cfg.max_batch_size) + rows * shape.vocab_size * 4,
+        "graphs: mixed step": forward(cfg.max_step_tokens) + rows * shape.vocab_size * 4,
+        "graphs: sampling": 2 * rows * shape.vocab_size * 4,
+        "graphs: image prefix": forward(prefix_tokens),
+        "graphs: image path": patches * (4 * shape.enc_dim + 2 * shape.enc_ff_dim) * act
+        + shape.n_patches * (2 * shape.enc_dim + shape.proj_inner_dim) * act,
+    }
+    return fixed | graphs
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Where a card's memory goes, as the engine would spend it."""
+
+    card_bytes: int  # the device's memory
+    cap_bytes: int | None  # --gpu-memory
+    context_bytes: int  # outside the allocator
+    limit_bytes: int  # what the allocator may hold
+    weights: dict[str, int]
+    weights_format: str
+    kv_format: str
+    kv_budget_bytes: int
+    page_size: int
+    page_bytes: int
+    kv_pages: int  # the pool's pages, the sink included
+    prefix_pages: int  # one picture's prefix
+    request_pages: int  # a typical request on a new picture
+    request_own_pages: int  # a typical request on a picture already cached
+    workspaces: dict[str, int]
+    max_batch_size: int
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(self.weights.values())
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_pages * self.page_bytes
+
+    @property
+    def workspace_bytes(self) -> int:
+        return sum(self.workspaces.values())
+
+    @property
+    def peak_bytes(self) -> int:
+        """What the allocator holds at its peak (torch.cuda.max_memory_reserved)."""
+        return self.weight_bytes + self.kv_bytes + self.workspace_bytes
+
+    @property
+    def left_bytes(self) -> int:
+        return self.limit_bytes - self.peak_bytes
+
+    @property
+    def usable_pages(self) -> int:
+        return self.kv_pages - 1  # page 0 is the sink
+
+    @property
+    def prefixes_held(self) -> int:
+        """Picture prefixes the pages hold with nothing else running."""
+        return self.usable_pages // self.prefix_pages
+
+    @property
+    def requests_held(self) -> int:
+        """Typical requests running at once, each on a picture of its own."""
+        return self.usable_pages // self.request_pages
+
+    @property
+    def requests_held_one_picture(self) -> int:
+        """Typical requests running at once, all on one picture."""
+        return (self.usable_pages - self.prefix_pages) // self.request_own_pages
+
+    @property
+    def fits_memory(self) -> bool:
+        return self.left_bytes >= 0
+
+    @property
+    def fits_batch(self) -> bool:
+        return self.requests_held >= self.max_batch_size
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_memory and self.fits_batch
+
+    @property
+    def kv_needed_bytes(self) -> int:
+        """The KV budget ``max_batch_size`` requests on pictures of their own need."""
+        return (self.max_batch_size * self.request_pages + 1) * self.page_bytes
+
+    @property
+    def needed_bytes(self) -> int:
+        """Device memory (the context included) that holds ``max_batch_size`` requests."""
+        kv = max(self.kv_bytes, self.kv_needed_bytes)
+        return self.context_bytes + self.weight_bytes + kv + self.workspace_bytes
+
+
+def plan_memory(
+    shape: MemoryShape,
+    cfg: EngineConfig,
+    card_bytes: int,
+    weights_format: str = "bf16",
+    kv_format: str | None = None,
+    cuda: bool = True,
+) -> MemoryPlan:
+    """The plan of ``shape`` served with ``cfg`` on a device of ``card_bytes`` (``cuda``:
+    a GPU, with its context and graphs; else the CPU and its default budget)."""
+    fmt = WEIGHT_FORMATS[weights_format]
+    kv_format = kv_format or fmt.activation_dtype
+    kv_itemsize = KV_FORMATS[kv_format]
+    act = KV_FORMATS[fmt.activation_dtype]
+    weights = weight_bytes(shape, fmt)
+    context = CUDA_CONTEXT_BYTES if cuda else 0
+    limit = card_bytes - context
+    if cuda and cfg.gpu_memory_bytes:
+        limit = min(limit, cfg.gpu_memory_bytes)
+    loaded = sum(weights.values())
+    if cfg.kv_budget_bytes:
+        budget = cfg.kv_budget_bytes
+    elif cuda:
+        budget = default_kv_budget(max(0, limit - loaded))
+    else:
+        budget = CPU_KV_BUDGET
+    page_bytes = shape.kv.page_bytes(cfg.page_size, kv_itemsize)
+    row_positions = pages_for(shape.max_context, cfg.page_size) * cfg.page_size
+    positions = typical_positions(shape.prefix_len, row_positions)
+    request = picture_request_pages(positions, shape.prefix_len, cfg.page_size)
+    prefix = pages_for(shape.prefix_len, cfg.page_size)
+    return MemoryPlan(
+        card_bytes=card_bytes,
+        cap_bytes=cfg.gpu_memory_bytes,
+        context_bytes=context,
+        limit_bytes=limit,
+        weights=weights,
+        weights_format=weights_format,
+        kv_format=kv_format,
+        kv_budget_bytes=budget,
+        page_size=cfg.page_size,
+        page_bytes=page_bytes,
+        kv_pages=kv_pages(budget, page_bytes),
+        prefix_pages=prefix,
+        request_pages=request,
+        request_own_pages=request - prefix,
+        workspaces=workspaces(shape, cfg, act, cuda),
+        max_batch_size=cfg.max_batch_size,
+    )

@@ -1,0 +1,97 @@
+"""``vlm plan``: the engine's own memory plan for a model on a card, without a GPU.
+
+    vlm plan --gpu "RTX 3090" --model md3 [--weights fp8-experts] [--max-batch-size 64]
+
+prints where the card's memory would go (weights by part, KV pages and the picture prefixes
+and requests they hold, graph pools and workspaces, what is left), whether ``--max-batch-size``
+concurrent picture requests fit, and, when they do not, the KV budget, formats and cards that
+would hold them. Exit status 0 when they fit, 1 when not, 2 on bad input. The engine sizing
+flags are the server's own (vlm serve --help)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from vlm_server.cards import find_card
+from vlm_server.engine.core.memory_plan import KV_FORMATS, WEIGHT_FORMATS, plan_memory
+from vlm_server.models.checkpoint_io import CheckpointError
+from vlm_server.options.command_line import add_options, config_from
+from vlm_server.options.table import OPTIONS
+from vlm_server.plan_view import alternatives, check_format, model_shape, plan_json, plan_lines
+
+# The server's flags that change the plan.
+PLAN_OPTIONS = (
+    "preset",
+    "max_batch_size",
+    "max_step_tokens",
+    "max_prefill_batch",
+    "prefill_batches",
+    "prefix_prompt_tokens",
+    "kv_budget_bytes",
+    "gpu_memory_bytes",
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vlm plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpu", required=True, help='the card, by name (e.g. "RTX 3090", H100)')
+    parser.add_argument(
+        "--model",
+        default="md2",
+        help="a preset (md2 and md3 name the default ones) or a checkpoint directory, whose "
+        "config.json alone is read [default md2]",
+    )
+    parser.add_argument(
+        "--weights",
+        default="bf16",
+        choices=list(WEIGHT_FORMATS),
+        help="how the weights are held (fp8-experts: Moondream 3's FP8 checkpoint) [default bf16]",
+    )
+    parser.add_argument(
+        "--kv-dtype",
+        default=None,
+        choices=list(KV_FORMATS),
+        help="the KV pages' element type [default: the activations', bf16 for bf16 weights]",
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_options(parser, [o for o in OPTIONS if o.name in PLAN_OPTIONS], environment=False)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    config = config_from(parser, args, {}, [o for o in OPTIONS if o.name in PLAN_OPTIONS])
+    try:
+        card = find_card(args.gpu)
+        model, shape = model_shape(args.model, config.preset)
+        check_format(shape, args.weights, card)
+        act = WEIGHT_FORMATS[args.weights].activation_dtype
+        if args.kv_dtype not in (None, act):
+            raise ValueError(
+                f"kv_dtype: the engine keeps keys and values in the activations' dtype "
+                f"({act} with {args.weights} weights), not {args.kv_dtype}"
+            )
+        cfg = config.engine_config
+        plan = plan_memory(shape, cfg, card.memory_bytes, args.weights, args.kv_dtype)
+    except (ValueError, CheckpointError, OSError) as err:
+        print(f"vlm plan: error: {err}", file=sys.stderr)
+        return 2
+    alt = None if plan.fits else alternatives(shape, cfg, card, plan, args.kv_dtype)
+    if args.json:
+        print(json.dumps(plan_json(plan, model, card.name, alt), indent=2))
+        return 0 if plan.fits else 1
+    print("\n".join(plan_lines(plan, model, card.name)))
+    if alt is not None:
+        n = cfg.max_batch_size
+        if alt.kv_budget_bytes is not None:
+            print(f"  would fit with --kv-budget-bytes {alt.kv_budget_bytes}")
+        if alt.formats:
+            print(f"  {n} requests fit in weights {', '.join(alt.formats)}")
+        if alt.cards:
+            print(f"  {n} requests fit ({args.weights}) on: {', '.join(alt.cards)}")
+        if alt.kv_budget_bytes is None and not alt.formats and not alt.cards:
+            print(f"  no format or card of the table holds {n} requests; lower --max-batch-size")
+    return 0 if plan.fits else 1

@@ -1,0 +1,173 @@
+"""The engine's memory plan for a model on a card (engine/core/memory_plan.py), as `vlm plan`
+prints it and the server logs it at start: the model resolved from a preset or a checkpoint
+directory (its config only), the plan, the verdict, and what would fit instead."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vlm_server.cards import CARDS, Card
+from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.core.memory_plan import WEIGHT_FORMATS, MemoryPlan, plan_memory
+from vlm_server.models.interface import MemoryShape
+from vlm_server.models.registry import checkpoint_config, memory_shape, preset, preset_names
+
+# Short names of the default presets.
+ALIASES = {"md2": "moondream2", "md3": "moondream3"}
+GIB = 1 << 30
+
+
+def model_shape(model: str, preset_name: str | None = None) -> tuple[str, MemoryShape]:
+    """A preset (or its alias) or a checkpoint directory -> (its name, its `MemoryShape`);
+    a directory's config.json is read, never its weights. ValueError naming ``model``."""
+    name = ALIASES.get(model, model)
+    if name in preset_names():
+        return name, memory_shape(preset(name))
+    path = Path(model)
+    if not path.is_dir():
+        raise ValueError(
+            f"model: {model!r} is neither a preset ({', '.join([*ALIASES, *preset_names()])}) "
+            "nor a checkpoint directory"
+        )
+    config = checkpoint_config(path, preset_name)
+    return config.name, memory_shape(config)
+
+
+def formats_for(shape: MemoryShape, card: Card | None) -> list[str]:
+    """The weight formats ``shape``'s model can be served in (on ``card``, when named)."""
+    out = []
+    for name, fmt in WEIGHT_FORMATS.items():
+        if fmt.experts_only and "experts" not in shape.params:
+            continue
+        if card is not None and card.capability < fmt.min_capability:
+            continue
+        out.append(name)
+    return out
+
+
+def check_format(shape: MemoryShape, weights: str, card: Card | None) -> None:
+    """ValueError naming ``weights`` when the model or the card cannot take that format."""
+    fmt = WEIGHT_FORMATS.get(weights)
+    if fmt is None:
+        raise ValueError(f"weights: {weights!r} is not one of {', '.join(WEIGHT_FORMATS)}")
+    if fmt.experts_only and "experts" not in shape.params:
+        raise ValueError(f"weights: {weights} needs a mixture-of-experts model (Moondream 3)")
+    if card is not None and card.capability < fmt.min_capability:
+        need = ".".join(map(str, fmt.min_capability))
+        have = ".".join(map(str, card.capability))
+        raise ValueError(
+            f"weights: {weights} needs compute capability {need}; the {card.name} has {have}"
+        )
+
+
+@dataclass(frozen=True)
+class Alternatives:
+    """What would hold ``max_batch_size`` requests when the plan does not."""
+
+    kv_budget_bytes: int | None  # a --kv-budget that fits this card, if any
+    formats: list[str]  # other weight formats that fit this card
+    cards: list[str]  # cards of the table that fit in this format
+
+
+def fitting_plan(
+    shape: MemoryShape, cfg: EngineConfig, card_bytes: int, weights: str, kv: str | None
+) -> MemoryPlan:
+    """The plan with the KV budget ``cfg.max_batch_size`` requests need."""
+    plan = plan_memory(shape, cfg, card_bytes, weights, kv)
+    sized = dataclasses.replace(cfg, kv_budget_bytes=plan.kv_needed_bytes)
+    return plan_memory(shape, sized, card_bytes, weights, kv)
+
+
+def alternatives(
+    shape: MemoryShape, cfg: EngineConfig, card: Card, plan: MemoryPlan, kv: str | None
+) -> Alternatives:
+    sized = fitting_plan(shape, cfg, card.memory_bytes, plan.weights_format, kv)
+    budget = sized.kv_budget_bytes if sized.fits else None
+    formats = [
+        f
+        for f in formats_for(shape, card)
+        if f != plan.weights_format and fitting_plan(shape, cfg, card.memory_bytes, f, kv).fits
+    ]
+    cards = [
+        c.name
+        for c in CARDS.values()
+        if c.name != card.name
+        and c.capability >= WEIGHT_FORMATS[plan.weights_format].min_capability
+        and fitting_plan(shape, cfg, c.memory_bytes, plan.weights_format, kv).fits
+    ]
+    return Alternatives(budget, formats, cards)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def verdict(plan: MemoryPlan) -> str:
+    n = plan.max_batch_size
+    if plan.fits:
+        return f"fits: {n} concurrent picture requests ({plan.requests_held} at most)"
+    if not plan.fits_memory:
+        return (
+            f"does not fit: needs {plan.needed_bytes} bytes ({_gib(plan.needed_bytes)}) for "
+            f"{n} picture requests; the allocator may hold {_gib(plan.limit_bytes)}"
+        )
+    return (
+        f"does not fit: {n} concurrent picture requests need {plan.kv_needed_bytes} bytes of "
+        f"KV pages ({_gib(plan.kv_needed_bytes)}); the budget holds {plan.requests_held}"
+    )
+
+
+def plan_lines(plan: MemoryPlan, model: str, device: str) -> list[str]:
+    """The plan as a table of lines."""
+    cap = f", capped at {_gib(plan.cap_bytes)}" if plan.cap_bytes else ""
+    rows = [(f"device: {device}", plan.card_bytes, f"memory{cap}")]
+    if plan.context_bytes:
+        rows.append(("CUDA context", plan.context_bytes, "outside the allocator (estimate)"))
+    for part, n in plan.weights.items():
+        rows.append((f"weights: {part}", n, plan.weights_format))
+    rows.append(
+        (
+            "KV pages",
+            plan.kv_bytes,
+            f"{plan.kv_pages} pages of {plan.page_size} positions ({plan.kv_format}, "
+            f"{plan.page_bytes} bytes each); {plan.prefixes_held} picture prefixes, "
+            f"{plan.requests_held} requests on pictures of their own, "
+            f"{plan.requests_held_one_picture} on one picture",
+        )
+    )
+    for name, n in plan.workspaces.items():
+        rows.append((name, n, "estimate"))
+    rows.append(("peak", plan.peak_bytes, "the allocator's, the context apart"))
+    rows.append(("left", plan.left_bytes, ""))
+    width = max(len(r[0]) for r in rows)
+    lines = [f"memory plan of {model}"]
+    lines += [f"  {label:<{width}}  {n / GIB:8.2f} GiB  {note}".rstrip() for label, n, note in rows]
+    lines.append(verdict(plan))
+    return lines
+
+
+def plan_json(
+    plan: MemoryPlan, model: str, device: str, alt: Alternatives | None
+) -> dict[str, Any]:
+    out: dict[str, Any] = {"model": model, "device": device}
+    out |= {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name != "notes"}
+    for name in (
+        "weight_bytes",
+        "kv_bytes",
+        "workspace_bytes",
+        "peak_bytes",
+        "left_bytes",
+        "prefixes_held",
+        "requests_held",
+        "requests_held_one_picture",
+        "kv_needed_bytes",
+        "needed_bytes",
+        "fits",
+    ):
+        out[name] = getattr(plan, name)
+    if alt is not None:
+        out["alternatives"] = dataclasses.asdict(alt)
+    return out
