@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import base64
 import os
-from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import Executor
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vlm_server.bulk.lines import BatchRequest, LineError
-from vlm_server.bulk.read_ahead import read_ahead
+from vlm_server.bulk.read_ahead import LineSource
 from vlm_server.bulk.runner import Item
 
 # Picture files by extension (any case), with the media type their data URL names.
@@ -62,7 +61,7 @@ def picture_lines(pictures: Sequence[str], objects: Sequence[str] = ()) -> list[
     return [PictureLine(f"{p}#{o}", p, o) for p in pictures for o in objects]
 
 
-class FolderSource:
+class FolderSource(LineSource[PictureLine]):
     """The lines of a folder batch: ``url`` the route, ``fields`` the body's members besides
     the picture and the object (a caption's length, a query's question, settings)."""
 
@@ -79,15 +78,6 @@ class FolderSource:
         self.url = url
         self.fields = fields
         self.max_image_bytes = max_image_bytes
-
-    @property
-    def ids(self) -> list[str]:
-        return [line.custom_id for line in self.lines]
-
-    def items(self, done: set[str], executor: Executor, ahead: int) -> AsyncIterator[Item]:
-        """The lines not in ``done``, each read and made on ``executor``."""
-        todo = [line for line in self.lines if line.custom_id not in done]
-        return read_ahead(todo, self.make, ahead, executor)
 
     def make(self, line: PictureLine) -> Item:
         """The request of one line, or why its picture cannot be sent (runs on a thread)."""

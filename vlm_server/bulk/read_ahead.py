@@ -7,10 +7,20 @@ import asyncio
 import collections
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Executor
-from typing import TypeVar
+from typing import Generic, Protocol, TypeVar
+
+from vlm_server.bulk.runner import Item
 
 Job = TypeVar("Job")
 Made = TypeVar("Made")
+
+
+class Line(Protocol):
+    @property
+    def custom_id(self) -> str: ...
+
+
+L = TypeVar("L", bound=Line)
 
 
 async def read_ahead(
@@ -41,3 +51,23 @@ async def read_ahead(
     finally:  # closed early (a stop): what has not started never does
         for future in pending:
             future.cancel()
+
+
+class LineSource(Generic[L]):
+    """A batch's lines, each made into its request (or why it cannot run) on a thread ahead
+    of the engine; a subclass holds ``lines`` and says how one is made."""
+
+    lines: list[L]
+
+    @property
+    def ids(self) -> list[str]:
+        return [line.custom_id for line in self.lines]
+
+    def items(self, done: set[str], executor: Executor, ahead: int) -> AsyncIterator[Item]:
+        """The lines not in ``done``, each made on ``executor``."""
+        todo = [line for line in self.lines if line.custom_id not in done]
+        return read_ahead(todo, self.make, ahead, executor)
+
+    def make(self, line: L) -> Item:
+        """The request of one line, or why it cannot run (runs on a thread)."""
+        raise NotImplementedError

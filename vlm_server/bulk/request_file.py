@@ -10,14 +10,12 @@ thread, and a line an earlier run wrote is skipped without being read again.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
-from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 
 from vlm_server.bulk import lines
 from vlm_server.bulk.lines import LineError, parse_line
-from vlm_server.bulk.read_ahead import read_ahead
+from vlm_server.bulk.read_ahead import LineSource
 from vlm_server.bulk.runner import Item
 
 
@@ -67,22 +65,13 @@ def _why(raw: bytes) -> str:
     return "custom_id: required, a non-empty string"  # parse_line names it in every case
 
 
-class RequestSource:
+class RequestSource(LineSource[RequestLine]):
     """The lines of a scanned requests file."""
 
     def __init__(self, path: Path, found: list[RequestLine]) -> None:
         self.path = path
         self.lines = found
         self._fd = os.open(path, os.O_RDONLY)
-
-    @property
-    def ids(self) -> list[str]:
-        return [line.custom_id for line in self.lines]
-
-    def items(self, done: set[str], executor: Executor, ahead: int) -> AsyncIterator[Item]:
-        """The lines not in ``done``, each read and parsed on ``executor``."""
-        todo = [line for line in self.lines if line.custom_id not in done]
-        return read_ahead(todo, self.make, ahead, executor)
 
     def make(self, line: RequestLine) -> Item:
         """The checked request of one line, or why it cannot run (runs on a thread)."""
