@@ -93,14 +93,14 @@ CHIPS: tuple[ChipSpec, ...] = (
     ChipSpec("L4", (8, 9), 58, 24, 300),
     ChipSpec("L40S", (8, 9), 142, 48, 864),
     ChipSpec("RTX 4090", (8, 9), 128, 24, 1008),
-    ChipSpec("H100 SXM", (9, 0), 132, 80, 3350),
+    ChipSpec("H100", (9, 0), 132, 80, 3350),
     ChipSpec("H100 PCIe", (9, 0), 114, 80, 2000),
     ChipSpec("H200", (9, 0), 132, 141, 4800),
     ChipSpec("B200", (10, 0), 148, 180, 8000),
     ChipSpec("Jetson AGX Thor", (11, 0), 20, 128, 273),
     ChipSpec("RTX 5090", (12, 0), 170, 32, 1792),
     ChipSpec("RTX PRO 6000 Blackwell", (12, 0), 188, 96, 1792),
-    ChipSpec("GB10 (DGX Spark)", (12, 1), 48, 128, 273),
+    ChipSpec("GB10", (12, 1), 48, 128, 273),
 )
 
 # The compute capabilities the kernels are proven to fit (tests/test_kernels_fit_chips.py).
