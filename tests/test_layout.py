@@ -23,6 +23,7 @@ LAYERS = {
     "image_pipeline": 0,
     "decoding": 0,
     "vlm_server.devices": 0,  # which torch devices this machine has
+    "vlm_server.chips": 0,  # what each GPU can do: the chip table and its limits (no torch)
     "vlm_server.chip_features": 0,  # what the GPU can do, checked at start
     "vlm_server.cards": 0,  # cards by name, for planning without one
     "vlm_server.gc_pauses": 0,  # this process's garbage-collection pauses
@@ -165,6 +166,7 @@ def test_dependencies_point_down(graph: dict[str, set[str]]) -> None:
 # architecture's layout table gives; any other (one door importing the other, one family
 # importing another) fails.
 SAME_LAYER_IMPORTS = {
+    ("vlm_server.chip_features", "vlm_server.chips"),  # the device's report, the table's rest
     ("vlm_server.cli", "vlm_server.cluster"),  # `vlm cluster` and `vlm gateway`
     ("vlm_server.cli", "vlm_server.batch_command"),  # `vlm batch`
     ("vlm_server.cli", "vlm_server.plan_command"),  # `vlm plan`

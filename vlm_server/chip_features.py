@@ -14,11 +14,14 @@ first request, a decode path that silently does nothing):
   ``nvimgcodec`` asked for by name is refused where it cannot work (image_pipeline.gpu_jpeg
   probes it; the server says so at start in one line naming the flags).
 
-`Chip` is read from torch (`current_chip`); tests give one of their own.
+`Chip` is read from torch (`current_chip`); tests give one of their own. What a chip can do
+(shared memory, registers, FP8 units, the published table) is `vlm_server.chips`'s; the
+device's own report of it is `device_spec`.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +29,8 @@ from typing import Protocol
 
 import torch
 
-FP8_CAPABILITY = (8, 9)
+from vlm_server.chips import FP8_CAPABILITY, ChipSpec, from_device
+
 GREEN_CONTEXT_CAPABILITY = (6, 0)
 GREEN_CONTEXT_DRIVER = 12040  # CUDA 12.4, as cudaDriverGetVersion writes it
 
@@ -46,6 +50,20 @@ class Chip:
     @property
     def sm(self) -> str:
         return f"sm_{self.capability[0]}{self.capability[1]}"
+
+
+@functools.cache
+def device_spec(index: int) -> ChipSpec:
+    """CUDA device ``index`` as it reports itself (name, capability, SMs, memory, shared memory
+    a block may opt in to), the chip table filling the rest (`vlm_server.chips`)."""
+    props = torch.cuda.get_device_properties(index)
+    return from_device(
+        props.name,
+        (props.major, props.minor),
+        props.multi_processor_count,
+        props.total_memory,
+        props.shared_memory_per_block_optin,
+    )
 
 
 def _green_contexts_in_torch() -> bool:

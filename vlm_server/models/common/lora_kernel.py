@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vlm_server.chips import ChipSpec, Launch
+
 try:
     import triton
     import triton.language as tl
@@ -424,6 +426,31 @@ def shrink_shape(t: int, k: int, r: int, itemsize: int) -> tuple[int, int, int, 
     return block_t, block_r, block_k, iters, triton.cdiv(n_k, iters)  # no split without K
 
 
+def _reduce_stages(block_t: int, block_r: int, block_k: int, itemsize: int) -> int:
+    # Each split's K blocks all in flight (two stages waited on each in turn: fc2's shrink
+    # at 32 rows took 5.9 -> 4.5 us on an H100 with four).
+    stage = (block_t + block_r) * block_k * itemsize
+    return max(STAGES, min(REDUCE_STAGES, STAGE_BYTES // stage))
+
+
+def launch_configs(chip: ChipSpec, max_rank: int = 32, targets: int = 3) -> list[Launch]:
+    """Every launch `shrink` may pick in 16-bit activations for adapters up to ``max_rank``
+    (one target's rank, or ``targets`` stacked), any token count: its tiles keep within
+    `STAGE_BYTES` whatever the chip, which every chip of `vlm_server.chips` has."""
+    assert chip.limits.shared_per_block >= STAGE_BYTES, f"{chip.name}: shrink tiles too big"
+    out: list[Launch] = []
+    for r in sorted({max_rank, targets * max_rank}):
+        for t in (16, 32, 64, 128):
+            block_t, block_r, block_k, _, _ = shrink_shape(t, 1 << 14, r, 2)
+            for reduce in (False, True) if t <= block_t else (False,):
+                stages = _reduce_stages(block_t, block_r, block_k, 2) if reduce else STAGES
+                tiles = {"R": r, "BLOCK_T": block_t, "BLOCK_R": block_r, "BLOCK_K": block_k}
+                launch = Launch("_group_shrink_kernel", {**tiles, "REDUCE": reduce}, 4, stages)
+                if launch not in out:
+                    out.append(launch)
+    return out
+
+
 def shrink(
     x: torch.Tensor, a: torch.Tensor, index: torch.Tensor, count: torch.Tensor | None = None
 ) -> Partials:
@@ -442,10 +469,7 @@ def shrink(
     if count is not None:
         assert t <= block_t and count.numel() >= a.shape[0] and count.dtype == torch.int32
         out = torch.empty(t, 1, block_r, dtype=torch.float32, device=x.device)
-        # Each split's K blocks all in flight (two stages waited on each in turn: fc2's
-        # shrink at 32 rows took 5.9 -> 4.5 us on an H100 with four).
-        stage = (block_t + block_r) * block_k * x.element_size()
-        stages = max(STAGES, min(REDUCE_STAGES, STAGE_BYTES // stage))
+        stages = _reduce_stages(block_t, block_r, block_k, x.element_size())
     if t:
         grid = (a.shape[0], triton.cdiv(t, block_t), splits)
         _group_shrink_kernel[grid](

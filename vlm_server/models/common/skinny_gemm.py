@@ -15,11 +15,12 @@ deterministic. fp32 inputs multiply in IEEE fp32 (no TF32), so fp32 parity check
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
+from vlm_server.chip_features import device_spec
+from vlm_server.chips import ChipSpec, Launch
 from vlm_server.models.common import launch_overlap
 
 try:
@@ -82,20 +83,43 @@ def default_config(rows: int, n: int, k: int, itemsize: int = 2) -> SkinnyConfig
     return SkinnyConfig(block_n=128, block_k=128 // shrink, warps=4, stages=4)
 
 
-@functools.cache
-def _shared_memory(device: int) -> int:
-    """Shared memory one block may use on ``device`` (bytes)."""
-    props = torch.cuda.get_device_properties(device)
-    return int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
+def stages_for(cfg: SkinnyConfig, block_m: int, itemsize: int, shared_per_block: int) -> int:
+    """The config's pipeline depth, less where a stage's tiles would not fit
+    ``shared_per_block`` bytes (consumer and Ada chips have under half of Hopper's)."""
+    per_stage = (cfg.block_n + block_m) * cfg.block_k * itemsize
+    return max(1, min(cfg.stages, shared_per_block // per_stage - 1))
 
 
 def _stages(cfg: SkinnyConfig, block_m: int, itemsize: int, device: torch.device) -> int:
-    """The config's pipeline depth, less where a stage's tiles would not fit the chip's shared
-    memory (consumer and Ada chips have under half of Hopper's)."""
     if device.type != "cuda":
         return cfg.stages
-    per_stage = (cfg.block_n + block_m) * cfg.block_k * itemsize
-    return max(1, min(cfg.stages, _shared_memory(device.index or 0) // per_stage - 1))
+    shared = device_spec(device.index or 0).limits.shared_per_block
+    return stages_for(cfg, block_m, itemsize, shared)
+
+
+def launch_configs(chip: ChipSpec) -> list[Launch]:
+    """Every launch `skinny_linear` (and the shrink beside it) may pick on ``chip`` in 16-bit
+    activations: `default_config`'s shapes at 1 to `MAX_ROWS` rows (the CUDA cores' at its
+    widest K step, every narrower one a smaller tile), with and without split sums and the
+    shrink's extra columns; and the split sums' kernel."""
+    shapes = {(FMA_MAX_ROWS, default_config(FMA_MAX_ROWS, n, 1 << 14)) for n in (4096, 4097)}
+    for rows in range(FMA_MAX_ROWS + 1, MAX_ROWS + 1):
+        block_m = max(16, 1 << (rows - 1).bit_length())
+        for n in (4096, 4097):
+            shapes.add((block_m, default_config(rows, n, 1 << 14)))
+    out: list[Launch] = []
+    for block_m, cfg in sorted(shapes, key=str):
+        stages = stages_for(cfg, block_m, 2, chip.limits.shared_per_block)
+        for split in (True, False) if cfg.split_k == 1 else (True,):  # sums_out: split sums
+            for extra in (False, True):
+                tiles = {"BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k}
+                flags = {"SPLIT": split, "EXTRA": extra, "FMA": cfg.fma}
+                launch = Launch("_skinny_kernel", {**tiles, **flags}, cfg.warps, stages)
+                if launch not in out:
+                    out.append(launch)
+    splits = max(c.split_k for _, c in shapes)
+    out.append(Launch("_split_sum_kernel", {"SPLITS": splits, "BLOCK_M": 16, "BLOCK_N": 128}))
+    return out
 
 
 if triton is not None:

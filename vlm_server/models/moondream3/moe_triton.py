@@ -29,12 +29,13 @@ the kernels compile without that load (``HAS_DELTA`` is a compile-time switch).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
+from vlm_server.chip_features import device_spec
+from vlm_server.chips import ChipSpec, Launch
 from vlm_server.models.moondream3 import act_quant, moe_routing
 from vlm_server.models.moondream3.moe_routing import Routing
 
@@ -119,23 +120,12 @@ def _grid(row_blocks: int, col_blocks: int, splits: int) -> tuple[tuple[int, int
     return (row_blocks, col_blocks, splits), False
 
 
-# Shared memory per block by compute capability, where neither Triton nor PyTorch says.
-_SMEM_BY_ARCH = {(8, 0): 163 << 10, (8, 7): 163 << 10, (9, 0): 227 << 10, (10, 0): 227 << 10}
-_SMEM_SMALL = 99 << 10  # sm_86, sm_89, sm_120 and the rest
 SMEM_MARGIN = 0.9  # of it the pipelined tiles may take (the epilogue's layout changes use some)
 
 
-@functools.cache
 def smem_limit(index: int) -> int:
     """Bytes of shared memory one program may use on CUDA device ``index``."""
-    try:
-        return int(
-            triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
-        )
-    except Exception:  # another Triton's driver API: PyTorch's figure, else the chip's
-        props = torch.cuda.get_device_properties(index)
-        optin = getattr(props, "shared_memory_per_block_optin", 0)
-        return int(optin) or _SMEM_BY_ARCH.get((props.major, props.minor), _SMEM_SMALL)
+    return device_spec(index).limits.shared_per_block
 
 
 def fitted(t: Tile, bm: int, act_bytes: int, w_bytes: int, halves: int, limit: int) -> Tile:
@@ -147,6 +137,35 @@ def fitted(t: Tile, bm: int, act_bytes: int, w_bytes: int, halves: int, limit: i
     while stages > 1 and stages * per_stage > SMEM_MARGIN * limit:
         stages -= 1
     return t if stages == t.stages else replace(t, stages=stages)
+
+
+# FP8 expert weights (fp8_experts.py): Hopper and newer.
+FP8_WEIGHTS_CAPABILITY = (9, 0)
+
+
+def launch_configs(chip: ChipSpec) -> list[Launch]:
+    """Every launch of the grouped kernels `experts_fused` may pick on ``chip``: each tile of
+    `TILES` (16-bit or, from Hopper on, FP8 weights; with and without an adapter's deltas)
+    and of `FP8_ACT_TILES`, fitted to the chip's shared memory as the launcher fits them."""
+    fp8 = chip.capability >= FP8_WEIGHTS_CAPABILITY
+    cases = [(tiles, 2, w, delta) for _, tiles in TILES for w in (2, 1)[: 1 + fp8]
+             for delta in (False, True)]  # fmt: skip
+    cases += [(tiles, 1, 1, False) for _, tiles in FP8_ACT_TILES] if fp8 else []
+    out: list[Launch] = []
+    for tiles, act, w, delta in cases:
+        for name, tile, halves, arg in (
+            ("_up_kernel", tiles.up, 2, "x_ptr"),
+            ("_down_kernel", tiles.down, 1, "h_ptr"),
+        ):
+            t = fitted(tile, tiles.bm, act, w, halves, chip.limits.shared_per_block)
+            types = {"w_ptr": "*fp8e4nv"} if w == 1 else {}
+            types |= {arg: "*fp8e4nv"} if act == 1 else {}
+            consts = {"BM": tiles.bm, "BN": t.bn, "BK": t.bk, "SPLIT": t.split}
+            consts |= {"HAS_SCALE": w == 1, "HAS_DELTA": delta, "ACT_FP8": act == 1}
+            launch = Launch(name, consts, t.warps, t.stages, types)
+            if launch not in out:
+                out.append(launch)
+    return out
 
 
 def pick_tiles(
