@@ -25,7 +25,6 @@ LAYERS = {
     "vlm_server.devices": 0,  # which torch devices this machine has
     "vlm_server.chips": 0,  # what each GPU can do: the chip table and its limits (no torch)
     "vlm_server.chip_features": 0,  # what the GPU can do, checked at start
-    "vlm_server.cards": 0,  # cards by name, for planning without one
     "vlm_server.gc_pauses": 0,  # this process's garbage-collection pauses
     "vlm_server.api": 0,  # generated gRPC code
     "vlm_server.client": 1,  # talks to a server through vlm_server.api only

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from vlm_server.cards import CARDS, find_card
+from vlm_server.chips import CHIPS, by_name
 from vlm_server.cli import main
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.memory_plan import (
@@ -104,10 +104,10 @@ def test_the_engine_sizes_its_pool_and_reserve_as_the_plan_does(tiny: LoadedMode
 
 
 def test_cards_are_found_by_loose_names() -> None:
-    assert find_card("nvidia geforce rtx-3090") is CARDS["RTX 3090"]
-    assert find_card("h100").memory_bytes > 79 * GIB
+    assert by_name("nvidia geforce rtx-3090") is next(c for c in CHIPS if c.name == "RTX 3090")
+    assert by_name("h100").memory_bytes > 79 * GIB
     with pytest.raises(ValueError, match="gpu: unknown card"):
-        find_card("RTX 9999")
+        by_name("RTX 9999")
 
 
 def test_vlm_plan_prints_the_plan_and_its_verdict(capsys: pytest.CaptureFixture[str]) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 KIB = 1 << 10
+GIB = 1 << 30
 FP8_CAPABILITY = (8, 9)  # FP8 matrix units: Ada, Hopper, Blackwell
 
 
@@ -70,6 +71,9 @@ class ChipSpec:
     memory_gb: float  # GB as the data sheet counts them (10^9 bytes)
     bandwidth_gbs: float  # GB/s; 0: unknown (the device does not report it)
     limits: Limits = field(default=None)  # type: ignore[assignment]  # filled from LIMITS
+    # GiB the driver reports (what the engine can plan with: a "24 GB" card reports about
+    # 23.6); 0: the data sheet's figure.
+    reported_gib: float = 0.0
 
     def __post_init__(self) -> None:
         if self.limits is None:
@@ -83,22 +87,30 @@ class ChipSpec:
     def fp8(self) -> bool:
         return self.capability >= FP8_CAPABILITY
 
+    @property
+    def memory_bytes(self) -> int:
+        """The device memory to plan with (`reported_gib`, else the data sheet's)."""
+        if self.reported_gib:
+            return int(self.reported_gib * GIB)
+        return int(self.memory_gb * 1e9)
+
 
 CHIPS: tuple[ChipSpec, ...] = (
-    ChipSpec("A10", (8, 6), 72, 24, 600),
-    ChipSpec("RTX 3090", (8, 6), 82, 24, 936),
-    ChipSpec("A100 40GB", (8, 0), 108, 40, 1555),
-    ChipSpec("A100 80GB", (8, 0), 108, 80, 2039),
+    ChipSpec("RTX 3060", (8, 6), 28, 12, 360, reported_gib=11.76),
+    ChipSpec("A10", (8, 6), 72, 24, 600, reported_gib=22.07),
+    ChipSpec("RTX 3090", (8, 6), 82, 24, 936, reported_gib=23.57),
+    ChipSpec("A100 40GB", (8, 0), 108, 40, 1555, reported_gib=39.39),
+    ChipSpec("A100 80GB", (8, 0), 108, 80, 2039, reported_gib=79.15),
     ChipSpec("Jetson AGX Orin 64GB", (8, 7), 16, 64, 204.8),
-    ChipSpec("L4", (8, 9), 58, 24, 300),
-    ChipSpec("L40S", (8, 9), 142, 48, 864),
-    ChipSpec("RTX 4090", (8, 9), 128, 24, 1008),
-    ChipSpec("H100", (9, 0), 132, 80, 3350),
+    ChipSpec("L4", (8, 9), 58, 24, 300, reported_gib=22.03),
+    ChipSpec("L40S", (8, 9), 142, 48, 864, reported_gib=44.39),
+    ChipSpec("RTX 4090", (8, 9), 128, 24, 1008, reported_gib=23.52),
+    ChipSpec("H100", (9, 0), 132, 80, 3350, reported_gib=79.11),
     ChipSpec("H100 PCIe", (9, 0), 114, 80, 2000),
-    ChipSpec("H200", (9, 0), 132, 141, 4800),
+    ChipSpec("H200", (9, 0), 132, 141, 4800, reported_gib=139.8),
     ChipSpec("B200", (10, 0), 148, 180, 8000),
     ChipSpec("Jetson AGX Thor", (11, 0), 20, 128, 273),
-    ChipSpec("RTX 5090", (12, 0), 170, 32, 1792),
+    ChipSpec("RTX 5090", (12, 0), 170, 32, 1792, reported_gib=31.36),
     ChipSpec("RTX PRO 6000 Blackwell", (12, 0), 188, 96, 1792),
     ChipSpec("GB10", (12, 1), 48, 128, 273),
 )
@@ -141,6 +153,22 @@ def from_device(
         table.bandwidth_gbs if table is not None else 0,
         limits,
     )
+
+
+def _key(name: str) -> str:
+    return "".join(ch for ch in name.lower() if ch.isalnum())
+
+
+def by_name(name: str) -> ChipSpec:
+    """The chip a person names (case, spaces and dashes ignored, and a vendor prefix such as
+    "NVIDIA GeForce"); ValueError naming the ones known."""
+    key = _key(name)
+    for prefix in ("nvidiageforce", "nvidia", "geforce"):
+        key = key.removeprefix(prefix)
+    for chip in CHIPS:
+        if _key(chip.name) == key:
+            return chip
+    raise ValueError(f"gpu: unknown card {name!r}; known: {', '.join(c.name for c in CHIPS)}")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from vlm_server.cards import find_card
+from vlm_server.chips import by_name
 from vlm_server.engine.core.memory_plan import KV_FORMATS, WEIGHT_FORMATS, plan_memory
 from vlm_server.models.checkpoint_io import CheckpointError
 from vlm_server.options.command_line import add_options, config_from
@@ -65,7 +65,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     config = config_from(parser, args, {}, [o for o in OPTIONS if o.name in PLAN_OPTIONS])
     try:
-        card = find_card(args.gpu)
+        card = by_name(args.gpu)
         model, shape = model_shape(args.model, config.preset)
         check_format(shape, args.weights, card)
         act = WEIGHT_FORMATS[args.weights].activation_dtype

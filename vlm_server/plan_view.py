@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlm_server.cards import CARDS, Card
+from vlm_server.chips import CHIPS, ChipSpec
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.memory_plan import WEIGHT_FORMATS, MemoryPlan, plan_memory
 from vlm_server.models.interface import MemoryShape
@@ -36,7 +36,7 @@ def model_shape(model: str, preset_name: str | None = None) -> tuple[str, Memory
     return config.name, memory_shape(config)
 
 
-def formats_for(shape: MemoryShape, card: Card | None) -> list[str]:
+def formats_for(shape: MemoryShape, card: ChipSpec | None) -> list[str]:
     """The weight formats ``shape``'s model can be served in (on ``card``, when named)."""
     out = []
     for name, fmt in WEIGHT_FORMATS.items():
@@ -48,7 +48,7 @@ def formats_for(shape: MemoryShape, card: Card | None) -> list[str]:
     return out
 
 
-def check_format(shape: MemoryShape, weights: str, card: Card | None) -> None:
+def check_format(shape: MemoryShape, weights: str, card: ChipSpec | None) -> None:
     """ValueError naming ``weights`` when the model or the card cannot take that format."""
     fmt = WEIGHT_FORMATS.get(weights)
     if fmt is None:
@@ -82,7 +82,7 @@ def fitting_plan(
 
 
 def alternatives(
-    shape: MemoryShape, cfg: EngineConfig, card: Card, plan: MemoryPlan, kv: str | None
+    shape: MemoryShape, cfg: EngineConfig, card: ChipSpec, plan: MemoryPlan, kv: str | None
 ) -> Alternatives:
     sized = fitting_plan(shape, cfg, card.memory_bytes, plan.weights_format, kv)
     budget = sized.kv_budget_bytes if sized.fits else None
@@ -93,7 +93,7 @@ def alternatives(
     ]
     cards = [
         c.name
-        for c in CARDS.values()
+        for c in CHIPS
         if c.name != card.name
         and c.capability >= WEIGHT_FORMATS[plan.weights_format].min_capability
         and fitting_plan(shape, cfg, c.memory_bytes, plan.weights_format, kv).fits
