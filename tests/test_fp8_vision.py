@@ -18,7 +18,7 @@ from tests.test_engine import (  # noqa: F401  (fixtures)
     images,
 )
 from tests.test_engine_gpu import _moondream2_fp32_equals_reference
-from vlm_server.devices import fp8_supported
+from vlm_server.chip_features import fp8_supported
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.common import fp8_vision

@@ -17,19 +17,29 @@ first request, a decode path that silently does nothing):
 `Chip` is read from torch (`current_chip`); tests give one of their own. What a chip can do
 (shared memory, registers, FP8 units, the published table) is `vlm_server.chips`'s; the
 device's own report of it is `device_spec`.
+
+A chip profile (``--chip-profile NAME``, or ``VLM_CHIP_PROFILE`` in the environment, which the
+server sets for its engine process) makes a GPU answer as another chip would: its compute
+capability, SM count and limits in `device_spec`, `current_chip`, `capability` and
+`fp8_supported`, so every launch choice and feature gate reads the profile's; its memory is
+the engine's cap (options/table.py). The kernels then run the smaller chip's paths on this
+one; their speed is not that chip's.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from vlm_server.chips import FP8_CAPABILITY, ChipSpec, from_device
+from vlm_server.chips import FP8_CAPABILITY, ChipSpec, from_device, profile
+
+PROFILE_ENV = "VLM_CHIP_PROFILE"
 
 GREEN_CONTEXT_CAPABILITY = (6, 0)
 GREEN_CONTEXT_DRIVER = 12040  # CUDA 12.4, as cudaDriverGetVersion writes it
@@ -52,10 +62,36 @@ class Chip:
         return f"sm_{self.capability[0]}{self.capability[1]}"
 
 
-@functools.cache
+def chip_profile() -> ChipSpec | None:
+    """The chip the process runs as (`PROFILE_ENV`), or None: the device's own."""
+    name = os.environ.get(PROFILE_ENV)
+    return profile(name) if name else None
+
+
 def device_spec(index: int) -> ChipSpec:
     """CUDA device ``index`` as it reports itself (name, capability, SMs, memory, shared memory
-    a block may opt in to), the chip table filling the rest (`vlm_server.chips`)."""
+    a block may opt in to), the chip table filling the rest (`vlm_server.chips`); the chip
+    profile's instead when one is set."""
+    return chip_profile() or _reported_spec(index)
+
+
+def capability(device: torch.device | str) -> tuple[int, int]:
+    """The compute capability of CUDA ``device`` (the chip profile's when one is set)."""
+    chosen = chip_profile()
+    if chosen is not None:
+        return chosen.capability
+    return tuple(torch.cuda.get_device_capability(torch.device(device)))  # type: ignore[return-value]
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """Whether ``device`` has FP8 matrix units (compute capability 8.9 or newer)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return capability(device) >= FP8_CAPABILITY
+
+
+@functools.cache
+def _reported_spec(index: int) -> ChipSpec:
     props = torch.cuda.get_device_properties(index)
     return from_device(
         props.name,
@@ -89,6 +125,10 @@ def current_chip(device: str | None) -> Chip | None:
     if not torch.cuda.is_available():
         return None
     index = torch.device(device or "cuda").index or 0
+    chosen = chip_profile()
+    if chosen is not None:
+        driver, green = _driver_version(), _green_contexts_in_torch()
+        return Chip(chosen.name, chosen.capability, driver, green, chosen.sms)
     return Chip(
         torch.cuda.get_device_name(index),
         tuple(torch.cuda.get_device_capability(index)),  # type: ignore[arg-type]
@@ -175,10 +215,24 @@ class ChipFlags(Protocol):
     @property
     def prefill_sms(self) -> str: ...
 
+    @property
+    def chip_profile(self) -> str | None: ...
+
+
+def use_chip_profile(name: str | None) -> None:
+    """Run this process, and the processes it starts, as chip ``name`` (None: as itself)."""
+    if name is None:
+        os.environ.pop(PROFILE_ENV, None)
+    else:
+        profile(name)  # raises naming the chips known
+        os.environ[PROFILE_ENV] = name
+
 
 def check_config(config: ChipFlags, probe: Probe | None = None) -> None:
     """`check` for a server config (``prefill_sms`` ``auto`` asks for nothing, it falls
-    back)."""
+    back), as the config's chip profile where it names one (which the process takes on)."""
+    if config.chip_profile is not None:
+        use_chip_profile(config.chip_profile)
     prefill_sms = 0 if config.prefill_sms == "auto" else int(config.prefill_sms)
     if not config.vision_fp8 and prefill_sms <= 0:
         return  # nothing to ask the device

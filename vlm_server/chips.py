@@ -171,6 +171,23 @@ def by_name(name: str) -> ChipSpec:
     raise ValueError(f"gpu: unknown card {name!r}; known: {', '.join(c.name for c in CHIPS)}")
 
 
+# Short names of the chips a profile runs as (--chip-profile): the key of a chip's name, and
+# these for chips whose name says more than people type.
+PROFILE_ALIASES = {"a100": "A100 80GB", "rtxpro6000": "RTX PRO 6000 Blackwell"}
+
+
+def profile(name: str) -> ChipSpec:
+    """The chip ``--chip-profile NAME`` makes the engine behave as (``rtx3090``, ``a100``,
+    ``RTX 4090``); ValueError naming the field and the names known."""
+    try:
+        return by_name(PROFILE_ALIASES.get(_key(name), name))
+    except ValueError:
+        names = sorted({_key(c.name) for c in CHIPS} | set(PROFILE_ALIASES))
+        raise ValueError(
+            f"chip_profile: unknown chip {name!r}; known: {', '.join(names)}"
+        ) from None
+
+
 @dataclass(frozen=True)
 class Launch:
     """One launch configuration a kernel's launcher may pick: the kernel (its name in its

@@ -31,13 +31,6 @@ def resolve_device(name: str | None) -> torch.device:
     return device
 
 
-def fp8_supported(device: torch.device) -> bool:
-    """Whether ``device`` has FP8 matrix units (CUDA compute capability 8.9 or newer)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
-
-
 def cap_memory(device: torch.device, limit: int) -> None:
     """Cap what PyTorch's allocator may hold on ``device`` at ``limit`` bytes (--gpu-memory);
     the CUDA context and library workspaces come on top. Refuses a cap above the device's

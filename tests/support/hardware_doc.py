@@ -29,6 +29,13 @@ At start the server reads the device's own name, compute capability, SM count, m
 shared memory per block (`chip_features.device_spec`); the table fills the rest. A chip
 missing from the table gets its compute capability's limits.
 
+`--chip-profile NAME` (or `VLM_CHIP_PROFILE`; e.g. `rtx3090`, `rtx4090`, `a100`: a chip's
+name without spaces) runs a GPU as that chip of the table: its compute capability, SM count
+and limits for every launch choice and feature gate (no FP8 below sm_89, no early launches
+below sm_90), and its memory as the engine's cap unless `--gpu-memory-bytes` is given. It
+runs the smaller chip's code paths on a larger GPU; timings under a profile are that GPU's,
+not the chip's.
+
 """
 
 KERNELS = """

@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vlm_server.chips import profile
+
 ENV_PREFIX = "VLM_"
 _SPEC = "option"
 
@@ -67,6 +69,14 @@ def parse_auto_count(text: str) -> str:
     if not value.isdigit():
         raise ValueError(f"not auto or a count: {text!r}")
     return str(int(value))
+
+
+def parse_chip_profile(text: str) -> str | None:
+    """A chip of the table (`vlm_server.chips.profile`), or None for an empty text."""
+    if not text:
+        return None
+    profile(text)  # raises naming the chips known
+    return text
 
 
 def parse_optional_str(text: str) -> str | None:

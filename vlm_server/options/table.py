@@ -18,6 +18,7 @@ from typing import Any
 from decoding.limits import ConstraintLimits
 from image_pipeline import DEFAULT_LIMITS, ImageLimits, ResizeMode
 from image_pipeline.gpu_jpeg import GPU_DECODERS
+from vlm_server.chips import profile
 from vlm_server.engine.config import (
     DEFAULT_RESERVED_ROWS,
     LAUNCH_OVERLAP_MODES,
@@ -32,6 +33,7 @@ from vlm_server.options.spec import (
     option,
     options_of,
     parse_auto_count,
+    parse_chip_profile,
     parse_prefill_sms,
     parse_size,
 )
@@ -67,6 +69,15 @@ class ServerConfig:
         choices=("bf16", "fp16", "fp32"),
     )
     device: str | None = option(None, G.MODEL, "cpu or cuda[:N] (default: cuda if present)")
+    chip_profile: str | None = option(
+        None,
+        G.MODEL,
+        "run the GPU as another chip of docs/hardware.md would (e.g. rtx3090, rtx4090, a100): "
+        "its compute capability, SM count and limits for every launch choice and feature, "
+        "its memory as the cap unless --gpu-memory-bytes is set; for testing that chip's paths "
+        "(not its speed)",
+        parse=parse_chip_profile,
+    )
     engine: str = option(
         "batched",
         G.MODEL,
@@ -542,7 +553,7 @@ class ServerConfig:
             pipeline_depth=self.pipeline_depth,
             max_queue=self.max_queue,
             kv_budget_bytes=self.kv_budget_bytes or None,
-            gpu_memory_bytes=self.gpu_memory_bytes or None,
+            gpu_memory_bytes=self.memory_cap_bytes or None,
             prefill_sm_carveout=self.prefill_sm_carveout,
             prefill_sms=PREFILL_SMS_AUTO if self.prefill_sms == "auto" else int(self.prefill_sms),
             prefill_sms_when_streaming=self.prefill_sms_when_streaming,
@@ -573,6 +584,14 @@ class ServerConfig:
         """``background_reserved_rows`` as EngineConfig takes it (auto: RESERVED_ROWS_AUTO)."""
         text = str(self.background_reserved_rows)
         return RESERVED_ROWS_AUTO if text == "auto" else int(text)
+
+    @property
+    def memory_cap_bytes(self) -> int:
+        """The engine's GPU memory cap: --gpu-memory-bytes, else the chip profile's memory (0:
+        none)."""
+        if self.gpu_memory_bytes or self.chip_profile is None:
+            return self.gpu_memory_bytes
+        return profile(self.chip_profile).memory_bytes
 
     @property
     def constraint_limits(self) -> ConstraintLimits:

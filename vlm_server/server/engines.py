@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vlm_server.chip_features import use_chip_profile
 from vlm_server.default_model import default_model_dir
 from vlm_server.devices import cap_memory, resolve_device
 from vlm_server.engine.api import Engine
@@ -54,8 +55,8 @@ def _loader(config: ServerConfig) -> Callable[[], LoadedModel]:
                 "answers with random words"
             )
         source = config.model or default_model_dir()
-        if config.gpu_memory_bytes:
-            cap_memory(device, config.gpu_memory_bytes)
+        if config.memory_cap_bytes:
+            cap_memory(device, config.memory_cap_bytes)
         return load_model(
             source,
             preset_name=config.preset,
@@ -137,6 +138,8 @@ def configure_process(config: ServerConfig) -> None:
     limit_arenas(config.malloc_arena_max)
     limit_mmap_threshold(config.malloc_mmap_threshold)
     sys.setswitchinterval(config.gil_switch_interval_ms / 1000)
+    if config.chip_profile is not None:  # read by chip_features, here and in the engine process
+        use_chip_profile(config.chip_profile)
 
 
 def _collect_and_trim() -> None:

@@ -20,7 +20,7 @@ import torch
 
 from decoding.region_values import coord_from_logits, size_from_logits
 from image_pipeline import normalize_crops
-from vlm_server.devices import fp8_supported
+from vlm_server.chip_features import fp8_supported
 from vlm_server.models.capabilities import need
 
 if TYPE_CHECKING:

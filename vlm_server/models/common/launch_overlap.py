@@ -34,6 +34,8 @@ from collections.abc import Iterator
 
 import torch
 
+from vlm_server.chip_features import capability
+
 # Compute capability from which griddepcontrol exists (PTX ISA: sm_90).
 CAPABILITY = (9, 0)
 
@@ -53,7 +55,7 @@ def supported(device: torch.device | str) -> bool:
         return False
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False
-    return tuple(torch.cuda.get_device_capability(device)) >= CAPABILITY
+    return capability(device) >= CAPABILITY
 
 
 def enable(on: bool, device: torch.device | str) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from vlm_server.devices import fp8_supported
+from vlm_server.chip_features import capability, fp8_supported
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -35,4 +35,4 @@ def fp8_experts_supported(device: torch.device) -> bool:
     """Whether the fused expert kernels take FP8 weights on ``device``."""
     if not fp8_supported(device):
         return False
-    return torch.cuda.get_device_capability(device) >= FP8_EXPERTS_CAPABILITY
+    return capability(device) >= FP8_EXPERTS_CAPABILITY
