@@ -47,8 +47,8 @@ against that chip's limits (`tests/test_kernels_fit_chips.py`; the whole matrix 
 `--run-slow`). The kernels whose tiles depend on the chip list them through
 `launch_configs(chip)`; the pipeline stages below are what the launcher passes on each chip
 (`w` warps, `s` stages). The other kernels launch alike on every chip
-(`tests/support/triton_kernels.py`). FP8 expert weights and activations are Hopper's and
-newer; the vision tower's FP8 kernels need sm_89 or newer (`--vision-fp8`).
+(`tests/support/triton_kernels.py`). FP8 expert weights and activations, and the vision
+tower's FP8 kernels (`--vision-fp8`), run on every chip with FP8 units: sm_89 and newer.
 
 """
 

@@ -298,14 +298,14 @@ KERNELS = (
                 "_up_kernel",
                 {**_MOE_FP8, **_MOE_UP, "x_ptr": "*bf16"},
                 {"HAS_SCALE": True, "HAS_DELTA": delta, **_MOE_BLOCKS},
-                min_arch=90,  # the FP8 widening assembles on Hopper and newer (moondream3 loader)
+                min_arch=89,  # FP8 expert weights: every chip with FP8 units (fp8_experts.py)
             ),
             Kernel(  # split-K, wide K steps (the decode tiles)
                 _MOE,
                 "_down_kernel",
                 {**_MOE_FP8, "h_ptr": "*bf16", "y_ptr": "*bf16", "hs_ptr": "*fp32"},
                 {"HAS_SCALE": True, "HAS_DELTA": delta, **_MOE_BLOCKS, "SPLIT": 2, "BK": 128},
-                min_arch=90,
+                min_arch=89,
             ),
             Kernel(
                 _MOE,
@@ -327,7 +327,7 @@ KERNELS = (
         "_up_kernel",
         {**_MOE_FP8, **_MOE_UP, "x_ptr": "*fp8e4nv"},
         {"HAS_SCALE": True, "HAS_DELTA": False, "ACT_FP8": True, **_MOE_FP8_ACT_BLOCKS},
-        min_arch=90,  # FP8 experts are Hopper's and newer (fp8_experts.py)
+        min_arch=89,  # FP8 experts: every chip with FP8 units (fp8_experts.py)
     ),
     *(
         Kernel(
@@ -341,7 +341,7 @@ KERNELS = (
                 "COLUMNS_FIRST": first,
                 **_MOE_FP8_ACT_BLOCKS,
             },
-            min_arch=90,  # FP8 experts are Hopper's and newer (fp8_experts.py)
+            min_arch=89,  # FP8 experts: every chip with FP8 units (fp8_experts.py)
         )
         for first in (False, True)  # the launch order (moe_triton.COLUMNS_FIRST)
     ),

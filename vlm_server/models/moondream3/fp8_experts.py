@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from vlm_server.chip_features import capability, fp8_supported
+from vlm_server.chips import FP8_CAPABILITY
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -26,9 +27,9 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     return (q.float() * scale.float()[..., None]).to(dtype)
 
 
-# The fused kernels widen FP8 tiles through a conversion only Hopper and newer assemble
-# (ptxas refuses it for sm_89): Ada's FP8 units go unused and its experts load as bf16.
-FP8_EXPERTS_CAPABILITY = (9, 0)
+# Every chip with FP8 units (Ada's sm_89 too): the fused kernels' FP8 tiles and their widening
+# assemble there (tests/test_kernels_fit_chips.py compiles each for sm_89, 90, 100 and 120).
+FP8_EXPERTS_CAPABILITY = FP8_CAPABILITY
 
 
 def fp8_experts_supported(device: torch.device) -> bool:

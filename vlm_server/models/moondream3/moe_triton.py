@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from vlm_server.chip_features import device_spec
-from vlm_server.chips import ChipSpec, Launch
+from vlm_server.chips import FP8_CAPABILITY, ChipSpec, Launch
 from vlm_server.models.moondream3 import act_quant, moe_routing
 from vlm_server.models.moondream3.moe_routing import Routing
 
@@ -139,8 +139,8 @@ def fitted(t: Tile, bm: int, act_bytes: int, w_bytes: int, halves: int, limit: i
     return t if stages == t.stages else replace(t, stages=stages)
 
 
-# FP8 expert weights (fp8_experts.py): Hopper and newer.
-FP8_WEIGHTS_CAPABILITY = (9, 0)
+# FP8 expert weights (fp8_experts.py): every chip with FP8 units, Ada's sm_89 on.
+FP8_WEIGHTS_CAPABILITY = FP8_CAPABILITY
 
 
 def launch_configs(chip: ChipSpec) -> list[Launch]:
