@@ -179,7 +179,14 @@ def check_quantized(
             continue
         try:
             shape = fmt.weight_shape(name + QWEIGHT, tuple(q.shape))
-            want = fmt.scale_shape(name, expected.get(name, shape))
+            model = expected.get(name, shape)
+            if shape != model:
+                problems.append(
+                    f"{name}{QWEIGHT}: shape {list(q.shape)} holds a weight {list(shape)}, "
+                    f"the model's is {list(model)}"
+                )
+                continue
+            want = fmt.scale_shape(name, shape)
         except QuantError as err:
             problems.append(str(err))
             continue
