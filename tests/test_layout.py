@@ -34,6 +34,7 @@ LAYERS = {
     "vlm_server.models": 1,
     **dict.fromkeys(FAMILIES, 2),
     "vlm_server.models.registry": 3,
+    "vlm_server.models.quantized": 3,  # quantized checkpoints of any family, via the registry
     "vlm_server.default_model": 3,
     "vlm_server.engine": 3,  # the package itself (its __init__ is empty)
     "vlm_server.engine.core": 3,
@@ -55,6 +56,7 @@ LAYERS = {
     "vlm_server.cluster": 11,  # replicas of the server on Ray Serve, and their router
     "vlm_server.cli": 11,
     "vlm_server.plan_command": 11,  # vlm plan
+    "vlm_server.quantize_command": 11,  # vlm quantize
     "vlm_server.batch_command": 11,  # vlm batch: the server's engine and core, no doors
 }
 
@@ -169,6 +171,8 @@ SAME_LAYER_IMPORTS = {
     ("vlm_server.cli", "vlm_server.cluster"),  # `vlm cluster` and `vlm gateway`
     ("vlm_server.cli", "vlm_server.batch_command"),  # `vlm batch`
     ("vlm_server.cli", "vlm_server.plan_command"),  # `vlm plan`
+    ("vlm_server.cli", "vlm_server.quantize_command"),  # `vlm quantize`
+    ("vlm_server.models.quantized", "vlm_server.models.registry"),  # any family's files
     ("vlm_server.default_model", "vlm_server.models.registry"),  # the built-in model's family
     ("vlm_server.engine", "vlm_server.engine.api"),  # refinements and the step trace: events
     ("vlm_server.engine", "vlm_server.engine.core"),  # ... over the core's outputs and observer

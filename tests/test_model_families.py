@@ -20,7 +20,7 @@ from tests.support.service_harness import ServerThread, in_process, local_config
 from tests.support.toy_family import FAMILY as TOY
 from tests.support.toy_family import ToyConfig
 from vlm_server.client import VisionLanguageClient
-from vlm_server.models import capabilities, families, registry
+from vlm_server.models import capabilities, families, quantized, registry
 from vlm_server.models.checkpoint_io import CheckpointError
 from vlm_server.models.interface import LoadedModel
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
@@ -194,3 +194,15 @@ def test_a_family_without_fused_attention_is_refused_on_cuda_in_one_line(
     )
     with pytest.raises(ValueError, match="no fused attention path"):
         BatchedEngine(loaded, EngineConfig(kv_budget_bytes=16 << 20))
+
+
+def test_a_family_quantizes_the_weights_it_declares(
+    toy_family: None, toy_dir: Path, tmp_path: Path
+) -> None:
+    """``vlm quantize`` takes its targets from the family (its own names), not Moondream's."""
+    report = quantized.quantize_checkpoint(toy_dir, tmp_path / "int8", "int8", vision=True)
+    assert report.family == "toy" and report.quantized
+    assert all(n.startswith("text.blocks.") for n in report.quantized)
+    assert any(n.endswith(".gate_up.weight") for n in report.quantized)
+    file = quantized.load_quantized(tmp_path / "int8")
+    assert file.quantized == sorted(report.quantized)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,10 +38,13 @@ from vlm_server.models.interface import (
     MemoryShape,
 )
 from vlm_server.models.kv import KVCache
+from vlm_server.models.quant.targets import block_linears
 
 FORMAT = "toy-family/1"
 FORMATS = Formats(weights=("bf16", "fp16", "fp32"), kv=("bf16", "fp16", "fp32"))
 WEIGHTS = "toy.safetensors"
+TOY_LINEARS = re.compile(r"text\.blocks\.\d+\.(q|kv|o|gate_up|down)\.weight")
+NO_TOWER = re.compile(r"(?!)")
 
 
 @dataclass(frozen=True)
@@ -349,6 +353,25 @@ class ToyFamily:
         }
         (out_dir / "config.json").write_text(json.dumps(meta))
         return out_dir
+
+    def expected_shapes(self, config: FamilyConfig) -> dict[str, tuple[int, ...]]:
+        assert isinstance(config, ToyConfig)
+        with torch.device("meta"):
+            return {k: tuple(v.shape) for k, v in ToyModel(config).state_dict().items()}
+
+    def quant_targets(self, config: FamilyConfig, vision: bool) -> list[str]:
+        # Its own names: no vision blocks, so ``vision`` adds nothing.
+        return block_linears(self.expected_shapes(config), vision, TOY_LINEARS, NO_TOWER)
+
+    def read_state(
+        self, path: Path, preset_name: str | None
+    ) -> tuple[FamilyConfig, dict[str, torch.Tensor]]:
+        config = self.read_config(path, preset_name)
+        reader = CheckpointReader(path / WEIGHTS)
+        check_shapes(
+            {k: reader.shape(k) for k in reader.keys}, [], self.expected_shapes(config), str(path)
+        )
+        return config, {k: reader.tensor(k).to(torch.bfloat16) for k in reader.keys}
 
 
 FAMILY = ToyFamily()

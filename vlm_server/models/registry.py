@@ -93,6 +93,22 @@ class ModelFamily(Protocol):
         family's own, e.g. dtype or layout)."""
         ...
 
+    def expected_shapes(self, config: FamilyConfig) -> dict[str, tuple[int, ...]]:
+        """The model's tensors (the family's own names) and their shapes, nothing allocated."""
+        ...
+
+    def quant_targets(self, config: FamilyConfig, vision: bool) -> list[str]:
+        """The weights ``--weights int8|int4`` quantizes (models/quant/targets.py): the
+        decoder's linears, experts included, and the vision tower's when ``vision``."""
+        ...
+
+    def read_state(
+        self, path: Path, preset_name: str | None
+    ) -> tuple[FamilyConfig, dict[str, torch.Tensor]]:
+        """Every tensor of a local checkpoint in any layout the family loads, under its own
+        names, in bf16 on the CPU (FP8 experts dequantized), with its configuration."""
+        ...
+
 
 REFINER_FILE = "model.pt"
 # ``--dtype``'s names of the weight formats (models/interface.py `WeightFormat`).

@@ -12,10 +12,17 @@ from vlm_server.models.common.memory_shape import memory_shape
 from vlm_server.models.interface import FamilyConfig, KVShape, LoadedModel, MemoryShape
 from vlm_server.models.moondream2.config import FORMATS, PRESETS, ModelConfig
 from vlm_server.models.moondream2.layout import expected_shapes
-from vlm_server.models.moondream2.loader import load_model, random_model, read_config
+from vlm_server.models.moondream2.loader import (
+    load_model,
+    load_state,
+    random_model,
+    read_config,
+    weights_file,
+)
 from vlm_server.models.moondream2.readable import make_readable
 from vlm_server.models.moondream2.reference_config import is_moondream_format
 from vlm_server.models.moondream2.writer import CONFIG_FORMAT, write_checkpoint
+from vlm_server.models.quant.targets import block_linears
 
 
 class Moondream2Family:
@@ -96,6 +103,22 @@ class Moondream2Family:
         if readable:
             make_readable(out, config, seed=seed)
         return out
+
+    def expected_shapes(self, config: FamilyConfig) -> dict[str, tuple[int, ...]]:
+        assert isinstance(config, ModelConfig)
+        return expected_shapes(config)
+
+    def quant_targets(self, config: FamilyConfig, vision: bool) -> list[str]:
+        assert isinstance(config, ModelConfig)
+        return block_linears(expected_shapes(config), vision)
+
+    def read_state(
+        self, path: Path, preset_name: str | None
+    ) -> tuple[FamilyConfig, dict[str, torch.Tensor]]:
+        directory = path if path.is_dir() else path.parent
+        config = read_config(directory, preset_name)
+        weights = weights_file(path) if path.is_dir() else path
+        return config, load_state(weights, config, torch.bfloat16, "cpu", progress=False)
 
 
 FAMILY = Moondream2Family()

@@ -71,7 +71,7 @@ def read_config(directory: Path, preset_name: str | None) -> ModelConfig:
     return preset(preset_name)
 
 
-def _weights_file(directory: Path) -> Path:
+def weights_file(directory: Path) -> Path:
     for name in (WEIGHTS_FILE, "model.pt"):
         if (directory / name).exists():
             return directory / name
@@ -141,7 +141,7 @@ def load_model(
     path = resolve_source(source)
     if path.is_dir():
         config = read_config(path, preset_name)
-        weights = _weights_file(path)
+        weights = weights_file(path)
         directory = path
     else:
         directory = path.parent

@@ -13,9 +13,16 @@ from vlm_server.models.common.memory_shape import memory_shape
 from vlm_server.models.interface import FamilyConfig, KVShape, LoadedModel, MemoryShape
 from vlm_server.models.moondream3.config import FORMATS, PRESETS, ModelConfig
 from vlm_server.models.moondream3.layout import expected_shapes
-from vlm_server.models.moondream3.loader import load_model, random_model, read_config
+from vlm_server.models.moondream3.loader import (
+    load_model,
+    load_state,
+    random_model,
+    read_config,
+    weight_files,
+)
 from vlm_server.models.moondream3.writer import CONFIG_FORMAT, write_checkpoint
 from vlm_server.models.moondream3.writer import FAMILY as FAMILY_NAME
+from vlm_server.models.quant.targets import block_linears
 
 
 def _is_hub_config(meta: Mapping[str, Any]) -> bool:
@@ -106,6 +113,22 @@ class Moondream3Family:
         layout = options.pop("layout", "hf")
         options["layout"] = _LAYOUT_ALIASES.get(layout, layout)
         return write_checkpoint(config, out_dir, seed=seed, progress=progress, **options)
+
+    def expected_shapes(self, config: FamilyConfig) -> dict[str, tuple[int, ...]]:
+        assert isinstance(config, ModelConfig)
+        return expected_shapes(config)
+
+    def quant_targets(self, config: FamilyConfig, vision: bool) -> list[str]:
+        assert isinstance(config, ModelConfig)
+        return block_linears(expected_shapes(config), vision)
+
+    def read_state(
+        self, path: Path, preset_name: str | None
+    ) -> tuple[FamilyConfig, dict[str, torch.Tensor]]:
+        directory = path if path.is_dir() else path.parent
+        config = read_config(directory, preset_name)
+        state, _ = load_state(weight_files(path), config, torch.bfloat16, "cpu")
+        return config, state
 
 
 FAMILY = Moondream3Family()
