@@ -5,10 +5,11 @@ pipeline stages its launcher would pass there, and the compiled kernel's shared 
 against that compute capability's limits (vlm_server/chips.py).
 
 Kernels whose launch shape depends on the chip expose ``launch_configs(chip)`` (skinny_gemm,
-lora_kernel's shrink, moe_triton); the rest launch as tests/support/triton_kernels.py lists
-them, whatever the chip. The whole matrix takes minutes (marked slow); the default suite
-checks the largest configuration of each kernel whose tiles the chip cuts on sm_86 (the
-least shared memory of the six), the other chips' with --run-slow.
+quant_gemm, lora_kernel's shrink, moe_triton); the rest launch as
+tests/support/triton_kernels.py lists them, whatever the chip. The whole matrix takes
+minutes (marked slow); the default suite checks the largest configuration of each kernel
+whose tiles the chip cuts on sm_86 (the least shared memory of the six), the other chips'
+with --run-slow.
 
 Under Triton 3.9 a stage count does not change these kernels' shared memory (their K loops
 are not software-pipelined: one stage of tiles is what a compile reserves), so the
@@ -37,13 +38,14 @@ def _fp_fusion_as_launched(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
 
 
-from vlm_server.models.common import lora_kernel, skinny_gemm  # noqa: E402
+from vlm_server.models.common import lora_kernel, quant_gemm, skinny_gemm  # noqa: E402
 from vlm_server.models.moondream3 import moe_triton  # noqa: E402
 
 LAUNCHERS: dict[str, Callable[[ChipSpec], list[Launch]]] = {
     skinny_gemm.__name__: skinny_gemm.launch_configs,
     lora_kernel.__name__: lora_kernel.launch_configs,
     moe_triton.__name__: moe_triton.launch_configs,
+    quant_gemm.__name__: quant_gemm.launch_configs,
 }
 
 
@@ -68,7 +70,7 @@ def _covered(launchers: tuple[str, ...] = tuple(LAUNCHERS)) -> set[tuple[str, st
 
 # The default suite's share: the kernels whose tiles the chip's shared memory cuts (the LoRA
 # shrink's stay within 64 KiB on every chip, by construction).
-FITTED = (skinny_gemm.__name__, moe_triton.__name__)
+FITTED = (skinny_gemm.__name__, moe_triton.__name__, quant_gemm.__name__)
 
 
 def configs(arch: int) -> list[Config]:

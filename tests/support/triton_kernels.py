@@ -139,6 +139,15 @@ _SPLIT_SUM = {
     "N": "i32", "stride_r": "i32", "stride_y": "i32", "gelu_from": "i32",
 }  # fmt: skip
 _SKINNY_FLAGS = {"HAS_BIAS": True, "HAS_RES": True, "HAS_GELU": True}
+_QUANT = "vlm_server.models.common.quant_gemm"
+_QUANT_ARGS = {
+    "x_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*bf16", "b_ptr": "*bf16", "r_ptr": "*bf16",
+    "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_x": "i32",
+    "stride_w": "i32", "stride_s": "i32", "stride_r": "i32", "stride_y": "i32",
+    "gelu_from": "i32",
+}  # fmt: skip
+_QUANT_SKINNY = {**_QUANT_ARGS, "part_ptr": "*fp32", "k_per_split": "i32"}
+_QUANT_FLAGS = {"HAS_BIAS": True, "HAS_RES": True, "HAS_GELU": True, "IEEE": False}
 _ATTENTION = "vlm_server.engine.device.kernels.triton_attention"
 _SHAPE = {"PAGE": 16, "KVH": 32, "HD": 64}
 
@@ -203,6 +212,38 @@ KERNELS = (
     Kernel(
         _SKINNY,
         "_split_sum_kernel",
+        _SPLIT_SUM,
+        {**_SKINNY_FLAGS, "SPLITS": 4, "BLOCK_M": 16, "BLOCK_N": 128},
+    ),
+    # Over INT8 and INT4 weights (packed two a byte): decode on the CUDA cores and in
+    # tensor-core tiles, split and whole, and the prefill tiles.
+    *(
+        Kernel(
+            _QUANT,
+            "_quant_skinny_kernel",
+            {**_QUANT_SKINNY, "w_ptr": "*u8" if int4 else "*i8"},
+            {**_QUANT_FLAGS, "INT4": int4, "SPLIT": split, "FMA": fma, **tiles},
+        )
+        for int4 in (False, True)
+        for split, fma, tiles in (
+            (True, True, {"BLOCK_M": 1, "BLOCK_N": 2, "BLOCK_K": 1024}),
+            (False, False, {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128}),
+            (True, False, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256}),
+        )
+    ),
+    *(
+        Kernel(
+            _QUANT,
+            "_quant_gemm_kernel",
+            {**_QUANT_ARGS, "w_ptr": "*u8" if int4 else "*i8"},
+            {**_QUANT_FLAGS, "INT4": int4, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64},
+            warps=8,
+        )
+        for int4 in (False, True)
+    ),
+    Kernel(
+        _QUANT,
+        "_quant_split_sum_kernel",
         _SPLIT_SUM,
         {**_SKINNY_FLAGS, "SPLITS": 4, "BLOCK_M": 16, "BLOCK_N": 128},
     ),

@@ -1,0 +1,81 @@
+"""The quantized weight layouts of models/common/quant_gemm.py, written out plainly: random
+quantized weights, their packing and the reference dequantizer the kernels are checked
+against ("dequantize, then the plain product")."""
+
+from __future__ import annotations
+
+import torch
+
+GROUP = 128
+
+
+def random_scale(
+    shape: tuple[int, ...], g: torch.Generator, dtype: torch.dtype, powers_of_two: bool
+) -> torch.Tensor:
+    """Positive scales about 1e-2; ``powers_of_two``: 2^-3 .. 2^-8, whose products with any
+    quantized value are exact in bf16 (Triton's interpreter rounds fp32 to bf16 by
+    truncating, where GPUs and torch round to nearest)."""
+    if powers_of_two:
+        return torch.exp2(-torch.randint(3, 9, shape, generator=g).float()).to(dtype)
+    return (torch.rand(shape, generator=g) * 0.02 + 0.001).to(dtype)
+
+
+def random_int8(
+    n: int,
+    k: int,
+    g: torch.Generator,
+    dtype: torch.dtype = torch.bfloat16,
+    powers_of_two: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qweight int8 [n, k], scale [n]) of a random weight."""
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    return q, random_scale((n,), g, dtype, powers_of_two)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[n, k] values in [-8, 7] -> uint8 [n, k / 2]: column 2j low nibble, 2j + 1 high."""
+    nibbles = (q.to(torch.int16) & 0xF).to(torch.uint8)
+    return nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [n, k / 2] -> int8 [n, k], each nibble read as two's complement."""
+    b = packed.to(torch.int16)
+    lo, hi = b & 0xF, b >> 4
+    q = torch.stack([lo, hi], dim=-1).reshape(packed.shape[0], -1)
+    return torch.where(q >= 8, q - 16, q).to(torch.int8)
+
+
+def random_int4(
+    n: int,
+    k: int,
+    g: torch.Generator,
+    dtype: torch.dtype = torch.bfloat16,
+    powers_of_two: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qweight uint8 [n, k / 2], scale [n, k / GROUP]) of a random weight."""
+    q = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
+    return pack_int4(q), random_scale((n, k // GROUP), g, dtype, powers_of_two)
+
+
+def dequantize(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The weight in the scale's dtype: int8 per channel, or packed uint8 INT4 in groups."""
+    if qweight.dtype == torch.int8:
+        return (qweight.float() * scale.float()[:, None]).to(scale.dtype)
+    q = unpack_int4(qweight)
+    return (q.float() * scale.float().repeat_interleave(GROUP, dim=1)).to(scale.dtype)
+
+
+def reference(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dequantize, then the product in x's dtype, summed in fp64 (before the output's
+    rounding): the kernels must match it up to their fp32 sums' order and that rounding."""
+    w = dequantize(qweight, scale).to(x.dtype)
+    want = x.double() @ w.double().t()
+    if bias is not None:
+        want = want + bias.double()
+    return want
