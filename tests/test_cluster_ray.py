@@ -33,6 +33,7 @@ from ray.serve._private import api as serve_api
 
 from image_pipeline import sample_image_bytes
 from tests.http_support import data_url, events, post, post_json
+from tests.support.ray_patience import patient_proxies
 from vlm_server.client import TextDelta, TextResult, VisionLanguageClient
 from vlm_server.client.security import Security
 from vlm_server.client.types import VlmError
@@ -114,7 +115,8 @@ def cluster(tiny_dir: Path) -> Iterator[Cluster]:
     # the wait is bounded only loosely here (a proxy that never starts still fails the test).
     saved_timeout = serve_api.HTTP_PROXY_TIMEOUT
     serve_api.HTTP_PROXY_TIMEOUT = 600
-    ray.init(num_cpus=4, include_dashboard=False, namespace="serve", log_to_driver=False)
+    with patient_proxies():  # the controller and proxies read it when Ray starts them
+        ray.init(num_cpus=4, include_dashboard=False, namespace="serve", log_to_driver=False)
     try:
         serve.start(
             http_options={"host": "127.0.0.1", "port": http_port},

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import IO
 
+from tests.support import ray_patience
+
 REPO = Path(__file__).resolve().parents[2]
 KEY = "vlm cluster"
 SERVING = re.compile(r'msg="cluster serving" .*grpc_port=(\d+) http_port=(\d+) metrics_port=(\d+)')
@@ -34,6 +36,7 @@ class LaunchedCluster:
         ]  # fmt: skip
         env = {
             **os.environ,
+            **ray_patience.ENV,
             "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         }
         self.proc = subprocess.Popen(
