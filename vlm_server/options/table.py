@@ -22,10 +22,10 @@ from vlm_server.chips import profile
 from vlm_server.engine.config import (
     DEFAULT_RESERVED_ROWS,
     LAUNCH_OVERLAP_MODES,
-    PREFILL_SMS_AUTO,
     RESERVED_ROWS_AUTO,
     EngineConfig,
 )
+from vlm_server.options import components
 from vlm_server.options.checks import MIB, check_server_values
 from vlm_server.options.spec import (
     Group,
@@ -547,37 +547,7 @@ class ServerConfig:
     @property
     def engine_config(self) -> EngineConfig:
         """The batched engine's configuration (``--engine reference`` narrows it)."""
-        return EngineConfig(
-            max_batch_size=self.max_batch_size,
-            max_step_tokens=self.max_step_tokens,
-            pipeline_depth=self.pipeline_depth,
-            max_queue=self.max_queue,
-            kv_budget_bytes=self.kv_budget_bytes or None,
-            gpu_memory_bytes=self.memory_cap_bytes or None,
-            prefill_sm_carveout=self.prefill_sm_carveout,
-            prefill_sms=PREFILL_SMS_AUTO if self.prefill_sms == "auto" else int(self.prefill_sms),
-            prefill_sms_when_streaming=self.prefill_sms_when_streaming,
-            max_prefill_batch=self.max_prefill_batch,
-            background_reserved_rows=self.reserved_rows_value,
-            background_prefill_batch=self.background_prefill_batch,
-            prefill_batches=self.prefill_batches,
-            prefix_prompt_tokens=self.prefix_prompt_tokens,
-            crop_graph_sizes=self.crop_graph_sizes,
-            vision_fp8=self.vision_fp8,
-            experts_fp8_activations=self.experts_fp8_activations,
-            fused_decode=self.fused_decode,
-            launch_overlap=self.launch_overlap,
-            max_spatial_refs=self.max_spatial_refs,
-            constraint_limits=self.constraint_limits,
-            adapters_dir=self.adapters_dir,
-            adapter_endpoint=self.adapter_endpoint,
-            adapter_api_key=self.adapter_api_key,
-            max_adapters=self.max_adapters,
-            max_adapter_rank=self.max_adapter_rank,
-            adapter_wait_s=self.adapter_wait_s,
-            adapter_download_bytes=self.adapter_download_bytes,
-            adapter_download_timeout_s=self.adapter_download_timeout_s,
-        )
+        return components.engine_config(self)
 
     @property
     def reserved_rows_value(self) -> int:
@@ -596,24 +566,12 @@ class ServerConfig:
     @property
     def constraint_limits(self) -> ConstraintLimits:
         """The engine's bounds on client constraints (choices / regex)."""
-        return ConstraintLimits(
-            max_choices=self.max_choices,
-            max_choice_chars=self.max_choice_chars,
-            max_regex_chars=self.max_regex_chars,
-            max_constraint_states=self.max_constraint_states,
-            constraint_compile_seconds=self.constraint_compile_seconds,
-        )
+        return components.constraint_limits(self)
 
     @property
     def image_limits(self) -> ImageLimits:
         """The checks of every uploaded image (0 turns the side and ratio rules off)."""
-        return ImageLimits(
-            max_image_bytes=self.max_image_bytes,
-            max_image_pixels=self.max_image_pixels,
-            max_image_side=self.max_image_side or None,
-            max_image_pixels_per_byte=self.max_image_pixels_per_byte or None,
-            image_free_pixels=self.image_free_pixels,
-        )
+        return components.image_limits(self)
 
     @property
     def client_cache_bytes(self) -> int:
