@@ -155,7 +155,7 @@ class ReplicaSet:
         replicas = self._replicas
         if self._shared is None or not self._used_slots:
             return lambda name: replicas[name].work
-        totals = self._shared.totals(self._used_slots).tolist()
+        totals = self._shared.totals(self._used_slots).tolist()  # host numpy: no device
         by_name = {n: totals[r.slot] if r.slot is not None else r.work for n, r in replicas.items()}
         return by_name.__getitem__
 
