@@ -797,9 +797,9 @@ def test_requests_for_one_new_image_share_one_prefix_computation(
         engine = _engine(text_model, depth, max_batch_size=4)
         launch = engine.batched.runtime.launch_prefixes
 
-        def recording(jobs: list, partitioned: bool = False) -> object:
+        def recording(jobs: list, partitioned: bool = False, interactive: bool = False) -> object:
             batches.append([job.image.content_hash for job in jobs])
-            return launch(jobs, partitioned)
+            return launch(jobs, partitioned, interactive)
 
         engine.batched.runtime.launch_prefixes = recording  # type: ignore[method-assign]
         await engine.start()

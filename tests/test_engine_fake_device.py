@@ -35,7 +35,14 @@ from tests.support.fake_device import (
     FakeTorchDevice,
 )
 from vlm_server.engine.adapters import qualify_image
-from vlm_server.engine.api import EngineError, ErrorCode, Finished, GenerationRequest, Task
+from vlm_server.engine.api import (
+    BATCH_PRIORITY,
+    EngineError,
+    ErrorCode,
+    Finished,
+    GenerationRequest,
+    Task,
+)
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core import scheduler as scheduler_module
 from vlm_server.engine.core.observer import Observer
@@ -115,14 +122,18 @@ class _Watch(Observer):
         # Pages each image-prefix batch writes (its prompts' too), with its event's marker.
         self.prefix_writes: list[tuple[object, set[int]]] = []
         self.partitioned: list[bool] = []  # each batch: whether the scheduler asked for it
+        self.interactive: list[bool] = []  # each batch: whether on the interactive lane
 
     def watch_prefixes(self, rt: ModelRuntime) -> None:
         """Note the pages of every prefix batch the runtime launches."""
         launch = rt.launch_prefixes
 
-        def launch_prefixes(jobs: list[PrefixJob], partitioned: bool = False) -> object:
-            handle = launch(jobs, partitioned)
+        def launch_prefixes(
+            jobs: list[PrefixJob], partitioned: bool = False, interactive: bool = False
+        ) -> object:
+            handle = launch(jobs, partitioned, interactive)
             self.partitioned.append(partitioned)
+            self.interactive.append(interactive)
             pages = {p for job in jobs for p in job.pages}
             pages |= {p for job in jobs if job.prompt is not None for p in job.prompt.pages}
             self.prefix_writes.append((handle.device_event()._marker, pages))  # type: ignore[attr-defined]
@@ -212,6 +223,7 @@ def _drive(
     riding: int = EngineConfig().prefix_prompt_tokens,
     when_streaming: int = 0,
     adapters: int = 0,
+    background: bool = False,
     **faults: object,
 ) -> Run:
     """Submit, cancel and tick by hand (no thread); between ticks the device runs a random
@@ -236,6 +248,8 @@ def _drive(
         adapters_dir="." if adapters else None,
         max_adapters=max(adapters, 1),
         max_adapter_rank=4,
+        # Background work (two requests in three) holds at most three rows.
+        background_reserved_rows=1,
     )
     tasks = TaskCompiler(loaded.config, loaded.tokenizer, cfg.mask_table_rows)
     watch = _Watch(device)
@@ -271,6 +285,8 @@ def _drive(
                 req, slot = _request(i, images), i % (adapters + 1) - 1 if adapters else -1
                 if slot >= 0:  # its image prefix is the adapter's own (engine/adapters.py)
                     req = qualify_image(dataclasses.replace(req, adapter=f"s{slot}"))
+                if background and i % 3:
+                    req = dataclasses.replace(req, priority=BATCH_PRIORITY)
                 built = tasks.build(req)
                 seq = Sequence(
                     req, built.prompt, built.grammar, built.prefix_len, ref_values=built.ref_values
@@ -473,6 +489,49 @@ def test_two_prefill_lanes_keep_the_invariants_and_the_answers(
     assert not run.sched.zombies and not run.sched.running and not run.sched.waiting
     run.sched.prefix_cache.clear()
     assert run.sched.pages.used_pages == 0 and run.device.queued == 0
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("depth", [1, 2])
+def test_the_interactive_lane_keeps_the_invariants_and_the_answers(
+    region_model: LoadedModel,
+    many_images: list[PreparedImage],
+    depth: int,
+    seed: int,
+    one_lane: Run,
+) -> None:
+    """Background work beside interactive requests: interactive pictures take the lane with
+    buffers and graphs of its own, beside batches on the prefill stream, and their riders are
+    sampled by steps that wait for the lane on the device. Odd seeds make the lane slow."""
+    lagging = ["prefill_interactive"] if seed % 2 else []
+    run = _drive(region_model, many_images, depth, seed, background=True, lagging=lagging)
+    assert run.answers() == one_lane.answers()
+    assert set(run.watch.interactive) == {False, True}  # both lanes served batches
+    streams = {stream for stream, name in run.device.records_seen if name == "prefix_done"}
+    assert streams == {"prefill", "prefill_interactive"}
+    assert run.device.kernel_streams == ["compute"]
+    assert not run.sched.zombies and not run.sched.running and not run.sched.waiting
+    run.sched.prefix_cache.clear()
+    assert run.sched.pages.used_pages == 0 and run.device.queued == 0
+
+
+def test_a_step_not_waiting_for_the_lane_is_caught(
+    region_model: LoadedModel, many_images: list[PreparedImage]
+) -> None:
+    """Drop the steps' waits for prefix batches: with the lane slow, a chained step reads a
+    rider's pages before the lane wrote them."""
+    with pytest.raises(DeviceViolation) as info:
+        for seed in SEEDS:
+            _drive(
+                region_model,
+                many_images,
+                2,
+                seed,
+                background=True,
+                drop_waits=["prefix_done"],
+                lagging=["prefill_interactive"],
+            )
+    assert info.value.invariant == "order", info.value
 
 
 def test_a_lane_switch_without_its_wait_is_caught(
@@ -723,14 +782,17 @@ _METHODS = [
 def test_protocol_is_what_the_scheduler_uses() -> None:
     src = inspect.getsource(scheduler_module)
     used = set(re.findall(r"self\.rt\.(\w+)", src)) | set(re.findall(r"runtime\.(\w+)", src))
-    assert used == {"kv_pages", "block_table", "prefix_slots", "prefix_prompt_tokens", *_METHODS}
-    assert inspect.signature(Scheduler).parameters["runtime"].annotation == "Runtime"
-    assert Runtime.__annotations__ == {
+    attrs = {
         "kv_pages": "int",
         "block_table": "np.ndarray",
         "prefix_slots": "int",
         "prefix_prompt_tokens": "int",
+        "interactive_prefix_slots": "int",
+        "interactive_prefill_batch": "int",
     }
+    assert used == {*attrs, *_METHODS}
+    assert inspect.signature(Scheduler).parameters["runtime"].annotation == "Runtime"
+    assert Runtime.__annotations__ == attrs
 
 
 def test_the_runtime_matches_the_protocol(tiny: LoadedModel) -> None:

@@ -67,16 +67,28 @@ class Harness:
         prefix_slots: int = 2,
         prefill_batch: int = 2,
         depth: int = 2,
+        interactive_batch: int = 0,
+        riding: int = 0,
     ) -> None:
         self.cfg = EngineConfig(
             max_batch_size=max_batch_size,
             background_reserved_rows=reserved,
             background_prefill_batch=prefill_batch,
+            interactive_prefill_batch=interactive_batch,
+            prefix_prompt_tokens=riding,
             pipeline_depth=depth,
             page_size=PAGE,
             max_step_tokens=256,
         )
-        self.rt = ScriptRuntime(kv_pages, self.cfg.max_rows, ROW_PAGES, prefix_slots)
+        self.rt = ScriptRuntime(
+            kv_pages,
+            self.cfg.max_rows,
+            ROW_PAGES,
+            prefix_slots,
+            prefix_prompt_tokens=riding,
+            interactive_prefix_slots=prefix_slots if interactive_batch else 0,
+            interactive_prefill_batch=interactive_batch,
+        )
         self.steps = Steps()
         self.s = Scheduler(self.rt, self.cfg, EOS, PREFIX, observer=self.steps)
         self.submitted: list[Sequence] = []
@@ -156,6 +168,12 @@ class Harness:
         assert len(with_background) <= 1
         for batch in with_background:
             assert isinstance(batch, Batch) and len(batch.jobs) <= self.cfg.background_prefill_batch
+            assert not batch.interactive
+        # The interactive lane: interactive pictures only, small batches, its own slots.
+        lane = [b for b in pending.values() if b.interactive]
+        assert len(lane) <= self.rt.interactive_prefix_slots
+        assert len(pending) - len(lane) <= self.rt.prefix_slots
+        assert all(len(b.jobs) <= self.rt.interactive_prefill_batch for b in lane)
         if any(q.request.priority < 0 for q in self.last):
             assert s.prefix_cache.free_for(None) >= room.pages
 
@@ -336,6 +354,8 @@ def test_random_traffic_keeps_the_rules_and_every_request_ends(seed: int) -> Non
         prefix_slots=rng.choice([1, 2, 3]),
         prefill_batch=rng.choice([1, 2]),
         depth=rng.choice([1, 2]),
+        interactive_batch=rng.choice([0, 1, 3]),
+        riding=rng.choice([0, 16]),
     )
     made = 0
     for _ in range(400):

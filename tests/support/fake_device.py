@@ -379,6 +379,7 @@ class FakeTorchDevice(FakeDevice):
         # A second prefill lane, as a partition used only while requests stream makes.
         self.partitioned_prefill_stream = self.stream("prefill_part") if prefill_lanes else None
         self.prefill_capture_stream = None  # graphs are captured where they replay
+        self.interactive_prefill_stream = self.stream("prefill_interactive")
         self._second_compute = self.stream("compute2") if split_compute else None
         self._kernels = 0
         self.drop_waits = set(drop_waits)

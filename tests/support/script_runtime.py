@@ -1,7 +1,10 @@
 """A runtime without a model for scheduler tests (engine/core/runtime_protocol.py): steps
-sample a fixed token, and a batch of image prefixes is done when the test says so.
+sample a fixed token, and a batch of image prefixes is done when the test says so, or when a
+step that waits for it on the device (``after``) is read: by then the device ran the batch,
+and every earlier one of its lane (a lane runs in order).
 
-What the scheduler hands it is recorded: each prefix batch's jobs, in launch order."""
+What the scheduler hands it is recorded: each prefix batch's jobs, in launch order, and each
+mixed step's rows with the batch it waits for."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ class Batch:
 
     jobs: list[PrefixJob]
     done: bool = False
+    interactive: bool = False  # on the interactive lane
 
 
 @dataclass
@@ -29,20 +33,28 @@ class ScriptRuntime:
     row_pages: int  # block-table width: the most pages one sequence holds
     prefix_slots: int = 2
     prefix_prompt_tokens: int = 0
+    interactive_prefix_slots: int = 0
+    interactive_prefill_batch: int = 0
     token: int = 1  # what every sampling row draws (not the scheduler's eos: answers run on)
     batches: list[Batch] = field(default_factory=list)
+    # Each mixed step: its rows (decode rows first) and the batch it waits for (or None).
+    mixed: list[tuple[list[int], Batch | None]] = field(default_factory=list)
     block_table: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
         self.block_table = np.zeros((self.rows, self.row_pages), np.int32)
+        self._after: dict[int, Batch] = {}  # slot -> the batch its step waits for
 
     def finish_batches(self) -> None:
         """Every prefix batch launched so far completes."""
         for batch in self.batches:
             batch.done = True
 
-    def launch_prefixes(self, jobs: list[PrefixJob], partitioned: bool = False) -> Batch:
-        batch = Batch(list(jobs))
+    def launch_prefixes(
+        self, jobs: list[PrefixJob], partitioned: bool = False, interactive: bool = False
+    ) -> Batch:
+        assert not interactive or self.interactive_prefix_slots, "the lane is off"
+        batch = Batch(list(jobs), interactive=interactive)
         self.batches.append(batch)
         return batch
 
@@ -51,7 +63,10 @@ class ScriptRuntime:
         return handle.done
 
     def launch_mixed(self, slot: int, step: StepInputs, after: object | None = None) -> None:
-        pass
+        assert after is None or isinstance(after, Batch)
+        self.mixed.append((step.rows.tolist(), after))
+        if after is not None:
+            self._after[slot] = after
 
     def launch_decode(self, slot: int, step: StepInputs) -> None:
         pass
@@ -62,6 +77,10 @@ class ScriptRuntime:
         pass
 
     def read_outputs(self, slot: int, b: int) -> np.ndarray:
+        after = self._after.pop(slot, None)
+        if after is not None:  # the step waited for it, and its lane ran in order
+            for batch in self.batches[: self.batches.index(after) + 1]:
+                batch.done = batch.done or batch.interactive == after.interactive
         out = np.zeros((b, N_OUT), np.float32)
         out[:, O_TOKEN] = self.token
         return out

@@ -89,6 +89,11 @@ class EngineConfig:
     # prefill_batches slots at most): an interactive picture waits behind no more than one
     # batch of this many background pictures on the prefill stream.
     background_prefill_batch: int = 2
+    # While background work runs, new interactive pictures take a prefill lane of their own
+    # (engine/device/prefill.py): a stream ahead of the steps, with its own graphs, so they
+    # wait behind no background picture and no decode step. Pictures in one batch there;
+    # 0: no such lane (interactive pictures queue behind background ones).
+    interactive_prefill_batch: int = 4
     # Spatial references one request may carry: every sequence row reserves the embeddings
     # of this many boxes (three positions each) on the device.
     max_spatial_refs: int = 8
@@ -128,6 +133,7 @@ class EngineConfig:
             "prefix_prompt_tokens",
             "crop_graph_sizes",
             "max_spatial_refs",
+            "interactive_prefill_batch",
         )
         for name in nonnegative:
             if getattr(self, name) < 0:

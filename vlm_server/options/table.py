@@ -274,6 +274,14 @@ class ServerConfig:
         "background pictures use one of the --prefill-batches slots at most, so an "
         "interactive picture waits behind one such small batch at most",
     )
+    interactive_prefill_batch: int = option(
+        _ENGINE.interactive_prefill_batch,
+        G.PERFORMANCE,
+        "while background work runs, new interactive pictures take a prefill lane of their "
+        "own, ahead of the decode steps and of background pictures, in batches of at most "
+        "this many (0 = no such lane: interactive pictures queue behind background ones; "
+        "the lane's graphs take start-up time and memory)",
+    )
     batch_concurrency: int = option(
         0,
         G.PERFORMANCE,

@@ -29,6 +29,7 @@ class PrefixEntry:
     users: int = 0
     ready: bool = True  # its pages hold the prefix (False while the device computes it)
     pending: object | None = None  # the runtime's handle of that computation
+    interactive_lane: bool = False  # computed on the runtime's interactive prefill lane
     pages: list[int] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -37,13 +37,21 @@ class Runtime(Protocol):
     prefix_slots: int
     # Prompt tokens that may ride one batch of new image prefixes (0: none).
     prefix_prompt_tokens: int
+    # The interactive prefill lane (ahead of the steps, for interactive pictures while
+    # background work runs): its batches in flight at once, and pictures a batch (0: no lane).
+    interactive_prefix_slots: int
+    interactive_prefill_batch: int
 
-    def launch_prefixes(self, jobs: list[PrefixJob], partitioned: bool = False) -> object:
-        """Enqueue the image path and the BOS + image forward of each job on the prefill
-        stream, into its pages, with the prompts that ride along (core/prefix_jobs.py);
-        returns a handle for `prefix_ready`. The caller keeps at most ``prefix_slots`` batches
-        unfinished. ``partitioned``: in the SM partition, where the runtime has one beside
-        its unpartitioned prefill stream. No host wait."""
+    def launch_prefixes(
+        self, jobs: list[PrefixJob], partitioned: bool = False, interactive: bool = False
+    ) -> object:
+        """Enqueue the image path and the BOS + image forward of each job on a prefill lane,
+        into its pages, with the prompts that ride along (core/prefix_jobs.py); returns a
+        handle for `prefix_ready`. The caller keeps at most ``prefix_slots`` batches
+        unfinished on the prefill stream, and ``interactive_prefix_slots`` on the interactive
+        lane (``interactive``). ``partitioned``: in the SM partition, where the runtime has
+        one beside its unpartitioned prefill stream. Each lane runs its batches in order.
+        No host wait."""
         ...
 
     def prefix_ready(self, handle: object) -> bool:

@@ -27,6 +27,13 @@ user's short prompt rides its new prefix's forward instead (core/prefix_jobs.py)
 only a held row once the prefix is ready; when nothing else runs, that row's step is launched
 at once, waiting for the prefix batch on the device rather than for the host to see it end.
 
+While background work runs (core/headroom.py), new interactive pictures go to the runtime's
+interactive lane instead, ahead of the steps (at most ``interactive_prefix_slots`` batches of
+``interactive_prefill_batch``); a batch holds pictures of one lane only. When every
+interactive request running is a prompt riding such a batch, the next step carries their held
+rows at once, waiting for the batch on the device: the background rows it also carries wait
+with them, and the interactive answers pay no host round trip.
+
 At depth 1 the same calls run as launch -> finalize -> commit, one step at a time (blocking).
 """
 
@@ -200,18 +207,35 @@ class Scheduler:
         self.flush_events()
 
     def _chainable(self) -> bool:
-        """Nothing runs but prompts riding image prefixes still on the device, and nothing
-        waits: sampling their first outputs can be queued behind those prefixes at once,
-        instead of after the host saw them finish (a request alone saves that round trip)."""
+        """Nothing runs but prompts riding image prefixes still on the device (of one lane),
+        and nothing waits: sampling their first outputs can be queued behind those prefixes at
+        once, instead of after the host saw them finish (a request alone saves that round
+        trip)."""
         return (
             not self.pipe.n_in_flight
             and not self.waiting
             and bool(self.running)
-            and all(s.rides_prefix and s.held and s.cancelled is None for s in self.running)
+            and all(_riding(s) for s in self.running)
+            and len({s.prefix.interactive_lane for s in self.running}) == 1  # type: ignore[union-attr]
         )
 
+    def _interactive_riders(self) -> list[Sequence]:
+        """Prompts riding batches of the interactive lane, when they are all the interactive
+        requests running (else none): their held rows may wait on the device for the lane,
+        holding back background rows only."""
+        if not any(e.interactive_lane for e in self.pending_prefixes):
+            return []
+        riders = []
+        for s in self.running:
+            if is_background(s.request):
+                continue
+            if not (_riding(s) and s.prefix.interactive_lane):  # type: ignore[union-attr]
+                return []
+            riders.append(s)
+        return riders
+
     def _launchable(self) -> bool:
-        if self._chainable():
+        if self._chainable() or self._interactive_riders():
             return True
         if any(
             s.wants_decode_step() or s.wants_prefill_chunk() or s.wants_held_sample()
@@ -240,15 +264,23 @@ class Scheduler:
             chunks.append(chunk)
             prefill.append(s)
         after = None
+        riders = []
         if not decode and not prefill and self._chainable():
             # Only prompts riding new prefixes: their held rows go now, behind the prefixes
             # on the device; the step's commit stands for the batch their pages wait for.
-            prefill = list(running)
-            chunks = [Chunk.held(len(s.prompt)) for s in prefill]
-            after = self.pending_prefixes[-1].pending  # the prefill stream runs in order
-            for s in prefill:
+            riders = list(running)
+        else:
+            riders = self._interactive_riders()
+        if riders:
+            lane = riders[0].prefix.interactive_lane  # type: ignore[union-attr]
+            # A lane runs its batches in order: its last one stands for every earlier one.
+            last = [e for e in self.pending_prefixes if e.interactive_lane == lane][-1]
+            after = last.pending
+            for s in riders:
                 s.rides_prefix = False
                 s.drop_ref()
+                chunks.append(Chunk.held(len(s.prompt)))
+                prefill.append(s)
         if not decode and not prefill:
             return
         seqs = decode + prefill
@@ -295,8 +327,24 @@ class Scheduler:
                     s.rides_prefix = False
                     s.drop_ref()
 
-    def _prefix_batches_in_flight(self) -> int:
-        return len({id(e.pending) for e in self.pending_prefixes})
+    def _prefix_batches_in_flight(self, interactive: bool = False) -> int:
+        """Batches of one lane that may still run (the interactive one's, or the other's)."""
+        return len(
+            {id(e.pending) for e in self.pending_prefixes if e.interactive_lane == interactive}
+        )
+
+    def _lane_full(self, interactive: bool) -> bool:
+        slots = self.rt.interactive_prefix_slots if interactive else self.rt.prefix_slots
+        return self._prefix_batches_in_flight(interactive) >= slots
+
+    def _interactive_lane(self, seq: Sequence) -> bool:
+        """Whether a new picture of ``seq`` goes to the interactive lane: an interactive
+        request while background work runs, where the runtime has the lane."""
+        return (
+            bool(self.rt.interactive_prefix_slots)
+            and bool(self.headroom.rows)
+            and not is_background(seq.request)
+        )
 
     def _can_admit(self, seq: Sequence) -> bool:
         """Whether `_admit` would take ``seq`` at the head of the queue (the same rules)."""
@@ -305,7 +353,7 @@ class Scheduler:
         cache = self.prefix_cache
         entry = cache.peek(seq.request.image.content_hash) if seq.prefix_len else None
         new_prefix = seq.prefix_len and entry is None
-        if new_prefix and self._prefix_batches_in_flight() >= self.rt.prefix_slots:
+        if new_prefix and self._lane_full(self._interactive_lane(seq)):
             return False
         if is_background(seq.request):
             return self._background_fits(seq, entry, 0 if new_prefix else -1)
@@ -330,6 +378,7 @@ class Scheduler:
         n_admitted = 0
         riding = 0  # prompt tokens riding this batch's new prefixes
         background_batch = False  # whether a background picture joined the new prefixes
+        interactive_lane = False  # the lane of the new prefixes' batch
         now = time.monotonic()
         while (
             self.waiting
@@ -343,10 +392,17 @@ class Scheduler:
             known = cache.peek(seq.request.image.content_hash) if seq.prefix_len else None
             new_prefix = seq.prefix_len and known is None
             if new_prefix:
-                # The prefill stream holds enough batches: admitting more would only hold
-                # their pages and rows while they wait.
-                if not new_prefixes and self._prefix_batches_in_flight() >= self.rt.prefix_slots:
-                    break
+                lane = self._interactive_lane(seq)
+                if not new_prefixes:
+                    # The lane holds enough batches: admitting more would only hold their
+                    # pages and rows while they wait.
+                    if self._lane_full(lane):
+                        break
+                    interactive_lane = lane
+                elif lane != interactive_lane or (
+                    lane and len(new_prefixes) >= self.rt.interactive_prefill_batch
+                ):
+                    break  # a batch holds one lane's pictures, and the next tick goes on
             elif (known is None or known.ready) and not budget.can_take():
                 break
             if is_background(seq.request):
@@ -393,9 +449,11 @@ class Scheduler:
                     for e, s in new_prefixes
                 ],
                 partitioned=self._streaming(),
+                interactive=interactive_lane,
             )
             for entry, _ in new_prefixes:
                 entry.pending = handle
+                entry.interactive_lane = interactive_lane
                 self.pending_prefixes.append(entry)
             if background_batch:
                 self.headroom.launched_batch(new_prefixes[0][0])
@@ -612,5 +670,12 @@ class Scheduler:
 _IDLE = RowPhase.IDLE
 _IDLE_INT = int(_IDLE)  # a step's phases come back as ints, compared fastest with ints
 _PREFILL = SeqState.PREFILL
+
+
+def _riding(s: Sequence) -> bool:
+    """A prompt riding its image prefix's batch, still on the device, its sample held."""
+    return s.rides_prefix and s.held and s.cancelled is None
+
+
 _REGION_PHASE = np.isin(np.arange(len(RowPhase)), list(REGION_PHASES))  # by phase value
 assert F_PHASE == F_MASK + 1  # finalize writes both columns in one slice

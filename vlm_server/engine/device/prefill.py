@@ -10,6 +10,12 @@ the batch's event said it completed, unless the step itself waits for the batch 
 With an SM partition used only while requests stream (``prefill_sms_when_streaming``) there
 are two prefill lanes, each with its own graphs; a batch that changes lane waits for the
 other lane's last one (``prefill.lane_done``), as both read the same static buffers.
+
+The interactive lane is a second `Prefill` (``interactive=True``) with static buffers, slots
+and graphs of its own, on a stream ahead of the compute stream: while background work runs,
+the scheduler sends new interactive pictures there, so they wait neither for a background
+batch on the prefill stream nor for SMs the decode steps hold. Its batches are smaller
+(``interactive_prefill_batch``), so it captures fewer prefix graphs.
 """
 
 from __future__ import annotations
@@ -84,13 +90,19 @@ class Prefill:
         buffers: StepBuffers,
         crops: ImageCrops,
         adapters: AdapterRows | None = None,
+        interactive: bool = False,
     ) -> None:
         self.dev, self.entry, self.pool, self.buffers, self.crops = dev, entry, pool, buffers, crops
         self.adapters = adapters  # the jobs' adapter slots; None: adapters are off
-        self.max_jobs, self.page_size = cfg.max_prefill_batch, cfg.page_size
+        self.interactive = interactive
+        # Buffer names, and the adapter rows' prefix slots (the interactive lane's follow).
+        self.name = "iprefix" if interactive else "prefix"
+        self.adapter_base = cfg.prefill_batches if interactive else 0
+        jobs = cfg.interactive_prefill_batch if interactive else cfg.max_prefill_batch
+        self.max_jobs, self.page_size = jobs, cfg.page_size
         self.prompt_tokens = cfg.prefix_prompt_tokens
         self.prompt_buckets = prompt_buckets(cfg.prefix_prompt_tokens)
-        prefix_len, jobs, device = entry.image_prefix_len, cfg.max_prefill_batch, entry.device
+        prefix_len, device = entry.image_prefix_len, entry.device
         self.prefix_pages = -(-prefix_len // cfg.page_size)
         self.prompt_layout = MixedLayout(rows=jobs + 1, max_tails=jobs)
         # Each job's held row, then its prompt tokens as the layout packs them.
@@ -102,7 +114,7 @@ class Prefill:
         # BOS + image embeddings of one batch (written and read on the prefill stream only).
         # Registered: both prefill lanes' batches write it (the fake device versions it).
         self.prefix_emb = dev.buffer(
-            "prefix_emb", zeros((jobs, prefix_len, entry.dim), entry.dtype, device)
+            f"{self.name}_emb", zeros((jobs, prefix_len, entry.dim), entry.dtype, device)
         )
         self.prefix_pos = torch.arange(prefix_len, device=device)
         # Which image of a prefix batch each flattened token belongs to (the Triton path).
@@ -114,21 +126,21 @@ class Prefill:
         self.lanes = self._lanes()
         self.image_graphs = self.lanes[0].image_graphs
         self.prefix_graphs = self.lanes[0].prefix_graphs
-        self.lane_done = dev.event("prefill.lane_done")
+        self.lane_done = dev.event(f"{self.name}.lane_done")
         self.last_lane: int | None = None
 
     def _slots(self, n: int, prefix_len: int, prompt_len: int) -> list[PrefixSlot]:
-        dev, device = self.dev, self.entry.device
+        dev, device, name = self.dev, self.entry.device, self.name
         pages = -(-(prefix_len + self.prompt_tokens) // self.page_size)
         pages_shape = (self.max_jobs + 1, pages)
         return [
             PrefixSlot(
-                dev.host_buffer(f"prefix{i}.pages_host", pages_shape, torch.int64),
-                dev.buffer(f"prefix{i}.pages_dev", zeros(pages_shape, torch.int64, device)),
-                dev.host_buffer(f"prefix{i}.prompt_host", (prompt_len,), torch.int64),
-                dev.buffer(f"prefix{i}.prompt_dev", zeros((prompt_len,), torch.int64, device)),
+                dev.host_buffer(f"{name}{i}.pages_host", pages_shape, torch.int64),
+                dev.buffer(f"{name}{i}.pages_dev", zeros(pages_shape, torch.int64, device)),
+                dev.host_buffer(f"{name}{i}.prompt_host", (prompt_len,), torch.int64),
+                dev.buffer(f"{name}{i}.prompt_dev", zeros((prompt_len,), torch.int64, device)),
                 # Blocking: the engine's prefix watcher sleeps on it (`ModelRuntime.wait_prefix`).
-                dev.event(f"prefix{i}.prefix_done", blocking=True),
+                dev.event(f"{name}{i}.prefix_done", blocking=True),
             )
             for i in range(n)
         ]
@@ -139,6 +151,16 @@ class Prefill:
         Both lanes share the static buffers the graphs read (`prefix_emb`, `image_inputs`),
         so a batch waits for the other lane's last one."""
         dev = self.dev
+        if self.interactive:  # the whole GPU, ahead of the steps: no partition
+            return [
+                PrefillLane(
+                    dev.interactive_prefill_stream,
+                    GraphSet("interactive image"),
+                    GraphSet("interactive image prefix"),
+                    self.crops.graphs(None),
+                    GraphSet("interactive image prefix (adapters)"),
+                )
+            ]
         two_lanes = dev.partitioned_prefill_stream is not None
         partition_capture = dev.prefill_capture_stream
         lanes = [
@@ -211,7 +233,8 @@ class Prefill:
         )
         p, n_tails, held_rows = self._send_prompts(i, jobs, stream)
         if self.adapters:
-            self.adapters.send_jobs(i, [job.adapter_slot for job in jobs], stream)
+            slots = [job.adapter_slot for job in jobs]
+            self.adapters.send_jobs(self.adapter_base + i, slots, stream)
         lora = self.adapters is not None and any(job.adapter_slot >= 0 for job in jobs)
         kv, held = self.pool.kv, self.buffers.held
         dev.kernel(
@@ -229,7 +252,7 @@ class Prefill:
         return slot.done
 
     def _adapter_reads(self, i: int) -> list[torch.Tensor]:
-        return [self.adapters.job_dev[i]] if self.adapters is not None else []
+        return [self.adapters.job_dev[self.adapter_base + i]] if self.adapters is not None else []
 
     def _send_prompts(
         self, i: int, jobs: list[PrefixJob], stream: object
@@ -322,7 +345,7 @@ class Prefill:
         kv = self.pool.prefix_view(self.slots[i].pages_dev, k, length, self.image_of_token)
         pos = self.prefix_pos[None].expand(k, length)
         deltas = (
-            self.adapters.for_prefix(i, self.image_of_token[: k * length])
+            self.adapters.for_prefix(self.adapter_base + i, self.image_of_token[: k * length])
             if self.adapters and lora
             else None
         )
@@ -347,7 +370,8 @@ class Prefill:
             slot.pages_dev, k, length, self.image_of_token, rows, pos, tiles, lay.tile_tokens
         )
         adapters = self.adapters if lora else None
-        deltas = adapters.for_prefix(i, self.image_of_token[:n], rows) if adapters else None
+        at_slot = self.adapter_base + i
+        deltas = adapters.for_prefix(at_slot, self.image_of_token[:n], rows) if adapters else None
         with sm_carveout(self.carveout):
             h = entry.text_forward(x[None], positions[None], kv, deltas)[0]
         self.buffers.held[held_rows] = h[n + last.clamp(min=0)]

@@ -127,30 +127,42 @@ class ModelRuntime:
         # Resident finetune adapters (models/lora/bank.py) and each row's slot: only when
         # the server takes adapters and the family declares targets.
         self.adapter_bank = adapter_bank(entry, cfg)
+        lanes = 2 if cfg.interactive_prefill_batch else 1  # the interactive lane's slots
         self.adapters = (
             AdapterRows(
                 dev,
                 self.adapter_bank,
                 cfg.max_rows + 1,
-                cfg.prefill_batches,
-                cfg.max_prefill_batch,
+                lanes * cfg.prefill_batches,
+                max(cfg.max_prefill_batch, cfg.interactive_prefill_batch),
                 entry.image_prefix_len,
             )
             if self.adapter_bank is not None
             else None
         )
-        self.prefill = Prefill(dev, entry, cfg, self.pool, self.buffers, self.crops, self.adapters)
-        # Batches enqueued off the scheduler's thread on CUDA (prefill_launcher.py says why).
+        parts = (dev, entry, cfg, self.pool, self.buffers, self.crops, self.adapters)
+        self.prefill = Prefill(*parts)
+        # Batches enqueued off the scheduler's thread on CUDA (prefill_launcher.py says why),
+        # one thread a lane: an interactive batch never waits behind a background launch.
         self.prefill_launcher = PrefillLauncher(
             self.prefill.launch, threaded=dev.is_cuda, device=entry.device
+        )
+        self.interactive_prefill = Prefill(*parts, interactive=True) if lanes > 1 else None
+        self.interactive_launcher = (
+            PrefillLauncher(
+                self.interactive_prefill.launch, threaded=dev.is_cuda, device=entry.device
+            )
+            if self.interactive_prefill is not None
+            else None
         )
         # Every row's spatial-reference embeddings: three slots per reference (a box's).
         refs = SpatialRefSlots(dev, entry, cfg.max_rows + 1, 3 * cfg.max_spatial_refs)
         self.steps = StepForwards(
             dev, entry, cfg, self.pool, self.buffers, observer, refs, self.adapters
         )
-        # Launched prefix batches' events, each with whether it runs in the SM partition.
-        self._prefixes_in_flight: list[tuple[object, bool]] = []
+        # Launched prefix batches' handles, each with whether it runs in the SM partition and
+        # whether on the interactive lane.
+        self._prefixes_in_flight: list[tuple[object, bool, bool]] = []
         self.steps.capture_early = early_when_idle
         self.steps.prefill_contends = self.prefill_contends
         self.steps.prefill_busy = self.prefill_busy
@@ -163,6 +175,9 @@ class ModelRuntime:
         # with up to prefix_prompt_tokens of their first users' prompts (core/prefix_jobs.py).
         self.prefix_slots = cfg.prefill_batches
         self.prefix_prompt_tokens = cfg.prefix_prompt_tokens
+        # The interactive lane: its batches in flight at once and pictures a batch (0: none).
+        self.interactive_prefix_slots = cfg.prefill_batches if lanes > 1 else 0
+        self.interactive_prefill_batch = cfg.interactive_prefill_batch if lanes > 1 else 0
 
     def _check_carveout(self) -> None:
         cfg = self.cfg
@@ -177,25 +192,41 @@ class ModelRuntime:
     # ---- what the scheduler calls (core/runtime_protocol.py) --------------------------
 
     @torch.inference_mode()
-    def launch_prefixes(self, jobs: list[PrefixJob], partitioned: bool = False) -> object:
+    def launch_prefixes(
+        self, jobs: list[PrefixJob], partitioned: bool = False, interactive: bool = False
+    ) -> object:
         """Enqueue the image paths and the BOS + image forward of ``jobs`` on a prefill lane
-        (prefill.py); returns the event `prefix_ready` polls."""
-        # No batch running and no tiling twice: no replay can wait behind another.
-        idle = not self.prefill_busy()
+        (prefill.py), the interactive lane when ``interactive``; returns the handle
+        `prefix_ready` polls."""
+        if interactive:
+            if self.interactive_launcher is None:
+                raise ValueError("an interactive prefix batch, but the lane is off")
+            prefill, launcher, on_partition = (
+                self.interactive_prefill,
+                self.interactive_launcher,
+                False,
+            )
+        else:
+            prefill, launcher = self.prefill, self.prefill_launcher
+            on_partition = prefill.on_partition(partitioned)
+        # Its lane idle and no tiling twice: no replay can wait behind another.
+        idle = not any(lane == interactive for _, _, lane in self._live_prefixes())
         inline = idle and len({job.image.tiling for job in jobs}) == len(jobs)
-        handle = self.prefill_launcher.submit(jobs, partitioned, inline)
-        self._prefixes_in_flight.append((handle, self.prefill.on_partition(partitioned)))
+        handle = launcher.submit(jobs, partitioned, inline)
+        self._prefixes_in_flight.append((handle, on_partition, interactive))
         return handle
 
     def close(self) -> None:
-        """Stop the prefill launcher's thread (after the batches handed over)."""
+        """Stop the prefill launchers' threads (after the batches handed over)."""
         self.prefill_launcher.close()
+        if self.interactive_launcher is not None:
+            self.interactive_launcher.close()
 
-    def _live_prefixes(self) -> list[tuple[object, bool]]:
+    def _live_prefixes(self) -> list[tuple[object, bool, bool]]:
         """The launched prefix batches that may still run (event queries: no sync)."""
         if not self._prefixes_in_flight:  # the common case: nothing to query
             return self._prefixes_in_flight
-        live = [(h, part) for h, part in self._prefixes_in_flight if not h.query()]  # type: ignore[attr-defined]
+        live = [b for b in self._prefixes_in_flight if not b[0].query()]  # type: ignore[attr-defined]
         self._prefixes_in_flight = live
         return live
 
@@ -206,7 +237,7 @@ class ModelRuntime:
     def prefill_contends(self) -> bool:
         """Whether a prefix batch that may still run has the whole GPU (not the partition):
         decode kernels launched early would hold SMs its kernels need."""
-        return any(not part for _, part in self._live_prefixes())
+        return any(not part for _, part, _ in self._live_prefixes())
 
     def prefix_ready(self, handle: object) -> bool:
         """Whether a `launch_prefixes` batch completed: a non-blocking event query."""
@@ -258,6 +289,8 @@ class ModelRuntime:
         self.steps.capture(progress)
         self.sampler.capture(progress)
         self.prefill.capture_prefixes(progress)
+        if self.interactive_prefill is not None:
+            self.interactive_prefill.capture_prefixes(progress)
 
     @torch.inference_mode()
     def capture_vision_graphs(self, progress: bool = True) -> None:
@@ -266,6 +299,8 @@ class ModelRuntime:
         if not self.dev.is_cuda:
             return
         self.prefill.capture_images(progress)
+        if self.interactive_prefill is not None:
+            self.interactive_prefill.capture_images(progress)
 
 
 __all__ = ["ModelRuntime", "kv_page_bytes"]

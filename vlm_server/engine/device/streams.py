@@ -50,6 +50,9 @@ class Device(Protocol):
     partitioned_prefill_stream: object
     # A stream in the partition that the prefill graphs are captured on, or None.
     prefill_capture_stream: object
+    # Interactive pictures while background work runs, ahead of the compute stream
+    # (prefill.py: the interactive lane).
+    interactive_prefill_stream: object
 
     def event(self, name: str, blocking: bool = False) -> Event:
         """``blocking``: a host thread waiting for it sleeps instead of spinning."""
@@ -194,8 +197,10 @@ class TorchDevice:
         if prefill_sms and not self.is_cuda:
             raise ValueError(f"prefill_sms needs a CUDA device; the model is on {device}")
         if self.is_cuda:
-            # Lower numbers run first: decode steps get SMs ahead of a new image's prefix.
+            # Lower numbers run first: decode steps get SMs ahead of a new image's prefix,
+            # and an interactive picture ahead of both while background work fills them.
             self.compute_stream = torch.cuda.Stream(device, priority=-1)
+            self.interactive_prefill_stream = torch.cuda.Stream(device, priority=-2)
             self.copy_stream = torch.cuda.Stream(device)
             if prefill_sms:
                 _, (part, capture) = partitioned_streams(device, prefill_sms)  # lives on
@@ -209,6 +214,7 @@ class TorchDevice:
                 self.prefill_stream = torch.cuda.Stream(device, priority=0)
         else:
             self.compute_stream = self.copy_stream = self.prefill_stream = None
+            self.interactive_prefill_stream = None
 
     def event(self, name: str, blocking: bool = False) -> torch.cuda.Event | CpuEvent:
         return torch.cuda.Event(blocking=blocking) if self.is_cuda else CpuEvent()
