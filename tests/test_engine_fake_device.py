@@ -44,6 +44,7 @@ from vlm_server.engine.api import (
     Task,
 )
 from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.core import admission as admission_module
 from vlm_server.engine.core import scheduler as scheduler_module
 from vlm_server.engine.core.observer import Observer
 from vlm_server.engine.core.outputs import output_for
@@ -780,7 +781,7 @@ _METHODS = [
 
 
 def test_protocol_is_what_the_scheduler_uses() -> None:
-    src = inspect.getsource(scheduler_module)
+    src = inspect.getsource(scheduler_module) + inspect.getsource(admission_module)
     used = set(re.findall(r"self\.rt\.(\w+)", src)) | set(re.findall(r"runtime\.(\w+)", src))
     attrs = {
         "kv_pages": "int",
