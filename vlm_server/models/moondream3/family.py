@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from vlm_server.models.common.memory_shape import memory_shape
+from vlm_server.models.common.quant_load import QuantRequest
 from vlm_server.models.interface import FamilyConfig, KVShape, LoadedModel, MemoryShape
 from vlm_server.models.moondream3.config import FORMATS, PRESETS, ModelConfig
 from vlm_server.models.moondream3.layout import expected_shapes
@@ -85,9 +86,15 @@ class Moondream3Family:
         device: torch.device | str,
         tokenizer_path: str | Path | None,
         progress: bool,
+        quant: QuantRequest | None = None,
     ) -> LoadedModel:
         return load_model(
-            path, preset_name=preset_name, dtype=dtype, device=device, tokenizer_path=tokenizer_path
+            path,
+            preset_name=preset_name,
+            dtype=dtype,
+            device=device,
+            tokenizer_path=tokenizer_path,
+            quant=quant,
         )
 
     def random_model(
@@ -98,9 +105,10 @@ class Moondream3Family:
         dtype: torch.dtype,
         device: torch.device | str,
         progress: bool,
+        quant: QuantRequest | None = None,
     ) -> LoadedModel:
         assert isinstance(config, ModelConfig)
-        return random_model(config, seed=seed, dtype=dtype, device=device)
+        return random_model(config, seed=seed, dtype=dtype, device=device, quant=quant)
 
     def write_checkpoint(
         self, config: FamilyConfig, out_dir: Path, *, seed: int, progress: bool, **options: Any
