@@ -67,6 +67,10 @@ class MemoryShape:
     proj_inner_dim: int
     top_k: int = 0  # experts per token (0: a dense model)
     expert_dim: int = 0
+    # The decoder's linear weights ``--weights int8|int4`` holds quantized (within "text"):
+    # their parameters and output rows (INT8 scales: one per row).
+    linear_params: int = 0
+    linear_rows: int = 0
 
 
 class TextShape(Protocol):

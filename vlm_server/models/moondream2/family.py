@@ -61,6 +61,7 @@ class Moondream2Family:
             enc_dim=vision.enc_dim,
             enc_ff_dim=vision.enc_ff_dim,
             proj_inner_dim=vision.proj_inner_dim,
+            linears=quant_targets(config, vision=False),
         )
 
     def load(

@@ -15,6 +15,7 @@ from vlm_server.models.interface import FamilyConfig, KVShape, LoadedModel, Memo
 from vlm_server.models.moondream3.config import FORMATS, PRESETS, ModelConfig
 from vlm_server.models.moondream3.layout import expected_shapes
 from vlm_server.models.moondream3.loader import (
+    dense_targets,
     load_model,
     load_state,
     random_model,
@@ -73,6 +74,7 @@ class Moondream3Family:
             enc_dim=vision.enc_dim,
             enc_ff_dim=vision.enc_ff_dim,
             proj_inner_dim=vision.proj_inner_dim,
+            linears=dense_targets(config),
             top_k=text.moe.top_k,
             expert_dim=text.moe.expert_dim,
         )
