@@ -62,6 +62,15 @@ class QuantLinear(nn.Module):
             device=linear.weight.device,
         )
 
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # The scales are part of the format: ``.to(dtype)`` or ``.half()`` on the model moves
+        # them with it but never casts them (the bias takes the activations' dtype).
+        scale = self.scale
+        super()._apply(fn, recurse)
+        if self.scale.dtype != scale.dtype:
+            self.scale = scale.to(self.scale.device)
+        return self
+
     def extra_repr(self) -> str:
         group = f", group={self.fmt.group_size}" if self.fmt.group_size else ""
         return f"{self.in_features}, {self.out_features}, {self.fmt.name}{group}"
