@@ -77,7 +77,8 @@ class ModelFamily(Protocol):
         quant: QuantRequest | None = None,
     ) -> LoadedModel:
         """Load a local checkpoint (a directory or one weights file); ``quant``: with its
-        decoder's linears in 8 or 4 bits (only a format of ``formats.quantized``)."""
+        decoder's linears in 8 or 4 bits (only a format of ``formats.quantized``; a family
+        that declares none is never passed it)."""
         ...
 
     def random_model(
@@ -207,6 +208,9 @@ def load_model(
     if quant is not None and quant.stored is not None:
         config = fam.read_config(path if path.is_dir() else path.parent, preset_name)
         check_quantized(quant.stored, fam.expected_shapes(config), str(path))
+    # A family asked for no quantized format never sees the argument: one that declares none
+    # need not take it.
+    asked: dict[str, Any] = {} if quant is None else {"quant": quant}
     loaded = fam.load(
         path,
         preset_name=preset_name,
@@ -214,7 +218,7 @@ def load_model(
         device=device,
         tokenizer_path=tokenizer_path,
         progress=progress,
-        quant=quant,
+        **asked,
     )
     loaded.source = str(source)
     return loaded
@@ -235,8 +239,9 @@ def random_model(
     fam = family_of(config)
     _check_dtype(fam, dtype)
     quant = quant_plan.request(fam.name, fam.formats, None, weights, group_size, device)
+    asked: dict[str, Any] = {} if quant is None else {"quant": quant}
     return fam.random_model(
-        config, seed=seed, dtype=dtype, device=device, progress=progress, quant=quant
+        config, seed=seed, dtype=dtype, device=device, progress=progress, **asked
     )
 
 
