@@ -1,15 +1,22 @@
 """The quantized linear layer (models/common/quant_linear.py) off CUDA: each product equals a
 16-bit layer's holding the dequantized weight (the kernels' numerics contract: every weight
 rounded once to the scale's dtype, then to the activations'), its state is the stored values
-and scales only, and the module swap refuses what is not a linear layer."""
+and scales only, the module swap refuses what is not a linear layer; and its CUDA path (the
+kernels, run by Triton's interpreter) takes each launch with its epilogue."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from types import ModuleType
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.support import quant_reference as ref
+from tests.support.interpreted import interpreted_copy
+from vlm_server.models.common import quant_gemm, quant_linear
 from vlm_server.models.common.layers import MLP
 from vlm_server.models.common.quant_linear import QuantLinear, module_names, swap_linears
 from vlm_server.models.quant.formats import QuantFormat, weight_format
@@ -95,3 +102,53 @@ def test_swap_and_names() -> None:
         {"a.weight.qweight": torch.zeros(1), "a.weight.scale": torch.zeros(1), "a.bias": 0}  # type: ignore[dict-item]
     )
     assert sorted(names) == ["a.bias", "a.qweight", "a.scale"]
+
+
+@pytest.fixture(scope="module")
+def qg() -> Iterator[ModuleType]:
+    with interpreted_copy(quant_gemm) as mod:
+        yield mod
+
+
+@pytest.mark.parametrize("int4", [False, True], ids=["int8", "int4"])
+def test_the_kernel_path_equals_the_plain_path(
+    qg: ModuleType, int4: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The layer's CUDA path (the kernels under Triton's interpreter, as if on CUDA): a decode
+    step's few rows take the skinny kernel, a prompt's the tiled GEMM, the bias and the GELU in
+    their epilogue; each equals the plain path up to the order of fp32 sums. fp32 activations
+    and power-of-two bf16 scales: the interpreter's bf16 rounding truncates (module doc of
+    tests/test_quant_gemm.py)."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 48, 256
+    qweight, scale = (ref.random_int4 if int4 else ref.random_int8)(
+        n, k, g, torch.bfloat16, powers_of_two=True
+    )
+    fmt = weight_format("int4" if int4 else "int8", quant_gemm.GROUP)
+    layer = QuantLinear(fmt, k, n)
+    bias = torch.randn(n, generator=g)
+    layer.load_state_dict({"qweight": qweight, "scale": scale, "bias": bias})
+    calls: list[str] = []
+
+    def spy(name: str) -> object:
+        launch = getattr(qg, name)
+
+        def run(*args: object, **kwargs: object) -> torch.Tensor:
+            calls.append(name)
+            return launch(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(qg, "supported", lambda x: True)
+    for name in ("quant_skinny_linear", "quant_linear"):
+        monkeypatch.setattr(qg, name, spy(name))
+    for rows, kernel in ((1, "quant_skinny_linear"), (70, "quant_linear")):
+        x = torch.randn(1, rows, k, generator=g)
+        plain = layer(x), layer(x, gelu=True)
+        monkeypatch.setattr(quant_linear, "quant_gemm", qg)
+        got = layer(x), layer(x, gelu=True)
+        monkeypatch.setattr(quant_linear, "quant_gemm", quant_gemm)
+        assert calls[-2:] == [kernel, kernel]
+        for a, b in zip(got, plain, strict=True):
+            assert a.shape == (1, rows, n)
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
