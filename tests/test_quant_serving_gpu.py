@@ -61,9 +61,7 @@ def test_the_engine_answers_as_the_dequantized_model_fp32(
         assert rt.steps.decode_graphs and rt.steps.mixed_graphs and rt.prefill.prefix_graphs
         assert not rt.fused_decode  # the fused products stack 16-bit weights
 
-    cap, qry, det = _finish_all(
-        loaded, reqs, 2, check, max_batch_size=4, kv_budget_bytes=2 << 30
-    )
+    cap, qry, det = _finish_all(loaded, reqs, 2, check, max_batch_size=4, kv_budget_bytes=2 << 30)
     plain = _md2(torch.float32, None)
     ref = ReferenceGenerator(dequantized_twin(loaded, plain).model, plain.tokenizer)
     del plain
