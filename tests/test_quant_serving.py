@@ -329,7 +329,13 @@ def test_the_plan_holds_the_decoder_linears_in_their_bits() -> None:
     assert WEIGHT_FORMATS["int4"].group_size == quant_gemm.GROUP
 
 
-def test_vlm_plan_takes_int4(capsys: pytest.CaptureFixture[str]) -> None:
+def test_vlm_plan_takes_int4(
+    files: dict[tuple, Path], tiny_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert cli_main(["plan", "--gpu", "H100", "--model", "md2", "--weights", "int4"]) == 0
     out = capsys.readouterr().out
     assert "weights: text" in out and "int4 linears, the rest bf16" in out
+    # A vlm quantize directory is planned in its own format, any other in bf16.
+    for model, want in ((files[("int8", 128, False)], "int8"), (tiny_dir, "bf16")):
+        assert cli_main(["plan", "--gpu", "H100", "--model", str(model), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["weights_format"] == want
