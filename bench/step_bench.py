@@ -219,6 +219,12 @@ def main() -> None:
     ap.add_argument("--depths", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument(
+        "--weights",
+        default=None,
+        choices=["bf16", "int8", "int4"],
+        help="the decoder's linears in 8 or 4 bits (quantized at load) [default: the model's]",
+    )
     ap.add_argument("--kv-gib", type=float, default=8.0)
     ap.add_argument(
         "--task",
@@ -247,9 +253,11 @@ def main() -> None:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     if args.model:
-        loaded = load_model(args.model, dtype=dtype, device=device)
+        loaded = load_model(args.model, dtype=dtype, device=device, weights=args.weights)
     else:
-        loaded = random_model(preset(args.preset), seed=0, dtype=dtype, device=device)
+        loaded = random_model(
+            preset(args.preset), seed=0, dtype=dtype, device=device, weights=args.weights
+        )
     if args.task == "detect":
         coord = loaded.config.tokens.coord_id
         if coord is not None:
@@ -293,11 +301,10 @@ def main() -> None:
     out = args.out or Path("bench/results") / name.replace(" ", "_")
     out.mkdir(parents=True, exist_ok=True)
     name_json = "step_bench.json" if args.task == "caption" else f"step_bench_{args.task}.json"
-    (out / name_json).write_text(
-        json.dumps(
-            {"device": name, "preset": args.preset, "dtype": args.dtype, "rows": rows}, indent=2
-        )
-    )
+    if args.weights in ("int8", "int4"):  # beside the 16-bit figures, not over them
+        name_json = name_json.replace(".json", f"_{args.weights}.json")
+    meta = {"device": name, "preset": args.preset, "dtype": args.dtype, "weights": args.weights}
+    (out / name_json).write_text(json.dumps({**meta, "rows": rows}, indent=2))
     head = (
         f"{'streams':>7} {'depth':>5} {'fused':>5} {'pdl':>6} {'fwd ms':>7} {'samp ms':>7} "
         f"{'period':>7} "

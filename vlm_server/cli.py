@@ -33,7 +33,7 @@ SAMPLE = "sample"
 
 
 # The options of the served model, as vlm serve takes them (one table: vlm_server.options).
-RUN_OPTIONS = ("model", "preset", "tokenizer", "dtype", "device")
+RUN_OPTIONS = ("model", "preset", "tokenizer", "dtype", "weights", "device")
 
 
 def _run_options() -> list[Option]:
@@ -122,6 +122,7 @@ def _run(args: argparse.Namespace, config: ServerConfig) -> int:
         dtype=dtype,
         device=device,
         tokenizer_path=config.tokenizer,
+        weights=config.weights,
     )
     data = sample_image_bytes() if args.image == SAMPLE else Path(args.image).read_bytes()
     image = prepare_image(data)

@@ -13,10 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from vlm_server.chips import by_name
 from vlm_server.engine.core.memory_plan import KV_FORMATS, WEIGHT_FORMATS, plan_memory
 from vlm_server.models.checkpoint_io import CheckpointError
+from vlm_server.models.quant.files import stored_format
 from vlm_server.options.command_line import add_options, config_from
 from vlm_server.options.table import OPTIONS
 from vlm_server.plan_view import alternatives, check_format, model_shape, plan_json, plan_lines
@@ -41,13 +43,15 @@ def _parser() -> argparse.ArgumentParser:
         "--model",
         default="md2",
         help="a preset (md2 and md3 name the default ones) or a checkpoint directory, whose "
-        "config.json alone is read [default md2]",
+        "config.json alone is read (and a vlm quantize directory's format, from its weights' "
+        "header) [default md2]",
     )
     parser.add_argument(
         "--weights",
-        default="bf16",
+        default=None,
         choices=list(WEIGHT_FORMATS),
-        help="how the weights are held (fp8-experts: Moondream 3's FP8 checkpoint) [default bf16]",
+        help="how the weights are held (fp8-experts: Moondream 3's FP8 checkpoint; int8, int4: "
+        "the decoder's linears) [default: a vlm quantize directory's format, else bf16]",
     )
     parser.add_argument(
         "--kv-dtype",
@@ -60,6 +64,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stored_weights(model: Path) -> str:
+    """A vlm quantize directory's format (from its weights' header alone), else bf16; a header
+    that cannot be read counts as bf16 (the plan needs the config only)."""
+    if not model.is_dir():
+        return "bf16"
+    try:
+        stored = stored_format(model)
+    except CheckpointError:
+        return "bf16"
+    return stored.name if stored is not None else "bf16"
+
+
 def main(argv: list[str]) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -67,6 +83,8 @@ def main(argv: list[str]) -> int:
     try:
         card = by_name(args.gpu)
         model, shape = model_shape(args.model, config.preset)
+        if args.weights is None:
+            args.weights = _stored_weights(Path(args.model))
         check_format(shape, args.weights, card)
         act = WEIGHT_FORMATS[args.weights].activation_dtype
         if args.kv_dtype not in (None, act):

@@ -120,6 +120,15 @@ def verdict(plan: MemoryPlan) -> str:
     )
 
 
+def _held_as(weights: str, part: str) -> str:
+    """How ``part`` of the weights is held in format ``weights``: a 4- or 8-bit format holds
+    the decoder's linears only."""
+    fmt = WEIGHT_FORMATS[weights]
+    if not fmt.linear_bits:
+        return weights
+    return f"{weights} linears, the rest {fmt.activation_dtype}" if part == "text" else "bf16"
+
+
 def plan_lines(plan: MemoryPlan, model: str, device: str) -> list[str]:
     """The plan as a table of lines."""
     cap = f", capped at {_gib(plan.cap_bytes)}" if plan.cap_bytes else ""
@@ -127,7 +136,7 @@ def plan_lines(plan: MemoryPlan, model: str, device: str) -> list[str]:
     if plan.context_bytes:
         rows.append(("CUDA context", plan.context_bytes, "outside the allocator (estimate)"))
     for part, n in plan.weights.items():
-        rows.append((f"weights: {part}", n, plan.weights_format))
+        rows.append((f"weights: {part}", n, _held_as(plan.weights_format, part)))
     rows.append(
         (
             "KV pages",

@@ -1,10 +1,16 @@
 """The quantized weight layouts of models/common/quant_gemm.py, written out plainly: random
 quantized weights, their packing and the reference dequantizer the kernels are checked
-against ("dequantize, then the plain product")."""
+against ("dequantize, then the plain product"); and a quantized model's 16-bit twin."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
+from torch import nn
+
+from vlm_server.models.common.quant_linear import QuantLinear
+from vlm_server.models.interface import LoadedModel
 
 GROUP = 128
 
@@ -79,3 +85,20 @@ def reference(
     if bias is not None:
         want = want + bias.double()
     return want
+
+
+def dequantized_twin(quantized: LoadedModel, plain: LoadedModel) -> LoadedModel:
+    """``plain`` (the same checkpoint loaded with 16-bit weights, in the quantized model's
+    dtype) with each weight ``quantized`` holds in 4 or 8 bits replaced by the values it
+    stands for: the 16-bit model the quantized one must answer as."""
+    held = quantized.model.capabilities.quantized
+    assert held is not None and held.weights
+    model = copy.deepcopy(plain.model)
+    assert isinstance(model, nn.Module) and isinstance(quantized.model, nn.Module)
+    with torch.no_grad():
+        for name in held.weights:
+            layer = quantized.model.get_submodule(name.removesuffix(".weight"))
+            assert isinstance(layer, QuantLinear)
+            weight = model.get_parameter(name)
+            weight.copy_(layer.dequantized(weight.dtype).to(weight.device))
+    return LoadedModel(model, plain.tokenizer, plain.config, plain.source + ":dequantized")

@@ -81,3 +81,11 @@ def check_formats(formats: Formats, family: str, weights: str) -> None:
             f"--dtype {weights}: the {family} family's attention takes KV pages in "
             f"{', '.join(formats.kv)} only"
         )
+
+
+def check_weights(formats: Formats, family: str, weights: str) -> None:
+    """Refuse ``--weights`` in a 4- or 8-bit format the family's decoder is not served in
+    (bf16 is the checkpoint's own values: every family takes it)."""
+    if weights != "bf16" and weights not in formats.quantized:
+        served = ", ".join(["bf16", *formats.quantized])
+        raise CapabilityError(f"--weights {weights}: the {family} family serves {served} weights")

@@ -7,7 +7,8 @@ projection, and region heads; its configuration is a `FamilyConfig`.
 
 Everything optional is declared, never probed: a model's `Capabilities` hold each optional
 part it has (adapters, fused products, FP8 vision, FP8 experts, the segment refiner) as the
-object that provides it, typed by its protocol here, and the weight and KV formats it accepts.
+object that provides it, typed by its protocol here, the weight and KV formats it accepts, and
+which of its weights it holds in 4 or 8 bits.
 models/capabilities.py checks them once, at load, against what the flags ask.
 
 Shapes: ``D`` the decoder width, ``H`` query heads, ``P`` image-prefix positions (BOS + one per
@@ -17,7 +18,7 @@ patch of the global grid).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -66,6 +67,10 @@ class MemoryShape:
     proj_inner_dim: int
     top_k: int = 0  # experts per token (0: a dense model)
     expert_dim: int = 0
+    # The decoder's linear weights ``--weights int8|int4`` holds quantized (within "text"):
+    # their parameters and output rows (INT8 scales: one per row).
+    linear_params: int = 0
+    linear_rows: int = 0
 
 
 class TextShape(Protocol):
@@ -151,15 +156,35 @@ WeightFormat = Literal["bf16", "fp16", "fp32"]
 # What a KV page holds per element; today the engine stores keys and values in the weights'
 # dtype, so a family names the weight dtypes its attention reads and writes.
 KVFormat = Literal["bf16", "fp16", "fp32"]
+# The 4- and 8-bit weight formats (``--weights`` names them; docs/quantization.md).
+QuantizedFormat = Literal["int8", "int4"]
 
 
 @dataclass(frozen=True)
 class Formats:
     """The weight and KV formats a family accepts (declared on its `ModelFamily`, known before
-    anything loads, and on its models' `Capabilities`)."""
+    anything loads, and on its models' `Capabilities`); ``quantized``: the 4- and 8-bit
+    formats its decoder's linear layers can be served in."""
 
     weights: tuple[WeightFormat, ...]
     kv: tuple[KVFormat, ...]
+    quantized: tuple[QuantizedFormat, ...] = ()
+
+
+@dataclass(frozen=True)
+class QuantizedWeights:
+    """What a loaded model holds in 4 or 8 bits: the format, its group (0: a scale per output
+    channel), the quantized weights' names, and the family's targets left 16-bit (-> why)."""
+
+    format: QuantizedFormat
+    group_size: int
+    weights: tuple[str, ...]
+    kept: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def vision(self) -> bool:
+        """Whether the vision tower's linears are among them (a `vlm quantize --vision` file)."""
+        return any(name.startswith("vision.") for name in self.weights)
 
 
 class AdapterDecoder(Protocol):
@@ -221,9 +246,11 @@ SegmentRefinerMaker = Callable[[Path], "SegmentRefine"]
 @dataclass(frozen=True)
 class Capabilities:
     """What a loaded model has beyond the `DeviceModel` core: each optional part as the object
-    that provides it (None: the family has none), and the formats it accepts."""
+    that provides it (None: the family has none), the formats it accepts, and its weights held
+    in 4 or 8 bits (None: none)."""
 
     formats: Formats
+    quantized: QuantizedWeights | None = None
     adapters: AdapterDecoder | None = None
     fused_products: FusedProducts | None = None
     fp8_vision: Fp8Vision | None = None

@@ -19,6 +19,8 @@ import torch
 
 from vlm_server.models import capabilities
 from vlm_server.models.checkpoint_io import CheckpointError
+from vlm_server.models.common import quant_plan
+from vlm_server.models.common.quant_load import QuantRequest
 from vlm_server.models.families import FAMILIES
 from vlm_server.models.hub import resolve_file, resolve_source
 from vlm_server.models.interface import (
@@ -28,6 +30,8 @@ from vlm_server.models.interface import (
     MemoryShape,
     SegmentRefine,
 )
+from vlm_server.models.quant.files import check_quantized
+from vlm_server.models.quant.formats import GROUP_SIZE
 
 CONFIG_FILE = "config.json"
 
@@ -70,8 +74,11 @@ class ModelFamily(Protocol):
         device: torch.device | str,
         tokenizer_path: str | Path | None,
         progress: bool,
+        quant: QuantRequest | None = None,
     ) -> LoadedModel:
-        """Load a local checkpoint (a directory or one weights file)."""
+        """Load a local checkpoint (a directory or one weights file); ``quant``: with its
+        decoder's linears in 8 or 4 bits (only a format of ``formats.quantized``; a family
+        that declares none is never passed it)."""
         ...
 
     def random_model(
@@ -82,8 +89,10 @@ class ModelFamily(Protocol):
         dtype: torch.dtype,
         device: torch.device | str,
         progress: bool,
+        quant: QuantRequest | None = None,
     ) -> LoadedModel:
-        """What loading `write_checkpoint(config, seed=seed)` gives, built in memory."""
+        """What loading `write_checkpoint(config, seed=seed)` gives, built in memory;
+        ``quant``: quantized as at load (never ``stored``)."""
         ...
 
     def write_checkpoint(
@@ -183,12 +192,25 @@ def load_model(
     device: torch.device | str = "cpu",
     tokenizer_path: str | Path | None = None,
     progress: bool = True,
+    weights: str | None = None,
+    group_size: int = GROUP_SIZE,
 ) -> LoadedModel:
     """Load a checkpoint: a directory, one weights file or a Hugging Face repo id. The family
-    is the preset's when one is named, else the one that reads the checkpoint's config.json."""
+    is the preset's when one is named, else the one that reads the checkpoint's config.json.
+    ``weights`` (``--weights``): bf16 (the checkpoint's values, in ``dtype``), or int8 / int4
+    (the decoder's linears quantized at load, INT4 in groups of ``group_size``); None: the
+    checkpoint's own (a ``vlm quantize`` directory's format, else bf16). A quantized
+    directory is served as it is, never re-quantized."""
     path = resolve_source(source)
     fam = family_for_preset(preset_name) if preset_name else _family_of_checkpoint(path)
     _check_dtype(fam, dtype)
+    quant = quant_plan.request(fam.name, fam.formats, path, weights, group_size, device)
+    if quant is not None and quant.stored is not None:
+        config = fam.read_config(path if path.is_dir() else path.parent, preset_name)
+        check_quantized(quant.stored, fam.expected_shapes(config), str(path))
+    # A family asked for no quantized format never sees the argument: one that declares none
+    # need not take it.
+    asked: dict[str, Any] = {} if quant is None else {"quant": quant}
     loaded = fam.load(
         path,
         preset_name=preset_name,
@@ -196,6 +218,7 @@ def load_model(
         device=device,
         tokenizer_path=tokenizer_path,
         progress=progress,
+        **asked,
     )
     loaded.source = str(source)
     return loaded
@@ -208,11 +231,18 @@ def random_model(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
     progress: bool = True,
+    weights: str | None = None,
+    group_size: int = GROUP_SIZE,
 ) -> LoadedModel:
-    """A seeded random model of ``config``, in memory (benchmarks, GPU tests)."""
+    """A seeded random model of ``config``, in memory (benchmarks, GPU tests); ``weights``
+    as `load_model` takes it (int8 / int4: quantized as at load)."""
     fam = family_of(config)
     _check_dtype(fam, dtype)
-    return fam.random_model(config, seed=seed, dtype=dtype, device=device, progress=progress)
+    quant = quant_plan.request(fam.name, fam.formats, None, weights, group_size, device)
+    asked: dict[str, Any] = {} if quant is None else {"quant": quant}
+    return fam.random_model(
+        config, seed=seed, dtype=dtype, device=device, progress=progress, **asked
+    )
 
 
 def write_checkpoint(

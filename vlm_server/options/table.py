@@ -68,6 +68,14 @@ class ServerConfig:
         "weights dtype (default bf16 on CUDA, fp32 on CPU)",
         choices=("bf16", "fp16", "fp32"),
     )
+    weights: str | None = option(
+        None,
+        G.MODEL,
+        "the decoder's linear weights: bf16 (the checkpoint's values, in --dtype), int8 (a "
+        "scale per output channel) or int4 (one per 128 input columns), quantized at load; a "
+        "vlm quantize directory is served in its own format (default: that, else bf16)",
+        choices=("bf16", "int8", "int4"),
+    )
     device: str | None = option(None, G.MODEL, "cpu or cuda[:N] (default: cuda if present)")
     chip_profile: str | None = option(
         None,

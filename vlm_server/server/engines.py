@@ -64,6 +64,7 @@ def _loader(config: ServerConfig) -> Callable[[], LoadedModel]:
             device=device,
             tokenizer_path=config.tokenizer,
             progress=True,
+            weights=config.weights,
         )
 
     return load
@@ -97,22 +98,43 @@ def batched_engine(config: ServerConfig, one_at_a_time: bool = False) -> Batched
     )
     if trace is not None:
         trace.prefill_busy = engine.runtime.prefill_busy
+    log_weights(loaded, cfg.fused_decode and not engine.runtime.fused_decode)
     log_memory_plan(loaded, cfg, engine.runtime.kv_pages)
     return engine
+
+
+def log_weights(loaded: LoadedModel, fused_off: bool) -> None:
+    """One start-up line on weights held in 4 or 8 bits: how many, those kept 16-bit and why,
+    and (``fused_off``) that ``--fused-decode`` found no fused products for them."""
+    quantized = loaded.model.capabilities.quantized
+    if quantized is None:
+        return
+    group = f" in groups of {quantized.group_size}" if quantized.group_size else ""
+    line = f"weights: {len(quantized.weights)} linears in {quantized.format}{group}"
+    if quantized.kept:
+        line += f"; kept 16-bit: {', '.join(f'{k} ({v})' for k, v in quantized.kept.items())}"
+    if fused_off:
+        line += (
+            "; --fused-decode: off, the fused products stack 16-bit weights (the quantized "
+            "layers' own kernels serve decode steps)"
+        )
+    log.info(line)
 
 
 def log_memory_plan(loaded: LoadedModel, cfg: EngineConfig, kv_pages: int) -> None:
     """The memory plan `vlm plan` prints for this device, beside the pages the engine took
     (they differ by what the plan estimates: the CUDA context, what was free)."""
     device = loaded.model.device
-    weights = FORMAT_NAMES[loaded.model.dtype]
+    activations = FORMAT_NAMES[loaded.model.dtype]
+    quantized = loaded.model.capabilities.quantized
+    weights = activations if quantized is None else quantized.format
     shape = memory_shape(loaded.config)
     if device.type != "cuda":
-        plan = plan_memory(shape, cfg, 0, weights, cuda=False)
+        plan = plan_memory(shape, cfg, 0, weights, activations, cuda=False)
         log.info("memory plan: %d KV pages planned, %d taken", plan.kv_pages, kv_pages)
         return
     props = torch.cuda.get_device_properties(device)
-    plan = plan_memory(shape, cfg, props.total_memory, weights)
+    plan = plan_memory(shape, cfg, props.total_memory, weights, activations)
     lines = plan_lines(plan, loaded.config.name, props.name)
     log.info("%s\n  engine: %d KV pages taken", "\n".join(lines), kv_pages)
 

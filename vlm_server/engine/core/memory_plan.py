@@ -12,8 +12,9 @@ and the engine at start read the same rules:
   and its answer, `picture_request_pages` (the prefix cache and the headroom count the same);
 - graph pools and fixed buffers, estimated from the shapes of the largest work each holds.
 
-A format is a number of bytes per element (`WEIGHT_FORMATS`, `KV_FORMATS`): a new one (int8
-or int4 weights, FP8 keys and values) is one more entry.
+A format is a number of bytes per element (`WEIGHT_FORMATS`, `KV_FORMATS`): a new one (FP8
+keys and values) is one more entry; int8 and int4 hold the decoder's linears in 8 or 4 bits,
+scales included.
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ TYPICAL_MAX_TOKENS = GenerationRequest(Task.QUERY, None).max_tokens
 @dataclass(frozen=True)
 class WeightFormat:
     """How weights are held: bytes per parameter of the dense tensors and of the expert
-    stacks, and the scale bytes per expert output row (FP8 experts: one fp32 per row)."""
+    stacks, and the scale bytes per expert output row (FP8 experts: one fp32 per row); for
+    4- and 8-bit weights, the bits of the decoder's linears (`MemoryShape.linear_params`) and
+    their scales' group (0: one per output row)."""
 
     name: str
     dense_bytes: float
@@ -50,6 +53,14 @@ class WeightFormat:
     experts_only: bool = False  # a format of the expert stacks (a mixture-of-experts model)
     min_capability: tuple[int, int] = (0, 0)  # the compute capability its kernels need
     activation_dtype: str = "bf16"  # activations, and so the KV pages (today: the same)
+    linear_bits: int = 0  # 0: the decoder's linears are dense tensors like the rest
+    group_size: int = 0
+
+
+# The 4- and 8-bit formats' scales (docs/quantization.md): bf16, one per output row (INT8) or
+# per group of input columns of a row (INT4).
+QUANT_SCALE_BYTES = 2
+INT4_GROUP = 128
 
 
 WEIGHT_FORMATS: dict[str, WeightFormat] = {
@@ -61,6 +72,10 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
     "fp8-experts": WeightFormat(
         "fp8-experts", 2, 1, expert_row_scale_bytes=4, experts_only=True, min_capability=(9, 0)
     ),
+    # The decoder's linears in 8 or 4 bits (--weights), everything else in bf16; Moondream 3's
+    # experts too, until their kernels read 4- and 8-bit weights.
+    "int8": WeightFormat("int8", 2, 2, linear_bits=8),
+    "int4": WeightFormat("int4", 2, 2, linear_bits=4, group_size=INT4_GROUP),
 }
 # Bytes per key or value element. Today the engine keeps keys and values in the
 # activations' dtype (models/interface.py `KVFormat`).
@@ -73,9 +88,18 @@ def weight_bytes(shape: MemoryShape, fmt: WeightFormat) -> dict[str, int]:
     for part, n in shape.params.items():
         if part == "experts":
             out[part] = int(n * fmt.expert_bytes) + shape.expert_rows * fmt.expert_row_scale_bytes
+        elif part == "text" and fmt.linear_bits:
+            out[part] = int((n - shape.linear_params) * fmt.dense_bytes) + _linear_bytes(shape, fmt)
         else:
             out[part] = int(n * fmt.dense_bytes)
     return out
+
+
+def _linear_bytes(shape: MemoryShape, fmt: WeightFormat) -> int:
+    """The decoder's linears in ``fmt``'s bits, scales included."""
+    n = shape.linear_params
+    scales = shape.linear_rows if fmt.group_size == 0 else n // fmt.group_size
+    return n * fmt.linear_bits // 8 + scales * QUANT_SCALE_BYTES
 
 
 def default_kv_budget(free: int, cap: int | None = None, reserved: int = 0) -> int:

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlm_server.models.common.quant_linear import QuantLinear
+
 LN_EPS = 1e-5  # every LayerNorm in Moondream 2 uses PyTorch's default eps
 
 
@@ -41,7 +43,10 @@ class MLP(nn.Module):
 
     def fc1_gelu(self, x: torch.Tensor) -> torch.Tensor:
         """gelu_tanh(fc1(x)) with the bias and the GELU in the GEMM's epilogue (cuBLASLt on
-        CUDA): one kernel instead of two, and no round trip of the widest activation."""
+        CUDA): one kernel instead of two, and no round trip of the widest activation. A
+        quantized fc1 (models/common/quant_linear.py) has the GELU in its own epilogue."""
+        if isinstance(self.fc1, QuantLinear):
+            return self.fc1(x, gelu=True)
         flat = x.reshape(-1, x.shape[-1])
         h = torch._addmm_activation(self.fc1.bias, flat, self.fc1.weight.t(), use_gelu=True)
         return h.view(*x.shape[:-1], h.shape[-1])

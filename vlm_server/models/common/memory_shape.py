@@ -4,7 +4,7 @@ nothing allocated) and its widths."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from vlm_server.models.interface import FamilyConfig, KVShape, MemoryShape
 
@@ -36,7 +36,9 @@ def memory_shape(
     proj_inner_dim: int,
     top_k: int = 0,
     expert_dim: int = 0,
+    linears: Sequence[str] = (),
 ) -> MemoryShape:
+    """``linears``: the decoder's weights ``--weights int8|int4`` quantizes (2-D, [out, in])."""
     params, expert_rows = parameter_parts(shapes)
     vision = config.vision
     return MemoryShape(
@@ -56,4 +58,6 @@ def memory_shape(
         proj_inner_dim=proj_inner_dim,
         top_k=top_k,
         expert_dim=expert_dim,
+        linear_params=sum(math.prod(shapes[name]) for name in linears),
+        linear_rows=sum(shapes[name][0] for name in linears),
     )

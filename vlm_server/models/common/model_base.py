@@ -10,7 +10,7 @@ from torch import nn
 
 from vlm_server.models.common.vision import VisionEncoder
 from vlm_server.models.contract import TokenContract
-from vlm_server.models.interface import KVShape
+from vlm_server.models.interface import KVShape, QuantizedWeights
 
 
 class DecoderShape(Protocol):
@@ -46,6 +46,8 @@ class MoondreamBase(nn.Module):
     config: MoondreamConfig
     vision: VisionEncoder
     text: Embedded
+    # Its weights held in 4 or 8 bits (models/common/quant_load.py sets it); None: none.
+    quantized: QuantizedWeights | None = None
 
     @property
     def dtype(self) -> torch.dtype:

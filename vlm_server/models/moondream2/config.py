@@ -25,8 +25,11 @@ from vlm_server.models.common.contracts import CONTRACT_TINY, GPT2_EOS
 from vlm_server.models.contract import PromptTemplates, TokenContract
 from vlm_server.models.interface import Formats
 
-# Weights in any of --dtype's formats; KV pages in the weights' dtype.
-FORMATS = Formats(weights=("bf16", "fp16", "fp32"), kv=("bf16", "fp16", "fp32"))
+# Weights in any of --dtype's formats, the decoder's linears also in 8 or 4 bits (--weights);
+# KV pages in the weights' (activations') dtype.
+FORMATS = Formats(
+    weights=("bf16", "fp16", "fp32"), kv=("bf16", "fp16", "fp32"), quantized=("int8", "int4")
+)
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,14 @@ from typing import Any
 import torch
 
 from vlm_server.models.common.memory_shape import memory_shape
+from vlm_server.models.common.quant_load import QuantRequest
 from vlm_server.models.interface import FamilyConfig, KVShape, LoadedModel, MemoryShape
 from vlm_server.models.moondream2.config import FORMATS, PRESETS, ModelConfig
 from vlm_server.models.moondream2.layout import expected_shapes
 from vlm_server.models.moondream2.loader import (
     load_model,
     load_state,
+    quant_targets,
     random_model,
     read_config,
     weights_file,
@@ -22,7 +24,6 @@ from vlm_server.models.moondream2.loader import (
 from vlm_server.models.moondream2.readable import make_readable
 from vlm_server.models.moondream2.reference_config import is_moondream_format
 from vlm_server.models.moondream2.writer import CONFIG_FORMAT, write_checkpoint
-from vlm_server.models.quant.targets import block_linears
 
 
 class Moondream2Family:
@@ -60,6 +61,7 @@ class Moondream2Family:
             enc_dim=vision.enc_dim,
             enc_ff_dim=vision.enc_ff_dim,
             proj_inner_dim=vision.proj_inner_dim,
+            linears=quant_targets(config, vision=False),
         )
 
     def load(
@@ -71,6 +73,7 @@ class Moondream2Family:
         device: torch.device | str,
         tokenizer_path: str | Path | None,
         progress: bool,
+        quant: QuantRequest | None = None,
     ) -> LoadedModel:
         return load_model(
             path,
@@ -79,6 +82,7 @@ class Moondream2Family:
             device=device,
             tokenizer_path=tokenizer_path,
             progress=progress,
+            quant=quant,
         )
 
     def random_model(
@@ -89,9 +93,12 @@ class Moondream2Family:
         dtype: torch.dtype,
         device: torch.device | str,
         progress: bool,
+        quant: QuantRequest | None = None,
     ) -> LoadedModel:
         assert isinstance(config, ModelConfig)
-        return random_model(config, seed=seed, dtype=dtype, device=device, progress=progress)
+        return random_model(
+            config, seed=seed, dtype=dtype, device=device, progress=progress, quant=quant
+        )
 
     def write_checkpoint(
         self, config: FamilyConfig, out_dir: Path, *, seed: int, progress: bool, **options: Any
@@ -110,7 +117,7 @@ class Moondream2Family:
 
     def quant_targets(self, config: FamilyConfig, vision: bool) -> list[str]:
         assert isinstance(config, ModelConfig)
-        return block_linears(expected_shapes(config), vision)
+        return quant_targets(config, vision)
 
     def read_state(
         self, path: Path, preset_name: str | None

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from vlm_server.models.checkpoint_io import CheckpointError, CheckpointReader, check_shapes
 from vlm_server.models.common.legacy_layout import legacy_to_native
+from vlm_server.models.common.quant_load import QuantRequest, install, quantized_state
 from vlm_server.models.common.random_weights import random_tensor
 from vlm_server.models.common.tokenizer_build import build_tokenizer
 from vlm_server.models.hub import resolve_source
@@ -35,6 +36,7 @@ from vlm_server.models.moondream2.writer import (
     TOKENIZER_FILE,
     WEIGHTS_FILE,
 )
+from vlm_server.models.quant.targets import block_linears
 
 _PROGRESS_BYTES = 256 << 20  # show a progress bar for files larger than this
 
@@ -136,8 +138,10 @@ def load_model(
     device: torch.device | str = "cpu",
     tokenizer_path: str | Path | None = None,
     progress: bool = True,
+    quant: QuantRequest | None = None,
 ) -> LoadedModel:
-    """Load weights, tokenizer and configuration from ``source``."""
+    """Load weights, tokenizer and configuration from ``source``; ``quant``: with the
+    decoder's linears in 8 or 4 bits (models/common/quant_load.py)."""
     path = resolve_source(source)
     if path.is_dir():
         config = read_config(path, preset_name)
@@ -159,13 +163,41 @@ def load_model(
         tokenizer = Tokenizer.from_file(str(tok_path))
     except Exception as err:
         raise CheckpointError(f"cannot read tokenizer {tok_path}: {err}") from err
-    state = load_state(weights, config, dtype, device, progress)
+    if quant is None:
+        state = load_state(weights, config, dtype, device, progress)
+    elif quant.stored is None:  # quantized on the device, one weight at a time
+        state = load_state(weights, config, torch.bfloat16, "cpu", progress)
+    else:
+        state = None
+    model = build_model(config, state, device, dtype, quant)
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, source=str(source))
+
+
+def build_model(
+    config: ModelConfig,
+    state: dict[str, torch.Tensor] | None,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    quant: QuantRequest | None = None,
+) -> MoondreamModel:
+    """The model of ``config`` holding ``state`` (on ``device`` in ``dtype``; with ``quant``:
+    the 16-bit checkpoint to quantize, or None for a stored quantized one)."""
     with torch.device("meta"):
         model = MoondreamModel(config)
+    if quant is not None:
+        targets = quant_targets(config, vision=quant.stored is not None)
+        tensors, model.quantized = quantized_state(quant, state, targets, device, dtype)
+        state = install(model, tensors, model.quantized)
+    assert state is not None
     model.load_state_dict(state, strict=True, assign=True)
     model.text.reset_rotary(device)
-    model.eval().requires_grad_(False)
-    return LoadedModel(model=model, tokenizer=tokenizer, config=config, source=str(source))
+    return model.eval().requires_grad_(False)
+
+
+def quant_targets(config: ModelConfig, vision: bool) -> list[str]:
+    """The weights ``--weights int8|int4`` quantizes: the decoder's block linears (and the
+    vision tower's, which a ``vlm quantize --vision`` file holds quantized)."""
+    return block_linears(expected_shapes(config), vision)
 
 
 def random_model(
@@ -175,21 +207,19 @@ def random_model(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
     progress: bool = True,
+    quant: QuantRequest | None = None,
 ) -> LoadedModel:
     """Exactly what loading `write_checkpoint(config, seed=seed)` gives (bf16 values), built in
-    memory: for benchmarks and GPU tests that need no file."""
+    memory: for benchmarks and GPU tests that need no file. ``quant``: quantized at load."""
     shapes = expected_shapes(config)
-    state = {
-        key: random_tensor(key, shape, seed, torch.bfloat16).to(device=device, dtype=dtype)
-        for key, shape in tqdm(
-            shapes.items(), desc=f"random {config.name}", unit="tensor", disable=not progress
-        )
-    }
-    with torch.device("meta"):
-        model = MoondreamModel(config)
-    model.load_state_dict(state, strict=True, assign=True)
-    model.text.reset_rotary(device)
-    model.eval().requires_grad_(False)
+    state = {}
+    for key, shape in tqdm(
+        shapes.items(), desc=f"random {config.name}", unit="tensor", disable=not progress
+    ):
+        value = random_tensor(key, shape, seed, torch.bfloat16)
+        # Quantized: the bf16 values stay on the host until each is quantized on the device.
+        state[key] = value if quant is not None else value.to(device=device, dtype=dtype)
+    model = build_model(config, state, device, dtype, quant)
     return LoadedModel(
         model=model,
         tokenizer=build_tokenizer(config, seed),

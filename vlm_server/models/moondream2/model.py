@@ -25,6 +25,15 @@ class MoondreamModel(MoondreamBase):
 
     @property
     def capabilities(self) -> Capabilities:
-        """Adapters on every linear of the decoder, fused decode products, the FP8 tower."""
-        text = self.text
-        return Capabilities(FORMATS, adapters=text, fused_products=text, fp8_vision=self.vision)
+        """Adapters on every linear of the decoder, fused decode products, the FP8 tower.
+        With 4- or 8-bit weights the fused products are off (they stack 16-bit weights; the
+        quantized layers' own kernels serve decode steps), and so is the FP8 tower when its
+        linears are quantized too (it quantizes 16-bit weights)."""
+        text, quantized = self.text, self.quantized
+        return Capabilities(
+            FORMATS,
+            quantized=quantized,
+            adapters=text,
+            fused_products=text if quantized is None else None,
+            fp8_vision=self.vision if quantized is None or not quantized.vision else None,
+        )

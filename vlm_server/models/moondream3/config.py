@@ -28,8 +28,12 @@ from vlm_server.models.contract import PromptTemplates, TokenContract
 from vlm_server.models.interface import Formats
 
 # Weights in any of --dtype's formats (an FP8-expert checkpoint's experts stay FP8 where the
-# device runs them, loader.py); KV pages in the weights' dtype.
-FORMATS = Formats(weights=("bf16", "fp16", "fp32"), kv=("bf16", "fp16", "fp32"))
+# device runs them, loader.py), the dense linears also in 8 or 4 bits (--weights; the experts
+# stay 16-bit or FP8 until their kernels read 4- and 8-bit weights); KV pages in the weights'
+# (activations') dtype.
+FORMATS = Formats(
+    weights=("bf16", "fp16", "fp32"), kv=("bf16", "fp16", "fp32"), quantized=("int8", "int4")
+)
 
 TauGelu = Literal["tanh", "erf"]
 TauPositions = Literal["fp32", "bf16", "activations"]

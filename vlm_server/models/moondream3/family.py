@@ -10,10 +10,12 @@ from typing import Any
 import torch
 
 from vlm_server.models.common.memory_shape import memory_shape
+from vlm_server.models.common.quant_load import QuantRequest
 from vlm_server.models.interface import FamilyConfig, KVShape, LoadedModel, MemoryShape
 from vlm_server.models.moondream3.config import FORMATS, PRESETS, ModelConfig
 from vlm_server.models.moondream3.layout import expected_shapes
 from vlm_server.models.moondream3.loader import (
+    dense_targets,
     load_model,
     load_state,
     random_model,
@@ -72,6 +74,7 @@ class Moondream3Family:
             enc_dim=vision.enc_dim,
             enc_ff_dim=vision.enc_ff_dim,
             proj_inner_dim=vision.proj_inner_dim,
+            linears=dense_targets(config),
             top_k=text.moe.top_k,
             expert_dim=text.moe.expert_dim,
         )
@@ -85,9 +88,15 @@ class Moondream3Family:
         device: torch.device | str,
         tokenizer_path: str | Path | None,
         progress: bool,
+        quant: QuantRequest | None = None,
     ) -> LoadedModel:
         return load_model(
-            path, preset_name=preset_name, dtype=dtype, device=device, tokenizer_path=tokenizer_path
+            path,
+            preset_name=preset_name,
+            dtype=dtype,
+            device=device,
+            tokenizer_path=tokenizer_path,
+            quant=quant,
         )
 
     def random_model(
@@ -98,9 +107,10 @@ class Moondream3Family:
         dtype: torch.dtype,
         device: torch.device | str,
         progress: bool,
+        quant: QuantRequest | None = None,
     ) -> LoadedModel:
         assert isinstance(config, ModelConfig)
-        return random_model(config, seed=seed, dtype=dtype, device=device)
+        return random_model(config, seed=seed, dtype=dtype, device=device, quant=quant)
 
     def write_checkpoint(
         self, config: FamilyConfig, out_dir: Path, *, seed: int, progress: bool, **options: Any

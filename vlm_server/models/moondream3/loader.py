@@ -18,7 +18,8 @@ import torch
 from tokenizers import Tokenizer
 
 from vlm_server.models.checkpoint_io import CheckpointError, CheckpointReader, check_shapes
-from vlm_server.models.interface import LoadedModel
+from vlm_server.models.common.quant_load import QuantRequest, install, quantized_state
+from vlm_server.models.interface import LoadedModel, QuantizedWeights
 from vlm_server.models.moondream3 import fp8_experts, moe_triton
 from vlm_server.models.moondream3.config import ModelConfig, preset
 from vlm_server.models.moondream3.layout import (
@@ -44,6 +45,7 @@ from vlm_server.models.moondream3.writer import (
     random_state,
     tokenizer_for,
 )
+from vlm_server.models.quant.targets import block_linears
 
 DEFAULT_PRESET = "moondream3-preview"
 
@@ -207,9 +209,15 @@ def build_model(
     state: dict[str, torch.Tensor],
     device: torch.device | str,
     fp8: dict[str, torch.Tensor] | None = None,
+    quantized: QuantizedWeights | None = None,
 ) -> Moondream3Model:
+    """The model holding ``state`` (its FP8 experts' row scales in ``fp8``; ``quantized``:
+    the 4- or 8-bit weights among it, under the file's names: `quantized_state`)."""
     with torch.device("meta"):
         model = Moondream3Model(config)
+    if quantized is not None:
+        state = install(model, state, quantized)
+        model.quantized = quantized
     plain = {k: v for k, v in state.items() if k not in (fp8 or {})}
     model.load_state_dict(plain, strict=False, assign=True)
     for name, scale in (fp8 or {}).items():
@@ -228,8 +236,10 @@ def load_model(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
     tokenizer_path: str | Path | None = None,
+    quant: QuantRequest | None = None,
 ) -> LoadedModel:
-    """Load weights, tokenizer and configuration from a local directory or weights file."""
+    """Load weights, tokenizer and configuration from a local directory or weights file;
+    ``quant``: the dense linears in 8 or 4 bits (`dense_targets`)."""
     directory = path if path.is_dir() else path.parent
     config = read_config(directory, preset_name)
     tok_path = Path(tokenizer_path) if tokenizer_path else directory / TOKENIZER_FILE
@@ -242,8 +252,42 @@ def load_model(
         tokenizer = Tokenizer.from_file(str(tok_path))
     except Exception as err:
         raise CheckpointError(f"cannot read tokenizer {tok_path}: {err}") from err
-    state, fp8 = load_state(weight_files(path), config, dtype, device, fused_fp8(device))
-    return LoadedModel(build_model(config, state, device, fp8), tokenizer, config, str(path))
+    files = weight_files(path)
+    if quant is None:
+        state, fp8 = load_state(files, config, dtype, device, fused_fp8(device))
+        return LoadedModel(build_model(config, state, device, fp8), tokenizer, config, str(path))
+    state: dict[str, torch.Tensor] = {}
+    fp8: dict[str, torch.Tensor] = {}
+    if quant.stored is None:  # FP8 experts stay FP8 where the fused kernels read them
+        state, fp8 = load_state(files, config, torch.bfloat16, "cpu", fused_fp8(device))
+    return LoadedModel(
+        _quantized_model(config, state, fp8, device, dtype, quant), tokenizer, config, str(path)
+    )
+
+
+def dense_targets(config: ModelConfig) -> list[str]:
+    """The weights ``--weights int8|int4`` holds quantized: the decoder's dense linears (every
+    block's attention, the dense layers' MLPs). The experts stay 16-bit (or FP8): their fused
+    kernels do not read 4- and 8-bit weights yet."""
+    shapes = expected_shapes(config)
+    return [name for name in block_linears(shapes, vision=False) if len(shapes[name]) == 2]
+
+
+def _quantized_model(
+    config: ModelConfig,
+    state: dict[str, torch.Tensor],
+    fp8: dict[str, torch.Tensor],
+    device: torch.device | str,
+    dtype: torch.dtype,
+    quant: QuantRequest,
+) -> Moondream3Model:
+    """The model with its dense linears in ``quant``'s format, from the 16-bit ``state`` on
+    the host (the FP8 experts in it with their scales ``fp8``) or a stored file."""
+    kept_fp8 = {name: state.pop(name) for name in fp8}
+    tensors, quantized = quantized_state(quant, state, dense_targets(config), device, dtype)
+    tensors |= {name: value.to(device) for name, value in kept_fp8.items()}
+    scales = {name: scale.to(device) for name, scale in fp8.items()}
+    return build_model(config, tensors, device, scales, quantized)
 
 
 def random_model(
@@ -252,15 +296,18 @@ def random_model(
     seed: int = 0,
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
+    quant: QuantRequest | None = None,
 ) -> LoadedModel:
     """Exactly what loading the Hugging Face layout of `write_checkpoint(config, seed=seed)`
-    gives (bf16 values), built in memory."""
-    state = {
-        k: v.to(device=device, dtype=dtype)
-        for k, v in random_state(config, seed, torch.bfloat16).items()
-    }
+    gives (bf16 values), built in memory; ``quant``: quantized as at load."""
+    state = random_state(config, seed, torch.bfloat16)
+    if quant is not None:
+        model = _quantized_model(config, state, {}, device, dtype, quant)
+    else:
+        placed = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+        model = build_model(config, placed, device)
     return LoadedModel(
-        build_model(config, state, device),
+        model,
         tokenizer_for(config, seed),
         config,
         f"random:{config.name}:{seed}",

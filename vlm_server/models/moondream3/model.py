@@ -31,10 +31,12 @@ class Moondream3Model(MoondreamBase):
 
     @property
     def capabilities(self) -> Capabilities:
-        """Adapters on the MLPs, fused tau kernels, the FP8 tower, FP8 experts, the refiner."""
+        """Adapters on the MLPs, fused tau kernels, the FP8 tower, FP8 experts, the refiner;
+        the dense linears in 8 or 4 bits when loaded so (loader.py `dense_targets`)."""
         text = self.text
         return Capabilities(
             FORMATS,
+            quantized=self.quantized,
             adapters=text,
             fused_products=text,
             fp8_vision=self.vision,

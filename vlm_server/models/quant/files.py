@@ -132,6 +132,23 @@ def _format_of(metadata: Mapping[str, str], source: Path) -> QuantFormat:
         raise CheckpointError(f"{source}: quantization {name!r}: {err}") from err
 
 
+def stored_format(path: Path) -> QuantFormat | None:
+    """The format of a quantized checkpoint (a directory, or one file) from its metadata alone,
+    nothing read but the header; None: not a quantized checkpoint (or no safetensors)."""
+    try:
+        files = quantized_files(path)
+    except CheckpointError:
+        return None
+    if files[0].suffix != ".safetensors" or not files[0].exists():
+        return None
+    try:
+        with safe_open(str(files[0]), framework="pt", device="cpu") as f:
+            meta = f.metadata() or {}
+    except Exception as err:
+        raise CheckpointError(f"cannot read {files[0]}: {err}") from err
+    return _format_of(meta, files[0]) if "quantization" in meta else None
+
+
 def read_quantized(path: Path) -> QuantizedFile:
     """Every tensor of a quantized checkpoint (no shape checks: `check_quantized`)."""
     files = quantized_files(path)
