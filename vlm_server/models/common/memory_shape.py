@@ -34,8 +34,11 @@ def memory_shape(
     enc_dim: int,
     enc_ff_dim: int,
     proj_inner_dim: int,
+    rotary_dim: int,
+    enc_layers: int,
     top_k: int = 0,
     expert_dim: int = 0,
+    fused_elements: int = 0,
 ) -> MemoryShape:
     params, expert_rows = parameter_parts(shapes)
     vision = config.vision
@@ -54,6 +57,9 @@ def memory_shape(
         n_patches=(vision.crop_size // vision.patch_size) ** 2,
         max_crops=vision.max_crops,
         proj_inner_dim=proj_inner_dim,
+        rotary_dim=rotary_dim,
+        enc_layers=enc_layers,
         top_k=top_k,
         expert_dim=expert_dim,
+        fused_elements=fused_elements,
     )
