@@ -1,11 +1,13 @@
 """The engine's memory plan (engine/core/memory_plan.py): exact numbers of the tiny presets,
-agreement with the model the family builds and with the KV pool the engine sizes, and
-`vlm plan` (text, JSON, a card that cannot hold the batch)."""
+agreement with the model the family builds (its weights, and the tensors made at start before
+the KV pool), with the KV pool the engine sizes and the rule it sizes it by, and `vlm plan`
+(text, JSON, a card that cannot hold the batch)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable
 
 import pytest
 import torch
@@ -21,10 +23,14 @@ from vlm_server.engine.core.memory_plan import (
 )
 from vlm_server.engine.core.pages import PageAllocator
 from vlm_server.engine.core.prefix_cache import PrefixCache
+from vlm_server.engine.device import kv_pool
 from vlm_server.engine.device.kv_pool import KVPool
 from vlm_server.engine.device.model_entry import ModelEntryPoints
 from vlm_server.engine.device.streams import TorchDevice
+from vlm_server.models.common import fused_products
+from vlm_server.models.common.fp8_vision import Fp8Tower
 from vlm_server.models.interface import LoadedModel
+from vlm_server.models.moondream3 import tau_kernel
 from vlm_server.models.registry import memory_shape, preset, random_model, write_checkpoint
 
 GIB = 1 << 30
@@ -46,7 +52,10 @@ def test_the_tiny_plan_follows_from_its_config() -> None:
     assert plan.requests_held == 999 // 99 == 10
     assert plan.requests_held_one_picture == (999 - 46) // 53
     assert plan.fits
-    assert plan.peak_bytes == plan.weight_bytes + 1000 * 8192 + plan.workspace_bytes
+    # Beside the weights: rotary tables of 2048 positions of 8 / 2 (fp32), and the fused
+    # decode's summed biases of 64 a layer (bf16).
+    assert plan.held_at_kv_sizing == plan.weight_bytes + 2 * 2048 * 4 * 4 + 2 * 64 * 2
+    assert plan.peak_bytes == plan.held_at_kv_sizing + 1000 * 8192 + plan.workspace_bytes
 
 
 @pytest.mark.parametrize("name", ["tiny", "md3-tiny"])
@@ -77,15 +86,128 @@ def test_fp8_experts_hold_a_byte_per_weight_and_a_scale_per_row() -> None:
     assert shape.expert_rows == 2 * 8 * (64 + 64)
 
 
-def test_the_default_budget_is_a_share_of_what_the_weights_leave() -> None:
+def test_the_default_budget_is_a_share_of_what_the_start_leaves() -> None:
     shape = memory_shape(preset("moondream2"))
     cfg = EngineConfig(gpu_memory_bytes=8 * GIB)
     plan = plan_memory(shape, cfg, 80 * GIB)
     assert plan.limit_bytes == 8 * GIB
-    assert plan.kv_budget_bytes == int((8 * GIB - plan.weight_bytes) * KV_SHARE_OF_FREE)
+    # Held when the pool is sized: the weights, both rotary tables (fp32, 2048 positions of
+    # 32 / 2) and the fused decode's summed biases (bf16, one of 2048 per layer, 24 layers).
+    start = {"rotary tables": 2 * 2048 * 16 * 4, "fused decode stacks": 24 * 2048 * 2}
+    assert plan.start_tensors == start
+    held = plan.weight_bytes + sum(start.values())
+    assert plan.held_at_kv_sizing == held
+    assert plan.kv_budget_bytes == int((8 * GIB - held) * KV_SHARE_OF_FREE)
     assert plan.kv_pages == plan.kv_budget_bytes // plan.page_bytes
+    assert plan.peak_bytes == held + plan.kv_bytes + plan.workspace_bytes
     # Moondream 2 in bf16: 1.93 billion parameters.
     assert 1.92e9 < plan.weight_bytes / 2 < 1.94e9
+    # Uncapped, the card less the context and what is held.
+    card = plan_memory(shape, EngineConfig(), 80 * GIB)
+    assert card.kv_budget_bytes == int((80 * GIB - (512 << 20) - held) * KV_SHARE_OF_FREE)
+    # Moondream 3 stacks each layer's tau weights, [wq; wv] of 32 + 32 rows of 6144, and
+    # keeps rotary tables of 32768 positions; without fused decode it stacks none.
+    md3 = memory_shape(preset("moondream3"))
+    assert plan_memory(md3, cfg, 80 * GIB).start_tensors == {
+        "rotary tables": 2 * 32768 * 16 * 4,
+        "fused decode stacks": 24 * 64 * 6144 * 2,
+    }
+    plain = dataclasses.replace(cfg, fused_decode=False)
+    assert plan_memory(md3, plain, 80 * GIB).start_tensors == {"rotary tables": 2 * 32768 * 16 * 4}
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views count once)."""
+    sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(sizes.values())
+
+
+def test_rotary_tables_are_the_built_models() -> None:
+    for name in ("tiny", "md3-tiny"):
+        model = random_model(preset(name), dtype=torch.float32, progress=False).model
+        plan = plan_memory(memory_shape(preset(name)), EngineConfig(), 0, "fp32", cuda=False)
+        tables = _storage_bytes([model.text.rope_cos, model.text.rope_sin])
+        assert plan.start_tensors == {"rotary tables": tables}
+
+
+def test_the_fused_decode_stacks_add_what_the_plan_counts(monkeypatch) -> None:
+    """Stacking on the CPU as the runtime does on CUDA (ModelEntryPoints.use_fused_decode):
+    what the model holds afterwards, less its weights before, is the plan's term."""
+    # Moondream 2: each block's four products into two stacks, plus the summed biases.
+    model = random_model(preset("tiny"), dtype=torch.float32, progress=False).model
+    before = _storage_bytes(model.parameters())
+    stacks = [
+        fused_products.stack_block(b.attn.qkv, b.mlp.fc1, b.attn.proj, b.mlp.fc2)
+        for b in model.text.blocks
+    ]
+    derived = [t for p in stacks for t in (p.w_in, p.b_in, p.w_out, p.b_out)]
+    after = _storage_bytes([*model.parameters(), *derived])
+    plan = plan_memory(memory_shape(preset("tiny")), EngineConfig(), 24 * GIB, "fp32")
+    assert after - before == plan.start_tensors["fused decode stacks"] > 0
+    # Moondream 3: the tau kernels' stacks (CPU: the kernels' availability stands in).
+    monkeypatch.setattr(tau_kernel, "available", lambda x: True)
+    model = random_model(preset("md3-tiny"), dtype=torch.float32, progress=False).model
+    before = _storage_bytes(model.parameters())
+    assert model.text.use_fused_products(True)
+    derived = [b.attn.tau._stacked for b in model.text.blocks]
+    after = _storage_bytes([*model.parameters(), *derived])
+    plan = plan_memory(memory_shape(preset("md3-tiny")), EngineConfig(), 24 * GIB, "fp32")
+    assert after - before == plan.start_tensors["fused decode stacks"] > 0
+
+
+def test_the_fp8_vision_copies_are_the_towers() -> None:
+    # An MLP width of 130 pads fc2's inputs to 256.
+    base = preset("tiny")
+    config = dataclasses.replace(base, vision=dataclasses.replace(base.vision, enc_ff_dim=130))
+    model = random_model(config, dtype=torch.bfloat16, progress=False).model
+    tower = Fp8Tower(model.vision)
+    held = _storage_bytes(
+        t
+        for block in tower.blocks
+        for w in (block.qkv, block.fc1, block.fc2)
+        for t in (w.weight, w.scale, w.bias, w.one)
+    )
+    cfg = EngineConfig(vision_fp8=True)
+    plan = plan_memory(memory_shape(config), cfg, 24 * GIB)
+    assert plan.start_tensors["FP8 vision weights"] == held
+    assert (
+        "FP8 vision weights"
+        not in plan_memory(memory_shape(config), EngineConfig(), GIB).start_tensors
+    )
+
+
+def test_the_engine_budgets_what_it_measures_by_the_plans_rule(monkeypatch) -> None:
+    """On CUDA the pool gives the allocator's unused cache back first, then measures: live
+    tensors' bytes are held, what the allocator still caches counts as free."""
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (10 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 4 * GIB)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 6 * GIB)
+    cuda = torch.device("cuda")
+    kv_pool.release_cache(cuda)
+    assert calls == ["empty"]
+    assert kv_pool.default_budget(cuda) == int(12 * GIB * KV_SHARE_OF_FREE)
+    assert kv_pool.default_budget(cuda, 8 * GIB) == int(4 * GIB * KV_SHARE_OF_FREE)
+    # The plan's numbers under the same rule give the same budget.
+    shape = memory_shape(preset("moondream2"))
+    plan = plan_memory(shape, EngineConfig(gpu_memory_bytes=8 * GIB), 80 * GIB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: plan.held_at_kv_sizing)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: plan.held_at_kv_sizing)
+    assert kv_pool.default_budget(cuda, 8 * GIB) == plan.kv_budget_bytes
+
+
+def test_the_pool_gives_the_cache_back_before_it_measures(monkeypatch, tiny: LoadedModel) -> None:
+    order: list[str] = []
+    monkeypatch.setattr(kv_pool, "release_cache", lambda d: order.append("release"))
+
+    def budget(device: torch.device, cap: int | None = None) -> int:
+        order.append("measure")
+        return CPU_KV_BUDGET
+
+    monkeypatch.setattr(kv_pool, "default_budget", budget)
+    KVPool(TorchDevice(torch.device("cpu")), ModelEntryPoints(tiny.model), EngineConfig())
+    assert order == ["release", "measure"]
 
 
 def test_the_engine_sizes_its_pool_and_reserve_as_the_plan_does(tiny: LoadedModel) -> None:
@@ -113,7 +235,8 @@ def test_cards_are_found_by_loose_names() -> None:
 def test_vlm_plan_prints_the_plan_and_its_verdict(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--gpu", "H100", "--model", "md2", "--max-batch-size", "64"]) == 0
     out = capsys.readouterr().out
-    for label in ("weights: text", "weights: vision", "KV pages", "graphs: image prefix", "left"):
+    labels = ("weights: text", "weights: vision", "rotary tables", "fused decode stacks")
+    for label in (*labels, "KV pages", "graphs: image prefix", "left"):
         assert label in out
     assert "fits: 64 concurrent picture requests" in out
 

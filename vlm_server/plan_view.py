@@ -137,6 +137,8 @@ def plan_lines(plan: MemoryPlan, model: str, device: str) -> list[str]:
         rows.append(("CUDA context", plan.context_bytes, "outside the allocator (estimate)"))
     for part, n in plan.weights.items():
         rows.append((f"weights: {part}", n, _held_as(plan.weights_format, part)))
+    for name, n in plan.start_tensors.items():
+        rows.append((name, n, "made at start, before the KV pool"))
     rows.append(
         (
             "KV pages",
@@ -165,6 +167,7 @@ def plan_json(
     out |= {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name != "notes"}
     for name in (
         "weight_bytes",
+        "held_at_kv_sizing",
         "kv_bytes",
         "workspace_bytes",
         "peak_bytes",

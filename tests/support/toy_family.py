@@ -299,6 +299,8 @@ class ToyFamily:
             enc_dim=t.dim,
             enc_ff_dim=t.dim,
             proj_inner_dim=t.dim,
+            rotary_dim=t.head_dim,
+            enc_layers=0,  # its tower is a patch embedding alone
         )
 
     def load(

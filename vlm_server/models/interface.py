@@ -65,12 +65,17 @@ class MemoryShape:
     n_patches: int
     max_crops: int
     proj_inner_dim: int
+    rotary_dim: int  # the decoder's rotary tables: fp32 [max_context, rotary_dim / 2], two
+    enc_layers: int  # the vision tower's blocks (FP8 vision quantizes three products of each)
     top_k: int = 0  # experts per token (0: a dense model)
     expert_dim: int = 0
     # The decoder's linear weights ``--weights int8|int4`` holds quantized (within "text"):
     # their parameters and output rows (INT8 scales: one per row).
     linear_params: int = 0
     linear_rows: int = 0
+    # Elements, in the weights' dtype, of the tensors the fused decode products derive at
+    # start beside the weights they stack (FusedProducts: on CUDA with --fused-decode).
+    fused_elements: int = 0
 
 
 class TextShape(Protocol):

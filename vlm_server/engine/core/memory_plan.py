@@ -4,8 +4,10 @@ allocated, no device is needed).
 The engine's own decisions, in one place, so that `vlm plan` (before anything is downloaded)
 and the engine at start read the same rules:
 
-- the KV budget: ``kv_budget_bytes`` when set, else `KV_SHARE_OF_FREE` of what is free after
-  the weights loaded (under ``gpu_memory_bytes`` when set), `default_kv_budget`;
+- the KV budget: ``kv_budget_bytes`` when set, else `KV_SHARE_OF_FREE` of what the allocator
+  could still hand out when the KV pool is sized (under ``gpu_memory_bytes`` when set),
+  `default_kv_budget`: the engine passes what it measures there, the plan what it estimates
+  is held by then (the weights and `start_tensors`);
 - the KV pages of that budget, `kv_pages` (the KV pool allocates exactly these);
 - what a picture request takes of them: its image prefix (shared by every request for the same
   picture, its partly filled last page copied into each request's own first page), its prompt
@@ -29,6 +31,9 @@ from vlm_server.models.interface import MemoryShape
 KV_SHARE_OF_FREE = 0.4
 # The default KV budget off CUDA.
 CPU_KV_BUDGET = 256 << 20
+# The FP8 vision tower pads its MLP's inner width to a multiple of this for fc2's FP8 product
+# (models/common/fp8_vision.py `Fp8Tower`).
+FP8_VISION_PAD = 128
 # Device memory the CUDA context and the libraries' handles take outside PyTorch's allocator
 # (an estimate: about 0.5 GiB on an H100 with cuBLAS and Triton loaded). It is not under the
 # --gpu-memory cap, which binds the allocator only.
@@ -102,17 +107,46 @@ def _linear_bytes(shape: MemoryShape, fmt: WeightFormat) -> int:
     return n * fmt.linear_bits // 8 + scales * QUANT_SCALE_BYTES
 
 
-def default_kv_budget(free: int, cap: int | None = None, reserved: int = 0) -> int:
-    """The KV bytes when none are configured: `KV_SHARE_OF_FREE` of the ``free`` device
-    memory, or of what the cap leaves above the allocator's ``reserved`` bytes when less."""
+def default_kv_budget(free: int, held: int, cap: int | None = None) -> int:
+    """The KV bytes when none are configured, one rule for the engine and the plan:
+    `KV_SHARE_OF_FREE` of the memory the allocator could still hand out when the KV pool is
+    sized, ``free`` (the device's, and what the allocator caches unused), or of what ``cap``
+    leaves above the ``held`` bytes of live tensors when less."""
     if cap:
-        free = min(free, cap - reserved)
+        free = min(free, cap - held)
     return max(0, int(free * KV_SHARE_OF_FREE))
 
 
 def kv_pages(budget: int, page_bytes: int) -> int:
     """Pages of a KV budget (at least two: the sink and one to hand out)."""
     return max(2, budget // page_bytes)
+
+
+def fp8_vision_block_bytes(enc_dim: int, enc_ff_dim: int) -> int:
+    """Bytes one vision block's FP8 copies hold (models/common/fp8_vision.py `Fp8Weight`):
+    QKV, fc1 and fc2 (its inputs padded) in e4m3, each with an fp32 scale and a bf16 bias per
+    output row and one fp32 unit scale."""
+    padded = -(-enc_ff_dim // FP8_VISION_PAD) * FP8_VISION_PAD
+    products = ((3 * enc_dim, enc_dim), (enc_ff_dim, enc_dim), (enc_dim, padded))
+    return sum(rows * cols + rows * (4 + 2) + 4 for rows, cols in products)
+
+
+def start_tensors(
+    shape: MemoryShape, cfg: EngineConfig, fmt: WeightFormat, cuda: bool
+) -> dict[str, int]:
+    """Bytes held beside the weights when the KV pool is sized (kv_pool.py): the decoder's
+    rotary tables and, on CUDA, what the runtime's switches derive from the weights before it
+    (engine/device/runtime.py): the fused decode products' stacks, the FP8 vision copies.
+
+    Tensors freed by then do not count: the pool releases the allocator's cache first."""
+    out = {"rotary tables": 2 * shape.max_context * (shape.rotary_dim // 2) * 4}
+    # Quantized linears are not stacked (the fused products take 16-bit weights only).
+    if cuda and cfg.fused_decode and shape.fused_elements and not fmt.linear_bits:
+        out["fused decode stacks"] = int(shape.fused_elements * fmt.dense_bytes)
+    if cuda and cfg.vision_fp8 and shape.enc_layers:
+        block = fp8_vision_block_bytes(shape.enc_dim, shape.enc_ff_dim)
+        out["FP8 vision weights"] = shape.enc_layers * block
+    return out
 
 
 def pages_for(positions: int, page_size: int) -> int:
@@ -178,6 +212,7 @@ class MemoryPlan:
     context_bytes: int  # outside the allocator
     limit_bytes: int  # what the allocator may hold
     weights: dict[str, int]
+    start_tensors: dict[str, int]  # held beside the weights when the KV pool is sized
     weights_format: str
     kv_format: str
     kv_budget_bytes: int
@@ -196,6 +231,11 @@ class MemoryPlan:
         return sum(self.weights.values())
 
     @property
+    def held_at_kv_sizing(self) -> int:
+        """What live tensors hold when the KV pool is sized (the default budget's ``held``)."""
+        return self.weight_bytes + sum(self.start_tensors.values())
+
+    @property
     def kv_bytes(self) -> int:
         return self.kv_pages * self.page_bytes
 
@@ -206,7 +246,7 @@ class MemoryPlan:
     @property
     def peak_bytes(self) -> int:
         """What the allocator holds at its peak (torch.cuda.max_memory_reserved)."""
-        return self.weight_bytes + self.kv_bytes + self.workspace_bytes
+        return self.held_at_kv_sizing + self.kv_bytes + self.workspace_bytes
 
     @property
     def left_bytes(self) -> int:
@@ -252,7 +292,7 @@ class MemoryPlan:
     def needed_bytes(self) -> int:
         """Device memory (the context included) that holds ``max_batch_size`` requests."""
         kv = max(self.kv_bytes, self.kv_needed_bytes)
-        return self.context_bytes + self.weight_bytes + kv + self.workspace_bytes
+        return self.context_bytes + self.held_at_kv_sizing + kv + self.workspace_bytes
 
 
 def plan_memory(
@@ -270,15 +310,17 @@ def plan_memory(
     kv_itemsize = KV_FORMATS[kv_format]
     act = KV_FORMATS[fmt.activation_dtype]
     weights = weight_bytes(shape, fmt)
+    start = start_tensors(shape, cfg, fmt, cuda)
     context = CUDA_CONTEXT_BYTES if cuda else 0
     limit = card_bytes - context
     if cuda and cfg.gpu_memory_bytes:
         limit = min(limit, cfg.gpu_memory_bytes)
-    loaded = sum(weights.values())
+    held = sum(weights.values()) + sum(start.values())
     if cfg.kv_budget_bytes:
         budget = cfg.kv_budget_bytes
     elif cuda:
-        budget = default_kv_budget(max(0, limit - loaded))
+        free = max(0, card_bytes - context - held)
+        budget = default_kv_budget(free, held, cfg.gpu_memory_bytes)
     else:
         budget = CPU_KV_BUDGET
     page_bytes = shape.kv.page_bytes(cfg.page_size, kv_itemsize)
@@ -292,6 +334,7 @@ def plan_memory(
         context_bytes=context,
         limit_bytes=limit,
         weights=weights,
+        start_tensors=start,
         weights_format=weights_format,
         kv_format=kv_format,
         kv_budget_bytes=budget,

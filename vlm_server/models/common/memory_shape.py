@@ -34,9 +34,12 @@ def memory_shape(
     enc_dim: int,
     enc_ff_dim: int,
     proj_inner_dim: int,
+    rotary_dim: int,
+    enc_layers: int,
     top_k: int = 0,
     expert_dim: int = 0,
     linears: Sequence[str] = (),
+    fused_elements: int = 0,
 ) -> MemoryShape:
     """``linears``: the decoder's weights ``--weights int8|int4`` quantizes (2-D, [out, in])."""
     params, expert_rows = parameter_parts(shapes)
@@ -56,8 +59,11 @@ def memory_shape(
         n_patches=(vision.crop_size // vision.patch_size) ** 2,
         max_crops=vision.max_crops,
         proj_inner_dim=proj_inner_dim,
+        rotary_dim=rotary_dim,
+        enc_layers=enc_layers,
         top_k=top_k,
         expert_dim=expert_dim,
         linear_params=sum(math.prod(shapes[name]) for name in linears),
         linear_rows=sum(shapes[name][0] for name in linears),
+        fused_elements=fused_elements,
     )

@@ -62,6 +62,11 @@ class Moondream2Family:
             enc_ff_dim=vision.enc_ff_dim,
             proj_inner_dim=vision.proj_inner_dim,
             linears=quant_targets(config, vision=False),
+            rotary_dim=text.rotary_dim,
+            enc_layers=vision.enc_n_layers,
+            # Stacking a block's products (models/common/fused_products.py) moves its four
+            # weights into two stacks and adds one tensor: proj's and fc2's biases summed.
+            fused_elements=text.n_layers * text.dim,
         )
 
     def load(

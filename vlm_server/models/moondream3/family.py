@@ -75,8 +75,13 @@ class Moondream3Family:
             enc_ff_dim=vision.enc_ff_dim,
             proj_inner_dim=vision.proj_inner_dim,
             linears=dense_targets(config),
+            rotary_dim=text.rotary_dim,
+            enc_layers=vision.enc_n_layers,
             top_k=text.moe.top_k,
             expert_dim=text.moe.expert_dim,
+            # The tau kernels read each block's [wq; wv] stacked, a copy beside the weights
+            # (tau.py `use_kernel`).
+            fused_elements=text.n_layers * (text.n_heads + text.n_kv_heads) * text.qkv_dim,
         )
 
     def load(
