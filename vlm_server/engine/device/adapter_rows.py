@@ -31,8 +31,12 @@ class AdapterRows:
         prefix_slots: int,
         max_jobs: int,
         prefix_len: int,
+        prefix_paths: int = 1,
     ) -> None:
-        """``rows``: the scheduler's rows plus the pad row; ``prefix_len``: BOS + image."""
+        """``rows``: the scheduler's rows plus the pad row; ``prefix_len``: BOS + image;
+        ``prefix_slots``: pinned staging buffers, one a prefix batch in flight (of every
+        prefill path); ``prefix_paths``: the device buffers their graphs read, one a prefill
+        path (its batches run in order, each copied in ahead of its forward)."""
         self.dev, self.bank, self.prefix_len = dev, bank, prefix_len
         device = bank.device
         self.row_slot = dev.buffer(
@@ -49,10 +53,10 @@ class AdapterRows:
         ]
         self.job_dev = [
             dev.buffer(
-                f"prefix{i}.adapter_dev",
+                f"prefix_path{i}.adapter_dev",
                 torch.full((max_jobs + 1,), -1, dtype=torch.int32, device=device),
             )
-            for i in range(prefix_slots)
+            for i in range(prefix_paths)
         ]
 
     # ---- steps ------------------------------------------------------------------------
@@ -82,11 +86,12 @@ class AdapterRows:
 
     # ---- prefix batches ---------------------------------------------------------------
 
-    def send_jobs(self, i: int, slots: list[int], stream: object) -> None:
-        """Prefix slot ``i``'s jobs' adapter slots (the rest -1), up on ``stream``."""
+    def send_jobs(self, i: int, path: int, slots: list[int], stream: object) -> None:
+        """Prefix slot ``i``'s jobs' adapter slots (the rest -1), up on ``stream`` into
+        prefill path ``path``'s device buffer."""
         values = np.full(self.job_host[i].shape[0], -1, np.int32)
         values[: len(slots)] = slots
-        host, dev_buf = self.job_host[i], self.job_dev[i]
+        host, dev_buf = self.job_host[i], self.job_dev[path]
         self.dev.host_write(host, values)
         self.dev.copy(
             stream,
@@ -98,8 +103,8 @@ class AdapterRows:
     def for_prefix(
         self, i: int, image_of_token: torch.Tensor, prompt_jobs: torch.Tensor | None = None
     ) -> LoraBatch:
-        """The adapters of a prefix batch's tokens: each image token its job's, then each
-        riding prompt token (``prompt_jobs``: its job) its job's."""
+        """The adapters of a prefix batch's tokens on prefill path ``i``: each image token its
+        job's, then each riding prompt token (``prompt_jobs``: its job) its job's."""
         jobs = self.job_dev[i]
         index = jobs[image_of_token]
         if prompt_jobs is not None:

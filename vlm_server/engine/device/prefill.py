@@ -48,16 +48,19 @@ from vlm_server.engine.device.streams import Device, Event
 
 @dataclass
 class PrefixSlot:
-    """Buffers of one batch of image prefixes in flight on the prefill stream."""
+    """The pinned staging buffers and the event of one batch of image prefixes in flight.
 
-    # [max_prefill_batch + 1, pages of prefix + riding prompt] int64 (pinned): each job's
-    # pages (core/prefix_jobs.py); the last row stays on the sink page, for pad tokens.
+    Its values go up on the lane's stream into the path's one set of device buffers
+    (`Prefill.pages_dev`, `Prefill.prompt_dev`) just ahead of its forward: a lane runs its
+    batches in order, so the graphs read the same device buffers whatever the slot (one graph
+    per batch shape, not per slot)."""
+
+    # [max_prefill_batch + 1, pages of prefix + riding prompt] int64: each job's pages
+    # (core/prefix_jobs.py); the last row stays on the sink page, for pad tokens.
     pages_host: torch.Tensor
-    pages_dev: torch.Tensor
     # The riding prompts: each job's held row, then their tokens as core/mixed_inputs.py lays
     # out a step's (the pad row is the sink row above).
     prompt_host: torch.Tensor
-    prompt_dev: torch.Tensor
     done: Event
 
 
@@ -68,11 +71,11 @@ class PrefillLane:
 
     stream: object
     image_graphs: GraphSet[tuple[int, int]]
-    prefix_graphs: GraphSet[tuple[int, int, int]]
+    prefix_graphs: GraphSet[tuple[int, int]]
     crop_graphs: CropGraphs | None
     # With adapters on, the same forwards with the jobs' adapter deltas: a batch runs them
     # only when one of its jobs uses an adapter, so the others pay nothing for LoRA.
-    lora_prefix_graphs: GraphSet[tuple[int, int, int]]
+    lora_prefix_graphs: GraphSet[tuple[int, int]]
     # Its stream runs in the SM partition (the early-launch rule of the steps reads it).
     partitioned: bool = False
 
@@ -95,9 +98,10 @@ class Prefill:
         self.dev, self.entry, self.pool, self.buffers, self.crops = dev, entry, pool, buffers, crops
         self.adapters = adapters  # the jobs' adapter slots; None: adapters are off
         self.interactive = interactive
-        # Buffer names, and the adapter rows' prefix slots (the interactive lane's follow).
+        # Buffer names, and the adapter rows' staging slots and device buffer (the path's).
         self.name = "iprefix" if interactive else "prefix"
         self.adapter_base = cfg.prefill_batches if interactive else 0
+        self.adapter_path = 1 if interactive else 0
         jobs = cfg.interactive_prefill_batch if interactive else cfg.max_prefill_batch
         self.max_jobs, self.page_size = jobs, cfg.page_size
         self.prompt_tokens = cfg.prefix_prompt_tokens
@@ -111,6 +115,13 @@ class Prefill:
         # One set of buffers per batch that may be in flight, used in turn.
         self.slots = self._slots(cfg.prefill_batches, prefix_len, prompt_len)
         self.next_slot = 0
+        pages_shape = tuple(self.slots[0].pages_host.shape)
+        self.pages_dev = dev.buffer(
+            f"{self.name}.pages_dev", zeros(pages_shape, torch.int64, device)
+        )
+        self.prompt_dev = dev.buffer(
+            f"{self.name}.prompt_dev", zeros((prompt_len,), torch.int64, device)
+        )
         # BOS + image embeddings of one batch (written and read on the prefill stream only).
         # Registered: both prefill lanes' batches write it (the fake device versions it).
         self.prefix_emb = dev.buffer(
@@ -130,15 +141,13 @@ class Prefill:
         self.last_lane: int | None = None
 
     def _slots(self, n: int, prefix_len: int, prompt_len: int) -> list[PrefixSlot]:
-        dev, device, name = self.dev, self.entry.device, self.name
+        dev, name = self.dev, self.name
         pages = -(-(prefix_len + self.prompt_tokens) // self.page_size)
         pages_shape = (self.max_jobs + 1, pages)
         return [
             PrefixSlot(
                 dev.host_buffer(f"{name}{i}.pages_host", pages_shape, torch.int64),
-                dev.buffer(f"{name}{i}.pages_dev", zeros(pages_shape, torch.int64, device)),
                 dev.host_buffer(f"{name}{i}.prompt_host", (prompt_len,), torch.int64),
-                dev.buffer(f"{name}{i}.prompt_dev", zeros((prompt_len,), torch.int64, device)),
                 # Blocking: the engine's prefix watcher sleeps on it (`ModelRuntime.wait_prefix`).
                 dev.event(f"{name}{i}.prefix_done", blocking=True),
             )
@@ -228,21 +237,21 @@ class Prefill:
         dev.copy(
             stream,
             f"h2d prefix pages {i}",
-            partial(copy_rows, slot.pages_dev, slot.pages_host, 0, k),
-            lambda: ([slot.pages_host], [slot.pages_dev]),
+            partial(copy_rows, self.pages_dev, slot.pages_host, 0, k),
+            lambda: ([slot.pages_host], [self.pages_dev]),
         )
         p, n_tails, held_rows = self._send_prompts(i, jobs, stream)
         if self.adapters:
             slots = [job.adapter_slot for job in jobs]
-            self.adapters.send_jobs(self.adapter_base + i, slots, stream)
+            self.adapters.send_jobs(self.adapter_base + i, self.adapter_path, slots, stream)
         lora = self.adapters is not None and any(job.adapter_slot >= 0 for job in jobs)
         kv, held = self.pool.kv, self.buffers.held
         dev.kernel(
             stream,
             f"image prefixes {i}",
-            partial(self._image_prefixes, i, jobs, p, n_tails, lane, lora),
+            partial(self._image_prefixes, jobs, p, n_tails, lane, lora),
             lambda: (
-                [slot.pages_dev, slot.prompt_dev, *self._adapter_reads(i)],
+                [self.pages_dev, self.prompt_dev, *self._adapter_reads()],
                 [(kv, sorted(set(written))), (held, held_rows), self.prefix_emb],
             ),
         )
@@ -251,8 +260,8 @@ class Prefill:
             dev.record(self.lane_done, stream)
         return slot.done
 
-    def _adapter_reads(self, i: int) -> list[torch.Tensor]:
-        return [self.adapters.job_dev[self.adapter_base + i]] if self.adapters is not None else []
+    def _adapter_reads(self) -> list[torch.Tensor]:
+        return [self.adapters.job_dev[self.adapter_path]] if self.adapters is not None else []
 
     def _send_prompts(
         self, i: int, jobs: list[PrefixJob], stream: object
@@ -279,8 +288,8 @@ class Prefill:
         dev.copy(
             stream,
             f"h2d prefix prompts {i}",
-            partial(copy_rows, slot.prompt_dev, slot.prompt_host, 0, n),
-            lambda: ([slot.prompt_host], [slot.prompt_dev]),
+            partial(copy_rows, self.prompt_dev, slot.prompt_host, 0, n),
+            lambda: ([slot.prompt_host], [self.prompt_dev]),
         )
         return p, len(tails), [r for r in rows if r != pad_row]
 
@@ -294,7 +303,6 @@ class Prefill:
 
     def _image_prefixes(
         self,
-        i: int,
         jobs: list[PrefixJob],
         p: int,
         n_tails: int,
@@ -317,15 +325,15 @@ class Prefill:
             self.prefix_emb[j].copy_(emb[0])  # type: ignore[index]
         k = len(jobs)
         graphs = lane.lora_prefix_graphs if lora else lane.prefix_graphs
-        if (i, k, p) in graphs:
-            graphs.replay((i, k, p))
+        if (k, p) in graphs:
+            graphs.replay((k, p))
         else:
-            self.prefix_forward(i, k, p, lora)
+            self.prefix_forward(k, p, lora)
         if n_tails:
             # Each riding prompt's stand-in page holds its prefix's last positions: into the
             # entry's own last page, every layer in one gather and one scatter.
             at = self.max_jobs + 1 + self.prompt_layout.tails_at
-            pairs = self.slots[i].prompt_dev[at : at + 2 * n_tails].view(n_tails, 2)
+            pairs = self.prompt_dev[at : at + 2 * n_tails].view(n_tails, 2)
             self.pool.copy_pages(pairs)
 
     def image_embedding(self, crops: torch.Tensor, tiling: tuple[int, int]) -> torch.Tensor:
@@ -333,31 +341,31 @@ class Prefill:
         with sm_carveout(self.carveout):
             return self.entry.image_prefix(crops, tiling)
 
-    def prefix_forward(self, i: int, k: int, p: int = 0, lora: bool = True) -> None:
-        """BOS + image of prefix slot ``i``'s ``k`` images (``prefix_emb[:k]``) into their
-        pages, with ``p`` (padded) riding prompt tokens. A prefix sees only itself, both ways,
-        so without prompts attention needs no mask. ``lora``: with the jobs' adapters (when
-        adapters are on)."""
+    def prefix_forward(self, k: int, p: int = 0, lora: bool = True) -> None:
+        """BOS + image of the batch's ``k`` images (``prefix_emb[:k]``) into their pages, with
+        ``p`` (padded) riding prompt tokens. A prefix sees only itself, both ways, so without
+        prompts attention needs no mask. ``lora``: with the jobs' adapters (when adapters are
+        on)."""
         if p:
-            self._prefix_prompt_forward(i, k, p, lora)
+            self._prefix_prompt_forward(k, p, lora)
             return
         length = self.prefix_emb.shape[1]
-        kv = self.pool.prefix_view(self.slots[i].pages_dev, k, length, self.image_of_token)
+        kv = self.pool.prefix_view(self.pages_dev, k, length, self.image_of_token)
         pos = self.prefix_pos[None].expand(k, length)
         deltas = (
-            self.adapters.for_prefix(self.adapter_base + i, self.image_of_token[: k * length])
+            self.adapters.for_prefix(self.adapter_path, self.image_of_token[: k * length])
             if self.adapters and lora
             else None
         )
         with sm_carveout(self.carveout):
             self.entry.text_forward(self.prefix_emb[:k], pos, kv, deltas)
 
-    def _prefix_prompt_forward(self, i: int, k: int, p: int, lora: bool) -> None:
+    def _prefix_prompt_forward(self, k: int, p: int, lora: bool) -> None:
         """The prefixes and their riding prompts as one token batch [1, k * length + p]; each
         prompt's last hidden state is kept at its sequence's row of ``held``."""
-        slot, lay, entry = self.slots[i], self.prompt_layout, self.entry
+        lay, entry = self.prompt_layout, self.entry
         at = self.max_jobs + 1  # the held rows come first
-        buf = slot.prompt_dev
+        buf = self.prompt_dev
         held_rows, last = buf[:k], buf[at : at + k]
         tokens = buf[at + lay.tokens_at : at + lay.tiles_at(p)].view(p, N_TOK)
         tiles = buf[at + lay.tiles_at(p) : at + lay.size(p)].view(-1, 2)
@@ -367,11 +375,11 @@ class Prefill:
         x = torch.cat([self.prefix_emb[:k].reshape(n, dim), entry.embed(ids).to(entry.dtype)])
         positions = torch.cat([self.prefix_pos.repeat(k), pos])
         kv = self.pool.prefix_prompt_view(
-            slot.pages_dev, k, length, self.image_of_token, rows, pos, tiles, lay.tile_tokens
+            self.pages_dev, k, length, self.image_of_token, rows, pos, tiles, lay.tile_tokens
         )
         adapters = self.adapters if lora else None
-        at_slot = self.adapter_base + i
-        deltas = adapters.for_prefix(at_slot, self.image_of_token[:n], rows) if adapters else None
+        path = self.adapter_path
+        deltas = adapters.for_prefix(path, self.image_of_token[:n], rows) if adapters else None
         with sm_carveout(self.carveout):
             h = entry.text_forward(x[None], positions[None], kv, deltas)[0]
         self.buffers.held[held_rows] = h[n + last.clamp(min=0)]
@@ -379,12 +387,12 @@ class Prefill:
     # ---- graphs -----------------------------------------------------------------------
 
     def capture_prefixes(self, progress: bool) -> None:
-        """Capture the BOS + image forward per (prefix slot, images in the batch, riding
-        prompt tokens) on every lane (CUDA only)."""
+        """Capture the BOS + image forward per (images in the batch, riding prompt tokens) on
+        every lane (CUDA only)."""
         pad_row, jobs = self.buffers.pad_row, self.max_jobs
 
-        def prepare(key: tuple[int, int, int]) -> None:
-            i, _, p = key
+        def prepare(key: tuple[int, int]) -> None:
+            _, p = key
             if p:  # pad tokens only, held rows on the pad row
                 scratch = self.prompt_scratch
                 scratch[: jobs + 1] = pad_row
@@ -393,17 +401,13 @@ class Prefill:
                     scratch[jobs + 1 :], none, np.zeros(0, np.int64), [], p, jobs
                 )
                 n = jobs + 1 + self.prompt_layout.size(p)
-                self.slots[i].prompt_dev[:n].copy_(torch.from_numpy(scratch[:n]))
+                self.prompt_dev[:n].copy_(torch.from_numpy(scratch[:n]))
 
-        def run(key: tuple[int, int, int], lora: bool = False) -> None:
+        def run(key: tuple[int, int], lora: bool = False) -> None:
             self.prefix_forward(*key, lora)
 
-        keys = [
-            (i, k, p)
-            for p in [*sorted(self.prompt_buckets, reverse=True), 0]
-            for k in range(jobs, 0, -1)
-            for i in range(len(self.slots))
-        ]
+        prompts = [*sorted(self.prompt_buckets, reverse=True), 0]
+        keys = [(k, p) for p in prompts for k in range(jobs, 0, -1)]
         # Pages of the sink only (a fresh pages buffer holds zeros): the warm-up writes there.
         for lane in self.lanes:
             lane.prefix_graphs.capture(keys, prepare, run, lane.stream, progress)

@@ -136,6 +136,7 @@ class ModelRuntime:
                 lanes * cfg.prefill_batches,
                 max(cfg.max_prefill_batch, cfg.interactive_prefill_batch),
                 entry.image_prefix_len,
+                prefix_paths=lanes,
             )
             if self.adapter_bank is not None
             else None
@@ -282,7 +283,7 @@ class ModelRuntime:
     def capture_graphs(self, progress: bool = True) -> None:
         """Capture the decode forward per (slot, batch bucket), the mixed step's token forward
         per (slot, token bucket), masks + sampling per (slot, batch bucket, constrained,
-        regions, greedy) and the BOS + image forward per (prefix slot, images in the batch,
+        regions, greedy) and the BOS + image forward per (images in the batch,
         riding prompt tokens). CUDA only; the CPU keeps running the same work eagerly."""
         if not self.dev.is_cuda:
             return
