@@ -27,6 +27,7 @@ from vlm_server.options.command_line import add_options, config_from
 from vlm_server.options.spec import Option
 from vlm_server.options.table import OPTIONS, ServerConfig
 from vlm_server.reference import ContextOverflow, ReferenceGenerator, SamplingSettings
+from vlm_server.server.weights_start import start_weights
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SAMPLE = "sample"
@@ -116,13 +117,16 @@ def _run(args: argparse.Namespace, config: ServerConfig) -> int:
             "moondream2 weights)",
             file=sys.stderr,
         )
+    weights = start_weights(
+        config.model, config.preset, config.weights, config.engine_config, device
+    )
     loaded = load_model(
         source,
         preset_name=config.preset,
         dtype=dtype,
         device=device,
         tokenizer_path=config.tokenizer,
-        weights=config.weights,
+        weights=weights,
     )
     data = sample_image_bytes() if args.image == SAMPLE else Path(args.image).read_bytes()
     image = prepare_image(data)
