@@ -1,7 +1,7 @@
 """Command line: ``vlm serve`` (the gRPC server), ``vlm batch`` (bulk work without a server),
 ``vlm cluster`` (replicas on Ray Serve behind the gateway), ``vlm gateway`` (the gateway
 alone, for a deployed Serve application), ``vlm plan`` (the memory plan for a card),
-``vlm quantize`` (INT8 or INT4 weights written ahead),
+``vlm quantize`` (INT8 or INT4 weights written ahead), ``vlm compare`` (two models' answers),
 ``vlm run TASK IMAGE ...`` on the reference path, ``vlm make-checkpoint``."""
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub.add_parser(
         "plan", help="the engine's memory plan for a card, without a GPU (vlm plan --help)"
+    )
+    sub.add_parser(
+        "compare", help="two models' answers over a folder of pictures (vlm compare --help)"
     )
     sub.add_parser(
         "quantize", help="write a checkpoint's weights in INT8 or INT4 (vlm quantize --help)"
@@ -197,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         from vlm_server.plan_command import main as plan
 
         return plan(argv[1:])
+    if argv[:1] == ["compare"]:  # two models' answers over a folder: vlm compare --help
+        from vlm_server.compare_command import main as compare
+
+        return compare(argv[1:])
     if argv[:1] == ["quantize"]:  # INT8 or INT4 weights written ahead: vlm quantize --help
         from vlm_server.quantize_command import main as quantize
 
