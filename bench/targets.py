@@ -16,6 +16,7 @@ run updates only its own rows; the others stay as they were):
     scaleout.json      python -m bench.scaleout           replicas on Ray Serve (vlm cluster)
     lora_bench.json    python -m bench.lora_bench         finetune adapters: period, load gaps
     bulk_bench.json    python -m bench.bulk_bench         vlm batch, interactive under a batch
+    quant_numerics.json python -m bench.quant_numerics    int8/int4 logits against bf16
 
 A row is ``{"name", "value", "unit", "target", "met", "commit", "flags"}``: ``target`` is a
 bound as text ("<= 30", ">= 60") or null where none is stated; ``met`` says whether the value
@@ -80,6 +81,12 @@ TARGETS: dict[str, tuple[str, str | None]] = {
     "query3.unique.c1.p50_ms_idle_server": ("ms", None),
     "query3.unique.c1.p50_ms_under_batch": ("ms", None),
     "query3.under_batch.p50_ratio": ("x", "<= 1.25"),
+    # Weight-only quantization against the 16-bit checkpoint (bench/quant_numerics.py): the
+    # next-token logits' mean cosine and top-1 agreement over 64 prompts with pictures.
+    "int8.logits_cosine": ("", None),
+    "int4.logits_cosine": ("", None),
+    "int8.top1_agreement": ("", None),
+    "int4.top1_agreement": ("", None),
 }
 
 # Figures of no model, named without a prefix, in results/<machine>/targets.json. The
@@ -300,6 +307,16 @@ def bulk_rows(d: dict[str, Any], prefix: str, commit: str | None) -> list[Row]:
     return rows(d, prefix, commit)
 
 
+def numerics_rows(d: dict[str, Any], prefix: str, commit: str | None) -> list[Row]:
+    """Quantized weights' logits against the 16-bit model's, per format."""
+    out: list[Row] = []
+    for name, f in d["formats"].items():
+        flags = f"--weights {name}"
+        out.append(make_row(prefix, f"{name}.logits_cosine", f["logits_cosine"], commit, flags))
+        out.append(make_row(prefix, f"{name}.top1_agreement", f["top1_agreement"], commit, flags))
+    return out
+
+
 SOURCES = {
     "step_bench.json": step_rows,
     "load_gen.json": load_rows,
@@ -309,6 +326,7 @@ SOURCES = {
     "scaleout.json": scaleout_rows,
     "lora_bench.json": lora_rows,
     "bulk_bench.json": bulk_rows,
+    "quant_numerics.json": numerics_rows,
 }
 
 

@@ -58,6 +58,8 @@ LAYERS = {
     "vlm_server.plan_command": 11,  # vlm plan
     "vlm_server.quantize_command": 11,  # vlm quantize
     "vlm_server.batch_command": 11,  # vlm batch: the server's engine and core, no doors
+    "vlm_server.compare_scores": 0,  # how alike two models' answers are (pure functions)
+    "vlm_server.compare_command": 11,  # vlm compare: two models through vlm batch's runs
 }
 
 
@@ -172,6 +174,8 @@ SAME_LAYER_IMPORTS = {
     ("vlm_server.cli", "vlm_server.batch_command"),  # `vlm batch`
     ("vlm_server.cli", "vlm_server.plan_command"),  # `vlm plan`
     ("vlm_server.cli", "vlm_server.quantize_command"),  # `vlm quantize`
+    ("vlm_server.cli", "vlm_server.compare_command"),  # `vlm compare`
+    ("vlm_server.compare_command", "vlm_server.batch_command"),  # its runs are vlm batch's
     ("vlm_server.models.quantized", "vlm_server.models.registry"),  # any family's files
     ("vlm_server.default_model", "vlm_server.models.registry"),  # the built-in model's family
     ("vlm_server.engine", "vlm_server.engine.api"),  # refinements and the step trace: events

@@ -289,7 +289,7 @@ def test_moondream3_quantized_experts_are_not_served_yet(tmp_path: Path) -> None
 
 
 def test_the_option_names_its_field() -> None:
-    with pytest.raises(ValueError, match=r"^weights must be one of bf16, int8, int4"):
+    with pytest.raises(ValueError, match=r"^weights must be one of auto, bf16, int8, int4, fp8"):
         ServerConfig(weights="int3")
 
 
@@ -299,7 +299,7 @@ def test_vlm_run_takes_the_flag(tiny_dir: Path, capsys: pytest.CaptureFixture[st
     assert json.loads(capsys.readouterr().out)["finish_reason"]
     with pytest.raises(SystemExit):
         cli_main([*base, "--weights", "int2"])
-    assert "--weights must be one of bf16, int8, int4" in capsys.readouterr().err
+    assert "--weights must be one of auto, bf16, int8, int4, fp8" in capsys.readouterr().err
 
 
 # ---- the memory plan ------------------------------------------------------------------------

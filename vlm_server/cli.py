@@ -1,7 +1,7 @@
 """Command line: ``vlm serve`` (the gRPC server), ``vlm batch`` (bulk work without a server),
 ``vlm cluster`` (replicas on Ray Serve behind the gateway), ``vlm gateway`` (the gateway
 alone, for a deployed Serve application), ``vlm plan`` (the memory plan for a card),
-``vlm quantize`` (INT8 or INT4 weights written ahead),
+``vlm quantize`` (INT8 or INT4 weights written ahead), ``vlm compare`` (two models' answers),
 ``vlm run TASK IMAGE ...`` on the reference path, ``vlm make-checkpoint``."""
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from vlm_server.options.command_line import add_options, config_from
 from vlm_server.options.spec import Option
 from vlm_server.options.table import OPTIONS, ServerConfig
 from vlm_server.reference import ContextOverflow, ReferenceGenerator, SamplingSettings
+from vlm_server.server.weights_start import start_weights
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SAMPLE = "sample"
@@ -49,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub.add_parser(
         "plan", help="the engine's memory plan for a card, without a GPU (vlm plan --help)"
+    )
+    sub.add_parser(
+        "compare", help="two models' answers over a folder of pictures (vlm compare --help)"
     )
     sub.add_parser(
         "quantize", help="write a checkpoint's weights in INT8 or INT4 (vlm quantize --help)"
@@ -116,13 +120,16 @@ def _run(args: argparse.Namespace, config: ServerConfig) -> int:
             "moondream2 weights)",
             file=sys.stderr,
         )
+    weights = start_weights(
+        config.model, config.preset, config.weights, config.engine_config, device
+    )
     loaded = load_model(
         source,
         preset_name=config.preset,
         dtype=dtype,
         device=device,
         tokenizer_path=config.tokenizer,
-        weights=config.weights,
+        weights=weights,
     )
     data = sample_image_bytes() if args.image == SAMPLE else Path(args.image).read_bytes()
     image = prepare_image(data)
@@ -193,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         from vlm_server.plan_command import main as plan
 
         return plan(argv[1:])
+    if argv[:1] == ["compare"]:  # two models' answers over a folder: vlm compare --help
+        from vlm_server.compare_command import main as compare
+
+        return compare(argv[1:])
     if argv[:1] == ["quantize"]:  # INT8 or INT4 weights written ahead: vlm quantize --help
         from vlm_server.quantize_command import main as quantize
 

@@ -13,15 +13,34 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from vlm_server.chips import by_name
+from vlm_server.chips import ChipSpec, by_name
+from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.memory_plan import KV_FORMATS, WEIGHT_FORMATS, plan_memory
+from vlm_server.engine.core.weights_choice import (
+    AUTO,
+    PLAN_FORMATS,
+    WeightsError,
+    choose_weights,
+)
 from vlm_server.models.checkpoint_io import CheckpointError
+from vlm_server.models.interface import MemoryShape
 from vlm_server.models.quant.files import stored_format
 from vlm_server.options.command_line import add_options, config_from
 from vlm_server.options.table import OPTIONS
-from vlm_server.plan_view import alternatives, check_format, model_shape, plan_json, plan_lines
+from vlm_server.plan_view import (
+    alternatives,
+    check_format,
+    formats_for,
+    model_shape,
+    plan_json,
+    plan_lines,
+)
+
+# The plan's formats --weights auto picks among (the activations' dtype is --dtype's).
+_SERVED = ("bf16", "int8", "fp8-experts", "int4")
 
 # The server's flags that change the plan.
 PLAN_OPTIONS = (
@@ -49,9 +68,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--weights",
         default=None,
-        choices=list(WEIGHT_FORMATS),
-        help="how the weights are held (fp8-experts: Moondream 3's FP8 checkpoint; int8, int4: "
-        "the decoder's linears) [default: a vlm quantize directory's format, else bf16]",
+        choices=[AUTO, *WEIGHT_FORMATS, "fp8"],
+        help="how the weights are held (fp8-experts, or fp8: Moondream 3's FP8 experts; int8, "
+        "int4: the decoder's linears; auto: what vlm serve's --weights auto would take on this "
+        "card) [default: a vlm quantize directory's format, else bf16; what auto would take "
+        "is said either way]",
     )
     parser.add_argument(
         "--kv-dtype",
@@ -76,6 +97,29 @@ def _stored_weights(model: Path) -> str:
     return stored.name if stored is not None else "bf16"
 
 
+@dataclass(frozen=True)
+class AutoLine:
+    """What ``--weights auto`` would take (None: a stored format, or nothing fits) and why."""
+
+    weights: str | None
+    line: str
+
+
+def _auto_line(shape: MemoryShape, cfg: EngineConfig, card: ChipSpec, stored: str) -> AutoLine:
+    """``--weights auto`` on ``card``, as the server decides it at start."""
+    if stored != "bf16":
+        return AutoLine(
+            None, f"weights: {stored} (auto): a vlm quantize directory is served in its own format"
+        )
+    flags = {plan: flag for flag, plan in PLAN_FORMATS.items()}
+    served = [flags[f] for f in formats_for(shape, card) if f in flags and f in _SERVED]
+    try:
+        choice = choose_weights(shape, cfg, card.memory_bytes, AUTO, served)
+    except WeightsError as err:
+        return AutoLine(None, str(err))
+    return AutoLine(choice.weights, choice.line)
+
+
 def main(argv: list[str]) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -83,8 +127,14 @@ def main(argv: list[str]) -> int:
     try:
         card = by_name(args.gpu)
         model, shape = model_shape(args.model, config.preset)
-        if args.weights is None:
-            args.weights = _stored_weights(Path(args.model))
+        cfg = config.engine_config
+        stored = _stored_weights(Path(args.model))
+        auto = _auto_line(shape, cfg, card, stored)
+        if args.weights == AUTO:
+            args.weights = stored if auto.weights is None else PLAN_FORMATS[auto.weights]
+        elif args.weights is None:
+            args.weights = stored
+        args.weights = PLAN_FORMATS.get(args.weights, args.weights)
         check_format(shape, args.weights, card)
         act = WEIGHT_FORMATS[args.weights].activation_dtype
         if args.kv_dtype not in (None, act):
@@ -92,16 +142,18 @@ def main(argv: list[str]) -> int:
                 f"kv_dtype: the engine keeps keys and values in the activations' dtype "
                 f"({act} with {args.weights} weights), not {args.kv_dtype}"
             )
-        cfg = config.engine_config
         plan = plan_memory(shape, cfg, card.memory_bytes, args.weights, args.kv_dtype)
     except (ValueError, CheckpointError, OSError) as err:
         print(f"vlm plan: error: {err}", file=sys.stderr)
         return 2
     alt = None if plan.fits else alternatives(shape, cfg, card, plan, args.kv_dtype)
     if args.json:
-        print(json.dumps(plan_json(plan, model, card.name, alt), indent=2))
+        out = plan_json(plan, model, card.name, alt)
+        out["auto"] = {"weights": auto.weights, "line": auto.line}
+        print(json.dumps(out, indent=2))
         return 0 if plan.fits else 1
     print("\n".join(plan_lines(plan, model, card.name)))
+    print(auto.line)
     if alt is not None:
         n = cfg.max_batch_size
         if alt.kv_budget_bytes is not None:

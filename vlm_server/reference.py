@@ -145,6 +145,13 @@ class ReferenceGenerator:
             prompt = [self.contract.bos_id, *prompt]
         return self._prefill(image, prompt, budget)
 
+    @torch.inference_mode()
+    def next_logits(self, image: PreparedImage | None, prompt: list[int]) -> torch.Tensor:
+        """The logits [1, V] of the token after ``image``'s prefix and ``prompt`` (token ids),
+        nothing masked: what numerics checks compare between two models."""
+        _, hidden, _ = self._start(image, prompt, 1)
+        return self.model.text.logits(hidden)
+
     def _prefill(
         self,
         image: PreparedImage | None,

@@ -83,9 +83,16 @@ def check_formats(formats: Formats, family: str, weights: str) -> None:
         )
 
 
+def served_weights(formats: Formats) -> list[str]:
+    """The ``--weights`` formats a family is served in (bf16, the checkpoint's own values:
+    every family)."""
+    return ["bf16", *formats.quantized, *(["fp8"] if formats.fp8_experts else [])]
+
+
 def check_weights(formats: Formats, family: str, weights: str) -> None:
-    """Refuse ``--weights`` in a 4- or 8-bit format the family's decoder is not served in
-    (bf16 is the checkpoint's own values: every family takes it)."""
-    if weights != "bf16" and weights not in formats.quantized:
-        served = ", ".join(["bf16", *formats.quantized])
-        raise CapabilityError(f"--weights {weights}: the {family} family serves {served} weights")
+    """Refuse ``--weights`` in a format the family is not served in."""
+    served = served_weights(formats)
+    if weights not in served:
+        raise CapabilityError(
+            f"--weights {weights}: the {family} family serves {', '.join(served)} weights"
+        )

@@ -169,11 +169,13 @@ QuantizedFormat = Literal["int8", "int4"]
 class Formats:
     """The weight and KV formats a family accepts (declared on its `ModelFamily`, known before
     anything loads, and on its models' `Capabilities`); ``quantized``: the 4- and 8-bit
-    formats its decoder's linear layers can be served in."""
+    formats its decoder's linear layers can be served in; ``fp8_experts``: whether its
+    experts can be held in FP8 (``--weights fp8``, where the chip has FP8 units)."""
 
     weights: tuple[WeightFormat, ...]
     kv: tuple[KVFormat, ...]
     quantized: tuple[QuantizedFormat, ...] = ()
+    fp8_experts: bool = False
 
 
 @dataclass(frozen=True)

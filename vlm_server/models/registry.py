@@ -75,10 +75,12 @@ class ModelFamily(Protocol):
         tokenizer_path: str | Path | None,
         progress: bool,
         quant: QuantRequest | None = None,
+        experts_fp8: bool = False,
     ) -> LoadedModel:
         """Load a local checkpoint (a directory or one weights file); ``quant``: with its
         decoder's linears in 8 or 4 bits (only a format of ``formats.quantized``; a family
-        that declares none is never passed it)."""
+        that declares none is never passed it); ``experts_fp8``: its experts in FP8 (only
+        passed to a family whose ``formats.fp8_experts`` says it can)."""
         ...
 
     def random_model(
@@ -90,9 +92,10 @@ class ModelFamily(Protocol):
         device: torch.device | str,
         progress: bool,
         quant: QuantRequest | None = None,
+        experts_fp8: bool = False,
     ) -> LoadedModel:
         """What loading `write_checkpoint(config, seed=seed)` gives, built in memory;
-        ``quant``: quantized as at load (never ``stored``)."""
+        ``quant``: quantized as at load (never ``stored``); ``experts_fp8`` as for `load`."""
         ...
 
     def write_checkpoint(
@@ -197,8 +200,9 @@ def load_model(
 ) -> LoadedModel:
     """Load a checkpoint: a directory, one weights file or a Hugging Face repo id. The family
     is the preset's when one is named, else the one that reads the checkpoint's config.json.
-    ``weights`` (``--weights``): bf16 (the checkpoint's values, in ``dtype``), or int8 / int4
-    (the decoder's linears quantized at load, INT4 in groups of ``group_size``); None: the
+    ``weights`` (``--weights``): bf16 (the checkpoint's values, in ``dtype``), int8 / int4
+    (the decoder's linears quantized at load, INT4 in groups of ``group_size``), fp8 (the
+    experts in FP8: kept from an FP8 checkpoint, quantized at load from a 16-bit one); None: the
     checkpoint's own (a ``vlm quantize`` directory's format, else bf16). A quantized
     directory is served as it is, never re-quantized."""
     path = resolve_source(source)
@@ -210,7 +214,7 @@ def load_model(
         check_quantized(quant.stored, fam.expected_shapes(config), str(path))
     # A family asked for no quantized format never sees the argument: one that declares none
     # need not take it.
-    asked: dict[str, Any] = {} if quant is None else {"quant": quant}
+    asked = _asked(quant, weights)
     loaded = fam.load(
         path,
         preset_name=preset_name,
@@ -239,10 +243,24 @@ def random_model(
     fam = family_of(config)
     _check_dtype(fam, dtype)
     quant = quant_plan.request(fam.name, fam.formats, None, weights, group_size, device)
-    asked: dict[str, Any] = {} if quant is None else {"quant": quant}
     return fam.random_model(
-        config, seed=seed, dtype=dtype, device=device, progress=progress, **asked
+        config,
+        seed=seed,
+        dtype=dtype,
+        device=device,
+        progress=progress,
+        **_asked(quant, weights),
     )
+
+
+def _asked(quant: QuantRequest | None, weights: str | None) -> dict[str, Any]:
+    """The keywords of a family's load for ``weights``: a family asked for no quantized
+    format never sees ``quant``, one asked for no FP8 experts never sees ``experts_fp8`` (one
+    that declares neither need not take them; quant_plan refused what it does not serve)."""
+    asked: dict[str, Any] = {} if quant is None else {"quant": quant}
+    if weights == "fp8":
+        asked["experts_fp8"] = True
+    return asked
 
 
 def write_checkpoint(

@@ -67,13 +67,16 @@ class ServerConfig(PerformanceOptions):
         "weights dtype (default bf16 on CUDA, fp32 on CPU)",
         choices=("bf16", "fp16", "fp32"),
     )
-    weights: str | None = option(
-        None,
+    weights: str = option(
+        "auto",
         G.MODEL,
-        "the decoder's linear weights: bf16 (the checkpoint's values, in --dtype), int8 (a "
-        "scale per output channel) or int4 (one per 128 input columns), quantized at load; a "
-        "vlm quantize directory is served in its own format (default: that, else bf16)",
-        choices=("bf16", "int8", "int4"),
+        "weights: auto (the most exact format that holds --max-batch-size picture requests "
+        "on this card, under --gpu-memory-bytes; one start-up line says which and the bytes), "
+        "bf16 (the checkpoint's values, in --dtype), int8 (the decoder's linears, a scale per "
+        "output channel), int4 (one per 128 input columns), fp8 (Moondream 3's experts in FP8, "
+        "on chips with FP8 units), quantized at load; a vlm quantize directory is served in "
+        "its own format. A format that cannot hold the model is refused at start",
+        choices=("auto", "bf16", "int8", "int4", "fp8"),
     )
     device: str | None = option(None, G.MODEL, "cpu or cuda[:N] (default: cuda if present)")
     chip_profile: str | None = option(

@@ -30,6 +30,7 @@ from vlm_server.models.registry import FORMAT_NAMES, load_model, memory_shape, s
 from vlm_server.options.table import ServerConfig
 from vlm_server.plan_view import plan_lines
 from vlm_server.server.memory import freeze, limit_arenas, limit_mmap_threshold, trim
+from vlm_server.server.weights_start import start_weights
 
 if TYPE_CHECKING:
     from vlm_server.engine.engine import BatchedEngine
@@ -57,6 +58,10 @@ def _loader(config: ServerConfig) -> Callable[[], LoadedModel]:
         source = config.model or default_model_dir()
         if config.memory_cap_bytes:
             cap_memory(device, config.memory_cap_bytes)
+        # auto resolved (and any format checked to fit) before a byte of weights is read.
+        weights = start_weights(
+            config.model, config.preset, config.weights, config.engine_config, device
+        )
         return load_model(
             source,
             preset_name=config.preset,
@@ -64,7 +69,7 @@ def _loader(config: ServerConfig) -> Callable[[], LoadedModel]:
             device=device,
             tokenizer_path=config.tokenizer,
             progress=True,
-            weights=config.weights,
+            weights=weights,
         )
 
     return load

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vlm_server.chips import FP8_CAPABILITY
 from vlm_server.engine.api import GenerationRequest, Task
 from vlm_server.engine.config import EngineConfig
 from vlm_server.models.interface import MemoryShape
@@ -73,9 +74,15 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
     "fp16": WeightFormat("fp16", 2, 2, activation_dtype="fp16"),
     "fp32": WeightFormat("fp32", 4, 4, activation_dtype="fp32"),
     # Moondream 3's FP8 checkpoint: experts kept in FP8 (one fp32 scale per row) where the
-    # fused expert kernels take them (Hopper and newer), the rest in bf16.
+    # fused expert kernels take them (chips with FP8 units: Ada and newer), the rest in bf16.
+    # --weights fp8 is this format: kept from the FP8 checkpoint, or quantized at load.
     "fp8-experts": WeightFormat(
-        "fp8-experts", 2, 1, expert_row_scale_bytes=4, experts_only=True, min_capability=(9, 0)
+        "fp8-experts",
+        2,
+        1,
+        expert_row_scale_bytes=4,
+        experts_only=True,
+        min_capability=FP8_CAPABILITY,
     ),
     # The decoder's linears in 8 or 4 bits (--weights), everything else in bf16; Moondream 3's
     # experts too, until their kernels read 4- and 8-bit weights.

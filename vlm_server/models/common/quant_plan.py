@@ -44,6 +44,8 @@ def request(
             f"served in (it serves {', '.join(['bf16', *formats.quantized])})"
         )
     check_weights(formats, family, name)
+    if name == "fp8":  # the experts' format, the family's own loader's (no linear swapped)
+        return None
     if stored is None:
         fmt = weight_format(name, group_size)
         check_device(fmt, device, stored=False)

@@ -94,6 +94,7 @@ class Moondream3Family:
         tokenizer_path: str | Path | None,
         progress: bool,
         quant: QuantRequest | None = None,
+        experts_fp8: bool = False,
     ) -> LoadedModel:
         return load_model(
             path,
@@ -102,6 +103,7 @@ class Moondream3Family:
             device=device,
             tokenizer_path=tokenizer_path,
             quant=quant,
+            experts_fp8=experts_fp8,
         )
 
     def random_model(
@@ -113,9 +115,12 @@ class Moondream3Family:
         device: torch.device | str,
         progress: bool,
         quant: QuantRequest | None = None,
+        experts_fp8: bool = False,
     ) -> LoadedModel:
         assert isinstance(config, ModelConfig)
-        return random_model(config, seed=seed, dtype=dtype, device=device, quant=quant)
+        return random_model(
+            config, seed=seed, dtype=dtype, device=device, quant=quant, experts_fp8=experts_fp8
+        )
 
     def write_checkpoint(
         self, config: FamilyConfig, out_dir: Path, *, seed: int, progress: bool, **options: Any

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from vlm_server.models.capabilities import CapabilityError
 from vlm_server.models.checkpoint_io import CheckpointError, CheckpointReader, check_shapes
 from vlm_server.models.common.quant_load import QuantRequest, install, quantized_state
 from vlm_server.models.interface import LoadedModel, QuantizedWeights
@@ -154,9 +155,11 @@ class _Plan:
         device: torch.device | str,
         keep_fp8: bool,
         fp8: dict[str, torch.Tensor],
+        to_fp8: bool = False,
     ) -> torch.Tensor:
         """One native tensor in ``dtype`` on ``device``; an FP8 expert matrix stays FP8 when
-        ``keep_fp8`` (its scales go into ``fp8``, under the same name)."""
+        ``keep_fp8`` (its scales go into ``fp8``, under the same name), and a 16-bit one is
+        quantized to FP8 when ``to_fp8`` (``--weights fp8``)."""
         parts = name.split(".")
         fused = self.fused.get(int(parts[2])) if name.endswith(("tau.wq", "tau.wv")) else None
         if fused is not None:
@@ -177,7 +180,15 @@ class _Plan:
                 fp8[name] = scale.float()
                 return value.contiguous()
             return fp8_experts.dequantize(value, scale, dtype).contiguous()
+        if to_fp8 and _is_expert(name, value):
+            q, fp8[name] = fp8_experts.quantize(value)
+            return q.contiguous()
         return value.to(dtype).contiguous()
+
+
+def _is_expert(name: str, value: torch.Tensor) -> bool:
+    """Whether ``name`` is a stack of expert matrices ([E, N, K])."""
+    return value.dim() == 3 and ".mlp.fc" in name
 
 
 def fused_fp8(device: torch.device | str) -> bool:
@@ -187,20 +198,33 @@ def fused_fp8(device: torch.device | str) -> bool:
     return fp8_experts.fp8_experts_supported(dev) and moe_triton.triton is not None
 
 
+def check_fp8(device: torch.device | str) -> None:
+    """Refuse ``--weights fp8`` where the fused expert kernels cannot read FP8 weights."""
+    if not fused_fp8(device):
+        raise CapabilityError(
+            f"--weights fp8: FP8 experts need a GPU with FP8 units (compute capability "
+            f"{'.'.join(map(str, fp8_experts.FP8_EXPERTS_CAPABILITY))} or newer) and Triton; "
+            f"{torch.device(device)} has neither or lacks one (use bf16, int8 or int4)"
+        )
+
+
 def load_state(
     files: list[Path],
     config: ModelConfig,
     dtype: torch.dtype,
     device: torch.device | str,
     keep_fp8: bool = False,
+    to_fp8: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Read, rename, validate and convert a checkpoint's tensors for ``config``: (native name
-    -> tensor, expert matrix kept in FP8 -> its row scales)."""
+    -> tensor, expert matrix kept in FP8 -> its row scales); ``to_fp8``: 16-bit experts
+    quantized to FP8 too."""
     plan = _Plan([CheckpointReader(f) for f in files], config)
     source = str(files[0].parent if len(files) > 1 else files[0])
     check_shapes(plan.found, plan.unknown, plan.expected(), source)
     fp8: dict[str, torch.Tensor] = {}
-    state = {n: plan.read(n, dtype, device, keep_fp8, fp8) for n in expected_shapes(config)}
+    shapes = expected_shapes(config)
+    state = {n: plan.read(n, dtype, device, keep_fp8, fp8, to_fp8) for n in shapes}
     return state, fp8
 
 
@@ -237,9 +261,11 @@ def load_model(
     device: torch.device | str = "cpu",
     tokenizer_path: str | Path | None = None,
     quant: QuantRequest | None = None,
+    experts_fp8: bool = False,
 ) -> LoadedModel:
     """Load weights, tokenizer and configuration from a local directory or weights file;
-    ``quant``: the dense linears in 8 or 4 bits (`dense_targets`)."""
+    ``quant``: the dense linears in 8 or 4 bits (`dense_targets`); ``experts_fp8``: the
+    experts in FP8 (``--weights fp8``), kept or quantized here."""
     directory = path if path.is_dir() else path.parent
     config = read_config(directory, preset_name)
     tok_path = Path(tokenizer_path) if tokenizer_path else directory / TOKENIZER_FILE
@@ -253,8 +279,11 @@ def load_model(
     except Exception as err:
         raise CheckpointError(f"cannot read tokenizer {tok_path}: {err}") from err
     files = weight_files(path)
+    if experts_fp8:
+        check_fp8(device)
     if quant is None:
-        state, fp8 = load_state(files, config, dtype, device, fused_fp8(device))
+        keep = fused_fp8(device)
+        state, fp8 = load_state(files, config, dtype, device, keep, experts_fp8)
         return LoadedModel(build_model(config, state, device, fp8), tokenizer, config, str(path))
     state: dict[str, torch.Tensor] = {}
     fp8: dict[str, torch.Tensor] = {}
@@ -297,11 +326,24 @@ def random_model(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
     quant: QuantRequest | None = None,
+    experts_fp8: bool = False,
 ) -> LoadedModel:
     """Exactly what loading the Hugging Face layout of `write_checkpoint(config, seed=seed)`
-    gives (bf16 values), built in memory; ``quant``: quantized as at load."""
+    gives (bf16 values), built in memory; ``quant``: quantized as at load; ``experts_fp8``:
+    its experts in FP8, as ``--weights fp8`` loads them."""
     state = random_state(config, seed, torch.bfloat16)
-    if quant is not None:
+    if experts_fp8:
+        check_fp8(device)
+        fp8: dict[str, torch.Tensor] = {}
+        for name, value in state.items():
+            if _is_expert(name, value):
+                state[name], fp8[name] = fp8_experts.quantize(value.to(device))
+        placed = {
+            k: v.to(device) if k in fp8 else v.to(device=device, dtype=dtype)
+            for k, v in state.items()
+        }
+        model = build_model(config, placed, device, fp8)
+    elif quant is not None:
         model = _quantized_model(config, state, {}, device, dtype, quant)
     else:
         placed = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
