@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from image_pipeline import (
     sample_image_bytes,
 )
 from tests.support.reference_memo import shared_reference
+from tests.support.threads import one_torch_thread  # noqa: F401  (autouse)
 from vlm_server.engine.api import (
     EngineError,
     ErrorCode,
@@ -39,14 +39,6 @@ from vlm_server.reference import ReferenceGenerator, SamplingSettings
 from vlm_server.server.in_process import InProcessEngine
 
 RANK = 4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

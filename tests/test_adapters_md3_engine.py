@@ -6,7 +6,6 @@ adapter), and errors naming the field."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,8 +13,10 @@ import torch
 
 from image_pipeline import PreparedImage, prepare_pil, sample_image
 from tests.support.reference_memo import shared_reference
+from tests.support.threads import one_torch_thread  # noqa: F401  (autouse)
 from vlm_server.engine.api import EngineError, ErrorCode, Finished, GenerationRequest, Task
 from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.core.scheduler import Scheduler
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.interface import LoadedModel
 from vlm_server.models.lora import experts, files, formats
@@ -27,14 +28,6 @@ from vlm_server.server.in_process import InProcessEngine
 
 RANK = 6  # md3-tiny: 3 experts per token, rank 2 each
 NAMES = {"ft-a@10": (RANK, 0.3), "ft-b@20": (3, 0.5), "ft-c@5": (RANK, 0.4)}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +154,19 @@ def test_a_mixed_batch_equals_each_request_alone(
     monkeypatch.setattr(experts.ExpertLoraBank, "expert_delta", watched)
     names = [None, "ft-a@10", "ft-b@20", None, "ft-b@20", "ft-a@10"]
     reqs = _requests(images, names)
+    # Nothing is admitted before every request waits (the finetunes' loads finish at their own
+    # pace): then the first forwards hold all three adapters whatever the timing.
+    # (Bounded: a request that never arrives fails the test below instead of hanging it.)
+    tick, spins = Scheduler.tick, [0]
+
+    def gated(self: Scheduler) -> None:
+        if spins[0] >= 0 and len(self.waiting) < len(reqs) and spins[0] < 10**6:
+            spins[0] += 1
+            return
+        spins[0] = -1
+        tick(self)
+
+    monkeypatch.setattr(Scheduler, "tick", gated)
     *texts, engine = _run(md3_tiny, adapter_dir, reqs, pipeline_depth=depth, **BUDGETS[budget])
     for req, text in zip(reqs, texts, strict=True):
         assert text == _want(md3_tiny, adapter_dir, req), (req.request_id, req.adapter)

@@ -32,6 +32,7 @@ from decoding.mask_table import NO_MASK, MaskTable
 from decoding.sampling import sample
 from decoding.svg_path import PathLanguage, parse_path
 from decoding.vocab import TokenVocab
+from tests.support.threads import one_torch_thread  # noqa: F401  (autouse)
 from tests.support.toy_tokenizers import byte_level_bpe
 
 EOS = 0
@@ -67,15 +68,6 @@ class Setup:
 @pytest.fixture(scope="module")
 def setup() -> Setup:
     return Setup()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny tensors: intra-op threads only add contention.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def run_batch(setup: Setup, grammars: list, seed: int, max_steps: int = 400) -> None:

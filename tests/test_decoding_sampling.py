@@ -15,14 +15,7 @@ from decoding.batch_masks import (
 )
 from decoding.mask_table import NO_MASK, MaskTable
 from decoding.sampling import _mul32, row_keys, row_uniforms, sample
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.support.threads import one_torch_thread  # noqa: F401  (autouse)
 
 
 def _rows(b: int, temperature: float = 1.0, top_p: float = 1.0) -> tuple[torch.Tensor, ...]:

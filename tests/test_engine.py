@@ -16,7 +16,7 @@ import gc
 import re
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -24,6 +24,7 @@ import torch
 from image_pipeline import PreparedImage, prepare_pil, sample_image
 from tests.support.observers import StepLog
 from tests.support.reference_memo import shared_reference
+from tests.support.threads import one_torch_thread  # noqa: F401  (autouse)
 from vlm_server.engine.api import (
     EngineError,
     ErrorCode,
@@ -40,15 +41,6 @@ from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.interface import LoadedModel
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
 from vlm_server.server.in_process import InProcessEngine
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny ops on 2 cores run far faster single-threaded.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _biased(loaded: LoadedModel, token: int, over: int, delta: float) -> LoadedModel:

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 from image_pipeline import PreparedImage, prepare_pil, sample_image
 from tests.support.reference_memo import shared_reference
+from tests.support.threads import one_torch_thread  # noqa: F401  (autouse)
 from vlm_server.engine.api import Finished, GenerationRequest, Task
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
@@ -22,14 +22,6 @@ from vlm_server.models.interface import LoadedModel
 from vlm_server.server.in_process import InProcessEngine
 
 THIRD = 42  # neither eos nor coord
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,12 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Iterator
 
 import pytest
-import torch
 
 from decoding.limits import ConstraintLimits
 from image_pipeline import PreparedImage
+from tests.support.threads import one_torch_thread  # noqa: F401  (autouse)
 from vlm_server.engine.api import EngineError, ErrorCode, Finished, GenerationRequest, Task
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.engine import BatchedEngine
@@ -21,14 +20,6 @@ from vlm_server.engine.requests.tasks import TaskCompiler
 from vlm_server.models.interface import LoadedModel
 from vlm_server.reference import ReferenceGenerator, SamplingSettings
 from vlm_server.server.in_process import InProcessEngine
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _query(**kw: object) -> GenerationRequest:

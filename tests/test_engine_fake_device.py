@@ -34,6 +34,7 @@ from tests.support.fake_device import (
     FakeDevice,
     FakeTorchDevice,
 )
+from tests.support.threads import one_torch_thread  # noqa: F401  (autouse)
 from vlm_server.engine.adapters import qualify_image
 from vlm_server.engine.api import (
     BATCH_PRIORITY,
@@ -68,14 +69,6 @@ BURSTS = [0, 3, 8, 40]
 # Tokens per step: the four decode rows and at most three prompt tokens, so prompts are
 # chunked over several mixed steps and image prefixes (730 positions) overdraw it alone.
 SMALL_BUDGET = 7
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> object:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -463,6 +456,15 @@ def one_lane(region_model: LoadedModel, many_images: list[PreparedImage]) -> Run
     return _drive(region_model, many_images, 1, 0)
 
 
+def _assert_drained(run: Run) -> None:
+    """Every kernel ran on the compute stream, and the run left nothing behind: no sequence,
+    no page (once the prefix cache is emptied), no queued device work."""
+    assert run.device.kernel_streams == ["compute"]
+    assert not run.sched.zombies and not run.sched.running and not run.sched.waiting
+    run.sched.prefix_cache.clear()
+    assert run.sched.pages.used_pages == 0 and run.device.queued == 0
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("depth", [1, 2])
 def test_two_prefill_lanes_keep_the_invariants_and_the_answers(
@@ -486,10 +488,7 @@ def test_two_prefill_lanes_keep_the_invariants_and_the_answers(
     streams = {stream for stream, name in run.device.records_seen if name == "prefix_done"}
     assert streams == {"prefill", "prefill_part"}
     assert any(name == "lane_done" for _, name in run.device.waits_seen)  # lanes switched
-    assert run.device.kernel_streams == ["compute"]
-    assert not run.sched.zombies and not run.sched.running and not run.sched.waiting
-    run.sched.prefix_cache.clear()
-    assert run.sched.pages.used_pages == 0 and run.device.queued == 0
+    _assert_drained(run)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -510,10 +509,7 @@ def test_the_interactive_lane_keeps_the_invariants_and_the_answers(
     assert set(run.watch.interactive) == {False, True}  # both lanes served batches
     streams = {stream for stream, name in run.device.records_seen if name == "prefix_done"}
     assert streams == {"prefill", "prefill_interactive"}
-    assert run.device.kernel_streams == ["compute"]
-    assert not run.sched.zombies and not run.sched.running and not run.sched.waiting
-    run.sched.prefix_cache.clear()
-    assert run.sched.pages.used_pages == 0 and run.device.queued == 0
+    _assert_drained(run)
 
 
 def test_a_step_not_waiting_for_the_lane_is_caught(

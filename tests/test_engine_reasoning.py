@@ -11,10 +11,10 @@ import asyncio
 from dataclasses import replace
 
 import pytest
-import torch
 
 from image_pipeline import PreparedImage, prepare_pil, sample_image
 from tests.support.reference_memo import shared_reference
+from tests.support.threads import one_torch_thread  # noqa: F401  (autouse)
 from tests.test_engine import BUDGETS, _assert_clean, _engine, _Plans, _wait_idle
 from vlm_server.engine.api import (
     EngineError,
@@ -26,14 +26,6 @@ from vlm_server.engine.api import (
 )
 from vlm_server.models.interface import LoadedModel
 from vlm_server.reference import SamplingSettings
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from image_pipeline import PreparedImage
 from tests.support.quant_reference import dequantized_twin
+from tests.support.threads import one_torch_thread  # noqa: F401  (autouse)
 from tests.test_engine import _finish_all, _reference_text, images  # noqa: F401  (fixtures)
 from vlm_server.cli import main as cli_main
 from vlm_server.engine.api import GenerationRequest, Task
@@ -54,14 +54,6 @@ CASES: dict[str, dict] = {
     "int4-file": {"file": ("int4", 32, False)},
     "int8-file-vision": {"file": ("int8", 128, True)},
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
