@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from vlm_server.chips import by_name
-from vlm_server.engine.core.memory_plan import KV_FORMATS, WEIGHT_FORMATS, plan_memory
+from vlm_server.engine.core.memory_plan import WEIGHT_FORMATS, plan_memory
 from vlm_server.models.checkpoint_io import CheckpointError
 from vlm_server.models.quant.files import stored_format
 from vlm_server.options.command_line import add_options, config_from
@@ -33,6 +33,7 @@ PLAN_OPTIONS = (
     "prefix_prompt_tokens",
     "kv_budget_bytes",
     "gpu_memory_bytes",
+    "kv_dtype",
 )
 
 
@@ -52,12 +53,6 @@ def _parser() -> argparse.ArgumentParser:
         choices=list(WEIGHT_FORMATS),
         help="how the weights are held (fp8-experts: Moondream 3's FP8 checkpoint; int8, int4: "
         "the decoder's linears) [default: a vlm quantize directory's format, else bf16]",
-    )
-    parser.add_argument(
-        "--kv-dtype",
-        default=None,
-        choices=list(KV_FORMATS),
-        help="the KV pages' element type [default: the activations', bf16 for bf16 weights]",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     add_options(parser, [o for o in OPTIONS if o.name in PLAN_OPTIONS], environment=False)
@@ -85,19 +80,13 @@ def main(argv: list[str]) -> int:
         model, shape = model_shape(args.model, config.preset)
         if args.weights is None:
             args.weights = _stored_weights(Path(args.model))
-        check_format(shape, args.weights, card)
-        act = WEIGHT_FORMATS[args.weights].activation_dtype
-        if args.kv_dtype not in (None, act):
-            raise ValueError(
-                f"kv_dtype: the engine keeps keys and values in the activations' dtype "
-                f"({act} with {args.weights} weights), not {args.kv_dtype}"
-            )
         cfg = config.engine_config
-        plan = plan_memory(shape, cfg, card.memory_bytes, args.weights, args.kv_dtype)
+        check_format(shape, args.weights, card, cfg.kv_dtype)
+        plan = plan_memory(shape, cfg, card.memory_bytes, args.weights)
     except (ValueError, CheckpointError, OSError) as err:
         print(f"vlm plan: error: {err}", file=sys.stderr)
         return 2
-    alt = None if plan.fits else alternatives(shape, cfg, card, plan, args.kv_dtype)
+    alt = None if plan.fits else alternatives(shape, cfg, card, plan)
     if args.json:
         print(json.dumps(plan_json(plan, model, card.name, alt), indent=2))
         return 0 if plan.fits else 1

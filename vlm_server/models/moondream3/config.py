@@ -32,7 +32,9 @@ from vlm_server.models.interface import Formats
 # stay 16-bit or FP8 until their kernels read 4- and 8-bit weights); KV pages in the weights'
 # (activations') dtype.
 FORMATS = Formats(
-    weights=("bf16", "fp16", "fp32"), kv=("bf16", "fp16", "fp32"), quantized=("int8", "int4")
+    weights=("bf16", "fp16", "fp32"),
+    kv=("bf16", "fp16", "fp32", "fp8", "int8"),
+    quantized=("int8", "int4"),
 )
 
 TauGelu = Literal["tanh", "erf"]
