@@ -161,7 +161,7 @@ class PrefixKV:
         self.n_heads = n_heads
 
     def attend_packed(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        from vlm_server.engine.device.kernels.triton_attention import rope_and_store_kv
+        from vlm_server.engine.device.kernels.triton_kv_store import rope_and_store_kv
 
         kp, vp = self.k_pools[layer], self.v_pools[layer]
         ks, vs = layer_scales(self.scales, layer)
@@ -256,10 +256,8 @@ class PrefixPromptKV:
     def _attend_packed(
         self, layer: int, qkv: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
-        from vlm_server.engine.device.kernels.triton_attention import (
-            paged_tile_attention,
-            rope_and_store_kv,
-        )
+        from vlm_server.engine.device.kernels.triton_attention import paged_tile_attention
+        from vlm_server.engine.device.kernels.triton_kv_store import rope_and_store_kv
 
         kp, vp = self.k_pools[layer], self.v_pools[layer]
         ks, vs = layer_scales(self.scales, layer)
@@ -357,8 +355,8 @@ class DecodeKV:
             paged_decode_attention,
             paged_tile_attention,
             per_token_attention,
-            rope_and_store_kv,
         )
+        from vlm_server.engine.device.kernels.triton_kv_store import rope_and_store_kv
 
         kp, vp = self.k_pools[layer], self.v_pools[layer]
         ks, vs = layer_scales(self.scales, layer)
