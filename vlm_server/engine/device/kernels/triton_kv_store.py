@@ -32,17 +32,31 @@ QUANT_KINDS = {torch.int8: 1, torch.float8_e4m3fn: 2}
 if AVAILABLE:
 
     @triton.jit
+    def _round_half_even(y):
+        """torch.round's rounding, from floor: no libdevice call (the interpreter has none)."""
+        r = tl.floor(y + 0.5)
+        odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+        return tl.where(((r - y) == 0.5) & odd, r - 1.0, r)
+
+    @triton.jit
+    def _e4m3_grid(y):
+        """y (|y| <= 448) rounded half to even onto the e4m3 values, in fp32: the conversion
+        that follows is then exact, whichever rounding it does (Triton's interpreter carries
+        no rounding into the exponent). A binade's step is 2^(e - 3); subnormals use 2^-9."""
+        bits = y.to(tl.int32, bitcast=True)
+        e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+        step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+        return _round_half_even(y / step) * step
+
+    @triton.jit
     def _quantized(x, QMAX: tl.constexpr, QUANT: tl.constexpr):
-        """x [T, HD] fp32 -> (scaled elements, still fp32 but on the type's grid for INT8;
-        scales [T]): one scale per row, as `quantize_kv`."""
+        """x [T, HD] fp32 -> (scaled elements on the type's grid, still fp32; scales [T]):
+        one scale per row, as `quantize_kv`."""
         amax = tl.max(tl.abs(x), axis=1)
         scale = tl.where(amax > 0.0, amax / QMAX, 1.0)
         y = x / scale[:, None]
         y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
-        if QUANT == 1:  # round half to even (torch.round), from floor: no libdevice needed
-            r = tl.floor(y + 0.5)
-            odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
-            y = tl.where(((r - y) == 0.5) & odd, r - 1.0, r)
+        y = _round_half_even(y) if QUANT == 1 else _e4m3_grid(y)
         return y, scale
 
     @triton.jit
