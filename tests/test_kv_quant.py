@@ -179,3 +179,31 @@ def test_a_compact_pool_without_scales_is_refused(attention: ModuleType) -> None
 def test_kv_dtype_is_checked_naming_the_field() -> None:
     with pytest.raises(ValueError, match=r"^kv_dtype must be one of auto, bf16, fp8, int8"):
         EngineConfig(kv_dtype="fp4")
+
+
+def test_fp8_pages_are_refused_on_a_chip_without_fp8_naming_the_flag() -> None:
+    from vlm_server.chip_features import Chip, ChipFeatureError, check
+
+    ampere = Chip("A100", (8, 0), 12040, True, 108)
+    with pytest.raises(ChipFeatureError, match=r"^--kv-dtype fp8 needs FP8"):
+        check(False, 0, ampere, "fp8")
+    check(False, 0, ampere, "int8")
+    check(False, 0, Chip("H100", (9, 0), 12040, True, 132), "fp8")
+    check(False, 0, None, "fp8")  # the CPU path converts in PyTorch
+
+
+def test_a_family_without_compact_pages_refuses_them_in_one_line() -> None:
+    from types import SimpleNamespace
+
+    from vlm_server.models.capabilities import CapabilityError, check
+    from vlm_server.models.interface import Capabilities, Formats
+
+    formats = Formats(weights=("bf16",), kv=("bf16",))
+    model = SimpleNamespace(
+        capabilities=Capabilities(formats=formats), config=SimpleNamespace(name="toy")
+    )
+    with pytest.raises(
+        CapabilityError, match=r"^--kv-dtype fp8: the model 'toy' takes KV pages in bf16 only$"
+    ):
+        check(model, {"kv_dtype": "fp8"})  # type: ignore[arg-type]
+    check(model, {"kv_dtype": "auto"})  # type: ignore[arg-type]
