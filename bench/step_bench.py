@@ -108,8 +108,10 @@ async def run_case(
     fused_decode: bool = True,
     observer: StepRecorder | None = None,
     launch_overlap: str = EngineConfig.launch_overlap,
+    kv_dtype: str = "auto",
 ) -> dict:
     cfg = EngineConfig(
+        kv_dtype=kv_dtype,
         fused_decode=fused_decode,
         launch_overlap=launch_overlap,
         pipeline_depth=depth,

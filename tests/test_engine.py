@@ -174,16 +174,34 @@ def _text_requests(images: list[PreparedImage]) -> list[GenerationRequest]:
     return reqs
 
 
-@pytest.mark.parametrize("budget", BUDGETS)
-@pytest.mark.parametrize("depth", [1, 2])
+# KV formats the parity tests run with (--kv-dtype): the exact pages under every budget and
+# depth, each compact one under the mixed budget (prompts riding prefixes, chunks, decode
+# rows) at both depths; the rest slow.
+KV_CASES = [
+    *[("auto", b, d) for b in BUDGETS for d in (1, 2)],
+    *[(kv, "mixed", d) for kv in ("int8", "fp8") for d in (1, 2)],
+    *[
+        pytest.param(kv, b, d, marks=pytest.mark.slow)
+        for kv in ("int8", "fp8")
+        for b in ("default", "chunked")
+        for d in (1, 2)
+    ],
+]
+
+
+@pytest.mark.parametrize(("kv_dtype", "budget", "depth"), KV_CASES)
 def test_text_tasks_equal_the_reference(
-    text_model: LoadedModel, images: list[PreparedImage], depth: int, budget: str
+    text_model: LoadedModel, images: list[PreparedImage], depth: int, budget: str, kv_dtype: str
 ) -> None:
-    ref = shared_reference(text_model.model, text_model.tokenizer)
+    """The engine equals the reference token for token, with compact KV pages too: both store
+    the same quantized keys and values (models/kv.py) and attend over them dequantized."""
+    ref = shared_reference(text_model.model, text_model.tokenizer, kv_dtype=kv_dtype)
     reqs = _text_requests(images)
 
     async def run() -> list[tuple[list[str], Finished]]:
-        engine = _engine(text_model, depth, plans, budget=budget, max_batch_size=4)
+        engine = _engine(
+            text_model, depth, plans, budget=budget, max_batch_size=4, kv_dtype=kv_dtype
+        )
         await engine.start()
         try:
             out = await asyncio.gather(*[_collect(engine, r) for r in reqs])

@@ -56,6 +56,7 @@ from vlm_server.engine.core.runtime_protocol import Runtime
 from vlm_server.engine.core.scheduler import Scheduler
 from vlm_server.engine.core.sequence import Sequence
 from vlm_server.engine.core.step_plan import Chunk, StepBudget
+from vlm_server.engine.device.model_entry import ModelEntryPoints
 from vlm_server.engine.device.runtime import ModelRuntime
 from vlm_server.engine.requests.tasks import TaskCompiler
 from vlm_server.models.interface import LoadedModel
@@ -218,6 +219,7 @@ def _drive(
     when_streaming: int = 0,
     adapters: int = 0,
     background: bool = False,
+    kv_dtype: str = "auto",
     **faults: object,
 ) -> Run:
     """Submit, cancel and tick by hand (no thread); between ticks the device runs a random
@@ -237,7 +239,8 @@ def _drive(
         prefix_cache_entries=1,
         mask_table_rows=64,
         # Room for a few requests at a time: admission waits for pages to come back.
-        kv_budget_bytes=_kv_bytes(loaded, pages=150),
+        kv_budget_bytes=_kv_bytes(loaded, pages=150, kv_dtype=kv_dtype),
+        kv_dtype=kv_dtype,
         # Adapters (tests/test_adapters_engine.py): request i uses slot i % (adapters + 1) - 1.
         adapters_dir="." if adapters else None,
         max_adapters=max(adapters, 1),
@@ -324,10 +327,10 @@ def _fill_adapter_slots(rt: ModelRuntime) -> None:
         bank.write(slot, bank.staging(weights), weights.rank)
 
 
-def _kv_bytes(loaded: LoadedModel, pages: int) -> int:
-    t = loaded.config.text
-    per_page = 2 * t.n_layers * PAGE * t.n_kv_heads * t.head_dim * loaded.model.dtype.itemsize
-    return pages * per_page
+def _kv_bytes(loaded: LoadedModel, pages: int, kv_dtype: str = "auto") -> int:
+    """The budget of ``pages`` pages in ``kv_dtype``'s format: the same page pressure in
+    every format."""
+    return pages * ModelEntryPoints(loaded.model).kv_page_bytes(PAGE, kv_dtype)
 
 
 @pytest.fixture(scope="module")
@@ -378,6 +381,29 @@ def test_the_production_runtime_keeps_the_pipeline_invariants(
     assert all(x is None for x in s.pipe.slots) and len(s.free_rows) == s.cfg.max_rows
     s.prefix_cache.clear()
     assert s.pages.used_pages == 0 and device.queued == 0
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_compact_kv_pages_keep_the_invariants_and_free_every_page(
+    region_model: LoadedModel, images: list[PreparedImage], kv_dtype: str
+) -> None:
+    """With compact KV pages (--kv-dtype): the same invariants, cancels and zombies free
+    every page, and a pipelined random interleaving answers as the blocking run in the same
+    format (prefix pages copied with their scales, or answers would differ)."""
+    blocking = _drive(region_model, images, 1, 0, kv_dtype=kv_dtype)
+    run = _drive(region_model, images, 2, 1, kv_dtype=kv_dtype)
+    runtime = run.sched.rt
+    assert isinstance(runtime, ModelRuntime)
+    assert runtime.pool.kv.dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv_dtype]
+    assert runtime.pool.kv_scales is not None and runtime.pool.kv_scales.any()
+    assert run.answers() == blocking.answers()
+    launched = [step.step_id for what, step in run.watch.trace if what == "launch"]
+    assert [step.step_id for what, step in run.watch.trace if what == "commit"] == launched
+    assert run.max_refs == 2
+    s = run.sched
+    assert not s.zombies and not s.running and not s.waiting
+    s.prefix_cache.clear()
+    assert s.pages.used_pages == 0 and run.device.queued == 0
 
 
 def _decode_behind_lone_prompt_end(trace: list[tuple[str, Step]]) -> bool:

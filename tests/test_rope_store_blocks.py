@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from tests.support.interpreted import interpreted_copy
-from vlm_server.engine.device.kernels import triton_attention
+from vlm_server.engine.device.kernels import triton_kv_store
 
 HEADS, KVH, HD, HALF, PAGE = 3, 2, 32, 8, 4
 
 
 @pytest.fixture(scope="module")
 def ta() -> Iterator[ModuleType]:
-    with interpreted_copy(triton_attention) as mod:
+    with interpreted_copy(triton_kv_store) as mod:
         yield mod
 
 
@@ -84,5 +84,5 @@ def test_token_blocks_write_what_single_tokens_write(
 
 
 def test_the_block_grows_with_the_token_count() -> None:
-    blocks = [triton_attention.rope_block(n) for n in (1, 15, 16, 127, 128, 730, 1 << 20)]
+    blocks = [triton_kv_store.rope_block(n) for n in (1, 15, 16, 127, 128, 730, 1 << 20)]
     assert blocks == [1, 1, 4, 4, 16, 16, 16]

@@ -177,9 +177,11 @@ def check(
     vision_fp8: bool,
     prefill_sms: int,
     chip: Chip | None,
+    kv_dtype: str = "auto",
 ) -> None:
     """Raise `ChipFeatureError` (one line, naming the flag) for a feature ``chip`` lacks;
-    ``chip`` None (no CUDA device) refuses every CUDA-only feature asked for."""
+    ``chip`` None (no CUDA device) refuses every CUDA-only feature asked for (FP8 keys and
+    values are not one: the CPU path converts them in PyTorch)."""
     where = (
         "this machine has no CUDA device"
         if chip is None
@@ -189,6 +191,11 @@ def check(
         raise ChipFeatureError(
             "--vision-fp8 needs FP8 matrix units (compute capability 8.9 or newer: L4, L40, "
             f"H100, B200 and later); {where}: drop the flag"
+        )
+    if kv_dtype == "fp8" and chip is not None and chip.capability < FP8_CAPABILITY:
+        raise ChipFeatureError(
+            "--kv-dtype fp8 needs FP8 conversions (compute capability 8.9 or newer: L4, L40, "
+            f"H100, B200 and later); {where}: use --kv-dtype int8 (the same bytes)"
         )
     if prefill_sms > 0:
         lack = _green_context_lack(chip, where)
@@ -216,6 +223,9 @@ class ChipFlags(Protocol):
     def prefill_sms(self) -> str: ...
 
     @property
+    def kv_dtype(self) -> str: ...
+
+    @property
     def chip_profile(self) -> str | None: ...
 
 
@@ -234,7 +244,7 @@ def check_config(config: ChipFlags, probe: Probe | None = None) -> None:
     if config.chip_profile is not None:
         use_chip_profile(config.chip_profile)
     prefill_sms = 0 if config.prefill_sms == "auto" else int(config.prefill_sms)
-    if not config.vision_fp8 and prefill_sms <= 0:
+    if not config.vision_fp8 and prefill_sms <= 0 and config.kv_dtype != "fp8":
         return  # nothing to ask the device
     chip = probe() if probe is not None else current_chip(config.device)
-    check(config.vision_fp8, prefill_sms, chip)
+    check(config.vision_fp8, prefill_sms, chip, config.kv_dtype)

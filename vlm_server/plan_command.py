@@ -18,7 +18,7 @@ from pathlib import Path
 
 from vlm_server.chips import ChipSpec, by_name
 from vlm_server.engine.config import EngineConfig
-from vlm_server.engine.core.memory_plan import KV_FORMATS, WEIGHT_FORMATS, plan_memory
+from vlm_server.engine.core.memory_plan import WEIGHT_FORMATS, plan_memory
 from vlm_server.engine.core.weights_choice import (
     AUTO,
     PLAN_FORMATS,
@@ -52,6 +52,7 @@ PLAN_OPTIONS = (
     "prefix_prompt_tokens",
     "kv_budget_bytes",
     "gpu_memory_bytes",
+    "kv_dtype",
 )
 
 
@@ -73,12 +74,6 @@ def _parser() -> argparse.ArgumentParser:
         "int4: the decoder's linears; auto: what vlm serve's --weights auto would take on this "
         "card) [default: a vlm quantize directory's format, else bf16; what auto would take "
         "is said either way]",
-    )
-    parser.add_argument(
-        "--kv-dtype",
-        default=None,
-        choices=list(KV_FORMATS),
-        help="the KV pages' element type [default: the activations', bf16 for bf16 weights]",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     add_options(parser, [o for o in OPTIONS if o.name in PLAN_OPTIONS], environment=False)
@@ -135,18 +130,12 @@ def main(argv: list[str]) -> int:
         elif args.weights is None:
             args.weights = stored
         args.weights = PLAN_FORMATS.get(args.weights, args.weights)
-        check_format(shape, args.weights, card)
-        act = WEIGHT_FORMATS[args.weights].activation_dtype
-        if args.kv_dtype not in (None, act):
-            raise ValueError(
-                f"kv_dtype: the engine keeps keys and values in the activations' dtype "
-                f"({act} with {args.weights} weights), not {args.kv_dtype}"
-            )
-        plan = plan_memory(shape, cfg, card.memory_bytes, args.weights, args.kv_dtype)
+        check_format(shape, args.weights, card, cfg.kv_dtype)
+        plan = plan_memory(shape, cfg, card.memory_bytes, args.weights)
     except (ValueError, CheckpointError, OSError) as err:
         print(f"vlm plan: error: {err}", file=sys.stderr)
         return 2
-    alt = None if plan.fits else alternatives(shape, cfg, card, plan, args.kv_dtype)
+    alt = None if plan.fits else alternatives(shape, cfg, card, plan)
     if args.json:
         out = plan_json(plan, model, card.name, alt)
         out["auto"] = {"weights": auto.weights, "line": auto.line}

@@ -11,7 +11,13 @@ from typing import Any
 
 from vlm_server.chips import CHIPS, ChipSpec
 from vlm_server.engine.config import EngineConfig
-from vlm_server.engine.core.memory_plan import WEIGHT_FORMATS, MemoryPlan, plan_memory
+from vlm_server.engine.core.memory_plan import (
+    KV_MIN_CAPABILITY,
+    WEIGHT_FORMATS,
+    MemoryPlan,
+    kv_format_of,
+    plan_memory,
+)
 from vlm_server.models.interface import MemoryShape
 from vlm_server.models.registry import checkpoint_config, memory_shape, preset, preset_names
 
@@ -48,8 +54,11 @@ def formats_for(shape: MemoryShape, card: ChipSpec | None) -> list[str]:
     return out
 
 
-def check_format(shape: MemoryShape, weights: str, card: ChipSpec | None) -> None:
-    """ValueError naming ``weights`` when the model or the card cannot take that format."""
+def check_format(
+    shape: MemoryShape, weights: str, card: ChipSpec | None, kv_dtype: str = "auto"
+) -> None:
+    """ValueError naming ``weights`` (or ``kv_dtype``) when the model or the card cannot take
+    that format."""
     fmt = WEIGHT_FORMATS.get(weights)
     if fmt is None:
         raise ValueError(f"weights: {weights!r} is not one of {', '.join(WEIGHT_FORMATS)}")
@@ -60,6 +69,14 @@ def check_format(shape: MemoryShape, weights: str, card: ChipSpec | None) -> Non
         have = ".".join(map(str, card.capability))
         raise ValueError(
             f"weights: {weights} needs compute capability {need}; the {card.name} has {have}"
+        )
+    kv = kv_format_of(kv_dtype, fmt.activation_dtype)
+    if card is not None and card.capability < KV_MIN_CAPABILITY.get(kv, (0, 0)):
+        need = ".".join(map(str, KV_MIN_CAPABILITY[kv]))
+        have = ".".join(map(str, card.capability))
+        raise ValueError(
+            f"kv_dtype: {kv} needs compute capability {need}; the {card.name} has {have} "
+            "(int8 keeps the same bytes)"
         )
 
 
@@ -82,7 +99,11 @@ def fitting_plan(
 
 
 def alternatives(
-    shape: MemoryShape, cfg: EngineConfig, card: ChipSpec, plan: MemoryPlan, kv: str | None
+    shape: MemoryShape,
+    cfg: EngineConfig,
+    card: ChipSpec,
+    plan: MemoryPlan,
+    kv: str | None = None,
 ) -> Alternatives:
     sized = fitting_plan(shape, cfg, card.memory_bytes, plan.weights_format, kv)
     budget = sized.kv_budget_bytes if sized.fits else None
@@ -96,6 +117,7 @@ def alternatives(
         for c in CHIPS
         if c.name != card.name
         and c.capability >= WEIGHT_FORMATS[plan.weights_format].min_capability
+        and c.capability >= KV_MIN_CAPABILITY.get(plan.kv_format, (0, 0))
         and fitting_plan(shape, cfg, c.memory_bytes, plan.weights_format, kv).fits
     ]
     return Alternatives(budget, formats, cards)

@@ -44,7 +44,7 @@ from vlm_server.engine.requests.spatial import placeholders
 from vlm_server.engine.requests.tasks import BuiltRequest, TaskCompiler
 from vlm_server.models import capabilities
 from vlm_server.models.interface import AdapterDecoder, DeviceModel, FamilyConfig
-from vlm_server.models.kv import DenseKVCache
+from vlm_server.models.kv import DenseKVCache, kv_storage_dtype
 from vlm_server.models.lora.spec import AdapterWeights, SingleLora
 from vlm_server.models.prompts import query_prompt
 
@@ -109,12 +109,18 @@ class ReferenceGenerator:
     """Runs one request at a time on a loaded model."""
 
     def __init__(
-        self, model: DeviceModel, tokenizer: Tokenizer, adapter: AdapterWeights | None = None
+        self,
+        model: DeviceModel,
+        tokenizer: Tokenizer,
+        adapter: AdapterWeights | None = None,
+        kv_dtype: str = "auto",
     ) -> None:
         """``adapter``: a finetune adapter every request answers with (the reference's
         arithmetic, models/lora/spec.py `SingleLora`; an expert layer's deltas row by row,
-        each (token, expert) pair on its own), in the image prefix too."""
+        each (token, expert) pair on its own), in the image prefix too. ``kv_dtype``: the KV
+        format (`EngineConfig.kv_dtype`), stored and read back as the engine does."""
         self.model = model
+        self.kv_storage = kv_storage_dtype(kv_dtype, model.dtype)
         self.lora = None if adapter is None else SingleLora(adapter.to(model.dtype, model.device))
         # The decoder that takes the adapter (None: no adapter asked for).
         self._adapted: AdapterDecoder | None = None
@@ -166,7 +172,9 @@ class ReferenceGenerator:
                 f"prompt ({prefix_len + len(prompt)} positions) plus output ({budget}) "
                 f"exceeds the context of {self.config.text.max_context}"
             )
-        cache = DenseKVCache(m.kv_shape, self.config.text.max_context, 1, m.dtype, dev, prefix_len)
+        cache = DenseKVCache(
+            m.kv_shape, self.config.text.max_context, 1, m.dtype, dev, prefix_len, self.kv_storage
+        )
         if image is not None:
             crops = image.normalized(m.dtype, dev)
             emb = m.prefix_embeddings(m.image_embeddings(crops, image.tiling))

@@ -84,14 +84,18 @@ def shared_reference(
     tokenizer: Tokenizer,
     adapter: AdapterWeights | Callable[[], AdapterWeights] | None = None,
     adapter_key: Hashable | None = None,
+    kv_dtype: str = "auto",
 ) -> MemoReference:
     """The one `MemoReference` of ``model`` (by identity: a model is never changed once a test
     asked for its reference) with ``tokenizer`` and ``adapter``. With ``adapter_key`` (the
     adapter's file and name), ``adapter`` may be a function loading the weights, called only
-    the first time; without it the adapter object itself is the key."""
-    key = (id(model), id(tokenizer), adapter_key if adapter_key is not None else id(adapter))
+    the first time; without it the adapter object itself is the key. ``kv_dtype``: the KV
+    format the reference stores and reads back (the engine's of the same name)."""
+    adapter_id = adapter_key if adapter_key is not None else id(adapter)
+    key = (id(model), id(tokenizer), adapter_id, kv_dtype)
     if key not in _SHARED:
         weights = adapter() if callable(adapter) else adapter
+        ref = MemoReference(model, tokenizer, weights, kv_dtype=kv_dtype)
         # The model, tokenizer and adapter are held too, so that no id in a key is reused.
-        _SHARED[key] = (MemoReference(model, tokenizer, weights), model, tokenizer, adapter)
+        _SHARED[key] = (ref, model, tokenizer, adapter)
     return _SHARED[key][0]

@@ -34,14 +34,15 @@ class Kernel:
 
 
 _DECODE = {
-    "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
+    "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "ks_ptr": "*fp32", "vs_ptr": "*fp32",
     "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
     "table_ptr": "*i32", "rows_ptr": "*i32", "lengths_ptr": "*i32",
     "scale": "fp32", "table_stride": "i32", "rows_stride": "i32",
     "n_heads": "i32", "kv_group": "i32",
 }  # fmt: skip
 _TILE = {
-    "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16",
+    "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "ks_ptr": "*fp32", "vs_ptr": "*fp32",
+    "out_ptr": "*bf16",
     "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
     "table_ptr": "*i32", "rows_ptr": "*i32", "pos_ptr": "*i32", "tiles_ptr": "*i32",
     "scale": "fp32", "table_stride": "i32", "rows_stride": "i32", "pos_stride": "i32",
@@ -50,7 +51,8 @@ _TILE = {
 _ROPE = {
     "qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i32",
     "table_ptr": "*i32", "rows_ptr": "*i32", "q_out_ptr": "*bf16", "k_ptr": "*bf16",
-    "v_ptr": "*bf16", "k_out_ptr": "*bf16", "n_tokens": "i32", "qkv_stride": "i32",
+    "v_ptr": "*bf16", "k_out_ptr": "*bf16", "v_out_ptr": "*bf16", "ks_ptr": "*fp32",
+    "vs_ptr": "*fp32", "n_tokens": "i32", "qkv_stride": "i32",
     "pos_stride": "i32", "table_stride": "i32", "rows_stride": "i32", "n_heads": "i32",
 }  # fmt: skip
 _NORM = {
@@ -149,7 +151,15 @@ _QUANT_ARGS = {
 _QUANT_SKINNY = {**_QUANT_ARGS, "part_ptr": "*fp32", "k_per_split": "i32"}
 _QUANT_FLAGS = {"HAS_BIAS": True, "HAS_RES": True, "HAS_GELU": True, "IEEE": False}
 _ATTENTION = "vlm_server.engine.device.kernels.triton_attention"
+_KV_STORE = "vlm_server.engine.device.kernels.triton_kv_store"
 _SHAPE = {"PAGE": 16, "KVH": 32, "HD": 64}
+# Compact KV pages (--kv-dtype): the pools' element type, QUANT, QMAX, the oldest chip.
+_KV_COMPACT = (("*i8", 1, 127.0, 80), ("*fp8e4nv", 2, 448.0, 89))
+
+
+def _compact_pools(args: dict[str, str], element: str) -> dict[str, str]:
+    return {**args, "k_ptr": element, "v_ptr": element}
+
 
 KERNELS = (
     Kernel(
@@ -437,9 +447,9 @@ KERNELS = (
         {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16"},
         {"SPLITS": 4, "HD": 64},
     ),
-    Kernel(_ATTENTION, "_rope_store_kernel", _ROPE, {**_SHAPE, "HALF": 16, "STORE_K": True}),
+    Kernel(_KV_STORE, "_rope_store_kernel", _ROPE, {**_SHAPE, "HALF": 16, "STORE_K": True}),
     Kernel(
-        _ATTENTION,
+        _KV_STORE,
         "_rope_store_kernel",
         _ROPE,
         {**_SHAPE, "HALF": 16, "STORE_K": False, "BLOCK_T": 16},
@@ -456,6 +466,50 @@ KERNELS = (
             "STATIC_MAX": 0,
             "PRECISION": "tf32",
         },
+    ),
+    # Compact KV pages: the store writes 8-bit elements and scales, the attention reads them.
+    *(
+        kernel
+        for element, quant, qmax, arch in _KV_COMPACT
+        for kernel in (
+            Kernel(
+                _KV_STORE,
+                "_rope_store_kernel",
+                _compact_pools(_ROPE, element),
+                {
+                    **_SHAPE,
+                    "HALF": 16,
+                    "STORE_K": True,
+                    "STORE_V": True,
+                    "QUANT": quant,
+                    "QMAX": qmax,
+                    "BLOCK_T": 16,
+                },
+                min_arch=arch,
+            ),
+            Kernel(
+                _ATTENTION,
+                "_paged_decode_kernel",
+                _compact_pools(_DECODE, element),
+                {**_SHAPE, "BLOCK_N": 64, "SPLITS": 4, "STATIC_MAX": 0, "SCALED": True},
+                min_arch=arch,
+            ),
+            Kernel(
+                _ATTENTION,
+                "_paged_tile_kernel",
+                _compact_pools(_TILE, element),
+                {
+                    **_SHAPE,
+                    "BLOCK_M": 16,
+                    "BLOCK_N": 64,
+                    "SPLITS": 2,
+                    "STATIC_MAX": 0,
+                    "PRECISION": "tf32",
+                    "SCALED": True,
+                },
+                min_arch=arch,
+            ),
+        )
     ),
     Kernel(
         "vlm_server.models.common.fused_norm",
@@ -560,7 +614,7 @@ _OVERLAPPING = {
     (_SKINNY, "_split_sum_kernel"),
     (_ATTENTION, "_paged_decode_kernel"),
     (_ATTENTION, "_combine_kernel"),
-    (_ATTENTION, "_rope_store_kernel"),
+    (_KV_STORE, "_rope_store_kernel"),
     (_ATTENTION, "_paged_tile_kernel"),
     ("vlm_server.models.common.fused_norm", "_add_partials_layernorm_kernel"),
     ("vlm_server.models.common.fused_norm", "_add_layernorm_kernel"),

@@ -15,6 +15,10 @@ PREFILL_SMS_AUTO = -1
 # that is fewer (a batch of one reserves none), so that every batch size has a default.
 RESERVED_ROWS_AUTO = -1
 DEFAULT_RESERVED_ROWS = 4
+# EngineConfig.kv_dtype's values: auto keeps keys and values in the activations' dtype (bf16
+# on CUDA, exact); fp8 (e4m3, compute capability 8.9+) and int8 store 8 bits an element and a
+# scale per position and KV head (docs/kv_cache.md).
+KV_DTYPES = ("auto", "bf16", "fp8", "int8")
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,8 @@ class EngineConfig:
     max_batch_size: int = 32  # running sequences per decode step
     page_size: int = 16  # KV positions per page
     kv_budget_bytes: int | None = None  # None: 256 MiB on the CPU, 40% of free memory on CUDA
+    # The KV pages' format (KV_DTYPES): auto, the activations' dtype, for now.
+    kv_dtype: str = "auto"
     # The GPU memory the engine process may allocate (None: all); see devices.cap_memory.
     gpu_memory_bytes: int | None = None
     pipeline_depth: int = 2  # 1 = blocking, 2 = pipelined
@@ -155,6 +161,10 @@ class EngineConfig:
             raise ValueError(
                 f"launch_overlap must be one of {', '.join(LAUNCH_OVERLAP_MODES)}, "
                 f"not {self.launch_overlap!r}"
+            )
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(
+                f"kv_dtype must be one of {', '.join(KV_DTYPES)}, not {self.kv_dtype!r}"
             )
         if self.pipeline_depth not in (1, 2):
             raise ValueError("pipeline_depth must be 1 (blocking) or 2 (pipelined)")

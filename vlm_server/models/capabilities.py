@@ -50,13 +50,22 @@ def refusal(setting: str, what: str, model_name: str) -> CapabilityError:
 
 def check(model: DeviceModel, settings: Mapping[str, object]) -> None:
     """Refuse the settings among ``settings`` (name -> value) that are set and need a
-    capability ``model`` lacks: one error naming every such flag."""
+    capability ``model`` lacks, and a ``kv_dtype`` its family's attention does not read: one
+    error naming every such flag."""
     caps = model.capabilities
     lacking = [
         refusal(name, what, model.config.name)
         for name, (what, has) in NEEDS.items()
         if settings.get(name) and has(caps) is None
     ]
+    kv = settings.get("kv_dtype")
+    if isinstance(kv, str) and kv != "auto" and kv not in caps.formats.kv:
+        lacking.append(
+            CapabilityError(
+                f"{flag('kv_dtype')} {kv}: the model {model.config.name!r} takes KV pages in "
+                f"{', '.join(caps.formats.kv)} only"
+            )
+        )
     if lacking:
         raise CapabilityError("; ".join(str(err) for err in lacking))
 

@@ -41,9 +41,11 @@ class KVShape:
     n_kv_heads: int
     head_dim: int
 
-    def page_bytes(self, page_size: int, itemsize: int) -> int:
-        """Bytes of one page (keys and values of every layer)."""
-        return 2 * self.n_layers * page_size * self.n_kv_heads * self.head_dim * itemsize
+    def page_bytes(self, page_size: int, itemsize: int, scale_bytes: int = 0) -> int:
+        """Bytes of one page (keys and values of every layer): ``itemsize`` an element and
+        ``scale_bytes`` per position and KV head (a compact format's scales)."""
+        per_head = self.head_dim * itemsize + scale_bytes
+        return 2 * self.n_layers * page_size * self.n_kv_heads * per_head
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,7 @@ class RegionHeads(Protocol):
 WeightFormat = Literal["bf16", "fp16", "fp32"]
 # What a KV page holds per element; today the engine stores keys and values in the weights'
 # dtype, so a family names the weight dtypes its attention reads and writes.
-KVFormat = Literal["bf16", "fp16", "fp32"]
+KVFormat = Literal["bf16", "fp16", "fp32", "fp8", "int8"]
 # The 4- and 8-bit weight formats (``--weights`` names them; docs/quantization.md).
 QuantizedFormat = Literal["int8", "int4"]
 

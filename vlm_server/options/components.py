@@ -21,6 +21,7 @@ def engine_config(config: ServerConfig) -> EngineConfig:
         pipeline_depth=config.pipeline_depth,
         max_queue=config.max_queue,
         kv_budget_bytes=config.kv_budget_bytes or None,
+        kv_dtype=config.kv_dtype,
         gpu_memory_bytes=config.memory_cap_bytes or None,
         prefill_sm_carveout=config.prefill_sm_carveout,
         prefill_sms=PREFILL_SMS_AUTO if config.prefill_sms == "auto" else int(config.prefill_sms),

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vlm_server.engine.config import DEFAULT_RESERVED_ROWS, LAUNCH_OVERLAP_MODES, EngineConfig
+from vlm_server.engine.config import (
+    DEFAULT_RESERVED_ROWS,
+    KV_DTYPES,
+    LAUNCH_OVERLAP_MODES,
+    EngineConfig,
+)
 from vlm_server.options.spec import (
     Group,
     option,
@@ -78,6 +83,15 @@ class PerformanceOptions:
         "KV cache memory (0 = the engine's default: 40% of free GPU memory on CUDA, 256 MiB "
         "on the CPU)",
         parse=parse_size,
+    )
+    kv_dtype: str = option(
+        _ENGINE.kv_dtype,
+        G.PERFORMANCE,
+        "the KV cache's element type: auto (the activations' dtype, bf16 on CUDA: exact), "
+        "bf16, fp8 (e4m3, compute capability 8.9+) or int8; fp8 and int8 store one byte an "
+        "element plus an fp32 scale per position and KV head, about half of bf16's bytes a "
+        "token, so about twice the tokens fit the same --kv-budget-bytes (docs/kv_cache.md)",
+        choices=KV_DTYPES,
     )
     gpu_memory_bytes: int = option(
         0,

@@ -22,7 +22,7 @@ from vlm_server.default_model import default_model_dir
 from vlm_server.devices import cap_memory, resolve_device
 from vlm_server.engine.api import Engine
 from vlm_server.engine.config import EngineConfig
-from vlm_server.engine.core.memory_plan import plan_memory
+from vlm_server.engine.core.memory_plan import kv_format_of, plan_memory
 from vlm_server.frontend.logs import configure_logging
 from vlm_server.models import capabilities
 from vlm_server.models.interface import LoadedModel
@@ -134,12 +134,13 @@ def log_memory_plan(loaded: LoadedModel, cfg: EngineConfig, kv_pages: int) -> No
     quantized = loaded.model.capabilities.quantized
     weights = activations if quantized is None else quantized.format
     shape = memory_shape(loaded.config)
+    kv = kv_format_of(cfg.kv_dtype, activations)
     if device.type != "cuda":
-        plan = plan_memory(shape, cfg, 0, weights, activations, cuda=False)
+        plan = plan_memory(shape, cfg, 0, weights, kv, cuda=False)
         log.info("memory plan: %d KV pages planned, %d taken", plan.kv_pages, kv_pages)
         return
     props = torch.cuda.get_device_properties(device)
-    plan = plan_memory(shape, cfg, props.total_memory, weights, activations)
+    plan = plan_memory(shape, cfg, props.total_memory, weights, kv)
     lines = plan_lines(plan, loaded.config.name, props.name)
     log.info("%s\n  engine: %d KV pages taken", "\n".join(lines), kv_pages)
 

@@ -14,9 +14,9 @@ and the engine at start read the same rules:
   and its answer, `picture_request_pages` (the prefix cache and the headroom count the same);
 - graph pools and fixed buffers, estimated from the shapes of the largest work each holds.
 
-A format is a number of bytes per element (`WEIGHT_FORMATS`, `KV_FORMATS`): a new one (FP8
-keys and values) is one more entry; int8 and int4 hold the decoder's linears in 8 or 4 bits,
-scales included.
+A format is a number of bytes per element (`WEIGHT_FORMATS`, `KV_FORMATS`): a new one is one
+more entry; int8 and int4 hold the decoder's linears in 8 or 4 bits, scales included; fp8 and
+int8 keys and values one byte an element plus `KV_SCALE_BYTES` per position and KV head.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from vlm_server.chips import FP8_CAPABILITY
 from vlm_server.engine.api import GenerationRequest, Task
 from vlm_server.engine.config import EngineConfig
-from vlm_server.models.interface import MemoryShape
+from vlm_server.models.interface import KVShape, MemoryShape
 
 # The default KV budget's share of the memory free after loading (kv_pool.default_budget).
 KV_SHARE_OF_FREE = 0.4
@@ -89,9 +89,35 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
     "int8": WeightFormat("int8", 2, 2, linear_bits=8),
     "int4": WeightFormat("int4", 2, 2, linear_bits=4, group_size=INT4_GROUP),
 }
-# Bytes per key or value element. Today the engine keeps keys and values in the
-# activations' dtype (models/interface.py `KVFormat`).
-KV_FORMATS: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
+# Bytes per key or value element (models/interface.py `KVFormat`; `--kv-dtype`).
+KV_FORMATS: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1, "int8": 1}
+# The compact formats' scales: one fp32 per (position, KV head) of the keys and of the values
+# (models/kv.py `quantize_kv`).
+KV_SCALE_BYTES: dict[str, int] = {"fp8": 4, "int8": 4}
+# The chips a KV format needs (FP8 conversions: compute capability 8.9 and newer).
+KV_MIN_CAPABILITY: dict[str, tuple[int, int]] = {"fp8": (8, 9)}
+
+
+def kv_format_of(kv_dtype: str, activations: str) -> str:
+    """The KV format of ``--kv-dtype`` with activations in ``activations`` (auto: theirs, for
+    now: the exact default). A 16-bit one other than the activations' is refused: the kernels
+    read exact pages in the activations' dtype."""
+    if kv_dtype == "auto":
+        return activations
+    if kv_dtype not in KV_FORMATS:
+        raise ValueError(f"kv_dtype: {kv_dtype!r} is not one of auto, {', '.join(KV_FORMATS)}")
+    if kv_dtype not in KV_SCALE_BYTES and kv_dtype != activations:
+        raise ValueError(
+            f"kv_dtype: the engine keeps exact keys and values in the activations' dtype "
+            f"({activations}), not {kv_dtype}: use auto, fp8 or int8"
+        )
+    return kv_dtype
+
+
+def kv_page_bytes(kv: KVShape, page_size: int, kv_format: str) -> int:
+    """Bytes of one KV page (every layer's keys and values) in ``kv_format``, scales included:
+    the KV pool's pages and the plan's."""
+    return kv.page_bytes(page_size, KV_FORMATS[kv_format], KV_SCALE_BYTES.get(kv_format, 0))
 
 
 def weight_bytes(shape: MemoryShape, fmt: WeightFormat) -> dict[str, int]:
@@ -313,8 +339,7 @@ def plan_memory(
     """The plan of ``shape`` served with ``cfg`` on a device of ``card_bytes`` (``cuda``:
     a GPU, with its context and graphs; else the CPU and its default budget)."""
     fmt = WEIGHT_FORMATS[weights_format]
-    kv_format = kv_format or fmt.activation_dtype
-    kv_itemsize = KV_FORMATS[kv_format]
+    kv_format = kv_format_of(kv_format or cfg.kv_dtype, fmt.activation_dtype)
     act = KV_FORMATS[fmt.activation_dtype]
     weights = weight_bytes(shape, fmt)
     start = start_tensors(shape, cfg, fmt, cuda)
@@ -330,7 +355,7 @@ def plan_memory(
         budget = default_kv_budget(free, held, cfg.gpu_memory_bytes)
     else:
         budget = CPU_KV_BUDGET
-    page_bytes = shape.kv.page_bytes(cfg.page_size, kv_itemsize)
+    page_bytes = kv_page_bytes(shape.kv, cfg.page_size, kv_format)
     row_positions = pages_for(shape.max_context, cfg.page_size) * cfg.page_size
     positions = typical_positions(shape.prefix_len, row_positions)
     request = picture_request_pages(positions, shape.prefix_len, cfg.page_size)

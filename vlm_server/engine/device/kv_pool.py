@@ -5,7 +5,8 @@ read and write the pool through.
 The scheduler owns the pages (core/pages.py): its allocator writes block-table rows in place
 into this pool's pinned host mirror and hands the rows it changed to the next launch, which
 uploads them with one copy (`upload_rows`) ahead of the step's inputs. The pool is sized
-once, from the KV budget.
+once, from the KV budget, in the format of ``kv_dtype`` (a compact one: int8 or FP8 elements
+and an fp32 scale per position and KV head beside them, models/kv.py `quantize_kv`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from vlm_server.chip_features import fp8_supported
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.memory_plan import CPU_KV_BUDGET, default_kv_budget, kv_pages
 from vlm_server.engine.device.buffers import copy_rows, zeros
@@ -27,6 +29,7 @@ from vlm_server.engine.device.kernels.paged_attention import (
 )
 from vlm_server.engine.device.model_entry import ModelEntryPoints
 from vlm_server.engine.device.streams import Device
+from vlm_server.models.kv import compact
 
 
 def triton_available() -> bool:
@@ -64,12 +67,26 @@ class KVPool:
     def __init__(self, dev: Device, entry: ModelEntryPoints, cfg: EngineConfig) -> None:
         self.dev, self.entry = dev, entry
         release_cache(entry.device)
+        self.kv_format = entry.kv_format(cfg.kv_dtype)
+        storage = entry.kv_storage(self.kv_format)
+        if storage == torch.float8_e4m3fn and dev.is_cuda and not fp8_supported(entry.device):
+            raise ValueError(
+                "kv_dtype fp8 needs FP8 conversions (compute capability 8.9 or newer): use "
+                "int8 (the same bytes)"
+            )
         budget = cfg.kv_budget_bytes or default_budget(entry.device, cfg.gpu_memory_bytes)
-        self.n_pages = kv_pages(budget, entry.kv_page_bytes(cfg.page_size))
+        self.n_pages = kv_pages(budget, entry.kv_page_bytes(cfg.page_size, self.kv_format))
         shape = entry.kv_shape(self.n_pages, cfg.page_size)
         # One tensor for every layer's keys and values: a page copy is one op for all layers.
-        self.kv = dev.buffer("kv", zeros(shape, entry.dtype, entry.device))
+        self.kv = dev.buffer("kv", zeros(shape, storage, entry.device))
         self.k_pools, self.v_pools = list(self.kv[0]), list(self.kv[1])
+        # A compact format's scales, [2, layers, pages, page_size, kv heads]: read and written
+        # exactly with their pages (the accesses the steps declare on `kv` cover them).
+        self.kv_scales: torch.Tensor | None = None
+        self.scales: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        if compact(storage):
+            self.kv_scales = zeros(shape[:-1], torch.float32, entry.device)
+            self.scales = (list(self.kv_scales[0]), list(self.kv_scales[1]))
         rows, max_pages = cfg.max_rows, -(-entry.max_context // cfg.page_size)
         # One extra row pads graph buckets: its block-table row stays on the sink page.
         self.block_host = dev.host_buffer("block_host", (rows + 1, max_pages), torch.int32)
@@ -105,9 +122,11 @@ class KVPool:
         )
 
     def copy_pages(self, pairs: torch.Tensor) -> None:
-        """Page ``pairs[i, 0]`` into page ``pairs[i, 1]``, every layer's keys and values in
-        one gather and one scatter (``pairs`` on the device: no host sync)."""
+        """Page ``pairs[i, 0]`` into page ``pairs[i, 1]``, every layer's keys and values (and
+        their scales) in one gather and one scatter (``pairs`` on the device: no host sync)."""
         self.kv[:, :, pairs[:, 1]] = self.kv[:, :, pairs[:, 0]]
+        if self.kv_scales is not None:
+            self.kv_scales[:, :, pairs[:, 1]] = self.kv_scales[:, :, pairs[:, 0]]
 
     # ---- attention views (a forward's `KVCache`) --------------------------------------
 
@@ -123,6 +142,7 @@ class KVPool:
             self.entry.rope,
             self.entry.n_heads,
             self.use_triton,
+            scales=self.scales,
         )
 
     def token_view(self, rows: torch.Tensor, tiles: torch.Tensor, tile_tokens: int) -> DecodeKV:
@@ -139,11 +159,14 @@ class KVPool:
             True,
             tiles=tiles,
             tile_tokens=tile_tokens,
+            scales=self.scales,
         )
 
     def ragged_view(self, rows: torch.Tensor, n_blocks: int) -> RaggedKV:
         """A mixed step's tokens in PyTorch (varlen attention over the first ``n_blocks``)."""
-        return RaggedKV(self.k_pools, self.v_pools, self.block_dev, rows, n_blocks)
+        return RaggedKV(
+            self.k_pools, self.v_pools, self.block_dev, rows, n_blocks, scales=self.scales
+        )
 
     def prefix_view(
         self, pages: torch.Tensor, k: int, length: int, image_of_token: torch.Tensor
@@ -158,8 +181,11 @@ class KVPool:
                 image_of_token,
                 self.entry.rope,
                 self.entry.n_heads,
+                scales=self.scales,
             )
-        return PagedKV(self.k_pools, self.v_pools, pages[:k], length, fresh_prefix=True)
+        return PagedKV(
+            self.k_pools, self.v_pools, pages[:k], length, fresh_prefix=True, scales=self.scales
+        )
 
     def prefix_prompt_view(
         self,
@@ -187,4 +213,5 @@ class KVPool:
             self.entry.n_heads,
             tiles if self.use_triton else None,
             tile_tokens,
+            scales=self.scales,
         )

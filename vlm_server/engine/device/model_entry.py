@@ -21,7 +21,12 @@ import torch
 from decoding.region_values import coord_from_logits, size_from_logits
 from image_pipeline import normalize_crops
 from vlm_server.chip_features import fp8_supported
+from vlm_server.engine.core.memory_plan import kv_format_of, kv_page_bytes
 from vlm_server.models.capabilities import need
+from vlm_server.models.kv import kv_storage_dtype
+
+# The activations' dtypes by KV format name (memory_plan.py `KV_FORMATS`).
+ACTIVATION_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 if TYPE_CHECKING:
     from vlm_server.models.interface import DeviceModel
@@ -48,7 +53,7 @@ class ModelEntryPoints:
         # One crop as the image path takes it: uint8 [crop_size, crop_size, channels].
         self.crop_shape = (vision.crop_size, vision.crop_size, vision.in_channels)
         self.max_crops = vision.max_crops  # local crops of the largest tiling
-        kv = model.kv_shape
+        kv = self._kv = model.kv_shape
         self._kv_per_layer = (kv.n_kv_heads, kv.head_dim)  # per position, keys or values
         self._n_layers = kv.n_layers
         self._contract = cfg.tokens  # the size bins' scale
@@ -64,10 +69,19 @@ class ModelEntryPoints:
         [2 (keys, values), layers, pages, page_size, kv heads, head dim]."""
         return (2, self._n_layers, n_pages, page_size, *self._kv_per_layer)
 
-    def kv_page_bytes(self, page_size: int) -> int:
-        """Bytes of one page of every layer's keys and values."""
-        heads, head_dim = self._kv_per_layer
-        return 2 * self._n_layers * page_size * heads * head_dim * self.dtype.itemsize
+    def kv_format(self, kv_dtype: str) -> str:
+        """The KV format (memory_plan.py `KV_FORMATS`) of ``kv_dtype`` with this model's
+        activations (auto: theirs)."""
+        return kv_format_of(kv_dtype, ACTIVATION_FORMATS[self.dtype])
+
+    def kv_storage(self, kv_format: str) -> torch.dtype:
+        """The element type of KV pages in ``kv_format``."""
+        return kv_storage_dtype(kv_format, self.dtype)
+
+    def kv_page_bytes(self, page_size: int, kv_format: str = "auto") -> int:
+        """Bytes of one page of every layer's keys and values in ``kv_format`` (auto: the
+        activations' dtype), scales included: the memory plan's rule."""
+        return kv_page_bytes(self._kv, page_size, self.kv_format(kv_format))
 
     # ---- text -----------------------------------------------------------------------------
 

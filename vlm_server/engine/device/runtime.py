@@ -80,9 +80,9 @@ def adapter_bank(entry: ModelEntryPoints, cfg: EngineConfig) -> LoraBank | None:
     )
 
 
-def kv_page_bytes(model: DeviceModel, page_size: int) -> int:
-    """Bytes of one KV page of every layer of ``model``."""
-    return ModelEntryPoints(model).kv_page_bytes(page_size)
+def kv_page_bytes(model: DeviceModel, page_size: int, kv_dtype: str = "auto") -> int:
+    """Bytes of one KV page of every layer of ``model`` in ``kv_dtype``'s format."""
+    return ModelEntryPoints(model).kv_page_bytes(page_size, kv_dtype)
 
 
 class ModelRuntime:

@@ -28,7 +28,9 @@ from vlm_server.models.interface import Formats
 # Weights in any of --dtype's formats, the decoder's linears also in 8 or 4 bits (--weights);
 # KV pages in the weights' (activations') dtype.
 FORMATS = Formats(
-    weights=("bf16", "fp16", "fp32"), kv=("bf16", "fp16", "fp32"), quantized=("int8", "int4")
+    weights=("bf16", "fp16", "fp32"),
+    kv=("bf16", "fp16", "fp32", "fp8", "int8"),
+    quantized=("int8", "int4"),
 )
 
 

@@ -33,7 +33,7 @@ from vlm_server.models.interface import Formats
 # (activations') dtype.
 FORMATS = Formats(
     weights=("bf16", "fp16", "fp32"),
-    kv=("bf16", "fp16", "fp32"),
+    kv=("bf16", "fp16", "fp32", "fp8", "int8"),
     quantized=("int8", "int4"),
     fp8_experts=True,
 )

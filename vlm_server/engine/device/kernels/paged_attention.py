@@ -2,6 +2,10 @@
 
 Pools are per layer, [n_pages, page_size, kv_heads, head_dim]; a sequence's block row lists
 its pages in position order, so position p lives at (row[p // page_size], p % page_size).
+Compact pools (``--kv-dtype fp8|int8``) come with scales [n_pages, page_size, kv_heads] per
+layer (``scales``: the keys' and the values' lists): writes store `quantize_kv` of the keys
+and values, reads attend over `dequantize_kv` of what was stored, everywhere (also where a
+forward attends over the keys it just computed), so every path reads the values the pages hold.
 """
 
 from __future__ import annotations
@@ -9,7 +13,46 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vlm_server.models.kv import PackedAttend, allowed_mask
+from vlm_server.models.kv import PackedAttend, allowed_mask, dequantize_kv, quantize_kv
+
+# A compact cache's scales: every layer's, of the keys and of the values (None: exact pages).
+Scales = tuple[list[torch.Tensor], list[torch.Tensor]] | None
+
+
+def store(
+    pool: torch.Tensor, scale: torch.Tensor | None, index: tuple[torch.Tensor, ...], x: torch.Tensor
+) -> None:
+    """``pool[index] = x`` [..., kv_heads, hd], quantized (scales into ``scale[index]``) when
+    ``scale`` is given."""
+    if scale is None:
+        pool[index] = x.to(pool.dtype)
+        return
+    q, s = quantize_kv(x, pool.dtype)
+    pool[index] = q
+    scale[index] = s
+
+
+def gather(
+    pool: torch.Tensor, scale: torch.Tensor | None, index: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``pool[index]`` as attention reads it: dequantized into ``dtype`` when ``scale`` is
+    given, else as stored."""
+    if scale is None:
+        return pool[index]
+    return dequantize_kv(pool[index], scale[index], dtype)
+
+
+def as_stored(x: torch.Tensor, pool: torch.Tensor, compact: bool) -> torch.Tensor:
+    """``x`` as the pages hold it once written, in ``x``'s dtype when ``compact`` (the values
+    attention reads back), else in the pool's."""
+    if not compact:
+        return x.to(pool.dtype)
+    return dequantize_kv(*quantize_kv(x, pool.dtype), x.dtype)
+
+
+def layer_scales(scales: Scales, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """One layer's (key, value) scales, or (None, None) for exact pages."""
+    return (None, None) if scales is None else (scales[0][layer], scales[1][layer])
 
 
 def write_kv(
@@ -19,13 +62,15 @@ def write_kv(
     positions: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Store k, v [B, kv_heads, T, hd] at positions [B, T] through block_rows [B, n_blocks]."""
     ps = k_pool.shape[1]
     pages = block_rows.gather(1, positions // ps)  # [B, T]
     offsets = positions % ps
-    k_pool[pages, offsets] = k.transpose(1, 2).to(k_pool.dtype)
-    v_pool[pages, offsets] = v.transpose(1, 2).to(v_pool.dtype)
+    store(k_pool, k_scale, (pages, offsets), k.transpose(1, 2))
+    store(v_pool, v_scale, (pages, offsets), v.transpose(1, 2))
 
 
 def paged_attention(
@@ -35,14 +80,18 @@ def paged_attention(
     block_rows: torch.Tensor,
     positions: torch.Tensor,
     prefix_len: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [B, H, T, hd] at positions [B, T] over the pages of block_rows
     [B, n_blocks] (which must cover every visible position). Causal, except that positions
     below ``prefix_len`` see each other both ways."""
     b, n_blocks = block_rows.shape
     ps, kvh, hd = k_pool.shape[1:]
-    keys = k_pool[block_rows].reshape(b, n_blocks * ps, kvh, hd).transpose(1, 2)
-    values = v_pool[block_rows].reshape(b, n_blocks * ps, kvh, hd).transpose(1, 2)
+    keys = gather(k_pool, k_scale, block_rows, q.dtype)
+    values = gather(v_pool, v_scale, block_rows, q.dtype)
+    keys = keys.reshape(b, n_blocks * ps, kvh, hd).transpose(1, 2)
+    values = values.reshape(b, n_blocks * ps, kvh, hd).transpose(1, 2)
     rep = q.shape[1] // kvh
     if rep > 1:
         keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
@@ -63,8 +112,10 @@ class PagedKV:
         block_rows: torch.Tensor,
         prefix_len: int,
         fresh_prefix: bool = False,
+        scales: Scales = None,
     ) -> None:
         self.k_pools, self.v_pools = k_pools, v_pools
+        self.scales = scales
         self.block_rows = block_rows
         self.prefix_len = prefix_len
         # The forward is exactly the bidirectional prefix [0, prefix_len) of each row: keys
@@ -75,13 +126,15 @@ class PagedKV:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
         kp, vp = self.k_pools[layer], self.v_pools[layer]
-        write_kv(kp, vp, self.block_rows, positions, k, v)
+        ks, vs = layer_scales(self.scales, layer)
+        write_kv(kp, vp, self.block_rows, positions, k, v, ks, vs)
         if self.fresh_prefix:
+            k, v = as_stored(k, kp, ks is not None), as_stored(v, vp, vs is not None)
             rep = q.shape[1] // k.shape[1]
             if rep > 1:
                 k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-            return F.scaled_dot_product_attention(q, k.to(kp.dtype), v.to(vp.dtype))
-        return paged_attention(q, kp, vp, self.block_rows, positions, self.prefix_len)
+            return F.scaled_dot_product_attention(q, k, v)
+        return paged_attention(q, kp, vp, self.block_rows, positions, self.prefix_len, ks, vs)
 
 
 class PrefixKV:
@@ -98,21 +151,28 @@ class PrefixKV:
         image_of_token: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         n_heads: int,
+        scales: Scales = None,
     ) -> None:
         self.k_pools, self.v_pools = k_pools, v_pools
+        self.scales = scales
         self.pages = pages
         self.image_of_token = image_of_token
         self.rope = rope
         self.n_heads = n_heads
 
     def attend_packed(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        from vlm_server.engine.device.kernels.triton_attention import rope_and_store_kv
+        from vlm_server.engine.device.kernels.triton_kv_store import rope_and_store_kv
 
         kp, vp = self.k_pools[layer], self.v_pools[layer]
+        ks, vs = layer_scales(self.scales, layer)
         images, length = positions.shape
         kvh, hd = kp.shape[2], kp.shape[3]
         flat = qkv.reshape(images * length, -1)
-        keys = torch.empty((images * length, kvh, hd), dtype=kp.dtype, device=qkv.device)
+        # The keys (and, compact, the values) as the pages hold them, in the activations' dtype
+        # when compact: the prefix attends over what it stored.
+        dtype = kp.dtype if ks is None else qkv.dtype
+        keys = torch.empty((images * length, kvh, hd), dtype=dtype, device=qkv.device)
+        values = None if vs is None else torch.empty_like(keys)
         q = rope_and_store_kv(
             flat,
             self.rope[0],
@@ -124,14 +184,19 @@ class PrefixKV:
             vp,
             self.n_heads,
             k_out=keys,
+            v_out=values,
+            k_scale=ks,
+            v_scale=vs,
         )
         q = q.view(images, length, self.n_heads, hd).transpose(1, 2)
         k = keys.view(images, length, kvh, hd).transpose(1, 2)
-        v = flat[:, (self.n_heads + kvh) * hd :].view(images, length, kvh, hd).transpose(1, 2)
+        if values is None:
+            values = flat[:, (self.n_heads + kvh) * hd :].to(kp.dtype)
+        v = values.view(images, length, kvh, hd).transpose(1, 2)
         rep = self.n_heads // kvh
         if rep > 1:
             k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        return F.scaled_dot_product_attention(q, k, v.to(kp.dtype))
+        return F.scaled_dot_product_attention(q, k, v)
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
@@ -164,8 +229,10 @@ class PrefixPromptKV:
         n_heads: int,
         tiles: torch.Tensor | None = None,
         tile_tokens: int = 16,
+        scales: Scales = None,
     ) -> None:
         self.k_pools, self.v_pools = k_pools, v_pools
+        self.scales = scales
         self.pages = pages
         self.images, self.length = images, length
         self.image_of_token = image_of_token[: images * length]
@@ -189,28 +256,31 @@ class PrefixPromptKV:
     def _attend_packed(
         self, layer: int, qkv: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
-        from vlm_server.engine.device.kernels.triton_attention import (
-            paged_tile_attention,
-            rope_and_store_kv,
-        )
+        from vlm_server.engine.device.kernels.triton_attention import paged_tile_attention
+        from vlm_server.engine.device.kernels.triton_kv_store import rope_and_store_kv
 
         kp, vp = self.k_pools[layer], self.v_pools[layer]
+        ks, vs = layer_scales(self.scales, layer)
         kvh, hd = kp.shape[2], kp.shape[3]
         flat, pos = qkv[0], positions[0]
         n = self.images * self.length
-        keys = torch.empty((n, kvh, hd), dtype=kp.dtype, device=qkv.device)
+        dtype = kp.dtype if ks is None else qkv.dtype  # as `PrefixKV`'s
+        keys = torch.empty((n, kvh, hd), dtype=dtype, device=qkv.device)
+        v_pre = None if vs is None else torch.empty_like(keys)
         cos, sin = self.rope
         q_pre = rope_and_store_kv(
             flat[:n], cos, sin, pos[:n, None], self.pages, self.image_of_token, kp, vp,
-            self.n_heads, k_out=keys,
+            self.n_heads, k_out=keys, v_out=v_pre, k_scale=ks, v_scale=vs,
         )  # fmt: skip
         q_pro = rope_and_store_kv(
-            flat[n:], cos, sin, pos[n:, None], self.pages, self.prompt_rows, kp, vp, self.n_heads
-        )
-        v_pre = flat[:n, (self.n_heads + kvh) * hd :].view(n, kvh, hd).to(kp.dtype)
+            flat[n:], cos, sin, pos[n:, None], self.pages, self.prompt_rows, kp, vp, self.n_heads,
+            k_scale=ks, v_scale=vs,
+        )  # fmt: skip
+        if v_pre is None:
+            v_pre = flat[:n, (self.n_heads + kvh) * hd :].view(n, kvh, hd).to(kp.dtype)
         prompt = paged_tile_attention(
             q_pro, kp, vp, self.pages, self.prompt_rows, self.prompt_pos, self.tiles,
-            self.tile_tokens,
+            self.tile_tokens, k_scale=ks, v_scale=vs,
         )  # fmt: skip
         out = torch.cat([self._prefix_attention(q_pre, keys, v_pre), prompt])
         return out.transpose(0, 1)[None]
@@ -219,18 +289,21 @@ class PrefixPromptKV:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
         kp, vp = self.k_pools[layer], self.v_pools[layer]
+        ks, vs = layer_scales(self.scales, layer)
         ps = kp.shape[1]
         pos = positions[0]
         n = self.images * self.length
         rows = torch.cat([self.image_of_token, self.prompt_rows])
         pages = self.pages[rows, pos // ps].long()
         q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))  # [T, heads, hd]
-        kp[pages, pos % ps] = k.to(kp.dtype)
-        vp[pages, pos % ps] = v.to(vp.dtype)
+        store(kp, ks, (pages, pos % ps), k)
+        store(vp, vs, (pages, pos % ps), v)
         prompt = ragged_paged_attention(
-            q[n:], kp, vp, self.pages, self.prompt_rows, pos[n:], self.pages.shape[1]
-        )
-        prefix = self._prefix_attention(q[:n], k[:n].to(kp.dtype), v[:n].to(vp.dtype))
+            q[n:], kp, vp, self.pages, self.prompt_rows, pos[n:], self.pages.shape[1],
+            k_scale=ks, v_scale=vs,
+        )  # fmt: skip
+        k_pre, v_pre = as_stored(k[:n], kp, ks is not None), as_stored(v[:n], vp, vs is not None)
+        prefix = self._prefix_attention(q[:n], k_pre, v_pre)
         out = torch.cat([prefix.to(q.dtype), prompt.to(q.dtype)])
         return out.transpose(0, 1)[None]
 
@@ -258,8 +331,10 @@ class DecodeKV:
         use_triton: bool,
         tiles: torch.Tensor | None = None,
         tile_tokens: int = 16,
+        scales: Scales = None,
     ) -> None:
         self.k_pools, self.v_pools = k_pools, v_pools
+        self.scales = scales
         self.block_table = block_table
         self.rows = rows
         self.n_blocks = n_blocks
@@ -280,10 +355,11 @@ class DecodeKV:
             paged_decode_attention,
             paged_tile_attention,
             per_token_attention,
-            rope_and_store_kv,
         )
+        from vlm_server.engine.device.kernels.triton_kv_store import rope_and_store_kv
 
         kp, vp = self.k_pools[layer], self.v_pools[layer]
+        ks, vs = layer_scales(self.scales, layer)
         q = rope_and_store_kv(
             qkv[:, 0],
             self.rope[0],
@@ -294,6 +370,8 @@ class DecodeKV:
             kp,
             vp,
             self.n_heads,
+            k_scale=ks,
+            v_scale=vs,
         )
         if self.tiles is not None and not per_token_attention(q.shape[0]):
             out = paged_tile_attention(
@@ -305,24 +383,29 @@ class DecodeKV:
                 positions[:, 0],
                 self.tiles,
                 self.tile_tokens,
+                k_scale=ks,
+                v_scale=vs,
             )
         else:
             if self._lengths is None or self._lengths[0] is not positions:
                 self._lengths = (positions, positions[:, 0] + 1)
-            out = paged_decode_attention(q, kp, vp, self.block_table, self.rows, self._lengths[1])
+            out = paged_decode_attention(
+                q, kp, vp, self.block_table, self.rows, self._lengths[1], k_scale=ks, v_scale=vs
+            )
         return out[:, :, None]
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
         kp, vp = self.k_pools[layer], self.v_pools[layer]
+        ks, vs = layer_scales(self.scales, layer)
         ps = kp.shape[1]
         pages = self.block_table[self.rows[:, None], positions // ps].long()  # [B, 1]
         offsets = positions % ps
-        kp[pages, offsets] = k.transpose(1, 2).to(kp.dtype)
-        vp[pages, offsets] = v.transpose(1, 2).to(vp.dtype)
+        store(kp, ks, (pages, offsets), k.transpose(1, 2))
+        store(vp, vs, (pages, offsets), v.transpose(1, 2))
         rows = self.block_table[self.rows, : self.n_blocks].long()
-        return paged_attention(q, kp, vp, rows, positions, 0)
+        return paged_attention(q, kp, vp, rows, positions, 0, ks, vs)
 
 
 def ragged_paged_attention(
@@ -335,6 +418,8 @@ def ragged_paged_attention(
     n_blocks: int,
     prefix_lens: torch.Tensor | None = None,
     query_block: int = 64,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen paged attention, the reference (and CPU path) of a mixed step's attention.
 
@@ -356,8 +441,10 @@ def ragged_paged_attention(
         hi = min(lo + query_block, t_total)
         pages = block_table[rows[lo:hi], :n_blocks].long()  # [t, n_blocks]
         t = hi - lo
-        keys = k_pool[pages].reshape(t, n_blocks * ps, kvh, hd).transpose(1, 2)
-        values = v_pool[pages].reshape(t, n_blocks * ps, kvh, hd).transpose(1, 2)
+        keys = gather(k_pool, k_scale, pages, q.dtype)
+        values = gather(v_pool, v_scale, pages, q.dtype)
+        keys = keys.reshape(t, n_blocks * ps, kvh, hd).transpose(1, 2)
+        values = values.reshape(t, n_blocks * ps, kvh, hd).transpose(1, 2)
         if rep > 1:
             keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
         pos = positions[lo:hi, None]
@@ -386,8 +473,10 @@ class RaggedKV:
         block_table: torch.Tensor,
         rows: torch.Tensor,
         n_blocks: int,
+        scales: Scales = None,
     ) -> None:
         self.k_pools, self.v_pools = k_pools, v_pools
+        self.scales = scales
         self.block_table = block_table
         self.rows = rows
         self.n_blocks = n_blocks
@@ -396,13 +485,15 @@ class RaggedKV:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
         kp, vp = self.k_pools[layer], self.v_pools[layer]
+        ks, vs = layer_scales(self.scales, layer)
         ps = kp.shape[1]
         pos = positions[0]  # [T]
         pages = self.block_table[self.rows, pos // ps].long()
         offsets = pos % ps
-        kp[pages, offsets] = k[0].transpose(0, 1).to(kp.dtype)  # [T, kv_heads, hd]
-        vp[pages, offsets] = v[0].transpose(0, 1).to(vp.dtype)
+        store(kp, ks, (pages, offsets), k[0].transpose(0, 1))  # [T, kv_heads, hd]
+        store(vp, vs, (pages, offsets), v[0].transpose(0, 1))
         out = ragged_paged_attention(
-            q[0].transpose(0, 1), kp, vp, self.block_table, self.rows, pos, self.n_blocks
-        )
+            q[0].transpose(0, 1), kp, vp, self.block_table, self.rows, pos, self.n_blocks,
+            k_scale=ks, v_scale=vs,
+        )  # fmt: skip
         return out.transpose(0, 1)[None]  # [1, H, T, hd]

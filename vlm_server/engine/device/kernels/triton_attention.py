@@ -1,11 +1,15 @@
-"""Triton kernels of the steps: fused rotary + paged KV write, paged decode attention, and
-varlen paged attention over query tiles for mixed steps.
+"""Triton kernels of the steps: paged decode attention and varlen paged attention over query
+tiles for mixed steps (the rotary + paged KV write: triton_kv_store.py).
 
 Attention reads only each row's live pages: programs per (batch row, query head, split) walk
 a share of the row's block-table entries up to the row's length with an online softmax,
 BLOCK_N positions at a time, and a second kernel merges the splits (flash-decoding: at one
 stream, 32 heads alone would leave most of the GPU idle). Shapes never depend on host values
 (lengths and block rows are read on the device), so the calls can be graph-captured.
+
+Compact pages (int8, FP8 e4m3; SCALED) are read with their scales (one per position and KV
+head): a key's scale multiplies its dot products, a value's its softmax weight, which is the
+attention over the dequantized pages up to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from vlm_server.models.common import launch_overlap
+from vlm_server.models.kv import compact
 
 try:
     import triton
@@ -29,23 +34,29 @@ AVAILABLE = triton is not None
 if AVAILABLE:
 
     @triton.jit
-    def _decode_block(start, length, row, q, m_i, l_i, acc, keys, values, table,
-                      table_stride, kvh, d, n, PAGE: tl.constexpr, KVH: tl.constexpr,
-                      HD: tl.constexpr):  # fmt: skip
+    def _decode_block(start, length, row, q, m_i, l_i, acc, keys, values, k_scales, v_scales,
+                      table, table_stride, kvh, d, n, PAGE: tl.constexpr, KVH: tl.constexpr,
+                      HD: tl.constexpr, SCALED: tl.constexpr):  # fmt: skip
         """One block of a decode row's positions into its online softmax (m, l, acc); pointers
         named without "_ptr": a helper inlined into the kernels, not launched."""
         pos = start + n
         valid = pos < length
         page = tl.load(table + row * table_stride + pos // PAGE, mask=valid, other=0)
-        base = (page.to(tl.int64) * PAGE + pos % PAGE) * (KVH * HD) + kvh * HD
+        slot = (page.to(tl.int64) * PAGE + pos % PAGE) * KVH + kvh
+        base = slot * HD
         k = tl.load(keys + base[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
+        if SCALED:
+            s = s * tl.load(k_scales + slot, mask=valid, other=0.0)
         s = tl.where(valid, s, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         p = tl.exp(s - m_new)
         alpha = tl.exp(m_i - m_new)
         v = tl.load(values + base[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+        pv = p
+        if SCALED:
+            pv = p * tl.load(v_scales + slot, mask=valid, other=0.0)
+        acc = acc * alpha + tl.sum(pv[:, None] * v.to(tl.float32), axis=0)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         return m_new, l_i, acc
 
@@ -54,6 +65,8 @@ if AVAILABLE:
         q_ptr,
         k_ptr,
         v_ptr,
+        ks_ptr,
+        vs_ptr,
         m_ptr,
         l_ptr,
         acc_ptr,
@@ -71,6 +84,7 @@ if AVAILABLE:
         BLOCK_N: tl.constexpr,
         SPLITS: tl.constexpr,
         STATIC_MAX: tl.constexpr,  # positions one split can cover, or 0: a device-read bound
+        SCALED: tl.constexpr = False,  # compact pages with scales (ks_ptr, vs_ptr)
         PDL: tl.constexpr = False,
     ):
         """Partial attention of one (row, head) over one split of its live positions."""
@@ -97,14 +111,14 @@ if AVAILABLE:
             for i in tl.range(0, STATIC_MAX, BLOCK_N):
                 if i < live:
                     m_i, l_i, acc = _decode_block(
-                        lo + i, length, row, q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr,
-                        table_stride, kvh, d, n, PAGE, KVH, HD,
+                        lo + i, length, row, q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr,
+                        table_ptr, table_stride, kvh, d, n, PAGE, KVH, HD, SCALED,
                     )  # fmt: skip
         else:  # a long one (32K for Moondream 3): only the live blocks' iterations
             for i in tl.range(0, live, BLOCK_N):
                 m_i, l_i, acc = _decode_block(
-                    lo + i, length, row, q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr,
-                    table_stride, kvh, d, n, PAGE, KVH, HD,
+                    lo + i, length, row, q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr,
+                    table_ptr, table_stride, kvh, d, n, PAGE, KVH, HD, SCALED,
                 )  # fmt: skip
         part = (b * n_heads + h) * SPLITS + sp
         tl.store(m_ptr + part, m_i)
@@ -142,145 +156,22 @@ if AVAILABLE:
 if AVAILABLE:
 
     @triton.jit
-    def _rope_store_kernel(
-        qkv_ptr,
-        cos_ptr,
-        sin_ptr,
-        pos_ptr,
-        table_ptr,
-        rows_ptr,
-        q_out_ptr,
-        k_ptr,
-        v_ptr,
-        k_out_ptr,
-        n_tokens,
-        qkv_stride,
-        pos_stride,
-        table_stride,
-        rows_stride,
-        n_heads,
-        PAGE: tl.constexpr,
-        KVH: tl.constexpr,
-        HD: tl.constexpr,
-        HALF: tl.constexpr,
-        STORE_K: tl.constexpr,  # also write the rotated keys to k_out [B, KVH, HD]
-        BLOCK_T: tl.constexpr = 1,
-        PDL: tl.constexpr = False,
-    ):
-        if PDL:  # launched early (launch_overlap.py): wait for the predecessor first
-            gdc_wait()
-            gdc_launch_dependents()
-        b = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        b_ok = b < n_tokens
-        b = tl.where(b_ok, b, 0).to(tl.int64)  # rows past the end re-read row 0, never stored
-        j = tl.program_id(1)
-        pos = tl.load(pos_ptr + b * pos_stride)[:, None]
-        d = tl.arange(0, HD)[None, :]
-        rot = d < 2 * HALF
-        first = d < HALF
-        partner = tl.where(first, d + HALF, d - HALF)
-        freq = tl.where(first, d, d - HALF)
-        sign = tl.where(first, -1.0, 1.0)
-        is_q = j < n_heads
-        kvh = j - n_heads
-        col = tl.where(is_q, j * HD, n_heads * HD + kvh * HD)
-        base = qkv_ptr + b[:, None] * qkv_stride + col
-        x = tl.load(base + d).to(tl.float32)
-        xp = tl.load(base + partner, mask=rot, other=0.0).to(tl.float32)
-        c = tl.load(cos_ptr + pos * HALF + freq, mask=rot, other=1.0)
-        sn = tl.load(sin_ptr + pos * HALF + freq, mask=rot, other=0.0)
-        out = tl.where(rot, x * c + sign * xp * sn, x)
-        ok = b_ok[:, None] & (d < HD)
-        if is_q:
-            at = q_out_ptr + (b[:, None] * n_heads + j) * HD + d
-            tl.store(at, out.to(q_out_ptr.dtype.element_ty), mask=ok)
-        else:
-            row = tl.load(rows_ptr + b * rows_stride)[:, None]
-            page = tl.load(table_ptr + row * table_stride + pos // PAGE).to(tl.int64)
-            slot = ((page * PAGE + pos % PAGE) * KVH + kvh) * HD
-            tl.store(k_ptr + slot + d, out.to(k_ptr.dtype.element_ty), mask=ok)
-            if STORE_K:
-                at = k_out_ptr + (b[:, None] * KVH + kvh) * HD + d
-                tl.store(at, out.to(k_out_ptr.dtype.element_ty), mask=ok)
-            v = tl.load(qkv_ptr + b[:, None] * qkv_stride + (n_heads + KVH) * HD + kvh * HD + d)
-            tl.store(v_ptr + slot + d, v.to(v_ptr.dtype.element_ty), mask=ok)
-
-
-# Tokens per program of the rotary + KV write by token count: (fewer than, tokens a program).
-# One token a program (one per token and head) costs 30 us a layer for a 730-token prefix on
-# an H100, 6.1 in blocks of 16. The rotary is elementwise, so every launch writes the same bits.
-ROPE_BLOCKS: tuple[tuple[int, int], ...] = ((16, 1), (128, 4), (1 << 62, 16))
-
-
-def rope_block(tokens: int) -> int:
-    """Tokens per program of `rope_and_store_kv` for a launch over ``tokens`` tokens."""
-    return next(block for below, block in ROPE_BLOCKS if tokens < below)
-
-
-def rope_and_store_kv(
-    qkv: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    positions: torch.Tensor,
-    block_table: torch.Tensor,
-    rows: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    n_heads: int,
-    k_out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One kernel for a decode step's rotary and KV write: qkv [B, (H + 2 KVH) * hd] (the
-    qkv projection of one position per row) -> rotated q [B, H, hd]; rotated k and v go
-    straight into the paged pools at each row's position (and the rotated k into ``k_out``
-    [B, KVH, hd] when given). cos/sin are the fp32 tables [max_context, rotary_dim / 2];
-    rotary math in fp32, as the PyTorch path."""
-    if not AVAILABLE:
-        raise RuntimeError("Triton is not installed")
-    b = qkv.shape[0]
-    _, page, kvh, hd = k_pool.shape
-    q = torch.empty((b, n_heads, hd), dtype=qkv.dtype, device=qkv.device)
-    block = rope_block(b)
-    _rope_store_kernel[(triton.cdiv(b, block), n_heads + kvh)](
-        qkv,
-        cos,
-        sin,
-        positions,
-        block_table,
-        rows,
-        q,
-        k_pool,
-        v_pool,
-        k_out if k_out is not None else q,
-        b,
-        qkv.stride(0),
-        positions.stride(0),
-        block_table.stride(0),
-        rows.stride(0),
-        n_heads,
-        PAGE=page,
-        KVH=kvh,
-        HD=hd,
-        HALF=cos.shape[1],
-        STORE_K=k_out is not None,
-        BLOCK_T=block,
-        **launch_overlap.kernel_args(),
-    )
-    return q
-
-
-if AVAILABLE:
-
-    @triton.jit
-    def _tile_block(start, hi, row, pos, q, m_i, l_i, acc, keys, values, table,
-                    table_stride, kvh, d, n, scale, PAGE: tl.constexpr, KVH: tl.constexpr,
-                    HD: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    def _tile_block(start, hi, row, pos, q, m_i, l_i, acc, keys, values, k_scales, v_scales,
+                    table, table_stride, kvh, d, n, scale, PAGE: tl.constexpr,
+                    KVH: tl.constexpr, HD: tl.constexpr, PRECISION: tl.constexpr,
+                    SCALED: tl.constexpr):  # fmt: skip
         """One block of keys for a tile's queries (causal) into their online softmax."""
         kpos = start + n
         valid_n = kpos < hi
         page = tl.load(table + row * table_stride + kpos // PAGE, mask=valid_n, other=0)
-        base = (page.to(tl.int64) * PAGE + kpos % PAGE) * (KVH * HD) + kvh * HD
+        slot = (page.to(tl.int64) * PAGE + kpos % PAGE) * KVH + kvh
+        base = slot * HD
         k = tl.load(keys + base[:, None] + d[None, :], mask=valid_n[:, None], other=0.0)
+        if SCALED:  # 8-bit elements are exact in the queries' 16- or 32-bit type
+            k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if SCALED:
+            s = s * tl.load(k_scales + slot, mask=valid_n, other=0.0)[None, :]
         s = tl.where(kpos[None, :] <= pos[:, None], s, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # Rows with nothing visible yet keep -inf: guard the exponent against inf - inf.
@@ -288,7 +179,11 @@ if AVAILABLE:
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         v = tl.load(values + base[:, None] + d[None, :], mask=valid_n[:, None], other=0.0)
-        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        pw = p
+        if SCALED:
+            pw = p * tl.load(v_scales + slot, mask=valid_n, other=0.0)[None, :]
+            v = v.to(q.dtype)
+        pv = tl.dot(pw.to(v.dtype), v, input_precision=PRECISION)
         acc = acc * alpha[:, None] + pv
         l_i = l_i * alpha + tl.sum(p, axis=1)
         return m_new, l_i, acc
@@ -298,6 +193,8 @@ if AVAILABLE:
         q_ptr,
         k_ptr,
         v_ptr,
+        ks_ptr,
+        vs_ptr,
         out_ptr,
         m_ptr,
         l_ptr,
@@ -320,6 +217,7 @@ if AVAILABLE:
         SPLITS: tl.constexpr,
         STATIC_MAX: tl.constexpr,  # as `_paged_decode_kernel`'s
         PRECISION: tl.constexpr,  # of fp32 dots: "ieee" for fp32 models (no TF32 rounding)
+        SCALED: tl.constexpr = False,  # as `_paged_decode_kernel`'s
         PDL: tl.constexpr = False,
     ):
         """Attention of one tile (up to BLOCK_M consecutive query tokens of one row) for one
@@ -357,14 +255,16 @@ if AVAILABLE:
             for i in tl.range(0, STATIC_MAX, BLOCK_N):
                 if i < live:
                     m_i, l_i, acc = _tile_block(
-                        lo + i, hi, row, pos, q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr,
-                        table_stride, kvh, d, n, scale, PAGE, KVH, HD, PRECISION,
+                        lo + i, hi, row, pos, q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr,
+                        table_ptr, table_stride, kvh, d, n, scale, PAGE, KVH, HD, PRECISION,
+                        SCALED,
                     )  # fmt: skip
         else:
             for i in tl.range(0, live, BLOCK_N):
                 m_i, l_i, acc = _tile_block(
-                    lo + i, hi, row, pos, q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr,
-                    table_stride, kvh, d, n, scale, PAGE, KVH, HD, PRECISION,
+                    lo + i, hi, row, pos, q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr,
+                    table_ptr, table_stride, kvh, d, n, scale, PAGE, KVH, HD, PRECISION,
+                    SCALED,
                 )  # fmt: skip
         if SPLITS == 1:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -391,6 +291,8 @@ def paged_tile_attention(
     block_m: int,
     block_n: int = 64,
     splits: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen paged attention of a mixed step: q [T, H, hd] -> out [T, H, hd]. Token t belongs
     to block-table row ``rows[t]`` at ``positions[t]`` and sees that row's positions up to its
@@ -417,6 +319,7 @@ def paged_tile_attention(
         q,
         k_pool,
         v_pool,
+        *_scales(k_pool, k_scale, v_scale),
         out,
         m,
         l_sum,
@@ -439,6 +342,7 @@ def paged_tile_attention(
         SPLITS=splits,
         STATIC_MAX=static_max,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SCALED=k_scale is not None,
         **launch_overlap.kernel_args(),
     )
     if splits > 1:
@@ -446,6 +350,18 @@ def paged_tile_attention(
             m, l_sum, acc, out, SPLITS=splits, HD=hd, **launch_overlap.kernel_args()
         )
     return out
+
+
+def _scales(
+    k_pool: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scale pointers of a launch: a compact pool's (both needed), else the pool itself
+    (never read: SCALED is off)."""
+    if compact(k_pool.dtype) != (k_scale is not None and v_scale is not None):
+        raise ValueError(f"{k_pool.dtype} KV pages need scales exactly when compact")
+    if k_scale is None or v_scale is None:
+        return k_pool, k_pool
+    return k_scale, v_scale
 
 
 # Splits covering at most this many positions each loop to a bound known at compile time (a
@@ -504,6 +420,8 @@ def paged_decode_attention(
     lengths: torch.Tensor,
     block_n: int = 64,
     splits: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, hd] -> out [B, H, hd]; row b attends to positions [0, lengths[b]) of
     ``block_table[rows[b]]`` in the pools [n_pages, page_size, kv_heads, hd]. Each (row,
@@ -521,6 +439,7 @@ def paged_decode_attention(
         q,
         k_pool,
         v_pool,
+        *_scales(k_pool, k_scale, v_scale),
         m,
         l_sum,
         acc,
@@ -538,6 +457,7 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         SPLITS=splits,
         STATIC_MAX=static_max,
+        SCALED=k_scale is not None,
         **launch_overlap.kernel_args(),
     )
     out = torch.empty_like(q)
