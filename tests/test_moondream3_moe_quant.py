@@ -170,5 +170,5 @@ def test_stored_experts_refuse_scales_that_do_not_fit() -> None:
         StoredExperts.of(q1, s1, q2, s2[..., 0])
     with pytest.raises(ValueError, match="need their scales"):
         StoredExperts.of(q1, None, q2, s2)
-    with pytest.raises(ValueError, match="torch.uint8 \\(fc1\\) and torch.bfloat16 \\(fc2\\)"):
+    with pytest.raises(ValueError, match=r"torch.uint8 \(fc1\) and torch.bfloat16 \(fc2\)"):
         StoredExperts.of(q1, s1, torch.zeros(4, 64, 32, dtype=torch.bfloat16), None)

@@ -51,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         choices=list(WEIGHT_FORMATS),
         help="how the weights are held (fp8-experts: Moondream 3's FP8 checkpoint; int8, int4: "
-        "the decoder's linears) [default: a vlm quantize directory's format, else bf16]",
+        "the decoder's linears and experts) [default: a vlm quantize directory's format, else "
+        "bf16]",
     )
     parser.add_argument(
         "--kv-dtype",

@@ -32,7 +32,6 @@ except ImportError:  # the CPU path needs no Triton
     tl = None
 
 
-
 @dataclass(frozen=True)
 class StoredExperts:
     """How a layer's expert stacks are stored, told by the values' dtypes (as docs/
