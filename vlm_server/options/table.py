@@ -70,7 +70,8 @@ class ServerConfig(PerformanceOptions):
     weights: str | None = option(
         None,
         G.MODEL,
-        "the decoder's linear weights: bf16 (the checkpoint's values, in --dtype), int8 (a "
+        "the decoder's linear weights (Moondream 3's experts included): bf16 (the "
+        "checkpoint's values, in --dtype), int8 (a "
         "scale per output channel) or int4 (one per 128 input columns), quantized at load; a "
         "vlm quantize directory is served in its own format (default: that, else bf16)",
         choices=("bf16", "int8", "int4"),
