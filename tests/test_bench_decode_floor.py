@@ -26,3 +26,18 @@ def test_step_bytes_counts_dense_weights_routed_experts_and_kv() -> None:
     md2 = random_model(preset("tiny"), seed=0, dtype=torch.float32, progress=False).model.text
     dense2 = sum(p.numel() * 4 for n, p in md2.named_parameters() if not n.endswith("wte"))
     assert step_bytes(md2, 3, 10, 2) == dense2 + 3 * 10 * 2
+
+
+def test_step_bytes_counts_quantized_experts_and_linears_at_their_bits() -> None:
+    loaded = random_model(
+        preset("md3-tiny"), seed=0, dtype=torch.float32, progress=False, weights="int8"
+    )
+    text, moe = loaded.model.text, loaded.config.text.moe
+    e, k = moe.n_experts, moe.top_k
+    held = {n: t for n, t in text.state_dict().items() if n.endswith((".qweight", ".scale"))}
+    assert any(".mlp.fc1.qweight" in n and t.dim() == 3 for n, t in held.items())  # experts
+    stored = sum(t.numel() * t.element_size() for t in held.values())
+    rest = sum(p.numel() * 4 for n, p in text.named_parameters() if not n.endswith("wte"))
+    many = step_bytes(text, 10_000, 0, 8, e, k)  # every expert touched
+    assert abs(many - (rest + stored)) < 1e-6 * stored
+    assert step_bytes(text, 1, 0, 8, e, k) < many

@@ -38,8 +38,6 @@ from vlm_server.models.registry import (
     load_model,
     memory_shape,
     preset,
-    random_model,
-    write_checkpoint,
 )
 from vlm_server.options.table import ServerConfig
 from vlm_server.reference import ReferenceGenerator
@@ -201,25 +199,6 @@ def test_an_adapter_on_quantized_weights(
     assert done[0].text != done[1].text  # the adapter changed the answer
 
 
-def test_moondream3_serves_its_dense_linears_quantized(
-    images: list[PreparedImage],  # noqa: F811
-) -> None:
-    """Moondream 3's attention and dense MLPs in INT8; its experts stay 16-bit."""
-    config = preset("md3-tiny")
-    plain = random_model(config, seed=1, dtype=F32, progress=False)
-    loaded = random_model(config, seed=1, dtype=F32, progress=False, weights="int8")
-    held = loaded.model.capabilities.quantized
-    assert held is not None
-    shapes = family("moondream3").expected_shapes(config)
-    experts = [n for n, s in shapes.items() if len(s) == 3]
-    assert experts and not set(experts) & set(held.weights)
-    assert {"text.blocks.0.mlp.fc1.weight", "text.blocks.3.attn.qkv.weight"} <= set(held.weights)
-    assert loaded.model.capabilities.fused_products is not None  # its tau kernels
-    reqs = _requests(images)
-    done = _finish_all(loaded, reqs, 2, max_batch_size=4)
-    _assert_answers_as(dequantized_twin(loaded, plain), reqs, done)
-
-
 # ---- refusals -------------------------------------------------------------------------------
 
 
@@ -271,13 +250,6 @@ def test_a_mismatched_file_names_the_tensor(files: dict[tuple, Path], tmp_path: 
     save_file(tensors, str(path), metadata=meta)
     with pytest.raises(CheckpointError, match=f"{name}: shape \\[32\\], the format implies"):
         load_model(tmp_path, dtype=F32, progress=False)
-
-
-def test_moondream3_quantized_experts_are_not_served_yet(tmp_path: Path) -> None:
-    src = write_checkpoint(preset("moondream3-tiny"), tmp_path / "src", progress=False)
-    quantize_checkpoint(src, tmp_path / "q", "int8")
-    with pytest.raises(CheckpointError, match="stored int8, which this family does not serve"):
-        load_model(tmp_path / "q", dtype=F32, progress=False)
 
 
 def test_the_option_names_its_field() -> None:

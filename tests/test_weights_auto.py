@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from vlm_server.chips import by_name
 from vlm_server.cli import main
@@ -26,7 +27,7 @@ from vlm_server.models.common import quant_gemm
 from vlm_server.models.registry import memory_shape, preset, random_model, write_checkpoint
 from vlm_server.options.table import ServerConfig
 from vlm_server.server import weights_start
-from vlm_server.server.weights_start import start_weights
+from vlm_server.server.weights_start import start_weights, stores_fp8
 
 GIB = 1 << 30
 MD2 = ("bf16", "int8", "int4")
@@ -40,9 +41,10 @@ TABLE = [
     ("moondream2", "H100", 9, 16, MD2, "int8"),  # int8 needs 8.9 GiB, bf16 10.0
     ("moondream2", "H100", 7.9, 16, MD2, "int4"),  # int4 needs 8.3 GiB (with the context)
     ("moondream3", "H100", None, 32, MD3, "bf16"),
-    ("moondream3", "RTX 4090", None, 32, MD3, "fp8"),  # bf16 needs 28.6 GiB
-    ("moondream3", "H100", 16, 32, MD3, "fp8"),  # none has room for 32: the smallest
-    ("moondream3", "RTX 3090", None, 32, MD3_NO_FP8, "int4"),  # no FP8 units on sm_86
+    # bf16 needs 28.6 GiB; int8 (experts included) is more exact than FP8 experts
+    ("moondream3", "RTX 4090", None, 32, MD3, "int8"),
+    ("moondream3", "H100", 16, 32, MD3, "int4"),
+    ("moondream3", "RTX 3090", None, 32, MD3_NO_FP8, "int8"),
 ]
 
 
@@ -82,18 +84,18 @@ def test_auto_takes_the_most_exact_format_that_holds_the_batch(
 
 def test_a_cap_that_holds_no_format_fails_with_the_bytes() -> None:
     with pytest.raises(WeightsError, match=r"^--weights auto: no format holds the model") as err:
-        _choose("moondream3", "H100", 8, 32, MD3)
-    shape, cfg = memory_shape(preset("moondream3")), EngineConfig(gpu_memory_bytes=8 * GIB)
-    need = least_bytes(fitting(shape, cfg, by_name("H100").memory_bytes, "fp8"))
-    assert f"the smallest, fp8, needs {need} bytes" in str(err.value)
+        _choose("moondream3", "H100", 4, 32, MD3)
+    shape, cfg = memory_shape(preset("moondream3")), EngineConfig(gpu_memory_bytes=4 * GIB)
+    need = least_bytes(fitting(shape, cfg, by_name("H100").memory_bytes, "int4"))
+    assert f"the smallest, int4, needs {need} bytes" in str(err.value)
 
 
 def test_an_asked_format_that_does_not_fit_names_the_one_that_would() -> None:
     with pytest.raises(WeightsError, match=r"^--weights bf16: the model needs \d+ bytes") as err:
         _choose("moondream3", "H100", 16, 32, MD3, asked="bf16")
-    assert str(err.value).endswith("fp8 would fit")
+    assert str(err.value).endswith("int8 would fit")
     with pytest.raises(WeightsError, match=r"no format fits$"):
-        _choose("moondream3", "H100", 8, 32, MD3, asked="int4")
+        _choose("moondream3", "H100", 4, 32, MD3, asked="int4")
     ok = _choose("moondream3", "H100", 16, 32, MD3, asked="fp8")
     assert ok.weights == "fp8" and ok.line.startswith("weights: fp8: needs")
 
@@ -147,8 +149,24 @@ def test_vlm_plan_says_what_auto_would_take(capsys: pytest.CaptureFixture[str]) 
     argv = ["plan", "--gpu", "RTX 4090", "--model", "md3"]
     main([*argv, "--json"])
     auto = json.loads(capsys.readouterr().out)["auto"]
-    assert auto["weights"] == "fp8" and auto["line"].startswith("weights: fp8 (auto)")
+    assert auto["weights"] == "int8" and auto["line"].startswith("weights: int8 (auto)")
     main([*argv, "--weights", "auto", "--json"])
-    assert json.loads(capsys.readouterr().out)["weights_format"] == "fp8-experts"
+    assert json.loads(capsys.readouterr().out)["weights_format"] == "int8"
     main(argv)
-    assert "weights: fp8 (auto): bf16 needs" in capsys.readouterr().out
+    assert "weights: int8 (auto): bf16 needs" in capsys.readouterr().out
+
+
+def test_a_checkpoint_of_fp8_experts_is_served_in_them_where_they_fit(tmp_path: Path) -> None:
+    """Its FP8 values are the most exact there are for it: int8 would quantize them again,
+    bf16 only widen them."""
+    shape = memory_shape(preset("moondream3"))
+    card = by_name("RTX 4090").memory_bytes
+    choice = choose_weights(shape, EngineConfig(max_batch_size=32), card, "auto", MD3, own="fp8")
+    assert choice.weights == "fp8" and choice.line.startswith("weights: fp8 (auto): needs")
+    tight = EngineConfig(max_batch_size=32, gpu_memory_bytes=8 * GIB)
+    assert choose_weights(shape, tight, card, "auto", MD3, own="fp8").weights == "int4"
+    # The checkpoint's headers say so (weights_start reads nothing else).
+    save_file({"w": torch.zeros(2, 2, dtype=torch.float8_e4m3fn)}, str(tmp_path / "a.safetensors"))
+    save_file({"v": torch.zeros(2, dtype=torch.bfloat16)}, str(tmp_path / "b.safetensors"))
+    assert stores_fp8(tmp_path) and stores_fp8(tmp_path / "a.safetensors")
+    assert not stores_fp8(tmp_path / "b.safetensors")

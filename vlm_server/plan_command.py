@@ -71,8 +71,9 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         choices=[AUTO, *WEIGHT_FORMATS, "fp8"],
         help="how the weights are held (fp8-experts, or fp8: Moondream 3's FP8 experts; int8, "
-        "int4: the decoder's linears; auto: what vlm serve's --weights auto would take on this "
-        "card) [default: a vlm quantize directory's format, else bf16; what auto would take "
+        "int4: the decoder's linears and experts; auto: what vlm serve's --weights auto would "
+        "take on this card) [default: a vlm quantize directory's format, else bf16; what auto "
+        "would take "
         "is said either way]",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")

@@ -144,9 +144,11 @@ def verdict(plan: MemoryPlan) -> str:
 
 def _held_as(weights: str, part: str) -> str:
     """How ``part`` of the weights is held in format ``weights``: a 4- or 8-bit format holds
-    the decoder's linears only."""
+    the decoder's linears and expert stacks only."""
     fmt = WEIGHT_FORMATS[weights]
     if not fmt.linear_bits:
+        return weights
+    if part == "experts":
         return weights
     return f"{weights} linears, the rest {fmt.activation_dtype}" if part == "text" else "bf16"
 

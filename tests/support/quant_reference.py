@@ -11,6 +11,7 @@ from torch import nn
 
 from vlm_server.models.common.quant_linear import QuantLinear
 from vlm_server.models.interface import LoadedModel
+from vlm_server.models.moondream3.moe import ExpertBank
 
 GROUP = 128
 
@@ -98,7 +99,10 @@ def dequantized_twin(quantized: LoadedModel, plain: LoadedModel) -> LoadedModel:
     with torch.no_grad():
         for name in held.weights:
             layer = quantized.model.get_submodule(name.removesuffix(".weight"))
-            assert isinstance(layer, QuantLinear)
             weight = model.get_parameter(name)
+            if isinstance(layer, ExpertBank):  # Moondream 3's experts [E, out, in]
+                weight.copy_(layer.values(weight.dtype).to(weight.device))
+                continue
+            assert isinstance(layer, QuantLinear)
             weight.copy_(layer.dequantized(weight.dtype).to(weight.device))
     return LoadedModel(model, plain.tokenizer, plain.config, plain.source + ":dequantized")

@@ -72,10 +72,11 @@ class ServerConfig(PerformanceOptions):
         G.MODEL,
         "weights: auto (the most exact format that holds --max-batch-size picture requests "
         "on this card, under --gpu-memory-bytes; one start-up line says which and the bytes), "
-        "bf16 (the checkpoint's values, in --dtype), int8 (the decoder's linears, a scale per "
-        "output channel), int4 (one per 128 input columns), fp8 (Moondream 3's experts in FP8, "
-        "on chips with FP8 units), quantized at load; a vlm quantize directory is served in "
-        "its own format. A format that cannot hold the model is refused at start",
+        "bf16 (the checkpoint's values, in --dtype), int8 (the decoder's linears, Moondream "
+        "3's experts included, a scale per output channel), int4 (one per 128 input columns), "
+        "fp8 (Moondream 3's experts in FP8, on chips with FP8 units), quantized at load; a vlm "
+        "quantize directory is served in its own format. A format that cannot hold the model "
+        "is refused at start",
         choices=("auto", "bf16", "int8", "int4", "fp8"),
     )
     device: str | None = option(None, G.MODEL, "cpu or cuda[:N] (default: cuda if present)")

@@ -4,7 +4,9 @@ before a byte of weights is read. One start-up line says which format and the by
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 import torch
 
@@ -13,6 +15,7 @@ from vlm_server.default_model import default_model_dir
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.weights_choice import AUTO, choose_weights
 from vlm_server.models.capabilities import served_weights
+from vlm_server.models.checkpoint_io import CheckpointError
 from vlm_server.models.common import quant_gemm
 from vlm_server.models.hub import resolve_source
 from vlm_server.models.interface import FamilyConfig
@@ -48,9 +51,31 @@ def start_weights(
     config = checkpoint_config(directory, preset_name)
     served = [stored.name] if own and stored is not None else _served(config, device)
     card = torch.cuda.get_device_properties(device).total_memory
-    choice = choose_weights(memory_shape(config), cfg, card, asked, served)
+    values = "fp8" if not own and stores_fp8(path) else None
+    choice = choose_weights(memory_shape(config), cfg, card, asked, served, own=values)
     log.info(choice.line)
     return None if own else choice.weights
+
+
+def stores_fp8(path: Path) -> bool:
+    """Whether the checkpoint's safetensors hold FP8 values (Moondream 3's FP8 experts), from
+    the files' headers alone."""
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    for file in files:
+        if file.suffix != ".safetensors":
+            continue
+        try:
+            with file.open("rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size))
+        except (OSError, ValueError) as err:
+            raise CheckpointError(f"cannot read the header of {file}: {err}") from err
+        if any(
+            isinstance(v, dict) and str(v.get("dtype", "")).startswith("F8_")
+            for v in header.values()
+        ):
+            return True
+    return False
 
 
 def _served(config: FamilyConfig, device: torch.device) -> list[str]:
@@ -65,4 +90,4 @@ def _served(config: FamilyConfig, device: torch.device) -> list[str]:
     return out
 
 
-__all__ = ["start_weights"]
+__all__ = ["start_weights", "stores_fp8"]

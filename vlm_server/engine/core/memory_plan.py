@@ -84,10 +84,13 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
         experts_only=True,
         min_capability=FP8_CAPABILITY,
     ),
-    # The decoder's linears in 8 or 4 bits (--weights), everything else in bf16; Moondream 3's
-    # experts too, until their kernels read 4- and 8-bit weights.
-    "int8": WeightFormat("int8", 2, 2, linear_bits=8),
-    "int4": WeightFormat("int4", 2, 2, linear_bits=4, group_size=INT4_GROUP),
+    # The decoder's linears in 8 or 4 bits (--weights), Moondream 3's expert stacks too (INT8:
+    # a byte a weight and a bf16 scale a row; INT4: half a byte and a bf16 scale per group of
+    # 128 input columns), everything else in bf16.
+    "int8": WeightFormat("int8", 2, 1, expert_row_scale_bytes=QUANT_SCALE_BYTES, linear_bits=8),
+    "int4": WeightFormat(
+        "int4", 2, 0.5 + QUANT_SCALE_BYTES / INT4_GROUP, linear_bits=4, group_size=INT4_GROUP
+    ),
 }
 # Bytes per key or value element (models/interface.py `KVFormat`; `--kv-dtype`).
 KV_FORMATS: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1, "int8": 1}

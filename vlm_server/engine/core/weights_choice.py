@@ -79,11 +79,16 @@ def choose_weights(
     card_bytes: int,
     asked: str,
     served: Sequence[str],
+    own: str | None = None,
 ) -> WeightsChoice:
     """The format to serve when ``asked`` (a format, or ``auto``) on a card of
     ``card_bytes`` under ``cfg``'s cap; ``served``: the formats the model, checkpoint and
-    chip can be served in. WeightsError naming ``--weights`` when nothing fits."""
+    chip can be served in; ``own``: the format the checkpoint stores its values in, when not
+    16-bit (fp8: Moondream 3's FP8 experts), the most exact there is for it: widening it to
+    bf16 adds bytes, not exactness. WeightsError naming ``--weights`` when nothing fits."""
     order = [w for w in EXACTNESS if w in served]
+    if own in order:
+        order = [own, *(w for w in order if w not in (own, "bf16"))]
     n = cfg.max_batch_size
     plans = {w: fitting(shape, cfg, card_bytes, w) for w in order}
     holding = [w for w in order if least_bytes(plans[w]) <= available_bytes(plans[w])]

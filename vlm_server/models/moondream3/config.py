@@ -28,9 +28,8 @@ from vlm_server.models.contract import PromptTemplates, TokenContract
 from vlm_server.models.interface import Formats
 
 # Weights in any of --dtype's formats (an FP8-expert checkpoint's experts stay FP8 where the
-# device runs them, loader.py), the dense linears also in 8 or 4 bits (--weights; the experts
-# stay 16-bit or FP8 until their kernels read 4- and 8-bit weights); KV pages in the weights'
-# (activations') dtype.
+# device runs them, loader.py), every block linear, experts included, also in 8 or 4 bits
+# (--weights); KV pages in the weights' (activations') dtype.
 FORMATS = Formats(
     weights=("bf16", "fp16", "fp32"),
     kv=("bf16", "fp16", "fp32", "fp8", "int8"),

@@ -6,12 +6,15 @@ weights file. The layout is told by the keys (`layout.is_md3_layout`). Every ten
 checked from the file headers before any is read, and one `CheckpointError` names every
 missing, unexpected and mis-shaped tensor. FP8 experts are dequantized (``q * s``) into the
 model's dtype as they are read, except where the fused kernels can read them as they are (a
-CUDA device with FP8 units, and Triton): there they stay FP8 with their scales.
+CUDA device with FP8 units, and Triton): there they stay FP8 with their scales. With 8- or
+4-bit weights (``quant``) the whole decoder's block linears, experts included, are held in
+that format: quantized at load from the 16-bit (or dequantized FP8) values, or read as stored.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -35,6 +38,7 @@ from vlm_server.models.moondream3.layout import (
     scale_key,
 )
 from vlm_server.models.moondream3.model import Moondream3Model
+from vlm_server.models.moondream3.moe import ExpertBank
 from vlm_server.models.moondream3.writer import (
     CONFIG_FILE,
     CONFIG_FORMAT,
@@ -46,6 +50,7 @@ from vlm_server.models.moondream3.writer import (
     random_state,
     tokenizer_for,
 )
+from vlm_server.models.quant.formats import weight_format
 from vlm_server.models.quant.targets import block_linears
 
 DEFAULT_PRESET = "moondream3-preview"
@@ -240,7 +245,14 @@ def build_model(
     with torch.device("meta"):
         model = Moondream3Model(config)
     if quantized is not None:
-        state = install(model, state, quantized)
+        fmt = weight_format(quantized.format, quantized.group_size)
+        experts = set(expert_targets(config)) & set(quantized.weights)
+        for name in sorted(experts):  # the banks take their stored values and scales
+            bank = model.get_submodule(name.removesuffix(".weight"))
+            assert isinstance(bank, ExpertBank)
+            bank.hold_quantized(fmt)
+        linears = tuple(n for n in quantized.weights if n not in experts)
+        state = install(model, state, replace(quantized, weights=linears))
         model.quantized = quantized
     plain = {k: v for k, v in state.items() if k not in (fp8 or {})}
     model.load_state_dict(plain, strict=False, assign=True)
@@ -264,8 +276,8 @@ def load_model(
     experts_fp8: bool = False,
 ) -> LoadedModel:
     """Load weights, tokenizer and configuration from a local directory or weights file;
-    ``quant``: the dense linears in 8 or 4 bits (`dense_targets`); ``experts_fp8``: the
-    experts in FP8 (``--weights fp8``), kept or quantized here."""
+    ``quant``: the decoder's block linears in 8 or 4 bits, experts included (`quant_targets`);
+    ``experts_fp8``: the experts in FP8 (``--weights fp8``), kept or quantized here."""
     directory = path if path.is_dir() else path.parent
     config = read_config(directory, preset_name)
     tok_path = Path(tokenizer_path) if tokenizer_path else directory / TOKENIZER_FILE
@@ -286,37 +298,42 @@ def load_model(
         state, fp8 = load_state(files, config, dtype, device, keep, experts_fp8)
         return LoadedModel(build_model(config, state, device, fp8), tokenizer, config, str(path))
     state: dict[str, torch.Tensor] = {}
-    fp8: dict[str, torch.Tensor] = {}
-    if quant.stored is None:  # FP8 experts stay FP8 where the fused kernels read them
-        state, fp8 = load_state(files, config, torch.bfloat16, "cpu", fused_fp8(device))
+    if quant.stored is None:  # 16-bit on the host (FP8 experts dequantized), then quantized
+        state, _ = load_state(files, config, torch.bfloat16, "cpu")
     return LoadedModel(
-        _quantized_model(config, state, fp8, device, dtype, quant), tokenizer, config, str(path)
+        _quantized_model(config, state, device, dtype, quant), tokenizer, config, str(path)
     )
 
 
+def quant_targets(config: ModelConfig) -> list[str]:
+    """The weights ``--weights int8|int4`` holds quantized: the decoder's block linears (every
+    block's attention, the dense layers' MLPs and the expert stacks)."""
+    return block_linears(expected_shapes(config), vision=False)
+
+
 def dense_targets(config: ModelConfig) -> list[str]:
-    """The weights ``--weights int8|int4`` holds quantized: the decoder's dense linears (every
-    block's attention, the dense layers' MLPs). The experts stay 16-bit (or FP8): their fused
-    kernels do not read 4- and 8-bit weights yet."""
+    """`quant_targets`' dense linears ([out, in]; the memory plan counts the experts apart)."""
     shapes = expected_shapes(config)
-    return [name for name in block_linears(shapes, vision=False) if len(shapes[name]) == 2]
+    return [name for name in quant_targets(config) if len(shapes[name]) == 2]
+
+
+def expert_targets(config: ModelConfig) -> list[str]:
+    """`quant_targets`' expert stacks ([E, out, in], held by `ExpertBank`s)."""
+    shapes = expected_shapes(config)
+    return [name for name in quant_targets(config) if len(shapes[name]) == 3]
 
 
 def _quantized_model(
     config: ModelConfig,
     state: dict[str, torch.Tensor],
-    fp8: dict[str, torch.Tensor],
     device: torch.device | str,
     dtype: torch.dtype,
     quant: QuantRequest,
 ) -> Moondream3Model:
-    """The model with its dense linears in ``quant``'s format, from the 16-bit ``state`` on
-    the host (the FP8 experts in it with their scales ``fp8``) or a stored file."""
-    kept_fp8 = {name: state.pop(name) for name in fp8}
-    tensors, quantized = quantized_state(quant, state, dense_targets(config), device, dtype)
-    tensors |= {name: value.to(device) for name, value in kept_fp8.items()}
-    scales = {name: scale.to(device) for name, scale in fp8.items()}
-    return build_model(config, tensors, device, scales, quantized)
+    """The model with its block linears in ``quant``'s format, from the 16-bit ``state`` on
+    the host (quantized one weight at a time on ``device``) or a stored file."""
+    tensors, quantized = quantized_state(quant, state, quant_targets(config), device, dtype)
+    return build_model(config, tensors, device, None, quantized)
 
 
 def random_model(
@@ -344,7 +361,7 @@ def random_model(
         }
         model = build_model(config, placed, device, fp8)
     elif quant is not None:
-        model = _quantized_model(config, state, {}, device, dtype, quant)
+        model = _quantized_model(config, state, device, dtype, quant)
     else:
         placed = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
         model = build_model(config, placed, device)

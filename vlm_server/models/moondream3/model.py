@@ -32,7 +32,8 @@ class Moondream3Model(MoondreamBase):
     @property
     def capabilities(self) -> Capabilities:
         """Adapters on the MLPs, fused tau kernels, the FP8 tower, FP8 experts, the refiner;
-        the dense linears in 8 or 4 bits when loaded so (loader.py `dense_targets`)."""
+        the block linears, experts included, in 8 or 4 bits when loaded so (loader.py
+        `quant_targets`)."""
         text = self.text
         return Capabilities(
             FORMATS,

@@ -13,8 +13,9 @@ moe_triton.py) routes and groups the step's (token, expert) pairs by expert in T
 kernel; ``loop`` gathers each expert's tokens and runs exactly the products needed (it reads
 expert loads on the host: the CPU's way); ``dense`` runs every expert on every token and keeps
 the chosen results (fixed shapes, no host read: the CUDA fallback without Triton). Expert
-weights may be held in FP8 with per-row scales (`ExpertBank.set_fp8`): the fused kernels read
-them as they are, the other paths dequantize first.
+weights may be held in FP8 with per-row scales (`ExpertBank.set_fp8`), or in INT8 / INT4 with
+bf16 scales (`ExpertBank.hold_quantized`, docs/quantization.md): the fused kernels read them
+as they are, the other paths dequantize first.
 
 With a finetune adapter (an `ExpertDelta`, models/lora/spec.py) each (token, chosen expert)
 pair gets its expert's low-rank deltas: fc1's added before the activation, fc2's to the
@@ -33,35 +34,82 @@ from torch import nn
 from vlm_server.models.moondream3 import fp8_experts, moe_routing, moe_triton
 from vlm_server.models.moondream3.config import MoeConfig
 from vlm_server.models.moondream3.moe_triton import ExpertDelta
+from vlm_server.models.quant.formats import SCALE_DTYPE, QuantFormat
 
 ExpertMethod = Literal["fused", "loop", "dense"]
 
 
 class ExpertBank(nn.Module):
     """Stacked expert matrices ``weight`` [E, out, in] (rows = output features); in FP8 with
-    ``scale`` [E, out] (fp32, per expert and row) after `set_fp8`."""
+    ``scale`` [E, out] (fp32, per expert and row) after `set_fp8`; or, after
+    `hold_quantized`, no ``weight`` but INT8 / INT4 ``qweight`` and bf16 ``scale`` (state
+    names ``<bank>.qweight`` and ``<bank>.scale``, as a quantized checkpoint's tensors load)."""
 
     scale: torch.Tensor | None
+    quant: QuantFormat | None
 
     def __init__(self, n_experts: int, out_dim: int, in_dim: int) -> None:
         super().__init__()
+        self.shape = (n_experts, out_dim, in_dim)
         self.weight = nn.Parameter(torch.zeros(n_experts, out_dim, in_dim))
         self.register_buffer("scale", None, persistent=False)
+        self.quant = None
+
+    @property
+    def format(self) -> str:
+        """How the weights are held: the activations' dtype ("16"), "fp8", "int8" or "int4"."""
+        if self.quant is not None:
+            return self.quant.name
+        return "16" if self.scale is None else "fp8"
 
     def set_fp8(self, q: torch.Tensor, scale: torch.Tensor) -> None:
         """Hold FP8 values ``q`` and their row scales instead of the current weights."""
-        if q.shape != self.weight.shape or scale.shape != q.shape[:2]:
-            raise ValueError(f"FP8 experts {list(q.shape)} do not match {list(self.weight.shape)}")
+        if q.shape != self.shape or scale.shape != q.shape[:2]:
+            raise ValueError(f"FP8 experts {list(q.shape)} do not match {list(self.shape)}")
+        if self.quant is not None:
+            raise ValueError(f"the experts are held in {self.quant.name}, not 16-bit")
         self.weight = nn.Parameter(q.to(fp8_experts.FP8), requires_grad=False)
         self.scale = scale.float()
 
     def use_fp8(self) -> None:
         """Quantize the current weights to FP8 (per-row absmax scales)."""
-        if self.scale is None:
+        if self.format == "16":
             self.set_fp8(*fp8_experts.quantize(self.weight.data))
+        elif self.format != "fp8":
+            raise ValueError(f"the experts are held in {self.format}, not 16-bit")
+
+    def hold_quantized(self, fmt: QuantFormat) -> None:
+        """Drop the 16-bit weights for empty ``qweight`` and ``scale`` in ``fmt`` (on the
+        weights' device: the meta device before a checkpoint's state is assigned)."""
+        if self.format != "16":
+            raise ValueError(f"the experts are held in {self.format}, not 16-bit")
+        device = self.weight.device
+        qdtype = torch.int8 if fmt.bits == 8 else torch.uint8
+        qshape = fmt.qweight_shape("experts", self.shape)
+        del self.weight
+        self.register_buffer("qweight", torch.empty(qshape, dtype=qdtype, device=device))
+        scale = torch.empty(fmt.scale_shape("experts", self.shape), dtype=SCALE_DTYPE)
+        self.register_buffer("scale", scale.to(device))
+        self.quant = fmt
+
+    def stored(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The values and scales as held, for the fused kernels (`moe_triton.experts_fused`)."""
+        return (self.weight if self.quant is None else self.qweight), self.scale
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # A quantized format's scales are part of it: ``.to(dtype)`` on the model moves them
+        # but never casts them (as models/common/quant_linear.py's).
+        scale = self.scale
+        super()._apply(fn, recurse)
+        if self.quant is not None and scale is not None and self.scale.dtype != scale.dtype:
+            self.scale = scale.to(self.scale.device)
+        return self
 
     def values(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weights in ``dtype`` (dequantized when held in FP8)."""
+        """The weights in ``dtype`` (dequantized when held in FP8, INT8 or INT4; a 4- or
+        8-bit weight rounded first to its scale's dtype, as the kernels widen it)."""
+        if self.quant is not None:
+            return self.quant.dequantize(self.qweight, self.scale, self.scale.dtype).to(dtype)
         if self.scale is None:
             return self.weight
         return fp8_experts.dequantize(self.weight, self.scale, dtype)
@@ -186,7 +234,7 @@ class MoeMLP(nn.Module):
 
     def use_fp8_activations(self, enabled: bool = True) -> None:
         """Run wide steps' expert products with FP8 activations (needs FP8 weights)."""
-        if enabled and self.fc1.scale is None:
+        if enabled and self.fc1.format != "fp8":
             raise ValueError("FP8 activations need the experts' weights in FP8")
         self.fp8_act = enabled
 
@@ -214,9 +262,8 @@ class MoeMLP(nn.Module):
         table = moe_triton.FP8_ACT_TILES if fp8_act else None
         tiles = moe_triton.pick_tiles(x.shape[0], table)
         weights, ids, routing = moe_routing.route_align(self.router(x), self.top_k, tiles.bm)
-        w1, w2 = self.fc1, self.fc2
+        (w1, s1), (w2, s2) = self.fc1.stored(), self.fc2.stored()
         y = moe_triton.experts_fused(
-            x, ids, w1.weight, w2.weight, w1.scale, w2.scale, delta,
-            tiles=tiles, routing=routing, fp8_act=fp8_act,
-        )  # fmt: skip
+            x, ids, w1, w2, s1, s2, delta, tiles=tiles, routing=routing, fp8_act=fp8_act
+        )
         return moe_routing.combine_fused(y, weights)

@@ -18,7 +18,9 @@ split order: no atomics, the same bits on every run.
 
 Expert weights may be FP8 (float8_e4m3fn) with fp32 scales per expert and output row: the
 kernels load FP8 tiles, widen them to the activations' dtype for the matmul, and scale the
-fp32 accumulator per output column (weights stored in 8 bits, matmuls in 16).
+fp32 accumulator per output column (weights stored in 8 bits, matmuls in 16). INT8 and INT4
+weights (docs/quantization.md, bf16 scales) take the same kernels with ``QBITS`` 8 or 4: their
+K loops (moe_qweights.py) widen each weight in registers as the plain path dequantizes it.
 
 With a finetune adapter (``delta``) each pair's low-rank deltas are computed first, in pair
 order (fc1's from the token's input; fc2's from the pair's row of the up kernel's output,
@@ -37,11 +39,16 @@ import torch
 from vlm_server.chip_features import device_spec
 from vlm_server.chips import FP8_CAPABILITY, ChipSpec, Launch
 from vlm_server.models.moondream3 import act_quant, moe_routing
+from vlm_server.models.moondream3.fp8_experts import FP8
+from vlm_server.models.moondream3.moe_qweights import StoredExperts
 from vlm_server.models.moondream3.moe_routing import Routing
 
 try:
     import triton
     import triton.language as tl
+
+    from vlm_server.models.moondream3.moe_epilogue import _down_epilogue, _up_epilogue
+    from vlm_server.models.moondream3.moe_qweights import down_sums, up_sums
 except ImportError:  # the CPU path needs no Triton
     triton = None
     tl = None
@@ -143,25 +150,38 @@ def fitted(t: Tile, bm: int, act_bytes: int, w_bytes: int, halves: int, limit: i
 FP8_WEIGHTS_CAPABILITY = FP8_CAPABILITY
 
 
+# Stored expert weights beside 16-bit ones: (values' type, scales' type, QBITS, FP8 row scales).
+_STORED = {
+    "fp8": ("*fp8e4nv", "*fp32", 0, True),
+    "int8": ("*i8", "*bf16", 8, False),
+    "int4": ("*u8", "*bf16", 4, False),
+}
+
+
 def launch_configs(chip: ChipSpec) -> list[Launch]:
     """Every launch of the grouped kernels `experts_fused` may pick on ``chip``: each tile of
-    `TILES` (16-bit or, from Hopper on, FP8 weights; with and without an adapter's deltas)
-    and of `FP8_ACT_TILES`, fitted to the chip's shared memory as the launcher fits them."""
+    `TILES` (16-bit, 8- or 4-bit or, from Ada on, FP8 weights; with and without an adapter's
+    deltas) and of `FP8_ACT_TILES`, fitted to the chip's shared memory as the launcher fits
+    them (INT4 in groups of 128)."""
     fp8 = chip.capability >= FP8_WEIGHTS_CAPABILITY
-    cases = [(tiles, 2, w, delta) for _, tiles in TILES for w in (2, 1)[: 1 + fp8]
+    stored = ["16", "int8", "int4", *(["fp8"] if fp8 else [])]
+    cases = [(tiles, 2, w, delta) for _, tiles in TILES for w in stored
              for delta in (False, True)]  # fmt: skip
-    cases += [(tiles, 1, 1, False) for _, tiles in FP8_ACT_TILES] if fp8 else []
+    cases += [(tiles, 1, "fp8", False) for _, tiles in FP8_ACT_TILES] if fp8 else []
     out: list[Launch] = []
     for tiles, act, w, delta in cases:
+        w_type, s_type, qbits, row_scales = _STORED.get(w, ("", "", 0, False))
         for name, tile, halves, arg in (
             ("_up_kernel", tiles.up, 2, "x_ptr"),
             ("_down_kernel", tiles.down, 1, "h_ptr"),
         ):
-            t = fitted(tile, tiles.bm, act, w, halves, chip.limits.shared_per_block)
-            types = {"w_ptr": "*fp8e4nv"} if w == 1 else {}
+            t = fitted(tile, tiles.bm, act, 2 if w == "16" else 1, halves,
+                       chip.limits.shared_per_block)  # fmt: skip
+            types = {"w_ptr": w_type, "s_ptr": s_type} if w_type else {}
             types |= {arg: "*fp8e4nv"} if act == 1 else {}
             consts = {"BM": tiles.bm, "BN": t.bn, "BK": t.bk, "SPLIT": t.split}
-            consts |= {"HAS_SCALE": w == 1, "HAS_DELTA": delta, "ACT_FP8": act == 1}
+            consts |= {"HAS_SCALE": row_scales, "HAS_DELTA": delta, "ACT_FP8": act == 1}
+            consts |= {"QBITS": qbits, "GROUP": 128} if qbits else {}
             launch = Launch(name, consts, t.warps, t.stages, types)
             if launch not in out:
                 out.append(launch)
@@ -214,48 +234,6 @@ def align(
 if triton is not None:
 
     @triton.jit
-    def _up_epilogue(acc_a, acc_b, e, rows, pair, valid, cols, col_ok, scales, deltas, out,
-                     width, HAS_SCALE: tl.constexpr, HAS_DELTA: tl.constexpr,
-                     act_scale=None):  # fmt: skip
-        """fc1's fp32 sums of a tile -> scales, adapter delta, ``gelu_erf(a) * (b + 1)``;
-        ``act_scale`` [BM]: the rows' FP8 activation scales, where the inputs were FP8."""
-        if act_scale is not None:
-            acc_a *= act_scale[:, None]
-            acc_b *= act_scale[:, None]
-        if HAS_SCALE:
-            s_base = scales + e * (2 * width)
-            acc_a *= tl.load(s_base + cols, mask=col_ok, other=0.0)[None, :]
-            acc_b *= tl.load(s_base + width + cols, mask=col_ok, other=0.0)[None, :]
-        if HAS_DELTA:  # the adapter's fc1 delta of each row's pair [pairs, 2 x width]
-            d_rows = deltas + tl.where(valid, pair, 0).to(tl.int64)[:, None] * (2 * width)
-            d_mask = valid[:, None] & col_ok[None, :]
-            acc_a += tl.load(d_rows + cols[None, :], mask=d_mask, other=0.0).to(tl.float32)
-            acc_b += tl.load(d_rows + width + cols[None, :], mask=d_mask, other=0.0).to(tl.float32)
-        gelu = 0.5 * acc_a * (1.0 + tl.math.erf(acc_a * 0.7071067811865476))
-        h = gelu * (acc_b + 1.0)
-        tl.store(
-            out + rows[:, None].to(tl.int64) * width + cols[None, :],
-            h.to(out.dtype.element_ty),
-            mask=valid[:, None] & col_ok[None, :],
-        )
-
-    @triton.jit
-    def _down_epilogue(acc, e, pair, valid, cols, col_ok, scales, deltas, out, dim,
-                       HAS_SCALE: tl.constexpr, HAS_DELTA: tl.constexpr,
-                       act_scale=None):  # fmt: skip
-        """fc2's fp32 sums of a tile -> scales, adapter delta, each pair's output row."""
-        if act_scale is not None:
-            acc *= act_scale[:, None]
-        if HAS_SCALE:
-            acc *= tl.load(scales + e * dim + cols, mask=col_ok, other=0.0)[None, :]
-        if HAS_DELTA:  # the adapter's fc2 delta of each row's pair [pairs, dim]
-            d_rows = deltas + tl.where(valid, pair, 0).to(tl.int64)[:, None] * dim
-            d_mask = valid[:, None] & col_ok[None, :]
-            acc += tl.load(d_rows + cols[None, :], mask=d_mask, other=0.0).to(tl.float32)
-        at = out + tl.where(valid, pair, 0).to(tl.int64)[:, None] * dim + cols[None, :]
-        tl.store(at, acc.to(out.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
-
-    @triton.jit
     def _row_block(pid_m, block_expert, pairs, n_pairs, BM: tl.constexpr):
         """Row block ``pid_m``'s expert, its rows, their pairs and which are real pairs (not
         padding). (No ``_ptr`` names: a helper, not a launched kernel.)"""
@@ -289,6 +267,8 @@ if triton is not None:
         BK: tl.constexpr,
         ACT_FP8: tl.constexpr = False,
         COLUMNS_FIRST: tl.constexpr = False,
+        QBITS: tl.constexpr = 0,
+        GROUP: tl.constexpr = 128,
     ):
         """One row block x BN columns of both fc1 halves over a K range (the whole of it
         without split-K, then the epilogue; with it, fp32 partials for `_up_reduce_kernel`).
@@ -304,32 +284,38 @@ if triton is not None:
         tok = tl.where(valid, pair // top_k, 0).to(tl.int64)
         cols = pid_n * BN + tl.arange(0, BN)
         col_ok = cols < width
-        w_base = w_ptr + e * (2 * width) * dim
         acc_a = tl.full((BM, BN), 0.0, tl.float32)
         acc_b = tl.full((BM, BN), 0.0, tl.float32)
         k_lo = pid_s * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, dim)
-        for k0 in range(k_lo, k_hi, BK):
-            ks = k0 + tl.arange(0, BK)
-            k_ok = ks < k_hi
-            x = tl.load(
-                x_ptr + tok[:, None] * dim + ks[None, :],
-                mask=valid[:, None] & k_ok[None, :],
-                other=0.0,
-            )
-            w_mask = k_ok[:, None] & col_ok[None, :]
-            wa = tl.load(w_base + cols[None, :] * dim + ks[:, None], mask=w_mask, other=0.0)
-            wb = tl.load(
-                w_base + (width + cols[None, :]) * dim + ks[:, None], mask=w_mask, other=0.0
-            )
-            wa = wa.to(x.dtype)
-            wb = wb.to(x.dtype)
-            if IEEE:
-                acc_a += tl.dot(x, wa, input_precision="ieee")
-                acc_b += tl.dot(x, wb, input_precision="ieee")
-            else:
-                acc_a += tl.dot(x, wa)
-                acc_b += tl.dot(x, wb)
+        if QBITS != 0:  # 8- or 4-bit weights, widened in registers (moe_qweights.py)
+            acc_a, acc_b = up_sums(
+                acc_a, acc_b, x_ptr + tok * dim, valid, w_ptr, s_ptr, e, cols, col_ok, dim,
+                width, k_lo, k_hi, QBITS, GROUP, IEEE, BN, BK,
+            )  # fmt: skip
+        else:  # 16-bit or FP8 weights, widened to the activations' dtype
+            w_base = w_ptr + e * (2 * width) * dim
+            for k0 in range(k_lo, k_hi, BK):
+                ks = k0 + tl.arange(0, BK)
+                k_ok = ks < k_hi
+                x = tl.load(
+                    x_ptr + tok[:, None] * dim + ks[None, :],
+                    mask=valid[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
+                w_mask = k_ok[:, None] & col_ok[None, :]
+                wa = tl.load(w_base + cols[None, :] * dim + ks[:, None], mask=w_mask, other=0.0)
+                wb = tl.load(
+                    w_base + (width + cols[None, :]) * dim + ks[:, None], mask=w_mask, other=0.0
+                )
+                wa = wa.to(x.dtype)
+                wb = wb.to(x.dtype)
+                if IEEE:
+                    acc_a += tl.dot(x, wa, input_precision="ieee")
+                    acc_b += tl.dot(x, wb, input_precision="ieee")
+                else:
+                    acc_a += tl.dot(x, wa)
+                    acc_b += tl.dot(x, wb)
         if SPLIT == 1 and ACT_FP8:
             xs = tl.load(xs_ptr + tok, mask=valid, other=0.0)
             _up_epilogue(acc_a, acc_b, e, rows, pair, valid, cols, col_ok, s_ptr, d_ptr, h_ptr,
@@ -393,6 +379,8 @@ if triton is not None:
         BK: tl.constexpr,
         ACT_FP8: tl.constexpr = False,
         COLUMNS_FIRST: tl.constexpr = False,
+        QBITS: tl.constexpr = 0,
+        GROUP: tl.constexpr = 128,
     ):
         """fc2 over a row block's activations; as `_up_kernel` for split-K and FP8 inputs
         (a scale per sorted row, ``hs_ptr``)."""
@@ -406,28 +394,34 @@ if triton is not None:
         e, rows, pair, valid = _row_block(pid_m, block_expert_ptr, pair_ptr, n_pairs, BM)
         cols = pid_n * BN + tl.arange(0, BN)
         col_ok = cols < dim
-        w_base = w_ptr + e * dim * width
         acc = tl.full((BM, BN), 0.0, tl.float32)
         k_lo = pid_s * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, width)
-        for k0 in range(k_lo, k_hi, BK):
-            ks = k0 + tl.arange(0, BK)
-            k_ok = ks < k_hi
-            h = tl.load(
-                h_ptr + rows[:, None].to(tl.int64) * width + ks[None, :],
-                mask=valid[:, None] & k_ok[None, :],
-                other=0.0,
-            )
-            w = tl.load(
-                w_base + cols[None, :] * width + ks[:, None],
-                mask=k_ok[:, None] & col_ok[None, :],
-                other=0.0,
-            )
-            w = w.to(h.dtype)
-            if IEEE:
-                acc += tl.dot(h, w, input_precision="ieee")
-            else:
-                acc += tl.dot(h, w)
+        if QBITS != 0:  # 8- or 4-bit weights, widened in registers (moe_qweights.py)
+            acc = down_sums(
+                acc, h_ptr + rows.to(tl.int64) * width, valid, w_ptr, s_ptr, e, cols, col_ok,
+                dim, width, k_lo, k_hi, QBITS, GROUP, IEEE, BN, BK,
+            )  # fmt: skip
+        else:  # 16-bit or FP8 weights, widened to the activations' dtype
+            w_base = w_ptr + e * dim * width
+            for k0 in range(k_lo, k_hi, BK):
+                ks = k0 + tl.arange(0, BK)
+                k_ok = ks < k_hi
+                h = tl.load(
+                    h_ptr + rows[:, None].to(tl.int64) * width + ks[None, :],
+                    mask=valid[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
+                w = tl.load(
+                    w_base + cols[None, :] * width + ks[:, None],
+                    mask=k_ok[:, None] & col_ok[None, :],
+                    other=0.0,
+                )
+                w = w.to(h.dtype)
+                if IEEE:
+                    acc += tl.dot(h, w, input_precision="ieee")
+                else:
+                    acc += tl.dot(h, w)
         if SPLIT == 1 and ACT_FP8:
             hs = tl.load(hs_ptr + rows, mask=valid, other=0.0)
             _down_epilogue(acc, e, pair, valid, cols, col_ok, s_ptr, d_ptr, y_ptr, dim,
@@ -476,7 +470,8 @@ def experts_fused(
     fp8_act: bool = False,
 ) -> torch.Tensor:
     """x [N, D], ids [N, k], w1 [E, 2I, D], w2 [E, D, I] (FP8 with row scales s1 [E, 2I],
-    s2 [E, D], or the activations' dtype) -> each chosen expert's output [N, k, D];
+    s2 [E, D]; 8- or 4-bit with their bf16 scales, `StoredExperts`; or the activations'
+    dtype) -> each chosen expert's output [N, k, D];
     ``delta``: an adapter's deltas of the (token, expert) pairs, added in the kernels.
     ``tiles``: the kernels' tiles (default: `pick_tiles` by token count); ``routing``: the
     pairs already grouped in blocks of ``tiles.bm`` rows (default: grouped here, in Triton).
@@ -484,10 +479,11 @@ def experts_fused(
     FP8 per row (act_quant.py); needs FP8 weights, no adapter and no split-K."""
     if triton is None:
         raise RuntimeError("the fused expert kernels need Triton")
-    if fp8_act and (s1 is None or delta is not None):
+    stored = StoredExperts.of(w1, s1, w2, s2)
+    if fp8_act and (w1.dtype != FP8 or delta is not None):
         raise ValueError("FP8 activations need FP8 expert weights and no adapter")
     n, k = ids.shape
-    n_experts, two_width, dim = w1.shape
+    n_experts, two_width, dim = stored.up_shape
     width = two_width // 2
     if not (w1.is_contiguous() and w2.is_contiguous()):
         raise ValueError("the fused expert kernels need contiguous expert weights")
@@ -501,7 +497,8 @@ def experts_fused(
     bm, n_blocks = tiles.bm, block_expert.shape[0]
     hidden = torch.empty((n_blocks * bm, width), dtype=x.dtype, device=x.device)
     y = torch.empty((n * k, dim), dtype=x.dtype, device=x.device)
-    has_scale = s1 is not None
+    has_scale = w1.dtype == FP8  # FP8 rows scale the sums; 8- and 4-bit weights as widened
+    quant = {"QBITS": stored.qbits, "GROUP": stored.group}
     ieee = x.dtype == torch.float32
     dummy = used  # any pointer: the scales (deltas) are not read without HAS_SCALE (HAS_DELTA)
     x_in, x_scale, act_bytes = x, dummy, x.element_size()
@@ -522,15 +519,15 @@ def experts_fused(
     k_split, part = _split(t, dim, n_blocks * bm, two_width, x.device)
     grid, columns_first = _grid(n_blocks, triton.cdiv(width, t.bn), t.split)
     _up_kernel[grid](
-        x_in, w1, s1 if has_scale else dummy, hidden, part, pair_ids, block_expert, used,
+        x_in, w1, dummy if s1 is None else s1, hidden, part, pair_ids, block_expert, used,
         dummy if up is None else up, x_scale, n * k, k, dim, width, k_split,
         HAS_SCALE=has_scale, HAS_DELTA=up is not None, IEEE=ieee, SPLIT=t.split,
-        BM=bm, BN=t.bn, BK=t.bk, ACT_FP8=fp8_act, COLUMNS_FIRST=columns_first,
+        BM=bm, BN=t.bn, BK=t.bk, ACT_FP8=fp8_act, COLUMNS_FIRST=columns_first, **quant,
         num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
     if t.split > 1:
         _up_reduce_kernel[(n_blocks, triton.cdiv(width, t.bn))](
-            part, s1 if has_scale else dummy, hidden, pair_ids, block_expert, used,
+            part, dummy if s1 is None else s1, hidden, pair_ids, block_expert, used,
             dummy if up is None else up, n * k, width,
             HAS_SCALE=has_scale, HAS_DELTA=up is not None, SPLIT=t.split, BM=bm, BN=t.bn,
         )  # fmt: skip
@@ -545,15 +542,15 @@ def experts_fused(
     k_split, part = _split(t, width, n_blocks * bm, dim, x.device)
     grid, columns_first = _grid(n_blocks, triton.cdiv(dim, t.bn), t.split)
     _down_kernel[grid](
-        h_in, w2, s2 if has_scale else dummy, y, part, pair_ids, block_expert, used,
+        h_in, w2, dummy if s2 is None else s2, y, part, pair_ids, block_expert, used,
         dummy if down is None else down, h_scale, n * k, dim, width, k_split,
         HAS_SCALE=has_scale, HAS_DELTA=down is not None, IEEE=ieee, SPLIT=t.split,
-        BM=bm, BN=t.bn, BK=t.bk, ACT_FP8=fp8_act, COLUMNS_FIRST=columns_first,
+        BM=bm, BN=t.bn, BK=t.bk, ACT_FP8=fp8_act, COLUMNS_FIRST=columns_first, **quant,
         num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
     if t.split > 1:
         _down_reduce_kernel[(n_blocks, triton.cdiv(dim, t.bn))](
-            part, s2 if has_scale else dummy, y, pair_ids, block_expert, used,
+            part, dummy if s2 is None else s2, y, pair_ids, block_expert, used,
             dummy if down is None else down, n * k, dim,
             HAS_SCALE=has_scale, HAS_DELTA=down is not None, SPLIT=t.split, BM=bm, BN=t.bn,
         )  # fmt: skip
