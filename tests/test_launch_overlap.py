@@ -79,16 +79,22 @@ def test_the_cpu_runtime_takes_no_early_steps_and_tracks_prefixes_in_flight(tiny
     assert not rt.steps.early_decode_graphs and not rt.steps.early_mixed_graphs
     assert not rt.prefill_busy()
     running, done = _Event(False), _Event(True)
-    rt._prefixes_in_flight = [(done, False), (running, False), (_Event(True), False)]
+    # (handle, in the SM partition, on the interactive lane)
+    rt._prefixes_in_flight = [
+        (done, False, False),
+        (running, False, False),
+        (_Event(True), False, True),
+    ]
     assert rt.prefill_busy() and rt.prefill_contends()
-    assert rt._prefixes_in_flight == [(running, False)]
+    assert rt._prefixes_in_flight == [(running, False, False)]
     running.done = True
     assert not rt.prefill_busy() and rt._prefixes_in_flight == []
     # A batch in the SM partition is busy but leaves the rest of the GPU to the steps.
     partitioned = _Event(False)
-    rt._prefixes_in_flight = [(partitioned, True), (_Event(True), False)]
+    rt._prefixes_in_flight = [(partitioned, True, False), (_Event(True), False, False)]
     assert rt.prefill_busy() and not rt.prefill_contends()
-    rt._prefixes_in_flight.append((running := _Event(False), False))
+    # The interactive lane's batches have the whole GPU.
+    rt._prefixes_in_flight.append((running := _Event(False), False, True))
     assert rt.prefill_contends()
     assert rt.steps.prefill_contends() == rt.prefill_contends()
 
@@ -108,7 +114,7 @@ def test_a_batch_is_in_the_partition_on_its_lane_or_where_the_one_lane_is_it() -
         )
         crops = SimpleNamespace(graphs=lambda capture: None)
         p = Prefill.__new__(Prefill)
-        p.dev, p.crops = dev, crops
+        p.dev, p.crops, p.interactive = dev, crops, False
         p.lanes = p._lanes()
         return p
 

@@ -340,9 +340,12 @@ def plan_memory(
     cuda: bool = True,
 ) -> MemoryPlan:
     """The plan of ``shape`` served with ``cfg`` on a device of ``card_bytes`` (``cuda``:
-    a GPU, with its context and graphs; else the CPU and its default budget)."""
+    a GPU, with its context and graphs; else the CPU and its default budget);
+    ``kv_format``: the KV format an engine resolved already (its activations may differ from
+    the format's usual ones, e.g. fp32 beside int8 weights), else ``cfg.kv_dtype``'s."""
     fmt = WEIGHT_FORMATS[weights_format]
-    kv_format = kv_format_of(kv_format or cfg.kv_dtype, fmt.activation_dtype)
+    if kv_format is None:
+        kv_format = kv_format_of(cfg.kv_dtype, fmt.activation_dtype)
     act = KV_FORMATS[fmt.activation_dtype]
     weights = weight_bytes(shape, fmt)
     start = start_tensors(shape, cfg, fmt, cuda)
