@@ -517,7 +517,7 @@ def test_two_prefill_lanes_keep_the_invariants_and_the_answers(
     _assert_drained(run)
 
 
-@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("seed", SEEDS[:2])  # a fast lane and a slow one
 @pytest.mark.parametrize("depth", [1, 2])
 def test_the_interactive_lane_keeps_the_invariants_and_the_answers(
     region_model: LoadedModel,
