@@ -130,6 +130,7 @@ def _run(args: argparse.Namespace, config: ServerConfig) -> int:
         device=device,
         tokenizer_path=config.tokenizer,
         weights=weights,
+        vision_weights=config.vision_weights,
     )
     data = sample_image_bytes() if args.image == SAMPLE else Path(args.image).read_bytes()
     image = prepare_image(data)

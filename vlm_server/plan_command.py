@@ -53,6 +53,7 @@ PLAN_OPTIONS = (
     "kv_budget_bytes",
     "gpu_memory_bytes",
     "kv_dtype",
+    "vision_weights",
 )
 
 

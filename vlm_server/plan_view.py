@@ -160,7 +160,10 @@ def plan_lines(plan: MemoryPlan, model: str, device: str) -> list[str]:
     if plan.context_bytes:
         rows.append(("CUDA context", plan.context_bytes, "outside the allocator (estimate)"))
     for part, n in plan.weights.items():
-        rows.append((f"weights: {part}", n, _held_as(plan.weights_format, part)))
+        held = _held_as(plan.weights_format, part)
+        if part == "vision" and plan.vision_weights != "exact":
+            held = f"{plan.vision_weights} linears, the rest {held}"
+        rows.append((f"weights: {part}", n, held))
     for name, n in plan.start_tensors.items():
         rows.append((name, n, "made at start, before the KV pool"))
     rows.append(

@@ -19,6 +19,9 @@ DEFAULT_RESERVED_ROWS = 4
 # on CUDA, exact); fp8 (e4m3, compute capability 8.9+) and int8 store 8 bits an element and a
 # scale per position and KV head (docs/kv_cache.md).
 KV_DTYPES = ("auto", "bf16", "fp8", "int8")
+# EngineConfig.vision_weights's values: exact (the tower as loaded), or its block linears
+# quantized at load (docs/quantization.md).
+VISION_WEIGHTS = ("exact", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,10 @@ class EngineConfig:
     # The vision tower's QKV / fc1 / fc2 as FP8 GEMMs (models/common/fp8_vision.py): faster image
     # path, features within a few percent of the bf16 tower's. CUDA with FP8 units only.
     vision_fp8: bool = False
+    # The vision tower's block linears in 8 or 4 bits (VISION_WEIGHTS), quantized when the
+    # model loads; the memory plan counts them so. Not with vision_fp8 (which quantizes the
+    # 16-bit weights).
+    vision_weights: str = "exact"
     # Moondream 3: the expert products of steps of 256 tokens or more (image prefixes, long
     # prompt chunks) with FP8 activations beside the FP8 expert weights (FP8 x FP8 on the
     # matrix units; models/moondream3/act_quant.py). Answers differ from the 16-bit path's.
@@ -165,6 +172,16 @@ class EngineConfig:
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(
                 f"kv_dtype must be one of {', '.join(KV_DTYPES)}, not {self.kv_dtype!r}"
+            )
+        if self.vision_weights not in VISION_WEIGHTS:
+            raise ValueError(
+                f"vision_weights must be one of {', '.join(VISION_WEIGHTS)}, "
+                f"not {self.vision_weights!r}"
+            )
+        if self.vision_weights != "exact" and self.vision_fp8:
+            raise ValueError(
+                f"vision_weights {self.vision_weights}: not with vision_fp8, which quantizes "
+                "the tower's 16-bit weights; choose one"
             )
         if self.pipeline_depth not in (1, 2):
             raise ValueError("pipeline_depth must be 1 (blocking) or 2 (pipelined)")

@@ -78,6 +78,9 @@ class MemoryShape:
     # Elements, in the weights' dtype, of the tensors the fused decode products derive at
     # start beside the weights they stack (FusedProducts: on CUDA with --fused-decode).
     fused_elements: int = 0
+    # The vision tower's block linears ``--vision-weights int8|int4`` quantizes (within
+    # "vision"): each one's [out, in].
+    vision_linears: tuple[tuple[int, int], ...] = ()
 
 
 class TextShape(Protocol):
@@ -172,12 +175,15 @@ class Formats:
     """The weight and KV formats a family accepts (declared on its `ModelFamily`, known before
     anything loads, and on its models' `Capabilities`); ``quantized``: the 4- and 8-bit
     formats its decoder's linear layers can be served in; ``fp8_experts``: whether its
-    experts can be held in FP8 (``--weights fp8``, where the chip has FP8 units)."""
+    experts can be held in FP8 (``--weights fp8``, where the chip has FP8 units);
+    ``vision_quantized``: those its vision tower's linears can be quantized to at load
+    (``--vision-weights``)."""
 
     weights: tuple[WeightFormat, ...]
     kv: tuple[KVFormat, ...]
     quantized: tuple[QuantizedFormat, ...] = ()
     fp8_experts: bool = False
+    vision_quantized: tuple[QuantizedFormat, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -256,10 +262,12 @@ SegmentRefinerMaker = Callable[[Path], "SegmentRefine"]
 class Capabilities:
     """What a loaded model has beyond the `DeviceModel` core: each optional part as the object
     that provides it (None: the family has none), the formats it accepts, and its weights held
-    in 4 or 8 bits (None: none)."""
+    in 4 or 8 bits (None: none): ``quantized`` as loaded (``--weights``, or a ``vlm quantize``
+    directory's), ``vision_quantized`` the tower's quantized at load (``--vision-weights``)."""
 
     formats: Formats
     quantized: QuantizedWeights | None = None
+    vision_quantized: QuantizedWeights | None = None
     adapters: AdapterDecoder | None = None
     fused_products: FusedProducts | None = None
     fp8_vision: Fp8Vision | None = None

@@ -31,7 +31,7 @@ from vlm_server.models.interface import (
     SegmentRefine,
 )
 from vlm_server.models.quant.files import check_quantized
-from vlm_server.models.quant.formats import GROUP_SIZE
+from vlm_server.models.quant.formats import GROUP_SIZE, QuantFormat
 
 CONFIG_FILE = "config.json"
 
@@ -76,11 +76,14 @@ class ModelFamily(Protocol):
         progress: bool,
         quant: QuantRequest | None = None,
         experts_fp8: bool = False,
+        vision_quant: QuantFormat | None = None,
     ) -> LoadedModel:
         """Load a local checkpoint (a directory or one weights file); ``quant``: with its
         decoder's linears in 8 or 4 bits (only a format of ``formats.quantized``; a family
         that declares none is never passed it); ``experts_fp8``: its experts in FP8 (only
-        passed to a family whose ``formats.fp8_experts`` says it can)."""
+        passed to a family whose ``formats.fp8_experts`` says it can); ``vision_quant``: its
+        vision tower's linears quantized at load (only a format of
+        ``formats.vision_quantized``)."""
         ...
 
     def random_model(
@@ -93,9 +96,11 @@ class ModelFamily(Protocol):
         progress: bool,
         quant: QuantRequest | None = None,
         experts_fp8: bool = False,
+        vision_quant: QuantFormat | None = None,
     ) -> LoadedModel:
         """What loading `write_checkpoint(config, seed=seed)` gives, built in memory;
-        ``quant``: quantized as at load (never ``stored``); ``experts_fp8`` as for `load`."""
+        ``quant``: quantized as at load (never ``stored``); ``experts_fp8`` and
+        ``vision_quant`` as for `load`."""
         ...
 
     def write_checkpoint(
@@ -197,6 +202,7 @@ def load_model(
     progress: bool = True,
     weights: str | None = None,
     group_size: int = GROUP_SIZE,
+    vision_weights: str = "exact",
 ) -> LoadedModel:
     """Load a checkpoint: a directory, one weights file or a Hugging Face repo id. The family
     is the preset's when one is named, else the one that reads the checkpoint's config.json.
@@ -204,17 +210,22 @@ def load_model(
     (the decoder's linears quantized at load, INT4 in groups of ``group_size``), fp8 (the
     experts in FP8: kept from an FP8 checkpoint, quantized at load from a 16-bit one); None: the
     checkpoint's own (a ``vlm quantize`` directory's format, else bf16). A quantized
-    directory is served as it is, never re-quantized."""
+    directory is served as it is, never re-quantized. ``vision_weights``
+    (``--vision-weights``): exact, or int8 / int4: the vision tower's linears quantized at
+    load (INT4 in groups of ``group_size``)."""
     path = resolve_source(source)
     fam = family_for_preset(preset_name) if preset_name else _family_of_checkpoint(path)
     _check_dtype(fam, dtype)
     quant = quant_plan.request(fam.name, fam.formats, path, weights, group_size, device)
+    tower = quant_plan.vision_request(
+        fam.name, fam.formats, vision_weights, group_size, device, quant
+    )
     if quant is not None and quant.stored is not None:
         config = fam.read_config(path if path.is_dir() else path.parent, preset_name)
         check_quantized(quant.stored, fam.expected_shapes(config), str(path))
     # A family asked for no quantized format never sees the argument: one that declares none
     # need not take it.
-    asked = _asked(quant, weights)
+    asked = _asked(quant, weights, tower)
     loaded = fam.load(
         path,
         preset_name=preset_name,
@@ -237,29 +248,38 @@ def random_model(
     progress: bool = True,
     weights: str | None = None,
     group_size: int = GROUP_SIZE,
+    vision_weights: str = "exact",
 ) -> LoadedModel:
     """A seeded random model of ``config``, in memory (benchmarks, GPU tests); ``weights``
-    as `load_model` takes it (int8 / int4: quantized as at load)."""
+    and ``vision_weights`` as `load_model` takes them (int8 / int4: quantized as at load)."""
     fam = family_of(config)
     _check_dtype(fam, dtype)
     quant = quant_plan.request(fam.name, fam.formats, None, weights, group_size, device)
+    tower = quant_plan.vision_request(
+        fam.name, fam.formats, vision_weights, group_size, device, quant
+    )
     return fam.random_model(
         config,
         seed=seed,
         dtype=dtype,
         device=device,
         progress=progress,
-        **_asked(quant, weights),
+        **_asked(quant, weights, tower),
     )
 
 
-def _asked(quant: QuantRequest | None, weights: str | None) -> dict[str, Any]:
-    """The keywords of a family's load for ``weights``: a family asked for no quantized
-    format never sees ``quant``, one asked for no FP8 experts never sees ``experts_fp8`` (one
-    that declares neither need not take them; quant_plan refused what it does not serve)."""
+def _asked(
+    quant: QuantRequest | None, weights: str | None, tower: QuantFormat | None
+) -> dict[str, Any]:
+    """The keywords of a family's load for ``weights`` and the tower's format: a family asked
+    for no quantized format never sees ``quant``, one asked for no FP8 experts never sees
+    ``experts_fp8``, one asked for an exact tower never sees ``vision_quant`` (one that
+    declares none of them need not take them; quant_plan refused what it does not serve)."""
     asked: dict[str, Any] = {} if quant is None else {"quant": quant}
     if weights == "fp8":
         asked["experts_fp8"] = True
+    if tower is not None:
+        asked["vision_quant"] = tower
     return asked
 
 

@@ -21,6 +21,7 @@ from image_pipeline.gpu_jpeg import GPU_DECODERS
 from vlm_server.chips import profile
 from vlm_server.engine.config import (
     RESERVED_ROWS_AUTO,
+    VISION_WEIGHTS,
     EngineConfig,
 )
 from vlm_server.options import components
@@ -78,6 +79,15 @@ class ServerConfig(PerformanceOptions):
         "quantize directory is served in its own format. A format that cannot hold the model "
         "is refused at start",
         choices=("auto", "bf16", "int8", "int4", "fp8"),
+    )
+    vision_weights: str = option(
+        _ENGINE.vision_weights,
+        G.MODEL,
+        "the vision tower's block linears: exact (as the checkpoint holds them), int8 (a scale "
+        "per output channel) or int4 (one per 128 input columns; a linear whose inputs are "
+        "not a multiple of 128 stays 16-bit), quantized at load whatever --weights is; not "
+        "with --vision-fp8",
+        choices=VISION_WEIGHTS,
     )
     device: str | None = option(None, G.MODEL, "cpu or cuda[:N] (default: cuda if present)")
     chip_profile: str | None = option(

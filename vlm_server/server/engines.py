@@ -25,7 +25,7 @@ from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.memory_plan import kv_format_of, plan_memory
 from vlm_server.frontend.logs import configure_logging
 from vlm_server.models import capabilities
-from vlm_server.models.interface import LoadedModel
+from vlm_server.models.interface import LoadedModel, QuantizedWeights
 from vlm_server.models.registry import FORMAT_NAMES, load_model, memory_shape, segment_refiner
 from vlm_server.options.table import ServerConfig
 from vlm_server.plan_view import plan_lines
@@ -70,6 +70,7 @@ def _loader(config: ServerConfig) -> Callable[[], LoadedModel]:
             tokenizer_path=config.tokenizer,
             progress=True,
             weights=weights,
+            vision_weights=config.vision_weights,
         )
 
     return load
@@ -111,19 +112,28 @@ def batched_engine(config: ServerConfig, one_at_a_time: bool = False) -> Batched
 def log_weights(loaded: LoadedModel, fused_off: bool) -> None:
     """One start-up line on weights held in 4 or 8 bits: how many, those kept 16-bit and why,
     and (``fused_off``) that ``--fused-decode`` found no fused products for them."""
-    quantized = loaded.model.capabilities.quantized
+    caps = loaded.model.capabilities
+    if caps.vision_quantized is not None:
+        log.info("vision weights: %s", _held_line(caps.vision_quantized))
+    quantized = caps.quantized
     if quantized is None:
         return
-    group = f" in groups of {quantized.group_size}" if quantized.group_size else ""
-    line = f"weights: {len(quantized.weights)} linears in {quantized.format}{group}"
-    if quantized.kept:
-        line += f"; kept 16-bit: {', '.join(f'{k} ({v})' for k, v in quantized.kept.items())}"
+    line = f"weights: {_held_line(quantized)}"
     if fused_off:
         line += (
             "; --fused-decode: off, the fused products stack 16-bit weights (the quantized "
             "layers' own kernels serve decode steps)"
         )
     log.info(line)
+
+
+def _held_line(quantized: QuantizedWeights) -> str:
+    """How many linears ``quantized`` holds in which format, those kept 16-bit and why."""
+    group = f" in groups of {quantized.group_size}" if quantized.group_size else ""
+    line = f"{len(quantized.weights)} linears in {quantized.format}{group}"
+    if quantized.kept:
+        line += f"; kept 16-bit: {', '.join(f'{k} ({v})' for k, v in quantized.kept.items())}"
+    return line
 
 
 def log_memory_plan(loaded: LoadedModel, cfg: EngineConfig, kv_pages: int) -> None:

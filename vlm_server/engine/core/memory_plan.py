@@ -16,7 +16,8 @@ and the engine at start read the same rules:
 
 A format is a number of bytes per element (`WEIGHT_FORMATS`, `KV_FORMATS`): a new one is one
 more entry; int8 and int4 hold the decoder's linears in 8 or 4 bits, scales included; fp8 and
-int8 keys and values one byte an element plus `KV_SCALE_BYTES` per position and KV head.
+int8 keys and values one byte an element plus `KV_SCALE_BYTES` per position and KV head;
+``vision_weights`` int8 and int4 hold the vision tower's block linears so.
 """
 
 from __future__ import annotations
@@ -123,17 +124,34 @@ def kv_page_bytes(kv: KVShape, page_size: int, kv_format: str) -> int:
     return kv.page_bytes(page_size, KV_FORMATS[kv_format], KV_SCALE_BYTES.get(kv_format, 0))
 
 
-def weight_bytes(shape: MemoryShape, fmt: WeightFormat) -> dict[str, int]:
-    """Bytes of each part of ``shape``'s weights held in ``fmt``."""
+def weight_bytes(shape: MemoryShape, fmt: WeightFormat, vision: str = "exact") -> dict[str, int]:
+    """Bytes of each part of ``shape``'s weights held in ``fmt``, the vision tower's block
+    linears in ``vision`` (``--vision-weights``: exact, int8, int4)."""
     out = {}
     for part, n in shape.params.items():
         if part == "experts":
             out[part] = int(n * fmt.expert_bytes) + shape.expert_rows * fmt.expert_row_scale_bytes
         elif part == "text" and fmt.linear_bits:
             out[part] = int((n - shape.linear_params) * fmt.dense_bytes) + _linear_bytes(shape, fmt)
+        elif part == "vision" and vision != "exact":
+            out[part] = _tower_bytes(shape, n, fmt.dense_bytes, WEIGHT_FORMATS[vision])
         else:
             out[part] = int(n * fmt.dense_bytes)
     return out
+
+
+def _tower_bytes(shape: MemoryShape, params: int, dense_bytes: float, fmt: WeightFormat) -> int:
+    """The tower's ``params`` with its block linears in ``fmt``'s bits, scales included; an
+    INT4 linear whose inputs are not a multiple of the group stays dense (as loading keeps
+    it), like everything else of the tower."""
+    quantized = dense = 0
+    for rows, cols in shape.vision_linears:
+        if fmt.group_size and cols % fmt.group_size:
+            continue
+        scales = rows if fmt.group_size == 0 else rows * cols // fmt.group_size
+        quantized += rows * cols * fmt.linear_bits // 8 + scales * QUANT_SCALE_BYTES
+        dense += rows * cols
+    return int((params - dense) * dense_bytes) + quantized
 
 
 def _linear_bytes(shape: MemoryShape, fmt: WeightFormat) -> int:
@@ -260,6 +278,7 @@ class MemoryPlan:
     request_own_pages: int  # a typical request on a picture already cached
     workspaces: dict[str, int]
     max_batch_size: int
+    vision_weights: str = "exact"  # the tower's block linears (--vision-weights)
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -347,7 +366,7 @@ def plan_memory(
     if kv_format is None:
         kv_format = kv_format_of(cfg.kv_dtype, fmt.activation_dtype)
     act = KV_FORMATS[fmt.activation_dtype]
-    weights = weight_bytes(shape, fmt)
+    weights = weight_bytes(shape, fmt, cfg.vision_weights)
     start = start_tensors(shape, cfg, fmt, cuda)
     context = CUDA_CONTEXT_BYTES if cuda else 0
     limit = card_bytes - context
@@ -384,4 +403,5 @@ def plan_memory(
         request_own_pages=request - prefix,
         workspaces=workspaces(shape, cfg, act, cuda),
         max_batch_size=cfg.max_batch_size,
+        vision_weights=cfg.vision_weights,
     )

@@ -7,6 +7,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from vlm_server.models.interface import FamilyConfig, KVShape, MemoryShape
+from vlm_server.models.quant.targets import VISION_LINEARS
 
 
 def parameter_parts(shapes: Mapping[str, tuple[int, ...]]) -> tuple[dict[str, int], int]:
@@ -66,4 +67,7 @@ def memory_shape(
         linear_params=sum(math.prod(shapes[name]) for name in linears),
         linear_rows=sum(shapes[name][0] for name in linears),
         fused_elements=fused_elements,
+        vision_linears=tuple(
+            (shape[0], shape[1]) for name, shape in shapes.items() if VISION_LINEARS.fullmatch(name)
+        ),
     )

@@ -9,8 +9,10 @@ import torch
 from torch import nn
 
 from vlm_server.models.common.vision import VisionEncoder
+from vlm_server.models.common.vision_quant import quantize_tower
 from vlm_server.models.contract import TokenContract
 from vlm_server.models.interface import KVShape, QuantizedWeights
+from vlm_server.models.quant.formats import QuantFormat
 
 
 class DecoderShape(Protocol):
@@ -48,6 +50,25 @@ class MoondreamBase(nn.Module):
     text: Embedded
     # Its weights held in 4 or 8 bits (models/common/quant_load.py sets it); None: none.
     quantized: QuantizedWeights | None = None
+    # The vision tower's linears quantized at load (`quantize_vision`); None: none.
+    vision_quantized: QuantizedWeights | None = None
+
+    def quantize_vision(self, fmt: QuantFormat) -> None:
+        """Hold the vision tower's block linears in ``fmt`` from now on (``--vision-weights``),
+        quantized from its loaded 16-bit weights: after loading, before the FP8 tower or any
+        graph is made of it."""
+        if self.vision_quantized is not None or (
+            self.quantized is not None and self.quantized.vision
+        ):
+            raise ValueError("the vision tower is held quantized already")
+        self.vision_quantized = quantize_tower(self.vision.blocks, fmt, "vision.blocks")
+
+    @property
+    def tower_quantized(self) -> bool:
+        """Whether any of the tower's linears is held in 4 or 8 bits (loaded so, or quantized
+        at load): the FP8 tower, which quantizes 16-bit weights, is not offered then."""
+        stored = self.quantized is not None and self.quantized.vision
+        return stored or self.vision_quantized is not None
 
     @property
     def dtype(self) -> torch.dtype:

@@ -55,18 +55,50 @@ def request(
     return QuantRequest(stored, read_quantized(path))
 
 
-def check_device(fmt: QuantFormat, device: torch.device | str, stored: bool) -> None:
+def vision_request(
+    family: str,
+    formats: Formats,
+    vision_weights: str,
+    group_size: int,
+    device: torch.device | str,
+    quant: QuantRequest | None,
+) -> QuantFormat | None:
+    """The format the vision tower's linears are quantized to at load (None: exact, as the
+    checkpoint holds them) for ``--vision-weights`` beside the decoder's request ``quant``.
+    Refused in one line naming the flag: a format the family does not declare, a tower a
+    ``vlm quantize --vision`` directory holds quantized already, what the device cannot run."""
+    if vision_weights == "exact":
+        return None
+    flag = f"--vision-weights {vision_weights}"
+    if vision_weights not in formats.vision_quantized:
+        served = ", ".join(["exact", *formats.vision_quantized])
+        raise CapabilityError(f"{flag}: the {family} family serves its vision tower {served}")
+    stored = quant.stored if quant is not None else None
+    if stored is not None and any(name.startswith("vision.") for name in stored.quantized):
+        raise CapabilityError(
+            f"{flag}: the checkpoint holds its vision tower in {stored.fmt.name} already "
+            "(vlm quantize --vision), served as it is: leave --vision-weights out"
+        )
+    fmt = weight_format(vision_weights, group_size)
+    check_device(fmt, device, stored=False, flag=flag)
+    return fmt
+
+
+def check_device(
+    fmt: QuantFormat, device: torch.device | str, stored: bool, flag: str | None = None
+) -> None:
     """Refuse a format whose products ``device`` cannot run: on CUDA they are Triton kernels,
-    which take INT4 in groups of `quant_gemm.GROUP` columns only."""
+    which take INT4 in groups of `quant_gemm.GROUP` columns only. ``flag``: the one asking
+    (default: ``--weights``, or ``--model`` for a stored format)."""
     if torch.device(device).type != "cuda":
         return  # the plain path: dequantize, then the 16-bit product
     if not quant_gemm.AVAILABLE:
         raise CapabilityError(
-            f"--weights {fmt.name}: its products on CUDA are Triton kernels, and Triton is "
-            "not installed"
+            f"{flag or '--weights ' + fmt.name}: its products on CUDA are Triton kernels, and "
+            "Triton is not installed"
         )
     if fmt.group_size not in (0, quant_gemm.GROUP):
-        flag = "--model" if stored else "--weights int4"
+        flag = flag or ("--model" if stored else "--weights int4")
         raise CapabilityError(
             f"{flag}: INT4 groups of {fmt.group_size} columns; the CUDA kernels take "
             f"{quant_gemm.GROUP} (vlm quantize --group-size {quant_gemm.GROUP})"

@@ -24,6 +24,7 @@ from vlm_server.models.moondream2.loader import (
 from vlm_server.models.moondream2.readable import make_readable
 from vlm_server.models.moondream2.reference_config import is_moondream_format
 from vlm_server.models.moondream2.writer import CONFIG_FORMAT, write_checkpoint
+from vlm_server.models.quant.formats import QuantFormat
 
 
 class Moondream2Family:
@@ -79,6 +80,7 @@ class Moondream2Family:
         tokenizer_path: str | Path | None,
         progress: bool,
         quant: QuantRequest | None = None,
+        vision_quant: QuantFormat | None = None,
     ) -> LoadedModel:
         return load_model(
             path,
@@ -88,6 +90,7 @@ class Moondream2Family:
             tokenizer_path=tokenizer_path,
             progress=progress,
             quant=quant,
+            vision_quant=vision_quant,
         )
 
     def random_model(
@@ -99,10 +102,17 @@ class Moondream2Family:
         device: torch.device | str,
         progress: bool,
         quant: QuantRequest | None = None,
+        vision_quant: QuantFormat | None = None,
     ) -> LoadedModel:
         assert isinstance(config, ModelConfig)
         return random_model(
-            config, seed=seed, dtype=dtype, device=device, progress=progress, quant=quant
+            config,
+            seed=seed,
+            dtype=dtype,
+            device=device,
+            progress=progress,
+            quant=quant,
+            vision_quant=vision_quant,
         )
 
     def write_checkpoint(

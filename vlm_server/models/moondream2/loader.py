@@ -36,6 +36,7 @@ from vlm_server.models.moondream2.writer import (
     TOKENIZER_FILE,
     WEIGHTS_FILE,
 )
+from vlm_server.models.quant.formats import QuantFormat
 from vlm_server.models.quant.targets import block_linears
 
 _PROGRESS_BYTES = 256 << 20  # show a progress bar for files larger than this
@@ -139,9 +140,11 @@ def load_model(
     tokenizer_path: str | Path | None = None,
     progress: bool = True,
     quant: QuantRequest | None = None,
+    vision_quant: QuantFormat | None = None,
 ) -> LoadedModel:
     """Load weights, tokenizer and configuration from ``source``; ``quant``: with the
-    decoder's linears in 8 or 4 bits (models/common/quant_load.py)."""
+    decoder's linears in 8 or 4 bits (models/common/quant_load.py); ``vision_quant``: the
+    vision tower's too, quantized here (models/common/vision_quant.py)."""
     path = resolve_source(source)
     if path.is_dir():
         config = read_config(path, preset_name)
@@ -169,7 +172,7 @@ def load_model(
         state = load_state(weights, config, torch.bfloat16, "cpu", progress)
     else:
         state = None
-    model = build_model(config, state, device, dtype, quant)
+    model = build_model(config, state, device, dtype, quant, vision_quant)
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, source=str(source))
 
 
@@ -179,9 +182,11 @@ def build_model(
     device: torch.device | str,
     dtype: torch.dtype,
     quant: QuantRequest | None = None,
+    vision_quant: QuantFormat | None = None,
 ) -> MoondreamModel:
     """The model of ``config`` holding ``state`` (on ``device`` in ``dtype``; with ``quant``:
-    the 16-bit checkpoint to quantize, or None for a stored quantized one)."""
+    the 16-bit checkpoint to quantize, or None for a stored quantized one); ``vision_quant``:
+    its tower's linears quantized once loaded."""
     with torch.device("meta"):
         model = MoondreamModel(config)
     if quant is not None:
@@ -190,8 +195,12 @@ def build_model(
         state = install(model, tensors, model.quantized)
     assert state is not None
     model.load_state_dict(state, strict=True, assign=True)
+    del state  # the tower's 16-bit weights go with their layers as they are quantized
     model.text.reset_rotary(device)
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    if vision_quant is not None:
+        model.quantize_vision(vision_quant)
+    return model
 
 
 def quant_targets(config: ModelConfig, vision: bool) -> list[str]:
@@ -208,9 +217,11 @@ def random_model(
     device: torch.device | str = "cpu",
     progress: bool = True,
     quant: QuantRequest | None = None,
+    vision_quant: QuantFormat | None = None,
 ) -> LoadedModel:
     """Exactly what loading `write_checkpoint(config, seed=seed)` gives (bf16 values), built in
-    memory: for benchmarks and GPU tests that need no file. ``quant``: quantized at load."""
+    memory: for benchmarks and GPU tests that need no file. ``quant``, ``vision_quant``:
+    quantized at load."""
     shapes = expected_shapes(config)
     state = {}
     for key, shape in tqdm(
@@ -219,7 +230,7 @@ def random_model(
         value = random_tensor(key, shape, seed, torch.bfloat16)
         # Quantized: the bf16 values stay on the host until each is quantized on the device.
         state[key] = value if quant is not None else value.to(device=device, dtype=dtype)
-    model = build_model(config, state, device, dtype, quant)
+    model = build_model(config, state, device, dtype, quant, vision_quant)
     return LoadedModel(
         model=model,
         tokenizer=build_tokenizer(config, seed),

@@ -33,7 +33,8 @@ class MoondreamModel(MoondreamBase):
         return Capabilities(
             FORMATS,
             quantized=quantized,
+            vision_quantized=self.vision_quantized,
             adapters=text,
             fused_products=text if quantized is None else None,
-            fp8_vision=self.vision if quantized is None or not quantized.vision else None,
+            fp8_vision=None if self.tower_quantized else self.vision,
         )

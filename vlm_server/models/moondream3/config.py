@@ -34,6 +34,7 @@ FORMATS = Formats(
     weights=("bf16", "fp16", "fp32"),
     kv=("bf16", "fp16", "fp32", "fp8", "int8"),
     quantized=("int8", "int4"),
+    vision_quantized=("int8", "int4"),
     fp8_experts=True,
 )
 

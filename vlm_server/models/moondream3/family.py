@@ -22,8 +22,10 @@ from vlm_server.models.moondream3.loader import (
     read_config,
     weight_files,
 )
+from vlm_server.models.moondream3.model import Moondream3Model
 from vlm_server.models.moondream3.writer import CONFIG_FORMAT, write_checkpoint
 from vlm_server.models.moondream3.writer import FAMILY as FAMILY_NAME
+from vlm_server.models.quant.formats import QuantFormat
 from vlm_server.models.quant.targets import block_linears
 
 
@@ -39,6 +41,14 @@ def _is_hub_config(meta: Mapping[str, Any]) -> bool:
 
 
 _LAYOUT_ALIASES = {"native": "hf", "legacy": "md3"}
+
+
+def _tower_in(loaded: LoadedModel, fmt: QuantFormat | None) -> LoadedModel:
+    """``loaded`` with its vision tower's linears quantized to ``fmt`` (None: as loaded)."""
+    if fmt is not None:
+        assert isinstance(loaded.model, Moondream3Model)
+        loaded.model.quantize_vision(fmt)
+    return loaded
 
 
 class Moondream3Family:
@@ -95,8 +105,9 @@ class Moondream3Family:
         progress: bool,
         quant: QuantRequest | None = None,
         experts_fp8: bool = False,
+        vision_quant: QuantFormat | None = None,
     ) -> LoadedModel:
-        return load_model(
+        loaded = load_model(
             path,
             preset_name=preset_name,
             dtype=dtype,
@@ -105,6 +116,7 @@ class Moondream3Family:
             quant=quant,
             experts_fp8=experts_fp8,
         )
+        return _tower_in(loaded, vision_quant)
 
     def random_model(
         self,
@@ -116,11 +128,13 @@ class Moondream3Family:
         progress: bool,
         quant: QuantRequest | None = None,
         experts_fp8: bool = False,
+        vision_quant: QuantFormat | None = None,
     ) -> LoadedModel:
         assert isinstance(config, ModelConfig)
-        return random_model(
+        loaded = random_model(
             config, seed=seed, dtype=dtype, device=device, quant=quant, experts_fp8=experts_fp8
         )
+        return _tower_in(loaded, vision_quant)
 
     def write_checkpoint(
         self, config: FamilyConfig, out_dir: Path, *, seed: int, progress: bool, **options: Any

@@ -33,14 +33,16 @@ class Moondream3Model(MoondreamBase):
     def capabilities(self) -> Capabilities:
         """Adapters on the MLPs, fused tau kernels, the FP8 tower, FP8 experts, the refiner;
         the block linears, experts included, in 8 or 4 bits when loaded so (loader.py
-        `quant_targets`)."""
+        `quant_targets`), and the tower's when quantized at load (then no FP8 tower: it
+        quantizes 16-bit weights)."""
         text = self.text
         return Capabilities(
             FORMATS,
             quantized=self.quantized,
+            vision_quantized=self.vision_quantized,
             adapters=text,
             fused_products=text,
-            fp8_vision=self.vision,
+            fp8_vision=None if self.tower_quantized else self.vision,
             fp8_experts=self,
             segment_refiner=self._segment_refiner,
         )
