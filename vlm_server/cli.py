@@ -34,7 +34,7 @@ SAMPLE = "sample"
 
 
 # The options of the served model, as vlm serve takes them (one table: vlm_server.options).
-RUN_OPTIONS = ("model", "preset", "tokenizer", "dtype", "weights", "device")
+RUN_OPTIONS = ("model", "preset", "tokenizer", "dtype", "weights", "vision_weights", "device")
 
 
 def _run_options() -> list[Option]:

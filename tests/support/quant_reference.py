@@ -90,14 +90,16 @@ def reference(
 
 def dequantized_twin(quantized: LoadedModel, plain: LoadedModel) -> LoadedModel:
     """``plain`` (the same checkpoint loaded with 16-bit weights, in the quantized model's
-    dtype) with each weight ``quantized`` holds in 4 or 8 bits replaced by the values it
-    stands for: the 16-bit model the quantized one must answer as."""
-    held = quantized.model.capabilities.quantized
-    assert held is not None and held.weights
+    dtype) with each weight ``quantized`` holds in 4 or 8 bits (its decoder's and its vision
+    tower's) replaced by the values it stands for: the 16-bit model the quantized one must
+    answer as."""
+    caps = quantized.model.capabilities
+    names = [n for held in (caps.quantized, caps.vision_quantized) if held for n in held.weights]
+    assert names
     model = copy.deepcopy(plain.model)
     assert isinstance(model, nn.Module) and isinstance(quantized.model, nn.Module)
     with torch.no_grad():
-        for name in held.weights:
+        for name in names:
             layer = quantized.model.get_submodule(name.removesuffix(".weight"))
             weight = model.get_parameter(name)
             if isinstance(layer, ExpertBank):  # Moondream 3's experts [E, out, in]
