@@ -398,9 +398,10 @@ def skinny_linear(
 
     x1 [..., K1] (x2 [..., K2]: the weight's remaining input columns); weight [N, K1 + K2]
     with unit column stride, or held in 8 or 4 bits (a `QuantWeight`, widened in registers;
-    INT8 with two scale columns split where x2 starts); returns [..., N] in x1's dtype. ``partials``: where the launch
-    shape splits K, return the split sums [splits, rows, N] (fp32, the bias not added) for a
-    consumer that finishes them itself; elsewhere the finished product, as without it.
+    INT8 with two scale columns split where x2 starts); returns [..., N] in x1's dtype.
+    ``partials``: where the launch shape splits K, return the split sums [splits, rows, N]
+    (fp32, the bias not added) for a consumer that finishes them itself; elsewhere the
+    finished product, as without it.
     ``sums_out`` (fp32 [`split_count`, rows, N], contiguous): the split sums go there, even
     where the launch shape does not split K (one split), and it is returned.
     """
