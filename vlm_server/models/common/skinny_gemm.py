@@ -103,7 +103,8 @@ def launch_configs(chip: ChipSpec) -> list[Launch]:
     """Every launch `skinny_linear` (and the shrink beside it) may pick on ``chip`` in 16-bit
     activations: `default_config`'s shapes at 1 to `MAX_ROWS` rows (the CUDA cores' at its
     widest K step, every narrower one a smaller tile), with and without split sums and the
-    shrink's extra columns; and the split sums' kernel."""
+    shrink's extra columns, over 16-bit weights and 8- and 4-bit ones; and the split sums'
+    kernel."""
     shapes = {(FMA_MAX_ROWS, default_config(FMA_MAX_ROWS, n, 1 << 14)) for n in (4096, 4097)}
     for rows in range(FMA_MAX_ROWS + 1, MAX_ROWS + 1):
         block_m = max(16, 1 << (rows - 1).bit_length())
@@ -113,10 +114,16 @@ def launch_configs(chip: ChipSpec) -> list[Launch]:
     for block_m, cfg in sorted(shapes, key=str):
         stages = stages_for(cfg, block_m, 2, chip.limits.shared_per_block)
         for split in (True, False) if cfg.split_k == 1 else (True,):  # sums_out: split sums
+            tiles = {"BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k}
             for extra in (False, True):
-                tiles = {"BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k}
                 flags = {"SPLIT": split, "EXTRA": extra, "FMA": cfg.fma}
                 launch = Launch("_skinny_kernel", {**tiles, **flags}, cfg.warps, stages)
+                if launch not in out:
+                    out.append(launch)
+            for qbits, stored in ((8, "*i8"), (4, "*u8")):  # quantized: no shrink rides them
+                flags = {"SPLIT": split, "EXTRA": False, "FMA": cfg.fma, "QBITS": qbits}
+                types = {"w_ptr": stored}
+                launch = Launch("_skinny_kernel", {**tiles, **flags}, cfg.warps, stages, types)
                 if launch not in out:
                     out.append(launch)
     splits = max(c.split_k for _, c in shapes)
