@@ -155,11 +155,12 @@ def test_no_16_bit_copy_of_a_quantized_weight_stays(
 
 
 def test_capabilities_of_quantized_weights(tiny_dir: Path, files: dict[tuple, Path]) -> None:
-    """The fused decode products stack 16-bit weights: off with quantized layers (not
-    refused); the FP8 tower quantizes 16-bit weights: refused when the tower is quantized."""
+    """The fused decode products stack quantized weights too (CUDA only: off here); the FP8
+    tower quantizes 16-bit weights: refused when the tower is quantized."""
     text_only = _load("int8-at-load", tiny_dir, files)
     caps = text_only.model.capabilities
-    assert caps.fused_products is None and caps.fp8_vision is not None
+    assert caps.fused_products is not None and caps.fp8_vision is not None
+    assert not caps.fused_products.use_fused_products(True)
     capabilities.check(text_only.model, {"vision_fp8": True, "fused_decode": True})
     vision = _load("int8-file-vision", tiny_dir, files)
     with pytest.raises(CapabilityError, match="--vision-fp8: the model 'tiny' has no FP8"):

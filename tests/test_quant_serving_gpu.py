@@ -59,7 +59,7 @@ def test_the_engine_answers_as_the_dequantized_model_fp32(
     def check(engine: InProcessEngine) -> None:
         rt = engine.batched.runtime
         assert rt.steps.decode_graphs and rt.steps.mixed_graphs and rt.prefill.prefix_graphs
-        assert not rt.fused_decode  # the fused products stack 16-bit weights
+        assert rt.fused_decode  # the fused products over the stacked quantized weights
 
     cap, qry, det = _finish_all(loaded, reqs, 2, check, max_batch_size=4, kv_budget_bytes=2 << 30)
     plain = _md2(torch.float32, None)

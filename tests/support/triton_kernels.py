@@ -129,9 +129,10 @@ _TAU = "vlm_server.models.moondream3.tau_kernel"
 _TAU_SHAPE = {"H": 32, "KVH": 32, "HD": 64, "BM": 16}
 _SKINNY = "vlm_server.models.common.skinny_gemm"
 _SKINNY_ARGS = {
-    "x1_ptr": "*bf16", "x2_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "r_ptr": "*bf16",
-    "y_ptr": "*bf16", "part_ptr": "*fp32", "M": "i32", "N": "i32", "K1": "i32", "K2": "i32",
-    "k_per_split": "i32", "stride_x1": "i32", "stride_x2": "i32", "stride_w": "i32",
+    "x1_ptr": "*bf16", "x2_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "b_ptr": "*bf16",
+    "r_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "M": "i32", "N": "i32",
+    "K1": "i32", "K2": "i32", "k_per_split": "i32", "stride_x1": "i32", "stride_x2": "i32",
+    "stride_w": "i32", "stride_s": "i32", "stride_s1": "i32",
     "stride_r": "i32", "stride_y": "i32", "gelu_from": "i32", "e_ptr": "*bf16",
     "ext_ptr": "*fp32", "NB": "i32", "NE": "i32", "RS": "i32", "e_koff": "i32",
     "ke_per_split": "i32", "stride_es": "i32", "stride_er": "i32",
@@ -218,6 +219,25 @@ KERNELS = (
             },
         )
         for split, bn, bk in ((False, 128, 128), (True, 64, 256))
+    ),
+    # Over stacked INT8 and INT4 weights (models/common/quant_stack.py), as moondream2's fused
+    # decode launches them: one row on the CUDA cores, 32 rows in tensor-core tiles, split.
+    *(
+        Kernel(
+            _SKINNY,
+            "_skinny_kernel",
+            {**_SKINNY_ARGS, "w_ptr": "*u8" if qbits == 4 else "*i8"},
+            {
+                **_SKINNY_FLAGS,
+                **{"IEEE": False, "SPLIT": True, "EXTRA": False, "FMA": fma, "QBITS": qbits},
+                **tiles,
+            },
+        )
+        for qbits in (8, 4)
+        for fma, tiles in (
+            (True, {"BLOCK_M": 1, "BLOCK_N": 2, "BLOCK_K": 1024}),
+            (False, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 256}),
+        )
     ),
     Kernel(
         _SKINNY,

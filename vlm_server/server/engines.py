@@ -121,8 +121,9 @@ def log_weights(loaded: LoadedModel, fused_off: bool) -> None:
     line = f"weights: {_held_line(quantized)}"
     if fused_off:
         line += (
-            "; --fused-decode: off, the fused products stack 16-bit weights (the quantized "
-            "layers' own kernels serve decode steps)"
+            "; --fused-decode: off, the fused products stack no block that mixes 16-bit and "
+            "quantized linears nor INT4 groups other than the kernels' (the quantized layers' "
+            "own kernels serve decode steps)"
         )
     log.info(line)
 

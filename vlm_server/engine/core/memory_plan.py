@@ -194,8 +194,8 @@ def start_tensors(
 
     Tensors freed by then do not count: the pool releases the allocator's cache first."""
     out = {"rotary tables": 2 * shape.max_context * (shape.rotary_dim // 2) * 4}
-    # Quantized linears are not stacked (the fused products take 16-bit weights only).
-    if cuda and cfg.fused_decode and shape.fused_elements and not fmt.linear_bits:
+    # Stacking moves the weights (16-bit or quantized) and adds one 16-bit bias a block.
+    if cuda and cfg.fused_decode and shape.fused_elements:
         out["fused decode stacks"] = int(shape.fused_elements * fmt.dense_bytes)
     if cuda and cfg.vision_fp8 and shape.enc_layers:
         block = fp8_vision_block_bytes(shape.enc_dim, shape.enc_ff_dim)

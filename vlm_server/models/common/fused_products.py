@@ -6,7 +6,10 @@ same normed input, and the output projection and fc2 both add to the residual st
 gives QKV and the GELU'd hidden layer, and one gives the whole branch (models/common/
 skinny_gemm.py). The modules keep their weights as views into the stacked tensors, so the
 model's memory does not grow and every other path (prompt chunks, the reference, adapters)
-reads the same numbers through cuBLAS.
+reads the same numbers through cuBLAS. Weights held in 8 or 4 bits (`QuantLinear`) stack the
+same way, their stored values and scales (models/common/quant_stack.py), and the skinny
+kernel widens them in registers: the same products, epilogues and forks, but no LoRA shrink
+riding them.
 """
 
 from __future__ import annotations
@@ -16,9 +19,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vlm_server.models.common import side_stream, skinny_gemm
+from vlm_server.models.common import quant_stack, side_stream, skinny_gemm
 from vlm_server.models.common.fused_norm import add_layernorm, add_partials_layernorm
 from vlm_server.models.common.layers import LayerNorm
+from vlm_server.models.common.quant_linear import QuantLinear
+from vlm_server.models.common.quant_stack import QuantWeight
+
+# A block's stacked weight: 16-bit, or its stored values and scales.
+Stacked = torch.Tensor | QuantWeight
 
 # fc2's share of the branch product starts on a second stream as soon as the hidden layer is
 # there, beside the attention (a parallel block's MLP does not wait for it); proj's share
@@ -44,13 +52,19 @@ class PendingBranch:
 
 @dataclass(frozen=True)
 class BlockProducts:
-    """One block's stacked weights: ``w_in`` [qkv + ff, D], ``w_out`` [D, D + ff]."""
+    """One block's stacked weights: ``w_in`` [qkv + ff, D], ``w_out`` [D, D + ff] (16-bit, or
+    in 8 or 4 bits)."""
 
-    w_in: torch.Tensor
+    w_in: Stacked
     b_in: torch.Tensor
     n_qkv: int
-    w_out: torch.Tensor
+    w_out: Stacked
     b_out: torch.Tensor
+
+    @property
+    def takes_shrinks(self) -> bool:
+        """Whether a LoRA shrink may ride the products (16-bit weights only)."""
+        return not isinstance(self.w_in, QuantWeight)
 
     def qkv_and_hidden(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Normed input [..., D] -> (qkv [..., qkv], gelu(fc1) [..., ff]), views of one
@@ -101,7 +115,8 @@ class BlockProducts:
 
     def qkv(self, h: torch.Tensor) -> torch.Tensor:
         """Normed input [..., D] -> qkv [..., qkv] alone (the MLP `start_mlp`ed)."""
-        return skinny_gemm.skinny_linear(h, self.w_in[: self.n_qkv], self.b_in[: self.n_qkv])
+        w_qkv = _rows(self.w_in, 0, self.n_qkv)
+        return skinny_gemm.skinny_linear(h, w_qkv, self.b_in[: self.n_qkv])
 
     def start_branch(self, hidden: torch.Tensor) -> PendingBranch:
         """fc2(hidden)'s split sums, on the side stream where there is one (CUDA), into the
@@ -115,16 +130,17 @@ class BlockProducts:
 
     def _fork(self, src: torch.Tensor, with_fc1: bool) -> PendingBranch:
         # src: the hidden layer, or (with_fc1) the normed input fc1 reads first.
-        rows, dim = src.numel() // src.shape[-1], self.w_out.shape[0]
-        w_proj, w_fc2 = self.w_out[:, :dim], self.w_out[:, dim:]
-        n_proj = skinny_gemm.split_count(rows, w_proj)
-        n_fc2 = skinny_gemm.split_count(rows, w_fc2)
+        rows, (dim, k_out) = src.numel() // src.shape[-1], self.w_out.shape
+        w_proj, w_fc2 = _cols(self.w_out, 0, dim), _cols(self.w_out, dim, k_out)
+        n_proj = skinny_gemm.split_count(rows, w_proj, itemsize=src.element_size())
+        n_fc2 = skinny_gemm.split_count(rows, w_fc2, itemsize=src.element_size())
         sums = torch.empty(n_proj + n_fc2, rows, dim, dtype=torch.float32, device=src.device)
         side = side_stream.beside(src.device) if src.is_cuda else None
         with side_stream.on(side):
             hidden = src
             if with_fc1:
-                w_fc1, b_fc1 = self.w_in[self.n_qkv :], self.b_in[self.n_qkv :]
+                w_fc1 = _rows(self.w_in, self.n_qkv, self.w_in.shape[0])
+                b_fc1 = self.b_in[self.n_qkv :]
                 hidden = skinny_gemm.skinny_linear(src, w_fc1, b_fc1, gelu_from=0)
             skinny_gemm.skinny_linear(hidden, w_fc2, sums_out=sums[n_proj:])
         return PendingBranch(sums, n_proj, side)
@@ -136,7 +152,7 @@ class BlockProducts:
         the norm over both shares (after the side stream's)."""
         dim = self.w_out.shape[0]
         proj_sums = pending.sums[: pending.n_proj]
-        skinny_gemm.skinny_linear(attn, self.w_out[:, :dim], sums_out=proj_sums)
+        skinny_gemm.skinny_linear(attn, _cols(self.w_out, 0, dim), sums_out=proj_sums)
         if pending.side is not None:
             torch.cuda.current_stream().wait_stream(pending.side)
         return add_partials_layernorm(x, pending.sums, self.b_out, norm)
@@ -162,8 +178,24 @@ def with_extra(branch: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
     return (branch.view(extra.shape).float() + extra).to(branch.dtype).view_as(branch)
 
 
-def stack_block(qkv: nn.Linear, fc1: nn.Linear, proj: nn.Linear, fc2: nn.Linear) -> BlockProducts:
-    """Stack one block's weights and re-point the four modules at views of the stacks."""
+def _rows(w: Stacked, lo: int, hi: int) -> Stacked:
+    return w.rows(lo, hi) if isinstance(w, QuantWeight) else w[lo:hi]
+
+
+def _cols(w: Stacked, lo: int, hi: int) -> Stacked:
+    return w.cols(lo, hi) if isinstance(w, QuantWeight) else w[:, lo:hi]
+
+
+def stack_block(
+    qkv: nn.Linear | QuantLinear,
+    fc1: nn.Linear | QuantLinear,
+    proj: nn.Linear | QuantLinear,
+    fc2: nn.Linear | QuantLinear,
+) -> BlockProducts:
+    """Stack one block's weights and re-point the four modules at views of the stacks (all
+    four 16-bit, or all four `QuantLinear`s of one format)."""
+    if isinstance(qkv, QuantLinear):
+        return _stack_quantized(qkv, fc1, proj, fc2)
     n_qkv = qkv.weight.shape[0]
     dim = proj.weight.shape[1]
     with torch.no_grad():
@@ -175,6 +207,45 @@ def stack_block(qkv: nn.Linear, fc1: nn.Linear, proj: nn.Linear, fc2: nn.Linear)
         qkv.weight.data, fc1.weight.data = w_in[:n_qkv], w_in[n_qkv:]
         qkv.bias.data, fc1.bias.data = b_in[:n_qkv], b_in[n_qkv:]
         proj.weight.data, fc2.weight.data = w_out[:, :dim], w_out[:, dim:]
+    return BlockProducts(w_in, b_in, n_qkv, w_out, b_out)
+
+
+def stackable(qkv: nn.Module, fc1: nn.Module, proj: nn.Module, fc2: nn.Module) -> bool:
+    """Whether `stack_block` takes these four: all 16-bit `nn.Linear`s, or all `QuantLinear`s
+    of one format the kernel reads (INT8, or INT4 in its groups), biases included."""
+    layers = (qkv, fc1, proj, fc2)
+    if all(isinstance(m, nn.Linear) for m in layers):
+        return True
+    if not all(isinstance(m, QuantLinear) and m.bias is not None for m in layers):
+        return False
+    fmt = qkv.fmt
+    same = all(m.fmt == fmt for m in layers)
+    return same and fmt.group_size in (0, quant_stack.GROUP_SIZE)
+
+
+def _stack_quantized(
+    qkv: QuantLinear, fc1: nn.Module, proj: nn.Module, fc2: nn.Module
+) -> BlockProducts:
+    """`stack_block` over `QuantLinear`s: stored values and scales stacked (quant_stack.py),
+    the modules' buffers re-pointed at views, so the model holds no second copy."""
+    if not stackable(qkv, fc1, proj, fc2):
+        raise ValueError("a block's four linears must share one format the kernel reads")
+    assert isinstance(fc1, QuantLinear) and isinstance(proj, QuantLinear)
+    assert isinstance(fc2, QuantLinear)
+    assert qkv.bias is not None and fc1.bias is not None
+    assert proj.bias is not None and fc2.bias is not None
+    n_qkv, dim, n_in = qkv.out_features, proj.in_features, qkv.out_features + fc1.out_features
+    with torch.no_grad():
+        w_in = quant_stack.stack_rows([(qkv.qweight, qkv.scale), (fc1.qweight, fc1.scale)])
+        w_out = quant_stack.stack_cols((proj.qweight, proj.scale), (fc2.qweight, fc2.scale))
+        b_in = torch.cat([qkv.bias, fc1.bias], dim=0)
+        b_out = (proj.bias.float() + fc2.bias.float()).to(proj.bias.dtype)
+        for layer, part in ((qkv, w_in.rows(0, n_qkv)), (fc1, w_in.rows(n_qkv, n_in))):
+            layer.qweight, layer.scale = part.qweight, part.scale
+        k_out = w_out.shape[1]
+        for layer, part in ((proj, w_out.cols(0, dim)), (fc2, w_out.cols(dim, k_out))):
+            layer.qweight, layer.scale = part.qweight, part.scale
+        qkv.bias.data, fc1.bias.data = b_in[:n_qkv], b_in[n_qkv:]
     return BlockProducts(w_in, b_in, n_qkv, w_out, b_out)
 
 

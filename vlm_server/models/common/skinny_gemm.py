@@ -22,6 +22,8 @@ import torch
 from vlm_server.chip_features import device_spec
 from vlm_server.chips import ChipSpec, Launch
 from vlm_server.models.common import launch_overlap
+from vlm_server.models.common.quant_stack import QuantWeight
+from vlm_server.models.quant.formats import GROUP_SIZE
 
 try:
     import triton
@@ -101,7 +103,8 @@ def launch_configs(chip: ChipSpec) -> list[Launch]:
     """Every launch `skinny_linear` (and the shrink beside it) may pick on ``chip`` in 16-bit
     activations: `default_config`'s shapes at 1 to `MAX_ROWS` rows (the CUDA cores' at its
     widest K step, every narrower one a smaller tile), with and without split sums and the
-    shrink's extra columns; and the split sums' kernel."""
+    shrink's extra columns, over 16-bit weights and 8- and 4-bit ones; and the split sums'
+    kernel."""
     shapes = {(FMA_MAX_ROWS, default_config(FMA_MAX_ROWS, n, 1 << 14)) for n in (4096, 4097)}
     for rows in range(FMA_MAX_ROWS + 1, MAX_ROWS + 1):
         block_m = max(16, 1 << (rows - 1).bit_length())
@@ -111,10 +114,16 @@ def launch_configs(chip: ChipSpec) -> list[Launch]:
     for block_m, cfg in sorted(shapes, key=str):
         stages = stages_for(cfg, block_m, 2, chip.limits.shared_per_block)
         for split in (True, False) if cfg.split_k == 1 else (True,):  # sums_out: split sums
+            tiles = {"BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k}
             for extra in (False, True):
-                tiles = {"BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k}
                 flags = {"SPLIT": split, "EXTRA": extra, "FMA": cfg.fma}
                 launch = Launch("_skinny_kernel", {**tiles, **flags}, cfg.warps, stages)
+                if launch not in out:
+                    out.append(launch)
+            for qbits, stored in ((8, "*i8"), (4, "*u8")):  # quantized: no shrink rides them
+                flags = {"SPLIT": split, "EXTRA": False, "FMA": cfg.fma, "QBITS": qbits}
+                types = {"w_ptr": stored}
+                launch = Launch("_skinny_kernel", {**tiles, **flags}, cfg.warps, stages, types)
                 if launch not in out:
                     out.append(launch)
     splits = max(c.split_k for _, c in shapes)
@@ -163,9 +172,34 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _accumulate(x1_rows, x2_rows, w_rows, nmask, mmask, K1, k_lo, k_stop, k_lim,
-                    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):  # fmt: skip
+    def _weight_block(w_rows, s_rows, s_lo, s_hi, wmask, ks, K1, dtype: tl.constexpr,
+                      QBITS: tl.constexpr, GROUP: tl.constexpr,
+                      EVICT: tl.constexpr):  # fmt: skip
+        # The weight rows' columns ks in ``dtype``: 16-bit as stored; 8- or 4-bit widened in
+        # registers as quant_gemm widens them (q * s exact in fp32, rounded once to the
+        # scale's dtype, then to the activations'). INT8's scale per row is s_lo before
+        # column K1 and s_hi from it (a stack of two layers side by side); INT4's per group.
+        if QBITS == 16:
+            w = tl.load(w_rows + ks[None, :], mask=wmask, other=0.0, eviction_policy=EVICT)
+        elif QBITS == 8:
+            q = tl.load(w_rows + ks[None, :], mask=wmask, other=0, eviction_policy=EVICT)
+            s = tl.where((ks < K1)[None, :], s_lo[:, None], s_hi[:, None])
+            w = (q.to(tl.float32) * s.to(tl.float32)).to(s_lo.dtype).to(dtype)
+        else:
+            packed = tl.load(
+                w_rows + (ks // 2)[None, :], mask=wmask, other=0, eviction_policy=EVICT
+            ).to(tl.int32)
+            # Sign-extend the column's nibble: to the top of the word, back arithmetically.
+            q = (packed << (28 - 4 * (ks % 2))[None, :]) >> 28
+            s = tl.load(s_rows[:, None] + (ks // GROUP)[None, :], mask=wmask, other=0.0)
+            w = (q.to(tl.float32) * s.to(tl.float32)).to(s.dtype).to(dtype)
+        return w
+
+    @triton.jit
+    def _accumulate(x1_rows, x2_rows, w_rows, s_rows, s_lo, s_hi, nmask, mmask, K1, k_lo,
+                    k_stop, k_lim, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QBITS: tl.constexpr,
+                    GROUP: tl.constexpr):  # fmt: skip
         # One program's sum over K blocks k_lo.. (< k_stop) of [x1 | x2] times its weight rows
         # (columns past k_lim masked); pointers named without "_ptr": inlined, not launched.
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -173,7 +207,8 @@ if triton is not None:
             ks = k0 + tl.arange(0, BLOCK_K)
             kmask = ks < k_lim
             x = _input_block(x1_rows, x2_rows, mmask, ks, kmask, K1)
-            w = tl.load(w_rows + ks[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            w = _weight_block(w_rows, s_rows, s_lo, s_hi, nmask[:, None] & kmask[None, :], ks,
+                              K1, x.dtype, QBITS, GROUP, "")  # fmt: skip
             if IEEE:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
             else:
@@ -181,9 +216,10 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _accumulate_fma(x1_rows, x2_rows, w_rows, nmask, mmask, K1, k_lo, k_stop, k_lim,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):  # fmt: skip
+    def _accumulate_fma(x1_rows, x2_rows, w_rows, s_rows, s_lo, s_hi, nmask, mmask, K1, k_lo,
+                        k_stop, k_lim, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, QBITS: tl.constexpr,
+                        GROUP: tl.constexpr):  # fmt: skip
         # `_accumulate` on the CUDA cores: products summed per lane across K blocks, reduced
         # over K once at the end; the weight is read once, so it is not kept in cache.
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -191,12 +227,8 @@ if triton is not None:
             ks = k0 + tl.arange(0, BLOCK_K)
             kmask = ks < k_lim
             x = _input_block(x1_rows, x2_rows, mmask, ks, kmask, K1)
-            w = tl.load(
-                w_rows + ks[None, :],
-                mask=nmask[:, None] & kmask[None, :],
-                other=0.0,
-                eviction_policy="evict_first",
-            )
+            w = _weight_block(w_rows, s_rows, s_lo, s_hi, nmask[:, None] & kmask[None, :], ks,
+                              K1, x.dtype, QBITS, GROUP, "evict_first")  # fmt: skip
             acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         return tl.sum(acc, axis=2)
 
@@ -205,6 +237,7 @@ if triton is not None:
         x1_ptr,
         x2_ptr,
         w_ptr,
+        s_ptr,
         b_ptr,
         r_ptr,
         y_ptr,
@@ -219,6 +252,8 @@ if triton is not None:
         stride_x1,
         stride_x2,
         stride_w,
+        stride_s,
+        stride_s1,
         stride_r,
         stride_y,
         gelu_from,
@@ -240,6 +275,8 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         FMA: tl.constexpr = False,
         PDL: tl.constexpr = False,
+        QBITS: tl.constexpr = 16,
+        GROUP: tl.constexpr = 128,
     ):
         # Axis 0: the weight's NB blocks of columns, then (EXTRA) NE extra columns: row j of
         # e's [slots, RS, K] (slot j // RS) times the input's columns from e_koff on, written
@@ -258,6 +295,13 @@ if triton is not None:
         ns = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = ns < N
         w_rows = w_ptr + ns.to(tl.int64)[:, None] * stride_w
+        # QBITS < 16: s_ptr holds the scales (module docstring of quant_stack.py).
+        s_rows = s_ptr + ns.to(tl.int64) * stride_s
+        s_lo = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        s_hi = s_lo
+        if QBITS == 8:  # the rows' scales, loaded once (stride_s1 0 where there is one)
+            s_lo = tl.load(s_rows, mask=nmask, other=0.0)
+            s_hi = tl.load(s_rows + stride_s1, mask=nmask, other=0.0)
         k_lo = split * k_per_split
         k_stop = k_lo + k_per_split
         k_lim = k_total
@@ -279,11 +323,13 @@ if triton is not None:
             k_stop = tl.where(extra, e_lo + ke_per_split, k_stop)
             k_lim = tl.where(extra, tl.minimum(e_lo + ke_per_split, k_total), k_lim)
         if FMA:
-            acc = _accumulate_fma(x1_rows, x2_rows, w_rows, nmask, mmask, K1, k_lo, k_stop,
-                                  k_lim, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+            acc = _accumulate_fma(x1_rows, x2_rows, w_rows, s_rows, s_lo, s_hi, nmask, mmask, K1,
+                                  k_lo, k_stop, k_lim, BLOCK_M, BLOCK_N, BLOCK_K, QBITS,
+                                  GROUP)  # fmt: skip
         else:
-            acc = _accumulate(x1_rows, x2_rows, w_rows, nmask, mmask, K1, k_lo, k_stop, k_lim,
-                              IEEE, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+            acc = _accumulate(x1_rows, x2_rows, w_rows, s_rows, s_lo, s_hi, nmask, mmask, K1,
+                              k_lo, k_stop, k_lim, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, QBITS,
+                              GROUP)  # fmt: skip
         if EXTRA and pid >= NB:
             js = (pid - NB) * BLOCK_N + tl.arange(0, BLOCK_N)
             offs = (split * M + ms.to(tl.int64))[:, None] * NE + js[None, :]
@@ -345,7 +391,7 @@ def supported(x: torch.Tensor) -> bool:
 
 def skinny_linear(
     x1: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | QuantWeight,
     bias: torch.Tensor | None = None,
     *,
     x2: torch.Tensor | None = None,
@@ -358,9 +404,11 @@ def skinny_linear(
     """``[x1 | x2] @ weight^T + bias``, GELU on columns >= ``gelu_from``, plus ``residual``.
 
     x1 [..., K1] (x2 [..., K2]: the weight's remaining input columns); weight [N, K1 + K2]
-    with unit column stride; returns [..., N] in x1's dtype. ``partials``: where the launch
-    shape splits K, return the split sums [splits, rows, N] (fp32, the bias not added) for a
-    consumer that finishes them itself; elsewhere the finished product, as without it.
+    with unit column stride, or held in 8 or 4 bits (a `QuantWeight`, widened in registers;
+    INT8 with two scale columns split where x2 starts); returns [..., N] in x1's dtype.
+    ``partials``: where the launch shape splits K, return the split sums [splits, rows, N]
+    (fp32, the bias not added) for a consumer that finishes them itself; elsewhere the
+    finished product, as without it.
     ``sums_out`` (fp32 [`split_count`, rows, N], contiguous): the split sums go there, even
     where the launch shape does not split K (one split), and it is returned.
     """
@@ -368,10 +416,19 @@ def skinny_linear(
     return y
 
 
-def split_count(rows: int, weight: torch.Tensor, config: SkinnyConfig | None = None) -> int:
-    """How many split sums `skinny_linear` writes for ``rows`` rows times ``weight``."""
+def split_count(
+    rows: int,
+    weight: torch.Tensor | QuantWeight,
+    config: SkinnyConfig | None = None,
+    itemsize: int | None = None,
+) -> int:
+    """How many split sums `skinny_linear` writes for ``rows`` rows times ``weight``, in
+    activations of ``itemsize`` bytes (default: a 16-bit weight's own; 2 for a quantized
+    one)."""
     n, k = weight.shape
-    return max(1, (config or default_config(rows, n, k, weight.element_size())).split_k)
+    if itemsize is None:
+        itemsize = 2 if isinstance(weight, QuantWeight) else weight.element_size()
+    return max(1, (config or default_config(rows, n, k, itemsize)).split_k)
 
 
 def skinny_linear_shrink(
@@ -395,9 +452,30 @@ def skinny_linear_shrink(
     return _launch(x1, weight, bias, x2, None, None, config, partials, a, None)
 
 
+def _weight_args(
+    weight: torch.Tensor | QuantWeight, k1: int, k2: int, two_inputs: bool
+) -> tuple[torch.Tensor, torch.Tensor, int, tuple[int, int]]:
+    """(stored weight, scales, QBITS, the scales' row and column strides) of a weight that
+    takes inputs of k1 + k2 columns; a clear error where it does not."""
+    if weight.shape[1] != k1 + k2:
+        raise ValueError(f"weight {tuple(weight.shape)} does not take inputs of {k1} + {k2}")
+    if not isinstance(weight, QuantWeight):
+        if weight.stride(1) != 1:
+            raise ValueError(f"weight {tuple(weight.shape)} needs unit column stride")
+        return weight, weight, 16, (0, 0)
+    q, scale = weight.qweight, weight.scale
+    if weight.bits == 4:
+        return q, scale, 4, (scale.stride(0), 1)
+    if scale.dim() == 1:
+        return q, scale, 8, (scale.stride(0), 0)
+    if not two_inputs or weight.boundary != k1:
+        raise ValueError(f"INT8 weight split at {weight.boundary} takes inputs of that + the rest")
+    return q, scale, 8, (scale.stride(0), scale.stride(1))
+
+
 def _launch(
     x1: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | QuantWeight,
     bias: torch.Tensor | None,
     x2: torch.Tensor | None,
     residual: torch.Tensor | None,
@@ -421,8 +499,7 @@ def _launch(
         if b2.stride(-1) != 1:
             b2 = b2.contiguous()
     n = weight.shape[0]
-    if weight.shape[1] != k1 + k2 or weight.stride(1) != 1:
-        raise ValueError(f"weight {tuple(weight.shape)} does not take inputs of {k1} + {k2}")
+    w, scale, qbits, s_strides = _weight_args(weight, k1, k2, x2 is not None)
     # The launch shape is the product's alone: extra columns must not change its sums.
     cfg = config or default_config(m, n, k1 + k2, x.element_size())
     # Tensor-core tiles take 16 rows at least; the CUDA cores take the rows as they are.
@@ -449,24 +526,27 @@ def _launch(
         "HAS_GELU": gelu_from is not None,
     }
     gelu = gelu_from if gelu_from is not None else n
-    b = bias if bias is not None else weight
+    b = bias if bias is not None else w
     nb = triton.cdiv(n, cfg.block_n)
-    e, ext, ne, rs, e_koff, ke_per_split, e_blocks = weight, part, 0, 1, 0, 0, 0
+    e, ext, ne, rs, e_koff, ke_per_split, e_blocks = w, part, 0, 1, 0, 0, 0
     if a is not None:
         slots, rs, k_a = a.shape
-        if a.stride(2) != 1 or a.dtype != weight.dtype or not 0 < k_a <= k1 + k2:
+        if qbits != 16:
+            raise ValueError("a shrink rides 16-bit weights only, not a quantized weight")
+        if a.stride(2) != 1 or a.dtype != w.dtype or not 0 < k_a <= k1 + k2:
             raise ValueError(f"shrink weights {tuple(a.shape)} do not fit inputs of {k1} + {k2}")
         e, ne, e_koff = a, slots * rs, k1 + k2 - k_a
         ke_per_split = triton.cdiv(triton.cdiv(k_a, split), cfg.block_k) * cfg.block_k
         ext = torch.empty(split, m, ne, device=x.device, dtype=torch.float32)
         e_blocks = triton.cdiv(ne, cfg.block_n)
     _skinny_kernel[(nb + e_blocks, split)](
-        x, b2, weight, b, res, y, part, e, ext, m, n, k1, k2, k_per_split,
-        x.stride(0), b2.stride(0), weight.stride(0), res.stride(0), y.stride(0), gelu,
+        x, b2, w, scale, b, res, y, part, e, ext, m, n, k1, k2, k_per_split,
+        x.stride(0), b2.stride(0), w.stride(0), *s_strides, res.stride(0), y.stride(0), gelu,
         nb, ne, rs, e_koff, ke_per_split, e.stride(0), e.stride(1) if a is not None else 0,
         IEEE=x.dtype == torch.float32, SPLIT=split > 1 or sums_out is not None,
         EXTRA=a is not None, BLOCK_M=block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FMA=cfg.fma, num_warps=cfg.warps,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FMA=cfg.fma, QBITS=qbits, GROUP=GROUP_SIZE,
+        num_warps=cfg.warps,
         num_stages=_stages(cfg, block_m, x.element_size(), x.device), **flags,
         **launch_overlap.kernel_args(),
     )  # fmt: skip

@@ -25,16 +25,15 @@ class MoondreamModel(MoondreamBase):
 
     @property
     def capabilities(self) -> Capabilities:
-        """Adapters on every linear of the decoder, fused decode products, the FP8 tower.
-        With 4- or 8-bit weights the fused products are off (they stack 16-bit weights; the
-        quantized layers' own kernels serve decode steps), and so is the FP8 tower when its
-        linears are quantized too (it quantizes 16-bit weights)."""
+        """Adapters on every linear of the decoder, fused decode products (over 16-bit weights
+        or 4- and 8-bit ones alike), the FP8 tower. The FP8 tower is off when its linears are
+        quantized too (it quantizes 16-bit weights)."""
         text, quantized = self.text, self.quantized
         return Capabilities(
             FORMATS,
             quantized=quantized,
             vision_quantized=self.vision_quantized,
             adapters=text,
-            fused_products=text if quantized is None else None,
+            fused_products=text,
             fp8_vision=None if self.tower_quantized else self.vision,
         )

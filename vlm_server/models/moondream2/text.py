@@ -112,11 +112,12 @@ class TextDecoder(nn.Module):
         if not enabled or not fused_products.skinny_gemm.AVAILABLE or not self.wte.is_cuda:
             self._stacked = None
             return False
+        # Quantized blocks stack too, but not a block mixing 16-bit and quantized linears.
+        parts = [(b.attn.qkv, b.mlp.fc1, b.attn.proj, b.mlp.fc2) for b in self.blocks]
+        if not all(fused_products.stackable(*p) for p in parts):
+            return False
         if self._stacked is None:
-            self._stacked = [
-                fused_products.stack_block(b.attn.qkv, b.mlp.fc1, b.attn.proj, b.mlp.fc2)
-                for b in self.blocks
-            ]
+            self._stacked = [fused_products.stack_block(*p) for p in parts]
         return True
 
     def reset_rotary(self, device: torch.device | str | None) -> None:
@@ -159,7 +160,7 @@ class TextDecoder(nn.Module):
         packed = cache.attend_packed
         if (
             self._stacked is not None
-            and (lora is None or lora.fused)
+            and (lora is None or (lora.fused and self._stacked[0].takes_shrinks))
             and packed is not None
             and fused_products.usable(x)
         ):
