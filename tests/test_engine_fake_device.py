@@ -543,17 +543,20 @@ def test_a_step_not_waiting_for_the_lane_is_caught(
 ) -> None:
     """Drop the steps' waits for prefix batches: with the lane slow, a chained step reads a
     rider's pages before the lane wrote them."""
+    _assert_caught(
+        region_model,
+        many_images,
+        background=True,
+        drop_waits=["prefix_done"],
+        lagging=["prefill_interactive"],
+    )
+
+
+def _assert_caught(loaded: LoadedModel, images: list[PreparedImage], **faults: object) -> None:
+    """Some seed's run with ``faults`` breaks the order of device work, and it is caught."""
     with pytest.raises(DeviceViolation) as info:
         for seed in SEEDS:
-            _drive(
-                region_model,
-                many_images,
-                2,
-                seed,
-                background=True,
-                drop_waits=["prefix_done"],
-                lagging=["prefill_interactive"],
-            )
+            _drive(loaded, images, 2, seed, **faults)  # type: ignore[arg-type]
     assert info.value.invariant == "order", info.value
 
 
@@ -562,19 +565,14 @@ def test_a_lane_switch_without_its_wait_is_caught(
 ) -> None:
     """Drop the wait for the other lane's last batch: with that lane slow, a batch overwrites
     the shared prefix embeddings before the earlier batch on the other lane read them."""
-    with pytest.raises(DeviceViolation) as info:
-        for seed in SEEDS:
-            _drive(
-                region_model,
-                many_images,
-                2,
-                seed,
-                when_streaming=3,
-                riding=0,
-                drop_waits=["lane_done"],
-                lagging=["prefill_part"],
-            )
-    assert info.value.invariant == "order", info.value
+    _assert_caught(
+        region_model,
+        many_images,
+        when_streaming=3,
+        riding=0,
+        drop_waits=["lane_done"],
+        lagging=["prefill_part"],
+    )
 
 
 def test_the_policy_follows_the_running_requests_remaining_tokens(

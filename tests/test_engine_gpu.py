@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from image_pipeline import PreparedImage
+from tests.support.quant_reference import md2_size_requests
 from tests.test_engine import (  # noqa: F401  (fixtures)
     BUDGETS,
     _finish_all,
@@ -100,13 +101,7 @@ def _moondream2_fp32_equals_reference(
     loaded = random_model(
         preset("moondream2"), seed=0, dtype=torch.float32, device="cuda", progress=False
     )
-    reqs = [
-        GenerationRequest(Task.CAPTION, images[0], temperature=0, max_tokens=12),
-        GenerationRequest(
-            Task.QUERY, images[1], question="what is it?", temperature=0, max_tokens=9
-        ),
-        GenerationRequest(Task.DETECT, images[2], object_name="car", max_objects=3),
-    ]
+    reqs = md2_size_requests(images)
     cap, qry, det = _finish_all(
         loaded, reqs, 2, check, max_batch_size=4, kv_budget_bytes=2 << 30, **engine_options
     )

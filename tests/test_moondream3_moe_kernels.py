@@ -5,30 +5,19 @@ tile of the table against the plain path, and what CUDA graphs need (shapes only
 from __future__ import annotations
 
 import inspect
-import sys
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from tests.support.interpreted import interpreted
+from tests.support.interpreted import interpreted_moe
 from vlm_server.models.moondream3 import moe, moe_triton
 from vlm_server.models.moondream3.config import MoeConfig
 
 pytest.importorskip("triton")
 
 
-@pytest.fixture(scope="module")
-def kern() -> Iterator[SimpleNamespace]:
-    from vlm_server.models.moondream3 import moe_routing, moe_triton
-
-    mr = interpreted(moe_routing)
-    mt = interpreted(moe_triton)
-    mt.moe_routing = mr  # experts_fused groups through the interpreted routing kernels
-    yield SimpleNamespace(routing=mr, triton=mt)
-    for m in (mr, mt):
-        del sys.modules[m.__name__]
+kern = pytest.fixture(scope="module")(interpreted_moe)
 
 
 def _logits(n: int, e: int, k: int, dtype: torch.dtype, uneven: bool, seed: int) -> torch.Tensor:

@@ -13,14 +13,12 @@ activations are checked on the GPU, tests/test_moondream3_moe_quant_gpu.py.)"""
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from tests.support.interpreted import interpreted
+from tests.support.interpreted import interpreted_moe
 from vlm_server.models.moondream3 import moe, moe_triton
 from vlm_server.models.moondream3.config import MoeConfig
 from vlm_server.models.moondream3.moe_qweights import StoredExperts
@@ -31,16 +29,7 @@ pytest.importorskip("triton")
 ATOL = RTOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def kern() -> Iterator[SimpleNamespace]:
-    from vlm_server.models.moondream3 import moe_routing
-
-    mr = interpreted(moe_routing)
-    mt = interpreted(moe_triton)
-    mt.moe_routing = mr  # experts_fused groups through the interpreted routing kernels
-    yield SimpleNamespace(routing=mr, triton=mt)
-    for m in (mr, mt):
-        del sys.modules[m.__name__]
+kern = pytest.fixture(scope="module")(interpreted_moe)
 
 
 def _fmt(name: str, group: int) -> QuantFormat:

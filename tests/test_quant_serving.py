@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from image_pipeline import PreparedImage
-from tests.support.quant_reference import dequantized_twin
+from tests.support.quant_reference import assert_answers_as, dequantized_twin, twin_requests
 from tests.support.threads import one_torch_thread  # noqa: F401  (autouse)
 from tests.test_engine import _finish_all, _reference_text, images  # noqa: F401  (fixtures)
 from vlm_server.cli import main as cli_main
@@ -75,26 +75,10 @@ def _load(case: str, tiny_dir: Path, files: dict[tuple, Path]) -> LoadedModel:
 
 
 def _requests(images: list[PreparedImage]) -> list[GenerationRequest]:  # noqa: F811
-    return [
-        GenerationRequest(Task.CAPTION, images[0], request_id="c0", temperature=0, max_tokens=30),
-        GenerationRequest(
-            Task.QUERY, images[1], request_id="q0", question="what?", temperature=0, max_tokens=20
-        ),
-        GenerationRequest(
-            Task.CAPTION, images[2], request_id="s0", temperature=0.8, seed=3, max_tokens=16
-        ),
-        GenerationRequest(Task.DETECT, images[0], object_name="car", max_objects=3),
-    ]
+    return twin_requests(images)
 
 
-def _assert_answers_as(twin: LoadedModel, reqs: list, done: list) -> None:
-    ref = ReferenceGenerator(twin.model, twin.tokenizer)
-    for req, fin in zip(reqs, done, strict=True):
-        if req.task is Task.DETECT:
-            want = ref.detect(req.image, req.object_name, req.max_objects).boxes
-            assert [vars(b) for b in fin.boxes] == [vars(b) for b in want]
-        else:
-            assert fin.text == _reference_text(ref, req), req.request_id
+_assert_answers_as = assert_answers_as
 
 
 @pytest.mark.parametrize("case", list(CASES))

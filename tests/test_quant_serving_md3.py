@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from image_pipeline import PreparedImage
-from tests.support.quant_reference import dequantized_twin
+from tests.support.quant_reference import assert_answers_as, dequantized_twin, twin_requests
 from tests.test_engine import _finish_all, _reference_text, images  # noqa: F401  (fixtures)
-from vlm_server.engine.api import GenerationRequest, Task
+from vlm_server.engine.api import GenerationRequest
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.memory_plan import plan_memory
 from vlm_server.models.moondream3.moe import ExpertBank
@@ -34,7 +34,6 @@ from vlm_server.models.registry import (
     random_model,
     write_checkpoint,
 )
-from vlm_server.reference import ReferenceGenerator
 
 F32 = torch.float32
 CONFIG = "md3-tiny"
@@ -69,16 +68,7 @@ CASES: dict[str, tuple[str, dict, int]] = {
 
 
 def _requests(images: list[PreparedImage]) -> list[GenerationRequest]:  # noqa: F811
-    return [
-        GenerationRequest(Task.CAPTION, images[0], request_id="c0", temperature=0, max_tokens=24),
-        GenerationRequest(
-            Task.QUERY, images[1], request_id="q0", question="what?", temperature=0, max_tokens=16
-        ),
-        GenerationRequest(
-            Task.CAPTION, images[2], request_id="s0", temperature=0.8, seed=3, max_tokens=12
-        ),
-        GenerationRequest(Task.DETECT, images[0], object_name="car", max_objects=3),
-    ]
+    return twin_requests(images, (24, 16, 12))
 
 
 def _experts(config_name: str = CONFIG) -> list[str]:
@@ -104,13 +94,7 @@ def test_the_engine_answers_as_the_dequantized_model(
     assert not torch.equal(original, served)  # the format did round the experts
     reqs = _requests(images)
     done = _finish_all(loaded, reqs, depth, max_batch_size=4)
-    ref = ReferenceGenerator(twin.model, twin.tokenizer)
-    for req, fin in zip(reqs, done, strict=True):
-        if req.task is Task.DETECT:
-            want = ref.detect(req.image, req.object_name, req.max_objects).boxes
-            assert [vars(b) for b in fin.boxes] == [vars(b) for b in want]
-        else:
-            assert fin.text == _reference_text(ref, req), req.request_id
+    assert_answers_as(twin, reqs, done)
 
 
 def test_no_16_bit_copy_of_a_quantized_expert_stays() -> None:

@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from image_pipeline import PreparedImage
-from tests.support.quant_reference import dequantized_twin
+from tests.support.quant_reference import dequantized_twin, md2_size_requests
 from tests.test_engine import _finish_all, _reference_text, images  # noqa: F401  (fixtures)
-from vlm_server.engine.api import GenerationRequest, Task
 from vlm_server.models.common.quant_linear import QuantLinear
 from vlm_server.models.interface import LoadedModel
 from vlm_server.models.registry import preset, random_model
@@ -49,13 +48,7 @@ def test_the_engine_answers_as_the_dequantized_tower_fp32(
     tower = loaded.model.capabilities.vision_quantized
     assert tower is not None and len(tower.weights) == 4 * BLOCKS and not tower.kept
     assert loaded.model.capabilities.quantized is None  # the decoder as loaded
-    reqs = [
-        GenerationRequest(Task.CAPTION, images[0], temperature=0, max_tokens=12),
-        GenerationRequest(
-            Task.QUERY, images[1], question="what is it?", temperature=0, max_tokens=9
-        ),
-        GenerationRequest(Task.DETECT, images[2], object_name="car", max_objects=3),
-    ]
+    reqs = md2_size_requests(images)
 
     def check(engine: InProcessEngine) -> None:
         rt = engine.batched.runtime

@@ -7,7 +7,7 @@ import importlib.util
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
@@ -78,3 +78,16 @@ def interpreted_copy(module: ModuleType) -> Iterator[ModuleType]:
         yield copy
     finally:
         del sys.modules[copy.__name__]
+
+
+def interpreted_moe() -> Iterator[SimpleNamespace]:
+    """Moondream 3's routing and expert kernels interpreted (a module fixture's body: the
+    expert module groups through the interpreted routing kernels)."""
+    from vlm_server.models.moondream3 import moe_routing, moe_triton
+
+    mr = interpreted(moe_routing)
+    mt = interpreted(moe_triton)
+    mt.moe_routing = mr
+    yield SimpleNamespace(routing=mr, triton=mt)
+    for m in (mr, mt):
+        del sys.modules[m.__name__]

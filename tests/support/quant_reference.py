@@ -9,6 +9,7 @@ import copy
 import torch
 from torch import nn
 
+from vlm_server.engine.api import GenerationRequest, Task
 from vlm_server.models.common.quant_linear import QuantLinear
 from vlm_server.models.interface import LoadedModel
 from vlm_server.models.moondream3.moe import ExpertBank
@@ -108,3 +109,53 @@ def dequantized_twin(quantized: LoadedModel, plain: LoadedModel) -> LoadedModel:
             assert isinstance(layer, QuantLinear)
             weight.copy_(layer.dequantized(weight.dtype).to(weight.device))
     return LoadedModel(model, plain.tokenizer, plain.config, plain.source + ":dequantized")
+
+
+def twin_requests(images: list, tokens: tuple[int, int, int] = (30, 20, 16)) -> list:
+    """A greedy caption, a greedy query, a sampled caption (its seed fixed) and a detect, on
+    three pictures: what a quantized engine and its twin's reference must answer alike."""
+    caption, query, sampled = tokens
+    return [
+        GenerationRequest(
+            Task.CAPTION, images[0], request_id="c0", temperature=0, max_tokens=caption
+        ),
+        GenerationRequest(
+            Task.QUERY,
+            images[1],
+            request_id="q0",
+            question="what?",
+            temperature=0,
+            max_tokens=query,
+        ),
+        GenerationRequest(
+            Task.CAPTION, images[2], request_id="s0", temperature=0.8, seed=3, max_tokens=sampled
+        ),
+        GenerationRequest(Task.DETECT, images[0], object_name="car", max_objects=3),
+    ]
+
+
+def md2_size_requests(images: list) -> list:
+    """A caption, a query and a detect for a full-size random model in fp32 (ties vanishingly
+    rare), answered by the engine and by the reference alike."""
+    return [
+        GenerationRequest(Task.CAPTION, images[0], temperature=0, max_tokens=12),
+        GenerationRequest(
+            Task.QUERY, images[1], question="what is it?", temperature=0, max_tokens=9
+        ),
+        GenerationRequest(Task.DETECT, images[2], object_name="car", max_objects=3),
+    ]
+
+
+def assert_answers_as(twin: LoadedModel, reqs: list, done: list) -> None:
+    """Each finished request answers as the reference on ``twin`` (text, or a detect's
+    boxes)."""
+    from tests.test_engine import _reference_text
+    from vlm_server.reference import ReferenceGenerator
+
+    ref = ReferenceGenerator(twin.model, twin.tokenizer)
+    for req, fin in zip(reqs, done, strict=True):
+        if req.task is Task.DETECT:
+            want = ref.detect(req.image, req.object_name, req.max_objects).boxes
+            assert [vars(b) for b in fin.boxes] == [vars(b) for b in want]
+        else:
+            assert fin.text == _reference_text(ref, req), req.request_id
