@@ -13,7 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from bench import arrival_itl, hf_baseline, host_tick, image_bench, load_gen, request_timeline
+from bench import (
+    arrival_itl,
+    arrival_timeline,
+    hf_baseline,
+    host_tick,
+    image_bench,
+    load_gen,
+    request_timeline,
+)
 from bench.synth_images import parse_size, unique_images, with_orientation
 from image_pipeline import ResizeMode, decode, prepare_image
 
@@ -192,7 +200,7 @@ def test_load_gen_compares_the_http_and_grpc_doors(tiny_dir: Path, tmp_path: Pat
 
 
 def test_arrival_itl_counts_each_gap_in_the_phase_it_ends() -> None:
-    tl = arrival_itl.Timeline(start=0.0, warmup_end=1.0, a_end=3.0, b_end=5.0)
+    tl = arrival_timeline.Timeline(start=0.0, warmup_end=1.0, a_end=3.0, b_end=5.0)
     assert [tl.phase(t) for t in (0.5, 1.0, 2.9, 3.0, 4.9, 5.0)] == [
         None,
         "A",
@@ -202,8 +210,8 @@ def test_arrival_itl_counts_each_gap_in_the_phase_it_ends() -> None:
         None,
     ]
     rec = load_gen.Record(True, streamed=True, ttft_s=0.5, e2e_s=0.9, gaps_s=[0.1, 0.2])
-    assert arrival_itl.stream_deltas(rec, 10.0) == pytest.approx([10.5, 10.6, 10.8])
-    assert arrival_itl.stream_deltas(load_gen.Record(False), 10.0) == []
+    assert arrival_timeline.stream_deltas(rec, 10.0) == pytest.approx([10.5, 10.6, 10.8])
+    assert arrival_timeline.stream_deltas(load_gen.Record(False), 10.0) == []
 
 
 @pytest.mark.slow  # two spawned servers and client processes: run with --run-slow
