@@ -4,6 +4,7 @@ first, tensors one by one; one error that names every mismatched tensor with its
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -14,6 +15,15 @@ _LIST_LIMIT = 12
 
 class CheckpointError(ValueError):
     """A checkpoint could not be found, read, or matched to the model configuration."""
+
+
+def indexed_files(index: Path) -> list[Path]:
+    """The weights files a sharded checkpoint's index (``*.index.json``) names, beside it."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"cannot read {index}: {err}") from err
+    return [index.parent / name for name in sorted(set(weight_map.values()))]
 
 
 def _fmt(items: list[str]) -> str:

@@ -45,7 +45,7 @@ def release_cache(device: torch.device) -> None:
     Kept, they would stay the allocator's high-water mark until the first graph capture
     empties the cache, with the KV pool on top."""
     if device.type == "cuda":
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # start-up, before the KV pool is sized: not in any tick
 
 
 def default_budget(device: torch.device, cap: int | None = None) -> int:

@@ -21,7 +21,12 @@ import torch
 from tokenizers import Tokenizer
 
 from vlm_server.models.capabilities import CapabilityError
-from vlm_server.models.checkpoint_io import CheckpointError, CheckpointReader, check_shapes
+from vlm_server.models.checkpoint_io import (
+    CheckpointError,
+    CheckpointReader,
+    check_shapes,
+    indexed_files,
+)
 from vlm_server.models.common.quant_load import QuantRequest, install, quantized_state
 from vlm_server.models.interface import LoadedModel, QuantizedWeights
 from vlm_server.models.moondream3 import fp8_experts, moe_triton
@@ -84,11 +89,7 @@ def weight_files(path: Path) -> list[Path]:
         return [path]
     index = path / INDEX_FILE
     if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise CheckpointError(f"cannot read {index}: {err}") from err
-        return [path / name for name in sorted(set(weight_map.values()))]
+        return indexed_files(index)
     for name in (WEIGHTS_FILE, PT_FILE, "model.pt"):
         if (path / name).exists():
             return [path / name]

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from vlm_server.models.checkpoint_io import CheckpointError, check_shapes
+from vlm_server.models.checkpoint_io import CheckpointError, check_shapes, indexed_files
 from vlm_server.models.quant.formats import QuantError, QuantFormat, weight_format
 
 FORMAT_VERSION = "1"
@@ -108,11 +108,7 @@ def quantized_files(path: Path) -> list[Path]:
         return [path]
     index = path / INDEX_FILE
     if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise CheckpointError(f"cannot read {index}: {err}") from err
-        return [path / name for name in sorted(set(weight_map.values()))]
+        return indexed_files(index)
     if (path / WEIGHTS_FILE).exists():
         return [path / WEIGHTS_FILE]
     raise CheckpointError(f"{path} holds no {INDEX_FILE} or {WEIGHTS_FILE}")
