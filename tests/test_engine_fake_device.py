@@ -590,8 +590,10 @@ class _CancelRiders(Scheduler):
 
     riders: list[str]
 
-    def _admit(self, budget: StepBudget) -> list[tuple[Sequence, Chunk]]:
-        admitted = super()._admit(budget)
+    def _admit(
+        self, budget: StepBudget, interactive_only: bool = False
+    ) -> list[tuple[Sequence, Chunk]]:
+        admitted = super()._admit(budget, interactive_only)
         for seq in self.running:
             if seq.rides_prefix and seq.cancelled is None:
                 self.riders.append(seq.request.request_id)

@@ -9,6 +9,7 @@ every tick, and every request ends."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -22,7 +23,7 @@ from vlm_server.engine.api import (
     GenerationRequest,
     Task,
 )
-from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.config import BACKGROUND_YIELD, EngineConfig
 from vlm_server.engine.core.headroom import reserve_pages, typical_request_pages
 from vlm_server.engine.core.observer import Observer
 from vlm_server.engine.core.pipeline import Step
@@ -69,8 +70,10 @@ class Harness:
         depth: int = 2,
         interactive_batch: int = 0,
         riding: int = 0,
+        background_yield: str = "off",
     ) -> None:
         self.cfg = EngineConfig(
+            background_yield=background_yield,
             max_batch_size=max_batch_size,
             background_reserved_rows=reserved,
             background_prefill_batch=prefill_batch,
@@ -97,6 +100,20 @@ class Harness:
         self.first_token: dict[str, int] = {}  # request id -> the tick that committed it
         self.ends: dict[str, Finished | EngineError] = {}
         self.ticks = 0
+        self.injected: list[Sequence] = []  # arrived during a tick's commit wait
+
+    def arrive_while_waiting(self, arrivals: Callable[[], Sequence | None]) -> None:
+        """Give the scheduler a commit wait (as the engine's) during which ``arrivals`` may
+        submit a request: a wait ends early (False) when one arrived, else with the step."""
+
+        def wait(step: Step) -> bool:
+            seq = arrivals()
+            if seq is None:
+                return True
+            self.injected.append(seq)
+            return False
+
+        self.s.step_wait = wait
 
     def submit(
         self,
@@ -133,6 +150,7 @@ class Harness:
         """One tick; returns the sequences it admitted, in admission order."""
         before = {id(s) for s in self.order}
         waiting_before = list(self.s.waiting)
+        self.injected = []
         in_flight = self.s.pipe.n_in_flight
         moved = self.steps.launched_n + self.steps.committed_n
         self.s.tick()
@@ -153,8 +171,10 @@ class Harness:
         s, room = self.s, self.s.headroom
         background = [q for q in s.running if q.request.priority < 0]
         assert room.rows == len(background) <= room.max_rows
-        # Admitted: the head of the queue as it stood, in its order.
-        assert self.last == waiting_before[: len(self.last)]
+        # Admitted: the head of the queue as it stood, in its order (arrivals during the
+        # commit wait joined it by priority, after those of equal priority).
+        queue = sorted(waiting_before + self.injected, key=lambda q: -q.request.priority)
+        assert self.last == queue[: len(self.last)]
         # A new picture's batch holding background pictures: small, and only one in flight.
         pending = {id(e.pending): e.pending for e in s.pending_prefixes}
         with_background = [
@@ -344,7 +364,7 @@ def test_background_alone_takes_every_row_its_limit_allows_and_all_finish() -> N
     h.all_ended()
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(16))
 def test_random_traffic_keeps_the_rules_and_every_request_ends(seed: int) -> None:
     rng = random.Random(seed)
     h = Harness(
@@ -356,19 +376,26 @@ def test_random_traffic_keeps_the_rules_and_every_request_ends(seed: int) -> Non
         depth=rng.choice([1, 2]),
         interactive_batch=rng.choice([0, 1, 3]),
         riding=rng.choice([0, 16]),
+        background_yield=rng.choice(BACKGROUND_YIELD),
     )
     made = 0
+
+    def submit() -> Sequence:
+        nonlocal made
+        made += 1
+        return h.submit(
+            f"r{made}",
+            priority=rng.choice([-10, -3, 0, 2, 5]),
+            image=rng.choice([None, "a", "b", f"u{made}"]),
+            max_tokens=rng.randint(1, 60),
+            prompt=rng.randint(1, 20),
+        )
+
+    if rng.random() < 0.5:
+        h.arrive_while_waiting(lambda: submit() if rng.random() < 0.3 and made < 600 else None)
     for _ in range(400):
         for _ in range(rng.choice([0, 0, 0, 1, 3])):
-            image = rng.choice([None, "a", "b", f"u{made}"])
-            h.submit(
-                f"r{made}",
-                priority=rng.choice([-10, -3, 0, 2, 5]),
-                image=image,
-                max_tokens=rng.randint(1, 60),
-                prompt=rng.randint(1, 20),
-            )
-            made += 1
+            submit()
         if rng.random() < 0.4:
             for batch in h.rt.batches:
                 batch.done = batch.done or rng.random() < 0.7

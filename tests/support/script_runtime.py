@@ -3,8 +3,8 @@ sample a fixed token, and a batch of image prefixes is done when the test says s
 step that waits for it on the device (``after``) is read: by then the device ran the batch,
 and every earlier one of its lane (a lane runs in order).
 
-What the scheduler hands it is recorded: each prefix batch's jobs, in launch order, and each
-mixed step's rows with the batch it waits for."""
+What the scheduler hands it is recorded: each prefix batch's jobs, in launch order, each
+mixed step's rows with the batch it waits for, and each decode step's rows."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ class ScriptRuntime:
     batches: list[Batch] = field(default_factory=list)
     # Each mixed step: its rows (decode rows first) and the batch it waits for (or None).
     mixed: list[tuple[list[int], Batch | None]] = field(default_factory=list)
+    decodes: list[list[int]] = field(default_factory=list)  # each decode step's rows
     block_table: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
@@ -69,7 +70,7 @@ class ScriptRuntime:
             self._after[slot] = after
 
     def launch_decode(self, slot: int, step: StepInputs) -> None:
-        pass
+        self.decodes.append(step.rows.tolist())
 
     def finalize(
         self, slot: int, fin: np.ndarray, constrained: bool, regions: bool, greedy: bool = False

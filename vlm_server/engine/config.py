@@ -8,6 +8,7 @@ from decoding.limits import ConstraintLimits
 
 # EngineConfig.launch_overlap's values.
 LAUNCH_OVERLAP_MODES = ("off", "idle", "always")
+BACKGROUND_YIELD = ("off", "steps", "prefill", "all")
 # EngineConfig.prefill_sms: a share of the chip's SMs where green contexts work, else none
 # (chip_features.auto_prefill_sms); the server's default.
 PREFILL_SMS_AUTO = -1
@@ -107,6 +108,11 @@ class EngineConfig:
     # wait behind no background picture and no decode step. Pictures in one batch there;
     # 0: no such lane (interactive pictures queue behind background ones).
     interactive_prefill_batch: int = 4
+    # What background work yields while interactive requests run (BACKGROUND_YIELD):
+    # "steps": a step that has interactive rows to carry carries only those (a decode step's
+    # time grows with its rows' KV reads); "prefill": no background picture batch starts
+    # while an interactive picture is on the lane; "all": both; "off": neither.
+    background_yield: str = "all"
     # Spatial references one request may carry: every sequence row reserves the embeddings
     # of this many boxes (three positions each) on the device.
     max_spatial_refs: int = 8
@@ -163,6 +169,11 @@ class EngineConfig:
             raise ValueError(
                 "max_step_tokens must exceed max_batch_size: every step takes all its "
                 "decode rows and at least one prefill token"
+            )
+        if self.background_yield not in BACKGROUND_YIELD:
+            raise ValueError(
+                f"background_yield must be one of {', '.join(BACKGROUND_YIELD)}, "
+                f"not {self.background_yield!r}"
             )
         if self.launch_overlap not in LAUNCH_OVERLAP_MODES:
             raise ValueError(

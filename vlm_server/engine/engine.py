@@ -34,6 +34,7 @@ from vlm_server.engine.api import (
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.observer import NO_OBSERVER, Observer
 from vlm_server.engine.core.outputs import output_for
+from vlm_server.engine.core.pipeline import Step
 from vlm_server.engine.core.scheduler import Scheduler
 from vlm_server.engine.core.sequence import Sequence
 from vlm_server.engine.device.runtime import ModelRuntime
@@ -50,21 +51,21 @@ PREFIX_POLL_S = 0.0005
 PREFIX_WATCHED_POLL_S = 0.02
 
 
-class _PrefixWatcher:
-    """A thread that sleeps on the oldest pending image prefix's event and wakes the
-    scheduler the moment it completes: a prefix ready while nothing else runs (one request
-    alone) is noticed at once, instead of at the next poll."""
+class _Watcher:
+    """A thread that sleeps on one device event at a time and wakes the scheduler the moment
+    it completes: an image prefix ready while nothing else runs (one request alone), or a
+    step whose commit waits while requests may arrive (`BatchedEngine._wait_step`)."""
 
-    def __init__(self, wait: Callable[[object], None], done: Callable[[], None]) -> None:
+    def __init__(self, wait: Callable[[object], None], done: Callable[[], None], name: str) -> None:
         self._wait, self._done = wait, done
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._watched: object = None  # scheduler thread only
-        self._thread = threading.Thread(target=self._run, name="prefix-watcher", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def watch(self, key: object, handle: object) -> None:
-        """Wake the scheduler once ``handle`` completes (``key`` names the batch: a handle is
-        reused by later batches)."""
+        """Wake the scheduler once ``handle`` completes (``key`` names what is waited for: a
+        handle is reused by later batches and steps)."""
         if key is not self._watched:
             self._watched = key
             self._queue.put(handle)
@@ -77,7 +78,7 @@ class _PrefixWatcher:
             try:
                 self._wait(handle)
             except Exception:  # a device error: the scheduler thread meets it too
-                log.exception("waiting for an image prefix failed")
+                log.exception("waiting for the device failed")
             finally:
                 self._done()
 
@@ -184,11 +185,18 @@ class BatchedEngine:
         )
         if self.refinements is not None:
             self.scheduler.refine_segment = self.refinements.submit
-        self._prefix_watcher = (
-            _PrefixWatcher(self.runtime.wait_prefix, self._on_prefix_done)
-            if self.runtime.dev.is_cuda
-            else None
-        )
+        self._prefix_watcher: _Watcher | None = None
+        self._step_watcher: _Watcher | None = None
+        self._step_done = False  # set by the step watcher, under _cv
+        if self.runtime.dev.is_cuda:
+            self._prefix_watcher = _Watcher(
+                self.runtime.wait_prefix, self._on_prefix_done, "prefix-watcher"
+            )
+            if self.runtime.interactive_prefix_slots:
+                self._step_watcher = _Watcher(
+                    self.runtime.wait_outputs, self._on_step_done, "step-watcher"
+                )
+                self.scheduler.step_wait = self._wait_step
         self.intake: Intake[Sequence] = Intake(self, max_decoding=self.cfg.max_queue)
         # Finetune adapters (engine/adapters.py), when the config and the family take them.
         bank = self.runtime.adapter_bank
@@ -234,8 +242,9 @@ class BatchedEngine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self._prefix_watcher is not None:
-            self._prefix_watcher.close()
+        for watcher in (self._prefix_watcher, self._step_watcher):
+            if watcher is not None:
+                watcher.close()
         self.runtime.close()  # joins the prefill launcher
         self.intake.close()
         self.tasks.constraints.close()
@@ -409,6 +418,26 @@ class BatchedEngine:
         with self._cv:
             self._prefix_done = True
             self._cv.notify()
+
+    def _on_step_done(self) -> None:
+        with self._cv:
+            self._step_done = True
+            self._cv.notify()
+
+    def _wait_step(self, step: Step[Sequence]) -> bool:
+        """The scheduler's wait for ``step``'s results (scheduler.step_wait), cut short by
+        new requests: True once they landed; False after moving the arrivals into the queue."""
+        assert self._step_watcher is not None
+        self._step_watcher.watch(step, step.slot)
+        with self._cv:
+            while not self._step_done and not self._inbox:
+                self._cv.wait()
+            if self._step_done:
+                self._step_done = False
+                return True
+            arrived, self._inbox = self._inbox, []
+        self.scheduler.waiting.extend(arrived)
+        return False
 
     def _run(self) -> None:
         s = self.scheduler

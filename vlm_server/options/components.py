@@ -30,6 +30,7 @@ def engine_config(config: ServerConfig) -> EngineConfig:
         background_reserved_rows=config.reserved_rows_value,
         background_prefill_batch=config.background_prefill_batch,
         interactive_prefill_batch=config.interactive_prefill_batch,
+        background_yield=config.background_yield,
         prefill_batches=config.prefill_batches,
         prefix_prompt_tokens=config.prefix_prompt_tokens,
         crop_graph_sizes=config.crop_graph_sizes,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vlm_server.engine.config import (
+    BACKGROUND_YIELD,
     DEFAULT_RESERVED_ROWS,
     KV_DTYPES,
     LAUNCH_OVERLAP_MODES,
@@ -63,6 +64,15 @@ class PerformanceOptions:
         "own, ahead of the decode steps and of background pictures, in batches of at most "
         "this many (0 = no such lane: interactive pictures queue behind background ones; "
         "the lane's graphs take start-up time and memory)",
+    )
+    background_yield: str = option(
+        _ENGINE.background_yield,
+        G.PERFORMANCE,
+        "what background work yields while interactive requests run: steps = a step with "
+        "interactive rows to carry carries only those (it ends sooner without the background "
+        "rows' KV reads); prefill = no background picture batch starts while an interactive "
+        "picture is on its lane; all = both; off = neither",
+        choices=BACKGROUND_YIELD,
     )
     batch_concurrency: int = option(
         0,

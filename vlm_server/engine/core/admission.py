@@ -44,6 +44,10 @@ class Admission:
     headroom: Headroom
     pending_prefixes: list[PrefixEntry]
     _next_deadline: float
+    # EngineConfig.background_yield's parts: no background picture batch starts while an
+    # interactive picture is on its lane; a step with interactive rows carries only those.
+    yield_prefill: bool
+    yield_steps: bool
 
     if TYPE_CHECKING:
 
@@ -134,6 +138,11 @@ class Admission:
             and not is_background(seq.request)
         )
 
+    def _background_picture_yields(self) -> bool:
+        """Whether a new background picture waits: an interactive picture is on its lane
+        (``yield_prefill``), and a background batch beside it would slow it down."""
+        return self.yield_prefill and any(e.interactive_lane for e in self.pending_prefixes)
+
     def _can_admit(self, seq: Sequence) -> bool:
         """Whether `_admit` would take ``seq`` at the head of the queue (the same rules)."""
         if not self.free_rows or len(self.running) >= self.cfg.max_batch_size:
@@ -144,6 +153,8 @@ class Admission:
         if new_prefix and self._lane_full(self._interactive_lane(seq)):
             return False
         if is_background(seq.request):
+            if new_prefix and self._background_picture_yields():
+                return False
             return self._background_fits(seq, entry, 0 if new_prefix else -1)
         return self.pages_to_admit(seq) <= cache.free_for(entry)
 
@@ -153,13 +164,16 @@ class Admission:
         left = self.prefix_cache.free_for(entry) - self.pages_to_admit(seq)
         return left >= 0 and self.headroom.admits(in_batch, left)
 
-    def _admit(self, budget: StepBudget) -> list[tuple[Sequence, Chunk]]:
+    def _admit(
+        self, budget: StepBudget, interactive_only: bool = False
+    ) -> list[tuple[Sequence, Chunk]]:
         """Admit waiting sequences, the head first, while the step's budget, rows and pages
         allow (background ones within core/headroom.py's limits): reserve prompt + output
         pages, share or create the image prefix, take a row, and plan each one's first chunk.
         New image prefixes of the admitted start on the device's prefill stream as one batch;
         their users' chunks wait until they are ready. A head that cannot be admitted stops
-        admission: nothing of its priority or lower takes its place."""
+        admission: nothing of its priority or lower takes its place; ``interactive_only``:
+        nor does a background head (a step that background work yields)."""
         admitted: list[tuple[Sequence, Chunk]] = []
         new_prefixes: list[tuple[PrefixEntry, Sequence]] = []
         pages, cache = self.pages, self.prefix_cache
@@ -194,6 +208,8 @@ class Admission:
             elif (known is None or known.ready) and not budget.can_take():
                 break
             if is_background(seq.request):
+                if interactive_only or (new_prefix and self._background_picture_yields()):
+                    break
                 if not self._background_fits(seq, known, len(new_prefixes) if new_prefix else -1):
                     break
                 background_batch |= bool(new_prefix)

@@ -57,7 +57,7 @@ from vlm_server.engine.api import (
 )
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.admission import Admission
-from vlm_server.engine.core.headroom import Headroom
+from vlm_server.engine.core.headroom import Headroom, is_background
 from vlm_server.engine.core.observer import NO_OBSERVER, Observer
 from vlm_server.engine.core.outputs import stopped
 from vlm_server.engine.core.pages import PageAllocator
@@ -137,8 +137,14 @@ class Scheduler(Admission):
         self.headroom = Headroom(cfg, self.prefix_cache, self.pages.block_table.shape[1])
         # New image prefixes the device is still computing (on its prefill stream), oldest first.
         self.pending_prefixes: list[PrefixEntry] = []
+        self.yield_prefill = cfg.background_yield in ("prefill", "all")
+        self.yield_steps = cfg.background_yield in ("steps", "all")
         self.last_batch = 0
         self.clock = StepClock()
+        # Set by the engine where a commit's wait can be cut short: waits until ``step``'s
+        # results are readable (True) or requests arrived meanwhile, moved into `waiting`
+        # (False). Used while an interactive picture could start on its lane at once.
+        self.step_wait: Callable[[Step[Sequence]], bool] | None = None
 
     # ---- queries ----------------------------------------------------------------------
 
@@ -181,6 +187,7 @@ class Scheduler(Admission):
             oldest = pipe.in_flight[0]
             if oldest.state is SlotState.LAUNCHED:  # depth 1: sample before committing
                 self._finalize(oldest)
+            self._admit_while_waiting(oldest)
             self._commit(pipe.pop_oldest())
         t1 = time.perf_counter()
         step = pipe.unfinalized()
@@ -191,6 +198,27 @@ class Scheduler(Admission):
             self._launch()
         self.observer.tick(t1 - t0, t2 - t1, time.perf_counter() - t2)
         self.flush_events()
+
+    def _admit_while_waiting(self, step: Step[Sequence]) -> None:
+        """Wait for ``step``'s results, starting the pictures of interactive requests that
+        arrive meanwhile on their lane at once (while background work runs), instead of after
+        the commit: half a background step sooner on average."""
+        wait = self.step_wait
+        if wait is None or not self.rt.interactive_prefix_slots:
+            return
+        while self.headroom.rows and not wait(step):
+            if self.waiting and self._starts_on_lane(self.waiting[0]):
+                self._admit(StepBudget.spent(), interactive_only=True)
+
+    def _starts_on_lane(self, seq: Sequence) -> bool:
+        """Whether ``seq`` is an interactive request whose new picture admission would start
+        on the interactive lane now."""
+        return (
+            bool(seq.prefix_len)
+            and self._interactive_lane(seq)
+            and self.prefix_cache.peek(seq.request.image.content_hash) is None
+            and self._can_admit(seq)
+        )
 
     def _launchable(self) -> bool:
         if self._chainable() or self._interactive_riders():
@@ -205,7 +233,7 @@ class Scheduler(Admission):
     # ---- launch -----------------------------------------------------------------------
 
     def _launch(self) -> None:
-        running = self.running
+        running, interactive_only = self._step_candidates()
         decode = [s for s in running if s.wants_decode_step()][: self.cfg.max_batch_size]
         # Admission order, the oldest prefill first; the state test spares most rows a call.
         prefilling = [s for s in running if s.state is _PREFILL and s.wants_prefill_chunk()]
@@ -218,7 +246,7 @@ class Scheduler(Admission):
                 break
             chunks.append(s.next_chunk(budget.take(len(s.prompt) - s.prefill_launched)))
             prefill.append(s)
-        for s, chunk in self._admit(budget):
+        for s, chunk in self._admit(budget, interactive_only):
             chunks.append(chunk)
             prefill.append(s)
         after = None
@@ -226,9 +254,12 @@ class Scheduler(Admission):
         if not decode and not prefill and self._chainable():
             # Only prompts riding new prefixes: their held rows go now, behind the prefixes
             # on the device; the step's commit stands for the batch their pages wait for.
-            riders = list(running)
+            riders = list(self.running)
         else:
             riders = self._interactive_riders()
+        if riders and self.yield_steps and self.headroom.rows:
+            # Behind their batch, alone: the answers need not wait for background rows.
+            decode, prefill, chunks = [], [], []
         if riders:
             lane = riders[0].prefix.interactive_lane  # type: ignore[union-attr]
             # A lane runs its batches in order: its last one stands for every earlier one.
@@ -261,6 +292,30 @@ class Scheduler(Admission):
             s.held = False
             s.add_ref()
         self.last_batch = len(decode)
+
+    def _step_candidates(self) -> tuple[list[Sequence], bool]:
+        """The running sequences the next step may carry, and whether background work yields
+        it: while it yields steps (``yield_steps``) and an interactive sequence wants one (a
+        waiting head too, when it would take a row of the step), only the interactive ones."""
+        if not (self.yield_steps and self.headroom.rows):
+            return self.running, False
+        interactive = [s for s in self.running if not is_background(s.request)]
+        if any(
+            s.wants_decode_step() or s.wants_prefill_chunk() or s.wants_held_sample()
+            for s in interactive
+        ) or (self.waiting and self._takes_a_row_now(self.waiting[0])):
+            return interactive, True
+        return self.running, False
+
+    def _takes_a_row_now(self, seq: Sequence) -> bool:
+        """Whether admitting interactive ``seq`` now would put its prompt into this step (no
+        picture, or one whose prefix is ready)."""
+        if is_background(seq.request) or not self._can_admit(seq):
+            return False
+        if not seq.prefix_len:
+            return True
+        entry = self.prefix_cache.peek(seq.request.image.content_hash)
+        return entry is not None and entry.ready
 
     # ---- finalize ---------------------------------------------------------------------
 

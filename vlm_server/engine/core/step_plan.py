@@ -56,6 +56,13 @@ class StepBudget:
         self.budget = budget
         self.tokens = n_decode  # token rows planned so far (B1 bounds this)
 
+    @classmethod
+    def spent(cls) -> StepBudget:
+        """A budget with nothing left (admission outside a step: new pictures only)."""
+        budget = cls(1, 0)
+        budget.tokens = 1
+        return budget
+
     @property
     def left(self) -> int:
         return self.budget - self.tokens

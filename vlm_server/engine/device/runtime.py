@@ -273,6 +273,11 @@ class ModelRuntime:
         """Enqueue the sampling of the step in ``slot`` and its outputs' copy (sampler.py)."""
         self.sampler.finalize(slot, fin, constrained, regions, greedy)
 
+    def wait_outputs(self, slot: int) -> None:
+        """Block the calling thread (a watcher, not the scheduler's) until the slot's
+        results landed on the host; `read_outputs` then returns at once."""
+        self.sampler.wait_outputs(slot)
+
     def read_outputs(self, slot: int, b: int) -> np.ndarray:
         """Wait for the slot's D2H copy (the scheduler's one intended sync) and view it."""
         return self.sampler.read_outputs(slot, b)

@@ -118,6 +118,11 @@ class Sampler:
         )
         dev.record(buf.d2h_done, dev.copy_stream)
 
+    def wait_outputs(self, slot: int) -> None:
+        """Block the calling thread until the slot's D2H copy landed (a watcher thread's
+        wait, the scheduler's stands in `read_outputs`)."""
+        self.dev.host_wait(self.buffers.slots[slot].d2h_done)
+
     def read_outputs(self, slot: int, b: int) -> np.ndarray:
         """Wait for the slot's D2H copy (the scheduler's one intended sync) and view it."""
         buf = self.buffers.slots[slot]
