@@ -227,7 +227,7 @@ class _Recorded:
 def test_prefix_watcher_wakes_once_per_batch_and_survives_a_failed_wait() -> None:
     import threading
 
-    from vlm_server.engine.engine import _PrefixWatcher
+    from vlm_server.engine.engine import _Watcher
 
     woken = threading.Semaphore(0)
     waited: list[str] = []
@@ -239,7 +239,7 @@ def test_prefix_watcher_wakes_once_per_batch_and_survives_a_failed_wait() -> Non
             raise RuntimeError("device error")
         assert ready.wait(5)
 
-    watcher = _PrefixWatcher(wait, woken.release)
+    watcher = _Watcher(wait, woken.release, "prefix-watcher")
     first, second = threading.Event(), threading.Event()
     batch_a, batch_b, batch_c = object(), object(), object()
     watcher.watch(batch_a, ("a", first))
@@ -256,3 +256,41 @@ def test_prefix_watcher_wakes_once_per_batch_and_survives_a_failed_wait() -> Non
     watcher.close()
     watcher._thread.join(5)
     assert not watcher._thread.is_alive()
+
+
+def test_a_step_wait_ends_with_the_step_or_with_arrivals_first() -> None:
+    """The engine's commit wait (scheduler.step_wait): requests arriving before the step's
+    results end it early and join the queue; the results end it otherwise, and a second wait
+    for the same step waits on the same watch."""
+    import threading
+    from types import SimpleNamespace
+
+    from vlm_server.engine.core.pipeline import LaunchKind, Step
+    from vlm_server.engine.engine import BatchedEngine, _Watcher
+
+    landed = threading.Event()
+    waits: list[int] = []
+
+    def wait_outputs(slot: object) -> None:
+        waits.append(slot)  # type: ignore[arg-type]
+        assert landed.wait(5)
+
+    engine = BatchedEngine.__new__(BatchedEngine)  # the wait's state only, no model
+    engine._cv = threading.Condition()
+    engine._inbox = []
+    engine._step_done = False
+    engine._step_watcher = _Watcher(wait_outputs, engine._on_step_done, "step-watcher")
+
+    queue = SimpleNamespace(waiting=[])
+    engine.scheduler = queue  # type: ignore[assignment]
+    step = Step(0, 1, LaunchKind.DECODE, [])
+    with engine._cv:
+        engine._inbox.append("arrival")  # type: ignore[arg-type]
+    assert engine._wait_step(step) is False
+    assert queue.waiting == ["arrival"] and not engine._inbox
+    timer = threading.Timer(0.05, landed.set)
+    timer.start()
+    assert engine._wait_step(step) is True
+    assert waits == [1]  # one watch of the step's slot for both waits
+    engine._step_watcher.close()
+    timer.join()

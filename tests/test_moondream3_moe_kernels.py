@@ -50,12 +50,25 @@ def _same_grouping(got: object, ids: torch.Tensor, n_experts: int, block_m: int)
 # ---- route + grouping ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "n, k, e, block_m",
-    [(1, 8, 64, 16), (3, 2, 8, 16), (37, 3, 8, 64), (300, 8, 64, 32), (70, 3, 5, 16)],
-)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("uneven", [False, True])
+def _wide(*values: object, default: bool) -> object:
+    """A case of the widest step: the suite runs one such case, the rest with --run-slow
+    (under the interpreter each takes a second or more)."""
+    return pytest.param(*values, marks=() if default else pytest.mark.slow)
+
+
+_ROUTE_CASES = [
+    (n, k, e, block_m, dtype, uneven)
+    for n, k, e, block_m in [(1, 8, 64, 16), (3, 2, 8, 16), (37, 3, 8, 64), (70, 3, 5, 16)]
+    for dtype in (torch.float32, torch.bfloat16)
+    for uneven in (False, True)
+] + [
+    _wide(300, 8, 64, 32, dtype, uneven, default=dtype == torch.bfloat16 and uneven)
+    for dtype in (torch.float32, torch.bfloat16)
+    for uneven in (False, True)
+]
+
+
+@pytest.mark.parametrize("n, k, e, block_m, dtype, uneven", _ROUTE_CASES)
 def test_route_align_equals_route_then_align(
     kern: SimpleNamespace, n: int, k: int, e: int, block_m: int, dtype: torch.dtype, uneven: bool
 ) -> None:
@@ -90,8 +103,11 @@ def test_align_fused_equals_align(
     _same_grouping(kern.routing.align_fused(ids, e, block_m), ids, e, block_m)
 
 
-@pytest.mark.parametrize("max_programs", [1, 3, 5])
-@pytest.mark.parametrize("n, k, e", [(300, 8, 64), (70, 3, 5), (37, 1, 7)])
+@pytest.mark.parametrize(
+    "max_programs, n, k, e",
+    [(m, n, k, e) for m in (1, 3, 5) for n, k, e in [(70, 3, 5), (37, 1, 7)]]
+    + [_wide(m, 300, 8, 64, default=m == 3) for m in (1, 3, 5)],
+)
 def test_several_chunks_a_program_group_the_same(
     kern: SimpleNamespace, monkeypatch: pytest.MonkeyPatch, max_programs: int, n: int, k: int,
     e: int,

@@ -34,6 +34,12 @@ interactive request running is a prompt riding such a batch, the next step carri
 rows at once, waiting for the batch on the device: the background rows it also carries wait
 with them, and the interactive answers pay no host round trip.
 
+Background work yields to interactive requests (``background_yield``): a step that
+interactive sequences want carries only them, and no background picture batch starts while an
+interactive picture is on its lane. While background work runs, a commit's wait (`step_wait`,
+the engine's) also ends when requests arrive, so that an interactive picture starts on its
+lane at once instead of after the commit.
+
 At depth 1 the same calls run as launch -> finalize -> commit, one step at a time (blocking).
 """
 
