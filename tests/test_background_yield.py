@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from tests.test_scheduler_priorities import Harness
 from vlm_server.engine.api import BATCH_PRIORITY
+from vlm_server.engine.core.headroom import YIELDS_IN_A_ROW
 from vlm_server.engine.core.sequence import Sequence
 
 
@@ -45,6 +46,22 @@ def test_prefill_yield_holds_background_pictures_while_the_lane_runs() -> None:
     h.all_ended()
 
 
+def test_a_lane_that_never_pauses_lets_a_background_batch_start_after_some_of_its_batches() -> None:
+    h = Harness(reserved=2, prefill_batch=1, interactive_batch=1, background_yield="prefill")
+    h.submit("text", BATCH_PRIORITY, max_tokens=200)
+    h.tick()
+    (bg,) = _background(h, 1)
+    for i in range(YIELDS_IN_A_ROW):
+        h.submit(f"i{i}", image=f"q{i}")  # each new picture while the last is on the lane
+        assert _names(h.tick()) == [f"i{i}"]
+        for batch in h.rt.batches[:-1]:  # the older ones end: the newest is always pending
+            batch.done = True
+    assert _names(h.tick()) == ["bg0"]  # beside the lane, after that many of its batches
+    assert not h.rt.batches[-1].interactive
+    h.run()
+    h.all_ended()
+
+
 def test_without_prefill_yield_background_pictures_start_beside_the_lane() -> None:
     h = Harness(reserved=2, prefill_batch=1, interactive_batch=2, background_yield="steps")
     h.submit("text", BATCH_PRIORITY, max_tokens=60)
@@ -62,7 +79,7 @@ def test_steps_yield_carries_interactive_rows_alone_then_background_goes_on() ->
     bgs = _background(h, 3, image=False)
     for _ in range(3):
         h.tick()
-    talk = h.submit("talk", max_tokens=6)
+    talk = h.submit("talk", max_tokens=YIELDS_IN_A_ROW - 1)  # a step each, and its prompt's
     while not talk.finished:
         h.tick()
     alone = [rows for rows in h.rt.decodes if _rows(talk) & set(rows)]
@@ -74,6 +91,24 @@ def test_steps_yield_carries_interactive_rows_alone_then_background_goes_on() ->
     h.all_ended()
     after = h.rt.decodes[launched:]
     assert after and all(set(rows) <= bg_rows for rows in after)
+
+
+def test_interactive_traffic_that_never_pauses_leaves_background_rows_steps() -> None:
+    h = Harness(reserved=2, background_yield="steps")
+    bgs = _background(h, 2, image=False)
+    for _ in range(3):
+        h.tick()
+    talk = h.submit("talk", max_tokens=30)
+    while not talk.finished:
+        h.tick()
+    steps = [set(rows) for rows in h.rt.decodes if _rows(talk) & set(rows)]
+    assert len(steps) > 2 * YIELDS_IN_A_ROW
+    with_background = [i for i, rows in enumerate(steps) if rows & _rows(*bgs)]
+    assert len(with_background) < len(steps) / 2  # most steps the interactive rows' alone
+    gaps = [b - a for a, b in zip([-1, *with_background], with_background, strict=False)]
+    assert with_background and max(gaps) <= YIELDS_IN_A_ROW + 1  # never starved
+    h.run()
+    h.all_ended()
 
 
 def test_without_steps_yield_interactive_rows_share_steps_with_background() -> None:

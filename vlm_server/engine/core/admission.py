@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING
 
 from vlm_server.engine.config import EngineConfig
-from vlm_server.engine.core.headroom import Headroom, is_background
+from vlm_server.engine.core.headroom import YIELDS_IN_A_ROW, Headroom, is_background
 from vlm_server.engine.core.pages import PageAllocator
 from vlm_server.engine.core.pipeline import PipelineState
 from vlm_server.engine.core.prefix_cache import PrefixCache, PrefixEntry
@@ -48,6 +48,8 @@ class Admission:
     # interactive picture is on its lane; a step with interactive rows carries only those.
     yield_prefill: bool
     yield_steps: bool
+    # Interactive lane batches started since the last batch holding background pictures.
+    lane_batches_since_background: int
 
     if TYPE_CHECKING:
 
@@ -140,8 +142,13 @@ class Admission:
 
     def _background_picture_yields(self) -> bool:
         """Whether a new background picture waits: an interactive picture is on its lane
-        (``yield_prefill``), and a background batch beside it would slow it down."""
-        return self.yield_prefill and any(e.interactive_lane for e in self.pending_prefixes)
+        (``yield_prefill``), and a background batch beside it would slow it down; at most
+        `YIELDS_IN_A_ROW` lane batches in a row."""
+        return (
+            self.yield_prefill
+            and self.lane_batches_since_background < YIELDS_IN_A_ROW
+            and any(e.interactive_lane for e in self.pending_prefixes)
+        )
 
     def _can_admit(self, seq: Sequence) -> bool:
         """Whether `_admit` would take ``seq`` at the head of the queue (the same rules)."""
@@ -261,6 +268,9 @@ class Admission:
                 self.pending_prefixes.append(entry)
             if background_batch:
                 self.headroom.launched_batch(new_prefixes[0][0])
+                self.lane_batches_since_background = 0
+            elif interactive_lane:
+                self.lane_batches_since_background += 1
         return admitted
 
     def _start(self, seq: Sequence, entry: PrefixEntry | None, own: int, now: float) -> None:

@@ -28,6 +28,11 @@ from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.memory_plan import typical_positions
 from vlm_server.engine.core.prefix_cache import PrefixCache, PrefixEntry
 
+# Background work yields (EngineConfig.background_yield) at most this many times in a row:
+# then a step carries its rows, or a batch of its pictures starts beside the interactive lane,
+# so that interactive traffic that never pauses still leaves it progress.
+YIELDS_IN_A_ROW = 4
+
 
 def is_background(request: GenerationRequest) -> bool:
     return request.priority < 0

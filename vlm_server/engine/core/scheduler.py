@@ -63,7 +63,7 @@ from vlm_server.engine.api import (
 )
 from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.admission import Admission
-from vlm_server.engine.core.headroom import Headroom, is_background
+from vlm_server.engine.core.headroom import YIELDS_IN_A_ROW, Headroom, is_background
 from vlm_server.engine.core.observer import NO_OBSERVER, Observer
 from vlm_server.engine.core.outputs import stopped
 from vlm_server.engine.core.pages import PageAllocator
@@ -145,6 +145,8 @@ class Scheduler(Admission):
         self.pending_prefixes: list[PrefixEntry] = []
         self.yield_prefill = cfg.background_yield in ("prefill", "all")
         self.yield_steps = cfg.background_yield in ("steps", "all")
+        self.lane_batches_since_background = 0
+        self._steps_yielded = 0  # steps in a row that background rows yielded
         self.last_batch = 0
         self.clock = StepClock()
         # Set by the engine where a commit's wait can be cut short: waits until ``step``'s
@@ -263,9 +265,10 @@ class Scheduler(Admission):
             riders = list(self.running)
         else:
             riders = self._interactive_riders()
-        if riders and self.yield_steps and self.headroom.rows:
+        if riders and self._yields_steps():
             # Behind their batch, alone: the answers need not wait for background rows.
             decode, prefill, chunks = [], [], []
+            interactive_only = True
         if riders:
             lane = riders[0].prefix.interactive_lane  # type: ignore[union-attr]
             # A lane runs its batches in order: its last one stands for every earlier one.
@@ -278,6 +281,7 @@ class Scheduler(Admission):
                 prefill.append(s)
         if not decode and not prefill:
             return
+        self._steps_yielded = self._steps_yielded + 1 if interactive_only else 0
         seqs = decode + prefill
         if prefill:
             plan = StepPlan(len(decode), chunks)
@@ -301,9 +305,9 @@ class Scheduler(Admission):
 
     def _step_candidates(self) -> tuple[list[Sequence], bool]:
         """The running sequences the next step may carry, and whether background work yields
-        it: while it yields steps (``yield_steps``) and an interactive sequence wants one (a
+        it: while it yields steps (`_yields_steps`) and an interactive sequence wants one (a
         waiting head too, when it would take a row of the step), only the interactive ones."""
-        if not (self.yield_steps and self.headroom.rows):
+        if not self._yields_steps():
             return self.running, False
         interactive = [s for s in self.running if not is_background(s.request)]
         if any(
@@ -312,6 +316,15 @@ class Scheduler(Admission):
         ) or (self.waiting and self._takes_a_row_now(self.waiting[0])):
             return interactive, True
         return self.running, False
+
+    def _yields_steps(self) -> bool:
+        """Whether background rows may yield the next step (``yield_steps``, background work
+        running, fewer than `YIELDS_IN_A_ROW` steps yielded in a row)."""
+        return (
+            self.yield_steps
+            and bool(self.headroom.rows)
+            and self._steps_yielded < YIELDS_IN_A_ROW
+        )
 
     def _takes_a_row_now(self, seq: Sequence) -> bool:
         """Whether admitting interactive ``seq`` now would put its prompt into this step (no
