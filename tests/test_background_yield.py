@@ -50,7 +50,7 @@ def test_a_lane_that_never_pauses_lets_a_background_batch_start_after_some_of_it
     h = Harness(reserved=2, prefill_batch=1, interactive_batch=1, background_yield="prefill")
     h.submit("text", BATCH_PRIORITY, max_tokens=200)
     h.tick()
-    (bg,) = _background(h, 1)
+    _background(h, 1)
     for i in range(YIELDS_IN_A_ROW):
         h.submit(f"i{i}", image=f"q{i}")  # each new picture while the last is on the lane
         assert _names(h.tick()) == [f"i{i}"]

@@ -321,9 +321,7 @@ class Scheduler(Admission):
         """Whether background rows may yield the next step (``yield_steps``, background work
         running, fewer than `YIELDS_IN_A_ROW` steps yielded in a row)."""
         return (
-            self.yield_steps
-            and bool(self.headroom.rows)
-            and self._steps_yielded < YIELDS_IN_A_ROW
+            self.yield_steps and bool(self.headroom.rows) and self._steps_yielded < YIELDS_IN_A_ROW
         )
 
     def _takes_a_row_now(self, seq: Sequence) -> bool:
