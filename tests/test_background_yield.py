@@ -74,14 +74,23 @@ def test_without_prefill_yield_background_pictures_start_beside_the_lane() -> No
     h.all_ended()
 
 
-def test_steps_yield_carries_interactive_rows_alone_then_background_goes_on() -> None:
-    h = Harness(reserved=2, background_yield="steps")
-    bgs = _background(h, 3, image=False)
+def _talk_beside_background(
+    background_yield: str, n: int, max_tokens: int
+) -> tuple[Harness, Sequence, list[Sequence]]:
+    """``n`` background requests running, then an interactive one, ticked until it ended."""
+    h = Harness(reserved=2, background_yield=background_yield)
+    bgs = _background(h, n, image=False)
     for _ in range(3):
         h.tick()
-    talk = h.submit("talk", max_tokens=YIELDS_IN_A_ROW - 1)  # a step each, and its prompt's
+    talk = h.submit("talk", max_tokens=max_tokens)
     while not talk.finished:
         h.tick()
+    return h, talk, bgs
+
+
+def test_steps_yield_carries_interactive_rows_alone_then_background_goes_on() -> None:
+    # A step for each token, and its prompt's: within the yields in a row.
+    h, talk, bgs = _talk_beside_background("steps", 3, YIELDS_IN_A_ROW - 1)
     alone = [rows for rows in h.rt.decodes if _rows(talk) & set(rows)]
     assert alone and all(set(rows) == _rows(talk) for rows in alone)
     mixed = [rows for rows, _ in h.rt.mixed if _rows(talk) & set(rows)]
@@ -94,13 +103,7 @@ def test_steps_yield_carries_interactive_rows_alone_then_background_goes_on() ->
 
 
 def test_interactive_traffic_that_never_pauses_leaves_background_rows_steps() -> None:
-    h = Harness(reserved=2, background_yield="steps")
-    bgs = _background(h, 2, image=False)
-    for _ in range(3):
-        h.tick()
-    talk = h.submit("talk", max_tokens=30)
-    while not talk.finished:
-        h.tick()
+    h, talk, bgs = _talk_beside_background("steps", 2, 30)
     steps = [set(rows) for rows in h.rt.decodes if _rows(talk) & set(rows)]
     assert len(steps) > 2 * YIELDS_IN_A_ROW
     with_background = [i for i, rows in enumerate(steps) if rows & _rows(*bgs)]
@@ -112,13 +115,7 @@ def test_interactive_traffic_that_never_pauses_leaves_background_rows_steps() ->
 
 
 def test_without_steps_yield_interactive_rows_share_steps_with_background() -> None:
-    h = Harness(reserved=2, background_yield="prefill")
-    bgs = _background(h, 3, image=False)
-    for _ in range(3):
-        h.tick()
-    talk = h.submit("talk", max_tokens=6)
-    while not talk.finished:
-        h.tick()
+    h, talk, bgs = _talk_beside_background("prefill", 3, 6)
     assert any(set(rows) == _rows(talk, *bgs) for rows in h.rt.decodes)
     h.run()
     h.all_ended()
