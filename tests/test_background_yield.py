@@ -29,13 +29,20 @@ def _background(h: Harness, n: int, image: bool = True) -> list[Sequence]:
     ]
 
 
-def test_prefill_yield_holds_background_pictures_while_the_lane_runs() -> None:
-    h = Harness(reserved=2, prefill_batch=1, interactive_batch=2, background_yield="prefill")
-    h.submit("text", BATCH_PRIORITY, max_tokens=60)  # background work without a picture
+def _picture_beside_background(background_yield: str, n: int) -> Harness:
+    """Background work without a picture running; then an interactive picture and ``n``
+    background ones arrive, and the interactive one takes its lane."""
+    h = Harness(reserved=2, prefill_batch=1, interactive_batch=2, background_yield=background_yield)
+    h.submit("text", BATCH_PRIORITY, max_tokens=60)
     h.tick()
     h.submit("i0", image="q0")
-    _background(h, 2)
+    _background(h, n)
     assert _names(h.tick()) == ["i0"]
+    return h
+
+
+def test_prefill_yield_holds_background_pictures_while_the_lane_runs() -> None:
+    h = _picture_beside_background("prefill", 2)
     lane = h.rt.batches[-1]
     assert lane.interactive
     for _ in range(4):
@@ -63,12 +70,7 @@ def test_a_lane_that_never_pauses_lets_a_background_batch_start_after_some_of_it
 
 
 def test_without_prefill_yield_background_pictures_start_beside_the_lane() -> None:
-    h = Harness(reserved=2, prefill_batch=1, interactive_batch=2, background_yield="steps")
-    h.submit("text", BATCH_PRIORITY, max_tokens=60)
-    h.tick()
-    h.submit("i0", image="q0")
-    _background(h, 1)
-    assert _names(h.tick()) == ["i0"]
+    h = _picture_beside_background("steps", 1)
     assert _names(h.tick()) == ["bg0"]
     h.run()
     h.all_ended()
