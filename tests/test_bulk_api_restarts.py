@@ -88,7 +88,7 @@ class Server:
         try:
             with urllib.request.urlopen(self.url.removesuffix("/v1") + "/ready", timeout=5):
                 return True
-        except (urllib.error.URLError, ConnectionError):
+        except OSError:  # refused, 503 (an HTTPError), or slow to answer on a loaded machine
             return False
 
     def wait_ready(self) -> Server:
