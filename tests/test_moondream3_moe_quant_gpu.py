@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from image_pipeline import PreparedImage
-from tests.support.quant_reference import dequantized_twin
+from tests.support.quant_reference import FP32_STEP_TOKENS, dequantized_twin
 from tests.test_engine import _finish_all, _reference_text, images  # noqa: F401  (fixtures)
 from vlm_server.engine.api import GenerationRequest, Task
 from vlm_server.models.interface import LoadedModel
@@ -137,7 +137,15 @@ def test_moondream3_size_quantized_experts_engine_equals_the_dequantized_model_f
         ),
         GenerationRequest(Task.DETECT, images[2], object_name="car", max_objects=3),
     ]
-    cap, qry, det = _finish_all(loaded, reqs, 2, _check, max_batch_size=4, kv_budget_bytes=1 << 30)
+    cap, qry, det = _finish_all(
+        loaded,
+        reqs,
+        2,
+        _check,
+        max_batch_size=4,
+        kv_budget_bytes=1 << 30,
+        max_step_tokens=FP32_STEP_TOKENS,
+    )
     plain = load(None)
     ref = ReferenceGenerator(dequantized_twin(loaded, plain).model, plain.tokenizer)
     del plain

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from image_pipeline import PreparedImage
-from tests.support.quant_reference import dequantized_twin, md2_size_requests
+from tests.support.quant_reference import FP32_STEP_TOKENS, dequantized_twin, md2_size_requests
 from tests.test_engine import _finish_all, _reference_text, images  # noqa: F401  (fixtures)
 from vlm_server.models.common.quant_linear import QuantLinear
 from vlm_server.models.interface import LoadedModel
@@ -54,7 +54,15 @@ def test_the_engine_answers_as_the_dequantized_tower_fp32(
         rt = engine.batched.runtime
         assert rt.prefill.image_graphs and rt.prefill.prefix_graphs  # the tower, captured
 
-    cap, qry, det = _finish_all(loaded, reqs, 2, check, max_batch_size=4, kv_budget_bytes=2 << 30)
+    cap, qry, det = _finish_all(
+        loaded,
+        reqs,
+        2,
+        check,
+        max_batch_size=4,
+        kv_budget_bytes=2 << 30,
+        max_step_tokens=FP32_STEP_TOKENS,
+    )
     plain = _md2(torch.float32)
     ref = ReferenceGenerator(dequantized_twin(loaded, plain).model, plain.tokenizer)
     del plain

@@ -15,6 +15,10 @@ from vlm_server.models.interface import LoadedModel
 from vlm_server.models.moondream3.moe import ExpertBank
 
 GROUP = 128
+# The fp32 engines' steps: fp32 products over quantized weights run on the CUDA cores, where
+# a mixed-step graph of the default 4096 tokens takes seconds to warm up and capture; the
+# requests of these tests fit in far fewer.
+FP32_STEP_TOKENS = 256
 
 
 def random_scale(
