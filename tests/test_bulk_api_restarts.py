@@ -163,6 +163,12 @@ def _status(data_dir: Path, batch_id: str) -> tuple[str, int, int]:
     return row
 
 
+def _start(servers: list[Server], tiny_dir: Path, data_dir: Path) -> Server:
+    """A new server, listed before it is ready: one that never gets ready is stopped too."""
+    servers.append(Server(tiny_dir, data_dir))
+    return servers[-1].wait_ready()
+
+
 def test_a_batch_killed_five_times_then_drained_completes_with_every_line_once(
     tiny_dir: Path, tmp_path: Path
 ) -> None:
@@ -173,12 +179,12 @@ def test_a_batch_killed_five_times_then_drained_completes_with_every_line_once(
     data_dir = tmp_path / "data"
     servers: list[Server] = []
     try:
-        servers.append(Server(tiny_dir, data_dir).wait_ready())
+        _start(servers, tiny_dir, data_dir)
         batch_id = _create(servers[-1])
         results = data_dir / "results" / f"{batch_id}.jsonl"
         for kill in range(6):
             if kill:
-                servers.append(Server(tiny_dir, data_dir).wait_ready())
+                _start(servers, tiny_dir, data_dir)
             # Sometimes at once (the resumed lines just started), else a few lines on.
             target = min(_written(results) + rng.choice([0, 1, 2, 3, 5, 7]), LAST_KILL)
             what = f"{target} results"
@@ -195,7 +201,7 @@ def test_a_batch_killed_five_times_then_drained_completes_with_every_line_once(
             assert results.read_bytes().endswith(b"\n")  # the lines in flight ended whole
             status, completed, failed = _status(data_dir, batch_id)
             assert status == "in_progress" and completed + failed == written  # counts written
-        servers.append(Server(tiny_dir, data_dir).wait_ready())
+        _start(servers, tiny_dir, data_dir)
         _check_completed(servers[-1], batch_id, data_dir)
     finally:
         for server in servers:
