@@ -17,14 +17,13 @@ import pytest
 import torch
 
 from image_pipeline import PreparedImage
-from tests.support.quant_reference import FP32_STEP_TOKENS, dequantized_twin
+from tests.support.quant_reference import assert_answers_as, dequantized_twin, fp32_engine_answers
 from tests.test_engine import _finish_all, _reference_text, images  # noqa: F401  (fixtures)
 from vlm_server.engine.api import GenerationRequest, Task
 from vlm_server.models.interface import LoadedModel
 from vlm_server.models.moondream3.moe import ExpertBank, experts_loop
 from vlm_server.models.quant.formats import QuantFormat, weight_format
 from vlm_server.models.registry import preset, random_model
-from vlm_server.reference import ReferenceGenerator
 from vlm_server.server.in_process import InProcessEngine
 
 pytestmark = pytest.mark.gpu
@@ -137,21 +136,9 @@ def test_moondream3_size_quantized_experts_engine_equals_the_dequantized_model_f
         ),
         GenerationRequest(Task.DETECT, images[2], object_name="car", max_objects=3),
     ]
-    cap, qry, det = _finish_all(
-        loaded,
-        reqs,
-        2,
-        _check,
-        max_batch_size=4,
-        kv_budget_bytes=1 << 30,
-        max_step_tokens=FP32_STEP_TOKENS,
-    )
-    plain = load(None)
-    ref = ReferenceGenerator(dequantized_twin(loaded, plain).model, plain.tokenizer)
-    del plain
-    assert cap.text == _reference_text(ref, reqs[0])
-    assert qry.text == _reference_text(ref, reqs[1])
-    assert [vars(b) for b in det.boxes] == [vars(b) for b in ref.detect(images[2], "car", 3).boxes]
+    done = fp32_engine_answers(loaded, reqs, _check, 1 << 30)
+    twin = dequantized_twin(loaded, load(None))
+    assert_answers_as(twin, reqs, done)
 
 
 def test_decode_step_time_per_expert_format() -> None:

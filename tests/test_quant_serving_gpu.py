@@ -15,13 +15,17 @@ import pytest
 import torch
 
 from image_pipeline import PreparedImage
-from tests.support.quant_reference import FP32_STEP_TOKENS, dequantized_twin, md2_size_requests
+from tests.support.quant_reference import (
+    assert_answers_as,
+    dequantized_twin,
+    fp32_engine_answers,
+    md2_size_requests,
+)
 from tests.test_engine import _finish_all, _reference_text, images  # noqa: F401  (fixtures)
 from vlm_server.models.common.quant_linear import QuantLinear
 from vlm_server.models.interface import LoadedModel
 from vlm_server.models.kv import DenseKVCache
 from vlm_server.models.registry import preset, random_model
-from vlm_server.reference import ReferenceGenerator
 from vlm_server.server.in_process import InProcessEngine
 
 pytestmark = pytest.mark.gpu
@@ -54,21 +58,9 @@ def test_the_engine_answers_as_the_dequantized_model_fp32(
         assert rt.steps.decode_graphs and rt.steps.mixed_graphs and rt.prefill.prefix_graphs
         assert rt.fused_decode  # the fused products over the stacked quantized weights
 
-    cap, qry, det = _finish_all(
-        loaded,
-        reqs,
-        2,
-        check,
-        max_batch_size=4,
-        kv_budget_bytes=2 << 30,
-        max_step_tokens=FP32_STEP_TOKENS,
-    )
-    plain = _md2(torch.float32, None)
-    ref = ReferenceGenerator(dequantized_twin(loaded, plain).model, plain.tokenizer)
-    del plain
-    assert cap.text == _reference_text(ref, reqs[0])
-    assert qry.text == _reference_text(ref, reqs[1])
-    assert [vars(b) for b in det.boxes] == [vars(b) for b in ref.detect(images[2], "car", 3).boxes]
+    done = fp32_engine_answers(loaded, reqs, check, 2 << 30)
+    twin = dequantized_twin(loaded, _md2(torch.float32, None))
+    assert_answers_as(twin, reqs, done)
 
 
 @pytest.mark.parametrize("weights", FORMATS)

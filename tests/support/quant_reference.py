@@ -150,6 +150,22 @@ def md2_size_requests(images: list) -> list:
     ]
 
 
+def fp32_engine_answers(loaded: LoadedModel, reqs: list, check: object, kv_bytes: int) -> list:
+    """Each request's `Finished`, in order, from an fp32 engine over ``loaded`` (depth 2,
+    four rows, steps of at most `FP32_STEP_TOKENS`); ``check`` looks at it once started."""
+    from tests.test_engine import _finish_all
+
+    return _finish_all(
+        loaded,
+        reqs,
+        2,
+        check,  # type: ignore[arg-type]
+        max_batch_size=4,
+        kv_budget_bytes=kv_bytes,
+        max_step_tokens=FP32_STEP_TOKENS,
+    )
+
+
 def assert_answers_as(twin: LoadedModel, reqs: list, done: list) -> None:
     """Each finished request answers as the reference on ``twin`` (text, or a detect's
     boxes)."""
