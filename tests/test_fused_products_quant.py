@@ -21,6 +21,7 @@ from torch import nn
 
 from tests.support import quant_reference as ref
 from tests.support.interpreted import interpreted
+from tests.support.quant_reference import block_outputs
 from vlm_server.models.common import fused_products, quant_stack
 from vlm_server.models.common.layers import LayerNorm
 from vlm_server.models.common.quant_linear import QuantLinear
@@ -235,19 +236,6 @@ def test_a_blocks_products_equal_the_dequantized_blocks(
     g = torch.Generator().manual_seed(rows)
     h, x, attn = (torch.randn(rows, 128, generator=g).to(dtype) for _ in range(3))
     norm = LayerNorm(128).to(dtype)
-    outs = []
-    for prod in (quant, dense):
-        qkv, hidden = prod.qkv_and_hidden(h)
-        pending = prod.start_mlp(h)
-        outs.append(
-            [
-                qkv,
-                hidden,
-                prod.qkv(h),
-                prod.branch(attn, hidden),
-                *prod.add_branch_and_norm(x, attn, hidden, norm),
-                *prod.add_branch_and_norm_after(x, attn, pending, norm),
-            ]
-        )
+    outs = [block_outputs(prod, h, x, attn, norm) for prod in (quant, dense)]
     for got, want in zip(*outs, strict=True):
         assert got.dtype == dtype and torch.equal(got, want)

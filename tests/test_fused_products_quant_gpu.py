@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.support.quant_reference import block_outputs
 from vlm_server.models.common import fused_products
 from vlm_server.models.common.layers import LayerNorm
 from vlm_server.models.common.quant_linear import QuantLinear
@@ -61,21 +62,8 @@ def test_the_block_products_equal_the_dequantized_ones(fmt: QuantFormat, rows: i
     quant, dense = fused_products.stack_block(*layers), fused_products.stack_block(*twins)
     h, x, attn = (torch.randn(rows, D, device="cuda", generator=g).bfloat16() for _ in range(3))
     norm = LayerNorm(D).cuda().bfloat16()
-    outs = []
     with torch.inference_mode():
-        for prod in (quant, dense):
-            qkv, hidden = prod.qkv_and_hidden(h)
-            pending = prod.start_mlp(h)
-            outs.append(
-                [
-                    qkv,
-                    hidden,
-                    prod.qkv(h),
-                    prod.branch(attn, hidden),
-                    *prod.add_branch_and_norm(x, attn, hidden, norm),
-                    *prod.add_branch_and_norm_after(x, attn, pending, norm),
-                ]
-            )
+        outs = [block_outputs(prod, h, x, attn, norm) for prod in (quant, dense)]
     torch.cuda.synchronize()
     for got, want in zip(*outs, strict=True):
         assert torch.equal(got, want)

@@ -179,3 +179,20 @@ def assert_answers_as(twin: LoadedModel, reqs: list, done: list) -> None:
             assert [vars(b) for b in fin.boxes] == [vars(b) for b in want]
         else:
             assert fin.text == _reference_text(ref, req), req.request_id
+
+
+def block_outputs(
+    prod: object, h: torch.Tensor, x: torch.Tensor, attn: torch.Tensor, norm: nn.Module
+) -> list:
+    """Every output of a block's fused products (models/common/fused_products.py) on these
+    inputs, in one order: the quantized and the 16-bit stacks are compared with them."""
+    qkv, hidden = prod.qkv_and_hidden(h)  # type: ignore[attr-defined]
+    pending = prod.start_mlp(h)  # type: ignore[attr-defined]
+    return [
+        qkv,
+        hidden,
+        prod.qkv(h),  # type: ignore[attr-defined]
+        prod.branch(attn, hidden),  # type: ignore[attr-defined]
+        *prod.add_branch_and_norm(x, attn, hidden, norm),  # type: ignore[attr-defined]
+        *prod.add_branch_and_norm_after(x, attn, pending, norm),  # type: ignore[attr-defined]
+    ]
