@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from decoding.segment_output import SegmentResult, rasterize, rle_decode, rle_encode
+from vlm_server.models.common.graphed_call import GraphedCall
 from vlm_server.models.common.vision import VisionEncoder
 from vlm_server.models.moondream2.config import VisionConfig
 from vlm_server.models.moondream3 import refiner_masks
@@ -240,6 +241,35 @@ def test_the_refiner_at_full_size_on_cuda_matches_the_cpu() -> None:
     out = refiner.refine(image, coarse)
     if out is not None:
         assert out.mask_size == (300, 400) and out.box_path.startswith("M")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_graphed_refiner_answers_as_the_eager_one(dtype: torch.dtype) -> None:
+    """The tower pass and head rounds captured once (`graphed`) give the eager masks, crop
+    after crop (the graph's static inputs are refilled per call)."""
+    cfg = VisionConfig()
+    tower, _ = _features(cfg, 9)
+    t, h = tower.to("cuda", dtype), random_head(seed=3).to("cuda", dtype)
+    refiners = [
+        SegmentRefiner(h, lambda c: t.encode_early(c, 8), cfg.crop_size, graphed=graphed)
+        for graphed in (False, True)
+    ]
+    rng = np.random.default_rng(3)
+    for size in ((200, 240), (90, 300), (200, 240)):
+        crop = rng.integers(0, 256, (*size, 3), dtype=np.uint8)
+        mask = np.zeros(size, bool)
+        mask[size[0] // 4 : size[0] * 3 // 4, size[1] // 3 : size[1] * 2 // 3] = True
+        eager, graphed = (r.refine_crop(crop, mask) for r in refiners)
+        assert (eager == graphed).mean() > 0.999
+    with pytest.raises(ValueError, match="input 1 has shape"):
+        refiners[1]._rounds(torch.zeros(1, 3, cfg.crop_size, cfg.crop_size, device="cuda"),
+                            torch.zeros(1, 1, 8, 8, device="cuda"))  # fmt: skip
+
+
+def test_a_graphed_call_needs_cuda_inputs() -> None:
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        GraphedCall(lambda x: x * 2, torch.zeros(2))
 
 
 @pytest.mark.parametrize("fraction", [0.01, 0.2])

@@ -11,6 +11,7 @@ import bisect
 import contextlib
 import gc
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 # Histogram bounds (seconds): from a young collection's 0.1 ms to a full one's 0.25 s.
@@ -55,3 +56,19 @@ class GcPauseCounter:
     def totals(self) -> GcPauseTotals:
         """What was counted so far."""
         return GcPauseTotals(tuple(tuple(c) for c in self._counts), tuple(self._sums))
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic collector paused inside: a collection during a capture may destroy an
+    unreachable graph or event of an earlier engine, a call CUDA refuses while a stream
+    captures (the capture is then lost). Garbage made before is collected first, once: a
+    full collection costs tens of milliseconds in a large process."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -9,13 +9,14 @@ first into one shared memory pool, so smaller graphs reuse the larger ones' memo
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Generic, TypeVar
 
 import torch
+
+from vlm_server.gc_pauses import collector_paused
 
 log = logging.getLogger(__name__)
 
@@ -66,22 +67,6 @@ def bucket(sizes: list[int], n: int) -> int | None:
         if size >= n:
             return size
     return None
-
-
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """Python's cyclic collector paused inside: a collection during a capture may destroy an
-    unreachable graph or event of an earlier engine, a call CUDA refuses while a stream
-    captures (the capture is then lost). Garbage made before is collected first, once: a
-    full collection costs tens of milliseconds in a large process."""
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 class GraphSet(Generic[K]):

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from decoding.segment_output import SegmentResult, rle_encode
+from vlm_server.models.common.graphed_call import GraphedCall
 from vlm_server.models.moondream3 import refiner_masks
 from vlm_server.models.moondream3.refiner_head import RefinerHead
 
@@ -87,13 +88,32 @@ class SegmentRefiner:
     def __init__(
         self, head: RefinerHead, features: Features, crop_size: int,
         iterations: int = ITERATIONS, finish: Finish = refiner_masks.finish_window,
+        graphed: bool = False,
     ) -> None:  # fmt: skip
         """``finish``: what cleans and traces a refined window (`refiner_masks.MaskProcess`
-        to keep it off this process's GIL)."""
+        to keep it off this process's GIL). ``graphed`` (CUDA only): the tower pass and the
+        head rounds are captured once here and replayed per crop."""
         self.head, self.features, self.finish = head, features, finish
         self.crop_size, self.iterations = crop_size, iterations
         p = next(head.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self._rounds: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self.rounds
+        if graphed and self.device.type == "cuda":
+            s = crop_size
+            img = torch.zeros(1, 3, s, s, device=self.device, dtype=self.dtype)
+            mask = torch.zeros(1, 1, s, s, device=self.device, dtype=self.dtype)
+            self._rounds = GraphedCall(self.rounds, img, mask)  # type: ignore[assignment]
+
+    def rounds(self, img: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The device work of one crop: normalized pixels [1, 3, S, S] and the coarse mask
+        [1, 1, S, S] -> the last round's mask in [0, 1] (the head's output size)."""
+        final, early = self.features(img)
+        m = mask
+        for _ in range(self.iterations):
+            logits, iou = self.head(final, early, m)
+            best = logits[torch.arange(logits.shape[0], device=logits.device), iou.argmax(1)]
+            m = torch.sigmoid(best)[:, None]
+        return m
 
     @torch.no_grad()
     def refine_crop(self, crop: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -105,11 +125,7 @@ class SegmentRefiner:
         img = F.interpolate(img, size=(s, s), mode="bilinear", align_corners=False)
         img = (img.round().clamp(0, 255) / 255.0 - 0.5) / 0.5  # a uint8 resize, normalized
         m = torch.from_numpy(resize_nearest(mask, s, s)).to(self.device, self.dtype)[None, None]
-        final, early = self.features(img.to(self.dtype))
-        for _ in range(self.iterations):
-            logits, iou = self.head(final, early, m)
-            best = logits[torch.arange(logits.shape[0], device=logits.device), iou.argmax(1)]
-            m = torch.sigmoid(best)[:, None]
+        m = self._rounds(img.to(self.dtype), m)
         back = F.interpolate(m.float(), size=(h, w), mode="bilinear", align_corners=False)
         # The host's mask work needs it: a wait for this thread's own stream only.
         return (back[0, 0] > 0.5).cpu().numpy()
@@ -189,4 +205,7 @@ def build_refiner(model: Moondream3Model, weights: Path) -> SegmentRefine:
         return tower.encode_early(crops, early)
 
     finish = refiner_masks.MaskProcess()  # tracing is pure Python: off the engine's GIL
-    return SegmentRefiner(head, features, vision_cfg.crop_size, finish=finish).refine
+    graphed = model.device.type == "cuda"
+    return SegmentRefiner(
+        head, features, vision_cfg.crop_size, finish=finish, graphed=graphed
+    ).refine
