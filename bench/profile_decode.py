@@ -19,7 +19,7 @@ from vlm_server.engine.core.pages import PageAllocator
 from vlm_server.engine.device.graphs import GraphSet
 from vlm_server.engine.device.runtime import ModelRuntime
 from vlm_server.models.capabilities import need
-from vlm_server.models.registry import preset, random_model
+from vlm_server.models.registry import LoadedModel, preset, random_model
 
 
 def main() -> None:
@@ -54,20 +54,9 @@ def main() -> None:
         help="time graph replays for attention variants instead of profiling",
     )
     args = ap.parse_args()
-    loaded = random_model(preset(args.preset), dtype=torch.bfloat16, device="cuda")
-    if args.fp8_experts:
-        need(loaded.model.capabilities.fp8_experts, "fp8_experts", loaded.model).use_fp8_experts()
-    cfg = EngineConfig(max_batch_size=max(args.batch), kv_budget_bytes=8 << 30)
-    rt = ModelRuntime(loaded.model, cfg, MaskTable(loaded.config.text.vocab_size, 4))
-    mirror = rt.block_table
-    pages = PageAllocator(
-        rt.kv_pages, cfg.page_size, cfg.max_rows, mirror.shape[1], block_table=mirror
+    rt, pages_per_row, loaded = decode_runtime(
+        args.preset, args.fp8_experts, max(args.batch), args.context
     )
-    ps = cfg.page_size
-    pages_per_row = -(-args.context // ps) + 1
-    for row in range(max(args.batch)):
-        pages.assign(row, pages.allocate(pages_per_row))
-    rt.pool.block_dev.copy_(rt.pool.block_host)
     if args.sweep:
         sweep(rt, args)
         return
@@ -80,6 +69,32 @@ def main() -> None:
     decode(rt, args, pages_per_row)
     if args.also_prefix:
         prefix(rt, args)
+
+
+def decode_runtime(
+    preset_name: str, fp8_experts: bool, rows: int, context: int
+) -> tuple[ModelRuntime, int, LoadedModel]:
+    """A runtime over a random ``preset_name`` model in bf16 on CUDA (its experts in FP8 where
+    asked), whose first ``rows`` rows each hold pages for ``context`` positions; also the
+    pages per row and the loaded model."""
+    loaded = random_model(preset(preset_name), dtype=torch.bfloat16, device="cuda")
+    if fp8_experts:
+        need(loaded.model.capabilities.fp8_experts, "fp8_experts", loaded.model).use_fp8_experts()
+    # Few and small mixed-step and prefix graphs: these probes replay decode graphs only.
+    cfg = EngineConfig(
+        max_batch_size=rows, kv_budget_bytes=8 << 30, max_step_tokens=rows + 64,
+        max_prefill_batch=1,
+    )  # fmt: skip
+    rt = ModelRuntime(loaded.model, cfg, MaskTable(loaded.config.text.vocab_size, 4))
+    mirror = rt.block_table
+    pages = PageAllocator(
+        rt.kv_pages, cfg.page_size, cfg.max_rows, mirror.shape[1], block_table=mirror
+    )
+    pages_per_row = -(-context // cfg.page_size) + 1
+    for row in range(rows):
+        pages.assign(row, pages.allocate(pages_per_row))
+    rt.pool.block_dev.copy_(rt.pool.block_host)
+    return rt, pages_per_row, loaded
 
 
 def prefix(rt: ModelRuntime, args: argparse.Namespace) -> None:

@@ -5,93 +5,25 @@ what the GPU spends between kernels (CUDA only).
 
 Captures the bf16 tower (random weights) as one graph, times replays with CUDA events, then
 records a few replays with the profiler and reads the kernels' start and end times from its
-trace: per kind of kernel (cuBLAS products, cuDNN attention, the fused add + LayerNorm,
-memsets, ...) the count and time per replay, and the idle time between consecutive kernels by
-the pair of kinds it lies between. Writes ``tower_timeline.json`` and a plot to ``--out``.
+trace (bench.kernel_timeline): per kind of kernel (cuBLAS products, attention, norms, copies,
+...) the count and time per replay, and the idle time between consecutive kernels by the pair
+of kinds it lies between, medians over the replays. Writes ``tower_timeline.json`` and a plot
+to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import os
-import statistics
 import sys
-import tempfile
-from collections import defaultdict
-from collections.abc import Sequence
 from pathlib import Path
 
-# Kernel kinds by a word of their name, first match wins.
-KINDS = (
-    ("nvjet", "cuBLAS product"),
-    ("gemm", "cuBLAS product"),
-    ("cudnn", "cuDNN attention"),
-    ("flash", "flash attention"),
-    ("_add_layernorm", "add + LayerNorm"),
-    ("layer_norm", "LayerNorm"),
-    ("memset", "memset"),
-    ("memcpy", "copy"),
-    ("elementwise", "elementwise"),
-)
-
-
-def kind_of(name: str) -> str:
-    """The kind a kernel's name belongs to (the name's first 40 characters otherwise)."""
-    low = name.lower()
-    for word, kind in KINDS:
-        if word in low:
-            return kind
-    return name[:40]
-
-
-def summarize(events: Sequence[dict], replays: int) -> dict:
-    """Kernel events (``name``, ``ts`` and ``dur`` in us) of ``replays`` back-to-back replays
-    -> per-replay busy time, span and idle time, per kind and per pair of kinds."""
-    if replays < 1:
-        raise ValueError("replays must be >= 1")
-    ev = sorted(events, key=lambda e: e["ts"])
-    if not ev:
-        raise ValueError("no kernel events")
-    kinds: dict[str, list[float]] = defaultdict(list)
-    for e in ev:
-        kinds[kind_of(e["name"])].append(e["dur"])
-    gaps: dict[str, list[float]] = defaultdict(list)
-    for a, b in itertools.pairwise(ev):
-        idle = b["ts"] - (a["ts"] + a["dur"])
-        gaps[f"{kind_of(a['name'])} -> {kind_of(b['name'])}"].append(max(0.0, idle))
-    span = ev[-1]["ts"] + ev[-1]["dur"] - ev[0]["ts"]
-    busy = sum(e["dur"] for e in ev)
-    return {
-        "kernels_per_replay": len(ev) / replays,
-        "span_us": span / replays,
-        "busy_us": busy / replays,
-        "idle_us": (span - busy) / replays,
-        "kinds": _per_replay(kinds, replays),
-        "gaps": _per_replay(gaps, replays),
-    }
-
-
-def _per_replay(times: dict[str, list[float]], replays: int) -> dict[str, dict]:
-    """Count, total and median of each key's times per replay, largest total first."""
-    return {
-        k: {"count": len(v) / replays, "us": sum(v) / replays, "median_us": statistics.median(v)}
-        for k, v in sorted(times.items(), key=lambda kv: -sum(kv[1]))
-    }
-
-
-def _kernel_events(trace_path: str) -> list[dict]:
-    with open(trace_path) as f:
-        trace = json.load(f)
-    cats = ("kernel", "gpu_memset", "gpu_memcpy")
-    return [e for e in trace["traceEvents"] if e.get("cat") in cats and "dur" in e]
+from bench.kernel_timeline import profiled_replays, summarize
 
 
 def measure(crops: int, replays: int) -> dict:
     """Event-timed replays and the profiled timeline of the bf16 tower at ``crops`` crops."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from bench.graph_timing import graph_ms
     from vlm_server.models.common.vision import VisionEncoder
@@ -113,17 +45,7 @@ def measure(crops: int, replays: int) -> dict:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
             enc.encode(x)
-        graph.replay()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(replays):
-                graph.replay()
-            torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        events = _kernel_events(path)
-    out = summarize(events, replays)
+        out = summarize(profiled_replays(graph.replay, side, replays))
     out.update(device=torch.cuda.get_device_name(), crops=crops, replay_ms=replay_ms)
     return out
 
@@ -133,14 +55,14 @@ def print_table(out: dict, top: int = 8) -> None:
         f"\ntower, {out['crops']} crops, {out['device']}: event-timed replay "
         f"{out['replay_ms']:.3f} ms; profiled span {out['span_us'] / 1e3:.3f} ms = kernels "
         f"{out['busy_us'] / 1e3:.3f} + idle {out['idle_us'] / 1e3:.3f} "
-        f"({out['kernels_per_replay']:.0f} kernels a replay)"
+        f"({out['kernels']:.0f} kernels a replay)"
     )
-    print(f"{'kind':<24} {'count':>6} {'ms':>8} {'median us':>10}")
-    for k, v in out["kinds"].items():
-        print(f"{k:<24} {v['count']:>6.0f} {v['us'] / 1e3:>8.3f} {v['median_us']:>10.1f}")
-    print(f"\n{'idle between':<40} {'count':>6} {'us':>8} {'median us':>10}")
-    for k, v in list(out["gaps"].items())[:top]:
-        print(f"{k:<40} {v['count']:>6.0f} {v['us']:>8.1f} {v['median_us']:>10.2f}")
+    print(f"{'kind':<40} {'count':>6} {'ms':>8}")
+    for k, v in sorted(out["kinds"].items(), key=lambda kv: -kv[1]["us"]):
+        print(f"{k:<40} {v['count']:>6.0f} {v['us'] / 1e3:>8.3f}")
+    print(f"\n{'idle between':<60} {'us':>8}")
+    for k, us in list(out["idle_at"].items())[:top]:
+        print(f"{k:<60} {us:>8.1f}")
 
 
 def plot(out: dict, path: Path) -> bool:
@@ -150,8 +72,9 @@ def plot(out: dict, path: Path) -> bool:
     plt = plotting.pyplot()
     if plt is None:
         return False
-    labels = [*out["kinds"], "idle between kernels"]
-    values = [v["us"] / 1e3 for v in out["kinds"].values()] + [out["idle_us"] / 1e3]
+    kinds = sorted(out["kinds"].items(), key=lambda kv: -kv[1]["us"])
+    labels = [k for k, _ in kinds] + ["idle between kernels"]
+    values = [v["us"] / 1e3 for _, v in kinds] + [out["idle_us"] / 1e3]
     fig, ax = plt.subplots(figsize=(7, 0.8 + 0.3 * len(labels)))
     ax.barh(labels, values)
     ax.invert_yaxis()
@@ -168,7 +91,7 @@ def plot(out: dict, path: Path) -> bool:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--crops", type=int, default=9)
-    ap.add_argument("--replays", type=int, default=3, help="profiled replays")
+    ap.add_argument("--replays", type=int, default=5, help="profiled replays")
     ap.add_argument("--out", type=Path, default=None, help="folder for the JSON and the plot")
     args = ap.parse_args()
     if args.crops < 1 or args.replays < 1:
