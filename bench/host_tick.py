@@ -13,6 +13,8 @@ Scenarios, each at every row count (all rows running, steady state, then ``--tic
   region       detect: boundary token, x, y, size per object, greedy
   churn        short text queries (8 tokens) arriving as others finish: mixed steps with
                prompt chunks, admissions and completions in most ticks
+  segment      Moondream 3's segment (tiny preset): the box, then SVG path tokens under the
+               path grammar's masks; a new request as each one finishes, final events included
 
     python -m bench.host_tick --rows 1 8 32 64 --ticks 400
 
@@ -70,7 +72,9 @@ try:
 except ImportError:  # an older tree (--baseline): a sequence held its detokenizer
     output_for = None  # type: ignore[assignment]
 
-SCENARIOS = ("text", "constrained", "region", "churn")
+SCENARIOS = ("text", "constrained", "region", "churn", "segment")
+# The preset each scenario runs on: segment needs a family with a path grammar.
+PRESET_OF = {"segment": "md3-tiny"}
 EVENTS = ("list", "batched", "per-event")
 WORD = 300  # a plain word of the tiny vocabulary
 
@@ -84,6 +88,8 @@ class ScriptedDevice:
     copy_stream = None
     prefill_stream = None
     partitioned_prefill_stream = None
+    prefill_capture_stream = None
+    interactive_prefill_stream = None
 
     def __init__(self, table: MaskTable, eos_id: int, coord_id: int) -> None:
         self.table = table
@@ -170,6 +176,15 @@ class TickTimes(Observer):
 
 
 def _request(scenario: str, i: int, image: object) -> GenerationRequest:
+    if scenario == "segment":
+        return GenerationRequest(
+            Task.SEGMENT,
+            image,  # type: ignore[arg-type]
+            request_id=str(i),
+            object_name="car",
+            max_tokens=128,  # path tokens: about a real answer's (each request ends in a run)
+            seed=i,
+        )
     if scenario == "region":
         return GenerationRequest(
             Task.DETECT,
@@ -284,26 +299,28 @@ def run_case(
         seq.emit = emit
         sched.waiting.append(seq)
 
+    refill = {"churn": rows + 2, "segment": rows}.get(scenario)  # kept submitted, if any
+
+    def top_up() -> None:
+        while refill is not None and len(sched.running) + len(sched.waiting) < refill:
+            submit()
+
     for _ in range(rows):
         submit()
     warm = 0
     while warm < 20 or any(s.state is not SeqState.RUNNING for s in sched.running):
         sched.tick()
         warm += 1
-        if scenario == "churn":
-            while len(sched.running) + len(sched.waiting) < rows + 2:
-                submit()
+        top_up()
         if warm > 10_000:
             raise RuntimeError(f"{scenario} at {rows} rows never reached steady state")
-        if scenario == "churn" and warm >= 50:
+        if refill is not None and warm >= 50:
             break
     totals: list[float] = []
     gc.collect()
     obs.recording = True
     for _ in range(ticks):
-        if scenario == "churn":
-            while len(sched.running) + len(sched.waiting) < rows + 2:
-                submit()
+        top_up()
         t0 = time.perf_counter()
         sched.tick()
         totals.append(time.perf_counter() - t0)
@@ -311,7 +328,7 @@ def run_case(
     obs.recording = False
     if loop_thread is not None:
         loop_thread.close()
-    if scenario != "churn" and len(sched.running) != rows:
+    if refill is None and len(sched.running) != rows:
         raise RuntimeError(f"{scenario}: rows finished during the measured ticks")
     commit, finalize, launch = zip(*obs.ticks, strict=True)
 
@@ -328,11 +345,20 @@ def run_case(
         "launch_us": us(launch),
         "tick_us": us(totals),
         "tick_mean_us": statistics.fmean(totals) * 1e6,
+        "tick_p99_us": float(np.percentile(totals, 99)) * 1e6,
         "completed": made - len(sched.running) - len(sched.waiting),
     }
 
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _model(models: dict[str, LoadedModel], scenario: str) -> LoadedModel:
+    """The random model of ``scenario``'s preset (`PRESET_OF`, else tiny), made once."""
+    name = PRESET_OF.get(scenario, "tiny")
+    if name not in models:
+        models[name] = random_model(preset(name), seed=0, dtype=torch.float32, progress=False)
+    return models[name]
 
 
 class Worker:
@@ -371,11 +397,12 @@ class Worker:
 def _serve_cases() -> None:
     """The worker's loop: one ``scenario rows ticks events`` line in, one JSON row out."""
     torch.set_num_threads(1)
-    loaded = random_model(preset("tiny"), seed=0, dtype=torch.float32, progress=False)
+    models: dict[str, LoadedModel] = {}
     image = prepare_image(sample_image_bytes())
     print("ready", flush=True)
     for line in sys.stdin:
         scenario, rows, ticks, events = line.split()
+        loaded = _model(models, scenario)
         print(json.dumps(run_case(loaded, scenario, int(rows), int(ticks), image, events)))
         sys.stdout.flush()
 
@@ -440,10 +467,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline is not None:
         return _report_comparison(args, compare(args))
     torch.set_num_threads(1)
-    loaded = random_model(preset("tiny"), seed=0, dtype=torch.float32, progress=False)
+    models: dict[str, LoadedModel] = {}
     image = prepare_image(sample_image_bytes())
     results = []
     for scenario in args.scenarios:
+        loaded = _model(models, scenario)
         for rows in args.rows:
             t0 = time.perf_counter()
             runs = [
@@ -484,12 +512,13 @@ def _report(args: argparse.Namespace, results: list[dict]) -> None:
     )
     print(
         f"{'scenario':<12} {'rows':>4} {'commit':>8} {'finalize':>8} {'launch':>8} "
-        f"{'tick':>8} {'mean':>8}"
+        f"{'tick':>8} {'mean':>8} {'p99':>8}"
     )
     for r in results:
         print(
             f"{r['scenario']:<12} {r['rows']:>4} {r['commit_us']:>8.1f} {r['finalize_us']:>8.1f} "
-            f"{r['launch_us']:>8.1f} {r['tick_us']:>8.1f} {r['tick_mean_us']:>8.1f}"
+            f"{r['launch_us']:>8.1f} {r['tick_us']:>8.1f} {r['tick_mean_us']:>8.1f} "
+            f"{r.get('tick_p99_us', float('nan')):>8.1f}"
         )
     try:
         import matplotlib

@@ -23,7 +23,7 @@ from bench import (
     request_timeline,
 )
 from bench.synth_images import parse_size, unique_images, with_orientation
-from image_pipeline import ResizeMode, decode, prepare_image
+from image_pipeline import ResizeMode, decode, prepare_image, sample_image_bytes
 
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
@@ -477,6 +477,16 @@ def test_soak_against_a_running_server_counts_codes_and_samples_memory(
     assert summary["rss_mib"]["peak"] > 0 and summary["kv_pages_total"] > 0
     assert len(result["samples"]) >= 3
     assert (tmp_path / "soak_rss.png").exists() == HAVE_MATPLOTLIB
+
+
+def test_host_tick_runs_the_runtime_of_this_tree_on_its_scripted_device() -> None:
+    """One short case a family (the slow test below runs them all): the scripted device still
+    offers everything the runtime reads, and segments end and are replaced."""
+    image = prepare_image(sample_image_bytes())
+    row = host_tick.run_case(host_tick._model({}, "segment"), "segment", 2, 140, image)
+    assert row["completed"] >= 2 and row["tick_p99_us"] >= row["tick_us"] > 0
+    row = host_tick.run_case(host_tick._model({}, "text"), "text", 2, 5, image)
+    assert row["completed"] == 0 and row["rows"] == 2
 
 
 @pytest.mark.slow  # every scenario, then two worker processes: run with --run-slow
