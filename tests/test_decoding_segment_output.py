@@ -41,6 +41,61 @@ def test_rle_round_trip(h: int, w: int, data: st.DataObject) -> None:
     assert rle_from_string(rle_to_string(counts)) == counts
 
 
+def _runs_column_major(mask: np.ndarray) -> list[int]:
+    """COCO's counts by their definition: the mask read column by column, run lengths, zeros
+    first."""
+    flat = mask.ravel(order="F")
+    counts, value, run = [], False, 0
+    for bit in flat:
+        if bit == value:
+            run += 1
+        else:
+            counts.append(run)
+            value, run = bool(bit), 1
+    counts.append(run)
+    return counts
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rle_counts_are_the_column_major_runs(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for _ in range(60):
+        h, w = (int(v) for v in rng.integers(1, 40, 2))
+        mask = rng.random((h, w)) < rng.random()
+        if rng.random() < 0.3:  # long runs: blocks crossing column ends
+            mask = np.repeat(np.repeat(mask[: max(1, h // 8), : max(1, w // 8)], 8, 0), 8, 1)
+        assert rle_encode(mask) == _runs_column_major(mask)
+    assert rle_encode(np.ones((3, 1), bool)[:, ::-1]) == [0, 3]  # a strided view
+    assert rle_encode(np.zeros((0, 4), bool)) == []
+    with pytest.raises(ValueError, match="2-D"):
+        rle_encode(np.zeros(4, bool))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rasterize_fills_the_pixels_pillows_one_bit_fill_does(seed: int) -> None:
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(seed)
+    for _ in range(20):
+        width, height = (int(v) for v in rng.integers(5, 300, 2))
+        shapes = [
+            [tuple(p) for p in rng.uniform(-0.2, 1.2, (int(n), 2))]
+            for n in rng.integers(1, 9, int(rng.integers(1, 4)))
+        ]
+        want = Image.new("1", (width, height), 0)
+        draw = ImageDraw.Draw(want)
+        for shape in shapes:
+            pixels = [(x * width, y * height) for x, y in shape]
+            if len(pixels) >= 3:
+                draw.polygon(pixels, fill=1, outline=1)
+            elif len(pixels) == 2:
+                draw.line(pixels, fill=1)
+            else:
+                draw.point(pixels, fill=1)
+        got = rasterize(shapes, width, height)
+        assert got.dtype == bool and np.array_equal(got, np.array(want, dtype=bool))
+
+
 def test_rasterize_square() -> None:
     mask = rasterize([[(0.25, 0.25), (0.75, 0.25), (0.75, 0.75), (0.25, 0.75)]], 8, 8)
     assert mask.shape == (8, 8)
