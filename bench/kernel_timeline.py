@@ -61,22 +61,33 @@ class Kernel:
         return self.start + self.dur
 
 
-def replays_of_trace(trace: dict[str, Any], launch: str = "cudaGraphLaunch") -> list[list[Kernel]]:
+# A graph launch's API call, as the trace names it (some versions add a "_vNNNNN" suffix).
+_LAUNCH = re.compile(r"^(cudaGraphLaunch|cuGraphLaunch)")
+
+
+def replays_of_trace(trace: dict[str, Any]) -> list[list[Kernel]]:
     """A profiler trace (Chrome trace JSON) -> each graph launch's kernels in start order:
     a kernel belongs to the last launch before it (replays were waited for one by one, so
-    none overlaps the next launch). Kernels before the first launch are dropped."""
+    none overlaps the next launch). Kernels before the first launch are dropped. A trace
+    without launch calls groups kernels by their launch's correlation id instead."""
     events = trace.get("traceEvents", [])
     launches = sorted(
-        e["ts"] for e in events if e.get("cat") == "cuda_runtime" and e.get("name") == launch
+        float(e["ts"])
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and _LAUNCH.match(str(e.get("name")))
     )
-    groups: list[list[Kernel]] = [[] for _ in launches]
+    groups: dict[object, list[Kernel]] = defaultdict(list)
     for e in events:
         if e.get("cat") not in _GPU_CATEGORIES or "dur" not in e:
             continue
-        i = _last_at_or_before(launches, float(e["ts"]))
-        if i >= 0:
-            groups[i].append(Kernel(str(e["name"]), float(e["ts"]), float(e["dur"])))
-    return [sorted(g, key=lambda k: k.start) for g in groups if g]
+        if launches:
+            key: object = _last_at_or_before(launches, float(e["ts"]))
+        else:
+            key = e.get("args", {}).get("correlation", -1)
+        if key != -1:
+            groups[key].append(Kernel(str(e["name"]), float(e["ts"]), float(e["dur"])))
+    ordered = sorted(groups.values(), key=lambda g: min(k.start for k in g))
+    return [sorted(g, key=lambda k: k.start) for g in ordered]
 
 
 def _last_at_or_before(sorted_ts: list[float], t: float) -> int:

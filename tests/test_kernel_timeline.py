@@ -12,8 +12,8 @@ def _kernel(name: str, ts: float, dur: float, cat: str = "kernel") -> dict:
     return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"stream": 7}}
 
 
-def _launch(ts: float) -> dict:
-    return {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": ts, "dur": 3}
+def _launch(ts: float, name: str = "cudaGraphLaunch") -> dict:
+    return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": 3}
 
 
 def test_kinds_name_the_projects_kernels() -> None:
@@ -35,7 +35,7 @@ def test_each_launch_owns_the_kernels_up_to_the_next() -> None:
             _launch(10),
             _kernel("_up_kernel", 20, 10),
             _kernel("_down_kernel", 34, 6),
-            _launch(100),
+            _launch(100, "cudaGraphLaunch_v10000"),
             _kernel("_down_kernel", 125, 5),
             _kernel("_up_kernel", 110, 10),
             _kernel("Memset (Device)", 131, 1, cat="gpu_memset"),
@@ -47,7 +47,15 @@ def test_each_launch_owns_the_kernels_up_to_the_next() -> None:
         ["_up_kernel", "_down_kernel"],
         ["_up_kernel", "_down_kernel", "Memset (Device)"],
     ]
-    assert replays_of_trace({"traceEvents": [_kernel("_up_kernel", 1, 1)]}) == []
+    # No launch calls in the trace: the launches' correlation ids group the kernels.
+    by_id = [_kernel("_up_kernel", 50, 1), _kernel("_down_kernel", 52, 1)]
+    by_id.append(_kernel("_up_kernel", 9, 1))
+    for e, corr in zip(by_id, (8, 8, 3), strict=True):
+        e["args"]["correlation"] = corr
+    assert [[k.start for k in r] for r in replays_of_trace({"traceEvents": by_id})] == [
+        [9],
+        [50, 52],
+    ]
 
 
 def test_a_replays_idle_time_is_its_gaps_and_overlaps_are_busy() -> None:
