@@ -122,6 +122,29 @@ def test_several_chunks_a_program_group_the_same(
     _same_grouping(routing, ids, e, 16)
 
 
+def test_the_row_blocks_hold_every_routing_and_a_decode_step_needs_few() -> None:
+    """`n_row_blocks` bounds the blocks any routing of its pairs uses (random routings and the
+    extremes: all distinct, all on one expert, one row more than whole blocks each)."""
+    from vlm_server.models.moondream3.moe_routing import n_row_blocks
+
+    shapes = [(1, 8, 64, 16), (2, 8, 64, 16), (5, 3, 8, 16), (37, 8, 64, 64), (300, 8, 64, 32)]
+    for n, k, e, m in shapes:
+        bound = n_row_blocks(n * k, e, m)
+        cases = [_ids(n, k, e, uneven, seed) for uneven in (False, True) for seed in range(4)]
+        cases.append(torch.zeros(n * k, dtype=torch.int64))  # one expert takes every pair
+        cases.append(torch.arange(n * k) % e)  # as even as possible: the most groups
+        # The most blocks: every expert one pair, the rest in whole blocks, each on another
+        # expert (each such block then starts one past a block boundary).
+        groups = min(e, n * k)
+        rest = torch.arange(n * k - groups) // m % groups
+        cases.append(torch.cat([torch.arange(groups), rest]))
+        for ids in cases:
+            counts = torch.bincount(ids.reshape(-1), minlength=e)
+            assert int(((counts + m - 1) // m).sum()) <= bound, (n, k, e, m)
+    assert n_row_blocks(8, 64, 16) == 8  # one token of top-8: no empty row blocks
+    assert n_row_blocks(512, 64, 16) == (512 + 64 * 15) // 16  # a wide step: the spread bound
+
+
 def test_align_fused_with_all_pairs_on_one_expert(kern: SimpleNamespace) -> None:
     ids = torch.full((300, 1), 5)  # more tokens than one program routes: two kernels
     _same_grouping(kern.routing.align_fused(ids, 7, 16), ids, 7, 16)

@@ -61,8 +61,13 @@ class Routing(NamedTuple):
 
 
 def n_row_blocks(n_pairs: int, n_experts: int, block_m: int) -> int:
-    """Row blocks of the worst case: every expert's group one row short of a block."""
-    return -(-(n_pairs + n_experts * (block_m - 1)) // block_m)
+    """Row blocks of the worst case, the smaller of two bounds: every expert's group one row
+    short of a block; and each of at most min(E, pairs) groups one block, plus a block per
+    ``block_m`` of the pairs beyond the first of each (sum of ceil(c / M) <= groups +
+    (pairs - groups) // M). The second holds a decode step's grid to the blocks it can use:
+    8 instead of 61 for one token of top-8 routing over 64 experts in blocks of 16."""
+    spread = -(-(n_pairs + n_experts * (block_m - 1)) // block_m)
+    return min(spread, min(n_experts, n_pairs) + n_pairs // block_m)
 
 
 def _pow2(n: int) -> int:

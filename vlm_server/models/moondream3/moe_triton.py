@@ -3,8 +3,8 @@ grouped matmul for fc1 with the expert activation in its epilogue, one for fc2.
 
 1. Grouping (moe_routing.py, Triton; `align` here is its PyTorch reference): the pairs sorted
    by expert, each expert's group padded to a multiple of ``block_m`` rows, so every row block
-   belongs to one expert. The buffer is sized for the worst case (every expert's group one row
-   short of a block); blocks past the used length exit at once.
+   belongs to one expert. The buffer is sized for the worst case (`moe_routing.n_row_blocks`);
+   blocks past the used length exit at once.
 2. `_up_kernel`: per row block and tile of the expert width, both halves of fc1 over the
    block's tokens, accumulated in fp32; writes ``gelu_erf(a) * (b + 1)``.
 3. `_down_kernel`: fc2 over those rows; writes each pair's output row, unweighted.
@@ -223,7 +223,7 @@ def align(
     ends = padded.cumsum(0)
     starts = ends - padded
     pos = starts[flat] + rank  # pairs keep their order within an expert's group
-    n_blocks = -(-(n_pairs + n_experts * (block_m - 1)) // block_m)
+    n_blocks = moe_routing.n_row_blocks(n_pairs, n_experts, block_m)
     pair_ids = torch.full((n_blocks * block_m,), n_pairs, dtype=torch.int32, device=dev)
     pair_ids[pos] = torch.arange(n_pairs, dtype=torch.int32, device=dev)
     block_starts = torch.arange(n_blocks, device=dev) * block_m
