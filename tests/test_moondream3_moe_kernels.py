@@ -279,10 +279,13 @@ def test_the_fused_layer_equals_the_plain_layer(
 
 
 def test_the_fused_path_reads_nothing_back_to_the_host() -> None:
-    from vlm_server.models.moondream3 import moe_routing, moe_triton
+    from vlm_server.models.moondream3 import moe_norm, moe_routing, moe_triton
 
     fns = [
         moe.MoeMLP._fused,
+        moe.MoeMLP._fused_pairs,
+        moe.MoeMLP.pairs,
+        moe_norm.add_combine_layernorm,
         moe_routing._group,
         moe_routing.route_align,
         moe_routing.align_fused,

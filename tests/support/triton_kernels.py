@@ -59,6 +59,11 @@ _NORM = {
     "x_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "w_ptr": "*bf16",
     "bias_ptr": "*bf16", "sum_ptr": "*bf16", "out_ptr": "*bf16", "dim": "i32", "eps": "fp32",
 }  # fmt: skip
+_COMBINE_NORM = {
+    "x_ptr": "*bf16", "a_ptr": "*bf16", "y_ptr": "*bf16", "rw_ptr": "*bf16", "w_ptr": "*bf16",
+    "bias_ptr": "*bf16", "sum_ptr": "*bf16", "out_ptr": "*bf16", "dim": "i32", "top_k": "i32",
+    "eps": "fp32",
+}  # fmt: skip
 _NORM_FP8 = {
     "x_ptr": "*bf16", "a_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16",
     "sum_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "row_ptr": "*fp32",
@@ -454,6 +459,12 @@ KERNELS = (
         "_combine_kernel",
         {"y_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "dim": "i32", "top_k": "i32"},
         {"BD": 512},
+    ),
+    Kernel(
+        "vlm_server.models.moondream3.moe_norm",
+        "_add_combine_layernorm_kernel",
+        _COMBINE_NORM,
+        {"BLOCK": 2048},
     ),
     Kernel(
         _ATTENTION,

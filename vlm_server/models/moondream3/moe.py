@@ -255,9 +255,24 @@ class MoeMLP(nn.Module):
             y = run_lora(x, ids, self.fc1.values(x.dtype), self.fc2.values(x.dtype), delta)
         return combine_slots(y, weights).view(h.shape)
 
+    def pairs(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where the fused path runs (and no adapter): each chosen expert's output [N, k, D]
+        and the routing weights [N, k] before their combine, for a caller that fuses the
+        combine into what follows (moe_norm.py); None on the other paths."""
+        x = h.reshape(-1, h.shape[-1])
+        if (self.method or ("fused" if moe_triton.available(x) else "")) != "fused":
+            return None
+        return self._fused_pairs(x, None)
+
     def _fused(self, x: torch.Tensor, delta: ExpertDelta | None) -> torch.Tensor:
         """Router (cuBLAS), route + grouping (one or two kernels), the two grouped kernels,
         combine (one kernel): the plain path's numbers, no host read, shapes fixed by N."""
+        return moe_routing.combine_fused(*self._fused_pairs(x, delta))
+
+    def _fused_pairs(
+        self, x: torch.Tensor, delta: ExpertDelta | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_fused` before the combine: (each chosen expert's output, routing weights)."""
         fp8_act = self.fp8_act and delta is None and x.shape[0] >= moe_triton.FP8_ACT_MIN_TOKENS
         table = moe_triton.FP8_ACT_TILES if fp8_act else None
         tiles = moe_triton.pick_tiles(x.shape[0], table)
@@ -266,4 +281,4 @@ class MoeMLP(nn.Module):
         y = moe_triton.experts_fused(
             x, ids, w1, w2, s1, s2, delta, tiles=tiles, routing=routing, fp8_act=fp8_act
         )
-        return moe_routing.combine_fused(y, weights)
+        return y, weights

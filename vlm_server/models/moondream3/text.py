@@ -27,6 +27,7 @@ from vlm_server.models.kv import KVCache
 from vlm_server.models.lora.spec import ExpertTargets, LoraDelta, LoraTargets
 from vlm_server.models.moondream3.config import DisputedPoints, TextConfig
 from vlm_server.models.moondream3.moe import MoeMLP
+from vlm_server.models.moondream3.moe_norm import add_combine_layernorm
 from vlm_server.models.moondream3.tau import Tau
 
 
@@ -126,8 +127,14 @@ class TextDecoder(nn.Module):
         # Each block's forward, with its residual adds fused into the next block's norm.
         for i, block in enumerate(blocks):
             a = block.attn(h, cos, sin, positions, cache, i)
+            last = i + 1 == len(blocks)
+            if lora is None and not last and isinstance(block.mlp, MoeMLP):
+                pairs = block.mlp.pairs(h)  # the expert layer's combine joins the next norm
+                if pairs is not None:
+                    x, h = add_combine_layernorm(x, a, *pairs, blocks[i + 1].ln)
+                    continue
             m = block.mlp(h) if lora is None else self._lora_mlp(block.mlp, h, lora, i)
-            if i + 1 < len(blocks):
+            if not last:
                 x, h = add_layernorm(x, a, m, blocks[i + 1].ln)
             else:
                 x = x + a + m
