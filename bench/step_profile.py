@@ -2,7 +2,10 @@
 kernels inside the graph, beside the step's bandwidth floor.
 
     python -m bench.step_profile [--preset moondream3-preview --fp8-experts] [--batch 1 32]
-        [--context 760] [--replays 20] [--out DIR]
+        [--context 760] [--replays 20] [--set MODULE:NAME=VALUE ...] [--out DIR]
+
+``--set`` changes a module constant before the model is built (an A/B of one choice, e.g.
+``vlm_server.models.moondream3.text:FUSED_COMBINE=False``); the JSON records it.
 
 Captures the runtime's decode graphs on a random model (bench.profile_decode's set-up), then
 replays each batch's graph ``--replays`` times under the profiler, waiting for each replay
@@ -84,6 +87,21 @@ def profile_batch(rt: Any, batch: int, context: int, replays: int) -> dict[str, 
     )
 
 
+def set_constant(setting: str) -> None:
+    """``MODULE:NAME=VALUE``: set a module's constant (VALUE a Python literal) that exists."""
+    import ast
+    import importlib
+
+    where, _, literal = setting.partition("=")
+    module, _, name = where.partition(":")
+    if not (module and name and literal):
+        raise SystemExit(f"--set {setting!r}: expected MODULE:NAME=VALUE")
+    mod = importlib.import_module(module)
+    if not hasattr(mod, name):
+        raise SystemExit(f"--set {setting!r}: {module} has no {name}")
+    setattr(mod, name, ast.literal_eval(literal))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="moondream3-preview")
@@ -91,8 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--context", type=int, default=760)
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE:NAME=VALUE")
     ap.add_argument("--out", default=".")
     args = ap.parse_args(argv)
+    for setting in args.set:
+        set_constant(setting)
     from bench.decode_floor import copy_bandwidth, step_bytes
     from bench.profile_decode import decode_runtime
     from vlm_server.engine.device.model_entry import ModelEntryPoints

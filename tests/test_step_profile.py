@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from bench import step_profile
 from bench.kernel_timeline import Kernel, summarize
 
@@ -34,3 +36,16 @@ def test_the_tower_timeline_prints_and_plots_the_same_summary(tmp_path: Path, ca
     assert "cuBLAS products" in text and "cuBLAS products -> norms" in text
     drawn = tower_timeline.plot(out, tmp_path / "t.png")
     assert drawn == (step_profile.plotting.pyplot() is not None) == (tmp_path / "t.png").exists()
+
+
+def test_a_set_changes_a_constant_that_exists_and_refuses_others() -> None:
+    from vlm_server.models.moondream3 import text
+
+    step_profile.set_constant("vlm_server.models.moondream3.text:FUSED_COMBINE=False")
+    try:
+        assert text.FUSED_COMBINE is False
+    finally:
+        text.FUSED_COMBINE = True
+    for bad in ("vlm_server.models.moondream3.text:NOPE=1", "text=1", "a:b"):
+        with pytest.raises(SystemExit):
+            step_profile.set_constant(bad)

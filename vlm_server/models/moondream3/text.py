@@ -30,6 +30,10 @@ from vlm_server.models.moondream3.moe import MoeMLP
 from vlm_server.models.moondream3.moe_norm import add_combine_layernorm
 from vlm_server.models.moondream3.tau import Tau
 
+# An expert layer's combine inside the next block's residual add and norm (moe_norm.py) on
+# the fused expert path; False runs it as its own kernel (kept for A/B runs).
+FUSED_COMBINE = True
+
 
 class TextAttention(nn.Module):
     def __init__(self, cfg: TextConfig, choices: DisputedPoints) -> None:
@@ -128,7 +132,7 @@ class TextDecoder(nn.Module):
         for i, block in enumerate(blocks):
             a = block.attn(h, cos, sin, positions, cache, i)
             last = i + 1 == len(blocks)
-            if lora is None and not last and isinstance(block.mlp, MoeMLP):
+            if FUSED_COMBINE and lora is None and not last and isinstance(block.mlp, MoeMLP):
                 pairs = block.mlp.pairs(h)  # the expert layer's combine joins the next norm
                 if pairs is not None:
                     x, h = add_combine_layernorm(x, a, *pairs, blocks[i + 1].ln)
