@@ -51,6 +51,32 @@ def _library_helpers_interpreted() -> None:
     jit.JITFunction.__call__ = call  # type: ignore[method-assign]
 
 
+def _device_calls_restore_the_language() -> None:
+    """Undo what each device-function call of an interpreted kernel patches in
+    ``triton.language``: the interpreter swaps the language's builtins for interpreting ones
+    around a kernel's run and restores them after, but a call to a helper patches the
+    namespaces the helper's module sees (``triton.language.core`` for Triton's own helpers)
+    and never restores them, so a kernel compiled later in the same process (the per-chip
+    tests) would be built with interpreting builtins and fail."""
+    from triton.runtime import interpreter
+
+    call = interpreter.InterpretedFunction.__call__
+    if getattr(call, "restores", False):
+        return
+
+    def restoring(self: interpreter.InterpretedFunction, *args: object, **kwargs: object) -> object:
+        scope = interpreter._patch_lang(self.fn)
+        try:
+            return self.rewrite()(*args, **kwargs)
+        except Exception as e:
+            raise interpreter.InterpreterError(repr(e)) from e
+        finally:
+            scope.restore()
+
+    restoring.restores = True  # type: ignore[attr-defined]
+    interpreter.InterpretedFunction.__call__ = restoring  # type: ignore[method-assign]
+
+
 def interpreted(module: ModuleType) -> ModuleType:
     """A fresh copy of ``module`` loaded with ``TRITON_INTERPRET=1`` (read when `triton.jit`
     wraps each kernel), registered as ``<name>_interpreted``; the caller removes it from
@@ -62,6 +88,7 @@ def interpreted(module: ModuleType) -> ModuleType:
     sys.modules[name] = copy  # dataclasses look their module up while the body runs
     _scalar_loop_bounds()
     _library_helpers_interpreted()
+    _device_calls_restore_the_language()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "1")
         spec.loader.exec_module(copy)

@@ -24,9 +24,13 @@ from typing import NamedTuple
 
 import torch
 
+from vlm_server.models.common import launch_overlap
+
 try:
     import triton
     import triton.language as tl
+
+    from vlm_server.models.common.launch_overlap import gdc_launch_dependents, gdc_wait
 except ImportError:  # the CPU path needs no Triton
     triton = None
     tl = None
@@ -170,10 +174,14 @@ if triton is not None:
         FROM_LOGITS: tl.constexpr, ALIGN: tl.constexpr, PRECISE: tl.constexpr,
         BT: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr,
         RB: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         """``chunks`` chunks of BT tokens per program: top-k and weights (FROM_LOGITS) or the
         given ids, and their expert histogram; with ALIGN (one program: the whole step) the
         grouping too, else the histogram is stored for `_align_kernel`."""
+        if PDL:  # launched early (launch_overlap.py): wait for the predecessor first
+            gdc_wait()
+            gdc_launch_dependents()
         pid = tl.program_id(0)
         slot = tl.arange(0, KP)
         counts = tl.full([BE], 0, tl.int32)
@@ -210,10 +218,14 @@ if triton is not None:
         n_tokens, n_experts, top_k, n_rows, blocks_per_program, chunks,
         BT: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr,
         RB: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         """Per program's ``chunks`` chunks of BT tokens: their pairs placed after the earlier
         programs' (a prefix over the stored histograms, in program order), and a share of the
         padding rows."""
+        if PDL:  # launched early (launch_overlap.py): wait for the predecessor first
+            gdc_wait()
+            gdc_launch_dependents()
         pid = tl.program_id(0)
         c = tl.arange(0, BE)
         total = tl.full([BE], 0, tl.int32)
@@ -237,9 +249,14 @@ if triton is not None:
             tl.store(used_ptr, used)
 
     @triton.jit
-    def _combine_kernel(y_ptr, w_ptr, out_ptr, dim, top_k, BD: tl.constexpr):
+    def _combine_kernel(
+        y_ptr, w_ptr, out_ptr, dim, top_k, BD: tl.constexpr, PDL: tl.constexpr = False
+    ):
         """out[n] = y[n, 0] w0 + y[n, 1] w1 + ...: each product and each sum rounded to the
         output dtype, in slot order (launched without FMA contraction)."""
+        if PDL:  # launched early (launch_overlap.py): wait for the predecessor first
+            gdc_wait()
+            gdc_launch_dependents()
         n = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BD + tl.arange(0, BD)
         ok = cols < dim
@@ -284,13 +301,13 @@ def _group(
     _route_kernel[(programs,)](
         src, ids, w, counts, pair_ids, block_expert, used, n, n_experts, k, n_rows,
         per_program, FROM_LOGITS=logits is not None, ALIGN=single,
-        PRECISE=libdevice is not None, **consts,
+        PRECISE=libdevice is not None, **consts, **launch_overlap.kernel_args(),
     )  # fmt: skip
     if not single:
         per = -(-(n_rows // block_m) // programs)
         _align_kernel[(programs,)](
             ids, counts, pair_ids, block_expert, used, n, n_experts, k, n_rows, per,
-            per_program, **consts,
+            per_program, **consts, **launch_overlap.kernel_args(),
         )  # fmt: skip
     return Routing(pair_ids, block_expert, used, block_m)
 
@@ -322,5 +339,8 @@ def combine_fused(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     if n:
         grid = (n, -(-d // COMBINE_COLS))
         # no FMA: PyTorch rounds each product before the sum
-        _combine_kernel[grid](y, weights, out, d, k, BD=COMBINE_COLS, enable_fp_fusion=False)
+        _combine_kernel[grid](
+            y, weights, out, d, k, BD=COMBINE_COLS, enable_fp_fusion=False,
+            **launch_overlap.kernel_args(),
+        )  # fmt: skip
     return out

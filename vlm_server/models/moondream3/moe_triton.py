@@ -38,6 +38,7 @@ import torch
 
 from vlm_server.chip_features import device_spec
 from vlm_server.chips import FP8_CAPABILITY, ChipSpec, Launch
+from vlm_server.models.common import launch_overlap
 from vlm_server.models.moondream3 import act_quant, moe_routing
 from vlm_server.models.moondream3.fp8_experts import FP8
 from vlm_server.models.moondream3.moe_qweights import StoredExperts
@@ -47,6 +48,7 @@ try:
     import triton
     import triton.language as tl
 
+    from vlm_server.models.common.launch_overlap import gdc_launch_dependents, gdc_wait
     from vlm_server.models.moondream3.moe_epilogue import _down_epilogue, _up_epilogue
     from vlm_server.models.moondream3.moe_qweights import down_sums, up_sums
 except ImportError:  # the CPU path needs no Triton
@@ -269,10 +271,14 @@ if triton is not None:
         COLUMNS_FIRST: tl.constexpr = False,
         QBITS: tl.constexpr = 0,
         GROUP: tl.constexpr = 128,
+        PDL: tl.constexpr = False,
     ):
         """One row block x BN columns of both fc1 halves over a K range (the whole of it
         without split-K, then the epilogue; with it, fp32 partials for `_up_reduce_kernel`).
         ``ACT_FP8``: x is FP8 with a scale per token (``xs_ptr``); FP8 x FP8 products."""
+        if PDL:  # launched early (launch_overlap.py): wait for the predecessor first
+            gdc_wait()
+            gdc_launch_dependents()
         if COLUMNS_FIRST:  # a row block's column blocks run side by side: its rows read once
             pid_m, pid_n = tl.program_id(1), tl.program_id(0)
         else:
@@ -335,8 +341,12 @@ if triton is not None:
         part_ptr, s_ptr, h_ptr, pair_ptr, block_expert_ptr, used_ptr, d_ptr, n_pairs, width,
         HAS_SCALE: tl.constexpr, HAS_DELTA: tl.constexpr, SPLIT: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         """Split-K's partials of fc1 summed in split order (deterministic), then the epilogue."""
+        if PDL:  # launched early (launch_overlap.py): wait for the predecessor first
+            gdc_wait()
+            gdc_launch_dependents()
         pid_m = tl.program_id(0)
         if pid_m * BM >= tl.load(used_ptr):
             return
@@ -381,9 +391,13 @@ if triton is not None:
         COLUMNS_FIRST: tl.constexpr = False,
         QBITS: tl.constexpr = 0,
         GROUP: tl.constexpr = 128,
+        PDL: tl.constexpr = False,
     ):
         """fc2 over a row block's activations; as `_up_kernel` for split-K and FP8 inputs
         (a scale per sorted row, ``hs_ptr``)."""
+        if PDL:  # launched early (launch_overlap.py): wait for the predecessor first
+            gdc_wait()
+            gdc_launch_dependents()
         if COLUMNS_FIRST:  # a row block's column blocks run side by side: its rows read once
             pid_m, pid_n = tl.program_id(1), tl.program_id(0)
         else:
@@ -439,8 +453,12 @@ if triton is not None:
         part_ptr, s_ptr, y_ptr, pair_ptr, block_expert_ptr, used_ptr, d_ptr, n_pairs, dim,
         HAS_SCALE: tl.constexpr, HAS_DELTA: tl.constexpr, SPLIT: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         """Split-K's partials of fc2 summed in split order, then the epilogue."""
+        if PDL:  # launched early (launch_overlap.py): wait for the predecessor first
+            gdc_wait()
+            gdc_launch_dependents()
         pid_m = tl.program_id(0)
         if pid_m * BM >= tl.load(used_ptr):
             return
@@ -523,13 +541,14 @@ def experts_fused(
         dummy if up is None else up, x_scale, n * k, k, dim, width, k_split,
         HAS_SCALE=has_scale, HAS_DELTA=up is not None, IEEE=ieee, SPLIT=t.split,
         BM=bm, BN=t.bn, BK=t.bk, ACT_FP8=fp8_act, COLUMNS_FIRST=columns_first, **quant,
-        num_warps=t.warps, num_stages=t.stages,
+        num_warps=t.warps, num_stages=t.stages, **launch_overlap.kernel_args(),
     )  # fmt: skip
     if t.split > 1:
         _up_reduce_kernel[(n_blocks, triton.cdiv(width, t.bn))](
             part, dummy if s1 is None else s1, hidden, pair_ids, block_expert, used,
             dummy if up is None else up, n * k, width,
             HAS_SCALE=has_scale, HAS_DELTA=up is not None, SPLIT=t.split, BM=bm, BN=t.bn,
+            **launch_overlap.kernel_args(),
         )  # fmt: skip
     down = None
     if delta is not None and tokens is not None:
@@ -546,13 +565,14 @@ def experts_fused(
         dummy if down is None else down, h_scale, n * k, dim, width, k_split,
         HAS_SCALE=has_scale, HAS_DELTA=down is not None, IEEE=ieee, SPLIT=t.split,
         BM=bm, BN=t.bn, BK=t.bk, ACT_FP8=fp8_act, COLUMNS_FIRST=columns_first, **quant,
-        num_warps=t.warps, num_stages=t.stages,
+        num_warps=t.warps, num_stages=t.stages, **launch_overlap.kernel_args(),
     )  # fmt: skip
     if t.split > 1:
         _down_reduce_kernel[(n_blocks, triton.cdiv(dim, t.bn))](
             part, dummy if s2 is None else s2, y, pair_ids, block_expert, used,
             dummy if down is None else down, n * k, dim,
             HAS_SCALE=has_scale, HAS_DELTA=down is not None, SPLIT=t.split, BM=bm, BN=t.bn,
+            **launch_overlap.kernel_args(),
         )  # fmt: skip
     return y.view(n, k, dim)
 

@@ -26,9 +26,13 @@ import os
 
 import torch
 
+from vlm_server.models.common import launch_overlap
+
 try:
     import triton
     import triton.language as tl
+
+    from vlm_server.models.common.launch_overlap import gdc_launch_dependents, gdc_wait
 except ImportError:  # the CPU path needs no Triton
     triton = None
     tl = None
@@ -122,10 +126,14 @@ if triton is not None:
         GELU_ERF: tl.constexpr,
         TENSOR_CORES: tl.constexpr,
         ALL_HEADS: tl.constexpr = False,
+        PDL: tl.constexpr = False,
     ):
         """Partial sums of GELU(qkv) . w over one split of the projection's columns, per (block
         of tokens, block of tau heads, split): [splits, M, H + KVH] fp32. With ``ALL_HEADS``
         one block holds every tau head (query and value), so each GELU is computed once."""
+        if PDL:  # launched early (launch_overlap.py): wait for the predecessor first
+            gdc_wait()
+            gdc_launch_dependents()
         dtype = qkv_ptr.dtype.element_ty
         width = (H + 2 * KVH) * HD
         if ALL_HEADS:
@@ -181,10 +189,14 @@ if triton is not None:
         BM: tl.constexpr,
         BH: tl.constexpr,
         BF16_POS: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         """The logits' splits summed in order, tanh, the position term, and the scaled heads
         (the value heads' programs also copy the key heads), per (block of tokens, block of
         tau heads)."""
+        if PDL:  # launched early (launch_overlap.py): wait for the predecessor first
+            gdc_wait()
+            gdc_launch_dependents()
         dtype = out_ptr.dtype.element_ty
         is_v, first, hmask, w_rows = _heads(tl.program_id(1), H, KVH, BH)
         heads = w_rows - tl.where(is_v, H, 0)
@@ -277,6 +289,7 @@ def tau_scale(
         _logits_kernel[(rows, heads, splits)](
             x, w, part, m, x.stride(0), BH=bh, BK=bk, ITERS=iters,
             GELU_ERF=gelu_erf, TENSOR_CORES=tc, ALL_HEADS=wide, **shape,
+            **launch_overlap.kernel_args(),
         )  # fmt: skip
         sh = SCALE_H_WIDE if wide else SCALE_H
         scale_heads = triton.cdiv(n_heads, sh) + triton.cdiv(n_kv_heads, sh)
@@ -285,6 +298,6 @@ def tau_scale(
         _scale_kernel[(rows, scale_heads)](
             x, out, part, alpha, pos, m, x.stride(0), out.stride(0), pos.stride(0),
             SPLITS=splits, BLOCK_D=triton.next_power_of_2(hd), BF16_POS=bf16_positions,
-            BH=sh, **shape,
+            BH=sh, **shape, **launch_overlap.kernel_args(),
         )  # fmt: skip
     return out.view(b, t, width)
