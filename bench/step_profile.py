@@ -4,19 +4,20 @@ kernels inside the graph, beside the step's bandwidth floor.
     python -m bench.step_profile [--preset moondream3-preview --fp8-experts] [--batch 1 32]
         [--context 760] [--replays 20] [--set MODULE:NAME=VALUE ...] [--out DIR]
 
+Captures the runtime's decode graphs on a random model (bench.profile_decode's set-up), then
+replays each batch's graph (and, where the chip launches kernels early, the early-launch
+graph an idle engine replays: rows "B early") ``--replays`` times under the profiler,
+waiting for each replay before launching the next, so every kernel of a replay runs between
+its graph launch and the next one (bench.kernel_timeline). Per replay: the span (first
+kernel's start to last kernel's end), the time kernels ran (busy) and the gaps between
+consecutive kernels (idle: launch latency, dependent-launch waits, tails of narrow kernels);
+per kernel kind the count and time; and which transitions the idle time sits at. Medians over
+the replays are printed, with the floor (the bytes the step reads over the measured copy
+bandwidth, bench.decode_floor), and written to ``step_profile.json`` and ``step_profile.png``
+under --out.
+
 ``--set`` changes a module constant before the model is built (an A/B of one choice, e.g.
 ``vlm_server.models.moondream3.text:FUSED_COMBINE=False``); the JSON records it.
-
-Captures the runtime's decode graphs on a random model (bench.profile_decode's set-up), then
-replays each batch's graph ``--replays`` times under the profiler, waiting for each replay
-before launching the next, so every kernel of a replay runs between its graph launch and the
-next one (bench.kernel_timeline). Per replay: the span (first kernel's start to last
-kernel's end), the time kernels ran (busy) and the gaps between consecutive kernels (idle:
-launch latency, dependent-launch waits, tails of narrow kernels); per kernel kind the count
-and time; and which transitions the idle time sits at. Medians over the replays are printed,
-with the floor (the bytes the step reads over the measured copy bandwidth,
-bench.decode_floor), and written to ``step_profile.json`` and ``step_profile.png`` under
---out.
 """
 
 from __future__ import annotations
@@ -73,15 +74,18 @@ def plot(results: dict[str, Any], path: str) -> bool:
     return True
 
 
-def profile_batch(rt: Any, batch: int, context: int, replays: int) -> dict[str, Any]:
+def profile_batch(
+    rt: Any, batch: int, context: int, replays: int, early: bool = False
+) -> dict[str, Any]:
     """`summarize` of ``replays`` replays of the decode graph of ``batch`` rows, each row at
-    ``context`` positions."""
+    ``context`` positions (``early``: the graph whose kernels launch early, which an idle
+    engine's decode steps replay where the chip has them)."""
     import torch
 
     buf = rt.buffers.slots[0]
     buf.launch_dev[:batch, 0] = torch.arange(batch)
     buf.launch_dev[:batch, 1] = context
-    graphs = rt.steps.decode_graphs
+    graphs = rt.steps.early_decode_graphs if early else rt.steps.decode_graphs
     return summarize(
         profiled_replays(lambda: graphs.replay((0, batch)), rt.dev.compute_stream, replays)
     )
@@ -126,13 +130,16 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"settings": vars(args), "bandwidth_gb_s": bandwidth / 1e9}
     results["batches"] = {}
     for b in args.batch:
-        r = profile_batch(rt, b, args.context, args.replays)
         nbytes = step_bytes(
             loaded.model.text, b, args.context, per_position,
             n_experts=moe.n_experts if moe else 0, top_k=moe.top_k if moe else 0,
         )  # fmt: skip
-        r["floor_us"] = nbytes / bandwidth * 1e6
-        results["batches"][str(b)] = r
+        for early in (False, True):
+            if early and (0, b) not in rt.steps.early_decode_graphs:
+                continue
+            r = profile_batch(rt, b, args.context, args.replays, early)
+            r["floor_us"] = nbytes / bandwidth * 1e6
+            results["batches"][f"{b} early" if early else str(b)] = r
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plotting.write_rows(str(out / "step_profile.json"), results, plot)
