@@ -176,23 +176,20 @@ class TickTimes(Observer):
 
 
 def _request(scenario: str, i: int, image: object) -> GenerationRequest:
-    if scenario == "segment":
-        return GenerationRequest(
-            Task.SEGMENT,
-            image,  # type: ignore[arg-type]
-            request_id=str(i),
-            object_name="car",
-            max_tokens=128,  # path tokens: about a real answer's (each request ends in a run)
-            seed=i,
+    if scenario in ("segment", "region"):
+        # A segment's path tokens about a real answer's (each request ends within a run).
+        task, limit = (
+            (Task.SEGMENT, {"max_tokens": 128})
+            if scenario == "segment"
+            else (Task.DETECT, {"max_objects": 400})
         )
-    if scenario == "region":
         return GenerationRequest(
-            Task.DETECT,
+            task,
             image,  # type: ignore[arg-type]
             request_id=str(i),
             object_name="car",
-            max_objects=400,
             seed=i,
+            **limit,  # type: ignore[arg-type]
         )
     regex = "[a-z ]+" if scenario == "constrained" else None
     max_tokens = 8 if scenario == "churn" else 1900

@@ -102,11 +102,17 @@ def _binomial(n: int, k: int) -> int:
 
 def rasterize(polygons: list[list[Point]], width: int, height: int) -> np.ndarray:
     """Bool [height, width] union of the filled polygons (normalized coordinates)."""
-    if width <= 0 or height <= 0:
-        raise ValueError("image size must be positive")
     # 8-bit, not 1-bit: Pillow fills the same pixels, and the array comes out of an 8-bit
     # image in one copy (a 12 MP mask: 5 ms against 11).
-    image = Image.new("L", (width, height), 0)
+    return np.asarray(filled(polygons, width, height, "L")) != 0
+
+
+def filled(polygons: list[list[Point]], width: int, height: int, mode: str) -> Image.Image:
+    """A Pillow image of ``mode`` with the polygons (three points or more), lines (two) and
+    points (one) drawn in 1 on 0."""
+    if width <= 0 or height <= 0:
+        raise ValueError("image size must be positive")
+    image = Image.new(mode, (width, height), 0)
     draw = ImageDraw.Draw(image)
     for polygon in polygons:
         pixels = [(x * width, y * height) for x, y in polygon]
@@ -116,7 +122,7 @@ def rasterize(polygons: list[list[Point]], width: int, height: int) -> np.ndarra
             draw.line(pixels, fill=1)
         elif pixels:
             draw.point(pixels, fill=1)
-    return np.asarray(image) != 0
+    return image
 
 
 def rle_encode(mask: np.ndarray) -> list[int]:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from decoding.automaton import Dfa
 from decoding.segment_output import (
     build_segment,
+    filled,
     rasterize,
     rle_decode,
     rle_encode,
@@ -73,8 +74,6 @@ def test_rle_counts_are_the_column_major_runs(seed: int) -> None:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_rasterize_fills_the_pixels_pillows_one_bit_fill_does(seed: int) -> None:
-    from PIL import Image, ImageDraw
-
     rng = np.random.default_rng(seed)
     for _ in range(20):
         width, height = (int(v) for v in rng.integers(5, 300, 2))
@@ -82,16 +81,7 @@ def test_rasterize_fills_the_pixels_pillows_one_bit_fill_does(seed: int) -> None
             [tuple(p) for p in rng.uniform(-0.2, 1.2, (int(n), 2))]
             for n in rng.integers(1, 9, int(rng.integers(1, 4)))
         ]
-        want = Image.new("1", (width, height), 0)
-        draw = ImageDraw.Draw(want)
-        for shape in shapes:
-            pixels = [(x * width, y * height) for x, y in shape]
-            if len(pixels) >= 3:
-                draw.polygon(pixels, fill=1, outline=1)
-            elif len(pixels) == 2:
-                draw.line(pixels, fill=1)
-            else:
-                draw.point(pixels, fill=1)
+        want = filled(shapes, width, height, "1")
         got = rasterize(shapes, width, height)
         assert got.dtype == bool and np.array_equal(got, np.array(want, dtype=bool))
 

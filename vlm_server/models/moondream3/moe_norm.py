@@ -26,7 +26,7 @@ try:
 
     from vlm_server.models.common.fused_norm import _normalize
     from vlm_server.models.common.launch_overlap import gdc_launch_dependents, gdc_wait
-    from vlm_server.models.moondream3.moe_routing import _rounded
+    from vlm_server.models.moondream3.moe_routing import combined
 except ImportError:  # the CPU path needs no Triton
     triton = None
     tl = None
@@ -59,16 +59,7 @@ if triton is not None:
         cols = tl.arange(0, BLOCK)
         mask = cols < dim
         offs = row * dim + cols
-        dt = x_ptr.dtype.element_ty
-        rows = y_ptr + row * top_k * dim
-        rw = tl.load(rw_ptr + row * top_k).to(tl.float32)
-        m = _rounded(tl.load(rows + cols, mask=mask, other=0.0).to(tl.float32) * rw, dt)
-        for j in range(1, top_k):
-            rw = tl.load(rw_ptr + row * top_k + j).to(tl.float32)
-            p = _rounded(
-                tl.load(rows + j * dim + cols, mask=mask, other=0.0).to(tl.float32) * rw, dt
-            )
-            m = _rounded(m.to(tl.float32) + p.to(tl.float32), dt)
+        m = combined(y_ptr, rw_ptr, row, cols, mask, dim, top_k, x_ptr.dtype.element_ty)
         s = tl.load(x_ptr + offs, mask=mask, other=0.0) + tl.load(
             a_ptr + offs, mask=mask, other=0.0
         )

@@ -260,15 +260,22 @@ if triton is not None:
         n = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BD + tl.arange(0, BD)
         ok = cols < dim
-        dt = out_ptr.dtype.element_ty
-        rows = y_ptr + n * top_k * dim
-        w = tl.load(w_ptr + n * top_k).to(tl.float32)
-        acc = _rounded(tl.load(rows + cols, mask=ok, other=0.0).to(tl.float32) * w, dt)
-        for j in range(1, top_k):
-            w = tl.load(w_ptr + n * top_k + j).to(tl.float32)
-            p = _rounded(tl.load(rows + j * dim + cols, mask=ok, other=0.0).to(tl.float32) * w, dt)
-            acc = _rounded(acc.to(tl.float32) + p.to(tl.float32), dt)
+        acc = combined(y_ptr, w_ptr, n, cols, ok, dim, top_k, out_ptr.dtype.element_ty)
         tl.store(out_ptr + n * dim + cols, acc, mask=ok)
+
+    @triton.jit
+    def combined(y, w, n, cols, ok, dim, top_k, dt: tl.constexpr):
+        """Token ``n``'s columns ``cols`` of sum_j y[n, j] w[n, j] (y [N, k, dim], w [N, k]),
+        each product and each sum rounded to ``dt``, in slot order (a helper of the combine
+        kernels, which launch without FMA contraction)."""
+        rows = y + n * top_k * dim
+        wj = tl.load(w + n * top_k).to(tl.float32)
+        acc = _rounded(tl.load(rows + cols, mask=ok, other=0.0).to(tl.float32) * wj, dt)
+        for j in range(1, top_k):
+            wj = tl.load(w + n * top_k + j).to(tl.float32)
+            p = _rounded(tl.load(rows + j * dim + cols, mask=ok, other=0.0).to(tl.float32) * wj, dt)
+            acc = _rounded(acc.to(tl.float32) + p.to(tl.float32), dt)
+        return acc
 
 
 def _group(
