@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from pathlib import Path
 
@@ -175,3 +176,15 @@ def test_on_cuda_every_step_carries_its_device_times(
     starts = [r["forward_start_ms"] for r in timed]
     assert starts == sorted(starts)  # one compute stream: forwards in launch order
     assert any(r["sample_ms"] is not None and r["sample_ms"] > 0 for r in rows)
+
+
+def test_a_served_engine_says_where_its_start_up_went(
+    tiny_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = local_config(model=str(tiny_dir), device="cpu", dtype="fp32")
+    with caplog.at_level("INFO", logger="vlm_server.server.engines"):
+        batched_engine(config)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("start-up:")]
+    assert len(lines) == 1, caplog.text
+    seconds = [float(v) for v in re.findall(r"(\d+\.\d) s", lines[0])]
+    assert len(seconds) == 3 and all(s >= 0 for s in seconds)

@@ -12,6 +12,7 @@ import functools
 import gc
 import logging
 import sys
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -90,10 +91,13 @@ def batched_engine(config: ServerConfig, one_at_a_time: bool = False) -> Batched
         cfg = dataclasses.replace(
             cfg, max_batch_size=1, pipeline_depth=1, background_reserved_rows=0
         )
+    started = time.perf_counter()
     loaded = _loader(config)()
+    loaded_at = time.perf_counter()
     capabilities.check(loaded.model, vars(config))  # every flag the family cannot serve, at once
     refine = segment_refiner(loaded, config.segment_refiner) if config.segment_refiner else None
     trace = StepTrace(config.step_trace, config.step_trace_steps) if config.step_trace else None
+    refined_at = time.perf_counter()
     engine = BatchedEngine(
         loaded,
         cfg,
@@ -101,6 +105,13 @@ def batched_engine(config: ServerConfig, one_at_a_time: bool = False) -> Batched
         observer=trace or NO_OBSERVER,
         image_preparer=crop_maker(config),
         segment_refiner=refine,
+    )
+    # Where start-up goes (the graphs' captures follow, each set with its own line).
+    log.info(
+        "start-up: model loaded in %.1f s, refiner %.1f s, engine (KV pages, buffers) %.1f s",
+        loaded_at - started,
+        refined_at - loaded_at,
+        time.perf_counter() - refined_at,
     )
     if trace is not None:
         trace.prefill_busy = engine.runtime.prefill_busy
