@@ -38,10 +38,26 @@ def test_a_graphed_decode_forward_launched_early_is_bit_exact(
     """The fused few-row forward (skinny products, rotary + KV write, paged attention and its
     merge, the norms) in bf16: eager without early launches, then a graph captured with them,
     replayed on new inputs each time: outputs and written KV equal bit for bit."""
+    _early_graph_is_bit_exact(copy.deepcopy(tiny.model), rows)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 32])
+def test_moondream3s_decode_forward_launched_early_is_bit_exact(
+    rows: int, overlap_off_after: None
+) -> None:
+    """The same for Moondream 3's tiny preset: tau kernels, routing, the grouped expert
+    kernels and the combine inside the next norm launch early as well."""
+    from vlm_server.models.registry import preset, random_model
+
+    loaded = random_model(preset("md3-tiny"), seed=rows, dtype=torch.float32, progress=False)
+    _early_graph_is_bit_exact(loaded.model, rows)
+
+
+def _early_graph_is_bit_exact(model: torch.nn.Module, rows: int) -> None:
     _needs_hopper()
     from vlm_server.engine.device.kernels.paged_attention import DecodeKV
 
-    model = copy.deepcopy(tiny.model).cuda().to(torch.bfloat16)
+    model = model.cuda().to(torch.bfloat16)
     text = model.text
     text.reset_rotary("cuda")
     assert text.use_fused_products(True)
