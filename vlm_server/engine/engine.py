@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Protocol
@@ -37,6 +38,7 @@ from vlm_server.engine.core.outputs import output_for
 from vlm_server.engine.core.pipeline import Step
 from vlm_server.engine.core.scheduler import Scheduler
 from vlm_server.engine.core.sequence import Sequence
+from vlm_server.engine.device.compile_clock import CompileClock
 from vlm_server.engine.device.runtime import ModelRuntime
 from vlm_server.engine.intake import Intake, Route, Ticket
 from vlm_server.engine.refinements import Refinements
@@ -213,8 +215,12 @@ class BatchedEngine:
         captures."""
         rt = self.runtime
         if self.cfg.cuda_graphs and rt.dev.is_cuda and not rt.steps.decode_graphs:
-            rt.capture_graphs()
-            rt.capture_vision_graphs()
+            started = time.perf_counter()
+            with CompileClock() as compiles:
+                rt.capture_graphs()
+                rt.capture_vision_graphs()
+            took = time.perf_counter() - started
+            log.info("graphs captured in %.1f s; %s", took, compiles.line() or "no compile hooks")
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
             self._thread.start()
