@@ -34,7 +34,8 @@ name without spaces) runs a GPU as that chip of the table: its compute capabilit
 and limits for every launch choice and feature gate (no FP8 below sm_89, no early launches
 below sm_90), and its memory as the engine's cap unless `--gpu-memory-bytes` is given. It
 runs the smaller chip's code paths on a larger GPU; timings under a profile are that GPU's,
-not the chip's.
+not the chip's. `tests/run_gpu_profiles.sh` runs the GPU tests natively and under the
+`rtx3090`, `rtx4090` and `a100` profiles and prints a table of each run's counts.
 
 """
 
