@@ -1,4 +1,4 @@
-"""``vlm batch`` killed and run again: a SIGKILL at five points of one batch (each chosen by the
+"""``vlm batch`` killed and run again: a SIGKILL at three points of one batch (each chosen by the
 results file's growth, from a seeded draw), then Ctrl-C and SIGTERM, each followed by a run on
 the same output. Every custom_id ends up written exactly once, every line whole; an
 interrupted run exits 130 with its file whole, and the last run completes with exit 0."""
@@ -18,7 +18,7 @@ from tests.support.batch_files import engine_flags, write_pictures
 
 REPO = Path(__file__).resolve().parents[1]
 LINES = 40
-KILLS = 5
+KILLS = 3
 POLL_S = 0.005
 RUN_TIMEOUT_S = 120  # one run (a start and at most 40 tiny lines); a hang fails, never waits
 
