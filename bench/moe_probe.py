@@ -117,7 +117,7 @@ def legacy_layer(mlp: MoeMLP, x: torch.Tensor) -> torch.Tensor:
     weights, ids = route(mlp.router(x), mlp.top_k)
     tiles = legacy_tiles(ids.numel(), mlp.fc1.weight.shape[0])
     routing = moe_routing.Routing(
-        *moe_triton.align(ids, mlp.fc1.weight.shape[0], tiles.bm), tiles.bm
+        *moe_routing.align(ids, mlp.fc1.weight.shape[0], tiles.bm), tiles.bm
     )
     y = _experts(mlp, x, ids, tiles, routing)
     return combine_slots(y, weights)
@@ -224,7 +224,7 @@ def measure(
     n_experts = mlp.fc1.weight.shape[0]
     with torch.no_grad(), table(tiles):
         if legacy:
-            routing = moe_routing.Routing(*moe_triton.align(ids, n_experts, tiles.bm), tiles.bm)
+            routing = moe_routing.Routing(*moe_routing.align(ids, n_experts, tiles.bm), tiles.bm)
         else:
             routing = moe_routing.align_fused(ids, n_experts, tiles.bm)
         layer = layer_fn(mlp, x, legacy)

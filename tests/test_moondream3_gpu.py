@@ -223,8 +223,7 @@ def _distinct_logits(n: int, e: int, k: int, uneven: bool, seed: int) -> torch.T
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_route_align_kernels_equal_route_then_align(n: int, uneven: bool, block_m: int) -> None:
     from vlm_server.models.moondream3.moe import route
-    from vlm_server.models.moondream3.moe_routing import align_fused, route_align
-    from vlm_server.models.moondream3.moe_triton import align
+    from vlm_server.models.moondream3.moe_routing import align, align_fused, route_align
 
     logits = _distinct_logits(n, 64, 8, uneven, seed=n)
     weights, ids, routing = route_align(logits, 8, block_m)

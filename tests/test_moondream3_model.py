@@ -324,7 +324,7 @@ def test_the_tiny_contract_speaks_the_full_contracts_rules() -> None:
 
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_align_groups_pairs_by_expert_in_whole_blocks(block_m: int) -> None:
-    from vlm_server.models.moondream3.moe_triton import align
+    from vlm_server.models.moondream3.moe_routing import align
 
     gen = torch.Generator().manual_seed(block_m)
     ids = torch.randint(0, 8, (37, 3), generator=gen)

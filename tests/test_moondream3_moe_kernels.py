@@ -38,7 +38,7 @@ def _ids(n: int, k: int, e: int, uneven: bool, seed: int) -> torch.Tensor:
 
 
 def _same_grouping(got: object, ids: torch.Tensor, n_experts: int, block_m: int) -> None:
-    from vlm_server.models.moondream3.moe_triton import align
+    from vlm_server.models.moondream3.moe_routing import align
 
     pair_ids, block_expert, used = align(ids, n_experts, block_m)
     assert got.block_m == block_m  # type: ignore[attr-defined]

@@ -1,6 +1,6 @@
 """The expert layer's routing and combine as Triton kernels (CUDA; the CPU tests interpret them).
 
-`route_align` turns router logits [N, E] into what `moe.route` and `moe_triton.align` return
+`route_align` turns router logits [N, E] into what `moe.route` and `align` return
 together: each token's top-k experts and their softmaxed weights, and the (token, expert) pairs
 grouped by expert, padded to whole row blocks (pairs keep token order within an expert). One
 launch for up to ``SINGLE_MAX_TOKENS`` tokens (decode); above, two: per program (at most
@@ -319,6 +319,33 @@ def _group(
     return Routing(pair_ids, block_expert, used, block_m)
 
 
+def align(
+    ids: torch.Tensor, n_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The grouping in PyTorch (`align_fused`'s reference): expert ids [N, k] -> (pair index
+    per sorted row [blocks * block_m], with N * k marking a padding row; expert of each row
+    block [blocks]; rows in use [1]), all int32 on ids' device."""
+    flat = ids.reshape(-1)
+    n_pairs = flat.numel()
+    dev = flat.device
+    # One-hot counts and ranks rather than a sort or bincount: plain scatters and a cumsum,
+    # which never read a value back to the host (a graph may capture them).
+    onehot = torch.zeros((n_pairs, n_experts), dtype=torch.int32, device=dev)
+    onehot.scatter_(1, flat[:, None], 1)
+    rank = onehot.cumsum(0, dtype=torch.int32).gather(1, flat[:, None])[:, 0] - 1
+    counts = onehot.sum(0, dtype=torch.int64)
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    starts = ends - padded
+    pos = starts[flat] + rank  # pairs keep their order within an expert's group
+    n_blocks = n_row_blocks(n_pairs, n_experts, block_m)
+    pair_ids = torch.full((n_blocks * block_m,), n_pairs, dtype=torch.int32, device=dev)
+    pair_ids[pos] = torch.arange(n_pairs, dtype=torch.int32, device=dev)
+    block_starts = torch.arange(n_blocks, device=dev) * block_m
+    block_expert = torch.searchsorted(ends, block_starts, right=True).clamp_(max=n_experts - 1)
+    return pair_ids, block_expert.to(torch.int32), ends[-1:].to(torch.int32)
+
+
 def route_align(
     logits: torch.Tensor, top_k: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, Routing]:
@@ -332,7 +359,7 @@ def route_align(
 
 
 def align_fused(ids: torch.Tensor, n_experts: int, block_m: int) -> Routing:
-    """`moe_triton.align` in Triton: expert ids [N, k] -> the pairs grouped by expert."""
+    """`align` in Triton: expert ids [N, k] -> the pairs grouped by expert."""
     return _group(None, ids.contiguous(), None, n_experts, block_m)
 
 

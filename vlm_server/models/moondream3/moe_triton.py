@@ -1,9 +1,9 @@
 """Fused expert layers in Triton: the step's (token, expert) pairs grouped by expert, one
 grouped matmul for fc1 with the expert activation in its epilogue, one for fc2.
 
-1. Grouping (moe_routing.py, Triton; `align` here is its PyTorch reference): the pairs sorted
-   by expert, each expert's group padded to a multiple of ``block_m`` rows, so every row block
-   belongs to one expert. The buffer is sized for the worst case (`moe_routing.n_row_blocks`);
+1. Grouping (moe_routing.py, Triton; `moe_routing.align` is its PyTorch reference): the pairs
+   sorted by expert, each expert's group padded to a multiple of ``block_m`` rows, so every row
+   block belongs to one expert. The buffer is sized for the worst case (`moe_routing.n_row_blocks`);
    blocks past the used length exit at once.
 2. `_up_kernel`: per row block and tile of the expert width, both halves of fc1 over the
    block's tokens, accumulated in fp32; writes ``gelu_erf(a) * (b + 1)``.
@@ -204,33 +204,6 @@ def pick_tiles(
 def available(x: torch.Tensor) -> bool:
     """Whether the fused path can run on ``x`` (CUDA and Triton)."""
     return triton is not None and x.is_cuda
-
-
-def align(
-    ids: torch.Tensor, n_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Expert ids [N, k] -> (pair index per sorted row [blocks * block_m], with N * k marking a
-    padding row; expert of each row block [blocks]; rows in use [1]), all int32 on ids'
-    device."""
-    flat = ids.reshape(-1)
-    n_pairs = flat.numel()
-    dev = flat.device
-    # One-hot counts and ranks rather than a sort or bincount: plain scatters and a cumsum,
-    # which never read a value back to the host (a graph may capture them).
-    onehot = torch.zeros((n_pairs, n_experts), dtype=torch.int32, device=dev)
-    onehot.scatter_(1, flat[:, None], 1)
-    rank = onehot.cumsum(0, dtype=torch.int32).gather(1, flat[:, None])[:, 0] - 1
-    counts = onehot.sum(0, dtype=torch.int64)
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)
-    starts = ends - padded
-    pos = starts[flat] + rank  # pairs keep their order within an expert's group
-    n_blocks = moe_routing.n_row_blocks(n_pairs, n_experts, block_m)
-    pair_ids = torch.full((n_blocks * block_m,), n_pairs, dtype=torch.int32, device=dev)
-    pair_ids[pos] = torch.arange(n_pairs, dtype=torch.int32, device=dev)
-    block_starts = torch.arange(n_blocks, device=dev) * block_m
-    block_expert = torch.searchsorted(ends, block_starts, right=True).clamp_(max=n_experts - 1)
-    return pair_ids, block_expert.to(torch.int32), ends[-1:].to(torch.int32)
 
 
 if triton is not None:
@@ -595,8 +568,8 @@ def _pair_delta(d: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
 
 
 def _row_of_pair(pair_ids: torch.Tensor, n_pairs: int) -> torch.Tensor:
-    """The inverse of `align`'s pair index: each pair's sorted row [n_pairs] (a scatter, no
-    host read; the padding rows all land in one spare entry, dropped)."""
+    """The inverse of `moe_routing.align`'s pair index: each pair's sorted row [n_pairs] (a
+    scatter, no host read; the padding rows all land in one spare entry, dropped)."""
     inv = torch.empty(n_pairs + 1, dtype=torch.int64, device=pair_ids.device)
     rows = torch.arange(pair_ids.shape[0], device=pair_ids.device)
     return inv.scatter_(0, pair_ids.long(), rows)[:n_pairs]
