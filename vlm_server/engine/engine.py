@@ -220,7 +220,7 @@ class BatchedEngine:
                 rt.capture_graphs()
                 rt.capture_vision_graphs()
             took = time.perf_counter() - started
-            log.info("graphs captured in %.1f s; %s", took, compiles.line() or "no compile hooks")
+            log.info("graphs captured in %.1f s; %s", took, compiles.line())
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
             self._thread.start()

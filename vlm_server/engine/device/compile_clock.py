@@ -33,13 +33,14 @@ class CompileClock:
         self._before: Any = None
         self._after: Any = None
         self.active = False
+        self._hooked = False  # whether the hooks were ever set (`line` after the context)
 
     def __enter__(self) -> CompileClock:
         runtime = getattr(knobs, "runtime", None)  # a Triton without the hooks: inactive
         if runtime is not None and hasattr(runtime, "jit_post_compile_hook"):
             self._before, self._after = runtime.jit_cache_hook, runtime.jit_post_compile_hook
             runtime.jit_cache_hook, runtime.jit_post_compile_hook = self._start, self._end
-            self.active = True
+            self.active = self._hooked = True
         return self
 
     def __exit__(
@@ -56,7 +57,7 @@ class CompileClock:
     def line(self) -> str:
         """What the clock saw, for a start-up log line."""
         if not self.count:
-            return "Triton compiled no kernel (all in memory)" if self.active else ""
+            return "Triton compiled no kernel" if self._hooked else "no Triton compile hooks"
         name = f"; slowest {self.slowest[1]} {self.slowest[0]:.1f} s" if self.slowest else ""
         return f"Triton compiled or read back {self.count} kernels in {self.seconds:.1f} s{name}"
 
