@@ -36,12 +36,19 @@ def _load_gen() -> dict[str, Any]:
 
     return {
         "server_args": SERVE,
+        "server_startup_s": 41.5,
         "rows": [
             row("query3/800x600/unique", 1, e2e_p50_ms=24.0, req_per_s=34.0),
             row("query3/800x600/unique", 64, e2e_p50_ms=990.0, req_per_s=58.5),
             row("query3/800x600/unique", 64, door="http", req_per_s=99.0),  # not the gRPC row
             row("query3/800x600/repeated", 64, req_per_s=758.9),
-            row("caption128/800x600/unique", 32, tokens_per_s=4100.0),
+            row(
+                "caption128/800x600/unique",
+                32,
+                tokens_per_s=4100.0,
+                ttft_p50_ms=480.0,
+                itl_p99_ms=7.5,
+            ),
             row("query3/4000x3000/unique", 1, e2e_p50_ms=52.9),  # no target row of its own
             row("query3/800x600/repeated", 1, ok=0, e2e_p50_ms=None),  # nothing done
         ],
@@ -70,6 +77,9 @@ def test_load_rows_name_unit_bound_and_flags() -> None:
         "md2.query3.unique.c64.req_s",
         "md2.query3.repeated.c64.req_s",
         "md2.caption128.unique.c32.tok_s",
+        "md2.caption128.unique.c32.ttft_p50_ms",
+        "md2.caption128.unique.c32.gap_p99_ms",
+        "md2.startup_s",
     }
     for r in rows.values():
         assert set(r) == KEYS and r["commit"] == "abc1234"
@@ -80,16 +90,30 @@ def test_load_rows_name_unit_bound_and_flags() -> None:
     assert (c64["value"], c64["unit"], c64["target"], c64["met"]) == (58.5, "req/s", ">= 65", False)
     assert rows["md2.query3.repeated.c64.req_s"]["met"] is True
     caption = rows["md2.caption128.unique.c32.tok_s"]
-    assert (caption["value"], caption["target"], caption["met"]) == (4100.0, None, None)
+    assert (caption["value"], caption["target"], caption["met"]) == (4100.0, ">= 4000", True)
+    ttft = rows["md2.caption128.unique.c32.ttft_p50_ms"]
+    assert (ttft["value"], ttft["target"], ttft["met"]) == (480.0, "<= 150", False)
+    gap = rows["md2.caption128.unique.c32.gap_p99_ms"]
+    assert (gap["value"], gap["target"], gap["met"]) == (7.5, "<= 10", True)
+    startup = rows["md2.startup_s"]
+    assert (startup["value"], startup["unit"], startup["met"]) == (41.5, "s", False)
 
 
 def test_a_family_bound_overrides_the_default_and_a_suffix_names_other_conditions(
     tmp_path: Path,
 ) -> None:
     md3 = targets.make_row("md3", "query3.unique.c1.p50_ms", 38.0, "abc", "")
-    assert (md3["target"], md3["met"]) == ("<= 40", True)
-    assert targets.make_row("md2", "query3.unique.c1.p50_ms", 38.0, "abc", "")["met"] is False
-    assert targets.make_row("md3", "decode.period_ms.s1", 9.0, "abc", "")["target"] is None
+    assert (md3["target"], md3["met"]) == ("<= 30", False)
+    assert targets.make_row("md2", "query3.unique.c1.p50_ms", 24.0, "abc", "")["met"] is True
+    assert targets.make_row("md3", "decode.period_ms.s1", 1.1, "abc", "")["target"] == "<= 1.20"
+    assert targets.make_row("md3", "caption128.unique.c32.tok_s", 1.0, "abc", "")["met"] is None
+    # A variant of the family (md3 with bf16 experts) takes its own row's bound.
+    bf16 = targets.make_row("md3.bf16", "decode.period_ms.s1", 1.5, "abc", "")
+    assert (bf16["name"], bf16["target"], bf16["met"]) == (
+        "md3.bf16.decode.period_ms.s1",
+        "<= 1.60",
+        True,
+    )
     (tmp_path / "load_gen.json").write_text(json.dumps(_load_gen()))
     rows = _by_name(targets.collect(tmp_path, "md3", "abc", "_24gb"))
     assert set(rows) == {"md3.query3.unique.c64.req_s_24gb"}
@@ -220,11 +244,11 @@ def test_merge_replaces_by_name_and_keeps_the_rest(tmp_path: Path) -> None:
     assert rows["md2.query3.unique.c1.p50_ms"]["commit"] == "abc"
     assert rows["md2.tower.crops9.fp8_ms"]["commit"] == "old"
     assert rows["md2.something.else"]["value"] == 1.0
-    assert len(rows) == 6
+    assert len(rows) == 9
     empty = tmp_path / "empty"
     empty.mkdir()
     assert targets.main(["collect", str(empty), "--targets", str(path)]) == 1  # no rows
-    assert len(json.loads(path.read_text())) == 6
+    assert len(json.loads(path.read_text())) == 9
 
 
 def test_collect_reads_what_the_tools_write(tmp_path: Path) -> None:
@@ -257,7 +281,7 @@ def test_the_seeded_figures_of_record_are_well_formed() -> None:
     path = ROOT / "bench" / "results" / "NVIDIA_H100" / "targets.json"
     rows = json.loads(path.read_text())
     md2 = [r["name"] for r in rows if r["name"].startswith("md2.")]
-    assert md2 == [f"md2.{n}" for n in targets.TARGETS]
+    assert md2 == [f"md2.{n}" for n in targets.TARGETS if n not in targets.FAMILY_ONLY]
     assert [r["name"] for r in rows] == [r["name"] for r in targets.merge([], rows)]
     for r in rows:
         assert set(r) - {"note"} == KEYS, r  # a note only where the measurement says why
