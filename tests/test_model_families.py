@@ -99,6 +99,10 @@ def test_flags_asking_for_what_the_family_lacks_are_refused_at_start_naming_each
         "--adapters-dir: the model 'toy' has no finetune adapters"
     )
     capabilities.check(toy.model, {"fused_decode": True})  # preferred where offered: no error
+    for value in ("auto", "off", None, False):  # an auto switch asks for nothing
+        capabilities.check(toy.model, {"experts_fp8_activations": value})
+    with pytest.raises(capabilities.CapabilityError, match="--experts-fp8-activations"):
+        capabilities.check(toy.model, {"experts_fp8_activations": "on"})
     with pytest.raises(capabilities.CapabilityError, match="--experts-fp8-activations"):
         BatchedEngine(toy, EngineConfig(experts_fp8_activations=True))
     monkeypatch.setattr(TOY, "formats", dataclasses.replace(TOY.formats, weights=("fp32",)))

@@ -192,6 +192,49 @@ def test_the_engine_switch_names_the_flag_for_16_bit_experts() -> None:
         entry.use_fp8_expert_activations()
 
 
+@pytest.mark.parametrize(
+    ("asked", "experts_fp8", "cuda", "on"),
+    [
+        (None, True, True, True),  # auto: FP8 experts on CUDA
+        (None, False, True, False),  # auto: 16-bit experts
+        (None, True, False, False),  # auto: the fused kernels are CUDA's
+        (True, True, True, True),
+        (False, True, True, False),  # asked off
+        (True, False, False, True),  # asked: the model refuses it later, naming the flag
+    ],
+)
+def test_auto_takes_fp8_activations_where_the_experts_are_fp8_on_cuda(
+    asked: bool | None, experts_fp8: bool, cuda: bool, on: bool
+) -> None:
+    from vlm_server.engine.device.model_entry import fp8_activations_choice
+
+    choice, why = fp8_activations_choice(asked, experts_fp8, cuda)
+    assert choice is on
+    assert why.startswith("auto") == (asked is None)
+
+
+def test_the_entry_reads_whether_the_experts_are_held_in_fp8() -> None:
+    from vlm_server.engine.device.model_entry import ModelEntryPoints
+    from vlm_server.models.registry import preset, random_model
+
+    tiny = ModelEntryPoints(random_model(preset("tiny"), dtype=torch.float32).model)
+    assert tiny.wants_fp8_expert_activations(None)[0] is False  # no experts at all
+    loaded = random_model(preset("moondream3-tiny"), dtype=torch.float32)
+    md3 = ModelEntryPoints(loaded.model)
+    assert loaded.model.experts_in_fp8 is False
+    assert md3.wants_fp8_expert_activations(None) == (
+        False,
+        "auto: off, the experts are not in FP8",
+    )
+    loaded.model.use_fp8_experts()  # the CPU holds FP8 experts too (dequantized in the loop)
+    assert loaded.model.experts_in_fp8 is True
+    assert md3.wants_fp8_expert_activations(None) == (
+        False,
+        "auto: off, the fused FP8 kernels run on CUDA only",
+    )
+    assert md3.wants_fp8_expert_activations(True) == (True, "as asked")
+
+
 # ---- the GPU --------------------------------------------------------------------------------
 
 

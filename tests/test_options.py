@@ -60,6 +60,8 @@ def test_every_option_reaches_its_component_under_its_own_name() -> None:
                     mine = PREFILL_SMS_AUTO if mine == "auto" else int(mine)
                 if f.name == "background_reserved_rows":  # the same
                     mine = RESERVED_ROWS_AUTO if mine == "auto" else int(mine)
+                if f.name == "experts_fp8_activations":  # auto is None there: it decides
+                    mine = None if mine == "auto" else mine == "on"
                 assert theirs == mine or (mine == 0 and theirs is None), f.name
     assert {"max_queue", "kv_budget_bytes", "crop_graph_sizes", "max_image_bytes"} <= reached
     assert {"max_constraint_states", "constraint_compile_seconds"} <= reached
@@ -94,3 +96,32 @@ def test_errors_name_what_the_user_set(capsys: pytest.CaptureFixture[str]) -> No
 @pytest.mark.parametrize("value", [1, 1000, 1 << 10, 3 << 20, 1 << 30, 0])
 def test_sizes_are_shown_as_they_parse(value: int) -> None:
     assert parse_size(format_size(value)) == value
+
+
+@pytest.mark.parametrize(
+    ("given", "kept", "engine"),
+    [
+        ([], "auto", None),
+        (["--experts-fp8-activations", "true"], "on", True),
+        (["--experts-fp8-activations", "on"], "on", True),
+        (["--experts-fp8-activations", "false"], "off", False),
+        (["--experts-fp8-activations", "AUTO"], "auto", None),
+    ],
+)
+def test_an_auto_switch_takes_auto_and_a_booleans_words(
+    given: list[str], kept: str, engine: bool | None
+) -> None:
+    config = load_config(given, environ={})
+    assert config.experts_fp8_activations == kept
+    assert config.engine_config.experts_fp8_activations is engine
+
+
+def test_an_auto_switch_refuses_other_words_naming_the_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        load_config(["--experts-fp8-activations", "maybe"], environ={})
+    assert "--experts-fp8-activations" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        load_config([], environ={"VLM_EXPERTS_FP8_ACTIVATIONS": "2"})
+    assert "VLM_EXPERTS_FP8_ACTIVATIONS" in capsys.readouterr().err

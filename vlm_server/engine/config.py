@@ -84,7 +84,9 @@ class EngineConfig:
     # Moondream 3: the expert products of steps of 256 tokens or more (image prefixes, long
     # prompt chunks) with FP8 activations beside the FP8 expert weights (FP8 x FP8 on the
     # matrix units; models/moondream3/act_quant.py). Answers differ from the 16-bit path's.
-    experts_fp8_activations: bool = False
+    # None (auto, the server's default): on where the experts are held in FP8 on CUDA
+    # (device/model_entry.py `fp8_activations_choice`); a library engine asks for nothing.
+    experts_fp8_activations: bool | None = False
     # Decode steps (few rows) run each decoder block's four matrix products as two fused
     # skinny products (models/common/fused_products.py), where the family offers them (CUDA).
     fused_decode: bool = True

@@ -56,7 +56,7 @@ def check(model: DeviceModel, settings: Mapping[str, object]) -> None:
     lacking = [
         refusal(name, what, model.config.name)
         for name, (what, has) in NEEDS.items()
-        if settings.get(name) and has(caps) is None
+        if _asked(settings.get(name)) and has(caps) is None
     ]
     kv = settings.get("kv_dtype")
     if isinstance(kv, str) and kv != "auto" and kv not in caps.formats.kv:
@@ -68,6 +68,12 @@ def check(model: DeviceModel, settings: Mapping[str, object]) -> None:
         )
     if lacking:
         raise CapabilityError("; ".join(str(err) for err in lacking))
+
+
+def _asked(value: object) -> bool:
+    """Whether a setting's value asks for its capability (``auto`` and ``off`` do not: an auto
+    switch takes the capability only where the model has it)."""
+    return bool(value) and value not in ("auto", "off")
 
 
 def need(part: T | None, setting: str, model: DeviceModel) -> T:

@@ -252,6 +252,12 @@ class Fp8Experts(Protocol):
         are FP8)."""
         ...
 
+    @property
+    def experts_in_fp8(self) -> bool:
+        """Whether the expert weights are held in FP8 now (an FP8 checkpoint, or
+        `use_fp8_experts`)."""
+        ...
+
 
 # The segment refiner's maker: its head's weights file -> the refiner (the engine only calls
 # it), over the model's own vision tower; ValueError when the file does not fit.

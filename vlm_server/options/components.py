@@ -36,7 +36,7 @@ def engine_config(config: ServerConfig) -> EngineConfig:
         crop_graph_sizes=config.crop_graph_sizes,
         vision_fp8=config.vision_fp8,
         vision_weights=config.vision_weights,
-        experts_fp8_activations=config.experts_fp8_activations,
+        experts_fp8_activations=_switch(config.experts_fp8_activations),
         fused_decode=config.fused_decode,
         launch_overlap=config.launch_overlap,
         max_spatial_refs=config.max_spatial_refs,
@@ -50,6 +50,11 @@ def engine_config(config: ServerConfig) -> EngineConfig:
         adapter_download_bytes=config.adapter_download_bytes,
         adapter_download_timeout_s=config.adapter_download_timeout_s,
     )
+
+
+def _switch(value: str) -> bool | None:
+    """An auto/on/off option's engine value (None: auto, the engine decides)."""
+    return None if value == "auto" else value == "on"
 
 
 def constraint_limits(config: ServerConfig) -> ConstraintLimits:

@@ -17,6 +17,7 @@ from vlm_server.options.spec import (
     Group,
     option,
     parse_auto_count,
+    parse_auto_switch,
     parse_prefill_sms,
     parse_size,
 )
@@ -117,12 +118,15 @@ class PerformanceOptions:
         "run the vision tower's QKV and MLP products in FP8 (CUDA, compute capability 8.9+): a "
         "faster image path whose features differ from the bf16 tower's by a few percent",
     )
-    experts_fp8_activations: bool = option(
-        _ENGINE.experts_fp8_activations,
+    experts_fp8_activations: str = option(
+        "auto",
         G.PERFORMANCE,
         "Moondream 3 with FP8 experts: run the expert products of wide steps (image prefixes, "
         "prompt chunks of 256+ tokens) with FP8 activations, one scale per row, on the FP8 "
-        "matrix units: faster new images, answers differ slightly from the 16-bit path's",
+        "matrix units: faster new images, answers differ slightly from the 16-bit path's. "
+        "auto: on where the experts are held in FP8 on CUDA (as FP8 models are served)",
+        parse=parse_auto_switch,
+        choices=("auto", "on", "off"),
     )
     fused_decode: bool = option(
         _ENGINE.fused_decode,

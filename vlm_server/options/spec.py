@@ -51,6 +51,17 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r} (true or false)")
 
 
+def parse_auto_switch(text: str) -> str:
+    """``auto``, ``on`` or ``off`` (a boolean's words too: ``true`` is ``on``), as kept."""
+    value = text.strip().lower()
+    if value == "auto":
+        return value
+    try:
+        return "on" if parse_bool(value) else "off"
+    except ValueError:
+        raise ValueError(f"not auto, on or off: {text!r}") from None
+
+
 def parse_prefill_sms(text: str) -> str:
     """``auto``, or a count of SMs (0: no partition), as the text it is kept as."""
     value = text.strip().lower()

@@ -35,6 +35,20 @@ if TYPE_CHECKING:
     from vlm_server.models.lora.spec import LoraTargets
 
 
+def fp8_activations_choice(asked: bool | None, experts_fp8: bool, cuda: bool) -> tuple[bool, str]:
+    """``experts_fp8_activations`` resolved: as asked, or for None (auto) on where the experts
+    are held in FP8 on CUDA, as FP8 models are served (FP8 x FP8 wide products; measured on an
+    H100 with Moondream 3: unique c=64 49.2 -> 56.3 req/s, c=1 38.4 -> 34.6 ms). Returns the
+    choice and why, for the start-up log."""
+    if asked is not None:
+        return asked, "as asked"
+    if not experts_fp8:
+        return False, "auto: off, the experts are not in FP8"
+    if not cuda:
+        return False, "auto: off, the fused FP8 kernels run on CUDA only"
+    return True, "auto: on, the experts are in FP8"
+
+
 class ModelEntryPoints:
     """What the runtime calls on a model."""
 
@@ -148,6 +162,13 @@ class ModelEntryPoints:
                 f"8.9 or newer); the model is on {self.device}"
             )
         need(self._caps.fp8_vision, "vision_fp8", self._model).use_fp8()
+
+    def wants_fp8_expert_activations(self, asked: bool | None) -> tuple[bool, str]:
+        """Whether wide steps' expert products take FP8 activations for the setting ``asked``
+        (None: auto), and why in words; see `fp8_activations_choice`."""
+        experts = self._caps.fp8_experts
+        held = experts is not None and experts.experts_in_fp8
+        return fp8_activations_choice(asked, held, self.device.type == "cuda")
 
     def use_fp8_expert_activations(self) -> None:
         """Switch wide steps' expert products to FP8 activations (before any graph captures

@@ -38,6 +38,7 @@ All stream, event, copy and pinned-buffer work goes through a `Device`
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -67,6 +68,8 @@ from vlm_server.models.lora.bank import LoraBank
 
 if TYPE_CHECKING:
     from vlm_server.models.interface import DeviceModel
+
+log = logging.getLogger(__name__)
 
 
 def adapter_bank(entry: ModelEntryPoints, cfg: EngineConfig) -> LoraBank | None:
@@ -110,7 +113,10 @@ class ModelRuntime:
         self._check_carveout()
         if cfg.vision_fp8:
             entry.use_fp8_vision()
-        if cfg.experts_fp8_activations:
+        fp8_act, why = entry.wants_fp8_expert_activations(cfg.experts_fp8_activations)
+        if cfg.experts_fp8_activations is None:
+            log.info("experts_fp8_activations %s", why)
+        if fp8_act:
             entry.use_fp8_expert_activations()
         self.fused_decode = entry.use_fused_decode(cfg.fused_decode)
         # Before any graph captures the kernels that read it.

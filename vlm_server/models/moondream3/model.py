@@ -67,6 +67,13 @@ class Moondream3Model(MoondreamBase):
                 block.mlp.fc1.use_fp8()
                 block.mlp.fc2.use_fp8()
 
+    @property
+    def experts_in_fp8(self) -> bool:
+        """Whether the expert weights are held in FP8 (every expert layer alike)."""
+        return any(
+            isinstance(b.mlp, MoeMLP) and b.mlp.fc1.format == "fp8" for b in self.text.blocks
+        )
+
     def use_fp8_activations(self) -> None:
         """Run the expert products of wide steps with FP8 activations (moe.py); needs the
         experts in FP8 (`use_fp8_experts`, or an FP8 checkpoint). Before any graph capture."""
