@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vlm_server.engine.config import PREFILL_SMS_AUTO, RESERVED_ROWS_AUTO
+from vlm_server.engine.config import COMPILE_THREADS_AUTO, PREFILL_SMS_AUTO, RESERVED_ROWS_AUTO
 from vlm_server.options.__main__ import main as options_main
 from vlm_server.options.command_line import RENAMED, as_given, build_parser, load_config
 from vlm_server.options.markdown import COMMAND, render
@@ -60,6 +60,8 @@ def test_every_option_reaches_its_component_under_its_own_name() -> None:
                     mine = PREFILL_SMS_AUTO if mine == "auto" else int(mine)
                 if f.name == "background_reserved_rows":  # the same
                     mine = RESERVED_ROWS_AUTO if mine == "auto" else int(mine)
+                if f.name == "compile_threads":  # the same
+                    mine = COMPILE_THREADS_AUTO if mine == "auto" else int(mine)
                 if f.name == "experts_fp8_activations":  # auto is None there: it decides
                     mine = None if mine == "auto" else mine == "on"
                 assert theirs == mine or (mine == 0 and theirs is None), f.name

@@ -16,6 +16,10 @@ PREFILL_SMS_AUTO = -1
 # that is fewer (a batch of one reserves none), so that every batch size has a default.
 RESERVED_ROWS_AUTO = -1
 DEFAULT_RESERVED_ROWS = 4
+# EngineConfig.compile_threads: one per CPU core, at most AUTO_COMPILE_THREADS (the server's
+# default is auto; a library engine compiles in its warm-ups unless asked).
+COMPILE_THREADS_AUTO = -1
+AUTO_COMPILE_THREADS = 16
 # EngineConfig.kv_dtype's values: auto keeps keys and values in the activations' dtype (bf16
 # on CUDA, exact); fp8 (e4m3, compute capability 8.9+) and int8 store 8 bits an element and a
 # scale per position and KV head (docs/kv_cache.md).
@@ -52,6 +56,11 @@ class EngineConfig:
     prefix_cache_entries: int = 64  # image prefixes kept for reuse
     mask_table_rows: int = 1024  # device mask-table capacity (rows of vocab-wide bools)
     cuda_graphs: bool = True  # capture decode forwards per batch bucket (CUDA only)
+    # Threads that compile the decode and mixed steps' Triton kernels ahead of their graphs'
+    # warm-ups (engine/device/precompile.py; a cold Triton cache spent 26 of 45 s of an
+    # H100's captures compiling one kernel after another). 0 or 1: the warm-ups compile;
+    # COMPILE_THREADS_AUTO: one per core, at most AUTO_COMPILE_THREADS.
+    compile_threads: int = 0
     # SMs the image-prefix path's GEMMs leave free (cuBLAS SM count target, baked into its
     # graphs): the prefill stream runs beside decode steps, and cuBLAS's persistent GEMM
     # kernels otherwise hold every SM for their whole length, stalling the steps' kernels.
@@ -149,6 +158,8 @@ class EngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.compile_threads < COMPILE_THREADS_AUTO:
+            raise ValueError(f"compile_threads must be >= 0 or auto, got {self.compile_threads}")
         if self.prefill_sms < PREFILL_SMS_AUTO:
             raise ValueError(f"prefill_sms must be >= 0 or auto, got {self.prefill_sms}")
         nonnegative = (

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from decoding.limits import ConstraintLimits
 from image_pipeline import ImageLimits
-from vlm_server.engine.config import PREFILL_SMS_AUTO, EngineConfig
+from vlm_server.engine.config import COMPILE_THREADS_AUTO, PREFILL_SMS_AUTO, EngineConfig
 
 if TYPE_CHECKING:
     from vlm_server.options.table import ServerConfig
@@ -25,6 +25,11 @@ def engine_config(config: ServerConfig) -> EngineConfig:
         gpu_memory_bytes=config.memory_cap_bytes or None,
         prefill_sm_carveout=config.prefill_sm_carveout,
         prefill_sms=PREFILL_SMS_AUTO if config.prefill_sms == "auto" else int(config.prefill_sms),
+        compile_threads=(
+            COMPILE_THREADS_AUTO
+            if config.compile_threads == "auto"
+            else int(config.compile_threads)
+        ),
         prefill_sms_when_streaming=config.prefill_sms_when_streaming,
         max_prefill_batch=config.max_prefill_batch,
         background_reserved_rows=config.reserved_rows_value,

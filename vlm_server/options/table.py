@@ -441,10 +441,11 @@ class ServerConfig(PerformanceOptions):
             parse_prefill_sms(str(self.prefill_sms))
         except ValueError as err:
             raise ValueError(f"prefill_sms must be auto or a count of SMs: {err}") from None
-        try:
-            parse_auto_count(str(self.background_reserved_rows))
-        except ValueError as err:
-            raise ValueError(f"background_reserved_rows must be auto or a count: {err}") from None
+        for name in ("background_reserved_rows", "compile_threads"):
+            try:
+                parse_auto_count(str(getattr(self, name)))
+            except ValueError as err:
+                raise ValueError(f"{name} must be auto or a count: {err}") from None
         for opt in OPTIONS:
             value = getattr(self, opt.name)
             if opt.choices and value is not None and value not in opt.choices:

@@ -22,6 +22,21 @@ log = logging.getLogger(__name__)
 
 K = TypeVar("K", bound=Hashable)
 
+# Within `warm_ups_only`: `GraphSet.capture` runs its warm-ups and captures nothing (a pass
+# that only makes Triton meet its kernels, precompile.py).
+_warm_ups_only = False
+
+
+@contextlib.contextmanager
+def warm_ups_only() -> Iterator[None]:
+    """Within: every `GraphSet.capture` runs each key's warm-up only, keeping nothing."""
+    global _warm_ups_only
+    _warm_ups_only = True
+    try:
+        yield
+    finally:
+        _warm_ups_only = False
+
 
 def graph_buckets(max_batch: int) -> list[int]:
     """Batch sizes with a captured graph: 1, 2, 4, 8, then multiples of 8, up to max_batch."""
@@ -99,6 +114,13 @@ class GraphSet(Generic[K]):
 
         todo = list(keys)
         device = stream.device
+        if _warm_ups_only:
+            with torch.cuda.stream(stream):
+                for key in todo:
+                    prepare(key)
+                    run(key)
+            stream.synchronize()  # start-up only: the pass ends before anything compiles
+            return
         pool = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize(device)  # start-up only: inputs were made on other streams
         before = torch.cuda.memory_reserved(device)

@@ -39,6 +39,7 @@ All stream, event, copy and pinned-buffer work goes through a `Device`
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -46,10 +47,11 @@ import torch
 
 from decoding.mask_table import MaskTable
 from image_pipeline import ImagePreparer
-from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.config import AUTO_COMPILE_THREADS, COMPILE_THREADS_AUTO, EngineConfig
 from vlm_server.engine.core.observer import NO_OBSERVER, Observer
 from vlm_server.engine.core.prefix_jobs import PrefixJob
 from vlm_server.engine.core.step_inputs import StepInputs
+from vlm_server.engine.device import graphs, precompile
 from vlm_server.engine.device.adapter_rows import AdapterRows
 from vlm_server.engine.device.buffers import StepBuffers
 from vlm_server.engine.device.crops import ImageCrops
@@ -70,6 +72,14 @@ if TYPE_CHECKING:
     from vlm_server.models.interface import DeviceModel
 
 log = logging.getLogger(__name__)
+
+
+def compile_threads(asked: int) -> int:
+    """``EngineConfig.compile_threads`` resolved: itself, or for auto one per core, at most
+    AUTO_COMPILE_THREADS."""
+    if asked == COMPILE_THREADS_AUTO:
+        return min(AUTO_COMPILE_THREADS, os.cpu_count() or 1)
+    return asked
 
 
 def adapter_bank(entry: ModelEntryPoints, cfg: EngineConfig) -> LoraBank | None:
@@ -298,11 +308,22 @@ class ModelRuntime:
         riding prompt tokens). CUDA only; the CPU keeps running the same work eagerly."""
         if not self.dev.is_cuda:
             return
+        # The steps' warm-ups meet nearly every kernel compile (precompile.py).
+        threads = compile_threads(self.cfg.compile_threads)
+        line = precompile.ahead(self._warm_steps, threads)
+        if threads > 1:
+            log.info("start-up: %s", line)
         self.steps.capture(progress)
         self.sampler.capture(progress)
         self.prefill.capture_prefixes(progress)
         if self.interactive_prefill is not None:
             self.interactive_prefill.capture_prefixes(progress)
+
+    def _warm_steps(self) -> None:
+        """The decode and mixed steps' and the sampling's warm-ups, nothing captured."""
+        with graphs.warm_ups_only():
+            self.steps.capture(progress=False)
+            self.sampler.capture(progress=False)
 
     @torch.inference_mode()
     def capture_vision_graphs(self, progress: bool = True) -> None:
