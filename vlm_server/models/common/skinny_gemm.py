@@ -416,6 +416,17 @@ def skinny_linear(
     return y
 
 
+def layer_product(
+    layer: torch.nn.Module, x: torch.Tensor, *, gelu: bool = False
+) -> torch.Tensor | None:
+    """``layer(x)`` (``gelu``: the tanh GELU of it, in the epilogue) through `skinny_linear`
+    where that runs: a 16-bit ``nn.Linear`` of the activations' dtype and few rows on CUDA.
+    None elsewhere: the caller runs the layer itself."""
+    if type(layer) is not torch.nn.Linear or not supported(x) or layer.weight.dtype != x.dtype:
+        return None
+    return skinny_linear(x, layer.weight, layer.bias, gelu_from=0 if gelu else None)
+
+
 def split_count(
     rows: int,
     weight: torch.Tensor | QuantWeight,

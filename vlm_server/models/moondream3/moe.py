@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlm_server.models.common import skinny_gemm
 from vlm_server.models.moondream3 import fp8_experts, moe_routing, moe_triton
 from vlm_server.models.moondream3.config import MoeConfig
 from vlm_server.models.moondream3.moe_triton import ExpertDelta
@@ -231,6 +232,9 @@ class MoeMLP(nn.Module):
         # FP8 activations in the fused kernels for steps of FP8_ACT_MIN_TOKENS tokens or more
         # (`use_fp8_activations`): FP8 x FP8 products, answers no longer the bf16 path's.
         self.fp8_act = False
+        # The router's product through the skinny kernel in steps of few rows (text.py's
+        # `use_fused_products`).
+        self.skinny_router = False
 
     def use_fp8_activations(self, enabled: bool = True) -> None:
         """Run wide steps' expert products with FP8 activations (needs FP8 weights)."""
@@ -276,7 +280,10 @@ class MoeMLP(nn.Module):
         fp8_act = self.fp8_act and delta is None and x.shape[0] >= moe_triton.FP8_ACT_MIN_TOKENS
         table = moe_triton.FP8_ACT_TILES if fp8_act else None
         tiles = moe_triton.pick_tiles(x.shape[0], table)
-        weights, ids, routing = moe_routing.route_align(self.router(x), self.top_k, tiles.bm)
+        logits = skinny_gemm.layer_product(self.router, x) if self.skinny_router else None
+        if logits is None:
+            logits = self.router(x)
+        weights, ids, routing = moe_routing.route_align(logits, self.top_k, tiles.bm)
         (w1, s1), (w2, s2) = self.fc1.stored(), self.fc2.stored()
         y = moe_triton.experts_fused(
             x, ids, w1, w2, s1, s2, delta, tiles=tiles, routing=routing, fp8_act=fp8_act

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlm_server.models.common import skinny_gemm
 from vlm_server.models.common.attention import attend
 from vlm_server.models.common.fused_norm import add_layernorm
 from vlm_server.models.common.layers import MLP, LayerNorm, gelu_tanh
@@ -33,6 +34,20 @@ from vlm_server.models.moondream3.tau import Tau
 # An expert layer's combine inside the next block's residual add and norm (moe_norm.py) on
 # the fused expert path; False runs it as its own kernel (kept for A/B runs).
 FUSED_COMBINE = True
+# With the fused products on (`use_fused_products`), steps of few rows run the attention's
+# QKV and output products, the routers' and the dense layers' fc1 + GELU and fc2 through the
+# skinny kernel (models/common/skinny_gemm.py) rather than cuBLAS, which spent 0.666 ms of an
+# H100's 1.992 ms step at one stream on them (80 launches). False: cuBLAS (A/B runs).
+SKINNY_PRODUCTS = True
+
+
+def _product(layer: nn.Module, x: torch.Tensor, skinny: bool, gelu: bool = False) -> torch.Tensor:
+    """``layer(x)`` (``gelu``: gelu_tanh of it), through the skinny kernel where ``skinny``
+    and it runs there."""
+    y = skinny_gemm.layer_product(layer, x, gelu=gelu) if skinny else None
+    if y is not None:
+        return y
+    return gelu_tanh(layer(x)) if gelu else layer(x)
 
 
 class TextAttention(nn.Module):
@@ -42,6 +57,7 @@ class TextAttention(nn.Module):
         self.qkv = nn.Linear(cfg.dim, cfg.qkv_dim)
         self.proj = nn.Linear(cfg.dim, cfg.dim)
         self.tau = Tau(cfg, choices.tau_gelu, choices.tau_positions)
+        self.skinny = False  # QKV and proj through the skinny kernel (`_product`)
 
     def forward(
         self,
@@ -53,13 +69,13 @@ class TextAttention(nn.Module):
         layer: int,
     ) -> torch.Tensor:
         cfg = self.cfg
-        qkv = self.tau.scale(self.qkv(x), positions, cfg.n_heads)
+        qkv = self.tau.scale(_product(self.qkv, x, self.skinny), positions, cfg.n_heads)
         # Tau scales whole heads, so scaling before rotary equals scaling after: a cache that
         # fuses rotary into its attention takes the scaled projection as it is.
         out = attend(
             qkv, cos, sin, positions, cache, layer, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         )
-        return self.proj(out)
+        return _product(self.proj, out, self.skinny)
 
 
 class TextBlock(nn.Module):
@@ -82,6 +98,7 @@ class TextDecoder(nn.Module):
         self.blocks = nn.ModuleList(TextBlock(cfg, choices, i) for i in range(cfg.n_layers))
         self.post_ln = LayerNorm(cfg.dim)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size)
+        self._skinny_mlp = False  # the dense layers' products through the skinny kernel
         self.reset_rotary(None)
 
     def reset_rotary(self, device: torch.device | str | None) -> None:
@@ -94,7 +111,14 @@ class TextDecoder(nn.Module):
 
     def use_fused_products(self, enabled: bool = True) -> bool:
         """Serve every forward's tau scaling with two kernels per layer (tau_kernel.py) instead
-        of ~15 PyTorch ops and two products; returns whether it is on (CUDA with Triton)."""
+        of ~15 PyTorch ops and two products, and steps of few rows' 16-bit products through the
+        skinny kernel (`SKINNY_PRODUCTS`); returns whether it is on (CUDA with Triton)."""
+        skinny = enabled and skinny_gemm.AVAILABLE and SKINNY_PRODUCTS
+        for block in self.blocks:
+            block.attn.skinny = skinny
+            if isinstance(block.mlp, MoeMLP):
+                block.mlp.skinny_router = skinny
+        self._skinny_mlp = skinny
         return all([b.attn.tau.use_kernel(enabled) for b in self.blocks])
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -137,7 +161,7 @@ class TextDecoder(nn.Module):
                 if pairs is not None:
                     x, h = add_combine_layernorm(x, a, *pairs, blocks[i + 1].ln)
                     continue
-            m = block.mlp(h) if lora is None else self._lora_mlp(block.mlp, h, lora, i)
+            m = self._mlp(block.mlp, h) if lora is None else self._lora_mlp(block.mlp, h, lora, i)
             if not last:
                 x, h = add_layernorm(x, a, m, blocks[i + 1].ln)
             else:
@@ -147,6 +171,16 @@ class TextDecoder(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and untied head; computed in fp32 for stable sampling."""
         return self.lm_head(self.post_ln(hidden)).float()
+
+    def _mlp(self, mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """A block's MLP; a dense one's two products through the skinny kernel where it runs
+        (fc1's GELU in its epilogue)."""
+        if not isinstance(mlp, MLP) or not self._skinny_mlp:
+            return mlp(h)
+        hidden = skinny_gemm.layer_product(mlp.fc1, h, gelu=True)
+        if hidden is None:
+            return mlp(h)
+        return _product(mlp.fc2, hidden, True)
 
     def _lora_mlp(self, mlp: nn.Module, x: torch.Tensor, lora: LoraDelta, i: int) -> torch.Tensor:
         """Block ``i``'s MLP with the adapter's deltas: an expert layer's per (token, expert)
