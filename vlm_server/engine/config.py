@@ -53,6 +53,11 @@ class EngineConfig:
     # queries at 64 clients (30.7 req/s, against 23.8 at 2048 and 14.0 at 1024), at the cost
     # of longer mixed steps. Lower it to bound inter-token stalls.
     max_step_tokens: int = 4096
+    # While new pictures wait for or run on the image path, a decode step (no prompt in it)
+    # starts at most every this many ms: running streams give GPU time to first tokens. With
+    # the image path the bottleneck, a closed loop's first tokens take what decoding leaves of
+    # each cycle (docs/performance.md, "First tokens under load"). 0: back to back.
+    decode_pace_ms: float = 0.0
     prefix_cache_entries: int = 64  # image prefixes kept for reuse
     mask_table_rows: int = 1024  # device mask-table capacity (rows of vocab-wide bools)
     cuda_graphs: bool = True  # capture decode forwards per batch bucket (CUDA only)
@@ -210,6 +215,8 @@ class EngineConfig:
                 f"vision_weights {self.vision_weights}: not with vision_fp8, which quantizes "
                 "the tower's 16-bit weights; choose one"
             )
+        if not 0 <= self.decode_pace_ms <= 1000:
+            raise ValueError(f"decode_pace_ms must be in 0..1000, got {self.decode_pace_ms}")
         if self.pipeline_depth not in (1, 2):
             raise ValueError("pipeline_depth must be 1 (blocking) or 2 (pipelined)")
         if self.kv_budget_bytes is not None and self.kv_budget_bytes <= 0:

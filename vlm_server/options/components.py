@@ -32,6 +32,7 @@ def engine_config(config: ServerConfig) -> EngineConfig:
         ),
         prefill_sms_when_streaming=config.prefill_sms_when_streaming,
         max_prefill_batch=config.max_prefill_batch,
+        decode_pace_ms=config.decode_pace_ms,
         background_reserved_rows=config.reserved_rows_value,
         background_prefill_batch=config.background_prefill_batch,
         interactive_prefill_batch=config.interactive_prefill_batch,

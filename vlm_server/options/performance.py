@@ -128,6 +128,13 @@ class PerformanceOptions:
         parse=parse_auto_switch,
         choices=("auto", "on", "off"),
     )
+    decode_pace_ms: float = option(
+        _ENGINE.decode_pace_ms,
+        G.PERFORMANCE,
+        "while new pictures wait for or run on the image path, start a decode step at most "
+        "every this many ms (0 = back to back): running streams give GPU time to new requests' "
+        "first tokens, each of their chunks coming that much later at most",
+    )
     compile_threads: str = option(
         "0",
         G.PERFORMANCE,

@@ -149,6 +149,12 @@ class Scheduler(Admission):
         self._steps_yielded = 0  # steps in a row that background rows yielded
         self.last_batch = 0
         self.clock = StepClock()
+        # Decode pacing (EngineConfig.decode_pace_ms); the clock and the sleep are the
+        # scheduler's own so that tests can drive them.
+        self.pace_s = cfg.decode_pace_ms / 1e3
+        self.last_decode_launch = -math.inf
+        self.now: Callable[[], float] = time.monotonic
+        self.sleep: Callable[[float], None] = time.sleep
         # Set by the engine where a commit's wait can be cut short: waits until ``step``'s
         # results are readable (True) or requests arrived meanwhile, moved into `waiting`
         # (False). Used while an interactive picture could start on its lane at once.
@@ -290,6 +296,7 @@ class Scheduler(Admission):
             self.observer.launched(step)
             self.rt.launch_mixed(step.slot, inputs, after)
         else:
+            self._pace()
             inputs = self.inputs.decode(seqs, self.pages.take_dirty())
             step = self.pipe.launch(LaunchKind.DECODE, seqs)
             self.observer.launched(step)
@@ -302,6 +309,18 @@ class Scheduler(Admission):
             s.held = False
             s.add_ref()
         self.last_batch = len(decode)
+
+    def _pace(self) -> None:
+        """Before a decode step: while new pictures wait or run on the image path, wait until
+        ``decode_pace_ms`` after the last decode step's launch (events out first)."""
+        now = self.now()
+        if self.pace_s and (self.pending_prefixes or self.waiting):
+            wait = self.last_decode_launch + self.pace_s - now
+            if wait > 0:
+                self.flush_events()
+                self.sleep(wait)  # the scheduler's own thread: the GPU's time goes to pictures
+                now = self.now()
+        self.last_decode_launch = now
 
     def _step_candidates(self) -> tuple[list[Sequence], bool]:
         """The running sequences the next step may carry, and whether background work yields
