@@ -1,6 +1,5 @@
 """Decode pacing (EngineConfig.decode_pace_ms, scheduler `_pace`), on the script runtime with
-the scheduler's clock and sleep driven by the test: while a new picture waits or runs on the
-image path, decode steps start no sooner than the pace after the last one (the scheduler
+the scheduler's clock and sleep driven by the test: while a new picture runs on the image path, decode steps start no sooner than the pace after the last one (the scheduler
 sleeps the rest, events sent first); with no picture pending, and with no pace, they run back
 to back; every request still ends."""
 
@@ -86,3 +85,14 @@ def test_no_pace_never_sleeps() -> None:
 def test_the_pace_is_bounded_naming_its_field(value: float) -> None:
     with pytest.raises(ValueError, match=r"decode_pace_ms must be in 0\.\.1000"):
         EngineConfig(decode_pace_ms=value)
+
+
+def test_a_queue_waiting_for_rows_alone_does_not_pace() -> None:
+    h, clock, _ = _paced(5.0)
+    h.submit("stream", max_tokens=30)
+    for i in range(8):  # more than the rows: the rest wait, no picture anywhere
+        h.submit(f"q{i}", max_tokens=30)
+    for _ in range(10):
+        h.tick()
+    assert h.s.waiting and not h.s.pending_prefixes
+    assert clock.sleeps == []

@@ -53,7 +53,7 @@ class EngineConfig:
     # queries at 64 clients (30.7 req/s, against 23.8 at 2048 and 14.0 at 1024), at the cost
     # of longer mixed steps. Lower it to bound inter-token stalls.
     max_step_tokens: int = 4096
-    # While new pictures wait for or run on the image path, a decode step (no prompt in it)
+    # While new pictures run on the image path, a decode step (no prompt in it)
     # starts at most every this many ms: running streams give GPU time to first tokens. With
     # the image path the bottleneck, a closed loop's first tokens take what decoding leaves of
     # each cycle (docs/performance.md, "First tokens under load"). 0: back to back.

@@ -131,7 +131,7 @@ class PerformanceOptions:
     decode_pace_ms: float = option(
         _ENGINE.decode_pace_ms,
         G.PERFORMANCE,
-        "while new pictures wait for or run on the image path, start a decode step at most "
+        "while new pictures run on the image path, start a decode step at most "
         "every this many ms (0 = back to back): running streams give GPU time to new requests' "
         "first tokens, each of their chunks coming that much later at most",
     )

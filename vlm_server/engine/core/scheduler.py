@@ -311,10 +311,11 @@ class Scheduler(Admission):
         self.last_batch = len(decode)
 
     def _pace(self) -> None:
-        """Before a decode step: while new pictures wait or run on the image path, wait until
-        ``decode_pace_ms`` after the last decode step's launch (events out first)."""
+        """Before a decode step: while new pictures run on the image path, wait until
+        ``decode_pace_ms`` after the last decode step's launch (events out first). Not for a
+        queue alone: requests waiting for rows would only slow everyone down."""
         now = self.now()
-        if self.pace_s and (self.pending_prefixes or self.waiting):
+        if self.pace_s and self.pending_prefixes:
             wait = self.last_decode_launch + self.pace_s - now
             if wait > 0:
                 self.flush_events()
