@@ -1,7 +1,8 @@
 """Decode pacing (EngineConfig.decode_pace_ms, scheduler `_pace`), on the script runtime with
-the scheduler's clock and sleep driven by the test: while a new picture runs on the image path, decode steps start no sooner than the pace after the last one (the scheduler
-sleeps the rest, events sent first); with no picture pending, and with no pace, they run back
-to back; every request still ends."""
+the scheduler's clock and sleep driven by the test: while a new picture runs on the image
+path, decode steps start no sooner than the pace after the last one (the scheduler sleeps the
+rest, events sent first); with no picture pending, a queue waiting for rows alone, or no pace,
+they run back to back; every request still ends."""
 
 from __future__ import annotations
 
