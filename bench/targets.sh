@@ -36,8 +36,9 @@
 #   VLM_BENCH_CKPT       checkpoint folder (default: ${TMPDIR:-/tmp}/vlm-bench-moondream2)
 #   TARGETS_FAMILY       md2 (default) or md3
 #   TARGETS_FLAGS        server flags of `load` and `arrivals`, after --model (default below:
-#                        md2 the server's defaults with --max-batch-size 64; md3 its flags of
-#                        record, FP8 vision and expert activations and a 96-SM partition)
+#                        md2 the server's defaults with --max-batch-size 64; md3 the same
+#                        and FP8 vision, its one flag of record left: FP8 expert activations
+#                        and the 96-SM partition are the defaults now)
 #   TARGETS_IMAGE_FLAGS  extra image_bench flags (default: the JPEG engines; "" for the host path)
 #   TARGETS_COMMIT       the tree measured (default: git's HEAD, "+dirty" with local changes)
 #   TARGETS_FILE         the file to update (default: bench/results/<GPU>/targets.json)
@@ -104,8 +105,8 @@ else
     else
         CKPT=${VLM_BENCH_CKPT:-${TMPDIR:-/tmp}/vlm-bench-moondream2}
     fi
-    if [[ $FAMILY == md3 ]]; then  # Moondream 3's flags of record
-        DEFAULT_FLAGS="--device cuda --dtype bf16 --max-batch-size 64 --vision-fp8 true --prefill-sms 96 --prefill-sms-when-streaming 16 --experts-fp8-activations true"
+    if [[ $FAMILY == md3 ]]; then  # Moondream 3's flag of record
+        DEFAULT_FLAGS="--device cuda --dtype bf16 --max-batch-size 64 --vision-fp8 true"
     else  # the server's defaults: moondream2's targets hold without tuning flags
         DEFAULT_FLAGS="--device cuda --dtype bf16 --max-batch-size 64"
     fi
