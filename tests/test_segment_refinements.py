@@ -1,4 +1,4 @@
-"""A segment refiner in the engine (engine/refinements.py) on the tiny Moondream 3 model: the
+"""A segment refiner in the engine (engine/segment_finisher.py) on the tiny Moondream 3 model: the
 streamed box and deltas stay the decoded ones, the final event carries the refiner's answer,
 and a refiner that keeps nothing or fails leaves the decoded segment; the family's refiner
 from a file, and the errors that name the flag."""
@@ -20,10 +20,18 @@ from image_pipeline.prepared import prepare_pil
 from tests.support.hub_cache import hub_snapshot, run_offline
 from tests.test_engine import _wait_idle
 from tests.test_moondream3_segment import _stream
-from vlm_server.engine.api import Finished, GenerationRequest, PathDelta, Task
+from vlm_server.engine.api import (
+    EngineError,
+    ErrorCode,
+    Finished,
+    GenerationRequest,
+    PathDelta,
+    Task,
+)
 from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.core.outputs import SvgSegmentOutput
 from vlm_server.engine.engine import BatchedEngine
-from vlm_server.engine.refinements import decoded_segment, pixels_of
+from vlm_server.engine.segment_finisher import decoded_segment, pixels_of
 from vlm_server.models.interface import LoadedModel
 from vlm_server.models.moondream3.refiner import save_head
 from vlm_server.models.moondream3.refiner_head import random_head
@@ -82,7 +90,7 @@ def test_the_final_event_carries_the_refined_segment(
 
     refined = _run(md3_tiny, reqs, refine, depth)
     assert len(seen) == 2 and all(np.array_equal(px, pixels) for px, _, _ in seen)
-    assert {name for *_, name in seen} == {"segment-refiner"}  # off the scheduler's thread
+    assert {name for *_, name in seen} == {"segment-finisher"}  # off the scheduler's thread
     for (deltas, fin), (want_deltas, want) in zip(refined[:2], plain[:2], strict=True):
         assert deltas == want_deltas and all(isinstance(d, PathDelta) for d in deltas)
         assert fin.points == want.points and fin.finish_reason == want.finish_reason
@@ -184,3 +192,44 @@ def test_a_refiner_without_potracer_is_refused_at_start(
     monkeypatch.setitem(sys.modules, "potrace", None)  # not installed
     with pytest.raises(ValueError, match=r"segment_refiner: needs potracer"):
         segment_refiner(md3_tiny, tmp_path / "model.pt")
+
+
+def test_segment_geometry_runs_off_the_scheduler_and_a_failure_ends_only_its_request(
+    md3_tiny: LoadedModel, picture: tuple[PreparedImage, np.ndarray], monkeypatch
+) -> None:
+    """Without a refiner too, a segment's mask is built on the finisher's thread; geometry
+    that raises ends that request with INTERNAL naming the cause, and the others answer."""
+    image, _ = picture
+    threads: list[str] = []
+    built = SvgSegmentOutput.later
+
+    def later(self: SvgSegmentOutput, result: Finished, request: GenerationRequest) -> None:
+        threads.append(threading.current_thread().name)
+        if request.object_name == "boom":
+            raise ValueError("no mask for you")
+        built(self, result, request)
+
+    monkeypatch.setattr(SvgSegmentOutput, "later", later)
+    reqs = [
+        GenerationRequest(Task.SEGMENT, image, object_name=name, max_tokens=30)
+        for name in ("car", "boom", "tree")
+    ]
+
+    async def run() -> list[tuple[list, Finished] | BaseException]:
+        engine = InProcessEngine(BatchedEngine(md3_tiny, EngineConfig(max_batch_size=4)))
+        await engine.start()
+        try:
+            out = await asyncio.gather(*[_stream(engine, r) for r in reqs], return_exceptions=True)
+            await _wait_idle(engine)
+            return out
+        finally:
+            await engine.close()
+
+    car, boom, tree = asyncio.run(run())
+    assert threads and set(threads) == {"segment-finisher"}
+    assert isinstance(boom, EngineError) and boom.code == ErrorCode.INTERNAL
+    assert "geometry failed: no mask for you" in str(boom)
+    for answer in (car, tree):
+        assert not isinstance(answer, BaseException)
+        seg = answer[1].segmentation
+        assert seg is not None and seg.mask_height == 200 and seg.mask_width == 300

@@ -41,8 +41,8 @@ from vlm_server.engine.core.sequence import Sequence
 from vlm_server.engine.device.compile_clock import CompileClock
 from vlm_server.engine.device.runtime import ModelRuntime
 from vlm_server.engine.intake import Intake, Route, Ticket
-from vlm_server.engine.refinements import Refinements
 from vlm_server.engine.requests.tasks import TaskCompiler
+from vlm_server.engine.segment_finisher import SegmentFinisher
 from vlm_server.models.interface import LoadedModel, SegmentRefine
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class BatchedEngine:
         """``image_preparer`` makes the crops of host-decoded images (`HostImage`) a request
         brings (default: the reference's resize on the model's device). ``segment_refiner``:
         the model family's, run on each segment's answer before its final event
-        (engine/refinements.py)."""
+        (engine/segment_finisher.py)."""
         self.loaded = loaded
         self.cfg = cfg or EngineConfig()
         self.observer = observer
@@ -177,16 +177,11 @@ class BatchedEngine:
         self._draining = False
         self._failure: BaseException | None = None
         self._prefix_done = False  # set by the prefix watcher, under _cv
-        self._refined = False  # set by the refiner's worker, under _cv
-        self.refinements = (
-            Refinements(
-                segment_refiner, self.runtime.image_preparer, self._on_refined, model.device
-            )
-            if segment_refiner is not None
-            else None
+        self._segments_done = False  # set by the segment finisher's worker, under _cv
+        self.segments = SegmentFinisher(
+            segment_refiner, self.runtime.image_preparer, self._on_segments_done, model.device
         )
-        if self.refinements is not None:
-            self.scheduler.refine_segment = self.refinements.submit
+        self.scheduler.finish_later = self.segments.submit
         self._prefix_watcher: _Watcher | None = None
         self._step_watcher: _Watcher | None = None
         self._step_done = False  # set by the step watcher, under _cv
@@ -275,7 +270,7 @@ class BatchedEngine:
                 not self._inbox
                 and not s.has_work()
                 and not s.zombies
-                and not (self.refinements is not None and self.refinements.pending())
+                and not self.segments.pending()
                 and len(s.free_rows) == self.cfg.max_rows
                 and all(x is None for x in s.pipe.slots)
             )
@@ -404,16 +399,14 @@ class BatchedEngine:
         with self._cv:
             self._cv.notify()
 
-    def _on_refined(self) -> None:
+    def _on_segments_done(self) -> None:
         with self._cv:
-            self._refined = True
+            self._segments_done = True
             self._cv.notify()
 
-    def _deliver_refined(self, finish: bool = False) -> None:
-        """Send the refined segments' final events (``finish``: wait for every one first)."""
-        stage = self.refinements
-        if stage is None:
-            return
+    def _deliver_segments(self, finish: bool = False) -> None:
+        """Send the finished segments' final events (``finish``: wait for every one first)."""
+        stage = self.segments
         if finish:
             stage.close()
         for emit, event in stage.take():
@@ -455,7 +448,7 @@ class BatchedEngine:
                             not self._stopping
                             and not self._inbox
                             and not s.has_work()
-                            and not self._refined
+                            and not self._segments_done
                         ):
                             self._cv.wait()
                         # Stop once no device work is left in flight: steps, and image
@@ -463,9 +456,9 @@ class BatchedEngine:
                         if self._stopping and not s.pipe.n_in_flight and not s.pending_prefixes:
                             break
                         arrived, self._inbox = self._inbox, []
-                        refined, self._refined = self._refined, False
-                    if refined:
-                        self._deliver_refined()
+                        segments, self._segments_done = self._segments_done, False
+                    if segments:
+                        self._deliver_segments()
                     # The tick runs without the lock: `admit` never waits for device work.
                     s.waiting.extend(arrived)
                     s.tick()
@@ -481,7 +474,7 @@ class BatchedEngine:
                             if not self._inbox and not self._stopping and not self._prefix_done:
                                 self._cv.wait(timeout=nap)
                             self._prefix_done = False
-            self._deliver_refined(finish=True)  # stopping: the last segments' answers
+            self._deliver_segments(finish=True)  # stopping: the last segments' answers
         except BaseException as err:  # a bug or a device failure: fail every request loudly
             log.exception("scheduler thread failed")
             self._failure = err

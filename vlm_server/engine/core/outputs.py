@@ -104,9 +104,16 @@ class Output:
             g.advance_value((values[O_WIDTH], values[O_HEIGHT]))  # type: ignore[index]
         return None
 
-    def finish(self, seq: Sequence, now: float) -> tuple[TextDelta | None, Finished]:
+    # True where `later` builds part of the answer heavy enough (a mask at the picture's
+    # size: 4 ms at 800x600, 40 at 12 MP) to leave to a worker rather than the scheduler.
+    answers_later = False
+
+    def finish(
+        self, seq: Sequence, now: float, defer: bool = False
+    ) -> tuple[TextDelta | None, Finished]:
         """The events that end ``seq`` (whose grammar finished) at ``now``: the text still
-        held back, if any, then its result. Fills the metrics its outputs decide."""
+        held back, if any, then its result. Fills the metrics its outputs decide. With
+        ``defer`` the result still lacks what `complete_later` adds (off this thread)."""
         m = seq.metrics
         first = self.first_at
         if first:
@@ -118,9 +125,19 @@ class Output:
         stop = self.grammar.finish_reason is _STOP
         result = Finished(FinishReason.EOS if stop else FinishReason.LENGTH, metrics=m)
         tail = self.answer(result, seq.request)
+        if not defer:
+            self.complete_later(result, seq.request)
+        return tail, result
+
+    def complete_later(self, result: Finished, request: GenerationRequest) -> None:
+        """Add `later`'s part to ``result``, then clip it as the request asks. Reads only
+        the finished grammar, so any thread may run it once `finish` returned."""
+        self.later(result, request)
         if self.clip:
             clip_result(result)
-        return tail, result
+
+    def later(self, result: Finished, request: GenerationRequest) -> None:
+        """The heavy part of the answer, where `answers_later` (none here)."""
 
     def answer(self, result: Finished, request: GenerationRequest) -> TextDelta | None:
         """Complete ``result`` (finish reason and metrics set) with the answer of the
@@ -198,12 +215,12 @@ class SegmentOutput(Output):
 
     __slots__ = ()
     grammar: SegmentGrammar
+    answers_later = True
 
-    def answer(self, result: Finished, request: GenerationRequest) -> TextDelta | None:
+    def later(self, result: Finished, request: GenerationRequest) -> None:
         image = request.image
         assert image is not None  # the task needs one (requests/tasks.py refuses it without)
         result.segmentation = segmentation(self.grammar.result((image.width, image.height)))
-        return None
 
 
 class SvgSegmentOutput(Output):
@@ -212,6 +229,7 @@ class SvgSegmentOutput(Output):
 
     __slots__ = ()
     grammar: SvgTokenSegmentGrammar
+    answers_later = True
 
     def commit(self, phase: int, token: int, values: RowValues | None, now: float) -> Delta | None:
         """Box rows as the base commits them; a path token (or eos) as a TOKEN row."""
@@ -227,13 +245,15 @@ class SvgSegmentOutput(Output):
         return PathDelta(chunk, box) if chunk or box is not None else None
 
     def answer(self, result: Finished, request: GenerationRequest) -> TextDelta | None:
+        result.metrics.output_tokens = len(self.grammar.path_ids)  # the path's tokens
+        return None
+
+    def later(self, result: Finished, request: GenerationRequest) -> None:
         image = request.image
         assert image is not None  # the task needs one (requests/tasks.py refuses it without)
         seg = self.grammar.result((image.width, image.height))
         result.segmentation = segmentation(seg)
         result.points = [Point(x, y) for x, y in seg.points]
-        result.metrics.output_tokens = len(self.grammar.path_ids)  # the path's tokens
-        return None
 
 
 class ReasoningOutput(Output):

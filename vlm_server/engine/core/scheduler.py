@@ -65,7 +65,7 @@ from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.admission import Admission
 from vlm_server.engine.core.headroom import YIELDS_IN_A_ROW, Headroom, is_background
 from vlm_server.engine.core.observer import NO_OBSERVER, Observer
-from vlm_server.engine.core.outputs import stopped
+from vlm_server.engine.core.outputs import Output, stopped
 from vlm_server.engine.core.pages import PageAllocator
 from vlm_server.engine.core.pipeline import LaunchKind, PipelineState, SlotState, Step
 from vlm_server.engine.core.prefix_cache import PrefixCache, PrefixEntry
@@ -105,8 +105,9 @@ class Scheduler(Admission):
         pages: PageAllocator | None = None,
     ) -> None:
         self.rt = runtime
-        # A finished segment's result and emit go here, not to its stream (refinements.py).
-        self.refine_segment: Callable[[GenerationRequest, Finished, Emit], None] | None = None
+        # Where set, an answer that `answers_later` goes here with its emit and output, not
+        # to its stream: a worker completes it off this thread (engine/segment_finisher.py).
+        self.finish_later: Callable[[GenerationRequest, Finished, Emit, Output], None] | None = None
         # Sends the events emitted so far on their way (the engine batches them per tick):
         # called after the cancellation sweep and at the end of every tick.
         self.flush_events = flush_events
@@ -449,16 +450,17 @@ class Scheduler(Admission):
 
     def _complete(self, seq: Sequence, now: float) -> None:
         """Deliver the answer of ``seq``, whose grammar finished (core/outputs.py builds it);
-        a segmentation goes through `refine_segment` first, when set."""
-        tail, result = seq.output.finish(seq, now)
+        one that `answers_later` goes through `finish_later`, when set."""
+        output = seq.output
+        later = self.finish_later if output.answers_later and seq.emit is not None else None
+        tail, result = output.finish(seq, now, defer=later is not None)
         if tail is not None and seq.emit is not None:
             seq.emit(tail)
         self._finish(seq)
-        refine = self.refine_segment
-        if refine is not None and result.segmentation is not None and seq.emit is not None:
+        if later is not None:
             self.observer.ended(seq, result)
             emit, seq.emit = seq.emit, None
-            refine(seq.request, result, emit)  # delivers the final event later
+            later(seq.request, result, emit, output)  # delivers the final event later
             return
         self._end(seq, result)
 
