@@ -153,7 +153,9 @@ def test_sigterm_finishes_accepted_requests_then_exits_0(
         drain_log.start()
         target = f"127.0.0.1:{port}"
         wait_for(lambda: _health(target, SERVICE_NAME) == SERVING, timeout=60, what="ready")
-        n, max_tokens = 3, 120
+        # Long answers (about 3 s of decode on two busy cores, 0.3 s at 120 tokens) so that
+        # the signal lands while they run: the drain below must have work to finish.
+        n, max_tokens = 3, 1000
         with grpc.insecure_channel(target) as channel:
             stub = pb_grpc.VisionLanguageStub(channel)
             request = pb.CaptionRequest(
@@ -161,7 +163,7 @@ def test_sigterm_finishes_accepted_requests_then_exits_0(
                 settings=pb.GenerationSettings(temperature=0, max_tokens=max_tokens),
             )
             calls = [stub.Caption(request, timeout=120) for _ in range(n)]
-            # Every request runs (a delta streamed), with about a hundred steps to go.
+            # Every request runs (a delta streamed), with most of its steps to go.
             firsts = [next(call) for call in calls]
             # To the whole group, as systemd or a terminal's Ctrl-C would: an engine process
             # must keep running until the server has drained.
