@@ -105,11 +105,10 @@ else
     else
         CKPT=${VLM_BENCH_CKPT:-${TMPDIR:-/tmp}/vlm-bench-moondream2}
     fi
-    if [[ $FAMILY == md3 ]]; then  # Moondream 3's flag of record
-        DEFAULT_FLAGS="--device cuda --dtype bf16 --max-batch-size 64 --vision-fp8 true"
-    else  # the server's defaults: moondream2's targets hold without tuning flags
-        DEFAULT_FLAGS="--device cuda --dtype bf16 --max-batch-size 64"
-    fi
+    # The server's defaults for both families (an FP8-expert Moondream 3 build takes the FP8
+    # tower and FP8 expert activations by default: --vision-fp8 and
+    # --experts-fp8-activations auto).
+    DEFAULT_FLAGS="--device cuda --dtype bf16 --max-batch-size 64"
     read -r -a EXTRA <<< "${TARGETS_FLAGS:-$DEFAULT_FLAGS}"
     SERVER=()
 fi

@@ -71,7 +71,7 @@ def test_the_fp8_tower_is_refused_under_a_profile_without_fp8(
 ) -> None:
     """check_config takes the config's profile on before it asks the chip (a probe stands in
     for the device, as the profile's capability does for current_chip on a GPU)."""
-    config = ServerConfig(chip_profile="a100", vision_fp8=True, device="cuda")
+    config = ServerConfig(chip_profile="a100", vision_fp8="on", device="cuda")
     probe = lambda: chip_features.Chip("A100 80GB", chip_features.capability("cuda"))
     with pytest.raises(chip_features.ChipFeatureError, match="vision-fp8"):
         chip_features.check_config(config, probe)

@@ -4,6 +4,7 @@ moondream2-size tower on a GPU."""
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Iterator
 from types import ModuleType
 
@@ -20,6 +21,7 @@ from tests.test_engine import (  # noqa: F401  (fixtures)
 from tests.test_engine_gpu import _moondream2_fp32_equals_reference
 from vlm_server.chip_features import fp8_supported
 from vlm_server.engine.config import EngineConfig
+from vlm_server.engine.device.model_entry import fp8_vision_choice
 from vlm_server.engine.engine import BatchedEngine
 from vlm_server.models.common import fp8_vision
 from vlm_server.models.common.fp8_vision import (
@@ -239,9 +241,42 @@ def test_runtime_refuses_vision_fp8_without_fp8_units(tiny: LoadedModel) -> None
 def test_server_flag_reaches_the_engine_config() -> None:
     from vlm_server.options.command_line import load_config
 
-    assert load_config([]).vision_fp8 is False
-    assert load_config(["--vision-fp8", "true"]).vision_fp8 is True
-    assert load_config([], environ={"VLM_VISION_FP8": "true"}).vision_fp8 is True
+    assert load_config([]).vision_fp8 == "auto"
+    assert load_config([]).engine_config.vision_fp8 is None  # auto: the engine decides
+    assert load_config(["--vision-fp8", "true"]).engine_config.vision_fp8 is True
+    on = load_config([], environ={"VLM_VISION_FP8": "true"})
+    assert on.vision_fp8 == "on" and on.engine_config.vision_fp8 is True
+    assert load_config(["--vision-fp8", "off"]).engine_config.vision_fp8 is False
+
+
+@pytest.mark.parametrize(
+    ("asked", "experts", "units", "exact", "tower", "on", "why"),
+    [
+        (None, True, True, True, True, True, "auto: on, an FP8 build"),
+        (None, False, True, True, True, False, "experts are not in FP8"),
+        (None, True, False, True, True, False, "no FP8 matrix units"),
+        (None, True, True, True, False, False, "no FP8 products"),
+        (None, True, True, False, True, False, "--vision-weights quantizes"),
+        (True, False, False, True, True, True, "as asked"),
+        (False, True, True, True, True, False, "as asked"),
+    ],
+)
+def test_vision_fp8_auto_is_on_for_an_fp8_build_on_a_chip_with_fp8_units(
+    asked: bool | None, experts: bool, units: bool, exact: bool, tower: bool, on: bool, why: str
+) -> None:
+    got, reason = fp8_vision_choice(asked, experts, units, exact, tower)
+    assert got is on and why in reason
+
+
+def test_auto_keeps_the_exact_tower_where_it_cannot_be_fp8(tiny: LoadedModel, caplog) -> None:
+    """A server's default (auto) on a model without FP8 experts, or without FP8 units, starts
+    with the exact tower and says why; asking for it there is refused (above)."""
+    loaded = LoadedModel(copy.deepcopy(tiny.model), tiny.tokenizer, tiny.config, tiny.source)
+    with caplog.at_level(logging.INFO, logger="vlm_server.engine.device.runtime"):
+        engine = BatchedEngine(loaded, EngineConfig(vision_fp8=None, kv_budget_bytes=8 << 20))
+    assert "vision_fp8 auto: off, the experts are not in FP8" in caplog.text
+    assert loaded.model.vision.fp8 is None
+    del engine
 
 
 # ---- GPU ---------------------------------------------------------------------------------

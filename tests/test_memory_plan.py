@@ -18,8 +18,11 @@ from vlm_server.engine.config import EngineConfig
 from vlm_server.engine.core.memory_plan import (
     CPU_KV_BUDGET,
     KV_SHARE_OF_FREE,
+    WEIGHT_FORMATS,
     kv_pages,
     plan_memory,
+    planned_vision_fp8,
+    start_tensors,
 )
 from vlm_server.engine.core.pages import PageAllocator
 from vlm_server.engine.core.prefix_cache import PrefixCache
@@ -297,3 +300,20 @@ def test_vlm_plan_reads_a_checkpoints_config_and_refuses_bad_input(
     assert "weights: fp8-experts needs a mixture-of-experts" in capsys.readouterr().err
     assert main(["plan", "--gpu", "L4", "--weights", "fp16", "--kv-dtype", "bf16"]) == 2
     assert "kv_dtype" in capsys.readouterr().err
+
+
+def test_the_plan_counts_the_fp8_tower_where_auto_turns_it_on() -> None:
+    """auto (None) plans the FP8 copies for an FP8 build with an exact tower, as the runtime
+    decides there (chips that hold FP8 experts have FP8 units); not for a 16-bit build or a
+    quantized tower; on and off as asked."""
+    config = preset("tiny")
+    shape = memory_shape(config)
+    fp8, bf16 = WEIGHT_FORMATS["fp8-experts"], WEIGHT_FORMATS["bf16"]
+    auto = EngineConfig(vision_fp8=None)
+    assert planned_vision_fp8(auto, fp8) and not planned_vision_fp8(auto, bf16)
+    assert not planned_vision_fp8(EngineConfig(vision_fp8=None, vision_weights="int8"), fp8)
+    assert planned_vision_fp8(EngineConfig(vision_fp8=True), bf16)
+    assert not planned_vision_fp8(EngineConfig(vision_fp8=False), fp8)
+    assert "FP8 vision weights" in start_tensors(shape, auto, fp8, cuda=True)
+    assert "FP8 vision weights" not in start_tensors(shape, auto, bf16, cuda=True)
+    assert "FP8 vision weights" not in start_tensors(shape, auto, fp8, cuda=False)

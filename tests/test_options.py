@@ -62,7 +62,7 @@ def test_every_option_reaches_its_component_under_its_own_name() -> None:
                     mine = RESERVED_ROWS_AUTO if mine == "auto" else int(mine)
                 if f.name == "compile_threads":  # the same
                     mine = COMPILE_THREADS_AUTO if mine == "auto" else int(mine)
-                if f.name == "experts_fp8_activations":  # auto is None there: it decides
+                if f.name in ("experts_fp8_activations", "vision_fp8"):  # auto: None there
                     mine = None if mine == "auto" else mine == "on"
                 assert theirs == mine or (mine == 0 and theirs is None), f.name
     assert {"max_queue", "kv_budget_bytes", "crop_graph_sizes", "max_image_bytes"} <= reached

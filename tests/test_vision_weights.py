@@ -164,7 +164,7 @@ def test_a_family_that_does_not_declare_it_is_refused() -> None:
 
 def test_the_fp8_tower_is_refused_beside_it(tiny_dir: Path) -> None:
     with pytest.raises(ValueError, match=r"^vision_weights int8: not with vision_fp8"):
-        ServerConfig(vision_weights="int8", vision_fp8=True)
+        ServerConfig(vision_weights="int8", vision_fp8="on")
     with pytest.raises(ValueError, match=r"^vision_weights int4: not with vision_fp8"):
         EngineConfig(vision_weights="int4", vision_fp8=True)
     # The model says so too: its tower is no longer 16-bit, so it has no FP8 tower to offer.

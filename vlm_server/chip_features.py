@@ -217,7 +217,7 @@ class ChipFlags(Protocol):
     def device(self) -> str | None: ...
 
     @property
-    def vision_fp8(self) -> bool: ...
+    def vision_fp8(self) -> str: ...
 
     @property
     def prefill_sms(self) -> str: ...
@@ -244,7 +244,8 @@ def check_config(config: ChipFlags, probe: Probe | None = None) -> None:
     if config.chip_profile is not None:
         use_chip_profile(config.chip_profile)
     prefill_sms = 0 if config.prefill_sms == "auto" else int(config.prefill_sms)
-    if not config.vision_fp8 and prefill_sms <= 0 and config.kv_dtype != "fp8":
+    vision_fp8 = config.vision_fp8 == "on"  # auto asks for nothing: it is off where it can't run
+    if not vision_fp8 and prefill_sms <= 0 and config.kv_dtype != "fp8":
         return  # nothing to ask the device
     chip = probe() if probe is not None else current_chip(config.device)
-    check(config.vision_fp8, prefill_sms, chip, config.kv_dtype)
+    check(vision_fp8, prefill_sms, chip, config.kv_dtype)

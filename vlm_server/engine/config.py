@@ -93,7 +93,9 @@ class EngineConfig:
     crop_graph_sizes: int = 4
     # The vision tower's QKV / fc1 / fc2 as FP8 GEMMs (models/common/fp8_vision.py): faster image
     # path, features within a few percent of the bf16 tower's. CUDA with FP8 units only.
-    vision_fp8: bool = False
+    # None (auto, the server's default): on where the experts are held in FP8 on a chip with
+    # FP8 units and the tower's weights are exact (device/model_entry.py `fp8_vision_choice`).
+    vision_fp8: bool | None = False
     # The vision tower's block linears in 8 or 4 bits (VISION_WEIGHTS), quantized when the
     # model loads; the memory plan counts them so. Not with vision_fp8 (which quantizes the
     # 16-bit weights).

@@ -40,7 +40,7 @@ def engine_config(config: ServerConfig) -> EngineConfig:
         prefill_batches=config.prefill_batches,
         prefix_prompt_tokens=config.prefix_prompt_tokens,
         crop_graph_sizes=config.crop_graph_sizes,
-        vision_fp8=config.vision_fp8,
+        vision_fp8=_switch(config.vision_fp8),
         vision_weights=config.vision_weights,
         experts_fp8_activations=_switch(config.experts_fp8_activations),
         fused_decode=config.fused_decode,

@@ -112,11 +112,15 @@ class PerformanceOptions:
         "budget is 40% of what is free under the cap after loading",
         parse=parse_size,
     )
-    vision_fp8: bool = option(
-        _ENGINE.vision_fp8,
+    vision_fp8: str = option(
+        "auto",
         G.PERFORMANCE,
         "run the vision tower's QKV and MLP products in FP8 (CUDA, compute capability 8.9+): a "
-        "faster image path whose features differ from the bf16 tower's by a few percent",
+        "faster image path whose features differ from the bf16 tower's by a few percent. "
+        "auto: on for an FP8 build (Moondream 3's FP8 experts) on a chip with FP8 units and "
+        "an exact --vision-weights, as FP8 models are served; off elsewhere",
+        parse=parse_auto_switch,
+        choices=("auto", "on", "off"),
     )
     experts_fp8_activations: str = option(
         "auto",

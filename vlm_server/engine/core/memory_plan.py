@@ -185,6 +185,15 @@ def fp8_vision_block_bytes(enc_dim: int, enc_ff_dim: int) -> int:
     return sum(rows * cols + rows * (4 + 2) + 4 for rows, cols in products)
 
 
+def planned_vision_fp8(cfg: EngineConfig, fmt: WeightFormat) -> bool:
+    """Whether the tower holds FP8 copies: as asked, or for auto (None) in an FP8 build with
+    an exact tower, as device/model_entry.py `fp8_vision_choice` decides where the format's
+    FP8 experts are held (chips with FP8 units)."""
+    if cfg.vision_fp8 is not None:
+        return cfg.vision_fp8
+    return fmt.name == "fp8-experts" and cfg.vision_weights == "exact"
+
+
 def start_tensors(
     shape: MemoryShape, cfg: EngineConfig, fmt: WeightFormat, cuda: bool
 ) -> dict[str, int]:
@@ -197,7 +206,7 @@ def start_tensors(
     # Stacking moves the weights (16-bit or quantized) and adds one 16-bit bias a block.
     if cuda and cfg.fused_decode and shape.fused_elements:
         out["fused decode stacks"] = int(shape.fused_elements * fmt.dense_bytes)
-    if cuda and cfg.vision_fp8 and shape.enc_layers:
+    if cuda and planned_vision_fp8(cfg, fmt) and shape.enc_layers:
         block = fp8_vision_block_bytes(shape.enc_dim, shape.enc_ff_dim)
         out["FP8 vision weights"] = shape.enc_layers * block
     return out

@@ -49,6 +49,26 @@ def fp8_activations_choice(asked: bool | None, experts_fp8: bool, cuda: bool) ->
     return True, "auto: on, the experts are in FP8"
 
 
+def fp8_vision_choice(
+    asked: bool | None, experts_fp8: bool, fp8_units: bool, vision_exact: bool, tower: bool
+) -> tuple[bool, str]:
+    """``vision_fp8`` resolved: as asked, or for None (auto) on for an FP8 build (experts held
+    in FP8) on a chip with FP8 units whose tower has FP8 products and exact weights, as FP8
+    models are served (measured on an H100, moondream2: 9 crops 12.6 -> 10.5 ms, unique c=64
+    56.4 -> 64.2 req/s). Returns the choice and why, for the start-up log."""
+    if asked is not None:
+        return asked, "as asked"
+    if not experts_fp8:
+        return False, "auto: off, the experts are not in FP8 (an exact build keeps an exact tower)"
+    if not fp8_units:
+        return False, "auto: off, no FP8 matrix units here"
+    if not tower:
+        return False, "auto: off, the model's tower has no FP8 products"
+    if not vision_exact:
+        return False, "auto: off, --vision-weights quantizes the tower instead"
+    return True, "auto: on, an FP8 build on a chip with FP8 units"
+
+
 class ModelEntryPoints:
     """What the runtime calls on a model."""
 
@@ -162,6 +182,16 @@ class ModelEntryPoints:
                 f"8.9 or newer); the model is on {self.device}"
             )
         need(self._caps.fp8_vision, "vision_fp8", self._model).use_fp8()
+
+    def wants_fp8_vision(self, asked: bool | None, vision_weights: str) -> tuple[bool, str]:
+        """Whether the vision tower runs FP8 products for the setting ``asked`` (None: auto),
+        and why in words; see `fp8_vision_choice`."""
+        experts = self._caps.fp8_experts
+        held = experts is not None and experts.experts_in_fp8
+        tower = self._caps.fp8_vision is not None
+        return fp8_vision_choice(
+            asked, held, fp8_supported(self.device), vision_weights == "exact", tower
+        )
 
     def wants_fp8_expert_activations(self, asked: bool | None) -> tuple[bool, str]:
         """Whether wide steps' expert products take FP8 activations for the setting ``asked``

@@ -121,7 +121,10 @@ class ModelRuntime:
             entry.device, self.prefill_sms, both_lanes=cfg.prefill_sms_when_streaming > 0
         )
         self._check_carveout()
-        if cfg.vision_fp8:
+        vision_fp8, why = entry.wants_fp8_vision(cfg.vision_fp8, cfg.vision_weights)
+        if cfg.vision_fp8 is None:
+            log.info("vision_fp8 %s", why)
+        if vision_fp8:
             entry.use_fp8_vision()
         fp8_act, why = entry.wants_fp8_expert_activations(cfg.experts_fp8_activations)
         if cfg.experts_fp8_activations is None:
