@@ -59,7 +59,7 @@ class Moondream3Model(MoondreamBase):
         captures the decoder. On CUDA it needs FP8 units (the kernels widen FP8 tiles)."""
         if self.device.type == "cuda" and not fp8_experts_supported(self.device):
             raise ValueError(
-                "FP8 experts on CUDA need compute capability 9.0 or newer (the fused "
+                "FP8 experts on CUDA need compute capability 8.9 or newer (the fused "
                 f"kernels' FP8 widening); the model is on {self.device}"
             )
         for block in self.text.blocks:
@@ -84,5 +84,5 @@ class Moondream3Model(MoondreamBase):
                 except ValueError as err:  # 16-bit experts: name the server's flag
                     raise ValueError(
                         "experts_fp8_activations needs the experts in FP8: an FP8-expert "
-                        "checkpoint on a GPU of compute capability 9.0 or newer"
+                        "checkpoint on a GPU of compute capability 8.9 or newer"
                     ) from err
