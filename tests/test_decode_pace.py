@@ -30,8 +30,10 @@ class Clock:
         self.t += seconds
 
 
-def _paced(pace_ms: float) -> tuple[Harness, Clock, list[tuple[float, LaunchKind]]]:
-    h = Harness(max_batch_size=4, reserved=0, decode_pace_ms=pace_ms)
+def _paced(
+    pace_ms: float, **harness: object
+) -> tuple[Harness, Clock, list[tuple[float, LaunchKind]]]:
+    h = Harness(**{"max_batch_size": 4, "reserved": 0, "decode_pace_ms": pace_ms, **harness})  # type: ignore[arg-type]
     clock = Clock()
     h.s.now, h.s.sleep = clock.now, clock.sleep
     launches: list[tuple[float, LaunchKind]] = []
@@ -83,9 +85,57 @@ def test_no_pace_never_sleeps() -> None:
 
 
 @pytest.mark.parametrize("value", [-1.0, 1001.0])
-def test_the_pace_is_bounded_naming_its_field(value: float) -> None:
-    with pytest.raises(ValueError, match=r"decode_pace_ms must be in 0\.\.1000"):
-        EngineConfig(decode_pace_ms=value)
+@pytest.mark.parametrize("field", ["decode_pace_ms", "background_pace_ms"])
+def test_the_pace_is_bounded_naming_its_field(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=rf"{field} must be in 0\.\.1000"):
+        EngineConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def _gaps(launches: list[tuple[float, LaunchKind]], start: int) -> list[float]:
+    decode = [t for t, kind in launches[start:] if kind is LaunchKind.DECODE]
+    return [b - a for a, b in itertools.pairwise(decode)]
+
+
+def test_background_steps_give_way_to_an_interactive_picture_on_its_lane() -> None:
+    """With `background_pace_ms`, decode steps of background rows alone are paced while an
+    interactive picture runs on its lane; not before it, not once it is done, not a step that
+    carries interactive rows; and a background picture alone does not pace them."""
+    h, clock, launches = _paced(
+        0.0, max_batch_size=6, interactive_batch=2, background_pace_ms=10.0, reserved=2
+    )
+    for i in range(2):
+        h.submit(f"bg{i}", priority=-1, max_tokens=60)
+    for _ in range(6):
+        h.tick()
+    assert clock.sleeps == []  # nothing interactive: back to back
+    h.submit("bgpic", priority=-1, image="b1", max_tokens=2)
+    for _ in range(4):
+        h.tick()
+    assert h.s.pending_prefixes and not any(e.interactive_lane for e in h.s.pending_prefixes)
+    assert clock.sleeps == []  # a background picture alone does not pace
+    h.rt.finish_batches()
+    h.submit("look", priority=0, image="p1", max_tokens=3)
+    h.tick()
+    assert any(e.interactive_lane for e in h.s.pending_prefixes)
+    start = len(launches)
+    for _ in range(6):
+        h.tick()
+    gaps = _gaps(launches, start)
+    assert len(gaps) >= 2 and all(g >= 0.010 - 1e-12 for g in gaps)
+    assert clock.sleeps and all(0 < s <= 0.010 + 1e-12 for s in clock.sleeps)
+    slept = len(clock.sleeps)
+    h.submit("chat", priority=0, max_tokens=8)  # an interactive stream joins the steps
+    for _ in range(6):
+        h.tick()
+    assert any(e.interactive_lane for e in h.s.pending_prefixes)
+    assert len(clock.sleeps) == slept  # its steps are not the background's alone
+    h.rt.finish_batches()
+    h.run()
+    h.all_ended()
+    slept = len(clock.sleeps)
+    h.submit("bg9", priority=-1, max_tokens=8)
+    h.run()
+    assert len(clock.sleeps) == slept  # the lane empty again: no pace
 
 
 def test_a_queue_waiting_for_rows_alone_does_not_pace() -> None:

@@ -72,9 +72,11 @@ class Harness:
         riding: int = 0,
         background_yield: str = "off",
         decode_pace_ms: float = 0.0,
+        background_pace_ms: float = 0.0,
     ) -> None:
         self.cfg = EngineConfig(
             decode_pace_ms=decode_pace_ms,
+            background_pace_ms=background_pace_ms,
             background_yield=background_yield,
             max_batch_size=max_batch_size,
             background_reserved_rows=reserved,

@@ -134,6 +134,11 @@ class EngineConfig:
     # time grows with its rows' KV reads); "prefill": no background picture batch starts
     # while an interactive picture is on the lane; "all": both; "off": neither.
     background_yield: str = "all"
+    # While an interactive picture is on its lane, a decode step carrying background rows
+    # only starts at most every this many ms (the picture gets the GPU time between): an
+    # interactive request's image prefix competes with the background's steps, not only its
+    # pictures. 0: back to back.
+    background_pace_ms: float = 0.0
     # Spatial references one request may carry: every sequence row reserves the embeddings
     # of this many boxes (three positions each) on the device.
     max_spatial_refs: int = 8
@@ -217,8 +222,9 @@ class EngineConfig:
                 f"vision_weights {self.vision_weights}: not with vision_fp8, which quantizes "
                 "the tower's 16-bit weights; choose one"
             )
-        if not 0 <= self.decode_pace_ms <= 1000:
-            raise ValueError(f"decode_pace_ms must be in 0..1000, got {self.decode_pace_ms}")
+        for name in ("decode_pace_ms", "background_pace_ms"):
+            if not 0 <= getattr(self, name) <= 1000:
+                raise ValueError(f"{name} must be in 0..1000, got {getattr(self, name)}")
         if self.pipeline_depth not in (1, 2):
             raise ValueError("pipeline_depth must be 1 (blocking) or 2 (pipelined)")
         if self.kv_budget_bytes is not None and self.kv_budget_bytes <= 0:

@@ -37,6 +37,7 @@ def engine_config(config: ServerConfig) -> EngineConfig:
         background_prefill_batch=config.background_prefill_batch,
         interactive_prefill_batch=config.interactive_prefill_batch,
         background_yield=config.background_yield,
+        background_pace_ms=config.background_pace_ms,
         prefill_batches=config.prefill_batches,
         prefix_prompt_tokens=config.prefix_prompt_tokens,
         crop_graph_sizes=config.crop_graph_sizes,

@@ -75,6 +75,13 @@ class PerformanceOptions:
         "picture is on its lane; all = both; off = neither",
         choices=BACKGROUND_YIELD,
     )
+    background_pace_ms: float = option(
+        _ENGINE.background_pace_ms,
+        G.PERFORMANCE,
+        "while an interactive picture is on its lane, start a decode step that carries only "
+        "background rows at most every this many ms (0 = back to back): the picture's prefix "
+        "gets the GPU time between, the background's streams pause that much at most",
+    )
     batch_concurrency: int = option(
         0,
         G.PERFORMANCE,

@@ -153,6 +153,7 @@ class Scheduler(Admission):
         # Decode pacing (EngineConfig.decode_pace_ms); the clock and the sleep are the
         # scheduler's own so that tests can drive them.
         self.pace_s = cfg.decode_pace_ms / 1e3
+        self.background_pace_s = cfg.background_pace_ms / 1e3
         self.last_decode_launch = -math.inf
         self.now: Callable[[], float] = time.monotonic
         self.sleep: Callable[[float], None] = time.sleep
@@ -297,7 +298,7 @@ class Scheduler(Admission):
             self.observer.launched(step)
             self.rt.launch_mixed(step.slot, inputs, after)
         else:
-            self._pace()
+            self._pace(decode)
             inputs = self.inputs.decode(seqs, self.pages.take_dirty())
             step = self.pipe.launch(LaunchKind.DECODE, seqs)
             self.observer.launched(step)
@@ -311,18 +312,30 @@ class Scheduler(Admission):
             s.add_ref()
         self.last_batch = len(decode)
 
-    def _pace(self) -> None:
-        """Before a decode step: while new pictures run on the image path, wait until
-        ``decode_pace_ms`` after the last decode step's launch (events out first). Not for a
+    def _pace(self, decode: list[Sequence]) -> None:
+        """Before a decode step of ``decode``: while new pictures run on the image path, wait
+        until ``decode_pace_ms`` after the last decode step's launch, or `background_pace_ms`
+        for background rows alone beside an interactive picture (events out first). Not for a
         queue alone: requests waiting for rows would only slow everyone down."""
         now = self.now()
-        if self.pace_s and self.pending_prefixes:
-            wait = self.last_decode_launch + self.pace_s - now
+        pace = self._pace_s(decode) if self.pending_prefixes else 0.0
+        if pace:
+            wait = self.last_decode_launch + pace - now
             if wait > 0:
                 self.flush_events()
                 self.sleep(wait)  # the scheduler's own thread: the GPU's time goes to pictures
                 now = self.now()
         self.last_decode_launch = now
+
+    def _pace_s(self, decode: list[Sequence]) -> float:
+        """The pace of a decode step of ``decode`` while pictures are pending."""
+        if (
+            self.background_pace_s > self.pace_s
+            and any(e.interactive_lane for e in self.pending_prefixes)
+            and all(is_background(s.request) for s in decode)
+        ):
+            return self.background_pace_s
+        return self.pace_s
 
     def _step_candidates(self) -> tuple[list[Sequence], bool]:
         """The running sequences the next step may carry, and whether background work yields
