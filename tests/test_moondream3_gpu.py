@@ -206,6 +206,27 @@ def test_md3_layout_on_an_fp8_gpu_keeps_fp8_experts_and_serves_as_the_reference(
     assert [vars(b) for b in det.boxes] == [vars(b) for b in ref.detect(images[1], "car", 3).boxes]
 
 
+def test_auto_serves_an_fp8_build_with_the_fp8_tower(tmp_path: object, caplog) -> None:
+    """`vision_fp8` auto (the server's default) on an FP8-expert checkpoint on a chip with FP8
+    units: the tower runs its FP8 products, and the start-up log says why."""
+    import logging
+    from pathlib import Path
+
+    from vlm_server.engine.config import EngineConfig
+    from vlm_server.engine.engine import BatchedEngine
+    from vlm_server.models.registry import load_model, write_checkpoint
+
+    out = write_checkpoint(preset("md3-tiny"), Path(str(tmp_path)), layout="md3", progress=False)
+    loaded = load_model(out, dtype=torch.bfloat16, device="cuda", progress=False)
+    if not loaded.model.experts_in_fp8:  # type: ignore[attr-defined]
+        pytest.skip("this GPU holds no FP8 experts")
+    with caplog.at_level(logging.INFO, logger="vlm_server.engine.device.runtime"):
+        engine = BatchedEngine(loaded, EngineConfig(vision_fp8=None, kv_budget_bytes=64 << 20))
+    assert "vision_fp8 auto: on, an FP8 build" in caplog.text
+    assert loaded.model.vision.fp8 is not None  # type: ignore[attr-defined]
+    del engine
+
+
 # ---- the routing and combine kernels, the tile table --------------------------------------
 
 
