@@ -233,3 +233,49 @@ def test_segment_geometry_runs_off_the_scheduler_and_a_failure_ends_only_its_req
         assert not isinstance(answer, BaseException)
         seg = answer[1].segmentation
         assert seg is not None and seg.mask_height == 200 and seg.mask_width == 300
+
+
+def test_an_engine_failure_still_delivers_the_finished_segments(
+    md3_tiny: LoadedModel, picture: tuple[PreparedImage, np.ndarray], monkeypatch
+) -> None:
+    """The scheduler thread fails while a finished segment's geometry is on the finisher:
+    the running request gets INTERNAL naming the failure, the segment its complete answer."""
+    image, _ = picture
+    entered, release = threading.Event(), threading.Event()
+    built = SvgSegmentOutput.later
+
+    def later(self: SvgSegmentOutput, result: Finished, request: GenerationRequest) -> None:
+        entered.set()
+        assert release.wait(60)
+        built(self, result, request)
+
+    monkeypatch.setattr(SvgSegmentOutput, "later", later)
+    segment = GenerationRequest(Task.SEGMENT, image, object_name="car", max_tokens=30)
+    long = GenerationRequest(Task.CAPTION, image, max_tokens=1000, temperature=0)
+
+    async def run() -> list[tuple[list, Finished] | BaseException]:
+        batched = BatchedEngine(md3_tiny, EngineConfig(max_batch_size=4))
+        engine = InProcessEngine(batched)
+        await engine.start()
+        try:
+            tasks = [asyncio.ensure_future(_stream(engine, r)) for r in (segment, long)]
+            assert await asyncio.to_thread(entered.wait, 60)  # a hang guard, not a timing
+
+            def boom() -> None:
+                raise RuntimeError("boom")
+
+            batched.scheduler.tick = boom  # type: ignore[method-assign]
+            for _ in range(6000):  # failed while the geometry is still running
+                if batched.failure() is not None:
+                    break
+                await asyncio.sleep(0.01)
+            release.set()
+            done = asyncio.gather(*tasks, return_exceptions=True)
+            return await asyncio.wait_for(done, 60)
+        finally:
+            await engine.close()
+
+    seg, cap = asyncio.run(run())
+    assert isinstance(cap, EngineError) and cap.code == ErrorCode.INTERNAL
+    assert "engine failure: boom" in str(cap)
+    assert not isinstance(seg, BaseException) and seg[1].segmentation is not None

@@ -484,3 +484,5 @@ class BatchedEngine:
                 if seq.emit is not None and not seq.finished:
                     seq.emit(EngineError(ErrorCode.INTERNAL, f"engine failure: {err}"))
             self.outbox.flush()
+            # Finished answers still with the segment finisher: theirs are complete.
+            self._deliver_segments(finish=True)
