@@ -140,6 +140,8 @@ BAD: list[tuple[str, str, Any, int, str]] = [
         "settings.warmth",
     ),
     ("unknown field", "/caption", {"image_url": IMG, "colour": "red"}, 400, "colour"),
+    ("an empty member name", "/caption", {"image_url": IMG, "": 1}, 400, '""'),
+    ("a member name with a space", "/query", {"question": "q", "a b": 1}, 400, '"a b"'),
     (
         "bad base64",
         "/caption",

@@ -8,7 +8,9 @@ Value ranges and limits are not checked here: the shared validation of the servi
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +24,8 @@ from vlm_server.http.error_bodies import HttpError
 
 _CHUNK = 1 << 16
 BODY = "body"  # the field name of errors about the body as a whole
+# A member's name as errors show it; any other (empty, spaces, quotes) is shown JSON-quoted.
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_\-]+")
 
 _PYTHON_TYPES: dict[str, tuple[type, ...]] = {
     "string": (str,),
@@ -118,7 +122,8 @@ def check(fields: tuple[Field, ...], body: Any, prefix: str = "") -> dict[str, A
     known = {f.name: f for f in fields}
     for key in body:
         if key not in known:
-            path = f"{prefix}.{key}" if prefix else str(key)
+            name = key if _PLAIN_NAME.fullmatch(key) else json.dumps(key)[:60]  # "", "a b"
+            path = f"{prefix}.{name}" if prefix else name
             raise invalid(path[:120], "unknown field (see /openapi.json)")
     for spec in fields:
         path = f"{prefix}.{spec.name}" if prefix else spec.name
