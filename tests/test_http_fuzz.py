@@ -138,23 +138,29 @@ VALID: dict[str, dict[str, Any]] = {
 
 
 @st.composite
-def _changed(draw: st.DrawFn, route: Any) -> dict[str, Any]:
-    body = json.loads(json.dumps(VALID[route.path]))
-    fields = {f.name: f for f in route.request}
-    settings_fields = {f.name: f for f in fields["settings"].fields} if "settings" in fields else {}
+def changed_body(draw: st.DrawFn, valid: dict[str, Any], fields: tuple[Field, ...]) -> Any:
+    """``valid`` with 0-3 members (settings' too) set to a value of their declared type or of
+    any JSON type, removed, or unknown ones added."""
+    body = json.loads(json.dumps(valid))
+    by_name = {f.name: f for f in fields}
+    inner = {f.name: f for f in by_name["settings"].fields} if "settings" in by_name else {}
     for _ in range(draw(st.integers(min_value=0, max_value=3))):
         kind = draw(st.sampled_from(["set", "set", "setting", "drop", "unknown"]))
         if kind == "set":
-            name = draw(st.sampled_from(sorted(fields)))
-            body[name] = draw(_value(fields[name]))
-        elif kind == "setting" and settings_fields and isinstance(body.get("settings"), dict):
-            name = draw(st.sampled_from(sorted(settings_fields)))
-            body["settings"][name] = draw(_value(settings_fields[name]))
+            name = draw(st.sampled_from(sorted(by_name)))
+            body[name] = draw(_value(by_name[name]))
+        elif kind == "setting" and inner and isinstance(body.get("settings"), dict):
+            name = draw(st.sampled_from(sorted(inner)))
+            body["settings"][name] = draw(_value(inner[name]))
         elif kind == "drop" and body:
             body.pop(draw(st.sampled_from(sorted(body))))
         elif kind == "unknown":
             body[draw(st.text(max_size=6))] = draw(any_json)
     return body
+
+
+def _changed(route: Any) -> st.SearchStrategy[Any]:
+    return changed_body(VALID[route.path], route.request)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from vlm_server.bulk.lines import BATCH_URLS
 from vlm_server.bulk.service import BatchApi
@@ -414,8 +415,10 @@ async def _read_form(
                 received = await receive(part, temp, limit, max_lines)
             else:
                 raise invalid(str(part.name)[:64] or "body", "unknown or repeated form field")
-    except ValueError as err:  # a malformed form (LineRefusal and the checks are EngineErrors)
-        raise invalid("body", f"not a well-formed multipart form: {err}") from None
+    except (ValueError, HttpProcessingError) as err:  # a malformed form, or a part's headers
+        # (LineRefusal and the checks above are EngineErrors, not these)
+        why = getattr(err, "message", None) or err
+        raise invalid("body", f"not a well-formed multipart form: {why!s:.200}") from None
     if purpose != INPUT_PURPOSE:
         raise invalid("purpose", f"must be {INPUT_PURPOSE}, got {purpose!r:.40}")
     if received is None:
