@@ -6,7 +6,9 @@ of decoding/grammars.py (a token; a boundary token, then x decoded from the same
 a coordinate; a size) and returns what the row completed to stream (text, or a segment path's
 box and commands), if any. Once the grammar finished, `finish` returns the events that end the
 request: the text still held back, then `Finished` with the answer and the metrics of its
-outputs.
+outputs. An answer heavy to build (a segment's mask at the picture's size) says so
+(`answers_later`): its `later` part then runs on the engine's segment finisher, off the
+scheduler's thread, before the final event leaves (engine/segment_finisher.py).
 
 The scheduler knows no task: it calls these two methods whatever the request asks. Which
 `Output` a grammar answers through is a table keyed by the grammar's type (`register_output`);
