@@ -179,7 +179,7 @@ def test_generated_bodies_get_a_4xx_naming_a_field_or_an_answer(
     root = server.http_url.removesuffix("/v1")  # the routes' paths hold their /v1
 
     @settings(
-        max_examples=60,
+        max_examples=30,
         deadline=None,
         derandomize=True,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

@@ -209,7 +209,7 @@ def test_generated_requests_get_ok_or_a_clean_status_naming_the_field(
     with grpc.insecure_channel(server.target) as channel:
 
         @settings(
-            max_examples=50,
+            max_examples=30,
             deadline=None,
             derandomize=True,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
